@@ -1,0 +1,1 @@
+"""The one transport seam: the only package that imports paramiko."""

@@ -1,0 +1,157 @@
+"""Transport contract shared by the SSH and local transports.
+
+Commands are ``list[str]`` end to end; a transport quotes them exactly once
+(``shlex.join``) at the boundary. Work across hosts returns one result per host
+and never stops at the first failure (like fabric's ``GroupResult``), and every
+call has a connect and a command timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from clusterkit.errors import TransportError
+
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_COMMAND_TIMEOUT_S = 60.0
+DEFAULT_MAX_PARALLEL = 64
+
+
+@dataclass(frozen=True)
+class SSHTarget:
+    """Everything needed to reach one host. Built from an inventory host.
+
+    ``name`` is the inventory name (used in reports); ``address`` is what we
+    connect to (a name, an IP, or an ``~/.ssh/config`` Host alias). ``None`` fields
+    fall back to ``~/.ssh/config`` (or ``config_file``) and then OpenSSH defaults.
+    """
+
+    name: str
+    address: str
+    user: str | None = None
+    port: int | None = None
+    identity_file: str | None = None
+    proxy_jump: str | None = None
+    config_file: str | None = None
+    known_hosts_file: str | None = None
+    # OpenSSH StrictHostKeyChecking=accept-new behaviour; a *changed* key is always refused.
+    accept_new_host_keys: bool = False
+    local: bool = False  # run on this machine without SSH (embedded default / virtual nodes)
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    host: str
+    argv: tuple[str, ...]
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+@dataclass(frozen=True)
+class HostResult:
+    """The outcome on one host: a completed command, or the error that prevented it."""
+
+    host: str
+    result: CommandResult | None = None
+    error: TransportError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.result is not None and self.result.ok
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """Per-host results in the order the hosts were given."""
+
+    results: tuple[HostResult, ...] = field(default_factory=tuple)
+
+    def __iter__(self) -> Iterator[HostResult]:
+        return iter(self.results)
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def __getitem__(self, host: str) -> HostResult:
+        for r in self.results:
+            if r.host == host:
+                return r
+        raise KeyError(host)
+
+    @property
+    def succeeded(self) -> tuple[HostResult, ...]:
+        return tuple(r for r in self.results if r.ok)
+
+    @property
+    def failed(self) -> tuple[HostResult, ...]:
+        return tuple(r for r in self.results if not r.ok)
+
+
+class RemoteProcess(Protocol):
+    """A long-running remote command whose output is streamed (used by launch)."""
+
+    host: str
+
+    def lines(self) -> Iterator[tuple[str, str]]:
+        """Yield ``(stream, line)`` pairs, stream in {"stdout", "stderr"}, until EOF."""
+        ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Exit code; -1 when the connection dropped. Raises TimeoutError on timeout."""
+        ...
+
+    def close_stdin(self) -> None: ...
+
+    def write_stdin(self, data: bytes) -> None: ...
+
+    def terminate(self) -> None:
+        """Close the channel / kill the local child. Remote cleanup is the agent's job."""
+        ...
+
+
+class Transport(Protocol):
+    """The operations every layer above may use. Implementations: ssh, local."""
+
+    def run(
+        self,
+        target: SSHTarget,
+        argv: Sequence[str],
+        *,
+        timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+    ) -> CommandResult: ...
+
+    def run_all(
+        self,
+        targets: Sequence[SSHTarget],
+        argv: Sequence[str] | Mapping[str, Sequence[str]],
+        *,
+        timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+        env: Mapping[str, str] | None = None,
+        max_parallel: int = DEFAULT_MAX_PARALLEL,
+    ) -> GroupResult: ...
+
+    def start(
+        self,
+        target: SSHTarget,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+    ) -> RemoteProcess: ...
+
+    def put(self, target: SSHTarget, local_path: str, remote_path: str) -> None: ...
+
+    def get(self, target: SSHTarget, remote_path: str, local_path: str) -> None: ...
+
+    def close(self) -> None: ...
