@@ -1,0 +1,201 @@
+"""DeepSpeed hostfiles and host selection, matching ``deepspeed/launcher/runner.py``.
+
+Pure functions. The parser and the include/exclude filter reproduce DeepSpeed's
+runner (``_parse_hostfile``, ``parse_resource_filter``,
+``apply_num_nodes_and_gpus``) result for result; tests use DeepSpeed's own
+functions as the oracle. Where DeepSpeed silently does something surprising we
+are deliberately stricter, and say so here:
+
+* ``--nodes N`` with fewer than N hosts available is an error (DeepSpeed takes all).
+* ``--nodes 0`` / ``--gpus-per-node 0`` are errors (DeepSpeed treats 0 as "no limit").
+* ``--gpus-per-node G`` above a host's slots is an error (DeepSpeed invents slots).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Mapping
+
+from clusterkit.errors import InventoryError, SelectionError
+from clusterkit.inventory import Host, Inventory
+
+# Exactly DeepSpeed's rule: trailing text after slots=N is ignored.
+HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
+
+
+def parse_hostfile(text: str, path: str = "<hostfile>") -> OrderedDict[str, int]:
+    """Parse hostfile text into ``{host: slots}`` in file order (= rank order)."""
+    pool: OrderedDict[str, int] = OrderedDict()
+    first_line: dict[str, int] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if line.startswith("#") or line == "":
+            continue
+        m = HOSTFILE_LINE.search(line)
+        if not m:
+            raise InventoryError(
+                f"bad hostfile entry {line!r}", path=path, line=lineno,
+                hint="each line must read 'HOSTNAME slots=N'",
+            )
+        host, slots = m.group(1), int(m.group(2))
+        if host in pool:
+            raise InventoryError(
+                f"host {host!r} is listed twice (first at line {first_line[host]})",
+                path=path, line=lineno, hint="list each host once",
+            )
+        pool[host] = slots
+        first_line[host] = lineno
+    if not pool:
+        raise InventoryError("hostfile is empty", path=path,
+                             hint="add lines of the form 'HOSTNAME slots=N'")
+    return pool
+
+
+def render_hostfile(pool: Mapping[str, int] | Mapping[str, list[int]]) -> str:
+    """``{host: slots}`` (or ``{host: [slot ids]}``) → DeepSpeed hostfile text."""
+    lines = []
+    for host, slots in pool.items():
+        count = slots if isinstance(slots, int) else len(slots)
+        lines.append(f"{host} slots={count}")
+    return "\n".join(lines) + "\n"
+
+
+def inventory_pool(inventory: Inventory) -> OrderedDict[str, int]:
+    return OrderedDict((h.name, h.slots) for h in inventory.hosts)
+
+
+# --------------------------------------------------------------------------- NODE_SPEC
+
+
+def _parse_node_config(spec: str, flag: str) -> tuple[str, list[int]]:
+    if ":" not in spec:
+        return spec, []
+    parts = spec.split(":")
+    if len(parts) != 2:
+        raise SelectionError(f"{flag} {spec!r}: more than one ':'",
+                             hint="use NAME:SLOT[,SLOT...] separated by '@'")
+    host, slots = parts
+    try:
+        return host, [int(x) for x in slots.split(",")]
+    except ValueError:
+        raise SelectionError(f"{flag} {spec!r}: slots must be integers",
+                             hint="use NAME:SLOT[,SLOT...], e.g. node1:0,1") from None
+
+
+def _parse_node_config_list(text: str, flag: str) -> dict[str, list[int]]:
+    specs: dict[str, list[int]] = {}
+    for spec in text.split("@"):
+        host, slots = _parse_node_config(spec, flag)
+        specs.setdefault(host, []).extend(slots)
+    # A bare NAME next to NAME:SLOT keeps only the listed slots, as in DeepSpeed.
+    return {k: sorted(set(v)) for k, v in specs.items()}
+
+
+def _unknown_host(host: str, pool: Mapping[str, object], flag: str) -> SelectionError:
+    return SelectionError(
+        f"{flag}: host {host!r} is not in the inventory", key=flag,
+        hint=f"known hosts: {', '.join(pool)}" if len(pool) <= 16 else "see 'clusterkit inventory show'",
+    )
+
+
+def filter_resources(
+    pool: Mapping[str, list[int]], include: str = "", exclude: str = ""
+) -> OrderedDict[str, list[int]]:
+    """DeepSpeed's ``parse_resource_filter`` with clusterkit errors."""
+    if include and exclude:
+        raise SelectionError("--include and --exclude are mutually exclusive",
+                             hint="use one of them")
+    if not include and not exclude:
+        return OrderedDict((h, list(s)) for h, s in pool.items())
+    flag = "--include" if include else "--exclude"
+    filtered: dict[str, list[int]] = {} if include else {h: list(s) for h, s in pool.items()}
+    for host, slots in _parse_node_config_list(include or exclude, flag).items():
+        if host not in pool:
+            raise _unknown_host(host, pool, flag)
+        for slot in slots:
+            if slot not in pool[host]:
+                raise SelectionError(f"{flag}: host {host!r} has no slot {slot}", key=flag,
+                                     hint=f"{host} has slots {pool[host]}")
+        if include:
+            filtered[host] = slots if slots else list(pool[host])
+        elif slots:
+            for slot in slots:
+                filtered[host].remove(slot)
+        else:
+            filtered[host] = []
+    return OrderedDict(
+        (h, list(dict.fromkeys(filtered[h]))) for h in pool if h in filtered and filtered[h]
+    )
+
+
+def select(
+    pool: Mapping[str, int],
+    *,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    include: str = "",
+    exclude: str = "",
+) -> OrderedDict[str, list[int]]:
+    """Choose hosts and slot ids the way ``deepspeed --num_nodes/--num_gpus/--include`` does."""
+    if (nodes is not None or gpus_per_node is not None) and (include or exclude):
+        raise SelectionError("--nodes/--gpus-per-node cannot be combined with --include/--exclude",
+                             hint="select hosts with one or the other")
+    active = filter_resources(
+        OrderedDict((h, list(range(n))) for h, n in pool.items()), include, exclude
+    )
+    if not active:
+        raise SelectionError("the selection leaves no hosts", hint="check --include/--exclude")
+    if nodes is not None:
+        if nodes < 1:
+            raise SelectionError(f"--nodes must be at least 1, got {nodes}")
+        if nodes > len(active):
+            raise SelectionError(
+                f"--nodes {nodes} but only {len(active)} hosts are available", key="--nodes",
+                hint="add hosts to the inventory or ask for fewer nodes",
+            )
+        active = OrderedDict(list(active.items())[:nodes])
+    if gpus_per_node is not None:
+        if gpus_per_node < 1:
+            raise SelectionError(f"--gpus-per-node must be at least 1, got {gpus_per_node}")
+        short = [h for h in active if pool[h] < gpus_per_node]
+        if short:
+            raise SelectionError(
+                f"--gpus-per-node {gpus_per_node} exceeds the slots of {', '.join(short)}",
+                key="--gpus-per-node", hint="lower --gpus-per-node or fix slots in the inventory",
+            )
+        active = OrderedDict((h, list(range(gpus_per_node))) for h in active)
+    return active
+
+
+def select_hosts(
+    inventory: Inventory,
+    *,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    include: str = "",
+    exclude: str = "",
+) -> list[tuple[Host, list[int]]]:
+    """The inventory hosts chosen by the selection flags, with their slot ids, in rank order."""
+    chosen = select(inventory_pool(inventory), nodes=nodes, gpus_per_node=gpus_per_node,
+                    include=include, exclude=exclude)
+    return [(inventory.host(name), slots) for name, slots in chosen.items()]
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def inventory_yaml_from_hostfile(pool: Mapping[str, int], path: str = "<hostfile>") -> str:
+    """Inventory YAML text for an imported hostfile (hosts keep file order).
+
+    DeepSpeed accepts any non-blank name; the inventory only takes names that are
+    safe as host names (they reach shells and pdsh host lists).
+    """
+    lines = ["schema_version: 1", "hosts:"]
+    for host, slots in pool.items():
+        if not _SAFE_NAME.fullmatch(host):
+            raise InventoryError(f"host name {host!r} is not a plain host name", path=path,
+                                 hint="use letters, digits, '.', '-' and '_' only")
+        lines.append(f"  {host}:")
+        lines.append(f"    slots: {slots}")
+    return "\n".join(lines) + "\n"
