@@ -125,7 +125,7 @@ def filter_resources(
         else:
             filtered[host] = []
     return OrderedDict(
-        (h, list(dict.fromkeys(filtered[h]))) for h in pool if h in filtered and filtered[h]
+        (h, list(dict.fromkeys(filtered[h]))) for h in pool if filtered.get(h)
     )
 
 

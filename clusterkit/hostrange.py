@@ -42,7 +42,7 @@ def _expand_group(body: str, pattern: str) -> list[str]:
             raise HostRangeError(f"range {part!r} in {pattern!r} goes backwards")
         if hi - lo + 1 > MAX_EXPANSION:
             raise HostRangeError(f"range {part!r} in {pattern!r} is too large")
-        padded = lo_s.startswith("0") and len(lo_s) > 1 or len(lo_s) == len(hi_s) > 1
+        padded = (lo_s.startswith("0") and len(lo_s) > 1) or len(lo_s) == len(hi_s) > 1
         width = len(lo_s) if padded else 0
         out.extend(str(n).zfill(width) for n in range(lo, hi + 1))
     return out
@@ -114,7 +114,7 @@ def fold(names: Iterable[str]) -> str:
     groups: dict[tuple[str, int, str], list[int]] = {}
     plain: list[str] = []
     order: list[tuple[str, int, str] | str] = []
-    for name, m in zip(names, parsed):
+    for name, m in zip(names, parsed, strict=False):
         if not m:
             if name not in plain:
                 plain.append(name)

@@ -117,7 +117,7 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> _LineDict
 
 _LineLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-    _construct_mapping,  # type: ignore[arg-type]
+    _construct_mapping,
 )
 
 
@@ -342,7 +342,7 @@ def _hosts_for_entry(
     if len(addresses) != len(names):
         ctx.fail(line, f"{pattern} has {len(names)} names but {address!r} has {len(addresses)}"
                  " addresses", "make both ranges the same length")
-    return [_make_host(n, a, merged) for n, a in zip(names, addresses)]
+    return [_make_host(n, a, merged) for n, a in zip(names, addresses, strict=False)]
 
 
 def _build(ctx: _Ctx, doc: Any) -> Inventory:
@@ -388,7 +388,7 @@ def parse_inventory(text: str, path: str = "<inventory>") -> Inventory:
     """Parse inventory YAML text. Pure; ``path`` is only used in messages."""
     ctx = _Ctx(path)
     try:
-        doc = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+        doc = yaml.load(text, Loader=_LineLoader)
     except _Located as exc:
         raise InventoryError(exc.message, path=path, line=exc.line, hint=exc.hint) from None
     except yaml.MarkedYAMLError as exc:

@@ -1,0 +1,34 @@
+"""Verbs that are designed but not built yet: they say so plainly and exit 3."""
+
+from __future__ import annotations
+
+import argparse
+
+from clusterkit.errors import NotBuiltYet
+
+# verb -> (help, issue that builds it)
+PLANNED: dict[str, tuple[str, str]] = {
+    "doctor": ("pre-flight checks on every node", "issue 8 (doctor)"),
+    "render": ("write every launch artifact for a job", "issue 3 (render)"),
+    "plan": ("memory advisor: which ZeRO stage fits", "issue 4 (workload)"),
+    "launch": ("start a job on every node", "issue 5 (launch)"),
+    "status": ("show running jobs", "issue 5 (launch)"),
+    "stop": ("stop a job on every node", "issue 5 (launch)"),
+    "sbatch": ("the same job as a Slurm batch script", "issue 6 (sbatch)"),
+    "collect-ckpt": ("gather and consolidate node-local checkpoints", "issue 7 (collect-ckpt)"),
+}
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    for verb, (help_text, issue) in PLANNED.items():
+        p = sub.add_parser(verb, help=f"{help_text} [not built yet]", add_help=True)
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        p.set_defaults(func=_not_built, verb=verb, issue=issue)
+
+
+def _not_built(args: argparse.Namespace) -> int:
+    raise NotBuiltYet(
+        f"'clusterkit {args.verb}' is not built yet",
+        hint=f"it is planned in {args.issue}; see docs/ for what exists today",
+        exit_code=3,
+    )

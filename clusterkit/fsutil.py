@@ -1,0 +1,38 @@
+"""Atomic file writes: nothing a user owns is ever half-written or appended to."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> Path:
+    """Write ``text`` to ``path`` via a temp file in the same directory and ``os.replace``.
+
+    A crash leaves either the old file or the new one, never a mix; the temp file
+    carries a name no reader would mistake for the final one.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        with _suppress_oserror():
+            os.unlink(tmp)
+        raise
+    return target
+
+
+class _suppress_oserror:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
+        return isinstance(exc, OSError)

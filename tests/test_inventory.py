@@ -1,0 +1,151 @@
+"""Inventory loading: good files parse to the right hosts; bad ones give one clear line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterkit.cli.main import main
+from clusterkit.inventory import load_inventory, local_inventory, parse_inventory
+
+REPO = Path(__file__).resolve().parent.parent
+
+GOOD = """\
+schema_version: 1
+cluster: {name: t}
+defaults:
+  ssh: {user: root, port: 2222}
+  gpus: 2
+  python: /opt/py/bin/python
+  checkpoint: {local_dir: /scratch/ckpt}
+  env: {NCCL_DEBUG: WARN, FLAG: true}
+hosts:
+  node[01-03]:
+    address: 10.0.0.[11-13]
+  node04:
+    address: 10.0.0.14
+    ssh: {port: 22}
+    slots: 1
+    python: /other/bin/python
+    env: {EXTRA: "1"}
+"""
+
+
+def test_good_inventory_parses_in_order_with_overrides() -> None:
+    inv = parse_inventory(GOOD, "good.yaml")
+    assert inv.names() == ["node01", "node02", "node03", "node04"]
+    assert [h.address for h in inv.hosts] == ["10.0.0.11", "10.0.0.12", "10.0.0.13", "10.0.0.14"]
+    n1, n4 = inv.host("node01"), inv.host("node04")
+    assert (n1.slots, n1.gpus, n1.ssh.port, n1.ssh.user) == (2, 2, 2222, "root")
+    assert (n4.slots, n4.ssh.port, n4.ssh.user, n4.python) == (1, 22, "root", "/other/bin/python")
+    assert dict(n4.env) == {"NCCL_DEBUG": "WARN", "FLAG": "true", "EXTRA": "1"}
+    assert n1.checkpoint.local_dir == "/scratch/ckpt"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "hostfiles").glob("*.yaml")))
+def test_example_inventories_load(path: Path) -> None:
+    assert load_inventory(path).hosts
+
+
+def test_embedded_default_has_private_node_dirs() -> None:
+    inv = local_inventory("/base", nodes=2, slots=2)
+    dirs = {h.checkpoint.local_dir for h in inv.hosts}
+    assert len(dirs) == 2 and all(h.transport == "local" for h in inv.hosts)
+
+
+# (inventory text, expected "file:line" or key fragment, fragment of the message)
+BAD = [
+    ("schema_version: 1\nhosts:\n  node1:\n    slot: 2\n", ":4:", "did you mean 'slots'"),
+    ("schema_version: 1\nhosts:\n  node[1-3:\n    slots: 2\n", ":3:", "bad host range"),
+    ("schema_version: 1\nhosts:\n  node[5-1]: {}\n", ":3:", "goes backwards"),
+    ("schema_version: 1\nhosts:\n  node[1-3]: {}\n  node2: {}\n", ":4:", "duplicate host 'node2'"),
+    ("schema_version: 1\nhosts:\n  node1: {slots: 0}\n", ":3:", "between 1 and"),
+    ("schema_version: 1\nhosts:\n  node1: {slots: -2}\n", ":3:", "between 1 and"),
+    ("schema_version: 1\nhosts:\n  node1: {slots: two}\n", ":3:", "must be an integer"),
+    ("schema_version: 1\nhosts:\n  node1: {gpus: 2\n", ":", "YAML syntax error"),
+    ("schema_version: 1\nhosts:\n\tnode1: {}\n", ":3:", "YAML syntax error"),
+    ("hosts:\n  node1: {}\n", ":1:", "missing schema_version"),
+    ("schema_version: 7\nhosts:\n  node1: {}\n", ":1:", "not supported"),
+    ("schema_version: 1\nhosts: {}\n", ":2:", "non-empty mapping"),
+    ("schema_version: 1\n", ":1:", "non-empty mapping"),
+    ("schema_version: 1\nhost:\n  node1: {}\n", ":2:", "did you mean 'hosts'"),
+    ("schema_version: 1\nhosts:\n  node[1-3]:\n    address: 10.0.0.[1-2]\n", ":3:", "3 names but"),
+    ("schema_version: 1\nhosts:\n  node[1-3]:\n    address: 10.0.0.1\n", ":3:", "one address"),
+    ("schema_version: 1\nhosts:\n  node1:\n    python: bin/python\n", ":4:", "absolute path"),
+    ("schema_version: 1\nhosts:\n  node1:\n    ssh: {port: 70000}\n", ":4:", "between 1 and 65535"),
+    ("schema_version: 1\nhosts:\n  node1:\n    ssh: {usr: root}\n", ":4:", "did you mean 'user'"),
+    ("schema_version: 1\nhosts:\n  node1:\n    transport: telnet\n", ":4:", "one of ssh, local"),
+    ("schema_version: 1\nhosts:\n  node1: {}\n  node1: {}\n", ":4:", "duplicate key 'node1'"),
+    ("schema_version: 1\nhosts:\n  'node;rm -rf /': {}\n", ":3:", "not a plain host name"),
+    ("schema_version: 1\nhosts:\n  node1:\n    env: {A: [1, 2]}\n", ":4:", "scalar value"),
+    ("schema_version: 1\nhosts:\n  node1:\n    checkpoint: {local: /x}\n", ":4:", "local_dir"),
+    ("- node1\n- node2\n", ":1:", "must be a YAML mapping"),
+    ("schema_version: 1\ndefaults: {address: 1.2.3.4}\nhosts: {n1: {}}\n", ":2:", "set address per host"),
+]
+
+
+@pytest.mark.parametrize(("text", "where", "what"), BAD, ids=[b[2] for b in BAD])
+def test_bad_inventory_gives_one_clear_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, where: str, what: str
+) -> None:
+    path = tmp_path / "inv.yaml"
+    path.write_text(text)
+    assert main(["inventory", "validate", "-i", str(path)]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"clusterkit: error: {path}{where}"), lines[0]
+    assert what in lines[0]
+    assert "Traceback" not in err
+
+
+def test_missing_and_directory_inventory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inventory", "validate", "-i", str(tmp_path / "nope.yaml")]) == 2
+    assert "inventory file not found" in capsys.readouterr().err
+    assert main(["inventory", "validate", "-i", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_cli_subprocess_prints_no_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("schema_version: 1\nhosts:\n  node1: {slots: 0}\n")
+    proc = subprocess.run([sys.executable, "-m", "clusterkit", "inventory", "validate", "-i", str(bad)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_show_json_and_hostfile_roundtrip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    inv_path = tmp_path / "inv.yaml"
+    inv_path.write_text(GOOD)
+    assert main(["inventory", "show", "-i", str(inv_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [h["name"] for h in data["hosts"]] == ["node01", "node02", "node03", "node04"]
+    hf = tmp_path / "hostfile"
+    assert main(["inventory", "export-hostfile", "-i", str(inv_path), "-o", str(hf)]) == 0
+    assert hf.read_text() == "node01 slots=2\nnode02 slots=2\nnode03 slots=2\nnode04 slots=1\n"
+    out = tmp_path / "imported.yaml"
+    assert main(["inventory", "import-hostfile", str(hf), "-o", str(out)]) == 0
+    reimported = load_inventory(out)
+    assert [(h.name, h.slots) for h in reimported.hosts] == [
+        ("node01", 2), ("node02", 2), ("node03", 2), ("node04", 1)]
+
+
+def test_help_lists_every_verb(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for verb in ("doctor", "launch", "sbatch", "collect-ckpt", "inventory", "render"):
+        assert f"    {verb}" in out
+
+
+def test_verbs_not_built_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+    from clusterkit.cli.cmd_planned import PLANNED
+
+    for verb in PLANNED:
+        assert main([verb]) == 3
+        assert "not built yet" in capsys.readouterr().err
