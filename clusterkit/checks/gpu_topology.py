@@ -118,13 +118,12 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
 
 def _affinity(row: str, rest: list[str], extras: list[str],
               cpu: dict[str, str | None], numa: dict[str, str | None]) -> None:
-    if not row.startswith("GPU"):
+    if not row.startswith("GPU") or not extras:
         return
     # Empty CPU/NUMA cells collapse under whitespace splitting; they are the
     # leading ones (unknown affinity), so align the values to the right.
-    values: list[str | None] = [None] * (len(extras) - len(rest)) + list(rest[-len(extras):])
-    if extras and not rest:
-        values = [None] * len(extras)
+    kept: list[str | None] = list(rest[-len(extras):]) if rest else []
+    values = [None] * (len(extras) - len(kept)) + kept
     by_col = dict(zip(extras, values, strict=True))
     c = by_col.get("CPU Affinity")
     cpu[row] = c if c is not None and _CPU_LIST_RE.match(c) else None
