@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: system packages, Python packages,
+# pytest (including the real-sshd / real-Slurm test bed), ruff and mypy.
+# Needs root for the namespace test bed and apt-get; CI runs it as root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SYSTEM_PACKAGES=(openssh-server openssh-client pdsh rsync slurm-wlm munge iproute2 procps psmisc util-linux)
+
+install_system_packages() {
+    local missing=()
+    for pkg in "${SYSTEM_PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+    done
+    if [ ${#missing[@]} -eq 0 ]; then return 0; fi
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "test.sh: missing system packages: ${missing[*]} (run as root to install them)" >&2
+        return 0
+    fi
+    echo "test.sh: installing ${missing[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    # The Debian packages would start daemons on install; the test bed starts its own.
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+install_python_packages() {
+    # torch first and pinned: a plain `torch` requirement pulls several GB of CUDA wheels.
+    python3 -c 'import torch' 2>/dev/null || python3 -m pip install -q torch==2.13.0
+    python3 -m pip install -q -e '.[workload,dev]'
+}
+
+cleanup() {
+    # Whatever a crashed or interrupted run left behind: namespaces, sshd, slurmd, mounts.
+    if [ "$(id -u)" -eq 0 ]; then python3 -m tests.testbed down --all >/dev/null 2>&1 || true; fi
+}
+
+install_system_packages
+install_python_packages
+trap cleanup EXIT
+
+status=0
+python3 -m pytest "$@" || status=$?
+if [ "$status" -eq 5 ]; then
+    echo "test.sh: pytest collected no tests — treating as failure" >&2
+    status=1
+fi
+ruff check . || status=1
+mypy || status=1
+exit "$status"
