@@ -95,6 +95,17 @@ class GroupResult:
         return tuple(r for r in self.results if not r.ok)
 
 
+@dataclass(frozen=True)
+class FileStat:
+    """What ``Transport.stat`` reports about a path on a host."""
+
+    path: str
+    size: int
+    mtime: float
+    mode: int  # permission bits (& 0o7777)
+    is_dir: bool
+
+
 class RemoteProcess(Protocol):
     """A long-running remote command whose output is streamed (used by launch)."""
 
@@ -153,5 +164,21 @@ class Transport(Protocol):
     def put(self, target: SSHTarget, local_path: str, remote_path: str) -> None: ...
 
     def get(self, target: SSHTarget, remote_path: str, local_path: str) -> None: ...
+
+    def stat(self, target: SSHTarget, path: str) -> FileStat | None:
+        """``None`` when the path does not exist."""
+        ...
+
+    def listdir(self, target: SSHTarget, path: str) -> list[str]:
+        """Sorted entry names (no ``.``/``..``)."""
+        ...
+
+    def makedirs(self, target: SSHTarget, path: str) -> None:
+        """``mkdir -p``."""
+        ...
+
+    def sha256(self, target: SSHTarget, path: str, *, timeout: float = 600.0) -> str:
+        """Hex digest of a file, computed on the host (no transfer)."""
+        ...
 
     def close(self) -> None: ...
