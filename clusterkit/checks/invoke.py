@@ -1,0 +1,68 @@
+"""How the doctor runs the probe on a node: argv, stdin and reading the answer back.
+
+Contract (see docs/doctor.md): the transport runs ``argv`` on the node with
+``stdin=probe_source()``; the probe prints JSON lines and exits 0; the LAST
+line is the result. Everything here is pure (the source is read once from the
+installed package, never from the cwd).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import cache
+from importlib import resources
+from typing import Any
+
+PROBE_RESOURCE = "probe.py"
+FACTS_TIMEOUT_S = 45.0  # probe's own worst case: 15 s commands + 5 s resolution + slack
+
+
+class ProbeOutputError(ValueError):
+    """The probe's stdout held no JSON result line (wrong interpreter, crash, truncation)."""
+
+
+@cache
+def probe_source() -> bytes:
+    """The probe script as bytes, to be sent as stdin of ``<python> -``."""
+    return resources.files("clusterkit.checks").joinpath(PROBE_RESOURCE).read_bytes()
+
+
+def facts_argv(python: str, *, workdir: str | None = None,
+               ckpt_dirs: Sequence[str] = (), peers: Sequence[str] = ()) -> list[str]:
+    argv = [python, "-", "facts"]
+    if workdir:
+        argv += ["--workdir", workdir]
+    for d in ckpt_dirs:
+        argv += ["--ckpt-dir", d]
+    for p in peers:
+        argv += ["--peer", p]
+    return argv
+
+
+def listen_argv(python: str, port: int, seconds: float, bind: str = "0.0.0.0") -> list[str]:
+    return [python, "-", "listen", str(port), f"{seconds:g}", "--bind", bind]
+
+
+def connect_argv(python: str, host: str, port: int, timeout: float = 3.0) -> list[str]:
+    return [python, "-", "connect", host, str(port), "--timeout", f"{timeout:g}"]
+
+
+def parse_probe_stdout(stdout: str) -> dict[str, Any]:
+    """The last JSON object line of the probe's stdout.
+
+    Login banners or a noisy ``.bashrc`` may print before the probe starts; they
+    are skipped instead of failing the whole node.
+    """
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return value
+    tail = stdout.strip().splitlines()[-1:] or ["<empty>"]
+    raise ProbeOutputError(f"no JSON result from the probe (last line: {tail[0][:200]!r})")
