@@ -1,0 +1,3 @@
+from clusterkit.workload.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""The two ways to drive DeepSpeed: natively, or through accelerate's DeepSpeed plugin.
+
+Both adapters own a real ``DeepSpeedEngine`` built from the same ds_config (optimizer
+and WarmupCosineLR scheduler included, so DeepSpeed checkpoints them), and expose the
+small surface the training loop needs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from clusterkit.checkpoints.layout import ACCELERATE_DS_SUBDIR
+from clusterkit.errors import CheckpointError
+from clusterkit.workload.data import Batch
+from clusterkit.workload.model import GPT, param_groups
+
+
+class TrainEngine(Protocol):
+    ds_subdir: str  # where DeepSpeed's files sit inside <ckpt_dir>/<tag>
+
+    @property
+    def global_steps(self) -> int: ...
+
+    @property
+    def global_samples(self) -> int: ...
+
+    def train_step(self, micro_batches: Sequence[Batch]) -> torch.Tensor: ...
+
+    def eval_loss(self, batch: Batch) -> torch.Tensor: ...
+
+    def lr(self) -> float: ...
+
+    def save(self, ckpt_dir: str, tag: str, client: dict[str, Any]) -> None: ...
+
+    def load(self, ckpt_dir: str, tag: str) -> None: ...
+
+    def save_16bit(self, directory: str, filename: str) -> bool: ...
+
+    def full_fp32_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+
+def _full_fp32_state_dict(ds_engine: Any) -> dict[str, torch.Tensor]:
+    """Collective: every rank must call it. fp32 master weights, assembled by the
+    engine itself (ZeRO-3 gathers partitions; ZeRO 1/2 all-reduce the hp fragments)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out: dict[str, torch.Tensor] = {}
+    for name, param in ds_engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        if full is None:  # ZeRO-0 fp32: the module parameter is the master weight
+            full = param.detach()
+        out[name] = full.detach().float().cpu().clone()
+    return out
+
+
+class DeepSpeedAdapter:
+    ds_subdir = ""
+
+    def __init__(self, model: GPT, ds_config: dict[str, Any], weight_decay: float) -> None:
+        import deepspeed
+
+        groups = param_groups(model, weight_decay)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
+                                               config=ds_config)
+        self.engine: Any = engine
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.engine.global_steps)
+
+    @property
+    def global_samples(self) -> int:
+        return int(self.engine.global_samples)
+
+    def train_step(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.engine.device)
+        for batch in micro_batches:
+            loss = self.engine(batch.inputs.to(self.engine.device),
+                               batch.targets.to(self.engine.device))
+            self.engine.backward(loss)
+            self.engine.step()  # a no-op until the accumulation boundary
+            total += loss.detach().float()
+        return total / len(micro_batches)
+
+    def eval_loss(self, batch: Batch) -> torch.Tensor:
+        dev = self.engine.device
+        return self.engine(batch.inputs.to(dev), batch.targets.to(dev)).detach().float()  # type: ignore[no-any-return]
+
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def save(self, ckpt_dir: str, tag: str, client: dict[str, Any]) -> None:
+        self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"clusterkit": client})
+
+    def load(self, ckpt_dir: str, tag: str) -> None:
+        load_path, _ = self.engine.load_checkpoint(ckpt_dir, tag=tag)
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed could not load checkpoint {tag!r}",
+                                  path=os.path.join(ckpt_dir, tag))
+
+    def save_16bit(self, directory: str, filename: str) -> bool:
+        return bool(self.engine.save_16bit_model(directory, filename))
+
+    def full_fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        return _full_fp32_state_dict(self.engine)
+
+
+class AccelerateAdapter:
+    """accelerate + DeepSpeedPlugin: gradient accumulation through
+    ``accelerator.accumulate``, checkpoints through ``save_state``/``load_state``."""
+
+    ds_subdir = ACCELERATE_DS_SUBDIR
+
+    def __init__(self, model: GPT, ds_config: dict[str, Any], weight_decay: float,
+                 project_dir: str, trackers: Sequence[str]) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
+
+        plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
+        precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else (
+            "fp16" if ds_config.get("fp16", {}).get("enabled") else "no")
+        self.accelerator: Any = Accelerator(
+            deepspeed_plugin=plugin, mixed_precision=precision,
+            gradient_accumulation_steps=int(ds_config["gradient_accumulation_steps"]),
+            project_dir=project_dir, log_with=list(trackers) or None)
+        optim = DummyOptim(param_groups(model, weight_decay))
+        sched = DummyScheduler(optim)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optim, sched)
+        self.engine: Any = self.model  # prepare() returns the DeepSpeedEngine itself
+        if trackers:
+            self.accelerator.init_trackers("clusterkit")
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.engine.global_steps)
+
+    @property
+    def global_samples(self) -> int:
+        return int(self.engine.global_samples)
+
+    def train_step(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
+        dev = self.accelerator.device
+        total = torch.zeros((), dtype=torch.float32, device=dev)
+        for batch in micro_batches:
+            with self.accelerator.accumulate(self.model):
+                loss = self.model(batch.inputs.to(dev), batch.targets.to(dev))
+                self.accelerator.backward(loss)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad()
+            total += loss.detach().float()
+        return total / len(micro_batches)
+
+    def eval_loss(self, batch: Batch) -> torch.Tensor:
+        dev = self.accelerator.device
+        return self.model(batch.inputs.to(dev), batch.targets.to(dev)).detach().float()  # type: ignore[no-any-return]
+
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.accelerator.log(values, step=step)
+
+    def save(self, ckpt_dir: str, tag: str, client: dict[str, Any]) -> None:
+        # accelerate hands extra kwargs to DeepSpeed's save_checkpoint.
+        self.accelerator.save_state(os.path.join(ckpt_dir, tag),
+                                    client_state={"clusterkit": client})
+
+    def load(self, ckpt_dir: str, tag: str) -> None:
+        self.accelerator.load_state(os.path.join(ckpt_dir, tag))
+
+    def save_16bit(self, directory: str, filename: str) -> bool:
+        return bool(self.engine.save_16bit_model(directory, filename))
+
+    def full_fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        return _full_fp32_state_dict(self.engine)
+
+    def end(self) -> None:
+        self.accelerator.end_training()

@@ -1,0 +1,357 @@
+"""Entry point of ``python -m clusterkit.workload``: set-up, training loop, summary.
+
+Exit codes: 0 finished (or preempted by SIGUSR1 after saving), 2 usage/config error,
+3 checkpoint/resume error, 143 stopped by SIGTERM after saving a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+from clusterkit.checkpoints import layout
+from clusterkit.errors import ClusterkitError
+from clusterkit.render.dsconfig import ZeroSpec, build_ds_config
+from clusterkit.workload.args import WorkloadArgs, parse_args
+from clusterkit.workload.distenv import resolve_dist_env
+from clusterkit.workload.presets import ModelPreset, get_preset, peak_tflops_for
+
+SUMMARY_PREFIX = "CLUSTERKIT_SUMMARY "
+LOG_PREFIX = "[clusterkit]"
+EXIT_OK = 0
+EXIT_TERM = 143  # 128 + SIGTERM: "stopped on request, checkpoint saved"
+SIGNAL_CODES = {signal.SIGUSR1: 1, signal.SIGTERM: 2}
+SIGNAL_NAMES = {0: None, 1: "SIGUSR1", 2: "SIGTERM"}
+
+
+class PreemptFlag:
+    """Signal handlers only record the request; the loop agrees on it across ranks."""
+
+    def __init__(self) -> None:
+        self.code = 0
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        self.code = max(self.code, SIGNAL_CODES.get(signal.Signals(signum), 0))
+
+    def install(self) -> None:
+        for sig in SIGNAL_CODES:
+            signal.signal(sig, self.handler)
+
+
+@dataclass
+class RunStats:
+    steps_run: int = 0
+    timed_steps: int = 0
+    timed_s: float = 0.0
+    final_loss: float | None = None
+    eval_loss: float | None = None
+    last_tag: str | None = None
+    losses: list[float] = field(default_factory=list)
+
+
+def _log(rank: int, text: str) -> None:
+    if rank == 0:
+        print(f"{LOG_PREFIX} {text}", flush=True)
+
+
+def _load_ds_config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ClusterkitError(f"cannot read ds_config ({exc})", path=path) from None
+    if not isinstance(data, dict):
+        raise ClusterkitError("ds_config must be a JSON object", path=path)
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if not isinstance(data.get(key), int):
+            raise ClusterkitError("needs an integer value (\"auto\" is not resolved here)",
+                                  path=path, key=key)
+    return data
+
+
+def _ds_config(args: WorkloadArgs, precision: str, world: int, on_gpu: bool,
+               run_dir: str, node_local: bool) -> dict[str, Any]:
+    if args.ds_config is not None:
+        cfg = _load_ds_config_file(args.ds_config)
+        cfg.setdefault("checkpoint", {})["use_node_local_storage"] = node_local
+        cfg["train_batch_size"] = (cfg["train_micro_batch_size_per_gpu"]
+                                   * cfg["gradient_accumulation_steps"] * world)
+        return cfg
+    spec = ZeroSpec(
+        stage=args.zero_stage, offload_optimizer=args.offload_optimizer,  # type: ignore[arg-type]
+        offload_param=args.offload_param, nvme_path=args.nvme_path,  # type: ignore[arg-type]
+        precision=precision,  # type: ignore[arg-type]
+        micro_batch=args.micro_batch, grad_accum=args.grad_accum, world_size=world,
+        clip=args.clip, lr=args.lr, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, total_steps=args.steps, cos_min_ratio=args.min_lr_ratio,
+        torch_adam=not on_gpu, node_local_checkpoints=node_local,
+        gather_16bit_on_save=args.save_16bit,
+        csv_monitor_dir=os.path.join(run_dir, "monitor"),
+        tensorboard_dir=os.path.join(run_dir, "tensorboard") if _has_tensorboard() else None)
+    return build_ds_config(spec)
+
+
+def _has_tensorboard() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def _precision_of(cfg: dict[str, Any]) -> str:
+    if cfg.get("bf16", {}).get("enabled"):
+        return "bf16"
+    if cfg.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = 0
+    try:
+        denv = resolve_dist_env(os.environ, args.local_rank)
+        rank = denv.rank
+        os.environ.update(denv.exports())
+        return _run(args, denv.rank, denv.local_rank, denv.world_size, denv.node_index)
+    except ClusterkitError as exc:
+        if rank == 0 or not getattr(exc, "collective", False):
+            where = "" if rank == 0 else f"[rank {rank}] "
+            print(f"{LOG_PREFIX} error: {where}{exc.one_line()}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    finally:
+        _shutdown_dist()
+
+
+def _shutdown_dist() -> None:
+    if "torch" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run(args: WorkloadArgs, rank: int, local_rank: int, world: int,
+         env_node: int | None) -> int:
+    flag = PreemptFlag()
+    flag.install()  # before the slow imports, so an early signal is not lost
+    import deepspeed
+    import torch
+
+    from clusterkit.workload import ckpt
+    from clusterkit.workload.data import TokenStream, load_corpus_bytes
+    from clusterkit.workload.engines import AccelerateAdapter, DeepSpeedAdapter, TrainEngine
+    from clusterkit.workload.model import GPT
+
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed(timeout=timedelta(seconds=args.dist_timeout),
+                               auto_mpi_discovery=False)
+    host = socket.gethostname()
+    topo = ckpt.build_topology(rank, local_rank, env_node, host)
+    run_dir = os.path.abspath(args.run_dir)
+    ckpt_dir = os.path.abspath((args.ckpt_dir or os.path.join(run_dir, "checkpoints"))
+                               .format(node=topo.me.node_index, host=host))
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+    precision = args.precision if args.precision != "auto" else ("bf16" if on_gpu else "fp32")
+    cfg = _ds_config(args, precision, world, on_gpu, run_dir, args.storage == "node-local")
+    precision = _precision_of(cfg)
+    zero_stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
+    micro, accum = int(cfg["train_micro_batch_size_per_gpu"]), int(cfg["gradient_accumulation_steps"])
+    preset = get_preset(args.model)
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank and every stage
+    model = GPT(preset)
+    engine: TrainEngine
+    if args.engine == "accelerate":
+        trackers = ["tensorboard"] if _has_tensorboard() else []
+        engine = AccelerateAdapter(model, cfg, args.weight_decay, run_dir, trackers)
+    else:
+        engine = DeepSpeedAdapter(model, cfg, args.weight_decay)
+    ctx = ckpt.CkptContext(ckpt_dir=ckpt_dir, engine_name=args.engine, zero_stage=zero_stage,
+                           precision=precision, storage=args.storage, topo=topo)
+    _log(rank, f"engine={args.engine} model={args.model} ({preset.n_params:,} params) "
+               f"world={world} nodes={topo.num_nodes} zero={zero_stage} precision={precision} "
+               f"micro={micro} accum={accum} ckpt_dir={ckpt_dir} storage={args.storage}")
+
+    resumed_from = ckpt.choose_and_verify(ctx, engine, args.resume)
+    if resumed_from is not None:
+        engine.load(ckpt_dir, resumed_from)
+        _log(rank, f"resumed from {resumed_from} at step {engine.global_steps}")
+    stream = TokenStream(load_corpus_bytes(), seq_len=preset.seq_len, world_size=world,
+                         rank=rank, seed=args.seed)
+    loop = _Loop(args, engine, stream, ctx, flag, preset, micro, accum, world, on_gpu)
+    stats, stop_code = loop.run()
+
+    if args.dump_weights:
+        state = engine.full_fp32_state_dict()  # collective
+        if rank == 0:
+            _save_torch_atomic(state, args.dump_weights)
+    if isinstance(engine, AccelerateAdapter):
+        engine.end()
+    summary = _summary(args, engine, stats, resumed_from, world, zero_stage, precision,
+                       preset, micro, accum, stop_code, on_gpu, topo.num_nodes)
+    if rank == 0:
+        print(SUMMARY_PREFIX + json.dumps(summary, sort_keys=True), flush=True)
+    return EXIT_TERM if stop_code == 2 else EXIT_OK
+
+
+def _save_torch_atomic(obj: Any, path: str) -> None:
+    import torch
+
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class _Loop:
+    """The training loop proper; split out so each piece stays short."""
+
+    def __init__(self, args: WorkloadArgs, engine: Any, stream: Any, ctx: Any,
+                 flag: PreemptFlag, preset: ModelPreset, micro: int, accum: int, world: int,
+                 on_gpu: bool) -> None:
+        import torch
+
+        self.args, self.engine, self.stream, self.ctx, self.flag = args, engine, stream, ctx, flag
+        self.preset, self.micro, self.accum, self.world = preset, micro, accum, world
+        self.rank = ctx.topo.me.global_rank
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.samples_per_step = micro * accum * world
+        self.flops_per_step = preset.train_flops_per_token() * preset.seq_len * self.samples_per_step
+        self.peak = args.peak_tflops or (
+            peak_tflops_for(torch.cuda.get_device_name()) if on_gpu else None)
+        self.on_gpu = on_gpu
+        self.stats = RunStats()
+
+    def _agree_signal(self) -> int:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([self.flag.code], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _mean(self, value: Any) -> float:
+        import torch.distributed as dist
+
+        t = value.detach().float().reshape(1).clone()
+        dist.all_reduce(t)
+        return float(t.item()) / self.world
+
+    def run(self) -> tuple[RunStats, int]:
+        import time as _t
+
+        start = self.engine.global_steps
+        stop_code = 0
+        window_t0, window_steps = _t.perf_counter(), 0
+        for step in range(start, self.args.steps):
+            batches = [self.stream.train_batch(step, m, self.micro) for m in range(self.accum)]
+            loss = self.engine.train_step(batches)
+            done = step + 1
+            self.stats.steps_run += 1
+            window_steps += 1
+            stop_code = self._agree_signal()
+            last = done == self.args.steps or stop_code != 0
+            if done % self.args.log_every == 0 or last:
+                mean = self._mean(loss)  # also a sync point for timing
+                now = _t.perf_counter()
+                self._account(step == start, now - window_t0, window_steps)
+                self._progress(done, mean, now - window_t0, window_steps)
+                window_t0, window_steps = _t.perf_counter(), 0
+            if self.args.eval_every and done % self.args.eval_every == 0:
+                self._evaluate(done)
+            if stop_code or (self.args.save_every and done % self.args.save_every == 0):
+                self._save(done)
+            if stop_code:
+                _log(self.rank, f"{SIGNAL_NAMES[stop_code]} received: saved {self.stats.last_tag}, "
+                                "exiting")
+                break
+        if (self.args.save_final and not stop_code
+                and self.stats.last_tag != layout.step_tag(self.engine.global_steps)):
+            self._save(self.engine.global_steps, final=True)
+        return self.stats, stop_code
+
+    def _account(self, includes_first: bool, seconds: float, steps: int) -> None:
+        # The first step of a run pays for warm-up (allocations, shm setup): leave it out
+        # of the throughput average unless it is all we have.
+        if includes_first and steps > 1:
+            seconds, steps = seconds * (steps - 1) / steps, steps - 1
+        self.stats.timed_s += seconds
+        self.stats.timed_steps += steps
+
+    def _progress(self, done: int, loss: float, seconds: float, steps: int) -> None:
+        self.stats.final_loss = loss
+        self.stats.losses.append(loss)
+        sps = self.samples_per_step * steps / max(seconds, 1e-9)
+        line = (f"step {done}/{self.args.steps} | loss {loss:.4f} | lr {self.engine.lr():.3e} | "
+                f"{sps * self.preset.seq_len:,.0f} tok/s | {sps:,.2f} samples/s")
+        if self.on_gpu:
+            tflops = self.flops_per_step * steps / max(seconds, 1e-9) / 1e12 / self.world
+            line += f" | {tflops:.1f} TFLOP/s/GPU"
+            if self.peak:
+                line += f" | MFU {100 * tflops / self.peak:.1f}%"
+        _log(self.rank, line)
+        if hasattr(self.engine, "log"):
+            self.engine.log({"train/loss": loss, "train/lr": self.engine.lr()}, step=done)
+
+    def _evaluate(self, done: int) -> None:
+        import torch
+
+        # no_grad, not inference_mode: ZeRO-3 re-partitions parameters in hooks that
+        # must be allowed to modify them.
+        with torch.no_grad():
+            losses = [self.engine.eval_loss(self.stream.eval_batch(i, self.micro))
+                      for i in range(self.args.eval_batches)]
+        value = self._mean(torch.stack(losses).mean())
+        self.stats.eval_loss = value
+        _log(self.rank, f"eval step {done} | loss {value:.4f}")
+
+    def _save(self, done: int, final: bool = False) -> None:
+        from clusterkit.workload import ckpt
+
+        tag = layout.step_tag(done)
+        t0 = time.perf_counter()
+        ckpt.save(self.ctx, self.engine, tag, save_16bit=self.args.save_16bit and final)
+        self.stats.last_tag = tag
+        _log(self.rank, f"checkpoint {tag} complete in {time.perf_counter() - t0:.2f}s "
+                        f"({os.path.join(self.ctx.ckpt_dir, tag)})")
+
+
+def _summary(args: WorkloadArgs, engine: Any, stats: RunStats, resumed_from: str | None,
+             world: int, zero_stage: int, precision: str, preset: ModelPreset, micro: int,
+             accum: int, stop_code: int, on_gpu: bool, num_nodes: int) -> dict[str, Any]:
+    samples_per_step = micro * accum * world
+    sps = samples_per_step * stats.timed_steps / stats.timed_s if stats.timed_s > 0 else None
+    out: dict[str, Any] = {
+        "steps": engine.global_steps, "steps_run": stats.steps_run,
+        "final_loss": stats.final_loss, "eval_loss": stats.eval_loss,
+        "samples_per_s": sps, "tokens_per_s": sps * preset.seq_len if sps else None,
+        "checkpoint_tag": stats.last_tag, "resumed_from": resumed_from,
+        "world_size": world, "nodes": num_nodes, "zero_stage": zero_stage,
+        "precision": precision, "engine": args.engine, "model": preset.name,
+        "n_params": preset.n_params, "storage": args.storage,
+        "preempted": SIGNAL_NAMES[stop_code], "losses": stats.losses,
+    }
+    if on_gpu and sps:
+        tflops = preset.train_flops_per_token() * preset.seq_len * sps / 1e12 / world
+        out["tflops_per_gpu"] = tflops
+        peak = args.peak_tflops
+        if peak is None:
+            import torch
+
+            peak = peak_tflops_for(torch.cuda.get_device_name())
+        out["mfu"] = tflops / peak if peak else None
+    return out
