@@ -1,0 +1,51 @@
+#!/bin/bash
+# PID 1 of one test-bed node. Started by tests/testbed/core.py as
+#   nsenter --net=/run/netns/<ns> unshare --mount --uts --pid --fork --kill-child \
+#       --mount-proc --propagation slave /bin/bash node_init.sh NAME CIDR ROOT MASK_BASHRC
+# so it already runs in the node's own network, mount, UTS and PID namespaces.
+# It sets the node up, starts sshd, then stays alive as the node's init: it
+# reaps orphans and restarts sshd on SIGUSR1. The node dies when this process
+# is SIGKILLed (the kernel then kills everything in the PID namespace).
+set -eu
+name=$1 cidr=$2 root=$3 mask_bashrc=$4
+node=$root/nodes/$name
+
+ip -batch - <<EOF
+link set lo up
+addr add $cidr dev eth0
+link set eth0 up
+EOF
+hostname "$name"
+
+# Our copy of the host's /run/netns mounts would pin every other node's network
+# namespace (and the host's netns deletes would not free them): drop it.
+if mountpoint -q /run/netns; then umount -R -l /run/netns; fi
+resolv=$(readlink -f /etc/resolv.conf)  # may point into /run, resolve before hiding /run
+mount -t tmpfs -o mode=0755,size=16m tmpfs /run
+mkdir -m 0755 /run/sshd
+mount -t tmpfs -o mode=1777 tmpfs /dev/shm
+mount --bind "$node/scratch" "$root/scratch"
+mount --bind "$root/etc/hosts" /etc/hosts
+mkdir -p "$(dirname "$resolv")"
+[ -e "$resolv" ] || : >"$resolv"
+mount --bind "$root/etc/resolv.conf" "$resolv"
+mount --bind "$root/nodessh" /root/.ssh
+if [ "$mask_bashrc" = 1 ] && [ -f /root/.bashrc ]; then
+    mount --bind "$root/etc/empty" /root/.bashrc
+fi
+
+start_sshd() {
+    if [ -e /run/sshd.pid ] && kill -0 "$(cat /run/sshd.pid)" 2>/dev/null; then return; fi
+    /usr/sbin/sshd -D -e -f "$node/sshd_config" &
+}
+trap start_sshd USR1
+start_sshd
+echo "node $name up"
+
+# bash reaps every child (orphans included) from its SIGCHLD handler while it waits.
+while :; do
+    sleep infinity &
+    keep=$!
+    wait "$keep" || true
+    kill "$keep" 2>/dev/null || true
+done
