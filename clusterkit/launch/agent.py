@@ -1,0 +1,457 @@
+"""The node agent: ``python -m clusterkit.launch.agent`` (standard library only).
+
+One agent runs per node and job, over ONE SSH session (or as a local child for
+virtual nodes). It reads its :class:`Spec` as JSON on the first stdin line (or
+``--spec-b64``), writes the job's files atomically into the per-job directory,
+starts the per-node launcher (torchrun, ``accelerate launch``, DeepSpeed's runner
+or the workload itself) in its own session with ``CLUSTERKIT_JOB_ID`` in the
+environment of every process, and streams the output back as machine-parsable
+lines::
+
+    @ck:L <node> <local-rank|-> <text>     one output line of a rank or the launcher
+    @ck:E {"ev": ...}                      an event (started, rank-failed, exit, ...)
+
+Every line also lands in ``<job_dir>/nodes/<node>/rank<R>.log`` (or
+``launcher.log``). The rest of stdin carries control commands, one per line:
+``TERM`` (teardown with a grace period), ``KILL``, ``USR1``, ``USR2`` (forwarded
+to the ranks). EOF on stdin — the launcher exited or the SSH connection dropped —
+tears the job down on this node.
+
+Teardown is job-scoped: SIGTERM to the launcher's process group AND to every
+process whose ``/proc/<pid>/environ`` carries this job's ``CLUSTERKIT_JOB_ID``
+(workers may live in other process groups, or be started by pdsh through sshd),
+SIGKILL after the grace period. A process of another job is never signalled: we
+never match on command lines (DeepSpeed's ``pkill -f`` kills every DeepSpeed job
+on the node, DeepSpeed#6807).
+
+The agent's exit code is the launcher's (128+N when a signal N ended it).
+Other modes, used by ``clusterkit stop`` / ``status`` through ``run_all``:
+``--stop JOB_ID [--grace S]`` and ``--status JOB_ID [--job-dir D --node N]``.
+Runs on Python >= 3.8 on the node: no ``match``, no new typing syntax at runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+ENV_JOB = "CLUSTERKIT_JOB_ID"
+ENV_NODE = "CLUSTERKIT_NODE"
+ENV_ATTEMPT = "CLUSTERKIT_ATTEMPT"
+JOB_DIR_TOKEN = "@JOB_DIR@"  # replaced in argv/env by the node's expanded job dir
+LINE_PREFIX = "@ck:L "
+EVENT_PREFIX = "@ck:E "
+DEFAULT_GRACE_S = 3.0
+POLL_S = 0.1
+
+# torchrun --tee 3: "[default0]:text"; pdsh: "node3: text".
+_TORCHRUN_LINE = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:(.*)$")
+_PDSH_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*): (.*)$")
+# torchrun: "... failed (exitcode: -9) local_rank: 1 (pid: 20825) of binary: ..."
+_TORCHRUN_FAIL = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+# deepspeed.launcher.launch: "[... '--local_rank=1', ...] exits with return code = -9"
+_DS_FAIL = re.compile(r"--local_rank=(\d+).*exits with return code = (-?\d+)")
+# pdsh: "pdsh@node1: node5: ssh exited with exit code 1"
+_PDSH_FAIL = re.compile(r"^pdsh@\S+: (\S+): \S+ exited with exit code (\d+)")
+
+
+@dataclass
+class Spec:
+    job_id: str
+    node: str
+    job_dir: str
+    argv: list[str] = field(default_factory=list)  # empty: watch only (DeepSpeed/pdsh peers)
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)  # name in job_dir -> content
+    cwd: str | None = None
+    attempt: int = 0
+    prefix: str = "torchrun"  # how to read ranks from output: torchrun | pdsh | single
+    rank_offsets: dict[str, int] = field(default_factory=dict)  # node -> first global rank
+    grace_s: float = DEFAULT_GRACE_S
+
+    @classmethod
+    def from_json(cls, text: str) -> Spec:
+        data = json.loads(text)
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# ----------------------------------------------------------------- /proc scanning
+
+
+def _environ(pid: int) -> dict[bytes, bytes] | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None  # gone, a kernel thread, or not ours to read
+    out: dict[bytes, bytes] = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            out[key] = value
+    return out
+
+
+def job_processes(job_id: str, node: str | None = None, attempt: int | None = None
+                  ) -> dict[int, dict[bytes, bytes]]:
+    """pid -> environ of every live process tagged with ``job_id``.
+
+    ``node``/``attempt``: also require these tags when the process carries them
+    (virtual nodes share one machine; processes started by pdsh carry no node tag).
+    """
+    want = job_id.encode()
+    skip = {os.getpid(), os.getppid()}
+    found: dict[int, dict[bytes, bytes]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in skip:
+            continue
+        env = _environ(int(name))
+        if not env or env.get(ENV_JOB.encode()) != want:
+            continue
+        if node is not None and env.get(ENV_NODE.encode(), node.encode()) != node.encode():
+            continue
+        if attempt is not None and env.get(ENV_ATTEMPT.encode(), str(attempt).encode()) \
+                != str(attempt).encode():
+            continue
+        found[int(name)] = env
+    return found
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def sweep(job_id: str, node: str | None, attempt: int | None, grace_s: float,
+          child: subprocess.Popen[bytes] | None = None) -> dict[str, int]:
+    """SIGTERM the launcher's group and every process of the job; SIGKILL after grace."""
+    counts = {"signalled": 0, "killed": 0, "left": 0}
+    if child is not None and child.poll() is None:
+        _signal_group(child.pid, signal.SIGTERM)
+        counts["signalled"] += 1
+    for pid in job_processes(job_id, node, attempt):
+        counts["signalled"] += _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        child_alive = child is not None and child.poll() is None
+        if not child_alive and not job_processes(job_id, node, attempt):
+            return counts
+        time.sleep(POLL_S)
+    if child is not None and child.poll() is None:
+        _signal_group(child.pid, signal.SIGKILL)
+        counts["killed"] += 1
+    for pid in job_processes(job_id, node, attempt):
+        counts["killed"] += _signal(pid, signal.SIGKILL)
+    if child is not None:
+        try:
+            child.wait(5.0)
+        except subprocess.TimeoutExpired:
+            pass
+    time.sleep(POLL_S)
+    counts["left"] = len(job_processes(job_id, node, attempt))
+    return counts
+
+
+# ----------------------------------------------------------------- files
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _expand(value: str, job_dir: str) -> str:
+    return value.replace(JOB_DIR_TOKEN, job_dir)
+
+
+# ----------------------------------------------------------------- the agent
+
+
+class Agent:
+    def __init__(self, spec: Spec, out: IO[str]) -> None:
+        self.spec = spec
+        self.job_dir = os.path.abspath(os.path.expanduser(spec.job_dir))
+        self.node_dir = os.path.join(self.job_dir, "nodes", spec.node)
+        self._out = out
+        self._out_ok = True
+        self._lock = threading.Lock()
+        self._logs: dict[str, IO[str]] = {}
+        self.child: subprocess.Popen[bytes] | None = None
+        self.stop_reason: str | None = None
+        self._stop = threading.Event()
+        self._failure_sent = False
+
+    # -------------------------------------------------------------- output
+
+    def emit_raw(self, line: str) -> None:
+        with self._lock:
+            if not self._out_ok:
+                return
+            try:
+                self._out.write(line + "\n")
+                self._out.flush()
+            except (OSError, ValueError):
+                self._out_ok = False  # the launcher is gone; keep writing log files
+
+    def event(self, ev: str, **fields: Any) -> None:
+        self.emit_raw(EVENT_PREFIX + json.dumps({"ev": ev, "node": self.spec.node, **fields}))
+
+    def _log(self, name: str, text: str) -> None:
+        fh = self._logs.get(name)
+        if fh is None:
+            fh = open(os.path.join(self.node_dir, name), "a", encoding="utf-8")  # noqa: SIM115
+            self._logs[name] = fh
+        fh.write(text + "\n")
+        fh.flush()
+
+    def handle_line(self, line: str) -> None:
+        node, lrank, text = self._classify(line)
+        offset = self.spec.rank_offsets.get(node)
+        if lrank is not None and offset is not None:
+            log_name = f"rank{offset + lrank}.log"
+        else:
+            log_name = "launcher.log" if node == self.spec.node else f"{node}.log"
+        with self._lock:
+            self._log(log_name, text)
+        self.emit_raw(f"{LINE_PREFIX}{node} {'-' if lrank is None else lrank} {text}")
+        self._watch_failure(node, text)
+
+    def _classify(self, line: str) -> tuple[str, int | None, str]:
+        node, text = self.spec.node, line
+        if self.spec.prefix == "pdsh":
+            m = _PDSH_LINE.match(text)
+            if m and m.group(1) in self.spec.rank_offsets:
+                node, text = m.group(1), m.group(2)
+        if self.spec.prefix == "single":
+            return node, 0, text
+        m = _TORCHRUN_LINE.match(text)
+        if m:
+            return node, int(m.group(1)), m.group(2)
+        return node, None, text
+
+    def _watch_failure(self, node: str, text: str) -> None:
+        """Name the first rank that failed, from the launchers' own reports."""
+        if self._failure_sent:
+            return
+        m = _TORCHRUN_FAIL.search(text)
+        if m:
+            self._rank_failed(node, int(m.group(2)), int(m.group(1)))
+            return
+        m = _DS_FAIL.search(text)
+        if m:
+            self._rank_failed(node, int(m.group(1)), int(m.group(2)))
+            return
+        m = _PDSH_FAIL.match(text)
+        if m:
+            self._rank_failed(m.group(1), None, int(m.group(2)))
+            # DeepSpeed's runner keeps waiting for the other nodes, which hang in their
+            # collectives (DeepSpeed#1995): a failed node ends the job right here.
+            self.request_stop("pdsh-node-failed")
+
+    def _rank_failed(self, node: str, lrank: int | None, code: int) -> None:
+        self._failure_sent = True
+        offset = self.spec.rank_offsets.get(node)
+        rank = offset + lrank if (offset is not None and lrank is not None) else None
+        self.event("rank-failed", failed_node=node, local_rank=lrank, rank=rank, code=code)
+
+    # -------------------------------------------------------------- control
+
+    def request_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        self._stop.set()
+
+    def forward(self, sig: int) -> int:
+        """USR1/USR2 go to the ranks (a launcher such as torchrun dies of SIGUSR1)."""
+        procs = job_processes(self.spec.job_id, self.spec.node, self.spec.attempt)
+        ranks = [p for p, env in procs.items() if b"RANK" in env or b"LOCAL_RANK" in env]
+        if not ranks and self.child is not None and self.child.poll() is None:
+            ranks = [self.child.pid]
+        return sum(_signal(p, sig) for p in ranks)
+
+    def read_control(self, stream: IO[str]) -> None:
+        for raw in stream:
+            cmd = raw.strip().upper()
+            if cmd in ("TERM", "KILL"):
+                self.request_stop(cmd.lower())
+                if cmd == "KILL":
+                    self.kill_now()
+            elif cmd in ("USR1", "USR2"):
+                n = self.forward(getattr(signal, f"SIG{cmd}"))
+                self.event("forwarded", signal=cmd, processes=n)
+        self.request_stop("stdin-eof")  # the launcher exited or the connection dropped
+
+    def kill_now(self) -> None:
+        if self.child is not None and self.child.poll() is None:
+            _signal_group(self.child.pid, signal.SIGKILL)
+        for pid in job_processes(self.spec.job_id, self.spec.node, self.spec.attempt):
+            _signal(pid, signal.SIGKILL)
+
+    # -------------------------------------------------------------- lifecycle
+
+    def prepare(self) -> None:
+        os.makedirs(self.node_dir, exist_ok=True)
+        for name, content in self.spec.files.items():
+            if "/" in name or name.startswith("."):
+                raise ValueError(f"bad job file name {name!r}")
+            _write_atomic(os.path.join(self.job_dir, name), _expand(content, self.job_dir))
+
+    def child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({k: _expand(v, self.job_dir) for k, v in self.spec.env.items()})
+        env.update({ENV_JOB: self.spec.job_id, ENV_NODE: self.spec.node,
+                    ENV_ATTEMPT: str(self.spec.attempt)})
+        env.setdefault("PYTHONUNBUFFERED", "1")  # lines, not 8 KiB blocks, reach the console
+        return env
+
+    def start_child(self) -> None:
+        argv = [_expand(a, self.job_dir) for a in self.spec.argv]
+        cwd = os.path.expanduser(self.spec.cwd) if self.spec.cwd else None
+        self.child = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=self.child_env(), cwd=cwd, start_new_session=True,
+        )
+        self.write_state("running")
+        self.event("started", pid=self.child.pid, argv=argv)
+
+    def pump_child(self) -> None:
+        assert self.child is not None and self.child.stdout is not None
+        for raw in iter(self.child.stdout.readline, b""):
+            self.handle_line(raw.decode("utf-8", "replace").rstrip("\r\n"))
+
+    def write_state(self, state: str, **extra: Any) -> None:
+        data = {"job_id": self.spec.job_id, "node": self.spec.node, "attempt": self.spec.attempt,
+                "agent_pid": os.getpid(), "child_pid": self.child.pid if self.child else None,
+                "state": state, "time": time.time(), **extra}
+        try:
+            _write_atomic(os.path.join(self.node_dir, "agent.json"), json.dumps(data))
+        except OSError:
+            pass  # a full or vanished disk must not stop the teardown
+
+    def run(self) -> int:
+        self.prepare()
+        pump: threading.Thread | None = None
+        if self.spec.argv:
+            self.start_child()
+            pump = threading.Thread(target=self.pump_child, daemon=True)
+            pump.start()
+        else:
+            self.write_state("watching")
+            self.event("started", pid=None, argv=[])
+        while not self._stop.wait(POLL_S):
+            if self.child is not None and self.child.poll() is not None:
+                break
+        return self.finish(pump)
+
+    def finish(self, pump: threading.Thread | None) -> int:
+        node = self.spec.node
+        if self.stop_reason is not None:
+            self.event("teardown", reason=self.stop_reason)
+            # On teardown match untagged job processes too (pdsh-started ranks).
+            counts = sweep(self.spec.job_id, node, self.spec.attempt, self.spec.grace_s, self.child)
+        else:
+            # The launcher ended by itself: only stragglers it left behind on this node.
+            counts = sweep(self.spec.job_id, node, self.spec.attempt, min(self.spec.grace_s, 1.0),
+                           self.child)
+        if pump is not None:
+            pump.join(2.0)
+        code = 0
+        if self.child is not None:
+            raw = self.child.poll()
+            code = 128 + (-raw) if raw is not None and raw < 0 else (raw if raw is not None else 137)
+        self.write_state("exited", exit_code=code, reason=self.stop_reason, **counts)
+        self.event("exit", code=code, reason=self.stop_reason, **counts)
+        for fh in self._logs.values():
+            fh.close()
+        return code
+
+
+# ----------------------------------------------------------------- entry points
+
+
+def _read_spec(args: argparse.Namespace) -> Spec:
+    if args.spec_b64:
+        return Spec.from_json(base64.b64decode(args.spec_b64).decode())
+    first = sys.stdin.readline()
+    if not first:
+        raise SystemExit("clusterkit agent: no job spec on stdin")
+    return Spec.from_json(first)
+
+
+def _install_signals(agent: Agent) -> None:
+    def on_signal(signum: int, _frame: Any) -> None:
+        agent.request_stop(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+
+
+def _status(job_id: str, job_dir: str | None, node: str | None) -> dict[str, Any]:
+    procs = job_processes(job_id, node)
+    state: Any = None
+    if job_dir and node:
+        path = os.path.join(os.path.expanduser(job_dir), "nodes", node, "agent.json")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                state = json.load(fh)
+        except (OSError, ValueError):
+            state = None
+    agent_alive = bool(state and state.get("state") != "exited" and state.get("agent_pid")
+                       and os.path.exists(f"/proc/{state['agent_pid']}"))
+    ranks = sorted(int(env[b"RANK"]) for env in procs.values()
+                   if env.get(b"RANK", b"").isdigit() and b"LOCAL_RANK" in env)
+    return {"processes": len(procs), "ranks": ranks, "agent": state, "agent_alive": agent_alive}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m clusterkit.launch.agent")
+    p.add_argument("--spec-b64")
+    p.add_argument("--stop", metavar="JOB_ID")
+    p.add_argument("--status", metavar="JOB_ID")
+    p.add_argument("--job-dir")
+    p.add_argument("--node")
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S)
+    args = p.parse_args(argv)
+    if args.stop:
+        print(json.dumps(sweep(args.stop, args.node, None, args.grace)), flush=True)
+        return 0
+    if args.status:
+        print(json.dumps(_status(args.status, args.job_dir, args.node)), flush=True)
+        return 0
+    agent = Agent(_read_spec(args), sys.stdout)
+    _install_signals(agent)
+    threading.Thread(target=agent.read_control, args=(sys.stdin,), daemon=True).start()
+    try:
+        return agent.run()
+    except (OSError, ValueError) as exc:
+        agent.event("error", message=f"{type(exc).__name__}: {exc}")
+        return 127 if isinstance(exc, FileNotFoundError) else 126
+
+
+if __name__ == "__main__":
+    sys.exit(main())

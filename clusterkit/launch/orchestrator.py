@@ -1,0 +1,398 @@
+"""The launcher side: one agent per node, their lines multiplexed, a job-wide teardown.
+
+``Orchestrator(job, transport).run()`` starts every node's agent in parallel
+(``Transport.start``), sends each its spec on stdin, prints their lines as
+``[node3 r5] ...`` through a :class:`~clusterkit.launch.console.Sink`, and
+watches the agents: the first one that exits non-zero, or whose connection drops,
+starts the teardown of the whole job (``TERM`` to every other agent, ``KILL`` when
+an agent has not finished after the grace period, then the channel is closed,
+which the agent treats as a teardown too). SIGINT/SIGTERM to the launcher do the
+same; SIGUSR1/SIGUSR2 are forwarded to every agent.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shlex
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from clusterkit.errors import TransportError
+from clusterkit.launch.agent import EVENT_PREFIX, LINE_PREFIX
+from clusterkit.launch.console import Sink
+from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
+
+SUMMARY_PREFIX = "CLUSTERKIT_SUMMARY "
+TAIL_LINES = 15
+AGENT_MODULE = "clusterkit.launch.agent"
+
+
+@dataclass(frozen=True)
+class NodeTask:
+    """What one node runs. ``argv`` empty: the agent only watches (pdsh peers)."""
+
+    node: str
+    target: SSHTarget
+    python: str
+    argv: tuple[str, ...]
+    rank_offset: int
+    nprocs: int
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    files: Mapping[str, str] = field(default_factory=dict, hash=False)
+    cwd: str | None = None
+    prefix: str = "torchrun"  # torchrun | pdsh | single (see agent.Spec.prefix)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job_id: str
+    job_dir: str  # on the nodes; may start with ~
+    tasks: tuple[NodeTask, ...]
+    attempt: int = 0
+    grace_s: float = 3.0
+
+    def rank_offsets(self) -> dict[str, int]:
+        return {t.node: t.rank_offset for t in self.tasks}
+
+    def agent_spec(self, task: NodeTask) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id, "node": task.node, "job_dir": self.job_dir,
+            "argv": list(task.argv), "env": dict(task.env), "files": dict(task.files),
+            "cwd": task.cwd, "attempt": self.attempt, "prefix": task.prefix,
+            "rank_offsets": self.rank_offsets(), "grace_s": self.grace_s,
+        }
+
+
+@dataclass
+class RankFailure:
+    node: str
+    rank: int | None
+    local_rank: int | None
+    code: int
+    reason: str  # "exit" | "connection-dropped" | "start-failed"
+    tail: list[str] = field(default_factory=list)
+
+    def where(self) -> str:
+        return self.node if self.rank is None else f"{self.node} rank {self.rank}"
+
+
+@dataclass
+class JobOutcome:
+    exit_code: int
+    failure: RankFailure | None
+    summary: dict[str, Any] | None
+    node_codes: dict[str, int]
+    interrupted: bool
+    elapsed_s: float
+    leftovers: dict[str, int] = field(default_factory=dict)  # node -> processes still found
+
+
+@dataclass
+class _Node:
+    task: NodeTask
+    proc: RemoteProcess | None = None
+    code: int | None = None
+    dropped: bool = False
+    failed_rank: dict[str, Any] | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    rank_tails: dict[int, deque[str]] = field(default_factory=dict)
+
+
+def exit_status(code: int) -> int:
+    """A rank killed by signal N reports -N; a shell would say 128+N."""
+    return 128 - code if code < 0 else code
+
+
+class Orchestrator:
+    def __init__(self, job: JobSpec, transport: Transport, sink: Sink,
+                 *, start_timeout_s: float = 60.0) -> None:
+        self.job = job
+        self.transport = transport
+        self.sink = sink
+        self.start_timeout_s = start_timeout_s
+        self.nodes = {t.node: _Node(t) for t in job.tasks}
+        self._q: queue.Queue[tuple[str, str, Any]] = queue.Queue()
+        self._failure: RankFailure | None = None
+        self._teardown_at: float | None = None
+        self._killed = False
+        self._closed = False
+        self._interrupts = 0
+        self._pending_signals: list[str] = []
+        self._summary: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------- public
+
+    def run(self, *, install_signals: bool = True) -> JobOutcome:
+        started = time.monotonic()
+        restore = self._install_signals() if install_signals else {}
+        try:
+            self._start_all()
+            self._loop()
+        finally:
+            for sig, handler in restore.items():
+                signal.signal(sig, handler)
+        leftovers = self._verify_gone() if self._failure or self._interrupts else {}
+        return JobOutcome(
+            exit_code=self._exit_code(), failure=self._failure, summary=self._summary,
+            node_codes={n: (s.code if s.code is not None else -1) for n, s in self.nodes.items()},
+            interrupted=self._interrupts > 0, elapsed_s=time.monotonic() - started,
+            leftovers=leftovers,
+        )
+
+    # -------------------------------------------------------------- start
+
+    def _agent_argv(self, task: NodeTask) -> list[str]:
+        return [task.python, "-u", "-m", AGENT_MODULE]
+
+    def _start_one(self, state: _Node) -> None:
+        task = state.task
+        try:
+            proc = self.transport.start(task.target, self._agent_argv(task))
+            proc.write_stdin((json.dumps(self.job.agent_spec(task)) + "\n").encode())
+        except TransportError as exc:
+            self._q.put(("start-failed", task.node, exc.one_line()))
+            return
+        state.proc = proc
+        threading.Thread(target=self._read, args=(state, proc), daemon=True,
+                         name=f"clusterkit-launch-{task.node}").start()
+
+    def _start_all(self) -> None:
+        self.sink.info(f"job {self.job.job_id}: starting {len(self.nodes)} node agents"
+                       + (f" (attempt {self.job.attempt + 1})" if self.job.attempt else ""))
+        with ThreadPoolExecutor(max_workers=min(64, len(self.nodes))) as pool:
+            list(pool.map(self._start_one, self.nodes.values()))
+
+    def _read(self, state: _Node, proc: RemoteProcess) -> None:
+        for stream, line in proc.lines():
+            self._q.put(("line", state.task.node, (stream, line)))
+        try:
+            code = proc.wait(timeout=30.0)
+        except TimeoutError:
+            code = -1
+        self._q.put(("exit", state.task.node, (code, bool(getattr(proc, "dropped", False)))))
+
+    # -------------------------------------------------------------- main loop
+
+    def _loop(self) -> None:
+        while any(s.code is None for s in self.nodes.values()):
+            try:
+                kind, node, payload = self._q.get(timeout=0.1)
+            except queue.Empty:
+                kind = ""
+            if kind == "line":
+                self._on_line(self.nodes[node], *payload)
+            elif kind == "exit":
+                self._on_exit(self.nodes[node], *payload)
+            elif kind == "start-failed":
+                self._on_start_failed(self.nodes[node], payload)
+            self._handle_signals()
+            self._advance_teardown()
+        # Lines still queued after the last exit (reader threads are done).
+        while not self._q.empty():
+            kind, node, payload = self._q.get_nowait()
+            if kind == "line":
+                self._on_line(self.nodes[node], *payload)
+
+    def _on_line(self, state: _Node, stream: str, line: str) -> None:
+        if line.startswith(LINE_PREFIX):
+            node, lrank_s, text = (line[len(LINE_PREFIX):].split(" ", 2) + ["", ""])[:3]
+            offset = self.job.rank_offsets().get(node, state.task.rank_offset)
+            rank = offset + int(lrank_s) if lrank_s.isdigit() else None
+            self._record_tail(self.nodes.get(node, state), rank, text)
+            if text.startswith(SUMMARY_PREFIX) and (self._summary is None or rank == 0):
+                self._summary = _parse_json(text[len(SUMMARY_PREFIX):])
+            self.sink.line(node, rank, text)
+        elif line.startswith(EVENT_PREFIX):
+            self._on_event(state, _parse_json(line[len(EVENT_PREFIX):]) or {})
+        else:
+            # The agent itself (a traceback, a python that cannot find clusterkit).
+            state.tail.append(line)
+            self.sink.line(state.task.node, None, line, agent=True)
+
+    def _record_tail(self, state: _Node, rank: int | None, text: str) -> None:
+        state.tail.append(text if rank is None else f"r{rank}: {text}")
+        if rank is not None:
+            state.rank_tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
+
+    def _on_event(self, state: _Node, ev: dict[str, Any]) -> None:
+        kind = ev.get("ev")
+        if kind == "rank-failed":
+            target = self.nodes.get(str(ev.get("failed_node")), state)
+            if target.failed_rank is None:
+                target.failed_rank = ev
+            if state.failed_rank is None:
+                state.failed_rank = ev
+        elif kind == "started":
+            self.sink.node_up(state.task.node)
+        elif kind == "error":
+            self.sink.info(f"{state.task.node}: agent error: {ev.get('message')}")
+
+    def _on_exit(self, state: _Node, code: int, dropped: bool) -> None:
+        state.code = code
+        state.dropped = dropped or code == -1
+        if state.dropped:
+            self._fail(state, "connection-dropped", code)
+        elif code != 0:
+            self._fail(state, "exit", code)
+        self.sink.node_done(state.task.node, code)
+
+    def _on_start_failed(self, state: _Node, message: str) -> None:
+        state.code = -1
+        state.tail.append(message)
+        self.sink.info(f"{state.task.node}: could not start the agent: {message}")
+        self._fail(state, "start-failed", -1)
+
+    # -------------------------------------------------------------- failure + teardown
+
+    def _fail(self, state: _Node, reason: str, code: int) -> None:
+        if self._failure is None and not self._interrupts:
+            ev = state.failed_rank or {}
+            failed_node = self.nodes.get(str(ev.get("failed_node", state.task.node)), state)
+            rank = ev.get("rank")
+            rank_code = ev.get("code")
+            tail = list(failed_node.rank_tails.get(rank, failed_node.tail)) if rank is not None \
+                else list(failed_node.tail)
+            self._failure = RankFailure(
+                node=failed_node.task.node, rank=rank, local_rank=ev.get("local_rank"),
+                code=int(rank_code) if isinstance(rank_code, int) and rank_code != 0 else code,
+                reason=reason, tail=tail,
+            )
+            self.sink.info(f"{self._failure.where()} failed ({_describe(self._failure)}): "
+                           "stopping the job on every node")
+        self._begin_teardown()
+
+    def _begin_teardown(self) -> None:
+        if self._teardown_at is not None:
+            return
+        self._teardown_at = time.monotonic()
+        self._broadcast("TERM")
+
+    def _broadcast(self, command: str) -> None:
+        for state in self.nodes.values():
+            if state.proc is not None and state.code is None:
+                try:
+                    state.proc.write_stdin(f"{command}\n".encode())
+                except TransportError:
+                    pass  # that connection is gone; its agent tears down on EOF
+
+    def _advance_teardown(self) -> None:
+        if self._teardown_at is None:
+            return
+        waited = time.monotonic() - self._teardown_at
+        grace = self.job.grace_s
+        if waited > grace + 2.0 and not self._killed:
+            self._killed = True
+            self._broadcast("KILL")
+        if waited > grace + 4.0 and not self._closed:
+            # Closing the channel makes the agent see EOF; it sweeps on its own.
+            self._closed = True
+            for state in self.nodes.values():
+                if state.proc is not None and state.code is None:
+                    state.proc.close_stdin()
+                    state.proc.terminate()
+        if waited > grace + 15.0:
+            for state in self.nodes.values():
+                if state.code is None:
+                    state.code, state.dropped = -1, True
+
+    # -------------------------------------------------------------- signals
+
+    def _install_signals(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        old: dict[int, Any] = {}
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+            old[sig] = signal.signal(sig, self._on_signal)
+        return old
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        # Only record it: the loop acts within 0.1 s, outside the handler.
+        with self._lock:
+            self._pending_signals.append(signal.Signals(signum).name)
+
+    def _handle_signals(self) -> None:
+        with self._lock:
+            pending, self._pending_signals = self._pending_signals, []
+        for name in pending:
+            if name in ("SIGUSR1", "SIGUSR2"):
+                self.sink.info(f"forwarding {name} to every node")
+                self._broadcast(name[3:])
+                continue
+            self._interrupts += 1
+            if self._interrupts == 1:
+                self.sink.info(f"{name}: stopping the job on every node "
+                               f"(again to kill at once)")
+                self._begin_teardown()
+            else:
+                self._killed = True
+                self._broadcast("KILL")
+
+    # -------------------------------------------------------------- results
+
+    def _verify_gone(self) -> dict[str, int]:
+        """Nodes whose agent did not exit cleanly: sweep the job there out of band."""
+        suspects = [s.task for s in self.nodes.values() if s.dropped or s.code is None]
+        if not suspects:
+            return {}
+        argvs = {t.node: [t.python, "-m", AGENT_MODULE, "--stop", self.job.job_id,
+                          "--node", t.node, "--grace", "2"] for t in suspects}
+        results = self.transport.run_all([t.target for t in suspects], argvs, timeout=20.0)
+        left: dict[str, int] = {}
+        for r in results:
+            if r.ok and r.result is not None:
+                counts = _parse_json(r.result.stdout.strip().splitlines()[-1]) or {}
+                if counts.get("left"):
+                    left[r.host] = int(counts["left"])
+            else:
+                self.sink.info(f"{r.host}: could not verify the teardown: "
+                               f"{r.error.one_line() if r.error else 'exit != 0'}")
+        return left
+
+    def _exit_code(self) -> int:
+        if self._failure is not None:
+            return exit_status(self._failure.code) or 1
+        if self._interrupts:
+            return 130
+        return 0
+
+
+def _parse_json(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _describe(f: RankFailure) -> str:
+    if f.reason == "connection-dropped":
+        return "the SSH connection dropped"
+    if f.reason == "start-failed":
+        return "the agent could not be started"
+    if f.code < 0:
+        try:
+            return f"killed by {signal.Signals(-f.code).name}"
+        except ValueError:
+            return f"killed by signal {-f.code}"
+    return f"exit code {f.code}"
+
+
+def describe_failure(f: RankFailure) -> str:
+    return _describe(f)
+
+
+def agent_command(python: str) -> str:
+    """What the agent's command line looks like on a node (for docs and --dry-run)."""
+    return shlex.join([python, "-u", "-m", AGENT_MODULE])
+
+
+StartHook = Callable[[JobSpec], None]
