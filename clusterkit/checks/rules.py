@@ -573,19 +573,22 @@ def _iface_env_findings(f: NodeFacts, iface: str) -> list[Finding]:
     nccl = f.env.get("NCCL_SOCKET_IFNAME")
     gloo = f.env.get("GLOO_SOCKET_IFNAME")
     if nccl is not None and not ifname_selected(nccl, iface):
-        out.append(Finding("net.nccl-ifname", Status.FAIL, f.host,
+        out.append(Finding("net.ifname", Status.FAIL, f.host,
                            f"NCCL_SOCKET_IFNAME={nccl} does not select {iface}, the interface "
                            "that reaches the peers", f"NCCL_SOCKET_IFNAME=={iface}"))
     if gloo is not None and iface not in gloo.split(","):
-        out.append(Finding("net.gloo-ifname", Status.FAIL, f.host,
+        out.append(Finding("net.ifname", Status.FAIL, f.host,
                            f"GLOO_SOCKET_IFNAME={gloo} is not {iface}",
                            f"GLOO_SOCKET_IFNAME={iface}"))
     if nccl is None and len(_candidates(f)) > 1:
-        out.append(Finding("net.nccl-ifname", Status.WARN, f.host,
+        out.append(Finding("net.ifname", Status.WARN, f.host,
                            f"{len(_candidates(f))} candidate interfaces and NCCL_SOCKET_IFNAME "
                            f"unset: NCCL/gloo may pick the wrong one",
                            f"set NCCL_SOCKET_IFNAME=={iface} and GLOO_SOCKET_IFNAME={iface} "
                            "in the inventory env"))
+    if not out:
+        out.append(Finding("net.ifname", Status.PASS, f.host,
+                           f"NCCL/gloo will use {iface}"))
     return out
 
 
@@ -621,30 +624,37 @@ def check_interfaces(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list
 def check_nccl_env(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Finding]:
     out = []
     for f in _ok(facts):
-        active = [p for p in f.ib_ports if p.active]
-        if f.env.get("NCCL_IB_DISABLE", "0") not in ("0", "") and active:
-            out.append(Finding("nccl.ib-disable", Status.WARN, f.host,
-                               f"NCCL_IB_DISABLE={f.env['NCCL_IB_DISABLE']} while "
-                               f"{len(active)} RDMA port(s) are ACTIVE: NCCL uses TCP sockets",
-                               "unset NCCL_IB_DISABLE unless RDMA is known broken"))
-        if f.env.get("NCCL_P2P_DISABLE", "0") not in ("0", ""):
-            out.append(Finding("nccl.p2p-disable", Status.WARN, f.host,
-                               f"NCCL_P2P_DISABLE={f.env['NCCL_P2P_DISABLE']}: intra-node "
-                               "traffic goes through host memory",
-                               "unset NCCL_P2P_DISABLE (only needed for broken P2P; check "
-                               "`nvidia-smi topo -p2p r`)"))
-        hca = f.env.get("NCCL_IB_HCA")
-        if hca:
-            spec = parse_nccl_ib_hca(hca)
-            missing = [] if spec.exclude else unmatched_hca_entries(spec, f.ib_ports)
-            if missing:
-                have = ", ".join(p.name for p in f.ib_ports) or "none"
-                out.append(Finding("nccl.ib-hca", Status.FAIL, f.host,
-                                   f"NCCL_IB_HCA={hca} names {', '.join(missing)}, which do not "
-                                   f"exist (ports: {have})",
-                                   "list existing devices, e.g. "
-                                   f"NCCL_IB_HCA=={','.join(p.name for p in active) or 'mlx5_0:1'}"))
+        out += _nccl_env_findings(f) or [Finding("nccl.env", Status.PASS, f.host,
+                                                 "NCCL_* settings consistent with the node")]
         out += _ib_port_findings(f)
+    return out
+
+
+def _nccl_env_findings(f: NodeFacts) -> list[Finding]:
+    out = []
+    active = [p for p in f.ib_ports if p.active]
+    if f.env.get("NCCL_IB_DISABLE", "0") not in ("0", "") and active:
+        out.append(Finding("nccl.ib-disable", Status.WARN, f.host,
+                           f"NCCL_IB_DISABLE={f.env['NCCL_IB_DISABLE']} while "
+                           f"{len(active)} RDMA port(s) are ACTIVE: NCCL uses TCP sockets",
+                           "unset NCCL_IB_DISABLE unless RDMA is known broken"))
+    if f.env.get("NCCL_P2P_DISABLE", "0") not in ("0", ""):
+        out.append(Finding("nccl.p2p-disable", Status.WARN, f.host,
+                           f"NCCL_P2P_DISABLE={f.env['NCCL_P2P_DISABLE']}: intra-node "
+                           "traffic goes through host memory",
+                           "unset NCCL_P2P_DISABLE (only needed for broken P2P; check "
+                           "`nvidia-smi topo -p2p r`)"))
+    hca = f.env.get("NCCL_IB_HCA")
+    if hca:
+        spec = parse_nccl_ib_hca(hca)
+        missing = [] if spec.exclude else unmatched_hca_entries(spec, f.ib_ports)
+        if missing:
+            have = ", ".join(p.name for p in f.ib_ports) or "none"
+            out.append(Finding("nccl.ib-hca", Status.FAIL, f.host,
+                               f"NCCL_IB_HCA={hca} names {', '.join(missing)}, which do not "
+                               f"exist (ports: {have})",
+                               "list existing devices, e.g. "
+                               f"NCCL_IB_HCA=={','.join(p.name for p in active) or 'mlx5_0:1'}"))
     return out
 
 
