@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
+import logging
 import os
 import posixpath
 import select
@@ -49,6 +51,32 @@ _TCP_USER_TIMEOUT_MS = 20_000
 _READ_CHUNK = 65536
 
 
+class _OpenFailures(logging.Handler):
+    """Keeps the server's reason for refused channel opens, which paramiko only logs.
+
+    ``ChannelException`` carries a generic "Connect failed"; the bastion's own text
+    ("Connection refused", "Name or service not known") is what tells the user which
+    of refused/resolve/unreachable happened behind it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.last: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "open FAILED:" in message:
+            self.last[record.name] = message.split("open FAILED:", 1)[1].strip()
+
+
+_OPEN_FAILURES = _OpenFailures()
+_LOG_IDS = itertools.count()
+# paramiko logs handshake failures with tracebacks at ERROR; every failure already
+# reaches the user as one TransportError line, so keep its log out of the app's.
+logging.getLogger("paramiko").addHandler(_OPEN_FAILURES)
+logging.getLogger("paramiko").propagate = False
+
+
 class _Connection:
     """One authenticated SSH connection plus its lazily opened SFTP session."""
 
@@ -81,6 +109,7 @@ class _Connection:
         if self._sftp is not None:
             self._sftp.close()
         self.transport.close()
+        _OPEN_FAILURES.last.pop(self.transport.get_log_channel(), None)
 
 
 class SSHTransport:
@@ -166,6 +195,7 @@ class SSHTransport:
 
     def _handshake(self, ep: Endpoint, sock: socket.socket | paramiko.Channel) -> paramiko.Transport:
         transport = paramiko.Transport(sock)
+        transport.set_log_channel(f"paramiko.transport.clusterkit{next(_LOG_IDS)}")
         transport.banner_timeout = self.banner_timeout
         transport.auth_timeout = self.auth_timeout
         transport.handshake_timeout = self.connect_timeout
@@ -600,15 +630,16 @@ def _open_tunnel(bastion: _Connection, ep: Endpoint, timeout: float) -> paramiko
             "direct-tcpip", (ep.hostname, ep.port), ("127.0.0.1", 0), timeout=timeout
         )
     except paramiko.ChannelException as exc:
-        text = str(exc.text).lower()
+        reason = _OPEN_FAILURES.last.get(bastion.transport.get_log_channel(), str(exc.text))
+        text = reason.lower()
         if "refused" in text:
             kind, what = "refused", f"connection refused by {where} (seen from jump host {via})"
         elif "resolve" in text or "not known" in text or "unknown host" in text:
             kind, what = "resolve", f"jump host {via} cannot resolve {ep.hostname!r}"
-        elif "timed out" in text or "unreachable" in text:
+        elif any(w in text for w in ("timed out", "unreachable", "no route")):
             kind, what = "timeout", f"{where} unreachable from jump host {via}"
         else:
-            kind, what = "proxy", f"jump host {via} refused to forward to {where} ({exc.text})"
+            kind, what = "proxy", f"jump host {via} refused to forward to {where} ({reason})"
         raise TransportError(
             what,
             kind=kind,
