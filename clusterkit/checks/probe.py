@@ -20,7 +20,7 @@ failure is reported as data, never as a traceback):
 ``connect HOST PORT [--timeout S]``
     Try one TCP connection, say hello, print ``{"ok": ..., "error_kind": ...}``.
 
-Python >= 3.8 on the remote side: no ``match``, annotations are strings.
+Python >= 3.7 on the remote side: no ``match``, no walrus, annotations are strings.
 """
 
 from __future__ import annotations
@@ -563,7 +563,10 @@ def do_listen(port: int, seconds: float, bind: str) -> list[JSON]:
     _emit({"mode": "listen", "event": "ready", "port": port, "bind": bind})
     accepted, hellos = 0, []
     deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
         srv.settimeout(left)
         try:
             conn, peer = srv.accept()
