@@ -285,7 +285,7 @@ def test_unreachable_node_is_reported_once_and_skipped_elsewhere() -> None:
 
 
 def test_master_port_two_phase() -> None:
-    connects = {h: {"ok": True} for h in HOSTS[1:6]}
+    connects: dict[str, dict[str, object]] = {h: {"ok": True} for h in HOSTS[1:6]}
     connects["node7"] = {"ok": False, "error_kind": "timeout", "error": "timed out"}
     findings = check_master_port("node1", 29500, {"bound": True}, connects)
     f = only_node7(findings, "port:29500")
