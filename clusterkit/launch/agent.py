@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import re
@@ -137,10 +138,8 @@ def _signal(pid: int, sig: int) -> bool:
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def sweep(job_id: str, node: str | None, attempt: int | None, grace_s: float,
@@ -164,10 +163,8 @@ def sweep(job_id: str, node: str | None, attempt: int | None, grace_s: float,
     for pid in job_processes(job_id, node, attempt):
         counts["killed"] += _signal(pid, signal.SIGKILL)
     if child is not None:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(5.0)
-        except subprocess.TimeoutExpired:
-            pass
     time.sleep(POLL_S)
     counts["left"] = len(job_processes(job_id, node, attempt))
     return counts
@@ -348,10 +345,9 @@ class Agent:
         data = {"job_id": self.spec.job_id, "node": self.spec.node, "attempt": self.spec.attempt,
                 "agent_pid": os.getpid(), "child_pid": self.child.pid if self.child else None,
                 "state": state, "time": time.time(), **extra}
-        try:
+        # A full or vanished disk must not stop the teardown.
+        with contextlib.suppress(OSError):
             _write_atomic(os.path.join(self.node_dir, "agent.json"), json.dumps(data))
-        except OSError:
-            pass  # a full or vanished disk must not stop the teardown
 
     def run(self) -> int:
         self.prepare()

@@ -11,11 +11,14 @@ import re
 import sys
 import threading
 from dataclasses import dataclass
-from typing import IO, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from rich.text import Text
 
 _STEP = re.compile(r"\bstep[ =:]+(\d+)(?:\s*/\s*(\d+))?", re.IGNORECASE)
 _LOSS = re.compile(r"\bloss[ =:]+([0-9.]+(?:e[-+]?\d+)?)", re.IGNORECASE)
-_TOKS = re.compile(r"\b(?:tok(?:ens)?/s)[ =:]+([0-9.]+[kMG]?)", re.IGNORECASE)
+_TOKS = re.compile(r"([0-9][0-9,.]*[kMG]?)\s*tok(?:ens)?/s", re.IGNORECASE)
 
 
 class Sink(Protocol):
@@ -44,10 +47,10 @@ class Progress:
 
     def update(self, text: str) -> bool:
         changed = False
-        for regex, attr, fmt in ((_STEP, "step", None), (_LOSS, "loss", None), (_TOKS, "toks", None)):
+        for regex, attr in ((_STEP, "step"), (_LOSS, "loss"), (_TOKS, "toks")):
             m = regex.search(text)
             if m:
-                value = m.group(1) if fmt is None else fmt
+                value = m.group(1)
                 if attr == "step" and m.group(2):
                     value = f"{m.group(1)}/{m.group(2)}"
                 setattr(self, attr, value)
@@ -103,7 +106,7 @@ class RichSink:
                           transient=True)
         self._live.start()
 
-    def _status(self) -> object:
+    def _status(self) -> Text:
         failed = sum(1 for c in self.done.values() if c != 0)
         t = self._text()
         t.append(f" nodes up {len(self.up) - len(self.done)}/{self.total}", style="bold")

@@ -12,14 +12,14 @@ same; SIGUSR1/SIGUSR2 are forwarded to every agent.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
-import shlex
 import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
@@ -49,12 +49,12 @@ class NodeTask:
     files: Mapping[str, str] = field(default_factory=dict, hash=False)
     cwd: str | None = None
     prefix: str = "torchrun"  # torchrun | pdsh | single (see agent.Spec.prefix)
+    job_dir: str = "~/.cache/clusterkit/jobs/@JOB@"  # on the node; ~ is the node's home
 
 
 @dataclass(frozen=True)
 class JobSpec:
     job_id: str
-    job_dir: str  # on the nodes; may start with ~
     tasks: tuple[NodeTask, ...]
     attempt: int = 0
     grace_s: float = 3.0
@@ -64,7 +64,8 @@ class JobSpec:
 
     def agent_spec(self, task: NodeTask) -> dict[str, Any]:
         return {
-            "job_id": self.job_id, "node": task.node, "job_dir": self.job_dir,
+            "job_id": self.job_id, "node": task.node,
+            "job_dir": task.job_dir.replace("@JOB@", self.job_id),
             "argv": list(task.argv), "env": dict(task.env), "files": dict(task.files),
             "cwd": task.cwd, "attempt": self.attempt, "prefix": task.prefix,
             "rank_offsets": self.rank_offsets(), "grace_s": self.grace_s,
@@ -204,7 +205,7 @@ class Orchestrator:
 
     def _on_line(self, state: _Node, stream: str, line: str) -> None:
         if line.startswith(LINE_PREFIX):
-            node, lrank_s, text = (line[len(LINE_PREFIX):].split(" ", 2) + ["", ""])[:3]
+            node, lrank_s, text = ([*line[len(LINE_PREFIX):].split(" ", 2), "", ""])[:3]
             offset = self.job.rank_offsets().get(node, state.task.rank_offset)
             rank = offset + int(lrank_s) if lrank_s.isdigit() else None
             self._record_tail(self.nodes.get(node, state), rank, text)
@@ -256,6 +257,9 @@ class Orchestrator:
     def _fail(self, state: _Node, reason: str, code: int) -> None:
         if self._failure is None and not self._interrupts:
             ev = state.failed_rank or {}
+            if not ev and state.task.nprocs == 1 and reason == "exit":
+                # One rank on the node: the launcher's exit is that rank's.
+                ev = {"rank": state.task.rank_offset, "local_rank": 0}
             failed_node = self.nodes.get(str(ev.get("failed_node", state.task.node)), state)
             rank = ev.get("rank")
             rank_code = ev.get("code")
@@ -279,10 +283,9 @@ class Orchestrator:
     def _broadcast(self, command: str) -> None:
         for state in self.nodes.values():
             if state.proc is not None and state.code is None:
-                try:
+                # A gone connection raises; its agent tears down on EOF by itself.
+                with contextlib.suppress(TransportError):
                     state.proc.write_stdin(f"{command}\n".encode())
-                except TransportError:
-                    pass  # that connection is gone; its agent tears down on EOF
 
     def _advance_teardown(self) -> None:
         if self._teardown_at is None:
@@ -388,11 +391,3 @@ def _describe(f: RankFailure) -> str:
 
 def describe_failure(f: RankFailure) -> str:
     return _describe(f)
-
-
-def agent_command(python: str) -> str:
-    """What the agent's command line looks like on a node (for docs and --dry-run)."""
-    return shlex.join([python, "-u", "-m", AGENT_MODULE])
-
-
-StartHook = Callable[[JobSpec], None]

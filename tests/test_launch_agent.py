@@ -1,0 +1,239 @@
+"""The node agent and the orchestrator against LocalTransport with fake "rank" scripts.
+
+No torch: each fake rank is a plain Python process that prints progress lines,
+and can kill itself, ignore SIGTERM, or leave a worker in another session —
+enough to prove the teardown, the failure report and the signal forwarding.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clusterkit.launch import agent as agent_mod
+from clusterkit.launch.console import PlainSink, Progress
+from clusterkit.launch.orchestrator import JobSpec, NodeTask, Orchestrator, exit_status
+from clusterkit.remote.base import SSHTarget
+from clusterkit.remote.local import LocalTransport
+
+FAKE_RANK = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    rank = int(os.environ["RANK"])
+    mode = os.environ.get("FAKE_MODE", "ok")
+    steps = int(os.environ.get("FAKE_STEPS", "4"))
+    def on_usr1(*_):
+        print(f"rank {rank} got USR1", flush=True)
+    signal.signal(signal.SIGUSR1, on_usr1)
+    if mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if mode == "orphan":
+        # a worker in its own session: only the environ tag finds it
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                         start_new_session=True)
+    print(f"ready {os.getpid()}", flush=True)
+    for step in range(steps):
+        print(f"step {step + 1}/{steps} | loss {1.0 / (step + 1):.4f} | 1,000 tok/s", flush=True)
+        time.sleep(0.1)
+        if mode == "die" and rank == int(os.environ.get("FAKE_DIE_RANK", "1")) and step == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0:
+        print('CLUSTERKIT_SUMMARY {"final_loss": 0.25, "steps": 4}', flush=True)
+""")
+
+
+@pytest.fixture()
+def fake(tmp_path: Path) -> Path:
+    path = tmp_path / "fake_rank.py"
+    path.write_text(FAKE_RANK)
+    return path
+
+
+def _job(tmp_path: Path, fake: Path, n: int, job_id: str, **env: str) -> JobSpec:
+    tasks = tuple(
+        NodeTask(
+            node=f"v{i}", target=SSHTarget(name=f"v{i}", address="127.0.0.1", local=True),
+            python=sys.executable, argv=(sys.executable, str(fake)), rank_offset=i, nprocs=1,
+            env={"RANK": str(i), "LOCAL_RANK": "0", "WORLD_SIZE": str(n), **env},
+            files={"hostfile": "v0 slots=1\n"}, prefix="single",
+            job_dir=str(tmp_path / "jobs" / "@JOB@"),
+        )
+        for i in range(n)
+    )
+    return JobSpec(job_id=job_id, tasks=tasks, grace_s=1.0)
+
+
+def _run(job: JobSpec) -> tuple[object, str]:
+    out = io.StringIO()
+    outcome = Orchestrator(job, LocalTransport(), PlainSink(out)).run(install_signals=False)
+    return outcome, out.getvalue()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture()
+def bystanders() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Another job's process, and one whose command line matches DeepSpeed's pkill pattern."""
+    other = dict(os.environ, CLUSTERKIT_JOB_ID="someone-elses-job")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=other),
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                          "deepspeed.launcher.launch", "--world_info=e30="]),
+    ]
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_job_runs_to_completion_with_prefixed_lines_logs_and_files(tmp_path: Path, fake: Path) -> None:
+    outcome, text = _run(_job(tmp_path, fake, 3, "ok-job"))
+    assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
+    assert outcome.summary == {"final_loss": 0.25, "steps": 4}  # type: ignore[attr-defined]
+    assert "[v2 r2] step 4/4 | loss 0.2500 | 1,000 tok/s" in text
+    job_dir = tmp_path / "jobs" / "ok-job"
+    assert (job_dir / "hostfile").read_text() == "v0 slots=1\n"
+    assert "step 4/4" in (job_dir / "nodes" / "v1" / "rank1.log").read_text()
+    state = json.loads((job_dir / "nodes" / "v1" / "agent.json").read_text())
+    assert state["state"] == "exited" and state["exit_code"] == 0
+
+
+def test_killed_rank_tears_down_every_node_but_not_other_jobs(
+        tmp_path: Path, fake: Path, bystanders: list[subprocess.Popen[bytes]]) -> None:
+    job = _job(tmp_path, fake, 3, "die-job", FAKE_MODE="die", FAKE_STEPS="600", FAKE_DIE_RANK="1")
+    started = time.monotonic()
+    outcome, text = _run(job)
+    assert time.monotonic() - started < 10
+    assert outcome.exit_code == 137, text  # type: ignore[attr-defined]
+    failure = outcome.failure  # type: ignore[attr-defined]
+    assert failure is not None and failure.node == "v1" and failure.rank == 1
+    assert "v1 rank 1 failed (exit code 137)" in text
+    assert any("step 2/600" in line for line in failure.tail)
+    assert agent_mod.job_processes("die-job") == {}
+    assert all(p.poll() is None for p in bystanders)
+
+
+def test_stubborn_rank_is_killed_after_the_grace_period(tmp_path: Path, fake: Path) -> None:
+    job = _job(tmp_path, fake, 2, "stubborn-job", FAKE_MODE="stubborn", FAKE_STEPS="600")
+    holder: dict[str, object] = {}
+    orch = Orchestrator(job, LocalTransport(), PlainSink(io.StringIO()))
+    thread = threading.Thread(target=lambda: holder.update(out=orch.run(install_signals=False)))
+    thread.start()
+    _wait_for(lambda: len(agent_mod.job_processes("stubborn-job")) == 2)
+    orch._on_signal(signal.SIGINT, None)  # what Ctrl-C does
+    thread.join(15)
+    assert not thread.is_alive()
+    assert holder["out"].exit_code == 130  # type: ignore[attr-defined]
+    assert agent_mod.job_processes("stubborn-job") == {}
+
+
+def test_usr1_reaches_every_rank(tmp_path: Path, fake: Path) -> None:
+    job = _job(tmp_path, fake, 2, "usr1-job", FAKE_STEPS="30")
+    out = io.StringIO()
+    orch = Orchestrator(job, LocalTransport(), PlainSink(out))
+    thread = threading.Thread(target=orch.run, kwargs={"install_signals": False})
+    thread.start()
+    _wait_for(lambda: "step 3/30" in out.getvalue())
+    orch._on_signal(signal.SIGUSR1, None)
+    thread.join(20)
+    assert "[v0 r0] rank 0 got USR1" in out.getvalue()
+    assert "[v1 r1] rank 1 got USR1" in out.getvalue()
+
+
+def test_agent_tears_down_on_stdin_eof_including_workers_in_other_sessions(
+        tmp_path: Path, fake: Path) -> None:
+    spec = {"job_id": "eof-job", "node": "n1", "job_dir": str(tmp_path / "j"),
+            "argv": [sys.executable, str(fake)], "prefix": "single", "grace_s": 1.0,
+            "env": {"RANK": "0", "FAKE_MODE": "orphan", "FAKE_STEPS": "600"}}
+    proc = subprocess.Popen([sys.executable, "-m", "clusterkit.launch.agent"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(spec) + "\n")
+    proc.stdin.flush()
+    for line in proc.stdout:
+        if "step 1/600" in line:
+            break
+    assert len(agent_mod.job_processes("eof-job")) == 2  # the rank and its orphan worker
+    proc.stdin.close()  # what a dropped SSH connection looks like to the agent
+    rest = proc.stdout.read()
+    assert proc.wait(10) == 143  # the fake rank died of SIGTERM
+    assert '"reason": "stdin-eof"' in rest
+    assert agent_mod.job_processes("eof-job") == {}
+
+
+def test_stop_mode_kills_only_the_named_job(bystanders: list[subprocess.Popen[bytes]]) -> None:
+    env = dict(os.environ, CLUSTERKIT_JOB_ID="stop-me")
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
+                              start_new_session=True)
+    _wait_for(lambda: victim.pid in agent_mod.job_processes("stop-me"))
+    res = subprocess.run([sys.executable, "-m", "clusterkit.launch.agent", "--stop", "stop-me",
+                          "--grace", "1"], capture_output=True, text=True, timeout=20)
+    assert json.loads(res.stdout) == {"signalled": 1, "killed": 0, "left": 0}
+    assert victim.wait(5) == -signal.SIGTERM
+    assert all(p.poll() is None for p in bystanders)
+
+
+def test_agent_classifies_torchrun_and_pdsh_lines() -> None:
+    out = io.StringIO()
+    spec = agent_mod.Spec(job_id="j", node="node1", job_dir="/nonexistent",
+                          rank_offsets={"node1": 0, "node5": 8})
+    a = agent_mod.Agent(spec, out)
+    assert a._classify("[default1]:step 3") == ("node1", 1, "step 3")
+    assert a._classify("plain launcher line") == ("node1", None, "plain launcher line")
+    spec.prefix = "pdsh"
+    assert a._classify("node5: hello") == ("node5", None, "hello")
+    assert a._classify("node5: [default1]:x") == ("node5", 1, "x")
+    assert a._classify("unknown: x") == ("node1", None, "unknown: x")
+
+
+def test_agent_names_the_failed_rank_from_launcher_reports() -> None:
+    out = io.StringIO()
+    spec = agent_mod.Spec(job_id="j", node="node1", job_dir="/x", rank_offsets={"node1": 0, "node5": 8})
+    a = agent_mod.Agent(spec, out)
+    a._watch_failure("node1", "E1121 api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 20825) of binary")
+    ev = json.loads(out.getvalue().split("@ck:E ", 1)[1])
+    assert (ev["ev"], ev["rank"], ev["code"]) == ("rank-failed", 1, -9)
+    out2 = io.StringIO()
+    b = agent_mod.Agent(spec, out2)
+    b._watch_failure("node5", "['/usr/bin/python', '-u', 'x.py', '--local_rank=1'] "
+                              "exits with return code = -9")
+    ev = json.loads(out2.getvalue().split("@ck:E ", 1)[1])
+    assert (ev["failed_node"], ev["rank"], ev["code"]) == ("node5", 9, -9)
+    out3 = io.StringIO()
+    c = agent_mod.Agent(spec, out3)
+    c._watch_failure("node1", "pdsh@node1: node5: ssh exited with exit code 1")
+    assert c.stop_reason == "pdsh-node-failed"
+    assert '"failed_node": "node5"' in out3.getvalue()
+
+
+def test_progress_parses_the_workload_line() -> None:
+    p = Progress()
+    assert p.update("[clusterkit] step 10/50 | loss 5.1234 | lr 1.000e-03 | 12,345 tok/s | 3.0 samples/s")
+    assert (p.step, p.loss, p.toks) == ("10/50", "5.1234", "12,345")
+
+
+def test_exit_status_maps_signals_like_a_shell() -> None:
+    assert exit_status(-9) == 137 and exit_status(3) == 3 and exit_status(0) == 0
+
+
+def _wait_for(cond: object, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
