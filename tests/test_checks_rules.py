@@ -299,3 +299,19 @@ def test_grouping_folds_hosts_in_inventory_order() -> None:
     (g,) = group_findings(fs, HOSTS)
     assert g.hosts == HOSTS and g.host_range == "node[1-7]"
     assert g.one_line() == "WARN x  node[1-7]: same — fix: fix"
+
+
+def test_loopback_fix_uses_the_routable_address_not_lo() -> None:
+    fwd = {**node("node7").forward, "node7": ("127.0.0.1",)}
+    routes = {**node("node7").routes, "127.0.0.1": "lo"}
+    f = only_node7(check_own_name(cluster(forward=fwd, routes=routes), CTX), "names.self")
+    assert f.fix == "in /etc/hosts replace `127.0.0.1 node7` with `10.0.0.7 node7`"
+
+
+def test_peer_name_on_loopback_warns() -> None:
+    fwd = {h: (ADDR[h],) for h in HOSTS} | {"node3": ("127.0.1.1",)}
+    facts = {h: replace(node(h), forward=fwd) for h in HOSTS}
+    bad = [f for f in check_peer_names(facts, CTX) if f.status is not Status.PASS]
+    # node3 itself is covered by names.self; every other node gets the warning.
+    assert sorted(f.host for f in bad) == sorted(h for h in HOSTS if h != "node3")
+    assert all(f.status is Status.WARN and "loopback 127.0.1.1" in f.detail for f in bad)

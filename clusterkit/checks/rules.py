@@ -457,11 +457,12 @@ def check_clock(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Find
 
 
 def _own_ip(f: NodeFacts) -> str | None:
-    for ifname in f.routes.values():
-        if ifname and f.interfaces.get(ifname):
-            return f.interfaces[ifname][0]
-    for ifname, addrs in f.interfaces.items():
-        if not ifname.startswith(VIRTUAL_IFACE_PREFIXES) and addrs:
+    """The address this node uses toward its peers (what its hostname should resolve to)."""
+    routed = [i for a, i in f.routes.items() if i and not _is_loopback(a)]
+    names = routed + [i for i in f.interfaces if not i.startswith(VIRTUAL_IFACE_PREFIXES)]
+    for ifname in names:
+        addrs = [a for a in f.interfaces.get(ifname, ()) if not _is_loopback(a)]
+        if addrs:
             return addrs[0]
     return None
 
@@ -515,10 +516,16 @@ def check_peer_names(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list
         common = majority(good, ctx.hosts)
         holders = fold(h for h in ctx.hosts if good.get(h) == common)
         for host, addr in good.items():
-            if addr != common or (_is_loopback(addr) and host != name):
+            if addr != common:
                 out.append(Finding("names.peer", Status.FAIL, host,
                                    f"{name} resolves to {addr} here but {common} on {holders}",
                                    f"make /etc/hosts agree: `{common} {name}`"))
+                bad_hosts.add(host)
+            elif _is_loopback(addr) and _short(name) != _short(facts[host].self_name or host):
+                out.append(Finding("names.peer", Status.WARN, host,
+                                   f"peer name {name} resolves to loopback {addr}: ranks on "
+                                   "other nodes cannot reach it under that name",
+                                   "use each node's routable name/address in the inventory"))
                 bad_hosts.add(host)
         out += _reverse_findings(name, common, nodes, bad_hosts)
     for f in nodes:
