@@ -1,0 +1,105 @@
+"""SSHTransport against the namespace test bed: real nodes, real sshd, real addresses."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clusterkit.remote.ssh import SSHTransport
+from tests.testbed import Testbed, TestNode
+
+pytestmark = pytest.mark.testbed
+CONNECT_TIMEOUT = 5.0
+
+
+@pytest.fixture
+def transport() -> Iterator[SSHTransport]:
+    t = SSHTransport(connect_timeout=CONNECT_TIMEOUT)
+    yield t
+    t.close()
+
+
+@pytest.mark.testbed(nodes=7)
+def test_run_all_on_seven_nodes(
+    testbed: Testbed, testbed_nodes: list[TestNode], transport: SSHTransport
+) -> None:
+    targets = [testbed.ssh_target(n) for n in testbed_nodes]
+    group = transport.run_all(targets, ["hostname"], timeout=30)
+    assert [r.host for r in group] == [n.name for n in testbed_nodes]
+    assert [r.result.stdout.strip() for r in group if r.result] == [n.name for n in testbed_nodes]
+    assert len(group.succeeded) == 7
+
+
+@pytest.mark.testbed(nodes=7)
+def test_stopped_sshd_fails_fast_and_others_succeed(
+    testbed: Testbed, testbed_nodes: list[TestNode], transport: SSHTransport
+) -> None:
+    victim = testbed_nodes[3]
+    testbed.stop_sshd(victim)
+    try:
+        targets = [testbed.ssh_target(n) for n in testbed_nodes]
+        group = transport.run_all(targets, ["true"], timeout=30)
+        start = time.monotonic()
+        alone = transport.run_all([testbed.ssh_target(victim)], ["true"], timeout=30)
+        elapsed = time.monotonic() - start
+    finally:
+        testbed.start_sshd(victim)
+    for result in (group, alone):
+        error = result[victim.name].error
+        assert error is not None and error.kind == "refused", error
+        assert error.host == victim.name
+    assert elapsed < CONNECT_TIMEOUT  # the error came back inside the connect timeout
+    assert [r.host for r in group.succeeded] == [n.name for n in testbed_nodes if n != victim]
+
+
+@pytest.mark.testbed(nodes=7)
+def test_rotated_host_key_is_refused_as_changed(
+    testbed: Testbed, testbed_nodes: list[TestNode], transport: SSHTransport
+) -> None:
+    node = testbed_nodes[5]
+    target = testbed.ssh_target(node)
+    assert transport.run(target, ["true"]).ok
+    transport.close()
+    before = Path(target.known_hosts_file or "").read_text()
+    testbed.rotate_host_key(node)
+    try:
+        for accept_new in (False, True):
+            with SSHTransport(connect_timeout=CONNECT_TIMEOUT) as t:
+                probe = dataclasses.replace(target, accept_new_host_keys=accept_new)
+                group = t.run_all([probe], ["true"])
+            error = group[node.name].error
+            assert error is not None and error.kind == "hostkey-changed"
+            assert node.name in error.message or node.address in error.message
+        assert Path(target.known_hosts_file or "").read_text() == before
+    finally:
+        testbed.rotate_host_key(node, update_known_hosts=True)  # leave the bed usable
+
+
+@pytest.mark.testbed(nodes=7)
+def test_put_get_node_local_dir(
+    testbed: Testbed, testbed_nodes: list[TestNode], transport: SSHTransport, tmp_path: Path
+) -> None:
+    node = testbed_nodes[6]
+    target = testbed.ssh_target(node)
+    inside = testbed.local_mountpoint / "transport-test" / "shard.bin"
+    payload = os.urandom(1 << 20)
+    src = tmp_path / "src.bin"
+    src.write_bytes(payload)
+    transport.makedirs(target, str(inside.parent))
+    transport.put(target, str(src), str(inside))
+    on_host = testbed.node_local_path(node, inside)
+    assert on_host.read_bytes() == payload  # landed in THIS node's private dir
+    other = testbed.node_local_path(testbed_nodes[0], inside)
+    assert not other.exists()
+    assert transport.listdir(target, str(inside.parent)) == ["shard.bin"]
+    back = tmp_path / "back.bin"
+    transport.get(target, str(inside), str(back))
+    assert back.read_bytes() == payload
+    assert transport.sha256(target, str(inside)) == hashlib.sha256(payload).hexdigest()
+    transport.run(target, ["rm", "-rf", str(inside.parent)])
