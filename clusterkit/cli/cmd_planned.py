@@ -9,7 +9,6 @@ from clusterkit.errors import NotBuiltYet
 # verb -> (help, issue that builds it)
 PLANNED: dict[str, tuple[str, str]] = {
     "doctor": ("pre-flight checks on every node", "issue 8 (doctor)"),
-    "render": ("write every launch artifact for a job", "issue 3 (render)"),
     "plan": ("memory advisor: which ZeRO stage fits", "issue 4 (workload)"),
     "launch": ("start a job on every node", "issue 5 (launch)"),
     "status": ("show running jobs", "issue 5 (launch)"),

@@ -1,0 +1,185 @@
+"""``plan_job``: inventory + options + facts -> :class:`LaunchPlan` (pure, deterministic)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from datetime import datetime
+from pathlib import PurePosixPath
+
+from clusterkit.errors import RenderError
+from clusterkit.hostfile import select_hosts
+from clusterkit.inventory import Host, Inventory
+from clusterkit.plan.model import (
+    BACKENDS,
+    DS_LAUNCHERS,
+    RDZV_CHOICES,
+    STORAGE_CHOICES,
+    WORKLOAD_MODULE,
+    JobOptions,
+    LaunchFacts,
+    LaunchPlan,
+    NodePlan,
+)
+from clusterkit.plan.ports import master_port
+from clusterkit.render.artifacts import plan_json, render_commands, render_commands_sh, render_files
+from clusterkit.render.commands import JobLayout
+from clusterkit.render.dsconfig import ZeroSpec, build_ds_config
+from clusterkit.render.dsenv import build_env
+
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+JOBS_SUBDIR = ".clusterkit/jobs"
+
+
+def default_job_id(cluster: str, now: datetime) -> str:
+    """``<cluster>-YYYYmmdd-HHMMSS`` with anything unsafe in the name replaced by ``-``."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", cluster).strip("-.") or "job"
+    return f"{name[:40]}-{now:%Y%m%d-%H%M%S}"
+
+
+def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
+    if value not in choices:
+        raise RenderError(f"{key} must be one of {', '.join(choices)}, got {value!r}", key=key)
+
+
+def _check_options(o: JobOptions) -> None:
+    if not JOB_ID.fullmatch(o.job_id):
+        raise RenderError(f"job id {o.job_id!r} is not a plain name", key="--job-id",
+                          hint="use up to 64 letters, digits, '.', '_' and '-' (it names "
+                               "directories and reaches shells)")
+    _choice(o.backend, BACKENDS, "--launcher")
+    _choice(o.storage, STORAGE_CHOICES, "--storage")
+    _choice(o.rdzv, RDZV_CHOICES, "--rdzv")
+    _choice(o.deepspeed_launcher, DS_LAUNCHERS, "--deepspeed-launcher")
+    if o.script is not None and o.module is not None:
+        raise RenderError("give a script or a module, not both", key="--module")
+    for key, value, minimum in (("--steps", o.steps, 1), ("--max-restarts", o.max_restarts, 0),
+                                ("--save-every", o.save_every, 0)):
+        if value < minimum:
+            raise RenderError(f"{key} must be >= {minimum}, got {value}", key=key)
+    if o.ckpt_dir is not None and o.storage == "auto":
+        raise RenderError("--ckpt-dir needs --storage shared or --storage node-local", key="--ckpt-dir",
+                          hint="say whether every node sees the directory (shared) or each has its own")
+
+
+def _abs_path(path: str, key: str, host: str | None = None) -> str:
+    """Paths reach argv and files verbatim: no ``~`` (nothing would expand it), absolute only."""
+    if path.startswith("~") or not PurePosixPath(path).is_absolute():
+        raise RenderError(f"{key} {path!r} must be an absolute path", key=key, host=host,
+                          hint="clusterkit passes paths as literal arguments; write the full path")
+    return path.rstrip("/") or "/"
+
+
+def _storage(hosts: list[Host], o: JobOptions, inv_path: str | None) -> str:
+    if o.storage != "auto":
+        return o.storage
+    if all(h.checkpoint.shared_dir for h in hosts):
+        return "shared"
+    if all(h.checkpoint.local_dir for h in hosts):
+        return "node-local"
+    raise RenderError("no checkpoint directory is configured for every selected host",
+                      path=inv_path, key="checkpoint",
+                      hint="add checkpoint: {shared_dir: ...} or {local_dir: ...} under defaults "
+                           "in the inventory, or pass --storage and --ckpt-dir")
+
+
+def _ckpt_dir(host: Host, storage: str, o: JobOptions, inv_path: str | None) -> str:
+    if o.ckpt_dir is not None:
+        return _abs_path(o.ckpt_dir, "--ckpt-dir")
+    key = "shared_dir" if storage == "shared" else "local_dir"
+    value = getattr(host.checkpoint, key)
+    if not value:
+        other = "node-local" if storage == "shared" else "shared"
+        raise RenderError(f"--storage {storage} but checkpoint.{key} is not set for this host",
+                          host=host.name, path=inv_path, key=f"checkpoint.{key}",
+                          hint=f"set checkpoint.{key} in the inventory, pass --ckpt-dir, "
+                               f"or use --storage {other}")
+    return _abs_path(str(value), f"checkpoint.{key}", host.name)
+
+
+def _program(o: JobOptions, job_dir: str, ckpt_dir: str, storage: str) -> tuple[str, ...]:
+    if o.script is not None:
+        return (o.script, *o.script_args)
+    if o.module is not None:
+        return ("-m", o.module, *o.script_args)
+    words = ["-m", WORKLOAD_MODULE,
+             "--engine", "accelerate" if o.backend == "accelerate" else "deepspeed",
+             "--model", o.model, "--steps", str(o.steps),
+             "--ds-config", f"{job_dir}/ds_config.json", "--run-dir", f"{job_dir}/run",
+             "--ckpt-dir", ckpt_dir, "--storage", storage]
+    if o.save_every:
+        words += ["--save-every", str(o.save_every)]
+    if o.save_16bit:
+        words.append("--save-16bit")
+    return (*words, *o.script_args)
+
+
+def _node_plans(inventory: Inventory, o: JobOptions,
+                facts: LaunchFacts) -> tuple[tuple[NodePlan, ...], str]:
+    chosen = select_hosts(inventory, nodes=o.nodes, gpus_per_node=o.gpus_per_node,
+                          include=o.include, exclude=o.exclude)
+    storage = _storage([h for h, _ in chosen], o, inventory.path)
+    nodes: list[NodePlan] = []
+    first_rank = 0
+    for index, (host, slots) in enumerate(chosen):
+        python = _abs_path(host.python or facts.python, "python", host.name)
+        workdir = _abs_path(host.workdir or facts.cwd, "workdir", host.name)
+        env = build_env(python=python, environ=facts.environ, host_env=host.env,
+                        host_allowlist=host.env_allowlist, user_allowlist=o.env_allowlist,
+                        set_env=o.set_env, cuda_lib_dirs=facts.cuda_lib_dirs, job_id=o.job_id)
+        nodes.append(NodePlan(node_rank=index, host=host, slots=tuple(slots), first_rank=first_rank,
+                              python=python, workdir=workdir,
+                              job_dir=f"{workdir}/{JOBS_SUBDIR}/{o.job_id}",
+                              ckpt_dir=_ckpt_dir(host, storage, o, inventory.path), env=env))
+        first_rank += len(slots)
+    return tuple(nodes), storage
+
+
+def _zero_spec(o: JobOptions, nodes: tuple[NodePlan, ...], world: int, storage: str) -> ZeroSpec:
+    on_gpu = all(n.host.gpus > 0 for n in nodes)
+    precision = o.precision if o.precision != "auto" else ("bf16" if on_gpu else "fp32")
+    nvme = o.nvme_path
+    local = nodes[0].host.checkpoint.local_dir
+    if nvme is None and "nvme" in (o.offload_optimizer, o.offload_param) and local:
+        nvme = f"{local}/nvme-offload"  # NVMe offload wants a node-local disk
+    run_dir = f"{nodes[0].job_dir}/run"
+    return ZeroSpec(
+        stage=o.zero_stage, offload_optimizer=o.offload_optimizer,  # type: ignore[arg-type]
+        offload_param=o.offload_param, nvme_path=nvme,  # type: ignore[arg-type]
+        precision=precision,  # type: ignore[arg-type]
+        micro_batch=o.micro_batch, grad_accum=o.grad_accum, world_size=world, clip=o.clip,
+        lr=o.lr, warmup_steps=o.warmup_steps, total_steps=o.steps,
+        torch_adam=not on_gpu, node_local_checkpoints=storage == "node-local",
+        gather_16bit_on_save=o.save_16bit, csv_monitor_dir=f"{run_dir}/monitor",
+        tensorboard_dir=f"{run_dir}/tensorboard" if o.tensorboard else None,
+        monitor_job_name=o.job_id)
+
+
+def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> LaunchPlan:
+    """Decide everything about a job: hosts, ranks, port, env, configs, commands, files.
+
+    Pure: the same inputs give the same plan (and the same bytes in every artifact).
+    Raises :class:`RenderError`/:class:`SelectionError` for anything that cannot launch.
+    """
+    _check_options(options)
+    nodes, storage = _node_plans(inventory, options, facts)
+    world = sum(n.nproc for n in nodes)
+    zero = _zero_spec(options, nodes, world, storage)
+    layout = JobLayout(
+        job_id=options.job_id, nodes=nodes,
+        programs=tuple(_program(options, n.job_dir, n.ckpt_dir, storage) for n in nodes),
+        world_size=world, master_addr=facts.master_addr or nodes[0].host.address,
+        master_port=master_port(options.job_id), options=options,
+        node_local=storage == "node-local")
+    ds_config = build_ds_config(zero)
+    skipped: dict[str, str] = {}
+    files = render_files(layout, inventory.name, ds_config, skipped)
+    commands = render_commands(layout, skipped)
+    plan = LaunchPlan(job_id=options.job_id, cluster=inventory.name, backend=options.backend,
+                      nodes=nodes, world_size=world, master_addr=layout.master_addr,
+                      master_port=layout.master_port, storage=storage, zero=zero,
+                      program=layout.programs[0], commands=commands, skipped=skipped,
+                      artifacts=files, ds_config=ds_config)
+    files = {**files, "commands.sh": render_commands_sh(plan)}
+    plan = dataclasses.replace(plan, artifacts=files)
+    return dataclasses.replace(plan, artifacts={**files, "plan.json": plan_json(plan)})
