@@ -10,9 +10,6 @@ from clusterkit.errors import NotBuiltYet
 PLANNED: dict[str, tuple[str, str]] = {
     "doctor": ("pre-flight checks on every node", "issue 8 (doctor)"),
     "plan": ("memory advisor: which ZeRO stage fits", "issue 4 (workload)"),
-    "launch": ("start a job on every node", "issue 5 (launch)"),
-    "status": ("show running jobs", "issue 5 (launch)"),
-    "stop": ("stop a job on every node", "issue 5 (launch)"),
     "sbatch": ("the same job as a Slurm batch script", "issue 6 (sbatch)"),
     "collect-ckpt": ("gather and consolidate node-local checkpoints", "issue 7 (collect-ckpt)"),
 }

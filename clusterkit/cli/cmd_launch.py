@@ -1,0 +1,270 @@
+"""clusterkit launch | status | stop (docs/launch.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from datetime import datetime
+from typing import Any
+
+from clusterkit.cli.common import (
+    add_inventory_option,
+    add_selection_options,
+    clusterkit_home,
+    resolve_inventory,
+)
+from clusterkit.errors import LaunchError
+
+DEFAULT_STEPS = 30  # the embedded default must finish in well under a minute on a laptop
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("launch", help="start a job on every node, stream its logs, tear it down",
+                       description="Start a job on every selected node (default: the bundled "
+                       "ZeRO workload on the embedded local virtual nodes).")
+    add_inventory_option(p)
+    add_selection_options(p)
+    p.add_argument("--launcher", default="torchrun", choices=("torchrun", "deepspeed", "accelerate"),
+                   help="per-node launcher (default torchrun; deepspeed = DeepSpeed's runner over pdsh)")
+    p.add_argument("--job-id", help="default: <cluster>-<date>-<time>")
+    w = p.add_argument_group("the bundled workload (when no program is given)")
+    w.add_argument("--model", default="tiny", help="model preset (default tiny)")
+    w.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"default {DEFAULT_STEPS}")
+    w.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2, 3))
+    w.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps")
+    c = p.add_argument_group("checkpoints and restarts")
+    c.add_argument("--storage", default="auto", choices=("auto", "shared", "node-local"))
+    c.add_argument("--ckpt-dir", help="checkpoint root (overrides the inventory)")
+    c.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="relaunch up to K times after a failure; the workload resumes")
+    c.add_argument("--drop-failed-nodes", action="store_true",
+                   help="on restart, leave out nodes that now fail the pre-launch check")
+    r = p.add_argument_group("running")
+    r.add_argument("--skip-checks", action="store_true", help="skip the pre-launch gate")
+    r.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    r.add_argument("--grace", type=float, default=3.0, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL on teardown (default 3)")
+    r.add_argument("--quiet", action="store_true", help="no rank lines, only the summary")
+    p.add_argument("--module", "-m", dest="module", metavar="MODULE", help="run python -m MODULE")
+    p.add_argument("program", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
+                   help="your training script and its arguments (default: the bundled workload)")
+    p.set_defaults(func=cmd_launch)
+
+    s = sub.add_parser("status", help="jobs launched from here and whether their ranks still run")
+    s.add_argument("job", nargs="?", metavar="JOB", help="one job: per-node liveness")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    st = sub.add_parser("stop", help="stop a job on every node (only that job's processes)")
+    st.add_argument("job", metavar="JOB")
+    st.add_argument("--grace", type=float, default=3.0, metavar="S")
+    st.set_defaults(func=cmd_stop)
+
+
+# ------------------------------------------------------------------ launch
+
+
+def _options(args: argparse.Namespace, cluster: str) -> Any:
+    from clusterkit.plan import JobOptions, default_job_id
+
+    program = list(args.program)
+    if program and program[0] == "--":
+        program = program[1:]
+    script = None if args.module or not program else program[0]
+    script_args = tuple(program if args.module else program[1:])
+    return JobOptions(
+        job_id=args.job_id or default_job_id(cluster, datetime.now()), backend=args.launcher,
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, include=args.include,
+        exclude=args.exclude, script=script, module=args.module, script_args=script_args,
+        model=args.model, steps=args.steps, zero_stage=args.zero_stage, save_every=args.save_every,
+        storage=args.storage, ckpt_dir=args.ckpt_dir,
+    )
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from clusterkit.launch.console import make_sink
+    from clusterkit.launch.jobs import Registry
+    from clusterkit.launch.run import LaunchSettings, launch
+    from clusterkit.plan import LaunchFacts, plan_job
+    from clusterkit.remote.dispatch import transport_for
+
+    inventory = resolve_inventory(args.inventory)
+    if args.max_restarts < 0:
+        raise LaunchError("--max-restarts must be >= 0", key="--max-restarts")
+    facts = LaunchFacts(python=sys.executable, cwd=os.getcwd(), environ=dict(os.environ))
+    options = _options(args, inventory.name)
+
+    def planner(o: Any) -> Any:
+        return plan_job(inventory, o, facts)
+
+    if args.dry_run:
+        _print_plan(planner(options))
+        return 0
+    settings = LaunchSettings(skip_checks=args.skip_checks, max_restarts=args.max_restarts,
+                              drop_failed_nodes=args.drop_failed_nodes, grace_s=args.grace)
+    selected = len(planner(options).nodes)
+    sink = make_sink(selected, quiet_ranks=args.quiet)
+    with transport_for() as transport:
+        try:
+            result = launch(options, planner, transport, Registry(clusterkit_home()), settings, sink)
+        finally:
+            sink.close()
+    _print_summary(result)
+    return result.exit_code
+
+
+def _print_plan(plan: Any) -> None:
+    from clusterkit.launch.fromplan import job_from_plan
+
+    job = job_from_plan(plan)
+    print(f"job {plan.job_id} on {plan.cluster}: {len(plan.nodes)} nodes, {plan.world_size} ranks, "
+          f"backend {plan.backend}, master {plan.master_addr}:{plan.master_port}, "
+          f"storage {plan.storage}")
+    for task in job.tasks:
+        what = " ".join(task.argv) if task.argv else "(watch only: started by DeepSpeed's runner)"
+        print(f"  {task.node}: ranks {task.rank_offset}-{task.rank_offset + task.nprocs - 1} "
+              f"job dir {task.job_dir}\n    {what}")
+    print("files written to every node's job dir: " + ", ".join(sorted(plan.artifacts)))
+    print("each node runs: <python> -u -m clusterkit.launch.agent (the command above as its child)")
+
+
+def _print_summary(result: Any) -> None:
+    from clusterkit.launch.orchestrator import describe_failure
+
+    out = result.outcomes[-1]
+    plan = result.plan
+    tries = f" after {len(result.outcomes)} attempts" if len(result.outcomes) > 1 else ""
+    if out.failure is not None:
+        f = out.failure
+        node = plan.node(f.node) if f.node in {n.name for n in plan.nodes} else None
+        log = f"{node.job_dir}/nodes/{f.node}/" + (f"rank{f.rank}.log" if f.rank is not None
+                                                  else "launcher.log") if node else "?"
+        print(f"[clusterkit] job {plan.job_id} FAILED{tries}: {f.where()} failed first "
+              f"({describe_failure(f)}); every rank on every node was stopped "
+              f"(exit code {out.exit_code})", file=sys.stderr)
+        if f.tail:
+            print(f"[clusterkit] last lines of {f.where()}:", file=sys.stderr)
+            for line in f.tail[-10:]:
+                print(f"    {line}", file=sys.stderr)
+        print(f"[clusterkit] full log on {f.node}: {log}", file=sys.stderr)
+    elif out.interrupted:
+        print(f"[clusterkit] job {plan.job_id} interrupted: stopped on every node", file=sys.stderr)
+    else:
+        print(f"[clusterkit] job {plan.job_id} finished{tries}: {len(plan.nodes)} nodes, "
+              f"{plan.world_size} ranks, {out.elapsed_s:.1f} s")
+    for node, count in out.leftovers.items():
+        print(f"[clusterkit] warning: {count} process(es) of this job still on {node}; "
+              f"run `clusterkit stop {plan.job_id}`", file=sys.stderr)
+    if out.summary is not None:
+        s = out.summary
+        keys = ("final_loss", "steps_run", "global_step", "resumed_from", "tokens_per_s")
+        brief = ", ".join(f"{k}={_fmt(s[k])}" for k in keys if k in s)
+        if brief:
+            print(f"[clusterkit] summary: {brief}")
+        print("CLUSTERKIT_SUMMARY " + json.dumps(s, sort_keys=True))
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:,.4g}" if isinstance(value, float) else str(value)
+
+
+# ------------------------------------------------------------------ status / stop
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from clusterkit.launch.jobs import Registry
+
+    registry = Registry(clusterkit_home())
+    if args.job is None:
+        records = registry.all()
+        if args.json:
+            print(json.dumps([json.loads(r.to_json()) for r in records], indent=1))
+            return 0
+        if not records:
+            print("no jobs launched from this machine")
+        for r in records:
+            state = r.state if r.state != "running" or r.launcher_alive else "running? (launcher gone)"
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created))
+            print(f"{r.job_id:<36} {r.backend:<10} {len(r.nodes):>3} nodes  {when}  {state}"
+                  + (f"  exit {r.exit_code}" if r.exit_code is not None else "")
+                  + (f"  ({r.failure})" if r.failure else ""))
+        return 0
+    record = registry.load(args.job)
+    per_node = _node_status(record)
+    if args.json:
+        print(json.dumps({"job": json.loads(record.to_json()), "nodes": per_node}, indent=1))
+        return 0
+    print(f"{record.job_id}: {record.state}" + (f" (exit {record.exit_code})"
+                                                if record.exit_code is not None else ""))
+    for node, info in per_node.items():
+        if "error" in info:
+            print(f"  {node:<12} unreachable: {info['error']}")
+        else:
+            ranks = ",".join(str(x) for x in info["ranks"]) or "-"
+            print(f"  {node:<12} agent {'up' if info['agent_alive'] else 'down'}  "
+                  f"processes {info['processes']}  ranks {ranks}")
+    return 0
+
+
+def _node_status(record: Any) -> dict[str, dict[str, Any]]:
+    from clusterkit.launch.orchestrator import AGENT_MODULE
+    from clusterkit.remote.dispatch import transport_for
+
+    argvs = {n.node: [n.python, "-m", AGENT_MODULE, "--status", record.job_id,
+                      "--job-dir", n.job_dir, "--node", n.node] for n in record.nodes}
+    out: dict[str, dict[str, Any]] = {}
+    with transport_for() as transport:
+        for r in transport.run_all([n.target for n in record.nodes], argvs, timeout=20.0):
+            out[r.host] = _last_json(r)
+    return out
+
+
+def _last_json(r: Any) -> dict[str, Any]:
+    if r.error is not None:
+        return {"error": r.error.one_line()}
+    try:
+        value = json.loads(r.result.stdout.strip().splitlines()[-1])
+        return value if isinstance(value, dict) else {"error": "bad answer"}
+    except (ValueError, IndexError):
+        tail = (r.result.stderr or r.result.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"exit {r.result.exit_code}: {tail[0]}"}
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from clusterkit.launch.jobs import Registry
+    from clusterkit.launch.orchestrator import AGENT_MODULE
+    from clusterkit.remote.dispatch import transport_for
+
+    registry = Registry(clusterkit_home())
+    record = registry.load(args.job)
+    if record.launcher_alive:
+        # The launcher tears the job down itself (and records it); the sweep below
+        # still runs in case a node is beyond its reach.
+        os.kill(record.launcher_pid, signal.SIGTERM)
+    argvs = {n.node: [n.python, "-m", AGENT_MODULE, "--stop", record.job_id,
+                      "--grace", f"{args.grace:g}"] for n in record.nodes}
+    failed = 0
+    with transport_for() as transport:
+        results = transport.run_all([n.target for n in record.nodes], argvs,
+                                    timeout=args.grace + 20.0)
+    for r in results:
+        info = _last_json(r)
+        if "error" in info:
+            failed += 1
+            print(f"  {r.host:<12} could not stop: {info['error']}")
+        else:
+            print(f"  {r.host:<12} signalled {info['signalled']}, killed {info['killed']}, "
+                  f"left {info['left']}")
+            failed += bool(info["left"])
+    if record.state == "running" and not record.launcher_alive:
+        record.state = "stopped"
+        registry.save(record)
+    if failed:
+        raise LaunchError(f"could not stop job {record.job_id} on {failed} node(s)",
+                          hint="check the nodes above; run `clusterkit stop` again")
+    print(f"job {record.job_id}: no process left on {len(record.nodes)} node(s)")
+    return 0

@@ -1,0 +1,110 @@
+"""The quick pre-launch gate: every node reachable, same interpreter, same versions.
+
+Deliberately smaller than ``clusterkit doctor``: the doctor's probe spends ~2 s
+per node on names, interfaces and GPUs, which would double the start-up time of
+every launch. Here one ``run_all`` reads the interpreter path, the Python version
+and the versions of the packages every rank imports (package metadata only, no
+``import torch``) — the mismatches behind DeepSpeed#3965 and friends — plus
+whether clusterkit itself is importable (the node agent needs it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from clusterkit.errors import LaunchError
+from clusterkit.remote.base import SSHTarget, Transport
+
+GATE_TIMEOUT_S = 20.0
+PARITY_KEYS = ("python", "version", "torch", "deepspeed", "accelerate")
+_SNIPPET = (
+    "import json, sys\n"
+    "from importlib import metadata\n"
+    "def v(n):\n"
+    "    try:\n"
+    "        return metadata.version(n)\n"
+    "    except Exception:\n"
+    "        return None\n"
+    "import importlib.util as u\n"
+    "print(json.dumps({'python': sys.executable, 'version': sys.version.split()[0],\n"
+    "    'torch': v('torch'), 'deepspeed': v('deepspeed'), 'accelerate': v('accelerate'),\n"
+    "    'clusterkit': u.find_spec('clusterkit') is not None}))\n"
+)
+
+
+@dataclass(frozen=True)
+class GateNode:
+    node: str
+    python: str
+    target: SSHTarget
+
+
+@dataclass(frozen=True)
+class GateResult:
+    facts: dict[str, dict[str, object]]  # node -> facts
+    problems: dict[str, str]  # node -> why it cannot run this job
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[str] = ()
+             ) -> GateResult:
+    """Probe every node at once; ``need``: packages that must be installed everywhere."""
+    argvs = {n.node: [n.python, "-c", _SNIPPET] for n in nodes}
+    results = transport.run_all([n.target for n in nodes], argvs, timeout=GATE_TIMEOUT_S)
+    facts: dict[str, dict[str, object]] = {}
+    problems: dict[str, str] = {}
+    for r in results:
+        if r.error is not None:
+            problems[r.host] = r.error.one_line()
+            continue
+        assert r.result is not None
+        if r.result.exit_code != 0:
+            tail = (r.result.stderr or r.result.stdout).strip().splitlines()[-1:] or ["no output"]
+            problems[r.host] = f"interpreter check failed (exit {r.result.exit_code}): {tail[0]}"
+            continue
+        try:
+            facts[r.host] = json.loads(r.result.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            problems[r.host] = f"unexpected output: {r.result.stdout.strip()[:120]!r}"
+            continue
+        if not facts[r.host].get("clusterkit"):
+            problems[r.host] = f"clusterkit is not installed for {facts[r.host].get('python')}"
+        for pkg in need:
+            if not facts[r.host].get(pkg):
+                problems.setdefault(r.host, f"{pkg} is not installed for {facts[r.host].get('python')}")
+    problems.update(_parity(facts, [n.node for n in nodes]))
+    return GateResult(facts=facts, problems=problems)
+
+
+def _parity(facts: dict[str, dict[str, object]], order: Sequence[str]) -> dict[str, str]:
+    """Nodes that differ from the first reachable node, with what differs."""
+    reference = next((n for n in order if n in facts), None)
+    if reference is None:
+        return {}
+    ref = facts[reference]
+    out: dict[str, str] = {}
+    for node in order:
+        if node == reference or node not in facts:
+            continue
+        diffs = [f"{k} {facts[node].get(k)} != {ref.get(k)}" for k in PARITY_KEYS
+                 if facts[node].get(k) != ref.get(k)]
+        if diffs:
+            out[node] = f"differs from {reference}: " + ", ".join(diffs)
+    return out
+
+
+def gate_error(result: GateResult) -> LaunchError:
+    first, why = next(iter(result.problems.items()))
+    more = len(result.problems) - 1
+    return LaunchError(
+        f"pre-launch check failed on {len(result.problems)} node(s); {first}: {why}"
+        + (f" (and {more} more: {', '.join(list(result.problems)[1:6])})" if more else ""),
+        host=None,
+        hint="fix the node (or pass --exclude NODE); `clusterkit doctor` explains more; "
+             "--skip-checks skips this gate",
+    )

@@ -1,0 +1,116 @@
+"""One launch, start to end: gate → agents → outcome, and restarts after a failure.
+
+A restart runs the same plan again (same job id, same master port, same
+rank→node mapping) and the bundled workload resumes from its newest complete
+checkpoint (its default ``--resume auto``). ``--drop-failed-nodes`` re-runs the
+gate and plans without the nodes that now fail it — refused with node-local
+checkpoints, whose shards only resume on the same rank→node mapping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from clusterkit.errors import LaunchError
+from clusterkit.launch.console import Sink
+from clusterkit.launch.fromplan import job_from_plan
+from clusterkit.launch.gate import GateNode, gate_error, run_gate
+from clusterkit.launch.jobs import JobRecord, Registry
+from clusterkit.launch.orchestrator import JobOutcome, Orchestrator, describe_failure
+from clusterkit.plan.model import JobOptions, LaunchPlan
+from clusterkit.remote.base import Transport
+
+Planner = Callable[[JobOptions], LaunchPlan]
+_NEEDS = {"torchrun": ("torch",), "deepspeed": ("torch", "deepspeed"),
+          "accelerate": ("torch", "accelerate")}
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    skip_checks: bool = False
+    max_restarts: int = 0
+    drop_failed_nodes: bool = False
+    grace_s: float = 3.0
+
+
+@dataclass
+class LaunchResult:
+    exit_code: int
+    outcomes: list[JobOutcome]
+    plan: LaunchPlan
+
+
+def _gate_nodes(plan: LaunchPlan) -> list[GateNode]:
+    from clusterkit.launch.fromplan import target_for
+
+    return [GateNode(n.name, n.python, target_for(n.host)) for n in plan.nodes]
+
+
+def check_nodes(transport: Transport, plan: LaunchPlan, sink: Sink) -> dict[str, str]:
+    """The gate; returns node -> problem (empty when every node is fit)."""
+    result = run_gate(transport, _gate_nodes(plan), need=_NEEDS.get(plan.backend, ()))
+    for node, why in result.problems.items():
+        sink.info(f"{node}: {why}")
+    return result.problems
+
+
+def _without(options: JobOptions, plan: LaunchPlan, bad: Sequence[str]) -> JobOptions:
+    if plan.storage == "node-local":
+        raise LaunchError(
+            f"cannot drop {', '.join(bad)}: node-local checkpoints resume only on the same "
+            "rank->node mapping, and dropping a node changes it",
+            hint="gather and re-spread the shards with `clusterkit collect-ckpt --scatter`, "
+                 "then launch again; or restart without --drop-failed-nodes")
+    exclude = "@".join(x for x in (options.exclude, *bad) if x)
+    nodes = None if options.nodes is None else min(options.nodes, len(plan.nodes) - len(bad))
+    return dataclasses.replace(options, exclude=exclude, nodes=nodes)
+
+
+def launch(options: JobOptions, planner: Planner, transport: Transport, registry: Registry,
+           settings: LaunchSettings, sink: Sink) -> LaunchResult:
+    plan = planner(options)
+    if not settings.skip_checks:
+        problems = check_nodes(transport, plan, sink)
+        if problems:
+            from clusterkit.launch.gate import GateResult
+
+            raise gate_error(GateResult(facts={}, problems=problems))
+    outcomes: list[JobOutcome] = []
+    for attempt in range(settings.max_restarts + 1):
+        job = job_from_plan(plan, attempt=attempt, grace_s=settings.grace_s)
+        record = JobRecord.for_job(job, plan.backend)
+        record.attempts = attempt + 1
+        registry.save(record)
+        outcome = Orchestrator(job, transport, sink).run()
+        outcomes.append(outcome)
+        _finish_record(registry, record, outcome)
+        if outcome.exit_code == 0 or outcome.interrupted or attempt == settings.max_restarts:
+            return LaunchResult(outcome.exit_code, outcomes, plan)
+        plan, options = _prepare_restart(options, plan, planner, transport, settings, sink)
+        sink.info(f"restarting (attempt {attempt + 2} of {settings.max_restarts + 1}): "
+                  + ("the workload resumes from its newest complete checkpoint"
+                     if options.uses_workload else "your program must resume by itself"))
+    raise AssertionError("unreachable")
+
+
+def _prepare_restart(options: JobOptions, plan: LaunchPlan, planner: Planner, transport: Transport,
+                     settings: LaunchSettings, sink: Sink) -> tuple[LaunchPlan, JobOptions]:
+    if not settings.drop_failed_nodes:
+        return plan, options
+    bad = sorted(check_nodes(transport, plan, sink))
+    if not bad:
+        return plan, options
+    sink.info(f"dropping {', '.join(bad)} (they fail the pre-launch check now)")
+    options = _without(options, plan, bad)
+    return planner(options), options
+
+
+def _finish_record(registry: Registry, record: JobRecord, outcome: JobOutcome) -> None:
+    record.exit_code = outcome.exit_code
+    record.state = ("interrupted" if outcome.interrupted
+                    else "succeeded" if outcome.exit_code == 0 else "failed")
+    if outcome.failure is not None:
+        record.failure = f"{outcome.failure.where()}: {describe_failure(outcome.failure)}"
+    registry.save(record)
