@@ -1,0 +1,44 @@
+"""pytest fixtures for the Slurm test bed (exposed through tests/conftest.py).
+
+``slurm_bed`` is session-wide: the cluster comes up once (about a second on top
+of the namespace nodes) over ``SLURM_NODES`` nodes and is torn down at the end of
+the session, also when a test fails. Tests use ``slurm_bed.env`` for clients::
+
+    @pytest.mark.slurm
+    def test_x(slurm_bed): subprocess.run(["sbatch", ...], env=slurm_bed.env)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.slurmbed.cluster import SlurmBed, slurm_unavailable_reason
+from tests.testbed import Testbed
+
+SLURM_NODES = 7
+
+
+@pytest.fixture(scope="session")
+def slurm_bed(testbed: Testbed) -> Iterator[SlurmBed]:
+    reason = slurm_unavailable_reason()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set but the Slurm test bed cannot run: {reason}", pytrace=False)
+        pytest.skip(reason)
+    bed = SlurmBed.start(testbed, SLURM_NODES)
+    try:
+        yield bed
+    finally:
+        bed.stop()
+
+
+@pytest.fixture
+def slurm(slurm_bed: SlurmBed) -> Iterator[SlurmBed]:
+    """The session cluster, checked idle before and after the test (no job leaks between tests)."""
+    slurm_bed.wait_all_jobs_gone(timeout=30)
+    yield slurm_bed
+    slurm_bed.client(["scancel", "--full", "--partition=debug"], check=False)
+    slurm_bed.wait_all_jobs_gone(timeout=30)
