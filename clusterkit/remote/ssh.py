@@ -201,7 +201,11 @@ class SSHTransport:
         transport.handshake_timeout = self.connect_timeout
         _prefer_known_key_types(transport, ep)
         try:
-            transport.start_client(timeout=self.connect_timeout)
+            # start_client returns quietly when its timeout passes; the banner error,
+            # if any, is raised from inside it, so give the banner its full time first.
+            transport.start_client(timeout=self.banner_timeout + self.connect_timeout)
+            if not (transport.is_active() and transport.initial_kex_done):
+                raise TimeoutError("key exchange did not finish")
             hostkeys.verify(
                 ep.known_hosts_file,
                 ep.hostkey_name,
@@ -220,19 +224,17 @@ class SSHTransport:
     # ------------------------------------------------------------------ authentication
 
     def _authenticate(self, ep: Endpoint, transport: paramiko.Transport) -> None:
-        agent = paramiko.Agent() if ep.use_agent else None
+        notes: list[str] = []
+        agent = _open_agent(notes) if ep.use_agent else None
         try:
-            offered: list[str] = []
-            notes: list[str] = []
             keys: list[tuple[str, paramiko.PKey]] = [
-                ("agent", k) for k in (agent.get_keys() if agent else ())
+                (f"agent key {k.get_name()}", k) for k in (agent.get_keys() if agent else ())
             ]
             keys += self._identity_keys(ep, notes)
-            for label, key in keys:
-                offered.append(label)
+            for _label, key in keys:
                 if _try_key(ep, transport, key, self.auth_timeout):
                     return
-            raise _auth_failed(ep, offered, notes)
+            raise _auth_failed(ep, [label for label, _ in keys], notes)
         finally:
             if agent is not None:
                 agent.close()
@@ -695,6 +697,14 @@ def _handshake_error(exc: BaseException, ep: Endpoint, timeout: float) -> Transp
         host=ep.label,
         hint="sshd refused us early: check its log (MaxStartups, AllowUsers, tcp wrappers)",
     )
+
+
+def _open_agent(notes: list[str]) -> paramiko.Agent | None:
+    try:
+        return paramiko.Agent()
+    except (paramiko.SSHException, OSError) as exc:  # stale SSH_AUTH_SOCK
+        notes.append(f"ssh-agent: {exc}")
+        return None
 
 
 def _load_key(path: str) -> paramiko.PKey | str:
