@@ -16,8 +16,6 @@ values bound for them are *validated* instead (a refused value raises
 from __future__ import annotations
 
 import re
-import shlex
-from collections.abc import Sequence
 
 from clusterkit.errors import RenderError
 
@@ -87,14 +85,13 @@ def bare_word(value: str, what: str) -> str:
     return value
 
 
-def pdsh_remote(argv: Sequence[str]) -> str:
-    """One remote command string for pdsh: quoted once, ``%`` escaped, node rank as ``%n``.
+def pdsh_remote(text: str) -> str:
+    """A remote shell line (already quoted once) made ready for pdsh: ``%`` escaped.
 
-    ``argv`` carries :data:`NODE_RANK_PLACEHOLDER` exactly once (inside a word such as
+    ``text`` carries :data:`NODE_RANK_PLACEHOLDER` exactly once (inside a word such as
     ``--node-rank=...``); it becomes pdsh's ``%n``, the position of the host in the
     ``-w`` list, which is the hostfile order.
     """
-    text = shlex.join(argv)
     if text.count(NODE_RANK_PLACEHOLDER) != 1:
         raise RenderError(f"a value contains the reserved word {NODE_RANK_PLACEHOLDER}",
                           hint="rename it")

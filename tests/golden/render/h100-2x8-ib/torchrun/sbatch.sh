@@ -1,0 +1,46 @@
+#!/bin/bash
+# Slurm batch script for clusterkit job golden-h100-2x8-ib (h100-2x8-ib), rendered from the
+# inventory; edit the inventory or the clusterkit flags, not this file.
+#SBATCH --job-name=ck-golden-h100-2x8-ib
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --time=01:00:00
+#SBATCH --output=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs/slurm-%j.out
+#SBATCH --error=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs/slurm-%j.err
+# USR1 90 s before the time limit: the workload checkpoints and exits, Slurm requeues.
+#SBATCH --signal=USR1@90
+#SBATCH --requeue
+set -euo pipefail
+
+export PYTHONUNBUFFERED=1 SLURM_UNBUFFEREDIO=1
+
+# Node 0 of the allocation is the rendezvous head; resolve it to an IPv4 address
+# (a name can resolve to 127.0.1.1 on the node itself). sed/awk read all input, so
+# no SIGPIPE under pipefail.
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+MASTER_ADDR=$(getent ahostsv4 "$head_node" | awk 'NR == 1 { print $1 }')
+if [ -z "$MASTER_ADDR" ]; then
+    echo "clusterkit: cannot resolve the head node $head_node to an IPv4 address" >&2
+    exit 2
+fi
+# The same port derivation as clusterkit's plan for a numeric job id.
+MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 40001 ))
+export MASTER_ADDR MASTER_PORT
+
+# The job environment (an allowlist, see docs/render.md).
+export HF_HUB_OFFLINE=1
+export NCCL_DEBUG=WARN
+export NCCL_IB_TIMEOUT=22
+export WANDB_PROJECT=lm
+export PATH=/home/train/venv/bin:/usr/local/bin:/usr/bin:/bin
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64
+export PYTHONUNBUFFERED=1
+export NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7
+export NCCL_SOCKET_IFNAME==bond0
+export CLUSTERKIT_JOB_ID=golden-h100-2x8-ib
+
+mkdir -p -- /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs
+
+echo "clusterkit: job golden-h100-2x8-ib slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=torchrun"
+srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/lustre/projects/lm env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 WANDB_PROJECT=lm PATH=/home/train/venv/bin:/usr/local/bin:/usr/bin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7 NCCL_SOCKET_IFNAME==bond0 CLUSTERKIT_JOB_ID=golden-h100-2x8-ib /home/train/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=8 --max-restarts=0 --tee=3 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR":"$MASTER_PORT" --rdzv-id=golden-h100-2x8-ib -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/ds_config.json --run-dir /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/run --ckpt-dir /lustre/projects/lm/ckpt --storage shared

@@ -1,0 +1,42 @@
+#!/bin/bash
+# Slurm batch script for clusterkit job golden-local (local), rendered from the
+# inventory; edit the inventory or the clusterkit flags, not this file.
+#SBATCH --job-name=ck-golden-local
+#SBATCH --nodes=4
+#SBATCH --ntasks-per-node=1
+#SBATCH --time=01:00:00
+#SBATCH --output=/home/me/proj/.clusterkit/jobs/golden-local/logs/slurm-%j.out
+#SBATCH --error=/home/me/proj/.clusterkit/jobs/golden-local/logs/slurm-%j.err
+# USR1 90 s before the time limit: the workload checkpoints and exits, Slurm requeues.
+#SBATCH --signal=USR1@90
+#SBATCH --requeue
+set -euo pipefail
+
+export PYTHONUNBUFFERED=1 SLURM_UNBUFFEREDIO=1
+
+# Node 0 of the allocation is the rendezvous head; resolve it to an IPv4 address
+# (a name can resolve to 127.0.1.1 on the node itself). sed/awk read all input, so
+# no SIGPIPE under pipefail.
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+MASTER_ADDR=$(getent ahostsv4 "$head_node" | awk 'NR == 1 { print $1 }')
+if [ -z "$MASTER_ADDR" ]; then
+    echo "clusterkit: cannot resolve the head node $head_node to an IPv4 address" >&2
+    exit 2
+fi
+# The same port derivation as clusterkit's plan for a numeric job id.
+MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 40001 ))
+export MASTER_ADDR MASTER_PORT
+
+# The job environment (an allowlist, see docs/render.md).
+export HF_HUB_OFFLINE=1
+export NCCL_DEBUG=WARN
+export NCCL_IB_TIMEOUT=22
+export PATH=/opt/py/bin:/usr/local/bin:/usr/bin:/bin
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64
+export PYTHONUNBUFFERED=1
+export CLUSTERKIT_JOB_ID=golden-local
+
+mkdir -p -- /home/me/proj/.clusterkit/jobs/golden-local/logs
+
+echo "clusterkit: job golden-local slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=accelerate"
+srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/home/me/proj env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/py/bin:/usr/local/bin:/usr/bin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local sh -c 'd=$1; shift; exec "$0" -m accelerate.commands.launch --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml" --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"' /opt/py/bin/python3 /home/me/proj/.clusterkit/jobs/golden-local --module clusterkit.workload --engine accelerate --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt --storage shared
