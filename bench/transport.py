@@ -2,6 +2,7 @@
 
     python -m bench.transport --nodes 7 --rounds 5            # own test bed, torn down after
     python -m bench.transport --prefix cktb-xyz --rounds 5     # an existing test bed
+    python -m bench.transport --mask-bashrc                    # without root's ~/.bashrc
 
 Reports the median wall time of: a cold run_all (new SSHTransport: TCP + kex +
 auth per node, the doctor's case), a warm run_all (connections reused), and
@@ -66,11 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prefix", help="use this existing test bed instead of a new one")
+    parser.add_argument(
+        "--mask-bashrc",
+        action="store_true",
+        help="hide root's ~/.bashrc on the nodes: measure the transport, not the login shell",
+    )
     args = parser.parse_args(argv)
     if args.prefix:
         bench(Testbed.load(args.prefix), args.nodes, args.rounds)
         return 0
-    tb = Testbed.create()
+    tb = Testbed.create(mask_bashrc=args.mask_bashrc)
     try:
         bench(tb, args.nodes, args.rounds)
     finally:
