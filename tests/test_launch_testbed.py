@@ -1,0 +1,185 @@
+"""``clusterkit launch`` on real namespace nodes with sshd (tests/testbed).
+
+The failure cases use a tiny sleeping "rank" script under torchrun (no DeepSpeed
+start-up cost); the training cases run the bundled ZeRO-2 workload once per
+backend at 7 nodes x 2 ranks (CPU/gloo, tiny model, few steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.testbed.core import Testbed
+
+pytestmark = pytest.mark.testbed
+
+SLEEPER = textwrap.dedent("""
+    import os, sys, time
+    print(f"ready rank {os.environ['RANK']}", flush=True)
+    time.sleep(300)
+""")
+
+# Runs inside a node: the pids of this job's processes (optionally of one rank).
+FIND = textwrap.dedent("""
+    import json, os, sys
+    job, rank = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    out = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            env = dict(x.split("=", 1) for x in open(f"/proc/{p}/environ").read().split("\\0") if "=" in x)
+        except OSError:
+            continue
+        if env.get("CLUSTERKIT_JOB_ID") == job and (rank is None or (env.get("RANK") == rank and "LOCAL_RANK" in env)):
+            out.append(int(p))
+    print(json.dumps(out))
+""")
+
+
+def _job_pids(tb: Testbed, node: str, job: str, rank: int | None = None) -> list[int]:
+    args = [sys.executable, "-c", FIND, job] + ([str(rank)] if rank is not None else [])
+    res = tb.exec(node, args, timeout=30)
+    assert res.returncode == 0, res.stderr
+    return list(json.loads(res.stdout))
+
+
+def _gone_everywhere(tb: Testbed, nodes: Sequence[str], job: str) -> bool:
+    return all(not _job_pids(tb, n, job) for n in nodes)
+
+
+@pytest.fixture()
+def env(tmp_path: Path) -> dict[str, str]:
+    return dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+
+
+def _launch(inv: Path, job: str, extra: Sequence[str], env: dict[str, str], cwd: Path
+            ) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
+            "--grace", "2", *extra]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=cwd, start_new_session=True)
+
+
+def _read_until(proc: subprocess.Popen[str], want: int, pattern: str, timeout: float,
+                seen: list[str]) -> None:
+    """Read lines until ``want`` lines contain ``pattern``."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    hits = 0
+    for line in proc.stdout:
+        seen.append(line)
+        hits += pattern in line
+        if hits >= want:
+            return
+        assert time.monotonic() < deadline, "".join(seen[-30:])
+    raise AssertionError("launcher ended early:\n" + "".join(seen[-40:]))
+
+
+@pytest.fixture()
+def bystanders(testbed: Testbed) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
+    """On node5 and node1: another job's process and a DeepSpeed-pkill-pattern look-alike."""
+    testbed.ensure(7)
+    procs = []
+    for node in ("node5", "node1"):
+        procs.append((node, testbed.spawn(node, ["env", "CLUSTERKIT_JOB_ID=unrelated-job",
+                                                 "sleep", "300"])))
+        procs.append((node, testbed.spawn(node, [sys.executable, "-c", "import time; time.sleep(300)",
+                                                 "deepspeed.launcher.launch", "--world_info=e30="])))
+    yield procs
+    for _, p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_kill9_of_one_rank_on_node5_stops_every_rank_and_spares_other_jobs(
+        testbed: Testbed, tmp_path: Path, env: dict[str, str],
+        bystanders: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+    nodes = [n.name for n in testbed.ensure(7)]
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "sleeper.py").write_text(SLEEPER)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes=nodes, slots=2)
+    job = "kill9-test"
+    proc = _launch(inv, job, ["--skip-checks", "--nodes", "7", "--gpus-per-node", "2",
+                              str(work / "sleeper.py")], env, tmp_path)
+    seen: list[str] = []
+    try:
+        _read_until(proc, 14, "ready rank", 120, seen)
+        victim = _job_pids(testbed, "node5", job, rank=9)
+        assert len(victim) == 1
+        killed_at = time.monotonic()
+        testbed.exec("node5", ["kill", "-9", str(victim[0])])
+        out, _ = proc.communicate(timeout=60)
+        seen.append(out)
+        # Every rank on every node gone within 10 s of the kill.
+        while not _gone_everywhere(testbed, nodes, job):
+            assert time.monotonic() - killed_at < 10, "ranks still alive 10 s after the kill"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(30)
+    text = "".join(seen)
+    assert proc.returncode == 137, text[-3000:]
+    assert "node5 rank 9 failed first (killed by SIGKILL)" in text, text[-3000:]
+    assert all(p.poll() is None for _, p in bystanders), "another job's process was killed"
+
+
+def test_ctrl_c_on_the_launcher_leaves_no_process_on_any_node(
+        testbed: Testbed, tmp_path: Path, env: dict[str, str]) -> None:
+    nodes = [n.name for n in testbed.ensure(3)]
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "sleeper.py").write_text(SLEEPER)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes=nodes, slots=2)
+    job = "ctrlc-test"
+    proc = _launch(inv, job, [str(work / "sleeper.py")], env, tmp_path)
+    seen: list[str] = []
+    _read_until(proc, 6, "ready rank", 120, seen)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130, "".join(seen) + out
+    assert "interrupted: stopped on every node" in out
+    assert _gone_everywhere(testbed, nodes, job)
+
+
+def test_status_and_stop_reach_every_node(testbed: Testbed, tmp_path: Path,
+                                          env: dict[str, str]) -> None:
+    nodes = [n.name for n in testbed.ensure(2)]
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "sleeper.py").write_text(SLEEPER)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes=nodes, slots=1)
+    job = "stop-test"
+    proc = _launch(inv, job, ["--skip-checks", str(work / "sleeper.py")], env, tmp_path)
+    seen: list[str] = []
+    try:
+        _read_until(proc, 2, "ready rank", 120, seen)
+        ck = [sys.executable, "-m", "clusterkit"]
+        status = subprocess.run([*ck, "status", job], capture_output=True, text=True, env=env,
+                                timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert "node1" in status.stdout and "agent up" in status.stdout and "ranks 0" in status.stdout
+        stop = subprocess.run([*ck, "stop", job], capture_output=True, text=True, env=env, timeout=60)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert "no process left on 2 node(s)" in stop.stdout
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert _gone_everywhere(testbed, nodes, job)
+    listing = subprocess.run([sys.executable, "-m", "clusterkit", "status"], capture_output=True,
+                             text=True, env=env, timeout=30)
+    assert job in listing.stdout
