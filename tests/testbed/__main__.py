@@ -92,9 +92,12 @@ def cmd_down(args: argparse.Namespace) -> int:
         gone = down_all()
         print(f"removed {len(gone)} test bed(s){': ' + ', '.join(gone) if gone else ''}")
         return 0
-    tb = _pick(args.prefix)
-    down_prefix(tb.prefix)
-    print(f"removed test bed {tb.prefix}")
+    # An explicit --prefix also works with a missing/broken state file (leftovers).
+    prefix = args.prefix if args.prefix is not None else _pick(None).prefix
+    if down_prefix(prefix):
+        print(f"removed test bed {prefix}")
+    else:
+        print(f"nothing to remove for test bed {prefix}")
     return 0
 
 

@@ -645,12 +645,12 @@ def _teardown(state: _State, procs: Any = (), spawned: Any = ()) -> None:
         with contextlib.suppress(Exception):
             proc.kill()
             proc.wait(timeout=5)
-    # 2. links and namespaces (deleting a veth end removes its peer in the node)
-    links = link_names()
-    ip_batch([*(f"link del {n.veth}" for n in state.nodes if n.veth in links),
-              *([f"link del {state.prefix}-br"] if f"{state.prefix}-br" in links else []),
-              *(f"netns del {n.netns}" for n in state.nodes
-                if (Path("/run/netns") / n.netns).exists())], force=True)
+    # 2. namespaces, then links. With no process left, deleting a netns destroys its
+    #    veth pair in one batched kernel cleanup (128 nodes: ~0.1 s, versus ~2.5 s
+    #    for one `link del` per veth); whatever is left is deleted explicitly.
+    ip_batch((f"netns del {n.netns}" for n in state.nodes
+              if (Path("/run/netns") / n.netns).exists()), force=True)
+    _wait_links_gone({n.veth for n in state.nodes if n.veth}, timeout=5.0)
     stray = {name for name in link_names() if name.startswith(f"{state.prefix}-")}
     ip_batch((f"link del {name}" for name in sorted(stray)), force=True)
     # 3. mounts in the host namespace (there should be none; never rmtree through one)
@@ -662,6 +662,12 @@ def _teardown(state: _State, procs: Any = (), spawned: Any = ()) -> None:
         raise TestbedError(f"processes survived SIGKILL: {left}", path=str(root))
     with flock(GLOBAL_LOCK):
         _cleanup_host_if_last()
+
+
+def _wait_links_gone(names: set[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while names & link_names() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _cleanup_host_if_last() -> None:
@@ -695,15 +701,21 @@ def _sweep_orphans() -> None:
                 _teardown(state)
 
 
-def down_prefix(prefix: str) -> None:
-    """Tear down one test bed by prefix, from any process; tolerate a broken state file."""
+def down_prefix(prefix: str) -> bool:
+    """Tear down one test bed by prefix, from any process; tolerate a broken state file.
+
+    Returns False when there was nothing to remove."""
     root = BASE_DIR / f"{ROOT_PREFIX}{prefix}"
     try:
         state = _State.load(root / "state.json")
     except (OSError, ValueError, TypeError, KeyError):
         state = _State(prefix=prefix, octet=0, root=str(root), owner_pid=0, owner_start=0,
                        nodes=_guess_nodes(prefix))
+        links = [n for n in link_names() if n.startswith(f"{prefix}-")]
+        if not root.exists() and not state.nodes and not links:
+            return False
     _teardown(state)
+    return True
 
 
 def _guess_nodes(prefix: str) -> list[TestNode]:

@@ -18,8 +18,10 @@ EOF
 hostname "$name"
 
 # Our copy of the host's /run/netns mounts would pin every other node's network
-# namespace (and the host's netns deletes would not free them): drop it.
-if mountpoint -q /run/netns; then umount -R -l /run/netns; fi
+# namespace (and the host's netns deletes would not free them): drop it. A lazy
+# umount of the parent detaches the whole subtree in one syscall (umount -R goes
+# mount by mount: ~50 ms per node at 128 nodes).
+if mountpoint -q /run/netns; then umount -l /run/netns; fi
 resolv=$(readlink -f /etc/resolv.conf)  # may point into /run, resolve before hiding /run
 mount -t tmpfs -o mode=0755,size=16m tmpfs /run
 mkdir -m 0755 /run/sshd
