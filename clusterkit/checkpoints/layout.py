@@ -13,8 +13,9 @@ DeepSpeed 0.19 layout of one checkpoint ``<save_dir>/<tag>/`` (``engine.py``
 * ZeRO >= 1 (and the bf16 optimizer at stage 0): one optimizer shard per rank,
   ``[bf16_]zero_pp_rank_{dp}_mp_rank_00_optim_states.pt``; the ``bf16_`` prefix
   appears whenever bf16 is enabled. Shards always carry the *global* dp index.
-* ``<save_dir>/latest`` (tag name) and ``<save_dir>/<tag>/zero_to_fp32.py``:
-  global rank 0 only, i.e. on node 0 only with node-local storage.
+* ``<save_dir>/latest`` (tag name), ``<save_dir>/zero_to_fp32.py`` and
+  ``<save_dir>/zero_to_torch.py``: global rank 0 only, i.e. on node 0 only with
+  node-local storage (measured with DeepSpeed 0.19.8).
 
 accelerate's ``save_state(output_dir)`` calls DeepSpeed with ``save_dir=output_dir``
 and ``tag="pytorch_model"``, so for ``engine=accelerate`` the DeepSpeed files sit in

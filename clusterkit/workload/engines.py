@@ -109,6 +109,25 @@ class DeepSpeedAdapter:
         return _full_fp32_state_dict(self.engine)
 
 
+def _tolerate_missing_transformers(plugin_cls: Any) -> None:
+    """accelerate 1.15's ``DeepSpeedPlugin.set_deepspeed_weakref`` imports transformers
+    unconditionally (only to publish an ``HfDeepSpeedConfig`` for transformers'
+    ``from_pretrained`` under zero.Init). This workload builds its model itself, so
+    without transformers installed that step is skipped instead of crashing."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is not None:
+        return
+    if getattr(plugin_cls, "_clusterkit_patched", False):
+        return
+
+    def set_deepspeed_weakref(self: Any) -> None:
+        self.dschf = None
+
+    plugin_cls.set_deepspeed_weakref = set_deepspeed_weakref
+    plugin_cls._clusterkit_patched = True
+
+
 class AccelerateAdapter:
     """accelerate + DeepSpeedPlugin: gradient accumulation through
     ``accelerator.accumulate``, checkpoints through ``save_state``/``load_state``."""
@@ -117,16 +136,27 @@ class AccelerateAdapter:
 
     def __init__(self, model: GPT, ds_config: dict[str, Any], weight_decay: float,
                  project_dir: str, trackers: Sequence[str]) -> None:
+        import torch.distributed as dist
         from accelerate import Accelerator
-        from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
+        from accelerate.utils import (
+            DeepSpeedPlugin,
+            DummyOptim,
+            DummyScheduler,
+            InitProcessGroupKwargs,
+        )
 
+        _tolerate_missing_transformers(DeepSpeedPlugin)
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
         precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else (
             "fp16" if ds_config.get("fp16", {}).get("enabled") else "no")
         self.accelerator: Any = Accelerator(
             deepspeed_plugin=plugin, mixed_precision=precision,
             gradient_accumulation_steps=int(ds_config["gradient_accumulation_steps"]),
-            project_dir=project_dir, log_with=list(trackers) or None)
+            project_dir=project_dir, log_with=list(trackers) or None,
+            # Name the already-initialised backend: without it accelerate finds no GPU
+            # backend on CPU and treats every rank as process 0 of 1 (all ranks then
+            # write random_states_0.pkl and all think they are the main process).
+            kwargs_handlers=[InitProcessGroupKwargs(backend=dist.get_backend())])
         optim = DummyOptim(param_groups(model, weight_decay))
         sched = DummyScheduler(optim)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optim, sched)
