@@ -86,6 +86,11 @@ class _Connection:
         self.lock = threading.Lock()  # serialises SFTP use
         self._sftp: paramiko.SFTPClient | None = None
 
+    def reset_sftp(self) -> None:
+        if self._sftp is not None:
+            _quietly(self._sftp.close)
+            self._sftp = None
+
     def sftp(self, timeout: float) -> paramiko.SFTPClient:
         if self._sftp is None:
             client = paramiko.SFTPClient.from_transport(self.transport)
@@ -371,6 +376,7 @@ class SSHTransport:
                     f"{what}: permission denied", kind="file", host=target.name, path=path
                 ) from exc
             except TimeoutError as exc:
+                conn.reset_sftp()  # a late reply would desync the next request
                 raise TransportError(
                     f"{what}: no progress for {self.transfer_timeout:.0f}s",
                     kind="command-timeout",
