@@ -37,6 +37,8 @@ class StorageFacts:
 class NodeFacts:
     host: str  # inventory name
     probe_error: str | None = None  # the probe could not run / answer at all
+    error_kind: str | None = None  # TransportError kind (refused, timeout, auth, hostkey-*, ...)
+    error_hint: str | None = None  # the transport's own advice for that failure
     hostname: str | None = None
     time: float | None = None
     python_executable: str | None = None
@@ -87,9 +89,10 @@ class NodeFacts:
         return self.gpus[0].driver_version if self.gpus else None
 
 
-def unreachable(host: str, error: str) -> NodeFacts:
+def unreachable(host: str, error: str, kind: str | None = None,
+                hint: str | None = None) -> NodeFacts:
     """Facts for a node whose probe never answered (SSH failure, timeout, bad interpreter)."""
-    return NodeFacts(host=host, probe_error=error)
+    return NodeFacts(host=host, probe_error=error, error_kind=kind, error_hint=hint)
 
 
 def _d(obj: Any, *keys: str) -> Any:
@@ -116,7 +119,7 @@ def _nccl_from_lib(path: str | None) -> str | None:
 def from_probe_json(host: str, data: Mapping[str, Any]) -> NodeFacts:
     """Build :class:`NodeFacts` from the probe's ``facts`` JSON object."""
     if "fatal" in data:
-        return unreachable(host, f"probe crashed: {data['fatal']}")
+        return unreachable(host, f"probe crashed: {data['fatal']}", "probe")
     parse_errors: dict[str, str] = {}
     gpus, gpu_error, topo, p2p = _gpu(_d(data, "gpu") or {}, parse_errors)
     pkgs = _d(data, "packages") or {}

@@ -29,8 +29,11 @@ def probe_source() -> bytes:
 
 
 def facts_argv(python: str, *, workdir: str | None = None,
-               ckpt_dirs: Sequence[str] = (), peers: Sequence[str] = ()) -> list[str]:
+               ckpt_dirs: Sequence[str] = (), peers: Sequence[str] = (),
+               master: str | None = None, master_wait: float = 0.0) -> list[str]:
     argv = [python, "-", "facts"]
+    if master:
+        argv += ["--master", master, "--master-wait", f"{master_wait:g}"]
     if workdir:
         argv += ["--workdir", workdir]
     for d in ckpt_dirs:
@@ -40,12 +43,16 @@ def facts_argv(python: str, *, workdir: str | None = None,
     return argv
 
 
-def listen_argv(python: str, port: int, seconds: float, bind: str = "0.0.0.0") -> list[str]:
-    return [python, "-", "listen", str(port), f"{seconds:g}", "--bind", bind]
+def listen_argv(python: str, port: int, seconds: float, bind: str = "0.0.0.0",
+                expect: int = 0) -> list[str]:
+    argv = [python, "-", "listen", str(port), f"{seconds:g}", "--bind", bind]
+    return [*argv, "--expect", str(expect)] if expect else argv
 
 
-def connect_argv(python: str, host: str, port: int, timeout: float = 3.0) -> list[str]:
-    return [python, "-", "connect", host, str(port), "--timeout", f"{timeout:g}"]
+def connect_argv(python: str, host: str, port: int, timeout: float = 3.0,
+                 hello: str | None = None) -> list[str]:
+    argv = [python, "-", "connect", host, str(port), "--timeout", f"{timeout:g}"]
+    return [*argv, "--hello", hello] if hello else argv
 
 
 def parse_probe_stdout(stdout: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ Facts are read from package metadata and files instead.
 Modes (argv selects; every mode prints JSON lines on stdout and exits 0 — a
 failure is reported as data, never as a traceback):
 
-``facts [--workdir P] [--ckpt-dir P]... [--peer NAME_OR_ADDR]... [--no-slow]``
+``facts [--workdir P] [--ckpt-dir P]... [--peer NAME_OR_ADDR]... [--master H:P [--master-wait S]]``
     One JSON object with every fact the rules need (schema: ``SCHEMA_VERSION``,
     documented in docs/doctor.md). Each section catches its own exceptions and
     records them under ``errors[section]``.
@@ -32,6 +32,7 @@ import json
 import os
 import re
 import resource
+import select
 import shutil
 import socket
 import subprocess
@@ -52,6 +53,10 @@ HEAVY_MODULES = ("torch", "deepspeed", "numpy", "accelerate", "transformers")
 CMD_TIMEOUT_S = 15.0  # `nvidia-smi topo -m` has been seen taking minutes (NCCL#557)
 RESOLVE_TIMEOUT_S = 5.0
 HELLO = b"clusterkit-probe "
+DONE_HELLO = "!done"  # a connect with this hello ends a listener early (doctor's phase end)
+# Tests only: one namespace node cannot have its own clock, so the fault-injection
+# tests shift the time the probe reports instead (documented in docs/doctor.md).
+CLOCK_OFFSET_ENV = "CLUSTERKIT_PROBE_CLOCK_OFFSET_S"
 
 # typing.Dict, not dict[...]: this file must also run on a Python 3.8 node.
 JSON = Dict[str, Any]  # noqa: UP006
@@ -123,11 +128,18 @@ def section_host() -> JSON:
         "hostname": socket.gethostname(),
         "kernel": uname.release,
         "machine": uname.machine,
-        "time": time.time(),
+        "time": time.time() + _clock_offset(),
         "pid": os.getpid(),
         "user": os.environ.get("USER") or os.environ.get("LOGNAME"),
         "cwd": os.getcwd(),
     }
+
+
+def _clock_offset() -> float:
+    try:
+        return float(os.environ.get(CLOCK_OFFSET_ENV, "0") or 0)
+    except ValueError:
+        return 0.0
 
 
 def section_python() -> JSON:
@@ -152,9 +164,12 @@ def _scan_distributions() -> dict[str, tuple[str, str]]:
     """name(normalized) -> (version, location), first on sys.path wins like import.
 
     Reading directory names instead of every METADATA file keeps this at a few ms
-    for hundreds of packages (what `pip freeze` spends most of its time on).
+    for hundreds of packages (what `pip freeze` spends most of its time on). The
+    few KEY_PACKAGES get their version from METADATA, which is authoritative (a
+    dist-info directory can be renamed or copied; the metadata is what pip wrote).
     """
     found: dict[str, tuple[str, str]] = {}
+    dirs: dict[str, str] = {}
     for entry in sys.path:
         if not entry or not os.path.isdir(entry):
             continue
@@ -167,8 +182,31 @@ def _scan_distributions() -> dict[str, tuple[str, str]]:
             if parsed is None:
                 continue
             key, version = parsed
-            found.setdefault(key, (version, entry))
+            if key not in found:
+                found[key] = (version, entry)
+                dirs[key] = os.path.join(entry, name)
+    for key in KEY_PACKAGES:
+        if key in found:
+            meta = _metadata_version(dirs[key])
+            if meta:
+                found[key] = (meta, found[key][1])
     return found
+
+
+def _metadata_version(dist_dir: str) -> str | None:
+    """``Version:`` from a dist-info METADATA / egg-info PKG-INFO header (None if unreadable)."""
+    for fname in ("METADATA", "PKG-INFO"):
+        try:
+            with open(os.path.join(dist_dir, fname), encoding="utf-8", errors="replace") as fh:
+                for _ in range(64):  # the header comes first; never read a long description
+                    line = fh.readline()
+                    if not line or not line.strip():
+                        break
+                    if line.startswith("Version:"):
+                        return line.split(":", 1)[1].strip() or None
+        except OSError:
+            continue
+    return None
 
 
 _DIST_RE = re.compile(
@@ -497,7 +535,8 @@ def section_routes(peer_addrs: Sequence[str], interfaces: Sequence[JSON]) -> JSO
 # ----------------------------------------------------------------------------- modes
 
 
-def collect_facts(workdir: str | None, ckpt_dirs: Sequence[str], peers: Sequence[str]) -> JSON:
+def collect_facts(workdir: str | None, ckpt_dirs: Sequence[str], peers: Sequence[str],
+                  master: str | None = None, master_wait: float = 0.0) -> JSON:
     t0 = time.perf_counter()
     facts: JSON = {"schema": SCHEMA_VERSION, "mode": "facts"}
     errors: dict[str, str] = {}
@@ -540,6 +579,9 @@ def collect_facts(workdir: str | None, ckpt_dirs: Sequence[str], peers: Sequence
                          if n != (facts.get("names") or {}).get("self")
                          for a in (r or {}).get("addresses", [])})
     sect("routes", lambda: section_routes(peer_addrs, facts.get("interfaces") or []), {})
+    if master:
+        host, _, port = master.rpartition(":")
+        sect("master_port", lambda: connect_with_retry(host, int(port), 3.0, master_wait), {})
     facts["errors"] = errors
     facts["probe"] = {
         "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1),
@@ -548,36 +590,72 @@ def collect_facts(workdir: str | None, ckpt_dirs: Sequence[str], peers: Sequence
     return facts
 
 
-def do_listen(port: int, seconds: float, bind: str) -> list[JSON]:
+def do_listen(port: int, seconds: float, bind: str, expect: int = 0) -> list[JSON]:
+    """Accept for ``seconds``, until ``expect`` hellos arrived (0: no limit), until a
+    ``!done`` hello, or until our stdout is closed (the caller closed the SSH channel).
+
+    Every hello is also printed at once as ``{"event": "hello"}``, so the caller can
+    read the arrivals and just close the channel instead of waiting for the result.
+    """
     lines: list[JSON] = []
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # Same as torch's TCPStore: TIME_WAIT leftovers must not read as "port busy".
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         srv.bind((bind, port))
-        srv.listen(128)
+        srv.listen(1024)
     except OSError as exc:
         srv.close()
         return [{"mode": "listen", "event": "result", "bound": False, "port": port,
                  "error": _err(exc), "errno": exc.errno, "accepted": 0, "hellos": []}]
-    _emit({"mode": "listen", "event": "ready", "port": port, "bind": bind})
     accepted, hellos = 0, []
-    deadline = time.monotonic() + seconds
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        srv.settimeout(left)
-        try:
+    try:
+        _emit({"mode": "listen", "event": "ready", "port": port, "bind": bind})
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not _stdout_closed():
+            ready, _, _ = select.select([srv], [], [], min(0.2, deadline - time.monotonic()))
+            if not ready:
+                continue
             conn, peer = srv.accept()
-        except (TimeoutError, socket.timeout):  # noqa: UP041 - distinct before 3.10
-            break
-        accepted += 1
-        hellos.append({"addr": peer[0], "hello": _read_hello(conn)})
-    srv.close()
+            hello = _read_hello(conn)
+            if hello == DONE_HELLO:
+                break
+            accepted += 1
+            hellos.append({"addr": peer[0], "hello": hello})
+            _emit({"mode": "listen", "event": "hello", "addr": peer[0], "hello": hello})
+            if expect and sum(1 for h in hellos if h["hello"] is not None) >= expect:
+                break
+    except (BrokenPipeError, OSError):
+        return []  # the caller went away: nobody to report to
+    finally:
+        srv.close()
     lines.append({"mode": "listen", "event": "result", "bound": True, "port": port,
                   "accepted": accepted, "hellos": hellos})
     return lines
+
+
+def _stdout_closed() -> bool:
+    """True once the reader of our stdout is gone (POLLERR/POLLHUP on the write end)."""
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), 0)  # errors and hang-ups are always reported
+    return any(ev & (select.POLLERR | select.POLLHUP) for _fd, ev in poller.poll(0))
+
+
+def connect_with_retry(host: str, port: int, timeout: float, wait: float) -> JSON:
+    """:func:`do_connect`, retried while refused for up to ``wait`` seconds.
+
+    The doctor starts the master's listener and the nodes' probes at the same
+    time; a probe that gets there first sees "refused" for a moment.
+    """
+    deadline = time.monotonic() + wait
+    attempts = 0
+    while True:
+        attempts += 1
+        res = do_connect(host, port, timeout)
+        if res.get("error_kind") != "refused" or time.monotonic() >= deadline:
+            res["attempts"] = attempts
+            return res
+        time.sleep(0.05)
 
 
 def _read_hello(conn: socket.socket) -> str | None:
@@ -591,13 +669,13 @@ def _read_hello(conn: socket.socket) -> str | None:
     return data[len(HELLO):].decode("utf-8", "replace").strip() if data.startswith(HELLO) else None
 
 
-def do_connect(host: str, port: int, timeout: float) -> JSON:
+def do_connect(host: str, port: int, timeout: float, hello: str | None = None) -> JSON:
     t0 = time.perf_counter()
     out: JSON = {"mode": "connect", "host": host, "port": port}
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
             out["local_addr"] = s.getsockname()[0]
-            s.sendall(HELLO + socket.gethostname().encode() + b"\n")
+            s.sendall(HELLO + (hello or socket.gethostname()).encode() + b"\n")
         out.update(ok=True, error=None, error_kind=None)
     except socket.gaierror as exc:
         out.update(ok=False, error=_err(exc), error_kind="resolve")
@@ -623,14 +701,19 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--workdir")
     f.add_argument("--ckpt-dir", action="append", default=[])
     f.add_argument("--peer", action="append", default=[])
+    f.add_argument("--master", help="HOST:PORT to connect to at the end (the doctor's listener)")
+    f.add_argument("--master-wait", type=float, default=0.0,
+                   help="keep retrying a refused --master connect this long")
     lst = sub.add_parser("listen")
     lst.add_argument("port", type=int)
     lst.add_argument("seconds", type=float)
     lst.add_argument("--bind", default="0.0.0.0")
+    lst.add_argument("--expect", type=int, default=0)
     c = sub.add_parser("connect")
     c.add_argument("host")
     c.add_argument("port", type=int)
     c.add_argument("--timeout", type=float, default=3.0)
+    c.add_argument("--hello", default=None)
     return p
 
 
@@ -638,12 +721,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.mode == "facts":
-            _emit(collect_facts(args.workdir, args.ckpt_dir, args.peer))
+            _emit(collect_facts(args.workdir, args.ckpt_dir, args.peer, args.master,
+                                args.master_wait))
         elif args.mode == "listen":
-            for line in do_listen(args.port, args.seconds, args.bind):
+            for line in do_listen(args.port, args.seconds, args.bind, args.expect):
                 _emit(line)
         else:
-            _emit(do_connect(args.host, args.port, args.timeout))
+            _emit(do_connect(args.host, args.port, args.timeout, args.hello))
     except Exception as exc:  # last resort: still one JSON answer
         _emit({"mode": args.mode, "fatal": _err(exc)})
     return 0

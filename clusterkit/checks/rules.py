@@ -25,6 +25,7 @@ from clusterkit.hostrange import fold
 
 GiB = 1024**3
 SHM_MIN_BYTES = 1 * GiB
+STORAGE_MIN_FREE_BYTES = 64 * 1024**2  # below this a checkpoint dir counts as full
 NOFILE_MIN = 65536
 SKEW_WARN_S = 2.0
 SKEW_FAIL_S = 30.0
@@ -115,13 +116,35 @@ def _gib(n: int) -> str:
 # ----------------------------------------------------------------------------- reachability
 
 
+# What to do for each way the probe can fail to answer (TransportError kinds, docs/ssh.md).
+_PROBE_FIXES = {
+    "refused": "start sshd on the node (`systemctl start ssh`) or fix the port in the inventory",
+    "timeout": "the node is down, firewalled or the address is wrong: check `ping` and the "
+               "inventory address",
+    "resolve": "fix the inventory address (or HostName in the ssh config), /etc/hosts or DNS",
+    "auth": "put your public key in ~/.ssh/authorized_keys on the node, or set identity_file",
+    "hostkey-unknown": "verify the fingerprint, then `ssh` to the node once or rerun with "
+                       "--accept-new-host-keys",
+    "hostkey-changed": "the node was reinstalled or this is a man-in-the-middle: after "
+                       "verifying, `ssh-keygen -R <address>` and connect once",
+    "command-timeout": "the probe hung (stuck nvidia-smi or NFS?): run it by hand on the node",
+    "interpreter": "the inventory's python does not exist on this node: install it at that path "
+                   "or set `python:` for this host",
+    "probe": "run `<python> - facts < clusterkit/checks/probe.py` on the node to see the error",
+}
+
+
 def check_probe(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Finding]:
     out = []
     for f in facts.values():
         if not f.ok:
-            out.append(Finding("ssh", Status.FAIL, f.host, f"no answer from the probe: {f.probe_error}",
-                               "check `ssh -o BatchMode=yes <host> true` and that the inventory's "
-                               "python exists on the node"))
+            kind = f.error_kind
+            fix = _PROBE_FIXES.get(kind or "") or f.error_hint or (
+                "check `ssh -o BatchMode=yes <host> true` and that the inventory's python "
+                "exists on the node")
+            detail = (f"unreachable ({kind}): {f.probe_error}" if kind
+                      else f"no answer from the probe: {f.probe_error}")
+            out.append(Finding("ssh", Status.FAIL, f.host, detail, fix))
             continue
         out.append(Finding("ssh", Status.PASS, f.host, "probe answered"))
         for section, err in sorted({**f.section_errors, **f.parse_errors}.items()):
@@ -296,13 +319,28 @@ def check_cuda(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Findi
 
 
 def check_pdsh(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Finding]:
-    if ctx.backend != "pdsh":
+    """pdsh is needed where DeepSpeed's runner runs.
+
+    backend ``pdsh``: the runner runs on the launching machine (``deepspeed --hostfile``
+    by hand). backend ``deepspeed`` (clusterkit launch): the runner runs on the first
+    selected node and reaches the others through pdsh from there.
+    """
+    fix = "apt-get install pdsh (or yum install pdsh), or use --backend torchrun"
+    if ctx.backend == "pdsh":
+        if ctx.head_tools.get("pdsh"):
+            return [Finding("pdsh", Status.PASS, "", "pdsh found on the launching machine")]
+        return [Finding("pdsh", Status.FAIL, "", "pdsh not found on the launching machine "
+                        "(the DeepSpeed runner needs it)", fix)]
+    if ctx.backend != "deepspeed" or not ctx.hosts:
         return []
-    if ctx.head_tools.get("pdsh"):
-        return [Finding("pdsh", Status.PASS, "", "pdsh found on the launching machine")]
-    return [Finding("pdsh", Status.FAIL, "", "pdsh not found on the launching machine "
-                    "(the DeepSpeed runner needs it)",
-                    "apt-get install pdsh (or yum install pdsh), or use the ssh backend")]
+    runner = facts.get(ctx.hosts[0])
+    if runner is None or not runner.ok:
+        return []
+    if runner.tools.get("pdsh"):
+        return [Finding("pdsh", Status.PASS, runner.host, "pdsh on PATH (DeepSpeed runner node)")]
+    return [Finding("pdsh", Status.FAIL, runner.host,
+                    "pdsh not on the PATH remote commands get; the DeepSpeed runner starts "
+                    "here (first node) and reaches the others through pdsh", fix)]
 
 
 # ----------------------------------------------------------------------------- GPUs
@@ -390,6 +428,10 @@ def check_storage(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Fi
             if not s.writable:
                 out.append(Finding(check, Status.FAIL, f.host, f"{s.path} is not writable",
                                    "create it with the right owner (mkdir -p; chown)"))
+            elif s.free_bytes is not None and s.free_bytes < STORAGE_MIN_FREE_BYTES:
+                out.append(Finding(check, Status.FAIL, f.host,
+                                   f"{s.path}: full ({s.free_bytes // 1024**2} MiB free)",
+                                   "free space or point the checkpoint dir at a bigger volume"))
             elif need is None or s.free_bytes is None:
                 out.append(Finding(check, Status.PASS, f.host, f"{s.path} writable"))
             elif s.free_bytes < need:
@@ -429,13 +471,23 @@ def check_limits(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Fin
     return out
 
 
+def _clock_offset(t: float, window: tuple[float, float] | None) -> float:
+    """How far the node's clock is outside the local send/receive window (0 inside).
+
+    The probe read its clock somewhere between sending and receiving; only a time
+    outside that window is provably skew, so slow SSH under load is never blamed.
+    """
+    if window is None:
+        return t
+    start, end = window
+    return t - start if t < start else t - end if t > end else 0.0
+
+
 def check_clock(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Finding]:
     offsets: dict[str, float] = {}
     for f in _ok(facts):
-        if f.time is None:
-            continue
-        window = ctx.probe_windows.get(f.host)
-        offsets[f.host] = f.time - (sum(window) / 2 if window else 0.0)
+        if f.time is not None:
+            offsets[f.host] = _clock_offset(f.time, ctx.probe_windows.get(f.host))
     if len(offsets) < 2:
         return []
     mid = statistics.median(offsets.values())

@@ -1,0 +1,473 @@
+"""``clusterkit doctor`` orchestration: plan → one SSH session per node → facts → rules → report.
+
+:func:`plan_doctor` is pure (inventory hosts and the launching machine's facts in,
+a :class:`DoctorPlan` out). :func:`run_doctor` executes it over a transport:
+
+1. every selected node runs the probe (``<python> - facts``, probe on stdin) in
+   parallel, each on its own SSH connection; a node that cannot be reached
+   becomes an ``unreachable`` fact with the transport's error kind, the others
+   go on;
+2. the master-port phase reuses those connections: ``listen`` on the master,
+   ``connect`` from every reachable node, then a ``!done`` hello ends the
+   listener (so the port is free again right after doctor);
+3. the pure rules turn facts into findings.
+
+Nothing here prints; the CLI renders :class:`DoctorReport`.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterkit.checks.facts import NodeFacts, from_probe_json, unreachable
+from clusterkit.checks.findings import Finding, FindingGroup, Status, group_findings, worst
+from clusterkit.checks.invoke import (
+    FACTS_TIMEOUT_S,
+    ProbeOutputError,
+    facts_argv,
+    listen_argv,
+    parse_probe_stdout,
+    probe_source,
+)
+from clusterkit.checks.rules import (
+    VIRTUAL_IFACE_PREFIXES,
+    DoctorContext,
+    check_master_port,
+    majority,
+    run_rules,
+)
+from clusterkit.errors import TransportError
+from clusterkit.hostrange import fold
+from clusterkit.inventory import Host
+from clusterkit.remote.base import CommandResult, RemoteProcess, SSHTarget, Transport
+from clusterkit.remote.fanout import fan_out
+
+DEFAULT_MASTER_PORT = 29500
+BACKENDS = ("torchrun", "deepspeed", "accelerate")
+# Probes connect to the master's listener at the end of their run; the listener is
+# started at the same time, so a probe that is first retries "refused" this long.
+MASTER_WAIT_S = 8.0
+LISTEN_SECONDS = 120.0  # upper bound; the listener ends when doctor closes its channel
+LISTEN_READY_TIMEOUT_S = 20.0
+HELLO_GRACE_S = 3.0  # wait this long for hellos still in flight after the facts phase
+# A remote shell that cannot exec the interpreter exits 126/127 before the probe runs.
+_NO_INTERPRETER = (126, 127)
+
+
+# ----------------------------------------------------------------------------- plan (pure)
+
+
+@dataclass(frozen=True)
+class NodeProbe:
+    """What runs on one node: the facts probe argv and the env the launch will give it."""
+
+    host: str
+    target: SSHTarget
+    address: str
+    python: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
+class DoctorPlan:
+    nodes: tuple[NodeProbe, ...]
+    ctx: DoctorContext
+    master_port: int | None = DEFAULT_MASTER_PORT
+    probe_timeout_s: float = FACTS_TIMEOUT_S
+    connect_timeout_s: float = 10.0
+    max_parallel: int = 128
+
+    @property
+    def master(self) -> NodeProbe | None:
+        return self.nodes[0] if self.nodes else None
+
+
+def target_for(host: Host, *, accept_new_host_keys: bool = False) -> SSHTarget:
+    return SSHTarget(
+        name=host.name, address=host.address, user=host.ssh.user, port=host.ssh.port,
+        identity_file=host.ssh.identity_file, proxy_jump=host.ssh.proxy_jump,
+        config_file=host.ssh.config_file, known_hosts_file=host.ssh.known_hosts_file,
+        accept_new_host_keys=accept_new_host_keys, local=host.transport == "local",
+    )
+
+
+def plan_doctor(
+    hosts: Sequence[Host],
+    *,
+    head_python: str,
+    head_cwd: str,
+    head_tools: Mapping[str, str | None],
+    backend: str = "torchrun",
+    master_port: int | None = DEFAULT_MASTER_PORT,
+    checkpoint_bytes: int | None = None,
+    connect_timeout_s: float = 10.0,
+    accept_new_host_keys: bool = False,
+    max_parallel: int = 128,
+) -> DoctorPlan:
+    """The probes for ``hosts`` (rank order). Host fields left unset fall back to the
+    launching machine's interpreter and cwd, exactly as the launch does."""
+    peers = [h.address for h in hosts]
+    master = f"{hosts[0].address}:{master_port}" if hosts and master_port else None
+    nodes = []
+    for h in hosts:
+        python = h.python or head_python
+        ckpt = [d for d in (h.checkpoint.local_dir, h.checkpoint.shared_dir) if d]
+        argv = facts_argv(python, workdir=h.workdir or head_cwd, ckpt_dirs=ckpt, peers=peers,
+                          master=master, master_wait=MASTER_WAIT_S)
+        nodes.append(NodeProbe(h.name, target_for(h, accept_new_host_keys=accept_new_host_keys),
+                               h.address, python, tuple(argv), dict(h.env)))
+    # The rules know the DeepSpeed runner as "deepspeed"; torchrun/accelerate start one
+    # launcher per node with that node's interpreter ("ssh" semantics).
+    ctx = DoctorContext(
+        hosts=tuple(h.name for h in hosts),
+        slots={h.name: h.slots for h in hosts},
+        gpus={h.name: h.gpus for h in hosts},
+        backend=backend if backend == "deepspeed" else "ssh",
+        head_tools=dict(head_tools),
+        head_python=None,  # clusterkit launch never runs the launcher's own interpreter remotely
+        checkpoint_bytes=checkpoint_bytes,
+    )
+    return DoctorPlan(tuple(nodes), ctx, master_port, connect_timeout_s=connect_timeout_s,
+                      max_parallel=max_parallel)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    plan: DoctorPlan
+    facts: Mapping[str, NodeFacts]
+    findings: tuple[Finding, ...]
+    timings: Mapping[str, float] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)  # e.g. bandwidth results
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return self.plan.ctx.hosts
+
+    @property
+    def status(self) -> Status:
+        return worst(self.findings)
+
+    def groups(self, *, include_pass: bool = False) -> list[FindingGroup]:
+        shown = [f for f in self.findings if include_pass or f.status is not Status.PASS]
+        groups = group_findings(shown, self.hosts)
+        # Worst first; within a severity keep the rules' order (stable sort).
+        return sorted(groups, key=lambda g: -int(g.status))
+
+    def clean_hosts(self) -> list[str]:
+        bad = {f.host for f in self.findings if f.status is not Status.PASS}
+        if "" in bad:  # a cluster-wide problem concerns everybody, but no node in particular
+            bad.discard("")
+        return [h for h in self.hosts if h not in bad]
+
+    def exit_code(self, *, strict: bool = False) -> int:
+        if self.status is Status.FAIL:
+            return 2
+        if self.status is Status.WARN and strict:
+            return 1
+        return 0
+
+    def verdict(self, *, strict: bool = False) -> str:
+        fails = [f for f in self.findings if f.status is Status.FAIL]
+        warns = [f for f in self.findings if f.status is Status.WARN]
+        clean = self.clean_hosts()
+        n = len(self.hosts)
+        where = fold(sorted({f.host for f in fails + warns if f.host},
+                            key=self.hosts.index)) or "cluster-wide"
+        if not fails and not warns:
+            return f"PASS: all {n} nodes ready ({fold(self.hosts)})"
+        head = "FAIL" if fails else ("WARN (--strict)" if strict else "PASS with warnings")
+        counts = ", ".join(p for p in (_plural(len(fails), "failure"),
+                                       _plural(len(warns), "warning")) if p)
+        return f"{head}: {counts} on {where}; {len(clean)} of {n} nodes clean"
+
+    def to_json(self, *, strict: bool = False) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict(strict=strict),
+            "status": str(self.status),
+            "exit_code": self.exit_code(strict=strict),
+            "hosts": list(self.hosts),
+            "clean_hosts": self.clean_hosts(),
+            "groups": [
+                {"status": str(g.status), "check": g.check, "hosts": list(g.hosts),
+                 "host_range": g.host_range, "detail": g.detail, "fix": g.fix}
+                for g in self.groups(include_pass=True)
+            ],
+            "findings": [
+                {"status": str(f.status), "check": f.check, "host": f.host, "detail": f.detail,
+                 "fix": f.fix} for f in self.findings
+            ],
+            "unreachable": {h: {"kind": f.error_kind, "error": f.probe_error}
+                            for h, f in self.facts.items() if not f.ok},
+            "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
+            **dict(self.extra),
+        }
+
+
+def _plural(n: int, word: str) -> str:
+    return "" if n == 0 else f"{n} {word}" + ("" if n == 1 else "s")
+
+
+# ----------------------------------------------------------------------------- execution
+
+
+def run_doctor(plan: DoctorPlan, transport: Transport, *,
+               clock: Callable[[], float] = time.time) -> DoctorReport:
+    """Facts and master port in one round: the master's listener starts alongside the
+    probes, and each probe ends by connecting to it (one SSH session per node)."""
+    started = time.monotonic()
+    master = plan.master
+    listener = (_Listener.start_async(transport, master, plan.master_port)
+                if master is not None and plan.master_port else None)
+    try:
+        facts, windows, connects = collect_facts(plan, transport, clock=clock)
+        t_facts = time.monotonic() - started
+        port_findings = (master_port_findings(plan, listener, facts, connects)
+                         if listener is not None else [])
+    finally:
+        if listener is not None:
+            listener.close()
+    findings = run_rules(facts, _with_windows(plan.ctx, windows)) + port_findings
+    timings = {"facts": t_facts, "total": time.monotonic() - started}
+    return DoctorReport(plan, facts, tuple(findings), timings)
+
+
+def _with_windows(ctx: DoctorContext, windows: Mapping[str, tuple[float, float]]) -> DoctorContext:
+    return DoctorContext(ctx.hosts, ctx.slots, ctx.gpus, ctx.backend, ctx.head_tools,
+                         ctx.head_python, ctx.checkpoint_bytes, dict(windows))
+
+
+def _budget(plan: DoctorPlan, command_timeout: float) -> float:
+    # TCP + banner + kex + auth (the SSH transport's worst case) plus the command.
+    return 4 * plan.connect_timeout_s + command_timeout
+
+
+def collect_facts(plan: DoctorPlan, transport: Transport, *,
+                  clock: Callable[[], float] = time.time
+                  ) -> tuple[dict[str, NodeFacts], dict[str, tuple[float, float]],
+                             dict[str, Mapping[str, Any]]]:
+    """Run the facts probe on every node at once; one result per node, never an exception."""
+    windows: dict[str, tuple[float, float]] = {}
+    by_name = {n.host: n for n in plan.nodes}
+    stdin = probe_source()
+
+    def work(target: SSHTarget) -> CommandResult:
+        node = by_name[target.name]
+        _preconnect(transport, target)  # keeps SSH set-up out of the clock window
+        sent = clock()
+        result = transport.run(target, node.argv, timeout=plan.probe_timeout_s,
+                               env=node.env or None, stdin=stdin)
+        windows[node.host] = (sent, clock())
+        return result
+
+    group = fan_out([n.target for n in plan.nodes], work,
+                    per_host_budget_s=_budget(plan, plan.probe_timeout_s),
+                    max_parallel=plan.max_parallel)
+    facts: dict[str, NodeFacts] = {}
+    connects: dict[str, Mapping[str, Any]] = {}
+    for hr in group:
+        facts[hr.host], raw = _facts_of(hr.host, hr.result, hr.error, by_name[hr.host].python)
+        if isinstance(raw.get("master_port"), Mapping):
+            connects[hr.host] = raw["master_port"]
+    return facts, windows, connects
+
+
+def _preconnect(transport: Transport, target: SSHTarget) -> None:
+    connect = getattr(getattr(transport, "ssh", transport), "connect", None)
+    if not target.local and callable(connect):
+        connect(target)
+
+
+def _facts_of(host: str, result: CommandResult | None, error: TransportError | None,
+              python: str) -> tuple[NodeFacts, dict[str, Any]]:
+    """The node's facts and its raw probe JSON ({} when it did not answer)."""
+    if error is not None or result is None:
+        err = error or TransportError("no result", kind="error", host=host)
+        return unreachable(host, err.message, err.kind, err.hint), {}
+    try:
+        raw = parse_probe_stdout(result.stdout)
+    except ProbeOutputError as exc:
+        if result.exit_code in _NO_INTERPRETER:
+            why = (result.stderr.strip().splitlines() or [f"exit {result.exit_code}"])[-1]
+            return unreachable(host, f"cannot run {python}: {why}", "interpreter"), {}
+        return unreachable(host, f"{exc} (exit {result.exit_code}, stderr: "
+                                 f"{result.stderr.strip()[-200:]!r})", "probe"), {}
+    return from_probe_json(host, raw), raw
+
+
+# ----------------------------------------------------------------------------- master port
+
+
+def master_port_findings(plan: DoctorPlan, listener: _Listener,
+                         facts: Mapping[str, NodeFacts],
+                         connects: Mapping[str, Mapping[str, Any]]) -> list[Finding]:
+    """The listener's bind result plus each node's connect result (from its probe)."""
+    master, port = plan.master, plan.master_port
+    assert master is not None and port is not None
+    check = f"port:{port}"
+    if not facts[master.host].ok:
+        return [Finding(check, Status.FAIL, master.host,
+                        "master port not checked: the master node is unreachable",
+                        "fix the master's SSH first (see the ssh finding)")]
+    listen = listener.bind_result(LISTEN_READY_TIMEOUT_S)
+    if not listen.get("bound"):
+        return check_master_port(master.host, port, listen or None, {})
+    reached = {h for h, r in connects.items() if r.get("ok")}
+    names = {h: facts[h].hostname or h for h in reached}
+    arrived = listener.wait_hellos(set(names.values()), HELLO_GRACE_S)
+    findings = check_master_port(master.host, port, listen, connects)
+    for host in sorted(reached, key=plan.ctx.hosts.index):
+        if names[host] not in arrived:
+            findings.append(Finding(
+                check, Status.WARN, host,
+                f"connected to {master.address}:{port}, but the master's listener never saw "
+                "this node (another process or host answered)",
+                "check that the master address points at the master node"))
+    return findings
+
+
+class _Listener:
+    """The ``listen`` probe on the master, started in the background; its JSON lines
+    (ready / hello / result) are collected by a reader thread."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._ready: dict[str, Any] | None = None  # ready line, or the bind-failure result
+        self._hellos: set[str] = set()
+        self._done = False
+        self._proc: RemoteProcess | None = None
+        self._closed = False
+
+    @classmethod
+    def start_async(cls, transport: Transport, master: NodeProbe, port: int) -> _Listener:
+        self = cls()
+        threading.Thread(target=self._run, args=(transport, master, port), daemon=True,
+                         name="doctor-listener").start()
+        return self
+
+    def _run(self, transport: Transport, master: NodeProbe, port: int) -> None:
+        try:
+            proc = transport.start(master.target, listen_argv(master.python, port,
+                                                              LISTEN_SECONDS))
+            with self._cond:
+                self._proc = proc
+                closed = self._closed
+            if closed:
+                proc.terminate()
+                return
+            proc.write_stdin(probe_source())
+            proc.close_stdin()
+            for stream, line in proc.lines():
+                if stream == "stdout" and line.strip().startswith("{"):
+                    self._on_line(line)
+        except (TransportError, OSError) as exc:
+            self._set_ready({"bound": False, "error": f"listener not started: {exc}"})
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def _on_line(self, line: str) -> None:
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError:
+            return
+        event = data.get("event")
+        if event == "ready":
+            self._set_ready({"bound": True, **data})
+        elif event == "result" and not data.get("bound"):
+            self._set_ready(data)
+        elif event == "hello" and data.get("hello"):
+            with self._cond:
+                self._hellos.add(str(data["hello"]))
+                self._cond.notify_all()
+
+    def _set_ready(self, data: dict[str, Any]) -> None:
+        with self._cond:
+            if self._ready is None:
+                self._ready = data
+            self._cond.notify_all()
+
+    def bind_result(self, timeout: float) -> dict[str, Any]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready is not None or self._done, timeout)
+            return dict(self._ready or {})
+
+    def wait_hellos(self, expected: set[str], timeout: float) -> set[str]:
+        with self._cond:
+            self._cond.wait_for(lambda: expected <= self._hellos or self._done, timeout)
+            return set(self._hellos)
+
+    def close(self) -> None:
+        """Close the channel: the listener sees its stdout go away and exits at once."""
+        with self._cond:
+            self._closed = True
+            proc = self._proc
+        if proc is not None:
+            proc.terminate()
+
+
+# ----------------------------------------------------------------------------- --fix-env
+
+
+def recommended_env(report: DoctorReport) -> dict[str, str]:
+    """NCCL/GLOO interface (exact match) and PATH with the interpreter's bin dir.
+
+    Only what the facts support: no interface when the nodes disagree on its name
+    (NCCL then gets the exact list, gloo nothing), no PATH when no node answered.
+    """
+    nodes = [f for f in report.facts.values() if f.ok]
+    out: dict[str, str] = {}
+    ifaces = {f.host: i for f in nodes if (i := _peer_iface(f))}
+    if ifaces:
+        names = sorted(set(ifaces.values()))
+        out["NCCL_SOCKET_IFNAME"] = "=" + ",".join(names)  # "=" prefix: exact match
+        if len(names) == 1:
+            out["GLOO_SOCKET_IFNAME"] = names[0]
+    pythons = {f.host: f.python_executable for f in nodes if f.python_executable}
+    if pythons:
+        python = majority(pythons, report.hosts)
+        if python and "/" in python:
+            out["PATH"] = f"{posixpath.dirname(python)}:$PATH"
+    return out
+
+
+def _peer_iface(f: NodeFacts) -> str | None:
+    own = {a for addrs in f.interfaces.values() for a in addrs}
+    used = {i for a, i in f.routes.items() if i and a not in own and not a.startswith("127.")}
+    if len(used) == 1:
+        return used.pop()
+    real = [i for i, a in f.interfaces.items() if a and not i.startswith(VIRTUAL_IFACE_PREFIXES)]
+    return real[0] if len(real) == 1 else None
+
+
+def merge_env_file(existing: str, updates: Mapping[str, str]) -> str:
+    """``.deepspeed_env`` text with ``updates`` set: other lines kept in order, ours replaced.
+
+    The format is DeepSpeed's (``KEY=VALUE`` per line, split at the first ``=``);
+    blank and comment lines are dropped because DeepSpeed's runner crashes on them.
+    """
+    lines: list[str] = []
+    seen: set[str] = set()
+    for raw in existing.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key = line.split("=", 1)[0].strip()
+        if key in updates:
+            if key not in seen:
+                lines.append(f"{key}={updates[key]}")
+                seen.add(key)
+            continue
+        lines.append(line)
+    lines += [f"{k}={v}" for k, v in updates.items() if k not in seen]
+    return "".join(f"{line}\n" for line in lines)

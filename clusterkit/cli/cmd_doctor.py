@@ -1,0 +1,138 @@
+"""clusterkit doctor: pre-flight checks on every selected node (docs/doctor.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from clusterkit.checks.doctor import (
+    BACKENDS,
+    DEFAULT_MASTER_PORT,
+    DoctorReport,
+    merge_env_file,
+    plan_doctor,
+    recommended_env,
+    run_doctor,
+)
+from clusterkit.checks.findings import Status
+from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
+from clusterkit.errors import ClusterkitError
+from clusterkit.fsutil import atomic_write_text
+from clusterkit.hostfile import select_hosts
+from clusterkit.hostrange import fold
+
+HEAD_TOOLS = ("pdsh", "ninja", "ssh")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
+_STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red"}
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("doctor", help="pre-flight checks on every node",
+                       description="Check every selected node in parallel (one SSH session "
+                       "each): SSH, interpreter and package parity, toolchain, names, "
+                       "interfaces, NCCL env, GPUs, disk, limits, clocks and the master port.")
+    add_inventory_option(p)
+    add_selection_options(p)
+    p.add_argument("--backend", choices=BACKENDS, default="torchrun",
+                   help="how the job will be launched (deepspeed = DeepSpeed's runner over "
+                   "pdsh: identical interpreter paths and pdsh on the first node required)")
+    p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT, metavar="P",
+                   help=f"port to test on the master (default {DEFAULT_MASTER_PORT}; 0 skips)")
+    p.add_argument("--ckpt-size", metavar="SIZE",
+                   help="expected size of one checkpoint per node (e.g. 40G): checks free space")
+    p.add_argument("--bandwidth", action="store_true",
+                   help="also run a short all_reduce and pairwise tests (needs torch on nodes)")
+    p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    p.add_argument("--strict", action="store_true", help="exit 1 on warnings")
+    p.add_argument("-v", "--verbose", action="store_true", help="also list every passed check")
+    p.add_argument("--fix-env", metavar="FILE",
+                   help="write the recommended NCCL/GLOO interface and PATH into this "
+                   ".deepspeed_env-format file (atomically; other lines kept)")
+    p.add_argument("--accept-new-host-keys", action="store_true",
+                   help="add unknown host keys to known_hosts (never changed ones)")
+    p.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
+                   help="SSH connect timeout per node (default 10)")
+    p.set_defaults(func=cmd_doctor)
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.match(text)
+    if not m:
+        raise ClusterkitError(f"bad size {text!r}", key="--ckpt-size", hint="e.g. 512M, 40G")
+    power = " KMGT".index(m.group(2).upper() or " ")
+    return int(float(m.group(1)) * 1024**power)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    inv = resolve_inventory(args.inventory)
+    chosen = select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                          include=args.include, exclude=args.exclude)
+    plan = plan_doctor(
+        [h for h, _slots in chosen], head_python=sys.executable, head_cwd=os.getcwd(),
+        head_tools={t: shutil.which(t) for t in HEAD_TOOLS}, backend=args.backend,
+        master_port=args.master_port or None,
+        checkpoint_bytes=parse_size(args.ckpt_size) if args.ckpt_size else None,
+        connect_timeout_s=args.connect_timeout, accept_new_host_keys=args.accept_new_host_keys,
+    )
+    from clusterkit.remote.dispatch import transport_for
+
+    with transport_for(connect_timeout=args.connect_timeout) as transport:
+        report = run_doctor(plan, transport)
+        if args.bandwidth:
+            from clusterkit.checks.bandwidth import add_bandwidth
+
+            report = add_bandwidth(report, transport)
+    if args.json:
+        print(json.dumps(report.to_json(strict=args.strict), indent=2))
+    else:
+        print_report(report, verbose=args.verbose, strict=args.strict)
+    if args.fix_env:
+        write_fix_env(report, Path(args.fix_env), quiet=args.json)
+    return report.exit_code(strict=args.strict)
+
+
+def print_report(report: DoctorReport, *, verbose: bool, strict: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    # Piped output (CI logs, `| less`) gets wide lines instead of an 80-column wrap.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    for col in ("", "check", "nodes", "finding", "fix"):
+        table.add_column(col, overflow="fold")
+    for g in report.groups(include_pass=verbose):
+        table.add_row(f"[{_STYLE[g.status]}]{g.status}[/]", g.check, g.host_range or "(all)",
+                      g.detail, g.fix or "")
+    clean = report.clean_hosts()
+    if clean:
+        table.add_row(f"[{_STYLE[Status.PASS]}]ok[/]", "all checks", fold(clean), "ok", "")
+    console.print(table)
+    bw = report.extra.get("bandwidth")
+    if isinstance(bw, dict) and bw.get("summary"):
+        console.print(str(bw["summary"]))
+    style = _STYLE[report.status if report.status is not Status.WARN or strict else Status.PASS]
+    console.print(f"[{style}]{report.verdict(strict=strict)}[/]  "
+                  f"({report.timings.get('total', 0.0):.1f} s)")
+
+
+def write_fix_env(report: DoctorReport, path: Path, *, quiet: bool = False) -> None:
+    updates = recommended_env(report)
+    if not updates:
+        print(f"clusterkit: --fix-env: nothing to recommend (no node answered); "
+              f"{path} left unchanged", file=sys.stderr)
+        return
+    try:
+        old = path.read_text(encoding="utf-8") if path.exists() else ""
+    except OSError as exc:
+        raise ClusterkitError(f"cannot read: {exc.strerror}", path=str(path)) from None
+    text = merge_env_file(old, updates)
+    atomic_write_text(path, text)
+    out = sys.stderr if quiet else sys.stdout
+    print(f"wrote {path} ({'updated' if old else 'new'}, .deepspeed_env format):", file=out)
+    for key, value in updates.items():
+        print(f"  {key}={value}", file=out)
