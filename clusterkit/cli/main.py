@@ -19,6 +19,7 @@ from clusterkit.errors import ClusterkitError
 # Modules with add_parser(sub); imported lazily so `clusterkit --help` stays fast.
 VERB_MODULES = (
     "clusterkit.cli.cmd_inventory",
+    "clusterkit.cli.cmd_doctor",
     "clusterkit.cli.cmd_launch",
     "clusterkit.cli.cmd_render",
 )
