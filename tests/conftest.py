@@ -25,13 +25,23 @@ from tests.testbed import Testbed, TestNode, unavailable_reason
 DEFAULT_TESTBED_NODES = 2
 
 
-@pytest.fixture(scope="session")
-def testbed() -> Iterator[Testbed]:
+def _require_testbed() -> None:
     reason = unavailable_reason()
     if reason is not None:
         if os.environ.get("CI"):
             pytest.fail(f"CI is set but the test bed cannot run: {reason}", pytrace=False)
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def testbed_required() -> None:
+    """For tests that build their own test bed: skip (or fail under CI) like `testbed`."""
+    _require_testbed()
+
+
+@pytest.fixture(scope="session")
+def testbed() -> Iterator[Testbed]:
+    _require_testbed()
     tb = Testbed.create()  # also registers atexit + SIGTERM/SIGHUP teardown
     try:
         yield tb
