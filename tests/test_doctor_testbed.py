@@ -1,0 +1,277 @@
+"""`clusterkit doctor` on the namespace test bed: one fault on one node at a time.
+
+Every test injects one fault into one node's private view (mount namespace, its
+own sshd, its own host key), runs the real CLI once (``--json``) and checks that
+doctor names exactly that node and that fault with a fix, while every other node
+reports what it reported in the fault-free baseline. Every fault is undone in a
+``finally``. Faults are injected *inside* the node (bind mounts in its mount
+namespace), never on the host, except the clock: one namespace cannot have its
+own clock, so the probe's test-only ``CLUSTERKIT_PROBE_CLOCK_OFFSET_S`` is set by
+that node's private ~/.bashrc (see docs/doctor.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import site
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from clusterkit.cli.main import main
+from tests.testbed import Testbed
+
+pytestmark = pytest.mark.testbed
+NODES = 7
+Key = tuple[str, str, str]  # (status, check, host)
+
+
+@dataclass
+class Bed:
+    tb: Testbed
+    inventory: Path
+    baseline: set[Key]
+    work: Path
+
+    def node(self, i: int) -> str:
+        return self.tb.nodes[i - 1].name
+
+    def inside(self, node: str, *argv: str) -> None:
+        res = self.tb.exec(node, list(argv), timeout=30)
+        assert res.returncode == 0, f"{node}: {argv}: {res.stderr}"
+
+
+def run_doctor(*args: str) -> tuple[int, dict[str, Any]]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["doctor", "--json", "--connect-timeout", "5", *args])
+    return code, json.loads(out.getvalue())
+
+
+def problems(report: dict[str, Any]) -> set[Key]:
+    return {(f["status"], f["check"], f["host"]) for f in report["findings"]
+            if f["status"] != "PASS"}
+
+
+def new_problems(bed: Bed, report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [f for f in report["findings"] if f["status"] != "PASS"
+            and (f["status"], f["check"], f["host"]) not in bed.baseline]
+
+
+def assert_only(bed: Bed, report: dict[str, Any], host: str, check: str, status: str,
+                detail: str = "") -> dict[str, Any]:
+    """The new problems are all on ``host``, one is ``check`` with a fix; others unchanged."""
+    new = new_problems(bed, report)
+    assert new, f"doctor found nothing new; verdict: {report['verdict']}"
+    assert {f["host"] for f in new} == {host}, new
+    hit = [f for f in new if f["check"].startswith(check) and f["status"] == status]
+    assert hit, new
+    assert detail in hit[0]["detail"], hit[0]
+    assert hit[0]["fix"], hit[0]
+    # Nothing the baseline had disappeared on the other nodes (they were checked too).
+    still = problems(report)
+    assert {k for k in bed.baseline if k[2] != host} <= still
+    return hit[0]
+
+
+@pytest.fixture(scope="module")
+def bed(testbed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> Bed:
+    testbed.ensure(NODES)
+    work = tmp_path_factory.mktemp("doctor")
+    inv = testbed.write_inventory(work / "inventory.yaml", testbed.nodes[:NODES])
+    code, report = run_doctor("-i", str(inv))
+    baseline = problems(report)
+    # The fault-free cluster passes (warnings shared by every node are the host's own).
+    assert code == 0, report["verdict"]
+    assert not [k for k in baseline if k[0] == "FAIL"], baseline
+    assert not report["unreachable"]
+    return Bed(testbed, inv, baseline, work)
+
+
+def test_baseline_json_and_fix_env(bed: Bed) -> None:
+    env_file = bed.work / "job.deepspeed_env"
+    env_file.write_text("HF_HOME=/data/hf\nNCCL_SOCKET_IFNAME=eth\n")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["doctor", "-i", str(bed.inventory), "--fix-env", str(env_file)])
+    text = out.getvalue()
+    assert code == 0
+    assert "wrote" in text and "NCCL_SOCKET_IFNAME==eth0" in text  # never silent
+    python = sys.executable.rsplit("/", 1)[0]
+    assert env_file.read_text() == ("HF_HOME=/data/hf\nNCCL_SOCKET_IFNAME==eth0\n"
+                                    f"GLOO_SOCKET_IFNAME=eth0\nPATH={python}:$PATH\n")
+
+
+def test_other_interpreter_path(bed: Bed) -> None:
+    node = bed.node(5)
+    link = bed.tb.node_local_path(node, "altpy/python3")  # exists only in node5's view
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(sys.executable)
+    data = yaml.safe_load(bed.inventory.read_text())
+    data["hosts"][node]["python"] = str(bed.tb.local_mountpoint / "altpy" / "python3")
+    inv = bed.work / "inv-python.yaml"
+    inv.write_text(yaml.safe_dump(data, sort_keys=False))
+    try:
+        code, report = run_doctor("-i", str(inv), "--backend", "deepspeed")
+    finally:
+        link.unlink()
+        link.parent.rmdir()
+    assert code == 2
+    f = assert_only(bed, report, node, "python.path", "FAIL", "altpy/python3")
+    assert sys.executable in f["detail"]
+
+
+def test_pdsh_missing_on_runner_node(bed: Bed) -> None:
+    node = bed.node(1)  # the DeepSpeed runner starts on the first node
+    empty = str(bed.tb.root / "etc" / "empty")
+    bed.inside(node, "mount", "--bind", empty, "/usr/bin/pdsh")
+    try:
+        code, report = run_doctor("-i", str(bed.inventory), "--backend", "deepspeed")
+    finally:
+        bed.inside(node, "umount", "/usr/bin/pdsh")
+    assert code == 2
+    assert_only(bed, report, node, "pdsh", "FAIL", "pdsh not on the PATH")
+
+
+def test_ninja_missing_from_path(bed: Bed) -> None:
+    node = bed.node(4)
+    empty = str(bed.tb.root / "etc" / "empty")
+    hidden = [p for p in ("/root/.pyenv/shims/ninja", "/usr/bin/ninja", "/usr/local/bin/ninja")
+              if Path(p).exists()]
+    for p in hidden:
+        bed.inside(node, "mount", "--bind", empty, p)
+    try:
+        code, report = run_doctor("-i", str(bed.inventory), "--strict")
+    finally:
+        for p in hidden:
+            bed.inside(node, "umount", p)
+    assert code == 1  # a warning; --strict turns it into exit 1
+    f = assert_only(bed, report, node, "ninja", "WARN", "not on the PATH")
+    assert sys.executable.rsplit("/", 1)[0] in f["fix"]
+
+
+def test_other_torch_version(bed: Bed) -> None:
+    node = bed.node(6)
+    real = next(Path(site.getsitepackages()[0]).glob("torch-*.dist-info"))
+    fake = bed.work / "fake-torch-dist-info"
+    fake.mkdir(exist_ok=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.3.1\n\n")
+    bed.inside(node, "mount", "--bind", str(fake), str(real))
+    try:
+        code, report = run_doctor("-i", str(bed.inventory))
+    finally:
+        bed.inside(node, "umount", str(real))
+    assert code == 2
+    f = assert_only(bed, report, node, "version.torch", "FAIL", "torch 2.3.1 ≠")
+    assert "pip install 'torch==" in f["fix"]
+
+
+def test_hostname_resolves_to_loopback(bed: Bed) -> None:
+    node = bed.node(3)
+    hosts = bed.work / "hosts-loopback"
+    hosts.write_text(f"127.0.1.1 {node}\n" + (bed.tb.root / "etc" / "hosts").read_text())
+    bed.inside(node, "mount", "--bind", str(hosts), "/etc/hosts")
+    try:
+        code, report = run_doctor("-i", str(bed.inventory))
+    finally:
+        bed.inside(node, "umount", "/etc/hosts")
+    assert code == 2
+    f = assert_only(bed, report, node, "names.self", "FAIL", "127.0.1.1")
+    address = bed.tb.node(node).address
+    assert f"`127.0.1.1 {node}` with `{address} {node}`" in f["fix"]
+
+
+def test_sshd_stopped(bed: Bed) -> None:
+    node = bed.node(2)
+    bed.tb.stop_sshd(node)
+    try:
+        code, report = run_doctor("-i", str(bed.inventory))
+    finally:
+        bed.tb.start_sshd(node)
+    assert code == 2
+    assert_only(bed, report, node, "ssh", "FAIL", "unreachable (refused)")
+    assert report["unreachable"] == {node: {"kind": "refused", "error": report["unreachable"]
+                                            [node]["error"]}}
+
+
+def test_host_key_changed(bed: Bed) -> None:
+    node = bed.node(7)
+    bed.tb.rotate_host_key(node)
+    try:
+        code, report = run_doctor("-i", str(bed.inventory))
+    finally:
+        bed.tb.rotate_host_key(node, update_known_hosts=True)
+    assert code == 2
+    f = assert_only(bed, report, node, "ssh", "FAIL", "hostkey-changed")
+    assert "ssh-keygen -R" in f["fix"]
+
+
+def test_master_port_taken(bed: Bed) -> None:
+    master, port = bed.node(1), 29517
+    code_ = ("import socket,time\ns=socket.socket()\ns.bind(('0.0.0.0',%d))\ns.listen()\n"
+             "print('up',flush=True)\ntime.sleep(300)\n" % port)
+    blocker = bed.tb.spawn(master, [sys.executable, "-c", code_], stdout=subprocess.PIPE)
+    try:
+        assert blocker.stdout is not None and blocker.stdout.readline() == b"up\n"
+        code, report = run_doctor("-i", str(bed.inventory), "--master-port", str(port))
+    finally:
+        blocker.terminate()
+        blocker.wait(10)
+    assert code == 2
+    assert_only(bed, report, master, f"port:{port}", "FAIL", "Address already in use")
+
+
+def test_local_ckpt_dir_full(bed: Bed) -> None:
+    node, mnt = bed.node(4), str(bed.tb.local_mountpoint)
+    bed.inside(node, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt)
+    try:
+        bed.tb.exec(node, ["dd", "if=/dev/zero", f"of={mnt}/fill", "bs=64k"], timeout=30)
+        code, report = run_doctor("-i", str(bed.inventory))
+    finally:
+        bed.inside(node, "umount", mnt)
+    assert code == 2
+    assert_only(bed, report, node, f"storage:{mnt}/ckpt", "FAIL", "full")
+
+
+def test_local_ckpt_dir_read_only(bed: Bed) -> None:
+    node, mnt = bed.node(5), str(bed.tb.local_mountpoint)
+    bed.inside(node, "mount", "--bind", mnt, mnt)
+    try:
+        bed.inside(node, "mount", "-o", "remount,bind,ro", mnt)
+        code, report = run_doctor("-i", str(bed.inventory))
+    finally:
+        bed.inside(node, "umount", mnt)
+    assert code == 2
+    assert_only(bed, report, node, f"storage:{mnt}/ckpt", "FAIL", "not writable")
+
+
+def test_clock_off_by_minutes(bed: Bed) -> None:
+    node = bed.node(6)
+    bashrc = bed.work / "bashrc-clock"
+    real = Path("/root/.bashrc")
+    bashrc.write_text((real.read_text() if real.exists() else "")
+                      + "\nexport CLUSTERKIT_PROBE_CLOCK_OFFSET_S=300\n")
+    with _mounted_over(bed, node, bashrc, real):
+        code, report = run_doctor("-i", str(bed.inventory))
+    assert code == 2
+    assert_only(bed, report, node, "clock", "FAIL", "+3")
+
+
+@contextlib.contextmanager
+def _mounted_over(bed: Bed, node: str, src: Path, dst: Path) -> Iterator[None]:
+    created = not dst.exists()
+    if created:
+        pytest.skip(f"{dst} does not exist: nothing to bind-mount over")
+    bed.inside(node, "mount", "--bind", str(src), str(dst))
+    try:
+        yield
+    finally:
+        bed.inside(node, "umount", str(dst))
