@@ -216,8 +216,8 @@ def test_host_key_changed(bed: Bed) -> None:
 
 def test_master_port_taken(bed: Bed) -> None:
     master, port = bed.node(1), 29517
-    code_ = ("import socket,time\ns=socket.socket()\ns.bind(('0.0.0.0',%d))\ns.listen()\n"
-             "print('up',flush=True)\ntime.sleep(300)\n" % port)
+    code_ = (f"import socket,time\ns=socket.socket()\ns.bind(('0.0.0.0',{port}))\ns.listen()\n"
+             "print('up',flush=True)\ntime.sleep(300)\n")
     blocker = bed.tb.spawn(master, [sys.executable, "-c", code_], stdout=subprocess.PIPE)
     try:
         assert blocker.stdout is not None and blocker.stdout.readline() == b"up\n"

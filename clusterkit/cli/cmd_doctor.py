@@ -47,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="expected size of one checkpoint per node (e.g. 40G): checks free space")
     p.add_argument("--bandwidth", action="store_true",
                    help="also run a short all_reduce and pairwise tests (needs torch on nodes)")
+    p.add_argument("--bandwidth-size", default="4M", metavar="SIZE",
+                   help="message size for --bandwidth (default 4M)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings")
     p.add_argument("-v", "--verbose", action="store_true", help="also list every passed check")
@@ -63,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def parse_size(text: str) -> int:
     m = _SIZE.match(text)
     if not m:
-        raise ClusterkitError(f"bad size {text!r}", key="--ckpt-size", hint="e.g. 512M, 40G")
+        raise ClusterkitError(f"bad size {text!r}", hint="e.g. 512M, 40G")
     power = " KMGT".index(m.group(2).upper() or " ")
     return int(float(m.group(1)) * 1024**power)
 
@@ -86,7 +88,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if args.bandwidth:
             from clusterkit.checks.bandwidth import add_bandwidth
 
-            report = add_bandwidth(report, transport)
+            report = add_bandwidth(report, transport, nbytes=parse_size(args.bandwidth_size))
     if args.json:
         print(json.dumps(report.to_json(strict=args.strict), indent=2))
     else:
@@ -117,7 +119,7 @@ def print_report(report: DoctorReport, *, verbose: bool, strict: bool) -> None:
         console.print(str(bw["summary"]))
     style = _STYLE[report.status if report.status is not Status.WARN or strict else Status.PASS]
     console.print(f"[{style}]{report.verdict(strict=strict)}[/]  "
-                  f"({report.timings.get('total', 0.0):.1f} s)")
+                  f"({sum(report.timings.get(k, 0.0) for k in ('total', 'bandwidth')):.1f} s)")
 
 
 def write_fix_env(report: DoctorReport, path: Path, *, quiet: bool = False) -> None:
