@@ -275,3 +275,23 @@ def _mounted_over(bed: Bed, node: str, src: Path, dst: Path) -> Iterator[None]:
         yield
     finally:
         bed.inside(node, "umount", str(dst))
+
+
+def test_bandwidth_flags_the_throttled_node(bed: Bed) -> None:
+    node = bed.node(3)
+    # Egress of node3 limited to 100 Mbit/s (the bridge itself does several Gbit/s).
+    bed.inside(node, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "100mbit",
+               "burst", "64kb", "latency", "100ms")
+    try:
+        code, report = run_doctor("-i", str(bed.inventory), "--bandwidth",
+                                  "--bandwidth-size", "1M")
+    finally:
+        bed.inside(node, "tc", "qdisc", "del", "dev", "eth0", "root")
+    bw = report["bandwidth"]
+    assert bw["backend"] == "gloo" and not bw["errors"], bw
+    assert len(bw["pairs"]) == NODES * (NODES - 1) // 2
+    assert bw["allreduce"]["busbw_gbs"] == pytest.approx(
+        bw["allreduce"]["algbw_gbs"] * 2 * (NODES - 1) / NODES)
+    assert bw["stragglers"] == [node] and bw["ranking"][-1]["host"] == node
+    assert code == 0  # a straggler is a warning
+    assert_only(bed, report, node, "bandwidth.pairs", "WARN", "straggler")
