@@ -140,15 +140,15 @@ def test_deepspeed_env_reads_back_through_deepspeeds_export_logic() -> None:
 
     plan = plan_for("h100-2x8-ib", "deepspeed", set_env=(("MY_LIST", "a b,c;d|e&f'g"),))
     text = plan.artifacts["deepspeed_env"]
-    assert "" not in text.splitlines() and not any(l.startswith("#") for l in text.splitlines())
+    assert "" not in text.splitlines() and not any(x.startswith("#") for x in text.splitlines())
     runner = PDSHRunner.__new__(PDSHRunner)
     runner.exports = {}
     for line in text.splitlines(keepends=True):  # runner.py main(): exactly this loop
         key, val = line.split("=", maxsplit=1)
         runner.add_export(key, val)
     exports = "".join(f"export {k}={v}; " for k, v in runner.exports.items())
-    script = exports + 'python3 -c "import os,json,sys; print(json.dumps({k: os.environ[k] for k in sys.argv[1:]}))" ' \
-        + " ".join(runner.exports)
+    printer = 'python3 -c "import os,json,sys; print(json.dumps({k: os.environ[k] for k in sys.argv[1:]}))"'
+    script = f"{exports}{printer} {' '.join(runner.exports)}"
     out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == parse_deepspeed_env(text) == dict(plan.nodes[0].env)
 

@@ -27,6 +27,7 @@ from clusterkit.render.commands import JobLayout
 from clusterkit.render.dsconfig import ZeroSpec, build_ds_config
 from clusterkit.render.dsenv import build_env
 
+MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 JOBS_SUBDIR = ".clusterkit/jobs"
 
@@ -53,6 +54,13 @@ def _check_options(o: JobOptions) -> None:
     _choice(o.deepspeed_launcher, DS_LAUNCHERS, "--deepspeed-launcher")
     if o.script is not None and o.module is not None:
         raise RenderError("give a script or a module, not both", key="--module")
+    if o.module is not None and not MODULE.fullmatch(o.module):
+        raise RenderError(f"--module {o.module!r} is not a Python module name", key="--module",
+                          hint="use dotted identifiers, e.g. mypkg.train")
+    if o.script is not None and (not o.script or o.script.startswith("-") or "\n" in o.script):
+        # A leading dash would be read as an option by every launcher.
+        raise RenderError(f"--script {o.script!r} is not a script path", key="--script",
+                          hint="give the path of a Python file, e.g. ./train.py")
     for key, value, minimum in (("--steps", o.steps, 1), ("--max-restarts", o.max_restarts, 0),
                                 ("--save-every", o.save_every, 0)):
         if value < minimum:

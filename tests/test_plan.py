@@ -1,0 +1,115 @@
+"""plan_job: rank mapping, ports, environment, storage and the errors users hit."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from clusterkit.cli.main import main
+from clusterkit.errors import ClusterkitError, RenderError, SelectionError
+from clusterkit.plan import master_port
+from clusterkit.render.artifacts import FILE_MARK
+from tests.render_cases import ROOT, plan_for
+
+
+def test_rank_mapping_and_world_size() -> None:
+    plan = plan_for("a800-7x2", "torchrun", nodes=3, gpus_per_node=1)
+    assert [(n.name, n.node_rank, list(n.ranks)) for n in plan.nodes] == [
+        ("node1", 0, [0]), ("node2", 1, [1]), ("node3", 2, [2])]
+    assert plan.world_size == 3 and plan.master_addr == "192.168.10.11"
+    assert plan.ds_config["train_batch_size"] == 3
+
+
+def test_port_is_deterministic_and_matches_bash() -> None:
+    assert master_port("a") == master_port("a") and 20000 <= master_port("a") <= 60000
+    for job in ("0", "1", "40000", "40001", "123456789"):
+        out = subprocess.run(["bash", "-c", f"SLURM_JOB_ID={job}; echo $(( 20000 + SLURM_JOB_ID % 40001 ))"],
+                             capture_output=True, text=True, check=True).stdout
+        assert int(out) == master_port(job)
+
+
+def test_environment_allowlist_never_takes_secrets_by_glob() -> None:
+    env = plan_for("h100-2x8-ib", "torchrun", env_allowlist=("HF_*", "WANDB_API_KEY")).nodes[0].env
+    assert "HF_TOKEN" not in env and "NCCL_SECRET_KEY" not in env
+    assert env["WANDB_API_KEY"] == "wandb-secret"  # listed by exact name: the user asked
+    assert env["PATH"].startswith("/home/train/venv/bin:")  # ninja next to the interpreter
+    assert env["NCCL_SOCKET_IFNAME"] == "=bond0" and env["WANDB_PROJECT"] == "lm"
+
+
+@pytest.mark.parametrize(("kwargs", "error", "key"), [
+    ({"storage": "shared"}, RenderError, "checkpoint.shared_dir"),
+    ({"job_id": "a b"}, RenderError, "--job-id"),
+    ({"rdzv": "c10d"}, RenderError, "--rdzv"),
+    ({"ckpt_dir": "~/ck", "storage": "node-local"}, RenderError, "--ckpt-dir"),
+    ({"ckpt_dir": "/ck"}, RenderError, "--ckpt-dir"),
+    ({"set_env": (("X", "a\nb"),)}, RenderError, "X"),
+    ({"set_env": (("X", "$(id)"),)}, RenderError, "X"),
+    ({"nodes": 9}, SelectionError, "--nodes"),
+    ({"offload_param": "cpu"}, RenderError, "offload_param"),
+    ({"backend": "deepspeed", "script_args": ("a;b",)}, RenderError, "script argument"),
+    ({"backend": "slurm", "partition": "gpu;rm"}, RenderError, "--partition"),
+])
+def test_errors_name_the_cause(kwargs: dict[str, object], error: type[ClusterkitError],
+                               key: str) -> None:
+    job = kwargs.pop("job_id", "t")
+    with pytest.raises(error) as info:
+        plan_for("a800-7x2", "torchrun" if "backend" not in kwargs else str(kwargs.pop("backend")),
+                 **kwargs) if job == "t" else _plan_with_job(str(job))
+    assert info.value.key == key
+    assert "\n" not in info.value.one_line()
+
+
+def _plan_with_job(job: str) -> object:
+    from clusterkit.plan import JobOptions, plan_job
+    from tests.render_cases import FACTS, inventory
+
+    return plan_job(inventory("a800-7x2"), JobOptions(job_id=job), FACTS)
+
+
+def test_unsafe_value_skips_only_the_backends_that_cannot_carry_it() -> None:
+    plan = plan_for("a800-7x2", "torchrun", script_args=("--name", "it's; $(x)"))
+    assert "deepspeed" in plan.skipped and "deepspeed" not in plan.commands
+    assert plan.commands["torchrun"][0].argv[-1] == "it's; $(x)"
+
+
+def _split_dry_run(text: str) -> dict[str, str]:
+    files: dict[str, str] = {}
+    chunks = text.split("\n" + FILE_MARK)[1:]
+    for chunk in chunks:
+        header, _, body = chunk.partition("\n")
+        files[header.split(" (")[0]] = body
+    return files
+
+
+def test_dry_run_prints_exactly_what_render_writes(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["render", "-i", str(ROOT / "hostfiles" / "a800-7x2.yaml"), "--job-id", "same",
+            "--launcher", "deepspeed", "--zero-stage", "3"]
+    script = ["--", "--log-every", "5"]
+    assert main([*argv, "--dry-run", *script]) == 0
+    printed = _split_dry_run(capsys.readouterr().out)
+    assert main([*argv, "--out", str(tmp_path / "out"), *script]) == 0
+    written = {p.name: p.read_text() for p in (tmp_path / "out").iterdir()}
+    assert printed == written
+    assert "--log-every 5" in written["commands.sh"]
+    assert (tmp_path / "out" / "sbatch.sh").stat().st_mode & 0o111
+
+
+def test_render_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["render", "-i", str(ROOT / "hostfiles" / "a800-7x2.yaml"), "--storage", "shared",
+               "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "checkpoint.shared_dir" in err
+    assert main(["render"]) == 2 and "--out" in capsys.readouterr().err
+
+
+def test_write_user_deepspeed_env_replaces_atomically(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".deepspeed_env").write_text("OLD=1\n")
+    assert main(["render", "-i", str(ROOT / "hostfiles" / "a800-7x2.yaml"), "--job-id", "u",
+                 "--out", str(tmp_path / "o"), "--write-user-deepspeed-env"]) == 0
+    assert (tmp_path / ".deepspeed_env").read_text() == (tmp_path / "o" / "deepspeed_env").read_text()
+    assert "OLD" not in (tmp_path / ".deepspeed_env").read_text()
