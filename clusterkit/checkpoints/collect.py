@@ -1,0 +1,382 @@
+"""collect-ckpt: list -> verify -> hash on the nodes -> pick one copy per file -> transfer.
+
+Nothing is copied until every node has been listed and the checkpoint is known to be
+complete and consistent (:func:`clusterkit.checkpoints.discover.verify`), and until
+every file to be copied has a sha256 computed on the node that holds it. DEST then
+looks like a shared-storage checkpoint root: ``latest``, ``zero_to_fp32.py`` and
+``<tag>/`` holding every shard, every node's completion marker and
+``clusterkit-collect.json`` (the manifest ``--scatter`` uses).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import posixpath
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterkit.checkpoints import layout
+from clusterkit.checkpoints.discover import (
+    CheckpointIncomplete,
+    CollectPlan,
+    NodeListing,
+    listing_argv,
+    parse_listing,
+    verify,
+)
+from clusterkit.checkpoints.transfer import (
+    DestState,
+    Hashed,
+    NodeResult,
+    NullProgress,
+    ProgressSink,
+    Wanted,
+    clean_parts,
+    fetch_sftp,
+    fetch_stream,
+    grouped,
+    hash_argv,
+    have_ssh_binary,
+    parse_hashes,
+    split_streams,
+)
+from clusterkit.errors import CheckpointError
+from clusterkit.fsutil import atomic_write_text
+from clusterkit.remote.base import SSHTarget, Transport
+
+MANIFEST = "clusterkit-collect.json"
+MANIFEST_SCHEMA = "clusterkit.collected-checkpoint"
+LIST_TIMEOUT_S = 60.0
+HASH_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class CollectNode:
+    """One selected node: how to reach it and where its checkpoint root is."""
+
+    name: str
+    target: SSHTarget
+    python: str
+    root: str
+
+
+@dataclass(frozen=True)
+class CollectOptions:
+    dest: str
+    tag: str = "latest"
+    jobs: int = 8
+    method: str = "auto"  # auto | ssh | sftp
+    fsync: bool = True
+    dry_run: bool = False
+    prune_sources: bool = False
+
+
+@dataclass
+class CollectReport:
+    plan: CollectPlan
+    wanted: list[Wanted]
+    results: dict[str, NodeResult] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    method: str = ""
+    seconds_list: float = 0.0
+    seconds_hash: float = 0.0
+    seconds_copy: float = 0.0
+    pruned: dict[str, str] = field(default_factory=dict)  # node -> "ok" or why not
+
+    @property
+    def bytes_copied(self) -> int:
+        return sum(r.bytes_copied for r in self.results.values())
+
+    @property
+    def failed(self) -> dict[str, str]:
+        return {f"{n}:{rel}": why for n, r in self.results.items() for rel, why in r.failed.items()}
+
+    @property
+    def skipped(self) -> int:
+        return sum(len(r.skipped) for r in self.results.values())
+
+
+# ------------------------------------------------------------------ listing
+
+
+def list_nodes(transport: Transport, nodes: Sequence[CollectNode], tag: str | None
+               ) -> list[NodeListing]:
+    """One ``run_all`` of the listing script; unreachable nodes become listing errors."""
+    argv = {n.name: listing_argv(n.python, n.root, tag) for n in nodes}
+    group = transport.run_all([n.target for n in nodes], argv, timeout=LIST_TIMEOUT_S)
+    out: list[NodeListing] = []
+    for index, (node, res) in enumerate(zip(nodes, group, strict=True)):
+        if res.error is not None:
+            out.append(NodeListing(node.name, index, node.root,
+                                   error=f"cannot list ({res.error.kind}): {res.error.message}"))
+        elif res.result is None or not res.result.ok:
+            why = (res.result.stderr.strip().splitlines() or ["no output"])[-1] if res.result else "?"
+            code = res.result.exit_code if res.result else "?"
+            out.append(NodeListing(node.name, index, node.root,
+                                   error=f"listing failed (exit {code}): {why}"))
+        else:
+            out.append(parse_listing(node.name, index, node.root, res.result.stdout))
+    return out
+
+
+def discover(transport: Transport, nodes: Sequence[CollectNode], tag: str = "latest"
+             ) -> CollectPlan:
+    listings = list_nodes(transport, nodes, None if tag == "latest" else tag)
+    return verify(listings, tag)
+
+
+# ------------------------------------------------------------------ hashing
+
+
+def hash_sources(transport: Transport, nodes: Sequence[CollectNode], plan: CollectPlan
+                 ) -> tuple[dict[tuple[str, str], Hashed], list[str]]:
+    """sha256 of every copy of every planned file, computed on its node (one run_all)."""
+    by_node: dict[str, list[str]] = {}
+    for copies in plan.files.values():
+        for c in copies:
+            by_node.setdefault(c.node, []).append(c.relpath)
+    involved = [n for n in nodes if n.name in by_node]
+    argv = {n.name: hash_argv(n.python, n.root, by_node[n.name]) for n in involved}
+    group = transport.run_all([n.target for n in involved], argv, timeout=HASH_TIMEOUT_S)
+    hashes: dict[tuple[str, str], Hashed] = {}
+    problems: list[str] = []
+    for node, res in zip(involved, group, strict=True):
+        if res.error is not None:
+            problems.append(f"{node.name}: cannot hash ({res.error.kind}): {res.error.message}")
+            continue
+        if res.result is None or not res.result.ok:
+            err = res.result.stderr.strip()[-300:] if res.result else ""
+            problems.append(f"{node.name}: hashing failed: {err}")
+            continue
+        try:
+            files, errors = parse_hashes(res.result.stdout)
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            problems.append(f"{node.name}: unreadable hash output ({exc})")
+            continue
+        problems += [f"{node.name}: cannot read {rel}: {why}" for rel, why in errors.items()]
+        for rel, h in files.items():
+            hashes[(node.name, rel)] = h
+    return hashes, problems
+
+
+def choose_sources(plan: CollectPlan, hashes: Mapping[tuple[str, str], Hashed]
+                   ) -> tuple[list[Wanted], list[str], list[str]]:
+    """One source per file. Identical copies: the least loaded node sends it. Differing
+    copies: global rank 0's node wins (DeepSpeed writes rank-local metadata into the
+    per-node model states), with a note. Returns (wanted, notes, problems)."""
+    load: dict[str, int] = {}
+    wanted: list[Wanted] = []
+    notes: list[str] = []
+    problems: list[str] = []
+    # Unique files first so duplicates can balance around them.
+    for rel, copies in sorted(plan.files.items(), key=lambda kv: (len(kv[1]), kv[0])):
+        hashed = [(c, hashes.get((c.node, rel))) for c in copies]
+        missing = [c.node for c, h in hashed if h is None]
+        if missing:
+            problems.append(f"{', '.join(missing)}: {rel} has no source checksum")
+            continue
+        changed = [c.node for c, h in hashed if h is not None and h.size != c.size]
+        if changed:
+            problems.append(f"{', '.join(changed)}: {rel} changed size between listing and hashing")
+            continue
+        digests = {h.sha256 for _, h in hashed if h is not None}
+        if len(digests) == 1:
+            src = min(copies, key=lambda c: (load.get(c.node, 0), c.node))
+        else:
+            pick = [c for c in copies if c.node == plan.canonical_node]
+            if not pick:
+                problems.append(f"{rel} differs between {', '.join(c.node for c in copies)} and "
+                                f"{plan.canonical_node} (global rank 0) has no copy")
+                continue
+            src = pick[0]
+            others = [c.node for c, h in hashed
+                      if h is not None and c.node != src.node
+                      and h.sha256 != hashes[(src.node, rel)].sha256]
+            notes.append(f"{rel}: the copies on {', '.join(others)} differ from {src.node}'s; "
+                         f"kept {src.node}'s (global rank 0 writes the complete model states)")
+        h = hashes[(src.node, rel)]
+        load[src.node] = load.get(src.node, 0) + h.size
+        wanted.append(Wanted(node=src.node, relpath=rel, size=h.size, sha256=h.sha256))
+    return wanted, notes, problems
+
+
+# ------------------------------------------------------------------ transfer
+
+
+def resolve_method(method: str) -> str:
+    if method == "auto":
+        return "ssh" if have_ssh_binary() else "sftp"
+    if method == "ssh" and not have_ssh_binary():
+        raise CheckpointError("--via ssh needs the OpenSSH 'ssh' and 'tar' programs on PATH",
+                              hint="install openssh-client, or use --via sftp")
+    return method
+
+
+def transfer(transport: Transport, nodes: Sequence[CollectNode], wanted: Sequence[Wanted],
+             options: CollectOptions, sink: ProgressSink, method: str,
+             on_start: Callable[[subprocess.Popen[bytes]], None] | None = None
+             ) -> dict[str, NodeResult]:
+    """Copy what is not yet verified at DEST, several streams at once."""
+    state = DestState(options.dest)
+    results = {n.name: NodeResult(n.name) for n in nodes if any(w.node == n.name for w in wanted)}
+    todo: list[Wanted] = []
+    for w in wanted:
+        if state.is_verified(w):
+            results[w.node].skipped.append(w.relpath)
+            sink.file_done(w.node, w.relpath, w.size, "skipped")
+        else:
+            todo.append(w)
+    per_node = grouped(todo)
+    sink.begin({n: sum(w.size for w in ws) for n, ws in per_node.items()})
+    by_name = {n.name: n for n in nodes}
+    streams_per_node = max(1, options.jobs // max(1, len(per_node)))
+    units = [(by_name[n], group) for n, ws in per_node.items()
+             for group in split_streams(ws, streams_per_node)]
+    lock = threading.Lock()
+
+    def work(unit: tuple[CollectNode, list[Wanted]]) -> None:
+        node, files = unit
+        part = NodeResult(node.name)
+        t0 = time.monotonic()
+        if method == "sftp" and not node.target.local:
+            fetch_sftp(transport, node.target, node.root, files, options.dest, state, sink, part,
+                       fsync=options.fsync)
+        else:
+            fetch_stream(node.target, node.root, files, options.dest, state, sink, part,
+                         fsync=options.fsync, on_start=on_start)
+        with lock:
+            r = results[node.name]
+            r.copied += part.copied
+            r.failed.update(part.failed)
+            r.bytes_copied += part.bytes_copied
+            r.seconds = max(r.seconds, time.monotonic() - t0)
+
+    try:
+        with cf.ThreadPoolExecutor(max_workers=max(1, min(options.jobs, len(units) or 1)),
+                                   thread_name_prefix="clusterkit-collect") as pool:
+            list(pool.map(work, units))
+    finally:
+        sink.end()
+    return results
+
+
+# ------------------------------------------------------------------ manifest / latest
+
+
+def manifest_dict(plan: CollectPlan, wanted: Sequence[Wanted], notes: Sequence[str]
+                  ) -> dict[str, Any]:
+    return {
+        "schema": MANIFEST_SCHEMA, "schema_version": 1, "tag": plan.tag, "step": plan.step,
+        "zero_stage": plan.zero_stage, "world_size": plan.world_size, "engine": plan.engine,
+        "ds_subdir": plan.ds_subdir, "precision": plan.precision,
+        "nodes": [{"node": n.node, "node_index": n.node_index, "host": n.host,
+                   "ranks": list(n.ranks),
+                   "rank_files": {str(r): list(f) for r, f in n.rank_files.items()}}
+                  for n in plan.nodes],
+        "files": {w.relpath: {"size": w.size, "sha256": w.sha256, "source": w.node,
+                              "copies": [c.node for c in plan.files[w.relpath]]}
+                  for w in sorted(wanted, key=lambda w: w.relpath)},
+        "notes": list(notes), "created_unix": time.time(),
+    }
+
+
+def read_manifest(dest: str, tag: str) -> dict[str, Any]:
+    path = os.path.join(dest, tag, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise CheckpointError("no collected checkpoint here (manifest missing)", path=path,
+                              hint="run clusterkit collect-ckpt first") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"unreadable manifest ({exc})", path=path) from None
+    if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA:
+        raise CheckpointError("not a clusterkit collect manifest", path=path)
+    return data
+
+
+def latest_tag_at(dest: str) -> str | None:
+    try:
+        with open(os.path.join(dest, layout.LATEST_FILE), encoding="utf-8") as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+
+
+def _write_latest(dest: str, tag: str) -> None:
+    """Point DEST/latest at ``tag`` unless it already names a newer collected step."""
+    current = latest_tag_at(dest)
+    if current and current != tag and os.path.isfile(os.path.join(dest, current, MANIFEST)):
+        cur, new = layout.parse_step_tag(current), layout.parse_step_tag(tag)
+        if cur is not None and new is not None and cur > new:
+            return
+    atomic_write_text(os.path.join(dest, layout.LATEST_FILE), tag)
+
+
+# ------------------------------------------------------------------ the verb
+
+
+def collect(transport: Transport, nodes: Sequence[CollectNode], options: CollectOptions,
+            sink: ProgressSink | None = None,
+            after_hash: Callable[[CollectPlan], None] | None = None,
+            on_start: Callable[[subprocess.Popen[bytes]], None] | None = None) -> CollectReport:
+    """The whole verb minus consolidation. Raises :class:`CheckpointIncomplete` (nothing
+    copied) or :class:`CheckpointError` (some files failed; verified ones stay)."""
+    sink = sink or NullProgress()
+    t0 = time.monotonic()
+    plan = discover(transport, nodes, options.tag)
+    t1 = time.monotonic()
+    hashes, problems = hash_sources(transport, nodes, plan)
+    wanted, notes, more = choose_sources(plan, hashes) if not problems else ([], [], [])
+    if problems or more:
+        raise CheckpointIncomplete(plan.tag, problems + more)
+    report = CollectReport(plan=plan, wanted=wanted, notes=notes, seconds_list=t1 - t0,
+                           seconds_hash=time.monotonic() - t1)
+    if options.dry_run:
+        return report
+    if after_hash is not None:
+        after_hash(plan)  # tests: change a source between hashing and copying
+    report.method = resolve_method(options.method)
+    os.makedirs(options.dest, exist_ok=True)
+    clean_parts(os.path.join(options.dest, plan.tag))
+    t2 = time.monotonic()
+    report.results = transfer(transport, nodes, wanted, options, sink, report.method, on_start)
+    report.seconds_copy = time.monotonic() - t2
+    if report.failed:
+        shown = "; ".join(f"{k}: {v}" for k, v in list(report.failed.items())[:6])
+        raise CheckpointError(
+            f"{len(report.failed)} file(s) of {plan.tag} failed verification or transfer "
+            f"(verified files stay in DEST): {shown}", path=options.dest,
+            hint="run the same command again: verified files are skipped, failed ones re-copied")
+    atomic_write_text(os.path.join(options.dest, plan.tag, MANIFEST),
+                      json.dumps(manifest_dict(plan, wanted, notes), indent=1) + "\n")
+    _write_latest(options.dest, plan.tag)
+    if options.prune_sources:
+        report.pruned = prune_sources(transport, nodes, plan)
+    return report
+
+
+def prune_sources(transport: Transport, nodes: Sequence[CollectNode], plan: CollectPlan
+                  ) -> dict[str, str]:
+    """Delete the collected tag's files on every node (only after DEST verified them)."""
+    argv: dict[str, list[str]] = {}
+    for n in nodes:
+        rels = sorted({c.relpath for copies in plan.files.values() for c in copies
+                       if c.node == n.name and c.relpath.startswith(plan.tag + "/")})
+        if rels:
+            paths = [posixpath.join(n.root, r) for r in rels]
+            script = 'rm -f -- "$@" && find "$0" -depth -type d -empty -delete'
+            argv[n.name] = ["sh", "-c", script, posixpath.join(n.root, plan.tag), *paths]
+    chosen = [n for n in nodes if n.name in argv]
+    group = transport.run_all([n.target for n in chosen], argv, timeout=LIST_TIMEOUT_S)
+    out: dict[str, str] = {}
+    for n, res in zip(chosen, group, strict=True):
+        out[n.name] = "ok" if res.ok else (res.error.message if res.error else
+                                           (res.result.stderr.strip() if res.result else "?"))
+    return out

@@ -1,0 +1,417 @@
+"""Find a checkpoint on every node and decide whether it is complete (before copying).
+
+One ``run_all`` of :data:`LISTING_SCRIPT` (stdlib Python, any 3.6+) returns each
+node's checkpoint root as JSON: the top-level files (``latest``, ``zero_to_fp32.py``),
+every tag dir's files with size and mtime, and the text of the completion markers.
+:func:`verify` is pure: listings in, a :class:`CollectPlan` or a
+:class:`CheckpointIncomplete` listing every problem by node and rank out.
+
+What DeepSpeed 0.19 actually writes with ``checkpoint.use_node_local_storage``
+(measured on the test bed, 7 nodes x 2 ranks):
+
+* ``<root>/latest``, ``<root>/zero_to_fp32.py``, ``<root>/zero_to_torch.py``: node 0 only.
+* ZeRO 0-2: ``mp_rank_00_model_states.pt`` on every node, but **not byte-identical**:
+  only global rank 0's copy carries ``shared_params`` (tied weights), which
+  ``zero_to_fp32`` needs. Differing copies are therefore resolved to the copy of the
+  node holding global rank 0, with a note, instead of being refused.
+* Optimizer shards (and ZeRO-3 per-rank model states) with the global dp index, on
+  the node of that rank; one completion marker per node.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterkit.checkpoints import layout
+from clusterkit.errors import CheckpointError
+
+LISTING_VERSION = 1
+MAX_MARKER_BYTES = 1 << 20
+MAX_SHOWN_PROBLEMS = 12
+
+# Runs on every node: ``python -c LISTING_SCRIPT ROOT [TAG]``. Prints one JSON object.
+LISTING_SCRIPT = r"""
+import json, os, sys
+MAX_MARKER_BYTES = @MAX@
+root = sys.argv[1]
+only = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None
+out = {"v": 1, "root": root, "exists": os.path.isdir(root), "top": {}, "latest": None,
+       "tags": {}, "markers": {}}
+def st(p):
+    s = os.stat(p)
+    return [s.st_size, s.st_mtime]
+if out["exists"]:
+    for name in sorted(os.listdir(root)):
+        p = os.path.join(root, name)
+        if os.path.isfile(p):
+            out["top"][name] = st(p)
+            if name == "latest" and out["top"][name][0] < 4096:
+                with open(p) as fh:
+                    out["latest"] = fh.read().strip()
+        elif os.path.isdir(p) and (only is None or name == only):
+            files, marks = {}, {}
+            for d, dirs, names in os.walk(p):
+                dirs.sort()
+                for n in sorted(names):
+                    f = os.path.join(d, n)
+                    if not os.path.isfile(f):
+                        continue
+                    rel = os.path.relpath(f, p)
+                    files[rel] = st(f)
+                    if (d == p and n.startswith("clusterkit-complete.node") and n.endswith(".json")
+                            and files[rel][0] < MAX_MARKER_BYTES):
+                        with open(f) as fh:
+                            marks[rel] = fh.read()
+            out["tags"][name] = files
+            out["markers"][name] = marks
+        elif os.path.isdir(p):
+            out["tags"][name] = None
+print(json.dumps(out))
+""".replace("@MAX@", str(MAX_MARKER_BYTES))
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class NodeListing:
+    """One node's checkpoint root. ``index`` is the node's position in the selection."""
+
+    node: str
+    index: int
+    root: str
+    exists: bool = False
+    top: Mapping[str, FileInfo] = field(default_factory=dict)
+    latest: str | None = None
+    tags: Mapping[str, Mapping[str, FileInfo] | None] = field(default_factory=dict)
+    markers: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    error: str | None = None  # unreachable / listing failed
+
+
+def parse_listing(node: str, index: int, root: str, stdout: str) -> NodeListing:
+    """Parse the listing script's JSON; a malformed answer becomes ``error``."""
+    try:
+        raw = json.loads(stdout.strip().splitlines()[-1] if stdout.strip() else "")
+        if not isinstance(raw, dict) or raw.get("v") != LISTING_VERSION:
+            raise ValueError("unexpected listing format")
+        tags: dict[str, dict[str, FileInfo] | None] = {}
+        for tag, files in raw["tags"].items():
+            tags[tag] = None if files is None else {
+                rel: FileInfo(int(v[0]), float(v[1])) for rel, v in files.items()}
+        return NodeListing(
+            node=node, index=index, root=root, exists=bool(raw["exists"]),
+            top={n: FileInfo(int(v[0]), float(v[1])) for n, v in raw["top"].items()},
+            latest=raw["latest"], tags=tags,
+            markers={t: dict(m) for t, m in raw["markers"].items()})
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        return NodeListing(node=node, index=index, root=root,
+                           error=f"unreadable listing ({exc}): {stdout[:200]!r}")
+
+
+# ---------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file on one node. ``relpath`` is relative to the checkpoint root
+    (``latest``, ``zero_to_fp32.py``, ``<tag>/...``)."""
+
+    node: str
+    relpath: str
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class NodeRanks:
+    node: str  # inventory name of the node holding these ranks now
+    node_index: int  # the marker's node index (rank order of the training run)
+    host: str  # host name recorded at save time
+    ranks: tuple[int, ...]
+    rank_files: Mapping[int, tuple[str, ...]]  # global rank -> files relative to the tag dir
+
+
+@dataclass(frozen=True)
+class CollectPlan:
+    """A complete checkpoint: what exists where, and which copies must agree."""
+
+    tag: str
+    step: int | None
+    zero_stage: int | None
+    world_size: int
+    engine: str
+    ds_subdir: str
+    precision: str
+    nodes: tuple[NodeRanks, ...]  # by node_index
+    # relpath -> every copy (several for per-node duplicates such as model states)
+    files: Mapping[str, tuple[SourceFile, ...]]
+    canonical_node: str  # the node holding global rank 0: wins when copies differ
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(copies[0].size for copies in self.files.values())
+
+    def copies_on(self, node: str) -> list[SourceFile]:
+        return [c for copies in self.files.values() for c in copies if c.node == node]
+
+
+class CheckpointIncomplete(CheckpointError):
+    """The checkpoint cannot be collected; ``problems`` has one line per finding."""
+
+    def __init__(self, tag: str | None, problems: Sequence[str], *, hint: str | None = None) -> None:
+        shown = list(problems[:MAX_SHOWN_PROBLEMS])
+        more = len(problems) - len(shown)
+        what = f"checkpoint {tag}" if tag else "checkpoint"
+        text = f"{what} is incomplete or inconsistent, nothing was copied: " + "; ".join(shown)
+        if more:
+            text += f"; and {more} more"
+        super().__init__(text, hint=hint or "fix the nodes named above (or pick another --tag) "
+                         "and run collect-ckpt again", exit_code=2)
+        self.problems = tuple(problems)
+        self.tag = tag
+
+
+def _step(tag: str) -> int:
+    step = layout.parse_step_tag(tag)
+    return step if step is not None else -1
+
+
+def choose_tag(listings: Sequence[NodeListing], requested: str) -> tuple[str | None, list[str]]:
+    """The tag to collect: explicit, or ``latest`` (which must agree where present)."""
+    if requested != "latest":
+        return requested, []
+    said = {ls.node: ls.latest for ls in listings if ls.latest}
+    if len(set(said.values())) > 1:
+        detail = ", ".join(f"{n} says {t}" for n, t in said.items())
+        return None, [f"the nodes' 'latest' files disagree ({detail}); pass --tag"]
+    if said:
+        return next(iter(said.values())), []
+    # No 'latest' anywhere: newest tag that every node has a marker for.
+    common: set[str] | None = None
+    for ls in listings:
+        marked = {t for t, m in ls.markers.items() if m}
+        common = marked if common is None else common & marked
+    if not common:
+        return None, ["no node has a 'latest' file and no tag has completion markers on "
+                      "every node; pass --tag"]
+    return max(common, key=lambda t: (_step(t), t)), []
+
+
+def verify(listings: Sequence[NodeListing], requested_tag: str = "latest") -> CollectPlan:
+    """Check completeness across nodes; raise :class:`CheckpointIncomplete` with every problem."""
+    problems = [f"{ls.node}: {ls.error}" for ls in listings if ls.error]
+    problems += [f"{ls.node}: checkpoint directory {ls.root} does not exist"
+                 for ls in listings if not ls.error and not ls.exists]
+    if problems:
+        raise CheckpointIncomplete(None if requested_tag == "latest" else requested_tag, problems)
+    tag, problems = choose_tag(listings, requested_tag)
+    if tag is None:
+        raise CheckpointIncomplete(None, problems)
+    for ls in listings:
+        if ls.tags.get(tag) is None:
+            have = sorted((t for t, f in ls.tags.items() if f is not None), key=_step)
+            problems.append(f"{ls.node}: no {tag} directory under {ls.root}"
+                            + (f" (it has {', '.join(have[-3:])})" if have else ""))
+    if problems:
+        raise CheckpointIncomplete(tag, problems)
+    markers, problems = _read_markers(listings, tag)
+    if problems:
+        raise CheckpointIncomplete(tag, problems)
+    return _plan(listings, tag, markers)
+
+
+def _read_markers(listings: Sequence[NodeListing], tag: str
+                  ) -> tuple[dict[str, list[layout.CompletionMarker]], list[str]]:
+    found: dict[str, list[layout.CompletionMarker]] = {}
+    problems: list[str] = []
+    for ls in listings:
+        texts = ls.markers.get(tag, {})
+        if not texts:
+            problems.append(f"{ls.node}: no completion marker ({layout.MARKER_GLOB}) in {tag}: "
+                            "the save did not finish on this node")
+            continue
+        for name, text in sorted(texts.items()):
+            path = f"{ls.node}:{posixpath.join(ls.root, tag, name)}"
+            try:
+                data = json.loads(text)
+                if not isinstance(data, dict):
+                    raise ValueError("not a JSON object")
+                marker = layout.marker_from_json_dict(data, path=path)
+            except CheckpointError as exc:
+                problems.append(exc.one_line())
+                continue
+            except ValueError as exc:
+                problems.append(f"{path}: unreadable completion marker ({exc})")
+                continue
+            if layout.parse_marker_name(name) != marker.node_index or marker.tag != tag:
+                problems.append(f"{path}: marker names node {marker.node_index} / tag {marker.tag}")
+                continue
+            found.setdefault(ls.node, []).append(marker)
+    return found, problems
+
+
+def _marker_problems(markers: dict[str, list[layout.CompletionMarker]]) -> list[str]:
+    flat = [(node, m) for node, ms in markers.items() for m in ms]
+    problems: list[str] = []
+    first = flat[0][1]
+    for key in ("world_size", "num_nodes", "zero_stage", "engine", "step", "ds_subdir"):
+        values = {getattr(m, key) for _, m in flat}
+        if len(values) > 1:
+            detail = ", ".join(f"{n}: {getattr(m, key)}" for n, m in flat)
+            problems.append(f"completion markers disagree on {key} ({detail})")
+    by_index: dict[int, list[str]] = {}
+    for node, m in flat:
+        by_index.setdefault(m.node_index, []).append(node)
+    for index, nodes in sorted(by_index.items()):
+        if len(nodes) > 1:
+            problems.append(f"node index {index} has a marker on {' and '.join(nodes)}")
+    for index in range(first.num_nodes):
+        if index not in by_index:
+            problems.append(f"no completion marker for node index {index} on any selected node "
+                            f"(the run had {first.num_nodes} nodes: is one missing from the "
+                            "selection, or did its save not finish?)")
+    return problems
+
+
+def _plan(listings: Sequence[NodeListing], tag: str,
+          markers: dict[str, list[layout.CompletionMarker]]) -> CollectPlan:
+    problems = _marker_problems(markers)
+    if problems:
+        raise CheckpointIncomplete(tag, problems)
+    all_markers = sorted((m for ms in markers.values() for m in ms), key=lambda m: m.node_index)
+    first = all_markers[0]
+    node_of_index = {m.node_index: node for node, ms in markers.items() for m in ms}
+    nodes = tuple(NodeRanks(node=node_of_index[m.node_index], node_index=m.node_index,
+                            host=m.host, ranks=tuple(r.global_rank for r in m.ranks),
+                            rank_files={r.global_rank: r.files for r in m.ranks})
+                  for m in all_markers)
+    files = _gather_files(listings, tag)
+    problems = _shard_problems(listings, tag, first, nodes)
+    problems += _marker_file_problems(listings, tag, markers)
+    if problems:
+        raise CheckpointIncomplete(tag, problems)
+    canonical = next(n.node for n in nodes if 0 in n.ranks) if any(0 in n.ranks for n in nodes) \
+        else nodes[0].node
+    return CollectPlan(tag=tag, step=first.step, zero_stage=first.zero_stage,
+                       world_size=first.world_size, engine=first.engine,
+                       ds_subdir=first.ds_subdir, precision=first.precision, nodes=nodes,
+                       files=files, canonical_node=canonical)
+
+
+def _gather_files(listings: Sequence[NodeListing], tag: str) -> dict[str, tuple[SourceFile, ...]]:
+    out: dict[str, list[SourceFile]] = {}
+    for ls in listings:
+        for name, info in ls.top.items():
+            # 'latest' is not copied: DEST gets its own, naming the collected tag.
+            if name in layout.RECOVERY_SCRIPTS:
+                out.setdefault(name, []).append(SourceFile(ls.node, name, info.size, info.mtime))
+        for rel, info in (ls.tags.get(tag) or {}).items():
+            if _is_temp(rel):
+                continue
+            path = posixpath.join(tag, rel)
+            out.setdefault(path, []).append(SourceFile(ls.node, path, info.size, info.mtime))
+    return {k: tuple(v) for k, v in sorted(out.items())}
+
+
+def _is_temp(rel: str) -> bool:
+    base = posixpath.basename(rel)
+    return base.endswith(".tmp") or base.startswith(".")
+
+
+def _shard_problems(listings: Sequence[NodeListing], tag: str, marker: layout.CompletionMarker,
+                    nodes: tuple[NodeRanks, ...]) -> list[str]:
+    """Every dp shard 0..W-1 exactly once across nodes, on the node its marker names."""
+    world, stage = marker.world_size, marker.zero_stage
+    expected_node = {r: n.node for n in nodes for r in n.ranks}
+    problems = [f"rank {r} is listed by no completion marker" for r in range(world)
+                if r not in expected_node]
+    seen: dict[tuple[str, int], list[str]] = {}
+    for ls in listings:
+        for rel in ls.tags.get(tag) or {}:
+            if marker.ds_subdir and not rel.startswith(marker.ds_subdir + "/"):
+                continue
+            parsed = layout.parse_shard_name(posixpath.basename(rel))
+            if parsed is None or parsed.dp_rank is None:
+                continue
+            if parsed.mp_rank != 0:
+                problems.append(f"{ls.node}: {rel}: model-parallel checkpoints (mp_rank "
+                                f"{parsed.mp_rank}) are not supported")
+                continue
+            seen.setdefault((parsed.kind, parsed.dp_rank), []).append(ls.node)
+    kinds = ["optim_states"] if layout.has_zero_optimizer_shards(stage, marker.precision) else []
+    if stage == 3:
+        kinds.append("zero3_model_states")
+    for kind in kinds:
+        label = "optimizer shard" if kind == "optim_states" else "ZeRO-3 model states"
+        for rank in range(world):
+            holders = seen.get((kind, rank), [])
+            name = _shard_file(kind, rank, marker)
+            if not holders:
+                problems.append(f"{expected_node.get(rank, '?')}: {label} of rank {rank} is "
+                                f"missing ({name})")
+            elif len(holders) > 1:
+                problems.append(f"{label} of rank {rank} ({name}) exists on "
+                                f"{' and '.join(holders)}; it must exist exactly once")
+            elif rank in expected_node and holders[0] != expected_node[rank]:
+                problems.append(f"{holders[0]}: has the {label} of rank {rank}, but the "
+                                f"markers place rank {rank} on {expected_node[rank]}")
+        extra = sorted(r for (k, r) in seen if k == kind and r >= world)
+        if extra:
+            problems.append(f"{label} for ranks {extra} beyond the world size {world}")
+    if stage is not None and stage < 3:
+        name = posixpath.join(marker.ds_subdir, layout.model_states_name(stage, 0))
+        if not any(name in (ls.tags.get(tag) or {}) for ls in listings):
+            problems.append(f"no node has {posixpath.join(tag, name)} (the model states)")
+    return problems
+
+
+def _shard_file(kind: str, rank: int, marker: layout.CompletionMarker) -> str:
+    name = (layout.optim_states_name(rank, bf16=marker.precision == "bf16") if kind == "optim_states"
+            else layout.model_states_name(3, rank))
+    return posixpath.join(marker.ds_subdir, name) if marker.ds_subdir else name
+
+
+def _marker_file_problems(listings: Sequence[NodeListing], tag: str,
+                          markers: dict[str, list[layout.CompletionMarker]]) -> list[str]:
+    """Files a node's marker says it wrote must be there, with the recorded size."""
+    problems: list[str] = []
+    by_node = {ls.node: ls for ls in listings}
+    for node, ms in markers.items():
+        present = by_node[node].tags.get(tag) or {}
+        for m in ms:
+            for rel, size in m.node_files.items():
+                info = present.get(rel)
+                shard = layout.parse_shard_name(posixpath.basename(rel))
+                if info is None and shard is not None and shard.dp_rank is not None:
+                    continue  # reported by rank in _shard_problems
+                if info is None:
+                    problems.append(f"{node}: {posixpath.join(tag, rel)} is missing (its "
+                                    "completion marker lists it)")
+                elif info.size != size:
+                    problems.append(f"{node}: {posixpath.join(tag, rel)} has {info.size} bytes, "
+                                    f"its completion marker recorded {size} (truncated or "
+                                    "rewritten after the save)")
+    return problems
+
+
+def listing_argv(python: str, root: str, tag: str | None) -> list[str]:
+    return [python, "-c", LISTING_SCRIPT, root, tag or ""]
+
+
+def describe(plan: CollectPlan) -> dict[str, Any]:
+    """A JSON-able summary for ``--dry-run``/reports."""
+    return {
+        "tag": plan.tag, "step": plan.step, "zero_stage": plan.zero_stage,
+        "world_size": plan.world_size, "engine": plan.engine,
+        "nodes": [{"node": n.node, "node_index": n.node_index, "ranks": list(n.ranks)}
+                  for n in plan.nodes],
+        "files": len(plan.files), "bytes": plan.total_bytes,
+    }
