@@ -7,6 +7,7 @@ enough to prove the teardown, the failure report and the signal forwarding.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -237,3 +238,12 @@ def _wait_for(cond: object, timeout: float = 15.0) -> None:
     while not cond():  # type: ignore[operator]
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.05)
+
+
+def test_watch_only_agents_exit_when_every_launcher_is_done(tmp_path: Path, fake: Path) -> None:
+    base = _job(tmp_path, fake, 2, "watch-job")
+    watcher = dataclasses.replace(base.tasks[1], argv=(), env={})
+    job = dataclasses.replace(base, tasks=(base.tasks[0], watcher))
+    outcome, text = _run(job)
+    assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
+    assert outcome.node_codes == {"v0": 0, "v1": 0}  # type: ignore[attr-defined]

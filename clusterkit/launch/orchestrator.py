@@ -245,6 +245,16 @@ class Orchestrator:
         elif code != 0:
             self._fail(state, "exit", code)
         self.sink.node_done(state.task.node, code)
+        self._release_watchers()
+
+    def _release_watchers(self) -> None:
+        """Every launcher finished: the watch-only agents (pdsh peers) sweep and exit."""
+        launchers = [s for s in self.nodes.values() if s.task.argv]
+        if any(s.code is None for s in launchers):
+            return
+        for s in self.nodes.values():
+            if not s.task.argv and s.code is None and s.proc is not None:
+                s.proc.close_stdin()
 
     def _on_start_failed(self, state: _Node, message: str) -> None:
         state.code = -1
