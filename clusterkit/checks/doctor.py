@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -229,7 +230,8 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *,
     listener = (_Listener.start_async(transport, master, plan.master_port)
                 if master is not None and plan.master_port else None)
     try:
-        facts, windows, connects = collect_facts(plan, transport, clock=clock)
+        stats: dict[str, float] = {}
+        facts, windows, connects = collect_facts(plan, transport, clock=clock, stats=stats)
         t_facts = time.monotonic() - started
         port_findings = (master_port_findings(plan, listener, facts, connects)
                          if listener is not None else [])
@@ -237,7 +239,7 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *,
         if listener is not None:
             listener.close()
     findings = run_rules(facts, _with_windows(plan.ctx, windows)) + port_findings
-    timings = {"facts": t_facts, "total": time.monotonic() - started}
+    timings = {"facts": t_facts, **stats, "total": time.monotonic() - started}
     return DoctorReport(plan, facts, tuple(findings), timings)
 
 
@@ -251,22 +253,29 @@ def _budget(plan: DoctorPlan, command_timeout: float) -> float:
     return 4 * plan.connect_timeout_s + command_timeout
 
 
+Collected = tuple[dict[str, NodeFacts], dict[str, tuple[float, float]],
+                  dict[str, Mapping[str, Any]]]  # facts, clock windows, master connects
+
+
 def collect_facts(plan: DoctorPlan, transport: Transport, *,
-                  clock: Callable[[], float] = time.time
-                  ) -> tuple[dict[str, NodeFacts], dict[str, tuple[float, float]],
-                             dict[str, Mapping[str, Any]]]:
+                  clock: Callable[[], float] = time.time,
+                  stats: dict[str, float] | None = None) -> Collected:
     """Run the facts probe on every node at once; one result per node, never an exception."""
     windows: dict[str, tuple[float, float]] = {}
+    phases: dict[str, tuple[float, float]] = {}  # host -> (ssh set-up s, command s)
     by_name = {n.host: n for n in plan.nodes}
     stdin = probe_source()
 
     def work(target: SSHTarget) -> CommandResult:
         node = by_name[target.name]
+        t0 = time.monotonic()
         _preconnect(transport, target)  # keeps SSH set-up out of the clock window
+        t1 = time.monotonic()
         sent = clock()
         result = transport.run(target, node.argv, timeout=plan.probe_timeout_s,
                                env=node.env or None, stdin=stdin)
         windows[node.host] = (sent, clock())
+        phases[node.host] = (t1 - t0, time.monotonic() - t1)
         return result
 
     group = fan_out([n.target for n in plan.nodes], work,
@@ -278,7 +287,24 @@ def collect_facts(plan: DoctorPlan, transport: Transport, *,
         facts[hr.host], raw = _facts_of(hr.host, hr.result, hr.error, by_name[hr.host].python)
         if isinstance(raw.get("master_port"), Mapping):
             connects[hr.host] = raw["master_port"]
+    if stats is not None:
+        stats.update(_phase_stats(phases, facts))
     return facts, windows, connects
+
+
+def _phase_stats(phases: Mapping[str, tuple[float, float]],
+                 facts: Mapping[str, NodeFacts]) -> dict[str, float]:
+    """Where the time went: SSH set-up (TCP + kex + auth) vs. the remote command
+    (login shell + .bashrc + interpreter start + probe + master connect)."""
+    if not phases:
+        return {}
+    out = {"ssh_setup_max": max(p[0] for p in phases.values()),
+           "command_max": max(p[1] for p in phases.values()),
+           "command_median": statistics.median(p[1] for p in phases.values())}
+    probe_ms = [f.probe_ms for f in facts.values() if f.probe_ms is not None]
+    if probe_ms:
+        out["probe_work_max"] = max(probe_ms) / 1000
+    return out
 
 
 def _preconnect(transport: Transport, target: SSHTarget) -> None:
