@@ -1,0 +1,199 @@
+"""Turn a collected ZeRO checkpoint into one fp32 state dict, with DeepSpeed's own code.
+
+The only module of collect-ckpt that imports torch/deepspeed (lazily, inside the
+functions). Output goes to ``<DEST>/<tag>-fp32/`` (``pytorch_model.bin`` or
+``model.safetensors``, sharded with an index above ``max_shard_size``), written into a
+temporary directory and renamed into place only after it loaded back and, when its
+tensors match a bundled preset, loaded strictly into ``clusterkit.workload``'s GPT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from clusterkit.errors import CheckpointError
+
+FORMATS = ("fp32", "safetensors")
+
+
+@dataclass(frozen=True)
+class Consolidated:
+    out_dir: str
+    files: tuple[str, ...]
+    tensors: int
+    parameters: int
+    model_check: str  # what the state dict was loaded into, or why not
+
+
+def output_dir(dest: str, tag: str) -> str:
+    return os.path.join(dest, f"{tag}-fp32")
+
+
+def consolidate(dest: str, tag: str, fmt: str = "fp32", *, max_shard_size: str = "5GB",
+                out_dir: str | None = None) -> Consolidated:
+    """Run ``convert_zero_checkpoint_to_fp32_state_dict`` on DEST and verify the result."""
+    if fmt not in FORMATS:
+        raise CheckpointError(f"unknown --consolidate format {fmt!r}", key="--consolidate",
+                              hint=f"choose one of {', '.join(FORMATS)}")
+    final = out_dir or output_dir(dest, tag)
+    tmp = f"{final}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _convert(dest, tag, tmp, fmt == "safetensors", max_shard_size)
+        state = load_state_dict_dir(tmp)
+        check = check_against_workload(state)
+        _replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = tuple(sorted(os.listdir(final)))
+    return Consolidated(out_dir=final, files=files, tensors=len(state),
+                        parameters=sum(int(t.numel()) for t in _unique_tensors(state)),
+                        model_check=check)
+
+
+def _convert(dest: str, tag: str, out: str, safe: bool, max_shard_size: str) -> None:
+    from deepspeed.utils import zero_to_fp32
+
+    os.makedirs(out, exist_ok=True)
+    try:
+        if safe:
+            # DeepSpeed's own safetensors writer refuses tied weights (wte/lm_head share
+            # storage); reconstruct with its code, then write untied copies ourselves.
+            state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(dest, tag=tag)
+            _save_safetensors(_untie(state), out, _parse_size(max_shard_size))
+        else:
+            zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(
+                dest, out, max_shard_size=max_shard_size, safe_serialization=False, tag=tag)
+    except (ValueError, FileNotFoundError, RuntimeError, KeyError) as exc:
+        raise CheckpointError(f"DeepSpeed could not consolidate {tag}: {' '.join(str(exc).split())}",
+                              path=os.path.join(dest, tag),
+                              hint="run collect-ckpt without --consolidate to check the shards, "
+                                   "then DEST/zero_to_fp32.py by hand") from None
+
+
+def _untie(state: Mapping[str, Any]) -> dict[str, Any]:
+    seen: set[int] = set()
+    out: dict[str, Any] = {}
+    for name, t in state.items():
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.clone().contiguous() if ptr in seen else t.contiguous()
+        seen.add(ptr)
+    return out
+
+
+def _parse_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    t = text.strip().upper()
+    for unit, mult in units.items():
+        if t.endswith(unit) and t[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[: -len(unit)]) * mult)
+    if t.isdigit():
+        return int(t)
+    raise CheckpointError(f"cannot parse size {text!r}", key="--max-shard-size",
+                          hint="digits followed by KB, MB, GB or TB, e.g. 5GB")
+
+
+def _save_safetensors(state: Mapping[str, Any], out: str, max_bytes: int) -> None:
+    """``model.safetensors``, or HF-style shards + ``model.safetensors.index.json``."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out, "model.safetensors"), metadata=meta)
+        return
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out, fname), metadata=meta)
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(os.path.join(out, "model.safetensors.index.json"), "w", encoding="utf-8") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
+
+
+def load_state_dict_dir(path: str) -> dict[str, Any]:
+    """Load what ``convert_zero_checkpoint_to_fp32_state_dict`` wrote (sharded or not)."""
+    import torch
+
+    names = sorted(os.listdir(path))
+    index = [n for n in names if n.endswith(".index.json")]
+    if index:
+        with open(os.path.join(path, index[0]), encoding="utf-8") as fh:
+            shards = sorted(set(json.load(fh)["weight_map"].values()))
+    else:
+        shards = [n for n in names if n.endswith((".bin", ".safetensors", ".pt"))]
+    state: dict[str, Any] = {}
+    for shard in shards:
+        full = os.path.join(path, shard)
+        if shard.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state.update(load_file(full))
+        else:
+            state.update(torch.load(full, map_location="cpu", weights_only=True))
+    if not state:
+        raise CheckpointError("the consolidated state dict is empty", path=path)
+    return state
+
+
+def _unique_tensors(state: Mapping[str, Any]) -> list[Any]:
+    seen: set[int] = set()
+    out = []
+    for t in state.values():
+        key = t.data_ptr() if t.numel() else id(t)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
+def check_against_workload(state: Mapping[str, Any]) -> str:
+    """Load into the bundled GPT when shapes match a preset (strict); else say so."""
+    import torch
+
+    from clusterkit.workload.model import GPT
+    from clusterkit.workload.presets import PRESETS
+
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    for preset in PRESETS.values():
+        if shapes.get("wte.weight") != (preset.vocab_size, preset.d_model) or \
+                shapes.get("wpe.weight") != (preset.seq_len, preset.d_model):
+            continue
+        with torch.device("meta"):
+            probe = GPT(preset)
+        want = {k: tuple(v.shape) for k, v in probe.state_dict().items()}
+        if want != shapes:
+            continue
+        model = GPT(preset)
+        try:
+            model.load_state_dict(dict(state), strict=True)
+        except RuntimeError as exc:
+            raise CheckpointError(f"consolidated weights do not load into GPT({preset.name}): "
+                                  f"{exc}") from None
+        return f"loads strictly into clusterkit.workload GPT({preset.name})"
+    return "not a bundled workload model (no preset matches its tensors); not load-tested"
+
+
+def _replace_dir(tmp: str, final: str) -> None:
+    old = f"{final}.old-{os.getpid()}"
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    with contextlib.suppress(OSError):
+        shutil.rmtree(old)
