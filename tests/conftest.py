@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.slurmbed.fixtures import slurm, slurm_bed  # noqa: F401  (Slurm test bed fixtures)
 from tests.testbed import Testbed, TestNode, unavailable_reason
 
 DEFAULT_TESTBED_NODES = 2

@@ -1,0 +1,211 @@
+"""`clusterkit sbatch` against a REAL Slurm 22.05 on the namespace test bed (tests/slurmbed).
+
+The cluster (7 nodes, 4 CPUs and 2 fake GPUs each) comes up once per session. Jobs
+run the bundled ZeRO workload on CPU/gloo; the fake GPUs only exercise Slurm's GRES
+path (--gpus-per-node, CUDA_VISIBLE_DEVICES).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clusterkit.cli.main import main
+from clusterkit.slurm import SlurmClient, SlurmError
+from tests.slurmbed import SlurmBed
+
+pytestmark = [pytest.mark.slurm, pytest.mark.testbed]
+
+LAUNCHERS = ("torchrun", "accelerate", "deepspeed")
+STORAGES = ("shared", "node-local")
+# The workload on CPU: fp32 (the plan picks bf16 for GPU hosts) and a few steps.
+WORKLOAD = ("--precision", "fp32", "--model", "tiny")
+
+
+def _inventory(bed: SlurmBed, gpus: int) -> Path:
+    path = bed.tb.root / f"inventory-gpus{gpus}.yaml"
+    return bed.tb.write_inventory(path, nodes=bed.nodes, slots=2, gpus=gpus)
+
+
+def _job_dir(bed: SlurmBed, job: str) -> Path:
+    return bed.tb.root / "work" / ".clusterkit" / "jobs" / job
+
+
+def _cli(bed: SlurmBed, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "clusterkit", "sbatch", *args], capture_output=True,
+                          text=True, env=bed.env, timeout=timeout, check=False)
+
+
+def test_test_only_accepts_every_variant(slurm: SlurmBed, capsys: pytest.CaptureFixture[str]) -> None:
+    client = SlurmClient(env=slurm.env)
+    seen = []
+    for launcher, storage, gpus in itertools.product(LAUNCHERS, STORAGES, (0, 2)):
+        job = f"to-{launcher}-{storage}-{gpus}"
+        inv = _inventory(slurm, gpus)
+        assert main(["sbatch", "-i", str(inv), "--nodes", "7", "--gpus-per-node", "2",
+                     "--launcher", launcher, "--storage", storage, "--job-id", job,
+                     "--partition", "debug", "--time", "00:10:00", *WORKLOAD]) == 0, job
+        script = _job_dir(slurm, job) / "sbatch.sh"
+        assert ("#SBATCH --gpus-per-node=2" in script.read_text()) is (gpus > 0)
+        message = client.test_only(script)
+        assert "to start at" in message and "node[1-7]" in message, (job, message)
+        seen.append(job)
+    capsys.readouterr()
+    assert len(seen) == 12
+
+
+def test_test_only_rejections_name_the_fix(slurm: SlurmBed) -> None:
+    client = SlurmClient(env=slurm.env)
+    # 3 GPUs per node, but the nodes have 2.
+    inv = slurm.tb.write_inventory(slurm.tb.root / "inventory-gpus3.yaml", nodes=slurm.nodes,
+                                   slots=3, gpus=3)
+    assert main(["sbatch", "-i", str(inv), "--nodes", "2", "--job-id", "rej-gpus", *WORKLOAD]) == 0
+    with pytest.raises(SlurmError) as err:
+        client.test_only(_job_dir(slurm, "rej-gpus") / "sbatch.sh")
+    assert "Requested node configuration is not available" in str(err.value)
+    assert "sinfo" in err.value.one_line()
+    # A partition that does not exist.
+    inv = _inventory(slurm, 0)
+    r = _cli(slurm, ["-i", str(inv), "--nodes", "2", "--job-id", "rej-part", "--partition", "nope",
+                     "--submit", *WORKLOAD])
+    assert r.returncode == 2, r.stderr
+    assert "Invalid partition name specified" in r.stderr and "sinfo -s" in r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 7  # summary lines + one error line, no traceback
+
+
+def _submit(bed: SlurmBed, job: str, *extra: str, nodes: int = 2, launcher: str = "torchrun",
+            storage: str = "shared", steps: int = 400) -> str:
+    inv = _inventory(bed, 2)
+    # A checkpoint directory per job: the workload resumes from whatever it finds there.
+    ckpt = ["--ckpt-dir", str(bed.tb.shared_dir / f"ckpt-{job}")] if storage == "shared" else []
+    r = _cli(bed, ["-i", str(inv), "--nodes", str(nodes), "--gpus-per-node", "2", "--launcher",
+                   launcher, "--storage", storage, *ckpt, "--steps", str(steps), "--job-id", job,
+                   *WORKLOAD, "--submit", *extra])
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"submitted Slurm job (\d+)", r.stdout)
+    assert m, r.stdout
+    return m.group(1)
+
+
+def _wait_output(bed: SlurmBed, job: str, slurm_id: str, needle: str, timeout: float = 180) -> str:
+    out = _job_dir(bed, job) / "logs" / f"slurm-{slurm_id}.out"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = out.read_text(errors="replace") if out.exists() else ""
+        if needle in text:
+            return text
+        assert bed.job_state(slurm_id) in ("PENDING", "RUNNING", "CONFIGURING"), text[-2000:]
+        time.sleep(0.5)
+    raise AssertionError(f"{needle!r} not in the output of job {slurm_id} after {timeout} s")
+
+
+def _wait_finished(bed: SlurmBed, slurm_id: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = bed.job_state(slurm_id)
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return state
+        time.sleep(0.3)
+    raise AssertionError(f"job {slurm_id} still {bed.job_state(slurm_id)} after {timeout} s")
+
+
+def _assert_nodes_clean(bed: SlurmBed, timeout: float = 20) -> None:
+    """No slurmstepd, batch script or rank left on any node (after KillWait at most)."""
+    deadline = time.monotonic() + timeout
+    left: dict[str, list[tuple[int, str]]] = {}
+    while time.monotonic() < deadline:
+        left = {n.name: p for n in bed.nodes if (p := bed.job_processes(n))}
+        if not left:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"processes left after the job: {left}")
+
+
+def _summary(text: str) -> dict[str, object]:
+    lines = [ln for ln in text.splitlines() if "CLUSTERKIT_SUMMARY " in ln]
+    assert lines, text[-3000:]
+    return dict(json.loads(lines[-1].split("CLUSTERKIT_SUMMARY ", 1)[1]))
+
+
+@pytest.mark.slow
+def test_zero_on_7_nodes_submit_watch(slurm: SlurmBed) -> None:
+    inv = _inventory(slurm, 2)
+    t0 = time.monotonic()
+    r = _cli(slurm, ["-i", str(inv), "--nodes", "7", "--gpus-per-node", "2", "--storage",
+                     "node-local", "--steps", "3", "--job-id", "zero7", *WORKLOAD,
+                     "--submit", "--watch", "--poll", "0.5"], timeout=500)
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    summary = _summary(r.stdout)
+    assert summary["world_size"] == 14 and summary["nodes"] == 7 and summary["finished"] is True
+    assert summary["storage"] == "node-local"
+    assert "COMPLETED" in r.stderr
+    for node in slurm.nodes:  # every node wrote its own shards to its own disk
+        assert (slurm.tb.node_local_path(node, "ckpt") / "global_step3").is_dir(), node.name
+    _assert_nodes_clean(slurm)
+    print(f"7 nodes x 2 ranks, 3 ZeRO-2 steps via sbatch --watch: {wall:.1f} s")
+
+
+@pytest.mark.slow
+def test_killed_rank_ends_the_whole_job(slurm: SlurmBed) -> None:
+    slurm_id = _submit(slurm, "kill1", "--", "--log-every", "1")
+    _wait_output(slurm, "kill1", slurm_id, "step 2/")
+    ranks = [pid for pid, cmd in slurm.job_processes("node2")
+             if "clusterkit.workload" in cmd and "torch.distributed.run" not in cmd]
+    assert ranks, slurm.job_processes("node2")
+    os.kill(ranks[-1], signal.SIGKILL)
+    r = _cli(slurm, ["status", slurm_id, "--watch", "--poll", "0.5"], timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert f"Slurm job {slurm_id} ended FAILED" in r.stderr
+    _assert_nodes_clean(slurm)
+
+
+@pytest.mark.slow
+def test_cancel_leaves_no_process(slurm: SlurmBed) -> None:
+    slurm_id = _submit(slurm, "cancel1", "--", "--log-every", "1")
+    _wait_output(slurm, "cancel1", slurm_id, "step 2/")
+    r = _cli(slurm, ["cancel", slurm_id])
+    assert r.returncode == 0 and f"cancelled Slurm job {slurm_id}" in r.stdout, r.stderr
+    assert _wait_finished(slurm, slurm_id) == "CANCELLED"
+    _assert_nodes_clean(slurm)
+    r = _cli(slurm, ["status", slurm_id])
+    assert r.returncode == 0 and "CANCELLED" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_usr1_checkpoints_then_stops(slurm: SlurmBed, launcher: str) -> None:
+    job = f"usr1-{launcher}"
+    slurm_id = _submit(slurm, job, "--", "--log-every", "1", launcher=launcher)
+    rank0 = "step 2/"
+    if launcher == "deepspeed":
+        out = _job_dir(slurm, job) / "logs" / f"ck-{job}-{slurm_id}-rank0.out"
+        deadline = time.monotonic() + 180
+        while not (out.exists() and rank0 in out.read_text(errors="replace")):
+            assert time.monotonic() < deadline, f"rank 0 of job {slurm_id} did not train"
+            assert slurm.job_state(slurm_id) in ("PENDING", "CONFIGURING", "RUNNING")
+            time.sleep(0.5)
+    else:
+        _wait_output(slurm, job, slurm_id, rank0)
+    # What `--signal=USR1@90` does before the time limit: USR1 to every process of the steps.
+    r = _cli(slurm, ["cancel", slurm_id, "--signal", "USR1"])
+    assert r.returncode == 0, r.stderr
+    r = _cli(slurm, ["status", slurm_id, "--watch", "--poll", "0.5"], timeout=120)
+    text = r.stdout
+    if launcher == "deepspeed":
+        text = (_job_dir(slurm, job) / "logs" / f"ck-{job}-{slurm_id}-rank0.out").read_text()
+    assert r.returncode == 0, (r.stderr[-2000:], text[-3000:])
+    summary = _summary(text)
+    assert summary["preempted"] == "SIGUSR1" and summary["finished"] is False
+    tag = summary["checkpoint_tag"]
+    assert isinstance(tag, str) and (slurm.tb.shared_dir / f"ckpt-{job}" / tag).is_dir()
+    _assert_nodes_clean(slurm)
