@@ -325,12 +325,15 @@ def _write_latest(dest: str, tag: str) -> None:
 def collect(transport: Transport, nodes: Sequence[CollectNode], options: CollectOptions,
             sink: ProgressSink | None = None,
             after_hash: Callable[[CollectPlan], None] | None = None,
-            on_start: Callable[[subprocess.Popen[bytes]], None] | None = None) -> CollectReport:
+            on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
+            on_plan: Callable[[CollectPlan], None] | None = None) -> CollectReport:
     """The whole verb minus consolidation. Raises :class:`CheckpointIncomplete` (nothing
     copied) or :class:`CheckpointError` (some files failed; verified ones stay)."""
     sink = sink or NullProgress()
     t0 = time.monotonic()
     plan = discover(transport, nodes, options.tag)
+    if on_plan is not None:
+        on_plan(plan)
     t1 = time.monotonic()
     hashes, problems = hash_sources(transport, nodes, plan)
     wanted, notes, more = choose_sources(plan, hashes) if not problems else ([], [], [])

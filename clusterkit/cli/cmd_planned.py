@@ -9,7 +9,6 @@ from clusterkit.errors import NotBuiltYet
 # verb -> (help, issue that builds it)
 PLANNED: dict[str, tuple[str, str]] = {
     "plan": ("memory advisor: which ZeRO stage fits", "issue 4 (workload)"),
-    "collect-ckpt": ("gather and consolidate node-local checkpoints", "issue 7 (collect-ckpt)"),
 }
 
 

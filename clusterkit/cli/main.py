@@ -22,6 +22,7 @@ VERB_MODULES = (
     "clusterkit.cli.cmd_doctor",
     "clusterkit.cli.cmd_launch",
     "clusterkit.cli.cmd_render",
+    "clusterkit.cli.cmd_collect",
     "clusterkit.cli.cmd_sbatch",
 )
 

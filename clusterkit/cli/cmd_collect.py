@@ -1,0 +1,305 @@
+"""clusterkit collect-ckpt: gather node-local ZeRO checkpoints (docs/collect-ckpt.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from clusterkit.cli.common import (
+    add_inventory_option,
+    add_selection_options,
+    clusterkit_home,
+    resolve_inventory,
+)
+from clusterkit.errors import CheckpointError
+from clusterkit.inventory import Host
+from clusterkit.remote.base import SSHTarget
+
+DEFAULT_DEST = "checkpoints-collected"
+PLAIN_EVERY_S = 2.0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "collect-ckpt", help="gather, verify and consolidate node-local checkpoints",
+        description="List every node's checkpoint dir, refuse (exit 2, nothing copied) unless "
+        "every shard, marker and tag agrees, then copy each file once with sha256 checked "
+        "end to end. Re-running skips files already verified at DEST.")
+    p.add_argument("job", nargs="?", metavar="JOB", help="a job started by `clusterkit launch`")
+    p.add_argument("--dir", metavar="PATH",
+                   help="checkpoint root on every node ({host} and {node} expand); default: "
+                        "the inventory's checkpoint.local_dir")
+    add_inventory_option(p)
+    add_selection_options(p)
+    p.add_argument("--tag", default="latest", help="tag to collect (default: the nodes' latest)")
+    p.add_argument("--to", dest="dest", metavar="DEST",
+                   help=f"where to gather (default: ./{DEFAULT_DEST}, or the job's dir for JOB)")
+    p.add_argument("--consolidate", choices=("fp32", "safetensors"),
+                   help="also write one fp32 state dict to DEST/<tag>-fp32/ (DeepSpeed's code)")
+    p.add_argument("--max-shard-size", default="5GB", help="for --consolidate (default 5GB)")
+    p.add_argument("--scatter", action="store_true",
+                   help="instead of collecting: push DEST/<tag> back to the selected nodes' "
+                        "local dirs, in the layout a launch on those nodes resumes from")
+    p.add_argument("--prune-sources", action="store_true",
+                   help="after everything is verified at DEST, delete the tag on the nodes")
+    p.add_argument("--jobs", type=int, default=8, metavar="N", help="parallel streams (default 8)")
+    p.add_argument("--via", choices=("auto", "ssh", "sftp"), default="auto",
+                   help="data path: OpenSSH+tar streams (auto when ssh exists) or SFTP")
+    p.add_argument("--no-fsync", dest="fsync", action="store_false",
+                   help="do not fsync each file before its rename (faster, less crash-safe)")
+    p.add_argument("--dry-run", action="store_true", help="list, verify and hash; copy nothing")
+    p.add_argument("--json", action="store_true", help="print a JSON report at the end")
+    p.set_defaults(func=cmd_collect)
+
+
+# ------------------------------------------------------------------ nodes
+
+
+def _target_for(host: Host) -> SSHTarget:
+    return SSHTarget(
+        name=host.name, address=host.address, user=host.ssh.user, port=host.ssh.port,
+        identity_file=host.ssh.identity_file, proxy_jump=host.ssh.proxy_jump,
+        config_file=host.ssh.config_file, known_hosts_file=host.ssh.known_hosts_file,
+        local=host.transport == "local")
+
+
+def _root(pattern: str | None, host: Host | None, name: str, index: int) -> str:
+    value = pattern or (host.checkpoint.local_dir if host else None)
+    if not value:
+        raise CheckpointError("no checkpoint directory for this node", host=name,
+                              key="checkpoint.local_dir",
+                              hint="set checkpoint.local_dir in the inventory or pass --dir")
+    return value.replace("{host}", name).replace("{node}", str(index))
+
+
+def resolve_nodes(args: argparse.Namespace) -> tuple[list[Any], list[int], str]:
+    """(CollectNodes, slots per node, default DEST) from JOB or inventory + selection."""
+    from clusterkit.checkpoints.collect import CollectNode
+
+    if args.job:
+        from clusterkit.launch.jobs import Registry
+
+        record = Registry(clusterkit_home()).load(args.job)
+        inv = None
+        nodes = []
+        for index, n in enumerate(record.nodes):
+            dirs = record.extra.get("ckpt_dirs") or {}
+            pattern = args.dir or dirs.get(n.node) or record.extra.get("ckpt_dir")
+            host = None
+            if not pattern:
+                inv = inv or resolve_inventory(args.inventory)
+                host = inv.host(n.node)
+            nodes.append(CollectNode(n.node, n.target, n.python, _root(pattern, host, n.node, index)))
+        slots = [int(s) for s in record.extra.get("slots", [])] or [0] * len(nodes)
+        return nodes, slots, str(clusterkit_home() / "jobs" / args.job / "checkpoints")
+    from clusterkit.hostfile import select_hosts
+
+    inventory = resolve_inventory(args.inventory)
+    chosen = select_hosts(inventory, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                          include=args.include, exclude=args.exclude)
+    nodes = [CollectNode(h.name, _target_for(h), h.python or "python3",
+                         _root(args.dir, h, h.name, i)) for i, (h, _) in enumerate(chosen)]
+    return nodes, [len(s) for _, s in chosen], DEFAULT_DEST
+
+
+# ------------------------------------------------------------------ progress
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+class PlainProgress:
+    """Piped output: one line per finished file and a total every few seconds."""
+
+    def __init__(self, out: Any = None) -> None:
+        self.out = out or sys.stdout
+        self.lock = threading.Lock()
+        self.total = 0
+        self.done = 0
+        self.t0 = time.monotonic()
+        self.last = 0.0
+
+    def _line(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def begin(self, per_node_bytes: Mapping[str, int]) -> None:
+        self.total = sum(per_node_bytes.values())
+        self.t0 = self.last = time.monotonic()
+        self._line(f"copying {_mb(self.total)} from {len(per_node_bytes)} node(s)")
+
+    def _rate(self) -> str:
+        dt = max(time.monotonic() - self.t0, 1e-6)
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        return f"{_mb(self.done)}/{_mb(self.total)} ({pct:.0f}%) {self.done / dt / 1e6:,.1f} MB/s"
+
+    def advance(self, node: str, nbytes: int) -> None:
+        with self.lock:
+            self.done += nbytes
+            now = time.monotonic()
+            if now - self.last >= PLAIN_EVERY_S:
+                self.last = now
+                self._line(f"  {self._rate()}")
+
+    def file_done(self, node: str, relpath: str, size: int, status: str, detail: str = "") -> None:
+        with self.lock:
+            extra = f": {detail}" if detail else ""
+            self._line(f"  {node}: {relpath} {_mb(size)} {status}{extra}")
+
+    def end(self) -> None:
+        with self.lock:
+            if self.total:
+                self._line(f"  {self._rate()}")
+
+
+class RichProgress:
+    """Terminal: one bar per node and a total, with bytes and rate."""
+
+    def __init__(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.progress = Progress(TextColumn("{task.description:<12}"), BarColumn(),
+                                 DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+        self.tasks: dict[str, Any] = {}
+        self.lock = threading.Lock()
+
+    def begin(self, per_node_bytes: Mapping[str, int]) -> None:
+        self.progress.start()
+        self.tasks["*"] = self.progress.add_task("total", total=sum(per_node_bytes.values()))
+        for node, n in per_node_bytes.items():
+            self.tasks[node] = self.progress.add_task(node, total=n)
+
+    def advance(self, node: str, nbytes: int) -> None:
+        with self.lock:
+            self.progress.advance(self.tasks[node], nbytes)
+            self.progress.advance(self.tasks["*"], nbytes)
+
+    def file_done(self, node: str, relpath: str, size: int, status: str, detail: str = "") -> None:
+        if status == "failed":
+            self.progress.console.print(f"[red]{node}: {relpath}: {detail}[/red]")
+
+    def end(self) -> None:
+        self.progress.stop()
+
+
+# ------------------------------------------------------------------ the verb
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    from clusterkit.checkpoints.collect import CollectOptions, collect
+    from clusterkit.checkpoints.discover import CheckpointIncomplete, describe
+    from clusterkit.remote.dispatch import transport_for
+
+    if args.jobs < 1:
+        raise CheckpointError("--jobs must be >= 1", key="--jobs")
+    nodes, slots, default_dest = resolve_nodes(args)
+    dest = os.path.abspath(args.dest or default_dest)
+    options = CollectOptions(dest=dest, tag=args.tag, jobs=args.jobs, method=args.via,
+                             fsync=args.fsync, dry_run=args.dry_run,
+                             prune_sources=args.prune_sources)
+    if args.scatter:
+        return _scatter_only(args, nodes, slots, dest)
+    sink = RichProgress() if sys.stdout.isatty() and not args.json else PlainProgress()
+    with transport_for() as transport:
+        try:
+            report = collect(transport, nodes, options, sink, on_plan=_print_plan)
+        except CheckpointIncomplete as exc:
+            print(f"checkpoint {exc.tag or '?'} cannot be collected:", file=sys.stderr)
+            for line in exc.problems:
+                print(f"  - {line}", file=sys.stderr)
+            raise
+    _print_report(report, dest)
+    result: dict[str, Any] = {"collect": describe(report.plan), "dest": dest,
+                              "copied_bytes": report.bytes_copied, "skipped": report.skipped,
+                              "notes": report.notes}
+    if args.dry_run:
+        print("dry run: nothing copied")
+    elif args.consolidate:
+        result["consolidated"] = _consolidate(dest, report.plan.tag, args)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    return 0
+
+
+def _scatter_only(args: argparse.Namespace, nodes: list[Any], slots: list[int], dest: str) -> int:
+    from clusterkit.checkpoints.collect import latest_tag_at
+    from clusterkit.remote.dispatch import transport_for
+
+    tag = args.tag if args.tag != "latest" else latest_tag_at(dest)
+    if tag is None:
+        raise CheckpointError("DEST has no 'latest' file", path=dest,
+                              hint="pass --tag, or collect a checkpoint into DEST first")
+    if args.dry_run or args.consolidate or args.prune_sources:
+        raise CheckpointError("--scatter pushes DEST back to the nodes and does nothing else",
+                              key="--scatter", hint="run the collect and the scatter separately")
+    with transport_for() as transport:
+        result = _scatter(transport, nodes, slots, dest, tag, args)
+    if args.json:
+        print(json.dumps({"scatter": result}, indent=1))
+    return 0
+
+
+def _print_plan(plan: Any) -> None:
+    print(f"checkpoint {plan.tag}: step {plan.step}, ZeRO-{plan.zero_stage}, "
+          f"{plan.world_size} ranks on {len(plan.nodes)} nodes, engine {plan.engine}: "
+          f"complete ({len(plan.files)} files, {_mb(plan.total_bytes)} after dedupe)")
+    for n in plan.nodes:
+        ranks = f"{n.ranks[0]}-{n.ranks[-1]}" if len(n.ranks) > 1 else str(n.ranks[0])
+        print(f"  {n.node:<12} node {n.node_index:<3} ranks {ranks}")
+
+
+def _print_report(report: Any, dest: str) -> None:
+    print(f"listed in {report.seconds_list:.1f} s, hashed on the nodes in "
+          f"{report.seconds_hash:.1f} s")
+    for note in report.notes:
+        print(f"note: {note}")
+    if report.method:
+        copied = sum(len(r.copied) for r in report.results.values())
+        rate = report.bytes_copied / report.seconds_copy / 1e6 if report.seconds_copy else 0.0
+        print(f"collected {report.plan.tag} into {dest}: {copied} file(s) copied "
+              f"({_mb(report.bytes_copied)} in {report.seconds_copy:.1f} s, {rate:,.1f} MB/s via "
+              f"{report.method}), {report.skipped} already verified; every file sha256-checked")
+    for node, status in report.pruned.items():
+        print(f"pruned {report.plan.tag} on {node}: {status}")
+
+
+def _consolidate(dest: str, tag: str, args: argparse.Namespace) -> dict[str, Any]:
+    from clusterkit.checkpoints.consolidate import consolidate
+
+    t0 = time.monotonic()
+    c = consolidate(dest, tag, args.consolidate, max_shard_size=args.max_shard_size)
+    print(f"consolidated {tag} -> {c.out_dir}/ ({', '.join(c.files)}; {c.tensors} tensors) in "
+          f"{time.monotonic() - t0:.1f} s: {c.model_check}")
+    return {"out_dir": c.out_dir, "files": list(c.files), "tensors": c.tensors,
+            "model_check": c.model_check}
+
+
+def _scatter(transport: Any, nodes: list[Any], slots: list[int], dest: str, tag: str,
+             args: argparse.Namespace) -> dict[str, Any]:
+    from clusterkit.checkpoints.scatter import ScatterTarget, scatter
+
+    if not all(slots):
+        raise CheckpointError("--scatter needs the slots of each node", key="--scatter",
+                              hint="use the inventory (not a JOB) to scatter")
+    targets = [ScatterTarget(n, s) for n, s in zip(nodes, slots, strict=True)]
+    r = scatter(transport, dest, tag, targets, jobs=args.jobs)
+    if r.remapped:
+        print("warning: ranks now live on different nodes than when the checkpoint was saved; "
+              "launch with exactly this node selection and order to resume")
+    for p in r.pushes:
+        print(f"scattered {tag} to {p.node}: node {p.node_index}, ranks {list(p.ranks)}, "
+              f"{r.uploaded.get(p.node, 0)} uploaded, {r.skipped.get(p.node, 0)} already there")
+    return {"nodes": {p.node: list(p.ranks) for p in r.pushes}, "remapped": r.remapped}
