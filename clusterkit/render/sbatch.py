@@ -12,7 +12,6 @@ import re
 import shlex
 from functools import cache
 from importlib import resources
-from pathlib import Path
 
 import jinja2
 
@@ -49,13 +48,8 @@ def _environment() -> jinja2.Environment:
 
 
 def _load_template(name: str) -> str:
-    try:
-        return resources.files("clusterkit.templates").joinpath(name).read_text(encoding="utf-8")
-    except ModuleNotFoundError:
-        # An editable install made before templates/ was mapped to clusterkit.templates
-        # (pip install -e . fixes it): read the source checkout instead.
-        source = Path(__file__).resolve().parents[2] / "templates" / name
-        return source.read_text(encoding="utf-8")
+    # templates/ is installed as the package clusterkit.templates (see pyproject.toml).
+    return resources.files("clusterkit.templates").joinpath(name).read_text(encoding="utf-8")
 
 
 def _slurm_value(value: str | None, key: str) -> str | None:
