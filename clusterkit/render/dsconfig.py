@@ -70,7 +70,7 @@ def _fail(key: str, message: str, hint: str | None = None) -> RenderError:
     return RenderError(message, key=key, hint=hint)
 
 
-def _validate(spec: ZeroSpec) -> None:  # noqa: C901 - a flat list of independent checks
+def _validate(spec: ZeroSpec) -> None:
     if spec.stage not in ZERO_STAGES:
         raise _fail("stage", f"ZeRO stage must be one of 0-3, got {spec.stage}")
     for key, value in (("offload_optimizer", spec.offload_optimizer),
@@ -92,10 +92,10 @@ def _validate(spec: ZeroSpec) -> None:  # noqa: C901 - a flat list of independen
         raise _fail("nvme_path", "NVMe offload needs a path on a local NVMe file system")
     if spec.gather_16bit_on_save and spec.stage != 3:
         raise _fail("gather_16bit_on_save", "consolidated 16-bit save only applies to ZeRO-3")
-    for key, value in (("micro_batch", spec.micro_batch), ("grad_accum", spec.grad_accum),
-                       ("world_size", spec.world_size), ("total_steps", spec.total_steps)):
-        if value < 1:
-            raise _fail(key, f"must be >= 1, got {value}")
+    for name, count in (("micro_batch", spec.micro_batch), ("grad_accum", spec.grad_accum),
+                        ("world_size", spec.world_size), ("total_steps", spec.total_steps)):
+        if count < 1:
+            raise _fail(name, f"must be >= 1, got {count}")
     if spec.warmup_steps < 1:
         # DeepSpeed's WarmupCosineLR rejects warmup_num_steps <= 0.
         raise _fail("warmup_steps", f"must be >= 1, got {spec.warmup_steps}")

@@ -34,6 +34,7 @@ class WorkloadArgs:
     storage: str
     save_every: int
     save_final: bool
+    stop_after_steps: int
     resume: str
     save_16bit: bool
     eval_every: int
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: off)")
     c.add_argument("--no-final-save", dest="save_final", action="store_false",
                    help="skip the checkpoint at the end (benchmarks)")
+    c.add_argument("--stop-after-steps", type=int, default=0, metavar="N",
+                   help="run at most N steps in this invocation, save and exit 0 (time-boxed "
+                        "jobs; the schedule still spans --steps)")
     c.add_argument("--resume", default="auto", metavar="auto|never|TAG",
                    help="auto: newest complete checkpoint, if any (default)")
     c.add_argument("--save-16bit", action="store_true",
@@ -108,9 +112,9 @@ def _positive(parser: argparse.ArgumentParser, name: str, value: int, minimum: i
 def parse_args(argv: Sequence[str] | None = None) -> WorkloadArgs:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    for name, minimum in (("steps", 1), ("micro_batch", 1), ("grad_accum", 1), ("save_every", 0),
-                          ("eval_every", 0), ("eval_batches", 1), ("log_every", 1),
-                          ("warmup_steps", 1)):
+    for name, minimum in (("steps", 1), ("micro_batch", 1), ("grad_accum", 1),
+                          ("save_every", 0), ("stop_after_steps", 0), ("eval_every", 0),
+                          ("eval_batches", 1), ("log_every", 1), ("warmup_steps", 1)):
         _positive(parser, "--" + name.replace("_", "-"), getattr(ns, name), minimum)
     if ns.save_16bit and ns.zero_stage != 3 and ns.ds_config is None:
         parser.error("--save-16bit needs --zero-stage 3")

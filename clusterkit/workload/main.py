@@ -55,6 +55,8 @@ class RunStats:
     final_loss: float | None = None
     eval_loss: float | None = None
     last_tag: str | None = None
+    stopped_early: bool = False
+    first_step_s: float = 0.0
     losses: list[float] = field(default_factory=list)
 
 
@@ -252,45 +254,52 @@ class _Loop:
         return float(t.item()) / self.world
 
     def run(self) -> tuple[RunStats, int]:
-        import time as _t
-
         start = self.engine.global_steps
         stop_code = 0
-        window_t0, window_steps = _t.perf_counter(), 0
+        window_s, window_steps = 0.0, 0
         for step in range(start, self.args.steps):
+            t0 = time.perf_counter()
             batches = [self.stream.train_batch(step, m, self.micro) for m in range(self.accum)]
             loss = self.engine.train_step(batches)
-            done = step + 1
-            self.stats.steps_run += 1
-            window_steps += 1
+            # One tiny all-reduce per step: all ranks stop on the same step even if only
+            # one got the signal. Its .item() also syncs the GPU, so step times are real.
             stop_code = self._agree_signal()
-            last = done == self.args.steps or stop_code != 0
-            if done % self.args.log_every == 0 or last:
-                mean = self._mean(loss)  # also a sync point for timing
-                now = _t.perf_counter()
-                self._account(step == start, now - window_t0, window_steps)
-                self._progress(done, mean, now - window_t0, window_steps)
-                window_t0, window_steps = _t.perf_counter(), 0
+            step_s = time.perf_counter() - t0
+            done = step + 1
+            self._account(step_s, first=step == start)
+            window_s, window_steps = window_s + step_s, window_steps + 1
+            time_boxed = bool(self.args.stop_after_steps and done < self.args.steps
+                              and self.stats.steps_run >= self.args.stop_after_steps)
+            if done % self.args.log_every == 0 or done == self.args.steps or stop_code or time_boxed:
+                self._progress(done, self._mean(loss), window_s, window_steps)
+                window_s, window_steps = 0.0, 0
             if self.args.eval_every and done % self.args.eval_every == 0:
                 self._evaluate(done)
-            if stop_code or (self.args.save_every and done % self.args.save_every == 0):
+            if stop_code or time_boxed or (self.args.save_every
+                                           and done % self.args.save_every == 0):
                 self._save(done)
             if stop_code:
                 _log(self.rank, f"{SIGNAL_NAMES[stop_code]} received: saved {self.stats.last_tag}, "
                                 "exiting")
                 break
-        if (self.args.save_final and not stop_code
+            if time_boxed:
+                self.stats.stopped_early = True
+                _log(self.rank, f"--stop-after-steps reached: saved {self.stats.last_tag}, exiting")
+                break
+        if (self.args.save_final and not stop_code and not self.stats.stopped_early
                 and self.stats.last_tag != layout.step_tag(self.engine.global_steps)):
             self._save(self.engine.global_steps, final=True)
         return self.stats, stop_code
 
-    def _account(self, includes_first: bool, seconds: float, steps: int) -> None:
-        # The first step of a run pays for warm-up (allocations, shm setup): leave it out
-        # of the throughput average unless it is all we have.
-        if includes_first and steps > 1:
-            seconds, steps = seconds * (steps - 1) / steps, steps - 1
+    def _account(self, seconds: float, *, first: bool) -> None:
+        self.stats.steps_run += 1
+        # The first step of an invocation pays for warm-up (allocation, comm set-up);
+        # keep it out of the averages unless it is the only step.
+        if first:
+            self.stats.first_step_s = seconds
+            return
         self.stats.timed_s += seconds
-        self.stats.timed_steps += steps
+        self.stats.timed_steps += 1
 
     def _progress(self, done: int, loss: float, seconds: float, steps: int) -> None:
         self.stats.final_loss = loss
@@ -334,7 +343,10 @@ def _summary(args: WorkloadArgs, engine: Any, stats: RunStats, resumed_from: str
              world: int, zero_stage: int, precision: str, preset: ModelPreset, micro: int,
              accum: int, stop_code: int, on_gpu: bool, num_nodes: int) -> dict[str, Any]:
     samples_per_step = micro * accum * world
-    sps = samples_per_step * stats.timed_steps / stats.timed_s if stats.timed_s > 0 else None
+    steps, secs = stats.timed_steps, stats.timed_s
+    if steps == 0:
+        steps, secs = stats.steps_run, stats.first_step_s
+    sps = samples_per_step * steps / secs if secs > 0 else None
     out: dict[str, Any] = {
         "steps": engine.global_steps, "steps_run": stats.steps_run,
         "final_loss": stats.final_loss, "eval_loss": stats.eval_loss,
@@ -343,7 +355,8 @@ def _summary(args: WorkloadArgs, engine: Any, stats: RunStats, resumed_from: str
         "world_size": world, "nodes": num_nodes, "zero_stage": zero_stage,
         "precision": precision, "engine": args.engine, "model": preset.name,
         "n_params": preset.n_params, "storage": args.storage,
-        "preempted": SIGNAL_NAMES[stop_code], "losses": stats.losses,
+        "preempted": SIGNAL_NAMES[stop_code], "stopped_early": stats.stopped_early,
+        "finished": engine.global_steps >= args.steps, "losses": stats.losses,
     }
     if on_gpu and sps:
         tflops = preset.train_flops_per_token() * preset.seq_len * sps / 1e12 / world

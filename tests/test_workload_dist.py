@@ -1,0 +1,305 @@
+"""The workload under real launchers: 2 CPU ranks (gloo), tiny model, a few steps.
+
+Each case is a couple of short torchrun runs (a few seconds each once DeepSpeed's
+shm_comm_op is cached; the very first DeepSpeed run on a machine compiles it, ~40 s).
+"Two nodes" on one machine = two torchrun agents with --nnodes 2, one rank each;
+with ``--ckpt-dir .../node{node}/ckpt`` each fake node gets its own node-local dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("deepspeed")
+
+REPO = Path(__file__).resolve().parents[1]
+SUMMARY = "CLUSTERKIT_SUMMARY "
+RUN_TIMEOUT = 240
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+               "CROSS_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
+               "SLURM_NODEID", "NODE_RANK")
+# Small, fast, and with the cosine part of the schedule active after 2 warm-up steps.
+BASE = ["--model", "tiny", "--micro-batch", "2", "--grad-accum", "2", "--warmup-steps", "2",
+        "--log-every", "1", "--seed", "7", "--dist-timeout", "180"]
+
+
+@dataclass
+class Run:
+    rc: int
+    out: str
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        lines = [ln for ln in self.out.splitlines() if ln.startswith(SUMMARY)]
+        assert len(lines) == 1, f"expected one summary line, output:\n{self.out[-4000:]}"
+        data: dict[str, Any] = json.loads(lines[0][len(SUMMARY):])
+        return data
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _torchrun_argv(extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *extra, "-m", "clusterkit.workload"]
+
+
+def torchrun(args: list[str], cwd: Path, nproc: int = 2) -> Run:
+    argv = _torchrun_argv(["--nnodes", "1", "--nproc_per_node", str(nproc),
+                           "--master_addr", "127.0.0.1", "--master_port", str(_free_port())])
+    proc = subprocess.run([*argv, *BASE, *args], cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT)
+    return Run(proc.returncode, proc.stdout + proc.stderr)
+
+
+def fake_nodes(args: list[str], cwd: Path) -> list[Run]:
+    """Two torchrun agents = two nodes of one rank each (LOCAL_RANK 0 on both)."""
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        argv = _torchrun_argv(["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+                               "--master_addr", "127.0.0.1", "--master_port", str(port)])
+        procs.append(subprocess.Popen([*argv, *BASE, *args], cwd=cwd, env=_env(), text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    runs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        runs.append(Run(p.returncode, out))
+    return runs
+
+
+def srun_style(args: list[str], cwd: Path) -> list[Run]:
+    """What a plain ``srun python -m clusterkit.workload`` provides: SLURM_* only."""
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        env = _env() | {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+                        "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "clusterkit.workload", *BASE, *args],
+                                      cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT))
+    outs = [p.communicate(timeout=RUN_TIMEOUT)[0] for p in procs]
+    return [Run(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
+
+
+def _rank0(runs: list[Run]) -> Run:
+    (with_summary,) = [r for r in runs if SUMMARY in r.out]
+    return with_summary
+
+
+def _load(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = torch.load(path)
+    return data
+
+
+def _assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = _load(a), _load(b)
+    assert wa.keys() == wb.keys()
+    diffs = {k: float((wa[k] - wb[k]).abs().max()) for k in wa}
+    # Bit-exact on CPU: same data per step, fp32 master weights and optimizer state restored.
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), diffs
+
+
+@pytest.mark.slow
+def test_zero_stages_give_the_same_loss_trajectory(tmp_path: Path) -> None:
+    """ZeRO 0-3 on 2 ranks, same seed: identical losses (tolerance 1e-6 absolute; measured
+    bit-identical). Stage 0 also exercises the plain-srun env fallback, stage 1 --ds-config."""
+    from clusterkit.render.dsconfig import ZeroSpec, build_ds_config
+
+    common = ["--steps", "4", "--no-final-save", "--resume", "never"]
+    losses: dict[int, list[float]] = {}
+    runs = srun_style([*common, "--zero-stage", "0", "--run-dir", "z0"], tmp_path)
+    assert [r.rc for r in runs] == [0, 0], runs[0].out[-3000:]
+    losses[0] = _rank0(runs).summary["losses"]
+    cfg = build_ds_config(ZeroSpec(stage=1, precision="fp32", micro_batch=2, grad_accum=2,
+                                   world_size=2, warmup_steps=2, total_steps=4, lr=1e-3,
+                                   cos_min_ratio=0.1, torch_adam=True))
+    (tmp_path / "ds1.json").write_text(json.dumps(cfg))
+    run = torchrun([*common, "--ds-config", "ds1.json", "--run-dir", "z1"], tmp_path)
+    assert run.rc == 0, run.out[-3000:]
+    assert run.summary["zero_stage"] == 1
+    losses[1] = run.summary["losses"]
+    for stage in (2, 3):
+        run = torchrun([*common, "--zero-stage", str(stage), "--run-dir", f"z{stage}"], tmp_path)
+        assert run.rc == 0, run.out[-3000:]
+        losses[stage] = run.summary["losses"]
+    assert len(losses[0]) == 4 and losses[0][-1] < losses[0][0]
+    for stage in (1, 2, 3):
+        assert losses[stage] == pytest.approx(losses[0], abs=1e-6), (stage, losses)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Uninterrupted 6-step runs (ZeRO-2 and ZeRO-3), final fp32 weights dumped."""
+    out: dict[int, Path] = {}
+    for stage in (2, 3):
+        cwd = tmp_path_factory.mktemp(f"ref{stage}")
+        run = torchrun(["--steps", "6", "--zero-stage", str(stage), "--eval-every", "3",
+                        "--dump-weights", "w.pt"], cwd)
+        assert run.rc == 0, run.out[-3000:]
+        out[stage] = cwd / "w.pt"
+    return out
+
+
+RESUME_CASES = [
+    ("deepspeed", "shared", 2), ("deepspeed", "shared", 3),
+    ("deepspeed", "node-local", 2), ("deepspeed", "node-local", 3),
+    ("accelerate", "shared", 2), ("accelerate", "node-local", 3),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("engine", "storage", "stage"), RESUME_CASES)
+def test_resume_is_bit_exact(tmp_path: Path, reference: dict[int, Path], engine: str,
+                             storage: str, stage: int) -> None:
+    args = ["--steps", "6", "--zero-stage", str(stage), "--engine", engine, "--storage", storage]
+    if storage == "node-local":
+        args += ["--ckpt-dir", str(tmp_path / "node{node}" / "ckpt")]
+
+        def launch(a: list[str]) -> Run:
+            runs = fake_nodes(a, tmp_path)
+            assert [r.rc for r in runs] == [0, 0], "\n".join(r.out[-2000:] for r in runs)
+            return _rank0(runs)
+    else:
+        def launch(a: list[str]) -> Run:
+            run = torchrun(a, tmp_path)
+            assert run.rc == 0, run.out[-3000:]
+            return run
+
+    first = launch([*args, "--stop-after-steps", "3"])
+    assert first.summary["checkpoint_tag"] == "global_step3"
+    assert first.summary["finished"] is False
+    second = launch([*args, "--dump-weights", "w.pt"])
+    assert second.summary["resumed_from"] == "global_step3"
+    assert second.summary["steps"] == 6 and second.summary["steps_run"] == 3
+    _assert_same_weights(reference[stage], tmp_path / "w.pt")
+    if storage == "node-local":
+        # Each fake node holds its own marker; node 1 has no `latest` (that is rank 0's).
+        for node in (0, 1):
+            tag_dir = tmp_path / f"node{node}" / "ckpt" / "global_step6"
+            marker = json.loads((tag_dir / f"clusterkit-complete.node{node}.json").read_text())
+            assert marker["storage"] == "node-local" and marker["num_nodes"] == 2
+            assert [r["global_rank"] for r in marker["ranks"]] == [node]
+        assert not (tmp_path / "node1" / "ckpt" / "latest").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("storage", "stage"), [("node-local", 2), ("shared", 3)])
+def test_missing_shard_is_a_clear_error_not_a_fresh_start(tmp_path: Path, storage: str,
+                                                          stage: int) -> None:
+    args = ["--steps", "4", "--zero-stage", str(stage), "--storage", storage]
+    if storage == "node-local":
+        args += ["--ckpt-dir", str(tmp_path / "node{node}" / "ckpt")]
+        tag_dir = tmp_path / "node1" / "ckpt" / "global_step2"
+        launch = lambda a: fake_nodes(a, tmp_path)  # noqa: E731
+    else:
+        tag_dir = tmp_path / "clusterkit-run" / "checkpoints" / "global_step2"
+        launch = lambda a: [torchrun(a, tmp_path)]  # noqa: E731
+    assert all(r.rc == 0 for r in launch([*args, "--stop-after-steps", "2"]))
+    shard = tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.unlink()
+    t0 = time.monotonic()
+    runs = launch(args)
+    assert time.monotonic() - t0 < 120  # no hang
+    out = "\n".join(r.out for r in runs)
+    assert all(r.rc != 0 for r in runs), out[-3000:]
+    assert SUMMARY not in out and "resumed from" not in out
+    error = next(ln for ln in out.splitlines() if "[clusterkit] error:" in ln)
+    assert f"host {socket.gethostname()}" in error
+    assert "rank 1: missing" in error and str(shard) in error
+    assert "global_step2" in error
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def _worker_pid(launcher_pid: int, rank: int) -> int:
+    for child in _children(launcher_pid):
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return child
+    raise AssertionError(f"no worker with RANK={rank} under pid {launcher_pid}")
+
+
+def _run_until_step_then_signal(tmp_path: Path, args: list[str], sig: signal.Signals,
+                                rank: int) -> Run:
+    log = tmp_path / f"{sig.name}.log"
+    argv = _torchrun_argv(["--nnodes", "1", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(_free_port())])
+    with log.open("w") as fh:
+        proc = subprocess.Popen([*argv, *BASE, *args], cwd=tmp_path, env=_env(), text=True,
+                                stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + RUN_TIMEOUT
+            while "step 3/" not in log.read_text():
+                assert proc.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            # Only ONE rank gets the signal: the all-reduced flag must stop both.
+            os.kill(_worker_pid(proc.pid, rank), sig)
+            rc = proc.wait(timeout=RUN_TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return Run(rc, log.read_text())
+
+
+@pytest.mark.slow
+def test_sigusr1_saves_exits_zero_and_resume_continues(tmp_path: Path) -> None:
+    args = ["--steps", "5000", "--zero-stage", "2"]
+    run = _run_until_step_then_signal(tmp_path, args, signal.SIGUSR1, rank=1)
+    assert run.rc == 0, run.out[-3000:]
+    summary = run.summary
+    assert summary["preempted"] == "SIGUSR1"
+    step = summary["steps"]
+    assert 3 <= step < 5000 and summary["checkpoint_tag"] == f"global_step{step}"
+    ckpt = tmp_path / "clusterkit-run" / "checkpoints" / f"global_step{step}"
+    assert (ckpt / "clusterkit-complete.node0.json").exists()
+    resumed = torchrun([*args, "--stop-after-steps", "2"], tmp_path)
+    assert resumed.rc == 0, resumed.out[-3000:]
+    assert resumed.summary["resumed_from"] == f"global_step{step}"
+    assert resumed.summary["steps"] == step + 2
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_143(tmp_path: Path) -> None:
+    run = _run_until_step_then_signal(tmp_path, ["--steps", "5000", "--zero-stage", "3"],
+                                      signal.SIGTERM, rank=0)
+    summary = run.summary
+    assert summary["preempted"] == "SIGTERM"
+    tag = summary["checkpoint_tag"]
+    assert (tmp_path / "clusterkit-run" / "checkpoints" / tag / "clusterkit-complete.node0.json"
+            ).exists()
+    # torchrun reports the workers' documented exit code 143 and fails itself.
+    assert run.rc != 0 and "exitcode: 143" in run.out
