@@ -30,7 +30,10 @@ DEFAULT_ALLOWLIST: tuple[str, ...] = (
 )
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL", re.IGNORECASE)
 _GLOB_CHARS = set("*?[")
-FALLBACK_PATH = ("/usr/local/bin", "/usr/bin", "/bin")
+# What a remote node gets after the interpreter dir. Not the launcher's own PATH: that
+# names directories of the machine clusterkit runs on (pyenv shims, ~/.cargo/bin, ...),
+# which other nodes may not have. An inventory `env: {PATH: ...}` overrides all of it.
+SYSTEM_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 
 def is_secret_name(name: str) -> bool:
@@ -76,11 +79,13 @@ def build_env(
 
     PATH starts with the interpreter's bin directory so console scripts installed
     next to it (``ninja`` for DeepSpeed's op builds, ``deepspeed``, ``accelerate``)
-    are found on every node, whatever the remote login shell sets.
+    are found on every node, whatever the remote login shell sets; then
+    ``$CUDA_HOME/bin`` (nvcc for JIT op builds) and the standard system directories.
     """
     env = allowed_from_environ(environ, (*DEFAULT_ALLOWLIST, *host_allowlist, *user_allowlist))
-    env["PATH"] = _path_list([posixpath.dirname(python)],
-                             environ.get("PATH") or ":".join(FALLBACK_PATH))
+    cuda_home = host_env.get("CUDA_HOME") or env.get("CUDA_HOME")
+    first = [posixpath.dirname(python), *([posixpath.join(cuda_home, "bin")] if cuda_home else [])]
+    env["PATH"] = _path_list(first, ":".join(SYSTEM_PATH))
     ld = _path_list(cuda_lib_dirs, environ.get("LD_LIBRARY_PATH"))
     if ld:
         env["LD_LIBRARY_PATH"] = ld

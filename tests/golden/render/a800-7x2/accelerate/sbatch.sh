@@ -32,7 +32,7 @@ export MASTER_ADDR MASTER_PORT
 export HF_HUB_OFFLINE=1
 export NCCL_DEBUG=WARN
 export NCCL_IB_TIMEOUT=22
-export PATH=/opt/conda/envs/train/bin:/usr/local/bin:/usr/bin:/bin
+export PATH=/opt/conda/envs/train/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 export PYTHONUNBUFFERED=1
 export NCCL_SOCKET_IFNAME==ens1f0
@@ -44,4 +44,4 @@ mkdir -p -- /srv/train/.clusterkit/jobs/golden-a800-7x2/logs
 srun --nodes=7 --ntasks-per-node=1 mkdir -p -- /scratch/ckpt
 
 echo "clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=accelerate"
-srun --nodes=7 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/srv/train env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/conda/envs/train/bin:/usr/local/bin:/usr/bin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME==ens1f0 GLOO_SOCKET_IFNAME=ens1f0 CLUSTERKIT_JOB_ID=golden-a800-7x2 sh -c 'd=$1; shift; exec "$0" -m accelerate.commands.launch --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml" --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"' /opt/conda/envs/train/bin/python /srv/train/.clusterkit/jobs/golden-a800-7x2 --module clusterkit.workload --engine accelerate --model tiny --steps 100 --ds-config /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json --run-dir /srv/train/.clusterkit/jobs/golden-a800-7x2/run --ckpt-dir /scratch/ckpt --storage node-local
+srun --nodes=7 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/srv/train env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/conda/envs/train/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME==ens1f0 GLOO_SOCKET_IFNAME=ens1f0 CLUSTERKIT_JOB_ID=golden-a800-7x2 sh -c 'd=$1; shift; exec "$0" -m accelerate.commands.launch --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml" --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"' /opt/conda/envs/train/bin/python /srv/train/.clusterkit/jobs/golden-a800-7x2 --module clusterkit.workload --engine accelerate --model tiny --steps 100 --ds-config /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json --run-dir /srv/train/.clusterkit/jobs/golden-a800-7x2/run --ckpt-dir /scratch/ckpt --storage node-local

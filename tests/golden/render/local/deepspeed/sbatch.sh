@@ -31,7 +31,7 @@ export MASTER_ADDR MASTER_PORT
 export HF_HUB_OFFLINE=1
 export NCCL_DEBUG=WARN
 export NCCL_IB_TIMEOUT=22
-export PATH=/opt/py/bin:/usr/local/bin:/usr/bin:/bin
+export PATH=/opt/py/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 export PYTHONUNBUFFERED=1
 export CLUSTERKIT_JOB_ID=golden-local
@@ -39,4 +39,4 @@ export CLUSTERKIT_JOB_ID=golden-local
 mkdir -p -- /home/me/proj/.clusterkit/jobs/golden-local/logs
 
 echo "clusterkit: job golden-local slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=srun-per-rank"
-srun --nodes=4 --ntasks-per-node=2 --kill-on-bad-exit=1 --chdir=/home/me/proj --output=/home/me/proj/.clusterkit/jobs/golden-local/logs/%x-%j-rank%t.out env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/py/bin:/usr/local/bin:/usr/bin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local /opt/py/bin/python3 -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt --storage shared
+srun --nodes=4 --ntasks-per-node=2 --kill-on-bad-exit=1 --chdir=/home/me/proj --output=/home/me/proj/.clusterkit/jobs/golden-local/logs/%x-%j-rank%t.out env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/py/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local /opt/py/bin/python3 -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt --storage shared

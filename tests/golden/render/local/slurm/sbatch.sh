@@ -31,7 +31,7 @@ export MASTER_ADDR MASTER_PORT
 export HF_HUB_OFFLINE=1
 export NCCL_DEBUG=WARN
 export NCCL_IB_TIMEOUT=22
-export PATH=/opt/py/bin:/usr/local/bin:/usr/bin:/bin
+export PATH=/opt/py/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 export PYTHONUNBUFFERED=1
 export CLUSTERKIT_JOB_ID=golden-local
@@ -39,4 +39,4 @@ export CLUSTERKIT_JOB_ID=golden-local
 mkdir -p -- /home/me/proj/.clusterkit/jobs/golden-local/logs
 
 echo "clusterkit: job golden-local slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=torchrun"
-srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/home/me/proj env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/py/bin:/usr/local/bin:/usr/bin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local /opt/py/bin/python3 -m torch.distributed.run --nnodes=4 --nproc-per-node=2 --max-restarts=0 --tee=3 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR":"$MASTER_PORT" --rdzv-id=golden-local -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt --storage shared
+srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/home/me/proj env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/py/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local /opt/py/bin/python3 -m torch.distributed.run --nnodes=4 --nproc-per-node=2 --max-restarts=0 --tee=3 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR":"$MASTER_PORT" --rdzv-id=golden-local -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt --storage shared
