@@ -223,9 +223,10 @@ def verify(listings: Sequence[NodeListing], requested_tag: str = "latest") -> Co
     if problems:
         raise CheckpointIncomplete(tag, problems)
     markers, problems = _read_markers(listings, tag)
-    if problems:
+    if not markers:
         raise CheckpointIncomplete(tag, problems)
-    return _plan(listings, tag, markers)
+    # Go on with the markers we have, so one report lists every problem at once.
+    return _plan(listings, tag, markers, problems)
 
 
 def _read_markers(listings: Sequence[NodeListing], tag: str
@@ -282,10 +283,12 @@ def _marker_problems(markers: dict[str, list[layout.CompletionMarker]]) -> list[
 
 
 def _plan(listings: Sequence[NodeListing], tag: str,
-          markers: dict[str, list[layout.CompletionMarker]]) -> CollectPlan:
-    problems = _marker_problems(markers)
+          markers: dict[str, list[layout.CompletionMarker]], earlier: list[str]) -> CollectPlan:
+    problems = earlier + _marker_problems(markers)
     if problems:
-        raise CheckpointIncomplete(tag, problems)
+        # Shards are checked against the markers; with markers missing, check what we can.
+        problems += _shard_problems(listings, tag, next(iter(markers.values()))[0], ())
+        raise CheckpointIncomplete(tag, list(dict.fromkeys(problems)))
     all_markers = sorted((m for ms in markers.values() for m in ms), key=lambda m: m.node_index)
     first = all_markers[0]
     node_of_index = {m.node_index: node for node, ms in markers.items() for m in ms}
@@ -332,7 +335,7 @@ def _shard_problems(listings: Sequence[NodeListing], tag: str, marker: layout.Co
     world, stage = marker.world_size, marker.zero_stage
     expected_node = {r: n.node for n in nodes for r in n.ranks}
     problems = [f"rank {r} is listed by no completion marker" for r in range(world)
-                if r not in expected_node]
+                if nodes and r not in expected_node]
     seen: dict[tuple[str, int], list[str]] = {}
     for ls in listings:
         for rel in ls.tags.get(tag) or {}:
@@ -355,8 +358,8 @@ def _shard_problems(listings: Sequence[NodeListing], tag: str, marker: layout.Co
             holders = seen.get((kind, rank), [])
             name = _shard_file(kind, rank, marker)
             if not holders:
-                problems.append(f"{expected_node.get(rank, '?')}: {label} of rank {rank} is "
-                                f"missing ({name})")
+                where = f"{expected_node[rank]}: " if rank in expected_node else ""
+                problems.append(f"{where}{label} of rank {rank} is missing ({name})")
             elif len(holders) > 1:
                 problems.append(f"{label} of rank {rank} ({name}) exists on "
                                 f"{' and '.join(holders)}; it must exist exactly once")

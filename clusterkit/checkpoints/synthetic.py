@@ -1,0 +1,79 @@
+"""Write a fake node-local ZeRO checkpoint (random bytes, real names and markers).
+
+For tests and ``bench/collect.py``: the tiny workload's shards are a few hundred KB,
+while the copy path needs realistic sizes. The layout is what DeepSpeed 0.19 writes
+with ``use_node_local_storage`` (see :mod:`clusterkit.checkpoints.discover`): node 0
+has ``latest`` and the recovery scripts; every node has its own model states (ZeRO
+0-2; node 0's copy differs, like the real one) or its ranks' ZeRO-3 model states,
+its ranks' optimizer shards, and its completion marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+
+from clusterkit.checkpoints import layout
+
+SCRIPT_TEXT = "# stand-in for DeepSpeed's zero_to_fp32.py\n"
+
+
+def _write(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as fh:
+        fh.write(data)
+
+
+def _random(n: int) -> bytes:
+    return os.urandom(n)
+
+
+def write_node_local(roots: Sequence[str], *, ranks_per_node: int = 2, zero_stage: int = 2,
+                     shard_bytes: int = 1 << 16, model_bytes: int = 1 << 14,
+                     tag: str = "global_step1", hosts: Sequence[str] | None = None) -> int:
+    """``roots[i]`` is node i's checkpoint root as seen from here. Returns total bytes."""
+    num_nodes = len(roots)
+    world = num_nodes * ranks_per_node
+    step = layout.parse_step_tag(tag) or 1
+    shared_model = _random(model_bytes)
+    total = 0
+    for index, root in enumerate(roots):
+        tag_dir = os.path.join(root, tag)
+        host = hosts[index] if hosts else f"node{index + 1}"
+        ranks = range(index * ranks_per_node, (index + 1) * ranks_per_node)
+        files: dict[str, int] = {}
+        if zero_stage < 3:
+            # Global rank 0 writes extra metadata (shared_params): its copy differs.
+            data = shared_model if index else shared_model[:-8] + b"rank0!!!"
+            _write(os.path.join(tag_dir, layout.model_states_name(zero_stage, 0)), data)
+            files[layout.model_states_name(zero_stage, 0)] = len(data)
+        for r in ranks:
+            for name in layout.rank_files(zero_stage, r, "fp32"):
+                if name in files:
+                    continue
+                size = shard_bytes if "optim" in name else model_bytes
+                _write(os.path.join(tag_dir, name), _random(size))
+                files[name] = size
+        total += sum(files.values())
+        marker = layout.CompletionMarker(
+            tag=tag, step=step, engine="deepspeed", ds_subdir="", zero_stage=zero_stage,
+            precision="fp32", storage="node-local", world_size=world, num_nodes=num_nodes,
+            node_index=index, host=host,
+            ranks=tuple(layout.RankEntry(global_rank=r, local_rank=r - ranks[0], host=host,
+                                         files=layout.rank_files(zero_stage, r, "fp32"))
+                        for r in ranks),
+            node_files=files, created_unix=time.time())
+        _write(os.path.join(tag_dir, layout.marker_name(index)),
+               json.dumps(marker.to_json_dict(), indent=1).encode())
+        if index == 0:
+            _write(os.path.join(root, layout.LATEST_FILE), tag.encode())
+            _write(os.path.join(root, "zero_to_fp32.py"), SCRIPT_TEXT.encode())
+    return total
+
+
+def shard_paths(root: str, tag: str = "global_step1") -> list[str]:
+    """Optimizer shard files under one node's root (for tests that break them)."""
+    d = os.path.join(root, tag)
+    return sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith("_optim_states.pt"))

@@ -1,0 +1,269 @@
+"""collect-ckpt without the test bed: the pure completeness check, source choice,
+scatter planning, and the whole pipeline over local "nodes" (transport: local)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterkit.checkpoints import layout, synthetic
+from clusterkit.checkpoints.collect import (
+    MANIFEST,
+    CollectNode,
+    CollectOptions,
+    choose_sources,
+    collect,
+    list_nodes,
+    read_manifest,
+)
+from clusterkit.checkpoints.discover import CheckpointIncomplete, verify
+from clusterkit.checkpoints.scatter import ScatterTarget, plan_scatter, scatter
+from clusterkit.checkpoints.transfer import (
+    PART_SUFFIX,
+    Hashed,
+    Wanted,
+    openssh_argv,
+    split_streams,
+)
+from clusterkit.errors import CheckpointError
+from clusterkit.remote.base import SSHTarget
+from clusterkit.remote.dispatch import DispatchTransport
+
+TAG = "global_step1"
+
+
+def _nodes(tmp: Path, n: int) -> list[CollectNode]:
+    return [CollectNode(f"node{i + 1}", SSHTarget(name=f"node{i + 1}", address="127.0.0.1",
+                                                  local=True),
+                        sys.executable, str(tmp / f"node{i + 1}" / "ckpt")) for i in range(n)]
+
+
+@pytest.fixture
+def transport() -> DispatchTransport:
+    with DispatchTransport() as t:
+        yield t  # type: ignore[misc]
+
+
+def _make(tmp: Path, n: int = 4, stage: int = 2, shard: int = 4096) -> list[CollectNode]:
+    nodes = _nodes(tmp, n)
+    synthetic.write_node_local([c.root for c in nodes], zero_stage=stage, shard_bytes=shard,
+                               model_bytes=1024)
+    return nodes
+
+
+# ------------------------------------------------------------------ verify (pure-ish)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_complete_checkpoint_verifies(tmp_path: Path, transport: DispatchTransport,
+                                      stage: int) -> None:
+    nodes = _make(tmp_path, stage=stage)
+    plan = verify(list_nodes(transport, nodes, None))
+    assert (plan.tag, plan.world_size, plan.zero_stage) == (TAG, 8, stage)
+    assert [n.ranks for n in plan.nodes] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert plan.canonical_node == "node1"
+    assert "latest" not in plan.files and "zero_to_fp32.py" in plan.files
+    if stage < 3:
+        assert len(plan.files[f"{TAG}/mp_rank_00_model_states.pt"]) == 4
+
+
+def test_missing_shard_names_node_and_rank(tmp_path: Path, transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path)
+    os.unlink(synthetic.shard_paths(nodes[3].root)[1])  # rank 7 on node4
+    with pytest.raises(CheckpointIncomplete) as info:
+        verify(list_nodes(transport, nodes, None))
+    assert any("node4" in p and "rank 7" in p for p in info.value.problems), info.value.problems
+    assert info.value.exit_code == 2
+
+
+def test_duplicate_shard_is_reported(tmp_path: Path, transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path)
+    src = synthetic.shard_paths(nodes[0].root)[0]
+    Path(nodes[1].root, TAG, os.path.basename(src)).write_bytes(Path(src).read_bytes())
+    with pytest.raises(CheckpointIncomplete) as info:
+        verify(list_nodes(transport, nodes, None))
+    assert any("rank 0" in p and "node1 and node2" in p for p in info.value.problems)
+
+
+def test_missing_marker_latest_disagreement_and_truncation(tmp_path: Path,
+                                                          transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path)
+    os.unlink(Path(nodes[2].root, TAG, layout.marker_name(2)))
+    shard = synthetic.shard_paths(nodes[1].root)[0]
+    with open(shard, "r+b") as fh:
+        fh.truncate(10)
+    with pytest.raises(CheckpointIncomplete) as info:
+        verify(list_nodes(transport, nodes, None))
+    text = " | ".join(info.value.problems)
+    assert "node3: no completion marker" in text
+    assert "no completion marker for node index 2" in text
+    Path(nodes[1].root, "latest").write_text("global_step9")
+    with pytest.raises(CheckpointIncomplete, match="latest' files disagree"):
+        verify(list_nodes(transport, nodes, None))
+
+
+def test_truncated_shard_against_marker(tmp_path: Path, transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path)
+    with open(synthetic.shard_paths(nodes[1].root)[0], "r+b") as fh:
+        fh.truncate(10)
+    with pytest.raises(CheckpointIncomplete, match=r"node2: .* has 10 bytes"):
+        verify(list_nodes(transport, nodes, None))
+
+
+def test_unknown_tag_and_missing_dir(tmp_path: Path, transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path)
+    with pytest.raises(CheckpointIncomplete, match="no global_step7 directory"):
+        verify(list_nodes(transport, nodes, "global_step7"), "global_step7")
+    nodes.append(_nodes(tmp_path, 5)[4])
+    with pytest.raises(CheckpointIncomplete, match=r"node5: checkpoint directory .* does not exist"):
+        verify(list_nodes(transport, nodes, None))
+
+
+# ------------------------------------------------------------------ choose / split / argv
+
+
+def test_choose_sources_dedupes_and_prefers_rank0_when_copies_differ(
+        tmp_path: Path, transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path)
+    plan = verify(list_nodes(transport, nodes, None))
+    hashes = {(c.node, rel): Hashed(c.size, c.mtime, "a" * 64)
+              for rel, copies in plan.files.items() for c in copies}
+    ms = f"{TAG}/mp_rank_00_model_states.pt"
+    wanted, notes, problems = choose_sources(plan, hashes)
+    assert not problems and not notes
+    assert len([w for w in wanted if w.relpath == ms]) == 1
+    hashes[("node3", ms)] = Hashed(1024, 0.0, "b" * 64)
+    wanted, notes, problems = choose_sources(plan, hashes)
+    assert [w.node for w in wanted if w.relpath == ms] == ["node1"]
+    assert notes and "node3" in notes[0]
+
+
+def test_split_streams_balances_bytes() -> None:
+    files = [Wanted("n", f"f{i}", size, "x") for i, size in enumerate([100, 90, 10, 10, 5])]
+    groups = split_streams(files, 2)
+    assert sorted(sum(w.size for w in g) for g in groups) == [105, 110]
+    assert split_streams(files[:1], 4) == [[files[0]]]
+
+
+def test_openssh_argv_honours_inventory_fields() -> None:
+    t = SSHTarget(name="n1", address="10.0.0.1", user="me", port=2222, identity_file="/k",
+                  proxy_jump="bastion", config_file="/cfg", known_hosts_file="/kh")
+    argv = openssh_argv(t, "tar -cf - x")
+    assert argv[-3:] == ["--", "10.0.0.1", "tar -cf - x"]
+    for pair in (["-F", "/cfg"], ["-i", "/k"], ["-l", "me"], ["-p", "2222"], ["-J", "bastion"]):
+        i = argv.index(pair[0])
+        assert argv[i:i + 2] == pair
+    assert "UserKnownHostsFile=/kh" in argv and "BatchMode=yes" in argv
+    assert "StrictHostKeyChecking=accept-new" not in argv
+
+
+# ------------------------------------------------------------------ the pipeline (local)
+
+
+def test_collect_local_nodes_then_rerun_skips(tmp_path: Path, transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path)
+    dest = tmp_path / "dest"
+    report = collect(transport, nodes, CollectOptions(dest=str(dest)))
+    assert not report.failed and report.skipped == 0
+    names = sorted(os.listdir(dest / TAG))
+    assert len([n for n in names if n.endswith("_optim_states.pt")]) == 8
+    assert len([n for n in names if n.startswith(layout.MARKER_PREFIX)]) == 4
+    assert (dest / "latest").read_text() == TAG and (dest / "zero_to_fp32.py").is_file()
+    ms = (dest / TAG / "mp_rank_00_model_states.pt").read_bytes()
+    assert ms.endswith(b"rank0!!!")  # node1's (global rank 0) copy won
+    assert report.notes
+    manifest = read_manifest(str(dest), TAG)
+    assert manifest["world_size"] == 8 and len(manifest["files"]) == len(report.wanted)
+    again = collect(transport, nodes, CollectOptions(dest=str(dest)))
+    assert again.skipped == len(report.wanted) and again.bytes_copied == 0
+
+
+def test_incomplete_copies_nothing(tmp_path: Path, transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path)
+    os.unlink(synthetic.shard_paths(nodes[3].root)[0])
+    dest = tmp_path / "dest"
+    with pytest.raises(CheckpointIncomplete):
+        collect(transport, nodes, CollectOptions(dest=str(dest)))
+    assert not dest.exists()
+
+
+def test_corruption_after_hashing_is_a_checksum_mismatch(tmp_path: Path,
+                                                         transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path)
+    victim = synthetic.shard_paths(nodes[2].root)[0]
+
+    def corrupt(_plan: object) -> None:
+        st = os.stat(victim)
+        with open(victim, "r+b") as fh:
+            fh.seek(100)
+            b = fh.read(1)
+            fh.seek(100)
+            fh.write(bytes([b[0] ^ 0xFF]))
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with mtime kept
+
+    dest = tmp_path / "dest"
+    with pytest.raises(CheckpointError, match="sha256 mismatch") as info:
+        collect(transport, nodes, CollectOptions(dest=str(dest)), after_hash=corrupt)
+    assert "node3" in info.value.message
+    final = dest / TAG / os.path.basename(victim)
+    assert not final.exists() and not (dest / TAG / MANIFEST).exists()
+    assert not list((dest / TAG).glob(f".*{PART_SUFFIX}"))
+
+
+def test_killed_stream_leaves_no_final_partial_and_rerun_completes(
+        tmp_path: Path, transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path, shard=2 << 20)
+    dest = tmp_path / "dest"
+
+    def kill_soon(proc: subprocess.Popen[bytes]) -> None:
+        if proc.args[-1].endswith("optim_states.pt"):  # type: ignore[index]
+            proc.send_signal(signal.SIGKILL)
+
+    with pytest.raises(CheckpointError, match="not received"):
+        collect(transport, nodes, CollectOptions(dest=str(dest), jobs=8), on_start=kill_soon)
+    for path in (dest / TAG).iterdir() if (dest / TAG).exists() else []:
+        assert not path.name.endswith(PART_SUFFIX) or path.name.startswith(".")
+    report = collect(transport, nodes, CollectOptions(dest=str(dest)))
+    assert not report.failed and (dest / TAG / MANIFEST).is_file()
+
+
+def test_prune_sources_only_after_success(tmp_path: Path, transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path)
+    collect(transport, nodes, CollectOptions(dest=str(tmp_path / "dest"), prune_sources=True))
+    for c in nodes:
+        assert not Path(c.root, TAG).exists()
+    assert (Path(nodes[0].root) / "latest").exists()
+
+
+# ------------------------------------------------------------------ scatter
+
+
+def test_scatter_same_split_and_resplit(tmp_path: Path, transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path)
+    dest = tmp_path / "dest"
+    collect(transport, nodes, CollectOptions(dest=str(dest)))
+    manifest = read_manifest(str(dest), TAG)
+    fresh = _nodes(tmp_path / "fresh", 8)
+    with pytest.raises(CheckpointError, match="8 data-parallel ranks but the selected nodes give 4"):
+        plan_scatter(manifest, [ScatterTarget(n, 1) for n in fresh[:4]])
+    report = scatter(transport, str(dest), TAG, [ScatterTarget(n, 1) for n in fresh])
+    assert report.remapped
+    for index, n in enumerate(fresh):
+        tag_dir = Path(n.root, TAG)
+        marker = json.loads((tag_dir / layout.marker_name(index)).read_text())
+        assert [r["global_rank"] for r in marker["ranks"]] == [index]
+        assert marker["num_nodes"] == 8
+        assert (tag_dir / layout.optim_states_name(index, bf16=False)).is_file()
+        assert (tag_dir / "mp_rank_00_model_states.pt").is_file()
+        assert Path(n.root, "latest").read_text() == TAG
+    # The scattered layout is itself a complete node-local checkpoint.
+    plan = verify(list_nodes(transport, fresh, None))
+    assert plan.world_size == 8 and len(plan.nodes) == 8
+    again = scatter(transport, str(dest), TAG, [ScatterTarget(n, 1) for n in fresh])
+    assert sum(again.uploaded.values()) == 0
