@@ -41,7 +41,8 @@ FIND = textwrap.dedent("""
             env = dict(x.split("=", 1) for x in open(f"/proc/{p}/environ").read().split("\\0") if "=" in x)
         except OSError:
             continue
-        if env.get("CLUSTERKIT_JOB_ID") == job and (rank is None or (env.get("RANK") == rank and "LOCAL_RANK" in env)):
+        is_rank = env.get("RANK") == rank and "LOCAL_RANK" in env
+        if env.get("CLUSTERKIT_JOB_ID") == job and (rank is None or is_rank):
             out.append(int(p))
     print(json.dumps(out))
 """)
