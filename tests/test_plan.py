@@ -113,3 +113,15 @@ def test_write_user_deepspeed_env_replaces_atomically(tmp_path: Path,
                  "--out", str(tmp_path / "o"), "--write-user-deepspeed-env"]) == 0
     assert (tmp_path / ".deepspeed_env").read_text() == (tmp_path / "o" / "deepspeed_env").read_text()
     assert "OLD" not in (tmp_path / ".deepspeed_env").read_text()
+
+
+def test_checkpoint_dir_is_per_job_under_the_configured_root() -> None:
+    # A new job must never resume another job's checkpoint: <root>/<job_id>.
+    plan = plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=2)
+    assert {n.ckpt_dir for n in plan.nodes} == {"/scratch/ckpt/golden-a800-7x2"}
+    assert plan.program[plan.program.index("--ckpt-dir") + 1] == "/scratch/ckpt/golden-a800-7x2"
+    other = plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=2, storage="shared",
+                     ckpt_dir="/mnt/ck/")
+    assert other.nodes[0].ckpt_dir == "/mnt/ck/golden-a800-7x2"
+    # Slurm: the id is fixed when the script is rendered, so a requeued job resumes.
+    assert "/scratch/ckpt/golden-a800-7x2" in plan_for("a800-7x2", "slurm").artifacts["sbatch.sh"]

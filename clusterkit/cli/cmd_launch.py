@@ -30,7 +30,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_selection_options(p)
     p.add_argument("--launcher", default="torchrun", choices=("torchrun", "deepspeed", "accelerate"),
                    help="per-node launcher (default torchrun; deepspeed = DeepSpeed's runner over pdsh)")
-    p.add_argument("--job-id", help="default: <cluster>-<date>-<time>")
+    p.add_argument("--job-id", metavar="JOB",
+                   help="default: <cluster>-<date>-<time>; the checkpoint dir is <root>/JOB, so "
+                        "giving a previous job's id continues that job from its newest "
+                        "complete checkpoint")
     w = p.add_argument_group("the bundled workload (when no program is given)")
     w.add_argument("--model", default="tiny", help="model preset (default tiny)")
     w.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"default {DEFAULT_STEPS}")
@@ -68,8 +71,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 # ------------------------------------------------------------------ launch
 
 
+def _fresh_job_id(cluster: str) -> str:
+    """The default id, made unique against the registry: a new job never continues an old one."""
+    from clusterkit.launch.jobs import Registry
+    from clusterkit.plan import default_job_id
+
+    base = default_job_id(cluster, datetime.now())
+    registry = Registry(clusterkit_home())
+    job_id, n = base, 1
+    while registry.path(job_id).exists():
+        n += 1
+        job_id = f"{base}-{n}"
+    return job_id
+
+
 def _options(args: argparse.Namespace, cluster: str) -> Any:
-    from clusterkit.plan import JobOptions, default_job_id
+    from clusterkit.plan import JobOptions
 
     program = list(args.program)
     if program and program[0] == "--":
@@ -77,7 +94,7 @@ def _options(args: argparse.Namespace, cluster: str) -> Any:
     script = None if args.module or not program else program[0]
     script_args = tuple(program if args.module else program[1:])
     return JobOptions(
-        job_id=args.job_id or default_job_id(cluster, datetime.now()), backend=args.launcher,
+        job_id=args.job_id or _fresh_job_id(cluster), backend=args.launcher,
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, include=args.include,
         exclude=args.exclude, script=script, module=args.module, script_args=script_args,
         model=args.model, steps=args.steps, zero_stage=args.zero_stage, save_every=args.save_every,
@@ -123,7 +140,7 @@ def _print_plan(plan: Any) -> None:
     job = job_from_plan(plan)
     print(f"job {plan.job_id} on {plan.cluster}: {len(plan.nodes)} nodes, {plan.world_size} ranks, "
           f"backend {plan.backend}, master {plan.master_addr}:{plan.master_port}, "
-          f"storage {plan.storage}")
+          f"storage {plan.storage}, checkpoints {plan.nodes[0].ckpt_dir}")
     for task in job.tasks:
         what = " ".join(task.argv) if task.argv else "(watch only: started by DeepSpeed's runner)"
         print(f"  {task.node}: ranks {task.rank_offset}-{task.rank_offset + task.nprocs - 1} "

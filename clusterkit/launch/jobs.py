@@ -94,6 +94,15 @@ class Registry:
         except (ValueError, KeyError, TypeError) as exc:
             raise LaunchError(f"unreadable job record ({exc})", path=str(path)) from None
 
+    def find(self, job_id: str) -> JobRecord | None:
+        """The record, or None when there is none (an unreadable one counts as none)."""
+        if not self.path(job_id).is_file():
+            return None
+        try:
+            return self.load(job_id)
+        except LaunchError:
+            return None
+
     def all(self) -> list[JobRecord]:
         if not self.root.is_dir():
             return []

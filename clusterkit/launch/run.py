@@ -12,14 +12,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from clusterkit.errors import LaunchError
 from clusterkit.launch.console import Sink
 from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.gate import GateNode, gate_error, run_gate
 from clusterkit.launch.jobs import JobRecord, Registry
-from clusterkit.launch.orchestrator import JobOutcome, Orchestrator, describe_failure
-from clusterkit.plan.model import JobOptions, LaunchPlan
+from clusterkit.launch.orchestrator import JobOutcome, JobSpec, Orchestrator, describe_failure
+from clusterkit.plan.model import WORKLOAD_MODULE, JobOptions, LaunchPlan
 from clusterkit.remote.base import Transport
 
 Planner = Callable[[JobOptions], LaunchPlan]
@@ -68,9 +69,65 @@ def _without(options: JobOptions, plan: LaunchPlan, bad: Sequence[str]) -> JobOp
     return dataclasses.replace(options, exclude=exclude, nodes=nodes)
 
 
+def rank_map(plan: LaunchPlan) -> list[list[Any]]:
+    """``[[node, first_rank, nproc], ...]``: what node-local checkpoints are tied to."""
+    return [[n.name, n.first_rank, n.nproc] for n in plan.nodes]
+
+
+def check_continue(plan: LaunchPlan, prior: JobRecord | None) -> str | None:
+    """Launching with the id of a recorded job continues it; say how, or refuse.
+
+    The checkpoint dir is ``<root>/<job_id>``, so the same id means the same dir and
+    the workload's ``--resume auto`` picks up the newest complete checkpoint there.
+    Node-local shards resume only on the same rank->node mapping: a changed one is
+    refused here, never silently turned into a fresh start.
+    """
+    if prior is None:
+        return None
+    if prior.launcher_alive:
+        raise LaunchError(f"job {plan.job_id} is still running (launcher pid {prior.launcher_pid})",
+                          key="--job-id", hint=f"`clusterkit stop {plan.job_id}` first, or pick "
+                                               "another --job-id")
+    old_map = prior.extra.get("rank_map")
+    if plan.storage == "node-local" and old_map is not None and old_map != rank_map(plan):
+        raise LaunchError(
+            f"cannot continue job {plan.job_id} on a different rank->node mapping: its "
+            "node-local checkpoints resume only where each rank saved its shards "
+            f"(was {_map_text(old_map)}, now {_map_text(rank_map(plan))})",
+            key="--job-id",
+            hint=f"gather the shards with `clusterkit collect-ckpt {plan.job_id}`, re-spread them "
+                 f"with `clusterkit collect-ckpt --scatter --to DEST --dir {plan.nodes[0].ckpt_dir} "
+                 "...` for the new nodes, then launch again; or launch on the same nodes and "
+                 "--gpus-per-node")
+    dirs = sorted({n.ckpt_dir for n in plan.nodes})
+    where = dirs[0] if len(dirs) == 1 else f"{len(dirs)} dirs"
+    return (f"continuing job {plan.job_id} ({prior.state} before): checkpoints in {where} "
+            f"({plan.storage}); " + ("the workload resumes from its newest complete checkpoint"
+                                      if plan.program[:2] == ("-m", WORKLOAD_MODULE)
+                                      else "your program must resume by itself"))
+
+
+def _map_text(m: list[list[Any]]) -> str:
+    return ", ".join(f"{node}:r{first}-{first + n - 1}" for node, first, n in m)
+
+
+def _record(job: JobSpec, plan: LaunchPlan, attempt: int) -> JobRecord:
+    record = JobRecord.for_job(job, plan.backend)
+    record.attempts = attempt + 1
+    # collect-ckpt reads ckpt_dirs/slots; check_continue reads rank_map/storage.
+    record.extra = {"ckpt_dirs": {n.name: n.ckpt_dir for n in plan.nodes},
+                    "ckpt_dir": plan.nodes[0].ckpt_dir,
+                    "slots": [n.nproc for n in plan.nodes], "storage": plan.storage,
+                    "rank_map": rank_map(plan)}
+    return record
+
+
 def launch(options: JobOptions, planner: Planner, transport: Transport, registry: Registry,
            settings: LaunchSettings, sink: Sink) -> LaunchResult:
     plan = planner(options)
+    note = check_continue(plan, registry.find(plan.job_id))
+    if note:
+        sink.info(note)
     if not settings.skip_checks:
         problems = check_nodes(transport, plan, sink)
         if problems:
@@ -80,8 +137,7 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
     outcomes: list[JobOutcome] = []
     for attempt in range(settings.max_restarts + 1):
         job = job_from_plan(plan, attempt=attempt, grace_s=settings.grace_s)
-        record = JobRecord.for_job(job, plan.backend)
-        record.attempts = attempt + 1
+        record = _record(job, plan, attempt)
         registry.save(record)
         outcome = Orchestrator(job, transport, sink).run()
         outcomes.append(outcome)

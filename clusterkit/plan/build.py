@@ -92,6 +92,12 @@ def _storage(hosts: list[Host], o: JobOptions, inv_path: str | None) -> str:
 
 
 def _ckpt_dir(host: Host, storage: str, o: JobOptions, inv_path: str | None) -> str:
+    """``<configured root>/<job_id>``: one directory per job, so a new job never resumes
+    another's checkpoint; launching again with the same ``--job-id`` continues that job."""
+    return f"{_ckpt_root(host, storage, o, inv_path).rstrip('/')}/{o.job_id}"
+
+
+def _ckpt_root(host: Host, storage: str, o: JobOptions, inv_path: str | None) -> str:
     if o.ckpt_dir is not None:
         return _abs_path(o.ckpt_dir, "--ckpt-dir")
     key = "shared_dir" if storage == "shared" else "local_dir"

@@ -41,7 +41,7 @@ export CLUSTERKIT_JOB_ID=golden-a800-7x2
 
 mkdir -p -- /srv/train/.clusterkit/jobs/golden-a800-7x2/logs
 # Node-local checkpoints: every node needs its own directory.
-srun --nodes=7 --ntasks-per-node=1 mkdir -p -- /scratch/ckpt
+srun --nodes=7 --ntasks-per-node=1 mkdir -p -- /scratch/ckpt/golden-a800-7x2
 
 echo "clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=srun-per-rank"
-srun --nodes=7 --ntasks-per-node=2 --kill-on-bad-exit=1 --chdir=/srv/train --output=/srv/train/.clusterkit/jobs/golden-a800-7x2/logs/%x-%j-rank%t.out env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/conda/envs/train/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME==ens1f0 GLOO_SOCKET_IFNAME=ens1f0 CLUSTERKIT_JOB_ID=golden-a800-7x2 /opt/conda/envs/train/bin/python -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json --run-dir /srv/train/.clusterkit/jobs/golden-a800-7x2/run --ckpt-dir /scratch/ckpt --storage node-local
+srun --nodes=7 --ntasks-per-node=2 --kill-on-bad-exit=1 --chdir=/srv/train --output=/srv/train/.clusterkit/jobs/golden-a800-7x2/logs/%x-%j-rank%t.out env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/conda/envs/train/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME==ens1f0 GLOO_SOCKET_IFNAME=ens1f0 CLUSTERKIT_JOB_ID=golden-a800-7x2 /opt/conda/envs/train/bin/python -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json --run-dir /srv/train/.clusterkit/jobs/golden-a800-7x2/run --ckpt-dir /scratch/ckpt/golden-a800-7x2 --storage node-local

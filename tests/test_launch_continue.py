@@ -1,0 +1,65 @@
+"""Continuing a job by its id: same checkpoint dir, and the node-local mapping rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+from clusterkit.errors import LaunchError
+from clusterkit.launch.fromplan import job_from_plan
+from clusterkit.launch.jobs import Registry
+from clusterkit.launch.run import _record, check_continue
+from tests.render_cases import plan_for
+
+
+def _recorded(tmp_path: Path, **kw: object) -> Registry:
+    plan = plan_for("a800-7x2", "torchrun", **kw)
+    registry = Registry(tmp_path)
+    record = _record(job_from_plan(plan), plan, 0)
+    record.state = "failed"
+    registry.save(record)
+    return registry
+
+
+def test_a_new_job_id_is_not_a_continuation(tmp_path: Path) -> None:
+    plan = plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=2)
+    assert check_continue(plan, Registry(tmp_path).find(plan.job_id)) is None
+
+
+def test_same_id_continues_and_says_where_the_checkpoints_are(tmp_path: Path) -> None:
+    registry = _recorded(tmp_path, nodes=2, gpus_per_node=2)
+    plan = plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=2)
+    record = registry.find(plan.job_id)
+    assert record is not None
+    assert record.extra["ckpt_dirs"] == {"node1": "/scratch/ckpt/golden-a800-7x2",
+                                         "node2": "/scratch/ckpt/golden-a800-7x2"}
+    note = check_continue(plan, record)
+    assert note is not None and "continuing job golden-a800-7x2 (failed before)" in note
+    assert "/scratch/ckpt/golden-a800-7x2" in note and "newest complete checkpoint" in note
+
+
+def test_node_local_refuses_a_changed_rank_to_node_mapping(tmp_path: Path) -> None:
+    registry = _recorded(tmp_path, nodes=2, gpus_per_node=2)
+    plan = plan_for("a800-7x2", "torchrun", nodes=4, gpus_per_node=1)
+    assert plan.storage == "node-local"
+    with pytest.raises(LaunchError) as err:
+        check_continue(plan, registry.find(plan.job_id))
+    assert "different rank->node mapping" in str(err.value)
+    assert "collect-ckpt --scatter" in (err.value.hint or "")
+    # Shared storage: any mapping may resume (the workload checks the world size itself).
+    shared = plan_for("a800-7x2", "torchrun", nodes=4, gpus_per_node=1, storage="shared",
+                      ckpt_dir="/mnt/ck")
+    assert check_continue(shared, registry.find(plan.job_id)) is not None
+
+
+def test_a_running_job_is_not_launched_twice(tmp_path: Path) -> None:
+    registry = _recorded(tmp_path, nodes=2, gpus_per_node=2)
+    plan = plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=2)
+    record = registry.find(plan.job_id)
+    assert record is not None
+    running = dataclasses.replace(record, state="running", launcher_pid=os.getpid())
+    with pytest.raises(LaunchError, match="still running"):
+        check_continue(plan, running)
