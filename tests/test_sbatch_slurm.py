@@ -85,10 +85,8 @@ def test_test_only_rejections_name_the_fix(slurm: SlurmBed) -> None:
 def _submit(bed: SlurmBed, job: str, *extra: str, nodes: int = 2, launcher: str = "torchrun",
             storage: str = "shared", steps: int = 400) -> str:
     inv = _inventory(bed, 2)
-    # A checkpoint directory per job: the workload resumes from whatever it finds there.
-    ckpt = ["--ckpt-dir", str(bed.tb.shared_dir / f"ckpt-{job}")] if storage == "shared" else []
     r = _cli(bed, ["-i", str(inv), "--nodes", str(nodes), "--gpus-per-node", "2", "--launcher",
-                   launcher, "--storage", storage, *ckpt, "--steps", str(steps), "--job-id", job,
+                   launcher, "--storage", storage, "--steps", str(steps), "--job-id", job,
                    *WORKLOAD, "--submit", *extra])
     assert r.returncode == 0, r.stderr
     m = re.search(r"submitted Slurm job (\d+)", r.stdout)
@@ -130,6 +128,12 @@ def _assert_nodes_clean(bed: SlurmBed, timeout: float = 20) -> None:
     raise AssertionError(f"processes left after the job: {left}")
 
 
+def _ckpt_dirs(bed: SlurmBed, job: str) -> dict[str, str]:
+    """node name -> checkpoint directory, as the plan decided (JOBDIR/plan.json)."""
+    plan = json.loads((_job_dir(bed, job) / "plan.json").read_text())
+    return {n["host"]: n["ckpt_dir"] for n in plan["nodes"]}
+
+
 def _summary(text: str) -> dict[str, object]:
     lines = [ln for ln in text.splitlines() if "CLUSTERKIT_SUMMARY " in ln]
     assert lines, text[-3000:]
@@ -149,8 +153,9 @@ def test_zero_on_7_nodes_submit_watch(slurm: SlurmBed) -> None:
     assert summary["world_size"] == 14 and summary["nodes"] == 7 and summary["finished"] is True
     assert summary["storage"] == "node-local"
     assert "COMPLETED" in r.stderr
+    ckpt = _ckpt_dirs(slurm, "zero7")
     for node in slurm.nodes:  # every node wrote its own shards to its own disk
-        assert (slurm.tb.node_local_path(node, "ckpt") / "global_step3").is_dir(), node.name
+        assert (slurm.tb.node_local_path(node, ckpt[node.name]) / "global_step3").is_dir(), node.name
     _assert_nodes_clean(slurm)
     print(f"7 nodes x 2 ranks, 3 ZeRO-2 steps via sbatch --watch: {wall:.1f} s")
 
@@ -206,6 +211,7 @@ def test_usr1_checkpoints_then_stops(slurm: SlurmBed, launcher: str) -> None:
     assert r.returncode == 0, (r.stderr[-2000:], text[-3000:])
     summary = _summary(text)
     assert summary["preempted"] == "SIGUSR1" and summary["finished"] is False
+    assert summary["world_size"] == 4  # all ranks ran (deepspeed: one Slurm task per rank)
     tag = summary["checkpoint_tag"]
-    assert isinstance(tag, str) and (slurm.tb.shared_dir / f"ckpt-{job}" / tag).is_dir()
+    assert isinstance(tag, str) and (Path(_ckpt_dirs(slurm, job)["node1"]) / tag).is_dir()
     _assert_nodes_clean(slurm)
