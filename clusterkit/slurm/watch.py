@@ -49,9 +49,19 @@ class _Follower:
         return restarted
 
 
+def rank0_log(info: JobInfo) -> str | None:
+    """Where a one-task-per-rank step (``srun --output=.../%x-%j-rank%t.out``, the
+    deepspeed variant of the batch script) writes rank 0's output: next to StdOut."""
+    if not info.stdout:
+        return None
+    return os.path.join(os.path.dirname(info.stdout), f"{info.name}-{info.job_id}-rank0.out")
+
+
 def watch(client: SlurmClient, job_id: str, out: TextIO, err: TextIO, *, poll_s: float = 1.0,
           sleep: Callable[[float], None] = time.sleep) -> JobInfo:
-    """Follow ``job_id`` until it reaches a terminal state; return its final record."""
+    """Follow ``job_id`` until it reaches a terminal state; return its final record.
+
+    Follows StdOut and StdErr, and rank 0's own log when the ranks write per-rank files."""
     followers: dict[str, _Follower] = {}
     last_state = ""
     restarts = 0
@@ -65,7 +75,7 @@ def watch(client: SlurmClient, job_id: str, out: TextIO, err: TextIO, *, poll_s:
         if info.restarts != restarts:
             err.write(f"clusterkit: job {job_id} was requeued (restart {info.restarts})\n")
             restarts = info.restarts
-        for path, sink in ((info.stdout, out), (info.stderr, err)):
+        for path, sink in ((info.stdout, out), (info.stderr, err), (rank0_log(info), out)):
             if path and path not in followers:
                 followers[path] = _Follower(path, sink)
         for f in followers.values():
