@@ -126,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-sequential-above", type=int, default=32,
                         help="skip the sequential loop above this many nodes")
     parser.add_argument("--prefix", help="use this existing test bed instead of a new one")
+    parser.add_argument("--mask-bashrc", action="store_true",
+                        help="nodes skip root's ~/.bashrc (on this host it runs `pyenv init`, "
+                        "whose rehash lock serialises logins: every node shares /root/.pyenv)")
     args = parser.parse_args(argv)
-    tb = Testbed.load(args.prefix) if args.prefix else Testbed.create()
+    tb = Testbed.load(args.prefix) if args.prefix else Testbed.create(mask_bashrc=args.mask_bashrc)
     workdir = tb.root / "work"
     try:
         for n in args.sizes:
