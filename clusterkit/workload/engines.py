@@ -42,6 +42,16 @@ class TrainEngine(Protocol):
 
     def full_fp32_state_dict(self) -> dict[str, torch.Tensor]: ...
 
+    def monitor_events(self, events: list[tuple[str, float, int]]) -> None: ...
+
+
+def _monitor_events(ds_engine: Any, events: list[tuple[str, float, int]]) -> None:
+    """Write (name, value, global_samples) into DeepSpeed's own monitors (CSV/TensorBoard
+    from the ds_config). DeepSpeed 0.19 logs only the lr there; loss comes from us."""
+    monitor = getattr(ds_engine, "monitor", None)
+    if monitor is not None and monitor.enabled:
+        monitor.write_events(events)
+
 
 def _full_fp32_state_dict(ds_engine: Any) -> dict[str, torch.Tensor]:
     """Collective: every rank must call it. fp32 master weights, assembled by the
@@ -107,6 +117,9 @@ class DeepSpeedAdapter:
 
     def full_fp32_state_dict(self) -> dict[str, torch.Tensor]:
         return _full_fp32_state_dict(self.engine)
+
+    def monitor_events(self, events: list[tuple[str, float, int]]) -> None:
+        _monitor_events(self.engine, events)
 
 
 def _tolerate_missing_transformers(plugin_cls: Any) -> None:
@@ -208,6 +221,9 @@ class AccelerateAdapter:
 
     def full_fp32_state_dict(self) -> dict[str, torch.Tensor]:
         return _full_fp32_state_dict(self.engine)
+
+    def monitor_events(self, events: list[tuple[str, float, int]]) -> None:
+        _monitor_events(self.engine, events)
 
     def end(self) -> None:
         self.accelerator.end_training()

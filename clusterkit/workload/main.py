@@ -313,6 +313,7 @@ class _Loop:
             if self.peak:
                 line += f" | MFU {100 * tflops / self.peak:.1f}%"
         _log(self.rank, line)
+        self.engine.monitor_events([("Train/Samples/train_loss", loss, self.engine.global_samples)])
         if hasattr(self.engine, "log"):
             self.engine.log({"train/loss": loss, "train/lr": self.engine.lr()}, step=done)
 
@@ -326,6 +327,7 @@ class _Loop:
                       for i in range(self.args.eval_batches)]
         value = self._mean(torch.stack(losses).mean())
         self.stats.eval_loss = value
+        self.engine.monitor_events([("Eval/Samples/loss", value, self.engine.global_samples)])
         _log(self.rank, f"eval step {done} | loss {value:.4f}")
 
     def _save(self, done: int, final: bool = False) -> None:
