@@ -268,3 +268,41 @@ def test_scatter_same_split_and_resplit(tmp_path: Path, transport: DispatchTrans
     assert plan.world_size == 8 and len(plan.nodes) == 8
     again = scatter(transport, str(dest), TAG, [ScatterTarget(n, 1) for n in fresh])
     assert sum(again.uploaded.values()) == 0
+
+
+# ------------------------------------------------------------------ the CLI (local hosts)
+
+
+def _local_inventory(tmp: Path, n: int = 3) -> Path:
+    lines = ["schema_version: 1", "defaults:", "  transport: local", "  slots: 2",
+             f"  python: {sys.executable}", "hosts:"]
+    for i in range(1, n + 1):
+        lines += [f"  node{i}:", "    address: 127.0.0.1", "    checkpoint:",
+                  f"      local_dir: {tmp}/node{i}/ckpt"]
+    path = tmp / "inv.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "clusterkit", "collect-ckpt", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_json_dry_run_and_refusal(tmp_path: Path) -> None:
+    inv = _local_inventory(tmp_path)
+    synthetic.write_node_local([str(tmp_path / f"node{i}" / "ckpt") for i in (1, 2, 3)],
+                               shard_bytes=2048, model_bytes=512)
+    dest = tmp_path / "dest"
+    dry = _run_cli("-i", str(inv), "--to", str(dest), "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    report = json.loads(dry.stdout)
+    assert report["collect"]["world_size"] == 6 and report["copied_bytes"] == 0
+    assert "dry run: nothing copied" in dry.stderr and not dest.exists()
+    ok = _run_cli("-i", str(inv), "--to", str(dest), "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["copied_bytes"] > 0, ok.stderr
+    os.unlink(synthetic.shard_paths(str(tmp_path / "node2" / "ckpt"))[0])
+    bad = _run_cli("-i", str(inv), "--to", str(tmp_path / "d2"))
+    assert bad.returncode == 2
+    assert "node2: optimizer shard of rank 2 is missing" in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("clusterkit: error: checkpoint")

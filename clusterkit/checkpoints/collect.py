@@ -347,7 +347,7 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
         after_hash(plan)  # tests: change a source between hashing and copying
     report.method = resolve_method(options.method)
     os.makedirs(options.dest, exist_ok=True)
-    clean_parts(os.path.join(options.dest, plan.tag))
+    clean_parts(options.dest, plan.tag)
     t2 = time.monotonic()
     report.results = transfer(transport, nodes, wanted, options, sink, report.method, on_start)
     report.seconds_copy = time.monotonic() - t2

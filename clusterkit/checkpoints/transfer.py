@@ -46,6 +46,9 @@ STATE_FILE = ".clusterkit-collect-state.json"
 SSH_CIPHERS = ("aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,"
                "aes128-ctr,aes256-ctr")
 SERVER_ALIVE_S = 5
+# A stream that delivers no byte for this long is killed (a hung disk or tar on the node;
+# a dead peer is already caught by ServerAlive* within ~20 s).
+STALL_TIMEOUT_S = 300.0
 TAR_BLOCKING = 2048  # 512-byte blocks per record: 1 MiB writes into the pipe
 
 # ``python -c HASH_SCRIPT ROOT JSON_LIST``: sha256 of each file, several at once
@@ -205,10 +208,11 @@ def part_path(final: str) -> str:
     return os.path.join(d, f".{name}{PART_SUFFIX}")
 
 
-def clean_parts(dest: str) -> int:
-    """Remove ``.ckpart`` leftovers of a killed run; returns how many."""
+def clean_parts(dest: str, tag: str) -> int:
+    """Remove ``.ckpart`` leftovers of a killed run (DEST top level and the tag dir)."""
     removed = 0
-    for root, _, names in os.walk(dest):
+    for root in (dest, os.path.join(dest, tag)):
+        names = os.listdir(root) if os.path.isdir(root) else []
         for name in names:
             if name.startswith(".") and name.endswith(PART_SUFFIX):
                 with contextlib.suppress(OSError):
@@ -227,6 +231,7 @@ class _Receiver:
                  result: NodeResult, fsync: bool) -> None:
         self.dest, self.state, self.sink, self.node = dest, state, sink, node
         self.result, self.fsync = result, fsync
+        self.last_activity = time.monotonic()
 
     def receive(self, w: Wanted, src: IO[bytes]) -> None:
         final = os.path.join(self.dest, w.relpath)
@@ -240,6 +245,7 @@ class _Receiver:
                     h.update(chunk)
                     out.write(chunk)
                     got += len(chunk)
+                    self.last_activity = time.monotonic()
                     self.sink.advance(self.node, len(chunk))
                 if self.fsync:
                     out.flush()
@@ -308,7 +314,8 @@ def _stream_argv(target: SSHTarget, root: str, relpaths: Sequence[str],
 def fetch_stream(target: SSHTarget, root: str, files: Sequence[Wanted], dest: str,
                  state: DestState, sink: ProgressSink, result: NodeResult, *,
                  fsync: bool = True, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
-                 on_start: Callable[[subprocess.Popen[bytes]], None] | None = None) -> None:
+                 on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
+                 stall_timeout: float = STALL_TIMEOUT_S) -> None:
     """One tar stream of ``files`` from ``target`` into DEST (per-file results in ``result``)."""
     if not files:
         return
@@ -322,21 +329,40 @@ def fetch_stream(target: SSHTarget, root: str, files: Sequence[Wanted], dest: st
         if on_start is not None:
             on_start(proc)
         assert proc.stdout is not None
+        done = threading.Event()
+        watchdog = threading.Thread(target=_watch, args=(proc, receiver, done, stall_timeout),
+                                    daemon=True)
+        watchdog.start()
         try:
             _read_tar(proc.stdout, wanted, receiver)
         except (tarfile.TarError, OSError) as exc:
             broke = f"stream broke ({exc}); "
         finally:
+            done.set()
             with contextlib.suppress(OSError):
                 proc.stdout.close()
             code = _reap(proc)
             errf.seek(0)
             stderr = " ".join(errf.read().decode("utf-8", "replace").split())
+    stalled = result.failed.pop("<stall>", "")
     for rel in wanted:
         if rel not in result.copied and rel not in result.failed:
-            why = f"not received: {broke}exit {code}" + (f": {stderr[-300:]}" if stderr else "")
+            why = (f"not received: {stalled + '; ' if stalled else ''}{broke}exit {code}"
+                   + (f": {stderr[-300:]}" if stderr else ""))
             result.failed[rel] = why
             sink.file_done(target.name, rel, 0, "failed", why)
+
+
+def _watch(proc: subprocess.Popen[bytes], receiver: _Receiver, done: threading.Event,
+           stall_timeout: float) -> None:
+    """Kill the stream when no byte arrived for ``stall_timeout`` seconds."""
+    while not done.wait(min(5.0, stall_timeout)):
+        if time.monotonic() - receiver.last_activity > stall_timeout:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            receiver.result.failed.setdefault(
+                "<stall>", f"no data for {stall_timeout:.0f}s: stream killed")
+            return
 
 
 def _read_tar(stream: IO[bytes], wanted: Mapping[str, Wanted], receiver: _Receiver) -> None:

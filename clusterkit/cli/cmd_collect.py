@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -199,6 +200,16 @@ class RichProgress:
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
+    """With --json, stdout carries only the JSON report; human lines go to stderr."""
+    if not args.json:
+        return _collect_verb(args)
+    with contextlib.redirect_stdout(sys.stderr):
+        result = _collect_verb(args)
+    print(json.dumps(args.json_result, indent=1))
+    return result
+
+
+def _collect_verb(args: argparse.Namespace) -> int:
     from clusterkit.checkpoints.collect import CollectOptions, collect
     from clusterkit.checkpoints.discover import CheckpointIncomplete, describe
     from clusterkit.remote.dispatch import transport_for
@@ -229,8 +240,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
         print("dry run: nothing copied")
     elif args.consolidate:
         result["consolidated"] = _consolidate(dest, report.plan.tag, args)
-    if args.json:
-        print(json.dumps(result, indent=1))
+    args.json_result = result
     return 0
 
 
@@ -247,8 +257,7 @@ def _scatter_only(args: argparse.Namespace, nodes: list[Any], slots: list[int], 
                               key="--scatter", hint="run the collect and the scatter separately")
     with transport_for() as transport:
         result = _scatter(transport, nodes, slots, dest, tag, args)
-    if args.json:
-        print(json.dumps({"scatter": result}, indent=1))
+    args.json_result = {"scatter": result}
     return 0
 
 
