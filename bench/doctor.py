@@ -9,6 +9,8 @@ other work on the machine hits all alike):
 
 * ``pdsh``: ``pdsh -R ssh -w <nodes> true`` with the test bed's ssh config via
   ``PDSH_SSH_ARGS_APPEND`` (pdsh's default fan-out, 32) — the floor;
+* ``pdsh probe``: the same, running doctor's probe on every node
+  (``python -c <probe> facts ...``): the floor for the same remote work;
 * ``doctor``: ``python -m clusterkit doctor --json`` as a user runs it (fresh
   process: imports, SSH handshakes, probes, master-port check; no --bandwidth);
 * ``doctor in-process``: :func:`run_doctor` alone (no interpreter start-up);
@@ -70,17 +72,36 @@ def _cases(tb: Testbed, n: int, workdir: Path) -> dict[str, Callable[[], None]]:
                for h, f in report.facts.items() if not f.ok}
         _note("in-process", bad, report.timings)
 
+    # pdsh cannot feed one stdin to many nodes: the probe travels as `python -c SOURCE`.
+    probe_cmd = {p.host: shlex.join([p.python, "-c", probe.decode(), *_no_master(p.argv)[2:]])
+                 for p in plan.nodes}
+
+    def pdsh_probe() -> None:
+        # Same remote work as doctor (every node runs the probe), pdsh's fan-out.
+        cmd = next(iter(probe_cmd.values()))  # identical on every node of a test bed
+        res = subprocess.run(["pdsh", "-R", "ssh", "-w", names, cmd], env=env, timeout=600,
+                             capture_output=True)
+        if res.returncode != 0 or res.stdout.count(b'"schema"') != n:
+            raise RuntimeError(f"pdsh probe failed: {res.returncode} {res.stderr[-300:]!r}")
+
     def sequential() -> None:
         # The same probe argv doctor sends, minus the master connect (no listener here).
         for node, probe_plan in zip(nodes, plan.nodes, strict=True):
-            argv = list(probe_plan.argv)
-            cut = argv.index("--master")
-            argv = argv[:cut] + argv[cut + 4:]
+            argv = _no_master(probe_plan.argv)
             subprocess.run(["ssh", "-F", str(tb.ssh_config), node.name, shlex.join(argv)],
                            input=probe, check=True, capture_output=True, timeout=120)
 
-    return {"pdsh": pdsh, "doctor": doctor_cli, "doctor in-process": doctor_inproc,
-            "sequential ssh": sequential}
+    return {"pdsh": pdsh, "pdsh probe": pdsh_probe, "doctor": doctor_cli,
+            "doctor in-process": doctor_inproc, "sequential ssh": sequential}
+
+
+def _no_master(argv: tuple[str, ...]) -> list[str]:
+    """The probe argv without ``--master H:P --master-wait S`` (no listener outside doctor)."""
+    words = list(argv)
+    if "--master" in words:
+        cut = words.index("--master")
+        del words[cut:cut + 4]
+    return words
 
 
 def _note(what: str, unreachable: Mapping[str, Any], timings: Mapping[str, float]) -> None:
@@ -111,6 +132,8 @@ def bench_size(tb: Testbed, n: int, rounds: int, workdir: Path, skip_sequential:
         print(f"  {name:<18} median {med[name]:7.2f} s   runs {' '.join(f'{t:.2f}' for t in runs)}")
     print(f"  doctor / pdsh            = {med['doctor'] / med['pdsh']:.2f}  (goal <= 1.2)")
     print(f"  doctor in-process / pdsh = {med['doctor in-process'] / med['pdsh']:.2f}")
+    print(f"  doctor / pdsh probe      = {med['doctor'] / med['pdsh probe']:.2f}  "
+          "(same remote work, pdsh's fan-out)")
     if "sequential ssh" in med:
         print(f"  sequential / doctor      = {med['sequential ssh'] / med['doctor']:.1f}  "
               "(goal >= 5 at 32 nodes)")

@@ -32,6 +32,8 @@ from tests.testbed import Testbed
 pytestmark = pytest.mark.testbed
 NODES = 7
 Key = tuple[str, str, str]  # (status, check, host)
+# Depends on how loaded this shared 2-core machine is, not on any injected fault.
+LOAD_DEPENDENT = ("ssh.startup",)
 
 
 @dataclass
@@ -56,13 +58,16 @@ def run_doctor(*args: str) -> tuple[int, dict[str, Any]]:
     return code, json.loads(out.getvalue())
 
 
+def _counts(f: dict[str, Any]) -> bool:
+    return f["status"] != "PASS" and f["check"] not in LOAD_DEPENDENT
+
+
 def problems(report: dict[str, Any]) -> set[Key]:
-    return {(f["status"], f["check"], f["host"]) for f in report["findings"]
-            if f["status"] != "PASS"}
+    return {(f["status"], f["check"], f["host"]) for f in report["findings"] if _counts(f)}
 
 
 def new_problems(bed: Bed, report: dict[str, Any]) -> list[dict[str, Any]]:
-    return [f for f in report["findings"] if f["status"] != "PASS"
+    return [f for f in report["findings"] if _counts(f)
             and (f["status"], f["check"], f["host"]) not in bed.baseline]
 
 
@@ -262,7 +267,8 @@ def test_clock_off_by_minutes(bed: Bed) -> None:
     with _mounted_over(bed, node, bashrc, real):
         code, report = run_doctor("-i", str(bed.inventory))
     assert code == 2
-    assert_only(bed, report, node, "clock", "FAIL", "+3")
+    f = assert_only(bed, report, node, "clock", "FAIL", "s from the cluster median")
+    assert 290 < float(f["detail"].split()[1]) <= 300  # "clock +299.7 s from ..."
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ It imports only the standard library and torch (it must not need clusterkit on
 the node) and prints one JSON line: the rank's all_reduce time over the whole
 group and its point-to-point exchange time with every other rank. Pairs run in
 round-robin rounds of disjoint pairs, separated by barriers, so each pair has the
-links to itself while it is measured.
+links to itself while it is measured. Times are the median iteration, so one
+descheduled iteration on a busy node does not decide.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -61,11 +63,14 @@ def _main(argv: list[str]) -> dict[str, Any]:
     dist.all_reduce(buf)  # warm-up: connections, algorithms
     sync()
     dist.barrier()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(args.iters):
+        t0 = time.perf_counter()
         dist.all_reduce(buf)
-    sync()
-    allreduce_s = (time.perf_counter() - t0) / args.iters
+        sync()
+        times.append(time.perf_counter() - t0)
+    # The median iteration: one descheduled iteration on a busy node must not decide.
+    allreduce_s = statistics.median(times)
     # The slowest rank defines the collective's time (nccl-tests reports it that way too).
     slowest = torch.tensor([allreduce_s], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -77,16 +82,16 @@ def _main(argv: list[str]) -> dict[str, Any]:
         peer = rnd.get(rank)
         if peer is None:
             continue
-        for i in range(args.iters + 1):  # the first exchange is a warm-up
-            if i == 1:
-                sync()
-                t0 = time.perf_counter()
+        times = []
+        for _ in range(args.iters + 1):  # the first exchange is a warm-up
+            t0 = time.perf_counter()
             reqs = [dist.isend(send, peer), dist.irecv(recv, peer)]
             for r in reqs:
                 if r is not None:
                     r.wait()
-        sync()
-        pairs.append({"peer": peer, "time_s": (time.perf_counter() - t0) / args.iters})
+            sync()
+            times.append(time.perf_counter() - t0)
+        pairs.append({"peer": peer, "time_s": statistics.median(times[1:])})
     dist.barrier()
     dist.destroy_process_group()
     return {"event": "result", "rank": rank, "world": world, "backend": args.backend,

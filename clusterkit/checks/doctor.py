@@ -57,6 +57,7 @@ MASTER_WAIT_S = 8.0
 LISTEN_SECONDS = 120.0  # upper bound; the listener ends when doctor closes its channel
 LISTEN_READY_TIMEOUT_S = 20.0
 HELLO_GRACE_S = 3.0  # wait this long for hellos still in flight after the facts phase
+SLOW_STARTUP_S = 5.0  # remote start-up (shell + interpreter) above this is worth a warning
 # A remote shell that cannot exec the interpreter exits 126/127 before the probe runs.
 _NO_INTERPRETER = (126, 127)
 
@@ -226,19 +227,26 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *,
     """Facts and master port in one round: the master's listener starts alongside the
     probes, and each probe ends by connecting to it (one SSH session per node)."""
     started = time.monotonic()
+    if any(not n.target.local for n in plan.nodes):
+        # DispatchTransport creates its SSH transport lazily and without a lock: create it
+        # here, once, or racing worker threads each get their own (and connect twice).
+        getattr(transport, "ssh", None)
     master = plan.master
     listener = (_Listener.start_async(transport, master, plan.master_port)
                 if master is not None and plan.master_port else None)
     try:
         stats: dict[str, float] = {}
-        facts, windows, connects = collect_facts(plan, transport, clock=clock, stats=stats)
+        startup: dict[str, float] = {}
+        facts, windows, connects = collect_facts(plan, transport, clock=clock, stats=stats,
+                                                 startup=startup)
         t_facts = time.monotonic() - started
         port_findings = (master_port_findings(plan, listener, facts, connects)
                          if listener is not None else [])
     finally:
         if listener is not None:
             listener.close()
-    findings = run_rules(facts, _with_windows(plan.ctx, windows)) + port_findings
+    findings = (run_rules(facts, _with_windows(plan.ctx, windows)) + port_findings
+                + startup_findings(startup))
     timings = {"facts": t_facts, **stats, "total": time.monotonic() - started}
     return DoctorReport(plan, facts, tuple(findings), timings)
 
@@ -259,7 +267,8 @@ Collected = tuple[dict[str, NodeFacts], dict[str, tuple[float, float]],
 
 def collect_facts(plan: DoctorPlan, transport: Transport, *,
                   clock: Callable[[], float] = time.time,
-                  stats: dict[str, float] | None = None) -> Collected:
+                  stats: dict[str, float] | None = None,
+                  startup: dict[str, float] | None = None) -> Collected:
     """Run the facts probe on every node at once; one result per node, never an exception."""
     windows: dict[str, tuple[float, float]] = {}
     phases: dict[str, tuple[float, float]] = {}  # host -> (ssh set-up s, command s)
@@ -289,7 +298,22 @@ def collect_facts(plan: DoctorPlan, transport: Transport, *,
             connects[hr.host] = raw["master_port"]
     if stats is not None:
         stats.update(_phase_stats(phases, facts))
+    if startup is not None:
+        # Command time minus the probe's own work: channel, login shell, interpreter start.
+        startup.update({h: p[1] - (facts[h].probe_ms or 0.0) / 1000
+                        for h, p in phases.items() if facts[h].ok})
     return facts, windows, connects
+
+
+def startup_findings(startup: Mapping[str, float],
+                     limit_s: float = SLOW_STARTUP_S) -> list[Finding]:
+    """A slow remote start-up is paid by every launcher (pdsh, DeepSpeed's runner) too."""
+    return [Finding("ssh.startup", Status.WARN, host,
+                    f"{secs:.1f} s passed on the node before the probe ran (login shell "
+                    "~/.bashrc, interpreter start-up, or an overloaded node)",
+                    "keep ~/.bashrc fast for non-interactive shells: put `[[ $- != *i* ]] "
+                    "&& return` above slow lines such as `pyenv init`/`conda init`")
+            for host, secs in startup.items() if secs > limit_s]
 
 
 def _phase_stats(phases: Mapping[str, tuple[float, float]],

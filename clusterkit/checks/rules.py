@@ -127,7 +127,9 @@ _PROBE_FIXES = {
                        "--accept-new-host-keys",
     "hostkey-changed": "the node was reinstalled or this is a man-in-the-middle: after "
                        "verifying, `ssh-keygen -R <address>` and connect once",
-    "command-timeout": "the probe hung (stuck nvidia-smi or NFS?): run it by hand on the node",
+    "command-timeout": "the probe did not finish: a login shell blocked in ~/.bashrc (e.g. "
+                       "a `pyenv init` lock), a stuck nvidia-smi or NFS mount; time "
+                       "`ssh <host> true` and run the probe by hand",
     "interpreter": "the inventory's python does not exist on this node: install it at that path "
                    "or set `python:` for this host",
     "probe": "run `<python> - facts < clusterkit/checks/probe.py` on the node to see the error",
