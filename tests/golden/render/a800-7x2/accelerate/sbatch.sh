@@ -8,7 +8,9 @@
 #SBATCH --time=01:00:00
 #SBATCH --output=/srv/train/.clusterkit/jobs/golden-a800-7x2/logs/slurm-%j.out
 #SBATCH --error=/srv/train/.clusterkit/jobs/golden-a800-7x2/logs/slurm-%j.err
-# USR1 90 s before the time limit: the workload checkpoints and exits, Slurm requeues.
+# USR1 90 s before the time limit goes to every process of the launch step: the
+# workload checkpoints and exits 0 (resubmit to resume). --requeue: Slurm may requeue
+# the job after a node failure or preemption; the workload resumes (--resume auto).
 #SBATCH --signal=USR1@90
 #SBATCH --requeue
 set -euo pipefail
@@ -44,4 +46,4 @@ mkdir -p -- /srv/train/.clusterkit/jobs/golden-a800-7x2/logs
 srun --nodes=7 --ntasks-per-node=1 mkdir -p -- /scratch/ckpt/golden-a800-7x2
 
 echo "clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=accelerate"
-srun --nodes=7 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/srv/train env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/conda/envs/train/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME==ens1f0 GLOO_SOCKET_IFNAME=ens1f0 CLUSTERKIT_JOB_ID=golden-a800-7x2 sh -c 'd=$1; shift; exec "$0" -m accelerate.commands.launch --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml" --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"' /opt/conda/envs/train/bin/python /srv/train/.clusterkit/jobs/golden-a800-7x2 --module clusterkit.workload --engine accelerate --model tiny --steps 100 --ds-config /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json --run-dir /srv/train/.clusterkit/jobs/golden-a800-7x2/run --ckpt-dir /scratch/ckpt/golden-a800-7x2 --storage node-local
+srun --nodes=7 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/srv/train env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/conda/envs/train/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME==ens1f0 GLOO_SOCKET_IFNAME=ens1f0 CLUSTERKIT_JOB_ID=golden-a800-7x2 sh -c 'trap "" USR1; d=$1; shift; exec "$0" -m accelerate.commands.launch --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml" --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"' /opt/conda/envs/train/bin/python /srv/train/.clusterkit/jobs/golden-a800-7x2 --module clusterkit.workload --engine accelerate --model tiny --steps 100 --ds-config /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json --run-dir /srv/train/.clusterkit/jobs/golden-a800-7x2/run --ckpt-dir /scratch/ckpt/golden-a800-7x2 --storage node-local

@@ -3,12 +3,14 @@
 # inventory; edit the inventory or the clusterkit flags, not this file.
 #SBATCH --job-name=ck-golden-h100-2x8-ib
 #SBATCH --nodes=2
-#SBATCH --ntasks-per-node=1
+#SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
 #SBATCH --time=01:00:00
 #SBATCH --output=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs/slurm-%j.out
 #SBATCH --error=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs/slurm-%j.err
-# USR1 90 s before the time limit: the workload checkpoints and exits, Slurm requeues.
+# USR1 90 s before the time limit goes to every process of the launch step: the
+# workload checkpoints and exits 0 (resubmit to resume). --requeue: Slurm may requeue
+# the job after a node failure or preemption; the workload resumes (--resume auto).
 #SBATCH --signal=USR1@90
 #SBATCH --requeue
 set -euo pipefail

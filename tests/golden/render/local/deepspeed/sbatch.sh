@@ -3,11 +3,13 @@
 # inventory; edit the inventory or the clusterkit flags, not this file.
 #SBATCH --job-name=ck-golden-local
 #SBATCH --nodes=4
-#SBATCH --ntasks-per-node=1
+#SBATCH --ntasks-per-node=2
 #SBATCH --time=01:00:00
 #SBATCH --output=/home/me/proj/.clusterkit/jobs/golden-local/logs/slurm-%j.out
 #SBATCH --error=/home/me/proj/.clusterkit/jobs/golden-local/logs/slurm-%j.err
-# USR1 90 s before the time limit: the workload checkpoints and exits, Slurm requeues.
+# USR1 90 s before the time limit goes to every process of the launch step: the
+# workload checkpoints and exits 0 (resubmit to resume). --requeue: Slurm may requeue
+# the job after a node failure or preemption; the workload resumes (--resume auto).
 #SBATCH --signal=USR1@90
 #SBATCH --requeue
 set -euo pipefail
