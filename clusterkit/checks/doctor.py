@@ -50,7 +50,6 @@ from clusterkit.remote.base import CommandResult, RemoteProcess, SSHTarget, Tran
 from clusterkit.remote.fanout import fan_out
 
 DEFAULT_MASTER_PORT = 29500
-BACKENDS = ("torchrun", "deepspeed", "accelerate")
 # Probes connect to the master's listener at the end of their run; the listener is
 # started at the same time, so a probe that is first retries "refused" this long.
 MASTER_WAIT_S = 8.0

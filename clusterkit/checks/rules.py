@@ -228,6 +228,7 @@ def check_freeze(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Fin
     sets = {f.host: f.freeze for f in nodes}
     common = majority(sets, ctx.hosts)
     holders = fold(h for h in ctx.hosts if sets.get(h) == common)
+    first = next((h for h in ctx.hosts if sets.get(h) == common), holders)
     want = _freeze_map(common)
     out = []
     for f in nodes:
@@ -243,7 +244,7 @@ def check_freeze(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Fin
         shown = ", ".join(diffs[:8]) + (f" (+{len(diffs) - 8} more)" if len(diffs) > 8 else "")
         out.append(Finding("pip.freeze", Status.WARN, f.host,
                            f"{len(diffs)} package(s) differ from {holders}: {shown}",
-                           f"`pip freeze` on {holders.split(',')[0]} > req.txt, then "
+                           f"`pip freeze` on {first} > req.txt, then "
                            f"`{_python(facts, f.host)} -m pip install -r req.txt` here"))
     return out
 

@@ -9,26 +9,21 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from clusterkit.checks.doctor import (
-    BACKENDS,
-    DEFAULT_MASTER_PORT,
-    DoctorReport,
-    merge_env_file,
-    plan_doctor,
-    recommended_env,
-    run_doctor,
-)
-from clusterkit.checks.findings import Status
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
 from clusterkit.errors import ClusterkitError
-from clusterkit.fsutil import atomic_write_text
-from clusterkit.hostfile import select_hosts
-from clusterkit.hostrange import fold
 
+if TYPE_CHECKING:
+    from clusterkit.checks.doctor import DoctorReport
+
+# The checks are imported when doctor runs, not when the parser is built: every
+# clusterkit command builds the whole parser.
+BACKENDS = ("torchrun", "deepspeed", "accelerate")
+DEFAULT_MASTER_PORT = 29500  # torchrun's and DeepSpeed's default
 HEAD_TOOLS = ("pdsh", "ninja", "ssh")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
-_STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red"}
+_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -71,6 +66,9 @@ def parse_size(text: str) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from clusterkit.checks.doctor import plan_doctor, run_doctor
+    from clusterkit.hostfile import select_hosts
+
     inv = resolve_inventory(args.inventory)
     chosen = select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                           include=args.include, exclude=args.exclude)
@@ -102,27 +100,34 @@ def print_report(report: DoctorReport, *, verbose: bool, strict: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from clusterkit.checks.findings import Status
+    from clusterkit.hostrange import fold
+
     # Piped output (CI logs, `| less`) gets wide lines instead of an 80-column wrap.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     for col in ("", "check", "nodes", "finding", "fix"):
         table.add_column(col, overflow="fold")
     for g in report.groups(include_pass=verbose):
-        table.add_row(f"[{_STYLE[g.status]}]{g.status}[/]", g.check, g.host_range or "(all)",
+        table.add_row(f"[{_STYLE[str(g.status)]}]{g.status}[/]", g.check, g.host_range or "(all)",
                       g.detail, g.fix or "")
     clean = report.clean_hosts()
     if clean:
-        table.add_row(f"[{_STYLE[Status.PASS]}]ok[/]", "all checks", fold(clean), "ok", "")
+        table.add_row(f"[{_STYLE['PASS']}]ok[/]", "all checks", fold(clean), "ok", "")
     console.print(table)
     bw = report.extra.get("bandwidth")
     if isinstance(bw, dict) and bw.get("summary"):
         console.print(str(bw["summary"]))
-    style = _STYLE[report.status if report.status is not Status.WARN or strict else Status.PASS]
+    style = _STYLE[str(report.status if report.status is not Status.WARN or strict
+                       else Status.PASS)]
     console.print(f"[{style}]{report.verdict(strict=strict)}[/]  "
                   f"({sum(report.timings.get(k, 0.0) for k in ('total', 'bandwidth')):.1f} s)")
 
 
 def write_fix_env(report: DoctorReport, path: Path, *, quiet: bool = False) -> None:
+    from clusterkit.checks.doctor import merge_env_file, recommended_env
+    from clusterkit.fsutil import atomic_write_text
+
     updates = recommended_env(report)
     if not updates:
         print(f"clusterkit: --fix-env: nothing to recommend (no node answered); "
