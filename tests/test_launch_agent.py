@@ -247,3 +247,105 @@ def test_watch_only_agents_exit_when_every_launcher_is_done(tmp_path: Path, fake
     outcome, text = _run(job)
     assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
     assert outcome.node_codes == {"v0": 0, "v1": 0}  # type: ignore[attr-defined]
+
+
+def _native_job(tmp_path: Path, fake: Path, nodes: int, nproc: int, job_id: str,
+                **env: str) -> JobSpec:
+    world = nodes * nproc
+    tasks = tuple(
+        NodeTask(
+            node=f"v{i}", target=SSHTarget(name=f"v{i}", address="127.0.0.1", local=True),
+            python=sys.executable, argv=(sys.executable, str(fake)), rank_offset=i * nproc,
+            nprocs=nproc, env=env, prefix="native", job_dir=str(tmp_path / "jobs" / "@JOB@"),
+            native={"nproc": nproc, "first_rank": i * nproc, "world_size": world, "node_rank": i,
+                    "nnodes": nodes, "master_addr": "127.0.0.1", "master_port": 29999},
+        )
+        for i in range(nodes)
+    )
+    return JobSpec(job_id=job_id, tasks=tasks, grace_s=1.0)
+
+
+def test_native_mode_starts_each_rank_with_torchruns_environment(tmp_path: Path) -> None:
+    script = tmp_path / "env_rank.py"
+    script.write_text(
+        "import os\nkeys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_RANK',"
+        " 'MASTER_ADDR', 'MASTER_PORT', 'OMP_NUM_THREADS')\n"
+        "print(' '.join(f'{k}={os.environ.get(k)}' for k in keys))\n"
+        "print('elastic', any(k.startswith('TORCHELASTIC') for k in os.environ))\n")
+    outcome, text = _run(_native_job(tmp_path, script, 2, 2, "native-env"))
+    assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
+    assert ("[v1 r3] RANK=3 LOCAL_RANK=1 WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 "
+            "MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 OMP_NUM_THREADS=1") in text
+    assert "[v0 r0] elastic False" in text
+
+
+def test_native_mode_killed_rank_stops_the_job_and_is_named(
+        tmp_path: Path, fake: Path, bystanders: list[subprocess.Popen[bytes]]) -> None:
+    job = _native_job(tmp_path, fake, 2, 2, "native-die", FAKE_MODE="die", FAKE_STEPS="600",
+                      FAKE_DIE_RANK="3")
+    started = time.monotonic()
+    outcome, text = _run(job)
+    assert time.monotonic() - started < 10
+    assert outcome.exit_code == 137, text  # type: ignore[attr-defined]
+    failure = outcome.failure  # type: ignore[attr-defined]
+    assert (failure.node, failure.rank, failure.local_rank) == ("v1", 3, 1), text
+    assert agent_mod.job_processes("native-die") == {}
+    assert all(p.poll() is None for p in bystanders)
+
+
+def test_native_mode_forwards_usr1_to_the_ranks(tmp_path: Path, fake: Path) -> None:
+    job = _native_job(tmp_path, fake, 1, 2, "native-usr1", FAKE_STEPS="30")
+    out = io.StringIO()
+    orch = Orchestrator(job, LocalTransport(), PlainSink(out))
+    thread = threading.Thread(target=orch.run, kwargs={"install_signals": False})
+    thread.start()
+    _wait_for(lambda: "[v0 r1] step 3/30" in out.getvalue())
+    orch._on_signal(signal.SIGUSR1, None)
+    thread.join(20)
+    assert "[v0 r0] rank 0 got USR1" in out.getvalue() and "[v0 r1] rank 1 got USR1" in out.getvalue()
+
+
+def test_rank_log_tail_reads_deepspeeds_per_rank_files_as_lines(tmp_path: Path) -> None:
+    tail = agent_mod.RankLogTail(str(tmp_path))
+    assert tail.poll() == []
+    f = tmp_path / "20261121120000_rank5.log"
+    f.write_text("one\ntw")
+    (tmp_path / "other.txt").write_text("ignored\n")
+    assert tail.poll() == [(5, "one")]
+    with f.open("a") as fh:
+        fh.write("o\nthree")
+    assert tail.poll() == [(5, "two")]
+    assert tail.poll(final=True) == [(5, "three")]
+    tail.close()
+
+
+def test_agent_labels_deepspeed_rank_files_of_its_own_node_only(tmp_path: Path) -> None:
+    out = io.StringIO()
+    spec = agent_mod.Spec(job_id="j", node="node2", job_dir=str(tmp_path),
+                          rank_offsets={"node1": 0, "node2": 2, "node3": 4},
+                          rank_log_dir=str(tmp_path / "logs"))
+    (tmp_path / "logs").mkdir()
+    for r in range(6):  # a shared job dir: every node's files in one directory
+        (tmp_path / "logs" / f"1_rank{r}.log").write_text(f"hello from {r}\n")
+    a = agent_mod.Agent(spec, out)
+    a.node_dir = str(tmp_path)
+    a._tail_done.set()
+    a.tail_rank_logs()
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("@ck:L ")]
+    assert lines == ["@ck:L node2 0 hello from 2", "@ck:L node2 1 hello from 3"]
+
+
+def test_deepspeed_and_accelerate_argv_get_rank_labels() -> None:
+    from clusterkit.launch.fromplan import job_from_plan
+    from tests.render_cases import plan_for
+
+    ds = job_from_plan(plan_for("a800-7x2", "deepspeed"), run_id="r1")
+    head = ds.tasks[0]
+    assert f"--enable_each_rank_log={head.job_dir}/ranklogs/r1" in head.argv
+    assert all(t.rank_log_dir == f"{head.job_dir}/ranklogs/r1" for t in ds.tasks)
+    acc = job_from_plan(plan_for("a800-7x2", "accelerate")).tasks[3].argv
+    at = acc.index("accelerate.commands.launch")
+    assert acc[at + 1:at + 3] == ("--tee", "3")
+    native = job_from_plan(plan_for("a800-7x2", "torchrun"), native=True).tasks[1]
+    assert native.native is not None and native.native["first_rank"] == 2
+    assert native.argv[1:4] == ("-u", "-m", "clusterkit.workload")

@@ -28,8 +28,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        "ZeRO workload on the embedded local virtual nodes).")
     add_inventory_option(p)
     add_selection_options(p)
-    p.add_argument("--launcher", default="torchrun", choices=("torchrun", "deepspeed", "accelerate"),
-                   help="per-node launcher (default torchrun; deepspeed = DeepSpeed's runner over pdsh)")
+    p.add_argument("--launcher", default="native",
+                   choices=("native", "torchrun", "deepspeed", "accelerate"),
+                   help="native (default): each node's agent starts its ranks with torchrun's "
+                        "environment; torchrun: python -m torch.distributed.run per node; "
+                        "deepspeed: DeepSpeed's runner over pdsh; accelerate: accelerate launch")
     p.add_argument("--job-id", metavar="JOB",
                    help="default: <cluster>-<date>-<time>; the checkpoint dir is <root>/JOB, so "
                         "giving a previous job's id continues that job from its newest "
@@ -94,7 +97,8 @@ def _options(args: argparse.Namespace, cluster: str) -> Any:
     script = None if args.module or not program else program[0]
     script_args = tuple(program if args.module else program[1:])
     return JobOptions(
-        job_id=args.job_id or _fresh_job_id(cluster), backend=args.launcher,
+        job_id=args.job_id or _fresh_job_id(cluster),
+        backend="torchrun" if args.launcher == "native" else args.launcher,
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, include=args.include,
         exclude=args.exclude, script=script, module=args.module, script_args=script_args,
         model=args.model, steps=args.steps, zero_stage=args.zero_stage, save_every=args.save_every,
@@ -119,10 +123,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return plan_job(inventory, o, facts)
 
     if args.dry_run:
-        _print_plan(planner(options))
+        _print_plan(planner(options), native=args.launcher == "native")
         return 0
     settings = LaunchSettings(skip_checks=args.skip_checks, max_restarts=args.max_restarts,
-                              drop_failed_nodes=args.drop_failed_nodes, grace_s=args.grace)
+                              drop_failed_nodes=args.drop_failed_nodes, grace_s=args.grace,
+                              native=args.launcher == "native")
     selected = len(planner(options).nodes)
     sink = make_sink(selected, quiet_ranks=args.quiet)
     with transport_for() as transport:
@@ -134,15 +139,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def _print_plan(plan: Any) -> None:
+def _print_plan(plan: Any, native: bool) -> None:
     from clusterkit.launch.fromplan import job_from_plan
 
-    job = job_from_plan(plan)
+    job = job_from_plan(plan, native=native)
+    backend = "native (the agents start the ranks)" if native else plan.backend
     print(f"job {plan.job_id} on {plan.cluster}: {len(plan.nodes)} nodes, {plan.world_size} ranks, "
-          f"backend {plan.backend}, master {plan.master_addr}:{plan.master_port}, "
+          f"backend {backend}, master {plan.master_addr}:{plan.master_port}, "
           f"storage {plan.storage}, checkpoints {plan.nodes[0].ckpt_dir}")
     for task in job.tasks:
         what = " ".join(task.argv) if task.argv else "(watch only: started by DeepSpeed's runner)"
+        if task.native:
+            what = f"{task.nprocs} x {what}  (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* set per rank)"
         print(f"  {task.node}: ranks {task.rank_offset}-{task.rank_offset + task.nprocs - 1} "
               f"job dir {task.job_dir}\n    {what}")
     print("files written to every node's job dir: " + ", ".join(sorted(plan.artifacts)))

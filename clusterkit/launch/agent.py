@@ -38,11 +38,14 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -79,6 +82,13 @@ class Spec:
     prefix: str = "torchrun"  # how to read ranks from output: torchrun | pdsh | single
     rank_offsets: dict[str, int] = field(default_factory=dict)  # node -> first global rank
     grace_s: float = DEFAULT_GRACE_S
+    # DeepSpeed's launcher with --enable_each_rank_log writes each rank's output to
+    # <dir>/<stamp>_rank<R>.log and nothing to the console: the agent tails those files.
+    rank_log_dir: str | None = None
+    # Native mode: the agent itself starts this node's ranks, each running ``argv``
+    # with the environment torchrun would give it (no torchrun, no torch import here).
+    # Keys: nproc, first_rank, world_size, node_rank, nnodes, master_addr, master_port.
+    native: dict[str, Any] | None = None
 
     @classmethod
     def from_json(cls, text: str) -> Spec:
@@ -143,26 +153,28 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def sweep(job_id: str, node: str | None, attempt: int | None, grace_s: float,
-          child: subprocess.Popen[bytes] | None = None) -> dict[str, int]:
-    """SIGTERM the launcher's group and every process of the job; SIGKILL after grace."""
+          children: Sequence[subprocess.Popen[bytes]] = ()) -> dict[str, int]:
+    """SIGTERM the children's groups and every process of the job; SIGKILL after grace."""
     counts = {"signalled": 0, "killed": 0, "left": 0}
-    if child is not None and child.poll() is None:
-        _signal_group(child.pid, signal.SIGTERM)
-        counts["signalled"] += 1
+    for child in children:
+        if child.poll() is None:
+            _signal_group(child.pid, signal.SIGTERM)
+            counts["signalled"] += 1
     for pid in job_processes(job_id, node, attempt):
         counts["signalled"] += _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        child_alive = child is not None and child.poll() is None
-        if not child_alive and not job_processes(job_id, node, attempt):
+        alive = any(c.poll() is None for c in children)
+        if not alive and not job_processes(job_id, node, attempt):
             return counts
         time.sleep(POLL_S)
-    if child is not None and child.poll() is None:
-        _signal_group(child.pid, signal.SIGKILL)
-        counts["killed"] += 1
+    for child in children:
+        if child.poll() is None:
+            _signal_group(child.pid, signal.SIGKILL)
+            counts["killed"] += 1
     for pid in job_processes(job_id, node, attempt):
         counts["killed"] += _signal(pid, signal.SIGKILL)
-    if child is not None:
+    for child in children:
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(5.0)
     time.sleep(POLL_S)
@@ -174,7 +186,9 @@ def sweep(job_id: str, node: str | None, attempt: int | None, grace_s: float,
 
 
 def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
+    # The job dir may be on a shared filesystem that every node's agent writes at once,
+    # and pids repeat across hosts (and PID namespaces): the temp name must be unique.
+    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
         fh.flush()
@@ -184,6 +198,44 @@ def _write_atomic(path: str, text: str) -> None:
 
 def _expand(value: str, job_dir: str) -> str:
     return value.replace(JOB_DIR_TOKEN, job_dir)
+
+
+# ----------------------------------------------------------------- rank log files
+
+_RANK_LOG = re.compile(r"_rank(\d+)\.log$")
+
+
+class RankLogTail:
+    """Follow ``<dir>/*_rank<R>.log`` (DeepSpeed's per-rank logs) as complete lines."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._files: dict[str, tuple[int, IO[bytes]]] = {}
+        self._partial: dict[str, bytes] = {}
+
+    def poll(self, final: bool = False) -> list[tuple[int, str]]:
+        """(global rank, line) of every line completed since the last poll."""
+        out: list[tuple[int, str]] = []
+        with contextlib.suppress(OSError):
+            for name in sorted(os.listdir(self.directory)):
+                m = _RANK_LOG.search(name)
+                if m and name not in self._files:
+                    with contextlib.suppress(OSError):
+                        self._files[name] = (int(m.group(1)),
+                                             open(os.path.join(self.directory, name), "rb"))  # noqa: SIM115
+        for name, (rank, fh) in self._files.items():
+            data = self._partial.pop(name, b"") + fh.read()
+            *lines, rest = data.split(b"\n")
+            if rest and final:
+                lines.append(rest)
+            elif rest:
+                self._partial[name] = rest
+            out += [(rank, ln.decode("utf-8", "replace").rstrip("\r")) for ln in lines]
+        return out
+
+    def close(self) -> None:
+        for _, fh in self._files.values():
+            fh.close()
 
 
 # ----------------------------------------------------------------- the agent
@@ -198,10 +250,13 @@ class Agent:
         self._out_ok = True
         self._lock = threading.Lock()
         self._logs: dict[str, IO[str]] = {}
-        self.child: subprocess.Popen[bytes] | None = None
+        self.child: subprocess.Popen[bytes] | None = None  # the launcher (launcher mode)
+        self.ranks: dict[int, subprocess.Popen[bytes]] = {}  # local rank -> process (native)
+        self.rank_codes: dict[int, int] = {}  # local rank -> exit code, in order of exit
         self.stop_reason: str | None = None
         self._stop = threading.Event()
         self._failure_sent = False
+        self._tail_done = threading.Event()
 
     # -------------------------------------------------------------- output
 
@@ -237,6 +292,36 @@ class Agent:
             self._log(log_name, text)
         self.emit_raw(f"{LINE_PREFIX}{node} {'-' if lrank is None else lrank} {text}")
         self._watch_failure(node, text)
+
+    def handle_rank_line(self, rank: int, text: str) -> None:
+        """A line read from a rank's own log file on this node (global rank known)."""
+        offset = self.spec.rank_offsets.get(self.spec.node, 0)
+        with self._lock:
+            self._log(f"rank{rank}.log", text)
+        self.emit_raw(f"{LINE_PREFIX}{self.spec.node} {rank - offset} {text}")
+
+    def tail_rank_logs(self) -> None:
+        """Until the agent finishes: stream DeepSpeed's per-rank log files as rank lines."""
+        assert self.spec.rank_log_dir is not None
+        tail = RankLogTail(_expand(self.spec.rank_log_dir, self.job_dir))
+        mine = self._my_ranks()
+        try:
+            while not self._tail_done.wait(0.2):
+                for rank, text in tail.poll():
+                    if mine(rank):
+                        self.handle_rank_line(rank, text)
+            for rank, text in tail.poll(final=True):
+                if mine(rank):
+                    self.handle_rank_line(rank, text)
+        finally:
+            tail.close()
+
+    def _my_ranks(self) -> Any:
+        """On a shared job dir every node's rank files meet in one directory: keep ours."""
+        first = self.spec.rank_offsets.get(self.spec.node, 0)
+        later = [o for o in self.spec.rank_offsets.values() if o > first]
+        end = min(later) if later else None
+        return lambda rank: rank >= first and (end is None or rank < end)
 
     def _classify(self, line: str) -> tuple[str, int | None, str]:
         node, text = self.spec.node, line
@@ -289,6 +374,8 @@ class Agent:
         ranks = [p for p, env in procs.items() if b"RANK" in env or b"LOCAL_RANK" in env]
         if not ranks and self.child is not None and self.child.poll() is None:
             ranks = [self.child.pid]
+        if not ranks:
+            ranks = [p.pid for p in self.ranks.values() if p.poll() is None]
         return sum(_signal(p, sig) for p in ranks)
 
     def read_control(self, stream: IO[str]) -> None:
@@ -304,8 +391,9 @@ class Agent:
         self.request_stop("stdin-eof")  # the launcher exited or the connection dropped
 
     def kill_now(self) -> None:
-        if self.child is not None and self.child.poll() is None:
-            _signal_group(self.child.pid, signal.SIGKILL)
+        for child in self.children():
+            if child.poll() is None:
+                _signal_group(child.pid, signal.SIGKILL)
         for pid in job_processes(self.spec.job_id, self.spec.node, self.spec.attempt):
             _signal(pid, signal.SIGKILL)
 
@@ -336,6 +424,62 @@ class Agent:
         self.write_state("running")
         self.event("started", pid=self.child.pid, argv=argv)
 
+    def children(self) -> list[subprocess.Popen[bytes]]:
+        return ([self.child] if self.child is not None else []) + list(self.ranks.values())
+
+    def rank_env(self, local_rank: int) -> dict[str, str]:
+        """What torchrun gives a worker, minus its TORCHELASTIC_* agent variables."""
+        n = self.spec.native or {}
+        env = self.child_env()
+        nproc = int(n["nproc"])
+        env.update({
+            "RANK": str(int(n["first_rank"]) + local_rank), "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(n["world_size"]), "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": str(n["node_rank"]), "GROUP_WORLD_SIZE": str(n["nnodes"]),
+            "ROLE_RANK": str(int(n["first_rank"]) + local_rank), "ROLE_NAME": "default",
+            "ROLE_WORLD_SIZE": str(n["world_size"]), "MASTER_ADDR": str(n["master_addr"]),
+            "MASTER_PORT": str(n["master_port"]),
+        })
+        if nproc > 1 and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = "1"  # torchrun's default: N ranks must not oversubscribe
+        return env
+
+    def start_ranks(self) -> list[threading.Thread]:
+        n = self.spec.native or {}
+        argv = [_expand(a, self.job_dir) for a in self.spec.argv]
+        cwd = os.path.expanduser(self.spec.cwd) if self.spec.cwd else None
+        pumps = []
+        for lr in range(int(n["nproc"])):
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                env=self.rank_env(lr), cwd=cwd, start_new_session=True,
+            )
+            self.ranks[lr] = proc
+            t = threading.Thread(target=self.pump_rank, args=(lr, proc), daemon=True)
+            t.start()
+            pumps.append(t)
+        self.write_state("running")
+        self.event("started", pid=None, pids=[p.pid for p in self.ranks.values()], argv=argv)
+        return pumps
+
+    def pump_rank(self, local_rank: int, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        rank = int((self.spec.native or {})["first_rank"]) + local_rank
+        for raw in iter(proc.stdout.readline, b""):
+            self.handle_rank_line(rank, raw.decode("utf-8", "replace").rstrip("\r\n"))
+
+    def check_ranks(self) -> bool:
+        """Native mode: record exits; a failed rank stops the node. True when all are done."""
+        for lr, proc in self.ranks.items():
+            code = proc.poll()
+            if code is None or lr in self.rank_codes:
+                continue
+            self.rank_codes[lr] = code
+            if code != 0 and not self._failure_sent:
+                self._rank_failed(self.spec.node, lr, code)
+                self.request_stop("rank-failed")
+        return len(self.rank_codes) == len(self.ranks)
+
     def pump_child(self) -> None:
         assert self.child is not None and self.child.stdout is not None
         for raw in iter(self.child.stdout.readline, b""):
@@ -344,6 +488,7 @@ class Agent:
     def write_state(self, state: str, **extra: Any) -> None:
         data = {"job_id": self.spec.job_id, "node": self.spec.node, "attempt": self.spec.attempt,
                 "agent_pid": os.getpid(), "child_pid": self.child.pid if self.child else None,
+                "rank_pids": [p.pid for p in self.ranks.values()],
                 "state": state, "time": time.time(), **extra}
         # A full or vanished disk must not stop the teardown.
         with contextlib.suppress(OSError):
@@ -351,35 +496,58 @@ class Agent:
 
     def run(self) -> int:
         self.prepare()
-        pump: threading.Thread | None = None
-        if self.spec.argv:
+        pumps: list[threading.Thread] = []
+        tail: threading.Thread | None = None
+        if self.spec.rank_log_dir:
+            tail = threading.Thread(target=self.tail_rank_logs, daemon=True)
+            tail.start()
+        if self.spec.argv and self.spec.native:
+            pumps = self.start_ranks()
+        elif self.spec.argv:
             self.start_child()
-            pump = threading.Thread(target=self.pump_child, daemon=True)
-            pump.start()
+            pumps = [threading.Thread(target=self.pump_child, daemon=True)]
+            pumps[0].start()
         else:
             self.write_state("watching")
             self.event("started", pid=None, argv=[])
         while not self._stop.wait(POLL_S):
             if self.child is not None and self.child.poll() is not None:
                 break
-        return self.finish(pump)
+            if self.ranks and self.check_ranks():
+                break
+        return self.finish(pumps, tail)
 
-    def finish(self, pump: threading.Thread | None) -> int:
+    def _exit_code(self) -> int:
+        if self.ranks:
+            self.check_ranks()
+            # The first rank that failed decides (dicts keep the order of exits).
+            failed = [c for c in self.rank_codes.values() if c != 0]
+            raw: int | None = failed[0] if failed else (
+                0 if len(self.rank_codes) == len(self.ranks) else None)
+        elif self.child is not None:
+            raw = self.child.poll()
+        else:
+            return 0
+        return 128 + (-raw) if raw is not None and raw < 0 else (raw if raw is not None else 137)
+
+    def finish(self, pumps: Sequence[threading.Thread] = (),
+               tail: threading.Thread | None = None) -> int:
         node = self.spec.node
         if self.stop_reason is not None:
             self.event("teardown", reason=self.stop_reason)
             # On teardown match untagged job processes too (pdsh-started ranks).
-            counts = sweep(self.spec.job_id, node, self.spec.attempt, self.spec.grace_s, self.child)
+            counts = sweep(self.spec.job_id, node, self.spec.attempt, self.spec.grace_s,
+                           self.children())
         else:
             # The launcher ended by itself: only stragglers it left behind on this node.
             counts = sweep(self.spec.job_id, node, self.spec.attempt, min(self.spec.grace_s, 1.0),
-                           self.child)
-        if pump is not None:
+                           self.children())
+        for pump in pumps:
             pump.join(2.0)
-        code = 0
-        if self.child is not None:
-            raw = self.child.poll()
-            code = 128 + (-raw) if raw is not None and raw < 0 else (raw if raw is not None else 137)
+        if tail is not None:
+            self._tail_done.set()  # the ranks are gone: read what is left, then stop
+            tail.join(5.0)
+        code = self._exit_code()
         self.write_state("exited", exit_code=code, reason=self.stop_reason, **counts)
         self.event("exit", code=code, reason=self.stop_reason, **counts)
         for fh in self._logs.values():

@@ -11,12 +11,15 @@ from __future__ import annotations
 from clusterkit.errors import LaunchError
 from clusterkit.inventory import Host
 from clusterkit.launch.orchestrator import JobSpec, NodeTask
-from clusterkit.plan.model import LaunchPlan, NodeCommand
+from clusterkit.plan.model import LaunchPlan, NodeCommand, NodePlan
 from clusterkit.remote.base import SSHTarget
 
 LAUNCH_BACKENDS = ("torchrun", "deepspeed", "accelerate")
 # How each launcher marks its ranks' lines (see agent.Spec.prefix).
 OUTPUT_PREFIX = {"torchrun": "torchrun", "deepspeed": "pdsh", "accelerate": "torchrun"}
+# What `clusterkit launch --launcher X` runs: native = the torchrun plan, ranks started
+# by the node agents themselves.
+LAUNCHERS = ("native", "torchrun", "deepspeed", "accelerate")
 
 
 def target_for(host: Host) -> SSHTarget:
@@ -28,32 +31,77 @@ def target_for(host: Host) -> SSHTarget:
     )
 
 
-def _launcher_argv(backend: str, cmd: NodeCommand) -> tuple[str, ...]:
+RANK_LOG_FLAG = "--enable_each_rank_log="
+ACCELERATE_MODULE = "accelerate.commands.launch"
+
+
+def rank_log_dir(plan: LaunchPlan, run_id: str) -> str:
+    """Where DeepSpeed's launcher writes this run's per-rank logs (fresh per run)."""
+    return f"{plan.nodes[0].job_dir}/ranklogs/{run_id}"
+
+
+def _launcher_argv(backend: str, cmd: NodeCommand, log_dir: str) -> tuple[str, ...]:
     argv = list(cmd.argv)
     if backend == "deepspeed":
-        # With --enable_each_rank_log DeepSpeed sends every rank's output to files
-        # only; the agent already writes per-rank logs and must see the lines to
-        # stream them and to find the CLUSTERKIT_SUMMARY.
-        argv = [a for a in argv if not a.startswith("--enable_each_rank_log")]
+        # DeepSpeed's launcher prefixes nothing; with --enable_each_rank_log it writes
+        # each rank's output to <dir>/<stamp>_rank<R>.log (and nothing to the console),
+        # which the agent on that node tails and labels with node and rank.
+        argv = [RANK_LOG_FLAG + log_dir if a.startswith(RANK_LOG_FLAG) else a for a in argv]
+    if backend == "accelerate" and ACCELERATE_MODULE in argv:
+        # accelerate hands its torchrun arguments through: --tee 3 gives torchrun's
+        # "[default<r>]:" prefix, which the agent turns into the rank label.
+        at = argv.index(ACCELERATE_MODULE) + 1
+        argv[at:at] = ["--tee", "3"]
     return tuple(argv)
 
 
-def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, grace_s: float = 3.0) -> JobSpec:
+def _native_task(plan: LaunchPlan, node: NodePlan, cmd: NodeCommand) -> NodeTask:
+    """The node's ranks started by the agent itself, with torchrun's environment.
+
+    Saves torchrun's own ``import torch`` on every node (seconds under load); the
+    rendezvous is the static one torchrun would do (same master address and port,
+    ranks ``first_rank..`` on this node), so the rank->node mapping is unchanged.
+    """
+    program = plan.programs[node.node_rank] if plan.programs else plan.program
+    native = {"nproc": node.nproc, "first_rank": node.first_rank, "world_size": plan.world_size,
+              "node_rank": node.node_rank, "nnodes": len(plan.nodes),
+              "master_addr": plan.master_addr, "master_port": plan.master_port}
+    return NodeTask(node=node.name, target=target_for(node.host), python=node.python,
+                    argv=(node.python, "-u", *program), rank_offset=node.first_rank,
+                    nprocs=node.nproc, env=dict(cmd.env), files=dict(plan.artifacts),
+                    cwd=cmd.cwd, prefix="native", job_dir=node.job_dir, native=native)
+
+
+def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, grace_s: float = 3.0,
+                  run_id: str = "", native: bool = False) -> JobSpec:
+    """``run_id``: names this run's per-rank log dir (a continued job must not re-read
+    the files of an earlier run); default ``a<attempt>``. ``native``: with the torchrun
+    backend, the agents start the ranks themselves instead of running torchrun."""
+    if native and plan.backend != "torchrun":
+        raise LaunchError(f"native launch replaces torchrun, not {plan.backend}",
+                          key="--launcher")
     if plan.backend not in LAUNCH_BACKENDS:
         raise LaunchError(f"clusterkit launch does not run the {plan.backend!r} backend",
                           key="--launcher", hint="use `clusterkit sbatch` for Slurm")
     by_host: dict[str | None, NodeCommand] = {c.host: c for c in plan.launch_commands}
     files = dict(plan.artifacts)
+    log_dir = rank_log_dir(plan, run_id or f"a{attempt}")
+    tails = plan.backend == "deepspeed" and any(a.startswith(RANK_LOG_FLAG)
+                                                for c in plan.launch_commands for a in c.argv)
     tasks = []
     for node in plan.nodes:
         cmd = by_host.get(node.name)
+        if native and cmd is not None:
+            tasks.append(_native_task(plan, node, cmd))
+            continue
         # No command: a pdsh peer whose ranks DeepSpeed's runner starts; its agent watches.
         argv, env, cwd = ((), {}, None) if cmd is None else \
-            (_launcher_argv(plan.backend, cmd), dict(cmd.env), cmd.cwd)
+            (_launcher_argv(plan.backend, cmd, log_dir), dict(cmd.env), cmd.cwd)
         tasks.append(NodeTask(
             node=node.name, target=target_for(node.host), python=node.python, argv=argv,
             rank_offset=node.first_rank, nprocs=node.nproc, env=env, files=files, cwd=cwd,
             prefix=OUTPUT_PREFIX[plan.backend], job_dir=node.job_dir,
+            rank_log_dir=log_dir if tails else None,
         ))
     if not any(t.argv for t in tasks):
         raise LaunchError("the plan has no command for any selected node", key="--launcher")

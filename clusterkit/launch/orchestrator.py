@@ -50,6 +50,8 @@ class NodeTask:
     cwd: str | None = None
     prefix: str = "torchrun"  # torchrun | pdsh | single (see agent.Spec.prefix)
     job_dir: str = "~/.cache/clusterkit/jobs/@JOB@"  # on the node; ~ is the node's home
+    rank_log_dir: str | None = None  # per-rank log files to stream (DeepSpeed's launcher)
+    native: Mapping[str, Any] | None = None  # the agent starts the ranks (see agent.Spec)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class JobSpec:
             "argv": list(task.argv), "env": dict(task.env), "files": dict(task.files),
             "cwd": task.cwd, "attempt": self.attempt, "prefix": task.prefix,
             "rank_offsets": self.rank_offsets(), "grace_s": self.grace_s,
+            "rank_log_dir": task.rank_log_dir,
+            "native": dict(task.native) if task.native is not None else None,
         }
 
 
@@ -232,6 +236,10 @@ class Orchestrator:
                 target.failed_rank = ev
             if state.failed_rank is None:
                 state.failed_rank = ev
+            # The earliest report names the culprit and starts the teardown now, before
+            # the other ranks fail in their collectives and their agents exit too.
+            code = ev.get("code")
+            self._fail(state, "exit", code if isinstance(code, int) and code else 1)
         elif kind == "started":
             self.sink.node_up(state.task.node)
         elif kind == "error":

@@ -10,6 +10,7 @@ checkpoints, whose shards only resume on the same rank→node mapping.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ class LaunchSettings:
     max_restarts: int = 0
     drop_failed_nodes: bool = False
     grace_s: float = 3.0
+    native: bool = False  # torchrun backend: the agents start the ranks themselves
 
 
 @dataclass
@@ -135,8 +137,10 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
 
             raise gate_error(GateResult(facts={}, problems=problems))
     outcomes: list[JobOutcome] = []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     for attempt in range(settings.max_restarts + 1):
-        job = job_from_plan(plan, attempt=attempt, grace_s=settings.grace_s)
+        job = job_from_plan(plan, attempt=attempt, grace_s=settings.grace_s,
+                            run_id=f"{stamp}-a{attempt}", native=settings.native)
         record = _record(job, plan, attempt)
         registry.save(record)
         outcome = Orchestrator(job, transport, sink).run()

@@ -193,7 +193,7 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> L
                       nodes=nodes, world_size=world, master_addr=layout.master_addr,
                       master_port=layout.master_port, storage=storage, zero=zero,
                       program=layout.programs[0], commands=commands, skipped=skipped,
-                      artifacts=files, ds_config=ds_config)
+                      artifacts=files, ds_config=ds_config, programs=layout.programs)
     files = {**files, "commands.sh": render_commands_sh(plan)}
     plan = dataclasses.replace(plan, artifacts=files)
     return dataclasses.replace(plan, artifacts={**files, "plan.json": plan_json(plan)})

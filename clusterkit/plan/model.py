@@ -171,6 +171,8 @@ class LaunchPlan:
     skipped: Mapping[str, str] = field(hash=False)  # backend -> why it could not be rendered
     artifacts: Mapping[str, str] = field(hash=False)  # file name -> text
     ds_config: Mapping[str, Any] = field(hash=False)
+    # per node (same order as ``nodes``): the interpreter arguments each node's ranks run
+    programs: tuple[tuple[str, ...], ...] = ()
 
     @property
     def job_dir(self) -> str:
