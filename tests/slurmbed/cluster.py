@@ -347,6 +347,20 @@ class SlurmBed:
             found.append((pid, _cmdline(pid)))
         return found
 
+    def kill_job_leftovers(self) -> dict[str, list[tuple[int, str]]]:
+        """SIGKILL job processes Slurm lost track of (proctrack/linuxproc follows the
+        process tree: ranks whose launcher died are reparented to the node's init and
+        escape it); return what was found."""
+        found = {}
+        for node in self.nodes:
+            procs = self.job_processes(node)
+            if procs:
+                found[node.name] = procs
+            for pid, _ in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        return found
+
     # --------------------------------------------------------------- teardown
     def stop(self) -> None:
         """Cancel jobs, stop every daemon, kill job leftovers on the nodes, remove files.
@@ -367,9 +381,6 @@ class SlurmBed:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=5)
         # slurmstepd and job processes outlive slurmd (they are not its children's group).
-        for node in self.nodes:
-            with contextlib.suppress(SlurmBedError):
-                for pid, _ in self.job_processes(node):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(SlurmBedError):
+            self.kill_job_leftovers()
         shutil.rmtree(self.root, ignore_errors=True)

@@ -42,3 +42,6 @@ def slurm(slurm_bed: SlurmBed) -> Iterator[SlurmBed]:
     yield slurm_bed
     slurm_bed.client(["scancel", "--full", "--partition=debug"], check=False)
     slurm_bed.wait_all_jobs_gone(timeout=30)
+    # A failed test may leave ranks Slurm lost track of: they must not eat the CPUs of
+    # the next test (tests assert "nothing left" themselves where it matters).
+    slurm_bed.kill_job_leftovers()
