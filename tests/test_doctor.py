@@ -185,3 +185,62 @@ def test_cli_json_on_local_inventory(tmp_path: Path, monkeypatch: pytest.MonkeyP
     data = json.loads(out.getvalue())
     assert code == data["exit_code"] and data["hosts"] == ["local1", "local2"]
     assert data["unreachable"] == {}
+
+
+# ----------------------------------------------------------------------------- probe modes used
+
+
+def test_listener_exits_when_its_reader_goes_away() -> None:
+    import subprocess
+    import time
+
+    from clusterkit.checks import probe
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, probe.__file__, "listen", str(port), "60"],
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline())["event"] == "ready"
+        hello = probe.do_connect("127.0.0.1", port, 3.0)
+        assert hello["ok"]
+        assert json.loads(proc.stdout.readline())["event"] == "hello"
+        started = time.monotonic()
+        proc.stdout.close()  # what closing the SSH channel does to the remote listener
+        proc.wait(10)
+        assert time.monotonic() - started < 3.0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_connect_with_retry_waits_for_a_late_listener() -> None:
+    import threading
+    import time
+
+    from clusterkit.checks import probe
+
+    port = _free_port()
+    srv = socket.socket()
+
+    def late() -> None:
+        time.sleep(0.5)
+        srv.bind(("127.0.0.1", port))
+        srv.listen()
+
+    threading.Thread(target=late, daemon=True).start()
+    try:
+        res = probe.connect_with_retry("127.0.0.1", port, 1.0, wait=5.0)
+        assert res["ok"] and res["attempts"] > 1
+        closed = probe.connect_with_retry("127.0.0.1", _free_port(), 1.0, wait=0.2)
+        assert closed["error_kind"] == "refused"
+    finally:
+        srv.close()
+
+
+def test_slow_start_up_is_a_warning() -> None:
+    from clusterkit.checks.doctor import startup_findings
+
+    found = startup_findings({"node1": 0.4, "node2": 31.0})
+    assert [(f.host, f.check, f.status) for f in found] == [("node2", "ssh.startup", Status.WARN)]
+    assert "bashrc" in (found[0].fix or "")
