@@ -349,3 +349,25 @@ def test_deepspeed_and_accelerate_argv_get_rank_labels() -> None:
     native = job_from_plan(plan_for("a800-7x2", "torchrun"), native=True).tasks[1]
     assert native.native is not None and native.native["first_rank"] == 2
     assert native.argv[1:4] == ("-u", "-m", "clusterkit.workload")
+
+
+def test_folded_gate_holds_every_agent_until_all_nodes_agree(tmp_path: Path, fake: Path) -> None:
+    job = dataclasses.replace(_job(tmp_path, fake, 2, "gate-ok"), gate_need=())
+    outcome, text = _run(job)
+    assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
+    gate = outcome.gate  # type: ignore[attr-defined]
+    assert gate is not None and gate.ok and gate.facts["v1"]["python"] == sys.executable
+
+
+def test_folded_gate_failure_starts_nothing_anywhere(tmp_path: Path, fake: Path) -> None:
+    base = _job(tmp_path, fake, 2, "gate-bad", FAKE_STEPS="600")
+    broken = dataclasses.replace(base.tasks[1], python=str(tmp_path / "no-such-python"))
+    job = dataclasses.replace(base, tasks=(base.tasks[0], broken), gate_need=())
+    started = time.monotonic()
+    outcome, text = _run(job)
+    assert time.monotonic() - started < 15
+    assert outcome.exit_code == 2, text  # type: ignore[attr-defined]
+    gate = outcome.gate  # type: ignore[attr-defined]
+    assert gate is not None and list(gate.problems) == ["v1"], gate
+    assert "ready" not in text and "step 1/600" not in text  # v0 never started its rank
+    assert agent_mod.job_processes("gate-bad") == {}

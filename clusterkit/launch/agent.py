@@ -89,6 +89,9 @@ class Spec:
     # with the environment torchrun would give it (no torchrun, no torch import here).
     # Keys: nproc, first_rank, world_size, node_rank, nnodes, master_addr, master_port.
     native: dict[str, Any] | None = None
+    # The pre-launch gate, folded into the agent: report facts (interpreter, versions)
+    # as a "facts" event, start nothing until the launcher answers GO on stdin.
+    hold: bool = False
 
     @classmethod
     def from_json(cls, text: str) -> Spec:
@@ -200,6 +203,24 @@ def _expand(value: str, job_dir: str) -> str:
     return value.replace(JOB_DIR_TOKEN, job_dir)
 
 
+def gate_facts() -> dict[str, Any]:
+    """What every node must agree on: interpreter, Python and package versions.
+
+    Package metadata only: importing torch here would cost seconds on every launch.
+    """
+    from importlib import metadata
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except Exception:  # any broken metadata reads as "not installed"
+            return None
+
+    return {"python": sys.executable, "version": sys.version.split()[0],
+            "torch": version("torch"), "deepspeed": version("deepspeed"),
+            "accelerate": version("accelerate"), "clusterkit": True}
+
+
 # ----------------------------------------------------------------- rank log files
 
 _RANK_LOG = re.compile(r"_rank(\d+)\.log$")
@@ -257,6 +278,7 @@ class Agent:
         self._stop = threading.Event()
         self._failure_sent = False
         self._tail_done = threading.Event()
+        self._go = threading.Event()
 
     # -------------------------------------------------------------- output
 
@@ -385,6 +407,8 @@ class Agent:
                 self.request_stop(cmd.lower())
                 if cmd == "KILL":
                     self.kill_now()
+            elif cmd == "GO":
+                self._go.set()
             elif cmd in ("USR1", "USR2"):
                 n = self.forward(getattr(signal, f"SIG{cmd}"))
                 self.event("forwarded", signal=cmd, processes=n)
@@ -494,8 +518,19 @@ class Agent:
         with contextlib.suppress(OSError):
             _write_atomic(os.path.join(self.node_dir, "agent.json"), json.dumps(data))
 
+    def hold_for_go(self) -> bool:
+        """Report the gate's facts; True once the launcher says GO, False on a stop."""
+        self.event("facts", facts=gate_facts())
+        while not self._go.is_set():
+            if self._stop.wait(POLL_S / 2):
+                return self._go.is_set()
+        return True
+
     def run(self) -> int:
-        self.prepare()
+        self.prepare()  # while the launcher compares the nodes' facts
+        if self.spec.hold and not self.hold_for_go():
+            self.event("exit", code=0, reason=self.stop_reason, held=True)
+            return 0
         pumps: list[threading.Thread] = []
         tail: threading.Thread | None = None
         if self.spec.rank_log_dir:

@@ -72,12 +72,20 @@ def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[
         except (ValueError, IndexError):
             problems[r.host] = f"unexpected output: {r.result.stdout.strip()[:120]!r}"
             continue
-        if not facts[r.host].get("clusterkit"):
-            problems[r.host] = f"clusterkit is not installed for {facts[r.host].get('python')}"
+    return judge(facts, problems, [n.node for n in nodes], need)
+
+
+def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: Sequence[str],
+          need: Sequence[str] = ()) -> GateResult:
+    """Per-node requirements and parity with the first node (``problems``: already known)."""
+    problems = dict(problems)
+    for node, f in facts.items():
+        if not f.get("clusterkit"):
+            problems[node] = f"clusterkit is not installed for {f.get('python')}"
         for pkg in need:
-            if not facts[r.host].get(pkg):
-                problems.setdefault(r.host, f"{pkg} is not installed for {facts[r.host].get('python')}")
-    problems.update(_parity(facts, [n.node for n in nodes]))
+            if not f.get(pkg):
+                problems.setdefault(node, f"{pkg} is not installed for {f.get('python')}")
+    problems.update(_parity(facts, order))
     return GateResult(facts=facts, problems=problems)
 
 

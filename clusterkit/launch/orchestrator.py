@@ -28,6 +28,7 @@ from typing import Any
 from clusterkit.errors import TransportError
 from clusterkit.launch.agent import EVENT_PREFIX, LINE_PREFIX
 from clusterkit.launch.console import Sink
+from clusterkit.launch.gate import GATE_TIMEOUT_S, GateResult, judge
 from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
 
 SUMMARY_PREFIX = "CLUSTERKIT_SUMMARY "
@@ -60,6 +61,9 @@ class JobSpec:
     tasks: tuple[NodeTask, ...]
     attempt: int = 0
     grace_s: float = 3.0
+    # The pre-launch gate folded into the agents (None: no gate): packages every node
+    # must have; agents report their facts and start nothing until the launcher's GO.
+    gate_need: tuple[str, ...] | None = None
 
     def rank_offsets(self) -> dict[str, int]:
         return {t.node: t.rank_offset for t in self.tasks}
@@ -73,6 +77,7 @@ class JobSpec:
             "rank_offsets": self.rank_offsets(), "grace_s": self.grace_s,
             "rank_log_dir": task.rank_log_dir,
             "native": dict(task.native) if task.native is not None else None,
+            "hold": self.gate_need is not None,
         }
 
 
@@ -98,6 +103,7 @@ class JobOutcome:
     interrupted: bool
     elapsed_s: float
     leftovers: dict[str, int] = field(default_factory=dict)  # node -> processes still found
+    gate: GateResult | None = None  # set when the folded gate ran; not ok: nothing started
 
 
 @dataclass
@@ -133,6 +139,10 @@ class Orchestrator:
         self._pending_signals: list[str] = []
         self._summary: dict[str, Any] | None = None
         self._lock = threading.Lock()
+        self._facts: dict[str, dict[str, object]] = {}
+        self._gate_problems: dict[str, str] = {}
+        self._gate: GateResult | None = None
+        self._gate_started = 0.0
 
     # -------------------------------------------------------------- public
 
@@ -150,7 +160,7 @@ class Orchestrator:
             exit_code=self._exit_code(), failure=self._failure, summary=self._summary,
             node_codes={n: (s.code if s.code is not None else -1) for n, s in self.nodes.items()},
             interrupted=self._interrupts > 0, elapsed_s=time.monotonic() - started,
-            leftovers=leftovers,
+            leftovers=leftovers, gate=self._gate,
         )
 
     # -------------------------------------------------------------- start
@@ -173,6 +183,7 @@ class Orchestrator:
     def _start_all(self) -> None:
         self.sink.info(f"job {self.job.job_id}: starting {len(self.nodes)} node agents"
                        + (f" (attempt {self.job.attempt + 1})" if self.job.attempt else ""))
+        self._gate_started = time.monotonic()
         with ThreadPoolExecutor(max_workers=min(64, len(self.nodes))) as pool:
             list(pool.map(self._start_one, self.nodes.values()))
 
@@ -200,6 +211,7 @@ class Orchestrator:
             elif kind == "start-failed":
                 self._on_start_failed(self.nodes[node], payload)
             self._handle_signals()
+            self._gate_timeout()
             self._advance_teardown()
         # Lines still queued after the last exit (reader threads are done).
         while not self._q.empty():
@@ -240,6 +252,9 @@ class Orchestrator:
             # the other ranks fail in their collectives and their agents exit too.
             code = ev.get("code")
             self._fail(state, "exit", code if isinstance(code, int) and code else 1)
+        elif kind == "facts":
+            self._facts[state.task.node] = dict(ev.get("facts") or {})
+            self._decide_gate()
         elif kind == "started":
             self.sink.node_up(state.task.node)
         elif kind == "error":
@@ -248,6 +263,14 @@ class Orchestrator:
     def _on_exit(self, state: _Node, code: int, dropped: bool) -> None:
         state.code = code
         state.dropped = dropped or code == -1
+        if self._gate_open(state):
+            why = "the SSH connection dropped" if state.dropped else f"exit code {code}"
+            last = next((ln for ln in reversed(state.tail) if ln.strip()), "no output")
+            self._gate_problems[state.task.node] = (
+                f"the node agent ended before reporting ({why}): {last.strip()[:200]}")
+            self._decide_gate()
+            self.sink.node_done(state.task.node, code)
+            return
         if state.dropped:
             self._fail(state, "connection-dropped", code)
         elif code != 0:
@@ -267,8 +290,44 @@ class Orchestrator:
     def _on_start_failed(self, state: _Node, message: str) -> None:
         state.code = -1
         state.tail.append(message)
+        if self._gate_open(state):
+            self._gate_problems[state.task.node] = message
+            self._decide_gate()
+            return
         self.sink.info(f"{state.task.node}: could not start the agent: {message}")
         self._fail(state, "start-failed", -1)
+
+    # -------------------------------------------------------------- the folded gate
+
+    def _gate_open(self, state: _Node) -> bool:
+        """True while the gate is undecided and this node has not reported yet."""
+        return (self.job.gate_need is not None and self._gate is None
+                and state.task.node not in self._facts)
+
+    def _decide_gate(self) -> None:
+        if self.job.gate_need is None or self._gate is not None:
+            return
+        if any(n not in self._facts and n not in self._gate_problems for n in self.nodes):
+            return
+        self._gate = judge(self._facts, self._gate_problems, list(self.nodes),
+                           self.job.gate_need)
+        if self._gate.ok:
+            self._broadcast("GO")
+            return
+        for node, why in self._gate.problems.items():
+            self.sink.info(f"{node}: {why}")
+        self._begin_teardown()  # the holding agents exit without starting anything
+
+    def _gate_timeout(self) -> None:
+        if self.job.gate_need is None or self._gate is not None:
+            return
+        if time.monotonic() - self._gate_started < GATE_TIMEOUT_S:
+            return
+        for n in self.nodes:
+            if n not in self._facts:
+                self._gate_problems.setdefault(
+                    n, f"the node agent did not report within {GATE_TIMEOUT_S:.0f} s")
+        self._decide_gate()
 
     # -------------------------------------------------------------- failure + teardown
 
@@ -379,6 +438,8 @@ class Orchestrator:
         return left
 
     def _exit_code(self) -> int:
+        if self._gate is not None and not self._gate.ok:
+            return 2
         if self._failure is not None:
             return exit_status(self._failure.code) or 1
         if self._interrupts:

@@ -130,20 +130,23 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
     note = check_continue(plan, registry.find(plan.job_id))
     if note:
         sink.info(note)
-    if not settings.skip_checks:
-        problems = check_nodes(transport, plan, sink)
-        if problems:
-            from clusterkit.launch.gate import GateResult
-
-            raise gate_error(GateResult(facts={}, problems=problems))
+    # The gate runs inside the agents (facts reported, nothing started until GO): no
+    # separate round of SSH commands before the launch.
+    need = None if settings.skip_checks else _NEEDS.get(plan.backend, ())
     outcomes: list[JobOutcome] = []
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for attempt in range(settings.max_restarts + 1):
-        job = job_from_plan(plan, attempt=attempt, grace_s=settings.grace_s,
-                            run_id=f"{stamp}-a{attempt}", native=settings.native)
+        job = dataclasses.replace(
+            job_from_plan(plan, attempt=attempt, grace_s=settings.grace_s,
+                          run_id=f"{stamp}-a{attempt}", native=settings.native),
+            gate_need=need)
         record = _record(job, plan, attempt)
         registry.save(record)
         outcome = Orchestrator(job, transport, sink).run()
+        if outcome.gate is not None and not outcome.gate.ok:
+            record.state, record.exit_code = "not-started", 2
+            registry.save(record)
+            raise gate_error(outcome.gate)
         outcomes.append(outcome)
         _finish_record(registry, record, outcome)
         if outcome.exit_code == 0 or outcome.interrupted or attempt == settings.max_restarts:
