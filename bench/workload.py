@@ -10,7 +10,8 @@ its data pipeline, the per-step signal all-reduce, logging.
     python bench/workload.py --model small --nproc 8 --micro-batch 8   # a GPU node
 
 Prints one line per run and a final ``BENCH {...}`` JSON line with the ratio
-(goal >= 0.98) and, on GPU, TFLOP/s per GPU and MFU of the workload.
+(goal >= 0.98; best run of each), the CPU-time ratio (rank 0 process CPU seconds per
+step, min of each; stable on a busy machine) and, on GPU, TFLOP/s per GPU and MFU.
 """
 
 from __future__ import annotations
@@ -89,12 +90,12 @@ def raw_worker(ns: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(dist.get_rank())
     data = torch.randint(0, preset.vocab_size, (ns.grad_accum, ns.micro_batch, preset.seq_len + 1),
                          generator=gen).to(engine.device)
-    t_start = 0.0
+    t_start = c_start = 0.0
     loss = torch.zeros(())
     for step in range(ns.steps):
         if step == 1:
             loss.item()  # sync, then start the clock after the warm-up step
-            t_start = time.perf_counter()
+            t_start, c_start = time.perf_counter(), time.process_time()
         for m in range(ns.grad_accum):
             loss = engine(data[m, :, :-1], data[m, :, 1:])
             engine.backward(loss)
@@ -102,10 +103,11 @@ def raw_worker(ns: argparse.Namespace) -> None:
     loss.item()
     dist.barrier()
     seconds = time.perf_counter() - t_start
+    cpu_per_step = (time.process_time() - c_start) / (ns.steps - 1)
     sps = ns.micro_batch * ns.grad_accum * world * (ns.steps - 1) / seconds
     if dist.get_rank() == 0:
-        print(RAW_PREFIX + json.dumps({"samples_per_s": sps, "tokens_per_s": sps * preset.seq_len}),
-              flush=True)
+        print(RAW_PREFIX + json.dumps({"samples_per_s": sps, "tokens_per_s": sps * preset.seq_len,
+                                       "cpu_s_per_step": cpu_per_step}), flush=True)
     dist.destroy_process_group()
 
 
@@ -137,16 +139,23 @@ def main() -> None:
             out = _launch(ns.nproc, [str(Path(__file__).resolve())],
                           [*_common(ns), "--raw-worker"], tmp)
             raw_runs.append(_parse(out, RAW_PREFIX))
-            print(f"repeat {i}: workload {workload_runs[-1]['samples_per_s']:.2f} samples/s, "
-                  f"raw {raw_runs[-1]['samples_per_s']:.2f} samples/s", flush=True)
+            w, r = workload_runs[-1], raw_runs[-1]
+            print(f"repeat {i}: workload {w['samples_per_s']:.2f} samples/s "
+                  f"({1e3 * w['cpu_s_per_step']:.2f} ms CPU/step), raw {r['samples_per_s']:.2f} "
+                  f"samples/s ({1e3 * r['cpu_s_per_step']:.2f} ms CPU/step)", flush=True)
     best_w = max(workload_runs, key=lambda r: float(r["samples_per_s"]))
     best_r = max(raw_runs, key=lambda r: float(r["samples_per_s"]))
+    cpu_w = min(float(r["cpu_s_per_step"]) for r in workload_runs)
+    cpu_r = min(float(r["cpu_s_per_step"]) for r in raw_runs)
     result = {
         "model": ns.model, "nproc": ns.nproc, "zero_stage": ns.zero_stage, "steps": ns.steps,
         "micro_batch": ns.micro_batch, "grad_accum": ns.grad_accum,
         "workload_samples_per_s": best_w["samples_per_s"],
         "raw_samples_per_s": best_r["samples_per_s"],
         "ratio": best_w["samples_per_s"] / best_r["samples_per_s"],
+        # Rank-0 CPU seconds per step (raw / workload): meaningful on a shared, loaded
+        # machine where wall-clock throughput is dominated by other people's processes.
+        "cpu_ratio": cpu_r / cpu_w,
         "workload_tokens_per_s": best_w["tokens_per_s"],
         "tflops_per_gpu": best_w.get("tflops_per_gpu"), "mfu": best_w.get("mfu"),
     }

@@ -57,6 +57,7 @@ class RunStats:
     last_tag: str | None = None
     stopped_early: bool = False
     first_step_s: float = 0.0
+    timed_cpu_s: float = 0.0  # rank 0 process CPU time: a load-independent cost measure
     losses: list[float] = field(default_factory=list)
 
 
@@ -258,7 +259,7 @@ class _Loop:
         stop_code = 0
         window_s, window_steps = 0.0, 0
         for step in range(start, self.args.steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             batches = [self.stream.train_batch(step, m, self.micro) for m in range(self.accum)]
             loss = self.engine.train_step(batches)
             # One tiny all-reduce per step: all ranks stop on the same step even if only
@@ -266,7 +267,7 @@ class _Loop:
             stop_code = self._agree_signal()
             step_s = time.perf_counter() - t0
             done = step + 1
-            self._account(step_s, first=step == start)
+            self._account(step_s, time.process_time() - c0, first=step == start)
             window_s, window_steps = window_s + step_s, window_steps + 1
             time_boxed = bool(self.args.stop_after_steps and done < self.args.steps
                               and self.stats.steps_run >= self.args.stop_after_steps)
@@ -291,7 +292,7 @@ class _Loop:
             self._save(self.engine.global_steps, final=True)
         return self.stats, stop_code
 
-    def _account(self, seconds: float, *, first: bool) -> None:
+    def _account(self, seconds: float, cpu_seconds: float, *, first: bool) -> None:
         self.stats.steps_run += 1
         # The first step of an invocation pays for warm-up (allocation, comm set-up);
         # keep it out of the averages unless it is the only step.
@@ -299,6 +300,7 @@ class _Loop:
             self.stats.first_step_s = seconds
             return
         self.stats.timed_s += seconds
+        self.stats.timed_cpu_s += cpu_seconds
         self.stats.timed_steps += 1
 
     def _progress(self, done: int, loss: float, seconds: float, steps: int) -> None:
@@ -359,6 +361,7 @@ def _summary(args: WorkloadArgs, engine: Any, stats: RunStats, resumed_from: str
         "n_params": preset.n_params, "storage": args.storage,
         "preempted": SIGNAL_NAMES[stop_code], "stopped_early": stats.stopped_early,
         "finished": engine.global_steps >= args.steps, "losses": stats.losses,
+        "cpu_s_per_step": stats.timed_cpu_s / stats.timed_steps if stats.timed_steps else None,
     }
     if on_gpu and sps:
         tflops = preset.train_flops_per_token() * preset.seq_len * sps / 1e12 / world
