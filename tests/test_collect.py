@@ -306,3 +306,24 @@ def test_cli_json_dry_run_and_refusal(tmp_path: Path) -> None:
     assert bad.returncode == 2
     assert "node2: optimizer shard of rank 2 is missing" in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("clusterkit: error: checkpoint")
+
+
+def test_overlapped_hashing_refuses_a_file_changed_since_listing(
+        tmp_path: Path, transport: DispatchTransport, monkeypatch: pytest.MonkeyPatch) -> None:
+    from clusterkit.checkpoints import collect as collect_mod
+
+    nodes = _make(tmp_path)
+    victim = synthetic.shard_paths(nodes[2].root)[1]
+    real = collect_mod.hash_sources
+
+    def change_then_hash(*args: object, **kw: object) -> object:
+        with open(victim, "ab") as fh:
+            fh.write(b"x")  # after the listing, before the node hashes it
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(collect_mod, "hash_sources", change_then_hash)
+    dest = tmp_path / "dest"
+    with pytest.raises(CheckpointError, match="changed on node3 since listing"):
+        collect(transport, nodes, CollectOptions(dest=str(dest)))
+    assert not (dest / TAG / os.path.basename(victim)).exists()
+    assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 7  # the others verified

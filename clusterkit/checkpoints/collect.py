@@ -35,6 +35,7 @@ from clusterkit.checkpoints.transfer import (
     Hashed,
     NodeResult,
     NullProgress,
+    PendingHashes,
     ProgressSink,
     Wanted,
     clean_parts,
@@ -165,6 +166,39 @@ def hash_sources(transport: Transport, nodes: Sequence[CollectNode], plan: Colle
     return hashes, problems
 
 
+def pick_sources(plan: CollectPlan) -> list[Wanted]:
+    """The copy of each file to send before any checksum is known: the only copy, or
+    for per-node duplicates the copy of the node holding global rank 0 (which wins
+    anyway when copies differ). ``sha256`` stays empty until the hashes arrive."""
+    out: list[Wanted] = []
+    for rel, copies in plan.files.items():
+        pick = next((c for c in copies if c.node == plan.canonical_node), copies[0])
+        out.append(Wanted(node=pick.node, relpath=rel, size=pick.size, sha256="",
+                          mtime=pick.mtime))
+    return out
+
+
+def copy_notes(plan: CollectPlan, picks: Sequence[Wanted],
+               hashes: Mapping[tuple[str, str], Hashed]) -> tuple[list[str], list[str]]:
+    """(notes, problems) about duplicates once every copy's hash is known."""
+    notes: list[str] = []
+    problems: list[str] = []
+    for w in picks:
+        copies = plan.files[w.relpath]
+        mine = hashes.get((w.node, w.relpath))
+        if len(copies) < 2 or mine is None:
+            continue
+        others = [c.node for c in copies if c.node != w.node
+                  and (h := hashes.get((c.node, w.relpath))) is not None and h.sha256 != mine.sha256]
+        if others and w.node != plan.canonical_node:
+            problems.append(f"{w.relpath} differs between {', '.join(c.node for c in copies)} and "
+                            f"{plan.canonical_node} (global rank 0) has no copy")
+        elif others:
+            notes.append(f"{w.relpath}: the copies on {', '.join(others)} differ from {w.node}'s; "
+                         f"kept {w.node}'s (global rank 0 writes the complete model states)")
+    return notes, problems
+
+
 def choose_sources(plan: CollectPlan, hashes: Mapping[tuple[str, str], Hashed]
                    ) -> tuple[list[Wanted], list[str], list[str]]:
     """One source per file. Identical copies: the least loaded node sends it. Differing
@@ -220,14 +254,14 @@ def resolve_method(method: str) -> str:
 
 def transfer(transport: Transport, nodes: Sequence[CollectNode], wanted: Sequence[Wanted],
              options: CollectOptions, sink: ProgressSink, method: str,
-             on_start: Callable[[subprocess.Popen[bytes]], None] | None = None
-             ) -> dict[str, NodeResult]:
+             on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
+             pending: PendingHashes | None = None) -> dict[str, NodeResult]:
     """Copy what is not yet verified at DEST, several streams at once."""
     state = DestState(options.dest)
     results = {n.name: NodeResult(n.name) for n in nodes if any(w.node == n.name for w in wanted)}
     todo: list[Wanted] = []
     for w in wanted:
-        if state.is_verified(w):
+        if w.sha256 and state.is_verified(w):
             results[w.node].skipped.append(w.relpath)
             sink.file_done(w.node, w.relpath, w.size, "skipped")
         else:
@@ -246,10 +280,10 @@ def transfer(transport: Transport, nodes: Sequence[CollectNode], wanted: Sequenc
         t0 = time.monotonic()
         if method == "sftp" and not node.target.local:
             fetch_sftp(transport, node.target, node.root, files, options.dest, state, sink, part,
-                       fsync=options.fsync)
+                       fsync=options.fsync, pending=pending)
         else:
             fetch_stream(node.target, node.root, files, options.dest, state, sink, part,
-                         fsync=options.fsync, on_start=on_start)
+                         fsync=options.fsync, on_start=on_start, pending=pending)
         with lock:
             r = results[node.name]
             r.copied += part.copied
@@ -335,22 +369,43 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
     if on_plan is not None:
         on_plan(plan)
     t1 = time.monotonic()
-    hashes, problems = hash_sources(transport, nodes, plan)
-    wanted, notes, more = choose_sources(plan, hashes) if not problems else ([], [], [])
-    if problems or more:
-        raise CheckpointIncomplete(plan.tag, problems + more)
-    report = CollectReport(plan=plan, wanted=wanted, notes=notes, seconds_list=t1 - t0,
-                           seconds_hash=time.monotonic() - t1)
-    if options.dry_run:
-        return report
-    if after_hash is not None:
-        after_hash(plan)  # tests: change a source between hashing and copying
+    state_files = DestState(options.dest).files
+    if options.dry_run or any(rel in state_files for rel in plan.files) or after_hash:
+        # Hash first: a dry run reports it, and skipping verified files needs the checksums.
+        report = _hash_then_plan(transport, nodes, plan, t0, t1)
+        if options.dry_run:
+            return report
+        if after_hash is not None:
+            after_hash(plan)  # tests: change a source between hashing and copying
+        pending = None
+    else:
+        # Stream at once and hash on the nodes meanwhile: each copy waits as .ckpart
+        # until its node's checksum arrives, then is verified and renamed as usual.
+        report = CollectReport(plan=plan, wanted=pick_sources(plan), seconds_list=t1 - t0)
+        pending = PendingHashes()
+        threading.Thread(target=_hash_into, args=(transport, nodes, plan, pending, report),
+                         daemon=True).start()
     report.method = resolve_method(options.method)
     os.makedirs(options.dest, exist_ok=True)
     clean_parts(options.dest, plan.tag)
     t2 = time.monotonic()
-    report.results = transfer(transport, nodes, wanted, options, sink, report.method, on_start)
+    report.results = transfer(transport, nodes, report.wanted, options, sink, report.method,
+                              on_start, pending)
     report.seconds_copy = time.monotonic() - t2
+    if pending is not None:
+        pending.wait()
+        notes, problems = copy_notes(plan, report.wanted, pending.hashes)
+        if pending.problems or problems:
+            found = pending.problems + problems
+            raise CheckpointError(
+                f"source checksums of {plan.tag} could not be established: "
+                + "; ".join(found[:6]), path=options.dest,
+                hint="files without a matching checksum were not renamed into place; fix the "
+                     "nodes named and run collect-ckpt again")
+        report.notes = notes
+        report.wanted = [Wanted(w.node, w.relpath, pending.hashes[(w.node, w.relpath)].size,
+                                pending.hashes[(w.node, w.relpath)].sha256)
+                         for w in report.wanted]
     if report.failed:
         shown = "; ".join(f"{k}: {v}" for k, v in list(report.failed.items())[:6])
         raise CheckpointError(
@@ -358,11 +413,32 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
             f"(verified files stay in DEST): {shown}", path=options.dest,
             hint="run the same command again: verified files are skipped, failed ones re-copied")
     atomic_write_text(os.path.join(options.dest, plan.tag, MANIFEST),
-                      json.dumps(manifest_dict(plan, wanted, notes), indent=1) + "\n")
+                      json.dumps(manifest_dict(plan, report.wanted, report.notes), indent=1) + "\n")
     _write_latest(options.dest, plan.tag)
     if options.prune_sources:
         report.pruned = prune_sources(transport, nodes, plan)
     return report
+
+
+def _hash_then_plan(transport: Transport, nodes: Sequence[CollectNode], plan: CollectPlan,
+                    t0: float, t1: float) -> CollectReport:
+    hashes, problems = hash_sources(transport, nodes, plan)
+    wanted, notes, more = choose_sources(plan, hashes) if not problems else ([], [], [])
+    if problems or more:
+        raise CheckpointIncomplete(plan.tag, problems + more)
+    return CollectReport(plan=plan, wanted=wanted, notes=notes, seconds_list=t1 - t0,
+                         seconds_hash=time.monotonic() - t1)
+
+
+def _hash_into(transport: Transport, nodes: Sequence[CollectNode], plan: CollectPlan,
+               pending: PendingHashes, report: CollectReport) -> None:
+    t = time.monotonic()
+    try:
+        hashes, problems = hash_sources(transport, nodes, plan)
+    except Exception as exc:  # never leave the receivers waiting forever
+        hashes, problems = {}, [f"hashing on the nodes failed: {exc}"]
+    report.seconds_hash = time.monotonic() - t
+    pending.resolve(hashes, problems)
 
 
 def prune_sources(transport: Transport, nodes: Sequence[CollectNode], plan: CollectPlan

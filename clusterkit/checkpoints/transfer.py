@@ -106,14 +106,41 @@ def parse_hashes(stdout: str) -> tuple[dict[str, Hashed], dict[str, str]]:
     return files, {str(k): str(v) for k, v in raw["errors"].items()}
 
 
+class PendingHashes:
+    """Source checksums that are still being computed while the streams already run.
+
+    A received file waits here (as ``.ckpart``) until its node reported the sha256;
+    the copy is renamed into place only if it matches, exactly as when the hash was
+    known up front.
+    """
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.hashes: dict[tuple[str, str], Hashed] = {}
+        self.problems: list[str] = []
+
+    def resolve(self, hashes: Mapping[tuple[str, str], Hashed], problems: Sequence[str]) -> None:
+        self.hashes, self.problems = dict(hashes), list(problems)
+        self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def get(self, node: str, relpath: str) -> Hashed | None:
+        self._done.wait()
+        return self.hashes.get((node, relpath))
+
+
 @dataclass(frozen=True)
 class Wanted:
-    """One file to bring to DEST from ``node`` (``relpath`` relative to both roots)."""
+    """One file to bring to DEST from ``node`` (``relpath`` relative to both roots).
+    ``sha256`` is empty while the source checksum is still pending."""
 
     node: str
     relpath: str
     size: int
     sha256: str
+    mtime: float = 0.0  # at listing; a pending checksum taken at another mtime is refused
 
 
 @dataclass
@@ -228,9 +255,9 @@ class _Receiver:
     """Writes one file to its part name while hashing, then verifies and renames."""
 
     def __init__(self, dest: str, state: DestState, sink: ProgressSink, node: str,
-                 result: NodeResult, fsync: bool) -> None:
+                 result: NodeResult, fsync: bool, pending: PendingHashes | None = None) -> None:
         self.dest, self.state, self.sink, self.node = dest, state, sink, node
-        self.result, self.fsync = result, fsync
+        self.result, self.fsync, self.pending = result, fsync, pending
         self.last_activity = time.monotonic()
 
     def receive(self, w: Wanted, src: IO[bytes]) -> None:
@@ -247,27 +274,43 @@ class _Receiver:
                     got += len(chunk)
                     self.last_activity = time.monotonic()
                     self.sink.advance(self.node, len(chunk))
-                if self.fsync:
-                    out.flush()
-                    os.fsync(out.fileno())
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(part)
             raise
         self.finish(w, part, final, got, h.hexdigest())
 
+    def _expected(self, w: Wanted) -> tuple[int, str] | str:
+        """(size, sha256) the copy must have, or why there is none."""
+        if w.sha256:
+            return w.size, w.sha256
+        if self.pending is not None:
+            while not self.pending.wait(5.0):
+                self.last_activity = time.monotonic()  # waiting on hashes is not a stall
+        h = self.pending.get(w.node, w.relpath) if self.pending is not None else None
+        if h is None:
+            return "no source checksum (hashing on the node failed)"
+        if h.size != w.size or (w.mtime and h.mtime != w.mtime):
+            return f"changed on {w.node} since listing (size/mtime differ when hashed)"
+        return h.size, h.sha256
+
     def finish(self, w: Wanted, part: str, final: str, got: int, digest: str) -> None:
-        if got != w.size or digest != w.sha256:
+        expected = self._expected(w)
+        if isinstance(expected, str) or got != expected[0] or digest != expected[1]:
             with contextlib.suppress(OSError):
                 os.unlink(part)
-            why = (f"size mismatch: source had {w.size} bytes when hashed, received {got}"
-                   if got != w.size else
-                   f"sha256 mismatch: source {w.sha256[:16]}… when hashed on {w.node}, "
+            why = (expected if isinstance(expected, str) else
+                   f"size mismatch: source had {expected[0]} bytes when hashed, received {got}"
+                   if got != expected[0] else
+                   f"sha256 mismatch: source {expected[1][:16]}… when hashed on {w.node}, "
                    f"received {digest[:16]}… (changed on the node after hashing, or "
                    "corrupted in transit)")
             self.result.failed[w.relpath] = why
             self.sink.file_done(self.node, w.relpath, got, "failed", why)
             return
+        if self.fsync:
+            with open(part, "rb") as fh:
+                os.fsync(fh.fileno())
         os.replace(part, final)
         self.state.record(w.relpath, digest)
         self.result.copied.append(w.relpath)
@@ -315,13 +358,14 @@ def fetch_stream(target: SSHTarget, root: str, files: Sequence[Wanted], dest: st
                  state: DestState, sink: ProgressSink, result: NodeResult, *,
                  fsync: bool = True, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
                  on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
-                 stall_timeout: float = STALL_TIMEOUT_S) -> None:
+                 stall_timeout: float = STALL_TIMEOUT_S,
+                 pending: PendingHashes | None = None) -> None:
     """One tar stream of ``files`` from ``target`` into DEST (per-file results in ``result``)."""
     if not files:
         return
     wanted = {w.relpath: w for w in files}
     argv = _stream_argv(target, root, [w.relpath for w in files], connect_timeout)
-    receiver = _Receiver(dest, state, sink, target.name, result, fsync)
+    receiver = _Receiver(dest, state, sink, target.name, result, fsync, pending)
     broke = ""
     with tempfile.TemporaryFile() as errf:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -389,9 +433,9 @@ def _reap(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
 
 def fetch_sftp(transport: Transport, target: SSHTarget, root: str, files: Sequence[Wanted],
                dest: str, state: DestState, sink: ProgressSink, result: NodeResult, *,
-               fsync: bool = True) -> None:
+               fsync: bool = True, pending: PendingHashes | None = None) -> None:
     """Fallback without an ``ssh`` binary: SFTP each file to its part name, then verify."""
-    receiver = _Receiver(dest, state, sink, target.name, result, fsync)
+    receiver = _Receiver(dest, state, sink, target.name, result, fsync, pending)
     for w in files:
         final = os.path.join(dest, w.relpath)
         os.makedirs(os.path.dirname(final), exist_ok=True)
