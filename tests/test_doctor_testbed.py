@@ -18,6 +18,7 @@ import json
 import site
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,3 +302,21 @@ def test_bandwidth_flags_the_throttled_node(bed: Bed) -> None:
     assert bw["stragglers"] == [node] and bw["ranking"][-1]["host"] == node
     assert code == 0  # a straggler is a warning
     assert_only(bed, report, node, "bandwidth.pairs", "WARN", "straggler")
+
+
+def test_dead_address_is_reported_within_the_connect_timeout(bed: Bed) -> None:
+    data = yaml.safe_load(bed.inventory.read_text())
+    ghost_ip = bed.tb.subnet.rsplit(".", 1)[0] + ".250"  # in the bridge's subnet, no node
+    data["hosts"]["ghost"] = {"address": ghost_ip}
+    inv = bed.work / "inv-ghost.yaml"
+    inv.write_text(yaml.safe_dump(data, sort_keys=False))
+    started = time.monotonic()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["doctor", "--json", "--connect-timeout", "2", "-i", str(inv)])
+    elapsed = time.monotonic() - started
+    report = json.loads(out.getvalue())
+    assert code == 2
+    assert report["unreachable"]["ghost"]["kind"] == "timeout"
+    assert_only(bed, report, "ghost", "ssh", "FAIL", "unreachable (timeout)")
+    assert elapsed < 2 + 8  # connect timeout + the probes' own time on a loaded machine
