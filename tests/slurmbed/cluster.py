@@ -23,6 +23,7 @@ network namespace (``slurmd -N`` on one host breaks name resolution).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -30,6 +31,7 @@ import signal
 import socket
 import subprocess
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +108,12 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _stop_at_exit(ref: weakref.ReferenceType[SlurmBed]) -> None:
+    bed = ref()
+    if bed is not None:
+        bed.stop()
+
+
 class SlurmBed:
     """Slurm over the first ``n`` test bed nodes. Create with :meth:`start`; :meth:`stop` always."""
 
@@ -130,6 +138,9 @@ class SlurmBed:
         if reason:
             raise SlurmBedError(reason)
         bed = cls(tb, tb.ensure(n), spec or SlurmBedSpec())
+        # munged/slurmctld run on the host, outside every node: the test bed's own
+        # teardown cannot see them, so a caller that forgets stop() still gets it at exit.
+        atexit.register(_stop_at_exit, weakref.ref(bed))
         try:
             bed._write_files()
             bed._start_munged(timeout)
