@@ -40,8 +40,8 @@ def test_rank_files_per_stage() -> None:
                                                "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     assert layout.rank_files(3, 2, "bf16") == ("zero_pp_rank_2_mp_rank_00_model_states.pt",
                                                "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
-    # bf16 at stage 0 uses DeepSpeed's BF16_Optimizer, which shards like ZeRO-1.
-    assert len(layout.rank_files(0, 0, "bf16")) == 2
+    # Measured: stage 0 writes no optimizer shards, also with bf16.
+    assert layout.rank_files(0, 0, "bf16") == ("mp_rank_00_model_states.pt",)
 
 
 def test_marker_and_tag_names() -> None:
