@@ -328,3 +328,19 @@ def test_dead_address_is_reported_within_the_connect_timeout(bed: Bed) -> None:
     assert report["unreachable"]["ghost"]["kind"] == "timeout"
     assert_only(bed, report, "ghost", "ssh", "FAIL", "unreachable (timeout)")
     assert elapsed < 2 + 8  # connect timeout + the probes' own time on a loaded machine
+
+
+def test_slow_login_shell_on_the_master(bed: Bed) -> None:
+    """The master's listener starts late: probes give up on it, doctor asks them again."""
+    node = bed.node(1)
+    bashrc = bed.work / "bashrc-slow"
+    real = Path("/root/.bashrc")
+    bashrc.write_text("sleep 10\n" + (real.read_text() if real.exists() else ""))
+    with _mounted_over(bed, node, bashrc, real):
+        code, report = run_doctor("-i", str(bed.inventory))
+    port = [f for f in report["findings"] if f["check"].startswith("port:")]
+    assert port and all(f["status"] == "PASS" for f in port), port
+    slow = [f for f in report["findings"] if f["check"] == "ssh.startup"]
+    assert node in {f["host"] for f in slow} and "bashrc" in slow[0]["fix"]
+    assert not new_problems(bed, report), new_problems(bed, report)
+    assert code == 0

@@ -31,6 +31,7 @@ from clusterkit.checks.findings import Finding, FindingGroup, Status, group_find
 from clusterkit.checks.invoke import (
     FACTS_TIMEOUT_S,
     ProbeOutputError,
+    connect_argv,
     facts_argv,
     listen_argv,
     parse_probe_stdout,
@@ -53,6 +54,7 @@ DEFAULT_MASTER_PORT = 29500
 # Probes connect to the master's listener at the end of their run; the listener is
 # started at the same time, so a probe that is first retries "refused" this long.
 MASTER_WAIT_S = 8.0
+CONNECT_TIMEOUT_S = 3.0  # one TCP connect to the master port
 LISTEN_SECONDS = 120.0  # upper bound; the listener ends when doctor closes its channel
 LISTEN_READY_TIMEOUT_S = 20.0
 HELLO_GRACE_S = 3.0  # wait this long for hellos still in flight after the facts phase
@@ -239,7 +241,7 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *,
         facts, windows, connects = collect_facts(plan, transport, clock=clock, stats=stats,
                                                  startup=startup)
         t_facts = time.monotonic() - started
-        port_findings = (master_port_findings(plan, listener, facts, connects)
+        port_findings = (master_port_findings(plan, transport, listener, facts, connects)
                          if listener is not None else [])
     finally:
         if listener is not None:
@@ -356,7 +358,7 @@ def _facts_of(host: str, result: CommandResult | None, error: TransportError | N
 # ----------------------------------------------------------------------------- master port
 
 
-def master_port_findings(plan: DoctorPlan, listener: _Listener,
+def master_port_findings(plan: DoctorPlan, transport: Transport, listener: _Listener,
                          facts: Mapping[str, NodeFacts],
                          connects: Mapping[str, Mapping[str, Any]]) -> list[Finding]:
     """The listener's bind result plus each node's connect result (from its probe)."""
@@ -370,6 +372,11 @@ def master_port_findings(plan: DoctorPlan, listener: _Listener,
     listen = listener.bind_result(LISTEN_READY_TIMEOUT_S)
     if not listen.get("bound"):
         return check_master_port(master.host, port, listen or None, {})
+    late = [n for n in plan.nodes if connects.get(n.host, {}).get("error_kind") == "refused"]
+    if late:
+        # The listener came up after these probes stopped retrying (a slow login shell
+        # on the master): ask them once more, now that it listens. Costs a round only here.
+        connects = {**connects, **_connect_again(plan, transport, late, master.address, port)}
     reached = {h for h, r in connects.items() if r.get("ok")}
     names = {h: facts[h].hostname or h for h in reached}
     arrived = listener.wait_hellos(set(names.values()), HELLO_GRACE_S)
@@ -382,6 +389,29 @@ def master_port_findings(plan: DoctorPlan, listener: _Listener,
                 "this node (another process or host answered)",
                 "check that the master address points at the master node"))
     return findings
+
+
+def _connect_again(plan: DoctorPlan, transport: Transport, nodes: Sequence[NodeProbe],
+                   addr: str, port: int) -> dict[str, Mapping[str, Any]]:
+    by_name = {n.host: n for n in nodes}
+    timeout = CONNECT_TIMEOUT_S + 15
+
+    def work(target: SSHTarget) -> CommandResult:
+        node = by_name[target.name]
+        return transport.run(target, connect_argv(node.python, addr, port, CONNECT_TIMEOUT_S),
+                             timeout=timeout, stdin=probe_source())
+
+    group = fan_out([n.target for n in nodes], work,
+                    per_host_budget_s=_budget(plan, timeout), max_parallel=plan.max_parallel)
+    out: dict[str, Mapping[str, Any]] = {}
+    for hr in group:
+        if hr.result is None:
+            continue  # keep the probe's own answer
+        try:
+            out[hr.host] = parse_probe_stdout(hr.result.stdout)
+        except ProbeOutputError:
+            continue
+    return out
 
 
 class _Listener:
