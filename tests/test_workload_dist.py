@@ -162,9 +162,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     out: dict[int, Path] = {}
     for stage in (2, 3):
         cwd = tmp_path_factory.mktemp(f"ref{stage}")
+        extra = ["--save-16bit"] if stage == 3 else []
         run = torchrun(["--steps", "6", "--zero-stage", str(stage), "--eval-every", "3",
-                        "--dump-weights", "w.pt"], cwd)
+                        "--dump-weights", "w.pt", *extra], cwd)
         assert run.rc == 0, run.out[-3000:]
+        assert run.summary["eval_loss"] is not None
+        if stage == 3:  # consolidated weights gathered by DeepSpeed with the final save
+            final = cwd / "clusterkit-run" / "checkpoints" / "global_step6"
+            assert (final / "consolidated" / "pytorch_model.bin").stat().st_size > 0
+            monitor = cwd / "clusterkit-run" / "monitor" / "clusterkit"
+            assert (monitor / "Train_Samples_train_loss.csv").read_text().startswith("step,")
         out[stage] = cwd / "w.pt"
     return out
 

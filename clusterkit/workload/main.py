@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 from clusterkit.checkpoints import layout
 from clusterkit.errors import ClusterkitError
-from clusterkit.render.dsconfig import ZeroSpec, build_ds_config
+from clusterkit.render.dsconfig import Offload, Precision, ZeroSpec, build_ds_config
 from clusterkit.workload.args import WorkloadArgs, parse_args
 from clusterkit.workload.distenv import resolve_dist_env
 from clusterkit.workload.presets import ModelPreset, get_preset, peak_tflops_for
@@ -89,10 +89,11 @@ def _ds_config(args: WorkloadArgs, precision: str, world: int, on_gpu: bool,
         cfg["train_batch_size"] = (cfg["train_micro_batch_size_per_gpu"]
                                    * cfg["gradient_accumulation_steps"] * world)
         return cfg
+    # argparse `choices` (and the auto resolution) already restrict these strings.
     spec = ZeroSpec(
-        stage=args.zero_stage, offload_optimizer=args.offload_optimizer,  # type: ignore[arg-type]
-        offload_param=args.offload_param, nvme_path=args.nvme_path,  # type: ignore[arg-type]
-        precision=precision,  # type: ignore[arg-type]
+        stage=args.zero_stage, offload_optimizer=cast(Offload, args.offload_optimizer),
+        offload_param=cast(Offload, args.offload_param), nvme_path=args.nvme_path,
+        precision=cast(Precision, precision),
         micro_batch=args.micro_batch, grad_accum=args.grad_accum, world_size=world,
         clip=args.clip, lr=args.lr, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, total_steps=args.steps, cos_min_ratio=args.min_lr_ratio,
