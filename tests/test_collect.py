@@ -327,3 +327,23 @@ def test_overlapped_hashing_refuses_a_file_changed_since_listing(
         collect(transport, nodes, CollectOptions(dest=str(dest)))
     assert not (dest / TAG / os.path.basename(victim)).exists()
     assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 7  # the others verified
+
+
+def test_cli_job_mode_uses_the_job_record(tmp_path: Path) -> None:
+    from clusterkit.launch.jobs import JobRecord, NodeRecord, Registry
+
+    home = tmp_path / "home"
+    roots = [str(tmp_path / f"node{i}" / "ckpt") for i in (1, 2)]
+    synthetic.write_node_local(roots, shard_bytes=1024, model_bytes=256)
+    record = JobRecord(job_id="ck-test-1", backend="torchrun", created=0.0, launcher_pid=0,
+                       nodes=[NodeRecord(f"node{i}", sys.executable, "/x/jobs/ck-test-1",
+                                         SSHTarget(name=f"node{i}", address="127.0.0.1",
+                                                   local=True)) for i in (1, 2)])
+    Registry(home).save(record)
+    env = dict(os.environ, CLUSTERKIT_HOME=str(home))
+    res = subprocess.run([sys.executable, "-m", "clusterkit", "collect-ckpt", "ck-test-1",
+                          "--dir", str(tmp_path / "{host}" / "ckpt")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    dest = home / "jobs" / "ck-test-1" / "checkpoints"
+    assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 4
