@@ -284,6 +284,7 @@ def _mounted_over(bed: Bed, node: str, src: Path, dst: Path) -> Iterator[None]:
         bed.inside(node, "umount", str(dst))
 
 
+@pytest.mark.slow  # ~25 s: torch import + gloo on every node
 def test_bandwidth_flags_the_throttled_node(bed: Bed) -> None:
     node = bed.node(3)
     # Egress of node3 limited to 100 Mbit/s (the bridge itself does several Gbit/s).
