@@ -6,6 +6,7 @@ only created when a non-local target is first used.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -38,15 +39,19 @@ class DispatchTransport:
     ) -> None:
         self.connect_timeout = connect_timeout
         self._ssh = ssh
+        self._ssh_lock = threading.Lock()
         self.local = local or LocalTransport()
 
     @property
     def ssh(self) -> SSHTransport:
-        if self._ssh is None:
-            from clusterkit.remote.ssh import SSHTransport
+        # Fan-out threads reach this at the same moment; without the lock each could
+        # build its own SSHTransport and the connection cache would be split.
+        with self._ssh_lock:
+            if self._ssh is None:
+                from clusterkit.remote.ssh import SSHTransport
 
-            self._ssh = SSHTransport(connect_timeout=self.connect_timeout)
-        return self._ssh
+                self._ssh = SSHTransport(connect_timeout=self.connect_timeout)
+            return self._ssh
 
     def _for(self, target: SSHTarget) -> LocalTransport | SSHTransport:
         return self.local if target.local else self.ssh

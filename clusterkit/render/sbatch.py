@@ -12,8 +12,7 @@ import re
 import shlex
 from functools import cache
 from importlib import resources
-
-import jinja2
+from typing import TYPE_CHECKING
 
 from clusterkit.errors import RenderError
 from clusterkit.plan.ports import PORT_BASE, PORT_SPAN
@@ -24,6 +23,9 @@ from clusterkit.render.commands import (
     srun_torchrun_argv,
     uniform,
 )
+
+if TYPE_CHECKING:
+    import jinja2
 
 ADDR_WORD = "@CLUSTERKIT_MASTER_ADDR@"
 PORT_WORD = "@CLUSTERKIT_MASTER_PORT@"
@@ -43,6 +45,10 @@ ACCELERATE_EXEC = (IGNORE_USR1 + 'd=$1; shift; exec "$0" ' + " ".join(ACCELERATE
 
 @cache
 def _environment() -> jinja2.Environment:
+    # Imported here: jinja2 costs ~0.1-0.5 s to import and only this renderer needs it,
+    # while every `clusterkit` invocation imports the plan package.
+    import jinja2
+
     env = jinja2.Environment(
         loader=jinja2.FunctionLoader(_load_template),
         undefined=jinja2.StrictUndefined,
