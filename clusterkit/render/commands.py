@@ -23,7 +23,13 @@ DS_RUNNER = ("-u", "-m", "deepspeed.launcher.runner")
 ACCELERATE = ("-m", "accelerate.commands.launch")
 # Run torchrun with --node-rank taken from the Slurm task's own environment: a fixed
 # script, the interpreter and the remaining words arrive as "$0" "$@", nothing is re-parsed.
-SLURM_NODE_RANK_EXEC = 'exec "$0" -m torch.distributed.run --node-rank="$SLURM_NODEID" "$@"'
+# Slurm's --signal=USR1@90 signals every process of the step. torchrun has no USR1
+# handler, so the default action would kill it (and then srun kills the saving ranks);
+# ignoring USR1 in torchrun is safe because the workload installs its own handler,
+# which replaces the inherited "ignore".
+IGNORE_USR1 = 'trap "" USR1; '
+SLURM_NODE_RANK_EXEC = IGNORE_USR1 + 'exec "$0" -m torch.distributed.run --node-rank="$SLURM_NODEID" "$@"'
+SLURM_EXEC = IGNORE_USR1 + 'exec "$@"'
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,7 @@ def srun_torchrun_argv(layout: JobLayout, master_addr: str, master_port: str) ->
         # Static rendezvous keeps rank -> node fixed (node-local checkpoints depend on it).
         return [*head, "sh", "-c", SLURM_NODE_RANK_EXEC, node.python, *common,
                 f"--master-addr={master_addr}", f"--master-port={master_port}", *program]
-    return [*head, node.python, *TORCHRUN, *common, "--rdzv-backend=c10d",
+    return [*head, "sh", "-c", SLURM_EXEC, "sh", node.python, *TORCHRUN, *common, "--rdzv-backend=c10d",
             f"--rdzv-endpoint={master_addr}:{master_port}", f"--rdzv-id={layout.job_id}", *program]
 
 
