@@ -88,6 +88,8 @@ def _ds_config(args: WorkloadArgs, precision: str, world: int, on_gpu: bool,
         cfg.setdefault("checkpoint", {})["use_node_local_storage"] = node_local
         cfg["train_batch_size"] = (cfg["train_micro_batch_size_per_gpu"]
                                    * cfg["gradient_accumulation_steps"] * world)
+        if not on_gpu:
+            _adapt_to_cpu(cfg, keep_precision=args.precision != "auto")
         return cfg
     # argparse `choices` (and the auto resolution) already restrict these strings.
     spec = ZeroSpec(
@@ -102,6 +104,23 @@ def _ds_config(args: WorkloadArgs, precision: str, world: int, on_gpu: bool,
         csv_monitor_dir=os.path.join(run_dir, "monitor"),
         tensorboard_dir=os.path.join(run_dir, "tensorboard") if _has_tensorboard() else None)
     return build_ds_config(spec)
+
+
+def _adapt_to_cpu(cfg: dict[str, Any], *, keep_precision: bool) -> None:
+    """Run a config rendered for GPU nodes on a node without CUDA (fake-GPU Slurm, a laptop).
+
+    The fused Adam kernel is a GPU optimisation; on the CPU accelerator DeepSpeed would
+    JIT-compile a CPU variant first (minutes on a small machine), while torch's AdamW
+    computes the same update. Mixed precision falls back to fp32 unless the user asked
+    for a precision explicitly (bf16 does train on DeepSpeed's CPU path, just slowly).
+    """
+    optimizer = cfg.get("optimizer")
+    if isinstance(optimizer, dict):
+        optimizer.setdefault("params", {})["torch_adam"] = True
+    if not keep_precision:
+        for key in ("bf16", "fp16"):
+            if isinstance(cfg.get(key), dict):
+                cfg[key]["enabled"] = False
 
 
 def _has_tensorboard() -> bool:
