@@ -8,7 +8,9 @@ DeepSpeed 0.19 layout of one checkpoint ``<save_dir>/<tag>/`` (``engine.py``
 
 * ZeRO 0-2: ``mp_rank_00_model_states.pt`` (module + client state), written by
   data-parallel rank 0 — or by local rank 0 of *every* node with
-  ``checkpoint.use_node_local_storage`` (same bytes on each node).
+  ``checkpoint.use_node_local_storage``. Not byte-identical across nodes: only
+  global rank 0's copy carries ``shared_params`` (tied weights), which
+  ``zero_to_fp32`` needs, so collect-ckpt keeps rank 0's copy.
 * ZeRO-3: ``zero_pp_rank_{dp}_mp_rank_00_model_states.pt``, one per rank.
 * ZeRO >= 1: one optimizer shard per rank,
   ``[bf16_]zero_pp_rank_{dp}_mp_rank_00_optim_states.pt``; the ``bf16_`` prefix
