@@ -7,9 +7,7 @@ import argparse
 from clusterkit.errors import NotBuiltYet
 
 # verb -> (help, issue that builds it)
-PLANNED: dict[str, tuple[str, str]] = {
-    "plan": ("memory advisor: which ZeRO stage fits", "issue 4 (workload)"),
-}
+PLANNED: dict[str, tuple[str, str]] = {}
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -24,6 +24,7 @@ VERB_MODULES = (
     "clusterkit.cli.cmd_render",
     "clusterkit.cli.cmd_collect",
     "clusterkit.cli.cmd_sbatch",
+    "clusterkit.cli.cmd_plan",
 )
 
 
