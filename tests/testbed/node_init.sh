@@ -35,6 +35,16 @@ mount --bind "$root/nodessh" /root/.ssh
 if [ "$mask_bashrc" = 1 ] && [ -f /root/.bashrc ]; then
     mount --bind "$root/etc/empty" /root/.bashrc
 fi
+# Simulated nodes share the host's home directory; real nodes each have their own.
+# root's ~/.bashrc runs `pyenv init`, whose `pyenv rehash` holds a lock file in the
+# shims directory: shared by every node, it serializes every SSH login on every node
+# (seen: 60 s waits, then "cannot rehash"). Each node gets a private copy instead.
+shims=/root/.pyenv/shims
+if [ -d "$shims" ]; then
+    mkdir -p "$node/pyenv-shims"
+    cp -a "$shims/." "$node/pyenv-shims/" && rm -f "$node/pyenv-shims/.pyenv-shim"
+    mount --bind "$node/pyenv-shims" "$shims"
+fi
 
 start_sshd() {
     if [ -e /run/sshd.pid ] && kill -0 "$(cat /run/sshd.pid)" 2>/dev/null; then return; fi
