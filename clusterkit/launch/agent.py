@@ -229,8 +229,9 @@ _RANK_LOG = re.compile(r"_rank(\d+)\.log$")
 class RankLogTail:
     """Follow ``<dir>/*_rank<R>.log`` (DeepSpeed's per-rank logs) as complete lines."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, want: Any = None) -> None:
         self.directory = directory
+        self.want = want or (lambda rank: True)  # which ranks' files to follow
         self._files: dict[str, tuple[int, IO[bytes]]] = {}
         self._partial: dict[str, bytes] = {}
 
@@ -240,7 +241,7 @@ class RankLogTail:
         with contextlib.suppress(OSError):
             for name in sorted(os.listdir(self.directory)):
                 m = _RANK_LOG.search(name)
-                if m and name not in self._files:
+                if m and name not in self._files and self.want(int(m.group(1))):
                     with contextlib.suppress(OSError):
                         self._files[name] = (int(m.group(1)),
                                              open(os.path.join(self.directory, name), "rb"))  # noqa: SIM115
@@ -325,16 +326,13 @@ class Agent:
     def tail_rank_logs(self) -> None:
         """Until the agent finishes: stream DeepSpeed's per-rank log files as rank lines."""
         assert self.spec.rank_log_dir is not None
-        tail = RankLogTail(_expand(self.spec.rank_log_dir, self.job_dir))
-        mine = self._my_ranks()
+        tail = RankLogTail(_expand(self.spec.rank_log_dir, self.job_dir), self._my_ranks())
         try:
             while not self._tail_done.wait(0.2):
                 for rank, text in tail.poll():
-                    if mine(rank):
-                        self.handle_rank_line(rank, text)
-            for rank, text in tail.poll(final=True):
-                if mine(rank):
                     self.handle_rank_line(rank, text)
+            for rank, text in tail.poll(final=True):
+                self.handle_rank_line(rank, text)
         finally:
             tail.close()
 

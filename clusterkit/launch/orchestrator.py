@@ -155,7 +155,9 @@ class Orchestrator:
         finally:
             for sig, handler in restore.items():
                 signal.signal(sig, handler)
-        leftovers = self._verify_gone() if self._failure or self._interrupts else {}
+        gate_failed = self._gate is not None and not self._gate.ok  # nothing was started
+        leftovers = self._verify_gone() if (self._failure or self._interrupts) and not gate_failed \
+            else {}
         return JobOutcome(
             exit_code=self._exit_code(), failure=self._failure, summary=self._summary,
             node_codes={n: (s.code if s.code is not None else -1) for n, s in self.nodes.items()},
@@ -271,7 +273,9 @@ class Orchestrator:
             self._decide_gate()
             self.sink.node_done(state.task.node, code)
             return
-        if state.dropped:
+        if self._gate is not None and not self._gate.ok:
+            pass  # the gate failed: agents that never got GO are released, not failures
+        elif state.dropped:
             self._fail(state, "connection-dropped", code)
         elif code != 0:
             self._fail(state, "exit", code)
