@@ -216,7 +216,7 @@ def test_usr1_checkpoints_then_stops(slurm: SlurmBed, launcher: str) -> None:
             time.sleep(0.5)
     else:
         _wait_output(slurm, job, slurm_id, rank0)
-    # What `--signal=USR1@90` does before the time limit: USR1 to every process of the steps.
+    # USR1 to every process of the steps only (not the batch script): save and stop.
     r = _cli(slurm, ["cancel", slurm_id, "--signal", "USR1"])
     assert r.returncode == 0, r.stderr
     r = _cli(slurm, ["status", slurm_id, "--watch", "--poll", "0.5"], timeout=120)
@@ -227,4 +227,29 @@ def test_usr1_checkpoints_then_stops(slurm: SlurmBed, launcher: str) -> None:
     assert summary["world_size"] == 4  # all ranks ran (deepspeed: one Slurm task per rank)
     tag = summary["checkpoint_tag"]
     assert isinstance(tag, str) and (Path(_ckpt_dirs(slurm, job)["node1"]) / tag).is_dir()
+    _assert_nodes_clean(slurm)
+
+
+IN_PROGRESS = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING")
+
+
+@pytest.mark.slow
+def test_usr1_to_batch_checkpoints_requeues_and_resumes(slurm: SlurmBed) -> None:
+    """What `--signal=B:USR1@90` does before the time limit: the batch script forwards
+    USR1 to the ranks, they checkpoint, the script requeues the job, and the requeued
+    run resumes from that checkpoint and finishes."""
+    job = "requeue"
+    slurm_id = _submit(slurm, job, "--", "--log-every", "1", ranks_per_node=1, steps=150)
+    _wait_output(slurm, job, slurm_id, "step 2/")
+    r = _cli(slurm, ["cancel", slurm_id, "--signal", "USR1", "--batch"])
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 300
+    while (state := slurm.job_state(slurm_id)) in IN_PROGRESS:
+        assert time.monotonic() < deadline, f"job {slurm_id} still {state}"
+        time.sleep(0.5)
+    out = (_job_dir(slurm, job) / "logs" / f"slurm-{slurm_id}.out").read_text(errors="replace")
+    assert state == "COMPLETED", out[-3000:]
+    summary = _summary(out)  # the requeued run's output (Slurm truncates it on restart)
+    assert summary["finished"] is True and summary["preempted"] is None, summary
+    assert isinstance(summary["resumed_from"], str) and summary["resumed_from"].startswith("global_step")
     _assert_nodes_clean(slurm)

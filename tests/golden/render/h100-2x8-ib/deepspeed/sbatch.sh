@@ -8,10 +8,11 @@
 #SBATCH --time=01:00:00
 #SBATCH --output=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs/slurm-%j.out
 #SBATCH --error=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs/slurm-%j.err
-# USR1 90 s before the time limit goes to every process of the launch step: the
-# workload checkpoints and exits 0 (resubmit to resume). --requeue: Slurm may requeue
-# the job after a node failure or preemption; the workload resumes (--resume auto).
-#SBATCH --signal=USR1@90
+# 90 s before the time limit Slurm sends USR1 to this script (B:), which forwards it
+# to the launch step: the workload checkpoints and exits 0, then the script requeues
+# the job, which resumes from that checkpoint (--resume auto, same checkpoint dir).
+# USR1 sent to the steps only (scancel --signal=USR1 JOB) checkpoints and stops.
+#SBATCH --signal=B:USR1@90
 #SBATCH --requeue
 set -euo pipefail
 
@@ -45,4 +46,24 @@ export CLUSTERKIT_JOB_ID=golden-h100-2x8-ib
 mkdir -p -- /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs
 
 echo "clusterkit: job golden-h100-2x8-ib slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=srun-per-rank"
-srun --nodes=2 --ntasks-per-node=8 --kill-on-bad-exit=1 --chdir=/lustre/projects/lm --output=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs/%x-%j-rank%t.out env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 WANDB_PROJECT=lm PATH=/home/train/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7 NCCL_SOCKET_IFNAME==bond0 CLUSTERKIT_JOB_ID=golden-h100-2x8-ib /home/train/venv/bin/python -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/ds_config.json --run-dir /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/run --ckpt-dir /lustre/projects/lm/ckpt/golden-h100-2x8-ib --storage shared
+preempted=0
+forward_usr1() {
+    preempted=1
+    echo "clusterkit: USR1 (time limit or preemption): asking every rank to checkpoint"
+    scancel --signal=USR1 "$SLURM_JOB_ID" || true
+}
+trap forward_usr1 USR1
+# In the background so the trap runs at once; `wait` returns early on a trapped
+# signal, so wait again until the step has really finished.
+srun --nodes=2 --ntasks-per-node=8 --kill-on-bad-exit=1 --chdir=/lustre/projects/lm --output=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs/%x-%j-rank%t.out env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 WANDB_PROJECT=lm PATH=/home/train/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7 NCCL_SOCKET_IFNAME==bond0 CLUSTERKIT_JOB_ID=golden-h100-2x8-ib /home/train/venv/bin/python -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/ds_config.json --run-dir /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/run --ckpt-dir /lustre/projects/lm/ckpt/golden-h100-2x8-ib --storage shared &
+launch_pid=$!
+status=0
+while :; do
+    wait "$launch_pid" && status=0 || status=$?
+    kill -0 "$launch_pid" 2>/dev/null || break
+done
+if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then
+    echo "clusterkit: checkpoint saved; requeueing job $SLURM_JOB_ID to resume"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"

@@ -7,10 +7,11 @@
 #SBATCH --time=01:00:00
 #SBATCH --output=/home/me/proj/.clusterkit/jobs/golden-local/logs/slurm-%j.out
 #SBATCH --error=/home/me/proj/.clusterkit/jobs/golden-local/logs/slurm-%j.err
-# USR1 90 s before the time limit goes to every process of the launch step: the
-# workload checkpoints and exits 0 (resubmit to resume). --requeue: Slurm may requeue
-# the job after a node failure or preemption; the workload resumes (--resume auto).
-#SBATCH --signal=USR1@90
+# 90 s before the time limit Slurm sends USR1 to this script (B:), which forwards it
+# to the launch step: the workload checkpoints and exits 0, then the script requeues
+# the job, which resumes from that checkpoint (--resume auto, same checkpoint dir).
+# USR1 sent to the steps only (scancel --signal=USR1 JOB) checkpoints and stops.
+#SBATCH --signal=B:USR1@90
 #SBATCH --requeue
 set -euo pipefail
 
@@ -41,4 +42,24 @@ export CLUSTERKIT_JOB_ID=golden-local
 mkdir -p -- /home/me/proj/.clusterkit/jobs/golden-local/logs
 
 echo "clusterkit: job golden-local slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=accelerate"
-srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/home/me/proj env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/py/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local sh -c 'trap "" USR1; d=$1; shift; exec "$0" -m accelerate.commands.launch --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml" --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"' /opt/py/bin/python3 /home/me/proj/.clusterkit/jobs/golden-local --module clusterkit.workload --engine accelerate --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt/golden-local --storage shared
+preempted=0
+forward_usr1() {
+    preempted=1
+    echo "clusterkit: USR1 (time limit or preemption): asking every rank to checkpoint"
+    scancel --signal=USR1 "$SLURM_JOB_ID" || true
+}
+trap forward_usr1 USR1
+# In the background so the trap runs at once; `wait` returns early on a trapped
+# signal, so wait again until the step has really finished.
+srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/home/me/proj env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/py/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local sh -c 'trap "" USR1; d=$1; shift; exec "$0" -m accelerate.commands.launch --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml" --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"' /opt/py/bin/python3 /home/me/proj/.clusterkit/jobs/golden-local --module clusterkit.workload --engine accelerate --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt/golden-local --storage shared &
+launch_pid=$!
+status=0
+while :; do
+    wait "$launch_pid" && status=0 || status=$?
+    kill -0 "$launch_pid" 2>/dev/null || break
+done
+if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then
+    echo "clusterkit: checkpoint saved; requeueing job $SLURM_JOB_ID to resume"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"
