@@ -42,12 +42,17 @@ RANK_SCRIPT = textwrap.dedent("""
     dist.barrier()
     dist.destroy_process_group()
 """)
+TIMEOUT_S = 300
 _DONE = re.compile(r"INIT_DONE (\d+) ([0-9.]+)")
 
 
 def _measure(argv: list[str], env: dict[str, str], world: int, cwd: str) -> tuple[float, str]:
     started = time.time()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd,
+                              timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"{argv[:4]}...: no result within {TIMEOUT_S} s (killed)") from None
     out = proc.stdout + proc.stderr
     stamps = {int(m.group(1)): float(m.group(2)) for m in _DONE.finditer(out)}
     if len(stamps) != world or proc.returncode != 0:

@@ -423,6 +423,10 @@ class Agent:
 
     def prepare(self) -> None:
         os.makedirs(self.node_dir, exist_ok=True)
+        if self.spec.rank_log_dir:
+            # DeepSpeed's launcher creates it with exists()+makedirs(): on a shared job
+            # dir its launchers on several nodes race and one dies. Exists before them.
+            os.makedirs(_expand(self.spec.rank_log_dir, self.job_dir), exist_ok=True)
         for name, content in self.spec.files.items():
             if "/" in name or name.startswith("."):
                 raise ValueError(f"bad job file name {name!r}")
