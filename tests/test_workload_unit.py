@@ -126,3 +126,19 @@ def test_advisor_recommends_fastest_fitting_strategy() -> None:
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000
     with pytest.raises(ClusterkitError):
         parse_bytes("lots")
+
+
+def test_resume_skips_a_checkpoint_missing_a_nodes_marker() -> None:
+    """A save killed midway can leave markers on some nodes only: never resume from it."""
+    from clusterkit.workload.ckpt import _decide
+
+    # node-local, 2 nodes: rank scans of node 0's dir and of node 1's dir
+    node0 = ([("global_step20", 20, [0], 2), ("global_step40", 40, [0], 2)], [])
+    node1 = ([("global_step20", 20, [1], 2)], ["global_step40"])
+    tag, warning = _decide("auto", [node0, node0, node1, node1])
+    assert tag == "global_step20"
+    assert warning is not None and "global_step40: no completion marker from node(s) 1" in warning
+    # shared storage: both markers in one dir
+    shared = ([("global_step40", 40, [0, 1], 2)], [])
+    assert _decide("auto", [shared, shared])[0] == "global_step40"
+    assert _decide("auto", [([], []), ([], [])]) == (None, None)

@@ -172,9 +172,13 @@ def _read_marker(path: str) -> layout.CompletionMarker:
     return layout.marker_from_json_dict(data, path=path)
 
 
-def _scan(ckpt_dir: str) -> tuple[list[tuple[str, int]], list[str]]:
-    """(tag, step) of every tag dir with a readable marker here; tag dirs without one."""
-    complete: list[tuple[str, int]] = []
+# (tag, step, node indices whose markers are in this dir, number of nodes the save had)
+ScanEntry = tuple[str, int, list[int], int]
+
+
+def _scan(ckpt_dir: str) -> tuple[list[ScanEntry], list[str]]:
+    """Every tag dir here with at least one readable marker; tag dirs without one."""
+    complete: list[ScanEntry] = []
     unmarked: list[str] = []
     if not os.path.isdir(ckpt_dir):
         return complete, unmarked
@@ -182,14 +186,19 @@ def _scan(ckpt_dir: str) -> tuple[list[tuple[str, int]], list[str]]:
         tag_dir = os.path.join(ckpt_dir, tag)
         if not os.path.isdir(tag_dir):
             continue
-        markers = [n for n in os.listdir(tag_dir) if layout.parse_marker_name(n) is not None]
-        if not markers:
+        found = []
+        for name in os.listdir(tag_dir):
+            if layout.parse_marker_name(name) is None:
+                continue
+            try:
+                found.append(_read_marker(os.path.join(tag_dir, name)))
+            except CheckpointError:
+                continue
+        if not found:
             unmarked.append(tag)
             continue
-        try:
-            complete.append((tag, _read_marker(os.path.join(tag_dir, markers[0])).step))
-        except CheckpointError:
-            unmarked.append(tag)
+        complete.append((tag, found[0].step, sorted({m.node_index for m in found}),
+                         found[0].num_nodes))
     return complete, unmarked
 
 
@@ -248,20 +257,38 @@ def choose_and_verify(ctx: CkptContext, engine: TrainEngine, resume: str) -> str
     return str(tag)
 
 
-def _decide(resume: str, scans: Sequence[tuple[list[tuple[str, int]], list[str]]]
+def _decide(resume: str, scans: Sequence[tuple[list[ScanEntry], list[str]]]
             ) -> tuple[str | None, str | None]:
+    """Rank 0 picks the tag from every rank's scan of its own checkpoint dir.
+
+    A checkpoint is complete only when the markers of ALL its nodes are seen across the
+    scans (node-local storage: each node's dir holds its own marker). A save killed
+    midway can leave markers on some nodes only; such a tag is skipped, never loaded.
+    """
     steps: dict[str, int] = {}
+    seen: dict[str, set[int]] = {}
+    expected: dict[str, int] = {}
     unmarked: set[str] = set()
     for complete, incomplete in scans:
-        for tag, step in complete:
+        for tag, step, nodes, num_nodes in complete:
             steps[tag] = step
+            seen.setdefault(tag, set()).update(nodes)
+            expected[tag] = max(expected.get(tag, 0), num_nodes)
         unmarked.update(incomplete)
     unmarked -= set(steps)
-    warning = (f"ignoring checkpoint dirs without a completion marker: {', '.join(sorted(unmarked))}"
-               if unmarked else None)
+    partial = {t: sorted(set(range(expected[t])) - seen[t]) for t in steps}
+    partial = {t: missing for t, missing in partial.items() if missing}
+    notes = []
+    if unmarked:
+        notes.append(f"ignoring checkpoint dirs without a completion marker: {', '.join(sorted(unmarked))}")
+    for tag, missing in sorted(partial.items()):
+        notes.append(f"ignoring checkpoint {tag}: no completion marker from node(s) "
+                     f"{', '.join(map(str, missing))} (a save interrupted midway?)")
+    warning = "; ".join(notes) if notes else None
     if resume != "auto":
         return resume, warning
-    if not steps:
+    candidates = {t: st for t, st in steps.items() if t not in partial}
+    if not candidates:
         return None, warning
-    newest = max(steps, key=lambda t: (steps[t], t))
+    newest = max(candidates, key=lambda t: (candidates[t], t))
     return newest, warning
