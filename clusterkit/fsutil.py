@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from clusterkit.errors import ClusterkitError
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> Path:
@@ -36,3 +40,15 @@ class _suppress_oserror:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
         return isinstance(exc, OSError)
+
+
+def read_json_object(path: str, what: str, error: type[ClusterkitError]) -> dict[str, Any]:
+    """Read a JSON file that must hold an object; failures become one-line ``error``s."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise error(f"cannot read {what} ({exc})", path=path) from None
+    if not isinstance(data, dict):
+        raise error(f"{what} is not a JSON object", path=path)
+    return data

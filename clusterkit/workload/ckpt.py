@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from clusterkit.checkpoints import layout
 from clusterkit.errors import CheckpointError
+from clusterkit.fsutil import read_json_object
 from clusterkit.workload.engines import TrainEngine
 
 EXIT_CHECKPOINT_ERROR = 3
@@ -162,13 +163,7 @@ def _write_marker(ctx: CkptContext, engine: TrainEngine, tag: str,
 
 
 def _read_marker(path: str) -> layout.CompletionMarker:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read completion marker ({exc})", path=path) from None
-    if not isinstance(data, dict):
-        raise CheckpointError("completion marker is not a JSON object", path=path)
+    data = read_json_object(path, "completion marker", CheckpointError)
     return layout.marker_from_json_dict(data, path=path)
 
 

@@ -20,6 +20,7 @@ from typing import Any, cast
 
 from clusterkit.checkpoints import layout
 from clusterkit.errors import ClusterkitError
+from clusterkit.fsutil import read_json_object
 from clusterkit.render.dsconfig import Offload, Precision, ZeroSpec, build_ds_config
 from clusterkit.workload.args import WorkloadArgs, parse_args
 from clusterkit.workload.distenv import resolve_dist_env
@@ -67,13 +68,7 @@ def _log(rank: int, text: str) -> None:
 
 
 def _load_ds_config_file(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ClusterkitError(f"cannot read ds_config ({exc})", path=path) from None
-    if not isinstance(data, dict):
-        raise ClusterkitError("ds_config must be a JSON object", path=path)
+    data = read_json_object(path, "ds_config", ClusterkitError)
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         if not isinstance(data.get(key), int):
             raise ClusterkitError("needs an integer value (\"auto\" is not resolved here)",
