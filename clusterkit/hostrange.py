@@ -97,6 +97,11 @@ def _ranges(numbers: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def fold_numbers(numbers: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``0-2,5``: rank lists in folded console lines."""
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in _ranges(list(numbers)))
+
+
 def fold(names: Iterable[str]) -> str:
     """Fold names into the shortest readable range list: ``node[1-6,9],gpu7``.
 

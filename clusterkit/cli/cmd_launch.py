@@ -55,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument("--grace", type=float, default=3.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL on teardown (default 3)")
     r.add_argument("--quiet", action="store_true", help="no rank lines, only the summary")
+    r.add_argument("--ranks", type=_rank_selection, default=None, metavar="all|N|N-M",
+                   help="whose lines stream to the console (default all; identical lines from "
+                        "several ranks print once as [r0-13]; per-rank log files keep everything)")
     p.add_argument("--module", "-m", dest="module", metavar="MODULE", help="run python -m MODULE")
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
                    help="your training script and its arguments (default: the bundled workload)")
@@ -106,6 +109,15 @@ def _options(args: argparse.Namespace, cluster: str) -> Any:
     )
 
 
+def _rank_selection(text: str) -> frozenset[int] | None:
+    from clusterkit.launch.fold import parse_ranks
+
+    try:
+        return parse_ranks(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from clusterkit.launch.console import make_sink
     from clusterkit.launch.jobs import Registry
@@ -128,8 +140,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     settings = LaunchSettings(skip_checks=args.skip_checks, max_restarts=args.max_restarts,
                               drop_failed_nodes=args.drop_failed_nodes, grace_s=args.grace,
                               native=args.launcher == "native")
-    selected = len(planner(options).nodes)
-    sink = make_sink(selected, quiet_ranks=args.quiet)
+    first = planner(options)
+    sink = make_sink(len(first.nodes), quiet_ranks=args.quiet, world_size=first.world_size,
+                     ranks=args.ranks)
     with transport_for() as transport:
         try:
             result = launch(options, planner, transport, Registry(clusterkit_home()), settings, sink)

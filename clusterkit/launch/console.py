@@ -10,8 +10,11 @@ from __future__ import annotations
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Protocol
+
+from clusterkit.launch.fold import Folded, LineFolder
 
 if TYPE_CHECKING:
     from rich.text import Text
@@ -23,6 +26,8 @@ _TOKS = re.compile(r"([0-9][0-9,.]*[kMG]?)\s*tok(?:ens)?/s", re.IGNORECASE)
 
 class Sink(Protocol):
     def line(self, node: str, rank: int | None, text: str, *, agent: bool = False) -> None: ...
+
+    def show(self, item: Folded) -> None: ...
 
     def info(self, text: str) -> None: ...
 
@@ -75,6 +80,10 @@ class PlainSink:
         if not self.quiet_ranks:
             self._write(f"{prefix(node, rank)} {text}")
 
+    def show(self, item: Folded) -> None:
+        if not self.quiet_ranks:
+            self._write(item.render())
+
     def info(self, text: str) -> None:
         self._write(f"[clusterkit] {text}")
 
@@ -117,11 +126,17 @@ class RichSink:
         return t
 
     def line(self, node: str, rank: int | None, text: str, *, agent: bool = False) -> None:
-        style = "bold cyan" if rank == 0 else ("yellow" if agent else "dim")
-        out = self._text(prefix(node, rank) + " ", style=style)
-        out.append(text, style="bold" if rank == 0 else "")
+        self._print(prefix(node, rank), text, rank == 0, agent)
+
+    def show(self, item: Folded) -> None:
+        self._print(item.label, item.text, item.ranks == (0,), False)
+
+    def _print(self, label: str, text: str, rank0: bool, agent: bool) -> None:
+        style = "bold cyan" if rank0 else ("yellow" if agent else "dim")
+        out = self._text(label + " ", style=style)
+        out.append(text, style="bold" if rank0 else "")
         self.console.print(out, soft_wrap=True)
-        if rank == 0 and self.progress.update(text):
+        if rank0 and self.progress.update(text):
             self._live.update(self._status())
 
     def info(self, text: str) -> None:
@@ -139,7 +154,74 @@ class RichSink:
         self._live.stop()
 
 
-def make_sink(total_nodes: int, *, quiet_ranks: bool = False) -> Sink:
+class FoldingSink:
+    """Rank lines through a :class:`LineFolder` into another sink.
+
+    A timer thread releases groups whose window has passed, so a line never waits
+    longer than the window for ranks that do not print it. The launcher's own
+    lines (agent lines, ``info``) pass straight through.
+    """
+
+    def __init__(self, inner: Sink, folder: LineFolder, tick_s: float = 0.2) -> None:
+        self.inner = inner
+        self.folder = folder
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._timer = threading.Thread(target=self._tick, args=(tick_s,), daemon=True,
+                                       name="clusterkit-fold")
+        self._timer.start()
+
+    def _tick(self, tick_s: float) -> None:
+        while not self._stop.wait(tick_s):
+            self._release(final=False)
+
+    def _release(self, final: bool) -> None:
+        with self._lock:
+            items = self.folder.release(time.monotonic(), final=final)
+            for item in items:
+                self.inner.show(item)
+
+    def line(self, node: str, rank: int | None, text: str, *, agent: bool = False) -> None:
+        if rank is None or agent:
+            self.inner.line(node, rank, text, agent=agent)
+            return
+        with self._lock:
+            for item in self.folder.feed(node, rank, text, time.monotonic()):
+                self.inner.show(item)
+
+    def show(self, item: Folded) -> None:
+        self.inner.show(item)
+
+    def info(self, text: str) -> None:
+        self._release(final=True)  # the launcher's verdict comes after the ranks' lines
+        self.inner.info(text)
+
+    def node_up(self, node: str) -> None:
+        self.inner.node_up(node)
+
+    def node_done(self, node: str, code: int) -> None:
+        self.inner.node_done(node, code)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._timer.join(timeout=2.0)
+        self._release(final=True)
+        self.inner.close()
+
+
+# How long a rank line waits for the same line from other ranks (seconds).
+FOLD_WINDOW_S = 1.0
+
+
+def make_sink(total_nodes: int, *, quiet_ranks: bool = False, world_size: int | None = None,
+              ranks: frozenset[int] | None = None, fold: bool = True) -> Sink:
+    """The console for one launch: folded rank lines (``--ranks`` selects whose) on a
+    live terminal or as plain lines."""
+    inner: Sink
     if sys.stdout.isatty() and not quiet_ranks:
-        return RichSink(total_nodes)
-    return PlainSink(quiet_ranks=quiet_ranks)
+        inner = RichSink(total_nodes)
+    else:
+        inner = PlainSink(quiet_ranks=quiet_ranks)
+    if quiet_ranks or not fold:
+        return inner
+    return FoldingSink(inner, LineFolder(FOLD_WINDOW_S, world_size=world_size, ranks=ranks))

@@ -1,0 +1,157 @@
+"""Fold identical lines from many ranks into one line with a rank range.
+
+At 7 x 2 ranks every rank prints the same start-up warnings; shown per rank they
+bury the first useful line. :class:`LineFolder` holds each line for a short
+window, merges the same text from other ranks into it (``[r0-13] text``, as
+ClusterShell's ``clubak -b`` does for hosts), and releases groups in the order
+they were first seen, so every rank's own lines keep their order.
+
+Known third-party noise (DeepSpeed's "Setting accelerator to CPU", torch's
+FutureWarnings, ...) is shown once per job: after its first group is released,
+the same noise from later ranks is dropped. The per-rank log files on the nodes
+keep every line; this only changes what the console shows.
+
+Pure: no threads, no clock, no I/O. The caller passes ``now`` and prints what
+:meth:`LineFolder.feed` and :meth:`LineFolder.release` return.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from clusterkit.hostrange import fold_numbers
+
+# Leading timestamps differ per rank and say nothing the console's order does not.
+_STAMP = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\]?\s*")
+# Lines that say nothing to the user and repeat on every rank: shown once per job.
+NOISE: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
+    r"Setting accelerator to \w+\. If you have GPU or other accelerator",
+    r"Attempting to get learning rate from scheduler before it has started",
+    r"FutureWarning: `torch\.distributed\.\w+` is deprecated",
+    r"^\s+return func\(\*args, \*\*kwargs\)$",
+    r"hostname of the client socket cannot be retrieved",
+    r"deepspeed_shm_comm_op built successfully",
+    r"Using /\S+ as PyTorch extensions root",
+))
+SUMMARY_PREFIX = "CLUSTERKIT_SUMMARY "
+
+
+def fold_key(text: str) -> str:
+    """What makes two ranks' lines "the same": the text without a leading timestamp."""
+    return _STAMP.sub("", text.rstrip())
+
+
+def is_noise(text: str) -> bool:
+    return any(p.search(text) for p in NOISE)
+
+
+def rank_label(ranks: Iterable[int], nodes: Iterable[str]) -> str:
+    """``[node3 r5]`` for one rank, ``[node3 r4-5]`` for one node, else ``[r0-7,9]``."""
+    rs = sorted(set(ranks))
+    ns = sorted(set(nodes))
+    body = "r" + fold_numbers(rs)
+    return f"[{ns[0]} {body}]" if len(ns) == 1 else f"[{body}]"
+
+
+@dataclass(frozen=True)
+class Folded:
+    """One line to print: ``label`` is ``[node r5]``, ``[r0-13]`` or ``[node]``."""
+
+    label: str
+    text: str
+    nodes: tuple[str, ...]
+    ranks: tuple[int, ...]
+
+    @property
+    def first_rank(self) -> int | None:
+        return self.ranks[0] if self.ranks else None
+
+    def render(self) -> str:
+        return f"{self.label} {self.text}"
+
+
+@dataclass
+class _Group:
+    key: str
+    text: str
+    first_seen: float
+    noise: bool
+    members: dict[int, str] = field(default_factory=dict)  # rank -> node
+
+
+def parse_ranks(spec: str) -> frozenset[int] | None:
+    """``all`` → None (every rank); ``0``, ``0,3``, ``4-7`` → that set. ValueError otherwise."""
+    spec = spec.strip()
+    if spec == "all":
+        return None
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad rank selection {spec!r}: use all, N, N-M or a comma list of those")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"bad rank range {part!r}: {first} > {last}")
+        out.update(range(first, last + 1))
+    return frozenset(out)
+
+
+class LineFolder:
+    """Hold rank lines for ``window_s`` seconds and merge identical ones.
+
+    A group is released when every rank of the job said it (``world_size``), or
+    when its window has passed; groups leave in first-seen order, so one rank's
+    lines never overtake each other.
+    """
+
+    def __init__(self, window_s: float = 1.0, world_size: int | None = None,
+                 ranks: frozenset[int] | None = None) -> None:
+        self.window_s = window_s
+        self.world_size = world_size
+        self.ranks = ranks  # None: every rank's lines are shown
+        self._queue: list[_Group] = []
+        self._open: dict[str, _Group] = {}
+        self._noise_shown: set[str] = set()
+        self.suppressed = 0  # noise lines dropped after their first showing
+
+    def feed(self, node: str, rank: int, text: str, now: float) -> list[Folded]:
+        if text.startswith(SUMMARY_PREFIX):
+            return self.release(now)  # the launcher prints the job's summary once
+        if self.ranks is not None and rank not in self.ranks:
+            return self.release(now)
+        key = fold_key(text)
+        noise = is_noise(key)
+        if noise and key in self._noise_shown:
+            self.suppressed += 1
+            return self.release(now)
+        group = self._open.get(key)
+        if group is None or rank in group.members:
+            # A rank repeating its own line starts a new group: its lines stay in order.
+            group = _Group(key=key, text=text.rstrip(), first_seen=now, noise=noise)
+            self._open[key] = group
+            self._queue.append(group)
+        group.members[rank] = node
+        return self.release(now)
+
+    def release(self, now: float, final: bool = False) -> list[Folded]:
+        out: list[Folded] = []
+        while self._queue and (final or self._ready(self._queue[0], now)):
+            out.append(self._emit(self._queue.pop(0)))
+        return out
+
+    def _ready(self, group: _Group, now: float) -> bool:
+        complete = self.world_size is not None and len(group.members) >= self.world_size
+        return complete or now - group.first_seen >= self.window_s
+
+    def _emit(self, group: _Group) -> Folded:
+        if self._open.get(group.key) is group:
+            del self._open[group.key]
+        if group.noise:
+            self._noise_shown.add(group.key)
+        ranks = tuple(sorted(group.members))
+        nodes = tuple(group.members[r] for r in ranks)
+        label = rank_label(ranks, nodes)
+        text = group.key if len(ranks) > 1 else group.text
+        return Folded(label=label, text=text, nodes=nodes, ranks=ranks)
