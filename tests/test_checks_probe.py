@@ -1,4 +1,4 @@
-"""The probe, run for real as a subprocess with `<python> - <mode>` and the source on stdin."""
+"""The probe, run for real as a subprocess: the node bootstrap with the probe's source on stdin."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.checks import probe
 from clusterkit.checks.facts import from_probe_json
 from clusterkit.checks.invoke import (
     ProbeOutputError,
@@ -23,6 +22,7 @@ from clusterkit.checks.invoke import (
     parse_probe_stdout,
     probe_source,
 )
+from clusterkit.node import probe
 
 OLD_PYTHONS = [p for p in ("/root/.pyenv/versions/3.7.16/bin/python3.7",
                            "/root/.pyenv/versions/3.8.18/bin/python3.8") if os.path.exists(p)]
@@ -61,7 +61,8 @@ def test_facts_are_valid_json_fast_and_never_import_torch(tmp_path: Path) -> Non
 
 
 def test_importtime_shows_no_torch() -> None:
-    res = _run([sys.executable, "-X", "importtime", "-", "facts"])
+    argv = facts_argv(sys.executable)
+    res = _run([argv[0], "-X", "importtime", *argv[1:]])
     modules = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.decode().splitlines()
                if line.startswith("import time:")}
     assert "json" in modules  # sanity: importtime output was captured
@@ -70,7 +71,7 @@ def test_importtime_shows_no_torch() -> None:
 
 @pytest.mark.parametrize("python", OLD_PYTHONS)
 def test_probe_runs_on_old_interpreters(python: str) -> None:
-    data = parse_probe_stdout(_run([python, "-", "facts"]).stdout.decode())
+    data = parse_probe_stdout(_run(facts_argv(python)).stdout.decode())
     assert data["errors"] == {} and data["python"]["executable"] == python
 
 
@@ -125,8 +126,9 @@ def test_output_parsing_skips_banners_and_reports_garbage() -> None:
 
 
 def test_probe_source_is_the_module_file_and_imports_only_stdlib() -> None:
-    assert probe_source() == Path(probe.__file__).read_bytes()
-    tree = ast.parse(probe_source())
+    source = Path(probe.__file__).read_bytes()
+    assert probe_source().endswith(source)  # shipped as is, after the bundle header
+    tree = ast.parse(source)
     imported = {alias.name.split(".")[0] for node in ast.walk(tree)
                 if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.launch import agent as agent_mod
 from clusterkit.launch.console import PlainSink, Progress
 from clusterkit.launch.orchestrator import JobSpec, NodeTask, Orchestrator, exit_status
+from clusterkit.node import agent as agent_mod
+from clusterkit.node.protocol import AgentSpec
+from clusterkit.node.ship import agent_command
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.local import LocalTransport
 
@@ -159,13 +161,13 @@ def test_usr1_reaches_every_rank(tmp_path: Path, fake: Path) -> None:
 
 def test_agent_tears_down_on_stdin_eof_including_workers_in_other_sessions(
         tmp_path: Path, fake: Path) -> None:
-    spec = {"job_id": "eof-job", "node": "n1", "job_dir": str(tmp_path / "j"),
-            "argv": [sys.executable, str(fake)], "prefix": "single", "grace_s": 1.0,
-            "env": {"RANK": "0", "FAKE_MODE": "orphan", "FAKE_STEPS": "600"}}
-    proc = subprocess.Popen([sys.executable, "-m", "clusterkit.launch.agent"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    spec = AgentSpec(job_id="eof-job", node="n1", job_dir=str(tmp_path / "j"),
+                     argv=[sys.executable, str(fake)], prefix="single", grace_s=1.0,
+                     env={"RANK": "0", "FAKE_MODE": "orphan", "FAKE_STEPS": "600"})
+    cmd = agent_command(sys.executable, spec=spec)  # shipped as on a node: sources on stdin
+    proc = subprocess.Popen(cmd.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(json.dumps(spec) + "\n")
+    proc.stdin.buffer.write(cmd.stdin)
     proc.stdin.flush()
     for line in proc.stdout:
         if "step 1/600" in line:
@@ -183,8 +185,8 @@ def test_stop_mode_kills_only_the_named_job(bystanders: list[subprocess.Popen[by
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
                               start_new_session=True)
     _wait_for(lambda: victim.pid in agent_mod.job_processes("stop-me"))
-    res = subprocess.run([sys.executable, "-m", "clusterkit.launch.agent", "--stop", "stop-me",
-                          "--grace", "1"], capture_output=True, text=True, timeout=20)
+    cmd = agent_command(sys.executable, ["--stop", "stop-me", "--grace", "1"])
+    res = subprocess.run(cmd.argv, input=cmd.stdin, capture_output=True, timeout=20)
     assert json.loads(res.stdout) == {"signalled": 1, "killed": 0, "left": 0}
     assert victim.wait(5) == -signal.SIGTERM
     assert all(p.poll() is None for p in bystanders)

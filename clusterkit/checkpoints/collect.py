@@ -26,7 +26,7 @@ from clusterkit.checkpoints.discover import (
     CheckpointIncomplete,
     CollectPlan,
     NodeListing,
-    listing_argv,
+    listing_command,
     parse_listing,
     verify,
 )
@@ -42,13 +42,14 @@ from clusterkit.checkpoints.transfer import (
     fetch_sftp,
     fetch_stream,
     grouped,
-    hash_argv,
+    hash_command,
     have_ssh_binary,
     parse_hashes,
     split_streams,
 )
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text
+from clusterkit.node.ship import NodeCommand
 from clusterkit.remote.base import SSHTarget, Transport
 
 MANIFEST = "clusterkit-collect.json"
@@ -109,8 +110,9 @@ class CollectReport:
 def list_nodes(transport: Transport, nodes: Sequence[CollectNode], tag: str | None
                ) -> list[NodeListing]:
     """One ``run_all`` of the listing script; unreachable nodes become listing errors."""
-    argv = {n.name: listing_argv(n.python, n.root, tag) for n in nodes}
-    group = transport.run_all([n.target for n in nodes], argv, timeout=LIST_TIMEOUT_S)
+    cmds = {n.name: listing_command(n.python, n.root, tag) for n in nodes}
+    group = transport.run_all([n.target for n in nodes], {k: c.argv for k, c in cmds.items()},
+                              timeout=LIST_TIMEOUT_S, stdin=_shared_stdin(cmds))
     out: list[NodeListing] = []
     for index, (node, res) in enumerate(zip(nodes, group, strict=True)):
         if res.error is not None:
@@ -124,6 +126,11 @@ def list_nodes(transport: Transport, nodes: Sequence[CollectNode], tag: str | No
         else:
             out.append(parse_listing(node.name, index, node.root, res.result.stdout))
     return out
+
+
+def _shared_stdin(cmds: Mapping[str, NodeCommand]) -> bytes | None:
+    """One node program's stdin (its sources), the same for every node."""
+    return next(iter(cmds.values())).stdin if cmds else None
 
 
 def discover(transport: Transport, nodes: Sequence[CollectNode], tag: str = "latest"
@@ -143,8 +150,9 @@ def hash_sources(transport: Transport, nodes: Sequence[CollectNode], plan: Colle
         for c in copies:
             by_node.setdefault(c.node, []).append(c.relpath)
     involved = [n for n in nodes if n.name in by_node]
-    argv = {n.name: hash_argv(n.python, n.root, by_node[n.name]) for n in involved}
-    group = transport.run_all([n.target for n in involved], argv, timeout=HASH_TIMEOUT_S)
+    cmds = {n.name: hash_command(n.python, n.root, by_node[n.name]) for n in involved}
+    group = transport.run_all([n.target for n in involved], {k: c.argv for k, c in cmds.items()},
+                              timeout=HASH_TIMEOUT_S, stdin=_shared_stdin(cmds))
     hashes: dict[tuple[str, str], Hashed] = {}
     problems: list[str] = []
     for node, res in zip(involved, group, strict=True):

@@ -1,6 +1,6 @@
 """Find a checkpoint on every node and decide whether it is complete (before copying).
 
-One ``run_all`` of :data:`LISTING_SCRIPT` (stdlib Python, any 3.6+) returns each
+One ``run_all`` of the node program :mod:`clusterkit.node.listing` returns each
 node's checkpoint root as JSON: the top-level files (``latest``, ``zero_to_fp32.py``),
 every tag dir's files with size and mtime, and the text of the completion markers.
 :func:`verify` is pure: listings in, a :class:`CollectPlan` or a
@@ -28,50 +28,11 @@ from typing import Any
 
 from clusterkit.checkpoints import layout
 from clusterkit.errors import CheckpointError
+from clusterkit.node.listing import LISTING_VERSION
+from clusterkit.node.ship import NodeCommand, node_command
 
-LISTING_VERSION = 1
-MAX_MARKER_BYTES = 1 << 20
 MAX_SHOWN_PROBLEMS = 12
 
-# Runs on every node: ``python -c LISTING_SCRIPT ROOT [TAG]``. Prints one JSON object.
-LISTING_SCRIPT = r"""
-import json, os, sys
-MAX_MARKER_BYTES = @MAX@
-root = sys.argv[1]
-only = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None
-out = {"v": 1, "root": root, "exists": os.path.isdir(root), "top": {}, "latest": None,
-       "tags": {}, "markers": {}}
-def st(p):
-    s = os.stat(p)
-    return [s.st_size, s.st_mtime]
-if out["exists"]:
-    for name in sorted(os.listdir(root)):
-        p = os.path.join(root, name)
-        if os.path.isfile(p):
-            out["top"][name] = st(p)
-            if name == "latest" and out["top"][name][0] < 4096:
-                with open(p) as fh:
-                    out["latest"] = fh.read().strip()
-        elif os.path.isdir(p) and (only is None or name == only):
-            files, marks = {}, {}
-            for d, dirs, names in os.walk(p):
-                dirs.sort()
-                for n in sorted(names):
-                    f = os.path.join(d, n)
-                    if not os.path.isfile(f):
-                        continue
-                    rel = os.path.relpath(f, p)
-                    files[rel] = st(f)
-                    if (d == p and n.startswith("clusterkit-complete.node") and n.endswith(".json")
-                            and files[rel][0] < MAX_MARKER_BYTES):
-                        with open(f) as fh:
-                            marks[rel] = fh.read()
-            out["tags"][name] = files
-            out["markers"][name] = marks
-        elif os.path.isdir(p):
-            out["tags"][name] = None
-print(json.dumps(out))
-""".replace("@MAX@", str(MAX_MARKER_BYTES))
 
 
 @dataclass(frozen=True)
@@ -405,8 +366,9 @@ def _marker_file_problems(listings: Sequence[NodeListing], tag: str,
     return problems
 
 
-def listing_argv(python: str, root: str, tag: str | None) -> list[str]:
-    return [python, "-c", LISTING_SCRIPT, root, tag or ""]
+def listing_command(python: str, root: str, tag: str | None) -> NodeCommand:
+    """The node program :mod:`clusterkit.node.listing` for one node's root."""
+    return node_command(python, "listing", [root, tag or ""])
 
 
 def describe(plan: CollectPlan) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any
 
 from clusterkit.checkpoints import layout
 from clusterkit.checkpoints.collect import CollectNode, read_manifest
-from clusterkit.checkpoints.transfer import hash_argv, parse_hashes
+from clusterkit.checkpoints.transfer import hash_command, parse_hashes
 from clusterkit.errors import CheckpointError
 from clusterkit.remote.base import Transport
 
@@ -157,8 +157,8 @@ def scatter(transport: Transport, dest: str, tag: str, targets: Sequence[Scatter
 
 def _remote_hashes(transport: Transport, node: CollectNode, files: Sequence[str]
                    ) -> dict[str, str]:
-    res = transport.run(node.target, hash_argv(node.python, node.root, list(files)),
-                        timeout=HASH_TIMEOUT_S)
+    cmd = hash_command(node.python, node.root, list(files))
+    res = transport.run(node.target, cmd.argv, timeout=HASH_TIMEOUT_S, stdin=cmd.stdin)
     if not res.ok:
         raise CheckpointError(f"hashing on the node failed: {res.stderr.strip()[-300:]}",
                               host=node.name)

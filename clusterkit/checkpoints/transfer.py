@@ -35,6 +35,7 @@ from typing import IO, Any, Protocol
 
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text
+from clusterkit.node.ship import NodeCommand, node_command
 from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S, SSHTarget, Transport
 from clusterkit.remote.command import remote_command
 
@@ -51,42 +52,6 @@ SERVER_ALIVE_S = 5
 STALL_TIMEOUT_S = 300.0
 TAR_BLOCKING = 2048  # 512-byte blocks per record: 1 MiB writes into the pipe
 
-# ``python -c HASH_SCRIPT ROOT JSON_LIST``: sha256 of each file, several at once
-# (hashlib releases the GIL), with size and mtime taken around the read.
-HASH_SCRIPT = r"""
-import hashlib, json, os, sys, threading
-root, rels = sys.argv[1], json.loads(sys.argv[2])
-out, errs, lock = {}, {}, threading.Lock()
-def one(rel):
-    p = os.path.join(root, rel)
-    try:
-        h = hashlib.sha256()
-        with open(p, "rb") as fh:
-            s = os.fstat(fh.fileno())
-            while True:
-                b = fh.read(1 << 20)
-                if not b:
-                    break
-                h.update(b)
-        with lock:
-            out[rel] = [s.st_size, s.st_mtime, h.hexdigest()]
-    except OSError as e:
-        with lock:
-            errs[rel] = "%s: %s" % (type(e).__name__, e.strerror or e)
-todo = list(rels)
-def worker():
-    while True:
-        with lock:
-            if not todo:
-                return
-            rel = todo.pop(0)
-        one(rel)
-n = max(1, min(int(sys.argv[3]) if len(sys.argv) > 3 else 4, len(todo)))
-ts = [threading.Thread(target=worker) for _ in range(n)]
-[t.start() for t in ts]
-[t.join() for t in ts]
-print(json.dumps({"v": 1, "files": out, "errors": errs}))
-"""
 
 
 @dataclass(frozen=True)
@@ -96,8 +61,10 @@ class Hashed:
     sha256: str
 
 
-def hash_argv(python: str, root: str, relpaths: Sequence[str], threads: int = 4) -> list[str]:
-    return [python, "-c", HASH_SCRIPT, root, json.dumps(list(relpaths)), str(threads)]
+def hash_command(python: str, root: str, relpaths: Sequence[str], threads: int = 4
+                 ) -> NodeCommand:
+    """The node program :mod:`clusterkit.node.hashing` over ``relpaths`` under ``root``."""
+    return node_command(python, "hashing", [root, json.dumps(list(relpaths)), str(threads)])
 
 
 def parse_hashes(stdout: str) -> tuple[dict[str, Hashed], dict[str, str]]:

@@ -1,6 +1,6 @@
 """``clusterkit doctor --bandwidth``: a short all_reduce plus pairwise tests, one rank per node.
 
-The node side is :mod:`clusterkit.checks.bw_worker` (sent on stdin, needs only
+The node side is :mod:`clusterkit.node.bw_worker` (shipped on stdin, needs only
 torch on the node). NCCL when every node has GPUs, gloo otherwise. Numbers use
 the nccl-tests definitions (GB = 1e9 bytes):
 
@@ -19,14 +19,13 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cache
-from importlib import resources
 from typing import Any
 
 from clusterkit.checks.doctor import DoctorReport, recommended_env
 from clusterkit.checks.findings import Finding, Status
 from clusterkit.checks.invoke import ProbeOutputError, parse_probe_stdout
 from clusterkit.errors import TransportError
+from clusterkit.node.ship import bundle, node_command
 from clusterkit.remote.base import CommandResult, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
 
@@ -37,9 +36,9 @@ WORKER_TIMEOUT_S = 120.0  # torch import + rendezvous + n-1 rounds on a slow clu
 GB = 1e9
 
 
-@cache
 def worker_source() -> bytes:
-    return resources.files("clusterkit.checks").joinpath("bw_worker.py").read_bytes()
+    """What the worker's argv expects on stdin (see :mod:`clusterkit.node.ship`)."""
+    return bundle("bw_worker")
 
 
 def busbw_allreduce(algbw: float, n: int) -> float:
@@ -165,7 +164,8 @@ def run_bandwidth(report: DoctorReport, transport: Transport, *, nbytes: int = D
 
     def work(target: SSHTarget) -> CommandResult:
         node = by_name[target.name]
-        return transport.run(target, [node.python, "-", *argv], timeout=timeout,
+        return transport.run(target, node_command(node.python, "bw_worker", argv).argv,
+                             timeout=timeout,
                              env=envs[node.host], stdin=worker_source())
 
     group = fan_out([n.target for n in nodes], work,

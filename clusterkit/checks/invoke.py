@@ -1,20 +1,20 @@
 """How the doctor runs the probe on a node: argv, stdin and reading the answer back.
 
 Contract (see docs/doctor.md): the transport runs ``argv`` on the node with
-``stdin=probe_source()``; the probe prints JSON lines and exits 0; the LAST
-line is the result. Everything here is pure (the source is read once from the
-installed package, never from the cwd).
+``stdin=probe_source()`` — the node program :mod:`clusterkit.node.probe`, shipped
+by :mod:`clusterkit.node.ship` like every node program; the probe prints JSON
+lines and exits 0; the LAST line is the result. Everything here is pure (the
+source is read once from the installed package, never from the cwd).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from functools import cache
-from importlib import resources
 from typing import Any
 
-PROBE_RESOURCE = "probe.py"
+from clusterkit.node.ship import bundle, node_command
+
 FACTS_TIMEOUT_S = 45.0  # probe's own worst case: 15 s commands + 5 s resolution + slack
 
 
@@ -22,16 +22,19 @@ class ProbeOutputError(ValueError):
     """The probe's stdout held no JSON result line (wrong interpreter, crash, truncation)."""
 
 
-@cache
 def probe_source() -> bytes:
-    """The probe script as bytes, to be sent as stdin of ``<python> -``."""
-    return resources.files("clusterkit.checks").joinpath(PROBE_RESOURCE).read_bytes()
+    """What the probe's argv expects on stdin (the bootstrap's bundle)."""
+    return bundle("probe")
+
+
+def _probe(python: str, args: list[str]) -> list[str]:
+    return node_command(python, "probe", args).argv
 
 
 def facts_argv(python: str, *, workdir: str | None = None,
                ckpt_dirs: Sequence[str] = (), peers: Sequence[str] = (),
                master: str | None = None, master_wait: float = 0.0) -> list[str]:
-    argv = [python, "-", "facts"]
+    argv = ["facts"]
     if master:
         argv += ["--master", master, "--master-wait", f"{master_wait:g}"]
     if workdir:
@@ -40,19 +43,19 @@ def facts_argv(python: str, *, workdir: str | None = None,
         argv += ["--ckpt-dir", d]
     for p in peers:
         argv += ["--peer", p]
-    return argv
+    return _probe(python, argv)
 
 
 def listen_argv(python: str, port: int, seconds: float, bind: str = "0.0.0.0",
                 expect: int = 0) -> list[str]:
-    argv = [python, "-", "listen", str(port), f"{seconds:g}", "--bind", bind]
-    return [*argv, "--expect", str(expect)] if expect else argv
+    argv = ["listen", str(port), f"{seconds:g}", "--bind", bind]
+    return _probe(python, [*argv, "--expect", str(expect)] if expect else argv)
 
 
 def connect_argv(python: str, host: str, port: int, timeout: float = 3.0,
                  hello: str | None = None) -> list[str]:
-    argv = [python, "-", "connect", host, str(port), "--timeout", f"{timeout:g}"]
-    return [*argv, "--hello", hello] if hello else argv
+    argv = ["connect", host, str(port), "--timeout", f"{timeout:g}"]
+    return _probe(python, [*argv, "--hello", hello] if hello else argv)
 
 
 def parse_probe_stdout(stdout: str) -> dict[str, Any]:

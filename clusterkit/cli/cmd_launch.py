@@ -167,7 +167,8 @@ def _print_plan(plan: Any, native: bool) -> None:
         print(f"  {task.node}: ranks {task.rank_offset}-{task.rank_offset + task.nprocs - 1} "
               f"job dir {task.job_dir}\n    {what}")
     print("files written to every node's job dir: " + ", ".join(sorted(plan.artifacts)))
-    print("each node runs: <python> -u -m clusterkit.launch.agent (the command above as its child)")
+    print("each node runs: the clusterkit node agent, sent over SSH to <python> (the command "
+          "above as its child)")
 
 
 def _print_summary(result: Any) -> None:
@@ -249,14 +250,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _node_status(record: Any) -> dict[str, dict[str, Any]]:
-    from clusterkit.launch.orchestrator import AGENT_MODULE
+    from clusterkit.launch.orchestrator import agent_control
     from clusterkit.remote.dispatch import transport_for
 
-    argvs = {n.node: [n.python, "-m", AGENT_MODULE, "--status", record.job_id,
-                      "--job-dir", n.job_dir, "--node", n.node] for n in record.nodes}
+    cmds = {n.node: agent_control(n.python, "--status", record.job_id, "--job-dir", n.job_dir,
+                                  "--node", n.node) for n in record.nodes}
     out: dict[str, dict[str, Any]] = {}
     with transport_for() as transport:
-        for r in transport.run_all([n.target for n in record.nodes], argvs, timeout=20.0):
+        for r in transport.run_all([n.target for n in record.nodes],
+                                   {k: c.argv for k, c in cmds.items()}, timeout=20.0,
+                                   stdin=next(iter(cmds.values())).stdin if cmds else None):
             out[r.host] = _last_json(r)
     return out
 
@@ -274,7 +277,7 @@ def _last_json(r: Any) -> dict[str, Any]:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     from clusterkit.launch.jobs import Registry
-    from clusterkit.launch.orchestrator import AGENT_MODULE
+    from clusterkit.launch.orchestrator import agent_control
     from clusterkit.remote.dispatch import transport_for
 
     registry = Registry(clusterkit_home())
@@ -283,12 +286,14 @@ def cmd_stop(args: argparse.Namespace) -> int:
         # The launcher tears the job down itself (and records it); the sweep below
         # still runs in case a node is beyond its reach.
         os.kill(record.launcher_pid, signal.SIGTERM)
-    argvs = {n.node: [n.python, "-m", AGENT_MODULE, "--stop", record.job_id,
-                      "--grace", f"{args.grace:g}"] for n in record.nodes}
+    cmds = {n.node: agent_control(n.python, "--stop", record.job_id, "--grace", f"{args.grace:g}")
+            for n in record.nodes}
     failed = 0
     with transport_for() as transport:
-        results = transport.run_all([n.target for n in record.nodes], argvs,
-                                    timeout=args.grace + 20.0)
+        results = transport.run_all([n.target for n in record.nodes],
+                                    {k: c.argv for k, c in cmds.items()},
+                                    timeout=args.grace + 20.0,
+                                    stdin=next(iter(cmds.values())).stdin if cmds else None)
     for r in results:
         info = _last_json(r)
         if "error" in info:

@@ -4,8 +4,10 @@ Deliberately smaller than ``clusterkit doctor``: the doctor's probe spends ~2 s
 per node on names, interfaces and GPUs, which would double the start-up time of
 every launch. Here one ``run_all`` reads the interpreter path, the Python version
 and the versions of the packages every rank imports (package metadata only, no
-``import torch``) — the mismatches behind DeepSpeed#3965 and friends — plus
-whether clusterkit itself is importable (the node agent needs it).
+``import torch``) — the mismatches behind DeepSpeed#3965 and friends. The facts
+come from the node program :mod:`clusterkit.node.gatefacts` (the same one the
+agent reports when the gate is folded into it); clusterkit itself need not be
+installed on the nodes, only the bundled workload needs it (``need``).
 """
 
 from __future__ import annotations
@@ -15,23 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clusterkit.errors import LaunchError
+from clusterkit.node.ship import node_command
 from clusterkit.remote.base import SSHTarget, Transport
 
 GATE_TIMEOUT_S = 20.0
 PARITY_KEYS = ("python", "version", "torch", "deepspeed", "accelerate")
-_SNIPPET = (
-    "import json, sys\n"
-    "from importlib import metadata\n"
-    "def v(n):\n"
-    "    try:\n"
-    "        return metadata.version(n)\n"
-    "    except Exception:\n"
-    "        return None\n"
-    "import importlib.util as u\n"
-    "print(json.dumps({'python': sys.executable, 'version': sys.version.split()[0],\n"
-    "    'torch': v('torch'), 'deepspeed': v('deepspeed'), 'accelerate': v('accelerate'),\n"
-    "    'clusterkit': u.find_spec('clusterkit') is not None}))\n"
-)
 
 
 @dataclass(frozen=True)
@@ -54,8 +44,10 @@ class GateResult:
 def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[str] = ()
              ) -> GateResult:
     """Probe every node at once; ``need``: packages that must be installed everywhere."""
-    argvs = {n.node: [n.python, "-c", _SNIPPET] for n in nodes}
-    results = transport.run_all([n.target for n in nodes], argvs, timeout=GATE_TIMEOUT_S)
+    cmds = {n.node: node_command(n.python, "gatefacts") for n in nodes}
+    results = transport.run_all([n.target for n in nodes], {k: c.argv for k, c in cmds.items()},
+                                timeout=GATE_TIMEOUT_S,
+                                stdin=next(iter(cmds.values())).stdin if cmds else None)
     facts: dict[str, dict[str, object]] = {}
     problems: dict[str, str] = {}
     for r in results:
@@ -80,11 +72,10 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
     """Per-node requirements and parity with the first node (``problems``: already known)."""
     problems = dict(problems)
     for node, f in facts.items():
-        if not f.get("clusterkit"):
-            problems[node] = f"clusterkit is not installed for {f.get('python')}"
         for pkg in need:
             if not f.get(pkg):
-                problems.setdefault(node, f"{pkg} is not installed for {f.get('python')}")
+                fix = " (`clusterkit nodes install`)" if pkg == "clusterkit" else ""
+                problems.setdefault(node, f"{pkg} is not installed for {f.get('python')}{fix}")
     problems.update(_parity(facts, order))
     return GateResult(facts=facts, problems=problems)
 

@@ -26,14 +26,20 @@ from types import FrameType
 from typing import Any
 
 from clusterkit.errors import TransportError
-from clusterkit.launch.agent import EVENT_PREFIX, LINE_PREFIX
 from clusterkit.launch.console import Sink
 from clusterkit.launch.gate import GATE_TIMEOUT_S, GateResult, judge
+from clusterkit.node import protocol
+from clusterkit.node.protocol import EVENT_PREFIX, LINE_PREFIX
+from clusterkit.node.ship import NodeCommand, agent_command
 from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
 
 SUMMARY_PREFIX = "CLUSTERKIT_SUMMARY "
 TAIL_LINES = 15
-AGENT_MODULE = "clusterkit.launch.agent"
+
+
+def agent_control(python: str, *args: str) -> NodeCommand:
+    """The agent's out-of-band modes (``--stop``/``--status``), shipped like the agent."""
+    return agent_command(python, list(args))
 
 
 @dataclass(frozen=True)
@@ -68,17 +74,17 @@ class JobSpec:
     def rank_offsets(self) -> dict[str, int]:
         return {t.node: t.rank_offset for t in self.tasks}
 
-    def agent_spec(self, task: NodeTask) -> dict[str, Any]:
-        return {
-            "job_id": self.job_id, "node": task.node,
-            "job_dir": task.job_dir.replace("@JOB@", self.job_id),
-            "argv": list(task.argv), "env": dict(task.env), "files": dict(task.files),
-            "cwd": task.cwd, "attempt": self.attempt, "prefix": task.prefix,
-            "rank_offsets": self.rank_offsets(), "grace_s": self.grace_s,
-            "rank_log_dir": task.rank_log_dir,
-            "native": dict(task.native) if task.native is not None else None,
-            "hold": self.gate_need is not None,
-        }
+    def agent_spec(self, task: NodeTask) -> protocol.AgentSpec:
+        return protocol.AgentSpec(
+            job_id=self.job_id, node=task.node,
+            job_dir=task.job_dir.replace("@JOB@", self.job_id),
+            argv=list(task.argv), env=dict(task.env), files=dict(task.files),
+            cwd=task.cwd, attempt=self.attempt, prefix=task.prefix,
+            rank_offsets=self.rank_offsets(), grace_s=self.grace_s,
+            rank_log_dir=task.rank_log_dir,
+            native=dict(task.native) if task.native is not None else None,
+            hold=self.gate_need is not None,
+        )
 
 
 @dataclass
@@ -167,14 +173,14 @@ class Orchestrator:
 
     # -------------------------------------------------------------- start
 
-    def _agent_argv(self, task: NodeTask) -> list[str]:
-        return [task.python, "-u", "-m", AGENT_MODULE]
-
     def _start_one(self, state: _Node) -> None:
         task = state.task
+        # The agent's sources and its spec travel on the session's stdin: the node
+        # needs only a Python (see clusterkit.node.ship).
+        cmd = agent_command(task.python, spec=self.job.agent_spec(task))
         try:
-            proc = self.transport.start(task.target, self._agent_argv(task))
-            proc.write_stdin((json.dumps(self.job.agent_spec(task)) + "\n").encode())
+            proc = self.transport.start(task.target, cmd.argv)
+            proc.write_stdin(cmd.stdin)
         except TransportError as exc:
             self._q.put(("start-failed", task.node, exc.one_line()))
             return
@@ -231,7 +237,12 @@ class Orchestrator:
                 self._summary = _parse_json(text[len(SUMMARY_PREFIX):])
             self.sink.line(node, rank, text)
         elif line.startswith(EVENT_PREFIX):
-            self._on_event(state, _parse_json(line[len(EVENT_PREFIX):]) or {})
+            try:
+                event = protocol.decode_event(line)
+            except protocol.ProtocolError as exc:
+                self.sink.info(f"{state.task.node}: unreadable agent event: {exc}")
+                return
+            self._on_event(state, {"ev": event.ev, "node": event.node, **event.data})
         else:
             # The agent itself (a traceback, a python that cannot find clusterkit).
             state.tail.append(line)
@@ -366,7 +377,7 @@ class Orchestrator:
             if state.proc is not None and state.code is None:
                 # A gone connection raises; its agent tears down on EOF by itself.
                 with contextlib.suppress(TransportError):
-                    state.proc.write_stdin(f"{command}\n".encode())
+                    state.proc.write_stdin(protocol.control_line(command))
 
     def _advance_teardown(self) -> None:
         if self._teardown_at is None:
@@ -427,9 +438,11 @@ class Orchestrator:
         suspects = [s.task for s in self.nodes.values() if s.dropped or s.code is None]
         if not suspects:
             return {}
-        argvs = {t.node: [t.python, "-m", AGENT_MODULE, "--stop", self.job.job_id,
-                          "--node", t.node, "--grace", "2"] for t in suspects}
-        results = self.transport.run_all([t.target for t in suspects], argvs, timeout=20.0)
+        cmds = {t.node: agent_control(t.python, "--stop", self.job.job_id, "--node", t.node,
+                                      "--grace", "2") for t in suspects}
+        results = self.transport.run_all([t.target for t in suspects],
+                                         {n: c.argv for n, c in cmds.items()}, timeout=20.0,
+                                         stdin=next(iter(cmds.values())).stdin)
         left: dict[str, int] = {}
         for r in results:
             if r.ok and r.result is not None:

@@ -1,8 +1,9 @@
-"""The node agent: ``python -m clusterkit.launch.agent`` (standard library only).
+"""The node agent (node program ``agent``, shipped by :mod:`clusterkit.node.ship`).
 
 One agent runs per node and job, over ONE SSH session (or as a local child for
-virtual nodes). It reads its :class:`Spec` as JSON on the first stdin line (or
-``--spec-b64``), writes the job's files atomically into the per-job directory,
+virtual nodes). It reads its :class:`~clusterkit.node.protocol.AgentSpec` as JSON
+on the first stdin line after its sources (or ``--spec-b64``), writes the job's
+files atomically into the per-job directory,
 starts the per-node launcher (torchrun, ``accelerate launch``, DeepSpeed's runner
 or the workload itself) in its own session with ``CLUSTERKIT_JOB_ID`` in the
 environment of every process, and streams the output back as machine-parsable
@@ -27,7 +28,8 @@ on the node, DeepSpeed#6807).
 The agent's exit code is the launcher's (128+N when a signal N ended it).
 Other modes, used by ``clusterkit stop`` / ``status`` through ``run_all``:
 ``--stop JOB_ID [--grace S]`` and ``--status JOB_ID [--job-dir D --node N]``.
-Runs on Python >= 3.8 on the node: no ``match``, no new typing syntax at runtime.
+Standard library only, Python >= 3.8 on the node: no ``match``, no new typing
+syntax at runtime. The wire format lives in :mod:`clusterkit.node.protocol`.
 """
 
 from __future__ import annotations
@@ -46,17 +48,25 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import IO, Any
 
-ENV_JOB = "CLUSTERKIT_JOB_ID"
-ENV_NODE = "CLUSTERKIT_NODE"
-ENV_ATTEMPT = "CLUSTERKIT_ATTEMPT"
-JOB_DIR_TOKEN = "@JOB_DIR@"  # replaced in argv/env by the node's expanded job dir
-LINE_PREFIX = "@ck:L "
-EVENT_PREFIX = "@ck:E "
-DEFAULT_GRACE_S = 3.0
+from clusterkit.node import protocol
+from clusterkit.node.gatefacts import gate_facts
+from clusterkit.node.protocol import (
+    DEFAULT_GRACE_S,
+    ENV_ATTEMPT,
+    ENV_JOB,
+    ENV_NODE,
+    EVENT_PREFIX,
+    JOB_DIR_TOKEN,
+    LINE_PREFIX,
+    AgentSpec,
+    ProtocolError,
+)
+
+__all__ = ["EVENT_PREFIX", "LINE_PREFIX", "Agent", "Spec", "gate_facts", "job_processes", "sweep"]
 POLL_S = 0.1
+Spec = AgentSpec  # the name the agent has always used
 
 # torchrun --tee 3: "[default0]:text"; pdsh: "node3: text".
 _TORCHRUN_LINE = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:(.*)$")
@@ -67,37 +77,6 @@ _TORCHRUN_FAIL = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 _DS_FAIL = re.compile(r"--local_rank=(\d+).*exits with return code = (-?\d+)")
 # pdsh: "pdsh@node1: node5: ssh exited with exit code 1"
 _PDSH_FAIL = re.compile(r"^pdsh@\S+: (\S+): \S+ exited with exit code (\d+)")
-
-
-@dataclass
-class Spec:
-    job_id: str
-    node: str
-    job_dir: str
-    argv: list[str] = field(default_factory=list)  # empty: watch only (DeepSpeed/pdsh peers)
-    env: dict[str, str] = field(default_factory=dict)
-    files: dict[str, str] = field(default_factory=dict)  # name in job_dir -> content
-    cwd: str | None = None
-    attempt: int = 0
-    prefix: str = "torchrun"  # how to read ranks from output: torchrun | pdsh | single
-    rank_offsets: dict[str, int] = field(default_factory=dict)  # node -> first global rank
-    grace_s: float = DEFAULT_GRACE_S
-    # DeepSpeed's launcher with --enable_each_rank_log writes each rank's output to
-    # <dir>/<stamp>_rank<R>.log and nothing to the console: the agent tails those files.
-    rank_log_dir: str | None = None
-    # Native mode: the agent itself starts this node's ranks, each running ``argv``
-    # with the environment torchrun would give it (no torchrun, no torch import here).
-    # Keys: nproc, first_rank, world_size, node_rank, nnodes, master_addr, master_port.
-    native: dict[str, Any] | None = None
-    # The pre-launch gate, folded into the agent: report facts (interpreter, versions)
-    # as a "facts" event, start nothing until the launcher answers GO on stdin.
-    hold: bool = False
-
-    @classmethod
-    def from_json(cls, text: str) -> Spec:
-        data = json.loads(text)
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 # ----------------------------------------------------------------- /proc scanning
@@ -203,24 +182,6 @@ def _expand(value: str, job_dir: str) -> str:
     return value.replace(JOB_DIR_TOKEN, job_dir)
 
 
-def gate_facts() -> dict[str, Any]:
-    """What every node must agree on: interpreter, Python and package versions.
-
-    Package metadata only: importing torch here would cost seconds on every launch.
-    """
-    from importlib import metadata
-
-    def version(name: str) -> str | None:
-        try:
-            return metadata.version(name)
-        except Exception:  # any broken metadata reads as "not installed"
-            return None
-
-    return {"python": sys.executable, "version": sys.version.split()[0],
-            "torch": version("torch"), "deepspeed": version("deepspeed"),
-            "accelerate": version("accelerate"), "clusterkit": True}
-
-
 # ----------------------------------------------------------------- rank log files
 
 _RANK_LOG = re.compile(r"_rank(\d+)\.log$")
@@ -264,7 +225,7 @@ class RankLogTail:
 
 
 class Agent:
-    def __init__(self, spec: Spec, out: IO[str]) -> None:
+    def __init__(self, spec: AgentSpec, out: IO[str]) -> None:
         self.spec = spec
         self.job_dir = os.path.abspath(os.path.expanduser(spec.job_dir))
         self.node_dir = os.path.join(self.job_dir, "nodes", spec.node)
@@ -294,7 +255,7 @@ class Agent:
                 self._out_ok = False  # the launcher is gone; keep writing log files
 
     def event(self, ev: str, **fields: Any) -> None:
-        self.emit_raw(EVENT_PREFIX + json.dumps({"ev": ev, "node": self.spec.node, **fields}))
+        self.emit_raw(protocol.encode_event(ev, self.spec.node, **fields))
 
     def _log(self, name: str, text: str) -> None:
         fh = self._logs.get(name)
@@ -400,14 +361,14 @@ class Agent:
 
     def read_control(self, stream: IO[str]) -> None:
         for raw in stream:
-            cmd = raw.strip().upper()
-            if cmd in ("TERM", "KILL"):
+            cmd = protocol.parse_control(raw)
+            if cmd in (protocol.TERM, protocol.KILL):
                 self.request_stop(cmd.lower())
-                if cmd == "KILL":
+                if cmd == protocol.KILL:
                     self.kill_now()
-            elif cmd == "GO":
+            elif cmd == protocol.GO:
                 self._go.set()
-            elif cmd in ("USR1", "USR2"):
+            elif cmd in (protocol.USR1, protocol.USR2):
                 n = self.forward(getattr(signal, f"SIG{cmd}"))
                 self.event("forwarded", signal=cmd, processes=n)
         self.request_stop("stdin-eof")  # the launcher exited or the connection dropped
@@ -597,11 +558,11 @@ class Agent:
 
 def _read_spec(args: argparse.Namespace) -> Spec:
     if args.spec_b64:
-        return Spec.from_json(base64.b64decode(args.spec_b64).decode())
+        return AgentSpec.from_json(base64.b64decode(args.spec_b64).decode())
     first = sys.stdin.readline()
     if not first:
         raise SystemExit("clusterkit agent: no job spec on stdin")
-    return Spec.from_json(first)
+    return AgentSpec.from_json(first)
 
 
 def _install_signals(agent: Agent) -> None:
@@ -630,7 +591,7 @@ def _status(job_id: str, job_dir: str | None, node: str | None) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clusterkit.launch.agent")
+    p = argparse.ArgumentParser(prog="clusterkit node agent")
     p.add_argument("--spec-b64")
     p.add_argument("--stop", metavar="JOB_ID")
     p.add_argument("--status", metavar="JOB_ID")
@@ -644,7 +605,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.status:
         print(json.dumps(_status(args.status, args.job_dir, args.node)), flush=True)
         return 0
-    agent = Agent(_read_spec(args), sys.stdout)
+    try:
+        spec = _read_spec(args)
+    except ProtocolError as exc:
+        # Said on stderr and as the exit code: the launcher shows the agent's last line.
+        sys.stderr.write(f"clusterkit agent: {exc}\n")
+        return 2
+    agent = Agent(spec, sys.stdout)
     _install_signals(agent)
     threading.Thread(target=agent.read_control, args=(sys.stdin,), daemon=True).start()
     try:

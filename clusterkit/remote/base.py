@@ -151,6 +151,7 @@ class Transport(Protocol):
         timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
         env: Mapping[str, str] | None = None,
         max_parallel: int = DEFAULT_MAX_PARALLEL,
+        stdin: bytes | None = None,
     ) -> GroupResult: ...
 
     def start(

@@ -322,9 +322,10 @@ class SSHTransport:
         timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
         env: Mapping[str, str] | None = None,
         max_parallel: int = DEFAULT_MAX_PARALLEL,
+        stdin: bytes | None = None,
     ) -> GroupResult:
         def work(target: SSHTarget) -> CommandResult:
-            return self.run(target, argv_for(argv, target), timeout=timeout, env=env)
+            return self.run(target, argv_for(argv, target), timeout=timeout, env=env, stdin=stdin)
 
         return fan_out(
             targets,

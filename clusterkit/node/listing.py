@@ -1,0 +1,67 @@
+"""Node program: one node's checkpoint root as one JSON line (``collect-ckpt``'s listing).
+
+``listing ROOT [TAG]``: the top-level files (``latest``, ``zero_to_fp32.py``),
+every tag dir's files with size and mtime (only TAG's when given), and the text
+of the completion markers. Parsed by :func:`clusterkit.checkpoints.discover.parse_listing`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+LISTING_VERSION = 1
+MAX_MARKER_BYTES = 1 << 20
+
+
+def _stat(path: str) -> list[float]:
+    s = os.stat(path)
+    return [s.st_size, s.st_mtime]
+
+
+def _tag(path: str) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """(files, markers) of one tag dir, walked in a stable order."""
+    files: dict[str, list[float]] = {}
+    marks: dict[str, str] = {}
+    for d, dirs, names in os.walk(path):
+        dirs.sort()
+        for n in sorted(names):
+            f = os.path.join(d, n)
+            if not os.path.isfile(f):
+                continue
+            rel = os.path.relpath(f, path)
+            files[rel] = _stat(f)
+            if (d == path and n.startswith("clusterkit-complete.node") and n.endswith(".json")
+                    and files[rel][0] < MAX_MARKER_BYTES):
+                with open(f) as fh:
+                    marks[rel] = fh.read()
+    return files, marks
+
+
+def listing(root: str, only: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"v": LISTING_VERSION, "root": root, "exists": os.path.isdir(root),
+                           "top": {}, "latest": None, "tags": {}, "markers": {}}
+    if not out["exists"]:
+        return out
+    for name in sorted(os.listdir(root)):
+        p = os.path.join(root, name)
+        if os.path.isfile(p):
+            out["top"][name] = _stat(p)
+            if name == "latest" and out["top"][name][0] < 4096:
+                with open(p) as fh:
+                    out["latest"] = fh.read().strip()
+        elif os.path.isdir(p) and (only is None or name == only):
+            out["tags"][name], out["markers"][name] = _tag(p)
+        elif os.path.isdir(p):
+            out["tags"][name] = None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    root, only = args[0], (args[1] if len(args) > 1 and args[1] else None)
+    sys.stdout.write(json.dumps(listing(root, only)) + "\n")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,99 @@
+"""The one way node programs reach a node: a tiny bootstrap, the sources on stdin.
+
+A node program runs as::
+
+    argv:  <python> -u -c BOOTSTRAP <program> <args...>
+    stdin: b"clusterkit-node 1 <module>:<nbytes> ...\\n" <sources> [<payload>...]
+
+The bootstrap (standard library, Python >= 3.8) reads the header line and
+exactly the announced bytes of each module, registers each as
+``clusterkit.node.<module>`` under an empty ``clusterkit`` package (so the same
+sources import each other here and there, and nothing else of clusterkit is
+reachable on the node), then calls ``<program>.main(args)``. What follows the
+sources on stdin is the program's own: the agent reads its spec line and then
+its control words there. No file is written on the node and clusterkit need not
+be installed there; the sources always match the launcher's version.
+
+This module is the launcher's half and is never shipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+from clusterkit.node import protocol
+
+MAGIC = "clusterkit-node"
+BUNDLE_VERSION = 1
+
+# Each program with the node modules it imports, dependencies first.
+PROGRAMS: dict[str, tuple[str, ...]] = {
+    "agent": ("protocol", "gatefacts", "agent"),
+    "probe": ("probe",),
+    "bw_worker": ("bw_worker",),
+    "listing": ("listing",),
+    "hashing": ("hashing",),
+    "gatefacts": ("gatefacts",),
+}
+
+BOOTSTRAP = (
+    "import linecache,sys,types\n"
+    "r=sys.stdin.buffer\n"
+    "h=r.readline().split()\n"
+    f"if h[:2]!=[b'{MAGIC}',b'{BUNDLE_VERSION}']:"
+    f"sys.exit('clusterkit node bootstrap: expected a {MAGIC} {BUNDLE_VERSION} header "
+    "on stdin, got %r'%h[:2])\n"
+    "for p in ('clusterkit','clusterkit.node'):\n"
+    " m=types.ModuleType(p);m.__path__=[];sys.modules[p]=m\n"
+    "for e in h[2:]:\n"
+    " n,z=e.decode().split(':');s=r.read(int(z))\n"
+    " if len(s)!=int(z):sys.exit('clusterkit node bootstrap: stdin ended inside '+n)\n"
+    " f='clusterkit.node.'+n;m=types.ModuleType(f);m.__file__='<'+f+'>'\n"
+    " t=s.decode('utf-8');linecache.cache[m.__file__]=(len(t),None,t.splitlines(True),m.__file__)\n"
+    " sys.modules[f]=m;setattr(sys.modules['clusterkit.node'],n,m)\n"
+    " exec(compile(t,m.__file__,'exec'),m.__dict__)\n"
+    "sys.argv=['clusterkit.node.'+sys.argv[1]]+sys.argv[2:]\n"
+    "sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))\n"
+)
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """What to run on a node (``argv``) and what to send first on its stdin."""
+
+    argv: list[str]
+    stdin: bytes
+
+
+@cache
+def source(module: str) -> bytes:
+    """One node module's source, read from this installed clusterkit (never the cwd)."""
+    return resources.files("clusterkit.node").joinpath(f"{module}.py").read_bytes()
+
+
+@cache
+def bundle(program: str) -> bytes:
+    """The header line and the sources of ``program`` and its node imports."""
+    modules = PROGRAMS[program]
+    header = " ".join([MAGIC, str(BUNDLE_VERSION),
+                       *(f"{m}:{len(source(m))}" for m in modules)])
+    return header.encode() + b"\n" + b"".join(source(m) for m in modules)
+
+
+def node_command(python: str, program: str, args: Sequence[str] = (), *,
+                 payload: bytes = b"") -> NodeCommand:
+    """``python`` runs ``program`` with ``args``; ``payload`` follows the sources on stdin."""
+    if program not in PROGRAMS:
+        raise KeyError(f"unknown node program {program!r}")
+    return NodeCommand(argv=[python, "-u", "-c", BOOTSTRAP, program, *args],
+                       stdin=bundle(program) + payload)
+
+
+def agent_command(python: str, args: Sequence[str] = (),
+                  spec: protocol.AgentSpec | None = None) -> NodeCommand:
+    """The agent; with ``spec``, its spec line follows the sources (control words later)."""
+    payload = (spec.to_json() + "\n").encode() if spec is not None else b""
+    return node_command(python, "agent", args, payload=payload)

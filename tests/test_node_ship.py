@@ -1,0 +1,142 @@
+"""Node programs shipped the one way (bootstrap + sources on stdin), and the agent protocol.
+
+No test bed: every program runs as a subprocess of an interpreter that cannot
+import clusterkit (cwd outside the repo, PYTHONPATH cleared), on the oldest
+Python found here (3.8 where pyenv has it) and on this one.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterkit.node import protocol, ship
+from clusterkit.node.protocol import AgentSpec, ProtocolError
+
+NODE_DIR = Path(ship.__file__).parent
+PYTHONS = [p for p in ("/root/.pyenv/versions/3.8.18/bin/python3.8", sys.executable)
+           if os.path.exists(p)]
+
+
+def _run(cmd: ship.NodeCommand, tmp_path: Path, extra: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    return subprocess.run(cmd.argv, input=cmd.stdin + extra, capture_output=True, timeout=60,
+                          cwd=tmp_path, env=env, check=False)
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_every_program_runs_from_its_shipped_sources_alone(python: str, tmp_path: Path) -> None:
+    (tmp_path / "ckpt" / "global_step1").mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest").write_text("global_step1")
+    (tmp_path / "ckpt" / "global_step1" / "a.pt").write_bytes(b"x" * 10)
+    if python != sys.executable:  # this one has clusterkit installed (editable)
+        no_ck = subprocess.run([python, "-c", "import clusterkit"], cwd=tmp_path,
+                               capture_output=True, check=False)
+        assert no_ck.returncode != 0  # the node's Python knows no clusterkit
+    cases = {
+        "gatefacts": ([], lambda d: d["version"] and "clusterkit" in d),
+        "listing": ([str(tmp_path / "ckpt"), ""], lambda d: d["latest"] == "global_step1"),
+        "hashing": ([str(tmp_path / "ckpt"), json.dumps(["global_step1/a.pt"])],
+                    lambda d: d["files"]["global_step1/a.pt"][0] == 10),
+        "probe": (["connect", "127.0.0.1", "1", "--timeout", "1"], lambda d: d["ok"] is False),
+    }
+    for program, (args, check) in cases.items():
+        res = _run(ship.node_command(python, program, args), tmp_path)
+        assert res.returncode == 0, (program, res.stderr.decode()[-800:])
+        assert check(json.loads(res.stdout.decode().strip().splitlines()[-1])), program
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_agent_reads_spec_after_its_sources_and_speaks_the_protocol(python: str,
+                                                                    tmp_path: Path) -> None:
+    spec = AgentSpec(job_id="ship-job", node="n1", job_dir=str(tmp_path / "job"),
+                     argv=[python, "-c", "print('hello from rank')"], prefix="single",
+                     files={"hostfile": "n1 slots=1\n"})
+    cmd = ship.agent_command(python, spec=spec)
+    proc = subprocess.Popen(cmd.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=tmp_path)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(cmd.stdin)
+    proc.stdin.flush()  # stdin stays open: EOF would mean "the launcher is gone"
+    lines = []
+    for raw in proc.stdout:
+        lines.append(raw.decode().rstrip("\n"))
+        if lines[-1].startswith(protocol.EVENT_PREFIX) and '"exit"' in lines[-1]:
+            break
+    proc.stdin.close()
+    assert proc.wait(30) == 0
+    events = [protocol.decode_event(ln) for ln in lines if ln.startswith(protocol.EVENT_PREFIX)]
+    assert events[0].ev == "started"
+    assert events[-1].ev == "exit" and events[-1].node == "n1" and events[-1].get("code") == 0
+    assert f"{protocol.LINE_PREFIX}n1 0 hello from rank" in lines
+    assert (tmp_path / "job" / "hostfile").read_text() == "n1 slots=1\n"
+
+
+def test_agent_refuses_a_spec_of_another_version(tmp_path: Path) -> None:
+    data = json.loads(AgentSpec(job_id="j", node="n", job_dir=str(tmp_path)).to_json())
+    data["schema_version"] = 99
+    cmd = ship.agent_command(sys.executable)
+    res = _run(cmd, tmp_path, (json.dumps(data) + "\n").encode())
+    assert res.returncode == 2
+    assert b"schema_version 99" in res.stderr and b"different clusterkit versions" in res.stderr
+
+
+def test_bootstrap_says_what_is_wrong_with_its_stdin(tmp_path: Path) -> None:
+    cmd = ship.node_command(sys.executable, "gatefacts")
+    res = _run(ship.NodeCommand(cmd.argv, b"not a bundle\n"), tmp_path)
+    assert res.returncode == 1 and b"expected a clusterkit-node 1 header" in res.stderr
+    res = _run(ship.NodeCommand(cmd.argv, cmd.stdin[:-10]), tmp_path)
+    assert b"stdin ended inside gatefacts" in res.stderr
+
+
+def test_node_modules_import_only_the_standard_library_and_each_other() -> None:
+    for path in NODE_DIR.glob("*.py"):
+        if path.name in ("ship.py", "__init__.py"):
+            continue  # the launcher's half
+        tree = ast.parse(path.read_text())
+        mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        outside = {m for m in mods if m.split(".")[0] not in sys.stdlib_module_names
+                   and m != "__future__" and not m.startswith("clusterkit.node")}
+        if path.name == "bw_worker.py":
+            outside -= {"torch", "torch.distributed"}  # the bandwidth worker needs torch only
+        assert not outside, (path.name, outside)
+        needs = {m.split(".")[2] for m in mods if m.startswith("clusterkit.node.")}
+        if path.stem in ship.PROGRAMS:
+            assert needs <= set(ship.PROGRAMS[path.stem]), (path.name, needs)
+
+
+def test_spec_round_trips_and_decodes_strictly() -> None:
+    spec = AgentSpec(job_id="j", node="n", job_dir="/d", argv=["x"], native=None, grace_s=2)
+    assert AgentSpec.from_json(spec.to_json()) == spec
+    good = json.loads(spec.to_json())
+    for bad, why in [({**good, "extra": 1}, "unknown keys: extra"),
+                     ({k: v for k, v in good.items() if k != "node"}, "lacks: node"),
+                     ({**good, "attempt": "1"}, "'attempt' has type str"),
+                     ({**good, "hold": 1}, "'hold' has type int"),
+                     ({**good, "prefix": "mpi"}, "prefix 'mpi'"),
+                     ({**good, "files": {"../x": ""}}, "bad job file name"),
+                     ({**good, "schema_version": 0}, "schema_version 0")]:
+        with pytest.raises(ProtocolError, match=why):
+            AgentSpec.from_dict(bad)
+    with pytest.raises(ProtocolError, match="not JSON"):
+        AgentSpec.from_json("{")
+
+
+def test_events_and_control_words() -> None:
+    line = protocol.encode_event("rank-failed", "node3", rank=5, code=-9)
+    ev = protocol.decode_event(line)
+    assert (ev.ev, ev.node, ev.get("rank"), ev.get("code")) == ("rank-failed", "node3", 5, -9)
+    with pytest.raises(ProtocolError, match="schema_version None"):
+        protocol.decode_event('@ck:E {"ev": "exit", "node": "n"}')
+    with pytest.raises(ProtocolError, match="not one this side knows"):
+        protocol.decode_event('@ck:E {"v": 1, "ev": "party", "node": "n"}')
+    assert protocol.control_line("TERM") == b"TERM\n"
+    with pytest.raises(ProtocolError):
+        protocol.control_line("HUP")
+    assert protocol.parse_control(" usr1\n") == "USR1" and protocol.parse_control("??") is None
