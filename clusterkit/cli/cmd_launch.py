@@ -143,12 +143,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     first = planner(options)
     sink = make_sink(len(first.nodes), quiet_ranks=args.quiet, world_size=first.world_size,
                      ranks=args.ranks)
+    registry = Registry(clusterkit_home())
     with transport_for() as transport:
         try:
-            result = launch(options, planner, transport, Registry(clusterkit_home()), settings, sink)
+            result = launch(options, planner, transport, registry, settings, sink)
         finally:
             sink.close()
     _print_summary(result)
+    _save_summary(registry, result)
     return result.exit_code
 
 
@@ -205,6 +207,17 @@ def _print_summary(result: Any) -> None:
         if brief:
             print(f"[clusterkit] summary: {brief}")
         print("CLUSTERKIT_SUMMARY " + json.dumps(s, sort_keys=True))
+
+
+def _save_summary(registry: Any, result: Any) -> None:
+    """Rank 0's summary, once, beside the job record (``jobs/<JOB>/summary.json``)."""
+    from clusterkit.fsutil import atomic_write_text
+
+    summary = result.outcomes[-1].summary
+    if summary is not None:
+        path = registry.path(result.plan.job_id).parent / "summary.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(summary, sort_keys=True, indent=1) + "\n")
 
 
 def _fmt(value: Any) -> str:
