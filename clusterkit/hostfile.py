@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 
 from clusterkit.errors import InventoryError, SelectionError
+from clusterkit.hostrange import HostRangeError, expand, fold
 from clusterkit.inventory import Host, Inventory
 
 # Exactly DeepSpeed's rule: trailing text after slots=N is ignored.
@@ -185,17 +186,68 @@ def select_hosts(
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-def inventory_yaml_from_hostfile(pool: Mapping[str, int], path: str = "<hostfile>") -> str:
+def _single_pattern(names: list[str]) -> str | None:
+    """One host pattern (``node[1-7]``) that expands to exactly ``names`` in order, or None."""
+    folded = fold(names)
+    try:  # "node[1-3],gpu7" expands to other names, so this also rejects several patterns
+        return folded if expand(folded) == names else None
+    except HostRangeError:
+        return None
+
+
+def _fold_runs(pool: Mapping[str, int]) -> list[tuple[list[str], int]]:
+    """Consecutive hosts with the same slots that one range key can name, in file order."""
+    runs: list[tuple[list[str], int]] = []
+    for host, slots in pool.items():
+        if runs and runs[-1][1] == slots and _single_pattern([*runs[-1][0], host]):
+            runs[-1][0].append(host)
+        else:
+            runs.append(([host], slots))
+    return runs
+
+
+_PLACEHOLDERS = """\
+defaults:
+  # What a hostfile cannot say. Fill these in (remove the '#'), then run
+  # `clusterkit inventory validate` and `clusterkit doctor`:
+  # python: /opt/conda/envs/train/bin/python   # same absolute path on every node
+  # workdir: /srv/train                         # where the code is (clusterkit sync puts it there)
+  # checkpoint:
+  #   local_dir: /scratch/ckpt                  # node-local disk
+  #   shared_dir: /mnt/nfs/ckpt                 # or a directory every node sees
+  # gpu_model: A800-80GB-PCIe
+  # ssh:
+  #   user: root                                # else ~/.ssh/config and /etc/ssh/ssh_config decide
+  transport: ssh
+"""
+
+
+def inventory_yaml_from_hostfile(pool: Mapping[str, int], path: str = "<hostfile>", *,
+                                 cpu: bool = False) -> str:
     """Inventory YAML text for an imported hostfile (hosts keep file order).
 
-    DeepSpeed accepts any non-blank name; the inventory only takes names that are
-    safe as host names (they reach shells and pdsh host lists).
+    A hostfile's ``slots=N`` are N GPUs on that host (DeepSpeed's meaning), so
+    ``gpus`` is set from them unless ``cpu``. Consecutive hosts with the same slots
+    fold into one range key; placeholders (commented) name what a hostfile cannot
+    say. DeepSpeed accepts any non-blank name; the inventory only takes names that
+    are safe as host names (they reach shells and pdsh host lists).
     """
-    lines = ["schema_version: 1", "hosts:"]
-    for host, slots in pool.items():
+    for host in pool:
         if not _SAFE_NAME.fullmatch(host):
             raise InventoryError(f"host name {host!r} is not a plain host name", path=path,
                                  hint="use letters, digits, '.', '-' and '_' only")
-        lines.append(f"  {host}:")
-        lines.append(f"    slots: {slots}")
+    why = ("slots are CPU ranks (--cpu): gpus 0" if cpu else
+           "slots=N in a DeepSpeed hostfile means N GPUs: gpus is set from it (CPU slots: "
+           "import again with --cpu)")
+    lines = [f"# Imported from {path} by `clusterkit inventory import-hostfile`.", f"# {why}.",
+             "schema_version: 1", *_PLACEHOLDERS.splitlines(), "hosts:"]
+    for names, slots in _fold_runs(pool):
+        key = _single_pattern(names) or names[0]
+        lines.append(f"  {key}:")
+        lines.append(f"    # address: {_address_hint(names)}   (default: the host name)")
+        lines.append(f"    slots: {slots}" if cpu else f"    gpus: {slots}   # from slots={slots}")
     return "\n".join(lines) + "\n"
+
+
+def _address_hint(names: list[str]) -> str:
+    return f"10.0.0.[11-{10 + len(names)}]" if len(names) > 1 else "10.0.0.11"

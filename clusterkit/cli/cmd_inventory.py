@@ -36,6 +36,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     imp = verbs.add_parser("import-hostfile", help="turn a DeepSpeed hostfile into an inventory")
     imp.add_argument("hostfile", metavar="FILE")
     imp.add_argument("-o", "--out", metavar="FILE", help="write here (atomically) instead of stdout")
+    imp.add_argument("--cpu", action="store_true",
+                     help="the slots are CPU ranks, not GPUs (default: slots=N means N GPUs)")
     imp.set_defaults(func=cmd_import)
 
     exp = verbs.add_parser("export-hostfile", help="print a DeepSpeed hostfile for the inventory")
@@ -90,7 +92,8 @@ def cmd_import(args: argparse.Namespace) -> int:
             text = fh.read()
     except OSError as exc:
         raise InventoryError(f"cannot read hostfile: {exc.strerror}", path=args.hostfile) from None
-    yaml_text = inventory_yaml_from_hostfile(parse_hostfile(text, args.hostfile), args.hostfile)
+    yaml_text = inventory_yaml_from_hostfile(parse_hostfile(text, args.hostfile), args.hostfile,
+                                             cpu=args.cpu)
     parse_inventory(yaml_text, args.out or "<imported>")  # never emit something we cannot read back
     if args.out:
         atomic_write_text(args.out, yaml_text)
