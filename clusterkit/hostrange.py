@@ -148,3 +148,25 @@ def fold(names: Iterable[str]) -> str:
         )
         parts.append(f"{prefix}[{body}]{suffix}")
     return ",".join(parts)
+
+
+def fold_by_text(pairs: Iterable[tuple[str, str]],
+                 order: Iterable[str] | None = None) -> list[tuple[str, str]]:
+    """``(host, text)`` pairs → ``(host range, text)``, one per distinct text (``clubak -b``).
+
+    Texts keep first-seen order; hosts inside a row follow ``order`` when given
+    (inventory = rank order). Texts must not embed their host's name, or nothing folds.
+    """
+    rank = {h: i for i, h in enumerate(order or ())}
+    rows: dict[str, list[str]] = {}
+    for host, text in pairs:
+        hosts = rows.setdefault(text, [])
+        if host not in hosts:
+            hosts.append(host)
+    return [(fold(sorted(hosts, key=lambda h: rank.get(h, len(rank)))), text)
+            for text, hosts in rows.items()]
+
+
+def folded_lines(pairs: Iterable[tuple[str, str]], order: Iterable[str] | None = None) -> list[str]:
+    """``node[1-7]: text`` lines for a per-host report."""
+    return [f"{hosts}: {text}" for hosts, text in fold_by_text(pairs, order)]

@@ -36,6 +36,24 @@ class SSHSettings:
     known_hosts_file: str | None = None
 
 
+def ssh_options(*, user: str | None = None, port: int | None = None,
+                identity_file: str | None = None, proxy_jump: str | None = None,
+                known_hosts_file: str | None = None, accept_new_host_keys: bool = False
+                ) -> dict[str, str]:
+    """The one mapping from inventory SSH fields to ssh_config(5) keywords.
+
+    paramiko (as the first, command-line-like layer), the OpenSSH tar streams
+    (``-o K=V``) and pdsh's rendered ssh_config all take their options from here,
+    so they honour the same fields by construction. Unset fields are left out:
+    ``~/.ssh/config`` then ``/etc/ssh/ssh_config`` decide those, first value wins.
+    """
+    values = {"User": user, "Port": None if port is None else str(port),
+              "IdentityFile": identity_file, "ProxyJump": proxy_jump,
+              "UserKnownHostsFile": known_hosts_file,
+              "StrictHostKeyChecking": "accept-new" if accept_new_host_keys else None}
+    return {k: v for k, v in values.items() if v is not None}
+
+
 @dataclass(frozen=True)
 class CheckpointStorage:
     shared_dir: str | None = None
@@ -57,6 +75,13 @@ class Host:
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
     env_allowlist: tuple[str, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+
+    def ssh_options(self) -> dict[str, str]:
+        """This host's inventory SSH fields as ssh_config keywords (see :func:`ssh_options`)."""
+        s = self.ssh
+        return ssh_options(user=s.user, port=s.port, identity_file=s.identity_file,
+                           proxy_jump=s.proxy_jump, known_hosts_file=s.known_hosts_file)
 
 
 @dataclass(frozen=True)

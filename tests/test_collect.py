@@ -157,10 +157,12 @@ def test_openssh_argv_honours_inventory_fields() -> None:
                   proxy_jump="bastion", config_file="/cfg", known_hosts_file="/kh")
     argv = openssh_argv(t, "tar -cf - x")
     assert argv[-3:] == ["--", "10.0.0.1", "tar -cf - x"]
-    for pair in (["-F", "/cfg"], ["-i", "/k"], ["-l", "me"], ["-p", "2222"], ["-J", "bastion"]):
-        i = argv.index(pair[0])
-        assert argv[i:i + 2] == pair
-    assert "UserKnownHostsFile=/kh" in argv and "BatchMode=yes" in argv
+    assert argv[argv.index("-F") + 1] == "/cfg"
+    # The one options mapping, as -o words (paramiko and pdsh's ssh_config use it too).
+    for word in ("User=me", "Port=2222", "IdentityFile=/k", "ProxyJump=bastion",
+                 "UserKnownHostsFile=/kh"):
+        assert argv[argv.index(word) - 1] == "-o"
+    assert "BatchMode=yes" in argv
     assert "StrictHostKeyChecking=accept-new" not in argv
 
 

@@ -103,3 +103,40 @@ def test_put_get_node_local_dir(
     assert back.read_bytes() == payload
     assert transport.sha256(target, str(inside)) == hashlib.sha256(payload).hexdigest()
     transport.run(target, ["rm", "-rf", str(inside.parent)])
+
+
+@pytest.mark.testbed(nodes=7)
+def test_doctor_with_nodes_described_only_in_system_ssh_config_d(
+        testbed: Testbed, testbed_nodes: list[TestNode], tmp_path: Path) -> None:
+    """The issue-12 cluster: the inventory lists only names; /etc/ssh/ssh_config's
+    ``Include /etc/ssh/ssh_config.d/*.conf`` says HostName, User, IdentityFile and
+    UserKnownHostsFile. Run in a private mount namespace with those files bind-mounted
+    over /etc/ssh (nothing outside this test sees them)."""
+    import json
+    import shlex
+    import subprocess
+    import sys
+
+    import yaml
+
+    from clusterkit.hostrange import fold
+
+    etc = tmp_path / "etc-ssh"
+    (etc / "ssh_config.d").mkdir(parents=True)
+    (etc / "ssh_config").write_text("Include /etc/ssh/ssh_config.d/*.conf\nHost *\n"
+                                    "    SendEnv LANG LC_*\n    HashKnownHosts yes\n")
+    (etc / "ssh_config.d" / "cluster.conf").write_text(testbed.ssh_config.read_text())
+    inv = testbed.inventory_dict(testbed_nodes)
+    del inv["defaults"]["ssh"]  # nothing about SSH in the inventory
+    inv["hosts"] = {fold(n.name for n in testbed_nodes): {}}  # names only, no address
+    (tmp_path / "inv.yaml").write_text(yaml.safe_dump(inv, sort_keys=False))
+    doctor = [sys.executable, "-m", "clusterkit", "doctor", "-i", str(tmp_path / "inv.yaml"),
+              "--json", "--connect-timeout", "5"]
+    script = (f"mount --make-rprivate / && mount --bind {shlex.quote(str(etc))} /etc/ssh && "
+              f"{shlex.join(doctor)}")
+    res = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
+                         timeout=240, check=False)
+    report = json.loads(res.stdout)
+    assert not report["unreachable"], res.stderr[-2000:]
+    ssh_ok = {f["host"] for f in report["findings"] if f["check"] == "ssh" and f["status"] == "PASS"}
+    assert ssh_ok == {n.name for n in testbed_nodes}

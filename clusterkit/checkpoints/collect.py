@@ -49,6 +49,7 @@ from clusterkit.checkpoints.transfer import (
 )
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text
+from clusterkit.hostrange import folded_lines
 from clusterkit.node.ship import NodeCommand
 from clusterkit.remote.base import SSHTarget, Transport
 
@@ -154,15 +155,11 @@ def hash_sources(transport: Transport, nodes: Sequence[CollectNode], plan: Colle
     group = transport.run_all([n.target for n in involved], {k: c.argv for k, c in cmds.items()},
                               timeout=HASH_TIMEOUT_S, stdin=_shared_stdin(cmds))
     hashes: dict[tuple[str, str], Hashed] = {}
-    problems: list[str] = []
+    problems = folded_lines([(r.host, f"cannot hash ({r.reason()})") for r in group.failed],
+                            [n.name for n in involved])
     for node, res in zip(involved, group, strict=True):
-        if res.error is not None:
-            problems.append(f"{node.name}: cannot hash ({res.error.kind}): {res.error.message}")
-            continue
-        if res.result is None or not res.result.ok:
-            err = res.result.stderr.strip()[-300:] if res.result else ""
-            problems.append(f"{node.name}: hashing failed: {err}")
-            continue
+        if res.result is None or not res.ok:
+            continue  # reported above, folded with the nodes that failed the same way
         try:
             files, errors = parse_hashes(res.result.stdout)
         except (ValueError, KeyError, IndexError, TypeError) as exc:

@@ -28,6 +28,7 @@ from typing import Any
 
 from clusterkit.checkpoints import layout
 from clusterkit.errors import CheckpointError
+from clusterkit.hostrange import folded_lines
 from clusterkit.node.listing import LISTING_VERSION
 from clusterkit.node.ship import NodeCommand, node_command
 
@@ -168,9 +169,11 @@ def choose_tag(listings: Sequence[NodeListing], requested: str) -> tuple[str | N
 
 def verify(listings: Sequence[NodeListing], requested_tag: str = "latest") -> CollectPlan:
     """Check completeness across nodes; raise :class:`CheckpointIncomplete` with every problem."""
-    problems = [f"{ls.node}: {ls.error}" for ls in listings if ls.error]
-    problems += [f"{ls.node}: checkpoint directory {ls.root} does not exist"
-                 for ls in listings if not ls.error and not ls.exists]
+    # Nodes that failed the same way share one line: "node[1-7]: cannot list (...)".
+    order = [ls.node for ls in listings]
+    problems = folded_lines([(ls.node, ls.error) for ls in listings if ls.error], order)
+    problems += folded_lines([(ls.node, f"checkpoint directory {ls.root} does not exist")
+                              for ls in listings if not ls.error and not ls.exists], order)
     if problems:
         raise CheckpointIncomplete(None if requested_tag == "latest" else requested_tag, problems)
     tag, problems = choose_tag(listings, requested_tag)

@@ -287,25 +287,19 @@ class _Receiver:
 
 def openssh_argv(target: SSHTarget, command: str,
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> list[str]:
-    """``ssh`` argv honouring the same inventory fields the paramiko transport uses."""
+    """``ssh`` argv with the target's options as ``-o`` words (:meth:`SSHTarget.options`).
+
+    ssh then reads ~/.ssh/config and /etc/ssh/ssh_config itself, first value wins —
+    the same order the paramiko transport follows (clusterkit.remote.sshconfig).
+    """
     argv = ["ssh", "-T", "-x", "-a", "-o", "BatchMode=yes", "-o", "Compression=no",
             "-o", f"ConnectTimeout={max(1, int(connect_timeout))}",
             "-o", f"ServerAliveInterval={SERVER_ALIVE_S}", "-o", "ServerAliveCountMax=4",
             "-c", SSH_CIPHERS]
     if target.config_file:
         argv += ["-F", target.config_file]
-    if target.identity_file:
-        argv += ["-i", target.identity_file]
-    if target.user:
-        argv += ["-l", target.user]
-    if target.port:
-        argv += ["-p", str(target.port)]
-    if target.proxy_jump:
-        argv += ["-J", target.proxy_jump]
-    if target.known_hosts_file:
-        argv += ["-o", f"UserKnownHostsFile={target.known_hosts_file}"]
-    if target.accept_new_host_keys:
-        argv += ["-o", "StrictHostKeyChecking=accept-new"]
+    for key, value in target.options().items():  # the one mapping paramiko and pdsh use too
+        argv += ["-o", f"{key}={value}"]
     return [*argv, "--", target.address, command]
 
 

@@ -47,7 +47,7 @@ from clusterkit.checks.rules import (
 from clusterkit.errors import TransportError
 from clusterkit.hostrange import fold
 from clusterkit.inventory import Host
-from clusterkit.remote.base import CommandResult, RemoteProcess, SSHTarget, Transport
+from clusterkit.remote.base import CommandResult, RemoteProcess, SSHTarget, Transport, target_for
 from clusterkit.remote.fanout import fan_out
 
 DEFAULT_MASTER_PORT = 29500
@@ -90,15 +90,6 @@ class DoctorPlan:
     @property
     def master(self) -> NodeProbe | None:
         return self.nodes[0] if self.nodes else None
-
-
-def target_for(host: Host, *, accept_new_host_keys: bool = False) -> SSHTarget:
-    return SSHTarget(
-        name=host.name, address=host.address, user=host.ssh.user, port=host.ssh.port,
-        identity_file=host.ssh.identity_file, proxy_jump=host.ssh.proxy_jump,
-        config_file=host.ssh.config_file, known_hosts_file=host.ssh.known_hosts_file,
-        accept_new_host_keys=accept_new_host_keys, local=host.transport == "local",
-    )
 
 
 def plan_doctor(

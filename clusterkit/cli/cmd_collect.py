@@ -20,7 +20,7 @@ from clusterkit.cli.common import (
 )
 from clusterkit.errors import CheckpointError
 from clusterkit.inventory import Host
-from clusterkit.remote.base import SSHTarget
+from clusterkit.remote.base import target_for
 
 DEFAULT_DEST = "checkpoints-collected"
 PLAIN_EVERY_S = 2.0
@@ -62,14 +62,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 # ------------------------------------------------------------------ nodes
 
 
-def _target_for(host: Host) -> SSHTarget:
-    return SSHTarget(
-        name=host.name, address=host.address, user=host.ssh.user, port=host.ssh.port,
-        identity_file=host.ssh.identity_file, proxy_jump=host.ssh.proxy_jump,
-        config_file=host.ssh.config_file, known_hosts_file=host.ssh.known_hosts_file,
-        local=host.transport == "local")
-
-
 def _root(pattern: str | None, host: Host | None, name: str, index: int) -> str:
     value = pattern or (host.checkpoint.local_dir if host else None)
     if not value:
@@ -104,7 +96,7 @@ def resolve_nodes(args: argparse.Namespace) -> tuple[list[Any], list[int], str]:
     inventory = resolve_inventory(args.inventory)
     chosen = select_hosts(inventory, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                           include=args.include, exclude=args.exclude)
-    nodes = [CollectNode(h.name, _target_for(h), h.python or "python3",
+    nodes = [CollectNode(h.name, target_for(h), h.python or "python3",
                          _root(args.dir, h, h.name, i)) for i, (h, _) in enumerate(chosen)]
     return nodes, [len(s) for _, s in chosen], DEFAULT_DEST
 

@@ -9,10 +9,9 @@ node (it kills by ``CLUSTERKIT_JOB_ID``, never by command line).
 from __future__ import annotations
 
 from clusterkit.errors import LaunchError
-from clusterkit.inventory import Host
 from clusterkit.launch.orchestrator import JobSpec, NodeTask
 from clusterkit.plan.model import LaunchPlan, NodeCommand, NodePlan
-from clusterkit.remote.base import SSHTarget
+from clusterkit.remote.base import target_for as target_for  # the one host -> target function
 
 LAUNCH_BACKENDS = ("torchrun", "deepspeed", "accelerate")
 # How each launcher marks its ranks' lines (see agent.Spec.prefix).
@@ -20,15 +19,6 @@ OUTPUT_PREFIX = {"torchrun": "torchrun", "deepspeed": "pdsh", "accelerate": "tor
 # What `clusterkit launch --launcher X` runs: native = the torchrun plan, ranks started
 # by the node agents themselves.
 LAUNCHERS = ("native", "torchrun", "deepspeed", "accelerate")
-
-
-def target_for(host: Host) -> SSHTarget:
-    return SSHTarget(
-        name=host.name, address=host.address, user=host.ssh.user, port=host.ssh.port,
-        identity_file=host.ssh.identity_file, proxy_jump=host.ssh.proxy_jump,
-        config_file=host.ssh.config_file, known_hosts_file=host.ssh.known_hosts_file,
-        local=host.transport == "local",
-    )
 
 
 RANK_LOG_FLAG = "--enable_each_rank_log="

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clusterkit.errors import LaunchError
+from clusterkit.hostrange import folded_lines
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import SSHTarget, Transport
 
@@ -52,7 +53,7 @@ def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[
     problems: dict[str, str] = {}
     for r in results:
         if r.error is not None:
-            problems[r.host] = r.error.one_line()
+            problems[r.host] = r.reason() or ""  # without the host's name: reports fold
             continue
         assert r.result is not None
         if r.result.exit_code != 0:
@@ -98,11 +99,11 @@ def _parity(facts: dict[str, dict[str, object]], order: Sequence[str]) -> dict[s
 
 
 def gate_error(result: GateResult) -> LaunchError:
-    first, why = next(iter(result.problems.items()))
-    more = len(result.problems) - 1
+    # Nodes with the same problem share one "node[1-7]: why" part (clubak -b).
+    rows = folded_lines(result.problems.items())
     return LaunchError(
-        f"pre-launch check failed on {len(result.problems)} node(s); {first}: {why}"
-        + (f" (and {more} more: {', '.join(list(result.problems)[1:6])})" if more else ""),
+        f"pre-launch check failed on {len(result.problems)} node(s): " + "; ".join(rows[:6])
+        + (f"; and {len(rows) - 6} more" if len(rows) > 6 else ""),
         host=None,
         hint="fix the node (or pass --exclude NODE); `clusterkit doctor` explains more; "
              "--skip-checks skips this gate",

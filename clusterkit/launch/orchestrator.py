@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 from clusterkit.errors import TransportError
+from clusterkit.hostrange import folded_lines
 from clusterkit.launch.console import Sink
 from clusterkit.launch.gate import GATE_TIMEOUT_S, GateResult, judge
 from clusterkit.node import protocol
@@ -329,8 +330,8 @@ class Orchestrator:
         if self._gate.ok:
             self._broadcast("GO")
             return
-        for node, why in self._gate.problems.items():
-            self.sink.info(f"{node}: {why}")
+        for line in folded_lines(self._gate.problems.items(), list(self.nodes)):
+            self.sink.info(line)  # "node[1-7]: why": nodes with one problem share a line
         self._begin_teardown()  # the holding agents exit without starting anything
 
     def _gate_timeout(self) -> None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from clusterkit.errors import TransportError
+from clusterkit.hostrange import fold_by_text
+from clusterkit.inventory import Host, ssh_options
 
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
@@ -39,6 +41,23 @@ class SSHTarget:
     # OpenSSH StrictHostKeyChecking=accept-new behaviour; a *changed* key is always refused.
     accept_new_host_keys: bool = False
     local: bool = False  # run on this machine without SSH (embedded default / virtual nodes)
+
+    def options(self) -> dict[str, str]:
+        """The explicit ssh_config options of this target (the one mapping, see
+        :func:`clusterkit.inventory.ssh_options`); ``address`` is the host argument."""
+        return ssh_options(user=self.user, port=self.port, identity_file=self.identity_file,
+                           proxy_jump=self.proxy_jump, known_hosts_file=self.known_hosts_file,
+                           accept_new_host_keys=self.accept_new_host_keys)
+
+
+def target_for(host: Host, *, accept_new_host_keys: bool = False) -> SSHTarget:
+    """The one function from an inventory host to what the transports connect to."""
+    return SSHTarget(
+        name=host.name, address=host.address, user=host.ssh.user, port=host.ssh.port,
+        identity_file=host.ssh.identity_file, proxy_jump=host.ssh.proxy_jump,
+        config_file=host.ssh.config_file, known_hosts_file=host.ssh.known_hosts_file,
+        accept_new_host_keys=accept_new_host_keys, local=host.transport == "local",
+    )
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,18 @@ class HostResult:
     def ok(self) -> bool:
         return self.error is None and self.result is not None and self.result.ok
 
+    def reason(self) -> str | None:
+        """Why this host failed, without its name (so equal reasons fold); None when ok."""
+        if self.error is not None:
+            text = f"{self.error.kind}: {self.error.message}"
+            return f"{text} — {self.error.hint}" if self.error.hint else text
+        if self.result is None:
+            return "no result"
+        if self.result.ok:
+            return None
+        tail = (self.result.stderr.strip() or self.result.stdout.strip()).splitlines()[-1:]
+        return f"exit {self.result.exit_code}" + (f": {tail[0][:300]}" if tail else "")
+
 
 @dataclass(frozen=True)
 class GroupResult:
@@ -93,6 +124,26 @@ class GroupResult:
     @property
     def failed(self) -> tuple[HostResult, ...]:
         return tuple(r for r in self.results if not r.ok)
+
+    def folded_failures(self) -> list[tuple[str, str]]:
+        """``(host range, reason)`` rows: hosts that failed the same way share one row."""
+        return fold_by_text(((r.host, r.reason() or "") for r in self.failed),
+                            [r.host for r in self.results])
+
+    def raise_on_failure(self, what: str) -> None:
+        if self.failed:
+            raise GroupError(what, self)
+
+
+class GroupError(TransportError):
+    """Some hosts of a group failed; the message folds hosts with identical reasons."""
+
+    def __init__(self, what: str, group: GroupResult) -> None:
+        rows = group.folded_failures()
+        text = "; ".join(f"{hosts}: {reason}" for hosts, reason in rows)
+        super().__init__(f"{what} failed on {len(group.failed)} of {len(group)} host(s): {text}",
+                         kind="group")
+        self.group = group
 
 
 @dataclass(frozen=True)

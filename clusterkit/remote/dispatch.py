@@ -20,7 +20,7 @@ from clusterkit.remote.base import (
     RemoteProcess,
     SSHTarget,
 )
-from clusterkit.remote.fanout import argv_for, fan_out
+from clusterkit.remote.fanout import run_all
 from clusterkit.remote.local import LocalTransport
 
 if TYPE_CHECKING:
@@ -77,11 +77,9 @@ class DispatchTransport:
         max_parallel: int = DEFAULT_MAX_PARALLEL,
         stdin: bytes | None = None,
     ) -> GroupResult:
-        def work(target: SSHTarget) -> CommandResult:
-            return self.run(target, argv_for(argv, target), timeout=timeout, env=env, stdin=stdin)
-
-        budget = timeout if all(t.local for t in targets) else self.ssh.connect_budget_s + timeout
-        return fan_out(targets, work, per_host_budget_s=budget, max_parallel=max_parallel)
+        budget = 0.0 if all(t.local for t in targets) else self.ssh.connect_budget_s
+        return run_all(self, targets, argv, timeout=timeout, env=env, max_parallel=max_parallel,
+                       stdin=stdin, connect_budget_s=budget)
 
     def start(
         self, target: SSHTarget, argv: Sequence[str], *, env: Mapping[str, str] | None = None

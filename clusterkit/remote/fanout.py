@@ -12,9 +12,15 @@ from __future__ import annotations
 import concurrent.futures as cf
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from clusterkit.errors import TransportError
 from clusterkit.remote.base import CommandResult, GroupResult, HostResult, SSHTarget
+
+
+class _Runs(Protocol):
+    def run(self, target: SSHTarget, argv: Sequence[str], *, timeout: float = ...,
+            env: Mapping[str, str] | None = ..., stdin: bytes | None = ...) -> CommandResult: ...
 
 # Added to each wave's budget: thread start-up, key loading, result collection.
 _SLACK_S = 5.0
@@ -27,6 +33,26 @@ def argv_for(argv: Sequence[str] | Mapping[str, Sequence[str]], target: SSHTarge
             raise TransportError("no command given for this host", kind="usage", host=target.name)
         return list(argv[target.name])
     return list(argv)
+
+
+def run_all(
+    transport: _Runs,
+    targets: Sequence[SSHTarget],
+    argv: Sequence[str] | Mapping[str, Sequence[str]],
+    *,
+    timeout: float,
+    env: Mapping[str, str] | None,
+    max_parallel: int,
+    stdin: bytes | None,
+    connect_budget_s: float,
+) -> GroupResult:
+    """The one ``run_all``: ``transport.run`` on every target, bounded and in order."""
+
+    def work(target: SSHTarget) -> CommandResult:
+        return transport.run(target, argv_for(argv, target), timeout=timeout, env=env, stdin=stdin)
+
+    return fan_out(targets, work, per_host_budget_s=connect_budget_s + timeout,
+                   max_parallel=max_parallel)
 
 
 def as_transport_error(exc: Exception, host: str) -> TransportError:

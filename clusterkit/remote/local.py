@@ -29,7 +29,7 @@ from clusterkit.remote.base import (
     SSHTarget,
 )
 from clusterkit.remote.command import check_argv, check_env
-from clusterkit.remote.fanout import argv_for, fan_out
+from clusterkit.remote.fanout import run_all
 from clusterkit.remote.streams import LineQueue
 
 _T = TypeVar("_T")
@@ -122,10 +122,8 @@ class LocalTransport:
         max_parallel: int = DEFAULT_MAX_PARALLEL,
         stdin: bytes | None = None,
     ) -> GroupResult:
-        def work(target: SSHTarget) -> CommandResult:
-            return self.run(target, argv_for(argv, target), timeout=timeout, env=env, stdin=stdin)
-
-        return fan_out(targets, work, per_host_budget_s=timeout, max_parallel=max_parallel)
+        return run_all(self, targets, argv, timeout=timeout, env=env, max_parallel=max_parallel,
+                       stdin=stdin, connect_budget_s=0.0)
 
     def start(
         self,

@@ -40,7 +40,7 @@ from clusterkit.remote.base import (
     SSHTarget,
 )
 from clusterkit.remote.command import check_argv, check_env, remote_command
-from clusterkit.remote.fanout import argv_for, fan_out
+from clusterkit.remote.fanout import run_all
 from clusterkit.remote.sshconfig import MAX_JUMP_DEPTH, ConfigCache, Endpoint, resolve
 from clusterkit.remote.streams import LineQueue
 
@@ -324,15 +324,8 @@ class SSHTransport:
         max_parallel: int = DEFAULT_MAX_PARALLEL,
         stdin: bytes | None = None,
     ) -> GroupResult:
-        def work(target: SSHTarget) -> CommandResult:
-            return self.run(target, argv_for(argv, target), timeout=timeout, env=env, stdin=stdin)
-
-        return fan_out(
-            targets,
-            work,
-            per_host_budget_s=self.connect_budget_s + timeout,
-            max_parallel=max_parallel,
-        )
+        return run_all(self, targets, argv, timeout=timeout, env=env, max_parallel=max_parallel,
+                       stdin=stdin, connect_budget_s=self.connect_budget_s)
 
     @property
     def connect_budget_s(self) -> float:
@@ -573,7 +566,7 @@ def _getaddrinfo(ep: Endpoint, timeout: float) -> list[Any]:
         return list(box["addrs"])
     reason = "timed out" if thread.is_alive() else str(box["error"])
     raise TransportError(
-        f"cannot resolve host name {ep.hostname!r} ({reason})",
+        f"cannot resolve the host's address ({reason})",
         kind="resolve",
         host=ep.label,
         hint="check the address in the inventory or HostName in ~/.ssh/config, and /etc/hosts or DNS",
@@ -604,12 +597,19 @@ def _tune_socket(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, _TCP_USER_TIMEOUT_MS)
 
 
+def _where(ep: Endpoint) -> str:
+    """The endpoint in a message, without the host's own name or address: reports fold
+    identical messages of many hosts into one ``node[1-7]`` row (``ssh -G HOST`` shows
+    the address)."""
+    return f"port {ep.port}"
+
+
 def _connect_error(errors: list[OSError], ep: Endpoint, timeout: float) -> TransportError:
-    where = f"{ep.hostname}:{ep.port}"
+    where = _where(ep)
     codes = {e.errno for e in errors}
     if errno.ECONNREFUSED in codes:
         return TransportError(
-            f"connection refused by {where}",
+            f"connection refused on {where}",
             kind="refused",
             host=ep.label,
             hint=f"is sshd running and listening on port {ep.port}?",
@@ -632,7 +632,7 @@ def _connect_error(errors: list[OSError], ep: Endpoint, timeout: float) -> Trans
 
 
 def _open_tunnel(bastion: _Connection, ep: Endpoint, timeout: float) -> paramiko.Channel:
-    where = f"{ep.hostname}:{ep.port}"
+    where = _where(ep)
     via = bastion.endpoint.label
     try:
         chan = bastion.transport.open_channel(
@@ -642,9 +642,9 @@ def _open_tunnel(bastion: _Connection, ep: Endpoint, timeout: float) -> paramiko
         reason = _OPEN_FAILURES.last.get(bastion.transport.get_log_channel(), str(exc.text))
         text = reason.lower()
         if "refused" in text:
-            kind, what = "refused", f"connection refused by {where} (seen from jump host {via})"
+            kind, what = "refused", f"connection refused on {where} (seen from jump host {via})"
         elif "resolve" in text or "not known" in text or "unknown host" in text:
-            kind, what = "resolve", f"jump host {via} cannot resolve {ep.hostname!r}"
+            kind, what = "resolve", f"jump host {via} cannot resolve the host's address"
         elif any(w in text for w in ("timed out", "unreachable", "no route")):
             kind, what = "timeout", f"{where} unreachable from jump host {via}"
         else:
@@ -677,7 +677,7 @@ def _prefer_known_key_types(transport: paramiko.Transport, ep: Endpoint) -> None
 
 def _handshake_error(exc: BaseException, ep: Endpoint, timeout: float) -> TransportError:
     text = str(exc)
-    where = f"{ep.hostname}:{ep.port}"
+    where = _where(ep)
     if "banner" in text.lower():
         return TransportError(
             f"no SSH banner from {where} within {timeout:g}s ({text.strip()})",
@@ -731,7 +731,7 @@ def _try_key(ep: Endpoint, transport: paramiko.Transport, key: paramiko.PKey, ti
         remaining = transport.auth_publickey(ep.user, key)
     except paramiko.BadAuthenticationType as exc:
         raise TransportError(
-            f"{ep.user}@{ep.hostname} does not accept public keys "
+            f"user {ep.user} cannot log in with a public key "
             f"(allows: {', '.join(exc.allowed_types) or 'nothing'})",
             kind="auth",
             host=ep.label,
@@ -747,7 +747,7 @@ def _try_key(ep: Endpoint, transport: paramiko.Transport, key: paramiko.PKey, ti
         return False
     except (paramiko.SSHException, EOFError, OSError) as exc:
         raise TransportError(
-            f"{ep.hostname} closed the connection during authentication ({exc})",
+            f"the host closed the connection during authentication ({exc})",
             kind="auth",
             host=ep.label,
             hint="too many keys offered (sshd MaxAuthTries)? set identity_file / IdentitiesOnly",
@@ -755,7 +755,7 @@ def _try_key(ep: Endpoint, transport: paramiko.Transport, key: paramiko.PKey, ti
     if transport.is_authenticated():
         return True
     raise TransportError(
-        f"{ep.hostname} wants further authentication ({', '.join(remaining)}) after the key",
+        f"the host wants further authentication ({', '.join(remaining)}) after the key",
         kind="auth",
         host=ep.label,
         hint="clusterkit supports key-only logins",
@@ -767,7 +767,7 @@ def _auth_failed(ep: Endpoint, offered: list[str], notes: list[str]) -> Transpor
     if notes:
         detail += f"; skipped {'; '.join(notes)}"
     return TransportError(
-        f"authentication failed for {ep.user}@{ep.hostname} ({detail})",
+        f"authentication failed for user {ep.user} ({detail})",
         kind="auth",
         host=ep.label,
         hint=f"add your public key to ~{ep.user}/.ssh/authorized_keys there, or set "

@@ -3,7 +3,9 @@
 pdsh connects to the host *names* of the hostfile and cannot take per-host ssh
 options; ``PDSH_SSH_ARGS_APPEND="-F <job dir>/ssh_config"`` points ssh at this file,
 which maps every name to its inventory address, user, port, key and jump host, and
-then includes the user's own configuration for everything else (first value wins).
+then includes, for everything else, what ssh would have read without ``-F``:
+``~/.ssh/config`` then ``/etc/ssh/ssh_config`` (first value wins), or the
+inventory's ``config_file`` alone, which replaces both as ``ssh -F`` does.
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ def render_ssh_config(hosts: Sequence[Host]) -> str:
     for host in hosts:
         lines.append(f"Host {ssh_config_value(host.name, 'host name')}")
         lines.append(f"    HostName {ssh_config_value(host.address, 'address')}")
-        ssh = host.ssh
-        for key, value in (("User", ssh.user), ("Port", None if ssh.port is None else str(ssh.port)),
-                           ("IdentityFile", ssh.identity_file), ("ProxyJump", ssh.proxy_jump),
-                           ("UserKnownHostsFile", ssh.known_hosts_file)):
-            if value is not None:
-                lines.append(f"    {key} {ssh_config_value(value, f'ssh.{key}')}")
+        # The one options mapping (clusterkit.inventory.ssh_options): paramiko and the
+        # OpenSSH tar streams honour exactly these fields too.
+        for key, value in host.ssh_options().items():
+            lines.append(f"    {key} {ssh_config_value(value, f'ssh.{key}')}")
         lines.append("    BatchMode yes")
         lines.append(f"    ConnectTimeout {CONNECT_TIMEOUT_S}")
-    configs = sorted({h.ssh.config_file or "~/.ssh/config" for h in hosts})
+    # -F replaces both default files: include them again, in OpenSSH's order.
+    defaults = ["~/.ssh/config", "/etc/ssh/ssh_config"]
+    explicit = sorted({h.ssh.config_file for h in hosts if h.ssh.config_file})
+    configs = explicit + (defaults if any(not h.ssh.config_file for h in hosts) else [])
     lines.append("Host *")
     lines.extend(f"    Include {ssh_config_value(c, 'ssh.config_file')}" for c in configs)
     return "\n".join(lines) + "\n"
