@@ -238,9 +238,35 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *,
         if listener is not None:
             listener.close()
     findings = (run_rules(facts, _with_windows(plan.ctx, windows)) + port_findings
-                + startup_findings(startup))
+                + startup_findings(startup) + clusterkit_parity(facts))
     timings = {"facts": t_facts, **stats, "total": time.monotonic() - started}
     return DoctorReport(plan, facts, tuple(findings), timings)
+
+
+def clusterkit_parity(facts: Mapping[str, NodeFacts], digest: str | None = None) -> list[Finding]:
+    """Each reachable node's clusterkit against the launcher's (same sources, or not).
+
+    WARN, not FAIL: only the bundled workload needs clusterkit on the nodes.
+    """
+    from clusterkit.remote.install import local_digest
+
+    want = digest or local_digest()
+    out = []
+    for f in facts.values():
+        if not f.ok or f.probe_ms is None:
+            continue
+        if f.clusterkit_digest == want:
+            out.append(Finding("version.clusterkit", Status.PASS, f.host,
+                               "same clusterkit as the launcher"))
+        elif f.clusterkit_digest is None:
+            out.append(Finding("version.clusterkit", Status.WARN, f.host,
+                               "clusterkit is not installed (only the bundled workload needs it)",
+                               "`clusterkit nodes install` (a wheel of this clusterkit, offline)"))
+        else:
+            out.append(Finding("version.clusterkit", Status.WARN, f.host,
+                               f"clusterkit {f.clusterkit_version} here is not the launcher's "
+                               "(other sources)", "`clusterkit nodes install`"))
+    return out
 
 
 def _with_windows(ctx: DoctorContext, windows: Mapping[str, tuple[float, float]]) -> DoctorContext:

@@ -75,6 +75,10 @@ class NodeFacts:
     parse_errors: Mapping[str, str] = field(default_factory=dict)
     probe_ms: float | None = None
     heavy_modules: tuple[str, ...] = ()
+    # clusterkit importable on the node (only the bundled workload needs it) and its
+    # source digest: the same digest as the launcher's means the same code.
+    clusterkit_version: str | None = None
+    clusterkit_digest: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -165,6 +169,8 @@ def from_probe_json(host: str, data: Mapping[str, Any]) -> NodeFacts:
         parse_errors=parse_errors,
         probe_ms=_d(data, "probe", "elapsed_ms"),
         heavy_modules=tuple(_d(data, "probe", "heavy_modules_imported") or ()),
+        clusterkit_version=_s(_d(data, "clusterkit", "version")),
+        clusterkit_digest=_s(_d(data, "clusterkit", "digest")),
     )
 
 

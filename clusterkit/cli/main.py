@@ -25,6 +25,8 @@ VERB_MODULES = (
     "clusterkit.cli.cmd_collect",
     "clusterkit.cli.cmd_sbatch",
     "clusterkit.cli.cmd_plan",
+    "clusterkit.cli.cmd_sync",
+    "clusterkit.cli.cmd_nodes",
 )
 
 

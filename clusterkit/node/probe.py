@@ -226,6 +226,19 @@ def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def section_clusterkit() -> JSON:
+    """The clusterkit importable here (version, source digest), for parity with the launcher.
+
+    From the shipped gatefacts module; a probe copied by hand has none: empty.
+    """
+    try:
+        from clusterkit.node.gatefacts import _clusterkit
+    except ImportError:
+        return {}
+    found = _clusterkit()
+    return {"version": found["clusterkit"], "digest": found["clusterkit_digest"]}
+
+
 def section_packages() -> JSON:
     dists = _scan_distributions()
     items = sorted(f"{name}=={ver}" for name, (ver, _loc) in dists.items())
@@ -562,6 +575,7 @@ def collect_facts(workdir: str | None, ckpt_dirs: Sequence[str], peers: Sequence
     sect("shm", section_shm, {})
     sect("limits", section_limits, {})
     sect("env", section_env, {})
+    sect("clusterkit", section_clusterkit, {})
     # The slow, I/O-bound sections run side by side.
     slow = _parallel({
         "gpu": lambda: section_gpu(tools),

@@ -32,11 +32,13 @@ BUNDLE_VERSION = 1
 # Each program with the node modules it imports, dependencies first.
 PROGRAMS: dict[str, tuple[str, ...]] = {
     "agent": ("protocol", "gatefacts", "agent"),
-    "probe": ("probe",),
+    "probe": ("gatefacts", "probe"),
     "bw_worker": ("bw_worker",),
     "listing": ("listing",),
     "hashing": ("hashing",),
     "gatefacts": ("gatefacts",),
+    "sync": ("sync",),
+    "install": ("gatefacts", "install"),
 }
 
 BOOTSTRAP = (

@@ -65,6 +65,24 @@ FIRST_HOST_OCTET = 10
 MAX_NODES = 254 - FIRST_HOST_OCTET
 NODE_INIT = Path(__file__).with_name("node_init.sh")
 SSHD = "/usr/sbin/sshd"
+NODE_PYTHON_ENV = "CLUSTERKIT_TESTBED_PYTHON"
+# sitecustomize of the test bed's clusterkit-less venv (see python_without_clusterkit).
+NO_CLUSTERKIT = """\
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if "clusterkit" not in repr(f).lower()]
+sys.path[:] = [p for p in sys.path if not p.rstrip("/").endswith("/work/main")]
+
+
+class _NoClusterkit:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "clusterkit" or name.startswith("clusterkit."):
+            raise ModuleNotFoundError("No module named 'clusterkit' (test bed node without it)")
+        return None
+
+
+sys.meta_path.insert(0, _NoClusterkit)
+"""
 REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "umount", "mountpoint", "ssh")
 
 
@@ -269,6 +287,26 @@ class Testbed:
     @property
     def inventory_path(self) -> Path:
         return self.root / "inventory.yaml"
+
+    def python_without_clusterkit(self) -> str:
+        """A node interpreter that cannot import clusterkit (torch, deepspeed... it keeps).
+
+        A venv over this interpreter's site-packages, whose sitecustomize (run after
+        every .pth, so after the editable-install finder) removes that finder and
+        refuses ``import clusterkit``: what a cluster node without clusterkit looks
+        like. Created once per test bed under its root (every node sees the path).
+        """
+        venv = self.root / "venv-no-clusterkit"
+        python = venv / "bin" / "python"
+        if python.exists():
+            return str(python)
+        with flock(self.root / ".venv.lock"):
+            if not python.exists():
+                run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                     str(venv)], timeout=120)
+                site_dir = next((venv / "lib").glob("python3*/site-packages"))
+                write_atomic(site_dir / "sitecustomize.py", NO_CLUSTERKIT)
+        return str(python)
 
     def node(self, node: TestNode | str) -> TestNode:
         name = node if isinstance(node, str) else node.name
@@ -506,6 +544,14 @@ class Testbed:
                          config_file=str(self.ssh_config),
                          known_hosts_file=str(self.known_hosts))
 
+    def node_python(self) -> str:
+        """The inventory's python: this interpreter, or with CLUSTERKIT_TESTBED_PYTHON=
+        no-clusterkit one that cannot import clusterkit (nodes need only a Python)."""
+        want = os.environ.get(NODE_PYTHON_ENV, "")
+        if want == "no-clusterkit":
+            return self.python_without_clusterkit()
+        return want or sys.executable
+
     def inventory_dict(self, nodes: Sequence[TestNode | str] | None = None, slots: int = 2,
                        **defaults_overrides: Any) -> dict[str, Any]:
         chosen = [self.node(n) for n in nodes] if nodes is not None else self.nodes
@@ -517,7 +563,7 @@ class Testbed:
             "gpus": 0,
             "slots": slots,
             # Nodes share the host's filesystem, so this path is valid on every node.
-            "python": sys.executable,
+            "python": self.node_python(),
             "workdir": str(self.root / "work"),
             "checkpoint": {"shared_dir": str(self.shared_dir / "ckpt"),
                            "local_dir": str(self.local_mountpoint / "ckpt")},
