@@ -114,7 +114,7 @@ def test_baseline_json_and_fix_env(bed: Bed) -> None:
     text = out.getvalue()
     assert code == 0
     assert "wrote" in text and "NCCL_SOCKET_IFNAME==eth0" in text  # never silent
-    python = sys.executable.rsplit("/", 1)[0]
+    python = bed.tb.node_python().rsplit("/", 1)[0]  # the inventory's interpreter
     assert env_file.read_text() == ("HF_HOME=/data/hf\nNCCL_SOCKET_IFNAME==eth0\n"
                                     f"GLOO_SOCKET_IFNAME=eth0\nPATH={python}:$PATH\n")
 
@@ -135,7 +135,7 @@ def test_other_interpreter_path(bed: Bed) -> None:
         link.parent.rmdir()
     assert code == 2
     f = assert_only(bed, report, node, "python.path", "FAIL", "altpy/python3")
-    assert sys.executable in f["detail"]
+    assert bed.tb.node_python() in f["detail"]
 
 
 def test_pdsh_missing_on_runner_node(bed: Bed) -> None:
@@ -164,7 +164,7 @@ def test_ninja_missing_from_path(bed: Bed) -> None:
             bed.inside(node, "umount", p)
     assert code == 1  # a warning; --strict turns it into exit 1
     f = assert_only(bed, report, node, "ninja", "WARN", "not on the PATH")
-    assert sys.executable.rsplit("/", 1)[0] in f["fix"]
+    assert bed.tb.node_python().rsplit("/", 1)[0] in f["fix"]
 
 
 def test_other_torch_version(bed: Bed) -> None:

@@ -52,14 +52,15 @@ def run_sync(src: str, hosts: Sequence[Host], *, delete: bool = False,
         raise ClusterkitError(f"{src} is not a directory", path=src,
                               hint="pass the code directory to sync (default: .)")
     cwd = cwd or os.getcwd()
-    files = manifest(src, load_ignore(src, exclude_from))
+    ignore = load_ignore(src, exclude_from)
+    files = manifest(src, ignore)
     nodes = [SyncNode(h.name, target_for(h), h.python or sys.executable,
                       destination(src, h, cwd)) for h in hosts]
     dests = {n.dest for n in nodes}
     print(f"sync {src} ({len(files)} files) -> {dests.pop() if len(dests) == 1 else 'each workdir'}"
           f" on {len(nodes)} node(s)", file=sys.stderr)
     with transport_for() as transport:
-        results, group = sync_all(transport, nodes, files, delete=delete)
+        results, group = sync_all(transport, nodes, files, delete=delete, ignore=ignore)
     order = [n.name for n in nodes]
     for line in folded_lines(((n, r.summary()) for n, r in results.items()), order):
         print(f"  {line}")

@@ -67,6 +67,12 @@ class Ignore:
             rules.append(_Rule(line.lstrip("/"), negate, dir_only, anchored))
         return cls(tuple(rules))
 
+    def ignored_path(self, rel: str) -> bool:
+        """A file path: ignored itself or under an ignored directory."""
+        parts = rel.split("/")
+        return self.ignored(rel, False) or any(
+            self.ignored("/".join(parts[:i]), True) for i in range(1, len(parts)))
+
     def ignored(self, rel: str, is_dir: bool) -> bool:
         """The last matching rule decides (gitignore semantics)."""
         verdict = False
@@ -174,12 +180,14 @@ def _node_json(res: CommandResult, node: str, what: str) -> dict[str, Any]:
 
 
 def sync_node(transport: Transport, node: SyncNode, files: dict[str, LocalFile], *,
-              delete: bool = False) -> NodeSync:
+              delete: bool = False, ignore: Ignore | None = None) -> NodeSync:
     wanted = {rel: [f.size, f.mtime] for rel, f in files.items()}
     cmd = node_command(node.python, "sync", ["plan", node.dest],
                        payload=(json.dumps({"files": wanted}) + "\n").encode())
     plan = _node_json(transport.run(node.target, cmd.argv, stdin=cmd.stdin,
                                     timeout=SYNC_TIMEOUT_S), node.name, "plan")
+    # Ignored files on the node (its own __pycache__, logs) are neither extra nor deleted.
+    plan["extra"] = [r for r in plan["extra"] if not (ignore and ignore.ignored_path(r))]
     send = list(plan["send"])
     checks: dict[str, str] = dict(plan["check"])
     touch = {rel: files[rel].mtime for rel, sha in checks.items() if sha == _sha256(files[rel].path)}
@@ -214,14 +222,15 @@ def _tar(files: dict[str, LocalFile], send: Sequence[str]) -> bytes:
 
 
 def sync_all(transport: Transport, nodes: Sequence[SyncNode], files: dict[str, LocalFile], *,
-             delete: bool = False, max_parallel: int = 16
+             delete: bool = False, ignore: Ignore | None = None, max_parallel: int = 16
              ) -> tuple[dict[str, NodeSync], GroupResult]:
     """Sync every node in parallel; per-node results plus the group (failures inside)."""
     results: dict[str, NodeSync] = {}
     by_name = {n.name: n for n in nodes}
 
     def work(target: SSHTarget) -> CommandResult:
-        results[target.name] = sync_node(transport, by_name[target.name], files, delete=delete)
+        results[target.name] = sync_node(transport, by_name[target.name], files, delete=delete,
+                                         ignore=ignore)
         return CommandResult(target.name, ("sync",), 0, "", "", 0.0)
 
     group = fan_out([n.target for n in nodes], work, per_host_budget_s=2 * SYNC_TIMEOUT_S,

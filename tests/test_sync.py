@@ -1,0 +1,104 @@
+"""`clusterkit sync` and `clusterkit nodes install` on local virtual nodes (no test bed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clusterkit.cli.main import main
+from clusterkit.remote.sync import Ignore, manifest
+
+
+def _inventory(tmp_path: Path, **defaults: str) -> Path:
+    lines = ["schema_version: 1", "defaults:", "  transport: local"]
+    lines += [f"  {k}: {v}" for k, v in defaults.items()]
+    lines += ["hosts:", "  v0: {}"]
+    path = tmp_path / "inv.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _sync(inv: Path, src: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
+    cwd = os.getcwd()
+    os.chdir(src.parent)
+    try:
+        assert main(["sync", src.name, "-i", str(inv), *extra]) == 0
+    finally:
+        os.chdir(cwd)
+    return capsys.readouterr().out
+
+
+def test_sync_moves_only_changed_files_honours_ignore_and_delete(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "proj" / "code"
+    (src / "pkg").mkdir(parents=True)
+    (src / "train.py").write_text("print('train')\n")
+    (src / "pkg" / "model.py").write_text("W = 1\n")
+    (src / "data").mkdir()
+    (src / "data" / "big.bin").write_bytes(b"x" * 1000)
+    (src / "run.log").write_text("log\n")
+    (src / ".clusterkitignore").write_text("data/\n*.log\n!keep.log\n")
+    (src / "keep.log").write_text("kept\n")
+    work = tmp_path / "node-work"
+    inv = _inventory(tmp_path, workdir=str(work))
+    out = _sync(inv, src, capsys)
+    dest = work / "code"  # same path relative to the launcher's cwd, under the workdir
+    assert "v0: 4 file(s) sent" in out
+    assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()) == [
+        ".clusterkitignore", "keep.log", "pkg/model.py", "train.py"]
+    assert os.stat(dest / "train.py").st_mtime == os.stat(src / "train.py").st_mtime
+    # Nothing changed: nothing moves.
+    assert "v0: 0 file(s) sent (0 bytes, verified), 4 unchanged" in _sync(inv, src, capsys)
+    # One file changed: only it moves.
+    (src / "pkg" / "model.py").write_text("W = 2\n")
+    assert "v0: 1 file(s) sent (6 bytes, verified), 3 unchanged" in _sync(inv, src, capsys)
+    assert (dest / "pkg" / "model.py").read_text() == "W = 2\n"
+    # Same content, new mtime: checksum says equal, only the mtime is fixed.
+    os.utime(src / "train.py", (time.time() + 5, time.time() + 5))
+    assert "1 mtime(s) fixed" in _sync(inv, src, capsys)
+    # A file only on the node stays unless --delete.
+    (dest / "stale.py").write_text("old\n")
+    assert "1 extra file(s) kept" in _sync(inv, src, capsys)
+    assert "1 deleted" in _sync(inv, src, capsys, "--delete")
+    assert not (dest / "stale.py").exists()
+
+
+def test_ignore_rules_follow_gitignore() -> None:
+    ig = Ignore.parse("*.pyc\n/build/\ndocs/**/*.tmp\n!important.pyc\n")
+    assert ig.ignored("a/b.pyc", False) and not ig.ignored("important.pyc", False)
+    assert ig.ignored("build", True) and not ig.ignored("src/build", True)
+    assert ig.ignored("docs/x/y.tmp", False) and ig.ignored("docs/y.tmp", False)
+
+
+def test_sync_of_a_missing_dir_is_one_line(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sync", str(tmp_path / "nope"), "-i", str(_inventory(tmp_path))]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_manifest_skips_git_and_pycache(tmp_path: Path) -> None:
+    for rel in (".git/HEAD", "__pycache__/a.pyc", "a.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    assert list(manifest(str(tmp_path), Ignore.parse(".git/\n__pycache__/\n"))) == ["a.py"]
+
+
+@pytest.mark.slow  # a venv with pip (~5 s) and a wheel build (~3 s)
+def test_nodes_install_is_offline_verified_and_idempotent(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    inv = _inventory(tmp_path, python=str(python))
+    assert main(["nodes", "install", "-i", str(inv)]) == 0
+    assert "v0: installed (clusterkit" in capsys.readouterr().out
+    assert main(["nodes", "install", "-i", str(inv)]) == 0
+    assert "v0: already installed" in capsys.readouterr().out
+    res = subprocess.run([str(python), "-c", "import clusterkit; print(clusterkit.__file__)"],
+                         cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert res.stdout.startswith(str(venv))  # the node's own copy, not the source tree

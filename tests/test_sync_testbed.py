@@ -1,0 +1,66 @@
+"""Issue 12 end to end on the namespace test bed: nodes with only a Python, no shared dir.
+
+The nodes' interpreter cannot import clusterkit (``Testbed.python_without_clusterkit``)
+and their workdir is node-private (the test bed's scratch mount). `clusterkit sync`
+puts the code there, `clusterkit launch` runs a script from it on 7 nodes (the
+agent is shipped over SSH), and a second sync with one file changed moves only it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.testbed import Testbed
+
+pytestmark = pytest.mark.testbed
+
+TRAIN = textwrap.dedent("""
+    import os
+    import helper
+    print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} says {helper.MSG}", flush=True)
+""")
+
+
+def _cli(*argv: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "clusterkit", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_sync_then_launch_on_nodes_without_clusterkit_or_shared_dir(
+        testbed: Testbed, tmp_path: Path) -> None:
+    nodes = testbed.ensure(7)
+    python = testbed.python_without_clusterkit()
+    probe = testbed.exec(nodes[0].name, [python, "-c", "import clusterkit"], timeout=60)
+    assert probe.returncode != 0 and "No module named 'clusterkit'" in probe.stderr
+    work = testbed.local_mountpoint / f"sync-{tmp_path.name}"  # node-private: one copy per node
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes, slots=1, python=python,
+                                  workdir=str(work))
+    proj = tmp_path / "proj"
+    (proj / "code").mkdir(parents=True)
+    (proj / "code" / "train.py").write_text(TRAIN)
+    (proj / "code" / "helper.py").write_text("MSG = 'hello'\n")
+    env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
+
+    first = _cli("sync", "code", "-i", str(inv), cwd=proj, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "node[1-7]: 2 file(s) sent" in first.stdout, first.stdout
+
+    run = _cli("launch", "-i", str(inv), "--job-id", "sync-e2e", "--nodes", "7",
+               "--gpus-per-node", "1", "code/train.py", cwd=proj, env=env)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    for rank in range(7):
+        assert f"rank {rank} of 7 says hello" in run.stdout, run.stdout[-3000:]
+
+    (proj / "code" / "helper.py").write_text("MSG = 'changed'\n")
+    second = _cli("sync", "code", "-i", str(inv), cwd=proj, env=env)
+    assert second.returncode == 0, second.stderr
+    # The nodes' own __pycache__ (from the run) is ignored, not "extra".
+    assert second.stdout == "  node[1-7]: 1 file(s) sent (16 bytes, verified), 1 unchanged\n"
+    got = testbed.exec(nodes[6].name, ["cat", str(work / "code" / "helper.py")], timeout=30)
+    assert got.stdout == "MSG = 'changed'\n"
