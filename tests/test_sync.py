@@ -102,3 +102,24 @@ def test_nodes_install_is_offline_verified_and_idempotent(
     res = subprocess.run([str(python), "-c", "import clusterkit; print(clusterkit.__file__)"],
                          cwd=tmp_path, capture_output=True, text=True, check=True)
     assert res.stdout.startswith(str(venv))  # the node's own copy, not the source tree
+
+
+def test_launch_sync_copies_the_code_before_the_ranks_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    proj = tmp_path / "proj"
+    (proj / "code").mkdir(parents=True)
+    (proj / "code" / "train.py").write_text(
+        "import os\nprint('rank', os.environ['RANK'], 'ran synced code', flush=True)\n")
+    work = tmp_path / "node-work"
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("schema_version: 1\ndefaults:\n  transport: local\n  slots: 1\n"
+                   f"  workdir: {work}\n  checkpoint:\n    shared_dir: {tmp_path / 'ckpt'}\n"
+                   "hosts:\n  v[0-1]: {}\n")
+    monkeypatch.chdir(proj)
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
+    assert main(["launch", "-i", str(inv), "--sync", "code", "--nodes", "2", "--gpus-per-node",
+                 "1", "--job-id", "sync-launch", "code/train.py"]) == 0
+    out = capsys.readouterr().out
+    assert "v[0-1]: 1 file(s) sent" in out
+    assert "rank 0 ran synced code" in out and "rank 1 ran synced code" in out
+    assert (work / "code" / "train.py").is_file()

@@ -51,6 +51,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="on restart, leave out nodes that now fail the pre-launch check")
     r = p.add_argument_group("running")
     r.add_argument("--skip-checks", action="store_true", help="skip the pre-launch gate")
+    r.add_argument("--sync", metavar="DIR",
+                   help="first copy DIR to every selected node's workdir (changed files only; "
+                        "as `clusterkit sync DIR`, docs/sync.md)")
     r.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     r.add_argument("--grace", type=float, default=3.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL on teardown (default 3)")
@@ -141,6 +144,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
                               drop_failed_nodes=args.drop_failed_nodes, grace_s=args.grace,
                               native=args.launcher == "native")
     first = planner(options)
+    if args.sync:  # the code to every node's workdir before anything starts there
+        from clusterkit.cli.cmd_sync import run_sync
+
+        run_sync(args.sync, [n.host for n in first.nodes])
     sink = make_sink(len(first.nodes), quiet_ranks=args.quiet, world_size=first.world_size,
                      ranks=args.ranks)
     registry = Registry(clusterkit_home())
