@@ -18,6 +18,7 @@ from clusterkit.cli.common import (
     resolve_inventory,
 )
 from clusterkit.errors import LaunchError
+from clusterkit.hostrange import folded_lines
 
 DEFAULT_STEPS = 30  # the embedded default must finish in well under a minute on a laptop
 
@@ -259,13 +260,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"{record.job_id}: {record.state}" + (f" (exit {record.exit_code})"
                                                 if record.exit_code is not None else ""))
+    rows: list[tuple[str, str]] = []  # nodes with the same state share one line
     for node, info in per_node.items():
         if "error" in info:
-            print(f"  {node:<12} unreachable: {info['error']}")
+            rows.append((node, f"unreachable: {info['error']}"))
         else:
             ranks = ",".join(str(x) for x in info["ranks"]) or "-"
-            print(f"  {node:<12} agent {'up' if info['agent_alive'] else 'down'}  "
-                  f"processes {info['processes']}  ranks {ranks}")
+            rows.append((node, f"agent {'up' if info['agent_alive'] else 'down'}  "
+                               f"processes {info['processes']}  ranks {ranks}"))
+    for line in folded_lines(rows, list(per_node)):
+        print(f"  {line}")
     return 0
 
 
@@ -286,7 +290,7 @@ def _node_status(record: Any) -> dict[str, dict[str, Any]]:
 
 def _last_json(r: Any) -> dict[str, Any]:
     if r.error is not None:
-        return {"error": r.error.one_line()}
+        return {"error": r.reason()}  # without the host's name: equal errors fold
     try:
         value = json.loads(r.result.stdout.strip().splitlines()[-1])
         return value if isinstance(value, dict) else {"error": "bad answer"}
@@ -314,15 +318,18 @@ def cmd_stop(args: argparse.Namespace) -> int:
                                     {k: c.argv for k, c in cmds.items()},
                                     timeout=args.grace + 20.0,
                                     stdin=next(iter(cmds.values())).stdin if cmds else None)
+    rows: list[tuple[str, str]] = []  # nodes that fared the same share one line
     for r in results:
         info = _last_json(r)
         if "error" in info:
             failed += 1
-            print(f"  {r.host:<12} could not stop: {info['error']}")
+            rows.append((r.host, f"could not stop: {info['error']}"))
         else:
-            print(f"  {r.host:<12} signalled {info['signalled']}, killed {info['killed']}, "
-                  f"left {info['left']}")
+            rows.append((r.host, f"signalled {info['signalled']}, killed {info['killed']}, "
+                                 f"left {info['left']}"))
             failed += bool(info["left"])
+    for line in folded_lines(rows, [n.node for n in record.nodes]):
+        print(f"  {line}")
     if record.state == "running" and not record.launcher_alive:
         record.state = "stopped"
         registry.save(record)
