@@ -84,3 +84,17 @@ def test_collect_listing_failures_fold(tmp_path: object) -> None:
 def test_fold_by_text_keeps_rank_order() -> None:
     rows = fold_by_text([("node3", "a"), ("node1", "a"), ("node2", "b")], ["node1", "node2", "node3"])
     assert rows == [("node[1,3]", "a"), ("node2", "b")]
+
+
+def test_doctor_prints_seven_identical_unreachable_nodes_as_one_row() -> None:
+    """The issue's cluster: an inventory listing only node[1-7] that nobody can resolve."""
+    from clusterkit.checks.doctor import plan_doctor, run_doctor
+    from clusterkit.inventory import Host
+
+    hosts = tuple(Host(name=n, address=n, python="/usr/bin/python3") for n in NODES)
+    plan = plan_doctor(hosts, head_python="/usr/bin/python3", head_cwd="/work",
+                       head_tools={"pdsh": None}, master_port=None)
+    report = run_doctor(plan, FakeTransport(dict.fromkeys(NODES, RESOLVE)))
+    rows = [g for g in report.groups() if g.check == "ssh"]
+    assert len(rows) == 1 and rows[0].host_range == "node[1-7]", rows
+    assert "cannot resolve the host's address" in rows[0].detail
