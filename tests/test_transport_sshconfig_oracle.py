@@ -164,3 +164,30 @@ def test_resolution_agrees_with_ssh_G(case: Case, tmp_path: Path) -> None:
 
 def test_the_case_table_is_not_vacuous() -> None:
     assert len(CASES) >= 12 and sys.platform.startswith("linux")
+
+
+def test_pdsh_ssh_config_keeps_what_the_system_files_say(tmp_path: Path) -> None:
+    """DeepSpeed's pdsh reads our rendered file with -F: for an inventory that lists only
+    names, ssh must still take HostName/User/Port from /etc/ssh/ssh_config.d."""
+    from clusterkit.inventory import Host
+    from clusterkit.render.ssh_config import render_ssh_config
+
+    case = Case("pdsh", "node3", system=DEBIAN_SYSTEM, dropins={"nodes.conf": NODES_CONF})
+    _write(tmp_path, case)
+    rendered = tmp_path / "pdsh_ssh_config"
+    rendered.write_text(render_ssh_config([Host(name="node3", address="node3")]))
+    script = " && ".join([
+        "mount --make-rprivate /", f"mount --bind {tmp_path / 'etc'} /etc/ssh",
+        "mount -t tmpfs none /root", "mkdir -p /root/.ssh",
+        f"ssh -G -F {rendered} node3 </dev/null", "echo =====", "ssh -G node3 </dev/null"])
+    res = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
+                         timeout=30, check=False)
+    assert res.returncode == 0, res.stderr
+    via_pdsh, plain = res.stdout.split("=====\n")
+
+    def pick(text: str) -> dict[str, str]:
+        keys = ("hostname", "user", "port", "userknownhostsfile")
+        return {k: v for k, _, v in (ln.partition(" ") for ln in text.splitlines()) if k in keys}
+
+    assert pick(via_pdsh) == pick(plain)
+    assert pick(plain)["hostname"] == "10.9.0.13"

@@ -22,7 +22,10 @@ def render_ssh_config(hosts: Sequence[Host]) -> str:
     lines = ["# ssh settings for pdsh, rendered by clusterkit from the inventory"]
     for host in hosts:
         lines.append(f"Host {ssh_config_value(host.name, 'host name')}")
-        lines.append(f"    HostName {ssh_config_value(host.address, 'address')}")
+        if host.address != host.name:
+            # Only when the inventory says so: a HostName written here would win over the
+            # one /etc/ssh/ssh_config.d gives a bare name (first value wins).
+            lines.append(f"    HostName {ssh_config_value(host.address, 'address')}")
         # The one options mapping (clusterkit.inventory.ssh_options): paramiko and the
         # OpenSSH tar streams honour exactly these fields too.
         for key, value in host.ssh_options().items():
