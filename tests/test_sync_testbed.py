@@ -64,3 +64,33 @@ def test_sync_then_launch_on_nodes_without_clusterkit_or_shared_dir(
     assert second.stdout == "  node[1-7]: 1 file(s) sent (16 bytes, verified), 1 unchanged\n"
     got = testbed.exec(nodes[6].name, ["cat", str(work / "code" / "helper.py")], timeout=30)
     assert got.stdout == "MSG = 'changed'\n"
+
+
+def test_doctor_and_collect_on_nodes_without_clusterkit(testbed: Testbed, tmp_path: Path) -> None:
+    import json
+
+    from clusterkit.checkpoints import synthetic
+
+    nodes = testbed.ensure(7)
+    python = testbed.python_without_clusterkit()
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes, slots=2, python=python)
+    env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
+    doctor = _cli("doctor", "-i", str(inv), "--json", "--connect-timeout", "5", cwd=tmp_path,
+                  env=env)
+    report = json.loads(doctor.stdout)
+    assert not report["unreachable"], doctor.stderr[-2000:]
+    names = {n.name for n in nodes}
+    by_check: dict[str, set[str]] = {}
+    for f in report["findings"]:
+        by_check.setdefault(f"{f['check']} {f['status']}", set()).add(f["host"])
+    assert by_check["ssh PASS"] == names
+    assert by_check["version.clusterkit WARN"] == names  # not installed: only a hint
+
+    inside = f"{testbed.local_mountpoint}/nock-{tmp_path.name}"
+    synthetic.write_node_local([str(testbed.node_local_path(n, inside)) for n in nodes],
+                               zero_stage=2, shard_bytes=1 << 12, model_bytes=1024,
+                               hosts=[n.name for n in nodes])
+    collect = _cli("collect-ckpt", "-i", str(inv), "--dir", inside, "--to",
+                   str(tmp_path / "dest"), cwd=tmp_path, env=env)
+    assert collect.returncode == 0, collect.stderr[-2000:]
+    assert len(list((tmp_path / "dest").glob("*/*_optim_states.pt"))) == 14
