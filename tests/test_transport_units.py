@@ -149,3 +149,12 @@ def test_line_queue_splits_across_chunks_and_flushes_partial_lines() -> None:
     q.close("stderr")
     assert list(q.lines()) == [("stdout", "hello"), ("stderr", "é"), ("stdout", "wor")]
     assert list(q.lines()) == []  # a second iteration ends at once
+
+
+def test_match_exec_is_refused_only_where_it_would_run(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, 'Match host other exec "false"\n  User x\nHost n1\n  User y\n')
+    assert resolve(ConfigCache(), SSHTarget(name="n1", address="n1", config_file=cfg)).user == "y"
+    cfg = _config(tmp_path, 'Match host n1 exec "true"\n  User x\n')
+    with pytest.raises(TransportError, match="`Match exec` is not supported") as info:
+        resolve(ConfigCache(), SSHTarget(name="n1", address="n1", config_file=cfg))
+    assert info.value.kind == "config" and info.value.host == "n1"

@@ -206,6 +206,9 @@ def _match(args: Sequence[str], state: _Lookup, where: str, host: str) -> bool:
         word = words.pop(0)
         negated = word.startswith("!")
         criterion = (word[1:] if negated else word).lower()
+        if criterion not in _CRITERIA and not result:
+            words = words[1:]  # an earlier criterion already failed: like ssh, never run it
+            continue
         if criterion not in _CRITERIA:
             raise TransportError(f"ssh config {where}: `Match {criterion}` is not supported by "
                                  "clusterkit", kind="config", host=host,
