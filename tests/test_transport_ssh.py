@@ -509,3 +509,17 @@ def test_file_errors(transport, make_target, tmp_path: Path) -> None:
     assert error.kind == "file"
     error, _ = _error(lambda: transport.listdir(target, str(tmp_path / "missing")))
     assert error.kind == "file"
+
+
+def test_host_key_known_only_in_a_global_known_hosts_file_is_trusted(
+        transport, make_target, sshd: Sshd, tmp_path: Path) -> None:
+    """Clusters often ship host keys in /etc/ssh/ssh_known_hosts (GlobalKnownHostsFile)."""
+    empty = tmp_path / "user_known_hosts"
+    empty.write_text("")
+    global_file = tmp_path / "global_known_hosts"
+    global_file.write_text(sshd.known_hosts_line())
+    config = tmp_path / "global-ssh-config"
+    config.write_text(f"Host *\n  GlobalKnownHostsFile {global_file}\n")
+    target = make_target(known_hosts_file=str(empty), config_file=str(config))
+    assert transport.run(target, ["true"]).exit_code == 0
+    assert empty.read_text() == ""  # trusted there, never copied into the user's file

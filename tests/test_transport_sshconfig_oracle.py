@@ -40,7 +40,8 @@ ep = resolve(ConfigCache(), t)
 print(json.dumps({"hostname": ep.hostname, "user": ep.user, "port": str(ep.port),
                   "identityfile": list(ep.identity_files), "proxyjump": ep.jump and (
                       (ep.jump.proxy_jump + "," if ep.jump.proxy_jump else "") + ep.jump.name),
-                  "userknownhostsfile": list(ep.known_hosts_files)}))
+                  "userknownhostsfile": list(ep.known_hosts_files),
+                  "globalknownhostsfile": list(ep.global_known_hosts_files)}))
 """
 
 NODES_CONF = ("Host node3\n  HostName 10.9.0.13\n  User alice\n  Port 2222\n"
@@ -92,6 +93,9 @@ CASES = [
          user="Host node5\n  ProxyJump alice@bastion:2022,gw\n", identities=False),
     Case("patterns-negation-and-equals", "node4",
          user="Host node? !node4\n  User q\nHost node?\n  USER=r\n  Port = 2400\n",
+         identities=False),
+    Case("global-known-hosts-from-system-file", "node1",
+         system="Host node*\n  GlobalKnownHostsFile /etc/ssh/cluster_known_hosts\n",
          identities=False),
     Case("known-hosts-tokens-and-quotes", "node6",
          user='Host node6\n  UserKnownHostsFile "~/.ssh/kh %h" %d/kh2\n', identities=False),
@@ -149,9 +153,11 @@ def test_resolution_agrees_with_ssh_G(case: Case, tmp_path: Path) -> None:
     oracle, ours = _in_namespace(tmp_path, target)
     want = {"hostname": oracle["hostname"][0], "user": oracle["user"][0],
             "port": oracle["port"][0], "proxyjump": (oracle.get("proxyjump") or [None])[0],
-            "userknownhostsfile": oracle["userknownhostsfile"][0]}
+            "userknownhostsfile": oracle["userknownhostsfile"][0],
+            "globalknownhostsfile": oracle["globalknownhostsfile"][0]}
     got = {k: ours[k] for k in want}
-    got["userknownhostsfile"] = " ".join(ours["userknownhostsfile"])  # ssh -G joins them
+    for key in ("userknownhostsfile", "globalknownhostsfile"):
+        got[key] = " ".join(ours[key])  # ssh -G joins them
     assert got == want, case.name
     if case.identities:
         # ssh -G prints IdentityFile unexpanded: expand with the values it decided.

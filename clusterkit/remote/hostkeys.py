@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from collections.abc import Sequence
 
 import paramiko
 
@@ -51,13 +52,25 @@ def fingerprint(key: paramiko.PKey) -> str:
     return str(key.fingerprint)  # "SHA256:..." like OpenSSH prints it
 
 
-def verify(path: str, name: str, key: paramiko.PKey, *, accept_new: bool, host: str) -> None:
-    """Raise unless ``key`` is the known key for ``name`` (or accepted as new)."""
-    entry = _load(path).lookup(name)
-    if entry is not None:
+def verify(path: str, name: str, key: paramiko.PKey, *, accept_new: bool, host: str,
+           also: Sequence[str] = ()) -> None:
+    """Raise unless ``key`` is the known key for ``name`` (or accepted as new).
+
+    ``also``: more files to trust, read-only (the other UserKnownHostsFile entries and
+    GlobalKnownHostsFile, e.g. /etc/ssh/ssh_known_hosts), as OpenSSH does; a new key
+    is only ever written to ``path``.
+    """
+    changed_in = None
+    for source in (path, *also):
+        entry = _load(source).lookup(name)
+        if entry is None:
+            continue
         known = entry.get(key.get_name())
         if known is not None and known == key:
             return
+        changed_in = changed_in or source
+    if changed_in is not None:
+        path = changed_in
         raise TransportError(
             f"HOST KEY CHANGED for {name}: server offers {key.get_name()} "
             f"{fingerprint(key)}, which does not match {path}",

@@ -217,6 +217,7 @@ class SSHTransport:
                 transport.get_remote_server_key(),
                 accept_new=ep.accept_new_host_keys,
                 host=ep.label,
+                also=(*ep.known_hosts_files[1:], *ep.global_known_hosts_files),
             )
         except TransportError:
             transport.close()
@@ -666,7 +667,9 @@ def _open_tunnel(bastion: _Connection, ep: Endpoint, timeout: float) -> paramiko
 
 def _prefer_known_key_types(transport: paramiko.Transport, ep: Endpoint) -> None:
     """Negotiate the host key type known_hosts has, so a known host never looks 'changed'."""
-    known = hostkeys.known_key_types(ep.known_hosts_file, ep.hostkey_name)
+    known = [t for p in (ep.known_hosts_file, *ep.known_hosts_files[1:],
+                         *ep.global_known_hosts_files)
+             for t in hostkeys.known_key_types(p, ep.hostkey_name)]
     if not known:
         return
     options = transport.get_security_options()

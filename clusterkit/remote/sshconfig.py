@@ -55,6 +55,7 @@ class Endpoint:
     hostkey_name: str  # the known_hosts lookup key: host or [host]:port
     jump: SSHTarget | None  # the hop to tunnel through, itself resolvable
     known_hosts_files: tuple[str, ...] = ()  # every UserKnownHostsFile (the first is written)
+    global_known_hosts_files: tuple[str, ...] = ()  # GlobalKnownHostsFile: trusted, read-only
 
     @property
     def label(self) -> str:
@@ -325,6 +326,8 @@ def resolve(cache: ConfigCache, target: SSHTarget) -> Endpoint:
     # UserKnownHostsFile takes several files; the first is where a new key is written.
     known = [path(p) for p in opts.get("userknownhostsfile", [])] or [
         path("~/.ssh/known_hosts"), path("~/.ssh/known_hosts2")]
+    system_known = [path(p) for p in opts.get("globalknownhostsfile", [])] or [
+        "/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2"]
     strict = (first("stricthostkeychecking") or "").lower()
     alias = first("hostkeyalias") or hostname
     jump_spec = first("proxyjump")
@@ -340,6 +343,7 @@ def resolve(cache: ConfigCache, target: SSHTarget) -> Endpoint:
         hostkey_name=hostkey_name(alias, port),
         jump=_jump_target(target, jump_spec) if jump_spec else None,
         known_hosts_files=tuple(known),
+        global_known_hosts_files=tuple(system_known),
     )
 
 
