@@ -63,6 +63,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="whose lines stream to the console (default all; identical lines from "
                         "several ranks print once as [r0-13]; per-rank log files keep everything)")
     p.add_argument("--module", "-m", dest="module", metavar="MODULE", help="run python -m MODULE")
+    p.add_argument("--deepspeed-config-arg", action="store_true",
+                   help="append --deepspeed_config <job dir>/ds_config.json to your script's "
+                        "arguments (DeepSpeed's convention; the path is also in "
+                        "$CLUSTERKIT_DS_CONFIG)")
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
                    help="your training script and its arguments (default: the bundled workload)")
     p.set_defaults(func=cmd_launch)
@@ -108,6 +112,7 @@ def _options(args: argparse.Namespace, cluster: str) -> Any:
         backend="torchrun" if args.launcher == "native" else args.launcher,
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, include=args.include,
         exclude=args.exclude, script=script, module=args.module, script_args=script_args,
+        deepspeed_config_arg=args.deepspeed_config_arg,
         model=args.model, steps=args.steps, zero_stage=args.zero_stage, save_every=args.save_every,
         storage=args.storage, ckpt_dir=args.ckpt_dir,
     )

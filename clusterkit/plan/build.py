@@ -7,6 +7,7 @@ import re
 from datetime import datetime
 from pathlib import PurePosixPath
 
+from clusterkit.contract import Contract
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import select_hosts
 from clusterkit.inventory import Host, Inventory
@@ -112,10 +113,13 @@ def _ckpt_root(host: Host, storage: str, o: JobOptions, inv_path: str | None) ->
 
 
 def _program(o: JobOptions, job_dir: str, ckpt_dir: str, storage: str) -> tuple[str, ...]:
+    # --deepspeed-config-arg: DeepSpeed's own convention, after the user's arguments
+    ds_args = Contract(o.job_id, job_dir, ckpt_dir, storage).deepspeed_args() \
+        if o.deepspeed_config_arg else ()
     if o.script is not None:
-        return (o.script, *o.script_args)
+        return (o.script, *o.script_args, *ds_args)
     if o.module is not None:
-        return ("-m", o.module, *o.script_args)
+        return ("-m", o.module, *o.script_args, *ds_args)
     words = ["-m", WORKLOAD_MODULE,
              "--engine", "accelerate" if o.backend == "accelerate" else "deepspeed",
              "--model", o.model, "--steps", str(o.steps),
@@ -138,13 +142,18 @@ def _node_plans(inventory: Inventory, o: JobOptions,
     for index, (host, slots) in enumerate(chosen):
         python = _abs_path(host.python or facts.python, "python", host.name)
         workdir = _abs_path(host.workdir or facts.cwd, "workdir", host.name)
+        job_dir = f"{workdir}/{JOBS_SUBDIR}/{o.job_id}"
+        ckpt_dir = _ckpt_dir(host, storage, o, inventory.path)
+        # The user-script contract (clusterkit/contract.py) rides in the node env, so every
+        # backend delivers it: agent, torchrun, .deepspeed_env, accelerate, sbatch exports.
+        contract = Contract(job_id=o.job_id, job_dir=job_dir, ckpt_dir=ckpt_dir, storage=storage)
         env = build_env(python=python, environ=facts.environ, host_env=host.env,
                         host_allowlist=host.env_allowlist, user_allowlist=o.env_allowlist,
-                        set_env=o.set_env, cuda_lib_dirs=facts.cuda_lib_dirs, job_id=o.job_id)
+                        set_env=(*o.set_env, *contract.env().items()),
+                        cuda_lib_dirs=facts.cuda_lib_dirs, job_id=o.job_id)
         nodes.append(NodePlan(node_rank=index, host=host, slots=tuple(slots), first_rank=first_rank,
-                              python=python, workdir=workdir,
-                              job_dir=f"{workdir}/{JOBS_SUBDIR}/{o.job_id}",
-                              ckpt_dir=_ckpt_dir(host, storage, o, inventory.path), env=env))
+                              python=python, workdir=workdir, job_dir=job_dir,
+                              ckpt_dir=ckpt_dir, env=env))
         first_rank += len(slots)
     return tuple(nodes), storage
 

@@ -35,6 +35,7 @@ class JobOptions:
     script: str | None = None
     module: str | None = None
     script_args: tuple[str, ...] = ()
+    deepspeed_config_arg: bool = False  # append --deepspeed_config PATH to the script's args
     # workload and ZeRO
     model: str = "tiny"
     steps: int = 100

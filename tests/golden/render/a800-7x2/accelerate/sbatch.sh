@@ -8,6 +8,9 @@
 #SBATCH --time=01:00:00
 #SBATCH --output=/srv/train/.clusterkit/jobs/golden-a800-7x2/logs/slurm-%j.out
 #SBATCH --error=/srv/train/.clusterkit/jobs/golden-a800-7x2/logs/slurm-%j.err
+# A requeued run appends to the same files (the default truncates: the first run's log
+# would be lost); each run starts with a "===== clusterkit: ... run N" line.
+#SBATCH --open-mode=append
 # 90 s before the time limit Slurm sends USR1 to this script (B:), which forwards it
 # to the launch step: the workload checkpoints and exits 0, then the script requeues
 # the job, which resumes from that checkpoint (--resume auto, same checkpoint dir).
@@ -16,6 +19,13 @@
 #SBATCH --requeue
 set -euo pipefail
 
+run_line="===== clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID run $(( ${SLURM_RESTART_COUNT:-0} + 1 )) on $SLURM_JOB_NODELIST at $(date -u +%Y-%m-%dT%H:%M:%SZ) ====="
+echo "$run_line"
+echo "$run_line" >&2
+
+# The interpreter's directory in front of the site's own PATH: srun, scontrol and
+# scancel stay where the submitting shell found them (/opt/slurm/bin, a module, ...).
+export PATH=/opt/conda/envs/train/bin:"$PATH"
 export PYTHONUNBUFFERED=1 SLURM_UNBUFFEREDIO=1
 
 # Node 0 of the allocation is the rendezvous head; resolve it to an IPv4 address
@@ -27,26 +37,65 @@ if [ -z "$MASTER_ADDR" ]; then
     echo "clusterkit: cannot resolve the head node $head_node to an IPv4 address" >&2
     exit 2
 fi
-# The same port derivation as clusterkit's plan for a numeric job id.
-MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 40001 ))
+# From the Slurm job id, below Linux's ephemeral port range (32768-60999).
+MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 12768 ))
 export MASTER_ADDR MASTER_PORT
 
 # The job environment (an allowlist, see docs/render.md).
 export HF_HUB_OFFLINE=1
 export NCCL_DEBUG=WARN
 export NCCL_IB_TIMEOUT=22
-export PATH=/opt/conda/envs/train/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 export PYTHONUNBUFFERED=1
 export NCCL_SOCKET_IFNAME==ens1f0
 export GLOO_SOCKET_IFNAME=ens1f0
 export CLUSTERKIT_JOB_ID=golden-a800-7x2
+export CLUSTERKIT_JOB_DIR=/srv/train/.clusterkit/jobs/golden-a800-7x2
+export CLUSTERKIT_DS_CONFIG=/srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json
+export CLUSTERKIT_CKPT_DIR=/scratch/ckpt/golden-a800-7x2
+export CLUSTERKIT_STORAGE=node-local
 
+# CPUs: srun does not inherit --cpus-per-task from the allocation (Slurm >= 22.05), so
+# pass it on; OpenMP threads per rank = the task's CPUs / the ranks the task starts
+# (at least 1), unless the inventory env sets OMP_NUM_THREADS.
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+    export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+    task_cpus=$SLURM_CPUS_PER_TASK
+else
+    task_cpus=$(( ${SLURM_CPUS_ON_NODE:-1} / 1 ))
+fi
+export OMP_NUM_THREADS=$(( task_cpus / 2 > 1 ? task_cpus / 2 : 1 ))
 mkdir -p -- /srv/train/.clusterkit/jobs/golden-a800-7x2/logs
-# Node-local checkpoints: every node needs its own directory.
+
+# Every node must see the job directory (ds_config.json, accelerate configs, logs):
+# one tiny task per node; a node that cannot see it prints its name.
+unseen=$(srun --nodes=7 --ntasks=7 --ntasks-per-node=1 --chdir=/ \
+    sh -c '[ -d "$1" ] && [ -r "$2" ] || hostname' sh /srv/train/.clusterkit/jobs/golden-a800-7x2 /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json) || {
+    echo "clusterkit: the file-system check step (srun) failed; see the lines above" >&2
+    exit 2
+}
+if [ -n "$unseen" ]; then
+    echo "clusterkit: job dir /srv/train/.clusterkit/jobs/golden-a800-7x2 is not visible on" $unseen "(put the inventory workdir on a filesystem every compute node mounts)" >&2
+    exit 2
+fi
+
+# Node-local checkpoints stay on the nodes of the first run: a requeued or resubmitted
+# run must get the same nodes (rank -> node fixed) or stop; never a silent fresh start.
+nodes_file=/srv/train/.clusterkit/jobs/golden-a800-7x2/slurm_nodes
+if [ -s "$nodes_file" ]; then
+    first_nodes=$(cat "$nodes_file")
+    if [ "$first_nodes" != "$SLURM_JOB_NODELIST" ]; then
+        echo "clusterkit: job golden-a800-7x2 keeps node-local checkpoints on $first_nodes, but this run got $SLURM_JOB_NODELIST: not starting fresh. Submit again on $first_nodes (clusterkit sbatch --submit pins them), or gather and move the shards: clusterkit collect-ckpt --scatter, then remove $nodes_file" >&2
+        exit 3
+    fi
+else
+    printf '%s\n' "$SLURM_JOB_NODELIST" > "$nodes_file.$SLURM_JOB_ID"
+    mv -f -- "$nodes_file.$SLURM_JOB_ID" "$nodes_file"
+fi
+# Every node needs its own directory.
 srun --nodes=7 --ntasks-per-node=1 mkdir -p -- /scratch/ckpt/golden-a800-7x2
 
-echo "clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=accelerate"
+echo "clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=accelerate OMP_NUM_THREADS=$OMP_NUM_THREADS"
 preempted=0
 forward_usr1() {
     preempted=1
@@ -56,7 +105,7 @@ forward_usr1() {
 trap forward_usr1 USR1
 # In the background so the trap runs at once; `wait` returns early on a trapped
 # signal, so wait again until the step has really finished.
-srun --nodes=7 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/srv/train env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/conda/envs/train/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME==ens1f0 GLOO_SOCKET_IFNAME=ens1f0 CLUSTERKIT_JOB_ID=golden-a800-7x2 sh -c 'trap "" USR1; d=$1; shift; exec "$0" -m accelerate.commands.launch --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml" --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"' /opt/conda/envs/train/bin/python /srv/train/.clusterkit/jobs/golden-a800-7x2 --module clusterkit.workload --engine accelerate --model tiny --steps 100 --ds-config /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json --run-dir /srv/train/.clusterkit/jobs/golden-a800-7x2/run --ckpt-dir /scratch/ckpt/golden-a800-7x2 --storage node-local &
+srun --nodes=7 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/srv/train env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME==ens1f0 GLOO_SOCKET_IFNAME=ens1f0 CLUSTERKIT_JOB_ID=golden-a800-7x2 CLUSTERKIT_JOB_DIR=/srv/train/.clusterkit/jobs/golden-a800-7x2 CLUSTERKIT_DS_CONFIG=/srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json CLUSTERKIT_CKPT_DIR=/scratch/ckpt/golden-a800-7x2 CLUSTERKIT_STORAGE=node-local sh -c 'trap "" USR1; d=$1; shift; exec "$0" -m accelerate.commands.launch --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml" --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"' /opt/conda/envs/train/bin/python /srv/train/.clusterkit/jobs/golden-a800-7x2 --module clusterkit.workload --engine accelerate --model tiny --steps 100 --ds-config /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json --run-dir /srv/train/.clusterkit/jobs/golden-a800-7x2/run --ckpt-dir /scratch/ckpt/golden-a800-7x2 --storage node-local &
 launch_pid=$!
 status=0
 while :; do
@@ -65,6 +114,13 @@ while :; do
 done
 if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then
     echo "clusterkit: checkpoint saved; requeueing job $SLURM_JOB_ID to resume"
-    scontrol requeue "$SLURM_JOB_ID"
+    # Pinned to these nodes (their disks hold the shards): held while the node list is
+    # set, so it cannot start elsewhere first. Slurm TERMs this script once the job is
+    # requeued; ignore that for these three calls.
+    trap '' TERM
+    scontrol requeuehold "$SLURM_JOB_ID"
+    scontrol update JobId="$SLURM_JOB_ID" ReqNodeList="$SLURM_JOB_NODELIST" \
+        || echo "clusterkit: could not pin job $SLURM_JOB_ID to $SLURM_JOB_NODELIST" >&2
+    scontrol release "$SLURM_JOB_ID"
 fi
 exit "$status"

@@ -8,6 +8,9 @@
 #SBATCH --time=01:00:00
 #SBATCH --output=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs/slurm-%j.out
 #SBATCH --error=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs/slurm-%j.err
+# A requeued run appends to the same files (the default truncates: the first run's log
+# would be lost); each run starts with a "===== clusterkit: ... run N" line.
+#SBATCH --open-mode=append
 # 90 s before the time limit Slurm sends USR1 to this script (B:), which forwards it
 # to the launch step: the workload checkpoints and exits 0, then the script requeues
 # the job, which resumes from that checkpoint (--resume auto, same checkpoint dir).
@@ -16,6 +19,13 @@
 #SBATCH --requeue
 set -euo pipefail
 
+run_line="===== clusterkit: job golden-h100-2x8-ib slurm=$SLURM_JOB_ID run $(( ${SLURM_RESTART_COUNT:-0} + 1 )) on $SLURM_JOB_NODELIST at $(date -u +%Y-%m-%dT%H:%M:%SZ) ====="
+echo "$run_line"
+echo "$run_line" >&2
+
+# The interpreter's directory in front of the site's own PATH: srun, scontrol and
+# scancel stay where the submitting shell found them (/opt/slurm/bin, a module, ...).
+export PATH=/home/train/venv/bin:"$PATH"
 export PYTHONUNBUFFERED=1 SLURM_UNBUFFEREDIO=1
 
 # Node 0 of the allocation is the rendezvous head; resolve it to an IPv4 address
@@ -27,8 +37,8 @@ if [ -z "$MASTER_ADDR" ]; then
     echo "clusterkit: cannot resolve the head node $head_node to an IPv4 address" >&2
     exit 2
 fi
-# The same port derivation as clusterkit's plan for a numeric job id.
-MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 40001 ))
+# From the Slurm job id, below Linux's ephemeral port range (32768-60999).
+MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 12768 ))
 export MASTER_ADDR MASTER_PORT
 
 # The job environment (an allowlist, see docs/render.md).
@@ -36,16 +46,41 @@ export HF_HUB_OFFLINE=1
 export NCCL_DEBUG=WARN
 export NCCL_IB_TIMEOUT=22
 export WANDB_PROJECT=lm
-export PATH=/home/train/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 export PYTHONUNBUFFERED=1
 export NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7
 export NCCL_SOCKET_IFNAME==bond0
 export CLUSTERKIT_JOB_ID=golden-h100-2x8-ib
+export CLUSTERKIT_JOB_DIR=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib
+export CLUSTERKIT_DS_CONFIG=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/ds_config.json
+export CLUSTERKIT_CKPT_DIR=/lustre/projects/lm/ckpt/golden-h100-2x8-ib
+export CLUSTERKIT_STORAGE=shared
 
+# CPUs: srun does not inherit --cpus-per-task from the allocation (Slurm >= 22.05), so
+# pass it on; OpenMP threads per rank = the task's CPUs / the ranks the task starts
+# (at least 1), unless the inventory env sets OMP_NUM_THREADS.
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+    export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+    task_cpus=$SLURM_CPUS_PER_TASK
+else
+    task_cpus=$(( ${SLURM_CPUS_ON_NODE:-1} / 1 ))
+fi
+export OMP_NUM_THREADS=$(( task_cpus / 8 > 1 ? task_cpus / 8 : 1 ))
 mkdir -p -- /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs
 
-echo "clusterkit: job golden-h100-2x8-ib slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=torchrun"
+# Every node must see the job directory (ds_config.json, accelerate configs, logs):
+# one tiny task per node; a node that cannot see it prints its name.
+unseen=$(srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --chdir=/ \
+    sh -c '[ -d "$1" ] && [ -r "$2" ] || hostname' sh /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/ds_config.json) || {
+    echo "clusterkit: the file-system check step (srun) failed; see the lines above" >&2
+    exit 2
+}
+if [ -n "$unseen" ]; then
+    echo "clusterkit: job dir /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib is not visible on" $unseen "(put the inventory workdir on a filesystem every compute node mounts)" >&2
+    exit 2
+fi
+
+echo "clusterkit: job golden-h100-2x8-ib slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=torchrun OMP_NUM_THREADS=$OMP_NUM_THREADS"
 preempted=0
 forward_usr1() {
     preempted=1
@@ -55,7 +90,7 @@ forward_usr1() {
 trap forward_usr1 USR1
 # In the background so the trap runs at once; `wait` returns early on a trapped
 # signal, so wait again until the step has really finished.
-srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/lustre/projects/lm env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 WANDB_PROJECT=lm PATH=/home/train/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7 NCCL_SOCKET_IFNAME==bond0 CLUSTERKIT_JOB_ID=golden-h100-2x8-ib sh -c 'trap "" USR1; exec "$@"' sh /home/train/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=8 --max-restarts=0 --tee=3 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR":"$MASTER_PORT" --rdzv-id=golden-h100-2x8-ib -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/ds_config.json --run-dir /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/run --ckpt-dir /lustre/projects/lm/ckpt/golden-h100-2x8-ib --storage shared &
+srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/lustre/projects/lm env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 WANDB_PROJECT=lm LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7 NCCL_SOCKET_IFNAME==bond0 CLUSTERKIT_JOB_ID=golden-h100-2x8-ib CLUSTERKIT_JOB_DIR=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib CLUSTERKIT_DS_CONFIG=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/ds_config.json CLUSTERKIT_CKPT_DIR=/lustre/projects/lm/ckpt/golden-h100-2x8-ib CLUSTERKIT_STORAGE=shared sh -c 'trap "" USR1; exec "$@"' sh /home/train/venv/bin/python -m torch.distributed.run --nnodes=2 --nproc-per-node=8 --max-restarts=0 --tee=3 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR":"$MASTER_PORT" --rdzv-id=golden-h100-2x8-ib -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/ds_config.json --run-dir /lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/run --ckpt-dir /lustre/projects/lm/ckpt/golden-h100-2x8-ib --storage shared &
 launch_pid=$!
 status=0
 while :; do

@@ -7,6 +7,9 @@
 #SBATCH --time=01:00:00
 #SBATCH --output=/home/me/proj/.clusterkit/jobs/golden-local/logs/slurm-%j.out
 #SBATCH --error=/home/me/proj/.clusterkit/jobs/golden-local/logs/slurm-%j.err
+# A requeued run appends to the same files (the default truncates: the first run's log
+# would be lost); each run starts with a "===== clusterkit: ... run N" line.
+#SBATCH --open-mode=append
 # 90 s before the time limit Slurm sends USR1 to this script (B:), which forwards it
 # to the launch step: the workload checkpoints and exits 0, then the script requeues
 # the job, which resumes from that checkpoint (--resume auto, same checkpoint dir).
@@ -15,6 +18,13 @@
 #SBATCH --requeue
 set -euo pipefail
 
+run_line="===== clusterkit: job golden-local slurm=$SLURM_JOB_ID run $(( ${SLURM_RESTART_COUNT:-0} + 1 )) on $SLURM_JOB_NODELIST at $(date -u +%Y-%m-%dT%H:%M:%SZ) ====="
+echo "$run_line"
+echo "$run_line" >&2
+
+# The interpreter's directory in front of the site's own PATH: srun, scontrol and
+# scancel stay where the submitting shell found them (/opt/slurm/bin, a module, ...).
+export PATH=/opt/py/bin:"$PATH"
 export PYTHONUNBUFFERED=1 SLURM_UNBUFFEREDIO=1
 
 # Node 0 of the allocation is the rendezvous head; resolve it to an IPv4 address
@@ -26,22 +36,47 @@ if [ -z "$MASTER_ADDR" ]; then
     echo "clusterkit: cannot resolve the head node $head_node to an IPv4 address" >&2
     exit 2
 fi
-# The same port derivation as clusterkit's plan for a numeric job id.
-MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 40001 ))
+# From the Slurm job id, below Linux's ephemeral port range (32768-60999).
+MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 12768 ))
 export MASTER_ADDR MASTER_PORT
 
 # The job environment (an allowlist, see docs/render.md).
 export HF_HUB_OFFLINE=1
 export NCCL_DEBUG=WARN
 export NCCL_IB_TIMEOUT=22
-export PATH=/opt/py/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 export PYTHONUNBUFFERED=1
 export CLUSTERKIT_JOB_ID=golden-local
+export CLUSTERKIT_JOB_DIR=/home/me/proj/.clusterkit/jobs/golden-local
+export CLUSTERKIT_DS_CONFIG=/home/me/proj/.clusterkit/jobs/golden-local/ds_config.json
+export CLUSTERKIT_CKPT_DIR=/home/me/.cache/clusterkit/local/shared/ckpt/golden-local
+export CLUSTERKIT_STORAGE=shared
 
+# CPUs: srun does not inherit --cpus-per-task from the allocation (Slurm >= 22.05), so
+# pass it on; OpenMP threads per rank = the task's CPUs / the ranks the task starts
+# (at least 1), unless the inventory env sets OMP_NUM_THREADS.
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+    export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+    task_cpus=$SLURM_CPUS_PER_TASK
+else
+    task_cpus=$(( ${SLURM_CPUS_ON_NODE:-1} / 2 ))
+fi
+export OMP_NUM_THREADS=$(( task_cpus / 1 > 1 ? task_cpus / 1 : 1 ))
 mkdir -p -- /home/me/proj/.clusterkit/jobs/golden-local/logs
 
-echo "clusterkit: job golden-local slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=srun-per-rank"
+# Every node must see the job directory (ds_config.json, accelerate configs, logs):
+# one tiny task per node; a node that cannot see it prints its name.
+unseen=$(srun --nodes=4 --ntasks=4 --ntasks-per-node=1 --chdir=/ \
+    sh -c '[ -d "$1" ] && [ -r "$2" ] || hostname' sh /home/me/proj/.clusterkit/jobs/golden-local /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json) || {
+    echo "clusterkit: the file-system check step (srun) failed; see the lines above" >&2
+    exit 2
+}
+if [ -n "$unseen" ]; then
+    echo "clusterkit: job dir /home/me/proj/.clusterkit/jobs/golden-local is not visible on" $unseen "(put the inventory workdir on a filesystem every compute node mounts)" >&2
+    exit 2
+fi
+
+echo "clusterkit: job golden-local slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=srun-per-rank OMP_NUM_THREADS=$OMP_NUM_THREADS"
 preempted=0
 forward_usr1() {
     preempted=1
@@ -51,7 +86,7 @@ forward_usr1() {
 trap forward_usr1 USR1
 # In the background so the trap runs at once; `wait` returns early on a trapped
 # signal, so wait again until the step has really finished.
-srun --nodes=4 --ntasks-per-node=2 --kill-on-bad-exit=1 --chdir=/home/me/proj --output=/home/me/proj/.clusterkit/jobs/golden-local/logs/%x-%j-rank%t.out env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 PATH=/opt/py/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local /opt/py/bin/python3 -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt/golden-local --storage shared &
+srun --nodes=4 --ntasks-per-node=2 --kill-on-bad-exit=1 --chdir=/home/me/proj --output=/home/me/proj/.clusterkit/jobs/golden-local/logs/%x-%j-rank%t.out --open-mode=append env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local CLUSTERKIT_JOB_DIR=/home/me/proj/.clusterkit/jobs/golden-local CLUSTERKIT_DS_CONFIG=/home/me/proj/.clusterkit/jobs/golden-local/ds_config.json CLUSTERKIT_CKPT_DIR=/home/me/.cache/clusterkit/local/shared/ckpt/golden-local CLUSTERKIT_STORAGE=shared /opt/py/bin/python3 -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt/golden-local --storage shared &
 launch_pid=$!
 status=0
 while :; do
