@@ -39,8 +39,10 @@ import base64
 import contextlib
 import json
 import os
+import queue
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,6 +68,16 @@ from clusterkit.node.protocol import (
 
 __all__ = ["EVENT_PREFIX", "LINE_PREFIX", "Agent", "Spec", "gate_facts", "job_processes", "sweep"]
 POLL_S = 0.1
+PROGRESS_EVERY_S = 2.0  # how often the agent reports its ranks' progress
+# The job contract (docs/launch.md): a rank shows progress by writing output or by
+# touching CLUSTERKIT_HEARTBEAT (the workload writes its step there); the workload
+# registers faulthandler on DUMP_SIGNAL to write its stacks to CLUSTERKIT_STACKS.
+ENV_HEARTBEAT, ENV_HEARTBEAT_DIR, ENV_STACKS = (
+    "CLUSTERKIT_HEARTBEAT", "CLUSTERKIT_HEARTBEAT_DIR", "CLUSTERKIT_STACKS")
+# SIGWINCH: its default action is "ignore", so a script that registered nothing is
+# not killed by a stack request.
+DUMP_SIGNAL = signal.SIGWINCH
+DUMP_WAIT_S = 5.0
 Spec = AgentSpec  # the name the agent has always used
 
 # torchrun --tee 3: "[default0]:text"; pdsh: "node3: text".
@@ -241,18 +253,53 @@ class Agent:
         self._failure_sent = False
         self._tail_done = threading.Event()
         self._go = threading.Event()
+        # Output goes through one writer thread: behind a network partition a write to
+        # the SSH session blocks, and nothing else (the teardown) may wait on it.
+        self._outq: queue.Queue[str] = queue.Queue()
+        self.keepalive_lost = False
+        self._last_control = time.monotonic()
+        self._started = time.monotonic()
+        self._last_line: dict[int, float] = {}  # global rank -> time of its last output line
+        self._next_progress = 0.0
+        self.progress_dir = os.path.join(self.node_dir, "progress")
+        self._threaded = False  # see start_writer
+
+    def start_writer(self) -> None:
+        """From now on output goes through a writer thread (the real agent, not tests)."""
+        self._threaded = True
+        threading.Thread(target=self._writer, daemon=True, name="agent-out").start()
 
     # -------------------------------------------------------------- output
 
     def emit_raw(self, line: str) -> None:
+        if not self._out_ok or self.keepalive_lost:
+            return
+        if self._threaded:
+            self._outq.put(line)
+            return
         with self._lock:
-            if not self._out_ok:
-                return
             try:
                 self._out.write(line + "\n")
                 self._out.flush()
             except (OSError, ValueError):
+                self._out_ok = False
+
+    def _writer(self) -> None:
+        while True:
+            line = self._outq.get()
+            try:
+                self._out.write(line + "\n")
+                if self._outq.empty():
+                    self._out.flush()
+            except (OSError, ValueError):
                 self._out_ok = False  # the launcher is gone; keep writing log files
+
+    def drain(self, timeout: float = 5.0) -> None:
+        """Give the writer a moment to send what is queued (the exit event)."""
+        deadline = time.monotonic() + timeout
+        while not self._outq.empty() and self._out_ok and not self.keepalive_lost \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def event(self, ev: str, **fields: Any) -> None:
         self.emit_raw(protocol.encode_event(ev, self.spec.node, **fields))
@@ -274,6 +321,8 @@ class Agent:
             log_name = "launcher.log" if node == self.spec.node else f"{node}.log"
         with self._lock:
             self._log(log_name, text)
+        if lrank is not None and offset is not None:
+            self._last_line[offset + lrank] = time.monotonic()
         self.emit_raw(f"{LINE_PREFIX}{node} {'-' if lrank is None else lrank} {text}")
         self._watch_failure(node, text)
 
@@ -282,6 +331,7 @@ class Agent:
         offset = self.spec.rank_offsets.get(self.spec.node, 0)
         with self._lock:
             self._log(f"rank{rank}.log", text)
+        self._last_line[rank] = time.monotonic()
         self.emit_raw(f"{LINE_PREFIX}{self.spec.node} {rank - offset} {text}")
 
     def tail_rank_logs(self) -> None:
@@ -361,6 +411,7 @@ class Agent:
 
     def read_control(self, stream: IO[str]) -> None:
         for raw in stream:
+            self._last_control = time.monotonic()
             cmd = protocol.parse_control(raw)
             if cmd in (protocol.TERM, protocol.KILL):
                 self.request_stop(cmd.lower())
@@ -371,6 +422,8 @@ class Agent:
             elif cmd in (protocol.USR1, protocol.USR2):
                 n = self.forward(getattr(signal, f"SIG{cmd}"))
                 self.event("forwarded", signal=cmd, processes=n)
+            elif cmd == protocol.DUMP:
+                threading.Thread(target=self.dump_stacks, daemon=True).start()
         self.request_stop("stdin-eof")  # the launcher exited or the connection dropped
 
     def kill_now(self) -> None:
@@ -384,6 +437,7 @@ class Agent:
 
     def prepare(self) -> None:
         os.makedirs(self.node_dir, exist_ok=True)
+        os.makedirs(self.progress_dir, exist_ok=True)
         if self.spec.rank_log_dir:
             # DeepSpeed's launcher creates it with exists()+makedirs(): on a shared job
             # dir its launchers on several nodes race and one dies. Exists before them.
@@ -397,7 +451,7 @@ class Agent:
         env = dict(os.environ)
         env.update({k: _expand(v, self.job_dir) for k, v in self.spec.env.items()})
         env.update({ENV_JOB: self.spec.job_id, ENV_NODE: self.spec.node,
-                    ENV_ATTEMPT: str(self.spec.attempt)})
+                    ENV_ATTEMPT: str(self.spec.attempt), ENV_HEARTBEAT_DIR: self.progress_dir})
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines, not 8 KiB blocks, reach the console
         return env
 
@@ -427,6 +481,9 @@ class Agent:
             "ROLE_WORLD_SIZE": str(n["world_size"]), "MASTER_ADDR": str(n["master_addr"]),
             "MASTER_PORT": str(n["master_port"]),
         })
+        rank = int(n["first_rank"]) + local_rank
+        env[ENV_HEARTBEAT] = os.path.join(self.progress_dir, f"rank{rank}.heartbeat")
+        env[ENV_STACKS] = os.path.join(self.progress_dir, f"rank{rank}.stacks")
         if nproc > 1 and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = "1"  # torchrun's default: N ranks must not oversubscribe
         return env
@@ -481,12 +538,121 @@ class Agent:
         with contextlib.suppress(OSError):
             _write_atomic(os.path.join(self.node_dir, "agent.json"), json.dumps(data))
 
+    # -------------------------------------------------------------- hangs (issue 14)
+
+    def check_keepalive(self) -> None:
+        """The dead-man switch: no word from the launcher for keepalive_s -> tear down.
+
+        Behind a network partition the SSH session neither delivers nor closes, so
+        EOF never comes; silence is the only sign. From here on nothing is written to
+        the session (it would block); the log files keep everything.
+        """
+        ka = self.spec.keepalive_s
+        if ka <= 0 or self.keepalive_lost or time.monotonic() - self._last_control <= ka:
+            return
+        self.keepalive_lost = True
+        with self._lock:
+            self._log("launcher.log", f"clusterkit agent: no keepalive from the launcher for "
+                                      f"{ka:g} s: tearing down this node's ranks")
+        self.request_stop("keepalive-lost")
+
+    def rank_pids(self) -> dict[int, int]:
+        """global rank -> pid of this node's rank processes."""
+        if self.ranks:
+            first = int((self.spec.native or {})["first_rank"])
+            return {first + lr: p.pid for lr, p in self.ranks.items() if p.poll() is None}
+        out: dict[int, int] = {}
+        for pid, env in job_processes(self.spec.job_id, self.spec.node, self.spec.attempt).items():
+            rank = env.get(b"RANK", b"")
+            if rank.isdigit() and b"LOCAL_RANK" in env:
+                out.setdefault(int(rank), pid)  # the lowest pid: the rank, not its helpers
+        return out
+
+    def progress(self) -> dict[str, Any]:
+        """Seconds since this node's ranks last showed progress, and their steps."""
+        now_m, now_w = time.monotonic(), time.time()
+        last = {r: now_m - t for r, t in self._last_line.items()}
+        steps: dict[int, int] = {}
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.progress_dir):
+                m = re.match(r"rank(\d+)\.heartbeat$", name)
+                if not m:
+                    continue
+                path, rank = os.path.join(self.progress_dir, name), int(m.group(1))
+                with contextlib.suppress(OSError, ValueError):
+                    age = max(0.0, now_w - os.stat(path).st_mtime)
+                    last[rank] = min(last.get(rank, age), age)
+                    with open(path, encoding="utf-8") as fh:
+                        steps[rank] = int(fh.read().strip() or "-1")
+        idle = min(last.values()) if last else now_m - self._started
+        return {"idle_s": round(idle, 2), "ranks": {str(r): round(a, 2) for r, a in last.items()},
+                "step": max(steps.values()) if steps else None,
+                "time": round(now_w - idle, 2)}
+
+    def report_progress(self) -> None:
+        if time.monotonic() < self._next_progress:
+            return
+        self._next_progress = time.monotonic() + PROGRESS_EVERY_S
+        prog = self.progress()
+        self.event("progress", **prog)
+        self.write_state("running", progress=prog)  # what `clusterkit status JOB` shows
+
+    def dump_stacks(self) -> None:
+        """Every rank's Python stacks: py-spy where installed, else faulthandler's file."""
+        pids = self.rank_pids()
+        spy = _py_spy()
+        results: dict[str, dict[str, Any]] = {}
+        threads = []
+        for rank, pid in sorted(pids.items()):
+            t = threading.Thread(target=self._dump_one, args=(rank, pid, spy, results))
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join(DUMP_WAIT_S + 15.0)
+        out_dir = os.path.join(self.job_dir, "stacks", f"a{self.spec.attempt}")
+        with contextlib.suppress(OSError):
+            os.makedirs(out_dir, exist_ok=True)
+            for key, res in results.items():
+                _write_atomic(os.path.join(out_dir, f"rank{key}.txt"),
+                              f"# node {self.spec.node} rank {key} pid {res['pid']} "
+                              f"state {res['state']} via {res['tool']}\n{res['text']}")
+        self.event("stacks", ranks=results, dir=out_dir)
+
+    def _dump_one(self, rank: int, pid: int, spy: str | None,
+                  results: dict[str, dict[str, Any]]) -> None:
+        state = _proc_state(pid)
+        text, tool = "", "none"
+        if spy:
+            text, tool = _spy_dump(spy, pid), "py-spy"
+        if not text.strip():
+            text, tool = self._faulthandler_dump(rank, pid, state), "faulthandler"
+        results[str(rank)] = {"pid": pid, "state": state, "tool": tool, "text": text}
+
+    def _faulthandler_dump(self, rank: int, pid: int, state: str) -> str:
+        path = os.path.join(self.progress_dir, f"rank{rank}.stacks")
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        _signal(pid, DUMP_SIGNAL)
+        if state.startswith("T"):
+            # A stopped process handles the signal only once continued; we tear the job
+            # down right after, so letting it run for a moment changes nothing.
+            _signal(pid, signal.SIGCONT)
+        deadline = time.monotonic() + DUMP_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            if os.path.exists(path) and os.path.getsize(path) > size:
+                time.sleep(0.3)  # let faulthandler finish every thread
+                with open(path, encoding="utf-8", errors="replace") as fh:
+                    fh.seek(size)
+                    return fh.read()
+        return "(no faulthandler dump: the program did not register one on SIGWINCH)"
+
     def hold_for_go(self) -> bool:
         """Report the gate's facts; True once the launcher says GO, False on a stop."""
         self.event("facts", facts=gate_facts())
         while not self._go.is_set():
             if self._stop.wait(POLL_S / 2):
                 return self._go.is_set()
+            self.check_keepalive()
         return True
 
     def run(self) -> int:
@@ -513,6 +679,8 @@ class Agent:
                 break
             if self.ranks and self.check_ranks():
                 break
+            self.check_keepalive()
+            self.report_progress()
         return self.finish(pumps, tail)
 
     def _exit_code(self) -> int:
@@ -548,9 +716,40 @@ class Agent:
         code = self._exit_code()
         self.write_state("exited", exit_code=code, reason=self.stop_reason, **counts)
         self.event("exit", code=code, reason=self.stop_reason, **counts)
+        self.drain()
         for fh in self._logs.values():
             fh.close()
         return code
+
+
+# ----------------------------------------------------------------- stack helpers
+
+
+def _proc_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat (T: stopped, as by SIGSTOP)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def _py_spy() -> str | None:
+    """py-spy beside this Python (a venv or pyenv version) or on PATH; off by env."""
+    if os.environ.get("CLUSTERKIT_STACK_TOOL") == "faulthandler":
+        return None
+    here = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return here if os.access(here, os.X_OK) else shutil.which("py-spy")
+
+
+def _spy_dump(spy: str, pid: int) -> str:
+    try:
+        res = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                             timeout=15.0, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    # Without ptrace permission py-spy fails: the caller falls back to faulthandler.
+    return res.stdout if res.returncode == 0 else ""
 
 
 # ----------------------------------------------------------------- entry points
@@ -612,13 +811,19 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"clusterkit agent: {exc}\n")
         return 2
     agent = Agent(spec, sys.stdout)
+    agent.start_writer()
     _install_signals(agent)
     threading.Thread(target=agent.read_control, args=(sys.stdin,), daemon=True).start()
     try:
-        return agent.run()
+        code = agent.run()
     except (OSError, ValueError) as exc:
         agent.event("error", message=f"{type(exc).__name__}: {exc}")
+        agent.drain()
         return 127 if isinstance(exc, FileNotFoundError) else 126
+    if agent.keepalive_lost:
+        # stdout may be stuck on a dead session: flushing it at exit would block.
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -31,10 +31,14 @@ DEFAULT_GRACE_S = 3.0
 
 # Control words, launcher -> agent, one per stdin line.
 TERM, KILL, GO, USR1, USR2 = "TERM", "KILL", "GO", "USR1", "USR2"
-CONTROL_WORDS = (TERM, KILL, GO, USR1, USR2)
+# Hangs (issue 14): PING keeps the agent's dead-man switch from firing; DUMP asks it
+# for the Python stacks of its ranks.
+PING, DUMP = "PING", "DUMP"
+CONTROL_WORDS = (TERM, KILL, GO, USR1, USR2, PING, DUMP)
 
 # Events, agent -> launcher.
-EVENTS = ("facts", "started", "rank-failed", "forwarded", "teardown", "exit", "error")
+EVENTS = ("facts", "started", "rank-failed", "forwarded", "teardown", "exit", "error",
+          "progress", "stacks")
 
 # How to read ranks from a launcher's output (AgentSpec.prefix).
 PREFIXES = ("torchrun", "pdsh", "single", "native")  # native: ranks started by the agent
@@ -60,6 +64,7 @@ _SPEC_TYPES: dict[str, tuple[type, ...]] = {
     "argv": (list,), "env": (dict,), "files": (dict,), "cwd": (str, type(None)),
     "attempt": (int,), "prefix": (str,), "rank_offsets": (dict,), "grace_s": (int, float),
     "rank_log_dir": (str, type(None)), "native": (dict, type(None)), "hold": (bool,),
+    "keepalive_s": (int, float),
 }
 
 
@@ -85,6 +90,9 @@ class AgentSpec:
     native: dict[str, Any] | None = None
     # The pre-launch gate folded into the agent: report facts, start nothing until GO.
     hold: bool = False
+    # Dead-man switch: no control word (PING) for this many seconds and the agent
+    # tears its ranks down by itself, even while the network stays down. 0: off.
+    keepalive_s: float = 0.0
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> str:
