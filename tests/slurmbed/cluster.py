@@ -32,7 +32,7 @@ import socket
 import subprocess
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -371,6 +371,41 @@ class SlurmBed:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         return found
+
+    # ---------------------------------------------------- site PATH variant
+    @contextlib.contextmanager
+    def clients_off_default_path(self) -> Iterator[dict[str, str]]:
+        """A site whose Slurm clients live only in a private bin dir ("/opt/slurm/bin").
+
+        Debian installs them in /usr/bin, which every default PATH holds, so hiding them
+        needs more than a PATH: inside each node's mount namespace /usr/bin/<client> is
+        bind-mounted over by a stub that fails with exit 127 (as "command not found"),
+        and copies of the real binaries sit in ``<slurm root>/opt-slurm-bin``. The
+        yielded environment has that dir first on PATH, as a login shell with the
+        site's module loaded would; a batch script that replaces PATH with the system
+        dirs then finds only the stubs. The mounts are undone on exit (node-private:
+        the host and other test beds never see them)."""
+        bin_dir = self.root / "opt-slurm-bin"
+        bin_dir.mkdir(exist_ok=True)
+        stub = self.root / "no-slurm-client"
+        self._write_atomic(stub, "#!/bin/sh\necho \"$0: Slurm clients are in /opt/slurm/bin "
+                                 "on this site (not on the default PATH)\" >&2\nexit 127\n")
+        stub.chmod(0o755)
+        masked: list[tuple[TestNode, str]] = []
+        try:
+            for name in (*CLIENTS, "salloc", "sattach", "sstat"):
+                real = shutil.which(name, path="/usr/bin")
+                if real is None:
+                    continue
+                shutil.copy2(real, bin_dir / name)
+                for node in self.nodes:
+                    self.tb.exec(node, ["mount", "--bind", str(stub), real], check=True)
+                    masked.append((node, real))
+            path = f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+            yield {**self.env, "PATH": path}
+        finally:
+            for node, real in reversed(masked):
+                self.tb.exec(node, ["umount", real], check=False)
 
     # --------------------------------------------------------------- teardown
     def stop(self) -> None:
