@@ -1,0 +1,55 @@
+"""The one size rule and the one duration rule (clusterkit/units.py, docs/units.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from clusterkit.errors import ClusterkitError
+from clusterkit.units import duration_type, parse_duration, parse_size, size_type
+
+GiB, GB = 2**30, 10**9
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("40G", 40 * GiB), ("40GiB", 40 * GiB), ("40gib", 40 * GiB), ("40 G", 40 * GiB),
+    ("40GB", 40 * GB), ("40gb", 40 * GB), ("5GB", 5 * GB), ("1.5T", int(1.5 * 2**40)),
+    ("4M", 4 * 2**20), ("4MB", 4 * 10**6), ("1kB", 1000), ("1K", 1024), ("512", 512),
+    ("512B", 512), (".5G", GiB // 2),
+])
+def test_one_size_rule(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "", "-1G", "40Gi", "1e5", "4 M B", "G"])
+def test_bad_sizes_name_the_flag(text: str) -> None:
+    with pytest.raises(ClusterkitError) as e:
+        parse_size(text, "--ckpt-size")
+    assert e.value.key == "--ckpt-size" and "docs/units.md" in e.value.one_line()
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("90", 90.0), ("2.5", 2.5), ("90s", 90.0), ("5m", 300.0), ("1h30m", 5400.0),
+    ("2d", 172800.0), ("01:30:00", 5400.0), ("05:30", 330.0), ("1-00:00:00", 86400.0),
+    ("1-05:30", 86400.0 + 5 * 3600 + 30 * 60), ("0", 0.0),
+])
+def test_one_duration_rule(text: str, expected: float) -> None:
+    assert parse_duration(text) == expected
+
+
+@pytest.mark.parametrize("text", ["-1", "nan", "inf", "m5", "30m1h", "1:61", "5 minutes", ""])
+def test_bad_durations(text: str) -> None:
+    with pytest.raises(ClusterkitError):
+        parse_duration(text, "--grace")
+
+
+def test_argparse_types_fail_at_parse_time() -> None:
+    p = argparse.ArgumentParser(prog="x", exit_on_error=False)
+    p.add_argument("--size", type=size_type("--size", minimum=1))
+    p.add_argument("--wait", type=duration_type("--wait"))
+    ns = p.parse_args(["--size", "40G", "--wait", "1m"])
+    assert ns.size == 40 * GiB and ns.wait == 60.0
+    for argv in (["--size", "lots"], ["--size", "0"], ["--wait", "-1"]):
+        with pytest.raises(argparse.ArgumentError):
+            p.parse_args(argv)
