@@ -277,7 +277,8 @@ def test_native_mode_starts_each_rank_with_torchruns_environment(tmp_path: Path)
     outcome, text = _run(_native_job(tmp_path, script, 2, 2, "native-env"))
     assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
     assert ("[v1 r3] RANK=3 LOCAL_RANK=1 WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 "
-            "MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 OMP_NUM_THREADS=1") in text
+            "MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 "
+            f"OMP_NUM_THREADS={agent_mod.omp_threads(2)}") in text  # CPUs / 2 ranks
     assert "[v0 r0] elastic False" in text
 
 

@@ -179,6 +179,19 @@ def sweep(job_id: str, node: str | None, attempt: int | None, grace_s: float,
 # ----------------------------------------------------------------- files
 
 
+def omp_threads(nproc: int) -> str:
+    """OpenMP threads per rank: the CPUs this node lets us run on / its ranks, at least 1.
+
+    (Issue 13: ranks that start a thread per core each oversubscribe the node; torchrun's
+    fixed 1 wastes the cores of a node with fewer ranks than CPUs.) Same rule as the
+    batch script's (docs/sbatch.md)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    return str(max(1, cpus // max(1, nproc)))
+
+
 def _write_atomic(path: str, text: str) -> None:
     # The job dir may be on a shared filesystem that every node's agent writes at once,
     # and pids repeat across hosts (and PID namespaces): the temp name must be unique.
@@ -484,8 +497,8 @@ class Agent:
         rank = int(n["first_rank"]) + local_rank
         env[ENV_HEARTBEAT] = os.path.join(self.progress_dir, f"rank{rank}.heartbeat")
         env[ENV_STACKS] = os.path.join(self.progress_dir, f"rank{rank}.stacks")
-        if nproc > 1 and "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = "1"  # torchrun's default: N ranks must not oversubscribe
+        if "OMP_NUM_THREADS" not in env:  # an inventory env value wins
+            env["OMP_NUM_THREADS"] = omp_threads(nproc)
         return env
 
     def start_ranks(self) -> list[threading.Thread]:
