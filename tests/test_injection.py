@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from clusterkit.errors import ClusterkitError, InventoryError
 from clusterkit.inventory import CheckpointStorage, Host, Inventory, parse_inventory
 from clusterkit.plan import BACKENDS, JobOptions, LaunchPlan, plan_job
+from clusterkit.render.sbatch import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from tests.render_cases import FACTS
 
 PWNED = f"/tmp/clusterkit_PWNED_{os.getpid()}"
@@ -130,10 +131,17 @@ def _sbatch_runs_as_intended(plan: LaunchPlan) -> None:
     stubs = STUBS + (f"scontrol() {{ printf '%s\\n' {plan.nodes[0].name}; }}\n"
                      f"getent() {{ printf '%s STREAM x\\n' {plan.master_addr}; }}\n"
                      "echo() { :; }\n")
-    env = {"PATH": os.environ["PATH"], "SLURM_JOB_NODELIST": "x",
-           "SLURM_JOB_ID": str(plan.master_port - 20000)}
+    slurm_id = 4242  # the script's port: SLURM_PORT_BASE + id % SLURM_PORT_SPAN
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_NODELIST": "x", "SLURM_JOB_ID": str(slurm_id)}
     records = _run_bash(stubs + plan.artifacts["sbatch.sh"], env)
-    assert records[-1] == list(plan.commands["srun"][0].argv)
+    # The batch script keeps the site's PATH (prefixed, exported) instead of the plan's
+    # PATH= word, and derives its port from the Slurm job id (docs/sbatch.md); every
+    # other word must match.
+    path_word = f"PATH={plan.nodes[0].env.get('PATH')}"
+    port = str(SLURM_PORT_BASE + slurm_id % SLURM_PORT_SPAN)
+    expected = [re.sub(rf"(?<=[:=]){plan.master_port}$", port, w)
+                for w in plan.commands["srun"][0].argv if w != path_word]
+    assert records[-1] == expected
 
 
 def _check_plan(plan: LaunchPlan) -> None:

@@ -2,20 +2,25 @@
 
 Every value is quoted once with :func:`shlex.quote` (the ``q`` filter, or
 ``shlex.join`` for whole command lines); the only shell expansions in the script
-are the fixed ``$MASTER_ADDR``/``$MASTER_PORT``/``$SLURM_*`` references written
-into the template and the launch-line placeholders below.
+are the fixed ``$MASTER_ADDR``/``$MASTER_PORT``/``$SLURM_*``/``$PATH`` references
+written into the template and the launch-line placeholders below.
+
+Site settings that only the batch script has (``--exclusive``, ``--mem``, extra
+``#SBATCH`` lines, a site's own template, ...) are a :class:`SlurmSite`; the plan
+renders with the defaults, ``clusterkit sbatch`` renders again with the user's.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from clusterkit.errors import RenderError
-from clusterkit.plan.ports import PORT_BASE, PORT_SPAN
 from clusterkit.render.commands import (
     ACCELERATE,
     JobLayout,
@@ -23,13 +28,21 @@ from clusterkit.render.commands import (
     srun_torchrun_argv,
     uniform,
 )
+from clusterkit.render.dsenv import SYSTEM_PATH
 
 if TYPE_CHECKING:
     import jinja2
 
 ADDR_WORD = "@CLUSTERKIT_MASTER_ADDR@"
 PORT_WORD = "@CLUSTERKIT_MASTER_PORT@"
+TEMPLATE = "sbatch.sh.j2"
+# The batch script's port: 20000 + SLURM_JOB_ID % 12768, i.e. 20000-32767, below Linux's
+# ephemeral range (32768-60999): a port there can be taken by any outgoing connection.
+SLURM_PORT_BASE = 20000
+SLURM_PORT_SPAN = 12768
+DEFAULT_SIGNAL_LEAD_S = 90
 _SLURM_VALUE = re.compile(r"[A-Za-z0-9_.,:@+-]+")
+_MEM = re.compile(r"[0-9]+[KMGT]?")
 _TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+")
 # accelerate on each Slurm node: its machine_rank's YAML, the head resolved at run time.
 # Slurm's USR1 (--signal=USR1@90, scancel --signal=USR1) reaches every process of the
@@ -43,14 +56,33 @@ ACCELERATE_EXEC = (IGNORE_USR1 + 'd=$1; shift; exec "$0" ' + " ".join(ACCELERATE
                    ' --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"')
 
 
+@dataclass(frozen=True)
+class SlurmSite:
+    """What only the batch script knows: a site's #SBATCH needs and its own template.
+
+    ``extra_lines`` are whole ``#SBATCH`` option words (``--reservation=r1``), written
+    after clusterkit's own; ``template_dir`` holds a ``sbatch.sh.j2`` that replaces
+    the bundled one (same variables, docs/sbatch.md)."""
+
+    exclusive: bool = False
+    mem: str | None = None  # --mem, e.g. 64G or 0 (all of the node's memory)
+    constraint: str | None = None
+    gpu_type: str | None = None  # --gpus-per-node=TYPE:N
+    signal_lead_s: int = DEFAULT_SIGNAL_LEAD_S
+    extra_lines: tuple[str, ...] = ()
+    template_dir: str | None = None
+
+
 @cache
-def _environment() -> jinja2.Environment:
+def _environment(template_dir: str | None = None) -> jinja2.Environment:
     # Imported here: jinja2 costs ~0.1-0.5 s to import and only this renderer needs it,
     # while every `clusterkit` invocation imports the plan package.
     import jinja2
 
+    loader: jinja2.BaseLoader = (jinja2.FunctionLoader(_load_template) if template_dir is None
+                                 else jinja2.FileSystemLoader(template_dir))
     env = jinja2.Environment(
-        loader=jinja2.FunctionLoader(_load_template),
+        loader=loader,
         undefined=jinja2.StrictUndefined,
         autoescape=False,  # shell, not HTML: values are quoted with the q filter instead
         keep_trailing_newline=True,
@@ -72,6 +104,18 @@ def _slurm_value(value: str | None, key: str) -> str | None:
     return value
 
 
+def _extra_line(line: str) -> str:
+    """One --sbatch-arg: ``--opt`` or ``--opt=value``, which sbatch reads without a shell."""
+    word = line.strip()
+    if word.startswith("#SBATCH"):
+        word = word[len("#SBATCH"):].strip()
+    name, _, value = word.partition("=")
+    if not re.fullmatch(r"--[a-z][a-z0-9-]*", name) or (value and not _SLURM_VALUE.fullmatch(value)):
+        raise RenderError(f"--sbatch-arg {line!r} is not one #SBATCH option", key="--sbatch-arg",
+                          hint="write it as --option or --option=value (plain word, no spaces)")
+    return word
+
+
 def _with_shell_vars(argv: list[str]) -> str:
     """shlex.join, then the two placeholders become "$MASTER_ADDR"/"$MASTER_PORT"."""
     line = shlex.join(argv)
@@ -81,16 +125,25 @@ def _with_shell_vars(argv: list[str]) -> str:
     return line.replace(ADDR_WORD, '"$MASTER_ADDR"').replace(PORT_WORD, '"$MASTER_PORT"')
 
 
+def _without_path(argv: list[str], path: str) -> list[str]:
+    # srun passes the script's environment to every task; its PATH (the site's, with the
+    # interpreter's dir in front) must not be replaced by the plan's fixed system PATH.
+    word = f"PATH={path}"
+    return [w for w in argv if w != word]
+
+
 def launch_line(layout: JobLayout, log_dir: str) -> tuple[str, str]:
     """(variant, the srun line) for the chosen backend."""
     backend = layout.options.backend
+    node = layout.nodes[0]
+    path = node.env.get("PATH", "")
     if backend in ("torchrun", "slurm"):
         # TODO(commands.srun_torchrun_argv): torchrun needs IGNORE_USR1 too; it belongs in
         # the shared srun argv so the salloc line and this one stay identical.
-        return "torchrun", _with_shell_vars(srun_torchrun_argv(layout, ADDR_WORD, PORT_WORD))
+        argv = _without_path(srun_torchrun_argv(layout, ADDR_WORD, PORT_WORD), path)
+        return "torchrun", _with_shell_vars(argv)
     uniform(layout, "srun")
-    node = layout.nodes[0]
-    env_words = ["env", *(f"{k}={v}" for k, v in node.env.items())]
+    env_words = ["env", *(f"{k}={v}" for k, v in node.env.items() if k != "PATH")]
     nodes = len(layout.nodes)
     if backend == "accelerate":
         program = launcher_program(layout.programs[0], "--module")
@@ -100,13 +153,46 @@ def launch_line(layout: JobLayout, log_dir: str) -> tuple[str, str]:
         return "accelerate", shlex.join(argv)
     # deepspeed: one Slurm task per rank, as DeepSpeed's own slurm launcher does; the
     # workload reads SLURM_PROCID/SLURM_LOCALID and the exported MASTER_ADDR/PORT.
+    # --open-mode=append: a requeued run adds to the rank logs instead of truncating them.
     argv = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={node.nproc}", "--kill-on-bad-exit=1",
-            f"--chdir={node.workdir}", f"--output={log_dir}/%x-%j-rank%t.out", *env_words,
-            node.python, "-u", *layout.programs[0]]
+            f"--chdir={node.workdir}", f"--output={log_dir}/%x-%j-rank%t.out", "--open-mode=append",
+            *env_words, node.python, "-u", *layout.programs[0]]
     return "srun-per-rank", shlex.join(argv)
 
 
-def render_sbatch(layout: JobLayout, cluster: str) -> str:
+def path_prefix(path: str) -> str:
+    """The plan's PATH minus the standard system directories: what the script puts in
+    front of the site's own PATH (which keeps /opt/slurm/bin, module paths, ...)."""
+    return ":".join(d for d in path.split(":") if d and d not in SYSTEM_PATH)
+
+
+def _gpus(layout: JobLayout, site: SlurmSite) -> str | None:
+    node = layout.nodes[0]
+    if node.host.gpus <= 0:
+        return None
+    gpu_type = _slurm_value(site.gpu_type, "--gpu-type")
+    return f"{gpu_type}:{node.nproc}" if gpu_type else str(node.nproc)
+
+
+def _site_context(layout: JobLayout, site: SlurmSite) -> dict[str, object]:
+    if site.mem is not None and not _MEM.fullmatch(site.mem):
+        raise RenderError(f"--mem {site.mem!r} is not a Slurm memory size", key="--mem",
+                          hint="use a number with an optional K/M/G/T suffix (0: all of it)")
+    if site.signal_lead_s < 1:
+        raise RenderError(f"--signal-lead {site.signal_lead_s} must be at least 1 second",
+                          key="--signal-lead")
+    return {
+        "gpus_per_node": _gpus(layout, site),
+        "exclusive": site.exclusive,
+        "mem": site.mem,
+        "constraint": _slurm_value(site.constraint, "--constraint"),
+        "signal_lead": site.signal_lead_s,
+        "extra_lines": [_extra_line(line) for line in site.extra_lines],
+    }
+
+
+def render_sbatch(layout: JobLayout, cluster: str, site: SlurmSite | None = None) -> str:
+    site = site or SlurmSite()
     o = layout.options
     node = layout.nodes[0]
     log_dir = f"{node.job_dir}/logs"
@@ -114,6 +200,7 @@ def render_sbatch(layout: JobLayout, cluster: str) -> str:
     if not _TIME.fullmatch(o.time_limit):
         raise RenderError(f"--time {o.time_limit!r} is not a Slurm time", key="--time",
                           hint="use MINUTES, HH:MM:SS or D-HH:MM:SS")
+    per_rank = variant == "srun-per-rank"
     context = {
         "job_id": layout.job_id,
         "cluster": cluster,
@@ -122,8 +209,8 @@ def render_sbatch(layout: JobLayout, cluster: str) -> str:
         # The allocation must hold every task of the launch step: srun inside a job
         # silently starts fewer tasks than asked for when the allocation has fewer
         # (measured: --ntasks-per-node=2 in a 1-task-per-node job ran world size 2, not 4).
-        "ntasks_per_node": node.nproc if variant == "srun-per-rank" else 1,
-        "gpus_per_node": node.nproc if node.host.gpus > 0 else 0,
+        "ntasks_per_node": node.nproc if per_rank else 1,
+        "ranks_per_task": 1 if per_rank else node.nproc,
         "cpus_per_task": o.cpus_per_task,
         "time_limit": o.time_limit,
         "partition": _slurm_value(o.partition, "--partition"),
@@ -131,15 +218,37 @@ def render_sbatch(layout: JobLayout, cluster: str) -> str:
         "qos": _slurm_value(o.qos, "--qos"),
         "output": _path_word(f"{log_dir}/slurm-%j.out", "--output"),
         "error": _path_word(f"{log_dir}/slurm-%j.err", "--error"),
-        "port_base": PORT_BASE,
-        "port_span": PORT_SPAN,
-        "exports": [f"{k}={shlex.quote(v)}" for k, v in node.env.items()],
+        "port_base": SLURM_PORT_BASE,
+        "port_span": SLURM_PORT_SPAN,
+        "path_prefix": path_prefix(node.env.get("PATH", "")),
+        "exports": [f"{k}={shlex.quote(v)}" for k, v in node.env.items() if k != "PATH"],
+        "omp_from_env": "OMP_NUM_THREADS" in node.env,
+        "job_dir": node.job_dir,
+        "ds_config": f"{node.job_dir}/ds_config.json",
         "log_dir": log_dir,
+        "node_local": layout.node_local,
         "node_local_dirs": [node.ckpt_dir] if layout.node_local else [],
         "variant": variant,
         "launch_line": line,
+        **_site_context(layout, site),
     }
-    return _environment().get_template("sbatch.sh.j2").render(context)
+    return _render(site.template_dir, context)
+
+
+def _render(template_dir: str | None, context: dict[str, object]) -> str:
+    import jinja2
+
+    if template_dir is not None and not (Path(template_dir) / TEMPLATE).is_file():
+        raise RenderError(f"no {TEMPLATE} in the template directory", path=template_dir,
+                          key="--template-dir", hint="copy clusterkit's templates/sbatch.sh.j2 "
+                          "there and edit it (variables: docs/sbatch.md)")
+    try:
+        return _environment(template_dir).get_template(TEMPLATE).render(context)
+    except jinja2.TemplateError as exc:
+        where = template_dir or "templates"
+        raise RenderError(f"{TEMPLATE} does not render: {exc}", path=f"{where}/{TEMPLATE}",
+                          key="--template-dir",
+                          hint="the variables are listed in docs/sbatch.md") from None
 
 
 def _path_word(path: str, key: str) -> str:
@@ -148,4 +257,3 @@ def _path_word(path: str, key: str) -> str:
         raise RenderError(f"{key} path {path!r} cannot be written on an #SBATCH line", key=key,
                           hint="use a workdir without spaces, quotes or $")
     return path
-

@@ -68,29 +68,31 @@ export OMP_NUM_THREADS=$(( task_cpus / 2 > 1 ? task_cpus / 2 : 1 ))
 mkdir -p -- /srv/train/.clusterkit/jobs/golden-a800-7x2/logs
 
 # Every node must see the job directory (ds_config.json, accelerate configs, logs):
-# one tiny task per node; a node that cannot see it prints its name.
+# one tiny task per node; a node that cannot see it names itself.
+job_dir=/srv/train/.clusterkit/jobs/golden-a800-7x2
 unseen=$(srun --nodes=7 --ntasks=7 --ntasks-per-node=1 --chdir=/ \
-    sh -c '[ -d "$1" ] && [ -r "$2" ] || hostname' sh /srv/train/.clusterkit/jobs/golden-a800-7x2 /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json) || {
+    sh -c '[ -d "$1" ] && [ -r "$2" ] || echo "clusterkit-unseen $(hostname)"' \
+    sh "$job_dir" /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json | sed -n 's/^clusterkit-unseen //p') || {
     echo "clusterkit: the file-system check step (srun) failed; see the lines above" >&2
     exit 2
 }
 if [ -n "$unseen" ]; then
-    echo "clusterkit: job dir /srv/train/.clusterkit/jobs/golden-a800-7x2 is not visible on" $unseen "(put the inventory workdir on a filesystem every compute node mounts)" >&2
+    echo "clusterkit: job dir $job_dir is not visible on" $unseen "(put the inventory workdir on a filesystem every compute node mounts)" >&2
     exit 2
 fi
 
 # Node-local checkpoints stay on the nodes of the first run: a requeued or resubmitted
 # run must get the same nodes (rank -> node fixed) or stop; never a silent fresh start.
-nodes_file=/srv/train/.clusterkit/jobs/golden-a800-7x2/slurm_nodes
+nodes_file=$job_dir/slurm_nodes
 if [ -s "$nodes_file" ]; then
     first_nodes=$(cat "$nodes_file")
     if [ "$first_nodes" != "$SLURM_JOB_NODELIST" ]; then
         echo "clusterkit: job golden-a800-7x2 keeps node-local checkpoints on $first_nodes, but this run got $SLURM_JOB_NODELIST: not starting fresh. Submit again on $first_nodes (clusterkit sbatch --submit pins them), or gather and move the shards: clusterkit collect-ckpt --scatter, then remove $nodes_file" >&2
         exit 3
     fi
-else
-    printf '%s\n' "$SLURM_JOB_NODELIST" > "$nodes_file.$SLURM_JOB_ID"
-    mv -f -- "$nodes_file.$SLURM_JOB_ID" "$nodes_file"
+elif ! { printf '%s\n' "$SLURM_JOB_NODELIST" > "$nodes_file.$SLURM_JOB_ID" \
+         && mv -f -- "$nodes_file.$SLURM_JOB_ID" "$nodes_file"; } 2>/dev/null; then
+    echo "clusterkit: warning: cannot write $nodes_file; a requeued run is not pinned to these nodes" >&2
 fi
 # Every node needs its own directory.
 srun --nodes=7 --ntasks-per-node=1 mkdir -p -- /scratch/ckpt/golden-a800-7x2

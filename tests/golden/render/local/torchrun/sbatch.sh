@@ -65,14 +65,16 @@ export OMP_NUM_THREADS=$(( task_cpus / 2 > 1 ? task_cpus / 2 : 1 ))
 mkdir -p -- /home/me/proj/.clusterkit/jobs/golden-local/logs
 
 # Every node must see the job directory (ds_config.json, accelerate configs, logs):
-# one tiny task per node; a node that cannot see it prints its name.
+# one tiny task per node; a node that cannot see it names itself.
+job_dir=/home/me/proj/.clusterkit/jobs/golden-local
 unseen=$(srun --nodes=4 --ntasks=4 --ntasks-per-node=1 --chdir=/ \
-    sh -c '[ -d "$1" ] && [ -r "$2" ] || hostname' sh /home/me/proj/.clusterkit/jobs/golden-local /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json) || {
+    sh -c '[ -d "$1" ] && [ -r "$2" ] || echo "clusterkit-unseen $(hostname)"' \
+    sh "$job_dir" /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json | sed -n 's/^clusterkit-unseen //p') || {
     echo "clusterkit: the file-system check step (srun) failed; see the lines above" >&2
     exit 2
 }
 if [ -n "$unseen" ]; then
-    echo "clusterkit: job dir /home/me/proj/.clusterkit/jobs/golden-local is not visible on" $unseen "(put the inventory workdir on a filesystem every compute node mounts)" >&2
+    echo "clusterkit: job dir $job_dir is not visible on" $unseen "(put the inventory workdir on a filesystem every compute node mounts)" >&2
     exit 2
 fi
 
