@@ -112,9 +112,11 @@ def test_launch_sync_copies_the_code_before_the_ranks_start(
         "import os\nprint('rank', os.environ['RANK'], 'ran synced code', flush=True)\n")
     work = tmp_path / "node-work"
     inv = tmp_path / "inv.yaml"
+    # One workdir per virtual node: on a shared one, whichever node syncs second finds
+    # the file already there ("unchanged"), and the two summaries would not fold.
     inv.write_text("schema_version: 1\ndefaults:\n  transport: local\n  slots: 1\n"
-                   f"  workdir: {work}\n  checkpoint:\n    shared_dir: {tmp_path / 'ckpt'}\n"
-                   "hosts:\n  v[0-1]: {}\n")
+                   f"  checkpoint:\n    shared_dir: {tmp_path / 'ckpt'}\n"
+                   f"hosts:\n  v0: {{workdir: {work}0}}\n  v1: {{workdir: {work}1}}\n")
     monkeypatch.chdir(proj)
     monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
     assert main(["launch", "-i", str(inv), "--sync", "code", "--nodes", "2", "--gpus-per-node",
@@ -122,4 +124,4 @@ def test_launch_sync_copies_the_code_before_the_ranks_start(
     out = capsys.readouterr().out
     assert "v[0-1]: 1 file(s) sent" in out
     assert "rank 0 ran synced code" in out and "rank 1 ran synced code" in out
-    assert (work / "code" / "train.py").is_file()
+    assert all((Path(f"{work}{i}") / "code" / "train.py").is_file() for i in (0, 1))
