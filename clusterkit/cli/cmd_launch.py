@@ -58,6 +58,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     r.add_argument("--grace", type=float, default=3.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL on teardown (default 3)")
+    r.add_argument("--hang-timeout", type=float, default=900.0, metavar="S",
+                   help="no progress on any rank for S seconds (output or CLUSTERKIT_HEARTBEAT): "
+                        "dump every rank's stacks, stop the job, restart per --max-restarts "
+                        "(default 900; 0 turns the watchdog off)")
+    r.add_argument("--keepalive-timeout", type=float, default=60.0, metavar="S",
+                   help="a node agent that hears nothing from this launcher for S seconds "
+                        "(network partition) stops its ranks by itself (default 60; 0: off)")
     r.add_argument("--quiet", action="store_true", help="no rank lines, only the summary")
     r.add_argument("--ranks", type=_rank_selection, default=None, metavar="all|N|N-M",
                    help="whose lines stream to the console (default all; identical lines from "
@@ -137,6 +144,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     inventory = resolve_inventory(args.inventory)
     if args.max_restarts < 0:
         raise LaunchError("--max-restarts must be >= 0", key="--max-restarts")
+    for key, value in (("--hang-timeout", args.hang_timeout),
+                       ("--keepalive-timeout", args.keepalive_timeout)):
+        if value < 0:
+            raise LaunchError(f"{key} must be >= 0 (0: off)", key=key)
     facts = LaunchFacts(python=sys.executable, cwd=os.getcwd(), environ=dict(os.environ))
     options = _options(args, inventory.name)
 
@@ -148,6 +159,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 0
     settings = LaunchSettings(skip_checks=args.skip_checks, max_restarts=args.max_restarts,
                               drop_failed_nodes=args.drop_failed_nodes, grace_s=args.grace,
+                              hang_timeout_s=args.hang_timeout,
+                              keepalive_s=args.keepalive_timeout,
                               native=args.launcher == "native")
     first = planner(options)
     if args.sync:  # the code to every node's workdir before anything starts there

@@ -29,6 +29,8 @@ from clusterkit.errors import TransportError
 from clusterkit.hostrange import folded_lines
 from clusterkit.launch.console import Sink
 from clusterkit.launch.gate import GATE_TIMEOUT_S, GateResult, judge
+from clusterkit.launch.stacks import RankStack, StackSummary, read_stack, summarize
+from clusterkit.launch.watchdog import DUMP_COLLECT_S, Watchdog, ping_interval
 from clusterkit.node import protocol
 from clusterkit.node.protocol import EVENT_PREFIX, LINE_PREFIX
 from clusterkit.node.ship import NodeCommand, agent_command
@@ -71,6 +73,10 @@ class JobSpec:
     # The pre-launch gate folded into the agents (None: no gate): packages every node
     # must have; agents report their facts and start nothing until the launcher's GO.
     gate_need: tuple[str, ...] | None = None
+    # Hangs (issue 14): the agents' dead-man switch (0: off) and the progress
+    # watchdog (0: off); see clusterkit.launch.watchdog.
+    keepalive_s: float = 0.0
+    hang_timeout_s: float = 0.0
 
     def rank_offsets(self) -> dict[str, int]:
         return {t.node: t.rank_offset for t in self.tasks}
@@ -84,7 +90,7 @@ class JobSpec:
             rank_offsets=self.rank_offsets(), grace_s=self.grace_s,
             rank_log_dir=task.rank_log_dir,
             native=dict(task.native) if task.native is not None else None,
-            hold=self.gate_need is not None,
+            hold=self.gate_need is not None, keepalive_s=self.keepalive_s,
         )
 
 
@@ -94,7 +100,7 @@ class RankFailure:
     rank: int | None
     local_rank: int | None
     code: int
-    reason: str  # "exit" | "connection-dropped" | "start-failed"
+    reason: str  # "exit" | "connection-dropped" | "start-failed" | "hang"
     tail: list[str] = field(default_factory=list)
 
     def where(self) -> str:
@@ -111,6 +117,9 @@ class JobOutcome:
     elapsed_s: float
     leftovers: dict[str, int] = field(default_factory=dict)  # node -> processes still found
     gate: GateResult | None = None  # set when the folded gate ran; not ok: nothing started
+    stacks: StackSummary | None = None  # the watchdog fired: where every rank was
+    unconfirmed: list[str] = field(default_factory=list)  # nodes whose teardown we could not check
+    hang_idle_s: float | None = None
 
 
 @dataclass
@@ -131,7 +140,7 @@ def exit_status(code: int) -> int:
 
 class Orchestrator:
     def __init__(self, job: JobSpec, transport: Transport, sink: Sink,
-                 *, start_timeout_s: float = 60.0) -> None:
+                 *, start_timeout_s: float = 60.0, stacks_dir: str | None = None) -> None:
         self.job = job
         self.transport = transport
         self.sink = sink
@@ -150,6 +159,13 @@ class Orchestrator:
         self._gate_problems: dict[str, str] = {}
         self._gate: GateResult | None = None
         self._gate_started = 0.0
+        self._watchdog = Watchdog(job.hang_timeout_s, time.monotonic())
+        self._next_ping = 0.0
+        self._stacks: dict[int, RankStack] = {}
+        self._stack_nodes: set[str] = set()
+        self._stack_summary: StackSummary | None = None
+        self._stacks_dir = stacks_dir  # launcher side copy of the dumps (None: nodes only)
+        self._unconfirmed: list[str] = []
 
     # -------------------------------------------------------------- public
 
@@ -169,7 +185,10 @@ class Orchestrator:
             exit_code=self._exit_code(), failure=self._failure, summary=self._summary,
             node_codes={n: (s.code if s.code is not None else -1) for n, s in self.nodes.items()},
             interrupted=self._interrupts > 0, elapsed_s=time.monotonic() - started,
-            leftovers=leftovers, gate=self._gate,
+            leftovers=leftovers, gate=self._gate, stacks=self._stack_summary,
+            unconfirmed=list(self._unconfirmed),
+            hang_idle_s=self._watchdog.idle(self._watchdog.fired_at)
+            if self._watchdog.fired_at is not None else None,
         )
 
     # -------------------------------------------------------------- start
@@ -221,6 +240,8 @@ class Orchestrator:
                 self._on_start_failed(self.nodes[node], payload)
             self._handle_signals()
             self._gate_timeout()
+            self._keepalive()
+            self._watch()
             self._advance_teardown()
         # Lines still queued after the last exit (reader threads are done).
         while not self._q.empty():
@@ -271,6 +292,10 @@ class Orchestrator:
             self._decide_gate()
         elif kind == "started":
             self.sink.node_up(state.task.node)
+        elif kind == "progress":
+            self._watchdog.report(state.task.node, ev, time.monotonic())
+        elif kind == "stacks":
+            self._on_stacks(state, ev)
         elif kind == "error":
             self.sink.info(f"{state.task.node}: agent error: {ev.get('message')}")
 
@@ -400,6 +425,89 @@ class Orchestrator:
                 if state.code is None:
                     state.code, state.dropped = -1, True
 
+    # -------------------------------------------------------------- hangs (issue 14)
+
+    def _keepalive(self) -> None:
+        """PING every agent: its dead-man switch fires only after keepalive_s of silence."""
+        if self.job.keepalive_s <= 0 or time.monotonic() < self._next_ping:
+            return
+        self._next_ping = time.monotonic() + ping_interval(self.job.keepalive_s)
+        self._broadcast("PING")
+
+    def _watch(self) -> None:
+        now = time.monotonic()
+        wd = self._watchdog
+        if wd.fired_at is None:
+            if self._teardown_at is not None or self._interrupts or not self._running():
+                return
+            if wd.stalled(now):
+                wd.fired_at = now
+                self.sink.info(f"no progress on any rank for {wd.idle(now):.0f} s "
+                               f"(--hang-timeout {wd.hang_timeout_s:g}): collecting every "
+                               "rank's Python stacks")
+                self._broadcast("DUMP")
+            return
+        if self._stack_summary is None and self._teardown_at is None and (
+                self._stack_nodes >= self._live_nodes() or now - wd.fired_at > DUMP_COLLECT_S):
+            self._hang_verdict()
+
+    def _running(self) -> bool:
+        """Past the gate (if any) and every agent started: only then can a job hang."""
+        gate_passed = self.job.gate_need is None or (self._gate is not None and self._gate.ok)
+        return gate_passed and all(s.proc is not None for s in self.nodes.values())
+
+    def _live_nodes(self) -> set[str]:
+        return {n for n, s in self.nodes.items() if s.code is None and s.task.nprocs > 0}
+
+    def _on_stacks(self, state: _Node, ev: dict[str, Any]) -> None:
+        self._stack_nodes.add(state.task.node)
+        ranks = ev.get("ranks") or {}
+        for key, res in ranks.items():
+            if not (isinstance(res, dict) and str(key).isdigit()):
+                continue
+            rank = int(key)
+            self._stacks[rank] = read_stack(rank, state.task.node, str(res.get("text", "")),
+                                            state=str(res.get("state", "")),
+                                            tool=str(res.get("tool", "")))
+
+    def _hang_verdict(self) -> None:
+        world = sum(t.nprocs for t in self.job.tasks)
+        summary = summarize(self._stacks, world)
+        self._stack_summary = summary
+        saved = self._save_stacks()
+        self.sink.info("stacks of every rank" + (f" (full dumps in {saved})" if saved else "")
+                       + ":")
+        for line in summary.lines():
+            self.sink.info(line)
+        culprit = summary.culprit()
+        node, rank = culprit if culprit else (self.job.tasks[0].node, None)
+        state = self.nodes[node]
+        state.failed_rank = {"failed_node": node, "rank": rank,
+                             "local_rank": None if rank is None else rank - state.task.rank_offset,
+                             "code": 124}
+        self._fail(state, "hang", 124)
+
+    def _save_stacks(self) -> str | None:
+        if not self._stacks_dir or not self._stacks:
+            return None
+        from pathlib import Path
+
+        from clusterkit.fsutil import atomic_write_text
+
+        root = Path(self._stacks_dir) / f"a{self.job.attempt}"
+        try:
+            for rank, st in sorted(self._stacks.items()):
+                atomic_write_text(root / f"rank{rank}.txt",
+                                  f"# node {st.node} rank {rank} state {st.state} via {st.tool}\n"
+                                  + st.text)
+            if self._stack_summary is not None:
+                atomic_write_text(root / "summary.txt",
+                                  "\n".join(self._stack_summary.lines()) + "\n")
+        except OSError as exc:
+            self.sink.info(f"could not save the stacks in {root}: {exc}")
+            return None
+        return str(root)
+
     # -------------------------------------------------------------- signals
 
     def _install_signals(self) -> dict[int, Any]:
@@ -451,8 +559,12 @@ class Orchestrator:
                 if counts.get("left"):
                     left[r.host] = int(counts["left"])
             else:
+                self._unconfirmed.append(r.host)
                 self.sink.info(f"{r.host}: could not verify the teardown: "
-                               f"{r.error.one_line() if r.error else 'exit != 0'}")
+                               f"{r.error.one_line() if r.error else 'exit != 0'}"
+                               + (f" (its agent stops its ranks by itself within "
+                                  f"{self.job.keepalive_s:g} s of losing the launcher)"
+                                  if self.job.keepalive_s > 0 else ""))
         return left
 
     def _exit_code(self) -> int:
@@ -478,6 +590,8 @@ def _describe(f: RankFailure) -> str:
         return "the SSH connection dropped"
     if f.reason == "start-failed":
         return "the agent could not be started"
+    if f.reason == "hang":
+        return "no progress: the watchdog's stack summary names it"
     if f.code < 0:
         try:
             return f"killed by {signal.Signals(-f.code).name}"

@@ -36,6 +36,9 @@ class LaunchSettings:
     drop_failed_nodes: bool = False
     grace_s: float = 3.0
     native: bool = False  # torchrun backend: the agents start the ranks themselves
+    # Hangs (issue 14): the progress watchdog and the agents' dead-man switch (0: off).
+    hang_timeout_s: float = 900.0
+    keepalive_s: float = 60.0
 
 
 @dataclass
@@ -139,10 +142,13 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         job = dataclasses.replace(
             job_from_plan(plan, attempt=attempt, grace_s=settings.grace_s,
                           run_id=f"{stamp}-a{attempt}", native=settings.native),
-            gate_need=need)
+            gate_need=need, hang_timeout_s=settings.hang_timeout_s,
+            keepalive_s=settings.keepalive_s)
         record = _record(job, plan, attempt)
         registry.save(record)
-        outcome = Orchestrator(job, transport, sink).run()
+        # The watchdog's stack dumps also land beside the job record (issue 14).
+        stacks = str(registry.path(plan.job_id).parent / "stacks")
+        outcome = Orchestrator(job, transport, sink, stacks_dir=stacks).run()
         if outcome.gate is not None and not outcome.gate.ok:
             record.state, record.exit_code = "not-started", 2
             registry.save(record)

@@ -21,7 +21,8 @@ from typing import Any, cast
 from clusterkit.checkpoints import layout
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import read_json_object
-from clusterkit.render.dsconfig import Offload, Precision, ZeroSpec, build_ds_config
+from clusterkit.spec.zero import Offload, Precision, ZeroSpec, build_ds_config
+from clusterkit.workload import hangs
 from clusterkit.workload.args import WorkloadArgs, parse_args
 from clusterkit.workload.distenv import resolve_dist_env
 from clusterkit.workload.presets import ModelPreset, get_preset, peak_tflops_for
@@ -162,6 +163,7 @@ def _run(args: WorkloadArgs, rank: int, local_rank: int, world: int,
          env_node: int | None) -> int:
     flag = PreemptFlag()
     flag.install()  # before the slow imports, so an early signal is not lost
+    hangs.install_stack_dump(rank)  # the watchdog's stack request (SIGWINCH), issue 14
     import deepspeed
     import torch
 
@@ -253,6 +255,7 @@ class _Loop:
             peak_tflops_for(torch.cuda.get_device_name()) if on_gpu else None)
         self.on_gpu = on_gpu
         self.stats = RunStats()
+        self.heartbeat = hangs.Heartbeat(self.rank)
 
     def _agree_signal(self) -> int:
         import torch
@@ -282,6 +285,7 @@ class _Loop:
             stop_code = self._agree_signal()
             step_s = time.perf_counter() - t0
             done = step + 1
+            self.heartbeat.beat(done)  # progress for the launcher's watchdog
             self._account(step_s, time.process_time() - c0, first=step == start)
             window_s, window_steps = window_s + step_s, window_steps + 1
             time_boxed = bool(self.args.stop_after_steps and done < self.args.steps

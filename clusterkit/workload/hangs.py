@@ -1,0 +1,68 @@
+"""The workload's side of the hang contract (docs/launch.md, "Hangs").
+
+* **Heartbeat**: after every step the rank writes its step number to
+  ``$CLUSTERKIT_HEARTBEAT`` (the node agent gives each rank its own path; under
+  torchrun/DeepSpeed/accelerate the path is ``$CLUSTERKIT_HEARTBEAT_DIR/rank<RANK>.heartbeat``).
+  The agent reads the file's mtime as progress and its content as the step.
+* **Stacks**: ``faulthandler`` is registered on SIGWINCH, writing every thread's
+  Python stack to ``$CLUSTERKIT_STACKS`` (same per-rank rule, ``.stacks``). SIGWINCH,
+  because its default action is to ignore: a program without the handler is not
+  killed by a stack request. Works without py-spy, and needs no ptrace permission.
+
+Standard library only; does nothing when the variables are absent (a run outside
+clusterkit).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+from collections.abc import Mapping
+from typing import IO
+
+DUMP_SIGNAL = signal.SIGWINCH
+
+
+def contract_path(env: Mapping[str, str], var: str, rank: int, suffix: str) -> str | None:
+    """The per-rank file: ``$var`` itself, else ``$CLUSTERKIT_HEARTBEAT_DIR/rank<R><suffix>``."""
+    if env.get(var):
+        return env[var]
+    base = env.get("CLUSTERKIT_HEARTBEAT_DIR")
+    return os.path.join(base, f"rank{rank}{suffix}") if base else None
+
+
+_dump_file: IO[str] | None = None  # kept open: faulthandler writes to its descriptor
+
+
+def install_stack_dump(rank: int, env: Mapping[str, str] | None = None) -> str | None:
+    """Register faulthandler on SIGWINCH; returns the file it writes to (None: not under clusterkit)."""
+    global _dump_file
+    path = contract_path(os.environ if env is None else env, "CLUSTERKIT_STACKS", rank, ".stacks")
+    if path is None:
+        return None
+    try:
+        _dump_file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - must stay open
+    except OSError:
+        return None
+    faulthandler.register(DUMP_SIGNAL, file=_dump_file, all_threads=True, chain=False)
+    return path
+
+
+class Heartbeat:
+    """Writes the step to the rank's heartbeat file (atomically: the agent may read it)."""
+
+    def __init__(self, rank: int, env: Mapping[str, str] | None = None) -> None:
+        self.path = contract_path(os.environ if env is None else env, "CLUSTERKIT_HEARTBEAT",
+                                  rank, ".heartbeat")
+
+    def beat(self, step: int) -> None:
+        if self.path is None:
+            return
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(f"{step}\n")
+            os.replace(tmp, self.path)
+        except OSError:
+            self.path = None  # a gone job dir must not stop training
