@@ -48,7 +48,7 @@ def test_every_backend_carries_the_contract(backend: str) -> None:
 def test_deepspeed_config_arg_follows_the_script_args() -> None:
     plan = plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=1, script="train.py",
                     script_args=("--lr", "3e-4"), deepspeed_config_arg=True)
-    for node, program in zip(plan.nodes, plan.programs):
+    for node, program in zip(plan.nodes, plan.programs, strict=True):
         assert program == ("train.py", "--lr", "3e-4", DEEPSPEED_CONFIG_ARG,
                            f"{node.job_dir}/ds_config.json")
     plain = plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=1, script="train.py")
