@@ -87,3 +87,10 @@ def test_job_dir_one_node_cannot_see_fails_naming_it(slurm: SlurmBed) -> None:
     assert not any(re.search(rf"\b{n.name}\b", lines[0]) for n in nodes[:-1]), lines
     print(f"job dir unseen on {nodes[-1].name}: FAILED {took:.1f} s after submit")
 
+
+
+def test_node_cpus_from_real_sinfo(slurm: SlurmBed) -> None:
+    client = SlurmClient(env=slurm.env)
+    cpus = slurm.spec.cpus_per_node
+    assert client.node_cpus("debug") == cpus
+    assert client.node_cpus("debug", [n.name for n in slurm.nodes[:2]]) == cpus

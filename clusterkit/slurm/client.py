@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterkit.errors import LaunchError
-from clusterkit.slurm.jobinfo import JobInfo, parse_job, parse_parsable
+from clusterkit.slurm.jobinfo import JobInfo, parse_job, parse_parsable, parse_sinfo_cpus
 
 DEFAULT_TIMEOUT_S = 30.0
 # Slurm's own message fragments -> what the user should do about them.
@@ -97,6 +97,17 @@ class SlurmClient:
         path = Path(script)
         proc = self._run(["sbatch", "--test-only", *extra, str(path)], cwd=str(path.parent))
         return (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1]
+
+    def node_cpus(self, partition: str | None = None, nodes: Sequence[str] = ()) -> int | None:
+        """CPUs per node as Slurm counts them (``sinfo -h -o %c``), the smallest if the
+        partition (or ``nodes``) mixes node types: the base of a --cpus-per-task default.
+        None when sinfo lists no node."""
+        argv = ["sinfo", "-h", "-o", "%c"]
+        if partition is not None:
+            argv.append(f"--partition={partition}")
+        if nodes:
+            argv.append(f"--nodes={','.join(nodes)}")
+        return parse_sinfo_cpus(self._run(argv).stdout)
 
     def show(self, job_id: str) -> JobInfo:
         proc = self._run(["scontrol", "show", "job", "-o", job_id])

@@ -100,3 +100,15 @@ def parse_job(stdout: str, job_id: str) -> JobInfo:
                    reason=f.get("Reason", ""), exit_code=code, exit_signal=sig,
                    nodes=f.get("NodeList", ""), stdout=f.get("StdOut", ""),
                    stderr=f.get("StdErr", ""), restarts=int(f.get("Restarts", "0") or 0), fields=f)
+
+
+def parse_sinfo_cpus(stdout: str) -> int | None:
+    """The fewest CPUs per node in ``sinfo -h -o %c`` output (one line per node group;
+    ``4+`` means "4 or more"); None when sinfo listed no node."""
+    counts = []
+    for line in stdout.split():
+        m = re.fullmatch(r"([0-9]+)\+?", line.strip())
+        if not m:
+            raise SlurmParseError(f"sinfo -o %c printed {line!r}, not a CPU count", key="sinfo")
+        counts.append(int(m.group(1)))
+    return min(counts) if counts else None
