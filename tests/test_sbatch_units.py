@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -177,3 +178,148 @@ def test_cli_watch_needs_submit(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_cli_status_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sbatch", "status"]) == 2
     assert "usage: clusterkit sbatch status JOBID" in capsys.readouterr().err
+
+
+# --- issue 13: site flags, PATH, CPUs, logs, node pinning, shared-fs check, --json ---
+
+def _dry(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str,
+         gpus: int = 2, launcher: str = "torchrun") -> tuple[int, str, str]:
+    inv = _inventory(tmp_path, gpus=gpus)
+    rc = main(["sbatch", "-i", str(inv), "--nodes", "2", "--gpus-per-node", "2", "--job-id", "s1",
+               "--launcher", launcher, "--dry-run", *extra])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_site_flags_become_sbatch_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _dry(tmp_path, capsys, "--exclusive", "--mem", "200G", "--constraint", "a800",
+                        "--gpu-type", "a800", "--signal-lead", "300", "--cpus-per-task", "8",
+                        "--sbatch-arg=--reservation=r1", "--sbatch-arg=#SBATCH --nice=10")
+    assert rc == 0, err
+    for line in ("--exclusive", "--mem=200G", "--constraint=a800", "--gpus-per-node=a800:2",
+                 "--signal=B:USR1@300", "--cpus-per-task=8", "--reservation=r1", "--nice=10",
+                 "--open-mode=append"):
+        assert f"#SBATCH {line}\n" in out, line
+    assert "nothing written" in err and "--write-only" in err
+
+
+@pytest.mark.parametrize(("flag", "value", "key"), [
+    ("--sbatch-arg", "--comment=a b", "--sbatch-arg"), ("--sbatch-arg", "reservation", "--sbatch-arg"),
+    ("--mem", "lots", "--mem"), ("--constraint", "a;b", "--constraint"), ("--signal-lead", "0",
+                                                                          "--signal-lead")])
+def test_bad_site_flags_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str,
+                                     value: str, key: str) -> None:
+    rc, _, err = _dry(tmp_path, capsys, f"{flag}={value}")
+    assert rc == 2 and key in err and "Traceback" not in err
+    assert len([ln for ln in err.splitlines() if "error" in ln]) == 1
+
+
+def test_script_keeps_the_site_path_and_sets_threads(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    for launcher, ranks_per_task in (("torchrun", 2), ("accelerate", 2), ("deepspeed", 1)):
+        rc, out, _ = _dry(tmp_path, capsys, launcher=launcher)
+        assert rc == 0
+        assert 'export PATH=/usr/bin:"$PATH"\n' not in out  # a system dir is not re-added
+        assert "PATH=/usr/local/sbin" not in out  # the site's PATH is never replaced
+        assert "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK" in out
+        assert f"task_cpus / {ranks_per_task} > 1 ?" in out, launcher
+        assert "MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 12768 ))" in out  # max 32767
+    rc, out, _ = _dry(tmp_path, capsys, "--set-env", "OMP_NUM_THREADS=3")
+    assert "export OMP_NUM_THREADS=3" in out and "task_cpus / 2" not in out
+
+
+def test_status_and_cancel_have_their_own_help(capsys: pytest.CaptureFixture[str]) -> None:
+    for action, needle in (("status", "scontrol show job"), ("cancel", "--batch")):
+        with pytest.raises(SystemExit) as done:
+            main(["sbatch", action, "--help"])
+        assert done.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: clusterkit sbatch {action} JOBID") and needle in out
+
+
+def _fake_client(monkeypatch: pytest.MonkeyPatch, answers: list[object]) -> FakeSlurm:
+    import clusterkit.cli.cmd_sbatch as cmd
+
+    fake = FakeSlurm(answers)
+
+    def client(timeout_s: float = 30.0) -> SlurmClient:
+        return SlurmClient(timeout_s=timeout_s, runner=fake)
+
+    monkeypatch.setattr(cmd, "SlurmClient", client)
+    return fake
+
+
+def test_submit_json_and_node_local_resubmit_pins_nodes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    inv = _inventory(tmp_path, gpus=0)
+    args = ["sbatch", "-i", str(inv), "--job-id", "nl", "--storage", "node-local",
+            "--cpus-per-task", "2", "--submit", "--json"]
+    fake = _fake_client(monkeypatch, [("101\n", "", 0)])
+    assert main(args) == 0
+    out, _ = capsys.readouterr()
+    job_dir = tmp_path / "work/.clusterkit/jobs/nl"
+    assert json.loads(out) == {"slurm_job_id": "101", "job_id": "nl", "job_dir": str(job_dir),
+                               "script": str(job_dir / "sbatch.sh")}
+    assert "--nodelist" not in fake.calls[0][0]
+    (job_dir / "slurm_nodes").write_text("n[1-2]\n")  # what the first run's script records
+    fake = _fake_client(monkeypatch, [("102\n", "", 0)])
+    assert main(args) == 0
+    assert fake.calls[0][0][:3] == ["sbatch", "--parsable", "--nodelist=n[1-2]"]
+    assert "first run" in capsys.readouterr().err
+
+
+def test_user_template_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tdir = tmp_path / "site"
+    tdir.mkdir()
+    rc, _, err = _dry(tmp_path, capsys, "--template-dir", str(tdir))
+    assert rc == 2 and "no sbatch.sh.j2" in err
+    (tdir / "sbatch.sh.j2").write_text("#!/bin/bash\n#SBATCH --nodes={{ nodes }}\nmodule load x\n"
+                                       "{{ launch_line }}\n")
+    rc, out, err = _dry(tmp_path, capsys, "--template-dir", str(tdir))
+    assert rc == 0 and out.startswith("#!/bin/bash\n#SBATCH --nodes=2\nmodule load x\nsrun ")
+    (tdir / "sbatch.sh.j2").write_text("#!/bin/bash\n{{ no_such_variable }}\n")
+    rc, _, err = _dry(tmp_path, capsys, "--template-dir", str(tdir))
+    assert rc == 2 and "no_such_variable" in err and "docs/sbatch.md" in err
+    (tdir / "sbatch.sh.j2").write_text("#!/bin/bash\nif then {{ nodes }}\n")
+    rc, _, err = _dry(tmp_path, capsys, "--template-dir", str(tdir))
+    assert rc == 2 and "not valid bash" in err
+
+
+STUBS = """
+scontrol() { printf '%s\\n' n1; }
+getent() { printf '10.0.0.1 STREAM n1\\n'; }
+"""
+
+
+def _run_script(tmp_path: Path, capsys: pytest.CaptureFixture[str], srun_body: str,
+                nodelist: str) -> subprocess.CompletedProcess[str]:
+    inv = _inventory(tmp_path, gpus=0)
+    assert main(["sbatch", "-i", str(inv), "--job-id", "run1", "--storage", "node-local",
+                 "--cpus-per-task", "2", "--write-only"]) == 0
+    capsys.readouterr()
+    script = (tmp_path / "work/.clusterkit/jobs/run1/sbatch.sh").read_text()
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": nodelist,
+           "SLURM_CPUS_PER_TASK": "4"}
+    return subprocess.run(["bash", "-c", STUBS + f"srun() {{ {srun_body}; }}\n" + script],
+                          capture_output=True, text=True, env=env, timeout=30, check=False)
+
+
+def test_script_names_nodes_that_cannot_see_the_job_dir(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = _run_script(tmp_path, capsys, "echo 'clusterkit-unseen n2'", "n[1-2]")
+    assert r.returncode == 2
+    assert "is not visible on n2 (put the inventory workdir" in r.stderr
+    assert r.stdout.startswith("===== clusterkit: job run1 slurm=77 run 1 on n[1-2]")
+
+
+def test_script_records_nodes_then_refuses_other_nodes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = _run_script(tmp_path, capsys, ":", "n[1-2]")  # srun does nothing: the step "succeeds"
+    assert r.returncode == 0, r.stderr
+    assert "OMP_NUM_THREADS=2" in r.stdout  # 4 CPUs for the task, 2 ranks in it
+    nodes_file = tmp_path / "work/.clusterkit/jobs/run1/slurm_nodes"
+    assert nodes_file.read_text() == "n[1-2]\n"
+    r = _run_script(tmp_path, capsys, ":", "n[3-4]")
+    assert r.returncode == 3
+    assert "keeps node-local checkpoints on n[1-2], but this run got n[3-4]" in r.stderr
+    assert "collect-ckpt --scatter" in r.stderr

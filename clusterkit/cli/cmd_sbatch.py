@@ -1,6 +1,6 @@
 """clusterkit sbatch: the same job as a Slurm batch script (docs/sbatch.md).
 
-    clusterkit sbatch [JOB FLAGS] [--dry-run | --submit [--watch]]
+    clusterkit sbatch [JOB FLAGS] [SITE FLAGS] [--dry-run | --write-only | --submit [--watch] [--json]]
     clusterkit sbatch status JOBID [--watch]
     clusterkit sbatch cancel JOBID [--signal SIG [--batch | --full]]
 
@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NoReturn, TextIO
 
 from clusterkit.cli.cmd_render import add_job_options, job_options, launch_facts, write_artifacts
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
-from clusterkit.errors import LaunchError, RenderError
+from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text
-from clusterkit.plan import LaunchPlan, plan_job
+from clusterkit.plan import JobOptions, LaunchPlan, plan_job
 from clusterkit.render.artifacts import summary
+from clusterkit.render.commands import JobLayout
+from clusterkit.render.sbatch import DEFAULT_SIGNAL_LEAD_S, SlurmSite, render_sbatch
 from clusterkit.slurm import JobInfo, SlurmClient
 from clusterkit.slurm.watch import watch
 
@@ -31,6 +36,16 @@ PLAN_BACKEND = {"torchrun": "slurm", "slurm": "slurm", "deepspeed": "deepspeed",
                 "accelerate": "accelerate"}
 EXIT_JOB_FAILED = 1
 LOG_SUBDIR = "logs"  # where the template's #SBATCH --output/--error point
+NODES_FILE = "slurm_nodes"  # the first run's SLURM_JOB_NODELIST (node-local jobs; the script writes it)
+ACTION_USAGE = {
+    "status": ("clusterkit sbatch status JOBID [--watch] [--poll S] [--slurm-timeout S]",
+               "One line from `scontrol show job JOBID`: state, exit code, nodes, output file. "
+               "--watch: follow the job's output until it ends; exit 0 only if it COMPLETED."),
+    "cancel": ("clusterkit sbatch cancel JOBID [--signal SIG [--batch | --full]] [--slurm-timeout S]",
+               "scancel JOBID (SIGTERM, then SIGKILL after Slurm's KillWait). --signal SIG only "
+               "signals the job's steps (USR1: the workload checkpoints and exits 0); --batch: "
+               "the batch shell only (USR1 there: checkpoint, requeue, resume); --full: both."),
+}
 
 
 class SlurmJobFailed(LaunchError):
@@ -39,17 +54,25 @@ class SlurmJobFailed(LaunchError):
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
-        "sbatch", help="the same job as a Slurm batch script: write, submit, follow",
+        "sbatch", help="the same job as a Slurm batch script: write, submit, follow", add_help=False,
         description="Render the job's Slurm batch script from the inventory (the same plan as "
                     "`clusterkit launch`), write it with the job's files to the job directory, "
                     "and optionally submit and follow it. Also: `clusterkit sbatch status JOBID "
                     "[--watch]` and `clusterkit sbatch cancel JOBID [--signal SIG]`.",
-        epilog="Arguments after '--' go to the training script.")
+        epilog="Arguments after '--' go to the training script. "
+               "`clusterkit sbatch status --help` and `clusterkit sbatch cancel --help` "
+               "describe the two actions.")
+    p.add_argument("-h", "--help", action=_HelpAction, nargs=0, help="show this help and exit")
     add_inventory_option(p)
     add_selection_options(p)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="print the script, write nothing")
+    mode.add_argument("--write-only", action="store_true",
+                      help="write the job directory and print the sbatch line (the default)")
     mode.add_argument("--submit", action="store_true", help="write the job directory and run sbatch")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout (slurm_job_id, job_id, job_dir, script) "
+                        "instead of text; other messages go to stderr")
     p.add_argument("--watch", action="store_true",
                    help="with --submit (or status): follow the output until the job ends; "
                         "exit 0 only if it COMPLETED")
@@ -61,8 +84,41 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     c.add_argument("--signal", metavar="SIG", help="only send SIG (e.g. USR1) instead of cancelling")
     c.add_argument("--batch", action="store_true", help="with --signal: the batch shell only")
     c.add_argument("--full", action="store_true", help="with --signal: batch shell and all steps")
+    _add_site_options(p)
     add_job_options(p)
     p.set_defaults(func=cmd_sbatch)
+
+
+def _add_site_options(p: argparse.ArgumentParser) -> None:
+    """Site needs only the batch script has (docs/sbatch.md, "Site flags")."""
+    s = p.add_argument_group("Slurm site")
+    s.add_argument("--exclusive", action="store_true", help="#SBATCH --exclusive: whole nodes")
+    s.add_argument("--mem", metavar="SIZE", help="#SBATCH --mem per node, e.g. 200G (0: all)")
+    s.add_argument("--constraint", metavar="FEATURES", help="#SBATCH --constraint, e.g. a100")
+    s.add_argument("--gpu-type", metavar="TYPE",
+                   help="typed GPU request: #SBATCH --gpus-per-node=TYPE:N")
+    s.add_argument("--signal-lead", type=int, default=DEFAULT_SIGNAL_LEAD_S, metavar="S",
+                   help="USR1 this many seconds before the time limit (default %(default)s): "
+                        "enough for one checkpoint save")
+    s.add_argument("--sbatch-arg", action="append", default=[], metavar="LINE",
+                   help="one more #SBATCH option, e.g. --sbatch-arg=--reservation=r1 (repeatable)")
+    s.add_argument("--template-dir", metavar="DIR",
+                   help="render DIR/sbatch.sh.j2 instead of clusterkit's template (checked with "
+                        "bash -n; with --submit also sbatch --test-only)")
+
+
+class _HelpAction(argparse.Action):
+    """`sbatch status --help` / `sbatch cancel --help` describe the action, else the verb."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> NoReturn:
+        words = getattr(namespace, "script_args", None) or []
+        if words and words[0] in ACTION_USAGE:
+            usage, text = ACTION_USAGE[words[0]]
+            sys.stdout.write(f"usage: {usage}\n\n{text}\n")
+            parser.exit()
+        parser.print_help()
+        parser.exit()
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
@@ -77,32 +133,92 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     if args.watch and not args.submit:
         raise LaunchError("--watch needs --submit (or: clusterkit sbatch status JOBID --watch)",
                           key="--watch")
-    plan = build_sbatch_plan(args)
+    plan = build_sbatch_plan(args, None if args.dry_run else client)
     script = plan.artifacts[SCRIPT]
-    if args.dry_run:
-        sys.stderr.write(summary(plan))
-        sys.stdout.write(script)
-        return 0
+    if args.template_dir is not None:
+        _bash_syntax(script, args.template_dir)
     sys.stderr.write(summary(plan))
+    if args.dry_run:
+        sys.stdout.write(script)
+        # The script reads ds_config.json etc. from the job directory at run time.
+        print(f"clusterkit: dry run: nothing written. The script needs the job files in "
+              f"{plan.job_dir} (written by `clusterkit sbatch ... --write-only` with the same "
+              f"flags) before it can run anywhere", file=sys.stderr)
+        return 0
+    path = _write_job_dir(plan)
+    if not args.submit:
+        _report(args, f"wrote {path} (submit with: sbatch {path}, or rerun with --submit)",
+                None, plan, path)
+        return 0
+    extra = _pinned_nodes(plan)
+    if args.template_dir is not None:
+        print(f"clusterkit: sbatch --test-only: {client.test_only(path, extra)}", file=sys.stderr)
+    job_id = client.submit(path, extra)
+    atomic_write_text(Path(plan.job_dir) / "slurm_job_id", job_id + "\n")
+    _report(args, f"submitted Slurm job {job_id} (clusterkit job {plan.job_id}); script {path}",
+            job_id, plan, path)
+    if not args.watch:
+        if not args.json:
+            print(f"follow it with: clusterkit sbatch status {job_id} --watch")
+        return 0
+    return _watch(client, job_id, args.poll, sys.stderr if args.json else sys.stdout)
+
+
+def _write_job_dir(plan: LaunchPlan) -> Path:
     write_artifacts(plan, plan.job_dir)
     # Slurm opens --output/--error before the script runs: a missing directory fails
     # the job at launch (JobLaunchFailure), so it must exist before sbatch.
     Path(plan.job_dir, LOG_SUBDIR).mkdir(parents=True, exist_ok=True)
-    path = Path(plan.job_dir) / SCRIPT
-    if not args.submit:
-        print(f"wrote {path} (submit with: sbatch {path}, or rerun with --submit)")
-        return 0
-    job_id = client.submit(path)
-    atomic_write_text(Path(plan.job_dir) / "slurm_job_id", job_id + "\n")
-    print(f"submitted Slurm job {job_id} (clusterkit job {plan.job_id}); script {path}")
+    return Path(plan.job_dir) / SCRIPT
+
+
+def _report(args: argparse.Namespace, text: str, slurm_id: str | None, plan: LaunchPlan,
+            path: Path) -> None:
+    if not args.json:
+        print(text)
+        sys.stdout.flush()
+        return
+    print(text, file=sys.stderr)
+    print(json.dumps({"slurm_job_id": slurm_id, "job_id": plan.job_id, "job_dir": plan.job_dir,
+                      "script": str(path)}))
     sys.stdout.flush()
-    if not args.watch:
-        print(f"follow it with: clusterkit sbatch status {job_id} --watch")
-        return 0
-    return _watch(client, job_id, args.poll)
 
 
-def build_sbatch_plan(args: argparse.Namespace) -> LaunchPlan:
+def _pinned_nodes(plan: LaunchPlan) -> list[str]:
+    """A node-local job submitted again goes where its shards are: the first run's nodes."""
+    if plan.storage != "node-local":
+        return []
+    try:
+        first = (Path(plan.job_dir) / NODES_FILE).read_text().strip()
+    except OSError:
+        return []
+    if not first:
+        return []
+    print(f"clusterkit: node-local checkpoints of job {plan.job_id} are on {first} (first run): "
+          f"submitting with --nodelist={first}", file=sys.stderr)
+    return [f"--nodelist={first}"]
+
+
+def _bash_syntax(script: str, template_dir: str) -> None:
+    """A site template must still be a bash script: `bash -n` on the rendered text."""
+    proc = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True,
+                          timeout=30, check=False)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        raise RenderError(f"the rendered script is not valid bash: {lines[0] if lines else ''}",
+                          path=f"{template_dir}/sbatch.sh.j2", key="--template-dir",
+                          hint="line numbers refer to the rendered script (--dry-run prints it)")
+
+
+def site_options(args: argparse.Namespace) -> SlurmSite:
+    return SlurmSite(exclusive=args.exclusive, mem=args.mem, constraint=args.constraint,
+                     gpu_type=args.gpu_type, signal_lead_s=args.signal_lead,
+                     extra_lines=tuple(args.sbatch_arg), template_dir=args.template_dir)
+
+
+def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = None) -> LaunchPlan:
+    """The plan, its batch script rendered with the site flags. ``client``: ask Slurm
+    for the nodes' CPUs when --cpus-per-task is not given (None: do not ask)."""
     inv = resolve_inventory(args.inventory)
     options = job_options(args, inv.name)
     options = dataclasses.replace(options, backend=PLAN_BACKEND[options.backend])
@@ -110,7 +226,31 @@ def build_sbatch_plan(args: argparse.Namespace) -> LaunchPlan:
     if SCRIPT not in plan.artifacts:
         why = plan.skipped.get(SCRIPT, "the plan has no batch script")
         raise RenderError(f"cannot render the batch script: {why}", key="--launcher")
-    return plan
+    if options.cpus_per_task is None and client is not None:
+        options = dataclasses.replace(options, cpus_per_task=_default_cpus(client, plan, options))
+    layout = JobLayout(job_id=plan.job_id, nodes=plan.nodes, programs=plan.programs,
+                       world_size=plan.world_size, master_addr=plan.master_addr,
+                       master_port=plan.master_port, options=options,
+                       node_local=plan.storage == "node-local")
+    script = render_sbatch(layout, plan.cluster, site_options(args))
+    return dataclasses.replace(plan, artifacts={**plan.artifacts, SCRIPT: script})
+
+
+def _default_cpus(client: SlurmClient, plan: LaunchPlan, options: JobOptions) -> int | None:
+    """--cpus-per-task default: a node's CPUs (sinfo, the partition's smallest node)
+    shared by the Slurm tasks on it; None when Slurm cannot say (documented)."""
+    node_cpus = getattr(client, "node_cpus", None)
+    if node_cpus is None:
+        return None
+    try:
+        cpus = node_cpus(options.partition)
+    except ClusterkitError as exc:
+        print(f"clusterkit: no --cpus-per-task default ({exc.one_line()})", file=sys.stderr)
+        return None
+    if not isinstance(cpus, int) or cpus <= 0:
+        return None
+    tasks = plan.nodes[0].nproc if options.backend == "deepspeed" else 1
+    return max(1, cpus // tasks)
 
 
 def _action(client: SlurmClient, action: str, job_id: str, args: argparse.Namespace) -> int:
@@ -133,9 +273,9 @@ def _status_line(info: JobInfo) -> str:
     return f"job {info.job_id} ({info.name}): {info.describe()}{where}; output {info.stdout}"
 
 
-def _watch(client: SlurmClient, job_id: str, poll_s: float) -> int:
+def _watch(client: SlurmClient, job_id: str, poll_s: float, out: TextIO | None = None) -> int:
     try:
-        info = watch(client, job_id, sys.stdout, sys.stderr, poll_s=poll_s)
+        info = watch(client, job_id, out or sys.stdout, sys.stderr, poll_s=poll_s)
     except KeyboardInterrupt:
         # Stopping the watch must not stop the job: say how to do either.
         print(f"clusterkit: stopped watching; job {job_id} keeps running "
