@@ -18,6 +18,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any, cast
 
+from clusterkit.backend_timeouts import pg_timeout_from_env
 from clusterkit.checkpoints import layout
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import read_json_object
@@ -175,7 +176,10 @@ def _run(args: WorkloadArgs, rank: int, local_rank: int, world: int,
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(local_rank)
-    deepspeed.init_distributed(timeout=timedelta(seconds=args.dist_timeout),
+    # The launcher's CLUSTERKIT_PG_TIMEOUT_S (hang timeout + margin, issue 14) beats
+    # --dist-timeout: a stopped rank then fails the others in minutes, not 30.
+    pg_timeout = pg_timeout_from_env(os.environ, args.dist_timeout)
+    deepspeed.init_distributed(timeout=timedelta(seconds=pg_timeout),
                                auto_mpi_discovery=False)
     host = socket.gethostname()
     topo = ckpt.build_topology(rank, local_rank, env_node, host)

@@ -1,0 +1,65 @@
+"""Backend timeouts matched to the hang timeout (issue 14, Deliver 3): pure, no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from clusterkit.backend_timeouts import (
+    MIN_PG_TIMEOUT_S,
+    PG_TIMEOUT_ENV,
+    WATCHDOG_MARGIN_S,
+    pg_timeout_from_env,
+    pg_timeout_s,
+    timeout_env,
+)
+
+
+def test_off_when_the_watchdog_is_off() -> None:
+    assert pg_timeout_s(0) is None
+    assert timeout_env(0, gpu=True, job_dir="/j") == {}
+
+
+def test_pg_timeout_follows_the_hang_timeout_above_a_floor() -> None:
+    assert pg_timeout_s(20) == MIN_PG_TIMEOUT_S  # a first collective behind a JIT build
+    assert pg_timeout_s(900) == 900 + WATCHDOG_MARGIN_S  # the watchdog fires first
+    assert pg_timeout_s(900.2) == 901 + WATCHDOG_MARGIN_S
+
+
+def test_cpu_env_has_no_nccl_variables() -> None:
+    env = timeout_env(900, gpu=False, job_dir="/w/job")
+    assert env == {PG_TIMEOUT_ENV: "1020", "DEEPSPEED_TIMEOUT": "17"}
+
+
+def test_gpu_env_turns_on_async_error_handling_and_the_flight_recorder() -> None:
+    env = timeout_env(900, gpu=True, job_dir="/w/job/")
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/w/job/nccl_trace_rank_"
+    assert env["DEEPSPEED_TIMEOUT"] == "17"  # minutes, rounded up
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("1020", 1020.0), (" 60 ", 60.0), ("", 300.0), ("abc", 300.0), ("-5", 300.0),
+    ("0", 300.0), ("nan", 300.0), ("inf", 300.0)])
+def test_workload_reads_the_contract_variable(value: str, expected: float) -> None:
+    assert pg_timeout_from_env({PG_TIMEOUT_ENV: value}, 300.0) == expected
+
+
+def test_workload_default_without_the_variable() -> None:
+    assert pg_timeout_from_env({}, 42.0) == 42.0
+
+
+def test_deepspeed_reads_the_minutes_we_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's own constant: DEEPSPEED_TIMEOUT minutes (read at import)."""
+    import importlib
+
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", timeout_env(900, gpu=False, job_dir="/j")[
+        "DEEPSPEED_TIMEOUT"])
+    constants = importlib.import_module("deepspeed.constants")
+    constants = importlib.reload(constants)
+    try:
+        assert constants.default_pg_timeout.total_seconds() == 17 * 60
+    finally:
+        monkeypatch.delenv("DEEPSPEED_TIMEOUT")
+        importlib.reload(constants)
