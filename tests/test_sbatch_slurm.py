@@ -253,3 +253,81 @@ def test_usr1_to_batch_checkpoints_requeues_and_resumes(slurm: SlurmBed) -> None
     assert summary["finished"] is True and summary["preempted"] is None, summary
     assert isinstance(summary["resumed_from"], str) and summary["resumed_from"].startswith("global_step")
     _assert_nodes_clean(slurm)
+
+
+# --- issue 13: site flags, node pinning and logs across requeue, threads per rank ---
+
+def test_test_only_accepts_site_flags(slurm: SlurmBed, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))  # in-process main(): sinfo for the CPU default
+    client = SlurmClient(env=slurm.env)
+    site = ["--exclusive", "--mem", "1000", "--constraint", "cktb", "--gpu-type", "tbgpu",
+            "--signal-lead", "120", "--sbatch-arg=--comment=ck13", "--sbatch-arg=--nice=5"]
+    for launcher, cpus in (("torchrun", "4"), ("accelerate", "4"), ("deepspeed", "2")):
+        job = f"site-{launcher}"
+        assert main(["sbatch", "-i", str(_inventory(slurm, 2)), "--nodes", "2", "--gpus-per-node",
+                     "2", "--launcher", launcher, "--storage", "node-local", "--job-id", job,
+                     "--write-only", *site, *WORKLOAD]) == 0, job
+        script = _job_dir(slurm, job) / "sbatch.sh"
+        text = script.read_text()
+        # default --cpus-per-task: the node's 4 CPUs (sinfo) shared by the Slurm tasks on it
+        assert f"#SBATCH --cpus-per-task={cpus}\n" in text and "--gpus-per-node=tbgpu:2" in text
+        message = client.test_only(script)
+        assert "to start at" in message, (job, message)
+    capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_node_local_requeue_stays_on_its_nodes_and_keeps_both_logs(slurm: SlurmBed) -> None:
+    """USR1 to the batch script of a node-local job: checkpoint, requeue pinned to the same
+    nodes, resume; the output file holds both runs. Then the same script forced onto
+    other nodes stops at once with the collect-ckpt message."""
+    job = "requeue-nl"
+    slurm_id = _submit(slurm, job, "--", "--log-every", "1", ranks_per_node=1, steps=150,
+                       storage="node-local")
+    _wait_output(slurm, job, slurm_id, "step 2/")
+    first_nodes = slurm.client(["scontrol", "show", "job", "-o", slurm_id]).stdout
+    assert "NodeList=node[1-2]" in first_nodes
+    assert _cli(slurm, ["cancel", slurm_id, "--signal", "USR1", "--batch"]).returncode == 0
+    deadline = time.monotonic() + 300
+    pinned = False
+    while (state := slurm.job_state(slurm_id)) in IN_PROGRESS:
+        assert time.monotonic() < deadline, f"job {slurm_id} still {state}"
+        pinned = pinned or "ReqNodeList=node[1-2]" in slurm.client(
+            ["scontrol", "show", "job", "-o", slurm_id]).stdout
+        time.sleep(0.5)
+    out = (_job_dir(slurm, job) / "logs" / f"slurm-{slurm_id}.out").read_text(errors="replace")
+    assert state == "COMPLETED", out[-3000:]
+    assert pinned, "the requeued job was not pinned to its nodes"
+    runs = re.findall(rf"===== clusterkit: job {job} slurm={slurm_id} run (\d) on (\S+) ", out)
+    assert runs == [("1", "node[1-2]"), ("2", "node[1-2]")], runs
+    assert "SIGUSR1" in out  # the first run's summary survived the requeue
+    summary = _summary(out)
+    assert summary["finished"] is True and str(summary["resumed_from"]).startswith("global_step")
+    # The same job forced onto other nodes: no silent fresh start.
+    script = _job_dir(slurm, job) / "sbatch.sh"
+    other = SlurmClient(env=slurm.env).submit(script, ["--nodelist=node[3-4]"])
+    assert _wait_finished(slurm, other, timeout=120) == "FAILED"
+    err = (_job_dir(slurm, job) / "logs" / f"slurm-{other}.err").read_text(errors="replace")
+    assert "keeps node-local checkpoints on node[1-2], but this run got node[3-4]" in err
+    assert "collect-ckpt --scatter" in err
+    _assert_nodes_clean(slurm)
+
+
+@pytest.mark.slow
+def test_threads_per_rank_same_cpu_per_step_for_every_variant(slurm: SlurmBed) -> None:
+    """One Slurm task per rank (deepspeed) used 10x the CPU per step of torchrun (no
+    OMP_NUM_THREADS); now both get the task's CPUs / its ranks."""
+    per_step = {}
+    for launcher in ("torchrun", "deepspeed"):
+        job = f"omp-{launcher}"
+        inv = _inventory(slurm, 2)
+        r = _cli(slurm, ["-i", str(inv), "--nodes", "2", "--gpus-per-node", "2", "--launcher",
+                         launcher, "--storage", "shared", "--steps", "30", "--job-id", job,
+                         *WORKLOAD, "--submit", "--watch", "--poll", "0.5"], timeout=500)
+        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
+        summary = _summary(r.stdout)
+        assert summary["world_size"] == 4
+        per_step[launcher] = float(str(summary["cpu_s_per_step"]))
+    print(f"cpu_s_per_step: {per_step} (load {Path('/proc/loadavg').read_text().split()[:3]})")
+    assert per_step["deepspeed"] <= 1.3 * per_step["torchrun"], per_step

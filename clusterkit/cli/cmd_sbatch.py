@@ -239,15 +239,12 @@ def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = Non
 def _default_cpus(client: SlurmClient, plan: LaunchPlan, options: JobOptions) -> int | None:
     """--cpus-per-task default: a node's CPUs (sinfo, the partition's smallest node)
     shared by the Slurm tasks on it; None when Slurm cannot say (documented)."""
-    node_cpus = getattr(client, "node_cpus", None)
-    if node_cpus is None:
-        return None
     try:
-        cpus = node_cpus(options.partition)
+        cpus = client.node_cpus(options.partition)
     except ClusterkitError as exc:
         print(f"clusterkit: no --cpus-per-task default ({exc.one_line()})", file=sys.stderr)
         return None
-    if not isinstance(cpus, int) or cpus <= 0:
+    if cpus is None or cpus <= 0:
         return None
     tasks = plan.nodes[0].nproc if options.backend == "deepspeed" else 1
     return max(1, cpus // tasks)

@@ -44,6 +44,10 @@ DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged")
 CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "sinfo", "squeue")
 CLIENT_TIMEOUT = 30.0
 PARTITION = "debug"
+# Typed GPUs and a node feature, so --gpu-type/--constraint have something to match
+# (untyped --gpus-per-node=N still matches typed GRES).
+GPU_TYPE = "tbgpu"
+FEATURE = "cktb"
 # Processes a node runs by itself; anything else inside its PID namespace belongs to a job.
 NODE_BASELINE = ("sshd", "slurmd")
 
@@ -229,7 +233,8 @@ class SlurmBed:
         ]
         for n in self.nodes:
             lines.append(f"NodeName={n.name} NodeAddr={n.address} CPUs={s.cpus_per_node} "
-                         f"RealMemory={s.real_memory_mb} Gres=gpu:{s.gpus_per_node} State=UNKNOWN")
+                         f"RealMemory={s.real_memory_mb} Gres=gpu:{GPU_TYPE}:{s.gpus_per_node} "
+                         f"Features={FEATURE} State=UNKNOWN")
         names = ",".join(n.name for n in self.nodes)
         lines.append(f"PartitionName={PARTITION} Nodes={names} Default=YES MaxTime=INFINITE State=UP")
         return "\n".join(lines) + "\n"
@@ -237,7 +242,7 @@ class SlurmBed:
     def gres_conf(self) -> str:
         last = self.spec.gpus_per_node - 1
         files = f"{self.root}/dev/gpu[0-{last}]" if last > 0 else f"{self.root}/dev/gpu0"
-        return f"Name=gpu File={files}\n"
+        return f"Name=gpu Type={GPU_TYPE} File={files}\n"
 
     def _spawn_host(self, argv: list[str], log: str) -> subprocess.Popen[Any]:
         with open(self.root / "log" / log, "ab") as fh:
