@@ -34,7 +34,21 @@ def test_plan_nothing_fits_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "nothing fits" in capsys.readouterr().out
 
 
-def test_plan_bad_size_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--nodes", "1", "--gpus-per-node", "1", "--gpu-mem", "lots"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("clusterkit: error:") and err.count("\n") == 1
+def test_plan_bad_size_fails_at_parse_time(capsys: pytest.CaptureFixture[str]) -> None:
+    # Checked by argparse (exit 2, before the advisor imports DeepSpeed), naming the flag.
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--nodes", "1", "--gpus-per-node", "1", "--gpu-mem", "lots"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "--gpu-mem" in err and "'lots' is not a size" in err and "Traceback" not in err
+
+
+def test_plan_sizes_follow_the_one_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    # 40G is 40GiB here exactly as in doctor --ckpt-size (docs/units.md); 40GB is 40*10^9.
+    args = ["plan", "--model", "small", "--nodes", "1", "--gpus-per-node", "1", "--json"]
+    assert main([*args, "--gpu-mem", "40G"]) == 0
+    as_g = json.loads(capsys.readouterr().out)
+    assert main([*args, "--gpu-mem", "40GiB"]) == 0
+    assert json.loads(capsys.readouterr().out) == as_g
+    assert main([*args, "--gpu-mem", "40GB"]) == 0
+    assert json.loads(capsys.readouterr().out) != as_g

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +54,50 @@ def test_argparse_types_fail_at_parse_time() -> None:
     for argv in (["--size", "lots"], ["--size", "0"], ["--wait", "-1"]):
         with pytest.raises(argparse.ArgumentError):
             p.parse_args(argv)
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["doctor", "--ckpt-size", "lots"], "--ckpt-size"),
+    (["doctor", "--bandwidth-size", "0"], "--bandwidth-size"),
+    (["collect-ckpt", "JOB", "--max-shard-size", "5 gigs"], "--max-shard-size"),
+])
+def test_verbs_refuse_bad_sizes_before_anything_starts(
+        argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from clusterkit.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_doctor_and_collect_read_sizes_by_the_same_rule() -> None:
+    from clusterkit.cli.main import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["doctor", "--ckpt-size", "40G"]).ckpt_size == 40 * GiB
+    assert p.parse_args(["doctor", "--ckpt-size", "40GB"]).ckpt_size == 40 * GB
+    collect = p.parse_args(["collect-ckpt", "JOB", "--max-shard-size", "40G"])
+    assert collect.max_shard_size == 40 * GiB  # was refused: only KB/MB/GB/TB were read
+    assert p.parse_args(["collect-ckpt", "JOB"]).max_shard_size == 5 * GB
+
+
+def test_consolidate_hands_deepspeed_the_byte_count(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from clusterkit.checkpoints import consolidate as mod
+    from clusterkit.errors import CheckpointError
+
+    seen: list[int] = []
+
+    def fake_convert(dest: str, tag: str, out: str, safe: bool, max_shard_size: int) -> None:
+        seen.append(max_shard_size)
+        raise CheckpointError("stop here")
+
+    monkeypatch.setattr(mod, "_convert", fake_convert)
+    for text, expected in (("5G", 5 * GiB), ("5GB", 5 * GB), (1234, 1234)):
+        with pytest.raises(CheckpointError):
+            mod.consolidate(str(tmp_path), "global_step1", max_shard_size=text)
+        assert seen.pop() == expected
+    with pytest.raises(ClusterkitError) as e:
+        mod.consolidate(str(tmp_path), "global_step1", max_shard_size="5 gigs")
+    assert e.value.key == "--max-shard-size" and not seen

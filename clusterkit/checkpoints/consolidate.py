@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clusterkit.errors import CheckpointError
+from clusterkit.units import parse_size
 
 FORMATS = ("fp32", "safetensors")
 
@@ -35,17 +36,21 @@ def output_dir(dest: str, tag: str) -> str:
     return os.path.join(dest, f"{tag}-fp32")
 
 
-def consolidate(dest: str, tag: str, fmt: str = "fp32", *, max_shard_size: str = "5GB",
+def consolidate(dest: str, tag: str, fmt: str = "fp32", *, max_shard_size: int | str = "5GB",
                 out_dir: str | None = None) -> Consolidated:
     """Run ``convert_zero_checkpoint_to_fp32_state_dict`` on DEST and verify the result."""
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown --consolidate format {fmt!r}", key="--consolidate",
                               hint=f"choose one of {', '.join(FORMATS)}")
+    # One size rule for every verb (docs/units.md): "5GB" = 5*10^9 as Hugging Face counts,
+    # "5G" = 5GiB; DeepSpeed's writer and ours get the byte count, never the text.
+    shard_bytes = max_shard_size if isinstance(max_shard_size, int) else \
+        parse_size(max_shard_size, "--max-shard-size")
     final = out_dir or output_dir(dest, tag)
     tmp = f"{final}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _convert(dest, tag, tmp, fmt == "safetensors", max_shard_size)
+        _convert(dest, tag, tmp, fmt == "safetensors", shard_bytes)
         state = load_state_dict_dir(tmp)
         check = check_against_workload(state)
         _replace_dir(tmp, final)
@@ -58,7 +63,7 @@ def consolidate(dest: str, tag: str, fmt: str = "fp32", *, max_shard_size: str =
                         model_check=check)
 
 
-def _convert(dest: str, tag: str, out: str, safe: bool, max_shard_size: str) -> None:
+def _convert(dest: str, tag: str, out: str, safe: bool, max_shard_size: int) -> None:
     from deepspeed.utils import zero_to_fp32
 
     os.makedirs(out, exist_ok=True)
@@ -67,7 +72,7 @@ def _convert(dest: str, tag: str, out: str, safe: bool, max_shard_size: str) -> 
             # DeepSpeed's own safetensors writer refuses tied weights (wte/lm_head share
             # storage); reconstruct with its code, then write untied copies ourselves.
             state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(dest, tag=tag)
-            _save_safetensors(_untie(state), out, _parse_size(max_shard_size))
+            _save_safetensors(_untie(state), out, max_shard_size)
         else:
             zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(
                 dest, out, max_shard_size=max_shard_size, safe_serialization=False, tag=tag)
@@ -86,18 +91,6 @@ def _untie(state: Mapping[str, Any]) -> dict[str, Any]:
         out[name] = t.clone().contiguous() if ptr in seen else t.contiguous()
         seen.add(ptr)
     return out
-
-
-def _parse_size(text: str) -> int:
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    t = text.strip().upper()
-    for unit, mult in units.items():
-        if t.endswith(unit) and t[: -len(unit)].strip().replace(".", "", 1).isdigit():
-            return int(float(t[: -len(unit)]) * mult)
-    if t.isdigit():
-        return int(t)
-    raise CheckpointError(f"cannot parse size {text!r}", key="--max-shard-size",
-                          hint="digits followed by KB, MB, GB or TB, e.g. 5GB")
 
 
 def _save_safetensors(state: Mapping[str, Any], out: str, max_bytes: int) -> None:

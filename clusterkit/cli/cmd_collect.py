@@ -21,6 +21,7 @@ from clusterkit.cli.common import (
 from clusterkit.errors import CheckpointError
 from clusterkit.inventory import Host
 from clusterkit.remote.base import target_for
+from clusterkit.units import size_type
 
 DEFAULT_DEST = "checkpoints-collected"
 PLAIN_EVERY_S = 2.0
@@ -43,7 +44,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help=f"where to gather (default: ./{DEFAULT_DEST}, or the job's dir for JOB)")
     p.add_argument("--consolidate", choices=("fp32", "safetensors"),
                    help="also write one fp32 state dict to DEST/<tag>-fp32/ (DeepSpeed's code)")
-    p.add_argument("--max-shard-size", default="5GB", help="for --consolidate (default 5GB)")
+    p.add_argument("--max-shard-size", default="5GB", type=size_type("--max-shard-size", 1),
+                   metavar="SIZE",
+                   help="for --consolidate (default 5GB = 5*10^9 bytes; 5G = 5GiB; docs/units.md)")
     p.add_argument("--scatter", action="store_true",
                    help="instead of collecting: push DEST/<tag> back to the selected nodes' "
                         "local dirs, in the layout a launch on those nodes resumes from")

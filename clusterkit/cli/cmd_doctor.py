@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -13,6 +12,8 @@ from typing import TYPE_CHECKING
 
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
 from clusterkit.errors import ClusterkitError
+from clusterkit.units import parse_size as parse_size  # the one size rule (docs/units.md)
+from clusterkit.units import size_type
 
 if TYPE_CHECKING:
     from clusterkit.checks.doctor import DoctorReport
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
 BACKENDS = ("torchrun", "deepspeed", "accelerate")
 DEFAULT_MASTER_PORT = 29500  # torchrun's and DeepSpeed's default
 HEAD_TOOLS = ("pdsh", "ninja", "ssh")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 _STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
 
 
@@ -38,11 +38,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "pdsh: identical interpreter paths and pdsh on the first node required)")
     p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT, metavar="P",
                    help=f"port to test on the master (default {DEFAULT_MASTER_PORT}; 0 skips)")
-    p.add_argument("--ckpt-size", metavar="SIZE",
-                   help="expected size of one checkpoint per node (e.g. 40G): checks free space")
+    p.add_argument("--ckpt-size", metavar="SIZE", type=size_type("--ckpt-size"),
+                   help="expected size of one checkpoint per node (e.g. 40G = 40GiB; "
+                        "docs/units.md): checks free space")
     p.add_argument("--bandwidth", action="store_true",
                    help="also run a short all_reduce and pairwise tests (needs torch on nodes)")
     p.add_argument("--bandwidth-size", default="4M", metavar="SIZE",
+                   type=size_type("--bandwidth-size", minimum=1),
                    help="message size for --bandwidth (default 4M)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings")
@@ -57,14 +59,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=cmd_doctor)
 
 
-def parse_size(text: str) -> int:
-    m = _SIZE.match(text)
-    if not m:
-        raise ClusterkitError(f"bad size {text!r}", hint="e.g. 512M, 40G")
-    power = " KMGT".index(m.group(2).upper() or " ")
-    return int(float(m.group(1)) * 1024**power)
-
-
 def cmd_doctor(args: argparse.Namespace) -> int:
     from clusterkit.checks.doctor import plan_doctor, run_doctor
     from clusterkit.hostfile import select_hosts
@@ -76,7 +70,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         [h for h, _slots in chosen], head_python=sys.executable, head_cwd=os.getcwd(),
         head_tools={t: shutil.which(t) for t in HEAD_TOOLS}, backend=args.backend,
         master_port=args.master_port or None,
-        checkpoint_bytes=parse_size(args.ckpt_size) if args.ckpt_size else None,
+        checkpoint_bytes=args.ckpt_size or None,
         connect_timeout_s=args.connect_timeout, accept_new_host_keys=args.accept_new_host_keys,
     )
     from clusterkit.remote.dispatch import transport_for
@@ -86,7 +80,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if args.bandwidth:
             from clusterkit.checks.bandwidth import add_bandwidth
 
-            report = add_bandwidth(report, transport, nbytes=parse_size(args.bandwidth_size))
+            report = add_bandwidth(report, transport, nbytes=args.bandwidth_size)
     if args.json:
         print(json.dumps(report.to_json(strict=args.strict), indent=2))
     else:

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
+from clusterkit.units import size_type
 
 MODELS = ("tiny", "small", "medium")
 
@@ -21,8 +22,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_inventory_option(p)
     add_selection_options(p)
     p.add_argument("--model", choices=MODELS, default="small", help="workload model preset")
-    p.add_argument("--gpu-mem", required=True, metavar="SIZE", help="memory per GPU, e.g. 80GiB")
-    p.add_argument("--cpu-mem", metavar="SIZE", help="RAM per node, e.g. 512GiB (else not checked)")
+    p.add_argument("--gpu-mem", required=True, metavar="SIZE", type=size_type("--gpu-mem", 1),
+                   help="memory per GPU, e.g. 80G (= 80GiB; 80GB is 80*10^9; docs/units.md)")
+    p.add_argument("--cpu-mem", metavar="SIZE", type=size_type("--cpu-mem", 1),
+                   help="RAM per node, e.g. 512G (else not checked)")
     p.add_argument("--gpu-fraction", type=float, default=0.75,
                    help="share of GPU memory model states may use (rest: activations)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -43,12 +46,11 @@ def _shape(args: argparse.Namespace) -> tuple[int, int]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     # The advisor imports DeepSpeed's estimators; keep that out of CLI start-up.
-    from clusterkit.workload.advisor import advise, format_table, parse_bytes
+    from clusterkit.workload.advisor import advise, format_table
 
     nodes, gpus = _shape(args)
     advice = advise(args.model, nodes=nodes, gpus_per_node=gpus,
-                    gpu_mem_bytes=parse_bytes(args.gpu_mem),
-                    cpu_mem_bytes_per_node=parse_bytes(args.cpu_mem) if args.cpu_mem else None,
+                    gpu_mem_bytes=args.gpu_mem, cpu_mem_bytes_per_node=args.cpu_mem,
                     gpu_fraction=args.gpu_fraction)
     if args.json:
         print(json.dumps(asdict(advice), indent=2))

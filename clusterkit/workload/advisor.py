@@ -17,27 +17,18 @@ RAM is given, its CPU estimate fits in RAM.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from clusterkit.errors import ClusterkitError
+from clusterkit.units import parse_size
 from clusterkit.workload.presets import ModelPreset, get_preset
 
 DEFAULT_GPU_FRACTION = 0.75
 BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor default
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB', '80G', '81920MiB', '1.5TB' -> bytes (G/GB decimal, GiB binary)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ClusterkitError(f"not a memory size: {text!r}", key="memory",
-                              hint="write e.g. 80GiB, 80GB or 81920MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+def parse_bytes(text: str, key: str = "memory") -> int:
+    """'80GiB' = '80G', '81920MiB', '1.5TB' -> bytes, by the one size rule (docs/units.md)."""
+    return parse_size(text, key)
 
 
 def format_bytes(n: float) -> str:
