@@ -1,8 +1,10 @@
 """Follow a Slurm job: copy its output files as they grow, until the job ends.
 
 The files are read where the submit host sees them (the job directory must be on
-a filesystem the nodes share, as for any batch job). A requeued job starts its
-output file again; we notice the shrink and start over instead of going silent.
+a filesystem the nodes share, as for any batch job). clusterkit's script opens its
+files with ``--open-mode=append``, so a requeued run continues the same file after a
+``===== clusterkit: ... run N`` line; a script that truncates instead (a site template
+without it) makes the file shrink, which we notice and start over instead of going silent.
 """
 
 from __future__ import annotations
