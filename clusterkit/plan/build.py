@@ -7,6 +7,7 @@ import re
 from datetime import datetime
 from pathlib import PurePosixPath
 
+from clusterkit.backend_timeouts import timeout_env
 from clusterkit.contract import Contract
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import select_hosts
@@ -149,13 +150,24 @@ def _node_plans(inventory: Inventory, o: JobOptions,
         contract = Contract(job_id=o.job_id, job_dir=job_dir, ckpt_dir=ckpt_dir, storage=storage)
         env = build_env(python=python, environ=facts.environ, host_env=host.env,
                         host_allowlist=host.env_allowlist, user_allowlist=o.env_allowlist,
-                        set_env=(*o.set_env, *contract.env().items()),
+                        set_env=(*_hang_env(o, host, job_dir), *o.set_env,
+                                 *contract.env().items()),
                         cuda_lib_dirs=facts.cuda_lib_dirs, job_id=o.job_id)
         nodes.append(NodePlan(node_rank=index, host=host, slots=tuple(slots), first_rank=first_rank,
                               python=python, workdir=workdir, job_dir=job_dir,
                               ckpt_dir=ckpt_dir, env=env))
         first_rank += len(slots)
     return tuple(nodes), storage
+
+
+def _hang_env(o: JobOptions, host: Host, job_dir: str) -> list[tuple[str, str]]:
+    """Backend timeouts matched to the hang timeout (issue 14); the inventory's env wins.
+
+    ``hang_timeout_s`` is read with getattr: the field arrives with the job-spec package.
+    """
+    hang = float(getattr(o, "hang_timeout_s", 0.0))
+    env = timeout_env(hang, gpu=host.gpus > 0, job_dir=job_dir)
+    return [(k, v) for k, v in env.items() if k not in host.env]
 
 
 def _zero_spec(o: JobOptions, nodes: tuple[NodePlan, ...], world: int, storage: str) -> ZeroSpec:
