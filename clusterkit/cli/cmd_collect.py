@@ -90,6 +90,12 @@ def resolve_nodes(args: argparse.Namespace) -> tuple[list[Any], list[int], str]:
             host = None
             if not pattern:
                 inv = inv or resolve_inventory(args.inventory)
+                if n.node not in {h.name for h in inv.hosts}:  # not a KeyError (exit 70)
+                    raise CheckpointError(
+                        f"job {args.job} ran on {n.node}, which this inventory does not list",
+                        host=n.node, path=inv.path, key="-i",
+                        hint="pass the inventory the job was launched with (-i FILE), or "
+                             "--dir with the checkpoint directory")
                 host = inv.host(n.node)
             nodes.append(CollectNode(n.node, n.target, n.python, _root(pattern, host, n.node, index)))
         slots = [int(s) for s in record.extra.get("slots", [])] or [0] * len(nodes)
@@ -282,9 +288,11 @@ def _print_report(report: Any, dest: str) -> None:
 
 def _consolidate(dest: str, tag: str, args: argparse.Namespace) -> dict[str, Any]:
     from clusterkit.checkpoints.consolidate import consolidate
+    from clusterkit.workload.verify import check_against_workload
 
     t0 = time.monotonic()
-    c = consolidate(dest, tag, args.consolidate, max_shard_size=args.max_shard_size)
+    c = consolidate(dest, tag, args.consolidate, max_shard_size=args.max_shard_size,
+                    model_check=check_against_workload)
     print(f"consolidated {tag} -> {c.out_dir}/ ({', '.join(c.files)}; {c.tensors} tensors) in "
           f"{time.monotonic() - t0:.1f} s: {c.model_check}")
     return {"out_dir": c.out_dir, "files": list(c.files), "tensors": c.tensors,

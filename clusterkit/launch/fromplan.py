@@ -10,16 +10,9 @@ from __future__ import annotations
 
 from clusterkit.errors import LaunchError
 from clusterkit.launch.orchestrator import JobSpec, NodeTask
-from clusterkit.plan.model import LaunchPlan, NodeCommand, NodePlan
 from clusterkit.remote.base import target_for as target_for  # the one host -> target function
-
-LAUNCH_BACKENDS = ("torchrun", "deepspeed", "accelerate")
-# How each launcher marks its ranks' lines (see agent.Spec.prefix).
-OUTPUT_PREFIX = {"torchrun": "torchrun", "deepspeed": "pdsh", "accelerate": "torchrun"}
-# What `clusterkit launch --launcher X` runs: native = the torchrun plan, ranks started
-# by the node agents themselves.
-LAUNCHERS = ("native", "torchrun", "deepspeed", "accelerate")
-
+from clusterkit.spec.backends import BACKENDS
+from clusterkit.spec.job import LaunchPlan, NodeCommand, NodePlan
 
 RANK_LOG_FLAG = "--enable_each_rank_log="
 ACCELERATE_MODULE = "accelerate.commands.launch"
@@ -67,10 +60,10 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, grace_s: float = 3.0,
     """``run_id``: names this run's per-rank log dir (a continued job must not re-read
     the files of an earlier run); default ``a<attempt>``. ``native``: with the torchrun
     backend, the agents start the ranks themselves instead of running torchrun."""
-    if native and plan.backend != "torchrun":
+    if native and plan.backend != BACKENDS["native"].plan_backend:
         raise LaunchError(f"native launch replaces torchrun, not {plan.backend}",
                           key="--launcher")
-    if plan.backend not in LAUNCH_BACKENDS:
+    if not BACKENDS[plan.backend].launchable:
         raise LaunchError(f"clusterkit launch does not run the {plan.backend!r} backend",
                           key="--launcher", hint="use `clusterkit sbatch` for Slurm")
     by_host: dict[str | None, NodeCommand] = {c.host: c for c in plan.launch_commands}
@@ -90,7 +83,7 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, grace_s: float = 3.0,
         tasks.append(NodeTask(
             node=node.name, target=target_for(node.host), python=node.python, argv=argv,
             rank_offset=node.first_rank, nprocs=node.nproc, env=env, files=files, cwd=cwd,
-            prefix=OUTPUT_PREFIX[plan.backend], job_dir=node.job_dir,
+            prefix=BACKENDS[plan.backend].output_prefix, job_dir=node.job_dir,
             rank_log_dir=log_dir if tails else None,
         ))
     if not any(t.argv for t in tasks):

@@ -21,12 +21,11 @@ from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.gate import GateNode, gate_error, run_gate
 from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.orchestrator import JobOutcome, JobSpec, Orchestrator, describe_failure
-from clusterkit.plan.model import WORKLOAD_MODULE, JobOptions, LaunchPlan
 from clusterkit.remote.base import Transport
+from clusterkit.spec.backends import BACKENDS
+from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, LaunchPlan
 
 Planner = Callable[[JobOptions], LaunchPlan]
-_NEEDS = {"torchrun": ("torch",), "deepspeed": ("torch", "deepspeed"),
-          "accelerate": ("torch", "accelerate")}
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ def _gate_nodes(plan: LaunchPlan) -> list[GateNode]:
 
 def check_nodes(transport: Transport, plan: LaunchPlan, sink: Sink) -> dict[str, str]:
     """The gate; returns node -> problem (empty when every node is fit)."""
-    result = run_gate(transport, _gate_nodes(plan), need=_NEEDS.get(plan.backend, ()))
+    result = run_gate(transport, _gate_nodes(plan), need=BACKENDS[plan.backend].gate_needs)
     for node, why in result.problems.items():
         sink.info(f"{node}: {why}")
     return result.problems
@@ -135,7 +134,7 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         sink.info(note)
     # The gate runs inside the agents (facts reported, nothing started until GO): no
     # separate round of SSH commands before the launch.
-    need = None if settings.skip_checks else _NEEDS.get(plan.backend, ())
+    need = None if settings.skip_checks else BACKENDS[plan.backend].gate_needs
     outcomes: list[JobOutcome] = []
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for attempt in range(settings.max_restarts + 1):

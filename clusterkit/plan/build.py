@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from datetime import datetime
 from pathlib import PurePosixPath
@@ -12,9 +11,12 @@ from clusterkit.contract import Contract
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import select_hosts
 from clusterkit.inventory import Host, Inventory
-from clusterkit.plan.model import (
-    BACKENDS,
-    DS_LAUNCHERS,
+from clusterkit.plan.ports import master_port
+from clusterkit.render.artifacts import render_all, with_reference_files
+from clusterkit.render.commands import JobLayout
+from clusterkit.render.dsenv import build_env
+from clusterkit.spec.backends import BACKENDS, DS_LAUNCHERS, PLAN_BACKENDS
+from clusterkit.spec.job import (
     RDZV_CHOICES,
     STORAGE_CHOICES,
     WORKLOAD_MODULE,
@@ -23,11 +25,7 @@ from clusterkit.plan.model import (
     LaunchPlan,
     NodePlan,
 )
-from clusterkit.plan.ports import master_port
-from clusterkit.render.artifacts import plan_json, render_commands, render_commands_sh, render_files
-from clusterkit.render.commands import JobLayout
-from clusterkit.render.dsconfig import ZeroSpec, build_ds_config
-from clusterkit.render.dsenv import build_env
+from clusterkit.spec.zero import ZeroSpec, build_ds_config, resolve_precision
 
 MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -50,7 +48,7 @@ def _check_options(o: JobOptions) -> None:
         raise RenderError(f"job id {o.job_id!r} is not a plain name", key="--job-id",
                           hint="use up to 64 letters, digits, '.', '_' and '-' (it names "
                                "directories and reaches shells)")
-    _choice(o.backend, BACKENDS, "--launcher")
+    _choice(o.backend, PLAN_BACKENDS, "--launcher")
     _choice(o.storage, STORAGE_CHOICES, "--storage")
     _choice(o.rdzv, RDZV_CHOICES, "--rdzv")
     _choice(o.deepspeed_launcher, DS_LAUNCHERS, "--deepspeed-launcher")
@@ -122,7 +120,7 @@ def _program(o: JobOptions, job_dir: str, ckpt_dir: str, storage: str) -> tuple[
     if o.module is not None:
         return ("-m", o.module, *o.script_args, *ds_args)
     words = ["-m", WORKLOAD_MODULE,
-             "--engine", "accelerate" if o.backend == "accelerate" else "deepspeed",
+             "--engine", BACKENDS[o.backend].engine,
              "--model", o.model, "--steps", str(o.steps),
              "--ds-config", f"{job_dir}/ds_config.json", "--run-dir", f"{job_dir}/run",
              "--ckpt-dir", ckpt_dir, "--storage", storage]
@@ -172,7 +170,7 @@ def _hang_env(o: JobOptions, host: Host, job_dir: str) -> list[tuple[str, str]]:
 
 def _zero_spec(o: JobOptions, nodes: tuple[NodePlan, ...], world: int, storage: str) -> ZeroSpec:
     on_gpu = all(n.host.gpus > 0 for n in nodes)
-    precision = o.precision if o.precision != "auto" else ("bf16" if on_gpu else "fp32")
+    precision = resolve_precision(o.precision, on_gpu)
     nvme = o.nvme_path
     local = nodes[0].host.checkpoint.local_dir
     if nvme is None and "nvme" in (o.offload_optimizer, o.offload_param) and local:
@@ -181,7 +179,7 @@ def _zero_spec(o: JobOptions, nodes: tuple[NodePlan, ...], world: int, storage: 
     return ZeroSpec(
         stage=o.zero_stage, offload_optimizer=o.offload_optimizer,  # type: ignore[arg-type]
         offload_param=o.offload_param, nvme_path=nvme,  # type: ignore[arg-type]
-        precision=precision,  # type: ignore[arg-type]
+        precision=precision,
         micro_batch=o.micro_batch, grad_accum=o.grad_accum, world_size=world, clip=o.clip,
         lr=o.lr, warmup_steps=o.warmup_steps, total_steps=o.steps,
         torch_adam=not on_gpu, node_local_checkpoints=storage == "node-local",
@@ -207,14 +205,11 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> L
         master_port=master_port(options.job_id), options=options,
         node_local=storage == "node-local")
     ds_config = build_ds_config(zero)
-    skipped: dict[str, str] = {}
-    files = render_files(layout, inventory.name, ds_config, skipped)
-    commands = render_commands(layout, skipped)
+    rendered = render_all(layout, inventory.name, ds_config)
     plan = LaunchPlan(job_id=options.job_id, cluster=inventory.name, backend=options.backend,
                       nodes=nodes, world_size=world, master_addr=layout.master_addr,
                       master_port=layout.master_port, storage=storage, zero=zero,
-                      program=layout.programs[0], commands=commands, skipped=skipped,
-                      artifacts=files, ds_config=ds_config, programs=layout.programs)
-    files = {**files, "commands.sh": render_commands_sh(plan)}
-    plan = dataclasses.replace(plan, artifacts=files)
-    return dataclasses.replace(plan, artifacts={**files, "plan.json": plan_json(plan)})
+                      program=layout.programs[0], commands=rendered.commands,
+                      skipped=rendered.skipped, artifacts=rendered.files, ds_config=ds_config,
+                      programs=layout.programs)
+    return with_reference_files(plan)

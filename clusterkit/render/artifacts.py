@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import render_hostfile
-from clusterkit.plan.model import LaunchPlan, NodeCommand
 from clusterkit.render.accelerate_config import render_accelerate_config
 from clusterkit.render.commands import (
     JobLayout,
@@ -25,6 +26,8 @@ from clusterkit.render.commands import (
 from clusterkit.render.dsenv import render_deepspeed_env
 from clusterkit.render.sbatch import render_sbatch
 from clusterkit.render.ssh_config import render_ssh_config
+from clusterkit.spec.backends import BACKENDS
+from clusterkit.spec.job import LaunchPlan, NodeCommand
 
 # command set -> builder; the order is the order of commands.sh
 COMMAND_BUILDERS: dict[str, Callable[[JobLayout], tuple[NodeCommand, ...]]] = {
@@ -35,15 +38,6 @@ COMMAND_BUILDERS: dict[str, Callable[[JobLayout], tuple[NodeCommand, ...]]] = {
     "srun": srun_command,
     "sbatch": sbatch_command,
 }
-# backend -> the command sets it needs (rendering errors there are fatal; elsewhere noted)
-REQUIRED: dict[str, tuple[str, ...]] = {
-    "torchrun": ("torchrun",),
-    "deepspeed": ("deepspeed",),
-    "accelerate": ("accelerate",),
-    "slurm": ("sbatch",),
-}
-
-
 def _attempt(fn: Callable[[], Any], name: str, required: bool, skipped: dict[str, str]) -> Any:
     try:
         return fn()
@@ -54,8 +48,35 @@ def _attempt(fn: Callable[[], Any], name: str, required: bool, skipped: dict[str
         return None
 
 
-def render_commands(layout: JobLayout, skipped: dict[str, str]) -> dict[str, tuple[NodeCommand, ...]]:
-    required = REQUIRED[layout.options.backend]
+@dataclass(frozen=True)
+class Rendered:
+    """Every file and command set of one job, and why any optional one was not rendered."""
+
+    files: dict[str, str]
+    commands: dict[str, tuple[NodeCommand, ...]]
+    skipped: dict[str, str]
+
+
+def render_all(layout: JobLayout, cluster: str, ds_config: Mapping[str, Any]) -> Rendered:
+    """The launch files and every backend's commands (pure). The chosen backend's own
+    artifacts must render (their RenderError propagates); the others are noted in
+    ``skipped`` with the reason."""
+    skipped: dict[str, str] = {}
+    files = _render_files(layout, cluster, ds_config, skipped)
+    commands = _render_commands(layout, skipped)
+    return Rendered(files, commands, skipped)
+
+
+def with_reference_files(plan: LaunchPlan) -> LaunchPlan:
+    """The plan with ``commands.sh`` and ``plan.json`` added (both describe the plan itself)."""
+    files = {**plan.artifacts, "commands.sh": render_commands_sh(plan)}
+    plan = dataclasses.replace(plan, artifacts=files)
+    return dataclasses.replace(plan, artifacts={**files, "plan.json": plan_json(plan)})
+
+
+def _render_commands(layout: JobLayout, skipped: dict[str, str]
+                     ) -> dict[str, tuple[NodeCommand, ...]]:
+    required = BACKENDS[layout.options.backend].command_sets
     out: dict[str, tuple[NodeCommand, ...]] = {}
     for name, builder in COMMAND_BUILDERS.items():
         if name == "sbatch" and "sbatch.sh" in skipped:
@@ -67,8 +88,8 @@ def render_commands(layout: JobLayout, skipped: dict[str, str]) -> dict[str, tup
     return out
 
 
-def render_files(layout: JobLayout, cluster: str, ds_config: Mapping[str, Any],
-                 skipped: dict[str, str]) -> dict[str, str]:
+def _render_files(layout: JobLayout, cluster: str, ds_config: Mapping[str, Any],
+                  skipped: dict[str, str]) -> dict[str, str]:
     """hostfile, deepspeed_env, ssh_config, ds_config.json, accelerate YAMLs, sbatch.sh."""
     node0 = layout.nodes[0]
     files: dict[str, str] = OrderedDict()
@@ -80,7 +101,7 @@ def render_files(layout: JobLayout, cluster: str, ds_config: Mapping[str, Any],
         files[accelerate_config_name(node.node_rank)] = render_accelerate_config(
             layout, node.node_rank, f"{node.job_dir}/ds_config.json")
     sbatch = _attempt(lambda: render_sbatch(layout, cluster), "sbatch.sh",
-                      layout.options.backend == "slurm", skipped)
+                      "sbatch" in BACKENDS[layout.options.backend].command_sets, skipped)
     if sbatch is not None:
         files["sbatch.sh"] = sbatch
     return files
@@ -96,7 +117,7 @@ def render_commands_sh(plan: LaunchPlan) -> str:
         "exit 0",
     ]
     for name, cmds in plan.commands.items():
-        chosen = " (chosen)" if name in REQUIRED[plan.backend] else ""
+        chosen = " (chosen)" if name in BACKENDS[plan.backend].command_sets else ""
         lines += ["", f"# == {name}{chosen}"]
         for cmd in cmds:
             where = "the submit host / inside an allocation" if cmd.host is None else cmd.host

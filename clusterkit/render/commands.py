@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clusterkit.errors import RenderError
-from clusterkit.plan.model import JobOptions, NodeCommand, NodePlan
 from clusterkit.render.shellsafe import NODE_RANK_PLACEHOLDER, bare_word, ds_user_arg, pdsh_remote
+from clusterkit.spec.job import JobOptions, NodeCommand, NodePlan
 
 TORCHRUN = ("-m", "torch.distributed.run")
 DS_RUNNER = ("-u", "-m", "deepspeed.launcher.runner")

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clusterkit.render.dsconfig import OFFLOAD_CHOICES
+from clusterkit.spec.zero import OFFLOAD_CHOICES
 from clusterkit.workload.presets import PRESETS
 
 

@@ -1,0 +1,255 @@
+"""The job model: what the user asked for and what a plan decided (bottom layer, pure).
+
+Every verb (``launch``, ``render``, ``sbatch``) takes its job flags from the fields of
+:class:`JobOptions`: each field that carries :func:`flag` metadata becomes the same
+``--flag`` with the same type, default, choices and help everywhere
+(:mod:`clusterkit.cli.jobflags`). Adding a job option is one field here.
+The bundled workload's own defaults come from the ``DEFAULT_*`` constants below.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterkit.inventory import Host
+from clusterkit.spec.backends import BACKENDS, DS_LAUNCHERS
+from clusterkit.spec.zero import (
+    DEFAULT_LR,
+    DEFAULT_MICRO_BATCH,
+    DEFAULT_STEPS,
+    DEFAULT_WARMUP_STEPS,
+    DEFAULT_ZERO_STAGE,
+    OFFLOAD_CHOICES,
+    PRECISION_AUTO_CHOICES,
+    ZERO_STAGES,
+    ZeroSpec,
+)
+
+STORAGE_CHOICES: tuple[str, ...] = ("auto", "shared", "node-local")
+RDZV_CHOICES: tuple[str, ...] = ("auto", "static", "c10d")
+WORKLOAD_MODULE = "clusterkit.workload"
+# The bundled workload's model presets (clusterkit.workload.presets defines their shapes).
+MODEL_NAMES: tuple[str, ...] = ("tiny", "small", "medium")
+DEFAULT_MODEL = "tiny"
+DEFAULT_TIME_LIMIT = "01:00:00"
+# `sh -c` program that enters a directory and execs the rest: a fixed string, the
+# directory and argv arrive as positional parameters, so nothing is re-parsed.
+CD_EXEC = 'cd -- "$1" && shift && exec "$@"'
+
+
+def flag(default: Any, help: str, *, name: str | None = None, choices: tuple[Any, ...] = (),
+         metavar: str | None = None, group: str = "job", kind: str = "value") -> Any:
+    """A :class:`JobOptions` field that is also a CLI job flag (``--field-name``).
+
+    ``kind``: ``value`` (typed by the field's default/annotation), ``switch``
+    (store_true), ``repeat`` (append, one value per use), ``negate`` (store_true that
+    sets the field to False).
+    """
+    meta = {"flag": name, "help": help, "choices": choices, "metavar": metavar, "group": group,
+            "kind": kind}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """What the user asked for (the job flags). Defaults: the bundled workload, torchrun plan."""
+
+    job_id: str
+    backend: str = "torchrun"  # the plan backend (spec.backends: Backend.plan_backend)
+    # host selection, DeepSpeed semantics (clusterkit.hostfile.select_hosts; cli.common flags)
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    include: str = ""
+    exclude: str = ""
+    # the program: a script path or a module; neither = the bundled workload (per-verb syntax)
+    script: str | None = None
+    module: str | None = None
+    script_args: tuple[str, ...] = ()
+    deepspeed_config_arg: bool = flag(
+        False, "append --deepspeed_config <job dir>/ds_config.json to your script's arguments "
+        "(DeepSpeed's convention; the path is also in $CLUSTERKIT_DS_CONFIG)", kind="switch")
+    # workload and ZeRO
+    model: str = flag(DEFAULT_MODEL, "bundled workload: model preset", choices=MODEL_NAMES,
+                      group="workload and ZeRO")
+    steps: int = flag(DEFAULT_STEPS, "total optimizer steps (the LR schedule spans them)",
+                      group="workload and ZeRO")
+    zero_stage: int = flag(DEFAULT_ZERO_STAGE, "ZeRO stage", choices=ZERO_STAGES,
+                           group="workload and ZeRO")
+    offload_optimizer: str = flag("none", "optimizer state offload", choices=OFFLOAD_CHOICES,
+                                  group="workload and ZeRO")
+    offload_param: str = flag("none", "parameter offload (ZeRO-3)", choices=OFFLOAD_CHOICES,
+                              group="workload and ZeRO")
+    nvme_path: str | None = flag(None, "NVMe offload directory (default: <local_dir>/nvme-offload)",
+                                 metavar="DIR", group="workload and ZeRO")
+    precision: str = flag("auto", "auto: bf16 when every node has GPUs, else fp32",
+                          choices=PRECISION_AUTO_CHOICES, group="workload and ZeRO")
+    micro_batch: int = flag(DEFAULT_MICRO_BATCH, "sequences per rank per micro step",
+                            group="workload and ZeRO")
+    grad_accum: int = flag(1, "micro steps per optimizer step", group="workload and ZeRO")
+    clip: float = flag(1.0, "gradient clipping norm (0: off)", group="workload and ZeRO")
+    lr: float = flag(DEFAULT_LR, "peak learning rate (AdamW, warmup then cosine)",
+                     group="workload and ZeRO")
+    warmup_steps: int = flag(DEFAULT_WARMUP_STEPS, "linear warmup steps",
+                             group="workload and ZeRO")
+    save_16bit: bool = flag(False, "ZeRO-3: also save consolidated 16-bit weights",
+                            kind="switch", group="workload and ZeRO")
+    tensorboard: bool = flag(False, "also write TensorBoard events", kind="switch",
+                             group="workload and ZeRO")
+    save_every: int = flag(0, "checkpoint every N steps (0: only at the end)", metavar="N",
+                           group="workload and ZeRO")
+    # checkpoints
+    storage: str = flag("auto", "auto: shared when every node has checkpoint.shared_dir, "
+                        "else node-local", choices=STORAGE_CHOICES,
+                        group="checkpoints and environment")
+    ckpt_dir: str | None = flag(None, "checkpoint root (overrides the inventory's directory)",
+                                metavar="DIR", group="checkpoints and environment")
+    # environment
+    env_allowlist: tuple[str, ...] = flag(
+        (), "also pass this variable (or glob) from your environment (repeatable)",
+        name="--env", metavar="NAME", kind="repeat", group="checkpoints and environment")
+    set_env: tuple[tuple[str, str], ...] = flag(
+        (), "set NAME=VALUE in every rank's environment (repeatable)", metavar="NAME=VALUE",
+        kind="repeat", group="checkpoints and environment")
+    # launcher knobs
+    rdzv: str = flag("auto", "auto: static per node; c10d under Slurm unless node-local",
+                     choices=RDZV_CHOICES, group="launcher details")
+    max_restarts: int = flag(0, "relaunch up to K times after a failure", metavar="K",
+                             group="launcher details")
+    local_ranks_filter: str | None = flag(None, "torchrun: only these local ranks' output",
+                                          metavar="RANKS", group="launcher details")
+    deepspeed_launcher: str = flag("pdsh", "how DeepSpeed's runner reaches the nodes",
+                                   choices=DS_LAUNCHERS, group="launcher details")
+    accelerate_use_deepspeed: bool = flag(
+        True, "accelerate with MULTI_GPU/MULTI_CPU instead of DEEPSPEED",
+        name="--accelerate-no-deepspeed", kind="negate", group="launcher details")
+    # watchdog (issue 14, launch only): no progress on any rank for this long = stalled; 0: off
+    hang_timeout_s: float = 0.0
+    # Slurm
+    partition: str | None = flag(None, "Slurm partition", group="Slurm")
+    account: str | None = flag(None, "Slurm account", group="Slurm")
+    qos: str | None = flag(None, "Slurm QOS", group="Slurm")
+    time_limit: str = flag(DEFAULT_TIME_LIMIT, "Slurm time limit", name="--time", group="Slurm")
+    cpus_per_task: int | None = flag(None, "Slurm --cpus-per-task", group="Slurm")
+
+    @property
+    def uses_workload(self) -> bool:
+        return self.script is None and self.module is None
+
+
+@dataclass(frozen=True)
+class LaunchFacts:
+    """Facts about the launching machine, gathered by the caller (the plan never probes).
+
+    ``python``/``cwd`` stand in for hosts whose inventory leaves ``python``/``workdir``
+    unset; ``environ`` is the snapshot the env allowlist draws from; ``master_addr`` is
+    node 0's address on the interface the other nodes reach (None: its inventory address).
+    """
+
+    python: str
+    cwd: str
+    environ: Mapping[str, str] = field(default_factory=dict, hash=False)
+    master_addr: str | None = None
+    cuda_lib_dirs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One selected host and everything decided for it."""
+
+    node_rank: int
+    host: Host
+    slots: tuple[int, ...]  # slot (GPU) ids used on this host
+    first_rank: int
+    python: str
+    workdir: str
+    job_dir: str
+    ckpt_dir: str
+    env: Mapping[str, str] = field(hash=False)
+
+    @property
+    def name(self) -> str:
+        return self.host.name
+
+    @property
+    def nproc(self) -> int:
+        return len(self.slots)
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.nproc)
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """A command for one machine: ``argv`` run in ``cwd`` with ``env`` added to its environment.
+
+    ``host`` is an inventory host name, or None for "the machine you launch from"
+    (``sbatch`` on a login node).
+    """
+
+    label: str
+    host: str | None
+    node_rank: int | None
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    cwd: str | None = None
+
+    def env_argv(self) -> list[str]:
+        """``env K=V ... argv`` (or argv alone): one list, no shell involved."""
+        if not self.env:
+            return list(self.argv)
+        return ["env", *(f"{k}={v}" for k, v in self.env.items()), *self.argv]
+
+    def full_argv(self) -> list[str]:
+        """The argv to exec on ``host`` (``sh -c 'cd -- "$1" && ...'`` enters ``cwd``)."""
+        words = self.env_argv()
+        if self.cwd is None:
+            return words
+        return ["sh", "-c", CD_EXEC, "sh", self.cwd, *words]
+
+    def shell_line(self) -> str:
+        """The same command as one shell line for people and scripts, quoted once."""
+        line = shlex.join(self.env_argv())
+        return line if self.cwd is None else f"cd -- {shlex.quote(self.cwd)} && {line}"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a launch needs, decided up front. Printing it is the dry run."""
+
+    job_id: str
+    cluster: str
+    backend: str
+    nodes: tuple[NodePlan, ...]
+    world_size: int
+    master_addr: str
+    master_port: int
+    storage: str
+    zero: ZeroSpec
+    program: tuple[str, ...]  # interpreter arguments: ("-m", "clusterkit.workload", ...) or (script, ...)
+    # backend -> commands; "torchrun", "torchrun-pdsh", "deepspeed", "accelerate", "srun", "sbatch"
+    commands: Mapping[str, tuple[NodeCommand, ...]] = field(hash=False)
+    skipped: Mapping[str, str] = field(hash=False)  # backend -> why it could not be rendered
+    artifacts: Mapping[str, str] = field(hash=False)  # file name -> text
+    ds_config: Mapping[str, Any] = field(hash=False)
+    # per node (same order as ``nodes``): the interpreter arguments each node's ranks run
+    programs: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def job_dir(self) -> str:
+        """Node 0's per-job directory (where the head-node artifacts go)."""
+        return self.nodes[0].job_dir
+
+    @property
+    def launch_commands(self) -> tuple[NodeCommand, ...]:
+        """The commands for the chosen backend: what ``clusterkit launch`` runs."""
+        return self.commands[BACKENDS[self.backend].command_sets[0]]
+
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)

@@ -1,0 +1,103 @@
+"""The documented layer order (docs/architecture.md), checked on every import (AST).
+
+A module may import its own package and any package of a LOWER layer; never one of its
+own layer (siblings stay independent) or above. Imports inside functions count too:
+a lazy import is still a dependency. ``TYPE_CHECKING`` imports are exempt (types only).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import clusterkit
+
+ROOT = Path(clusterkit.__file__).parent
+
+# Bottom first. Each entry: the top-level modules/packages of clusterkit in that layer.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "node"),  # node: programs shipped to nodes, standard library only
+    ("hostrange", "units", "contract", "fsutil", "backend_timeouts"),
+    ("inventory",),
+    ("hostfile",),
+    ("spec",),  # the job model: options, plan values, ZeRO spec, backend registry
+    ("render",),
+    ("plan",),
+    ("remote", "slurm"),
+    ("checks", "launch", "checkpoints"),
+    ("workload",),
+    ("cli",),
+    ("__main__",),
+)
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+# Imported by name only where a package has no dependency of its own on clusterkit.
+STDLIB_ONLY = ("node",)
+
+
+def _package(path: Path, root: Path) -> str:
+    return path.relative_to(root).with_suffix("").parts[0]
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = _type_checking_lines(tree)
+    out = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "clusterkit" and len(parts) > 1 and node.lineno not in skip:
+                out.append((node.lineno, parts[1]))
+    return out
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        if path.parent == root and path.name == "__init__.py":
+            continue
+        src = _package(path, root)
+        assert src in LAYER, f"{path}: package {src!r} has no layer; add it to LAYERS and docs"
+        for line, dst in _imports(path):
+            if dst == src:
+                continue
+            assert dst in LAYER, f"{path}:{line}: clusterkit.{dst} has no layer"
+            if src in STDLIB_ONLY or LAYER[dst] >= LAYER[src]:
+                bad.append(f"{path.relative_to(root.parent)}:{line}: {src} (layer {LAYER[src]}) "
+                           f"imports {dst} (layer {LAYER[dst]})")
+    return bad
+
+
+def test_imports_follow_the_layer_order() -> None:
+    assert violations() == []
+
+
+def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
+    # The checker itself, on a two-file tree: render importing plan is reported,
+    # plan importing render is not, and a function-level (lazy) import counts.
+    root = tmp_path / "clusterkit"
+    (root / "render").mkdir(parents=True)
+    (root / "plan").mkdir()
+    (root / "render" / "x.py").write_text("def f():\n    from clusterkit.plan import build\n")
+    (root / "plan" / "y.py").write_text("from clusterkit.render import x\n")
+    assert violations(root) == ["clusterkit/render/x.py:2: render (layer 5) imports plan (layer 6)"]
+
+
+def test_docs_list_the_same_layers() -> None:
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    for names in LAYERS:
+        for name in names:
+            assert f"`{name}`" in doc, f"docs/architecture.md does not name layer {name!r}"
