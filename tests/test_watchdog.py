@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -189,3 +190,25 @@ def test_user_script_that_hangs_silently_is_caught_by_its_heartbeat(tmp_path: Pa
     assert "local1 rank 1 failed (no progress" in text
     dumps = sorted(p.name for p in (tmp_path / "home" / "jobs" / "hb" / "stacks" / "a0").iterdir())
     assert dumps == ["rank0.txt", "rank1.txt", "rank2.txt", "rank3.txt", "summary.txt"], dumps
+
+
+@pytest.mark.skipif(agent_mod._py_spy() is None, reason="py-spy is not installed")
+def test_py_spy_reads_a_stopped_rank_without_pausing_it(tmp_path: Path) -> None:
+    spec = agent_mod.Spec(job_id="j", node="node1", job_dir=str(tmp_path))
+    a = agent_mod.Agent(spec, io.StringIO())
+    a.prepare()
+    proc = subprocess.Popen([sys.executable, "-c", STUCK], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, RANK="2"))
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        results: dict[str, dict[str, Any]] = {}
+        a._dump_one(2, proc.pid, agent_mod._py_spy(), results)
+    finally:
+        proc.kill()
+        proc.wait()
+    res = results["2"]
+    assert res["tool"] == "py-spy" and res["state"] == "T", res
+    assert signature(read_stack(2, "node1", str(res["text"])).frames) == \
+        "in data_loader \u2190 <module>", res["text"]

@@ -636,7 +636,10 @@ class Agent:
         state = _proc_state(pid)
         text, tool = "", "none"
         if spy:
-            text, tool = _spy_dump(spy, pid), "py-spy"
+            # py-spy cannot pause a process that is already stopped (SIGSTOP): read it
+            # without pausing then, and as the second try for any other.
+            text = "" if state.startswith("T") else _spy_dump(spy, pid)
+            text, tool = text or _spy_dump(spy, pid, "--nonblocking"), "py-spy"
         if not text.strip():
             text, tool = self._faulthandler_dump(rank, pid, state), "faulthandler"
         results[str(rank)] = {"pid": pid, "state": state, "tool": tool, "text": text}
@@ -755,10 +758,10 @@ def _py_spy() -> str | None:
     return here if os.access(here, os.X_OK) else shutil.which("py-spy")
 
 
-def _spy_dump(spy: str, pid: int) -> str:
+def _spy_dump(spy: str, pid: int, *extra: str) -> str:
     try:
-        res = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                             timeout=15.0, check=False)
+        res = subprocess.run([spy, "dump", *extra, "--pid", str(pid)], capture_output=True,
+                             text=True, timeout=15.0, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return ""
     # Without ptrace permission py-spy fails: the caller falls back to faulthandler.
