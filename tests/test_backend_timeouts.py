@@ -63,3 +63,23 @@ def test_deepspeed_reads_the_minutes_we_set(monkeypatch: pytest.MonkeyPatch) -> 
     finally:
         monkeypatch.delenv("DEEPSPEED_TIMEOUT")
         importlib.reload(constants)
+
+
+def test_plan_renders_them_on_every_node_and_the_inventory_wins() -> None:
+    import dataclasses
+
+    from clusterkit.plan import JobOptions
+    from tests.render_cases import plan_for
+
+    if "hang_timeout_s" not in {f.name for f in dataclasses.fields(JobOptions)}:
+        pytest.skip("JobOptions.hang_timeout_s not in this tree yet (job-spec package)")
+    plan = plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=1, hang_timeout_s=900.0)
+    for node in plan.nodes:
+        assert node.env[PG_TIMEOUT_ENV] == "1020"
+        assert node.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert node.env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == f"{node.job_dir}/nccl_trace_rank_"
+    off = plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=1)
+    assert all(PG_TIMEOUT_ENV not in n.env for n in off.nodes)
+    mine = plan_for("a800-7x2", "torchrun", nodes=1, gpus_per_node=1, hang_timeout_s=900.0,
+                    set_env=(("DEEPSPEED_TIMEOUT", "99"),))
+    assert mine.nodes[0].env["DEEPSPEED_TIMEOUT"] == "99"  # the user's --set-env wins
