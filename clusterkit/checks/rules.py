@@ -627,8 +627,68 @@ def _route_ifaces(f: NodeFacts) -> dict[str, str | None]:
     return {a: i for a, i in f.routes.items() if a not in own and not _is_loopback(a)}
 
 
-def _candidates(f: NodeFacts) -> list[str]:
-    return [i for i, a in f.interfaces.items() if a and not i.startswith(VIRTUAL_IFACE_PREFIXES)]
+# NCCL's own search without NCCL_SOCKET_IFNAME (ncclFindInterfaces), first hit wins:
+# ib*, then every interface but docker*/lo, then docker*, then lo. Bridges (br-*,
+# virbr*, cni*) are NOT skipped. The bootstrap takes the first match; the socket
+# transport takes every match. Interfaces in kernel order (what `ip addr` lists).
+NCCL_AUTO_SEARCH = ("ib", "^docker,lo", "docker", "lo")
+
+
+def nccl_pick(f: NodeFacts) -> list[str]:
+    """The interfaces NCCL would use on this node, its bootstrap's first."""
+    names = [i for i, addrs in f.interfaces.items() if addrs]
+    spec = f.env.get("NCCL_SOCKET_IFNAME")
+    for rule in (spec,) if spec else NCCL_AUTO_SEARCH:
+        hits = [i for i in names if ifname_selected(rule, i)]
+        if hits:
+            return hits
+    return []
+
+
+def gloo_pick(f: NodeFacts) -> tuple[str | None, str | None]:
+    """(interface, address) gloo binds: GLOO_SOCKET_IFNAME, else its hostname's address."""
+    spec = f.env.get("GLOO_SOCKET_IFNAME")
+    if spec:
+        name = spec.split(",")[0]
+        return name, next(iter(f.interfaces.get(name, ())), None)
+    addrs = f.forward.get(f.self_name or f.hostname or f.host)
+    if isinstance(addrs, str) or not addrs:
+        return None, None
+    for ifname, own in f.interfaces.items():
+        if addrs[0] in own:
+            return ifname, addrs[0]
+    return None, addrs[0]
+
+
+def _nccl_prediction(f: NodeFacts, iface: str) -> list[Finding]:
+    picks = nccl_pick(f)
+    if f.env.get("NCCL_SOCKET_IFNAME") is not None or picks == [iface]:
+        return []
+    order = ", ".join(picks) or "none"
+    if not picks or picks[0] != iface:
+        detail = (f"NCCL_SOCKET_IFNAME unset: NCCL would pick {picks[0] if picks else 'nothing'}"
+                  f" (its order: ib*, then every interface but docker*/lo as the kernel lists "
+                  f"them: {order}), but {iface} is the interface that reaches every peer")
+    else:
+        detail = (f"NCCL_SOCKET_IFNAME unset: NCCL's socket transport would also use "
+                  f"{', '.join(picks[1:])} besides {iface} (it takes every interface but "
+                  f"docker*/lo)")
+    return [Finding("net.ifname", Status.WARN, f.host, detail,
+                    f"set NCCL_SOCKET_IFNAME=={iface} and GLOO_SOCKET_IFNAME={iface} "
+                    "in the inventory env")]
+
+
+def _gloo_prediction(f: NodeFacts, iface: str) -> list[Finding]:
+    if f.env.get("GLOO_SOCKET_IFNAME") is not None:
+        return []
+    ifname, addr = gloo_pick(f)
+    if ifname == iface or addr is None or _is_loopback(addr):
+        return []  # unresolvable or loopback names: names.self already FAILs
+    return [Finding("net.ifname", Status.WARN, f.host,
+                    f"GLOO_SOCKET_IFNAME unset: gloo would bind {addr} "
+                    f"({ifname or 'no local interface'}), the address of its hostname, but "
+                    f"{iface} is the interface that reaches every peer",
+                    f"set GLOO_SOCKET_IFNAME={iface} in the inventory env")]
 
 
 def _iface_env_findings(f: NodeFacts, iface: str) -> list[Finding]:
@@ -643,12 +703,7 @@ def _iface_env_findings(f: NodeFacts, iface: str) -> list[Finding]:
         out.append(Finding("net.ifname", Status.FAIL, f.host,
                            f"GLOO_SOCKET_IFNAME={gloo} is not {iface}",
                            f"GLOO_SOCKET_IFNAME={iface}"))
-    if nccl is None and len(_candidates(f)) > 1:
-        out.append(Finding("net.ifname", Status.WARN, f.host,
-                           f"{len(_candidates(f))} candidate interfaces and NCCL_SOCKET_IFNAME "
-                           f"unset: NCCL/gloo may pick the wrong one",
-                           f"set NCCL_SOCKET_IFNAME=={iface} and GLOO_SOCKET_IFNAME={iface} "
-                           "in the inventory env"))
+    out += _nccl_prediction(f, iface) + _gloo_prediction(f, iface)
     if not out:
         out.append(Finding("net.ifname", Status.PASS, f.host,
                            f"NCCL/gloo will use {iface}"))
