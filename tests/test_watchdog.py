@@ -63,8 +63,22 @@ def test_summary_folds_ranks_and_names_the_stopped_one() -> None:
     assert s.culprit() == ("node4", 7)
     lines = s.lines()
     assert lines[0].startswith("  ranks 0-6,8-13 (node[1-7]): in all_reduce")
-    assert "rank 7 (node4, stopped: 7): in sleep \u2190 next_batch" in lines[1]
+    assert "rank 7 (node4, stopped): in sleep \u2190 next_batch" in lines[1]
     assert lines[1].endswith("odd one out") and not lines[0].endswith("odd one out")
+
+
+def test_a_stopped_rank_in_the_same_collective_is_still_the_odd_one() -> None:
+    stacks = {r: read_stack(r, f"node{r // 2 + 1}", FAULTHANDLER, state="T" if r == 3 else "S")
+              for r in range(4)}
+    s = summarize(stacks, 4)
+    assert [g.ranks for g in s.groups] == [(0, 1, 2), (3,)]
+    assert s.lines()[1].startswith("  rank 3 (node2, stopped): in all_reduce")
+    assert s.culprit() == ("node2", 3)
+
+
+def test_py_spy_thread_states_parse() -> None:
+    text = PYSPY.replace("Thread 42 (idle)", "Thread 42 (active+gil)")
+    assert signature(read_stack(0, "n1", text).frames) == "in sleep \u2190 next_batch"
 
 
 def test_summary_without_a_stopped_rank_blames_the_smallest_group_and_lists_missing() -> None:

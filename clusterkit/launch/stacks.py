@@ -28,7 +28,7 @@ from clusterkit.hostrange import fold, fold_numbers
 
 _FH_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):")
 _FH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>\S+)')
-_SPY_THREAD = re.compile(r'^Thread (\d+) \((\w+)\)(?:: "(?P<name>[^"]*)")?')
+_SPY_THREAD = re.compile(r'^Thread (0x[0-9A-Fa-f]+|\d+) \(([^)]*)\)(?:: "(?P<name>[^"]*)")?')
 _SPY_FRAME = re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^:()]*)(?::(?P<line>\d+))?\)")
 # Frames of the interpreter's own library and of installed packages are not "where
 # the user's code is": the caller we name is the first frame outside these.
@@ -71,7 +71,8 @@ class StackGroup:
         who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else \
             f"ranks {_rank_ranges(self.ranks)}"
         where = fold(dict.fromkeys(self.nodes)) if self.nodes else "?"
-        stopped = f", stopped: {_rank_ranges(self.stopped)}" if self.stopped else ""
+        stopped = "" if not self.stopped else ", stopped" if self.stopped == self.ranks else \
+            f", stopped: {_rank_ranges(self.stopped)}"
         return f"{who} ({where}{stopped}): {self.signature}"
 
 
@@ -152,18 +153,22 @@ def read_stack(rank: int, node: str, text: str, state: str = "", tool: str = "")
 
 
 def summarize(stacks: Mapping[int, RankStack], world_size: int) -> StackSummary:
-    """Fold ranks with the same signature; name the odd ones out."""
-    by_sig: dict[str, list[RankStack]] = {}
+    """Fold ranks with the same signature; name the odd ones out.
+
+    A stopped process never folds with running ones: it is stuck in the same
+    all_reduce as the others, but it is the one they wait for.
+    """
+    by_sig: dict[tuple[str, bool], list[RankStack]] = {}
     for rank in sorted(stacks):
         st = stacks[rank]
         sig = signature(st.frames) if st.frames else (
             "no Python stack" + (f" ({st.text.strip().splitlines()[0][:80]})"
                                  if st.text.strip() else ""))
-        by_sig.setdefault(sig, []).append(st)
+        by_sig.setdefault((sig, st.stopped), []).append(st)
     biggest = max((len(v) for v in by_sig.values()), default=0)
     single_big = sum(1 for v in by_sig.values() if len(v) == biggest) == 1
     groups = []
-    for sig, members in sorted(by_sig.items(), key=lambda kv: (-len(kv[1]), kv[1][0].rank)):
+    for (sig, _), members in sorted(by_sig.items(), key=lambda kv: (-len(kv[1]), kv[1][0].rank)):
         stopped = tuple(m.rank for m in members if m.stopped)
         odd = bool(stopped) or (len(by_sig) > 1 and (len(members) < biggest or not single_big))
         groups.append(StackGroup(signature=sig, ranks=tuple(m.rank for m in members),

@@ -1,0 +1,101 @@
+"""Issue 14 on the namespace test bed: a rank stopped with SIGSTOP is found by the watchdog.
+
+Lean variant of the 7x2 acceptance (which is run by hand, docs/launch.md): 2 nodes x
+2 ranks, the bundled workload, node-local checkpoints. Rank 3 (node2) is stopped
+after a complete checkpoint; within --hang-timeout (+ collection) the summary names
+node2 rank 3, the launcher's job dir holds a dump of all 4 ranks, nothing of the
+first attempt is left on any node, and with --max-restarts 1 the restarted job
+resumes and ends on exactly the uninterrupted run's loss. The stacks come from
+py-spy where it is installed beside the nodes' Python (ptrace as root inside the
+node's namespaces works), else from the workload's faulthandler.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_launch_train import _CKPT_DONE, _argv, _assert_trained, _env, _rank_pid, _summary, _train
+from tests.testbed.core import Testbed
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow]
+
+STEPS = 120
+SAVE_EVERY = 20
+# Start-up under this shared machine's load prints nothing for 15 s at times, and
+# start-up silence counts as no progress: keep the test clear of it.
+HANG_TIMEOUT = 30
+
+
+def _job_pids(job: str) -> list[int]:
+    want = b"CLUSTERKIT_JOB_ID=" + job.encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if want in env:
+                found.append(int(name))
+    return found
+
+
+def test_stopped_rank_is_named_dumped_torn_down_and_the_restart_resumes(
+        testbed: Testbed, tmp_path: Path) -> None:
+    ref = _train(testbed, tmp_path, "hang-ref", "native", 2, 2, "shared", STEPS)
+    _assert_trained(ref, STEPS, 4)
+
+    job = "hang-run"
+    inv = testbed.write_inventory(tmp_path / "h.yaml", nodes=["node1", "node2"], slots=2)
+    argv = _argv(inv, job, "native", 2, 2, "node-local", STEPS,
+                 ["--save-every", str(SAVE_EVERY), "--max-restarts", "1",
+                  "--hang-timeout", str(HANG_TIMEOUT)])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(tmp_path), cwd=tmp_path, start_new_session=True)
+    seen: list[str] = []
+    stopped_at = fired_at = None
+    left_after_teardown: list[int] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            m = _CKPT_DONE.search(line)
+            if m and stopped_at is None and m.group(1) == f"global_step{SAVE_EVERY}":
+                pid = _rank_pid(job, 3)
+                assert pid is not None
+                os.kill(pid, signal.SIGSTOP)  # rank 3 on node2: alive, silent, stuck
+                stopped_at = time.monotonic()
+            if "restarting (attempt 2 of 2)" in line:
+                fired_at = fired_at or time.monotonic()
+                # attempt 1's processes are gone before attempt 2 starts
+                left_after_teardown = [p for p in _job_pids(job)
+                                       if b"CLUSTERKIT_ATTEMPT=0" in
+                                       Path(f"/proc/{p}/environ").read_bytes().split(b"\0")]
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = "".join(seen)
+    (tmp_path / "launch.txt").write_text(text)  # for a failed run's post-mortem
+    assert stopped_at is not None and fired_at is not None, text[-4000:]
+    load = Path("/proc/loadavg").read_text().strip()
+    print(f"stop -> restart {fired_at - stopped_at:.1f} s (hang timeout {HANG_TIMEOUT} s); "
+          f"load {load}")
+    assert "no progress on any rank for" in text, text[-4000:]
+    assert "rank 3 (node2, stopped): in " in text and "odd one out" in text, text[-4000:]
+    assert "node2 rank 3 failed (no progress" in text, text[-4000:]
+    dumps = Path(tmp_path / "home" / "jobs" / job / "stacks" / "a0")
+    assert sorted(p.name for p in dumps.glob("rank*.txt")) == [f"rank{r}.txt" for r in range(4)]
+    assert left_after_teardown == [], left_after_teardown
+    assert proc.returncode == 0, text[-4000:]
+    s = _summary(text)
+    assert s["resumed_from"] is not None and s["finished"] and s["steps"] == STEPS
+    assert s["final_loss"] == ref.summary["final_loss"], (s["final_loss"], ref.summary["final_loss"])
+    assert _job_pids(job) == []
