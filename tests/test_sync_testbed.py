@@ -94,3 +94,41 @@ def test_doctor_and_collect_on_nodes_without_clusterkit(testbed: Testbed, tmp_pa
                    str(tmp_path / "dest"), cwd=tmp_path, env=env)
     assert collect.returncode == 0, collect.stderr[-2000:]
     assert len(list((tmp_path / "dest").glob("*/*_optim_states.pt"))) == 14
+
+
+@pytest.mark.slow  # a venv with pip (~5 s), a wheel build and pip on one node (~10 s)
+def test_nodes_install_over_ssh_then_the_nodes_import_this_clusterkit(
+        testbed: Testbed, tmp_path: Path) -> None:
+    nodes = testbed.ensure(3)
+    venv = testbed.root / f"venv-install-{tmp_path.name}"  # every node sees this one path
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=180)
+    python = str(venv / "bin" / "python")
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes[:3], slots=1, python=python)
+    env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
+    from clusterkit.remote.install import build_wheel
+
+    # One wheel for both runs: the shared tree may change between two builds here.
+    (tmp_path / "wheel").mkdir()
+    wheel = str(build_wheel(str(tmp_path / "wheel")))
+    first = _cli("nodes", "install", "-i", str(inv), "--wheel", wheel, cwd=tmp_path, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    # One node per interpreter path installs; the others share its filesystem.
+    assert "node1: installed (clusterkit" in first.stdout, first.stdout
+    assert "node[2-3]: already installed" in first.stdout, first.stdout
+    again = _cli("nodes", "install", "-i", str(inv), "--wheel", wheel, cwd=tmp_path, env=env)
+    assert "node[1-3]: already installed" in again.stdout, again.stdout
+    got = testbed.exec(nodes[2].name, [python, "-c", "import clusterkit; print(clusterkit.__file__)"],
+                       timeout=60)
+    assert got.stdout.startswith(str(venv)), got.stderr
+    doctor = _cli("doctor", "-i", str(inv), "--json", "--connect-timeout", "5", cwd=tmp_path,
+                  env=env)
+    assert '"version.clusterkit"' in doctor.stdout
+    import json
+
+    parity = {f["host"]: f["status"] for f in json.loads(doctor.stdout)["findings"]
+              if f["check"] == "version.clusterkit"}
+    from clusterkit.remote.install import local_digest, wheel_digest
+
+    # PASS unless another engineer changed the shared tree since the wheel was built.
+    same = wheel_digest(Path(wheel), str(tmp_path / "unpack")) == local_digest()
+    assert parity == dict.fromkeys((n.name for n in nodes[:3]), "PASS" if same else "WARN")

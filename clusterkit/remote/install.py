@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,20 @@ FACTS_TIMEOUT_S = 60.0
 
 def local_digest() -> str:
     return package_digest(os.path.dirname(clusterkit.__file__))
+
+
+def wheel_digest(wheel: Path, scratch: str) -> str:
+    """The source digest of the clusterkit inside ``wheel`` (what the nodes must end up with).
+
+    Taken from the wheel itself, not from the tree: the tree may change while we install.
+    """
+    out = Path(scratch) / "unpacked"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(out, [n for n in zf.namelist() if n.startswith("clusterkit/")])
+    if not (out / "clusterkit").is_dir():
+        raise ClusterkitError(f"{wheel} holds no clusterkit package", path=str(wheel),
+                              hint="pass a clusterkit wheel (or no --wheel to build one)")
+    return package_digest(str(out / "clusterkit"))
 
 
 def build_wheel(out_dir: str) -> Path:
@@ -119,9 +134,9 @@ def install_node(transport: Transport, node: InstallNode, wheel: Path, want: str
 
 def install_all(transport: Transport, nodes: Sequence[InstallNode], wheel: Path | None = None,
                 *, max_parallel: int = 16) -> tuple[dict[str, Installed], GroupResult]:
-    want = local_digest()
     with tempfile.TemporaryDirectory(prefix="clusterkit-wheel-") as tmp:
         built = wheel or build_wheel(tmp)
+        want = wheel_digest(built, tmp)
         results: dict[str, Installed] = {}
         by_name = {n.name: n for n in nodes}
 
