@@ -131,3 +131,29 @@ def test_launch_sync_copies_the_code_before_the_ranks_start(
     assert "v[0-1]: 1 file(s) sent" in out
     assert "rank 0 ran synced code" in out and "rank 1 ran synced code" in out
     assert all((Path(f"{work}{i}") / "code" / "train.py").is_file() for i in (0, 1))
+
+
+def test_delete_never_touches_job_dirs_or_checkpoints_under_the_destination(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "proj"
+    src.mkdir()
+    (src / "train.py").write_text("print(1)\n")
+    work = tmp_path / "node-work"
+    for rel in (".clusterkit/jobs/j1/nodes/v0/rank0.log", "ckpt/global_step5/shard.pt", "old.py"):
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (work / rel).write_text("keep?\n")
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("schema_version: 1\ndefaults:\n  transport: local\n"
+                   f"  workdir: {work}\n  checkpoint:\n    local_dir: {work}/ckpt\n"
+                   "hosts:\n  v0: {}\n")
+    (src / ".clusterkitignore").write_text("!ckpt/\n")  # cannot re-include the checkpoints
+    cwd = os.getcwd()
+    os.chdir(src)
+    try:
+        assert main(["sync", ".", "-i", str(inv), "--delete"]) == 0
+    finally:
+        os.chdir(cwd)
+    assert "1 deleted" in capsys.readouterr().out
+    assert not (work / "old.py").exists()
+    assert (work / ".clusterkit/jobs/j1/nodes/v0/rank0.log").exists()
+    assert (work / "ckpt/global_step5/shard.pt").exists()

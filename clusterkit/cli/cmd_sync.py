@@ -7,11 +7,15 @@ import os
 import posixpath
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
 from clusterkit.errors import ClusterkitError
 from clusterkit.hostfile import select_hosts
 from clusterkit.inventory import Host
+
+if TYPE_CHECKING:
+    from clusterkit.remote.sync import SyncNode
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,10 +56,10 @@ def run_sync(src: str, hosts: Sequence[Host], *, delete: bool = False,
         raise ClusterkitError(f"{src} is not a directory", path=src,
                               hint="pass the code directory to sync (default: .)")
     cwd = cwd or os.getcwd()
-    ignore = load_ignore(src, exclude_from)
-    files = manifest(src, ignore)
     nodes = [SyncNode(h.name, target_for(h), h.python or sys.executable,
                       destination(src, h, cwd)) for h in hosts]
+    ignore = load_ignore(src, exclude_from, _checkpoints_inside(hosts, nodes))
+    files = manifest(src, ignore)
     dests = {n.dest for n in nodes}
     print(f"sync {src} ({len(files)} files) -> {dests.pop() if len(dests) == 1 else 'each workdir'}"
           f" on {len(nodes)} node(s)", file=sys.stderr)
@@ -66,6 +70,17 @@ def run_sync(src: str, hosts: Sequence[Host], *, delete: bool = False,
         print(f"  {line}")
     group.raise_on_failure("sync")
     return 0
+
+
+def _checkpoints_inside(hosts: Sequence[Host], nodes: Sequence[SyncNode]) -> list[str]:
+    """Checkpoint dirs that lie under a node's destination: never sent over, never deleted."""
+    out = []
+    for h, n in zip(hosts, nodes, strict=True):
+        for d in (h.checkpoint.local_dir, h.checkpoint.shared_dir):
+            rel = posixpath.relpath(d, n.dest) if d and d.startswith("/") else None
+            if rel and not rel.startswith(".."):
+                out.append(rel)
+    return sorted(set(out))
 
 
 def cmd_sync(args: argparse.Namespace) -> int:

@@ -33,7 +33,9 @@ from clusterkit.remote.base import CommandResult, GroupResult, SSHTarget, Transp
 from clusterkit.remote.fanout import fan_out
 
 IGNORE_FILE = ".clusterkitignore"
-ALWAYS_IGNORED = (".git/", "__pycache__/", "*.pyc")
+# Never sent, never deleted: VCS data, bytecode, and the job dirs launch keeps in the
+# workdir (.clusterkit/jobs/<job>: logs, rendered files) which --delete must not touch.
+ALWAYS_IGNORED = (".git/", "__pycache__/", "*.pyc", "/.clusterkit/")
 SYNC_TIMEOUT_S = 600.0
 MAX_BYTES = 2 << 30  # one in-memory tar stream per node: a code dir, not a dataset
 
@@ -92,12 +94,15 @@ def _glob(path: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(path, pattern) and path.count("/") == pattern.count("/")
 
 
-def load_ignore(src: str, extra: str | None = None) -> Ignore:
+def load_ignore(src: str, extra: str | None = None, protect: Sequence[str] = ()) -> Ignore:
+    """The rules for one sync; ``protect``: destination-relative dirs (checkpoints) to
+    leave alone on the nodes (added last: the last match wins, so no ``!`` undoes them)."""
     texts = ["\n".join(ALWAYS_IGNORED)]
     for path in (os.path.join(src, IGNORE_FILE), extra):
         if path and os.path.isfile(path):
             with open(path, encoding="utf-8") as fh:
                 texts.append(fh.read())
+    texts.append("\n".join(f"/{p.strip('/')}/" for p in protect))
     return Ignore.parse("\n".join(texts))
 
 
