@@ -243,6 +243,28 @@ def _as_str_map(ctx: _Ctx, value: Any, line: int, where: str) -> dict[str, str]:
     return out
 
 
+def _as_env_map(ctx: _Ctx, value: Any, line: int, where: str) -> dict[str, str]:
+    """``env:`` names are checked here, where the user wrote them (not later by render)."""
+    out = _as_str_map(ctx, value, line, where)
+    for name in out:
+        if not _ENV_NAME.fullmatch(name):
+            ctx.fail(_line_of(value, name), f"{where}: {name!r} is not an environment variable name",
+                     "names must match [A-Za-z_][A-Za-z0-9_]* (no spaces or dashes)")
+    return out
+
+
+def _as_python(ctx: _Ctx, value: Any, line: int, where: str) -> str:
+    """The interpreter path reaches PATH, .deepspeed_env and pdsh command lines verbatim:
+    refuse what they cannot carry here, naming ``python:`` (not PATH, set from it later)."""
+    text = _as_abs_path(ctx, value, line, where)
+    bad = sorted({c for c in text if c in _UNSAFE_PATH_CHARS or not c.isprintable()})
+    if bad:
+        ctx.fail(line, f"{where} {text!r} contains {' '.join(repr(c) for c in bad)}",
+                 "write the interpreter's literal path: nothing expands variables or quotes "
+                 "there, and the path reaches remote shells")
+    return text
+
+
 def _parse_ssh(ctx: _Ctx, value: Any, line: int, where: str) -> dict[str, Any]:
     mapping = _require_mapping(ctx, value, line, where)
     _check_keys(ctx, mapping, _SSH_KEYS, where)
@@ -269,6 +291,8 @@ def _parse_allowlist(ctx: _Ctx, value: Any, line: int, where: str) -> tuple[str,
 
 
 _Parser = Callable[[_Ctx, Any, int, str], Any]
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_UNSAFE_PATH_CHARS = frozenset("$`\"\\' \t")
 _FIELD_PARSERS: dict[str, _Parser] = {
     "address": _as_str,
     "transport": lambda c, v, ln, w: _choice(c, v, ln, w, TRANSPORTS),
@@ -276,10 +300,10 @@ _FIELD_PARSERS: dict[str, _Parser] = {
     "gpus": lambda c, v, ln, w: _as_int(c, v, ln, w, 0, 1024),
     "gpu_model": _as_str,
     "slots": lambda c, v, ln, w: _as_int(c, v, ln, w, 1, 4096),
-    "python": _as_abs_path,
+    "python": _as_python,
     "workdir": _as_abs_path,
     "checkpoint": _parse_ckpt,
-    "env": _as_str_map,
+    "env": _as_env_map,
     "env_allowlist": _parse_allowlist,
     "labels": _as_str_map,
 }
@@ -397,6 +421,7 @@ def _build(ctx: _Ctx, doc: Any) -> Inventory:
     assert isinstance(hosts_doc, _LineDict)
     hosts: list[Host] = []
     seen: dict[str, int] = {}
+    by_address: dict[tuple[str, int | None], str] = {}  # two names, one machine: refused
     for pattern, value in hosts_doc.items():
         line = _line_of(hosts_doc, pattern)
         settings = _parse_settings(ctx, value, line, f"hosts.{pattern}")
@@ -405,6 +430,12 @@ def _build(ctx: _Ctx, doc: Any) -> Inventory:
                 ctx.fail(line, f"duplicate host {host.name!r} (already defined at line "
                          f"{seen[host.name]})", "list each host once")
             seen[host.name] = line
+            where = (host.address, host.ssh.port)
+            if host.transport == "ssh" and where in by_address:
+                ctx.fail(line, f"{host.name} has the same address {host.address!r} as "
+                         f"{by_address[where]}", "each host needs its own address (or its own "
+                         "ssh.port); list a machine once")
+            by_address.setdefault(where, host.name)
             hosts.append(host)
     return Inventory(hosts=tuple(hosts), name=name, path=ctx.path)
 

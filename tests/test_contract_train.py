@@ -65,7 +65,7 @@ def _argv(inv: Path, job: str) -> list[str]:
     return [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
             "--nodes", "2", "--gpus-per-node", "1", "--zero-stage", "3",
             "--storage", "node-local", "--steps", str(STEPS), "--grace", "2", "--skip-checks",
-            str(EXAMPLE), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]
+            str(EXAMPLE), "--", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]
 
 
 def _run(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:

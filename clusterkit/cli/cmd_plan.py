@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
+from clusterkit.errors import ClusterkitError
 from clusterkit.units import size_type
 
 MODELS = ("tiny", "small", "medium")
@@ -49,9 +50,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from clusterkit.workload.advisor import advise, format_table
 
     nodes, gpus = _shape(args)
-    advice = advise(args.model, nodes=nodes, gpus_per_node=gpus,
-                    gpu_mem_bytes=args.gpu_mem, cpu_mem_bytes_per_node=args.cpu_mem,
-                    gpu_fraction=args.gpu_fraction)
+    try:
+        advice = advise(args.model, nodes=nodes, gpus_per_node=gpus,
+                        gpu_mem_bytes=args.gpu_mem, cpu_mem_bytes_per_node=args.cpu_mem,
+                        gpu_fraction=args.gpu_fraction)
+    except ImportError as e:  # the estimators are DeepSpeed's own: one line, not exit 70
+        raise ClusterkitError(f"needs DeepSpeed's memory estimators, but {e.name or e} cannot "
+                              "be imported by this Python", key="deepspeed",
+                              hint="install deepspeed (and torch) into the Python that runs "
+                                   "clusterkit") from None
     if args.json:
         print(json.dumps(asdict(advice), indent=2))
     else:

@@ -9,6 +9,7 @@ from datetime import datetime
 from pathlib import Path
 
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
+from clusterkit.cli.safety import check_out_dir
 from clusterkit.errors import RenderError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.plan import BACKENDS, JobOptions, LaunchFacts, LaunchPlan, default_job_id, plan_job
@@ -132,6 +133,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     if not args.out and not args.dry_run:
         raise RenderError("say where to write the files", key="--out",
                           hint="pass --out DIR, or --dry-run to only print them")
+    if args.out and not args.dry_run:
+        check_out_dir(args.out)  # one line naming --out, before any planning
     plan = build_plan(args)
     user_env = Path.home() / ".deepspeed_env"
     if args.dry_run:

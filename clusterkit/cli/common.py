@@ -6,7 +6,9 @@ import argparse
 import os
 from pathlib import Path
 
-from clusterkit.inventory import Inventory, load_inventory, local_inventory
+from clusterkit.cli.safety import HostfilePath, node_spec_hint
+from clusterkit.errors import InventoryError
+from clusterkit.inventory import Inventory, load_inventory, local_inventory, parse_inventory
 
 ENV_INVENTORY = "CLUSTERKIT_INVENTORY"
 
@@ -39,6 +41,24 @@ def resolve_inventory(path: str | None) -> Inventory:
     candidate = path or os.environ.get(ENV_INVENTORY)
     if not candidate and Path("clusterkit.yaml").is_file():
         candidate = "clusterkit.yaml"
+    if isinstance(candidate, HostfilePath):  # --hostfile: DeepSpeed's host list
+        return _from_hostfile(candidate)
     if candidate:
+        if not Path(candidate).exists() and (hint := node_spec_hint(candidate)):
+            raise InventoryError("inventory file not found", path=candidate, key="-i",
+                                 hint=hint)
         return load_inventory(candidate)
     return local_inventory(str(clusterkit_home() / "local"))
+
+
+def _from_hostfile(path: str) -> Inventory:
+    """``--hostfile FILE``: the hosts and slots of a DeepSpeed hostfile, as
+    ``clusterkit inventory import-hostfile`` reads them (addresses = host names)."""
+    from clusterkit.hostfile import inventory_yaml_from_hostfile, parse_hostfile
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise InventoryError(f"cannot read the hostfile: {e.strerror}", path=path,
+                             key="--hostfile") from None
+    return parse_inventory(inventory_yaml_from_hostfile(parse_hostfile(text, path), path), path)

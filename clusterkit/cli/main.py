@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from importlib import import_module
 
 from clusterkit import __version__
+from clusterkit.cli import safety
 from clusterkit.errors import ClusterkitError
 
 # Modules with add_parser(sub); imported lazily so `clusterkit --help` stays fast.
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     from clusterkit.cli import cmd_planned
 
     cmd_planned.add_parsers(sub)
+    safety.install(sub)  # DeepSpeed/torchrun spellings; each verb's own flags
     return parser
 
 
@@ -50,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        safety.check_args(args)  # values and flags-after-the-script, before anything starts
         return func(args)
     except ClusterkitError as exc:
         print(f"clusterkit: error: {exc.one_line()}", file=sys.stderr)

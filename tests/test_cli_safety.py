@@ -1,0 +1,184 @@
+"""CLI safety (issue 11, "What was seen"): each case a new user hit, with its new behaviour.
+
+Bad input is one line naming the flag or inventory key the user wrote, exit 2, before
+anything starts; DeepSpeed/torchrun spellings work where the meaning is the same.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterkit.cli.main import build_parser, main
+from clusterkit.launch.jobs import JobRecord, NodeRecord, Registry
+from clusterkit.remote.base import SSHTarget
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("CLUSTERKIT_INVENTORY", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], *want: str) -> str:
+    """Exit 2 with exactly one `clusterkit: error:` line containing every ``want``."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("clusterkit: error: "), err
+    for w in want:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def _no_job_started(tmp_path: Path) -> None:
+    assert not (tmp_path / "home" / "jobs").exists() or not Registry(tmp_path / "home").all()
+
+
+# ------------------------------------------------------------------ flags after the script
+
+
+def test_clusterkit_flags_after_the_script_are_refused(capsys: pytest.CaptureFixture[str],
+                                                       tmp_path: Path) -> None:
+    # The issue's case: --lr is a job flag of launch too (the shared job flags), so it is
+    # the first one refused; either way the run never starts.
+    line = _fails(["launch", "--nodes", "2", "train.py", "--lr", "3e-4", "--dry-run"], capsys,
+                  "train.py", "before train.py", "`train.py -- --")
+    assert line.startswith(("clusterkit: error: --lr: ", "clusterkit: error: --dry-run: ")), line
+    line = _fails(["launch", "train.py", "--my-lr", "3e-4", "--dry-run"], capsys,
+                  "--dry-run", "train.py -- --dry-run")
+    assert "--my-lr" not in line  # not a clusterkit flag: the script's own
+    _no_job_started(tmp_path)
+    _fails(["launch", "train.py", "--steps=5"], capsys, "--steps")
+    _fails(["launch", "-m", "mypkg.train", "data", "--dry-run"], capsys, "--dry-run", "mypkg.train")
+
+
+def test_after_a_double_dash_they_go_to_the_script(capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Path) -> None:
+    assert main(["launch", "--dry-run", "--nodes", "1", "--gpus-per-node", "1", "train.py",
+                 "--", "--steps", "3", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "-u train.py --steps 3 --dry-run" in out  # the separator itself is dropped
+    assert main(["launch", "--dry-run", "--nodes", "1", "--gpus-per-node", "1", "--",
+                 "train.py", "--steps", "3"]) == 0
+    assert "-u train.py --steps 3" in capsys.readouterr().out
+    _no_job_started(tmp_path)
+
+
+# ------------------------------------------------------------------ former exit 70
+
+
+def test_render_out_existing_file_and_unwritable_dir(capsys: pytest.CaptureFixture[str],
+                                                     tmp_path: Path) -> None:
+    (tmp_path / "exists.txt").write_text("x")
+    _fails(["render", "--out", "exists.txt"], capsys, "--out", "exists.txt", "not a directory")
+    _fails(["render", "--out", "/proc/nope"], capsys, "--out", "/proc/nope", "cannot write")
+    assert (tmp_path / "exists.txt").read_text() == "x"
+
+
+def test_plan_without_deepspeed_is_one_line(capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
+    _fails(["plan", "--nodes", "2", "--gpus-per-node", "8", "--gpu-mem", "80G"], capsys, "deepspeed",
+           "cannot be imported")
+
+
+def test_collect_for_a_job_on_hosts_the_inventory_lacks(capsys: pytest.CaptureFixture[str],
+                                                        tmp_path: Path) -> None:
+    target = SSHTarget(name="gone1", address="10.9.9.9")
+    record = JobRecord(job_id="old-job", backend="torchrun", created=0.0, launcher_pid=0,
+                       nodes=[NodeRecord(node="gone1", python="/usr/bin/python3",
+                                         job_dir="/w/.clusterkit/jobs/old-job", target=target)])
+    Registry(tmp_path / "home").save(record)
+    _fails(["collect-ckpt", "old-job"], capsys, "gone1", "old-job", "does not list")
+
+
+# ------------------------------------------------------------------ values at parse time
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["launch", "--grace", "-1", "--dry-run"], "--grace"),
+    (["stop", "--grace", "-1", "somejob"], "--grace"),
+    (["render", "--local-ranks-filter", "abc", "--dry-run"], "--local-ranks-filter"),
+    (["doctor", "--master-port", "70000"], "--master-port"),
+    (["sbatch", "--cpus-per-task", "0", "--dry-run"], "--cpus-per-task"),
+    (["launch", "--steps", "0", "--dry-run"], "--steps"),
+])
+def test_bad_values_fail_before_anything_starts(argv: list[str], flag: str,
+                                                capsys: pytest.CaptureFixture[str],
+                                                tmp_path: Path) -> None:
+    line = _fails(argv, capsys, flag)
+    assert line.startswith(f"clusterkit: error: {flag}: ")
+    _no_job_started(tmp_path)
+
+
+def test_unknown_model_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str],
+                                                tmp_path: Path) -> None:
+    try:  # argparse's choices= (the shared job flags) or the safety check: exit 2 either way
+        code = main(["launch", "--model", "llama-7b", "--dry-run"])
+    except SystemExit as e:
+        code = int(str(e.code))
+    assert code == 2
+    assert "--model" in capsys.readouterr().err
+    _no_job_started(tmp_path)
+
+
+# ------------------------------------------------------------------ inventory validate
+
+
+@pytest.mark.parametrize(("body", "want"), [
+    ("defaults:\n  env: {'A B': '1'}\nhosts:\n  n1: {address: 10.0.0.1}\n",
+     ["defaults.env", "'A B'", ":3:"]),
+    ("hosts:\n  n1: {address: 10.0.0.1}\n  n2: {address: 10.0.0.1}\n",
+     ["n2", "same address", "n1", ":4:"]),
+    ("defaults:\n  python: /opt/$ENV/bin/python\nhosts:\n  n1: {address: 10.0.0.1}\n",
+     ["defaults.python", "'$'"]),
+])
+def test_inventory_validate_refuses(body: str, want: list[str], tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "inv.yaml").write_text("schema_version: 1\n" + body)
+    line = _fails(["inventory", "validate", "-i", "inv.yaml"], capsys, *want)
+    assert "PATH" not in line  # the key the user wrote, not the variable built from it
+
+
+def test_same_address_on_other_ssh_ports_is_fine(tmp_path: Path) -> None:
+    (tmp_path / "inv.yaml").write_text(
+        "schema_version: 1\nhosts:\n  n1: {address: 10.0.0.1, ssh: {port: 2201}}\n"
+        "  n2: {address: 10.0.0.1, ssh: {port: 2202}}\n")
+    assert main(["inventory", "validate", "-i", "inv.yaml"]) == 0
+
+
+# ------------------------------------------------------------------ DeepSpeed habits
+
+
+def test_deepspeed_spellings_are_aliases(capsys: pytest.CaptureFixture[str],
+                                         tmp_path: Path) -> None:
+    assert main(["launch", "--dry-run", "--num_nodes", "2", "--num_gpus", "1"]) == 0
+    assert "2 nodes, 2 ranks" in capsys.readouterr().out
+    args = build_parser().parse_args(["doctor", "--master_port", "29511"])
+    assert args.master_port == 29511
+    (tmp_path / "hostfile").write_text("local1 slots=2\nlocal2 slots=2\n")
+    assert main(["launch", "--dry-run", "--hostfile", "hostfile", "--storage", "shared",
+                 "--ckpt-dir", str(tmp_path / "ck"), "train.py"]) == 0
+    out = capsys.readouterr().out
+    assert "2 nodes, 4 ranks" in out and "local2: ranks 2-3" in out
+
+
+def test_dash_i_with_a_node_spec_suggests_include(capsys: pytest.CaptureFixture[str]) -> None:
+    _fails(["launch", "-i", "node1@node2", "--dry-run"], capsys, "did you mean --include node1@node2")
+    _fails(["launch", "-i", "node1:0,1", "--dry-run"], capsys, "did you mean --include")
+    line = _fails(["launch", "-i", "missing.yaml", "--dry-run"], capsys, "not found")
+    assert "did you mean" not in line
+
+
+def test_help_does_not_show_the_aliases(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["launch", "--help"])
+    out = capsys.readouterr().out
+    assert "--num_nodes" not in out and "--nodes" in out
