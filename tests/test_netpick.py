@@ -1,0 +1,72 @@
+"""doctor's interface pick reaches the plan, unless the inventory or the shell set it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from clusterkit.checks.netpick import (
+    KEYS,
+    apply_picks,
+    load_picks,
+    picks_from_facts,
+    picks_path,
+    save_picks,
+)
+from clusterkit.inventory import Inventory
+from clusterkit.plan import JobOptions, plan_job
+from tests.render_cases import FACTS, inventory
+from tests.test_checks_rules import cluster, node
+
+
+def inventory_without_ifnames() -> Inventory:
+    """The 7x2 reference inventory without its own NCCL/GLOO_SOCKET_IFNAME."""
+    inv = inventory("a800-7x2")
+    hosts = tuple(replace(h, env={k: v for k, v in h.env.items() if k not in KEYS})
+                  for h in inv.hosts)
+    return replace(inv, hosts=hosts)
+
+
+def test_picks_are_the_interface_that_reaches_every_peer() -> None:
+    split = {a: ("eth0" if a < "10.0.0.4" else "ens2") for a in node("node7").routes}
+    picks = picks_from_facts(cluster(routes=split))
+    assert picks == {f"node{i}": "eth0" for i in range(1, 7)}  # node7: ambiguous, no pick
+
+
+def test_save_load_round_trip_and_junk_is_ignored(tmp_path: Path) -> None:
+    path = picks_path(tmp_path, "a800 7x2")
+    assert path == tmp_path / "doctor" / "a800-7x2.ifaces.json"
+    assert load_picks(path) == {}  # no doctor run yet
+    save_picks(path, "a800 7x2", {"node1": "eth0", "node2": "br-9f3c"})
+    assert load_picks(path) == {"node1": "eth0", "node2": "br-9f3c"}
+    path.write_text('{"ifaces": {"node1": "eth0; rm -rf /", "node2": 3}}')
+    assert load_picks(path) == {}
+    path.write_text("not json")
+    assert load_picks(path) == {}
+
+
+def test_plan_renders_the_exact_names_on_every_node() -> None:
+    inv = inventory_without_ifnames()
+    picked = apply_picks(inv, {h.name: "eth0" for h in inv.hosts[:3]}, environ={})
+    plan = plan_job(picked, JobOptions(job_id="nic", backend="deepspeed", nodes=2), FACTS)
+    for n in plan.nodes:
+        assert n.env["NCCL_SOCKET_IFNAME"] == "=eth0" and n.env["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert "NCCL_SOCKET_IFNAME==eth0" in plan.artifacts["deepspeed_env"]
+
+
+def test_different_names_give_nccl_the_exact_list_and_gloo_nothing() -> None:
+    inv = inventory_without_ifnames()
+    picked = apply_picks(inv, {inv.hosts[0].name: "eth0", inv.hosts[1].name: "ens1"}, {})
+    assert picked.hosts[0].env["NCCL_SOCKET_IFNAME"] == "=ens1,eth0"
+    assert "GLOO_SOCKET_IFNAME" not in picked.hosts[0].env
+
+
+def test_the_inventory_and_the_shell_win() -> None:
+    inv = inventory_without_ifnames()
+    first = inv.hosts[0]
+    inv = replace(inv, hosts=(replace(first, env={**first.env, "GLOO_SOCKET_IFNAME": "bond0"}),
+                              *inv.hosts[1:]))
+    picked = apply_picks(inv, {first.name: "eth0"}, environ={"NCCL_SOCKET_IFNAME": "=ib0"})
+    assert picked.hosts[0].env["GLOO_SOCKET_IFNAME"] == "bond0"
+    assert "NCCL_SOCKET_IFNAME" not in picked.hosts[0].env
+    assert picked.hosts[1].env["GLOO_SOCKET_IFNAME"] == "eth0"
