@@ -234,6 +234,7 @@ IN_PROGRESS = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "R
 
 
 @pytest.mark.slow
+@ALL_VARIANTS  # the node-local variant below (default) covers batch USR1 -> requeue -> resume
 def test_usr1_to_batch_checkpoints_requeues_and_resumes(slurm: SlurmBed) -> None:
     """What `--signal=B:USR1@90` does before the time limit: the batch script forwards
     USR1 to the ranks, they checkpoint, the script requeues the job, and the requeued
@@ -249,7 +250,7 @@ def test_usr1_to_batch_checkpoints_requeues_and_resumes(slurm: SlurmBed) -> None
         time.sleep(0.5)
     out = (_job_dir(slurm, job) / "logs" / f"slurm-{slurm_id}.out").read_text(errors="replace")
     assert state == "COMPLETED", out[-3000:]
-    summary = _summary(out)  # the requeued run's output (Slurm truncates it on restart)
+    summary = _summary(out)  # the last summary: the requeued run's (the file is appended to)
     assert summary["finished"] is True and summary["preempted"] is None, summary
     assert isinstance(summary["resumed_from"], str) and summary["resumed_from"].startswith("global_step")
     _assert_nodes_clean(slurm)
@@ -315,6 +316,7 @@ def test_node_local_requeue_stays_on_its_nodes_and_keeps_both_logs(slurm: SlurmB
 
 
 @pytest.mark.slow
+@ALL_VARIANTS  # two 2x2 runs (~3 min under load): a measurement, run with CLUSTERKIT_SLURM_ALL=1
 def test_threads_per_rank_same_cpu_per_step_for_every_variant(slurm: SlurmBed) -> None:
     """One Slurm task per rank (deepspeed) used 10x the CPU per step of torchrun (no
     OMP_NUM_THREADS); now both get the task's CPUs / its ranks."""
