@@ -6,11 +6,14 @@ Each test is one short job (2 nodes x 1 rank, 3 steps) or no training at all.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +97,128 @@ def test_node_cpus_from_real_sinfo(slurm: SlurmBed) -> None:
     cpus = slurm.spec.cpus_per_node
     assert client.node_cpus("debug") == cpus
     assert client.node_cpus("debug", [n.name for n in slurm.nodes[:2]]) == cpus
+
+
+def _summary(text: str) -> dict[str, object]:
+    lines = [ln for ln in text.splitlines() if "CLUSTERKIT_SUMMARY " in ln]
+    assert lines, text[-3000:]
+    return dict(json.loads(lines[-1].split("CLUSTERKIT_SUMMARY ", 1)[1]))
+
+
+def _inventory(bed: SlurmBed, slots: int) -> Path:
+    return bed.tb.write_inventory(bed.tb.root / f"inventory-site-{slots}.yaml", nodes=bed.nodes,
+                                  slots=slots, gpus=0)
+
+
+def _job_dir(bed: SlurmBed, job: str) -> Path:
+    return bed.tb.root / "work" / ".clusterkit" / "jobs" / job
+
+
+# Full trainings (minutes on 2 shared cores): only with CLUSTERKIT_SLURM_ALL=1.
+ALL = pytest.mark.skipif(os.environ.get("CLUSTERKIT_SLURM_ALL") != "1",
+                         reason="set CLUSTERKIT_SLURM_ALL=1 for the long site tests")
+
+
+@pytest.mark.slow
+@ALL
+def test_one_task_per_rank_costs_no_more_cpu_than_torchrun(slurm: SlurmBed) -> None:
+    """Issue 13: the deepspeed variant (one Slurm task per rank) set no OMP_NUM_THREADS and
+    used 10x the CPU per step of torchrun's. Same 2 x 2 job, both variants."""
+    inv = _inventory(slurm, 2)
+    cost: dict[str, float] = {}
+    for launcher in ("torchrun", "deepspeed"):
+        r = _cli(slurm.env, ["-i", str(inv), "--nodes", "2", "--launcher", launcher, "--steps", "30",
+                             "--job-id", f"cpu-{launcher}", *WORKLOAD, "--partition", "debug",
+                             "--submit", "--watch", "--poll", "0.5"])
+        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+        summary = _summary(r.stdout)
+        assert summary["world_size"] == 4 and summary["finished"] is True
+        cost[launcher] = float(summary["cpu_s_per_step"])  # type: ignore[arg-type]
+        omp = re.findall(r"OMP_NUM_THREADS=(\d+)", r.stdout)
+        print(f"{launcher}: cpu_s_per_step {cost[launcher]:.4f}, OMP_NUM_THREADS {omp[:1]}")
+    ratio = cost["deepspeed"] / cost["torchrun"]
+    print(f"deepspeed/torchrun cpu_s_per_step ratio {ratio:.2f} (load {os.getloadavg()[0]:.2f})")
+    assert ratio <= 1.3, cost
+
+
+def _run_nodes(out: str) -> list[str]:
+    """The node list of each run, from the script's "===== clusterkit: ... run N on NODES" lines."""
+    return re.findall(r"^===== clusterkit: job \S+ slurm=\d+ run \d+ on (\S+)", out, re.M)
+
+
+@pytest.mark.slow
+@ALL
+def test_node_local_requeue_resumes_on_the_same_nodes_and_keeps_both_logs(slurm: SlurmBed) -> None:
+    """USR1 to the batch script of a node-local job: checkpoint, requeue. While node1 is
+    taken by another job the requeued run waits for it (it would otherwise start on two
+    free nodes, without its shards); then it resumes there. The output file holds both
+    runs."""
+    job = "nl-requeue"
+    inv = _inventory(slurm, 1)
+    r = _cli(slurm.env, ["-i", str(inv), "--nodes", "2", "--storage", "node-local", "--steps", "150",
+                         "--job-id", job, *WORKLOAD, "--partition", "debug", "--submit",
+                         "--", "--log-every", "1"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"submitted Slurm job (\d+)", r.stdout)
+    assert m, r.stdout
+    slurm_id = m.group(1)
+    out_file = _job_dir(slurm, job) / "logs" / f"slurm-{slurm_id}.out"
+    deadline = time.monotonic() + 240
+    while "step 2/" not in (out_file.read_text(errors="replace") if out_file.exists() else ""):
+        assert time.monotonic() < deadline and slurm.job_state(slurm_id) in IN_PROGRESS
+        time.sleep(0.5)
+    first = _run_nodes(out_file.read_text())[0]
+    # Hold the first node of the run as soon as the job lets go of it.
+    first_node = slurm.client(["scontrol", "show", "hostnames", first]).stdout.split()[0]
+    blocker_script = slurm.tb.root / "nl-blocker.sh"
+    blocker_script.write_text("#!/bin/bash\nsleep 600\n")
+    blocker = SlurmClient(env=slurm.env).submit(
+        blocker_script,
+        extra=[f"--nodelist={first_node}", "--exclusive", "--partition=debug",
+               f"--output={slurm.tb.root / 'nl-blocker.out'}"])
+    try:
+        assert _cli(slurm.env, ["cancel", slurm_id, "--signal", "USR1", "--batch"]).returncode == 0
+        # Requeued and held back by the blocker on first_node: PENDING, never RUNNING elsewhere.
+        deadline = time.monotonic() + 120
+        while slurm.job_state(blocker) != "RUNNING":
+            assert time.monotonic() < deadline, slurm.job_state(blocker)
+            state = slurm.job_state(slurm_id)
+            assert state in (*IN_PROGRESS, "REQUEUED", "REQUEUE_HOLD"), state
+            time.sleep(0.3)
+        time.sleep(5)  # a scheduler pass or two: the requeued job must not start elsewhere
+        assert slurm.job_state(slurm_id) in ("PENDING", "REQUEUED", "REQUEUE_HOLD")
+    finally:
+        slurm.client(["scancel", blocker], check=False)
+    state, _ = _wait_finished(slurm, slurm_id, 300)
+    out = out_file.read_text(errors="replace")
+    assert state == "COMPLETED", out[-3000:]
+    runs = _run_nodes(out)
+    assert runs == [first, first], runs  # both runs in the file, on the same nodes
+    summary = _summary(out)
+    assert str(summary["resumed_from"]).startswith("global_step"), summary
+
+
+
+def test_node_local_resubmission_on_other_nodes_stops(slurm: SlurmBed) -> None:
+    """The job dir records the first run's nodes (JOBDIR/slurm_nodes, written by the script;
+    here written as a first run on node[1-2] would have): a run on other nodes must not
+    start afresh without its shards. Forced there by a later #SBATCH --nodelist."""
+    job = "nl-moved"
+    inv = _inventory(slurm, 1)
+    r = _cli(slurm.env, ["-i", str(inv), "--nodes", "2", "--storage", "node-local", "--steps", "3",
+                         "--job-id", job, *WORKLOAD, "--partition", "debug",
+                         "--sbatch-arg=--nodelist=node3,node4"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    job_dir = _job_dir(slurm, job)
+    (job_dir / "slurm_nodes").write_text("node[1-2]\n")
+    slurm_id = SlurmClient(env=slurm.env).submit(job_dir / "sbatch.sh")
+    state, took = _wait_finished(slurm, slurm_id, 120)
+    logs = job_dir / "logs"
+    err = (logs / f"slurm-{slurm_id}.err").read_text()
+    out = (logs / f"slurm-{slurm_id}.out").read_text()
+    assert state == "FAILED", (out[-2000:], err[-2000:])
+    assert "node[3-4]" in _run_nodes(out), out[-2000:]
+    lines = [ln for ln in err.splitlines() if "collect-ckpt --scatter" in ln]
+    assert len(lines) == 1 and "node[1-2]" in lines[0], err
+    assert "CLUSTERKIT_SUMMARY" not in out  # nothing trained
+    print(f"node-local job moved to node[3-4]: FAILED {took:.1f} s after submit: {lines[0]}")
