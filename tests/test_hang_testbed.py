@@ -27,9 +27,9 @@ pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
 STEPS = 120
 SAVE_EVERY = 20
-# Start-up under this shared machine's load prints nothing for 15 s at times, and
-# start-up silence counts as no progress: keep the test clear of it.
-HANG_TIMEOUT = 30
+# Start-up on this shared machine prints nothing for 30 s at times (under load 15);
+# the watchdog allows start-up twice the limit: 80 s here.
+HANG_TIMEOUT = 40
 
 
 def _job_pids(job: str) -> list[int]:

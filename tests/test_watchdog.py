@@ -91,9 +91,13 @@ def test_summary_without_a_stopped_rank_blames_the_smallest_group_and_lists_miss
 
 def test_watchdog_fires_only_when_no_node_progresses() -> None:
     wd = Watchdog(hang_timeout_s=10.0, started_at=0.0)
-    assert not wd.stalled(9.0) and wd.stalled(11.0)  # nothing reported: since start
+    # nothing reported: silence since start, and start-up is allowed twice the limit
+    assert not wd.stalled(19.0) and wd.stalled(21.0)
+    wd.report("node1", {"idle_s": 30.0, "step": None}, now=11.0)
+    assert wd.limit() == 20.0
     wd.report("node1", {"idle_s": 30.0, "step": 4}, now=11.0)
     wd.report("node2", {"idle_s": 1.0, "step": 5}, now=11.0)
+    assert wd.limit() == 10.0
     assert wd.idle(11.0) == 1.0 and not wd.stalled(15.0) and wd.stalled(20.5)
     assert wd.last_step() == 5
     assert not Watchdog(0.0, 0.0).stalled(1e9)  # 0: off
