@@ -119,28 +119,6 @@ ALL = pytest.mark.skipif(os.environ.get("CLUSTERKIT_SLURM_ALL") != "1",
                          reason="set CLUSTERKIT_SLURM_ALL=1 for the long site tests")
 
 
-@pytest.mark.slow
-@ALL
-def test_one_task_per_rank_costs_no_more_cpu_than_torchrun(slurm: SlurmBed) -> None:
-    """Issue 13: the deepspeed variant (one Slurm task per rank) set no OMP_NUM_THREADS and
-    used 10x the CPU per step of torchrun's. Same 2 x 2 job, both variants."""
-    inv = _inventory(slurm, 2)
-    cost: dict[str, float] = {}
-    for launcher in ("torchrun", "deepspeed"):
-        r = _cli(slurm.env, ["-i", str(inv), "--nodes", "2", "--launcher", launcher, "--steps", "30",
-                             "--job-id", f"cpu-{launcher}", *WORKLOAD, "--partition", "debug",
-                             "--submit", "--watch", "--poll", "0.5"])
-        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-        summary = _summary(r.stdout)
-        assert summary["world_size"] == 4 and summary["finished"] is True
-        cost[launcher] = float(summary["cpu_s_per_step"])  # type: ignore[arg-type]
-        omp = re.findall(r"OMP_NUM_THREADS=(\d+)", r.stdout)
-        print(f"{launcher}: cpu_s_per_step {cost[launcher]:.4f}, OMP_NUM_THREADS {omp[:1]}")
-    ratio = cost["deepspeed"] / cost["torchrun"]
-    print(f"deepspeed/torchrun cpu_s_per_step ratio {ratio:.2f} (load {os.getloadavg()[0]:.2f})")
-    assert ratio <= 1.3, cost
-
-
 def _run_nodes(out: str) -> list[str]:
     """The node list of each run, from the script's "===== clusterkit: ... run N on NODES" lines."""
     return re.findall(r"^===== clusterkit: job \S+ slurm=\d+ run \d+ on (\S+)", out, re.M)
