@@ -230,3 +230,17 @@ def test_py_spy_reads_a_stopped_rank_without_pausing_it(tmp_path: Path) -> None:
     assert res["tool"] == "py-spy" and res["state"] == "T", res
     assert signature(read_stack(2, "node1", str(res["text"])).frames) == \
         "in data_loader \u2190 <module>", res["text"]
+
+
+def test_status_shows_each_nodes_step_and_last_progress(tmp_path: Path) -> None:
+    from clusterkit.cli.cmd_launch import _progress_text
+
+    spec = agent_mod.Spec(job_id="j", node="node1", job_dir=str(tmp_path))
+    a = agent_mod.Agent(spec, io.StringIO())
+    a.prepare()
+    a.write_state("running", progress={"idle_s": 0.0, "step": 12, "time": time.time() - 7})
+    info = agent_mod._status("j", str(tmp_path), "node1")
+    assert info["progress"]["step"] == 12 and 6 <= info["progress"]["age_s"] < 30
+    text = _progress_text(info["progress"], True)
+    assert text.startswith("  step 12, last progress ") and "s ago)" in text
+    assert _progress_text(info["progress"], False) == ""

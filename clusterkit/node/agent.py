@@ -802,7 +802,13 @@ def _status(job_id: str, job_dir: str | None, node: str | None) -> dict[str, Any
                        and os.path.exists(f"/proc/{state['agent_pid']}"))
     ranks = sorted(int(env[b"RANK"]) for env in procs.values()
                    if env.get(b"RANK", b"").isdigit() and b"LOCAL_RANK" in env)
-    return {"processes": len(procs), "ranks": ranks, "agent": state, "agent_alive": agent_alive}
+    prog = state.get("progress") if isinstance(state, dict) else None
+    progress = None
+    if isinstance(prog, dict) and isinstance(prog.get("time"), (int, float)):
+        # The age on this node's own clock: the launcher's may differ.
+        progress = {"step": prog.get("step"), "age_s": round(time.time() - prog["time"], 1)}
+    return {"processes": len(procs), "ranks": ranks, "agent": state, "agent_alive": agent_alive,
+            "progress": progress}
 
 
 def main(argv: list[str] | None = None) -> int:
