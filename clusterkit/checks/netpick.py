@@ -79,3 +79,22 @@ def apply_picks(inventory: Inventory, picks: Mapping[str, str],
         add = {k: v for k, v in env.items() if k not in host.env and k not in environ}
         hosts.append(replace(host, env={**host.env, **add}) if add else host)
     return replace(inventory, hosts=tuple(hosts))
+
+
+def remember_picks(home: Path, cluster: str, facts: Mapping[str, NodeFacts]) -> dict[str, str]:
+    """After a doctor run: merge this run's picks into the saved ones (a run on some
+    nodes keeps the others'). A file that cannot be written costs the plan its
+    hint, never the doctor run."""
+    path = picks_path(home, cluster)
+    picks = {**load_picks(path), **picks_from_facts(facts)}
+    try:
+        save_picks(path, cluster, picks)
+    except OSError:
+        return {}
+    return picks
+
+
+def inventory_with_picks(inventory: Inventory, home: Path,
+                         environ: Mapping[str, str]) -> Inventory:
+    """What launch/render/sbatch plan from: the inventory plus doctor's saved pick."""
+    return apply_picks(inventory, load_picks(picks_path(home, inventory.name)), environ)

@@ -10,7 +10,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
+from clusterkit.cli.common import (
+    add_inventory_option,
+    add_selection_options,
+    clusterkit_home,
+    resolve_inventory,
+)
 from clusterkit.errors import ClusterkitError
 from clusterkit.units import parse_size as parse_size  # the one size rule (docs/units.md)
 from clusterkit.units import size_type
@@ -81,6 +86,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             from clusterkit.checks.bandwidth import add_bandwidth
 
             report = add_bandwidth(report, transport, nbytes=args.bandwidth_size)
+    _remember_ifaces(inv.name, report, quiet=args.json)
     if args.json:
         print(json.dumps(report.to_json(strict=args.strict), indent=2))
     else:
@@ -88,6 +94,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.fix_env:
         write_fix_env(report, Path(args.fix_env), quiet=args.json)
     return report.exit_code(strict=args.strict)
+
+
+def _remember_ifaces(cluster: str, report: DoctorReport, *, quiet: bool) -> None:
+    """Keep each node's peer interface for launch/render/sbatch (docs/doctor.md, issue 14)."""
+    from clusterkit.checks.netpick import cluster_env, picks_path, remember_picks
+
+    picks = remember_picks(clusterkit_home(), cluster, report.facts)
+    if picks and not quiet:
+        env = " ".join(f"{k}={v}" for k, v in cluster_env(picks).items())
+        print(f"clusterkit: launch/render/sbatch will set {env} unless the inventory sets them "
+              f"({picks_path(clusterkit_home(), cluster)})", file=sys.stderr)
 
 
 def print_report(report: DoctorReport, *, verbose: bool, strict: bool) -> None:
