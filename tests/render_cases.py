@@ -6,9 +6,10 @@ from pathlib import Path
 
 from clusterkit.inventory import Inventory, load_inventory, local_inventory
 from clusterkit.plan import JobOptions, LaunchFacts, LaunchPlan, plan_job
+from clusterkit.spec.backends import PLAN_BACKENDS
 
 ROOT = Path(__file__).resolve().parents[1]
-BACKENDS = ("torchrun", "deepspeed", "accelerate", "slurm")
+BACKENDS = PLAN_BACKENDS  # every plan backend of the registry
 INVENTORIES = ("a800-7x2", "h100-2x8-ib", "local")
 # A launcher environment with things that must and must not travel.
 ENVIRON = {

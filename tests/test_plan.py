@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from clusterkit.cli.main import main
 from clusterkit.errors import ClusterkitError, RenderError, SelectionError
-from clusterkit.plan import master_port
+from clusterkit.plan import LaunchPlan, master_port
 from clusterkit.render.artifacts import FILE_MARK
 from tests.render_cases import ROOT, plan_for
 
@@ -125,3 +126,36 @@ def test_checkpoint_dir_is_per_job_under_the_configured_root() -> None:
     assert other.nodes[0].ckpt_dir == "/mnt/ck/golden-a800-7x2"
     # Slurm: the id is fixed when the script is rendered, so a requeued job resumes.
     assert "/scratch/ckpt/golden-a800-7x2" in plan_for("a800-7x2", "slurm").artifacts["sbatch.sh"]
+
+
+_GPU_INV = """
+schema_version: 1
+cluster: {name: mixed}
+defaults: {python: /opt/py/bin/python3, workdir: /w, checkpoint: {shared_dir: /ck}}
+hosts:
+  g1: {address: 10.0.0.1, gpus: 2, slots: 4}
+  c1: {address: 10.0.0.2, gpus: 0, slots: 2}
+"""
+
+
+def _mixed_plan(**kw: Any) -> LaunchPlan:
+    from clusterkit.inventory import parse_inventory
+    from clusterkit.plan import JobOptions, plan_job
+    from tests.render_cases import FACTS
+
+    return plan_job(parse_inventory(_GPU_INV), JobOptions(job_id="w", **kw), FACTS)
+
+
+def test_plan_warns_on_ranks_without_a_gpu_and_strict_refuses() -> None:
+    # issue 12 D6: more ranks than the inventory's GPUs; --gpus-per-node > 0 on gpus: 0.
+    plan = _mixed_plan(include="g1")
+    assert plan.warnings == ("g1: 4 ranks but gpus: 2 in the inventory; ranks would share GPUs "
+                             "(set slots/--gpus-per-node to at most gpus)",)
+    plan = _mixed_plan(gpus_per_node=2)
+    assert [w.split(":")[0] for w in plan.warnings] == ["c1"]
+    assert "--gpus-per-node 2 but gpus: 0" in plan.warnings[0]
+    assert _mixed_plan(include="c1").warnings == ()  # a CPU job
+    assert _mixed_plan(nodes=1, gpus_per_node=1).warnings == ()
+    with pytest.raises(RenderError) as info:
+        _mixed_plan(gpus_per_node=2, strict=True)
+    assert info.value.key == "--strict" and "c1: --gpus-per-node 2" in info.value.one_line()

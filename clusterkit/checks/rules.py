@@ -22,6 +22,7 @@ from clusterkit.checks.facts import NodeFacts
 from clusterkit.checks.findings import Finding, Status
 from clusterkit.checks.infiniband import parse_nccl_ib_hca, unmatched_hca_entries
 from clusterkit.hostrange import fold
+from clusterkit.spec.backends import BACKENDS
 
 GiB = 1024**3
 SHM_MIN_BYTES = 1 * GiB
@@ -29,8 +30,9 @@ STORAGE_MIN_FREE_BYTES = 64 * 1024**2  # below this a checkpoint dir counts as f
 NOFILE_MIN = 65536
 SKEW_WARN_S = 2.0
 SKEW_FAIL_S = 30.0
-# Backends whose launcher runs its own sys.executable on every node (DeepSpeed runner: pdsh).
-SAME_PYTHON_BACKENDS = ("pdsh", "deepspeed")
+# Doctor modes whose launcher runs its own sys.executable on every node: DeepSpeed's
+# runner from the launching machine ("pdsh") or from node 0 (the registry's "deepspeed").
+SAME_PYTHON_BACKENDS = ("pdsh", *sorted({b.doctor for b in BACKENDS.values() if b.doctor != "ssh"}))
 # Interfaces that never carry inter-node traffic.
 VIRTUAL_IFACE_PREFIXES = ("lo", "docker", "virbr", "veth", "br-", "cni", "flannel", "tun", "tap")
 

@@ -17,6 +17,8 @@ from clusterkit.cli.common import (
     resolve_inventory,
 )
 from clusterkit.errors import ClusterkitError
+from clusterkit.plan.ports import master_port
+from clusterkit.spec.backends import BACKENDS, DEFAULT_LAUNCHER
 from clusterkit.units import parse_size as parse_size  # the one size rule (docs/units.md)
 from clusterkit.units import size_type
 
@@ -25,8 +27,6 @@ if TYPE_CHECKING:
 
 # The checks are imported when doctor runs, not when the parser is built: every
 # clusterkit command builds the whole parser.
-BACKENDS = ("torchrun", "deepspeed", "accelerate")
-DEFAULT_MASTER_PORT = 29500  # torchrun's and DeepSpeed's default
 HEAD_TOOLS = ("pdsh", "ninja", "ssh")
 _STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
 
@@ -38,11 +38,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        "interfaces, NCCL env, GPUs, disk, limits, clocks and the master port.")
     add_inventory_option(p)
     add_selection_options(p)
-    p.add_argument("--backend", choices=BACKENDS, default="torchrun",
-                   help="how the job will be launched (deepspeed = DeepSpeed's runner over "
-                   "pdsh: identical interpreter paths and pdsh on the first node required)")
-    p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT, metavar="P",
-                   help=f"port to test on the master (default {DEFAULT_MASTER_PORT}; 0 skips)")
+    # The launcher and port `clusterkit launch` will use (spec.backends, plan.ports).
+    p.add_argument("--launcher", "--backend", dest="backend", choices=tuple(BACKENDS),
+                   default=DEFAULT_LAUNCHER,
+                   help=f"how the job will be launched, as `clusterkit launch --launcher` "
+                   f"(default {DEFAULT_LAUNCHER}; deepspeed = DeepSpeed's runner over pdsh: "
+                   "identical interpreter paths and pdsh on the first node required)")
+    p.add_argument("--job-id", metavar="JOB",
+                   help="test the master port `clusterkit launch --job-id JOB` will use")
+    p.add_argument("--master-port", type=int, default=None, metavar="P",
+                   help="port to test on the master instead (0 skips); default: the port launch "
+                   "derives from --job-id, else from the inventory name (both in 20000-60000)")
     p.add_argument("--ckpt-size", metavar="SIZE", type=size_type("--ckpt-size"),
                    help="expected size of one checkpoint per node (e.g. 40G = 40GiB; "
                         "docs/units.md): checks free space")
@@ -64,6 +70,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=cmd_doctor)
 
 
+def _master_port(args: argparse.Namespace, cluster: str) -> int | None:
+    """The port to test: --master-port, else the one launch derives from the job id."""
+    if args.master_port is not None:
+        return args.master_port or None
+    return master_port(args.job_id or cluster)
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from clusterkit.checks.doctor import plan_doctor, run_doctor
     from clusterkit.hostfile import select_hosts
@@ -73,8 +86,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                           include=args.include, exclude=args.exclude)
     plan = plan_doctor(
         [h for h, _slots in chosen], head_python=sys.executable, head_cwd=os.getcwd(),
-        head_tools={t: shutil.which(t) for t in HEAD_TOOLS}, backend=args.backend,
-        master_port=args.master_port or None,
+        head_tools={t: shutil.which(t) for t in HEAD_TOOLS},
+        backend=BACKENDS[args.backend].doctor, master_port=_master_port(args, inv.name),
         checkpoint_bytes=args.ckpt_size or None,
         connect_timeout_s=args.connect_timeout, accept_new_host_keys=args.accept_new_host_keys,
     )

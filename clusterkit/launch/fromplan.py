@@ -25,12 +25,12 @@ def rank_log_dir(plan: LaunchPlan, run_id: str) -> str:
 
 def _launcher_argv(backend: str, cmd: NodeCommand, log_dir: str) -> tuple[str, ...]:
     argv = list(cmd.argv)
-    if backend == "deepspeed":
+    if BACKENDS[backend].rank_log_files:
         # DeepSpeed's launcher prefixes nothing; with --enable_each_rank_log it writes
         # each rank's output to <dir>/<stamp>_rank<R>.log (and nothing to the console),
         # which the agent on that node tails and labels with node and rank.
         argv = [RANK_LOG_FLAG + log_dir if a.startswith(RANK_LOG_FLAG) else a for a in argv]
-    if backend == "accelerate" and ACCELERATE_MODULE in argv:
+    if ACCELERATE_MODULE in argv:
         # accelerate hands its torchrun arguments through: --tee 3 gives torchrun's
         # "[default<r>]:" prefix, which the agent turns into the rank label.
         at = argv.index(ACCELERATE_MODULE) + 1
@@ -69,7 +69,7 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, grace_s: float = 3.0,
     by_host: dict[str | None, NodeCommand] = {c.host: c for c in plan.launch_commands}
     files = dict(plan.artifacts)
     log_dir = rank_log_dir(plan, run_id or f"a{attempt}")
-    tails = plan.backend == "deepspeed" and any(a.startswith(RANK_LOG_FLAG)
+    tails = BACKENDS[plan.backend].rank_log_files and any(a.startswith(RANK_LOG_FLAG)
                                                 for c in plan.launch_commands for a in c.argv)
     tasks = []
     for node in plan.nodes:

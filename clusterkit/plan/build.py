@@ -188,6 +188,29 @@ def _zero_spec(o: JobOptions, nodes: tuple[NodePlan, ...], world: int, storage: 
         monitor_job_name=o.job_id)
 
 
+def _gpu_warnings(o: JobOptions, nodes: tuple[NodePlan, ...]) -> tuple[str, ...]:
+    """Ranks that will not get a GPU of their own, though the job looks like a GPU job."""
+    out = []
+    for n in nodes:
+        if n.host.gpus > 0 and n.nproc > n.host.gpus:
+            out.append(f"{n.name}: {n.nproc} ranks but gpus: {n.host.gpus} in the inventory; "
+                       "ranks would share GPUs (set slots/--gpus-per-node to at most gpus)")
+        elif n.host.gpus == 0 and (o.gpus_per_node or 0) > 0:
+            # --gpus-per-node asks for GPU ranks; a CPU host runs them on the CPU.
+            out.append(f"{n.name}: --gpus-per-node {o.gpus_per_node} but gpus: 0 in the "
+                       f"inventory; its {n.nproc} ranks run on the CPU (set gpus: N for this "
+                       "host, or leave out --gpus-per-node for a CPU job)")
+    return tuple(out)
+
+
+def _strict(o: JobOptions, warnings: tuple[str, ...], inv_path: str | None) -> None:
+    if o.strict and warnings:
+        raise RenderError(f"--strict: {warnings[0]}" + (f" (and {len(warnings) - 1} more)"
+                                                         if len(warnings) > 1 else ""),
+                          key="--strict", path=inv_path,
+                          hint="fix the inventory's gpus/slots or the selection, or drop --strict")
+
+
 def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> LaunchPlan:
     """Decide everything about a job: hosts, ranks, port, env, configs, commands, files.
 
@@ -197,6 +220,8 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> L
     _check_options(options)
     nodes, storage = _node_plans(inventory, options, facts)
     world = sum(n.nproc for n in nodes)
+    warnings = _gpu_warnings(options, nodes)
+    _strict(options, warnings, inventory.path)
     zero = _zero_spec(options, nodes, world, storage)
     layout = JobLayout(
         job_id=options.job_id, nodes=nodes,
@@ -211,5 +236,5 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> L
                       master_port=layout.master_port, storage=storage, zero=zero,
                       program=layout.programs[0], commands=rendered.commands,
                       skipped=rendered.skipped, artifacts=rendered.files, ds_config=ds_config,
-                      programs=layout.programs)
+                      programs=layout.programs, warnings=warnings)
     return with_reference_files(plan)

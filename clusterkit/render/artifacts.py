@@ -178,6 +178,7 @@ def summary(plan: LaunchPlan) -> str:
                      f"ckpt {n.ckpt_dir}")
     for name, why in plan.skipped.items():
         lines.append(f"  not rendered: {name}: {why}")
+    lines += [f"  warning: {w}" for w in plan.warnings]
     return "\n".join(lines) + "\n"
 
 

@@ -29,6 +29,7 @@ from clusterkit.render.commands import (
     uniform,
 )
 from clusterkit.render.dsenv import SYSTEM_PATH
+from clusterkit.spec.backends import BACKENDS
 
 if TYPE_CHECKING:
     import jinja2
@@ -134,10 +135,10 @@ def _without_path(argv: list[str], path: str) -> list[str]:
 
 def launch_line(layout: JobLayout, log_dir: str) -> tuple[str, str]:
     """(variant, the srun line) for the chosen backend."""
-    backend = layout.options.backend
+    variant = BACKENDS[layout.options.backend].sbatch_line  # the registry decides
     node = layout.nodes[0]
     path = node.env.get("PATH", "")
-    if backend in ("torchrun", "slurm"):
+    if variant == "torchrun":
         # TODO(commands.srun_torchrun_argv): torchrun needs IGNORE_USR1 too; it belongs in
         # the shared srun argv so the salloc line and this one stay identical.
         argv = _without_path(srun_torchrun_argv(layout, ADDR_WORD, PORT_WORD), path)
@@ -145,7 +146,7 @@ def launch_line(layout: JobLayout, log_dir: str) -> tuple[str, str]:
     uniform(layout, "srun")
     env_words = ["env", *(f"{k}={v}" for k, v in node.env.items() if k != "PATH")]
     nodes = len(layout.nodes)
-    if backend == "accelerate":
+    if variant == "accelerate":
         program = launcher_program(layout.programs[0], "--module")
         argv = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                 f"--chdir={node.workdir}", *env_words, "sh", "-c", ACCELERATE_EXEC, node.python,

@@ -35,6 +35,9 @@ class Backend:
     native: bool = False
     # How the agent reads rank labels off the launcher's output lines.
     output_prefix: str = "torchrun"
+    # The launcher writes each rank's output to files (--enable_each_rank_log), which the
+    # node agents tail; clusterkit launch points them at a fresh directory per run.
+    rank_log_files: bool = False
     # Modules the pre-launch gate imports on every node.
     gate_needs: tuple[str, ...] = ("torch",)
     # Doctor semantics: "deepspeed" = DeepSpeed's runner on node 0 reaches the others over
@@ -53,7 +56,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             command_sets=("torchrun",), sbatch_plan="slurm", sbatch_line="torchrun"),
     Backend("deepspeed", "DeepSpeed's runner on the first node, pdsh to the others",
             plan_backend="deepspeed", command_sets=("deepspeed",), sbatch_plan="deepspeed",
-            sbatch_line="deepspeed", output_prefix="pdsh",
+            sbatch_line="deepspeed", output_prefix="pdsh", rank_log_files=True,
             gate_needs=("torch", "deepspeed"), doctor="deepspeed"),
     Backend("accelerate", "accelerate launch on every node", plan_backend="accelerate",
             command_sets=("accelerate",), sbatch_plan="accelerate", sbatch_line="accelerate",

@@ -125,6 +125,8 @@ class JobOptions:
     accelerate_use_deepspeed: bool = flag(
         True, "accelerate with MULTI_GPU/MULTI_CPU instead of DEEPSPEED",
         name="--accelerate-no-deepspeed", kind="negate", group="launcher details")
+    strict: bool = flag(False, "a plan warning (more ranks than GPUs on a node, GPU ranks on "
+                        "a gpus: 0 host) is an error", kind="switch", group="job")
     # watchdog (issue 14, launch only): no progress on any rank for this long = stalled; 0: off
     hang_timeout_s: float = 0.0
     # Slurm
@@ -237,6 +239,8 @@ class LaunchPlan:
     ds_config: Mapping[str, Any] = field(hash=False)
     # per node (same order as ``nodes``): the interpreter arguments each node's ranks run
     programs: tuple[tuple[str, ...], ...] = ()
+    # What is legal but probably not meant (printed by every verb; --strict refuses them).
+    warnings: tuple[str, ...] = ()
 
     @property
     def job_dir(self) -> str:

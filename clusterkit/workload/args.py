@@ -6,7 +6,17 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clusterkit.spec.zero import OFFLOAD_CHOICES
+from clusterkit.spec.job import DEFAULT_MODEL
+from clusterkit.spec.zero import (
+    DEFAULT_LR,
+    DEFAULT_MICRO_BATCH,
+    DEFAULT_STEPS,
+    DEFAULT_WARMUP_STEPS,
+    DEFAULT_ZERO_STAGE,
+    OFFLOAD_CHOICES,
+    PRECISION_AUTO_CHOICES,
+    ZERO_STAGES,
+)
 from clusterkit.workload.presets import PRESETS
 
 
@@ -53,21 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "checkpoints on shared or node-local storage, preemption-safe.")
     g = p.add_argument_group("model and engine")
     g.add_argument("--engine", choices=("deepspeed", "accelerate"), default="deepspeed")
-    g.add_argument("--model", choices=tuple(PRESETS), default="tiny")
-    g.add_argument("--steps", type=int, default=100, help="total optimizer steps (default 100)")
-    g.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per micro step")
+    g.add_argument("--model", choices=tuple(PRESETS), default=DEFAULT_MODEL)
+    g.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"total optimizer steps (default {DEFAULT_STEPS})")
+    g.add_argument("--micro-batch", type=int, default=DEFAULT_MICRO_BATCH,
+                   help=f"sequences per rank per micro step (default {DEFAULT_MICRO_BATCH})")
     g.add_argument("--grad-accum", type=int, default=1, help="micro steps per optimizer step")
     g.add_argument("--seed", type=int, default=1234)
     z = p.add_argument_group("ZeRO / precision (ignored with --ds-config)")
-    z.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2)
+    z.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=DEFAULT_ZERO_STAGE)
     z.add_argument("--offload-optimizer", choices=OFFLOAD_CHOICES, default="none")
     z.add_argument("--offload-param", choices=OFFLOAD_CHOICES, default="none")
     z.add_argument("--nvme-path", default=None)
-    z.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+    z.add_argument("--precision", choices=PRECISION_AUTO_CHOICES, default="auto",
                    help="auto: bf16 on GPU, fp32 on CPU")
-    z.add_argument("--lr", type=float, default=1e-3)
+    z.add_argument("--lr", type=float, default=DEFAULT_LR)
     z.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as lr fraction")
-    z.add_argument("--warmup-steps", type=int, default=10)
+    z.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS)
     z.add_argument("--weight-decay", type=float, default=0.1)
     z.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm (0: off)")
     z.add_argument("--ds-config", default=None,

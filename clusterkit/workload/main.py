@@ -22,7 +22,7 @@ from clusterkit.backend_timeouts import pg_timeout_from_env
 from clusterkit.checkpoints import layout
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import read_json_object
-from clusterkit.spec.zero import Offload, Precision, ZeroSpec, build_ds_config
+from clusterkit.spec.zero import Offload, Precision, ZeroSpec, build_ds_config, resolve_precision
 from clusterkit.workload import hangs
 from clusterkit.workload.args import WorkloadArgs, parse_args
 from clusterkit.workload.distenv import resolve_dist_env
@@ -188,8 +188,8 @@ def _run(args: WorkloadArgs, rank: int, local_rank: int, world: int,
                                .format(node=topo.me.node_index, host=host))
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
-    precision = args.precision if args.precision != "auto" else ("bf16" if on_gpu else "fp32")
-    cfg = _ds_config(args, precision, world, on_gpu, run_dir, args.storage == "node-local")
+    requested: str = resolve_precision(args.precision, on_gpu)  # the one rule (spec.zero)
+    cfg = _ds_config(args, requested, world, on_gpu, run_dir, args.storage == "node-local")
     precision = _precision_of(cfg)
     zero_stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
     micro, accum = int(cfg["train_micro_batch_size_per_gpu"]), int(cfg["gradient_accumulation_steps"])

@@ -1,0 +1,109 @@
+"""The job flags of ``launch``, ``render`` and ``sbatch``, generated from the job spec.
+
+Every :class:`~clusterkit.spec.job.JobOptions` field declared with ``flag(...)`` becomes
+one ``--flag`` here, with the field's type, default, choices and help; ``--launcher``
+comes from the backend registry. The three verbs call :func:`add_job_flags` and
+:func:`job_options`, so their job flags cannot drift apart (tests/test_jobflags.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from clusterkit.errors import ClusterkitError
+from clusterkit.spec.backends import BACKENDS, DEFAULT_LAUNCHER, launchers_help
+from clusterkit.spec.job import JobOptions
+
+# Flags that are not JobOptions fields one to one (the verb maps them).
+LAUNCHER_DEST = "launcher"
+_TYPES: dict[str, Callable[[str], Any]] = {"int": int, "float": float}
+
+
+def job_fields() -> list[dataclasses.Field[Any]]:
+    """The JobOptions fields that are job flags, in declaration order."""
+    return [f for f in dataclasses.fields(JobOptions) if "flag" in f.metadata]
+
+
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    return str(f.metadata["flag"] or "--" + f.name.replace("_", "-"))
+
+
+def _value_type(f: dataclasses.Field[Any]) -> Callable[[str], Any]:
+    # Annotations are strings here (from __future__ import annotations): "int | None" -> int.
+    return _TYPES.get(str(f.type).split(" |")[0], str)
+
+
+def _add(group: argparse._ArgumentGroup, f: dataclasses.Field[Any]) -> None:
+    meta = f.metadata
+    kw: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
+    if meta["metavar"]:
+        kw["metavar"] = meta["metavar"]
+    kind = meta["kind"]
+    if kind in ("switch", "negate"):
+        kw.update(action="store_true" if kind == "switch" else "store_false", default=f.default)
+    elif kind == "repeat":
+        kw.update(action="append", default=[])
+    else:
+        kw.update(type=_value_type(f), default=f.default)
+        if meta["choices"]:
+            kw["choices"] = meta["choices"]
+        if f.default is not None:
+            kw["help"] = f"{meta['help']} (default {f.default})"
+    group.add_argument(flag_name(f), **kw)
+
+
+def add_job_flags(p: argparse.ArgumentParser) -> None:
+    """The shared job flags, grouped as the spec groups them."""
+    j = p.add_argument_group("job")
+    j.add_argument("--launcher", dest=LAUNCHER_DEST, choices=tuple(BACKENDS),
+                   default=DEFAULT_LAUNCHER, help=f"default {DEFAULT_LAUNCHER}. {launchers_help()}")
+    j.add_argument("--job-id", metavar="JOB",
+                   help="default: <cluster>-<date>-<time>; the checkpoint dir is <root>/JOB, so "
+                        "launching with a previous job's id continues that job")
+    j.add_argument("--master-addr", metavar="ADDR",
+                   help="node 0's address on the network the nodes share (default: its "
+                        "inventory address)")
+    groups: dict[str, argparse._ArgumentGroup] = {"job": j}
+    for f in job_fields():
+        name = f.metadata["group"]
+        if name not in groups:
+            groups[name] = p.add_argument_group(name)
+        _add(groups[name], f)
+
+
+def _set_env(items: list[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ClusterkitError(f"--set-env {item!r} needs NAME=VALUE", key="--set-env")
+        out.append((name, value))
+    return tuple(out)
+
+
+def job_options(args: argparse.Namespace, *, job_id: str, **program: Any) -> JobOptions:
+    """JobOptions from the parsed job flags; ``program``: script/module/script_args.
+
+    The plan backend is the registry's ``plan_backend`` of ``--launcher`` (native runs
+    the torchrun plan)."""
+    values: dict[str, Any] = {}
+    for f in job_fields():
+        value = getattr(args, f.name)
+        if f.name == "set_env":
+            value = _set_env(value)
+        elif f.metadata["kind"] == "repeat":
+            value = tuple(value)
+        values[f.name] = value
+    return JobOptions(job_id=job_id, backend=BACKENDS[getattr(args, LAUNCHER_DEST)].plan_backend,
+                      nodes=args.nodes, gpus_per_node=args.gpus_per_node, include=args.include,
+                      exclude=args.exclude, **program, **values)
+
+
+def default_job_id_now(cluster: str) -> str:
+    from clusterkit.plan import default_job_id
+
+    return default_job_id(cluster, datetime.now())

@@ -1,0 +1,89 @@
+"""launch, render and sbatch take the same job flags with the same defaults (issue 11)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import pytest
+
+from clusterkit.cli.jobflags import flag_name, job_fields, job_options
+from clusterkit.cli.main import build_parser
+from clusterkit.spec.backends import BACKENDS, DEFAULT_LAUNCHER
+from clusterkit.spec.job import JobOptions
+from clusterkit.spec.zero import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS, ZeroSpec
+
+VERBS = ("launch", "render", "sbatch")
+SHARED = ("--launcher", "--job-id", "--master-addr", *(flag_name(f) for f in job_fields()))
+
+
+def _verb(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _signature(parser: argparse.ArgumentParser, flag: str) -> tuple[Any, ...]:
+    (action,) = [a for a in parser._actions if flag in a.option_strings]
+    return (tuple(action.option_strings), action.dest, action.default, action.choices,
+            action.type, action.nargs, action.help, action.metavar, type(action).__name__)
+
+
+@pytest.mark.parametrize("flag", SHARED)
+def test_every_verb_has_the_same_job_flag(flag: str) -> None:
+    sigs = {verb: _signature(_verb(verb), flag) for verb in VERBS}
+    assert len({repr(s) for s in sigs.values()}) == 1, sigs
+
+
+def test_defaults_come_from_the_spec() -> None:
+    ns = _verb("render").parse_args([])
+    o = job_options(ns, job_id="j")
+    fields = {f.name: f.default for f in dataclasses.fields(JobOptions)}
+    for f in job_fields():
+        assert getattr(o, f.name) == fields[f.name], f.name
+    assert (o.steps, o.micro_batch, o.lr) == (DEFAULT_STEPS, DEFAULT_MICRO_BATCH, DEFAULT_LR)
+    assert (ZeroSpec().lr, ZeroSpec().micro_batch) == (DEFAULT_LR, DEFAULT_MICRO_BATCH)
+    assert ns.launcher == DEFAULT_LAUNCHER
+    assert o.backend == BACKENDS[DEFAULT_LAUNCHER].plan_backend
+
+
+def test_workload_defaults_are_the_job_defaults() -> None:
+    from clusterkit.workload.args import parse_args
+
+    w = parse_args([])
+    assert (w.steps, w.micro_batch, w.lr, w.zero_stage, w.warmup_steps, w.model) == \
+        (DEFAULT_STEPS, DEFAULT_MICRO_BATCH, DEFAULT_LR, JobOptions("j").zero_stage,
+         JobOptions("j").warmup_steps, JobOptions("j").model)
+
+
+def test_launcher_choices_are_the_registry() -> None:
+    for verb in VERBS:
+        (action,) = [a for a in _verb(verb)._actions if "--launcher" in a.option_strings]
+        assert tuple(action.choices) == tuple(BACKENDS)
+    (doctor,) = [a for a in _verb("doctor")._actions if "--launcher" in a.option_strings]
+    assert tuple(doctor.choices) == tuple(BACKENDS) and doctor.default == DEFAULT_LAUNCHER
+
+
+def test_launch_expresses_what_plan_recommends() -> None:
+    # `clusterkit plan` can say "ZeRO-2 + CPU offload": launch takes it now.
+    ns = _verb("launch").parse_args(["--zero-stage", "2", "--offload-optimizer", "cpu",
+                                     "--precision", "bf16", "--micro-batch", "2"])
+    assert (ns.zero_stage, ns.offload_optimizer, ns.precision, ns.micro_batch) == (2, "cpu",
+                                                                                  "bf16", 2)
+
+
+def test_unknown_model_fails_at_parse_time(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _verb("launch").parse_args(["--model", "llama-7b", "--dry-run"])
+    assert exc.value.code == 2
+    assert "--model" in capsys.readouterr().err
+
+
+def test_doctor_tests_the_port_launch_uses() -> None:
+    from clusterkit.cli.cmd_doctor import _master_port
+    from clusterkit.plan import master_port
+
+    doctor = _verb("doctor")
+    assert _master_port(doctor.parse_args(["--job-id", "run7"]), "c") == master_port("run7")
+    assert _master_port(doctor.parse_args([]), "c") == master_port("c")
+    assert _master_port(doctor.parse_args(["--master-port", "0"]), "c") is None
