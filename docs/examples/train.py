@@ -3,14 +3,16 @@
 Run it on two nodes with ZeRO-3 and node-local checkpoints::
 
     clusterkit launch -i inv.yaml --nodes 2 --zero-stage 3 --storage node-local \\
-        --job-id demo docs/examples/train.py --steps 60 --save-every 10
+        --steps 60 --job-id demo docs/examples/train.py -- --steps 60 --save-every 10
 
-Launch it again with the same ``--job-id`` and it resumes from its newest complete
-checkpoint. Everything it needs comes from clusterkit (docs/launch.md, "Your own
-training script"): the standard torch variables (RANK, WORLD_SIZE, MASTER_ADDR, ...)
-and ``CLUSTERKIT_DS_CONFIG`` (the rendered ds_config.json: ZeRO stage, batch sizes,
-optimizer, precision), ``CLUSTERKIT_CKPT_DIR`` (this job's checkpoint dir on this
-node) and ``CLUSTERKIT_STORAGE``. Only the standard DeepSpeed API is used, so the
+(the script's own flags go after ``--``: ``--steps`` is also a clusterkit flag, which
+sizes the learning-rate schedule). Launch it again with the same ``--job-id`` and
+it resumes from its newest complete checkpoint. Everything it needs comes from
+clusterkit (docs/launch.md, "Your own training script"): the standard torch
+variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) and ``CLUSTERKIT_DS_CONFIG`` (the
+rendered ds_config.json: ZeRO stage, batch sizes, optimizer, precision),
+``CLUSTERKIT_CKPT_DIR`` (this job's checkpoint dir on this node) and
+``CLUSTERKIT_STORAGE``. Only the standard DeepSpeed API is used, so the
 same script runs on GPUs (DeepSpeed picks the accelerator) and on CPU (gloo).
 """
 
