@@ -272,6 +272,7 @@ class Agent:
         self.keepalive_lost = False
         self._last_control = time.monotonic()
         self._started = time.monotonic()
+        self._started_wall = time.time()
         self._last_line: dict[int, float] = {}  # global rank -> time of its last output line
         self._next_progress = 0.0
         self.progress_dir = os.path.join(self.node_dir, "progress")
@@ -593,7 +594,10 @@ class Agent:
                     continue
                 path, rank = os.path.join(self.progress_dir, name), int(m.group(1))
                 with contextlib.suppress(OSError, ValueError):
-                    age = max(0.0, now_w - os.stat(path).st_mtime)
+                    mtime = os.stat(path).st_mtime
+                    if mtime < self._started_wall:
+                        continue  # an earlier attempt's: its step is not this attempt's
+                    age = max(0.0, now_w - mtime)
                     last[rank] = min(last.get(rank, age), age)
                     with open(path, encoding="utf-8") as fh:
                         steps[rank] = int(fh.read().strip() or "-1")
