@@ -87,3 +87,10 @@ def test_doctor_tests_the_port_launch_uses() -> None:
     assert _master_port(doctor.parse_args(["--job-id", "run7"]), "c") == master_port("run7")
     assert _master_port(doctor.parse_args([]), "c") == master_port("c")
     assert _master_port(doctor.parse_args(["--master-port", "0"]), "c") is None
+
+
+def test_model_names_are_the_workload_presets() -> None:
+    from clusterkit.spec.job import MODEL_NAMES
+    from clusterkit.workload.presets import PRESETS
+
+    assert tuple(PRESETS) == MODEL_NAMES

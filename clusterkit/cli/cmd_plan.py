@@ -8,9 +8,10 @@ from dataclasses import asdict
 
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
 from clusterkit.errors import ClusterkitError
+from clusterkit.spec.job import MODEL_NAMES
 from clusterkit.units import size_type
 
-MODELS = ("tiny", "small", "medium")
+MODELS = MODEL_NAMES  # the bundled workload presets (spec.job)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -6,17 +6,8 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clusterkit.spec.job import DEFAULT_MODEL
-from clusterkit.spec.zero import (
-    DEFAULT_LR,
-    DEFAULT_MICRO_BATCH,
-    DEFAULT_STEPS,
-    DEFAULT_WARMUP_STEPS,
-    DEFAULT_ZERO_STAGE,
-    OFFLOAD_CHOICES,
-    PRECISION_AUTO_CHOICES,
-    ZERO_STAGES,
-)
+from clusterkit.spec import job as spec_job
+from clusterkit.spec import zero as spec
 from clusterkit.workload.presets import PRESETS
 
 
@@ -63,23 +54,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "checkpoints on shared or node-local storage, preemption-safe.")
     g = p.add_argument_group("model and engine")
     g.add_argument("--engine", choices=("deepspeed", "accelerate"), default="deepspeed")
-    g.add_argument("--model", choices=tuple(PRESETS), default=DEFAULT_MODEL)
-    g.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                   help=f"total optimizer steps (default {DEFAULT_STEPS})")
-    g.add_argument("--micro-batch", type=int, default=DEFAULT_MICRO_BATCH,
-                   help=f"sequences per rank per micro step (default {DEFAULT_MICRO_BATCH})")
+    g.add_argument("--model", choices=tuple(PRESETS), default=spec_job.DEFAULT_MODEL)
+    g.add_argument("--steps", type=int, default=spec.DEFAULT_STEPS,
+                   help=f"total optimizer steps (default {spec.DEFAULT_STEPS})")
+    g.add_argument("--micro-batch", type=int, default=spec.DEFAULT_MICRO_BATCH,
+                   help=f"sequences per rank per micro step (default {spec.DEFAULT_MICRO_BATCH})")
     g.add_argument("--grad-accum", type=int, default=1, help="micro steps per optimizer step")
     g.add_argument("--seed", type=int, default=1234)
     z = p.add_argument_group("ZeRO / precision (ignored with --ds-config)")
-    z.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=DEFAULT_ZERO_STAGE)
-    z.add_argument("--offload-optimizer", choices=OFFLOAD_CHOICES, default="none")
-    z.add_argument("--offload-param", choices=OFFLOAD_CHOICES, default="none")
+    z.add_argument("--zero-stage", type=int, choices=spec.ZERO_STAGES, default=spec.DEFAULT_ZERO_STAGE)
+    z.add_argument("--offload-optimizer", choices=spec.OFFLOAD_CHOICES, default="none")
+    z.add_argument("--offload-param", choices=spec.OFFLOAD_CHOICES, default="none")
     z.add_argument("--nvme-path", default=None)
-    z.add_argument("--precision", choices=PRECISION_AUTO_CHOICES, default="auto",
+    z.add_argument("--precision", choices=spec.PRECISION_AUTO_CHOICES, default="auto",
                    help="auto: bf16 on GPU, fp32 on CPU")
-    z.add_argument("--lr", type=float, default=DEFAULT_LR)
+    z.add_argument("--lr", type=float, default=spec.DEFAULT_LR)
     z.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as lr fraction")
-    z.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP_STEPS)
+    z.add_argument("--warmup-steps", type=int, default=spec.DEFAULT_WARMUP_STEPS)
     z.add_argument("--weight-decay", type=float, default=0.1)
     z.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm (0: off)")
     z.add_argument("--ds-config", default=None,
