@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from clusterkit.checks.netpick import (
     KEYS,
     apply_picks,
@@ -15,7 +17,7 @@ from clusterkit.checks.netpick import (
 )
 from clusterkit.inventory import Inventory
 from clusterkit.plan import JobOptions, plan_job
-from tests.render_cases import FACTS, inventory
+from tests.render_cases import FACTS, ROOT, inventory
 from tests.test_checks_rules import cluster, node
 
 
@@ -70,3 +72,23 @@ def test_the_inventory_and_the_shell_win() -> None:
     assert picked.hosts[0].env["GLOO_SOCKET_IFNAME"] == "bond0"
     assert "NCCL_SOCKET_IFNAME" not in picked.hosts[0].env
     assert picked.hosts[1].env["GLOO_SOCKET_IFNAME"] == "eth0"
+
+
+def test_render_cli_uses_the_saved_pick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`clusterkit render` after a doctor run: the exact name reaches .deepspeed_env."""
+    from clusterkit.cli.main import main
+
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
+    for key in KEYS:
+        monkeypatch.delenv(key, raising=False)
+    text = (ROOT / "hostfiles" / "a800-7x2.yaml").read_text()
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(text.replace('    NCCL_SOCKET_IFNAME: "=ens1f0"\n', "")
+                   .replace("    GLOO_SOCKET_IFNAME: ens1f0\n", ""))
+    save_picks(picks_path(tmp_path / "home", "a800-7x2"), "a800-7x2",
+               {f"node{i}": "ens1f1" for i in range(1, 8)})
+    out = tmp_path / "out"
+    argv = ["render", "-i", str(inv), "--job-id", "nic", "--launcher", "deepspeed"]
+    assert main([*argv, "--out", str(out)]) == 0
+    env = (out / "deepspeed_env").read_text()
+    assert "NCCL_SOCKET_IFNAME==ens1f1\n" in env and "GLOO_SOCKET_IFNAME=ens1f1\n" in env

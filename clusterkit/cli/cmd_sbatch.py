@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from clusterkit.cli.cmd_render import add_job_options, job_options, launch_facts, write_artifacts
-from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
+from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_job_inventory
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.plan import JobOptions, LaunchPlan, plan_job
@@ -28,10 +28,12 @@ from clusterkit.render.commands import JobLayout
 from clusterkit.render.sbatch import DEFAULT_SIGNAL_LEAD_S, SlurmSite, render_sbatch
 from clusterkit.slurm import JobInfo, SlurmClient
 from clusterkit.slurm.watch import watch
-from clusterkit.spec.backends import BACKENDS
 
 ACTIONS = ("status", "cancel")
 SCRIPT = "sbatch.sh"
+# clusterkit sbatch --launcher X -> the plan backend whose sbatch variant it is.
+PLAN_BACKEND = {"torchrun": "slurm", "slurm": "slurm", "deepspeed": "deepspeed",
+                "accelerate": "accelerate"}
 EXIT_JOB_FAILED = 1
 LOG_SUBDIR = "logs"  # where the template's #SBATCH --output/--error point
 NODES_FILE = "slurm_nodes"  # the first run's SLURM_JOB_NODELIST (node-local jobs; the script writes it)
@@ -217,10 +219,9 @@ def site_options(args: argparse.Namespace) -> SlurmSite:
 def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = None) -> LaunchPlan:
     """The plan, its batch script rendered with the site flags. ``client``: ask Slurm
     for the nodes' CPUs when --cpus-per-task is not given (None: do not ask)."""
-    inv = resolve_inventory(args.inventory)
+    inv = resolve_job_inventory(args.inventory)  # + doctor's interface pick
     options = job_options(args, inv.name)
-    # --launcher X submits the batch script of X's Slurm variant (the registry's sbatch_plan).
-    options = dataclasses.replace(options, backend=BACKENDS[args.launcher].sbatch_plan)
+    options = dataclasses.replace(options, backend=PLAN_BACKEND[options.backend])
     plan = plan_job(inv, options, launch_facts(args))
     if SCRIPT not in plan.artifacts:
         why = plan.skipped.get(SCRIPT, "the plan has no batch script")

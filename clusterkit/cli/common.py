@@ -37,6 +37,15 @@ def clusterkit_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "clusterkit"
 
 
+def resolve_job_inventory(path: str | None) -> Inventory:
+    """The inventory launch/render/sbatch plan from: plus the interface the last
+    ``clusterkit doctor`` found (NCCL_SOCKET_IFNAME==IF, GLOO_SOCKET_IFNAME=IF) where
+    neither the inventory nor this shell sets them (clusterkit.checks.netpick)."""
+    from clusterkit.checks.netpick import inventory_with_picks
+
+    return inventory_with_picks(resolve_inventory(path), clusterkit_home(), os.environ)
+
+
 def resolve_inventory(path: str | None) -> Inventory:
     candidate = path or os.environ.get(ENV_INVENTORY)
     if not candidate and Path("clusterkit.yaml").is_file():
