@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -17,10 +18,10 @@ from clusterkit.cli.common import (
     clusterkit_home,
     resolve_job_inventory,
 )
+from clusterkit.cli.jobflags import add_job_flags, job_options
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import folded_lines
-
-DEFAULT_STEPS = 30  # the embedded default must finish in well under a minute on a laptop
+from clusterkit.spec.backends import BACKENDS
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -29,25 +30,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        "ZeRO workload on the embedded local virtual nodes).")
     add_inventory_option(p)
     add_selection_options(p)
-    p.add_argument("--launcher", default="native",
-                   choices=("native", "torchrun", "deepspeed", "accelerate"),
-                   help="native (default): each node's agent starts its ranks with torchrun's "
-                        "environment; torchrun: python -m torch.distributed.run per node; "
-                        "deepspeed: DeepSpeed's runner over pdsh; accelerate: accelerate launch")
-    p.add_argument("--job-id", metavar="JOB",
-                   help="default: <cluster>-<date>-<time>; the checkpoint dir is <root>/JOB, so "
-                        "giving a previous job's id continues that job from its newest "
-                        "complete checkpoint")
-    w = p.add_argument_group("the bundled workload (when no program is given)")
-    w.add_argument("--model", default="tiny", help="model preset (default tiny)")
-    w.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"default {DEFAULT_STEPS}")
-    w.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2, 3))
-    w.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps")
-    c = p.add_argument_group("checkpoints and restarts")
-    c.add_argument("--storage", default="auto", choices=("auto", "shared", "node-local"))
-    c.add_argument("--ckpt-dir", help="checkpoint root (overrides the inventory)")
-    c.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="relaunch up to K times after a failure; the workload resumes")
+    add_job_flags(p)  # the same job flags as render and sbatch (cli/jobflags.py)
+    c = p.add_argument_group("restarts")
     c.add_argument("--drop-failed-nodes", action="store_true",
                    help="on restart, leave out nodes that now fail the pre-launch check")
     r = p.add_argument_group("running")
@@ -70,10 +54,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="whose lines stream to the console (default all; identical lines from "
                         "several ranks print once as [r0-13]; per-rank log files keep everything)")
     p.add_argument("--module", "-m", dest="module", metavar="MODULE", help="run python -m MODULE")
-    p.add_argument("--deepspeed-config-arg", action="store_true",
-                   help="append --deepspeed_config <job dir>/ds_config.json to your script's "
-                        "arguments (DeepSpeed's convention; the path is also in "
-                        "$CLUSTERKIT_DS_CONFIG)")
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
                    help="your training script and its arguments (default: the bundled workload)")
     p.set_defaults(func=cmd_launch)
@@ -107,22 +87,16 @@ def _fresh_job_id(cluster: str) -> str:
 
 
 def _options(args: argparse.Namespace, cluster: str) -> Any:
-    from clusterkit.plan import JobOptions
-
     program = list(args.program)
     if program and program[0] == "--":
         program = program[1:]
     script = None if args.module or not program else program[0]
     script_args = tuple(program if args.module else program[1:])
-    return JobOptions(
-        job_id=args.job_id or _fresh_job_id(cluster),
-        backend="torchrun" if args.launcher == "native" else args.launcher,
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node, include=args.include,
-        exclude=args.exclude, script=script, module=args.module, script_args=script_args,
-        deepspeed_config_arg=args.deepspeed_config_arg,
-        model=args.model, steps=args.steps, zero_stage=args.zero_stage, save_every=args.save_every,
-        storage=args.storage, ckpt_dir=args.ckpt_dir,
-    )
+    # --max-restarts is clusterkit's own relaunch here (LaunchSettings): the ranks'
+    # launcher itself must not restart them too.
+    options = job_options(args, job_id=args.job_id or _fresh_job_id(cluster), script=script,
+                          module=args.module, script_args=script_args)
+    return dataclasses.replace(options, max_restarts=0)
 
 
 def _rank_selection(text: str) -> frozenset[int] | None:
@@ -148,20 +122,24 @@ def cmd_launch(args: argparse.Namespace) -> int:
                        ("--keepalive-timeout", args.keepalive_timeout)):
         if value < 0:
             raise LaunchError(f"{key} must be >= 0 (0: off)", key=key)
-    facts = LaunchFacts(python=sys.executable, cwd=os.getcwd(), environ=dict(os.environ))
+    facts = LaunchFacts(python=sys.executable, cwd=os.getcwd(), environ=dict(os.environ),
+                        master_addr=args.master_addr)
     options = _options(args, inventory.name)
 
     def planner(o: Any) -> Any:
-        return plan_job(inventory, o, facts)
+        plan = plan_job(inventory, o, facts)
+        for warning in plan.warnings:  # --strict made them errors already
+            print(f"clusterkit: warning: {warning}", file=sys.stderr)
+        return plan
 
     if args.dry_run:
-        _print_plan(planner(options), native=args.launcher == "native")
+        _print_plan(planner(options), native=BACKENDS[args.launcher].native)
         return 0
     settings = LaunchSettings(skip_checks=args.skip_checks, max_restarts=args.max_restarts,
                               drop_failed_nodes=args.drop_failed_nodes, grace_s=args.grace,
                               hang_timeout_s=args.hang_timeout,
                               keepalive_s=args.keepalive_timeout,
-                              native=args.launcher == "native")
+                              native=BACKENDS[args.launcher].native)
     first = planner(options)
     if args.sync:  # the code to every node's workdir before anything starts there
         from clusterkit.cli.cmd_sync import run_sync

@@ -28,12 +28,10 @@ from clusterkit.render.commands import JobLayout
 from clusterkit.render.sbatch import DEFAULT_SIGNAL_LEAD_S, SlurmSite, render_sbatch
 from clusterkit.slurm import JobInfo, SlurmClient
 from clusterkit.slurm.watch import watch
+from clusterkit.spec.backends import BACKENDS
 
 ACTIONS = ("status", "cancel")
 SCRIPT = "sbatch.sh"
-# clusterkit sbatch --launcher X -> the plan backend whose sbatch variant it is.
-PLAN_BACKEND = {"torchrun": "slurm", "slurm": "slurm", "deepspeed": "deepspeed",
-                "accelerate": "accelerate"}
 EXIT_JOB_FAILED = 1
 LOG_SUBDIR = "logs"  # where the template's #SBATCH --output/--error point
 NODES_FILE = "slurm_nodes"  # the first run's SLURM_JOB_NODELIST (node-local jobs; the script writes it)
@@ -221,7 +219,8 @@ def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = Non
     for the nodes' CPUs when --cpus-per-task is not given (None: do not ask)."""
     inv = resolve_job_inventory(args.inventory)  # + doctor's interface pick
     options = job_options(args, inv.name)
-    options = dataclasses.replace(options, backend=PLAN_BACKEND[options.backend])
+    # --launcher X submits the batch script of X's Slurm variant (the registry's sbatch_plan).
+    options = dataclasses.replace(options, backend=BACKENDS[args.launcher].sbatch_plan)
     plan = plan_job(inv, options, launch_facts(args))
     if SCRIPT not in plan.artifacts:
         why = plan.skipped.get(SCRIPT, "the plan has no batch script")
