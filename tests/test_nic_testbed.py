@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 
+from clusterkit.checks.netpick import inventory_with_picks
 from clusterkit.cli.main import main
+from clusterkit.inventory import load_inventory
 from tests.testbed import Testbed, TestNode
 
 pytestmark = pytest.mark.testbed
@@ -58,7 +60,11 @@ def _bridges(tb: Testbed, nodes: list[TestNode]) -> Iterator[None]:
 
 @pytest.mark.testbed(nodes=2)
 def test_bridge_with_the_same_address_everywhere_warns(
-        testbed: Testbed, testbed_nodes: list[TestNode], tmp_path: Path) -> None:
+        testbed: Testbed, testbed_nodes: list[TestNode], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
+    for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.delenv(key, raising=False)
     inv = testbed.write_inventory(tmp_path / "inventory.yaml", testbed_nodes)
     before = _ifname(_doctor(inv))
     for n in testbed_nodes:
@@ -69,7 +75,6 @@ def test_bridge_with_the_same_address_everywhere_warns(
                              check=True).stdout
         after = _ifname(_doctor(inv))
     bridge_first = order.index(BRIDGE) < order.index("eth0")
-    print(f"kernel order, bridge first: {bridge_first}")
     for n in testbed_nodes:
         found = after[n.name]
         assert [f["status"] for f in found] == ["WARN"], found
@@ -77,6 +82,11 @@ def test_bridge_with_the_same_address_everywhere_warns(
         assert want in found[0]["detail"], (order, found)
         assert found[0]["fix"] == ("set NCCL_SOCKET_IFNAME==eth0 and GLOO_SOCKET_IFNAME=eth0 "
                                    "in the inventory env")
+    # doctor kept its pick, and the plan renders exactly that name on every node
+    picked = inventory_with_picks(load_inventory(inv), tmp_path / "home", {})
+    for host in picked.hosts:
+        assert host.env["NCCL_SOCKET_IFNAME"] == "=eth0", host.env
+        assert host.env["GLOO_SOCKET_IFNAME"] == "eth0"
     # gone again: the next test sees the nodes as they were
     left = testbed.exec(testbed_nodes[0], ["ip", "-o", "link", "show"], check=True).stdout
     assert BRIDGE not in left
