@@ -17,8 +17,8 @@ from clusterkit.cli.common import (
     resolve_inventory,
 )
 from clusterkit.errors import ClusterkitError
-from clusterkit.plan.ports import master_port
 from clusterkit.spec.backends import BACKENDS, DEFAULT_LAUNCHER
+from clusterkit.spec.ports import master_port
 from clusterkit.units import parse_size as parse_size  # the one size rule (docs/units.md)
 from clusterkit.units import size_type
 
@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        "interfaces, NCCL env, GPUs, disk, limits, clocks and the master port.")
     add_inventory_option(p)
     add_selection_options(p)
-    # The launcher and port `clusterkit launch` will use (spec.backends, plan.ports).
+    # The launcher and port `clusterkit launch` will use (spec.backends, spec.ports).
     p.add_argument("--launcher", "--backend", dest="backend", choices=tuple(BACKENDS),
                    default=DEFAULT_LAUNCHER,
                    help=f"how the job will be launched, as `clusterkit launch --launcher` "
@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="test the master port `clusterkit launch --job-id JOB` will use")
     p.add_argument("--master-port", type=int, default=None, metavar="P",
                    help="port to test on the master instead (0 skips); default: the port launch "
-                   "derives from --job-id, else from the inventory name (both in 20000-60000)")
+                   "derives from --job-id, else from the inventory name (both in 20000-32767)")
     p.add_argument("--ckpt-size", metavar="SIZE", type=size_type("--ckpt-size"),
                    help="expected size of one checkpoint per node (e.g. 40G = 40GiB; "
                         "docs/units.md): checks free space")

@@ -11,7 +11,6 @@ from clusterkit.contract import Contract
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import select_hosts
 from clusterkit.inventory import Host, Inventory
-from clusterkit.plan.ports import master_port
 from clusterkit.render.artifacts import render_all, with_reference_files
 from clusterkit.render.commands import JobLayout
 from clusterkit.render.dsenv import build_env
@@ -25,6 +24,7 @@ from clusterkit.spec.job import (
     LaunchPlan,
     NodePlan,
 )
+from clusterkit.spec.ports import master_port
 from clusterkit.spec.zero import ZeroSpec, build_ds_config, resolve_precision
 
 MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")

@@ -30,6 +30,7 @@ from clusterkit.render.commands import (
 )
 from clusterkit.render.dsenv import SYSTEM_PATH
 from clusterkit.spec.backends import BACKENDS
+from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
 
 if TYPE_CHECKING:
     import jinja2
@@ -38,9 +39,9 @@ ADDR_WORD = "@CLUSTERKIT_MASTER_ADDR@"
 PORT_WORD = "@CLUSTERKIT_MASTER_PORT@"
 TEMPLATE = "sbatch.sh.j2"
 # The batch script's port: 20000 + SLURM_JOB_ID % 12768, i.e. 20000-32767, below Linux's
-# ephemeral range (32768-60999): a port there can be taken by any outgoing connection.
-SLURM_PORT_BASE = 20000
-SLURM_PORT_SPAN = 12768
+# ephemeral range (32768-60999): the one port rule of spec.ports, computed in bash.
+SLURM_PORT_BASE = PORT_BASE
+SLURM_PORT_SPAN = PORT_SPAN
 DEFAULT_SIGNAL_LEAD_S = 90
 _SLURM_VALUE = re.compile(r"[A-Za-z0-9_.,:@+-]+")
 _MEM = re.compile(r"[0-9]+[KMGT]?")
