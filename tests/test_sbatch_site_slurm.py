@@ -39,8 +39,15 @@ def _wait_finished(bed: SlurmBed, slurm_id: str, timeout: float) -> tuple[str, f
     return state, time.monotonic() - t0
 
 
+# The default launcher always; the other two variants with CLUSTERKIT_SLURM_ALL=1.
+ALL = pytest.mark.skipif(os.environ.get("CLUSTERKIT_SLURM_ALL") != "1",
+                         reason="set CLUSTERKIT_SLURM_ALL=1 for the long site tests")
+
+
 @pytest.mark.slow
-def test_slurm_clients_only_on_the_submitting_shells_path(slurm: SlurmBed) -> None:
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("deepspeed", marks=ALL),
+                                      pytest.param("accelerate", marks=ALL)])
+def test_slurm_clients_only_on_the_submitting_shells_path(slurm: SlurmBed, launcher: str) -> None:
     with slurm.clients_off_default_path() as env:
         bin_dir = env["PATH"].split(":", 1)[0]
         # Control: the old script's `export PATH=<system dirs>` finds only the stubs.
@@ -57,8 +64,9 @@ def test_slurm_clients_only_on_the_submitting_shells_path(slurm: SlurmBed) -> No
         # clusterkit's script keeps the submitting shell's PATH: the job completes.
         inv = slurm.tb.write_inventory(slurm.tb.root / "inventory-sitepath.yaml",
                                        nodes=slurm.nodes, slots=1, gpus=0)
-        r = _cli(env, ["-i", str(inv), "--nodes", "2", "--steps", "3", "--job-id", "sitepath",
-                       *WORKLOAD, "--partition", "debug", "--submit", "--watch", "--poll", "0.5"])
+        r = _cli(env, ["-i", str(inv), "--nodes", "2", "--steps", "3", "--launcher", launcher,
+                       "--job-id", f"sitepath-{launcher}", *WORKLOAD, "--partition", "debug",
+                       "--submit", "--watch", "--poll", "0.5"])
         assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
         assert "COMPLETED" in r.stderr and "CLUSTERKIT_SUMMARY" in r.stdout
 
@@ -115,10 +123,6 @@ def _job_dir(bed: SlurmBed, job: str) -> Path:
 
 
 # Full trainings (minutes on 2 shared cores): only with CLUSTERKIT_SLURM_ALL=1.
-ALL = pytest.mark.skipif(os.environ.get("CLUSTERKIT_SLURM_ALL") != "1",
-                         reason="set CLUSTERKIT_SLURM_ALL=1 for the long site tests")
-
-
 def _run_nodes(out: str) -> list[str]:
     """The node list of each run, from the script's "===== clusterkit: ... run N on NODES" lines."""
     return re.findall(r"^===== clusterkit: job \S+ slurm=\d+ run \d+ on (\S+)", out, re.M)
