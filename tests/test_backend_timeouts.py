@@ -83,3 +83,18 @@ def test_plan_renders_them_on_every_node_and_the_inventory_wins() -> None:
     mine = plan_for("a800-7x2", "torchrun", nodes=1, gpus_per_node=1, hang_timeout_s=900.0,
                     set_env=(("DEEPSPEED_TIMEOUT", "99"),))
     assert mine.nodes[0].env["DEEPSPEED_TIMEOUT"] == "99"  # the user's --set-env wins
+
+
+def test_launch_hang_timeout_reaches_the_plan_env() -> None:
+    """`launch --hang-timeout 60`: the planned ranks get the matching backend timeouts."""
+    from clusterkit.cli import cmd_launch
+    from clusterkit.cli.main import build_parser
+
+    args = build_parser().parse_args(["launch", "--job-id", "ht", "--hang-timeout", "60"])
+    options = cmd_launch._options(args, "local")
+    assert options.hang_timeout_s == 60.0
+    from clusterkit.plan import plan_job
+    from tests.render_cases import FACTS, inventory
+
+    plan = plan_job(inventory("a800-7x2"), options, FACTS)
+    assert {n.env[PG_TIMEOUT_ENV] for n in plan.nodes} == {str(MIN_PG_TIMEOUT_S)}

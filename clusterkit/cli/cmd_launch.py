@@ -96,7 +96,8 @@ def _options(args: argparse.Namespace, cluster: str) -> Any:
     # launcher itself must not restart them too.
     options = job_options(args, job_id=args.job_id or _fresh_job_id(cluster), script=script,
                           module=args.module, script_args=script_args)
-    return dataclasses.replace(options, max_restarts=0)
+    # --hang-timeout also sets the ranks' backend timeouts (clusterkit.backend_timeouts).
+    return dataclasses.replace(options, max_restarts=0, hang_timeout_s=args.hang_timeout)
 
 
 def _rank_selection(text: str) -> frozenset[int] | None:
