@@ -48,18 +48,31 @@ def _job_pids(job: str) -> list[int]:
 
 def test_stopped_rank_is_named_dumped_torn_down_and_the_restart_resumes(
         testbed: Testbed, tmp_path: Path) -> None:
-    ref = _train(testbed, tmp_path, "hang-ref", "native", 2, 2, "shared", STEPS)
-    _assert_trained(ref, STEPS, 4)
+    _stopped_rank_case(testbed, tmp_path, nodes=2, ranks=2, stop_rank=3, stop_node="node2")
+
+
+@pytest.mark.skipif(os.environ.get("CLUSTERKIT_ACCEPT_7X2") != "1",
+                    reason="the 7x2 acceptance run costs minutes: CLUSTERKIT_ACCEPT_7X2=1")
+def test_acceptance_7x2_rank_on_node4_stopped(testbed: Testbed, tmp_path: Path) -> None:
+    _stopped_rank_case(testbed, tmp_path, nodes=7, ranks=2, stop_rank=7, stop_node="node4")
+
+
+def _stopped_rank_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: int,
+                       stop_rank: int, stop_node: str) -> None:
+    world = nodes * ranks
+    ref = _train(testbed, tmp_path, "hang-ref", "native", nodes, ranks, "shared", STEPS)
+    _assert_trained(ref, STEPS, world)
 
     job = "hang-run"
-    inv = testbed.write_inventory(tmp_path / "h.yaml", nodes=["node1", "node2"], slots=2)
-    argv = _argv(inv, job, "native", 2, 2, "node-local", STEPS,
+    inv = testbed.write_inventory(tmp_path / "h.yaml", nodes=[x.name for x in testbed.ensure(nodes)],
+                                  slots=ranks)
+    argv = _argv(inv, job, "native", nodes, ranks, "node-local", STEPS,
                  ["--save-every", str(SAVE_EVERY), "--max-restarts", "1",
                   "--hang-timeout", str(HANG_TIMEOUT)])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(tmp_path), cwd=tmp_path, start_new_session=True)
     seen: list[str] = []
-    stopped_at = fired_at = None
+    stopped_at = fired_at = named_at = None
     left_after_teardown: list[int] = []
     try:
         assert proc.stdout is not None
@@ -67,16 +80,16 @@ def test_stopped_rank_is_named_dumped_torn_down_and_the_restart_resumes(
             seen.append(line)
             m = _CKPT_DONE.search(line)
             if m and stopped_at is None and m.group(1) == f"global_step{SAVE_EVERY}":
-                pid = _rank_pid(job, 3)
+                pid = _rank_pid(job, stop_rank)
                 assert pid is not None
-                os.kill(pid, signal.SIGSTOP)  # rank 3 on node2: alive, silent, stuck
+                os.kill(pid, signal.SIGSTOP)  # alive, silent, stuck
                 stopped_at = time.monotonic()
+            if "odd one out" in line and named_at is None:
+                named_at = time.monotonic()
             if "restarting (attempt 2 of 2)" in line:
                 fired_at = fired_at or time.monotonic()
                 # attempt 1's processes are gone before attempt 2 starts
-                left_after_teardown = [p for p in _job_pids(job)
-                                       if b"CLUSTERKIT_ATTEMPT=0" in
-                                       Path(f"/proc/{p}/environ").read_bytes().split(b"\0")]
+                left_after_teardown = [p for p in _job_pids(job) if _attempt(p) == b"0"]
         proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
@@ -84,18 +97,28 @@ def test_stopped_rank_is_named_dumped_torn_down_and_the_restart_resumes(
             proc.wait()
     text = "".join(seen)
     (tmp_path / "launch.txt").write_text(text)  # for a failed run's post-mortem
-    assert stopped_at is not None and fired_at is not None, text[-4000:]
+    assert stopped_at is not None and fired_at is not None and named_at is not None, text[-4000:]
     load = Path("/proc/loadavg").read_text().strip()
-    print(f"stop -> restart {fired_at - stopped_at:.1f} s (hang timeout {HANG_TIMEOUT} s); "
-          f"load {load}")
+    print(f"{nodes}x{ranks}: stop -> summary {named_at - stopped_at:.1f} s, -> torn down and "
+          f"restarting {fired_at - stopped_at:.1f} s (hang timeout {HANG_TIMEOUT} s); load {load}")
     assert "no progress on any rank for" in text, text[-4000:]
-    assert "rank 3 (node2, stopped): in " in text and "odd one out" in text, text[-4000:]
-    assert "node2 rank 3 failed (no progress" in text, text[-4000:]
+    assert f"rank {stop_rank} ({stop_node}, stopped): in " in text and "odd one out" in text, \
+        text[-4000:]
+    assert f"{stop_node} rank {stop_rank} failed (no progress" in text, text[-4000:]
     dumps = Path(tmp_path / "home" / "jobs" / job / "stacks" / "a0")
-    assert sorted(p.name for p in dumps.glob("rank*.txt")) == [f"rank{r}.txt" for r in range(4)]
+    assert sorted(p.name for p in dumps.glob("rank*.txt")) == \
+        sorted(f"rank{r}.txt" for r in range(world))
     assert left_after_teardown == [], left_after_teardown
     assert proc.returncode == 0, text[-4000:]
     s = _summary(text)
     assert s["resumed_from"] is not None and s["finished"] and s["steps"] == STEPS
     assert s["final_loss"] == ref.summary["final_loss"], (s["final_loss"], ref.summary["final_loss"])
     assert _job_pids(job) == []
+
+
+def _attempt(pid: int) -> bytes | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((e.split(b"=", 1)[1] for e in env if e.startswith(b"CLUSTERKIT_ATTEMPT=")), None)
