@@ -75,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _fresh_job_id(cluster: str) -> str:
     """The default id, made unique against the registry: a new job never continues an old one."""
     from clusterkit.launch.jobs import Registry
-    from clusterkit.plan import default_job_id
+    from clusterkit.spec.job import default_job_id
 
     base = default_job_id(cluster, datetime.now())
     registry = Registry(clusterkit_home())

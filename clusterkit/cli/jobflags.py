@@ -16,7 +16,7 @@ from typing import Any
 
 from clusterkit.errors import ClusterkitError
 from clusterkit.spec.backends import BACKENDS, DEFAULT_LAUNCHER, launchers_help
-from clusterkit.spec.job import JobOptions
+from clusterkit.spec.job import JobOptions, default_job_id
 
 # Flags that are not JobOptions fields one to one (the verb maps them).
 LAUNCHER_DEST = "launcher"
@@ -104,6 +104,4 @@ def job_options(args: argparse.Namespace, *, job_id: str, **program: Any) -> Job
 
 
 def default_job_id_now(cluster: str) -> str:
-    from clusterkit.plan import default_job_id
-
     return default_job_id(cluster, datetime.now())

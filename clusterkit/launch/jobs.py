@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,12 +19,6 @@ from clusterkit.errors import LaunchError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.launch.orchestrator import JobSpec
 from clusterkit.remote.base import SSHTarget
-
-
-def new_job_id(now: float | None = None) -> str:
-    """Sortable and unique enough to tag processes: ``ck-20250101-120000-3fa2``."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
-    return f"ck-{stamp}-{secrets.token_hex(2)}"
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,16 @@ The value types live one layer down, in :mod:`clusterkit.spec`.
 
 from __future__ import annotations
 
-from clusterkit.plan.build import default_job_id, plan_job
+from clusterkit.plan.build import plan_job
 from clusterkit.spec.backends import PLAN_BACKENDS as BACKENDS
-from clusterkit.spec.job import JobOptions, LaunchFacts, LaunchPlan, NodeCommand, NodePlan
+from clusterkit.spec.job import (
+    JobOptions,
+    LaunchFacts,
+    LaunchPlan,
+    NodeCommand,
+    NodePlan,
+    default_job_id,
+)
 from clusterkit.spec.ports import master_port
 
 __all__ = ["BACKENDS", "JobOptions", "LaunchFacts", "LaunchPlan", "NodeCommand", "NodePlan",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from datetime import datetime
 from pathlib import PurePosixPath
 
 from clusterkit.backend_timeouts import timeout_env
@@ -16,6 +15,7 @@ from clusterkit.render.commands import JobLayout
 from clusterkit.render.dsenv import build_env
 from clusterkit.spec.backends import BACKENDS, DS_LAUNCHERS, PLAN_BACKENDS
 from clusterkit.spec.job import (
+    JOB_ID,
     RDZV_CHOICES,
     STORAGE_CHOICES,
     WORKLOAD_MODULE,
@@ -28,14 +28,7 @@ from clusterkit.spec.ports import master_port
 from clusterkit.spec.zero import ZeroSpec, build_ds_config, resolve_precision
 
 MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
-JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 JOBS_SUBDIR = ".clusterkit/jobs"
-
-
-def default_job_id(cluster: str, now: datetime) -> str:
-    """``<cluster>-YYYYmmdd-HHMMSS`` with anything unsafe in the name replaced by ``-``."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", cluster).strip("-.") or "job"
-    return f"{name[:40]}-{now:%Y%m%d-%H%M%S}"
 
 
 def _choice(value: str, choices: tuple[str, ...], key: str) -> None:

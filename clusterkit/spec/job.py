@@ -9,9 +9,11 @@ The bundled workload's own defaults come from the ``DEFAULT_*`` constants below.
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from clusterkit.inventory import Host
@@ -35,9 +37,17 @@ WORKLOAD_MODULE = "clusterkit.workload"
 MODEL_NAMES: tuple[str, ...] = ("tiny", "small", "medium")
 DEFAULT_MODEL = "tiny"
 DEFAULT_TIME_LIMIT = "01:00:00"
+# A job id names directories and reaches shells: plain words only.
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # `sh -c` program that enters a directory and execs the rest: a fixed string, the
 # directory and argv arrive as positional parameters, so nothing is re-parsed.
 CD_EXEC = 'cd -- "$1" && shift && exec "$@"'
+
+
+def default_job_id(cluster: str, now: datetime) -> str:
+    """``<cluster>-YYYYmmdd-HHMMSS`` with anything unsafe in the name replaced by ``-``."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", cluster).strip("-.") or "job"
+    return f"{name[:40]}-{now:%Y%m%d-%H%M%S}"
 
 
 def flag(default: Any, help: str, *, name: str | None = None, choices: tuple[Any, ...] = (),
