@@ -90,6 +90,8 @@ def test_cancel_signal_argv() -> None:
      "sinfo -s"),
     (("", "sbatch: error: Batch job submission failed: Invalid generic resource (gres) "
           "specification\n", 1), "declare no GPUs"),
+    (("", "sbatch: error: Batch job submission failed: Invalid feature specification\n", 1),
+     "sinfo -o '%N %f'"),
     (FileNotFoundError("sbatch"), "login node"),
     (subprocess.TimeoutExpired("sbatch", 3), "scontrol ping"),
 ])

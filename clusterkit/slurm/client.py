@@ -27,6 +27,8 @@ HINTS: tuple[tuple[str, str], ...] = (
      "no node has that many GPUs/CPUs; check `sinfo -o '%P %D %c %G'` against --gpus-per-node "
      "and --cpus-per-task"),
     ("Node count specification invalid", "the partition has fewer nodes than --nodes"),
+    ("Invalid feature specification", "--constraint names a feature no node has; "
+                                      "`sinfo -o '%N %f'` lists the nodes' features"),
     ("Requested time limit is invalid", "--time exceeds the partition's MaxTime (`sinfo -o '%P %l'`)"),
     ("Unable to contact slurm controller", "slurmctld is down or SLURM_CONF points elsewhere; "
                                            "`scontrol ping` says which"),
