@@ -245,7 +245,7 @@ def _default_cpus(client: SlurmClient, plan: LaunchPlan, options: JobOptions) ->
         return None
     if cpus is None or cpus <= 0:
         return None
-    tasks = plan.nodes[0].nproc if options.backend == "deepspeed" else 1
+    tasks = plan.nodes[0].nproc if BACKENDS[options.backend].slurm_task_per_rank else 1
     return max(1, cpus // tasks)
 
 

@@ -29,6 +29,8 @@ class Backend:
     sbatch_plan: str
     # The launch line written into sbatch.sh for this plan backend.
     sbatch_line: str
+    # Under Slurm: one task per rank (True) or one launcher task per node (False).
+    slurm_task_per_rank: bool = False
     # `clusterkit launch` can run it (Slurm modes go through `clusterkit sbatch`).
     launchable: bool = True
     # The node agents start the ranks themselves (no launcher process on the nodes).
@@ -56,7 +58,8 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             command_sets=("torchrun",), sbatch_plan="slurm", sbatch_line="torchrun"),
     Backend("deepspeed", "DeepSpeed's runner on the first node, pdsh to the others",
             plan_backend="deepspeed", command_sets=("deepspeed",), sbatch_plan="deepspeed",
-            sbatch_line="deepspeed", output_prefix="pdsh", rank_log_files=True,
+            sbatch_line="deepspeed", slurm_task_per_rank=True, output_prefix="pdsh",
+            rank_log_files=True,
             gate_needs=("torch", "deepspeed"), doctor="deepspeed"),
     Backend("accelerate", "accelerate launch on every node", plan_backend="accelerate",
             command_sets=("accelerate",), sbatch_plan="accelerate", sbatch_line="accelerate",
