@@ -82,6 +82,8 @@ def _partition_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: int,
     print(text[-2500:])  # with -s: the launcher's report (which nodes it could not confirm)
     assert proc.returncode not in (0, None), text
     assert cut in text, text
+    assert f"{cut}: could not verify the teardown" in text, text
+    assert f"{cut} could not be confirmed" in text, text
     for name in names:  # the other nodes as after any lost node; the cut one cleaned itself
         assert not _job_pids(testbed, name, job), (name, text[-3000:])
 

@@ -178,6 +178,17 @@ def _print_plan(plan: Any, native: bool) -> None:
           "above as its child)")
 
 
+def _stopped_where(out: Any) -> str:
+    """Say so when some nodes could not be checked (partition): their agents' dead-man
+    switch stops the ranks there, but nobody saw it happen (issue 14)."""
+    if not out.unconfirmed:
+        return "every rank on every node was stopped"
+    from clusterkit.hostrange import fold
+
+    return (f"every rank on the other nodes was stopped; {fold(out.unconfirmed)} could not be "
+            "confirmed (unreachable: its agent stops its ranks by itself)")
+
+
 def _print_summary(result: Any) -> None:
     from clusterkit.launch.orchestrator import describe_failure
 
@@ -190,7 +201,7 @@ def _print_summary(result: Any) -> None:
         log = f"{node.job_dir}/nodes/{f.node}/" + (f"rank{f.rank}.log" if f.rank is not None
                                                   else "launcher.log") if node else "?"
         print(f"[clusterkit] job {plan.job_id} FAILED{tries}: {f.where()} failed first "
-              f"({describe_failure(f)}); every rank on every node was stopped "
+              f"({describe_failure(f)}); {_stopped_where(out)} "
               f"(exit code {out.exit_code})", file=sys.stderr)
         if f.tail:
             print(f"[clusterkit] last lines of {f.where()}:", file=sys.stderr)
