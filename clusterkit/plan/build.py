@@ -152,12 +152,8 @@ def _node_plans(inventory: Inventory, o: JobOptions,
 
 
 def _hang_env(o: JobOptions, host: Host, job_dir: str) -> list[tuple[str, str]]:
-    """Backend timeouts matched to the hang timeout (issue 14); the inventory's env wins.
-
-    ``hang_timeout_s`` is read with getattr: the field arrives with the job-spec package.
-    """
-    hang = float(getattr(o, "hang_timeout_s", 0.0))
-    env = timeout_env(hang, gpu=host.gpus > 0, job_dir=job_dir)
+    """Backend timeouts matched to the hang timeout (issue 14); the inventory's env wins."""
+    env = timeout_env(o.hang_timeout_s, gpu=host.gpus > 0, job_dir=job_dir)
     return [(k, v) for k, v in env.items() if k not in host.env]
 
 
