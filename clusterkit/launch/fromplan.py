@@ -15,7 +15,6 @@ from clusterkit.spec.backends import BACKENDS
 from clusterkit.spec.job import LaunchPlan, NodeCommand, NodePlan
 
 RANK_LOG_FLAG = "--enable_each_rank_log="
-ACCELERATE_MODULE = "accelerate.commands.launch"
 
 
 def rank_log_dir(plan: LaunchPlan, run_id: str) -> str:
@@ -30,11 +29,6 @@ def _launcher_argv(backend: str, cmd: NodeCommand, log_dir: str) -> tuple[str, .
         # each rank's output to <dir>/<stamp>_rank<R>.log (and nothing to the console),
         # which the agent on that node tails and labels with node and rank.
         argv = [RANK_LOG_FLAG + log_dir if a.startswith(RANK_LOG_FLAG) else a for a in argv]
-    if ACCELERATE_MODULE in argv:
-        # accelerate hands its torchrun arguments through: --tee 3 gives torchrun's
-        # "[default<r>]:" prefix, which the agent turns into the rank label.
-        at = argv.index(ACCELERATE_MODULE) + 1
-        argv[at:at] = ["--tee", "3"]
     return tuple(argv)
 
 

@@ -171,7 +171,9 @@ def accelerate_commands(layout: JobLayout) -> tuple[NodeCommand, ...]:
     """``accelerate launch --config_file`` per node, each with its machine_rank's YAML."""
     out = []
     for node in layout.nodes:
-        argv = [node.python, *ACCELERATE,
+        # --tee 3: accelerate hands it to torchrun, whose "[default<r>]:" line prefix
+        # names each rank (the node agent reads it as the rank label).
+        argv = [node.python, *ACCELERATE, "--tee", "3",
                 f"--config_file={node.job_dir}/{accelerate_config_name(node.node_rank)}",
                 *launcher_program(layout.programs[node.node_rank], "--module")]
         out.append(NodeCommand(label=f"accelerate node {node.node_rank}", host=node.name,
