@@ -257,7 +257,7 @@ def test_usr1_to_batch_checkpoints_requeues_and_resumes(slurm: SlurmBed) -> None
 
 
 # --- issue 13: site flags, node pinning and logs across requeue (more in
-# tests/test_sbatch_site_slurm.py: PATH, unseen job dir, cpu_s_per_step) ---
+# tests/test_sbatch_site_slurm.py: PATH, unseen job dir) ---
 
 def test_test_only_accepts_site_flags(slurm: SlurmBed, capsys: pytest.CaptureFixture[str],
                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -314,3 +314,23 @@ def test_node_local_requeue_stays_on_its_nodes_and_keeps_both_logs(slurm: SlurmB
     assert "keeps node-local checkpoints on node[1-2], but this run got node[3-4]" in err
     assert "collect-ckpt --scatter" in err
     _assert_nodes_clean(slurm)
+
+
+@pytest.mark.slow
+@ALL_VARIANTS  # two 2x2 runs (~3 min under load): a measurement, run with CLUSTERKIT_SLURM_ALL=1
+def test_threads_per_rank_same_cpu_per_step_for_every_variant(slurm: SlurmBed) -> None:
+    """One Slurm task per rank (deepspeed) used 10x the CPU per step of torchrun (no
+    OMP_NUM_THREADS); now both get the task's CPUs / its ranks."""
+    per_step = {}
+    for launcher in ("torchrun", "deepspeed"):
+        job = f"omp-{launcher}"
+        inv = _inventory(slurm, 2)
+        r = _cli(slurm, ["-i", str(inv), "--nodes", "2", "--gpus-per-node", "2", "--launcher",
+                         launcher, "--storage", "shared", "--steps", "30", "--job-id", job,
+                         *WORKLOAD, "--submit", "--watch", "--poll", "0.5"], timeout=500)
+        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
+        summary = _summary(r.stdout)
+        assert summary["world_size"] == 4
+        per_step[launcher] = float(str(summary["cpu_s_per_step"]))
+    print(f"cpu_s_per_step: {per_step} (load {Path('/proc/loadavg').read_text().split()[:3]})")
+    assert per_step["deepspeed"] <= 1.3 * per_step["torchrun"], per_step
