@@ -7,7 +7,7 @@ import json
 import pytest
 
 from clusterkit.errors import RenderError
-from clusterkit.render.dsconfig import ZeroSpec, build_ds_config
+from clusterkit.spec.zero import ZeroSpec, build_ds_config
 
 
 def test_train_batch_size_is_micro_times_accum_times_world() -> None:

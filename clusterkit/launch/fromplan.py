@@ -1,4 +1,4 @@
-"""A :class:`~clusterkit.plan.model.LaunchPlan` turned into what the agents run (pure).
+"""A :class:`~clusterkit.spec.job.LaunchPlan` turned into what the agents run (pure).
 
 torchrun and ``accelerate launch`` run one command per node; DeepSpeed's runner
 runs on the first node only and starts the others through pdsh — those nodes
