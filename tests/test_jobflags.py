@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any
 
 import pytest
@@ -38,9 +37,11 @@ def test_every_verb_has_the_same_job_flag(flag: str) -> None:
 def test_defaults_come_from_the_spec() -> None:
     ns = _verb("render").parse_args([])
     o = job_options(ns, job_id="j")
-    fields = {f.name: f.default for f in dataclasses.fields(JobOptions)}
     for f in job_fields():
-        assert getattr(o, f.name) == fields[f.name], f.name
+        assert getattr(o, f.name) == f.metadata["cli_default"], f.name
+        # A field's own default is the CLI's, except where "absent" must differ in code.
+        assert f.metadata["cli_default"] == f.default or f.name == "hang_timeout_s"
+    assert o.hang_timeout_s == 900.0
     assert (o.steps, o.micro_batch, o.lr) == (DEFAULT_STEPS, DEFAULT_MICRO_BATCH, DEFAULT_LR)
     assert (ZeroSpec().lr, ZeroSpec().micro_batch) == (DEFAULT_LR, DEFAULT_MICRO_BATCH)
     assert ns.launcher == DEFAULT_LAUNCHER
@@ -94,3 +95,18 @@ def test_model_names_are_the_workload_presets() -> None:
     from clusterkit.workload.presets import PRESETS
 
     assert tuple(PRESETS) == MODEL_NAMES
+
+
+def test_the_same_flags_make_the_same_job_in_every_verb() -> None:
+    from clusterkit.cli.cmd_launch import _options
+    from clusterkit.cli.cmd_render import job_options as render_options
+
+    argv = ["--job-id", "j", "--zero-stage", "3", "--offload-optimizer", "cpu", "--micro-batch",
+            "2", "--storage", "node-local", "--precision", "bf16", "--set-env", "A=1",
+            "--env", "HF_*", "--launcher", "deepspeed", "--strict"]
+    launch = _options(_verb("launch").parse_args(argv), "c")
+    render = render_options(_verb("render").parse_args(argv), "c")
+    sbatch = render_options(_verb("sbatch").parse_args(argv), "c")
+    assert launch == render == sbatch
+    assert (launch.backend, launch.set_env, launch.env_allowlist) == ("deepspeed", (("A", "1"),),
+                                                                      ("HF_*",))

@@ -42,10 +42,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     r.add_argument("--grace", type=float, default=3.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL on teardown (default 3)")
-    r.add_argument("--hang-timeout", type=float, default=900.0, metavar="S",
-                   help="no progress on any rank for S seconds (output or CLUSTERKIT_HEARTBEAT): "
-                        "dump every rank's stacks, stop the job, restart per --max-restarts "
-                        "(default 900; 0 turns the watchdog off)")
     r.add_argument("--keepalive-timeout", type=float, default=60.0, metavar="S",
                    help="a node agent that hears nothing from this launcher for S seconds "
                         "(network partition) stops its ranks by itself (default 60; 0: off)")
@@ -96,8 +92,7 @@ def _options(args: argparse.Namespace, cluster: str) -> Any:
     # launcher itself must not restart them too.
     options = job_options(args, job_id=args.job_id or _fresh_job_id(cluster), script=script,
                           module=args.module, script_args=script_args)
-    # --hang-timeout also sets the ranks' backend timeouts (clusterkit.backend_timeouts).
-    return dataclasses.replace(options, max_restarts=0, hang_timeout_s=args.hang_timeout)
+    return dataclasses.replace(options, max_restarts=0)
 
 
 def _rank_selection(text: str) -> frozenset[int] | None:
@@ -119,7 +114,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     inventory = resolve_job_inventory(args.inventory)  # + doctor's interface pick
     if args.max_restarts < 0:
         raise LaunchError("--max-restarts must be >= 0", key="--max-restarts")
-    for key, value in (("--hang-timeout", args.hang_timeout),
+    for key, value in (("--hang-timeout", args.hang_timeout_s),
                        ("--keepalive-timeout", args.keepalive_timeout)):
         if value < 0:
             raise LaunchError(f"{key} must be >= 0 (0: off)", key=key)
@@ -138,7 +133,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 0
     settings = LaunchSettings(skip_checks=args.skip_checks, max_restarts=args.max_restarts,
                               drop_failed_nodes=args.drop_failed_nodes, grace_s=args.grace,
-                              hang_timeout_s=args.hang_timeout,
+                              hang_timeout_s=args.hang_timeout_s,
                               keepalive_s=args.keepalive_timeout,
                               native=BACKENDS[args.launcher].native)
     first = planner(options)

@@ -48,11 +48,13 @@ def _add(group: argparse._ArgumentGroup, f: dataclasses.Field[Any]) -> None:
     elif kind == "repeat":
         kw.update(action="append", default=[])
     else:
-        kw.update(type=_value_type(f), default=f.default)
+        default = meta["cli_default"]
+        kw.update(type=_value_type(f), default=default)
         if meta["choices"]:
             kw["choices"] = meta["choices"]
-        if f.default is not None:
-            kw["help"] = f"{meta['help']} (default {f.default})"
+        if default is not None:
+            kw["help"] = f"{meta['help']} (default {default:g})" if isinstance(default, float) \
+                else f"{meta['help']} (default {default})"
     group.add_argument(flag_name(f), **kw)
 
 

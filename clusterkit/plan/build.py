@@ -58,6 +58,9 @@ def _check_options(o: JobOptions) -> None:
                                 ("--save-every", o.save_every, 0)):
         if value < minimum:
             raise RenderError(f"{key} must be >= {minimum}, got {value}", key=key)
+    if o.hang_timeout_s < 0:
+        raise RenderError(f"must be >= 0 (0: off), got {o.hang_timeout_s:g}",
+                          key="--hang-timeout")
     if o.ckpt_dir is not None and o.storage == "auto":
         raise RenderError("--ckpt-dir needs --storage shared or --storage node-local", key="--ckpt-dir",
                           hint="say whether every node sees the directory (shared) or each has its own")

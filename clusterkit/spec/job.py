@@ -51,15 +51,17 @@ def default_job_id(cluster: str, now: datetime) -> str:
 
 
 def flag(default: Any, help: str, *, name: str | None = None, choices: tuple[Any, ...] = (),
-         metavar: str | None = None, group: str = "job", kind: str = "value") -> Any:
+         metavar: str | None = None, group: str = "job", kind: str = "value",
+         cli_default: Any = None) -> Any:
     """A :class:`JobOptions` field that is also a CLI job flag (``--field-name``).
 
     ``kind``: ``value`` (typed by the field's default/annotation), ``switch``
     (store_true), ``repeat`` (append, one value per use), ``negate`` (store_true that
-    sets the field to False).
+    sets the field to False). ``cli_default``: what every verb defaults to when the
+    field's own default means "absent" to code that builds options directly.
     """
     meta = {"flag": name, "help": help, "choices": choices, "metavar": metavar, "group": group,
-            "kind": kind}
+            "kind": kind, "cli_default": default if cli_default is None else cli_default}
     return field(default=default, metadata=meta)
 
 
@@ -137,8 +139,14 @@ class JobOptions:
         name="--accelerate-no-deepspeed", kind="negate", group="launcher details")
     strict: bool = flag(False, "a plan warning (more ranks than GPUs on a node, GPU ranks on "
                         "a gpus: 0 host) is an error", kind="switch", group="job")
-    # watchdog (issue 14, launch only): no progress on any rank for this long = stalled; 0: off
-    hang_timeout_s: float = 0.0
+    # Progress watchdog (issue 14): launch's watchdog fires after this long without progress;
+    # every verb renders the ranks' backend timeouts from it (clusterkit.backend_timeouts).
+    # 0 (the field default, for options built in code): off, no timeouts rendered.
+    hang_timeout_s: float = flag(
+        0.0, "no progress on any rank for S seconds (output or CLUSTERKIT_HEARTBEAT): launch "
+        "dumps every rank's stacks, stops the job, restarts per --max-restarts; every verb "
+        "sets the ranks' backend timeouts to match (0 turns both off)", name="--hang-timeout",
+        metavar="S", group="launcher details", cli_default=900.0)
     # Slurm
     partition: str | None = flag(None, "Slurm partition", group="Slurm")
     account: str | None = flag(None, "Slurm account", group="Slurm")
