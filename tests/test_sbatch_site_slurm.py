@@ -137,7 +137,8 @@ def test_node_local_requeue_resumes_on_the_same_nodes_and_keeps_both_logs(slurm:
     runs."""
     job = "nl-requeue"
     inv = _inventory(slurm, 1)
-    r = _cli(slurm.env, ["-i", str(inv), "--nodes", "2", "--storage", "node-local", "--steps", "150",
+    # Enough steps that USR1 lands mid-run, few enough to finish under load (2 shared cores).
+    r = _cli(slurm.env, ["-i", str(inv), "--nodes", "2", "--storage", "node-local", "--steps", "60",
                          "--job-id", job, *WORKLOAD, "--partition", "debug", "--submit",
                          "--", "--log-every", "1"], timeout=60)
     assert r.returncode == 0, r.stderr
@@ -171,7 +172,7 @@ def test_node_local_requeue_resumes_on_the_same_nodes_and_keeps_both_logs(slurm:
         assert slurm.job_state(slurm_id) in ("PENDING", "REQUEUED", "REQUEUE_HOLD")
     finally:
         slurm.client(["scancel", blocker], check=False)
-    state, _ = _wait_finished(slurm, slurm_id, 300)
+    state, _ = _wait_finished(slurm, slurm_id, 600)
     out = out_file.read_text(errors="replace")
     assert state == "COMPLETED", out[-3000:]
     runs = _run_nodes(out)
