@@ -196,10 +196,12 @@ def _dry(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str,
 def test_site_flags_become_sbatch_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _dry(tmp_path, capsys, "--exclusive", "--mem", "200G", "--constraint", "a800",
                         "--gpu-type", "a800", "--signal-lead", "300", "--cpus-per-task", "8",
-                        "--sbatch-arg=--reservation=r1", "--sbatch-arg=#SBATCH --nice=10")
+                        "--sbatch-arg=--reservation=r1", "--sbatch-arg=#SBATCH --nice=10",
+                        "--sbatch-arg=--exclude=node[3-4]")
     assert rc == 0, err
     for line in ("--exclusive", "--mem=200G", "--constraint=a800", "--gpus-per-node=a800:2",
                  "--signal=B:USR1@300", "--cpus-per-task=8", "--reservation=r1", "--nice=10",
+                 "--exclude=node[3-4]",
                  "--open-mode=append"):
         assert f"#SBATCH {line}\n" in out, line
     assert "nothing written" in err and "--write-only" in err
@@ -207,6 +209,7 @@ def test_site_flags_become_sbatch_lines(tmp_path: Path, capsys: pytest.CaptureFi
 
 @pytest.mark.parametrize(("flag", "value", "key"), [
     ("--sbatch-arg", "--comment=a b", "--sbatch-arg"), ("--sbatch-arg", "reservation", "--sbatch-arg"),
+    ("--sbatch-arg", "--comment=$(id)", "--sbatch-arg"),
     ("--mem", "lots", "--mem"), ("--constraint", "a;b", "--constraint"), ("--signal-lead", "0",
                                                                           "--signal-lead")])
 def test_bad_site_flags_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str,

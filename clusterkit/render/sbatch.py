@@ -106,13 +106,18 @@ def _slurm_value(value: str | None, key: str) -> str | None:
     return value
 
 
+# sbatch reads #SBATCH lines itself, without a shell: host lists (node[3-4]), output
+# patterns (%x-%j) and paths are fine there; white space, quotes and shell syntax are not.
+_EXTRA_VALUE = re.compile(r"[A-Za-z0-9_.,:@+\-\[\]%/=]+")
+
+
 def _extra_line(line: str) -> str:
     """One --sbatch-arg: ``--opt`` or ``--opt=value``, which sbatch reads without a shell."""
     word = line.strip()
     if word.startswith("#SBATCH"):
         word = word[len("#SBATCH"):].strip()
     name, _, value = word.partition("=")
-    if not re.fullmatch(r"--[a-z][a-z0-9-]*", name) or (value and not _SLURM_VALUE.fullmatch(value)):
+    if not re.fullmatch(r"--[a-z][a-z0-9-]*", name) or (value and not _EXTRA_VALUE.fullmatch(value)):
         raise RenderError(f"--sbatch-arg {line!r} is not one #SBATCH option", key="--sbatch-arg",
                           hint="write it as --option or --option=value (plain word, no spaces)")
     return word
