@@ -63,3 +63,15 @@ def test_a_running_job_is_not_launched_twice(tmp_path: Path) -> None:
     running = dataclasses.replace(record, state="running", launcher_pid=os.getpid())
     with pytest.raises(LaunchError, match="still running"):
         check_continue(plan, running)
+
+
+def test_gate_needs_clusterkit_only_for_the_bundled_workload() -> None:
+    """A user's script needs only a Python on the nodes; the bundled workload needs
+    clusterkit there too, so the gate says `clusterkit nodes install` before any rank starts."""
+    from clusterkit.launch.run import gate_needs
+    from tests.render_cases import plan_for
+
+    bundled = plan_for("a800-7x2", "torchrun")
+    own = plan_for("a800-7x2", "torchrun", script="train.py")
+    assert "clusterkit" in gate_needs(bundled) and "torch" in gate_needs(bundled)
+    assert "clusterkit" not in gate_needs(own)

@@ -47,6 +47,15 @@ class LaunchResult:
     plan: LaunchPlan
 
 
+def gate_needs(plan: LaunchPlan) -> tuple[str, ...]:
+    """What every node must import: the backend's packages, and clusterkit itself when
+    the ranks run the bundled workload (a user's script needs only a Python)."""
+    needs = BACKENDS[plan.backend].gate_needs
+    if WORKLOAD_MODULE in plan.program:
+        needs = (*needs, "clusterkit")
+    return needs
+
+
 def _gate_nodes(plan: LaunchPlan) -> list[GateNode]:
     from clusterkit.launch.fromplan import target_for
 
@@ -55,7 +64,7 @@ def _gate_nodes(plan: LaunchPlan) -> list[GateNode]:
 
 def check_nodes(transport: Transport, plan: LaunchPlan, sink: Sink) -> dict[str, str]:
     """The gate; returns node -> problem (empty when every node is fit)."""
-    result = run_gate(transport, _gate_nodes(plan), need=BACKENDS[plan.backend].gate_needs)
+    result = run_gate(transport, _gate_nodes(plan), need=gate_needs(plan))
     for node, why in result.problems.items():
         sink.info(f"{node}: {why}")
     return result.problems
@@ -134,7 +143,7 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         sink.info(note)
     # The gate runs inside the agents (facts reported, nothing started until GO): no
     # separate round of SSH commands before the launch.
-    need = None if settings.skip_checks else BACKENDS[plan.backend].gate_needs
+    need = None if settings.skip_checks else gate_needs(plan)
     outcomes: list[JobOutcome] = []
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for attempt in range(settings.max_restarts + 1):
