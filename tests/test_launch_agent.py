@@ -282,6 +282,22 @@ def test_native_mode_starts_each_rank_with_torchruns_environment(tmp_path: Path)
     assert "[v0 r0] elastic False" in text
 
 
+def test_per_node_launcher_gets_the_thread_rule_unless_the_inventory_sets_it(
+        tmp_path: Path) -> None:
+    """torchrun/accelerate keep an OMP_NUM_THREADS they find (their default is a fixed 1):
+    the agent gives their child the node's CPUs / its ranks, an env value still wins."""
+    script = tmp_path / "omp.py"
+    script.write_text("import os\nprint('omp', os.environ.get('OMP_NUM_THREADS'))\n")
+    job = _job(tmp_path, script, 2, "omp-rule")
+    job = dataclasses.replace(job, tasks=(
+        dataclasses.replace(job.tasks[0], nprocs=2),
+        dataclasses.replace(job.tasks[1], nprocs=2, env={**job.tasks[1].env, "OMP_NUM_THREADS": "7"}),
+    ))
+    outcome, text = _run(job)
+    assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
+    assert f"omp {agent_mod.omp_threads(2)}" in text and "omp 7" in text, text
+
+
 def test_native_mode_killed_rank_stops_the_job_and_is_named(
         tmp_path: Path, fake: Path, bystanders: list[subprocess.Popen[bytes]]) -> None:
     job = _native_job(tmp_path, fake, 2, 2, "native-die", FAKE_MODE="die", FAKE_STEPS="600",

@@ -91,6 +91,7 @@ class JobSpec:
             rank_log_dir=task.rank_log_dir,
             native=dict(task.native) if task.native is not None else None,
             hold=self.gate_need is not None, keepalive_s=self.keepalive_s,
+            local_ranks=task.nprocs,
         )
 
 

@@ -467,6 +467,10 @@ class Agent:
         env.update({ENV_JOB: self.spec.job_id, ENV_NODE: self.spec.node,
                     ENV_ATTEMPT: str(self.spec.attempt), ENV_HEARTBEAT_DIR: self.progress_dir})
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines, not 8 KiB blocks, reach the console
+        if self.spec.local_ranks > 0 and "OMP_NUM_THREADS" not in env:
+            # torchrun and accelerate keep a value they find (their own default is a fixed 1
+            # for several ranks); an inventory env value wins over ours.
+            env["OMP_NUM_THREADS"] = omp_threads(self.spec.local_ranks)
         return env
 
     def start_child(self) -> None:

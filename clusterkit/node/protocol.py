@@ -64,7 +64,7 @@ _SPEC_TYPES: dict[str, tuple[type, ...]] = {
     "argv": (list,), "env": (dict,), "files": (dict,), "cwd": (str, type(None)),
     "attempt": (int,), "prefix": (str,), "rank_offsets": (dict,), "grace_s": (int, float),
     "rank_log_dir": (str, type(None)), "native": (dict, type(None)), "hold": (bool,),
-    "keepalive_s": (int, float),
+    "keepalive_s": (int, float), "local_ranks": (int,),
 }
 
 
@@ -93,6 +93,9 @@ class AgentSpec:
     # Dead-man switch: no control word (PING) for this many seconds and the agent
     # tears its ranks down by itself, even while the network stays down. 0: off.
     keepalive_s: float = 0.0
+    # Ranks this node runs, whoever starts them (the agent, torchrun, accelerate): the
+    # OpenMP thread rule divides the node's CPUs by it. 0: unknown (no rule applied).
+    local_ranks: int = 0
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> str:
