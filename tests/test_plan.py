@@ -158,6 +158,18 @@ def test_plan_warns_on_ranks_without_a_gpu_and_strict_refuses() -> None:
     assert "--gpus-per-node 2 but gpus: 0" in plan.warnings[0]
     assert _mixed_plan(include="c1").warnings == ()  # a CPU job
     assert _mixed_plan(nodes=1, gpus_per_node=1).warnings == ()
+
+
+def test_embedded_default_gives_no_gpu_warning() -> None:
+    """`clusterkit launch --nodes 2 --gpus-per-node 2` on the virtual nodes (the README's
+    first command): CPU ranks by design, nothing to warn about."""
+    from clusterkit.inventory import local_inventory
+    from clusterkit.plan import plan_job
+    from clusterkit.spec.job import JobOptions
+    from tests.render_cases import FACTS
+
+    options = JobOptions(job_id="j", nodes=2, gpus_per_node=2)
+    assert plan_job(local_inventory("/tmp/ck-local"), options, FACTS).warnings == ()
     with pytest.raises(RenderError) as info:
         _mixed_plan(gpus_per_node=2, strict=True)
     assert info.value.key == "--strict" and "c1: --gpus-per-node 2" in info.value.one_line()

@@ -122,10 +122,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
                         master_addr=args.master_addr)
     options = _options(args, inventory.name)
 
+    shown: set[str] = set()
+
     def planner(o: Any) -> Any:
         plan = plan_job(inventory, o, facts)
         for warning in plan.warnings:  # --strict made them errors already
-            print(f"clusterkit: warning: {warning}", file=sys.stderr)
+            if warning not in shown:  # the plan is made again for each restart
+                shown.add(warning)
+                print(f"clusterkit: warning: {warning}", file=sys.stderr)
         return plan
 
     if args.dry_run:

@@ -187,8 +187,9 @@ def _gpu_warnings(o: JobOptions, nodes: tuple[NodePlan, ...]) -> tuple[str, ...]
         if n.host.gpus > 0 and n.nproc > n.host.gpus:
             out.append(f"{n.name}: {n.nproc} ranks but gpus: {n.host.gpus} in the inventory; "
                        "ranks would share GPUs (set slots/--gpus-per-node to at most gpus)")
-        elif n.host.gpus == 0 and (o.gpus_per_node or 0) > 0:
-            # --gpus-per-node asks for GPU ranks; a CPU host runs them on the CPU.
+        elif n.host.gpus == 0 and (o.gpus_per_node or 0) > 0 and n.host.transport != "local":
+            # --gpus-per-node asks for GPU ranks; a CPU host runs them on the CPU. Virtual
+            # nodes on this machine (the embedded default) are CPU ranks by design.
             out.append(f"{n.name}: --gpus-per-node {o.gpus_per_node} but gpus: 0 in the "
                        f"inventory; its {n.nproc} ranks run on the CPU (set gpus: N for this "
                        "host, or leave out --gpus-per-node for a CPU job)")
