@@ -23,6 +23,9 @@ DS_CONFIG_FILE = "ds_config.json"  # written into every node's job dir
 # path from this argument. `--deepspeed-config-arg` appends it to the script's arguments.
 DEEPSPEED_CONFIG_ARG = "--deepspeed_config"
 STORAGE_KINDS: tuple[str, ...] = ("shared", "node-local")
+# Rank 0 of the bundled workload ends with this line + one JSON object; the launcher
+# reads it from the rank lines, prints it once and saves it (docs/launch.md).
+SUMMARY_PREFIX = "CLUSTERKIT_SUMMARY "
 
 
 @dataclass(frozen=True)

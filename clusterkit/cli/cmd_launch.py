@@ -19,6 +19,7 @@ from clusterkit.cli.common import (
     resolve_job_inventory,
 )
 from clusterkit.cli.jobflags import add_job_flags, job_options
+from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import folded_lines
 from clusterkit.spec.backends import BACKENDS
@@ -221,7 +222,7 @@ def _print_summary(result: Any) -> None:
         brief = ", ".join(f"{k}={_fmt(s[k])}" for k in keys if k in s)
         if brief:
             print(f"[clusterkit] summary: {brief}")
-        print("CLUSTERKIT_SUMMARY " + json.dumps(s, sort_keys=True))
+        print(SUMMARY_PREFIX + json.dumps(s, sort_keys=True))
 
 
 def _save_summary(registry: Any, result: Any) -> None:

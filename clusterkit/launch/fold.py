@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.hostrange import fold_numbers
 
 # Leading timestamps differ per rank and say nothing the console's order does not.
@@ -35,7 +36,6 @@ NOISE: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
     r"deepspeed_shm_comm_op built successfully",
     r"Using /\S+ as PyTorch extensions root",
 ))
-SUMMARY_PREFIX = "CLUSTERKIT_SUMMARY "
 
 
 def fold_key(text: str) -> str:

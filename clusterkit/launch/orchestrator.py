@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.errors import TransportError
 from clusterkit.hostrange import folded_lines
 from clusterkit.launch.console import Sink
@@ -36,7 +37,6 @@ from clusterkit.node.protocol import EVENT_PREFIX, LINE_PREFIX
 from clusterkit.node.ship import NodeCommand, agent_command
 from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
 
-SUMMARY_PREFIX = "CLUSTERKIT_SUMMARY "
 TAIL_LINES = 15
 
 

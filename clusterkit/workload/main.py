@@ -20,6 +20,7 @@ from typing import Any, cast
 
 from clusterkit.backend_timeouts import pg_timeout_from_env
 from clusterkit.checkpoints import layout
+from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import read_json_object
 from clusterkit.spec.zero import Offload, Precision, ZeroSpec, build_ds_config, resolve_precision
@@ -28,7 +29,6 @@ from clusterkit.workload.args import WorkloadArgs, parse_args
 from clusterkit.workload.distenv import resolve_dist_env
 from clusterkit.workload.presets import ModelPreset, get_preset, peak_tflops_for
 
-SUMMARY_PREFIX = "CLUSTERKIT_SUMMARY "
 LOG_PREFIX = "[clusterkit]"
 EXIT_OK = 0
 EXIT_TERM = 143  # 128 + SIGTERM: "stopped on request, checkpoint saved"
