@@ -1,7 +1,7 @@
 """Throughput of the bundled workload vs a minimal raw DeepSpeed loop.
 
 Both are launched the same way (torchrun, same rank count), train the same GPT preset
-with the same ds_config (built by ``clusterkit.render.dsconfig.build_ds_config``) and
+with the same ds_config (built by ``clusterkit.spec.zero.build_ds_config``) and
 time steps after the first. The raw loop feeds pre-generated random tokens and does
 nothing but forward/backward/step, so the ratio prices everything the workload adds:
 its data pipeline, the per-step signal all-reduce, logging.
@@ -68,7 +68,7 @@ def raw_worker(ns: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from clusterkit.render.dsconfig import ZeroSpec, build_ds_config
+    from clusterkit.spec.zero import ZeroSpec, build_ds_config
     from clusterkit.workload.model import GPT, param_groups
     from clusterkit.workload.presets import get_preset
 

@@ -82,7 +82,7 @@ def test_unknown_model_fails_at_parse_time(capsys: pytest.CaptureFixture[str]) -
 
 def test_doctor_tests_the_port_launch_uses() -> None:
     from clusterkit.cli.cmd_doctor import _master_port
-    from clusterkit.plan import master_port
+    from clusterkit.spec.ports import master_port
 
     doctor = _verb("doctor")
     assert _master_port(doctor.parse_args(["--job-id", "run7"]), "c") == master_port("run7")

@@ -132,7 +132,7 @@ def _assert_same_weights(a: Path, b: Path) -> None:
 def test_zero_stages_give_the_same_loss_trajectory(tmp_path: Path) -> None:
     """ZeRO 0-3 on 2 ranks, same seed: identical losses (tolerance 1e-6 absolute; measured
     bit-identical). Stage 0 also exercises the plain-srun env fallback, stage 1 --ds-config."""
-    from clusterkit.render.dsconfig import ZeroSpec, build_ds_config
+    from clusterkit.spec.zero import ZeroSpec, build_ds_config
 
     common = ["--steps", "4", "--no-final-save", "--resume", "never"]
     losses: dict[int, list[float]] = {}
