@@ -36,6 +36,7 @@ PROGRAMS: dict[str, tuple[str, ...]] = {
     "bw_worker": ("bw_worker",),
     "listing": ("listing",),
     "hashing": ("hashing",),
+    "ckstream": ("listing", "hashing", "ckstream"),
     "gatefacts": ("gatefacts",),
     "sync": ("sync",),
     "install": ("gatefacts", "install"),
