@@ -6,8 +6,8 @@ import io
 
 import pytest
 
+from clusterkit.fold import LineFolder, fold_key, parse_ranks, rank_label
 from clusterkit.launch.console import FoldingSink, PlainSink
-from clusterkit.launch.fold import LineFolder, fold_key, parse_ranks, rank_label
 
 ACCEL = ("[2026-11-23 09:45:06,725] [WARNING] [real_accelerator.py:213:get_accelerator] "
          "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")

@@ -18,7 +18,7 @@ ROOT = Path(clusterkit.__file__).parent
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "node"),  # node: programs shipped to nodes, standard library only
     ("hostrange", "units", "contract", "fsutil", "backend_timeouts"),
-    ("inventory",),
+    ("inventory", "fold"),  # fold: rank-line folding for launch and sbatch --watch
     ("hostfile",),
     ("spec",),  # the job model: options, plan values, ZeRO spec, backend registry
     ("render",),

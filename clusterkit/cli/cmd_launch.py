@@ -14,6 +14,7 @@ from typing import Any
 
 from clusterkit.cli.common import (
     add_inventory_option,
+    add_ranks_option,
     add_selection_options,
     clusterkit_home,
     resolve_job_inventory,
@@ -47,9 +48,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="a node agent that hears nothing from this launcher for S seconds "
                         "(network partition) stops its ranks by itself (default 60; 0: off)")
     r.add_argument("--quiet", action="store_true", help="no rank lines, only the summary")
-    r.add_argument("--ranks", type=_rank_selection, default=None, metavar="all|N|N-M",
-                   help="whose lines stream to the console (default all; identical lines from "
-                        "several ranks print once as [r0-13]; per-rank log files keep everything)")
+    add_ranks_option(r)
     p.add_argument("--module", "-m", dest="module", metavar="MODULE", help="run python -m MODULE")
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
                    help="your training script and its arguments (default: the bundled workload)")
@@ -94,15 +93,6 @@ def _options(args: argparse.Namespace, cluster: str) -> Any:
     options = job_options(args, job_id=args.job_id or _fresh_job_id(cluster), script=script,
                           module=args.module, script_args=script_args)
     return dataclasses.replace(options, max_restarts=0)
-
-
-def _rank_selection(text: str) -> frozenset[int] | None:
-    from clusterkit.launch.fold import parse_ranks
-
-    try:
-        return parse_ranks(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

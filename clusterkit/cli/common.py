@@ -8,6 +8,7 @@ from pathlib import Path
 
 from clusterkit.cli.safety import HostfilePath, node_spec_hint
 from clusterkit.errors import InventoryError
+from clusterkit.fold import parse_ranks
 from clusterkit.inventory import Inventory, load_inventory, local_inventory, parse_inventory
 
 ENV_INVENTORY = "CLUSTERKIT_INVENTORY"
@@ -27,6 +28,21 @@ def add_selection_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-node", type=int, metavar="G", help="ranks per node")
     g.add_argument("--include", default="", metavar="SPEC", help="NAME[:SLOT[,SLOT]][@...]")
     g.add_argument("--exclude", default="", metavar="SPEC", help="NAME[:SLOT[,SLOT]][@...]")
+
+
+def add_ranks_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--ranks``: whose lines stream to the folded console (launch, sbatch --watch)."""
+    parser.add_argument("--ranks", type=_rank_selection, default=None, metavar="all|N|N-M",
+                        help="whose lines stream to the console (default all; identical lines "
+                             "from several ranks print once as [r0-13]; the log files keep "
+                             "every line)")
+
+
+def _rank_selection(text: str) -> frozenset[int] | None:
+    try:
+        return parse_ranks(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def clusterkit_home() -> Path:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Protocol
 
-from clusterkit.launch.fold import Folded, LineFolder
+from clusterkit.fold import Folded, LineFolder
 
 if TYPE_CHECKING:
     from rich.text import Text

@@ -12,7 +12,10 @@ the same noise from later ranks is dropped. The per-rank log files on the nodes
 keep every line; this only changes what the console shows.
 
 Pure: no threads, no clock, no I/O. The caller passes ``now`` and prints what
-:meth:`LineFolder.feed` and :meth:`LineFolder.release` return.
+:meth:`LineFolder.feed` and :meth:`LineFolder.release` return. Two consoles use it:
+``clusterkit launch`` (:mod:`clusterkit.launch.console`, lines from the node agents)
+and ``clusterkit sbatch --watch`` (:mod:`clusterkit.slurm.watch`, lines from the
+job's output files), so it sits below both layers.
 """
 
 from __future__ import annotations
