@@ -25,13 +25,8 @@ from clusterkit.checkpoints.collect import (
 )
 from clusterkit.checkpoints.discover import CheckpointIncomplete, verify
 from clusterkit.checkpoints.scatter import ScatterTarget, plan_scatter, scatter
-from clusterkit.checkpoints.transfer import (
-    PART_SUFFIX,
-    Hashed,
-    Wanted,
-    openssh_argv,
-    split_streams,
-)
+from clusterkit.checkpoints.session import openssh_argv
+from clusterkit.checkpoints.transfer import PART_SUFFIX, Hashed
 from clusterkit.errors import CheckpointError
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
@@ -145,13 +140,6 @@ def test_choose_sources_dedupes_and_prefers_rank0_when_copies_differ(
     assert notes and "node3" in notes[0]
 
 
-def test_split_streams_balances_bytes() -> None:
-    files = [Wanted("n", f"f{i}", size, "x") for i, size in enumerate([100, 90, 10, 10, 5])]
-    groups = split_streams(files, 2)
-    assert sorted(sum(w.size for w in g) for g in groups) == [105, 110]
-    assert split_streams(files[:1], 4) == [[files[0]]]
-
-
 def test_openssh_argv_honours_inventory_fields() -> None:
     t = SSHTarget(name="n1", address="10.0.0.1", user="me", port=2222, identity_file="/k",
                   proxy_jump="bastion", config_file="/cfg", known_hosts_file="/kh")
@@ -225,8 +213,7 @@ def test_killed_stream_leaves_no_final_partial_and_rerun_completes(
     dest = tmp_path / "dest"
 
     def kill_soon(proc: subprocess.Popen[bytes]) -> None:
-        if str(list(proc.args)[-1]).endswith("optim_states.pt"):  # type: ignore[arg-type]
-            proc.send_signal(signal.SIGKILL)
+        proc.send_signal(signal.SIGKILL)  # each node's session, as its stream starts
 
     with pytest.raises(CheckpointError, match="not received"):
         collect(transport, nodes, CollectOptions(dest=str(dest), jobs=8), on_start=kill_soon)
@@ -311,22 +298,17 @@ def test_cli_json_dry_run_and_refusal(tmp_path: Path) -> None:
 
 
 def test_overlapped_hashing_refuses_a_file_changed_since_listing(
-        tmp_path: Path, transport: DispatchTransport, monkeypatch: pytest.MonkeyPatch) -> None:
-    from clusterkit.checkpoints import collect as collect_mod
-
+        tmp_path: Path, transport: DispatchTransport) -> None:
     nodes = _make(tmp_path)
     victim = synthetic.shard_paths(nodes[2].root)[1]
-    real = collect_mod.hash_sources
 
-    def change_then_hash(*args: object, **kw: object) -> object:
+    def change(_plan: object) -> None:
         with open(victim, "ab") as fh:
-            fh.write(b"x")  # after the listing, before the node hashes it
-        return real(*args, **kw)  # type: ignore[arg-type]
+            fh.write(b"x")  # after the listing, before the node reads and hashes it
 
-    monkeypatch.setattr(collect_mod, "hash_sources", change_then_hash)
     dest = tmp_path / "dest"
     with pytest.raises(CheckpointError, match="changed on node3 since listing"):
-        collect(transport, nodes, CollectOptions(dest=str(dest)))
+        collect(transport, nodes, CollectOptions(dest=str(dest)), on_plan=change)
     assert not (dest / TAG / os.path.basename(victim)).exists()
     assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 7  # the others verified
 

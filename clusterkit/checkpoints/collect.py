@@ -1,8 +1,10 @@
-"""collect-ckpt: list -> verify -> hash on the nodes -> pick one copy per file -> transfer.
+"""collect-ckpt: list -> verify -> pick one copy per file -> stream, hashed on both ends.
 
-Nothing is copied until every node has been listed and the checkpoint is known to be
-complete and consistent (:func:`clusterkit.checkpoints.discover.verify`), and until
-every file to be copied has a sha256 computed on the node that holds it. DEST then
+One session per node (:mod:`clusterkit.checkpoints.session`) does all of it over one
+connection. Nothing is copied until every node has been listed and the checkpoint is
+known to be complete and consistent (:func:`clusterkit.checkpoints.discover.verify`);
+no file takes its final name before the sha256 its node computed while reading it
+equals the one computed here while writing it. DEST then
 looks like a shared-storage checkpoint root: ``latest``, ``zero_to_fp32.py`` and
 ``<tag>/`` holding every shard, every node's completion marker and
 ``clusterkit-collect.json`` (the manifest ``--scatter`` uses).
@@ -11,13 +13,14 @@ looks like a shared-storage checkpoint root: ``latest``, ``zero_to_fp32.py`` and
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import dataclasses
 import json
 import os
 import posixpath
 import subprocess
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,22 +33,23 @@ from clusterkit.checkpoints.discover import (
     parse_listing,
     verify,
 )
+from clusterkit.checkpoints.session import NodeSession, SessionError
 from clusterkit.checkpoints.transfer import (
+    HASH_TIMEOUT_S,
     DestState,
     Hashed,
     NodeResult,
     NullProgress,
-    PendingHashes,
     ProgressSink,
+    Receiver,
     Wanted,
     clean_parts,
     fetch_sftp,
-    fetch_stream,
     grouped,
     hash_command,
     have_ssh_binary,
     parse_hashes,
-    split_streams,
+    stream_node,
 )
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text
@@ -56,7 +60,6 @@ from clusterkit.remote.base import SSHTarget, Transport
 MANIFEST = "clusterkit-collect.json"
 MANIFEST_SCHEMA = "clusterkit.collected-checkpoint"
 LIST_TIMEOUT_S = 60.0
-HASH_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,92 @@ def choose_sources(plan: CollectPlan, hashes: Mapping[tuple[str, str], Hashed]
     return wanted, notes, problems
 
 
+# ------------------------------------------------------------------ sessions
+
+
+@contextlib.contextmanager
+def open_sessions(nodes: Sequence[CollectNode]) -> Iterator[dict[str, NodeSession]]:
+    """One session per node for the whole verb; killed on any error or Ctrl-C."""
+    sessions: dict[str, NodeSession] = {}
+    try:
+        for n in nodes:
+            sessions[n.name] = NodeSession(n.name, n.target, n.python, n.root)
+        yield sessions
+    except BaseException:
+        for s in sessions.values():
+            s.kill("collect-ckpt stopped")
+        raise
+    finally:
+        with cf.ThreadPoolExecutor(max_workers=min(64, len(sessions) or 1)) as pool:
+            list(pool.map(NodeSession.close, sessions.values()))
+
+
+def list_over_sessions(transport: Transport, sessions: Mapping[str, NodeSession],
+                       nodes: Sequence[CollectNode], tag: str | None) -> list[NodeListing]:
+    """Every node's listing, asked in parallel on its session."""
+    def one(item: tuple[int, CollectNode]) -> NodeListing:
+        index, node = item
+        session = sessions[node.name]
+        try:
+            msg = session.wait_for("listing", session.request("list", LIST_TIMEOUT_S, tag=tag))
+        except SessionError as exc:
+            return NodeListing(node.name, index, node.root, error=f"cannot list (ssh): {exc}")
+        return parse_listing(node.name, index, node.root, json.dumps(msg.get("listing")))
+
+    with cf.ThreadPoolExecutor(max_workers=min(64, len(nodes) or 1)) as pool:
+        listings = list(pool.map(one, enumerate(nodes)))
+    return _explain_failures(transport, nodes, listings, tag)
+
+
+def _explain_failures(transport: Transport, nodes: Sequence[CollectNode],
+                      listings: list[NodeListing], tag: str | None) -> list[NodeListing]:
+    """OpenSSH's words carry each node's address, so equal failures would not fold;
+    the paramiko transport classifies them (refused, auth, timeout, ...) like every
+    other verb does. Asked only for the nodes whose session failed."""
+    bad = [n for n, ls in zip(nodes, listings, strict=True) if ls.error]
+    if not bad or all(n.target.local for n in bad):
+        return listings
+    again = {ls.node: ls for ls in list_nodes(transport, bad, tag)}
+    return [dataclasses.replace(again[ls.node], index=ls.index)
+            if ls.error and again[ls.node].error else ls for ls in listings]
+
+
+def hash_over_sessions(sessions: Mapping[str, NodeSession], nodes: Sequence[CollectNode],
+                       plan: CollectPlan) -> tuple[dict[tuple[str, str], Hashed], list[str]]:
+    """sha256 of every copy of every planned file, on its node, before any copy."""
+    by_node = _copies_by_node(plan)
+    involved = [n for n in nodes if n.name in by_node]
+
+    def one(node: CollectNode) -> tuple[dict[str, Hashed], dict[str, str], str]:
+        session = sessions[node.name]
+        try:
+            msg = session.wait_for("hashes", session.request(
+                "hash", HASH_TIMEOUT_S, files=by_node[node.name]))
+            files, errors = parse_hashes(json.dumps(msg))
+        except (SessionError, ValueError, KeyError, TypeError) as exc:
+            return {}, {}, str(exc)
+        return files, errors, ""
+
+    with cf.ThreadPoolExecutor(max_workers=min(64, len(involved) or 1)) as pool:
+        answers = list(pool.map(one, involved))
+    hashes: dict[tuple[str, str], Hashed] = {}
+    problems = folded_lines([(n.name, f"cannot hash ({why})")
+                             for n, (_, _, why) in zip(involved, answers, strict=True) if why],
+                            [n.name for n in involved])
+    for node, (files, errors, _) in zip(involved, answers, strict=True):
+        problems += [f"{node.name}: cannot read {rel}: {why}" for rel, why in errors.items()]
+        hashes.update({(node.name, rel): h for rel, h in files.items()})
+    return hashes, problems
+
+
+def _copies_by_node(plan: CollectPlan) -> dict[str, list[str]]:
+    by_node: dict[str, list[str]] = {}
+    for copies in plan.files.values():
+        for c in copies:
+            by_node.setdefault(c.node, []).append(c.relpath)
+    return by_node
+
+
 # ------------------------------------------------------------------ transfer
 
 
@@ -252,54 +341,87 @@ def resolve_method(method: str) -> str:
     if method == "auto":
         return "ssh" if have_ssh_binary() else "sftp"
     if method == "ssh" and not have_ssh_binary():
-        raise CheckpointError("--via ssh needs the OpenSSH 'ssh' and 'tar' programs on PATH",
+        raise CheckpointError("--via ssh needs the OpenSSH 'ssh' program on PATH",
                               hint="install openssh-client, or use --via sftp")
     return method
 
 
-def transfer(transport: Transport, nodes: Sequence[CollectNode], wanted: Sequence[Wanted],
-             options: CollectOptions, sink: ProgressSink, method: str,
-             on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
-             pending: PendingHashes | None = None) -> dict[str, NodeResult]:
-    """Copy what is not yet verified at DEST, several streams at once."""
-    state = DestState(options.dest)
-    results = {n.name: NodeResult(n.name) for n in nodes if any(w.node == n.name for w in wanted)}
+def _todo(wanted: Sequence[Wanted], state: DestState, sink: ProgressSink,
+          results: dict[str, NodeResult]) -> list[Wanted]:
+    """The files not yet verified at DEST (a file with a known sha256 may be)."""
     todo: list[Wanted] = []
     for w in wanted:
+        results.setdefault(w.node, NodeResult(w.node))
         if w.sha256 and state.is_verified(w):
             results[w.node].skipped.append(w.relpath)
             sink.file_done(w.node, w.relpath, w.size, "skipped")
         else:
             todo.append(w)
-    per_node = grouped(todo)
+    return todo
+
+
+def transfer(sessions: Mapping[str, NodeSession], nodes: Sequence[CollectNode],
+             wanted: Sequence[Wanted], hash_only: Mapping[str, Sequence[str]],
+             options: CollectOptions, sink: ProgressSink,
+             on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
+             ) -> tuple[dict[str, NodeResult], dict[tuple[str, str], Hashed], list[str]]:
+    """Stream what is not yet verified at DEST, ``--jobs`` nodes at once; each node also
+    hashes its ``hash_only`` files meanwhile. Returns (results, node hashes, problems)."""
+    state = DestState(options.dest)
+    results: dict[str, NodeResult] = {}
+    per_node = grouped(_todo(wanted, state, sink, results))
+    sink.begin({n: sum(w.size for w in ws) for n, ws in per_node.items()})
+    units = [n for n in nodes if n.name in per_node or hash_only.get(n.name)]
+    hashes: dict[tuple[str, str], Hashed] = {}
+    problems: list[str] = []
+
+    def work(node: CollectNode) -> None:
+        session = sessions[node.name]
+        result = results.setdefault(node.name, NodeResult(node.name))
+        if on_start is not None:
+            on_start(session.proc)
+        t0 = time.monotonic()
+        receiver = Receiver(options.dest, state, sink, node.name, result, options.fsync)
+        got = stream_node(session, per_node.get(node.name, []), hash_only.get(node.name, ()),
+                          receiver)
+        result.seconds = time.monotonic() - t0
+        hashes.update({(node.name, rel): h for rel, h in got.hashes.items()})
+        problems.extend(f"{node.name}: cannot hash {rel}: {why}"
+                        for rel, why in got.hash_errors.items())
+
+    pool = cf.ThreadPoolExecutor(max_workers=max(1, min(options.jobs, len(units) or 1)),
+                                 thread_name_prefix="clusterkit-collect")
+    try:
+        list(pool.map(work, units))
+    except BaseException:
+        for s in sessions.values():  # readers blocked on a session return at once
+            s.kill("collect-ckpt stopped")
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        sink.end()
+    return results, hashes, problems
+
+
+def transfer_sftp(transport: Transport, nodes: Sequence[CollectNode], wanted: Sequence[Wanted],
+                  options: CollectOptions, sink: ProgressSink) -> dict[str, NodeResult]:
+    """The fallback data path: paramiko SFTP, ``--jobs`` nodes at once."""
+    state = DestState(options.dest)
+    results: dict[str, NodeResult] = {}
+    per_node = grouped(_todo(wanted, state, sink, results))
     sink.begin({n: sum(w.size for w in ws) for n, ws in per_node.items()})
     by_name = {n.name: n for n in nodes}
-    streams_per_node = max(1, options.jobs // max(1, len(per_node)))
-    units = [(by_name[n], group) for n, ws in per_node.items()
-             for group in split_streams(ws, streams_per_node)]
-    lock = threading.Lock()
 
-    def work(unit: tuple[CollectNode, list[Wanted]]) -> None:
-        node, files = unit
-        part = NodeResult(node.name)
-        t0 = time.monotonic()
-        if method == "sftp" and not node.target.local:
-            fetch_sftp(transport, node.target, node.root, files, options.dest, state, sink, part,
-                       fsync=options.fsync, pending=pending)
-        else:
-            fetch_stream(node.target, node.root, files, options.dest, state, sink, part,
-                         fsync=options.fsync, on_start=on_start, pending=pending)
-        with lock:
-            r = results[node.name]
-            r.copied += part.copied
-            r.failed.update(part.failed)
-            r.bytes_copied += part.bytes_copied
-            r.seconds = max(r.seconds, time.monotonic() - t0)
+    def work(name: str) -> None:
+        node, t0 = by_name[name], time.monotonic()
+        fetch_sftp(transport, node.target, node.root, per_node[name], options.dest, state, sink,
+                   results[name], fsync=options.fsync)
+        results[name].seconds = time.monotonic() - t0
 
     try:
-        with cf.ThreadPoolExecutor(max_workers=max(1, min(options.jobs, len(units) or 1)),
+        with cf.ThreadPoolExecutor(max_workers=max(1, min(options.jobs, len(per_node) or 1)),
                                    thread_name_prefix="clusterkit-collect") as pool:
-            list(pool.map(work, units))
+            list(pool.map(work, per_node))
     finally:
         sink.end()
     return results
@@ -367,50 +489,106 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
             on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
             on_plan: Callable[[CollectPlan], None] | None = None) -> CollectReport:
     """The whole verb minus consolidation. Raises :class:`CheckpointIncomplete` (nothing
-    copied) or :class:`CheckpointError` (some files failed; verified ones stay)."""
+    copied) or :class:`CheckpointError` (some files failed; verified ones stay).
+
+    ``after_hash`` (tests) runs between the hashing and the copy, which it forces to
+    happen in that order; ``on_start`` gets each node's session process as its
+    stream starts; ``on_plan`` the verified plan before anything is copied."""
     sink = sink or NullProgress()
+    method = resolve_method(options.method)
+    if method == "sftp":
+        return _collect_sftp(transport, nodes, options, sink, after_hash, on_plan)
     t0 = time.monotonic()
-    plan = discover(transport, nodes, options.tag)
-    if on_plan is not None:
-        on_plan(plan)
-    t1 = time.monotonic()
+    with open_sessions(nodes) as sessions:
+        plan = verify(list_over_sessions(transport, sessions, nodes, _tag_arg(options.tag)),
+                      options.tag)
+        if on_plan is not None:
+            on_plan(plan)
+        report = CollectReport(plan=plan, wanted=[], seconds_list=time.monotonic() - t0)
+        if _phased(options, plan) or after_hash is not None:
+            # A checksum before the copy: the dry run reports it, a re-run needs it to
+            # skip verified files (sources read twice only for what is then copied).
+            t1 = time.monotonic()
+            report.wanted, report.notes = _checked_choice(
+                plan, *hash_over_sessions(sessions, nodes, plan))
+            report.seconds_hash = time.monotonic() - t1
+            if options.dry_run:
+                return report
+            if after_hash is not None:
+                after_hash(plan)
+            hash_only: dict[str, list[str]] = {}
+        else:
+            # First run: each file is read once, hashed on its node as it is sent.
+            report.wanted = pick_sources(plan)
+            hash_only = _unpicked_copies(plan, report.wanted)
+        report.method = method
+        _prepare_dest(options.dest, plan.tag)
+        t2 = time.monotonic()
+        report.results, hashes, problems = transfer(sessions, nodes, report.wanted, hash_only,
+                                                    options, sink, on_start)
+        report.seconds_copy = time.monotonic() - t2
+    if hash_only:
+        _settle_inline_hashes(report, hashes, problems, options.dest)
+    _finish(transport, nodes, report, options)
+    return report
+
+
+def _tag_arg(tag: str) -> str | None:
+    return None if tag == "latest" else tag
+
+
+def _phased(options: CollectOptions, plan: CollectPlan) -> bool:
+    if options.dry_run:
+        return True
     state_files = DestState(options.dest).files
-    if options.dry_run or any(rel in state_files for rel in plan.files) or after_hash:
-        # Hash first: a dry run reports it, and skipping verified files needs the checksums.
-        report = _hash_then_plan(transport, nodes, plan, t0, t1)
-        if options.dry_run:
-            return report
-        if after_hash is not None:
-            after_hash(plan)  # tests: change a source between hashing and copying
-        pending = None
-    else:
-        # Stream at once and hash on the nodes meanwhile: each copy waits as .ckpart
-        # until its node's checksum arrives, then is verified and renamed as usual.
-        report = CollectReport(plan=plan, wanted=pick_sources(plan), seconds_list=t1 - t0)
-        pending = PendingHashes()
-        threading.Thread(target=_hash_into, args=(transport, nodes, plan, pending, report),
-                         daemon=True).start()
-    report.method = resolve_method(options.method)
-    os.makedirs(options.dest, exist_ok=True)
-    clean_parts(options.dest, plan.tag)
-    t2 = time.monotonic()
-    report.results = transfer(transport, nodes, report.wanted, options, sink, report.method,
-                              on_start, pending)
-    report.seconds_copy = time.monotonic() - t2
-    if pending is not None:
-        pending.wait()
-        notes, problems = copy_notes(plan, report.wanted, pending.hashes)
-        if pending.problems or problems:
-            found = pending.problems + problems
-            raise CheckpointError(
-                f"source checksums of {plan.tag} could not be established: "
-                + "; ".join(found[:6]), path=options.dest,
-                hint="files without a matching checksum were not renamed into place; fix the "
-                     "nodes named and run collect-ckpt again")
-        report.notes = notes
-        report.wanted = [Wanted(w.node, w.relpath, pending.hashes[(w.node, w.relpath)].size,
-                                pending.hashes[(w.node, w.relpath)].sha256)
-                         for w in report.wanted]
+    return any(rel in state_files for rel in plan.files)
+
+
+def _checked_choice(plan: CollectPlan, hashes: Mapping[tuple[str, str], Hashed],
+                    problems: list[str]) -> tuple[list[Wanted], list[str]]:
+    wanted, notes, more = choose_sources(plan, hashes) if not problems else ([], [], [])
+    if problems or more:
+        raise CheckpointIncomplete(plan.tag, problems + more)
+    return wanted, notes
+
+
+def _unpicked_copies(plan: CollectPlan, picks: Sequence[Wanted]) -> dict[str, list[str]]:
+    """Per node, the copies of duplicated files that are not sent: hashed on their node
+    while the streams run, for the note on differing copies."""
+    sent = {(w.node, w.relpath) for w in picks}
+    out: dict[str, list[str]] = {}
+    for rel, copies in plan.files.items():
+        for c in copies:
+            if len(copies) > 1 and (c.node, rel) not in sent:
+                out.setdefault(c.node, []).append(rel)
+    return out
+
+
+def _prepare_dest(dest: str, tag: str) -> None:
+    os.makedirs(dest, exist_ok=True)
+    clean_parts(dest, tag)
+
+
+def _settle_inline_hashes(report: CollectReport, hashes: Mapping[tuple[str, str], Hashed],
+                          problems: list[str], dest: str) -> None:
+    """After a first run: the sha256 of every sent file (from the node) into the
+    manifest, and the duplicates' note once every copy's checksum is in."""
+    notes, more = copy_notes(report.plan, report.wanted, hashes)
+    if (problems or more) and not report.failed:
+        found = problems + more
+        raise CheckpointError(
+            f"source checksums of {report.plan.tag} could not be established: "
+            + "; ".join(found[:6]), path=dest,
+            hint="files without a matching checksum were not renamed into place; fix the "
+                 "nodes named and run collect-ckpt again")
+    report.notes = notes
+    report.wanted = [dataclasses.replace(w, sha256=h.sha256) if (h := hashes.get(
+        (w.node, w.relpath))) is not None else w for w in report.wanted]
+
+
+def _finish(transport: Transport, nodes: Sequence[CollectNode], report: CollectReport,
+            options: CollectOptions) -> None:
+    plan = report.plan
     if report.failed:
         shown = "; ".join(f"{k}: {v}" for k, v in list(report.failed.items())[:6])
         raise CheckpointError(
@@ -422,28 +600,31 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
     _write_latest(options.dest, plan.tag)
     if options.prune_sources:
         report.pruned = prune_sources(transport, nodes, plan)
+
+
+def _collect_sftp(transport: Transport, nodes: Sequence[CollectNode], options: CollectOptions,
+                  sink: ProgressSink, after_hash: Callable[[CollectPlan], None] | None,
+                  on_plan: Callable[[CollectPlan], None] | None) -> CollectReport:
+    """``--via sftp``: paramiko for everything, in phases (list, hash, copy)."""
+    t0 = time.monotonic()
+    plan = discover(transport, nodes, options.tag)
+    if on_plan is not None:
+        on_plan(plan)
+    t1 = time.monotonic()
+    wanted, notes = _checked_choice(plan, *hash_sources(transport, nodes, plan))
+    report = CollectReport(plan=plan, wanted=wanted, notes=notes, seconds_list=t1 - t0,
+                           seconds_hash=time.monotonic() - t1)
+    if options.dry_run:
+        return report
+    if after_hash is not None:
+        after_hash(plan)
+    report.method = "sftp"
+    _prepare_dest(options.dest, plan.tag)
+    t2 = time.monotonic()
+    report.results = transfer_sftp(transport, nodes, report.wanted, options, sink)
+    report.seconds_copy = time.monotonic() - t2
+    _finish(transport, nodes, report, options)
     return report
-
-
-def _hash_then_plan(transport: Transport, nodes: Sequence[CollectNode], plan: CollectPlan,
-                    t0: float, t1: float) -> CollectReport:
-    hashes, problems = hash_sources(transport, nodes, plan)
-    wanted, notes, more = choose_sources(plan, hashes) if not problems else ([], [], [])
-    if problems or more:
-        raise CheckpointIncomplete(plan.tag, problems + more)
-    return CollectReport(plan=plan, wanted=wanted, notes=notes, seconds_list=t1 - t0,
-                         seconds_hash=time.monotonic() - t1)
-
-
-def _hash_into(transport: Transport, nodes: Sequence[CollectNode], plan: CollectPlan,
-               pending: PendingHashes, report: CollectReport) -> None:
-    t = time.monotonic()
-    try:
-        hashes, problems = hash_sources(transport, nodes, plan)
-    except Exception as exc:  # never leave the receivers waiting forever
-        hashes, problems = {}, [f"hashing on the nodes failed: {exc}"]
-    report.seconds_hash = time.monotonic() - t
-    pending.resolve(hashes, problems)
 
 
 def prune_sources(transport: Transport, nodes: Sequence[CollectNode], plan: CollectPlan

@@ -1,57 +1,48 @@
-"""Move verified bytes from nodes to DEST: hashing on the source, streaming, checking on arrival.
+"""Move verified bytes from nodes to DEST: hashed as read on the node, checked on arrival.
 
-Data path (chosen by measurement, see docs/collect-ckpt.md): one OpenSSH ``ssh``
-process per stream runs ``tar -c`` of the stream's files on the node and we read the
-tar stream here. OpenSSH does the crypto in C with AES-GCM, which paramiko's
-pure-Python packet loop cannot match once several nodes stream at once; the
-paramiko transport still does every listing/hashing command. ``method="sftp"``
-(paramiko SFTP via :meth:`Transport.get`) is the fallback when no ``ssh`` binary
-exists; ``transport: local`` hosts are read with a local ``tar``.
+Data path (chosen by measurement, see docs/collect-ckpt.md): one session per node
+(:mod:`clusterkit.checkpoints.session`, one OpenSSH ``ssh`` running the node program
+:mod:`clusterkit.node.ckstream`) lists, hashes and streams. The node reads each file
+once, hashing it as it sends; we hash what arrives as we write it. A file is renamed
+into place only when both digests, the size and the listing's mtime agree (or, when
+the source checksum was taken before the copy — re-runs, ``--dry-run`` — equal that
+one). ``method="sftp"`` (paramiko SFTP via :meth:`Transport.get`) is the fallback when
+no ``ssh`` binary exists.
 
-Every file is written to ``.<name>.ckpart`` next to its final name, hashed while it
-is written, and renamed only when size and sha256 match what the source node
-computed before the copy started. A file whose final name exists is therefore
-always complete and verified; a killed run leaves only ``.ckpart`` files, which the
-next run overwrites. Verified files are recorded in a state file, so a re-run skips
-them without re-reading.
+Every file is written to ``.<name>.ckpart`` next to its final name and renamed only
+once verified, after an fsync (done off the stream's thread, so the next file keeps
+arriving). A file whose final name exists is therefore always complete and verified;
+a killed run leaves only ``.ckpart`` files, which the next run overwrites. Verified
+files are recorded in a state file, so a re-run skips them without re-reading.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import hashlib
 import json
 import os
 import posixpath
 import shutil
-import subprocess
-import tarfile
-import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
+from clusterkit.checkpoints.session import NodeSession, SessionError
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.node.ship import NodeCommand, node_command
-from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S, SSHTarget, Transport
-from clusterkit.remote.command import remote_command
+from clusterkit.remote.base import SSHTarget, Transport
 
 CHUNK = 1 << 20
 PART_SUFFIX = ".ckpart"
 STATE_FILE = ".clusterkit-collect-state.json"
-# Fastest first: AES-GCM uses AES-NI/PMULL; chacha20 is OpenSSH's default but ~2x slower
-# per core on x86 with AES-NI. Every OpenSSH since 6.2 offers one of these.
-SSH_CIPHERS = ("aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,"
-               "aes128-ctr,aes256-ctr")
-SERVER_ALIVE_S = 5
-# A stream that delivers no byte for this long is killed (a hung disk or tar on the node;
+# A stream that delivers no byte for this long is killed (a hung disk on the node;
 # a dead peer is already caught by ServerAlive* within ~20 s).
 STALL_TIMEOUT_S = 300.0
-TAR_BLOCKING = 2048  # 512-byte blocks per record: 1 MiB writes into the pipe
-
+HASH_TIMEOUT_S = 3600.0  # sha256 of one node's files, done on the node
 
 
 @dataclass(frozen=True)
@@ -71,31 +62,6 @@ def parse_hashes(stdout: str) -> tuple[dict[str, Hashed], dict[str, str]]:
     raw = json.loads(stdout.strip().splitlines()[-1])
     files = {rel: Hashed(int(v[0]), float(v[1]), str(v[2])) for rel, v in raw["files"].items()}
     return files, {str(k): str(v) for k, v in raw["errors"].items()}
-
-
-class PendingHashes:
-    """Source checksums that are still being computed while the streams already run.
-
-    A received file waits here (as ``.ckpart``) until its node reported the sha256;
-    the copy is renamed into place only if it matches, exactly as when the hash was
-    known up front.
-    """
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self.hashes: dict[tuple[str, str], Hashed] = {}
-        self.problems: list[str] = []
-
-    def resolve(self, hashes: Mapping[tuple[str, str], Hashed], problems: Sequence[str]) -> None:
-        self.hashes, self.problems = dict(hashes), list(problems)
-        self._done.set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
-
-    def get(self, node: str, relpath: str) -> Hashed | None:
-        self._done.wait()
-        return self.hashes.get((node, relpath))
 
 
 @dataclass(frozen=True)
@@ -218,51 +184,45 @@ def clean_parts(dest: str, tag: str) -> int:
 # ------------------------------------------------------------------ receiving
 
 
-class _Receiver:
-    """Writes one file to its part name while hashing, then verifies and renames."""
+class Receiver:
+    """Writes one file to its part name while hashing; verifies, fsyncs and renames it."""
 
     def __init__(self, dest: str, state: DestState, sink: ProgressSink, node: str,
-                 result: NodeResult, fsync: bool, pending: PendingHashes | None = None) -> None:
+                 result: NodeResult, fsync: bool) -> None:
         self.dest, self.state, self.sink, self.node = dest, state, sink, node
-        self.result, self.fsync, self.pending = result, fsync, pending
-        self.last_activity = time.monotonic()
+        self.result, self.fsync = result, fsync
+        self.lock = threading.Lock()  # result lists: the stream and the finisher thread
 
-    def receive(self, w: Wanted, src: IO[bytes]) -> None:
+    def receive_exact(self, w: Wanted, src: IO[bytes], size: int, session: NodeSession,
+                      buf: bytearray) -> tuple[str, str, str]:
+        """Exactly ``size`` bytes of ``src`` into the part file; (part, final, sha256)."""
         final = os.path.join(self.dest, w.relpath)
         os.makedirs(os.path.dirname(final), exist_ok=True)
         part = part_path(final)
         h = hashlib.sha256()
-        got = 0
+        view = memoryview(buf)
+        left = size
         try:
-            with open(part, "wb") as out:
-                while chunk := src.read(CHUNK):
-                    h.update(chunk)
-                    out.write(chunk)
-                    got += len(chunk)
-                    self.last_activity = time.monotonic()
-                    self.sink.advance(self.node, len(chunk))
+            with open(part, "wb", buffering=0) as out:
+                while left:
+                    n = src.readinto(view[:min(CHUNK, left)])  # type: ignore[attr-defined]
+                    if not n:
+                        raise SessionError(f"stream ended inside {w.relpath}")
+                    session.expect_within(STALL_TIMEOUT_S)
+                    h.update(view[:n])
+                    out.write(view[:n])
+                    left -= n
+                    self.sink.advance(self.node, n)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(part)
             raise
-        self.finish(w, part, final, got, h.hexdigest())
+        return part, final, h.hexdigest()
 
-    def _expected(self, w: Wanted) -> tuple[int, str] | str:
-        """(size, sha256) the copy must have, or why there is none."""
-        if w.sha256:
-            return w.size, w.sha256
-        if self.pending is not None:
-            while not self.pending.wait(5.0):
-                self.last_activity = time.monotonic()  # waiting on hashes is not a stall
-        h = self.pending.get(w.node, w.relpath) if self.pending is not None else None
-        if h is None:
-            return "no source checksum (hashing on the node failed)"
-        if h.size != w.size or (w.mtime and h.mtime != w.mtime):
-            return f"changed on {w.node} since listing (size/mtime differ when hashed)"
-        return h.size, h.sha256
-
-    def finish(self, w: Wanted, part: str, final: str, got: int, digest: str) -> None:
-        expected = self._expected(w)
+    def finish(self, w: Wanted, part: str, final: str, got: int, digest: str,
+               expected: tuple[int, str] | str) -> None:
+        """Rename into place when ``expected`` (size, sha256) matches, else discard.
+        ``expected`` is a reason string when there is nothing to match."""
         if isinstance(expected, str) or got != expected[0] or digest != expected[1]:
             with contextlib.suppress(OSError):
                 os.unlink(part)
@@ -272,131 +232,114 @@ class _Receiver:
                    f"sha256 mismatch: source {expected[1][:16]}… when hashed on {w.node}, "
                    f"received {digest[:16]}… (changed on the node after hashing, or "
                    "corrupted in transit)")
-            self.result.failed[w.relpath] = why
-            self.sink.file_done(self.node, w.relpath, got, "failed", why)
+            self.failed(w.relpath, why, got)
             return
         if self.fsync:
             with open(part, "rb") as fh:
                 os.fsync(fh.fileno())
         os.replace(part, final)
         self.state.record(w.relpath, digest)
-        self.result.copied.append(w.relpath)
-        self.result.bytes_copied += got
+        with self.lock:
+            self.result.copied.append(w.relpath)
+            self.result.bytes_copied += got
         self.sink.file_done(self.node, w.relpath, got, "copied")
 
-
-def openssh_argv(target: SSHTarget, command: str,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> list[str]:
-    """``ssh`` argv with the target's options as ``-o`` words (:meth:`SSHTarget.options`).
-
-    ssh then reads ~/.ssh/config and /etc/ssh/ssh_config itself, first value wins —
-    the same order the paramiko transport follows (clusterkit.remote.sshconfig).
-    """
-    argv = ["ssh", "-T", "-x", "-a", "-o", "BatchMode=yes", "-o", "Compression=no",
-            "-o", f"ConnectTimeout={max(1, int(connect_timeout))}",
-            "-o", f"ServerAliveInterval={SERVER_ALIVE_S}", "-o", "ServerAliveCountMax=4",
-            "-c", SSH_CIPHERS]
-    if target.config_file:
-        argv += ["-F", target.config_file]
-    for key, value in target.options().items():  # the one mapping paramiko and pdsh use too
-        argv += ["-o", f"{key}={value}"]
-    return [*argv, "--", target.address, command]
+    def failed(self, rel: str, why: str, got: int = 0) -> None:
+        with self.lock:
+            self.result.failed[rel] = why
+        self.sink.file_done(self.node, rel, got, "failed", why)
 
 
-def tar_words(root: str, relpaths: Sequence[str]) -> list[str]:
-    return ["tar", "-C", root, "-b", str(TAR_BLOCKING), "-cf", "-", "--", *relpaths]
+def expected_from(w: Wanted, end: Mapping[str, Any], digest: str) -> tuple[int, str] | str:
+    """What the received copy must equal, from the node's end-of-file frame."""
+    if end.get("t") != "end" or end.get("rel") != w.relpath:
+        return f"protocol error: expected the end of {w.relpath}, got {str(end)[:120]}"
+    if w.sha256:  # checksummed before the copy (re-run, --dry-run, test hook): must match
+        return w.size, w.sha256
+    if end.get("changed"):
+        return f"changed on {w.node} while it was being sent (size/mtime moved)"
+    if int(end["size"]) != w.size or (w.mtime and float(end["mtime"]) != w.mtime):
+        return f"changed on {w.node} since listing (size/mtime differ when sent)"
+    if str(end["sha256"]) != digest:
+        return (f"corrupted in transit: {w.node} read {str(end['sha256'])[:16]}…, "
+                f"received {digest[:16]}…")
+    return w.size, digest
 
 
-def _stream_argv(target: SSHTarget, root: str, relpaths: Sequence[str],
-                 connect_timeout: float) -> list[str]:
-    words = tar_words(root, relpaths)
-    if target.local:
-        return words
-    return openssh_argv(target, remote_command(words), connect_timeout)
+@dataclass
+class NodeStream:
+    """What one node's session answered: sha256 of what it sent or hashed."""
+
+    hashes: dict[str, Hashed] = field(default_factory=dict)
+    hash_errors: dict[str, str] = field(default_factory=dict)
+    answered: set[str] = field(default_factory=set)  # sent files with a file or err frame
+    waiting: set[int] = field(default_factory=set)  # request ids without their answer
 
 
-def fetch_stream(target: SSHTarget, root: str, files: Sequence[Wanted], dest: str,
-                 state: DestState, sink: ProgressSink, result: NodeResult, *,
-                 fsync: bool = True, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
-                 on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
-                 stall_timeout: float = STALL_TIMEOUT_S,
-                 pending: PendingHashes | None = None) -> None:
-    """One tar stream of ``files`` from ``target`` into DEST (per-file results in ``result``)."""
-    if not files:
-        return
+def stream_node(session: NodeSession, files: Sequence[Wanted], hash_only: Sequence[str],
+                receiver: Receiver) -> NodeStream:
+    """``files`` over ``session`` into DEST while the node hashes ``hash_only`` (copies
+    we do not send, or everything before a phased copy). Files not received are marked
+    failed with the session's last words (ssh's stderr, exit status)."""
+    st = NodeStream()
     wanted = {w.relpath: w for w in files}
-    argv = _stream_argv(target, root, [w.relpath for w in files], connect_timeout)
-    receiver = _Receiver(dest, state, sink, target.name, result, fsync, pending)
-    broke = ""
-    with tempfile.TemporaryFile() as errf:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=errf, start_new_session=True)
-        if on_start is not None:
-            on_start(proc)
-        assert proc.stdout is not None
-        done = threading.Event()
-        watchdog = threading.Thread(target=_watch, args=(proc, receiver, done, stall_timeout),
-                                    daemon=True)
-        watchdog.start()
+    if hash_only:
+        st.waiting.add(session.request("hash", HASH_TIMEOUT_S, files=list(hash_only)))
+    if files:
+        st.waiting.add(session.request("send", STALL_TIMEOUT_S, files=list(wanted)))
+    buf = bytearray(CHUNK)
+    with cf.ThreadPoolExecutor(1, thread_name_prefix=f"clusterkit-fsync-{session.name}") as fin:
         try:
-            _read_tar(proc.stdout, wanted, receiver)
-        except (tarfile.TarError, OSError) as exc:
-            broke = f"stream broke ({exc}); "
-        finally:
-            done.set()
-            with contextlib.suppress(OSError):
-                proc.stdout.close()
-            code = _reap(proc)
-            errf.seek(0)
-            stderr = " ".join(errf.read().decode("utf-8", "replace").split())
-    stalled = result.failed.pop("<stall>", "")
-    for rel in wanted:
-        if rel not in result.copied and rel not in result.failed:
-            why = (f"not received: {stalled + '; ' if stalled else ''}{broke}exit {code}"
-                   + (f": {stderr[-300:]}" if stderr else ""))
-            result.failed[rel] = why
-            sink.file_done(target.name, rel, 0, "failed", why)
+            while st.waiting:
+                _one_message(session, wanted, receiver, st, buf, fin)
+        except (SessionError, OSError, ValueError, KeyError) as exc:
+            session.kill()
+            why = f"not received: {exc}"
+            for rel in wanted:
+                if rel not in st.answered:
+                    receiver.failed(rel, why)
+            for rel in hash_only:
+                if rel not in st.hashes:
+                    st.hash_errors.setdefault(rel, why)
+    return st
 
 
-def _watch(proc: subprocess.Popen[bytes], receiver: _Receiver, done: threading.Event,
-           stall_timeout: float) -> None:
-    """Kill the stream when no byte arrived for ``stall_timeout`` seconds."""
-    while not done.wait(min(5.0, stall_timeout)):
-        if time.monotonic() - receiver.last_activity > stall_timeout:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 9)
-            receiver.result.failed.setdefault(
-                "<stall>", f"no data for {stall_timeout:.0f}s: stream killed")
-            return
-
-
-def _read_tar(stream: IO[bytes], wanted: Mapping[str, Wanted], receiver: _Receiver) -> None:
-    with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK) as tf:
-        for member in tf:
-            w = wanted.get(member.name)
-            if w is None or not member.isfile():
-                # Never write a name we did not ask for (tar streams carry paths).
-                continue
-            src = tf.extractfile(member)
-            if src is None:
-                continue
-            receiver.receive(w, src)
-
-
-def _reap(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 9)
-        return proc.wait()
+def _one_message(session: NodeSession, wanted: Mapping[str, Wanted], receiver: Receiver,
+                 st: NodeStream, buf: bytearray, fin: cf.ThreadPoolExecutor) -> None:
+    msg = session.read_msg()
+    kind = msg.get("t")
+    if kind == "file":
+        w = wanted.get(str(msg.get("rel")))
+        if w is None:  # never write a name we did not ask for
+            raise SessionError(f"unexpected file {str(msg.get('rel'))[:200]!r}")
+        got = int(msg["size"])
+        part, final, digest = receiver.receive_exact(w, session.stdout, got, session, buf)
+        end = session.read_msg()
+        st.answered.add(w.relpath)
+        st.hashes[w.relpath] = Hashed(got, float(end.get("mtime", 0.0)), str(end.get("sha256")))
+        fin.submit(receiver.finish, w, part, final, got, digest, expected_from(w, end, digest))
+    elif kind == "err":
+        rel = str(msg.get("rel"))
+        st.answered.add(rel)
+        receiver.failed(rel, f"cannot read on {session.name}: {msg.get('why')}")
+    elif kind == "hashes":
+        files, errors = parse_hashes(json.dumps(msg))
+        st.hashes.update(files)
+        st.hash_errors.update(errors)
+        st.waiting.discard(int(msg["id"]))
+    elif kind == "sent":
+        st.waiting.discard(int(msg["id"]))
+        session.expect_within(HASH_TIMEOUT_S)  # a hash answer may still be on its way
+    else:
+        raise SessionError(f"unexpected answer {str(msg)[:200]}")
 
 
 def fetch_sftp(transport: Transport, target: SSHTarget, root: str, files: Sequence[Wanted],
                dest: str, state: DestState, sink: ProgressSink, result: NodeResult, *,
-               fsync: bool = True, pending: PendingHashes | None = None) -> None:
-    """Fallback without an ``ssh`` binary: SFTP each file to its part name, then verify."""
-    receiver = _Receiver(dest, state, sink, target.name, result, fsync, pending)
+               fsync: bool = True) -> None:
+    """Fallback without an ``ssh`` binary: SFTP each file to its part name, then verify
+    against the checksum its node computed before the copy."""
+    receiver = Receiver(dest, state, sink, target.name, result, fsync)
     for w in files:
         final = os.path.join(dest, w.relpath)
         os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -405,30 +348,17 @@ def fetch_sftp(transport: Transport, target: SSHTarget, root: str, files: Sequen
             transport.get(target, posixpath.join(root, w.relpath), part)
             size = os.path.getsize(part)
             sink.advance(target.name, size)
-            receiver.finish(w, part, final, size, sha256_file(part))
+            receiver.finish(w, part, final, size, sha256_file(part), (w.size, w.sha256))
         except CheckpointError:
             raise
         except Exception as exc:  # TransportError and OSError alike: per-file failure
             with contextlib.suppress(OSError):
                 os.unlink(part)
-            why = getattr(exc, "message", None) or str(exc)
-            result.failed[w.relpath] = why
-            sink.file_done(target.name, w.relpath, 0, "failed", why)
-
-
-def split_streams(files: Sequence[Wanted], streams: int) -> list[list[Wanted]]:
-    """Spread one node's files over ``streams`` groups of similar byte counts."""
-    groups: list[list[Wanted]] = [[] for _ in range(max(1, min(streams, len(files))))]
-    sizes = [0] * len(groups)
-    for w in sorted(files, key=lambda f: -f.size):
-        i = sizes.index(min(sizes))
-        groups[i].append(w)
-        sizes[i] += w.size
-    return [g for g in groups if g]
+            receiver.failed(w.relpath, getattr(exc, "message", None) or str(exc))
 
 
 def have_ssh_binary() -> bool:
-    return shutil.which("ssh") is not None and shutil.which("tar") is not None
+    return shutil.which("ssh") is not None
 
 
 def grouped(items: Iterable[Wanted]) -> dict[str, list[Wanted]]:
@@ -437,6 +367,3 @@ def grouped(items: Iterable[Wanted]) -> dict[str, list[Wanted]]:
         out.setdefault(w.node, []).append(w)
     return out
 
-
-def now() -> float:
-    return time.monotonic()

@@ -52,7 +52,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "local dirs, in the layout a launch on those nodes resumes from")
     p.add_argument("--prune-sources", action="store_true",
                    help="after everything is verified at DEST, delete the tag on the nodes")
-    p.add_argument("--jobs", type=int, default=8, metavar="N", help="parallel streams (default 8)")
+    p.add_argument("--jobs", type=int, default=8, metavar="N",
+                   help="nodes streaming at once, one connection each (default 8)")
     p.add_argument("--via", choices=("auto", "ssh", "sftp"), default="auto",
                    help="data path: OpenSSH+tar streams (auto when ssh exists) or SFTP")
     p.add_argument("--no-fsync", dest="fsync", action="store_false",
@@ -272,8 +273,9 @@ def _print_plan(plan: Any) -> None:
 
 
 def _print_report(report: Any, dest: str) -> None:
-    print(f"listed in {report.seconds_list:.1f} s, hashed on the nodes in "
-          f"{report.seconds_hash:.1f} s")
+    hashed = (f"hashed on the nodes in {report.seconds_hash:.1f} s" if report.seconds_hash
+              else "hashed on the nodes while sending")
+    print(f"listed in {report.seconds_list:.1f} s, {hashed}")
     for note in report.notes:
         print(f"note: {note}")
     if report.method:
