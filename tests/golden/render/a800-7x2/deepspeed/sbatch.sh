@@ -97,7 +97,8 @@ fi
 # Every node needs its own directory.
 srun --nodes=7 --ntasks-per-node=1 mkdir -p -- /scratch/ckpt/golden-a800-7x2
 
-echo "clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=srun-per-rank OMP_NUM_THREADS=$OMP_NUM_THREADS"
+# world_size/ranks_per_node: `clusterkit sbatch --watch` reads them to place rank labels.
+echo "clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=srun-per-rank world_size=14 ranks_per_node=2 OMP_NUM_THREADS=$OMP_NUM_THREADS"
 preempted=0
 forward_usr1() {
     preempted=1

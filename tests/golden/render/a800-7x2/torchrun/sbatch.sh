@@ -97,7 +97,12 @@ fi
 # Every node needs its own directory.
 srun --nodes=7 --ntasks-per-node=1 mkdir -p -- /scratch/ckpt/golden-a800-7x2
 
-echo "clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=torchrun OMP_NUM_THREADS=$OMP_NUM_THREADS"
+# world_size/ranks_per_node: `clusterkit sbatch --watch` reads them to place rank labels.
+echo "clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=torchrun world_size=14 ranks_per_node=2 OMP_NUM_THREADS=$OMP_NUM_THREADS"
+# Rank labels for `clusterkit sbatch --watch`: srun puts the task (= node) number in front
+# of each line ("1: "), torchrun the rank's global rank ("[rank3]:"; torch >= 2.2; older
+# torch writes the node-local rank, "[default1]:"). One file per rank needs neither.
+export SLURM_LABELIO=1 TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:'
 preempted=0
 forward_usr1() {
     preempted=1

@@ -82,7 +82,8 @@ if [ -n "$unseen" ]; then
     exit 2
 fi
 
-echo "clusterkit: job golden-h100-2x8-ib slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=srun-per-rank OMP_NUM_THREADS=$OMP_NUM_THREADS"
+# world_size/ranks_per_node: `clusterkit sbatch --watch` reads them to place rank labels.
+echo "clusterkit: job golden-h100-2x8-ib slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=srun-per-rank world_size=16 ranks_per_node=8 OMP_NUM_THREADS=$OMP_NUM_THREADS"
 preempted=0
 forward_usr1() {
     preempted=1
