@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clusterkit.checks.facts import NodeFacts, from_probe_json, unreachable
-from clusterkit.checks.findings import Finding, FindingGroup, Status, group_findings, worst
+from clusterkit.checks.findings import (
+    Finding,
+    FindingGroup,
+    Measure,
+    Status,
+    group_findings,
+    worst,
+)
 from clusterkit.checks.invoke import (
     FACTS_TIMEOUT_S,
     ProbeOutputError,
@@ -296,11 +303,14 @@ def collect_facts(plan: DoctorPlan, transport: Transport, *,
     def work(target: SSHTarget) -> CommandResult:
         node = by_name[target.name]
         t0 = time.monotonic()
-        _preconnect(transport, target)  # keeps SSH set-up out of the clock window
-        t1 = time.monotonic()
-        sent = clock()
-        result = transport.run(target, node.argv, timeout=plan.probe_timeout_s,
-                               env=node.env or None, stdin=stdin)
+        marks: list[float] = []
+
+        def connected() -> None:  # SSH set-up stays out of the clock window
+            marks.extend((time.monotonic(), clock()))
+
+        result = run_connected(transport, target, node.argv, timeout=plan.probe_timeout_s,
+                               env=node.env or None, stdin=stdin, on_connected=connected)
+        t1, sent = marks if marks else (t0, clock())
         windows[node.host] = (sent, clock())
         phases[node.host] = (t1 - t0, time.monotonic() - t1)
         return result
@@ -326,11 +336,11 @@ def collect_facts(plan: DoctorPlan, transport: Transport, *,
 def startup_findings(startup: Mapping[str, float],
                      limit_s: float = SLOW_STARTUP_S) -> list[Finding]:
     """A slow remote start-up is paid by every launcher (pdsh, DeepSpeed's runner) too."""
-    return [Finding("ssh.startup", Status.WARN, host,
-                    f"{secs:.1f} s passed on the node before the probe ran (login shell "
-                    "~/.bashrc, interpreter start-up, or an overloaded node)",
-                    "keep ~/.bashrc fast for non-interactive shells: put `[[ $- != *i* ]] "
-                    "&& return` above slow lines such as `pyenv init`/`conda init`")
+    return [Finding.measured("ssh.startup", Status.WARN, host, Measure(
+                "{} s passed on the node before the probe ran (login shell ~/.bashrc, "
+                "interpreter start-up, or an overloaded node)", secs),
+                "keep ~/.bashrc fast for non-interactive shells: put `[[ $- != *i* ]] "
+                "&& return` above slow lines such as `pyenv init`/`conda init`")
             for host, secs in startup.items() if secs > limit_s]
 
 
@@ -349,10 +359,24 @@ def _phase_stats(phases: Mapping[str, tuple[float, float]],
     return out
 
 
-def _preconnect(transport: Transport, target: SSHTarget) -> None:
+def run_connected(transport: Transport, target: SSHTarget, argv: Sequence[str], *,
+                  timeout: float, env: Mapping[str, str] | None, stdin: bytes,
+                  on_connected: Callable[[], None]) -> CommandResult:
+    """``transport.run``, calling ``on_connected`` when the command is about to be sent.
+
+    The OpenSSH fan-out (:class:`~clusterkit.remote.openssh.OpenSSHTransport`) says when
+    its login succeeded; with paramiko the connection is opened first, then the command.
+    """
+    run = getattr(transport, "run_connected", None)
+    if callable(run):
+        result: CommandResult = run(target, argv, timeout=timeout, env=env, stdin=stdin,
+                                    on_connected=on_connected)
+        return result
     connect = getattr(getattr(transport, "ssh", transport), "connect", None)
     if not target.local and callable(connect):
         connect(target)
+    on_connected()
+    return transport.run(target, argv, timeout=timeout, env=env, stdin=stdin)
 
 
 def _facts_of(host: str, result: CommandResult | None, error: TransportError | None,

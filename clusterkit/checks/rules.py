@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from clusterkit.checks.facts import NodeFacts
-from clusterkit.checks.findings import Finding, Status
+from clusterkit.checks.findings import Finding, Measure, Status
 from clusterkit.checks.infiniband import parse_nccl_ib_hca, unmatched_hca_entries
 from clusterkit.hostrange import fold
-from clusterkit.spec.backends import BACKENDS
+from clusterkit.launchers import BACKENDS
 
 GiB = 1024**3
 SHM_MIN_BYTES = 1 * GiB
@@ -505,9 +505,10 @@ def check_clock(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Find
         if status is Status.PASS:
             out.append(Finding("clock", status, host, f"clock within {SKEW_WARN_S:g} s of median"))
         else:
-            out.append(Finding("clock", status, host, f"clock {skew:+.1f} s from the cluster "
-                               f"median", "enable NTP: `timedatectl set-ntp true` "
-                               "(chrony or systemd-timesyncd)"))
+            out.append(Finding.measured(
+                "clock", status, host, Measure("clock {} s from the cluster median", skew,
+                                               "+.1f"),
+                "enable NTP: `timedatectl set-ntp true` (chrony or systemd-timesyncd)"))
     return out
 
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 PACKAGES = ("torch", "deepspeed", "accelerate")
@@ -48,9 +49,10 @@ def package_digest(directory: str) -> str:
     return h.hexdigest()
 
 
-def _clusterkit() -> dict[str, Any]:
+def _clusterkit(version: Callable[[str], str | None] = _version) -> dict[str, Any]:
     """Version and digest of an importable clusterkit, found without importing it.
 
+    ``version``: how to read a distribution's version (the probe passes a cheaper one).
     When shipped, ``clusterkit`` in sys.modules is the bootstrap's empty package:
     set it aside while asking the import system where the real one would come from.
     """
@@ -67,7 +69,7 @@ def _clusterkit() -> dict[str, Any]:
     where = list(spec.submodule_search_locations or []) if spec is not None else []
     if not where:
         return {"clusterkit": None, "clusterkit_digest": None}
-    return {"clusterkit": _version("clusterkit") or "unknown",
+    return {"clusterkit": version("clusterkit") or "unknown",
             "clusterkit_digest": package_digest(where[0])}
 
 
