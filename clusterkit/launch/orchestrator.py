@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import signal
 import threading
@@ -38,6 +39,27 @@ from clusterkit.node.ship import NodeCommand, agent_command
 from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
 
 TAIL_LINES = 15
+# Native launches (issue 15): each node's agent starts a fork server that imports
+# these once, then forks the ranks. CLUSTERKIT_ZYGOTE=0 switches it off (each rank
+# is its own `python -u ...` again); CLUSTERKIT_ZYGOTE_IMPORTS=a,b names the modules.
+ZYGOTE_ENV, ZYGOTE_IMPORTS_ENV = "CLUSTERKIT_ZYGOTE", "CLUSTERKIT_ZYGOTE_IMPORTS"
+ZYGOTE_IMPORTS = ("torch", "torch.distributed")
+# The bundled workload's own modules (deepspeed stays with the ranks: on a GPU node
+# its accelerator probe opens the driver, after which forking is not safe).
+WORKLOAD_IMPORTS = ("clusterkit.workload.main",)
+_OFF = ("0", "off", "no", "false")
+
+
+def zygote_imports(task: NodeTask, environ: Mapping[str, str] | None = None) -> list[str]:
+    """What the task's fork server imports before forking (empty: no fork server)."""
+    env = os.environ if environ is None else environ
+    if task.native is None or env.get(ZYGOTE_ENV, "").strip().lower() in _OFF:
+        return []
+    named = env.get(ZYGOTE_IMPORTS_ENV, "").strip()
+    if named:
+        return [m.strip() for m in named.split(",") if m.strip()]
+    workload = "clusterkit.workload" in task.argv
+    return [*ZYGOTE_IMPORTS, *(WORKLOAD_IMPORTS if workload else ())]
 
 
 def agent_control(python: str, *args: str) -> NodeCommand:
@@ -91,7 +113,7 @@ class JobSpec:
             rank_log_dir=task.rank_log_dir,
             native=dict(task.native) if task.native is not None else None,
             hold=self.gate_need is not None, keepalive_s=self.keepalive_s,
-            local_ranks=task.nprocs,
+            local_ranks=task.nprocs, zygote=zygote_imports(task),
         )
 
 

@@ -38,6 +38,7 @@ import argparse
 import base64
 import contextlib
 import json
+import linecache
 import os
 import queue
 import re
@@ -50,9 +51,9 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO, Any, Union
 
-from clusterkit.node import protocol
+from clusterkit.node import protocol, zygote
 from clusterkit.node.gatefacts import gate_facts
 from clusterkit.node.protocol import (
     DEFAULT_GRACE_S,
@@ -146,8 +147,39 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+class ForkedRank:
+    """A rank forked by the zygote: the agent's view of it, shaped like a Popen.
+
+    The zygote is its parent and reports its exit code; should the zygote die
+    without saying, a rank that is gone reads as killed (it died with the zygote)."""
+
+    def __init__(self, pid: int, server: subprocess.Popen[bytes]) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._server = server
+        self.stdout = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._server.poll() is not None \
+                and not os.path.exists(f"/proc/{self.pid}"):
+            self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("zygote rank", timeout or 0.0)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+
+Proc = Union["subprocess.Popen[bytes]", ForkedRank]
+
+
 def sweep(job_id: str, node: str | None, attempt: int | None, grace_s: float,
-          children: Sequence[subprocess.Popen[bytes]] = ()) -> dict[str, int]:
+          children: Sequence[Proc] = ()) -> dict[str, int]:
     """SIGTERM the children's groups and every process of the job; SIGKILL after grace."""
     counts = {"signalled": 0, "killed": 0, "left": 0}
     for child in children:
@@ -259,7 +291,12 @@ class Agent:
         self._lock = threading.Lock()
         self._logs: dict[str, IO[str]] = {}
         self.child: subprocess.Popen[bytes] | None = None  # the launcher (launcher mode)
-        self.ranks: dict[int, subprocess.Popen[bytes]] = {}  # local rank -> process (native)
+        self.ranks: dict[int, Proc] = {}  # local rank -> process (native)
+        # Native mode's fork server (issue 15): started early, forks the ranks on GO.
+        self.zygote: subprocess.Popen[bytes] | None = None
+        self._zy_fds: dict[int, int] = {}  # local rank -> read end of its output pipe
+        self._zy_wfds: list[int] = []  # the same pipes' write ends (fd numbers in the zygote)
+        self._zy_events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.rank_codes: dict[int, int] = {}  # local rank -> exit code, in order of exit
         self.stop_reason: str | None = None
         self._stop = threading.Event()
@@ -419,8 +456,8 @@ class Agent:
         ranks = [p for p, env in procs.items() if b"RANK" in env or b"LOCAL_RANK" in env]
         if not ranks and self.child is not None and self.child.poll() is None:
             ranks = [self.child.pid]
-        if not ranks:
-            ranks = [p.pid for p in self.ranks.values() if p.poll() is None]
+        # Forked ranks carry RANK only in os.environ, not in /proc/<pid>/environ.
+        ranks = sorted({*ranks, *(p.pid for p in self.ranks.values() if p.poll() is None)})
         return sum(_signal(p, sig) for p in ranks)
 
     def read_control(self, stream: IO[str]) -> None:
@@ -483,8 +520,11 @@ class Agent:
         self.write_state("running")
         self.event("started", pid=self.child.pid, argv=argv)
 
-    def children(self) -> list[subprocess.Popen[bytes]]:
-        return ([self.child] if self.child is not None else []) + list(self.ranks.values())
+    def children(self) -> list[Proc]:
+        out: list[Proc] = [self.child] if self.child is not None else []
+        if self.zygote is not None:
+            out.append(self.zygote)
+        return out + list(self.ranks.values())
 
     def rank_env(self, local_rank: int) -> dict[str, str]:
         """What torchrun gives a worker, minus its TORCHELASTIC_* agent variables."""
@@ -506,7 +546,176 @@ class Agent:
             env["OMP_NUM_THREADS"] = omp_threads(nproc)
         return env
 
+    # -------------------------------------------------------------- the fork server
+
+    def zygote_wanted(self) -> bool:
+        if not (self.spec.native and self.spec.argv and self.spec.zygote):
+            return False
+        cwd = os.path.expanduser(self.spec.cwd) if self.spec.cwd else None
+        parsed = zygote.parse_argv([_expand(a, self.job_dir) for a in self.spec.argv], cwd)
+        why = ("the argv is not `python -u script|-m module`" if parsed is None else
+               None if zygote.worth_it(parsed[0], parsed[1], cwd) else
+               "the script names no module the fork server preloads")
+        if why is not None:
+            with self._lock:  # exec, as before: nothing to say on the console
+                self._log("launcher.log", f"clusterkit agent: no fork server: {why}")
+            return False
+        # The job's env (inventory) may switch it off for one cluster.
+        off = self.spec.env.get("CLUSTERKIT_ZYGOTE", os.environ.get("CLUSTERKIT_ZYGOTE", ""))
+        return off.strip().lower() not in ("0", "off", "no", "false")
+
+    def start_zygote(self) -> None:
+        """Start the fork server now: it imports torch while the gate runs.
+
+        Its environment is every rank's minus what differs per rank (RANK, ...);
+        each rank's own output pipe is made here and handed down at its start."""
+        n = self.spec.native or {}
+        argv = [_expand(a, self.job_dir) for a in self.spec.argv]
+        cwd = os.path.expanduser(self.spec.cwd) if self.spec.cwd else None
+        nproc = int(n["nproc"])
+        envs = [self.rank_env(lr) for lr in range(nproc)]
+        common = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs[1:])}
+        source = "".join(linecache.getlines(zygote.__file__ or ""))
+        if not source:
+            self._zygote_note("its source is not readable here")
+            return
+        pipes = [os.pipe() for _ in range(nproc)]
+        status_r, status_w = os.pipe()
+        try:
+            self.zygote = subprocess.Popen(
+                [argv[0], "-u", "-c", zygote.BOOT, str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                env=common, cwd=cwd, start_new_session=True,
+                pass_fds=[status_w, *(w for _, w in pipes)])
+        except OSError as exc:
+            for fd in (status_r, status_w, *(x for p in pipes for x in p)):
+                os.close(fd)
+            self._zygote_note(f"{type(exc).__name__}: {exc}")
+            return
+        for fd in (status_w, *(w for _, w in pipes)):
+            os.close(fd)  # the zygote and its ranks hold the write ends
+        self._zy_fds = {lr: r for lr, (r, _) in enumerate(pipes)}
+        self._zy_wfds = [w for _, w in pipes]
+        config = {"argv": argv, "cwd": cwd, "imports": list(self.spec.zygote),
+                  "status_fd": status_w, "grace_s": self.spec.grace_s}
+        body = source.encode()
+        assert self.zygote.stdin is not None
+        self.zygote.stdin.write(b"%d\n" % len(body) + body + json.dumps(config).encode() + b"\n")
+        self.zygote.stdin.flush()
+        threading.Thread(target=self._zygote_status, args=(status_r,), daemon=True).start()
+        threading.Thread(target=self._zygote_output, daemon=True).start()
+
+    def _zygote_status(self, fd: int) -> None:
+        with os.fdopen(fd, "rb") as fh:
+            for raw in fh:
+                with contextlib.suppress(ValueError):
+                    self._zy_events.put(json.loads(raw))
+        self._zy_events.put({"ev": "gone"})
+
+    def _zygote_output(self) -> None:
+        """Whatever the zygote prints itself (import warnings): launcher lines."""
+        assert self.zygote is not None and self.zygote.stdout is not None
+        for raw in iter(self.zygote.stdout.readline, b""):
+            self.handle_line(raw.decode("utf-8", "replace").rstrip("\r\n"))
+
+    def _zygote_note(self, why: str) -> None:
+        self.handle_line(f"clusterkit agent: no fork server ({why}): each rank imports "
+                         "its own modules (plain exec)")
+
+    def _zygote_wait(self, *want: str) -> dict[str, Any] | None:
+        """The zygote's next status line of a kind in ``want`` (None: a stop came first)."""
+        while not self._stop.is_set():
+            try:
+                ev = self._zy_events.get(timeout=POLL_S)
+            except queue.Empty:
+                self.check_keepalive()
+                continue
+            if ev.get("ev") in want or ev.get("ev") == "gone":
+                return ev
+            self._zygote_exit(ev)  # a rank may end before its siblings are forked
+        return None
+
+    def _zygote_exit(self, ev: dict[str, Any]) -> None:
+        if ev.get("ev") == "exit":
+            proc = self.ranks.get(int(ev["lr"]))
+            if isinstance(proc, ForkedRank):
+                proc.returncode = int(ev["code"])
+
+    def _zygote_drop(self) -> None:
+        for fd in self._zy_fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._zy_fds = {}
+        if self.zygote is not None and self.zygote.poll() is None:
+            assert self.zygote.stdin is not None
+            with contextlib.suppress(OSError):
+                self.zygote.stdin.close()  # it exits at EOF (it has forked nothing)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.zygote.wait(2.0)
+            if self.zygote.poll() is None:
+                _signal_group(self.zygote.pid, signal.SIGKILL)
+                self.zygote.wait()
+
+    def fork_ranks(self) -> list[threading.Thread] | None:
+        """The ranks forked by the zygote; None: use exec (the reason said in one line)."""
+        assert self.zygote is not None
+        ready = self._zygote_wait("ready", "unfit")
+        if ready is None:
+            return []  # stopped while the zygote imported: start nothing
+        if ready.get("ev") != "ready":
+            self._zygote_note(str(ready.get("why", "it exited while importing")))
+            self._zygote_drop()
+            return None
+        with self._lock:
+            self._log("launcher.log", f"clusterkit agent: fork server ready "
+                                      f"(imports took {ready.get('import_s')} s)")
+        n = self.spec.native or {}
+        ranks = [{"lr": lr, "fd": self._zy_wfds[lr], "env": self.rank_env(lr)}
+                 for lr in range(int(n["nproc"]))]
+        assert self.zygote.stdin is not None
+        try:
+            self.zygote.stdin.write(json.dumps({"ranks": ranks}).encode() + b"\n")
+            self.zygote.stdin.flush()
+        except OSError:
+            pass  # it died: the status thread says "gone"
+        pumps = []
+        while len(self.ranks) < len(ranks):
+            ev = self._zygote_wait("forked")
+            if ev is None or ev.get("ev") != "forked":
+                break
+            lr = int(ev["lr"])
+            self.ranks[lr] = ForkedRank(int(ev["pid"]), self.zygote)
+            t = threading.Thread(target=self._pump_fd, args=(lr, self._zy_fds.pop(lr)),
+                                 daemon=True)
+            t.start()
+            pumps.append(t)
+        if len(self.ranks) < len(ranks) and not self._stop.is_set():
+            self.request_stop("zygote-failed")
+        threading.Thread(target=self._zygote_exits, daemon=True).start()
+        argv = [_expand(a, self.job_dir) for a in self.spec.argv]
+        self.write_state("running")
+        self.event("started", pid=None, pids=[p.pid for p in self.ranks.values()], argv=argv,
+                   zygote=self.zygote.pid)
+        return pumps
+
+    def _zygote_exits(self) -> None:
+        while True:
+            ev = self._zy_events.get()
+            if ev.get("ev") == "gone":
+                return
+            self._zygote_exit(ev)
+
+    def _pump_fd(self, local_rank: int, fd: int) -> None:
+        rank = int((self.spec.native or {})["first_rank"]) + local_rank
+        with os.fdopen(fd, "rb") as fh:
+            for raw in iter(fh.readline, b""):
+                self.handle_rank_line(rank, raw.decode("utf-8", "replace").rstrip("\r\n"))
+
     def start_ranks(self) -> list[threading.Thread]:
+        if self.zygote is not None:
+            forked = self.fork_ranks()
+            if forked is not None:
+                return forked
         n = self.spec.native or {}
         argv = [_expand(a, self.job_dir) for a in self.spec.argv]
         cwd = os.path.expanduser(self.spec.cwd) if self.spec.cwd else None
@@ -551,6 +760,9 @@ class Agent:
         data = {"job_id": self.spec.job_id, "node": self.spec.node, "attempt": self.spec.attempt,
                 "agent_pid": os.getpid(), "child_pid": self.child.pid if self.child else None,
                 "rank_pids": [p.pid for p in self.ranks.values()],
+                # Forked ranks carry RANK only in os.environ: `status` reads them here.
+                "ranks": {str(r): pid for r, pid in self.rank_pids().items()} if self.ranks else {},
+                "zygote_pid": self.zygote.pid if self.zygote is not None else None,
                 "state": state, "time": time.time(), **extra}
         # A full or vanished disk must not stop the teardown.
         with contextlib.suppress(OSError):
@@ -681,6 +893,8 @@ class Agent:
 
     def run(self) -> int:
         self.prepare()  # while the launcher compares the nodes' facts
+        if self.zygote_wanted():
+            self.start_zygote()  # its imports overlap the gate and the GO
         if self.spec.hold and not self.hold_for_go():
             self.event("exit", code=0, reason=self.stop_reason, held=True)
             return 0
@@ -729,6 +943,10 @@ class Agent:
             counts = sweep(self.spec.job_id, node, self.spec.attempt, self.spec.grace_s,
                            self.children())
         else:
+            if self.zygote is not None:
+                # Its ranks are done: it reports the last exit and ends by itself.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.zygote.wait(2.0)
             # The launcher ended by itself: only stragglers it left behind on this node.
             counts = sweep(self.spec.job_id, node, self.spec.attempt, min(self.spec.grace_s, 1.0),
                            self.children())
@@ -808,8 +1026,13 @@ def _status(job_id: str, job_dir: str | None, node: str | None) -> dict[str, Any
             state = None
     agent_alive = bool(state and state.get("state") != "exited" and state.get("agent_pid")
                        and os.path.exists(f"/proc/{state['agent_pid']}"))
-    ranks = sorted(int(env[b"RANK"]) for env in procs.values()
-                   if env.get(b"RANK", b"").isdigit() and b"LOCAL_RANK" in env)
+    found = {int(env[b"RANK"]) for env in procs.values()
+             if env.get(b"RANK", b"").isdigit() and b"LOCAL_RANK" in env}
+    if isinstance(state, dict) and isinstance(state.get("ranks"), dict):
+        # Ranks forked by the zygote: their RANK is not in /proc/<pid>/environ.
+        found |= {int(r) for r, pid in state["ranks"].items()
+                  if isinstance(pid, int) and pid in procs and r.isdigit()}
+    ranks = sorted(found)
     prog = state.get("progress") if isinstance(state, dict) else None
     progress = None
     if isinstance(prog, dict) and isinstance(prog.get("time"), (int, float)):

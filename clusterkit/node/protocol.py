@@ -64,7 +64,7 @@ _SPEC_TYPES: dict[str, tuple[type, ...]] = {
     "argv": (list,), "env": (dict,), "files": (dict,), "cwd": (str, type(None)),
     "attempt": (int,), "prefix": (str,), "rank_offsets": (dict,), "grace_s": (int, float),
     "rank_log_dir": (str, type(None)), "native": (dict, type(None)), "hold": (bool,),
-    "keepalive_s": (int, float), "local_ranks": (int,),
+    "keepalive_s": (int, float), "local_ranks": (int,), "zygote": (list,),
 }
 
 
@@ -96,6 +96,9 @@ class AgentSpec:
     # Ranks this node runs, whoever starts them (the agent, torchrun, accelerate): the
     # OpenMP thread rule divides the node's CPUs by it. 0: unknown (no rule applied).
     local_ranks: int = 0
+    # Native mode (issue 15): modules a per-node fork server imports once before it
+    # forks the ranks (clusterkit.node.zygote); empty: each rank is its own exec.
+    zygote: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> str:
@@ -138,6 +141,8 @@ class AgentSpec:
             raise ProtocolError("agent spec argv must be a list of strings")
         if self.native is not None and sorted(self.native) != sorted(NATIVE_KEYS):
             raise ProtocolError(f"agent spec native needs exactly {', '.join(NATIVE_KEYS)}")
+        if not all(isinstance(m, str) for m in self.zygote):
+            raise ProtocolError("agent spec zygote must be a list of module names")
         for name in self.files:
             if "/" in name or name.startswith("."):
                 raise ProtocolError(f"bad job file name {name!r}")

@@ -31,7 +31,7 @@ BUNDLE_VERSION = 1
 
 # Each program with the node modules it imports, dependencies first.
 PROGRAMS: dict[str, tuple[str, ...]] = {
-    "agent": ("protocol", "gatefacts", "agent"),
+    "agent": ("protocol", "gatefacts", "zygote", "agent"),
     "probe": ("gatefacts", "probe"),
     "bw_worker": ("bw_worker",),
     "listing": ("listing",),

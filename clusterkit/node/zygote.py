@@ -1,0 +1,396 @@
+"""Node program: the per-node fork server ("zygote") of a native launch (issue 15).
+
+Each rank's own ``import torch`` is the floor of a launch's start-up (seconds of
+CPU per rank; on a small node the ranks' imports queue for the cores). The agent
+starts this program as soon as it knows the job, while the gate and the
+rendezvous go on; it imports torch (and, for the bundled workload, what its ranks
+import) once, then on the agent's word forks one process per local rank. Each
+rank sets its own environment, argv, ``sys.path[0]`` and cwd and runs the program
+as ``python -u script.py args`` / ``python -u -m module args`` would.
+
+Why forking after ``import torch`` is safe, and when it is not: ``import torch``
+starts no thread and does not initialise CUDA (it is lazy) when the OpenMP thread
+count is set (the agent sets ``OMP_NUM_THREADS`` in our environment, the same
+value every rank gets; OpenBLAS starts its pool at load time otherwise), and fork
+copies a single-threaded process whole. Before forking we check exactly that: one
+thread (``/proc/self/task``), ``torch.cuda.is_initialized()`` false, and no open
+``/dev/nvidia*`` file (the CUDA driver is not fork-safe once initialised, and an
+import may probe the GPUs). Any failure -- an import error, a thread, a GPU
+handle -- is reported as ``unfit`` and the agent starts the ranks with a plain
+exec instead, saying so in one line.
+
+Wire (all lines JSON): the agent writes the source (``<nbytes>\\n<source>``, read
+by :data:`BOOT`), then a config line ``{"argv", "cwd", "imports", "status_fd",
+"grace_s"}``; we answer on ``status_fd`` ``{"ev": "ready"|"unfit", ...}``. Then
+it writes ``{"ranks": [{"lr", "fd", "env"}, ...]}``; we fork, report
+``{"ev": "forked", "lr", "pid"}`` for each and ``{"ev": "exit", "lr", "code"}``
+(``code`` as ``subprocess`` gives it: negative for a signal) as each ends, and
+exit once all have. Teardown: SIGTERM (the agent's sweep, or our parent-death
+signal when the agent dies) or EOF on stdin makes us SIGTERM the ranks, SIGKILL
+them after ``grace_s``; each rank dies with us (its parent-death signal).
+
+Standard library only, Python >= 3.8; runs outside the agent's bootstrap (its
+own interpreter, the job's Python), so it imports no other clusterkit module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+# How the agent runs us: ``<python> -u -c BOOT`` with our source first on stdin.
+# dont_inherit: nothing of BOOT's compile flags reaches our code.
+BOOT = ("import sys\n"
+        "r=sys.stdin.buffer;n=int(r.readline());s=r.read(n).decode('utf-8')\n"
+        "g={'__name__':'clusterkit_zygote','__builtins__':__builtins__}\n"
+        "exec(compile(s,'<clusterkit.node.zygote>','exec',dont_inherit=True),g)\n"
+        "sys.exit(g['main'](sys.argv[1:]))\n")
+SELF = "<clusterkit.node.zygote>"
+PR_SET_PDEATHSIG = 1
+POLL_S = 0.05
+
+
+# ----------------------------------------------------------------- the rank program
+
+
+def parse_argv(argv: list[str], cwd: str | None = None) -> tuple[str, str, list[str]] | None:
+    """``[python, -u, script|-m module, args...]`` -> (kind, target, args); None: not ours.
+
+    Only what the native plan runs; anything else (other interpreter flags, ``-c``, a
+    directory or zip as the script) is left to a plain exec."""
+    if len(argv) < 3 or argv[1] != "-u":
+        return None
+    if argv[2] == "-m":
+        return ("module", argv[3], argv[4:]) if len(argv) >= 4 else None
+    if argv[2].startswith("-") or not os.path.isfile(os.path.join(cwd or "", argv[2])):
+        return None
+    return "script", argv[2], argv[3:]
+
+
+# A script that names none of these would only wait for the zygote's imports.
+_USES = re.compile(rb"\b(torch|deepspeed|accelerate|transformers|lightning)\b")
+SCAN_BYTES = 4 << 20
+
+
+def worth_it(kind: str, target: str, cwd: str | None = None) -> bool:
+    """Does the program import what the zygote preloads? A script is read for the
+    names (a script that imports torch only through its own modules loses the
+    head start, not correctness); ``-m`` modules are assumed to."""
+    if kind == "module":
+        return True
+    try:
+        with open(os.path.join(cwd or "", target), "rb") as fh:
+            return _USES.search(fh.read(SCAN_BYTES)) is not None
+    except OSError:
+        return False
+
+
+def path0(kind: str, target: str) -> str:
+    """What ``python`` puts first on sys.path: the script's directory (symlinks
+    resolved), or the cwd for ``-m``."""
+    if kind == "module":
+        return os.getcwd()
+    return os.path.dirname(os.path.realpath(target))
+
+
+def _main_file(script: str) -> str:
+    # Python >= 3.9 makes __main__.__file__ absolute by prefixing the cwd as is (no
+    # normalisation: cwd "/" and "tmp/x.py" give "//tmp/x.py"); 3.8 kept it as typed.
+    if sys.version_info < (3, 9) or os.path.isabs(script):
+        return script
+    return os.getcwd() + os.sep + script
+
+
+def _fresh_main() -> Any:
+    """A new, empty ``__main__`` (BOOT's own globals must not leak into the program)."""
+    import builtins
+    import types
+
+    mod = types.ModuleType("__main__")
+    mod.__builtins__ = builtins  # type: ignore[attr-defined]
+    sys.modules["__main__"] = mod
+    return mod
+
+
+def _trim(tb: Any) -> Any:
+    """The traceback from the program's first frame on (ours and runpy's left out),
+    so an error reads as it does under ``python script.py``."""
+    import runpy
+
+    skip = {SELF, getattr(runpy, "__file__", "")}
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in skip:
+        tb = tb.tb_next
+    return tb
+
+
+def run_program(kind: str, target: str, args: list[str]) -> None:
+    """Run the program in this process as the interpreter would; never returns.
+
+    Ends with SystemExit, which unwinds to BOOT's ``sys.exit``: the interpreter then
+    finalises as after any script (threads joined, atexit run, streams flushed)."""
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[0] = path0(kind, target)
+    try:
+        if kind == "module":
+            import runpy
+
+            _fresh_main()
+            sys.argv = ["-m", *args]  # runpy puts the module's file in argv[0], as -m does
+            runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]
+        else:
+            from importlib.machinery import SourceFileLoader
+
+            sys.argv = [target, *args]
+            mod = _fresh_main()
+            file = _main_file(target)
+            mod.__file__ = file
+            mod.__loader__ = SourceFileLoader("__main__", file)
+            mod.__package__ = None
+            mod.__spec__ = None
+            with open(target, "rb") as fh:
+                code = compile(fh.read(), file, "exec", dont_inherit=True)
+            exec(code, mod.__dict__)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt as exc:
+        sys.excepthook(type(exc), exc, _trim(exc.__traceback__))
+        # As the interpreter does: finalise, then die of SIGINT (exit status -2).
+        import atexit
+
+        atexit._run_exitfuncs()
+        _flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise SystemExit(130) from None
+    except BaseException as exc:  # the uncaught error of the program
+        sys.excepthook(type(exc), exc, _trim(exc.__traceback__))
+        raise SystemExit(1) from None
+    raise SystemExit(0)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+
+
+# ----------------------------------------------------------------- process plumbing
+
+
+def _pdeathsig(sig: int) -> None:
+    """Ask the kernel for ``sig`` when our parent dies (Linux; a no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _gpu_handles() -> list[str]:
+    out = []
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("/dev/nvidia") or target.startswith("/dev/dri"):
+                out.append(target)
+    except OSError:
+        pass
+    return sorted(set(out))
+
+
+def unfit_reason() -> str | None:
+    """Why forking this process now would not give clean ranks (None: it would)."""
+    n = _threads()
+    if n > 1:
+        return f"{n} threads after the imports (set OMP_NUM_THREADS?): fork would lose them"
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
+        return "CUDA initialised by the imports"
+    gpus = _gpu_handles()
+    if gpus:
+        return f"GPU device files open after the imports ({', '.join(gpus[:3])})"
+    return None
+
+
+def _status(fd: int, ev: str, **data: Any) -> bool:
+    line = (json.dumps({"ev": ev, **data}) + "\n").encode()
+    try:
+        os.write(fd, line)  # < PIPE_BUF: one atomic write
+        return True
+    except OSError:
+        return False  # the agent is gone; the teardown follows
+
+
+def _exit_code(status: int) -> int:
+    if os.WIFSIGNALED(status):
+        return -os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def _become_rank(spec: dict[str, Any], all_fds: list[int], status_fd: int,
+                 kind: str, target: str, args: list[str], cwd: str | None) -> None:
+    """In the forked child: turn into rank ``spec['lr']`` and run the program."""
+    try:
+        _pdeathsig(signal.SIGKILL)  # the zygote gone (killed): so are we
+        os.setsid()  # its own group, as the exec path's start_new_session
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        fd = int(spec["fd"])
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        for other in {*all_fds, status_fd, null}:
+            if other > 2:
+                os.close(other)
+        env = spec["env"]
+        os.environ.clear()
+        os.environ.update(env)
+        if cwd:
+            os.chdir(cwd)
+        _threads_rule(env)
+    except BaseException as exc:  # never run the zygote's loop as a rank
+        sys.stderr.write(f"clusterkit zygote: rank set-up failed: {exc!r}\n")
+        os._exit(126)
+    run_program(kind, target, args)
+
+
+def _threads_rule(env: dict[str, str]) -> None:
+    """libgomp read OMP_NUM_THREADS when torch was imported (in the zygote): apply the
+    rank's own value, which ``python`` would have read at its import."""
+    torch = sys.modules.get("torch")
+    want = env.get("OMP_NUM_THREADS", "")
+    if torch is not None and want.isdigit() and int(want) > 0:
+        try:
+            if torch.get_num_threads() != int(want):
+                torch.set_num_threads(int(want))
+        except (AttributeError, RuntimeError):
+            pass
+
+
+# ----------------------------------------------------------------- the server
+
+
+class _Stop:
+    def __init__(self) -> None:
+        self.why: str | None = None
+
+    def set(self, why: str) -> None:
+        if self.why is None:
+            self.why = why
+
+
+def main(argv: list[str] | None = None) -> int:
+    parent = int(argv[0]) if argv else 0
+    _pdeathsig(signal.SIGTERM)  # the agent gone: tear our ranks down (below)
+    if parent and os.getppid() != parent:
+        return 1  # the agent died before we could ask
+    stdin = sys.stdin.buffer
+    config = json.loads(stdin.readline() or b"{}")
+    status_fd = int(config["status_fd"])
+    grace_s = float(config.get("grace_s", 3.0))
+    cwd = config.get("cwd") or None
+    if cwd:
+        os.chdir(cwd)
+    parsed = parse_argv(list(config["argv"]))
+    if parsed is None:
+        _status(status_fd, "unfit", why="the program is not `python -u script|-m module`")
+        return 0
+    kind, target, args = parsed
+    if not getattr(sys.flags, "safe_path", False) and sys.path:
+        # Import as the ranks will (a torch.py beside the script shadows the real one).
+        sys.path[0] = path0(kind, target)
+    started = time.monotonic()
+    try:
+        for name in config.get("imports", []):
+            __import__(name)
+    except BaseException as exc:  # any import failure means: exec instead
+        _status(status_fd, "unfit", why=f"import failed: {type(exc).__name__}: {exc}"[:300])
+        return 0
+    why = unfit_reason()
+    _flush()
+    if why is not None:
+        _status(status_fd, "unfit", why=why)
+        return 0
+    _status(status_fd, "ready", import_s=round(time.monotonic() - started, 2))
+    line = stdin.readline()
+    if not line:
+        return 0  # the agent went away (or chose exec) before the ranks
+    ranks = json.loads(line)["ranks"]
+    fds = [int(r["fd"]) for r in ranks]
+    pids: dict[int, int] = {}
+    for spec in ranks:
+        _flush()  # nothing buffered may be written twice
+        pid = os.fork()
+        if pid == 0:
+            _become_rank(spec, fds, status_fd, kind, target, args, cwd)
+        pids[pid] = int(spec["lr"])
+        _status(status_fd, "forked", lr=int(spec["lr"]), pid=pid)
+    for fd in fds:
+        os.close(fd)  # the agent's read ends see EOF when the ranks end
+    return _serve(pids, status_fd, grace_s, stdin)
+
+
+def _serve(pids: dict[int, int], status_fd: int, grace_s: float, stdin: Any) -> int:
+    """Report each rank's exit; on a stop, SIGTERM them, SIGKILL after the grace."""
+    stop = _Stop()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _f: stop.set(signal.Signals(signum).name))
+
+    def watch_stdin() -> None:  # forked ranks exist already: a thread is safe now
+        while stdin.readline():
+            pass
+        stop.set("stdin-eof")
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    live = dict(pids)
+    kill_at: float | None = None
+    while live:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid:
+            lr = live.pop(pid, None)
+            if lr is not None:
+                _status(status_fd, "exit", lr=lr, code=_exit_code(status))
+            continue
+        if stop.why is not None and kill_at is None:
+            kill_at = time.monotonic() + grace_s
+            for p in live:
+                _killpg(p, signal.SIGTERM)
+        if kill_at is not None and time.monotonic() >= kill_at:
+            for p in live:
+                _killpg(p, signal.SIGKILL)
+            kill_at = time.monotonic() + 3600.0  # once; keep reaping
+        time.sleep(POLL_S)
+    _flush()
+    # Not a normal exit: the stdin watcher is blocked in a read, and the interpreter's
+    # shutdown would abort on its buffer lock. Nothing else is left to finalise.
+    os._exit(0)
+
+
+def _killpg(pid: int, sig: int) -> None:
+    for fn in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            fn(pid, sig)
