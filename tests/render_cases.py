@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from clusterkit.inventory import Inventory, load_inventory, local_inventory
-from clusterkit.plan import JobOptions, LaunchFacts, LaunchPlan, plan_job
-from clusterkit.spec.backends import PLAN_BACKENDS
+from clusterkit.launchers import plan_backends
+from clusterkit.plan import plan_job
+from clusterkit.render.artifacts import render_all
+from clusterkit.spec.job import JobOptions, LaunchFacts, LaunchPlan
 
 ROOT = Path(__file__).resolve().parents[1]
-BACKENDS = PLAN_BACKENDS  # every plan backend of the registry
+BACKENDS = plan_backends()  # every plan backend of the registry
 INVENTORIES = ("a800-7x2", "h100-2x8-ib", "local")
 # A launcher environment with things that must and must not travel.
 ENVIRON = {
@@ -35,4 +37,4 @@ def inventory(name: str) -> Inventory:
 
 def plan_for(name: str, backend: str, **kw: object) -> LaunchPlan:
     options = JobOptions(job_id=f"golden-{name}", backend=backend, **kw)  # type: ignore[arg-type]
-    return plan_job(inventory(name), options, FACTS)
+    return render_all(plan_job(inventory(name), options, FACTS))

@@ -68,7 +68,7 @@ def test_deepspeed_reads_the_minutes_we_set(monkeypatch: pytest.MonkeyPatch) -> 
 def test_plan_renders_them_on_every_node_and_the_inventory_wins() -> None:
     import dataclasses
 
-    from clusterkit.plan import JobOptions
+    from clusterkit.spec.job import JobOptions
     from tests.render_cases import plan_for
 
     if "hang_timeout_s" not in {f.name for f in dataclasses.fields(JobOptions)}:
@@ -94,7 +94,8 @@ def test_launch_hang_timeout_reaches_the_plan_env() -> None:
     options = cmd_launch._options(args, "local")
     assert options.hang_timeout_s == 60.0
     from clusterkit.plan import plan_job
+    from clusterkit.render.artifacts import render_all
     from tests.render_cases import FACTS, inventory
 
-    plan = plan_job(inventory("a800-7x2"), options, FACTS)
+    plan = render_all(plan_job(inventory("a800-7x2"), options, FACTS))
     assert {n.env[PG_TIMEOUT_ENV] for n in plan.nodes} == {str(MIN_PG_TIMEOUT_S)}

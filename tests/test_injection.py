@@ -26,10 +26,14 @@ from hypothesis import strategies as st
 
 from clusterkit.errors import ClusterkitError, InventoryError
 from clusterkit.inventory import CheckpointStorage, Host, Inventory, parse_inventory
-from clusterkit.plan import BACKENDS, JobOptions, LaunchPlan, plan_job
+from clusterkit.launchers import plan_backends
+from clusterkit.plan import plan_job
+from clusterkit.render.artifacts import render_all
 from clusterkit.render.sbatch import SLURM_PORT_BASE, SLURM_PORT_SPAN
+from clusterkit.spec.job import JobOptions, LaunchPlan
 from tests.render_cases import FACTS
 
+BACKENDS = plan_backends()
 PWNED = f"/tmp/clusterkit_PWNED_{os.getpid()}"
 PAYLOADS = [
     f"$(touch {PWNED})", f"`touch {PWNED}`", f"'; touch {PWNED}; '", f'"; touch {PWNED}; "',
@@ -183,7 +187,8 @@ def test_no_rendered_line_executes_a_payload(backend: str, args: list[str], work
     options = JobOptions(job_id="inj", backend=backend, script_args=tuple(args),
                          module=module or None, set_env=(("OTHER", set_value),))
     try:
-        plan = plan_job(_inventory("/" + workdir, "/" + local_dir, env_value), options, FACTS)
+        plan = render_all(plan_job(_inventory("/" + workdir, "/" + local_dir, env_value),
+                                   options, FACTS))
     except ClusterkitError as exc:
         event(f"refused: {type(exc).__name__}")
         return  # refused with a message: nothing rendered, nothing executed
@@ -204,7 +209,7 @@ def test_names_addresses_and_job_ids_are_validated(name: str, address: str, job_
     except InventoryError:
         return
     try:
-        plan = plan_job(inv, JobOptions(job_id=job_id or "j"), FACTS)
+        plan = render_all(plan_job(inv, JobOptions(job_id=job_id or "j"), FACTS))
     except ClusterkitError:
         return
     _check_plan(plan)
@@ -213,7 +218,7 @@ def test_names_addresses_and_job_ids_are_validated(name: str, address: str, job_
 def test_payload_examples_reach_the_program_verbatim() -> None:
     """Spot check: with torchrun every payload is an ordinary argument."""
     options = JobOptions(job_id="inj", script_args=tuple(PAYLOADS))
-    plan = plan_job(_inventory("/w d", "/l", "v"), options, FACTS)
+    plan = render_all(plan_job(_inventory("/w d", "/l", "v"), options, FACTS))
     _check_plan(plan)
     assert list(plan.commands["torchrun"][0].argv[-len(PAYLOADS):]) == PAYLOADS
     assert "deepspeed" in plan.skipped  # its pdsh quoting cannot carry them: refused, not mangled

@@ -9,7 +9,7 @@ import pytest
 
 from clusterkit.cli.jobflags import flag_name, job_fields, job_options
 from clusterkit.cli.main import build_parser
-from clusterkit.spec.backends import BACKENDS, DEFAULT_LAUNCHER
+from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER
 from clusterkit.spec.job import JobOptions
 from clusterkit.spec.zero import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS, ZeroSpec
 

@@ -356,12 +356,19 @@ def test_agent_labels_deepspeed_rank_files_of_its_own_node_only(tmp_path: Path) 
 
 def test_deepspeed_and_accelerate_argv_get_rank_labels() -> None:
     from clusterkit.launch.fromplan import job_from_plan
+    from clusterkit.render.artifacts import render_all
     from tests.render_cases import plan_for
 
-    ds = job_from_plan(plan_for("a800-7x2", "deepspeed"), run_id="r1")
+    # The run id is a render input: the rendered argv is what runs, nothing rewrites it.
+    plan = render_all(plan_for("a800-7x2", "deepspeed"), run_id="r1")
+    ds = job_from_plan(plan)
     head = ds.tasks[0]
+    assert head.argv == plan.launch_commands[0].argv
     assert f"--enable_each_rank_log={head.job_dir}/ranklogs/r1" in head.argv
     assert all(t.rank_log_dir == f"{head.job_dir}/ranklogs/r1" for t in ds.tasks)
+    assert "ranklogs/r1" in plan.artifacts["commands.sh"]
+    # rendered for a person (render, sbatch): DeepSpeed's logs in <job dir>/logs
+    assert plan_for("a800-7x2", "deepspeed").rank_log_dir == f"{head.job_dir}/logs"
     acc = job_from_plan(plan_for("a800-7x2", "accelerate")).tasks[3].argv
     at = acc.index("accelerate.commands.launch")
     assert acc[at + 1:at + 3] == ("--tee", "3")

@@ -17,12 +17,12 @@ ROOT = Path(clusterkit.__file__).parent
 # Bottom first. Each entry: the top-level modules/packages of clusterkit in that layer.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "node"),  # node: programs shipped to nodes, standard library only
-    ("hostrange", "units", "contract", "fsutil", "backend_timeouts"),
+    ("hostrange", "units", "contract", "fsutil", "backend_timeouts", "shellsafe"),
     ("inventory", "fold"),  # fold: rank-line folding for launch and sbatch --watch
     ("hostfile",),
-    ("spec",),  # the job model: options, plan values, ZeRO spec, backend registry
-    ("render",),
-    ("plan",),
+    ("spec",),  # the job model: options, facts, plan values, ZeRO spec
+    ("launchers",),  # the backend registry: one module per launcher, with its builders
+    ("plan", "render"),  # siblings: the decisions; the one render of them
     ("remote", "slurm"),
     ("checks", "launch", "checkpoints"),
     ("workload",),
@@ -86,14 +86,20 @@ def test_imports_follow_the_layer_order() -> None:
 
 
 def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
-    # The checker itself, on a two-file tree: render importing plan is reported,
-    # plan importing render is not, and a function-level (lazy) import counts.
+    # The checker itself, on a small tree: plan and render (siblings) importing each other
+    # are both reported, a function-level (lazy) import counts, and render importing the
+    # registry one layer down is fine.
     root = tmp_path / "clusterkit"
-    (root / "render").mkdir(parents=True)
-    (root / "plan").mkdir()
-    (root / "render" / "x.py").write_text("def f():\n    from clusterkit.plan import build\n")
+    for package in ("render", "plan", "launchers"):
+        (root / package).mkdir(parents=True)
+    (root / "render" / "x.py").write_text("def f():\n    from clusterkit.plan import build\n"
+                                          "from clusterkit.launchers import BACKENDS\n")
     (root / "plan" / "y.py").write_text("from clusterkit.render import x\n")
-    assert violations(root) == ["clusterkit/render/x.py:2: render (layer 5) imports plan (layer 6)"]
+    (root / "launchers" / "z.py").write_text("from clusterkit.plan import y\n")
+    assert violations(root) == [
+        "clusterkit/launchers/z.py:1: launchers (layer 5) imports plan (layer 6)",
+        "clusterkit/plan/y.py:1: plan (layer 6) imports render (layer 6)",
+        "clusterkit/render/x.py:2: render (layer 6) imports plan (layer 6)"]
 
 
 def test_docs_list_the_same_layers() -> None:

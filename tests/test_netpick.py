@@ -16,7 +16,9 @@ from clusterkit.checks.netpick import (
     save_picks,
 )
 from clusterkit.inventory import Inventory
-from clusterkit.plan import JobOptions, plan_job
+from clusterkit.plan import plan_job
+from clusterkit.render.artifacts import render_all
+from clusterkit.spec.job import JobOptions
 from tests.render_cases import FACTS, ROOT, inventory
 from tests.test_checks_rules import cluster, node
 
@@ -50,7 +52,8 @@ def test_save_load_round_trip_and_junk_is_ignored(tmp_path: Path) -> None:
 def test_plan_renders_the_exact_names_on_every_node() -> None:
     inv = inventory_without_ifnames()
     picked = apply_picks(inv, {h.name: "eth0" for h in inv.hosts[:3]}, environ={})
-    plan = plan_job(picked, JobOptions(job_id="nic", backend="deepspeed", nodes=2), FACTS)
+    plan = render_all(plan_job(picked, JobOptions(job_id="nic", backend="deepspeed", nodes=2),
+                               FACTS))
     for n in plan.nodes:
         assert n.env["NCCL_SOCKET_IFNAME"] == "=eth0" and n.env["GLOO_SOCKET_IFNAME"] == "eth0"
     assert "NCCL_SOCKET_IFNAME==eth0" in plan.artifacts["deepspeed_env"]

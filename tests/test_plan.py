@@ -10,8 +10,9 @@ import pytest
 
 from clusterkit.cli.main import main
 from clusterkit.errors import ClusterkitError, RenderError, SelectionError
-from clusterkit.plan import LaunchPlan, master_port
 from clusterkit.render.artifacts import FILE_MARK
+from clusterkit.spec.job import JobPlan
+from clusterkit.spec.ports import master_port
 from tests.render_cases import ROOT, plan_for
 
 
@@ -65,7 +66,8 @@ def test_errors_name_the_cause(kwargs: dict[str, object], error: type[Clusterkit
 
 
 def _plan_with_job(job: str) -> object:
-    from clusterkit.plan import JobOptions, plan_job
+    from clusterkit.plan import plan_job
+    from clusterkit.spec.job import JobOptions
     from tests.render_cases import FACTS, inventory
 
     return plan_job(inventory("a800-7x2"), JobOptions(job_id=job), FACTS)
@@ -140,9 +142,10 @@ hosts:
 """
 
 
-def _mixed_plan(**kw: Any) -> LaunchPlan:
+def _mixed_plan(**kw: Any) -> JobPlan:
     from clusterkit.inventory import parse_inventory
-    from clusterkit.plan import JobOptions, plan_job
+    from clusterkit.plan import plan_job
+    from clusterkit.spec.job import JobOptions
     from tests.render_cases import FACTS
 
     return plan_job(parse_inventory(_GPU_INV), JobOptions(job_id="w", **kw), FACTS)

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from clusterkit.plan import LaunchPlan
 from clusterkit.render.dsenv import parse_deepspeed_env
+from clusterkit.spec.job import LaunchPlan
 from tests.render_cases import BACKENDS, INVENTORIES, plan_for
 
 PLANS = {(inv, b): plan_for(inv, b) for inv in INVENTORIES for b in BACKENDS}
@@ -173,13 +173,15 @@ def test_ssh_reads_the_ssh_config(inv: str, tmp_path: Path) -> None:
 def test_pdsh_node_rank_follows_hostfile_order(tmp_path: Path) -> None:
     """pdsh's %n (what DeepSpeed's runner and our fan-out use) is the -w order, not sorted."""
     from clusterkit.inventory import parse_inventory
-    from clusterkit.plan import JobOptions, plan_job
+    from clusterkit.plan import plan_job
+    from clusterkit.render.artifacts import render_all
+    from clusterkit.spec.job import JobOptions
     from tests.render_cases import FACTS
 
     inv = parse_inventory("schema_version: 1\nhosts:\n  zeta: {slots: 1}\n  alpha: {slots: 1}\n"
                           "  node10: {slots: 1}\n  node2: {slots: 1}\n"
                           "defaults: {checkpoint: {shared_dir: /ck}}\n")
-    plan: LaunchPlan = plan_job(inv, JobOptions(job_id="order"), FACTS)
+    plan: LaunchPlan = render_all(plan_job(inv, JobOptions(job_id="order"), FACTS))
     (cmd,) = plan.commands["torchrun-pdsh"]
     hosts = cmd.argv[cmd.argv.index("-w") + 1]
     out = subprocess.run(["pdsh", "-R", "exec", "-w", hosts, "echo", "%h", "%n"],

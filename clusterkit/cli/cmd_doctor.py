@@ -17,7 +17,7 @@ from clusterkit.cli.common import (
     resolve_inventory,
 )
 from clusterkit.errors import ClusterkitError
-from clusterkit.spec.backends import BACKENDS, DEFAULT_LAUNCHER
+from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER
 from clusterkit.spec.ports import master_port
 from clusterkit.units import parse_size as parse_size  # the one size rule (docs/units.md)
 from clusterkit.units import size_type
@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        "interfaces, NCCL env, GPUs, disk, limits, clocks and the master port.")
     add_inventory_option(p)
     add_selection_options(p)
-    # The launcher and port `clusterkit launch` will use (spec.backends, spec.ports).
+    # The launcher and port `clusterkit launch` will use (clusterkit.launchers, spec.ports).
     p.add_argument("--launcher", "--backend", dest="backend", choices=tuple(BACKENDS),
                    default=DEFAULT_LAUNCHER,
                    help=f"how the job will be launched, as `clusterkit launch --launcher` "

@@ -23,7 +23,7 @@ from clusterkit.cli.jobflags import add_job_flags, job_options
 from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import folded_lines
-from clusterkit.spec.backends import BACKENDS
+from clusterkit.launchers import BACKENDS
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -99,8 +99,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from clusterkit.launch.console import make_sink
     from clusterkit.launch.jobs import Registry
     from clusterkit.launch.run import LaunchSettings, launch
-    from clusterkit.plan import LaunchFacts, plan_job
+    from clusterkit.plan import plan_job
     from clusterkit.remote.dispatch import transport_for
+    from clusterkit.spec.job import LaunchFacts
 
     inventory = resolve_job_inventory(args.inventory)  # + doctor's interface pick
     if args.max_restarts < 0:
@@ -118,20 +119,20 @@ def cmd_launch(args: argparse.Namespace) -> int:
     def planner(o: Any) -> Any:
         plan = plan_job(inventory, o, facts)
         for warning in plan.warnings:  # --strict made them errors already
-            if warning not in shown:  # the plan is made again for each restart
+            if warning not in shown:  # made again when a restart drops nodes
                 shown.add(warning)
                 print(f"clusterkit: warning: {warning}", file=sys.stderr)
         return plan
 
+    first = planner(options)  # the one plan; launch() reuses it
     if args.dry_run:
-        _print_plan(planner(options), native=BACKENDS[args.launcher].native)
+        _print_plan(first, native=BACKENDS[args.launcher].native)
         return 0
     settings = LaunchSettings(skip_checks=args.skip_checks, max_restarts=args.max_restarts,
                               drop_failed_nodes=args.drop_failed_nodes, grace_s=args.grace,
                               hang_timeout_s=args.hang_timeout_s,
                               keepalive_s=args.keepalive_timeout,
                               native=BACKENDS[args.launcher].native)
-    first = planner(options)
     if args.sync:  # the code to every node's workdir before anything starts there
         from clusterkit.cli.cmd_sync import run_sync
 
@@ -141,7 +142,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     registry = Registry(clusterkit_home())
     with transport_for() as transport:
         try:
-            result = launch(options, planner, transport, registry, settings, sink)
+            result = launch(options, planner, transport, registry, settings, sink,
+                            decisions=first)
         finally:
             sink.close()
     _print_summary(result)
@@ -149,9 +151,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def _print_plan(plan: Any, native: bool) -> None:
+def _print_plan(decisions: Any, native: bool) -> None:
     from clusterkit.launch.fromplan import job_from_plan
+    from clusterkit.launch.run import run_id, stamp_now
+    from clusterkit.render.artifacts import render_all
 
+    # Rendered as a launch starting now would render its first run.
+    plan = render_all(decisions, run_id=run_id(stamp_now(), 0))
     job = job_from_plan(plan, native=native)
     backend = "native (the agents start the ranks)" if native else plan.backend
     print(f"job {plan.job_id} on {plan.cluster}: {len(plan.nodes)} nodes, {plan.world_size} ranks, "

@@ -13,8 +13,9 @@ from clusterkit.cli.jobflags import add_job_flags, default_job_id_now
 from clusterkit.cli.safety import check_out_dir
 from clusterkit.errors import RenderError
 from clusterkit.fsutil import atomic_write_text
-from clusterkit.plan import JobOptions, LaunchFacts, LaunchPlan, plan_job
-from clusterkit.render.artifacts import dry_run_text, summary
+from clusterkit.plan import plan_job
+from clusterkit.render.artifacts import dry_run_text, render_all, summary
+from clusterkit.spec.job import JobOptions, LaunchFacts, LaunchPlan
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -57,7 +58,7 @@ def launch_facts(args: argparse.Namespace) -> LaunchFacts:
 
 def build_plan(args: argparse.Namespace) -> LaunchPlan:
     inv = resolve_job_inventory(args.inventory)  # + doctor's interface pick
-    return plan_job(inv, job_options(args, inv.name), launch_facts(args))
+    return render_all(plan_job(inv, job_options(args, inv.name), launch_facts(args)))
 
 
 def write_artifacts(plan: LaunchPlan, out: str) -> list[Path]:

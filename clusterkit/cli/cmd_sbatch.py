@@ -22,13 +22,13 @@ from clusterkit.cli.cmd_render import add_job_options, job_options, launch_facts
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_job_inventory
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text
-from clusterkit.plan import JobOptions, LaunchPlan, plan_job
-from clusterkit.render.artifacts import summary
-from clusterkit.render.commands import JobLayout
-from clusterkit.render.sbatch import DEFAULT_SIGNAL_LEAD_S, SlurmSite, render_sbatch
+from clusterkit.launchers import BACKENDS
+from clusterkit.plan import plan_job
+from clusterkit.render.artifacts import render_all, summary
+from clusterkit.render.sbatch import DEFAULT_SIGNAL_LEAD_S, SlurmSite
 from clusterkit.slurm import JobInfo, SlurmClient
 from clusterkit.slurm.watch import watch
-from clusterkit.spec.backends import BACKENDS
+from clusterkit.spec.job import JobPlan, LaunchPlan
 
 ACTIONS = ("status", "cancel")
 SCRIPT = "sbatch.sh"
@@ -222,30 +222,23 @@ def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = Non
     # --launcher X submits the batch script of X's Slurm variant (the registry's sbatch_plan).
     options = dataclasses.replace(options, backend=BACKENDS[args.launcher].sbatch_plan)
     plan = plan_job(inv, options, launch_facts(args))
-    if SCRIPT not in plan.artifacts:
-        why = plan.skipped.get(SCRIPT, "the plan has no batch script")
-        raise RenderError(f"cannot render the batch script: {why}", key="--launcher")
     if options.cpus_per_task is None and client is not None:
-        options = dataclasses.replace(options, cpus_per_task=_default_cpus(client, plan, options))
-    layout = JobLayout(job_id=plan.job_id, nodes=plan.nodes, programs=plan.programs,
-                       world_size=plan.world_size, master_addr=plan.master_addr,
-                       master_port=plan.master_port, options=options,
-                       node_local=plan.storage == "node-local")
-    script = render_sbatch(layout, plan.cluster, site_options(args))
-    return dataclasses.replace(plan, artifacts={**plan.artifacts, SCRIPT: script})
+        cpus = _default_cpus(client, plan)
+        plan = dataclasses.replace(plan, options=dataclasses.replace(options, cpus_per_task=cpus))
+    return render_all(plan, site=site_options(args), require=(SCRIPT,))
 
 
-def _default_cpus(client: SlurmClient, plan: LaunchPlan, options: JobOptions) -> int | None:
+def _default_cpus(client: SlurmClient, plan: JobPlan) -> int | None:
     """--cpus-per-task default: a node's CPUs (sinfo, the partition's smallest node)
     shared by the Slurm tasks on it; None when Slurm cannot say (documented)."""
     try:
-        cpus = client.node_cpus(options.partition)
+        cpus = client.node_cpus(plan.options.partition)
     except ClusterkitError as exc:
         print(f"clusterkit: no --cpus-per-task default ({exc.one_line()})", file=sys.stderr)
         return None
     if cpus is None or cpus <= 0:
         return None
-    tasks = plan.nodes[0].nproc if BACKENDS[options.backend].slurm_task_per_rank else 1
+    tasks = plan.nodes[0].nproc if BACKENDS[plan.backend].slurm_task_per_rank else 1
     return max(1, cpus // tasks)
 
 

@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from clusterkit.errors import ClusterkitError
-from clusterkit.spec.backends import BACKENDS, DEFAULT_LAUNCHER, launchers_help
+from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER, launchers_help
 from clusterkit.spec.job import JobOptions, default_job_id
 
 # Flags that are not JobOptions fields one to one (the verb maps them).

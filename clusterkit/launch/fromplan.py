@@ -10,26 +10,9 @@ from __future__ import annotations
 
 from clusterkit.errors import LaunchError
 from clusterkit.launch.orchestrator import JobSpec, NodeTask
+from clusterkit.launchers import BACKENDS
 from clusterkit.remote.base import target_for as target_for  # the one host -> target function
-from clusterkit.spec.backends import BACKENDS
 from clusterkit.spec.job import LaunchPlan, NodeCommand, NodePlan
-
-RANK_LOG_FLAG = "--enable_each_rank_log="
-
-
-def rank_log_dir(plan: LaunchPlan, run_id: str) -> str:
-    """Where DeepSpeed's launcher writes this run's per-rank logs (fresh per run)."""
-    return f"{plan.nodes[0].job_dir}/ranklogs/{run_id}"
-
-
-def _launcher_argv(backend: str, cmd: NodeCommand, log_dir: str) -> tuple[str, ...]:
-    argv = list(cmd.argv)
-    if BACKENDS[backend].rank_log_files:
-        # DeepSpeed's launcher prefixes nothing; with --enable_each_rank_log it writes
-        # each rank's output to <dir>/<stamp>_rank<R>.log (and nothing to the console),
-        # which the agent on that node tails and labels with node and rank.
-        argv = [RANK_LOG_FLAG + log_dir if a.startswith(RANK_LOG_FLAG) else a for a in argv]
-    return tuple(argv)
 
 
 def _native_task(plan: LaunchPlan, node: NodePlan, cmd: NodeCommand) -> NodeTask:
@@ -39,7 +22,7 @@ def _native_task(plan: LaunchPlan, node: NodePlan, cmd: NodeCommand) -> NodeTask
     rendezvous is the static one torchrun would do (same master address and port,
     ranks ``first_rank..`` on this node), so the rank->node mapping is unchanged.
     """
-    program = plan.programs[node.node_rank] if plan.programs else plan.program
+    program = plan.programs[node.node_rank]
     native = {"nproc": node.nproc, "first_rank": node.first_rank, "world_size": plan.world_size,
               "node_rank": node.node_rank, "nnodes": len(plan.nodes),
               "master_addr": plan.master_addr, "master_port": plan.master_port}
@@ -50,11 +33,12 @@ def _native_task(plan: LaunchPlan, node: NodePlan, cmd: NodeCommand) -> NodeTask
 
 
 def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, grace_s: float = 3.0,
-                  run_id: str = "", native: bool = False) -> JobSpec:
-    """``run_id``: names this run's per-rank log dir (a continued job must not re-read
-    the files of an earlier run); default ``a<attempt>``. ``native``: with the torchrun
-    backend, the agents start the ranks themselves instead of running torchrun."""
-    if native and plan.backend != BACKENDS["native"].plan_backend:
+                  native: bool = False) -> JobSpec:
+    """The plan's commands as they are rendered (``render_all(plan, run_id=...)`` names
+    the run's per-rank log dir, ``plan.rank_log_dir``, which the agents tail).
+    ``native``: with the torchrun backend, the agents start the ranks themselves
+    instead of running torchrun."""
+    if native and not any(b.native and b.plan_backend == plan.backend for b in BACKENDS.values()):
         raise LaunchError(f"native launch replaces torchrun, not {plan.backend}",
                           key="--launcher")
     if not BACKENDS[plan.backend].launchable:
@@ -62,9 +46,6 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, grace_s: float = 3.0,
                           key="--launcher", hint="use `clusterkit sbatch` for Slurm")
     by_host: dict[str | None, NodeCommand] = {c.host: c for c in plan.launch_commands}
     files = dict(plan.artifacts)
-    log_dir = rank_log_dir(plan, run_id or f"a{attempt}")
-    tails = BACKENDS[plan.backend].rank_log_files and any(a.startswith(RANK_LOG_FLAG)
-                                                for c in plan.launch_commands for a in c.argv)
     tasks = []
     for node in plan.nodes:
         cmd = by_host.get(node.name)
@@ -73,12 +54,12 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, grace_s: float = 3.0,
             continue
         # No command: a pdsh peer whose ranks DeepSpeed's runner starts; its agent watches.
         argv, env, cwd = ((), {}, None) if cmd is None else \
-            (_launcher_argv(plan.backend, cmd, log_dir), dict(cmd.env), cmd.cwd)
+            (cmd.argv, dict(cmd.env), cmd.cwd)
         tasks.append(NodeTask(
             node=node.name, target=target_for(node.host), python=node.python, argv=argv,
             rank_offset=node.first_rank, nprocs=node.nproc, env=env, files=files, cwd=cwd,
             prefix=BACKENDS[plan.backend].output_prefix, job_dir=node.job_dir,
-            rank_log_dir=log_dir if tails else None,
+            rank_log_dir=plan.rank_log_dir,
         ))
     if not any(t.argv for t in tasks):
         raise LaunchError("the plan has no command for any selected node", key="--launcher")

@@ -21,11 +21,13 @@ from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.gate import GateNode, gate_error, run_gate
 from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.orchestrator import JobOutcome, JobSpec, Orchestrator, describe_failure
+from clusterkit.launchers import BACKENDS
 from clusterkit.remote.base import Transport
-from clusterkit.spec.backends import BACKENDS
-from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, LaunchPlan
+from clusterkit.render.artifacts import render_all
+from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, JobPlan, LaunchPlan
 
-Planner = Callable[[JobOptions], LaunchPlan]
+# JobOptions -> the decisions; made again only when a restart drops nodes.
+Planner = Callable[[JobOptions], JobPlan]
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,16 @@ class LaunchResult:
     plan: LaunchPlan
 
 
-def gate_needs(plan: LaunchPlan) -> tuple[str, ...]:
+def run_id(stamp: str, attempt: int) -> str:
+    """One launch run: its commands are rendered for it (it names their rank-log dir)."""
+    return f"{stamp}-a{attempt}"
+
+
+def stamp_now() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def gate_needs(plan: JobPlan) -> tuple[str, ...]:
     """What every node must import: the backend's packages, and clusterkit itself when
     the ranks run the bundled workload (a user's script needs only a Python)."""
     needs = BACKENDS[plan.backend].gate_needs
@@ -56,13 +67,13 @@ def gate_needs(plan: LaunchPlan) -> tuple[str, ...]:
     return needs
 
 
-def _gate_nodes(plan: LaunchPlan) -> list[GateNode]:
+def _gate_nodes(plan: JobPlan) -> list[GateNode]:
     from clusterkit.launch.fromplan import target_for
 
     return [GateNode(n.name, n.python, target_for(n.host)) for n in plan.nodes]
 
 
-def check_nodes(transport: Transport, plan: LaunchPlan, sink: Sink) -> dict[str, str]:
+def check_nodes(transport: Transport, plan: JobPlan, sink: Sink) -> dict[str, str]:
     """The gate; returns node -> problem (empty when every node is fit)."""
     result = run_gate(transport, _gate_nodes(plan), need=gate_needs(plan))
     for node, why in result.problems.items():
@@ -70,7 +81,7 @@ def check_nodes(transport: Transport, plan: LaunchPlan, sink: Sink) -> dict[str,
     return result.problems
 
 
-def _without(options: JobOptions, plan: LaunchPlan, bad: Sequence[str]) -> JobOptions:
+def _without(options: JobOptions, plan: JobPlan, bad: Sequence[str]) -> JobOptions:
     if plan.storage == "node-local":
         raise LaunchError(
             f"cannot drop {', '.join(bad)}: node-local checkpoints resume only on the same "
@@ -82,12 +93,12 @@ def _without(options: JobOptions, plan: LaunchPlan, bad: Sequence[str]) -> JobOp
     return dataclasses.replace(options, exclude=exclude, nodes=nodes)
 
 
-def rank_map(plan: LaunchPlan) -> list[list[Any]]:
+def rank_map(plan: JobPlan) -> list[list[Any]]:
     """``[[node, first_rank, nproc], ...]``: what node-local checkpoints are tied to."""
     return [[n.name, n.first_rank, n.nproc] for n in plan.nodes]
 
 
-def check_continue(plan: LaunchPlan, prior: JobRecord | None) -> str | None:
+def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
     """Launching with the id of a recorded job continues it; say how, or refuse.
 
     The checkpoint dir is ``<root>/<job_id>``, so the same id means the same dir and
@@ -124,7 +135,7 @@ def _map_text(m: list[list[Any]]) -> str:
     return ", ".join(f"{node}:r{first}-{first + n - 1}" for node, first, n in m)
 
 
-def _record(job: JobSpec, plan: LaunchPlan, attempt: int) -> JobRecord:
+def _record(job: JobSpec, plan: JobPlan, attempt: int) -> JobRecord:
     record = JobRecord.for_job(job, plan.backend)
     record.attempts = attempt + 1
     # collect-ckpt reads ckpt_dirs/slots; check_continue reads rank_map/storage.
@@ -136,20 +147,22 @@ def _record(job: JobSpec, plan: LaunchPlan, attempt: int) -> JobRecord:
 
 
 def launch(options: JobOptions, planner: Planner, transport: Transport, registry: Registry,
-           settings: LaunchSettings, sink: Sink) -> LaunchResult:
-    plan = planner(options)
-    note = check_continue(plan, registry.find(plan.job_id))
+           settings: LaunchSettings, sink: Sink, decisions: JobPlan | None = None) -> LaunchResult:
+    """``decisions``: the plan of ``options`` when the caller has made it already."""
+    decisions = decisions or planner(options)
+    note = check_continue(decisions, registry.find(decisions.job_id))
     if note:
         sink.info(note)
     # The gate runs inside the agents (facts reported, nothing started until GO): no
     # separate round of SSH commands before the launch.
-    need = None if settings.skip_checks else gate_needs(plan)
+    need = None if settings.skip_checks else gate_needs(decisions)
     outcomes: list[JobOutcome] = []
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stamp = stamp_now()
     for attempt in range(settings.max_restarts + 1):
+        plan = render_all(decisions, run_id=run_id(stamp, attempt))
         job = dataclasses.replace(
             job_from_plan(plan, attempt=attempt, grace_s=settings.grace_s,
-                          run_id=f"{stamp}-a{attempt}", native=settings.native),
+                          native=settings.native),
             gate_need=need, hang_timeout_s=settings.hang_timeout_s,
             keepalive_s=settings.keepalive_s)
         record = _record(job, plan, attempt)
@@ -165,15 +178,16 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         _finish_record(registry, record, outcome)
         if outcome.exit_code == 0 or outcome.interrupted or attempt == settings.max_restarts:
             return LaunchResult(outcome.exit_code, outcomes, plan)
-        plan, options = _prepare_restart(options, plan, planner, transport, settings, sink)
+        decisions, options = _prepare_restart(options, decisions, planner, transport, settings,
+                                              sink)
         sink.info(f"restarting (attempt {attempt + 2} of {settings.max_restarts + 1}): "
                   + ("the workload resumes from its newest complete checkpoint"
                      if options.uses_workload else "your program must resume by itself"))
     raise AssertionError("unreachable")
 
 
-def _prepare_restart(options: JobOptions, plan: LaunchPlan, planner: Planner, transport: Transport,
-                     settings: LaunchSettings, sink: Sink) -> tuple[LaunchPlan, JobOptions]:
+def _prepare_restart(options: JobOptions, plan: JobPlan, planner: Planner, transport: Transport,
+                     settings: LaunchSettings, sink: Sink) -> tuple[JobPlan, JobOptions]:
     if not settings.drop_failed_nodes:
         return plan, options
     bad = sorted(check_nodes(transport, plan, sink))

@@ -1,4 +1,8 @@
-"""``plan_job``: inventory + options + facts -> :class:`LaunchPlan` (pure, deterministic)."""
+"""``plan_job``: inventory + options + facts -> :class:`JobPlan`, the decisions (pure).
+
+Nothing is rendered here: ``render.artifacts.render_all(plan)`` turns the decisions
+into files and command lines.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +14,17 @@ from clusterkit.contract import Contract
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import select_hosts
 from clusterkit.inventory import Host, Inventory
-from clusterkit.render.artifacts import render_all, with_reference_files
-from clusterkit.render.commands import JobLayout
-from clusterkit.render.dsenv import build_env
-from clusterkit.spec.backends import BACKENDS, DS_LAUNCHERS, PLAN_BACKENDS
+from clusterkit.launchers import BACKENDS, plan_backends
+from clusterkit.plan.env import build_env
 from clusterkit.spec.job import (
+    DS_LAUNCHERS,
     JOB_ID,
     RDZV_CHOICES,
     STORAGE_CHOICES,
     WORKLOAD_MODULE,
     JobOptions,
+    JobPlan,
     LaunchFacts,
-    LaunchPlan,
     NodePlan,
 )
 from clusterkit.spec.ports import master_port
@@ -41,7 +44,7 @@ def _check_options(o: JobOptions) -> None:
         raise RenderError(f"job id {o.job_id!r} is not a plain name", key="--job-id",
                           hint="use up to 64 letters, digits, '.', '_' and '-' (it names "
                                "directories and reaches shells)")
-    _choice(o.backend, PLAN_BACKENDS, "--launcher")
+    _choice(o.backend, plan_backends(), "--launcher")
     _choice(o.storage, STORAGE_CHOICES, "--storage")
     _choice(o.rdzv, RDZV_CHOICES, "--rdzv")
     _choice(o.deepspeed_launcher, DS_LAUNCHERS, "--deepspeed-launcher")
@@ -204,11 +207,12 @@ def _strict(o: JobOptions, warnings: tuple[str, ...], inv_path: str | None) -> N
                           hint="fix the inventory's gpus/slots or the selection, or drop --strict")
 
 
-def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> LaunchPlan:
-    """Decide everything about a job: hosts, ranks, port, env, configs, commands, files.
+def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> JobPlan:
+    """Decide everything about a job: hosts, ranks, port, env, storage, ZeRO, programs.
 
-    Pure: the same inputs give the same plan (and the same bytes in every artifact).
-    Raises :class:`RenderError`/:class:`SelectionError` for anything that cannot launch.
+    Pure: the same inputs give the same plan (and, through ``render_all``, the same
+    bytes in every artifact). Raises :class:`RenderError`/:class:`SelectionError` for
+    anything that cannot launch.
     """
     _check_options(options)
     nodes, storage = _node_plans(inventory, options, facts)
@@ -216,18 +220,10 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> L
     warnings = _gpu_warnings(options, nodes)
     _strict(options, warnings, inventory.path)
     zero = _zero_spec(options, nodes, world, storage)
-    layout = JobLayout(
-        job_id=options.job_id, nodes=nodes,
-        programs=tuple(_program(options, n.job_dir, n.ckpt_dir, storage) for n in nodes),
-        world_size=world, master_addr=facts.master_addr or nodes[0].host.address,
-        master_port=master_port(options.job_id), options=options,
-        node_local=storage == "node-local")
-    ds_config = build_ds_config(zero)
-    rendered = render_all(layout, inventory.name, ds_config)
-    plan = LaunchPlan(job_id=options.job_id, cluster=inventory.name, backend=options.backend,
-                      nodes=nodes, world_size=world, master_addr=layout.master_addr,
-                      master_port=layout.master_port, storage=storage, zero=zero,
-                      program=layout.programs[0], commands=rendered.commands,
-                      skipped=rendered.skipped, artifacts=rendered.files, ds_config=ds_config,
-                      programs=layout.programs, warnings=warnings)
-    return with_reference_files(plan)
+    return JobPlan(options=options, cluster=inventory.name, nodes=nodes, world_size=world,
+                   master_addr=facts.master_addr or nodes[0].host.address,
+                   master_port=master_port(options.job_id), storage=storage, zero=zero,
+                   ds_config=build_ds_config(zero),
+                   programs=tuple(_program(options, n.job_dir, n.ckpt_dir, storage)
+                                  for n in nodes),
+                   warnings=warnings)

@@ -1,4 +1,10 @@
-"""Every file ``clusterkit render`` writes, as text (pure), and the dry-run listing."""
+"""Every file and command set of one job, as text (pure), and the dry-run listing.
+
+:func:`render_all` is the one render: a :class:`~clusterkit.spec.job.JobPlan` (the
+decisions) in, a :class:`~clusterkit.spec.job.LaunchPlan` (the decisions plus every
+file and command line) out. The launcher modules of the registry build their own
+command sets and files; this module renders what every job has and puts it together.
+"""
 
 from __future__ import annotations
 
@@ -6,39 +12,22 @@ import dataclasses
 import functools
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import Any, TypeVar
 
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import render_hostfile
-from clusterkit.render.accelerate_config import render_accelerate_config
-from clusterkit.render.commands import (
-    JobLayout,
-    accelerate_commands,
-    accelerate_config_name,
-    deepspeed_command,
-    sbatch_command,
-    srun_command,
-    torchrun_commands,
-    torchrun_pdsh_command,
-)
+from clusterkit.launchers import BACKENDS
 from clusterkit.render.dsenv import render_deepspeed_env
-from clusterkit.render.sbatch import render_sbatch
+from clusterkit.render.sbatch import SlurmSite, render_sbatch
 from clusterkit.render.ssh_config import render_ssh_config
-from clusterkit.spec.backends import BACKENDS
-from clusterkit.spec.job import LaunchPlan, NodeCommand
+from clusterkit.spec.job import JOB_ID, JobPlan, LaunchPlan, NodeCommand, rank_log_dir
 
-# command set -> builder; the order is the order of commands.sh
-COMMAND_BUILDERS: dict[str, Callable[[JobLayout], tuple[NodeCommand, ...]]] = {
-    "torchrun": torchrun_commands,
-    "torchrun-pdsh": torchrun_pdsh_command,
-    "deepspeed": deepspeed_command,
-    "accelerate": accelerate_commands,
-    "srun": srun_command,
-    "sbatch": sbatch_command,
-}
-def _attempt(fn: Callable[[], Any], name: str, required: bool, skipped: dict[str, str]) -> Any:
+T = TypeVar("T")
+SBATCH_SCRIPT = "sbatch.sh"
+
+
+def _attempt(fn: Callable[[], T], name: str, required: bool, skipped: dict[str, str]) -> T | None:
     try:
         return fn()
     except RenderError as exc:
@@ -48,62 +37,71 @@ def _attempt(fn: Callable[[], Any], name: str, required: bool, skipped: dict[str
         return None
 
 
-@dataclass(frozen=True)
-class Rendered:
-    """Every file and command set of one job, and why any optional one was not rendered."""
+def render_all(plan: JobPlan, *, run_id: str | None = None, site: SlurmSite | None = None,
+               require: Collection[str] = ()) -> LaunchPlan:
+    """Every file and command set of ``plan`` (pure), with ``commands.sh``/``plan.json``.
 
-    files: dict[str, str]
-    commands: dict[str, tuple[NodeCommand, ...]]
-    skipped: dict[str, str]
-
-
-def render_all(layout: JobLayout, cluster: str, ds_config: Mapping[str, Any]) -> Rendered:
-    """The launch files and every backend's commands (pure). The chosen backend's own
-    artifacts must render (their RenderError propagates); the others are noted in
-    ``skipped`` with the reason."""
+    The chosen backend's own command sets and files must render (their RenderError
+    propagates), and so must the names in ``require`` (``sbatch`` asks for sbatch.sh);
+    the others are noted in ``skipped`` with the reason. ``run_id``: the
+    ``clusterkit launch`` run the commands are for (it names the per-rank log directory,
+    ``spec.job.rank_log_dir``); None for a job a person runs. ``site``: the batch
+    script's site settings (``clusterkit sbatch``'s flags).
+    """
+    if run_id is not None and not JOB_ID.fullmatch(run_id):
+        raise RenderError(f"run id {run_id!r} is not a plain name")  # it names a directory
+    backend = BACKENDS[plan.backend]
+    required = {*backend.command_sets, *require}
     skipped: dict[str, str] = {}
-    files = _render_files(layout, cluster, ds_config, skipped)
-    commands = _render_commands(layout, skipped)
-    return Rendered(files, commands, skipped)
+    files = _render_files(plan, site or SlurmSite(), required, skipped)
+    commands = _render_commands(plan, run_id, required, skipped)
+    decisions = {f.name: getattr(plan, f.name) for f in dataclasses.fields(JobPlan)}
+    out = LaunchPlan(**decisions, commands=commands, skipped=skipped, artifacts=files,
+                     chosen=backend.command_sets, run_id=run_id,
+                     rank_log_dir=rank_log_dir(plan.job_dir, run_id)
+                     if backend.rank_log_files else None)
+    return _with_reference_files(out)
 
 
-def with_reference_files(plan: LaunchPlan) -> LaunchPlan:
+def _with_reference_files(plan: LaunchPlan) -> LaunchPlan:
     """The plan with ``commands.sh`` and ``plan.json`` added (both describe the plan itself)."""
     files = {**plan.artifacts, "commands.sh": render_commands_sh(plan)}
     plan = dataclasses.replace(plan, artifacts=files)
     return dataclasses.replace(plan, artifacts={**files, "plan.json": plan_json(plan)})
 
 
-def _render_commands(layout: JobLayout, skipped: dict[str, str]
-                     ) -> dict[str, tuple[NodeCommand, ...]]:
-    required = BACKENDS[layout.options.backend].command_sets
+def _render_commands(plan: JobPlan, run_id: str | None, required: Collection[str],
+                     skipped: dict[str, str]) -> dict[str, tuple[NodeCommand, ...]]:
+    """Every registered launcher's command sets, in registry order (commands.sh's)."""
     out: dict[str, tuple[NodeCommand, ...]] = {}
-    for name, builder in COMMAND_BUILDERS.items():
-        if name == "sbatch" and "sbatch.sh" in skipped:
-            skipped[name] = skipped["sbatch.sh"]
-            continue
-        cmds = _attempt(functools.partial(builder, layout), name, name in required, skipped)
-        if cmds is not None:
-            out[name] = cmds
+    for entry in BACKENDS.values():
+        for name, builder in entry.builders:
+            if name == "sbatch" and SBATCH_SCRIPT in skipped:
+                skipped[name] = skipped[SBATCH_SCRIPT]  # nothing to submit
+                continue
+            cmds = _attempt(functools.partial(builder, plan, run_id), name, name in required,
+                            skipped)
+            if cmds is not None:
+                out[name] = cmds
     return out
 
 
-def _render_files(layout: JobLayout, cluster: str, ds_config: Mapping[str, Any],
+def _render_files(plan: JobPlan, site: SlurmSite, required: Collection[str],
                   skipped: dict[str, str]) -> dict[str, str]:
-    """hostfile, deepspeed_env, ssh_config, ds_config.json, accelerate YAMLs, sbatch.sh."""
-    node0 = layout.nodes[0]
+    """hostfile, deepspeed_env, ssh_config, ds_config.json, the launchers' own files
+    (accelerate YAMLs), sbatch.sh."""
     files: dict[str, str] = OrderedDict()
-    files["hostfile"] = render_hostfile(OrderedDict((n.name, list(n.slots)) for n in layout.nodes))
-    files["deepspeed_env"] = render_deepspeed_env(node0.env)
-    files["ssh_config"] = render_ssh_config([n.host for n in layout.nodes])
-    files["ds_config.json"] = json.dumps(ds_config, indent=2) + "\n"
-    for node in layout.nodes:
-        files[accelerate_config_name(node.node_rank)] = render_accelerate_config(
-            layout, node.node_rank, f"{node.job_dir}/ds_config.json")
-    sbatch = _attempt(lambda: render_sbatch(layout, cluster), "sbatch.sh",
-                      "sbatch" in BACKENDS[layout.options.backend].command_sets, skipped)
+    files["hostfile"] = render_hostfile(OrderedDict((n.name, list(n.slots)) for n in plan.nodes))
+    files["deepspeed_env"] = render_deepspeed_env(plan.nodes[0].env)
+    files["ssh_config"] = render_ssh_config([n.host for n in plan.nodes])
+    files["ds_config.json"] = json.dumps(plan.ds_config, indent=2) + "\n"
+    for entry in BACKENDS.values():
+        if entry.files is not None:
+            files.update(entry.files(plan))
+    sbatch = _attempt(lambda: render_sbatch(plan, site), SBATCH_SCRIPT,
+                      "sbatch" in required or SBATCH_SCRIPT in required, skipped)
     if sbatch is not None:
-        files["sbatch.sh"] = sbatch
+        files[SBATCH_SCRIPT] = sbatch
     return files
 
 
@@ -117,7 +115,7 @@ def render_commands_sh(plan: LaunchPlan) -> str:
         "exit 0",
     ]
     for name, cmds in plan.commands.items():
-        chosen = " (chosen)" if name in BACKENDS[plan.backend].command_sets else ""
+        chosen = " (chosen)" if name in plan.chosen else ""
         lines += ["", f"# == {name}{chosen}"]
         for cmd in cmds:
             where = "the submit host / inside an allocation" if cmd.host is None else cmd.host

@@ -6,8 +6,9 @@ are the fixed ``$MASTER_ADDR``/``$MASTER_PORT``/``$SLURM_*``/``$PATH`` reference
 written into the template and the launch-line placeholders below.
 
 Site settings that only the batch script has (``--exclusive``, ``--mem``, extra
-``#SBATCH`` lines, a site's own template, ...) are a :class:`SlurmSite`; the plan
-renders with the defaults, ``clusterkit sbatch`` renders again with the user's.
+``#SBATCH`` lines, a site's own template, ...) are a :class:`SlurmSite`, an input of
+``render_all`` (``clusterkit sbatch`` passes the user's; the defaults otherwise). The
+launch line comes from the plan backend's registry entry (``Backend.sbatch_line``).
 """
 
 from __future__ import annotations
@@ -21,22 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from clusterkit.errors import RenderError
-from clusterkit.render.commands import (
-    ACCELERATE,
-    JobLayout,
-    launcher_program,
-    srun_torchrun_argv,
-    uniform,
-)
-from clusterkit.render.dsenv import SYSTEM_PATH
-from clusterkit.spec.backends import BACKENDS
+from clusterkit.launchers import BACKENDS
+from clusterkit.spec.job import SYSTEM_PATH, JobPlan
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
 
 if TYPE_CHECKING:
     import jinja2
 
-ADDR_WORD = "@CLUSTERKIT_MASTER_ADDR@"
-PORT_WORD = "@CLUSTERKIT_MASTER_PORT@"
 TEMPLATE = "sbatch.sh.j2"
 # The batch script's port: 20000 + SLURM_JOB_ID % 12768, i.e. 20000-32767, below Linux's
 # ephemeral range (32768-60999): the one port rule of spec.ports, computed in bash.
@@ -46,18 +38,6 @@ DEFAULT_SIGNAL_LEAD_S = 90
 _SLURM_VALUE = re.compile(r"[A-Za-z0-9_.,:@+-]+")
 _MEM = re.compile(r"[0-9]+[KMGT]?")
 _TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+")
-# accelerate on each Slurm node: its machine_rank's YAML, the head resolved at run time.
-# Slurm's USR1 (--signal=USR1@90, scancel --signal=USR1) reaches every process of the
-# step. torchrun and `accelerate launch` do not handle USR1, so its default action would
-# kill the launcher and --kill-on-bad-exit would then kill the ranks while they save a
-# checkpoint (measured on a real Slurm 22.05): the launcher ignores it; the ranks install
-# their own handler (an ignored signal stays ignored only until a program sets one).
-IGNORE_USR1 = 'trap "" USR1; '
-ACCELERATE_EXEC = (IGNORE_USR1 + 'd=$1; shift; exec "$0" ' + " ".join(ACCELERATE)
-                   + ' --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml"'
-                   ' --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"')
-
-
 @dataclass(frozen=True)
 class SlurmSite:
     """What only the batch script knows: a site's #SBATCH needs and its own template.
@@ -123,48 +103,13 @@ def _extra_line(line: str) -> str:
     return word
 
 
-def _with_shell_vars(argv: list[str]) -> str:
-    """shlex.join, then the two placeholders become "$MASTER_ADDR"/"$MASTER_PORT"."""
-    line = shlex.join(argv)
-    if line.count(ADDR_WORD) != 1 or line.count(PORT_WORD) != 1:
-        raise RenderError("a value contains a reserved word @CLUSTERKIT_MASTER_...@",
-                          hint="rename it")
-    return line.replace(ADDR_WORD, '"$MASTER_ADDR"').replace(PORT_WORD, '"$MASTER_PORT"')
-
-
-def _without_path(argv: list[str], path: str) -> list[str]:
-    # srun passes the script's environment to every task; its PATH (the site's, with the
-    # interpreter's dir in front) must not be replaced by the plan's fixed system PATH.
-    word = f"PATH={path}"
-    return [w for w in argv if w != word]
-
-
-def launch_line(layout: JobLayout, log_dir: str) -> tuple[str, str]:
-    """(variant, the srun line) for the chosen backend."""
-    variant = BACKENDS[layout.options.backend].sbatch_line  # the registry decides
-    node = layout.nodes[0]
-    path = node.env.get("PATH", "")
-    if variant == "torchrun":
-        # TODO(commands.srun_torchrun_argv): torchrun needs IGNORE_USR1 too; it belongs in
-        # the shared srun argv so the salloc line and this one stay identical.
-        argv = _without_path(srun_torchrun_argv(layout, ADDR_WORD, PORT_WORD), path)
-        return "torchrun", _with_shell_vars(argv)
-    uniform(layout, "srun")
-    env_words = ["env", *(f"{k}={v}" for k, v in node.env.items() if k != "PATH")]
-    nodes = len(layout.nodes)
-    if variant == "accelerate":
-        program = launcher_program(layout.programs[0], "--module")
-        argv = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                f"--chdir={node.workdir}", *env_words, "sh", "-c", ACCELERATE_EXEC, node.python,
-                node.job_dir, *program]
-        return "accelerate", shlex.join(argv)
-    # deepspeed: one Slurm task per rank, as DeepSpeed's own slurm launcher does; the
-    # workload reads SLURM_PROCID/SLURM_LOCALID and the exported MASTER_ADDR/PORT.
-    # --open-mode=append: a requeued run adds to the rank logs instead of truncating them.
-    argv = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={node.nproc}", "--kill-on-bad-exit=1",
-            f"--chdir={node.workdir}", f"--output={log_dir}/%x-%j-rank%t.out", "--open-mode=append",
-            *env_words, node.python, "-u", *layout.programs[0]]
-    return "srun-per-rank", shlex.join(argv)
+def launch_line(plan: JobPlan, log_dir: str) -> tuple[str, str]:
+    """(variant, the srun line) of the plan backend: the registry's ``sbatch_line``."""
+    line = BACKENDS[plan.backend].sbatch_line
+    if line is None:
+        raise RenderError(f"the {plan.backend!r} backend has no batch-script launch line",
+                          key="--launcher")
+    return line(plan, log_dir)
 
 
 def path_prefix(path: str) -> str:
@@ -173,15 +118,15 @@ def path_prefix(path: str) -> str:
     return ":".join(d for d in path.split(":") if d and d not in SYSTEM_PATH)
 
 
-def _gpus(layout: JobLayout, site: SlurmSite) -> str | None:
-    node = layout.nodes[0]
+def _gpus(plan: JobPlan, site: SlurmSite) -> str | None:
+    node = plan.nodes[0]
     if node.host.gpus <= 0:
         return None
     gpu_type = _slurm_value(site.gpu_type, "--gpu-type")
     return f"{gpu_type}:{node.nproc}" if gpu_type else str(node.nproc)
 
 
-def _site_context(layout: JobLayout, site: SlurmSite) -> dict[str, object]:
+def _site_context(plan: JobPlan, site: SlurmSite) -> dict[str, object]:
     if site.mem is not None and not _MEM.fullmatch(site.mem):
         raise RenderError(f"--mem {site.mem!r} is not a Slurm memory size", key="--mem",
                           hint="use a number with an optional K/M/G/T suffix (0: all of it)")
@@ -189,7 +134,7 @@ def _site_context(layout: JobLayout, site: SlurmSite) -> dict[str, object]:
         raise RenderError(f"--signal-lead {site.signal_lead_s} must be at least 1 second",
                           key="--signal-lead")
     return {
-        "gpus_per_node": _gpus(layout, site),
+        "gpus_per_node": _gpus(plan, site),
         "exclusive": site.exclusive,
         "mem": site.mem,
         "constraint": _slurm_value(site.constraint, "--constraint"),
@@ -198,21 +143,21 @@ def _site_context(layout: JobLayout, site: SlurmSite) -> dict[str, object]:
     }
 
 
-def render_sbatch(layout: JobLayout, cluster: str, site: SlurmSite | None = None) -> str:
+def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
     site = site or SlurmSite()
-    o = layout.options
-    node = layout.nodes[0]
+    o = plan.options
+    node = plan.nodes[0]
     log_dir = f"{node.job_dir}/logs"
-    variant, line = launch_line(layout, log_dir)
+    variant, line = launch_line(plan, log_dir)
     if not _TIME.fullmatch(o.time_limit):
         raise RenderError(f"--time {o.time_limit!r} is not a Slurm time", key="--time",
                           hint="use MINUTES, HH:MM:SS or D-HH:MM:SS")
-    per_rank = variant == "srun-per-rank"
+    per_rank = BACKENDS[plan.backend].slurm_task_per_rank
     context = {
-        "job_id": layout.job_id,
-        "cluster": cluster,
-        "job_name": _slurm_value(f"ck-{layout.job_id}", "--job-name"),
-        "nodes": len(layout.nodes),
+        "job_id": plan.job_id,
+        "cluster": plan.cluster,
+        "job_name": _slurm_value(f"ck-{plan.job_id}", "--job-name"),
+        "nodes": len(plan.nodes),
         # The allocation must hold every task of the launch step: srun inside a job
         # silently starts fewer tasks than asked for when the allocation has fewer
         # (measured: --ntasks-per-node=2 in a 1-task-per-node job ran world size 2, not 4).
@@ -233,11 +178,11 @@ def render_sbatch(layout: JobLayout, cluster: str, site: SlurmSite | None = None
         "job_dir": node.job_dir,
         "ds_config": f"{node.job_dir}/ds_config.json",
         "log_dir": log_dir,
-        "node_local": layout.node_local,
-        "node_local_dirs": [node.ckpt_dir] if layout.node_local else [],
+        "node_local": plan.node_local,
+        "node_local_dirs": [node.ckpt_dir] if plan.node_local else [],
         "variant": variant,
         "launch_line": line,
-        **_site_context(layout, site),
+        **_site_context(plan, site),
     }
     return _render(site.template_dir, context)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from clusterkit.inventory import Host
-from clusterkit.render.shellsafe import ssh_config_value
+from clusterkit.shellsafe import ssh_config_value
 
 CONNECT_TIMEOUT_S = 10
 

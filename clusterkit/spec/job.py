@@ -17,7 +17,6 @@ from datetime import datetime
 from typing import Any
 
 from clusterkit.inventory import Host
-from clusterkit.spec.backends import BACKENDS, DS_LAUNCHERS
 from clusterkit.spec.zero import (
     DEFAULT_LR,
     DEFAULT_MICRO_BATCH,
@@ -32,6 +31,8 @@ from clusterkit.spec.zero import (
 
 STORAGE_CHOICES: tuple[str, ...] = ("auto", "shared", "node-local")
 RDZV_CHOICES: tuple[str, ...] = ("auto", "static", "c10d")
+# DeepSpeed's runner's own --launcher values (how it reaches the other nodes).
+DS_LAUNCHERS: tuple[str, ...] = ("pdsh", "openmpi", "slurm")
 WORKLOAD_MODULE = "clusterkit.workload"
 # The bundled workload's model presets (clusterkit.workload.presets defines their shapes).
 MODEL_NAMES: tuple[str, ...] = ("tiny", "small", "medium")
@@ -42,6 +43,10 @@ JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # `sh -c` program that enters a directory and execs the rest: a fixed string, the
 # directory and argv arrive as positional parameters, so nothing is re-parsed.
 CD_EXEC = 'cd -- "$1" && shift && exec "$@"'
+# What a remote node's PATH holds after the interpreter dir. Not the launcher's own PATH:
+# that names directories of the machine clusterkit runs on (pyenv shims, ~/.cargo/bin,
+# ...), which other nodes may not have. An inventory `env: {PATH: ...}` overrides it all.
+SYSTEM_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 
 def default_job_id(cluster: str, now: datetime) -> str:
@@ -70,7 +75,7 @@ class JobOptions:
     """What the user asked for (the job flags). Defaults: the bundled workload, torchrun plan."""
 
     job_id: str
-    backend: str = "torchrun"  # the plan backend (spec.backends: Backend.plan_backend)
+    backend: str = "torchrun"  # the plan backend (clusterkit.launchers: Backend.plan_backend)
     # host selection, DeepSpeed semantics (clusterkit.hostfile.select_hosts; cli.common flags)
     nodes: int | None = None
     gpus_per_node: int | None = None
@@ -236,42 +241,83 @@ class NodeCommand:
         return line if self.cwd is None else f"cd -- {shlex.quote(self.cwd)} && {line}"
 
 
-@dataclass(frozen=True)
-class LaunchPlan:
-    """Everything a launch needs, decided up front. Printing it is the dry run."""
+def rank_log_dir(job_dir: str, run_id: str | None) -> str:
+    """Where a launcher that writes each rank's output to files (DeepSpeed's
+    ``--enable_each_rank_log``) writes them: ``<job dir>/logs`` for a rendered job that a
+    person runs, ``<job dir>/ranklogs/<run id>`` for one ``clusterkit launch`` run (a
+    fresh directory per run: a continued job must not re-read an earlier run's files)."""
+    return f"{job_dir}/logs" if run_id is None else f"{job_dir}/ranklogs/{run_id}"
 
-    job_id: str
+
+@dataclass(frozen=True)
+class JobPlan:
+    """The decisions about one job (``plan.build.plan_job``): nothing rendered yet.
+
+    ``render.artifacts.render_all(plan)`` turns it into a :class:`LaunchPlan`.
+    """
+
+    options: JobOptions
     cluster: str
-    backend: str
     nodes: tuple[NodePlan, ...]
     world_size: int
     master_addr: str
     master_port: int
     storage: str
     zero: ZeroSpec
-    program: tuple[str, ...]  # interpreter arguments: ("-m", "clusterkit.workload", ...) or (script, ...)
-    # backend -> commands; "torchrun", "torchrun-pdsh", "deepspeed", "accelerate", "srun", "sbatch"
-    commands: Mapping[str, tuple[NodeCommand, ...]] = field(hash=False)
-    skipped: Mapping[str, str] = field(hash=False)  # backend -> why it could not be rendered
-    artifacts: Mapping[str, str] = field(hash=False)  # file name -> text
     ds_config: Mapping[str, Any] = field(hash=False)
-    # per node (same order as ``nodes``): the interpreter arguments each node's ranks run
-    programs: tuple[tuple[str, ...], ...] = ()
+    # per node (same order as ``nodes``): the interpreter arguments its ranks run,
+    # ("-m", "clusterkit.workload", ...) or (script, ...)
+    programs: tuple[tuple[str, ...], ...]
     # What is legal but probably not meant (printed by every verb; --strict refuses them).
     warnings: tuple[str, ...] = ()
+
+    @property
+    def job_id(self) -> str:
+        return self.options.job_id
+
+    @property
+    def backend(self) -> str:
+        """The plan backend (a registry ``plan_backend``)."""
+        return self.options.backend
+
+    @property
+    def program(self) -> tuple[str, ...]:
+        """Node 0's program (every node's, except under per-node workdirs)."""
+        return self.programs[0]
+
+    @property
+    def node_local(self) -> bool:
+        return self.storage == "node-local"
 
     @property
     def job_dir(self) -> str:
         """Node 0's per-job directory (where the head-node artifacts go)."""
         return self.nodes[0].job_dir
 
-    @property
-    def launch_commands(self) -> tuple[NodeCommand, ...]:
-        """The commands for the chosen backend: what ``clusterkit launch`` runs."""
-        return self.commands[BACKENDS[self.backend].command_sets[0]]
-
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
             if n.name == name:
                 return n
         raise KeyError(name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchPlan(JobPlan):
+    """A job's decisions and everything rendered from them: what ``launch`` runs, what
+    ``render``/``sbatch`` write and every dry run prints (``render_all`` makes it)."""
+
+    # command set -> commands; "torchrun", "torchrun-pdsh", "deepspeed", "accelerate", ...
+    commands: Mapping[str, tuple[NodeCommand, ...]] = field(hash=False)
+    skipped: Mapping[str, str] = field(hash=False)  # command set or file -> why not rendered
+    artifacts: Mapping[str, str] = field(hash=False)  # file name -> text
+    # The chosen backend's command sets (the registry's ``command_sets``); the first runs.
+    chosen: tuple[str, ...]
+    # The run these commands were rendered for (None: for a person to run), and where its
+    # launcher writes per-rank log files (None: this backend writes none).
+    run_id: str | None = None
+    rank_log_dir: str | None = None
+
+    @property
+    def launch_commands(self) -> tuple[NodeCommand, ...]:
+        """The commands for the chosen backend: what ``clusterkit launch`` runs."""
+        return self.commands[self.chosen[0]]
