@@ -27,7 +27,9 @@ ACCELERATE = ("-m", "accelerate.commands.launch")
 # accelerate on each Slurm node: its machine_rank's YAML, the head resolved at run time.
 # The launcher ignores USR1 (argv.IGNORE_USR1): measured on a real Slurm 22.05, the
 # default action killed it and --kill-on-bad-exit then killed the ranks mid-save.
-ACCELERATE_EXEC = (IGNORE_USR1 + 'd=$1; shift; exec "$0" ' + " ".join(ACCELERATE)
+# --tee 3: each rank's lines carry its rank label, which `clusterkit sbatch --watch`
+# reads (accelerate's own --tee default, 0, overrides torchrun's).
+ACCELERATE_EXEC = (IGNORE_USR1 + 'd=$1; shift; exec "$0" ' + " ".join(ACCELERATE) + " --tee 3"
                    + ' --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml"'
                    ' --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"')
 
