@@ -1,24 +1,37 @@
-"""How fast is ``clusterkit doctor``? Against the bare SSH fan-out floor and a sequential loop.
+"""How fast is ``clusterkit doctor`` against the ``pdsh -w ALL true`` floor? (issue 15)
 
-    python -m bench.doctor                        # 7, 32 and 128 nodes, own test bed
-    python -m bench.doctor --sizes 7 32 --rounds 3
-    python -m bench.doctor --prefix dr --sizes 7  # an existing test bed (grown if needed)
+    python -m bench.doctor                     # 7, 32 and 128 nodes, 3 pairs each, own test bed
+    python -m bench.doctor --repeat 5 --sizes 7 32
+    python -m bench.doctor --mask-bashrc       # nodes skip root's ~/.bashrc (pyenv init)
 
-For every size, in the same run and interleaved round by round (so load from
-other work on the machine hits all alike):
+One test bed is created (grown 7 → 32 → 128) and always torn down, also on
+Ctrl-C. For every size, ``--repeat`` interleaved pairs, the order alternating
+(pdsh first, then doctor first, ...), so load from other work on the machine
+hits both alike:
 
-* ``pdsh``: ``pdsh -R ssh -w <nodes> true`` with the test bed's ssh config via
-  ``PDSH_SSH_ARGS_APPEND`` (pdsh's default fan-out, 32) — the floor;
-* ``pdsh probe``: the same, running doctor's probe on every node
-  (``python -c <probe> facts ...``): the floor for the same remote work;
-* ``doctor``: ``python -m clusterkit doctor --json`` as a user runs it (fresh
-  process: imports, SSH handshakes, probes, master-port check; no --bandwidth);
-* ``doctor in-process``: :func:`run_doctor` alone (no interpreter start-up);
-* ``sequential ssh``: ``ssh node <python> - facts ...`` one node after the other,
-  the same probe and arguments as doctor sends (stdin = the probe).
+* **floor** ``pdsh -R ssh -w <all nodes> true`` (pdsh's defaults: fan-out 32,
+  OpenSSH's default key exchange) with the test bed's ssh config;
+* **doctor** ``python -m clusterkit doctor --json`` as a user runs it (a fresh
+  process: imports, SSH fan-out, probes, master-port check, rules; no
+  ``--bandwidth``).
 
-Prints medians and the ratios doctor/pdsh (goal <= 1.2) and sequential/doctor
-(goal >= 5 at 32 nodes). Needs root (the namespace test bed).
+Each figure is printed with the 1-minute load average (``os.getloadavg()``)
+read right after it: on a 2-core machine shared with other work the ratio
+means little when the load is far above 2. The goal is doctor/floor <= 1.2.
+
+Where the time over the floor goes (printed per size, and once per run):
+
+* launcher CPU: user+sys seconds of the doctor process and its ``ssh``
+  children vs pdsh and its ``ssh`` children (``getrusage`` of children);
+* doctor's own ``timings_s``: SSH set-up (connect + key exchange + login),
+  remote command (login shell + interpreter + probe), the probe's own work,
+  rules and report;
+* per-node remote CPU measured inside node1: the login shell (``bash -c true``
+  with the node's ~/.bashrc) that pdsh pays too, ``python -c pass``, and the
+  probe (``facts`` with every node as a peer), which only doctor pays;
+* CLI start-up: ``python -m clusterkit doctor --help``.
+
+Needs root (the namespace test bed) and pdsh.
 """
 
 from __future__ import annotations
@@ -26,142 +39,197 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
+import resource
+import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from clusterkit.checks.doctor import plan_doctor, run_doctor
-from clusterkit.checks.invoke import probe_source
-from clusterkit.inventory import load_inventory
-from clusterkit.remote.dispatch import DispatchTransport
 from tests.testbed import Testbed
 
+PAIR_TIMEOUT_S = 600
 
-def _cases(tb: Testbed, n: int, workdir: Path) -> dict[str, Callable[[], None]]:
-    nodes = tb.ensure(n)[:n]
-    inv_path = tb.write_inventory(workdir / f"inventory-{n}.yaml", nodes)
-    hosts = list(load_inventory(inv_path).hosts)
-    env = dict(os.environ, PDSH_RCMD_TYPE="ssh", PDSH_SSH_ARGS_APPEND=f"-F {tb.ssh_config}")
-    names = ",".join(node.name for node in nodes)
-    plan = plan_doctor(hosts, head_python=sys.executable, head_cwd=str(workdir),
-                       head_tools={}, master_port=29500)
-    probe = probe_source()
 
-    def pdsh() -> None:
-        subprocess.run(["pdsh", "-R", "ssh", "-w", names, "true"], env=env, check=True,
-                       timeout=600, stdout=subprocess.DEVNULL)
+@dataclass
+class Run:
+    wall_s: float
+    cpu_s: float  # user + sys of the process and its children
+    load: float  # 1-minute load average right after the run
+    timings: dict[str, float] = field(default_factory=dict)
 
-    def doctor_cli() -> None:
-        res = subprocess.run([sys.executable, "-m", "clusterkit", "doctor", "-i", str(inv_path),
-                              "--json"], capture_output=True, timeout=600, cwd=workdir)
+
+def _timed(argv: Sequence[str], env: dict[str, str] | None = None,
+           cwd: Path | None = None) -> tuple[Run, subprocess.CompletedProcess[bytes]]:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.monotonic()
+    res = subprocess.run(list(argv), env=env, cwd=cwd, capture_output=True,
+                         timeout=PAIR_TIMEOUT_S, check=False)
+    wall = time.monotonic() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return Run(wall, cpu, os.getloadavg()[0]), res
+
+
+class Size:
+    """The two commands for one size of the test bed."""
+
+    def __init__(self, tb: Testbed, n: int, workdir: Path) -> None:
+        self.n = n
+        self.nodes = tb.ensure(n)[:n]
+        self.inventory = tb.write_inventory(workdir / f"inventory-{n}.yaml", self.nodes)
+        self.workdir = workdir
+        self.pdsh_env = dict(os.environ, PDSH_RCMD_TYPE="ssh",
+                             PDSH_SSH_ARGS_APPEND=f"-F {tb.ssh_config}")
+
+    def floor(self) -> Run:
+        names = ",".join(node.name for node in self.nodes)
+        run, res = _timed(["pdsh", "-R", "ssh", "-w", names, "true"], env=self.pdsh_env)
+        if res.returncode != 0:
+            raise RuntimeError(f"pdsh failed ({res.returncode}): {res.stderr[-500:]!r}")
+        return run
+
+    def doctor(self) -> Run:
+        run, res = _timed([sys.executable, "-m", "clusterkit", "doctor", "-i",
+                           str(self.inventory), "--json"], cwd=self.workdir)
         if res.returncode not in (0, 1, 2):
-            raise RuntimeError(f"doctor failed: {res.returncode} {res.stderr[-500:]!r}")
+            raise RuntimeError(f"doctor failed ({res.returncode}): {res.stderr[-500:]!r}")
         data = json.loads(res.stdout)
-        _note("doctor", data["unreachable"], data["timings_s"])
-
-    def doctor_inproc() -> None:
-        with DispatchTransport() as transport:
-            report = run_doctor(plan, transport)
-        bad = {h: {"kind": f.error_kind, "error": f.probe_error}
-               for h, f in report.facts.items() if not f.ok}
-        _note("in-process", bad, report.timings)
-
-    # pdsh cannot feed one stdin to many nodes: the probe travels as `python -c SOURCE`.
-    probe_cmd = {p.host: shlex.join([p.python, "-c", probe.decode(), *_no_master(p.argv)[2:]])
-                 for p in plan.nodes}
-
-    def pdsh_probe() -> None:
-        # Same remote work as doctor (every node runs the probe), pdsh's fan-out.
-        cmd = next(iter(probe_cmd.values()))  # identical on every node of a test bed
-        res = subprocess.run(["pdsh", "-R", "ssh", "-w", names, cmd], env=env, timeout=600,
-                             capture_output=True)
-        if res.returncode != 0 or res.stdout.count(b'"schema"') != n:
-            raise RuntimeError(f"pdsh probe failed: {res.returncode} {res.stderr[-300:]!r}")
-
-    def sequential() -> None:
-        # The same probe argv doctor sends, minus the master connect (no listener here).
-        for node, probe_plan in zip(nodes, plan.nodes, strict=True):
-            argv = _no_master(probe_plan.argv)
-            subprocess.run(["ssh", "-F", str(tb.ssh_config), node.name, shlex.join(argv)],
-                           input=probe, check=True, capture_output=True, timeout=120)
-
-    return {"pdsh": pdsh, "pdsh probe": pdsh_probe, "doctor": doctor_cli,
-            "doctor in-process": doctor_inproc, "sequential ssh": sequential}
+        run.timings = {k: float(v) for k, v in data["timings_s"].items()}
+        if data["unreachable"]:  # a node that did not answer makes the time meaningless
+            kinds = sorted({str(v.get("kind")) for v in data["unreachable"].values()})
+            print(f"    !! doctor: {len(data['unreachable'])} node(s) unreachable ({kinds})")
+        return run
 
 
-def _no_master(argv: tuple[str, ...]) -> list[str]:
-    """The probe argv without ``--master H:P --master-wait S`` (no listener outside doctor)."""
-    words = list(argv)
-    if "--master" in words:
-        cut = words.index("--master")
-        del words[cut:cut + 4]
-    return words
+def bench_size(size: Size, repeat: int) -> float:
+    """Interleaved pairs; prints each pair and returns the median ratio."""
+    print(f"--- {size.n} nodes: {repeat} interleaved pair(s)  (load avg before "
+          f"{os.getloadavg()[0]:.1f})", flush=True)
+    ratios, floors, doctors = [], [], []
+    for i in range(repeat):
+        first_floor = i % 2 == 0
+        if first_floor:
+            floor = size.floor()
+            doc = size.doctor()
+        else:
+            doc = size.doctor()
+            floor = size.floor()
+        floors.append(floor)
+        doctors.append(doc)
+        ratios.append(doc.wall_s / floor.wall_s)
+        print(f"  pair {i + 1} ({'floor first' if first_floor else 'doctor first'}): "
+              f"pdsh true {floor.wall_s:6.2f} s (load {floor.load:5.1f})   "
+              f"doctor {doc.wall_s:6.2f} s (load {doc.load:5.1f})   "
+              f"ratio {ratios[-1]:.2f}", flush=True)
+    _breakdown(floors, doctors)
+    ratio = statistics.median(ratios)
+    verdict = "ok" if ratio <= 1.2 else "OVER the 1.2 goal"
+    print(f"  => {size.n} nodes: doctor/floor median {ratio:.2f} ({verdict}); medians "
+          f"pdsh {statistics.median(r.wall_s for r in floors):.2f} s, doctor "
+          f"{statistics.median(r.wall_s for r in doctors):.2f} s", flush=True)
+    return ratio
 
 
-def _note(what: str, unreachable: Mapping[str, Any], timings: Mapping[str, float]) -> None:
-    """A node that did not answer makes the run's time meaningless: say so, loudly."""
-    parts = " ".join(f"{k}={v:.2f}" for k, v in timings.items())
-    print(f"    [{what}] timings_s {parts}", flush=True)
-    if unreachable:
-        kinds = Counter(str(v.get("kind")) for v in unreachable.values())
-        first = next(iter(unreachable.items()))
-        print(f"    [{what}] UNREACHABLE {len(unreachable)}: {dict(kinds)}; e.g. {first}",
-              flush=True)
+def _breakdown(floors: Sequence[Run], doctors: Sequence[Run]) -> None:
+    def med(values: Sequence[float]) -> float:
+        return statistics.median(values) if values else float("nan")
+
+    print(f"  launcher CPU (median, process + its ssh children): pdsh "
+          f"{med([r.cpu_s for r in floors]):.2f} s, doctor {med([r.cpu_s for r in doctors]):.2f} s")
+    keys = ("ssh_setup_max", "command_median", "command_max", "probe_work_max", "facts",
+            "rules", "total")
+    parts = [f"{k} {med([r.timings[k] for r in doctors if k in r.timings]):.2f}"
+             for k in keys if any(k in r.timings for r in doctors)]
+    print(f"  doctor timings_s (median): {', '.join(parts)}")
 
 
-def bench_size(tb: Testbed, n: int, rounds: int, workdir: Path, skip_sequential: bool
-               ) -> dict[str, float]:
-    cases = _cases(tb, n, workdir)
-    if skip_sequential:
-        cases.pop("sequential ssh")
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            start = time.monotonic()
-            fn()
-            times[name].append(time.monotonic() - start)
-    med = {name: statistics.median(runs) for name, runs in times.items()}
-    print(f"--- {n} nodes ({rounds} round(s), load avg {os.getloadavg()[0]:.1f})")
-    for name, runs in times.items():
-        print(f"  {name:<18} median {med[name]:7.2f} s   runs {' '.join(f'{t:.2f}' for t in runs)}")
-    print(f"  doctor / pdsh            = {med['doctor'] / med['pdsh']:.2f}  (goal <= 1.2)")
-    print(f"  doctor in-process / pdsh = {med['doctor in-process'] / med['pdsh']:.2f}")
-    print(f"  doctor / pdsh probe      = {med['doctor'] / med['pdsh probe']:.2f}  "
-          "(same remote work, pdsh's fan-out)")
-    if "sequential ssh" in med:
-        print(f"  sequential / doctor      = {med['sequential ssh'] / med['doctor']:.1f}  "
-              "(goal >= 5 at 32 nodes)")
-    sys.stdout.flush()
-    return med
+def node_costs(tb: Testbed, peers: int, workdir: Path) -> None:
+    """CPU of the remote work per node, measured inside node1 (5 runs each)."""
+    script = workdir / "node_costs.py"
+    script.write_text(_NODE_COSTS)
+    inv = workdir / f"inventory-{peers}.yaml"
+    res = tb.exec(tb.nodes[0], [sys.executable, str(script), str(inv)], timeout=300,
+                  cwd=str(Path.cwd()))
+    print("per-node remote CPU (inside node1, median of 5):")
+    for line in (res.stdout or res.stderr).strip().splitlines():
+        print(f"  {line}")
+
+
+_NODE_COSTS = '''
+import os, resource, statistics, subprocess, sys
+from clusterkit.checks.doctor import plan_doctor
+from clusterkit.checks.invoke import probe_source
+from clusterkit.inventory import load_inventory
+hosts = list(load_inventory(sys.argv[1]).hosts)
+plan = plan_doctor(hosts, head_python=sys.executable, head_cwd="/tmp", head_tools={},
+                   master_port=None)
+def cpu(argv, stdin=None):
+    runs = []
+    for _ in range(5):
+        a = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run(argv, input=stdin, capture_output=True, check=False)
+        b = resource.getrusage(resource.RUSAGE_CHILDREN)
+        runs.append(b.ru_utime - a.ru_utime + b.ru_stime - a.ru_stime)
+    return statistics.median(runs) * 1000
+login = "source ~/.bashrc 2>/dev/null; true"
+print(f"login shell (bash + ~/.bashrc; pdsh pays it too) {cpu(['bash', '-c', login]):6.1f} ms")
+print(f"python -c pass (interpreter + site)               {cpu([sys.executable, '-c', 'pass']):6.1f} ms")
+print(f"probe facts, {len(hosts)} peers (incl. interpreter)      "
+      f"{cpu(list(plan.nodes[0].argv), probe_source()):6.1f} ms  "
+      f"({len(probe_source())} bytes on stdin)")
+'''
+
+
+def cli_startup(workdir: Path) -> None:
+    run, _ = _timed([sys.executable, "-m", "clusterkit", "doctor", "--help"], cwd=workdir)
+    print(f"CLI start-up (python -m clusterkit doctor --help): {run.wall_s:.2f} s wall, "
+          f"{run.cpu_s:.2f} s CPU (load {run.load:.1f})")
+
+
+def _with_bed(mask_bashrc: bool, body: Callable[[Testbed], None]) -> None:
+    tb = Testbed.create(mask_bashrc=mask_bashrc)
+    try:
+        body(tb)
+    finally:
+        # A second Ctrl-C must not interrupt the tear-down itself.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            tb.down()
+            print(f"test bed {tb.prefix} removed", flush=True)
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[7, 32, 128])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rounds-large", type=int, default=1, help="rounds for sizes > 32")
-    parser.add_argument("--no-sequential-above", type=int, default=32,
-                        help="skip the sequential loop above this many nodes")
-    parser.add_argument("--prefix", help="use this existing test bed instead of a new one")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved pairs per size")
     parser.add_argument("--mask-bashrc", action="store_true",
-                        help="nodes skip root's ~/.bashrc (on this host it runs `pyenv init`, "
-                        "whose rehash lock serialises logins: every node shares /root/.pyenv)")
+                        help="nodes skip root's ~/.bashrc (on this host it runs `pyenv init`)")
     args = parser.parse_args(argv)
-    tb = Testbed.load(args.prefix) if args.prefix else Testbed.create(mask_bashrc=args.mask_bashrc)
-    workdir = tb.root / "work"
+    print(f"bench.doctor: sizes {args.sizes}, {args.repeat} pair(s) each, "
+          f"{os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f}, "
+          f"bashrc {'masked' if args.mask_bashrc else 'as on this host'}, "
+          f"CLUSTERKIT_SSH_CLIENT={os.environ.get('CLUSTERKIT_SSH_CLIENT', '(auto)')}",
+          flush=True)
+
+    def body(tb: Testbed) -> None:
+        workdir = tb.root / "work"
+        ratios = {n: bench_size(Size(tb, n, workdir), args.repeat) for n in sorted(args.sizes)}
+        node_costs(tb, max(args.sizes), workdir)
+        cli_startup(workdir)
+        print("summary: " + "   ".join(f"{n} nodes {r:.2f}x" for n, r in ratios.items())
+              + f"   (goal <= 1.2x; load avg now {os.getloadavg()[0]:.1f})")
+
     try:
-        for n in args.sizes:
-            rounds = args.rounds if n <= 32 else args.rounds_large
-            bench_size(tb, n, rounds, workdir, n > args.no_sequential_above)
-    finally:
-        if not args.prefix:
-            tb.down()
+        _with_bed(args.mask_bashrc, body)
+    except KeyboardInterrupt:
+        print("interrupted; test bed removed", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -55,7 +55,9 @@ from clusterkit.errors import TransportError
 from clusterkit.hostrange import fold
 from clusterkit.inventory import Host
 from clusterkit.remote.base import CommandResult, RemoteProcess, SSHTarget, Transport, target_for
+from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.remote.fanout import fan_out
+from clusterkit.remote.openssh import with_openssh
 
 DEFAULT_MASTER_PORT = 29500
 # Probes connect to the master's listener at the end of their run; the listener is
@@ -226,10 +228,7 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *,
     """Facts and master port in one round: the master's listener starts alongside the
     probes, and each probe ends by connecting to it (one SSH session per node)."""
     started = time.monotonic()
-    if any(not n.target.local for n in plan.nodes):
-        # DispatchTransport creates its SSH transport lazily and without a lock: create it
-        # here, once, or racing worker threads each get their own (and connect twice).
-        getattr(transport, "ssh", None)
+    transport = fanout_transport(plan, transport)
     master = plan.master
     listener = (_Listener.start_async(transport, master, plan.master_port)
                 if master is not None and plan.master_port else None)
@@ -244,10 +243,25 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *,
     finally:
         if listener is not None:
             listener.close()
+    t_rules = time.monotonic()
     findings = (run_rules(facts, _with_windows(plan.ctx, windows)) + port_findings
                 + startup_findings(startup) + clusterkit_parity(facts))
-    timings = {"facts": t_facts, **stats, "total": time.monotonic() - started}
+    timings = {"facts": t_facts, **stats, "rules": time.monotonic() - t_rules,
+               "total": time.monotonic() - started}
     return DoctorReport(plan, facts, tuple(findings), timings)
+
+
+def fanout_transport(plan: DoctorPlan, transport: Transport) -> Transport:
+    """The real transport's commands over the system ``ssh`` when one is installed.
+
+    paramiko's handshakes are Python work in this process, serialised by the GIL: at
+    128 nodes they cost ~10 s of the launcher's CPU (docs/doctor.md, "Measured"); ``ssh``
+    does them in C, in parallel processes. Other transports (tests' fakes) are kept.
+    """
+    if isinstance(transport, DispatchTransport) and any(not n.target.local
+                                                        for n in plan.nodes):
+        return with_openssh(transport, connect_timeout=plan.connect_timeout_s)
+    return transport
 
 
 def clusterkit_parity(facts: Mapping[str, NodeFacts], digest: str | None = None) -> list[Finding]:
