@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clusterkit.spec import job as spec_job
 from clusterkit.spec import zero as spec
 from clusterkit.workload.presets import PRESETS
+
+# --dump-weights for the bundled workload under `clusterkit launch`, which has no flag
+# for it (tests share one launched 7x2 run between launch and collect-ckpt checks).
+DUMP_WEIGHTS_ENV = "CLUSTERKIT_DUMP_WEIGHTS"
 
 
 @dataclass(frozen=True)
@@ -91,8 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: newest complete checkpoint, if any (default)")
     c.add_argument("--save-16bit", action="store_true",
                    help="ZeRO-3: also save consolidated 16-bit weights with the final checkpoint")
-    c.add_argument("--dump-weights", default=None, metavar="PATH",
-                   help="rank 0 writes the full fp32 state dict here after training")
+    c.add_argument("--dump-weights", default=os.environ.get(DUMP_WEIGHTS_ENV) or None,
+                   metavar="PATH",
+                   help="rank 0 writes the full fp32 state dict here after training "
+                        f"(default: ${DUMP_WEIGHTS_ENV}, e.g. from `launch --set-env`)")
     o = p.add_argument_group("evaluation, logging, distributed")
     o.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: off)")
     o.add_argument("--eval-batches", type=int, default=2)
