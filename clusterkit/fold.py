@@ -29,6 +29,10 @@ from clusterkit.hostrange import fold_numbers
 
 # Leading timestamps differ per rank and say nothing the console's order does not.
 _STAMP = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\]?\s*")
+# torch's C++ (glog) lines: "[W1123 12:50:40.891008724 Utils.hpp:137] ..." -> "[W Utils.hpp:137] ...".
+_GLOG_STAMP = re.compile(r"^\[([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ ")
+# How long a rank line waits for the same line from other ranks (seconds).
+FOLD_WINDOW_S = 1.0
 # Lines that say nothing to the user and repeat on every rank: shown once per job.
 NOISE: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
     r"Setting accelerator to \w+\. If you have GPU or other accelerator",
@@ -42,8 +46,8 @@ NOISE: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
 
 
 def fold_key(text: str) -> str:
-    """What makes two ranks' lines "the same": the text without a leading timestamp."""
-    return _STAMP.sub("", text.rstrip())
+    """What makes two ranks' lines "the same": the text without its leading timestamp."""
+    return _GLOG_STAMP.sub(r"[\1 ", _STAMP.sub("", text.rstrip()))
 
 
 def is_noise(text: str) -> bool:
@@ -137,6 +141,18 @@ class LineFolder:
             self._queue.append(group)
         group.members[rank] = node
         return self.release(now)
+
+    def show_once(self, text: str) -> bool:
+        """For a line shown outside the groups (a node's launcher speaking for itself):
+        False if it is noise this job has shown already, else True (noise: now shown)."""
+        key = fold_key(text)
+        if not is_noise(key):
+            return True
+        if key in self._noise_shown:
+            self.suppressed += 1
+            return False
+        self._noise_shown.add(key)
+        return True
 
     def release(self, now: float, final: bool = False) -> list[Folded]:
         out: list[Folded] = []

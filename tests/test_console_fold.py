@@ -27,6 +27,17 @@ def test_rank_label_shapes() -> None:
 
 def test_timestamps_do_not_split_groups() -> None:
     assert fold_key(ACCEL) == fold_key(ACCEL.replace("06,725", "07,032"))
+    # torch's C++ warnings: "[W1123 12:50:40.891008724 Utils.hpp:137]" per rank
+    glog = "[W1123 12:50:40.891008724 Utils.hpp:137] Warning: Environment variable X"
+    assert fold_key(glog) == fold_key(glog.replace("40.891008724", "41.000000001"))
+    assert fold_key(glog) == "[W Utils.hpp:137] Warning: Environment variable X"
+
+
+def test_noise_outside_the_groups_counts_once() -> None:
+    # a node launcher's own noise line (sbatch --watch) and then the ranks' copies
+    f = LineFolder(window_s=0.0)
+    assert f.show_once(ACCEL) and not f.show_once(ACCEL) and f.show_once("not noise")
+    assert f.feed("n1", 0, ACCEL, now=0.0) == [] and f.suppressed == 2
 
 
 def test_identical_lines_from_all_ranks_fold_at_once() -> None:

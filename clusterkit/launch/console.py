@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Protocol
 
-from clusterkit.fold import Folded, LineFolder
+from clusterkit.fold import FOLD_WINDOW_S, Folded, LineFolder
 
 if TYPE_CHECKING:
     from rich.text import Text
@@ -207,10 +207,6 @@ class FoldingSink:
         self._timer.join(timeout=2.0)
         self._release(final=True)
         self.inner.close()
-
-
-# How long a rank line waits for the same line from other ranks (seconds).
-FOLD_WINDOW_S = 1.0
 
 
 def make_sink(total_nodes: int, *, quiet_ranks: bool = False, world_size: int | None = None,

@@ -1,22 +1,39 @@
-"""Follow a Slurm job: copy its output files as they grow, until the job ends.
+"""Follow a Slurm job: show its output files as they grow, folded, until the job ends.
 
 The files are read where the submit host sees them (the job directory must be on
 a filesystem the nodes share, as for any batch job). clusterkit's script opens its
 files with ``--open-mode=append``, so a requeued run continues the same file after a
 ``===== clusterkit: ... run N`` line; a script that truncates instead (a site template
 without it) makes the file shrink, which we notice and start over instead of going silent.
+
+What the watch shows is the console of ``clusterkit launch`` (:mod:`clusterkit.fold`):
+a line that several ranks print alike appears once as ``[r0-13] text``, known
+third-party noise once per job, only the ``--ranks`` selected ranks' lines, and rank
+0's summary line once at the end. Who wrote a line comes from the labels the batch
+script puts there (:mod:`clusterkit.slurm.ranklines`). The files keep every line.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from clusterkit.contract import SUMMARY_PREFIX
+from clusterkit.fold import FOLD_WINDOW_S, Folded, LineFolder
+from clusterkit.hostrange import HostRangeError, expand_list
 from clusterkit.slurm.client import SlurmClient
 from clusterkit.slurm.jobinfo import JobInfo
+from clusterkit.slurm.ranklines import (
+    JobShape,
+    RankLine,
+    node_of_rank,
+    parse_labelled,
+    parse_shape,
+    rank_of_file,
+)
 
 CHUNK = 1 << 16
 
@@ -24,64 +41,163 @@ CHUNK = 1 << 16
 @dataclass
 class _Follower:
     path: str
-    sink: TextIO
     offset: int = 0
     pending: bytes = field(default=b"")
 
-    def pump(self, final: bool = False) -> bool:
-        """Copy whatever is new; True if the file shrank (the job was requeued)."""
+    def pump(self, final: bool = False) -> list[str]:
+        """The new whole lines, each with its newline (at the end also an unfinished one)."""
         try:
             size = os.path.getsize(self.path)
         except OSError:
-            return False  # not created yet (pending job) or not visible here yet
-        restarted = size < self.offset
-        if restarted:
+            return []  # not created yet (pending job) or not visible here yet
+        if size < self.offset:  # shrank: a requeued run truncated it
             self.offset, self.pending = 0, b""
         with open(self.path, "rb") as fh:
             fh.seek(self.offset)
             while chunk := fh.read(CHUNK):
                 self.offset += len(chunk)
                 self.pending += chunk
-        # Whole lines only (a rank's line is not split across two prints), the rest at the end.
+        # Whole lines only (a rank's line is not split across two polls), the rest at the end.
         cut = len(self.pending) if final else self.pending.rfind(b"\n") + 1
-        if cut:
-            self.sink.write(self.pending[:cut].decode(errors="replace"))
-            self.sink.flush()
-            self.pending = self.pending[cut:]
-        return restarted
+        text, self.pending = self.pending[:cut].decode(errors="replace"), self.pending[cut:]
+        return text.splitlines(keepends=True)
 
 
-def rank0_log(info: JobInfo) -> str | None:
-    """Where a one-task-per-rank step (``srun --output=.../%x-%j-rank%t.out``, the
-    deepspeed variant of the batch script) writes rank 0's output: next to StdOut."""
+class _Stream:
+    """One console stream (stdout or stderr): rank lines through a folder, the rest as is."""
+
+    def __init__(self, sink: TextIO, folder: LineFolder) -> None:
+        self.sink = sink
+        self.folder = folder
+
+    def rank(self, line: RankLine, now: float) -> None:
+        assert line.node is not None and line.rank is not None
+        self._show(self.folder.feed(line.node, line.rank, line.text, now))
+
+    def node(self, node: str, text: str) -> None:
+        """A launcher's own line (torchrun on one node): not folded, but noise once per job."""
+        if self.folder.show_once(text):
+            self._write(f"[{node}] {text}\n")
+
+    def script(self, raw: str, now: float) -> None:
+        # The batch script speaks between the ranks' lines (start, USR1, requeue): after
+        # what the ranks said before it.
+        self.release(now, final=True)
+        self._write(raw)
+
+    def release(self, now: float, final: bool = False) -> None:
+        self._show(self.folder.release(now, final=final))
+
+    def _show(self, items: list[Folded]) -> None:
+        for item in items:
+            self._write(item.render() + "\n")
+
+    def _write(self, text: str) -> None:
+        self.sink.write(text)
+        self.sink.flush()
+
+
+class _Console:
+    """Lines of every followed file -> the two folded streams; the summary kept for last."""
+
+    def __init__(self, out: TextIO, err: TextIO, window_s: float,
+                 ranks: frozenset[int] | None) -> None:
+        self.out = _Stream(out, LineFolder(window_s, ranks=ranks))
+        self.err = _Stream(err, LineFolder(window_s, ranks=ranks))
+        self.shape: JobShape | None = None
+        self.summary: str | None = None
+
+    def line(self, raw: str, stream: _Stream, nodes: list[str], file_rank: int | None,
+             now: float) -> None:
+        text = raw.rstrip("\r\n")
+        if file_rank is not None:  # one file per rank: the file names the rank
+            parsed = RankLine(node_of_rank(file_rank, nodes, self.shape), file_rank, text)
+        else:
+            parsed = parse_labelled(text, nodes, self.shape)
+        if parsed.node is None:
+            self._script_line(raw, text, stream, now)
+        elif parsed.rank is None:
+            stream.node(parsed.node, parsed.text)
+        elif parsed.text.startswith(SUMMARY_PREFIX):
+            if parsed.rank == 0:  # the bundled workload's rank 0 ends with it: shown once, last
+                self.summary = parsed.text
+        else:
+            stream.rank(parsed, now)
+
+    def _script_line(self, raw: str, text: str, stream: _Stream, now: float) -> None:
+        shape = parse_shape(text)
+        if shape is not None:
+            self.shape = shape
+            # A line all ranks said leaves at once instead of after the window.
+            self.out.folder.world_size = self.err.folder.world_size = shape.world_size
+        stream.script(raw, now)
+
+    def release(self, now: float, final: bool = False) -> None:
+        self.out.release(now, final)
+        self.err.release(now, final)
+        if final and self.summary is not None:
+            self.out._write(self.summary + "\n")
+            self.summary = None
+
+
+def _node_names(info: JobInfo) -> list[str]:
+    try:
+        return expand_list(info.nodes) if info.nodes and info.nodes != "(null)" else []
+    except HostRangeError:
+        return []
+
+
+def rank_logs(info: JobInfo) -> Iterator[tuple[int, str]]:
+    """(rank, path) of each file a one-task-per-rank step writes (``srun
+    --output=.../%x-%j-rank%t.out``, the deepspeed variant): next to StdOut, by rank."""
     if not info.stdout:
-        return None
-    return os.path.join(os.path.dirname(info.stdout), f"{info.name}-{info.job_id}-rank0.out")
+        return
+    folder = os.path.dirname(info.stdout)
+    prefix = f"{info.name}-{info.job_id}-rank"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    found = ((rank_of_file(n), n) for n in names if n.startswith(prefix))
+    yield from sorted((r, os.path.join(folder, n)) for r, n in found if r is not None)
+
+
+def _state_lines(info: JobInfo, job_id: str, last: tuple[str, int], err: TextIO) -> tuple[str, int]:
+    state, restarts = last
+    if info.state != state:
+        err.write(f"clusterkit: job {job_id} {info.state}"
+                  + (f" on {info.nodes}" if info.state == "RUNNING" else "") + "\n")
+        err.flush()
+    if info.restarts != restarts:
+        err.write(f"clusterkit: job {job_id} was requeued (restart {info.restarts})\n")
+    return info.state, info.restarts
 
 
 def watch(client: SlurmClient, job_id: str, out: TextIO, err: TextIO, *, poll_s: float = 1.0,
-          sleep: Callable[[float], None] = time.sleep) -> JobInfo:
+          ranks: frozenset[int] | None = None, sleep: Callable[[float], None] = time.sleep,
+          clock: Callable[[], float] = time.monotonic) -> JobInfo:
     """Follow ``job_id`` until it reaches a terminal state; return its final record.
 
-    Follows StdOut and StdErr, and rank 0's own log when the ranks write per-rank files."""
-    followers: dict[str, _Follower] = {}
-    last_state = ""
-    restarts = 0
+    Follows StdOut and StdErr, and every rank's own file when the ranks write per-rank
+    files. ``ranks``: whose lines are shown (None: all)."""
+    # A line reaches us up to one poll late: the window covers a poll on top of the
+    # launcher's, so the same line from another rank still joins its group.
+    console = _Console(out, err, FOLD_WINDOW_S + poll_s, ranks)
+    followers: dict[str, tuple[_Follower, _Stream, int | None]] = {}
+    last = ("", 0)
     while True:
         info = client.show(job_id)
-        if info.state != last_state:
-            err.write(f"clusterkit: job {job_id} {info.state}"
-                      + (f" on {info.nodes}" if info.state == "RUNNING" else "") + "\n")
-            err.flush()
-            last_state = info.state
-        if info.restarts != restarts:
-            err.write(f"clusterkit: job {job_id} was requeued (restart {info.restarts})\n")
-            restarts = info.restarts
-        for path, sink in ((info.stdout, out), (info.stderr, err), (rank0_log(info), out)):
+        last = _state_lines(info, job_id, last, err)
+        wanted = [(info.stdout, console.out, None), (info.stderr, console.err, None),
+                  *((path, console.out, rank) for rank, path in rank_logs(info))]
+        for path, stream, rank in wanted:
             if path and path not in followers:
-                followers[path] = _Follower(path, sink)
-        for f in followers.values():
-            f.pump(final=info.finished)
+                followers[path] = (_Follower(path), stream, rank)
+        nodes, now = _node_names(info), clock()
+        for follower, stream, rank in followers.values():
+            for raw in follower.pump(final=info.finished):
+                console.line(raw, stream, nodes, rank, now)
+        console.release(now, final=info.finished)
         if info.finished:
             return info
         sleep(poll_s)
