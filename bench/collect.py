@@ -1,22 +1,32 @@
-"""collect-ckpt throughput vs ``rsync -a`` (sequential, parallel) and a local ``cp`` (the limit).
+"""collect-ckpt throughput vs parallel ``rsync -a`` and a local ``cp -r`` of the same files.
 
-    python -m bench.collect                          # 7 nodes, 350 MB, 3 rounds, own test bed
-    python -m bench.collect --prefix ckc --total-mb 700 --rounds 5
-    python -m bench.collect --mask-bashrc            # nodes without root's ~/.bashrc
+    python -m bench.collect                              # tiny + large, 3 rounds, own test bed
+    python -m bench.collect --sizes large --repeat 5     # only the 7 x 2 x 256 MB case
+    python -m bench.collect --ciphers                    # also: ssh ciphers, paramiko SFTP
+    python -m bench.collect --prefix ckc                 # an existing test bed (kept)
 
-Writes a synthetic node-local checkpoint (random bytes, DeepSpeed's names, markers;
-2 ranks per node) on every node, then times, in interleaved rounds and into a fresh
-DEST each time:
+Two checkpoint sizes, both a synthetic node-local ZeRO-2 layout (DeepSpeed's names,
+completion markers, 2 ranks per node, incompressible bytes — no zeros, no holes):
 
-* ``cp``          local ``cp -r`` of every node's files (read from the host side of the
-                  node-private mounts): no network, no crypto, no checksums — the limit;
-* ``rsync seq``   ``rsync -a -e 'ssh -F <test bed config>'`` node by node;
-* ``rsync par``   the same, all nodes at once;
-* ``collect``     ``collect()`` end to end: listing + sha256 on the nodes + verified copy
-                  (``ssh`` data path, fsync per file), and its copy phase alone;
-* ``collect sftp`` the same over paramiko SFTP (the fallback data path).
+* ``tiny``   7 nodes x 2 shards of 300 KB (what the bundled tiny workload writes);
+* ``large``  7 nodes x 2 shards of 256 MB (+ 64 MB model states per node): 4 GB.
 
-Ratios are of median throughputs (bytes of the shards / wall seconds). Needs root.
+For each size, in interleaved rounds, each into a fresh DEST on this machine:
+
+* ``cp``           local ``cp -r`` of every node's files (from the host side of the
+                   node-private mounts): no network, no crypto, no checksum — the limit;
+* ``rsync par``    ``rsync -a -e 'ssh -F <test bed config>'``, all nodes at once;
+* ``collect``      ``collect()`` end to end, default options (listing, sha256 on both
+                   ends, fsync of every file before its rename);
+* ``collect nofsync``  the same with ``--no-fsync`` (what cp and rsync do);
+* ``collect sftp`` (tiny only) the paramiko SFTP fallback.
+
+Every run prints its seconds with the 1-minute load average at its start; the summary
+gives median MB/s and the ratios collect / rsync par and collect / cp with the median
+load of the runs. The machine is shared: read ratios together with that load (the
+test bed's nodes are namespaces of this machine, so sender and receiver share its CPUs).
+Everything written (shards on the nodes, DEST, a bed made here) is removed at the end,
+also on Ctrl-C or SIGTERM. Needs root.
 """
 
 from __future__ import annotations
@@ -25,11 +35,14 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
 
 from clusterkit.checkpoints import synthetic
 from clusterkit.checkpoints.collect import CollectNode, CollectOptions, collect
@@ -37,106 +50,213 @@ from clusterkit.remote.dispatch import DispatchTransport
 from tests.testbed import Testbed
 
 TAG = "global_step1"
+SIZES = {"tiny": (300_000, 100_000), "large": (256 << 20, 64 << 20)}  # shard, model states
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
 
 
 def _bytes_under(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def bench(tb: Testbed, n: int, total_mb: int, rounds: int, jobs: int, work: str) -> dict[str, float]:
-    nodes = tb.ensure(n)
-    inside = f"{tb.local_mountpoint}/bench-collect"
-    host_roots = [str(tb.node_local_path(node, inside)) for node in nodes]
-    for r in host_roots:
-        shutil.rmtree(r, ignore_errors=True)
-    shard = total_mb * 10**6 // (2 * n)
-    synthetic.write_node_local(host_roots, shard_bytes=shard, model_bytes=1 << 16,
-                               hosts=[node.name for node in nodes])
-    total = sum(_bytes_under(r) for r in host_roots)
-    cnodes = [CollectNode(node.name, tb.ssh_target(node), sys.executable, inside) for node in nodes]
-    dest = os.path.join(work, "dest")
-    ssh = f"ssh -F {tb.ssh_config}"
+@dataclass
+class Case:
+    name: str
+    run: Callable[[], None]
+    secs: list[float] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)
 
-    def cp() -> None:
-        for i, r in enumerate(host_roots):
-            subprocess.run(["cp", "-r", r, os.path.join(dest, f"n{i}")], check=True)
 
-    def rsync_argv(i: int) -> list[str]:
-        return ["rsync", "-a", "-e", ssh, f"{nodes[i].name}:{inside}/", os.path.join(dest, f"n{i}/")]
+@dataclass
+class SizeBench:
+    """One checkpoint size on the test bed: its files, DEST, and the cases to time."""
 
-    def rsync_seq() -> None:
-        for i in range(n):
-            subprocess.run(rsync_argv(i), check=True, timeout=600)
+    tb: Testbed
+    size: str
+    nodes: int
+    jobs: int
+    work: str
+    inside: str = ""
+    host_roots: list[str] = field(default_factory=list)
+    total: int = 0
 
-    def rsync_par() -> None:
-        procs = [subprocess.Popen(rsync_argv(i)) for i in range(n)]
-        assert [p.wait(timeout=600) for p in procs] == [0] * n
+    def setup(self) -> None:
+        nodes = self.tb.ensure(self.nodes)
+        self.inside = f"{self.tb.local_mountpoint}/bench-collect-{self.size}"
+        self.host_roots = [str(self.tb.node_local_path(n, self.inside)) for n in nodes]
+        self.cleanup()
+        shard, model = SIZES[self.size]
+        t0 = time.monotonic()
+        synthetic.write_node_local(self.host_roots, shard_bytes=shard, model_bytes=model,
+                                   hosts=[n.name for n in nodes])
+        self.total = sum(_bytes_under(r) for r in self.host_roots)
+        print(f"[{self.size}] wrote {self.total / 1e6:,.1f} MB on {self.nodes} nodes in "
+              f"{time.monotonic() - t0:.1f} s", flush=True)
 
-    copy_phase: list[float] = []
+    def cleanup(self) -> None:
+        for r in self.host_roots:
+            shutil.rmtree(r, ignore_errors=True)
+        shutil.rmtree(self.dest, ignore_errors=True)
 
-    def run_collect(method: str) -> Callable[[], None]:
+    @property
+    def dest(self) -> str:
+        return os.path.join(self.work, f"dest-{self.size}")
+
+    def cases(self) -> list[Case]:
+        out = [Case("cp", self.cp), Case("rsync par", self.rsync_par),
+               Case("collect", self.collector("ssh", fsync=True)),
+               Case("collect nofsync", self.collector("ssh", fsync=False))]
+        if self.size == "tiny":
+            out.append(Case("collect sftp", self.collector("sftp", fsync=True)))
+        return out
+
+    def cp(self) -> None:
+        for i, r in enumerate(self.host_roots):
+            subprocess.run(["cp", "-r", r, os.path.join(self.dest, f"n{i}")], check=True)
+
+    def rsync_par(self) -> None:
+        ssh = f"ssh -F {self.tb.ssh_config}"
+        procs = [subprocess.Popen(["rsync", "-a", "-e", ssh, f"{n.name}:{self.inside}/",
+                                   os.path.join(self.dest, f"n{i}/")])
+                 for i, n in enumerate(self.tb.nodes[:self.nodes])]
+        assert [p.wait(timeout=1800) for p in procs] == [0] * len(procs)
+
+    def collector(self, method: str, fsync: bool) -> Callable[[], None]:
+        cnodes = [CollectNode(n.name, self.tb.ssh_target(n), sys.executable, self.inside)
+                  for n in self.tb.nodes[:self.nodes]]
+
         def go() -> None:
             with DispatchTransport() as t:
-                rep = collect(t, cnodes, CollectOptions(dest=dest, jobs=jobs, method=method))
+                rep = collect(t, cnodes, CollectOptions(dest=self.dest, jobs=self.jobs,
+                                                        method=method, fsync=fsync))
             assert not rep.failed and rep.skipped == 0
-            if method == "ssh":
-                copy_phase.append(rep.seconds_copy)
         return go
 
-    cases: dict[str, Callable[[], None]] = {
-        "cp": cp, "rsync seq": rsync_seq, "rsync par": rsync_par,
-        "collect": run_collect("ssh"), "collect sftp": run_collect("sftp")}
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            shutil.rmtree(dest, ignore_errors=True)
-            os.makedirs(dest)
-            subprocess.run(["sync"], check=True)  # no writeback of the last case in this one
+
+def time_rounds(sb: SizeBench, rounds: int) -> list[Case]:
+    cases = sb.cases()
+    for r in range(rounds):
+        for c in cases:
+            shutil.rmtree(sb.dest, ignore_errors=True)
+            os.makedirs(sb.dest)
+            subprocess.run(["sync"], check=True)  # the last case's writeback is not this one's
+            c.loads.append(_load())
             t0 = time.monotonic()
-            fn()
-            times[name].append(time.monotonic() - t0)
-    shutil.rmtree(dest, ignore_errors=True)
-    times["collect (copy phase)"] = copy_phase
-    mbps = {k: total / statistics.median(v) / 1e6 for k, v in times.items()}
-    print(f"{n} nodes, {total / 1e6:,.0f} MB in {2 * n} shards of {shard / 1e6:,.1f} MB, "
-          f"{rounds} rounds, collect --jobs {jobs}")
-    for k, v in times.items():
-        print(f"  {k:<22} {mbps[k]:8.1f} MB/s   median {statistics.median(v):6.2f} s   runs "
-              + " ".join(f"{t:.2f}" for t in v))
-    ratios = {
-        "collect / rsync par": mbps["collect"] / mbps["rsync par"],
-        "collect / rsync seq": mbps["collect"] / mbps["rsync seq"],
-        "collect / cp": mbps["collect"] / mbps["cp"],
-        "collect copy phase / rsync par": mbps["collect (copy phase)"] / mbps["rsync par"],
-        "collect copy phase / cp": mbps["collect (copy phase)"] / mbps["cp"],
-        "collect sftp / rsync par": mbps["collect sftp"] / mbps["rsync par"],
-    }
-    for label, ratio in ratios.items():
-        print(f"  {label:<32} {ratio:6.2f}x")
-    for r in host_roots:
-        shutil.rmtree(r, ignore_errors=True)
-    return {**{f"{k} MB/s": v for k, v in mbps.items()}, **ratios}
+            c.run()
+            c.secs.append(time.monotonic() - t0)
+            print(f"[{sb.size}] round {r + 1}/{rounds} {c.name:<16} {c.secs[-1]:7.2f} s  "
+                  f"{sb.total / c.secs[-1] / 1e6:8.1f} MB/s  (load {c.loads[-1]:.1f})", flush=True)
+    shutil.rmtree(sb.dest, ignore_errors=True)
+    return cases
+
+
+def summarize(sb: SizeBench, cases: list[Case]) -> dict[str, float]:
+    mbps = {c.name: sb.total / statistics.median(c.secs) / 1e6 for c in cases}
+    load = {c.name: statistics.median(c.loads) for c in cases}
+    shard = SIZES[sb.size][0]
+    print(f"\n[{sb.size}] {sb.nodes} nodes, {sb.total / 1e6:,.1f} MB, shards of "
+          f"{shard / 1e6:,.1f} MB, {len(cases[0].secs)} rounds, collect --jobs {sb.jobs}")
+    for c in cases:
+        print(f"  {c.name:<16} {mbps[c.name]:9.1f} MB/s  median {statistics.median(c.secs):7.2f} s"
+              f"  (median load {load[c.name]:.1f}; runs "
+              + ", ".join(f"{t:.2f} s @ {ld:.1f}" for t, ld in zip(c.secs, c.loads, strict=True))
+              + ")")
+    out = {f"{k} MB/s": v for k, v in mbps.items()}
+    for name in [c.name for c in cases if c.name.startswith("collect")]:
+        for base in ("rsync par", "cp"):
+            ratio = mbps[name] / mbps[base]
+            out[f"{name} / {base}"] = ratio
+            print(f"  {name + ' / ' + base:<30} {ratio:6.2f}x  (load {load[name]:.1f} vs "
+                  f"{load[base]:.1f})")
+    return out
+
+
+# ------------------------------------------------------------------ ciphers, paramiko
+
+
+def bench_ciphers(tb: Testbed, work: str, mb: int, rounds: int) -> dict[str, float]:
+    """One node -> here, one file of ``mb`` MB to /dev/null: each OpenSSH cipher with
+    compression off (and aes128-gcm with compression on), and paramiko SFTP."""
+    node = tb.ensure(1)[0]
+    inside = f"{tb.local_mountpoint}/bench-cipher"
+    host = str(tb.node_local_path(node, inside))
+    synthetic._write_random(os.path.join(host, "f"), mb << 20)
+    variants = [(c, "no") for c in ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com",
+                                    "chacha20-poly1305@openssh.com", "aes128-ctr")]
+    variants.append(("aes128-gcm@openssh.com", "yes"))
+    times: dict[str, list[float]] = {}
+    try:
+        for _ in range(rounds):
+            for cipher, comp in variants:
+                key = f"ssh {cipher} compression={comp}"
+                argv = ["ssh", "-F", tb.ssh_config, "-o", f"Compression={comp}", "-c", cipher,
+                        node.name, "cat", f"{inside}/f"]
+                load = _load()
+                t0 = time.monotonic()
+                subprocess.run(argv, stdout=subprocess.DEVNULL, check=True, timeout=600)
+                times.setdefault(key, []).append(time.monotonic() - t0)
+                print(f"  {key:<52} {(mb << 20) / times[key][-1] / 1e6:8.1f} MB/s (load {load:.1f})",
+                      flush=True)
+            load = _load()
+            t0 = time.monotonic()
+            with DispatchTransport() as t:
+                t.get(tb.ssh_target(node), f"{inside}/f", os.path.join(work, "sftp-f"))
+            times.setdefault("paramiko sftp get", []).append(time.monotonic() - t0)
+            os.unlink(os.path.join(work, "sftp-f"))
+            print(f"  {'paramiko sftp get':<52} "
+                  f"{(mb << 20) / times['paramiko sftp get'][-1] / 1e6:8.1f} MB/s (load {load:.1f})",
+                  flush=True)
+    finally:
+        shutil.rmtree(host, ignore_errors=True)
+    out = {k: (mb << 20) / statistics.median(v) / 1e6 for k, v in times.items()}
+    print(f"\nciphers: {mb} MB, one stream, median of {rounds}")
+    for k, v in out.items():
+        print(f"  {k:<52} {v:8.1f} MB/s")
+    return out
+
+
+def _sigterm(_sig: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # run the finally blocks: nothing left on the nodes or in --work
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.collect", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=7)
-    p.add_argument("--total-mb", type=int, default=350)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sizes", default="tiny,large", help="comma list of: " + ", ".join(SIZES))
+    p.add_argument("--repeat", "--rounds", type=int, default=3, dest="repeat")
     p.add_argument("--jobs", type=int, default=8)
+    p.add_argument("--ciphers", action="store_true", help="also time ssh ciphers and SFTP")
+    p.add_argument("--cipher-mb", type=int, default=1024)
     p.add_argument("--prefix", help="use this existing test bed (else a new one, torn down)")
     p.add_argument("--mask-bashrc", action="store_true")
     p.add_argument("--work", default="/tmp/clusterkit-bench-collect", help="scratch dir for DEST")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _sigterm)
+    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
+          f"({os.cpu_count()} CPUs)", flush=True)
     tb = Testbed.load(args.prefix) if args.prefix else Testbed.create(mask_bashrc=args.mask_bashrc)
+    os.makedirs(args.work, exist_ok=True)
+    out: dict[str, dict[str, float]] = {}
+    benches: list[SizeBench] = []
     try:
-        out = bench(tb, args.nodes, args.total_mb, args.rounds, args.jobs, args.work)
+        if args.ciphers:
+            out["ciphers"] = bench_ciphers(tb, args.work, args.cipher_mb, args.repeat)
+        for size in args.sizes.split(","):
+            sb = SizeBench(tb, size, args.nodes, args.jobs, args.work)
+            benches.append(sb)
+            sb.setup()
+            out[size] = summarize(sb, time_rounds(sb, args.repeat))
+            sb.cleanup()
     finally:
+        for sb in benches:
+            sb.cleanup()
+        shutil.rmtree(args.work, ignore_errors=True)
         if not args.prefix:
             tb.down()
-        shutil.rmtree(args.work, ignore_errors=True)
     if args.json:
         print(json.dumps(out, indent=1))
     return 0

@@ -175,6 +175,22 @@ def test_collect_local_nodes_then_rerun_skips(tmp_path: Path, transport: Dispatc
     assert again.skipped == len(report.wanted) and again.bytes_copied == 0
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_first_run_manifest_has_the_node_checksums(tmp_path: Path, transport: DispatchTransport,
+                                                   stage: int) -> None:
+    """Hashed while sent: the manifest (which --scatter checks against) still holds
+    every file's sha256, equal to the file's."""
+    import hashlib
+
+    nodes = _make(tmp_path, n=2, stage=stage)
+    dest = tmp_path / "dest"
+    report = collect(transport, nodes, CollectOptions(dest=str(dest)))
+    assert report.seconds_hash == 0.0  # no separate hashing pass
+    files = read_manifest(str(dest), TAG)["files"]
+    for rel, entry in files.items():
+        assert entry["sha256"] == hashlib.sha256((dest / rel).read_bytes()).hexdigest(), rel
+
+
 def test_incomplete_copies_nothing(tmp_path: Path, transport: DispatchTransport) -> None:
     nodes = _make(tmp_path)
     os.unlink(synthetic.shard_paths(nodes[3].root)[0])

@@ -399,6 +399,7 @@ def transfer(sessions: Mapping[str, NodeSession], nodes: Sequence[CollectNode],
         raise
     finally:
         pool.shutdown(wait=True)
+        state.flush()
         sink.end()
     return results, hashes, problems
 
@@ -423,6 +424,7 @@ def transfer_sftp(transport: Transport, nodes: Sequence[CollectNode], wanted: Se
                                    thread_name_prefix="clusterkit-collect") as pool:
             list(pool.map(work, per_node))
     finally:
+        state.flush()
         sink.end()
     return results
 
@@ -505,7 +507,8 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
         if on_plan is not None:
             on_plan(plan)
         report = CollectReport(plan=plan, wanted=[], seconds_list=time.monotonic() - t0)
-        if _phased(options, plan) or after_hash is not None:
+        inline = not (_phased(options, plan) or after_hash is not None)
+        if not inline:
             # A checksum before the copy: the dry run reports it, a re-run needs it to
             # skip verified files (sources read twice only for what is then copied).
             t1 = time.monotonic()
@@ -527,7 +530,7 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
         report.results, hashes, problems = transfer(sessions, nodes, report.wanted, hash_only,
                                                     options, sink, on_start)
         report.seconds_copy = time.monotonic() - t2
-    if hash_only:
+    if inline:
         _settle_inline_hashes(report, hashes, problems, options.dest)
     _finish(transport, nodes, report, options)
     return report

@@ -26,6 +26,7 @@ import os
 import posixpath
 import shutil
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
@@ -43,6 +44,7 @@ STATE_FILE = ".clusterkit-collect-state.json"
 # a dead peer is already caught by ServerAlive* within ~20 s).
 STALL_TIMEOUT_S = 300.0
 HASH_TIMEOUT_S = 3600.0  # sha256 of one node's files, done on the node
+STATE_EVERY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class DestState:
         self.dest = dest
         self.path = os.path.join(dest, STATE_FILE)
         self._lock = threading.Lock()
+        self._dirty, self._written = False, 0.0
         self.files: dict[str, dict[str, Any]] = {}
         with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
             with open(self.path, encoding="utf-8") as fh:
@@ -147,12 +150,27 @@ class DestState:
         return True
 
     def record(self, relpath: str, sha256: str) -> None:
+        """Remember a verified file; written out at most every ``STATE_EVERY_S`` (each
+        write is an fsync'd file). A file renamed but not yet written here is re-hashed
+        by the next run, never trusted blindly."""
         st = os.stat(os.path.join(self.dest, relpath))
         with self._lock:
             self.files[relpath] = {"sha256": sha256, "size": st.st_size,
                                    "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
-            text = json.dumps({"v": 1, "files": self.files}, indent=0, sort_keys=True)
-            atomic_write_text(self.path, text + "\n")
+            self._dirty = True
+            if time.monotonic() - self._written >= STATE_EVERY_S:
+                self._write()
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._dirty:
+                self._write()
+
+    def _write(self) -> None:
+        """Caller holds the lock."""
+        text = json.dumps({"v": 1, "files": self.files}, indent=0, sort_keys=True)
+        atomic_write_text(self.path, text + "\n")
+        self._dirty, self._written = False, time.monotonic()
 
 
 def sha256_file(path: str) -> str:
