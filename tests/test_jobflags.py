@@ -110,3 +110,50 @@ def test_the_same_flags_make_the_same_job_in_every_verb() -> None:
     assert launch == render == sbatch
     assert (launch.backend, launch.set_env, launch.env_allowlist) == ("deepspeed", (("A", "1"),),
                                                                       ("HF_*",))
+
+
+def _by_dest(parser: argparse.ArgumentParser, dest: str) -> tuple[Any, ...]:
+    (action,) = [a for a in parser._actions if a.dest == dest]
+    return (tuple(action.option_strings), action.default, action.type, action.nargs,
+            action.help, action.metavar, type(action).__name__)
+
+
+def _program_options(verb: str, argv: list[str]) -> JobOptions:
+    from clusterkit.cli.safety import check_args
+
+    ns = _verb(verb).parse_args(argv)
+    check_args(ns)  # as main does: clusterkit flags after the script refused, `--` dropped
+    return job_options(ns, job_id="j")
+
+
+@pytest.mark.parametrize("dest", ("module", "script_option", "program"))
+def test_every_verb_has_the_same_program_syntax(dest: str) -> None:
+    sigs = {verb: _by_dest(_verb(verb), dest) for verb in VERBS}
+    assert len({repr(s) for s in sigs.values()}) == 1, sigs
+
+
+@pytest.mark.parametrize(("argv", "program"), [
+    (["--zero-stage", "3", "train.py", "-x", "1"], ("train.py", None, ("-x", "1"))),
+    (["train.py", "--", "--lr", "3e-4", "--nodes", "2"],
+     ("train.py", None, ("--lr", "3e-4", "--nodes", "2"))),
+    (["--", "train.py", "--steps", "3"], ("train.py", None, ("--steps", "3"))),
+    (["-m", "pkg.train", "--", "--steps", "3"], (None, "pkg.train", ("--steps", "3"))),
+    (["--", "--log-every", "5"], (None, None, ("--log-every", "5"))),  # the bundled workload
+    (["--script", "train.py", "--", "--lr", "3"], ("train.py", None, ("--lr", "3"))),  # deprecated
+    ([], (None, None, ())),
+])
+def test_the_same_program_words_make_the_same_program(argv: list[str],
+                                                      program: tuple[Any, ...]) -> None:
+    got = {verb: _program_options(verb, argv) for verb in VERBS}
+    for verb, o in got.items():
+        assert (o.script, o.module, o.script_args) == program, verb
+
+
+def test_every_verb_refuses_its_flags_after_the_script() -> None:
+    from clusterkit.errors import ClusterkitError
+
+    for verb in VERBS:
+        with pytest.raises(ClusterkitError) as info:
+            _program_options(verb, ["train.py", "--nodes", "2"])
+        assert info.value.key == "--nodes", verb
+        assert "put clusterkit's flags before train.py" in info.value.one_line(), verb

@@ -19,7 +19,7 @@ from clusterkit.cli.common import (
     clusterkit_home,
     resolve_job_inventory,
 )
-from clusterkit.cli.jobflags import add_job_flags, job_options
+from clusterkit.cli.jobflags import add_job_flags, add_program, job_options
 from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import folded_lines
@@ -49,9 +49,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "(network partition) stops its ranks by itself (default 60; 0: off)")
     r.add_argument("--quiet", action="store_true", help="no rank lines, only the summary")
     add_ranks_option(r)
-    p.add_argument("--module", "-m", dest="module", metavar="MODULE", help="run python -m MODULE")
-    p.add_argument("program", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
-                   help="your training script and its arguments (default: the bundled workload)")
+    add_program(p)  # [-m MODULE] [SCRIPT] [ARGS...], as render and sbatch
     p.set_defaults(func=cmd_launch)
 
     s = sub.add_parser("status", help="jobs launched from here and whether their ranks still run")
@@ -83,15 +81,9 @@ def _fresh_job_id(cluster: str) -> str:
 
 
 def _options(args: argparse.Namespace, cluster: str) -> Any:
-    program = list(args.program)
-    if program and program[0] == "--":
-        program = program[1:]
-    script = None if args.module or not program else program[0]
-    script_args = tuple(program if args.module else program[1:])
     # --max-restarts is clusterkit's own relaunch here (LaunchSettings): the ranks'
     # launcher itself must not restart them too.
-    options = job_options(args, job_id=args.job_id or _fresh_job_id(cluster), script=script,
-                          module=args.module, script_args=script_args)
+    options = job_options(args, job_id=args.job_id or _fresh_job_id(cluster))
     return dataclasses.replace(options, max_restarts=0)
 
 

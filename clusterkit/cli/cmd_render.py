@@ -9,7 +9,7 @@ from pathlib import Path
 
 from clusterkit.cli import jobflags
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_job_inventory
-from clusterkit.cli.jobflags import add_job_flags, default_job_id_now
+from clusterkit.cli.jobflags import add_job_flags, add_program, default_job_id_now
 from clusterkit.cli.safety import check_out_dir
 from clusterkit.errors import RenderError
 from clusterkit.fsutil import atomic_write_text
@@ -22,8 +22,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "render", help="write every launch artifact for a job",
         description="Render the hostfile, .deepspeed_env, ds_config.json, accelerate configs, "
-                    "sbatch script and every command line for one job. Arguments after '--' "
-                    "go to the script.")
+                    "sbatch script and every command line for one job. The program comes "
+                    "last, as in `clusterkit launch`: [-m MODULE] [SCRIPT] [ARGS...].")
     add_inventory_option(p)
     add_selection_options(p)
     p.add_argument("-o", "--out", metavar="DIR", help="write the files here (required unless --dry-run)")
@@ -35,19 +35,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def add_job_options(p: argparse.ArgumentParser) -> None:
-    """The job flags shared by render, launch and sbatch (cli/jobflags.py), and the program."""
+    """The job flags and the program, as launch has them (cli/jobflags.py); last."""
     add_job_flags(p)
-    prog = p.add_argument_group("the program (default: the bundled workload)")
-    which = prog.add_mutually_exclusive_group()
-    which.add_argument("--script", metavar="PATH", help="a training script")
-    which.add_argument("--module", metavar="MOD", help="a training module, run as python -m MOD")
-    prog.add_argument("script_args", nargs="*", metavar="-- ARGS", help="arguments for the script")
+    add_program(p)
 
 
 def job_options(args: argparse.Namespace, cluster: str) -> JobOptions:
-    return jobflags.job_options(args, job_id=args.job_id or default_job_id_now(cluster),
-                                script=args.script, module=args.module,
-                                script_args=tuple(args.script_args))
+    return jobflags.job_options(args, job_id=args.job_id or default_job_id_now(cluster))
 
 
 def launch_facts(args: argparse.Namespace) -> LaunchFacts:

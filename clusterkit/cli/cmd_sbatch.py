@@ -16,10 +16,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import TextIO
 
+from clusterkit.cli import safety
 from clusterkit.cli.cmd_render import add_job_options, job_options, launch_facts, write_artifacts
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_job_inventory
+from clusterkit.cli.jobflags import SCRIPT_OPTION
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.launchers import BACKENDS
@@ -52,15 +54,16 @@ class SlurmJobFailed(LaunchError):
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
-        "sbatch", help="the same job as a Slurm batch script: write, submit, follow", add_help=False,
+        "sbatch", help="the same job as a Slurm batch script: write, submit, follow",
         description="Render the job's Slurm batch script from the inventory (the same plan as "
                     "`clusterkit launch`), write it with the job's files to the job directory, "
                     "and optionally submit and follow it. Also: `clusterkit sbatch status JOBID "
                     "[--watch]` and `clusterkit sbatch cancel JOBID [--signal SIG]`.",
-        epilog="Arguments after '--' go to the training script. "
-               "`clusterkit sbatch status --help` and `clusterkit sbatch cancel --help` "
-               "describe the two actions.")
-    p.add_argument("-h", "--help", action=_HelpAction, nargs=0, help="show this help and exit")
+        epilog="The program comes last, as in `clusterkit launch`: [-m MODULE] [SCRIPT] "
+               "[ARGS...]. `clusterkit sbatch status --help` and `clusterkit sbatch cancel "
+               "--help` describe the two actions.")
+    # The action form's flags are read before the program words too (sbatch --watch status 1).
+    p.set_defaults(**{safety.PROGRAM_ACTIONS: ACTIONS})
     add_inventory_option(p)
     add_selection_options(p)
     mode = p.add_mutually_exclusive_group()
@@ -71,17 +74,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout (slurm_job_id, job_id, job_dir, script) "
                         "instead of text; other messages go to stderr")
-    p.add_argument("--watch", action="store_true",
-                   help="with --submit (or status): follow the output until the job ends; "
-                        "exit 0 only if it COMPLETED")
-    p.add_argument("--poll", type=float, default=1.0, metavar="S",
-                   help="seconds between job state polls while watching (default 1)")
-    p.add_argument("--slurm-timeout", type=float, default=30.0, metavar="S",
-                   help="timeout for each sbatch/scontrol/scancel call (default 30)")
-    c = p.add_argument_group("cancel JOBID")
-    c.add_argument("--signal", metavar="SIG", help="only send SIG (e.g. USR1) instead of cancelling")
-    c.add_argument("--batch", action="store_true", help="with --signal: the batch shell only")
-    c.add_argument("--full", action="store_true", help="with --signal: batch shell and all steps")
+    _add_action_flags(p)
     _add_site_options(p)
     add_job_options(p)
     p.set_defaults(func=cmd_sbatch)
@@ -105,29 +98,44 @@ def _add_site_options(p: argparse.ArgumentParser) -> None:
                         "bash -n; with --submit also sbatch --test-only)")
 
 
-class _HelpAction(argparse.Action):
-    """`sbatch status --help` / `sbatch cancel --help` describe the action, else the verb."""
+def _add_action_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of `--submit --watch` and of the two actions (status, cancel)."""
+    p.add_argument("--watch", action="store_true",
+                   help="with --submit (or status): follow the output until the job ends; "
+                        "exit 0 only if it COMPLETED")
+    p.add_argument("--poll", type=float, default=1.0, metavar="S",
+                   help="seconds between job state polls while watching (default 1)")
+    p.add_argument("--slurm-timeout", type=float, default=30.0, metavar="S",
+                   help="timeout for each sbatch/scontrol/scancel call (default 30)")
+    c = p.add_argument_group("cancel JOBID")
+    c.add_argument("--signal", metavar="SIG", help="only send SIG (e.g. USR1) instead of cancelling")
+    c.add_argument("--batch", action="store_true", help="with --signal: the batch shell only")
+    c.add_argument("--full", action="store_true", help="with --signal: batch shell and all steps")
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> NoReturn:
-        words = getattr(namespace, "script_args", None) or []
-        if words and words[0] in ACTION_USAGE:
-            usage, text = ACTION_USAGE[words[0]]
-            sys.stdout.write(f"usage: {usage}\n\n{text}\n")
-            parser.exit()
-        parser.print_help()
-        parser.exit()
+
+def _action_words(args: argparse.Namespace) -> tuple[str, str]:
+    """`status JOBID [FLAGS]` / `cancel JOBID [FLAGS]`: the words after the action are
+    parsed here (they are not a program), into the same namespace."""
+    action, *words = args.program
+    usage, text = ACTION_USAGE[action]
+    p = argparse.ArgumentParser(prog=f"clusterkit sbatch {action}", usage=usage,
+                                description=text)
+    p.add_argument("slurm_job", nargs="?", metavar="JOBID")
+    _add_action_flags(p)
+    parsed = p.parse_args(words, namespace=args)  # --help: the action's own help
+    if parsed.slurm_job is None:
+        raise LaunchError(f"usage: clusterkit sbatch {action} JOBID", key=action)
+    return action, str(parsed.slurm_job)
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
+    # `status`/`cancel` as the first program word: the action form (a script by either
+    # name needs a path: ./status).
+    if args.program[:1] and args.program[0] in ACTIONS and args.module is None \
+            and getattr(args, SCRIPT_OPTION) is None:
+        action, slurm_job = _action_words(args)
+        return _action(SlurmClient(timeout_s=args.slurm_timeout), action, slurm_job, args)
     client = SlurmClient(timeout_s=args.slurm_timeout)
-    words = list(args.script_args)
-    # `status`/`cancel` as the first free word: the action form. A training script's own
-    # arguments always follow a script (--script/--module) or the bundled workload's flags.
-    if words and words[0] in ACTIONS and args.script is None and args.module is None:
-        if len(words) != 2:
-            raise LaunchError(f"usage: clusterkit sbatch {words[0]} JOBID", key=words[0])
-        return _action(client, words[0], words[1], args)
     if args.watch and not args.submit:
         raise LaunchError("--watch needs --submit (or: clusterkit sbatch status JOBID --watch)",
                           key="--watch")

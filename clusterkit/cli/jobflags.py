@@ -1,9 +1,11 @@
-"""The job flags of ``launch``, ``render`` and ``sbatch``, generated from the job spec.
+"""The job flags and the program of ``launch``, ``render`` and ``sbatch``, from the job spec.
 
 Every :class:`~clusterkit.spec.job.JobOptions` field declared with ``flag(...)`` becomes
 one ``--flag`` here, with the field's type, default, choices and help; ``--launcher``
-comes from the backend registry. The three verbs call :func:`add_job_flags` and
-:func:`job_options`, so their job flags cannot drift apart (tests/test_jobflags.py).
+comes from the backend registry. The program is the same words in every verb
+(:func:`add_program`): ``[-m MODULE] [SCRIPT] [ARGS...]``. The three verbs call
+:func:`add_job_flags`, :func:`add_program` and :func:`job_options`, so their job flags
+and program syntax cannot drift apart (tests/test_jobflags.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from clusterkit.spec.job import JobOptions, default_job_id
 
 # Flags that are not JobOptions fields one to one (the verb maps them).
 LAUNCHER_DEST = "launcher"
+SCRIPT_OPTION = "script_option"  # --script PATH, the deprecated spelling of SCRIPT
 _TYPES: dict[str, Callable[[str], Any]] = {"int": int, "float": float}
 
 
@@ -87,8 +90,39 @@ def _set_env(items: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def job_options(args: argparse.Namespace, *, job_id: str, **program: Any) -> JobOptions:
-    """JobOptions from the parsed job flags; ``program``: script/module/script_args.
+def add_program(p: argparse.ArgumentParser) -> None:
+    """``[-m MODULE] [SCRIPT] [ARGS...]``, last on the command line. clusterkit's flags go
+    before SCRIPT; after it they are refused (cli/safety.py) unless they follow ``--``,
+    which passes the rest to the program verbatim."""
+    g = p.add_argument_group("the program (default: the bundled workload)")
+    g.add_argument("--module", "-m", dest="module", metavar="MODULE",
+                   help="run python -m MODULE; the words after it are its arguments")
+    # Deprecated spelling of SCRIPT (render and sbatch took it): same meaning, no warning.
+    g.add_argument("--script", dest=SCRIPT_OPTION, metavar="PATH", help=argparse.SUPPRESS)
+    g.add_argument("program", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]",
+                   help="your training script and its arguments (to pass one of clusterkit's "
+                        "flags to it: SCRIPT -- ARGS); `-- ARGS` with no script: arguments "
+                        "for the bundled workload")
+
+
+def program(args: argparse.Namespace) -> dict[str, Any]:
+    """JobOptions' script/module/script_args from the program words.
+
+    A leading ``--`` means "the rest is the program"; followed by a flag (``-- --steps
+    5``) there is no script and the words go to the bundled workload (a script never
+    starts with ``-``). With ``-m``/``--script`` every word is an argument.
+    """
+    words = list(args.program)
+    lead = words[:1] == ["--"]
+    words = words[1:] if lead else words
+    script = getattr(args, SCRIPT_OPTION)
+    if args.module or script or not words or (lead and words[0].startswith("-")):
+        return {"script": script, "module": args.module, "script_args": tuple(words)}
+    return {"script": words[0], "module": None, "script_args": tuple(words[1:])}
+
+
+def job_options(args: argparse.Namespace, *, job_id: str) -> JobOptions:
+    """JobOptions from the parsed job flags and program.
 
     The plan backend is the registry's ``plan_backend`` of ``--launcher`` (native runs
     the torchrun plan)."""
@@ -102,7 +136,7 @@ def job_options(args: argparse.Namespace, *, job_id: str, **program: Any) -> Job
         values[f.name] = value
     return JobOptions(job_id=job_id, backend=BACKENDS[getattr(args, LAUNCHER_DEST)].plan_backend,
                       nodes=args.nodes, gpus_per_node=args.gpus_per_node, include=args.include,
-                      exclude=args.exclude, **program, **values)
+                      exclude=args.exclude, **program(args), **values)
 
 
 def default_job_id_now(cluster: str) -> str:

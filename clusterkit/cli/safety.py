@@ -5,8 +5,9 @@ checked before anything starts, and clusterkit flags typed after the script.
   aliases of the flag with the same meaning (``--num_nodes`` -> ``--nodes``, ...),
   and the list of each verb's own long flags for :func:`split_program`.
 * :func:`check_args` (from ``main``, before the verb runs): numeric and enumerated
-  values, one line naming the flag the user typed (exit 2), and the program words
-  of ``launch`` checked for clusterkit flags that would silently go to the script.
+  values, one line naming the flag the user typed (exit 2), and the program words of
+  ``launch``, ``render`` and ``sbatch`` checked for clusterkit flags that would silently
+  go to the script.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 from clusterkit.errors import ClusterkitError
 
 OWN_FLAGS = "_own_long_flags"  # namespace attribute set by install()
+# Namespace attribute a verb sets: first program words that are its own actions, whose
+# words it parses itself (`clusterkit sbatch status JOBID --watch`).
+PROGRAM_ACTIONS = "_program_actions"
 # DeepSpeed / torchrun spelling -> clusterkit flag with the same meaning.
 ALIASES: dict[str, str] = {
     "--num_nodes": "--nodes", "--num-nodes": "--nodes",
@@ -104,9 +108,14 @@ def check_args(args: argparse.Namespace) -> None:
         if model not in PRESETS:
             raise ClusterkitError(f"unknown model {model!r}", key="--model",
                                   hint=f"choose one of {', '.join(PRESETS)}")
-    if isinstance(getattr(args, "program", None), list):
-        args.program = split_program(args.program, getattr(args, OWN_FLAGS, ()),
-                                     module=getattr(args, "module", None))
+    words = getattr(args, "program", None)
+    if isinstance(words, list) and words[:1] and words[0] in getattr(args, PROGRAM_ACTIONS, ()):
+        return  # the verb's own action form, not a program
+    if isinstance(words, list):
+        # with -m MODULE or --script PATH every word is an argument of the program
+        args.program = split_program(words, getattr(args, OWN_FLAGS, ()),
+                                     module=getattr(args, "module", None)
+                                     or getattr(args, "script_option", None))
 
 
 def split_program(words: Sequence[str], own_flags: Sequence[str],
