@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from clusterkit.errors import ClusterkitError, LaunchError
@@ -142,3 +144,19 @@ def test_resume_skips_a_checkpoint_missing_a_nodes_marker() -> None:
     shared = ([("global_step40", 40, [0, 1], 2)], [])
     assert _decide("auto", [shared, shared])[0] == "global_step40"
     assert _decide("auto", [([], []), ([], [])]) == (None, None)
+
+
+def test_heartbeat_writes_first_beat_at_once_then_at_most_once_per_interval(
+        tmp_path: Path) -> None:
+    from clusterkit.workload.hangs import Heartbeat
+
+    path = tmp_path / "rank0.heartbeat"
+    hb = Heartbeat(0, {"CLUSTERKIT_HEARTBEAT": str(path)}, min_interval_s=3600)
+    hb.beat(1)
+    assert path.read_text() == "1\n"  # the first step ends the watchdog's start-up allowance
+    hb.beat(2)
+    assert path.read_text() == "1\n"  # throttled: no file write per step
+    hb.min_interval_s = 0.0
+    hb.beat(3)
+    assert path.read_text() == "3\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["rank0.heartbeat"]  # no temp file left

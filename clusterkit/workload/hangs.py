@@ -18,6 +18,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import time
 from collections.abc import Mapping
 from typing import IO
 
@@ -50,15 +51,27 @@ def install_stack_dump(rank: int, env: Mapping[str, str] | None = None) -> str |
 
 
 class Heartbeat:
-    """Writes the step to the rank's heartbeat file (atomically: the agent may read it)."""
+    """Writes the step to the rank's heartbeat file (atomically: the agent may read it).
 
-    def __init__(self, rank: int, env: Mapping[str, str] | None = None) -> None:
+    At most one write per ``min_interval_s``: the watchdog's timeouts are tens of
+    seconds, while a write per step costs a create + rename on the job dir, which may
+    be a network file system (milliseconds per step there). The first beat is written
+    at once: it ends the watchdog's doubled start-up allowance."""
+
+    def __init__(self, rank: int, env: Mapping[str, str] | None = None,
+                 min_interval_s: float = 1.0) -> None:
         self.path = contract_path(os.environ if env is None else env, "CLUSTERKIT_HEARTBEAT",
                                   rank, ".heartbeat")
+        self.min_interval_s = min_interval_s
+        self._last: float | None = None
 
     def beat(self, step: int) -> None:
         if self.path is None:
             return
+        now = time.monotonic()
+        if self._last is not None and now - self._last < self.min_interval_s:
+            return
+        self._last = now
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
             with open(tmp, "w", encoding="utf-8") as fh:

@@ -261,12 +261,22 @@ class _Loop:
         self.stats = RunStats()
         self.heartbeat = hangs.Heartbeat(self.rank)
 
-    def _agree_signal(self) -> int:
+    def _start_agree(self) -> tuple[Any, Any]:
+        """Start the stop-signal all-reduce for this step without waiting for it.
+
+        Issued before the step's own collectives (same order on every rank), it runs
+        beside the forward/backward pass; the step's end only collects the result, so
+        agreeing on a signal costs no extra round trip on the critical path."""
         import torch
         import torch.distributed as dist
 
         t = torch.tensor([self.flag.code], dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t, dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+
+    @staticmethod
+    def _agree_signal(pending: tuple[Any, Any]) -> int:
+        t, work = pending
+        work.wait()
         return int(t.item())
 
     def _mean(self, value: Any) -> float:
@@ -282,11 +292,13 @@ class _Loop:
         window_s, window_steps = 0.0, 0
         for step in range(start, self.args.steps):
             t0, c0 = time.perf_counter(), time.process_time()
+            # One tiny all-reduce per step: all ranks stop on the same step even if only
+            # one got the signal (a signal that arrives during the step is acted on at the
+            # next step's end). Its .item() also syncs the GPU, so step times are real.
+            pending = self._start_agree()
             batches = [self.stream.train_batch(step, m, self.micro) for m in range(self.accum)]
             loss = self.engine.train_step(batches)
-            # One tiny all-reduce per step: all ranks stop on the same step even if only
-            # one got the signal. Its .item() also syncs the GPU, so step times are real.
-            stop_code = self._agree_signal()
+            stop_code = self._agree_signal(pending)
             step_s = time.perf_counter() - t0
             done = step + 1
             self.heartbeat.beat(done)  # progress for the launcher's watchdog
