@@ -195,7 +195,7 @@ def test_cancel_leaves_no_process(slurm: SlurmBed) -> None:
 
 # accelerate and deepspeed add ~2 minutes on 2 cores: run them with CLUSTERKIT_SLURM_ALL=1.
 # torchrun (the default launcher) always runs: USR1 reaches torchrun too, which must
-# ignore it (render.commands.IGNORE_USR1) so the ranks can save.
+# ignore it (clusterkit.launchers.argv.IGNORE_USR1) so the ranks can save.
 ALL_VARIANTS = pytest.mark.skipif(os.environ.get("CLUSTERKIT_SLURM_ALL") != "1",
                                   reason="set CLUSTERKIT_SLURM_ALL=1 for every launcher variant")
 
