@@ -160,7 +160,7 @@ def run_program(kind: str, target: str, args: list[str]) -> None:
     except SystemExit:
         raise
     except KeyboardInterrupt as exc:
-        sys.excepthook(type(exc), exc, _trim(exc.__traceback__))
+        _report(exc)
         # As the interpreter does: finalise, then die of SIGINT (exit status -2).
         import atexit
 
@@ -170,9 +170,16 @@ def run_program(kind: str, target: str, args: list[str]) -> None:
         os.kill(os.getpid(), signal.SIGINT)
         raise SystemExit(130) from None
     except BaseException as exc:  # the uncaught error of the program
-        sys.excepthook(type(exc), exc, _trim(exc.__traceback__))
+        _report(exc)
         raise SystemExit(1) from None
     raise SystemExit(0)
+
+
+def _report(exc: BaseException) -> None:
+    """Print an uncaught error as the interpreter would (through sys.excepthook)."""
+    tb = _trim(exc.__traceback__)
+    # The hook prints the exception's own __traceback__ when it has one: trim that.
+    sys.excepthook(type(exc), exc.with_traceback(tb), tb)
 
 
 def _flush() -> None:

@@ -1,0 +1,145 @@
+"""The native launch's fork server with local virtual nodes (no test bed, no torch).
+
+The zygote preloads ``json`` here (``CLUSTERKIT_ZYGOTE_IMPORTS``) so the tests run
+in seconds; the scripts name torch in a comment, which is what makes the agent use
+the fork server. tests/test_zygote_testbed.py does the same with torch on real nodes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clusterkit.launch.console import PlainSink
+from clusterkit.launch.orchestrator import JobSpec, NodeTask, Orchestrator, zygote_imports
+from clusterkit.node import agent as agent_mod
+from clusterkit.node import zygote
+from clusterkit.remote.base import SSHTarget
+from clusterkit.remote.local import LocalTransport
+
+PROBE = textwrap.dedent("""
+    # (uses torch: the agent's fork server applies)
+    import json, os, sys
+    out = os.path.join(os.path.dirname(__file__), "out", os.environ["TAG"], os.environ["RANK"])
+    with open(out, "w") as fh:
+        json.dump({"argv": sys.argv, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
+                   "env": dict(os.environ), "spec": repr(__spec__),
+                   "globals": sorted(k for k in globals() if not k.startswith("__")),
+                   "forked": "clusterkit_zygote" in open(f"/proc/{os.getppid()}/cmdline").read()},
+                  fh)
+    if os.environ.get("FAIL_RANK") == os.environ["RANK"]:
+        def deep():
+            raise ValueError("boom")
+        deep()
+    sys.exit(int(os.environ.get("EXIT", "0")))
+""")
+
+
+def _job(tmp_path: Path, job_id: str, env: dict[str, str], nproc: int = 2) -> JobSpec:
+    tasks = tuple(
+        NodeTask(node=f"v{i}", target=SSHTarget(name=f"v{i}", address="127.0.0.1", local=True),
+                 python=sys.executable, argv=(sys.executable, "-u", "probe.py", "x"),
+                 rank_offset=i * nproc, nprocs=nproc, env=env, prefix="native",
+                 job_dir=str(tmp_path / "jobs" / "@JOB@"), cwd=str(tmp_path),
+                 native={"nproc": nproc, "first_rank": i * nproc, "world_size": 2 * nproc,
+                         "node_rank": i, "nnodes": 2, "master_addr": "127.0.0.1",
+                         "master_port": 29999})
+        for i in range(2))
+    return JobSpec(job_id=job_id, tasks=tasks, grace_s=1.0)
+
+
+def _run(tmp_path: Path, job_id: str, **env: str) -> tuple[Any, str, dict[int, dict[str, Any]]]:
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "out" / job_id).mkdir(parents=True)
+    out = io.StringIO()
+    outcome = Orchestrator(_job(tmp_path, job_id, {"TAG": job_id, **env}), LocalTransport(),
+                           PlainSink(out)).run(install_signals=False)
+    found = {}
+    for f in (tmp_path / "out" / job_id).iterdir():
+        data = json.loads(f.read_text())
+        data["env"] = {k: v.replace(job_id, "JOB") for k, v in data["env"].items()
+                       if k != "CLUSTERKIT_ZYGOTE"}
+        found[int(f.name)] = data
+    return outcome, out.getvalue(), found
+
+
+@pytest.fixture()
+def preload_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLUSTERKIT_ZYGOTE_IMPORTS", "json")
+    monkeypatch.delenv("CLUSTERKIT_ZYGOTE", raising=False)
+
+
+def test_forked_ranks_see_what_exec_ranks_see(tmp_path: Path, preload_json: None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    oc_f, text_f, forked = _run(tmp_path, "zf")
+    monkeypatch.setenv("CLUSTERKIT_ZYGOTE", "0")
+    oc_e, text_e, execd = _run(tmp_path, "ze")
+    assert oc_f.exit_code == 0 and oc_e.exit_code == 0, text_f + text_e
+    assert sorted(forked) == sorted(execd) == [0, 1, 2, 3]
+    for rank in range(4):
+        f, e = forked[rank], execd[rank]
+        assert f.pop("forked") and not e.pop("forked")
+        assert f == e, {k: (f[k], e[k]) for k in f if f[k] != e[k]}
+        assert f["argv"] == ["probe.py", "x"] and f["path0"] == str(tmp_path)
+        assert f["file"] == str(tmp_path / "probe.py") and f["env"]["RANK"] == str(rank)
+    assert agent_mod.job_processes("zf") == {}
+
+
+def test_a_failing_forked_rank_is_named_with_its_code_and_its_traceback(
+        tmp_path: Path, preload_json: None) -> None:
+    outcome, text, _ = _run(tmp_path, "zfail", FAIL_RANK="3")
+    assert outcome.exit_code == 1, text
+    assert (outcome.failure.node, outcome.failure.rank) == ("v1", 3), text
+    assert 'probe.py", line' in text and "ValueError: boom" in text, text
+    assert "<clusterkit.node.zygote>" not in text, text  # the program's frames only
+    assert agent_mod.job_processes("zfail") == {}
+
+
+def test_exit_codes_per_rank(tmp_path: Path, preload_json: None) -> None:
+    outcome, text, found = _run(tmp_path, "zexit", EXIT="3")
+    assert outcome.exit_code == 3 and len(found) >= 1, text
+
+
+def test_unimportable_preload_falls_back_to_exec_with_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLUSTERKIT_ZYGOTE_IMPORTS", "json,no_such_module_here")
+    outcome, text, found = _run(tmp_path, "zfb")
+    assert outcome.exit_code == 0, text
+    assert text.count("no fork server (import failed: ModuleNotFoundError") == 2, text  # per node
+    assert not any(d["forked"] for d in found.values())
+
+
+def test_what_the_zygote_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CLUSTERKIT_ZYGOTE", raising=False)
+    monkeypatch.delenv("CLUSTERKIT_ZYGOTE_IMPORTS", raising=False)
+    target = SSHTarget(name="n", address="127.0.0.1", local=True)
+    task = NodeTask(node="n", target=target, python="python", rank_offset=0, nprocs=1,
+                    argv=("python", "-u", "-m", "clusterkit.workload"), native={"nproc": 1})
+    assert zygote_imports(task) == ["torch", "torch.distributed", "clusterkit.workload.main"]
+    assert zygote_imports(task, {"CLUSTERKIT_ZYGOTE": "0"}) == []
+    assert zygote_imports(task, {"CLUSTERKIT_ZYGOTE_IMPORTS": "torch, deepspeed"}) == \
+        ["torch", "deepspeed"]
+    torchrun = NodeTask(node="n", target=target, python="python", argv=("x",), rank_offset=0,
+                        nprocs=1)
+    assert zygote_imports(torchrun) == []
+
+
+def test_argv_forms_and_the_script_scan(tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("import os\n")
+    assert zygote.parse_argv(["py", "-u", str(script), "a"]) == ("script", str(script), ["a"])
+    assert zygote.parse_argv(["py", "-u", "-m", "pkg.mod", "a"]) == ("module", "pkg.mod", ["a"])
+    assert zygote.parse_argv(["py", str(script)]) is None  # not the native plan's form
+    assert zygote.parse_argv(["py", "-u", "-c", "pass"]) is None
+    assert zygote.parse_argv(["py", "-u", "s.py"], str(tmp_path)) is not None
+    assert not zygote.worth_it("script", str(script))
+    script.write_text("import torch.distributed as dist\n")
+    assert zygote.worth_it("script", str(script)) and zygote.worth_it("module", "x")
+    assert os.path.isabs(zygote.path0("module", "x"))
