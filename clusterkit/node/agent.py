@@ -600,8 +600,10 @@ class Agent:
                   "status_fd": status_w, "grace_s": self.spec.grace_s}
         body = source.encode()
         assert self.zygote.stdin is not None
-        self.zygote.stdin.write(b"%d\n" % len(body) + body + json.dumps(config).encode() + b"\n")
-        self.zygote.stdin.flush()
+        with contextlib.suppress(OSError):  # it died at once: its status thread says "gone"
+            self.zygote.stdin.write(b"%d\n" % len(body) + body + json.dumps(config).encode()
+                                    + b"\n")
+            self.zygote.stdin.flush()
         threading.Thread(target=self._zygote_status, args=(status_r,), daemon=True).start()
         threading.Thread(target=self._zygote_output, daemon=True).start()
 
@@ -896,6 +898,7 @@ class Agent:
         if self.zygote_wanted():
             self.start_zygote()  # its imports overlap the gate and the GO
         if self.spec.hold and not self.hold_for_go():
+            self._zygote_drop()
             self.event("exit", code=0, reason=self.stop_reason, held=True)
             return 0
         pumps: list[threading.Thread] = []
