@@ -73,3 +73,15 @@ def test_render_verb_takes_it(echo: Backend, capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert rc == 0
     assert "backend echo" in out and "# == echo (chosen)" in out and "===== echo.txt" in out
+
+
+def test_the_registry_is_consistent() -> None:
+    """Each command set is built by one entry; every needed set and plan has a builder."""
+    built = [name for b in launchers.BACKENDS.values() for name, _ in b.builders]
+    assert len(built) == len(set(built))
+    plans = set(launchers.plan_backends())
+    for b in launchers.BACKENDS.values():
+        assert set(b.command_sets) <= set(built), b.name
+        assert b.plan_backend in launchers.BACKENDS and b.sbatch_plan in plans, b.name
+        if b.name in plans:
+            assert b.sbatch_line is not None, b.name  # sbatch.sh renders for every plan
