@@ -507,31 +507,30 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
         if on_plan is not None:
             on_plan(plan)
         report = CollectReport(plan=plan, wanted=[], seconds_list=time.monotonic() - t0)
-        inline = not (_phased(options, plan) or after_hash is not None)
-        if not inline:
-            # A checksum before the copy: the dry run reports it, a re-run needs it to
-            # skip verified files (sources read twice only for what is then copied).
+        # Hashed before the copy: everything for a dry run (it reports the checksums)
+        # and the test hook; on a re-run only what DEST has a record of (to skip it if
+        # verified). The rest is read once, hashed on its node as it is sent.
+        first = plan if options.dry_run or after_hash else _subplan(plan, _recorded(options, plan))
+        if first.files:
             t1 = time.monotonic()
             report.wanted, report.notes = _checked_choice(
-                plan, *hash_over_sessions(sessions, nodes, plan))
+                first, *hash_over_sessions(sessions, nodes, first))
             report.seconds_hash = time.monotonic() - t1
-            if options.dry_run:
-                return report
-            if after_hash is not None:
-                after_hash(plan)
-            hash_only: dict[str, list[str]] = {}
-        else:
-            # First run: each file is read once, hashed on its node as it is sent.
-            report.wanted = pick_sources(plan)
-            hash_only = _unpicked_copies(plan, report.wanted)
+        if options.dry_run:
+            return report
+        if after_hash is not None:
+            after_hash(plan)
+        rest = _subplan(plan, set(plan.files) - set(first.files))
+        inline = pick_sources(rest)
+        report.wanted += inline
         report.method = method
         _prepare_dest(options.dest, plan.tag)
         t2 = time.monotonic()
-        report.results, hashes, problems = transfer(sessions, nodes, report.wanted, hash_only,
-                                                    options, sink, on_start)
+        report.results, hashes, problems = transfer(
+            sessions, nodes, report.wanted, _unpicked_copies(rest, inline), options, sink,
+            on_start)
         report.seconds_copy = time.monotonic() - t2
-    if inline:
-        _settle_inline_hashes(report, hashes, problems, options.dest)
+    _settle_inline_hashes(report, inline, hashes, problems, options.dest)
     _finish(transport, nodes, report, options)
     return report
 
@@ -540,11 +539,16 @@ def _tag_arg(tag: str) -> str | None:
     return None if tag == "latest" else tag
 
 
-def _phased(options: CollectOptions, plan: CollectPlan) -> bool:
-    if options.dry_run:
-        return True
+def _recorded(options: CollectOptions, plan: CollectPlan) -> set[str]:
+    """The plan's files an earlier run may have verified: in DEST's state file, or
+    under their final name (renamed just before a kill, not yet recorded)."""
     state_files = DestState(options.dest).files
-    return any(rel in state_files for rel in plan.files)
+    return {rel for rel in plan.files
+            if rel in state_files or os.path.exists(os.path.join(options.dest, rel))}
+
+
+def _subplan(plan: CollectPlan, rels: set[str]) -> CollectPlan:
+    return dataclasses.replace(plan, files={r: c for r, c in plan.files.items() if r in rels})
 
 
 def _checked_choice(plan: CollectPlan, hashes: Mapping[tuple[str, str], Hashed],
@@ -572,11 +576,12 @@ def _prepare_dest(dest: str, tag: str) -> None:
     clean_parts(dest, tag)
 
 
-def _settle_inline_hashes(report: CollectReport, hashes: Mapping[tuple[str, str], Hashed],
-                          problems: list[str], dest: str) -> None:
-    """After a first run: the sha256 of every sent file (from the node) into the
-    manifest, and the duplicates' note once every copy's checksum is in."""
-    notes, more = copy_notes(report.plan, report.wanted, hashes)
+def _settle_inline_hashes(report: CollectReport, inline: Sequence[Wanted],
+                          hashes: Mapping[tuple[str, str], Hashed], problems: list[str],
+                          dest: str) -> None:
+    """The sha256 the nodes computed while sending into the manifest, and the note on
+    differing duplicates once every copy's checksum is in."""
+    notes, more = copy_notes(report.plan, inline, hashes)
     if (problems or more) and not report.failed:
         found = problems + more
         raise CheckpointError(
@@ -584,8 +589,8 @@ def _settle_inline_hashes(report: CollectReport, hashes: Mapping[tuple[str, str]
             + "; ".join(found[:6]), path=dest,
             hint="files without a matching checksum were not renamed into place; fix the "
                  "nodes named and run collect-ckpt again")
-    report.notes = notes
-    report.wanted = [dataclasses.replace(w, sha256=h.sha256) if (h := hashes.get(
+    report.notes += notes
+    report.wanted = [dataclasses.replace(w, sha256=h.sha256) if not w.sha256 and (h := hashes.get(
         (w.node, w.relpath))) is not None else w for w in report.wanted]
 
 
