@@ -62,7 +62,9 @@ from clusterkit.remote.openssh import with_openssh
 DEFAULT_MASTER_PORT = 29500
 # Probes connect to the master's listener at the end of their run; the listener is
 # started at the same time, so a probe that is first retries "refused" this long.
-MASTER_WAIT_S = 8.0
+# 8 s was too short under load: at 128 nodes (load ~120) the master's login took longer,
+# 14 probes gave up, and asking them again (a second SSH round) cost 10.5 s.
+MASTER_WAIT_S = 15.0
 CONNECT_TIMEOUT_S = 3.0  # one TCP connect to the master port
 LISTEN_SECONDS = 120.0  # upper bound; the listener ends when doctor closes its channel
 LISTEN_READY_TIMEOUT_S = 20.0
@@ -238,8 +240,10 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *,
         facts, windows, connects = collect_facts(plan, transport, clock=clock, stats=stats,
                                                  startup=startup)
         t_facts = time.monotonic() - started
-        port_findings = (master_port_findings(plan, transport, listener, facts, connects)
+        port_findings = (master_port_findings(plan, transport, listener, facts, connects,
+                                              stats=stats)
                          if listener is not None else [])
+        stats["port"] = time.monotonic() - started - t_facts
     finally:
         if listener is not None:
             listener.close()
@@ -415,7 +419,8 @@ def _facts_of(host: str, result: CommandResult | None, error: TransportError | N
 
 def master_port_findings(plan: DoctorPlan, transport: Transport, listener: _Listener,
                          facts: Mapping[str, NodeFacts],
-                         connects: Mapping[str, Mapping[str, Any]]) -> list[Finding]:
+                         connects: Mapping[str, Mapping[str, Any]],
+                         stats: dict[str, float] | None = None) -> list[Finding]:
     """The listener's bind result plus each node's connect result (from its probe)."""
     master, port = plan.master, plan.master_port
     assert master is not None and port is not None
@@ -428,6 +433,8 @@ def master_port_findings(plan: DoctorPlan, transport: Transport, listener: _List
     if not listen.get("bound"):
         return check_master_port(master.host, port, listen or None, {})
     late = [n for n in plan.nodes if connects.get(n.host, {}).get("error_kind") == "refused"]
+    if stats is not None:
+        stats["port_retry_nodes"] = float(len(late))  # a second SSH round for these
     if late:
         # The listener came up after these probes stopped retrying (a slow login shell
         # on the master): ask them once more, now that it listens. Costs a round only here.
