@@ -191,6 +191,24 @@ def test_first_run_manifest_has_the_node_checksums(tmp_path: Path, transport: Di
         assert entry["sha256"] == hashlib.sha256((dest / rel).read_bytes()).hexdigest(), rel
 
 
+def test_rerun_hashes_first_only_what_dest_has(tmp_path: Path,
+                                               transport: DispatchTransport) -> None:
+    """A re-run checks the files DEST has (skipped when verified) and streams the
+    missing one with the single-read path; the manifest has every sha256."""
+    import hashlib
+
+    nodes = _make(tmp_path, n=2)
+    dest = tmp_path / "dest"
+    collect(transport, nodes, CollectOptions(dest=str(dest)))
+    lost = dest / TAG / "zero_pp_rank_3_mp_rank_00_optim_states.pt"
+    lost.unlink()
+    again = collect(transport, nodes, CollectOptions(dest=str(dest)))
+    assert again.bytes_copied == 4096 and again.skipped == len(again.wanted) - 1
+    assert again.notes  # the duplicates' note survives the split
+    entry = read_manifest(str(dest), TAG)["files"][f"{TAG}/{lost.name}"]
+    assert entry["sha256"] == hashlib.sha256(lost.read_bytes()).hexdigest()
+
+
 def test_incomplete_copies_nothing(tmp_path: Path, transport: DispatchTransport) -> None:
     nodes = _make(tmp_path)
     os.unlink(synthetic.shard_paths(nodes[3].root)[0])
