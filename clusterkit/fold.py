@@ -161,8 +161,17 @@ class LineFolder:
         return out
 
     def _ready(self, group: _Group, now: float) -> bool:
-        complete = self.world_size is not None and len(group.members) >= self.world_size
+        expected = self._expected()
+        complete = expected is not None and len(group.members) >= expected
         return complete or now - group.first_seen >= self.window_s
+
+    def _expected(self) -> int | None:
+        """How many ranks can say a line: the selected ones (``--ranks 0``: one, no wait)."""
+        if self.world_size is None:
+            return None
+        if self.ranks is None:
+            return self.world_size
+        return max(1, sum(1 for r in self.ranks if r < self.world_size))
 
     def _emit(self, group: _Group) -> Folded:
         if self._open.get(group.key) is group:

@@ -117,3 +117,12 @@ def test_folding_sink_default_startup_prints_no_line_per_rank() -> None:
     assert len(lines) == 4, lines
     assert lines[0].startswith("[r0-13] [WARNING]")
     assert lines[-1] == "[node1 r0] [clusterkit] step 10/30 | loss 4.8"
+
+
+def test_selected_ranks_do_not_wait_for_the_others() -> None:
+    # --ranks 0 of 4: rank 0's line is complete at once (no window to wait out)
+    f = LineFolder(window_s=5.0, world_size=4, ranks=frozenset({0}))
+    assert _texts(f.feed("n1", 0, "mine", now=0.0)) == ["[n1 r0] mine"]
+    f = LineFolder(window_s=5.0, world_size=4, ranks=frozenset({2, 3, 9}))
+    assert f.feed("n2", 2, "x", now=0.0) == []
+    assert _texts(f.feed("n2", 3, "x", now=0.1)) == ["[n2 r2-3] x"]

@@ -168,3 +168,20 @@ def test_a_line_one_poll_late_still_joins_its_group(tmp_path: Path) -> None:
     watch(SlurmClient(runner=runner), "9", out, io.StringIO(), poll_s=1.0, sleep=lambda _: None,
           clock=lambda: next(clock))
     assert out.getvalue() == "[r0-1] same\n"
+
+
+@pytest.mark.parametrize("argv", [["status", "5", "--watch", "--ranks", "0-1"],
+                                  ["--ranks", "0-1", "--watch", "status", "5"]])
+def test_cli_passes_ranks_to_the_watch(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from clusterkit.cli import cmd_sbatch
+    from clusterkit.cli.main import main
+
+    seen: dict[str, object] = {}
+
+    def fake_watch(client: object, job_id: str, out: object, err: object, **kw: object) -> object:
+        seen.update(kw, job_id=job_id)
+        return type("Info", (), {"succeeded": True})()
+
+    monkeypatch.setattr(cmd_sbatch, "watch", fake_watch)
+    assert main(["sbatch", *argv]) == 0
+    assert seen["job_id"] == "5" and seen["ranks"] == frozenset({0, 1})

@@ -20,7 +20,12 @@ from typing import TextIO
 
 from clusterkit.cli import safety
 from clusterkit.cli.cmd_render import add_job_options, job_options, launch_facts, write_artifacts
-from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_job_inventory
+from clusterkit.cli.common import (
+    add_inventory_option,
+    add_ranks_option,
+    add_selection_options,
+    resolve_job_inventory,
+)
 from clusterkit.cli.jobflags import SCRIPT_OPTION
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text
@@ -38,7 +43,7 @@ EXIT_JOB_FAILED = 1
 LOG_SUBDIR = "logs"  # where the template's #SBATCH --output/--error point
 NODES_FILE = "slurm_nodes"  # the first run's SLURM_JOB_NODELIST (node-local jobs; the script writes it)
 ACTION_USAGE = {
-    "status": ("clusterkit sbatch status JOBID [--watch] [--poll S] [--slurm-timeout S]",
+    "status": ("clusterkit sbatch status JOBID [--watch [--ranks R]] [--poll S] [--slurm-timeout S]",
                "One line from `scontrol show job JOBID`: state, exit code, nodes, output file. "
                "--watch: follow the job's output until it ends; exit 0 only if it COMPLETED."),
     "cancel": ("clusterkit sbatch cancel JOBID [--signal SIG [--batch | --full]] [--slurm-timeout S]",
@@ -105,6 +110,7 @@ def _add_action_flags(p: argparse.ArgumentParser) -> None:
                         "exit 0 only if it COMPLETED")
     p.add_argument("--poll", type=float, default=1.0, metavar="S",
                    help="seconds between job state polls while watching (default 1)")
+    add_ranks_option(p)  # whose lines --watch shows, as in clusterkit launch
     p.add_argument("--slurm-timeout", type=float, default=30.0, metavar="S",
                    help="timeout for each sbatch/scontrol/scancel call (default 30)")
     c = p.add_argument_group("cancel JOBID")
@@ -167,7 +173,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"follow it with: clusterkit sbatch status {job_id} --watch")
         return 0
-    return _watch(client, job_id, args.poll, sys.stderr if args.json else sys.stdout)
+    return _watch(client, job_id, args, sys.stderr if args.json else sys.stdout)
 
 
 def _write_job_dir(plan: LaunchPlan) -> Path:
@@ -259,7 +265,7 @@ def _action(client: SlurmClient, action: str, job_id: str, args: argparse.Namesp
         print(f"{what} Slurm job {job_id}")
         return 0
     if args.watch:
-        return _watch(client, job_id, args.poll)
+        return _watch(client, job_id, args)
     info = client.show(job_id)
     print(_status_line(info))
     return 0
@@ -270,9 +276,11 @@ def _status_line(info: JobInfo) -> str:
     return f"job {info.job_id} ({info.name}): {info.describe()}{where}; output {info.stdout}"
 
 
-def _watch(client: SlurmClient, job_id: str, poll_s: float, out: TextIO | None = None) -> int:
+def _watch(client: SlurmClient, job_id: str, args: argparse.Namespace,
+           out: TextIO | None = None) -> int:
     try:
-        info = watch(client, job_id, out or sys.stdout, sys.stderr, poll_s=poll_s)
+        info = watch(client, job_id, out or sys.stdout, sys.stderr, poll_s=args.poll,
+                     ranks=args.ranks)
     except KeyboardInterrupt:
         # Stopping the watch must not stop the job: say how to do either.
         print(f"clusterkit: stopped watching; job {job_id} keeps running "
