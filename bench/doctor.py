@@ -82,6 +82,7 @@ class Size:
         self.nodes = tb.ensure(n)[:n]
         self.inventory = tb.write_inventory(workdir / f"inventory-{n}.yaml", self.nodes)
         self.workdir = workdir
+        self.client = "?"  # the SSH client doctor reported using
         self.pdsh_env = dict(os.environ, PDSH_RCMD_TYPE="ssh",
                              PDSH_SSH_ARGS_APPEND=f"-F {tb.ssh_config}")
 
@@ -99,6 +100,7 @@ class Size:
             raise RuntimeError(f"doctor failed ({res.returncode}): {res.stderr[-500:]!r}")
         data = json.loads(res.stdout)
         run.timings = {k: float(v) for k, v in data["timings_s"].items()}
+        self.client = str(data.get("ssh_client", "?"))
         if data["unreachable"]:  # a node that did not answer makes the time meaningless
             kinds = sorted({str(v.get("kind")) for v in data["unreachable"].values()})
             print(f"    !! doctor: {len(data['unreachable'])} node(s) unreachable ({kinds})")
@@ -125,6 +127,7 @@ def bench_size(size: Size, repeat: int) -> float:
               f"pdsh true {floor.wall_s:6.2f} s (load {floor.load:5.1f})   "
               f"doctor {doc.wall_s:6.2f} s (load {doc.load:5.1f})   "
               f"ratio {ratios[-1]:.2f}", flush=True)
+    print(f"  doctor's SSH client: {size.client}")
     _breakdown(floors, doctors)
     ratio = statistics.median(ratios)
     verdict = "ok" if ratio <= 1.2 else "OVER the 1.2 goal"

@@ -57,7 +57,7 @@ from clusterkit.inventory import Host
 from clusterkit.remote.base import CommandResult, RemoteProcess, SSHTarget, Transport, target_for
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.remote.fanout import fan_out
-from clusterkit.remote.openssh import with_openssh
+from clusterkit.remote.openssh import OpenSSHTransport, with_openssh
 
 DEFAULT_MASTER_PORT = 29500
 # Probes connect to the master's listener at the end of their run; the listener is
@@ -252,7 +252,9 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *,
                 + startup_findings(startup) + clusterkit_parity(facts))
     timings = {"facts": t_facts, **stats, "rules": time.monotonic() - t_rules,
                "total": time.monotonic() - started}
-    return DoctorReport(plan, facts, tuple(findings), timings)
+    client = "openssh" if isinstance(transport, OpenSSHTransport) else "paramiko"
+    extra = {"ssh_client": client} if any(not n.target.local for n in plan.nodes) else {}
+    return DoctorReport(plan, facts, tuple(findings), timings, extra)
 
 
 def fanout_transport(plan: DoctorPlan, transport: Transport) -> Transport:
