@@ -76,6 +76,8 @@ class SlurmBedSpec:
     real_memory_mb: int = 4000
     # Short kill wait: `scancel` sends SIGTERM, then SIGKILL after this many seconds.
     kill_wait_s: int = 5
+    # Job credential lifetime = the wait before a requeued job may start (see slurm_conf).
+    cred_expire_s: int = 30
 
 
 def _free_port(address: str) -> int:
@@ -200,7 +202,11 @@ class SlurmBed:
             "SlurmdPort=6818",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire is also how long a requeued job waits before it may start again
+            # (begin time = requeue + cred_expire + 1; default 120 s, which was most of
+            # the node-local requeue test). 30 s still leaves a loaded 2-core machine
+            # time to launch a step with its credential.
+            f"AuthInfo=socket={self.munge_socket},cred_expire={self.spec.cred_expire_s}",
             "SlurmUser=root",
             "SlurmdUser=root",
             f"StateSaveLocation={r}/state",
@@ -218,6 +224,9 @@ class SlurmBed:
             "SelectTypeParameters=CR_Core",
             "SlurmdParameters=config_overrides",
             "SchedulerType=sched/backfill",
+            # A requeued job becomes eligible cred_expire s later, but starts only at
+            # the next periodic scheduler pass (default: up to 60 s on top).
+            "SchedulerParameters=sched_interval=5,bf_interval=5",
             "MpiDefault=none",
             "SwitchType=switch/none",
             "GresTypes=gpu",
