@@ -15,6 +15,8 @@ For each size, in interleaved rounds, each into a fresh DEST on this machine:
 
 * ``cp``           local ``cp -r`` of every node's files (from the host side of the
                    node-private mounts): no network, no crypto, no checksum — the limit;
+* ``cp+fsync``     the same, then an fsync of every copied file (``sync FILE...``): the
+                   baseline for collect's default, which fsyncs each file;
 * ``rsync par``    ``rsync -a -e 'ssh -F <test bed config>'``, all nodes at once;
 * ``collect``      ``collect()`` end to end, default options (listing, sha256 on both
                    ends, fsync of every file before its rename);
@@ -105,7 +107,8 @@ class SizeBench:
         return os.path.join(self.work, f"dest-{self.size}")
 
     def cases(self) -> list[Case]:
-        out = [Case("cp", self.cp), Case("rsync par", self.rsync_par),
+        out = [Case("cp", self.cp), Case("cp+fsync", self.cp_fsync),
+               Case("rsync par", self.rsync_par),
                Case("collect", self.collector("ssh", fsync=True)),
                Case("collect nofsync", self.collector("ssh", fsync=False))]
         if self.size == "tiny":
@@ -116,12 +119,26 @@ class SizeBench:
         for i, r in enumerate(self.host_roots):
             subprocess.run(["cp", "-r", r, os.path.join(self.dest, f"n{i}")], check=True)
 
+    def cp_fsync(self) -> None:
+        """cp, then fsync every copied file (coreutils ``sync FILE...``): the fair
+        baseline for collect's default, which fsyncs each file before its rename."""
+        self.cp()
+        files = [os.path.join(d, f) for d, _, fs in os.walk(self.dest) for f in fs]
+        for i in range(0, len(files), 256):
+            subprocess.run(["sync", *files[i:i + 256]], check=True)
+
     def rsync_par(self) -> None:
         ssh = f"ssh -F {self.tb.ssh_config}"
         procs = [subprocess.Popen(["rsync", "-a", "-e", ssh, f"{n.name}:{self.inside}/",
                                    os.path.join(self.dest, f"n{i}/")])
                  for i, n in enumerate(self.tb.nodes[:self.nodes])]
-        assert [p.wait(timeout=1800) for p in procs] == [0] * len(procs)
+        try:
+            assert [p.wait(timeout=1800) for p in procs] == [0] * len(procs)
+        finally:  # Ctrl-C: no rsync left writing into a DEST being removed
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
 
     def collector(self, method: str, fsync: bool) -> Callable[[], None]:
         cnodes = [CollectNode(n.name, self.tb.ssh_target(n), sys.executable, self.inside)
@@ -165,7 +182,7 @@ def summarize(sb: SizeBench, cases: list[Case]) -> dict[str, float]:
               + ")")
     out = {f"{k} MB/s": v for k, v in mbps.items()}
     for name in [c.name for c in cases if c.name.startswith("collect")]:
-        for base in ("rsync par", "cp"):
+        for base in ("rsync par", "cp", "cp+fsync"):
             ratio = mbps[name] / mbps[base]
             out[f"{name} / {base}"] = ratio
             print(f"  {name + ' / ' + base:<30} {ratio:6.2f}x  (load {load[name]:.1f} vs "
@@ -187,30 +204,37 @@ def bench_ciphers(tb: Testbed, work: str, mb: int, rounds: int) -> dict[str, flo
                                     "chacha20-poly1305@openssh.com", "aes128-ctr")]
     variants.append(("aes128-gcm@openssh.com", "yes"))
     times: dict[str, list[float]] = {}
+    sizes: dict[str, int] = {}
+
+    def timed(key: str, nbytes: int, fn: Callable[[], None]) -> None:
+        load = _load()
+        t0 = time.monotonic()
+        fn()
+        times.setdefault(key, []).append(time.monotonic() - t0)
+        sizes[key] = nbytes
+        print(f"  {key:<52} {nbytes / times[key][-1] / 1e6:8.1f} MB/s (load {load:.1f})",
+              flush=True)
+
+    def ssh_cat(cipher: str, comp: str, nbytes: int) -> Callable[[], None]:
+        argv = ["ssh", "-F", tb.ssh_config, "-o", f"Compression={comp}", "-c", cipher,
+                node.name, "head", "-c", str(nbytes), f"{inside}/f"]
+        return lambda: subprocess.run(argv, stdout=subprocess.DEVNULL, check=True, timeout=900)
+
+    def sftp() -> None:
+        with DispatchTransport() as t:
+            t.get(tb.ssh_target(node), f"{inside}/f", os.path.join(work, "sftp-f"))
+        os.unlink(os.path.join(work, "sftp-f"))
+
     try:
         for _ in range(rounds):
             for cipher, comp in variants:
-                key = f"ssh {cipher} compression={comp}"
-                argv = ["ssh", "-F", tb.ssh_config, "-o", f"Compression={comp}", "-c", cipher,
-                        node.name, "cat", f"{inside}/f"]
-                load = _load()
-                t0 = time.monotonic()
-                subprocess.run(argv, stdout=subprocess.DEVNULL, check=True, timeout=600)
-                times.setdefault(key, []).append(time.monotonic() - t0)
-                print(f"  {key:<52} {(mb << 20) / times[key][-1] / 1e6:8.1f} MB/s (load {load:.1f})",
-                      flush=True)
-            load = _load()
-            t0 = time.monotonic()
-            with DispatchTransport() as t:
-                t.get(tb.ssh_target(node), f"{inside}/f", os.path.join(work, "sftp-f"))
-            times.setdefault("paramiko sftp get", []).append(time.monotonic() - t0)
-            os.unlink(os.path.join(work, "sftp-f"))
-            print(f"  {'paramiko sftp get':<52} "
-                  f"{(mb << 20) / times['paramiko sftp get'][-1] / 1e6:8.1f} MB/s (load {load:.1f})",
-                  flush=True)
+                # zlib on random bytes runs at a few MB/s: a 64 MB sample says enough.
+                nbytes = (mb << 20) if comp == "no" else min(mb, 64) << 20
+                timed(f"ssh {cipher} compression={comp}", nbytes, ssh_cat(cipher, comp, nbytes))
+            timed("paramiko sftp get", mb << 20, sftp)
     finally:
         shutil.rmtree(host, ignore_errors=True)
-    out = {k: (mb << 20) / statistics.median(v) / 1e6 for k, v in times.items()}
+    out = {k: sizes[k] / statistics.median(v) / 1e6 for k, v in times.items()}
     print(f"\nciphers: {mb} MB, one stream, median of {rounds}")
     for k, v in out.items():
         print(f"  {k:<52} {v:8.1f} MB/s")
