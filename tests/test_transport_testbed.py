@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from clusterkit.remote.base import GroupResult
 from clusterkit.remote.ssh import SSHTransport
 from tests.testbed import Testbed, TestNode
 
@@ -140,3 +141,48 @@ def test_doctor_with_nodes_described_only_in_system_ssh_config_d(
     assert not report["unreachable"], res.stderr[-2000:]
     ssh_ok = {f["host"] for f in report["findings"] if f["check"] == "ssh" and f["status"] == "PASS"}
     assert ssh_ok == {n.name for n in testbed_nodes}
+
+
+@pytest.mark.testbed(nodes=7)
+def test_openssh_fan_out_matches_paramiko(
+    testbed: Testbed, testbed_nodes: list[TestNode], tmp_path: Path
+) -> None:
+    """doctor's OpenSSH fan-out and paramiko: same output, same error kinds and messages
+    (stopped sshd, rotated host key, unknown host key), same known_hosts left behind."""
+    from clusterkit.remote.local import LocalTransport
+    from clusterkit.remote.openssh import OpenSSHTransport
+
+    openssh = OpenSSHTransport(LocalTransport(), connect_timeout=CONNECT_TIMEOUT)
+    targets = [testbed.ssh_target(n) for n in testbed_nodes]
+    group = openssh.run_all(targets, ["hostname"], timeout=30)
+    assert [r.result.stdout.strip() for r in group if r.result] == [n.name for n in testbed_nodes]
+    stopped, rotated, unknown = testbed_nodes[1], testbed_nodes[2], testbed_nodes[3]
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    cases = {stopped.name: testbed.ssh_target(stopped),
+             rotated.name: testbed.ssh_target(rotated),
+             unknown.name: dataclasses.replace(testbed.ssh_target(unknown),
+                                               known_hosts_file=str(empty))}
+    before = Path(targets[0].known_hosts_file or "").read_text()
+    testbed.stop_sshd(stopped)
+    testbed.rotate_host_key(rotated)
+    try:
+        with SSHTransport(connect_timeout=CONNECT_TIMEOUT) as paramiko_t:
+            ours = openssh.run_all(list(cases.values()), ["true"], timeout=30)
+            theirs = paramiko_t.run_all(list(cases.values()), ["true"], timeout=30)
+        after = Path(targets[0].known_hosts_file or "").read_text()
+    finally:
+        testbed.start_sshd(stopped)
+        testbed.rotate_host_key(rotated, update_known_hosts=True)
+    def kinds_of(group: GroupResult) -> dict[str, str | None]:
+        return {h: (e.kind if (e := group[h].error) is not None else None) for h in cases}
+
+    kinds = kinds_of(ours)
+    assert kinds == {stopped.name: "refused", rotated.name: "hostkey-changed",
+                     unknown.name: "hostkey-unknown"}
+    assert kinds == kinds_of(theirs)
+    refused_ours, refused_theirs = ours[stopped.name].error, theirs[stopped.name].error
+    assert refused_ours is not None and refused_theirs is not None
+    assert refused_ours.message == refused_theirs.message  # the same row when folded
+    assert after == before  # a changed key is never written
+    assert empty.read_text() == ""  # strict checking: nothing was added
