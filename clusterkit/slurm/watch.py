@@ -82,22 +82,22 @@ class _Stream:
     def node(self, node: str, text: str) -> None:
         """A launcher's own line (torchrun on one node): not folded, but noise once per job."""
         if self.folder.show_once(text):
-            self._write(f"[{node}] {text}\n")
+            self.write(f"[{node}] {text}\n")
 
     def script(self, raw: str, now: float) -> None:
         # The batch script speaks between the ranks' lines (start, USR1, requeue): after
         # what the ranks said before it.
         self.release(now, final=True)
-        self._write(raw)
+        self.write(raw)
 
     def release(self, now: float, final: bool = False) -> None:
         self._show(self.folder.release(now, final=final))
 
     def _show(self, items: list[Folded]) -> None:
         for item in items:
-            self._write(item.render() + "\n")
+            self.write(item.render() + "\n")
 
-    def _write(self, text: str) -> None:
+    def write(self, text: str) -> None:
         self.sink.write(text)
         self.sink.flush()
 
@@ -141,7 +141,7 @@ class _Console:
         self.out.release(now, final)
         self.err.release(now, final)
         if final and self.summary is not None:
-            self.out._write(self.summary + "\n")
+            self.out.write(self.summary + "\n")
             self.summary = None
 
 
