@@ -11,19 +11,59 @@ created lazily by the first test that asks for it and grown on demand::
 
 Without root / sshd / ip the test bed tests are skipped with the reason, except
 when the environment variable CI is set: then they fail loudly.
+
+Expensive training runs are session fixtures too, launched once by the first test
+that asks and checked by every test that needs them (helpers in
+tests/test_launch_train.py):
+
+* ``reference_2x2``: the uninterrupted 2 x 2 run the restart and hang tests compare
+  their resumed loss with;
+* ``launched_7x2(key)``: the 7 x 2 run of one launcher (native, deepspeed,
+  accelerate); the node-local ones are also collected by test_collect_testbed.py.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.slurmbed.fixtures import slurm, slurm_bed  # noqa: F401  (Slurm test bed fixtures)
 from tests.testbed import Testbed, TestNode, unavailable_reason
 
+if TYPE_CHECKING:
+    from tests.test_launch_train import Launched, Run
+
 DEFAULT_TESTBED_NODES = 2
+# pytest-xdist (`-n 2 --dist loadgroup`, pyproject addopts): every worker is its own
+# session with its own test bed (a fresh prefix and subnet, tests/testbed/core.py). Tests
+# that share a session resource run in one worker, so it exists once: the Slurm cluster,
+# and each expensive shared training run.
+XDIST_GROUPS = {
+    "slurm_bed": "slurm",
+    "slurm": "slurm",
+    "launched_7x2": "train-7x2",
+    "reference_2x2": "train-ref-2x2",
+    "reference": "workload-dist-reference",  # test_workload_dist.py's module fixture
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    order = {g: i for i, g in enumerate(dict.fromkeys(XDIST_GROUPS.values()))}
+    rank: dict[str, int] = {}
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        group = next((g for fixture, g in XDIST_GROUPS.items() if fixture in names), None)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        rank[item.nodeid] = order.get(group, len(order)) if group else len(order)
+    if hasattr(config, "workerinput"):
+        # In an xdist worker: the long groups first (the scheduler hands out work in
+        # collection order), so neither worker ends the run with a long group alone.
+        items.sort(key=lambda item: rank[item.nodeid])
 
 
 def _require_testbed() -> None:
@@ -56,3 +96,29 @@ def testbed_nodes(request: pytest.FixtureRequest, testbed: Testbed) -> list[Test
     marker = request.node.get_closest_marker("testbed")
     n = int(marker.kwargs.get("nodes", DEFAULT_TESTBED_NODES)) if marker else DEFAULT_TESTBED_NODES
     return testbed.ensure(n)
+
+
+@pytest.fixture(scope="session")
+def reference_2x2(testbed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The uninterrupted 2 x 2 torchrun/shared run of test_launch_train.REF_STEPS steps."""
+    from tests.test_launch_train import launch_reference
+
+    return launch_reference(testbed, tmp_path_factory.mktemp("reference-2x2"))
+
+
+@pytest.fixture(scope="session")
+def launched_7x2(testbed: Testbed, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Callable[[str], Launched]:
+    """``launched_7x2(key)``: the 7 x 2 run of test_launch_train.SHARED_7X2[key], launched
+    on first use and kept for the session (a failed run is kept too: every test that
+    shares it then reports the same failure instead of launching it again)."""
+    from tests.test_launch_train import launch_7x2
+
+    runs: dict[str, Launched] = {}
+
+    def get(key: str) -> Launched:
+        if key not in runs:
+            runs[key] = launch_7x2(testbed, tmp_path_factory.mktemp(f"launch-7x2-{key}"), key)
+        return runs[key]
+
+    return get

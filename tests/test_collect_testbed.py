@@ -1,21 +1,21 @@
 """collect-ckpt against 7 namespace nodes over real SSH (docs/testbed.md).
 
 Synthetic checkpoints (random bytes in DeepSpeed's node-local layout) cover the
-refusals, the checksum path and a kill mid-transfer; the slow tests train the bundled
-workload 7 x 2 with node-local storage (ZeRO-2 and ZeRO-3) and check that the
-consolidated weights equal the live model's exactly.
+refusals, the checksum path and a kill mid-transfer; the slow tests collect the
+bundled workload's 7 x 2 node-local checkpoints (ZeRO-2 and ZeRO-3, launched once per
+session by the ``launched_7x2`` fixture, shared with test_launch_train.py) and check
+that the consolidated weights equal the live model's exactly.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
-import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,7 @@ from clusterkit.checkpoints.collect import MANIFEST, CollectNode, CollectOptions
 from clusterkit.checkpoints.transfer import PART_SUFFIX
 from clusterkit.errors import CheckpointError
 from clusterkit.remote.dispatch import DispatchTransport
+from tests.test_launch_train import SHARED_7X2_STEPS, Launched
 from tests.testbed import Testbed
 
 NODES = 7
@@ -155,72 +156,30 @@ def test_scatter_back_to_fresh_dirs(testbed: Testbed, tmp_path: Path) -> None:
 # ------------------------------------------------------------------ the real workload
 
 
-def _train_node_local(tb: Testbed, stage: int, ckpt: str, weights: Path, logs: Path) -> None:
-    """torchrun on every node (node-local checkpoints); the first failure stops all."""
-    nodes = tb.ensure(NODES)
-    port = str(random.randint(29100, 29900))
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "LANG": "C.UTF-8"}
-    procs: list[subprocess.Popen[bytes]] = []
-    for i, n in enumerate(nodes):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES),
-                "--node_rank", str(i), "--nproc_per_node", "2", "--master_addr", nodes[0].address,
-                "--master_port", port, "-m", "clusterkit.workload", "--model", "tiny",
-                "--steps", "3", "--zero-stage", str(stage), "--log-every", "1",
-                "--storage", "node-local", "--ckpt-dir", ckpt,
-                "--run-dir", f"{tb.local_mountpoint}/run-z{stage}", "--dump-weights", str(weights)]
-        with open(logs / f"node{i + 1}.log", "wb") as log:
-            procs.append(tb.spawn(n, argv, cwd=str(REPO), env=env, stdout=log,
-                                  stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + 600
-    summary = logs / "node1.log"
-
-    def finished() -> bool:
-        return b"CLUSTERKIT_SUMMARY" in summary.read_bytes()
-
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            # A rank dying before the run finished is a failure: stop the others now.
-            if any(p.poll() not in (None, 0) for p in procs) and not finished():
-                break
-            time.sleep(0.5)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    codes = [p.returncode for p in procs]
-    bad = [i for i, c in enumerate(codes) if c != 0]
-    tails = "\n".join(f"--- node{i + 1} (exit {codes[i]}):\n"
-                      + (logs / f"node{i + 1}.log").read_text(errors="replace")[-1500:]
-                      for i in bad[:2])
-    # Seen under heavy load: a rank aborts in process teardown ("terminate called
-    # without an active exception") after the checkpoint and the weight dump were
-    # complete. That is not what this test is about; a failure before the summary is.
-    assert finished() and weights.is_file(), tails
-    if bad:
-        warnings.warn(f"ranks exited non-zero after the run finished: {tails[-600:]}",
-                      stacklevel=1)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_workload_7x2_collect_and_consolidate_exact(testbed: Testbed, tmp_path: Path,
-                                                    stage: int) -> None:
+@pytest.mark.parametrize(("key", "stage"), [("native", 2), ("deepspeed", 3)])
+def test_workload_7x2_collect_and_consolidate_exact(
+        testbed: Testbed, tmp_path: Path, launched_7x2: Callable[[str], Launched], key: str,
+        stage: int) -> None:
+    """The node-local 7 x 2 run that test_launch_train.py's backend test launched (session
+    fixture; native = ZeRO-2, deepspeed = ZeRO-3, weights dumped by the live model)."""
     import torch
 
     from clusterkit.checkpoints.consolidate import load_state_dict_dir
 
-    ckpt = f"{testbed.local_mountpoint}/wl-z{stage}"
-    weights = testbed.shared_dir / f"wl-z{stage}-weights.pt"
-    _train_node_local(testbed, stage, ckpt, weights, tmp_path)
+    launched = launched_7x2(key)
+    assert launched.run.code == 0, launched.run.text[-3000:]
+    assert launched.zero_stage == stage and launched.storage == "node-local"
+    assert launched.weights is not None and launched.weights.is_file(), launched.run.text[-3000:]
+    tag = f"global_step{SHARED_7X2_STEPS}"
+    ckpt = f"{testbed.local_mountpoint}/ckpt/{launched.job}"  # checkpoint.local_dir/<job>
     dest = tmp_path / "dest"
     res = _cli("-i", _inventory(testbed, tmp_path), "--dir", ckpt, "--to", str(dest),
                "--consolidate", "fp32", timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert len(list((dest / "global_step3").glob("*_optim_states.pt"))) == 14
+    assert len(list((dest / tag).glob("*_optim_states.pt"))) == 14
     assert "loads strictly into clusterkit.workload GPT(tiny)" in res.stdout
-    live = torch.load(weights, map_location="cpu")
-    got = load_state_dict_dir(str(dest / "global_step3-fp32"))
+    live = torch.load(launched.weights, map_location="cpu")
+    got = load_state_dict_dir(str(dest / f"{tag}-fp32"))
     assert set(live) <= set(got)
     assert max(float((got[k] - v.detach()).abs().max()) for k, v in live.items()) == 0.0

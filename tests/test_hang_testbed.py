@@ -5,7 +5,8 @@ Lean variant of the 7x2 acceptance (which is run by hand, docs/launch.md): 2 nod
 after a complete checkpoint; within --hang-timeout (+ collection) the summary names
 node2 rank 3, the launcher's job dir holds a dump of all 4 ranks, nothing of the
 first attempt is left on any node, and with --max-restarts 1 the restarted job
-resumes and ends on exactly the uninterrupted run's loss. The stacks come from
+resumes and ends on exactly the uninterrupted run's loss (the session's
+``reference_2x2`` run, shared with test_launch_train.py's restart test). The stacks come from
 py-spy where it is installed beside the nodes' Python (ptrace as root inside the
 node's namespaces works), else from the workload's faulthandler.
 """
@@ -20,16 +21,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_launch_train import _CKPT_DONE, _argv, _assert_trained, _env, _rank_pid, _summary, _train
+from tests.test_launch_train import (
+    _CKPT_DONE,
+    REF_STEPS,
+    Run,
+    _argv,
+    _assert_trained,
+    _env,
+    _rank_pid,
+    _summary,
+    _train,
+)
 from tests.testbed.core import Testbed
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
-STEPS = 120
+STEPS = REF_STEPS  # the 2x2 case compares with the session's reference_2x2 run
 SAVE_EVERY = 20
 # Start-up on this shared machine prints nothing for 30 s at times (under load 15);
-# the watchdog allows start-up twice the limit: 80 s here.
-HANG_TIMEOUT = 40
+# the watchdog allows start-up twice the limit: 60 s here. The wait after the stop is
+# this limit (+ stack collection): what this test costs beyond training (was 40).
+HANG_TIMEOUT = 30
 
 
 def _job_pids(job: str) -> list[int]:
@@ -47,8 +59,9 @@ def _job_pids(job: str) -> list[int]:
 
 
 def test_stopped_rank_is_named_dumped_torn_down_and_the_restart_resumes(
-        testbed: Testbed, tmp_path: Path) -> None:
-    _stopped_rank_case(testbed, tmp_path, nodes=2, ranks=2, stop_rank=3, stop_node="node2")
+        testbed: Testbed, tmp_path: Path, reference_2x2: Run) -> None:
+    _stopped_rank_case(testbed, tmp_path, nodes=2, ranks=2, stop_rank=3, stop_node="node2",
+                       ref=reference_2x2)
 
 
 @pytest.mark.skipif(os.environ.get("CLUSTERKIT_ACCEPT_7X2") != "1",
@@ -58,9 +71,10 @@ def test_acceptance_7x2_rank_on_node4_stopped(testbed: Testbed, tmp_path: Path) 
 
 
 def _stopped_rank_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: int,
-                       stop_rank: int, stop_node: str) -> None:
+                       stop_rank: int, stop_node: str, ref: Run | None = None) -> None:
     world = nodes * ranks
-    ref = _train(testbed, tmp_path, "hang-ref", "native", nodes, ranks, "shared", STEPS)
+    if ref is None:  # the 7x2 acceptance: its own uninterrupted run
+        ref = _train(testbed, tmp_path, "hang-ref", "native", nodes, ranks, "shared", STEPS)
     _assert_trained(ref, STEPS, world)
 
     job = "hang-run"

@@ -11,6 +11,12 @@
   shape (torchrun itself, shared, is the restart test's reference run at 2 x 2;
   deepspeed and accelerate at 2 x 1). Tiny model, few steps. The full
   matrix at 7 x 2 is run by hand (docs/launch.md lists the times).
+
+The expensive runs are session fixtures (tests/conftest.py), each launched once and
+checked by every test that needs it: the 2 x 2 reference (restart test here, hang
+test in test_hang_testbed.py) and the node-local 7 x 2 runs (native ZeRO-2 and
+deepspeed ZeRO-3, which also dump their weights: test_collect_testbed.py collects
+and consolidates their checkpoints).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,20 +105,64 @@ def _assert_trained(run: Run, steps: int, world: int) -> None:
     assert 0 in ranks, run.text[-2000:]
 
 
+# ------------------------------------------------------------------ shared runs
+
+# The uninterrupted 2 x 2 reference (torchrun, shared storage) of the restart and hang
+# tests: long enough that a kill after the checkpoint of step 40 lands mid-run.
+REF_STEPS = 120
+SHARED_7X2_STEPS = 6
+# key -> (launcher, storage, ZeRO stage). The node-local ones dump their weights for
+# test_collect_testbed.py (ZeRO-2 and ZeRO-3 collect + consolidate).
+SHARED_7X2: dict[str, tuple[str, str, int]] = {
+    "native": ("native", "node-local", 2),
+    "deepspeed": ("deepspeed", "node-local", 3),
+    "accelerate": ("accelerate", "shared", 2),
+}
+
+
+@dataclass
+class Launched:
+    """One launched job shared by several tests (session fixtures in tests/conftest.py)."""
+
+    run: Run
+    wall: float
+    job: str
+    storage: str
+    zero_stage: int
+    weights: Path | None  # the workload's --dump-weights file (shared dir), if asked for
+
+
+def launch_reference(tb: Testbed, tmp_path: Path) -> Run:
+    t0 = time.monotonic()
+    ref = _train(tb, tmp_path, "ref-run", "torchrun", 2, 2, "shared", REF_STEPS)
+    _assert_trained(ref, REF_STEPS, 4)
+    print(f"reference run {time.monotonic() - t0:.1f} s")
+    return ref
+
+
+def launch_7x2(tb: Testbed, tmp_path: Path, key: str) -> Launched:
+    backend, storage, stage = SHARED_7X2[key]
+    job = f"b7-{key}"
+    extra = ["--zero-stage", str(stage)]
+    weights = None
+    if storage == "node-local":
+        weights = tb.shared_dir / f"{job}-weights.pt"
+        extra += ["--set-env", f"CLUSTERKIT_DUMP_WEIGHTS={weights}"]
+    started = time.monotonic()
+    run = _train(tb, tmp_path, job, backend, 7, 2, storage, SHARED_7X2_STEPS, extra)
+    return Launched(run, time.monotonic() - started, job, storage, stage, weights)
+
+
 # ------------------------------------------------------------------ restart
 
 
-STEPS = 300
+STEPS = REF_STEPS
 SAVE_EVERY = 20
 
 
 def test_rank_killed_mid_run_restarts_and_resumes_to_the_same_loss(
-        testbed: Testbed, tmp_path: Path) -> None:
-    # The uninterrupted reference (shared storage: also the torchrun/shared 2x2 entry).
-    t0 = time.monotonic()
-    ref = _train(testbed, tmp_path, "ref-run", "torchrun", 2, 2, "shared", STEPS)
-    _assert_trained(ref, STEPS, 4)
-    print(f"reference run {time.monotonic() - t0:.1f} s")
+        testbed: Testbed, tmp_path: Path, reference_2x2: Run) -> None:
+    ref = reference_2x2  # the uninterrupted run (also the torchrun/shared 2x2 entry)
 
     # The default launcher (native: the agents start the ranks), node-local storage.
     job = "restart-run"
@@ -171,17 +221,15 @@ def test_rank_killed_mid_run_restarts_and_resumes_to_the_same_loss(
 # ------------------------------------------------------------------ backends
 
 
-@pytest.mark.parametrize(("backend", "storage"), [("native", "node-local"),
-                                                  ("deepspeed", "node-local"),
-                                                  ("accelerate", "shared")])
-def test_backend_trains_at_7x2(testbed: Testbed, tmp_path: Path, backend: str,
-                               storage: str) -> None:
-    started = time.monotonic()
-    run = _train(testbed, tmp_path, f"b7-{backend}", backend, 7, 2, storage, 6)
-    _assert_trained(run, 6, 14)
-    assert run.summary["storage"] == storage
+@pytest.mark.parametrize("key", list(SHARED_7X2))
+def test_backend_trains_at_7x2(launched_7x2: Callable[[str], Launched], key: str) -> None:
+    launched = launched_7x2(key)  # native/deepspeed: node-local, also collected elsewhere
+    run = launched.run
+    _assert_trained(run, SHARED_7X2_STEPS, 14)
+    assert run.summary["storage"] == launched.storage
+    assert run.summary["zero_stage"] == launched.zero_stage
     # The launcher returned promptly: no agent left waiting after the summary.
-    assert time.monotonic() - started < 280
+    assert launched.wall < 280
 
 
 @pytest.mark.parametrize(("backend", "storage"), [("deepspeed", "shared"),

@@ -128,38 +128,18 @@ def _assert_same_weights(a: Path, b: Path) -> None:
     assert all(torch.equal(wa[k], wb[k]) for k in wa), diffs
 
 
-@pytest.mark.slow
-def test_zero_stages_give_the_same_loss_trajectory(tmp_path: Path) -> None:
-    """ZeRO 0-3 on 2 ranks, same seed: identical losses (tolerance 1e-6 absolute; measured
-    bit-identical). Stage 0 also exercises the plain-srun env fallback, stage 1 --ds-config."""
-    from clusterkit.spec.zero import ZeroSpec, build_ds_config
-
-    common = ["--steps", "4", "--no-final-save", "--resume", "never"]
-    losses: dict[int, list[float]] = {}
-    runs = srun_style([*common, "--zero-stage", "0", "--run-dir", "z0"], tmp_path)
-    assert [r.rc for r in runs] == [0, 0], runs[0].out[-3000:]
-    losses[0] = _rank0(runs).summary["losses"]
-    cfg = build_ds_config(ZeroSpec(stage=1, precision="fp32", micro_batch=2, grad_accum=2,
-                                   world_size=2, warmup_steps=2, total_steps=4, lr=1e-3,
-                                   cos_min_ratio=0.1, torch_adam=True))
-    (tmp_path / "ds1.json").write_text(json.dumps(cfg))
-    run = torchrun([*common, "--ds-config", "ds1.json", "--run-dir", "z1"], tmp_path)
-    assert run.rc == 0, run.out[-3000:]
-    assert run.summary["zero_stage"] == 1
-    losses[1] = run.summary["losses"]
-    for stage in (2, 3):
-        run = torchrun([*common, "--zero-stage", str(stage), "--run-dir", f"z{stage}"], tmp_path)
-        assert run.rc == 0, run.out[-3000:]
-        losses[stage] = run.summary["losses"]
-    assert len(losses[0]) == 4 and losses[0][-1] < losses[0][0]
-    for stage in (1, 2, 3):
-        assert losses[stage] == pytest.approx(losses[0], abs=1e-6), (stage, losses)
+@dataclass
+class Reference:
+    weights: Path  # final fp32 weights (--dump-weights)
+    losses: list[float]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """Uninterrupted 6-step runs (ZeRO-2 and ZeRO-3), final fp32 weights dumped."""
-    out: dict[int, Path] = {}
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Reference]:
+    """Uninterrupted 6-step runs (ZeRO-2 and ZeRO-3), final fp32 weights dumped; their
+    losses are also stages 2 and 3 of the loss-trajectory test (xdist: one worker runs
+    every test of this fixture, tests/conftest.py XDIST_GROUPS)."""
+    out: dict[int, Reference] = {}
     for stage in (2, 3):
         cwd = tmp_path_factory.mktemp(f"ref{stage}")
         extra = ["--save-16bit"] if stage == 3 else []
@@ -172,8 +152,37 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
             assert (final / "consolidated" / "pytorch_model.bin").stat().st_size > 0
             monitor = cwd / "clusterkit-run" / "monitor" / "clusterkit"
             assert (monitor / "Train_Samples_train_loss.csv").read_text().startswith("step,")
-        out[stage] = cwd / "w.pt"
+        out[stage] = Reference(cwd / "w.pt", run.summary["losses"])
     return out
+
+
+@pytest.mark.slow
+def test_zero_stages_give_the_same_loss_trajectory(tmp_path: Path,
+                                                   reference: dict[int, Reference]) -> None:
+    """ZeRO 0-3 on 2 ranks, same seed: identical losses (tolerance 1e-6 absolute; measured
+    bit-identical). Stage 0 also exercises the plain-srun env fallback, stage 1 --ds-config;
+    stages 2 and 3 are the reference runs (evaluation and the final save do not touch the
+    training losses)."""
+    from clusterkit.spec.zero import ZeroSpec, build_ds_config
+
+    common = ["--steps", "6", "--no-final-save", "--resume", "never"]
+    losses: dict[int, list[float]] = {}
+    runs = srun_style([*common, "--zero-stage", "0", "--run-dir", "z0"], tmp_path)
+    assert [r.rc for r in runs] == [0, 0], runs[0].out[-3000:]
+    losses[0] = _rank0(runs).summary["losses"]
+    cfg = build_ds_config(ZeroSpec(stage=1, precision="fp32", micro_batch=2, grad_accum=2,
+                                   world_size=2, warmup_steps=2, total_steps=6, lr=1e-3,
+                                   cos_min_ratio=0.1, torch_adam=True))
+    (tmp_path / "ds1.json").write_text(json.dumps(cfg))
+    run = torchrun([*common, "--ds-config", "ds1.json", "--run-dir", "z1"], tmp_path)
+    assert run.rc == 0, run.out[-3000:]
+    assert run.summary["zero_stage"] == 1
+    losses[1] = run.summary["losses"]
+    for stage in (2, 3):
+        losses[stage] = reference[stage].losses
+    assert len(losses[0]) == 6 and losses[0][-1] < losses[0][0]
+    for stage in (1, 2, 3):
+        assert losses[stage] == pytest.approx(losses[0], abs=1e-6), (stage, losses)
 
 
 RESUME_CASES = [
@@ -185,7 +194,7 @@ RESUME_CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("engine", "storage", "stage"), RESUME_CASES)
-def test_resume_is_bit_exact(tmp_path: Path, reference: dict[int, Path], engine: str,
+def test_resume_is_bit_exact(tmp_path: Path, reference: dict[int, Reference], engine: str,
                              storage: str, stage: int) -> None:
     args = ["--steps", "6", "--zero-stage", str(stage), "--engine", engine, "--storage", storage]
     if storage == "node-local":
@@ -207,7 +216,7 @@ def test_resume_is_bit_exact(tmp_path: Path, reference: dict[int, Path], engine:
     second = launch([*args, "--dump-weights", "w.pt"])
     assert second.summary["resumed_from"] == "global_step3"
     assert second.summary["steps"] == 6 and second.summary["steps_run"] == 3
-    _assert_same_weights(reference[stage], tmp_path / "w.pt")
+    _assert_same_weights(reference[stage].weights, tmp_path / "w.pt")
     if storage == "node-local":
         # Each fake node holds its own marker; node 1 has no `latest` (that is rank 0's).
         for node in (0, 1):
@@ -226,10 +235,14 @@ def test_missing_shard_is_a_clear_error_not_a_fresh_start(tmp_path: Path, storag
     if storage == "node-local":
         args += ["--ckpt-dir", str(tmp_path / "node{node}" / "ckpt")]
         tag_dir = tmp_path / "node1" / "ckpt" / "global_step2"
-        launch = lambda a: fake_nodes(a, tmp_path)  # noqa: E731
+
+        def launch(a: list[str]) -> list[Run]:
+            return fake_nodes(a, tmp_path)
     else:
         tag_dir = tmp_path / "clusterkit-run" / "checkpoints" / "global_step2"
-        launch = lambda a: [torchrun(a, tmp_path)]  # noqa: E731
+
+        def launch(a: list[str]) -> list[Run]:
+            return [torchrun(a, tmp_path)]
     assert all(r.rc == 0 for r in launch([*args, "--stop-after-steps", "2"]))
     shard = tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     shard.unlink()
