@@ -182,6 +182,7 @@ class Orchestrator:
         self._gate_problems: dict[str, str] = {}
         self._gate: GateResult | None = None
         self._gate_started = 0.0
+        self._gate_last = 0.0  # when the latest node reported its facts
         self._watchdog = Watchdog(job.hang_timeout_s, time.monotonic())
         self._next_ping = 0.0
         self._stacks: dict[int, RankStack] = {}
@@ -312,6 +313,7 @@ class Orchestrator:
             self._fail(state, "exit", code if isinstance(code, int) and code else 1)
         elif kind == "facts":
             self._facts[state.task.node] = dict(ev.get("facts") or {})
+            self._gate_last = time.monotonic()
             self._decide_gate()
         elif kind == "started":
             self.sink.node_up(state.task.node)
@@ -385,7 +387,10 @@ class Orchestrator:
     def _gate_timeout(self) -> None:
         if self.job.gate_need is None or self._gate is not None:
             return
-        if time.monotonic() - self._gate_started < GATE_TIMEOUT_S:
+        # Silence, not slowness, is the failure: while nodes keep reporting (32 agents
+        # starting at once on a loaded machine took > 20 s in all) the wait goes on;
+        # GATE_TIMEOUT_S after the start or the latest report, the missing ones fail.
+        if time.monotonic() - max(self._gate_started, self._gate_last) < GATE_TIMEOUT_S:
             return
         for n in self.nodes:
             if n not in self._facts:

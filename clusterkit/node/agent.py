@@ -885,8 +885,7 @@ class Agent:
         return "(no faulthandler dump: the program did not register one on SIGWINCH)"
 
     def hold_for_go(self) -> bool:
-        """Report the gate's facts; True once the launcher says GO, False on a stop."""
-        self.event("facts", facts=gate_facts())
+        """True once the launcher says GO (the facts are reported), False on a stop."""
         while not self._go.is_set():
             if self._stop.wait(POLL_S / 2):
                 return self._go.is_set()
@@ -895,8 +894,12 @@ class Agent:
 
     def run(self) -> int:
         self.prepare()  # while the launcher compares the nodes' facts
+        if self.spec.hold:
+            self.event("facts", facts=gate_facts())
+        # The fork server's imports overlap the gate's round trip and the GO. Started
+        # after the facts: on a node short of CPUs, its import would delay our report.
         if self.zygote_wanted():
-            self.start_zygote()  # its imports overlap the gate and the GO
+            self.start_zygote()
         if self.spec.hold and not self.hold_for_go():
             self._zygote_drop()
             self.event("exit", code=0, reason=self.stop_reason, held=True)
