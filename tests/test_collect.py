@@ -209,6 +209,19 @@ def test_rerun_hashes_first_only_what_dest_has(tmp_path: Path,
     assert entry["sha256"] == hashlib.sha256(lost.read_bytes()).hexdigest()
 
 
+def test_a_node_that_cannot_start_is_a_per_node_problem(tmp_path: Path,
+                                                        transport: DispatchTransport) -> None:
+    import dataclasses
+
+    nodes = _make(tmp_path, n=3)
+    nodes[1] = dataclasses.replace(nodes[1], python=str(tmp_path / "no-python"))
+    with pytest.raises(CheckpointIncomplete) as info:
+        collect(transport, nodes, CollectOptions(dest=str(tmp_path / "dest")))
+    assert any(p.startswith("node2: cannot start") for p in info.value.problems), \
+        info.value.problems
+    assert not (tmp_path / "dest").exists()
+
+
 def test_incomplete_copies_nothing(tmp_path: Path, transport: DispatchTransport) -> None:
     nodes = _make(tmp_path)
     os.unlink(synthetic.shard_paths(nodes[3].root)[0])

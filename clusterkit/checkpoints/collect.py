@@ -252,12 +252,17 @@ def choose_sources(plan: CollectPlan, hashes: Mapping[tuple[str, str], Hashed]
 
 
 @contextlib.contextmanager
-def open_sessions(nodes: Sequence[CollectNode]) -> Iterator[dict[str, NodeSession]]:
-    """One session per node for the whole verb; killed on any error or Ctrl-C."""
+def open_sessions(nodes: Sequence[CollectNode], failed: dict[str, str]
+                  ) -> Iterator[dict[str, NodeSession]]:
+    """One session per node for the whole verb; killed on any error or Ctrl-C. A node
+    whose session cannot even start (no ``ssh``/python here) lands in ``failed``."""
     sessions: dict[str, NodeSession] = {}
     try:
         for n in nodes:
-            sessions[n.name] = NodeSession(n.name, n.target, n.python, n.root)
+            try:
+                sessions[n.name] = NodeSession(n.name, n.target, n.python, n.root)
+            except OSError as exc:
+                failed[n.name] = f"cannot start ({exc})"
         yield sessions
     except BaseException:
         for s in sessions.values():
@@ -269,11 +274,14 @@ def open_sessions(nodes: Sequence[CollectNode]) -> Iterator[dict[str, NodeSessio
 
 
 def list_over_sessions(transport: Transport, sessions: Mapping[str, NodeSession],
-                       nodes: Sequence[CollectNode], tag: str | None) -> list[NodeListing]:
+                       nodes: Sequence[CollectNode], tag: str | None,
+                       failed: Mapping[str, str]) -> list[NodeListing]:
     """Every node's listing, asked in parallel on its session."""
     def one(item: tuple[int, CollectNode]) -> NodeListing:
         index, node = item
-        session = sessions[node.name]
+        session = sessions.get(node.name)
+        if session is None:
+            return NodeListing(node.name, index, node.root, error=failed.get(node.name, "?"))
         try:
             msg = session.wait_for("listing", session.request("list", LIST_TIMEOUT_S, tag=tag))
         except SessionError as exc:
@@ -501,9 +509,10 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
     if method == "sftp":
         return _collect_sftp(transport, nodes, options, sink, after_hash, on_plan)
     t0 = time.monotonic()
-    with open_sessions(nodes) as sessions:
-        plan = verify(list_over_sessions(transport, sessions, nodes, _tag_arg(options.tag)),
-                      options.tag)
+    failed: dict[str, str] = {}
+    with open_sessions(nodes, failed) as sessions:
+        plan = verify(list_over_sessions(transport, sessions, nodes, _tag_arg(options.tag),
+                                         failed), options.tag)
         if on_plan is not None:
             on_plan(plan)
         report = CollectReport(plan=plan, wanted=[], seconds_list=time.monotonic() - t0)
