@@ -575,6 +575,7 @@ class Agent:
         nproc = int(n["nproc"])
         envs = [self.rank_env(lr) for lr in range(nproc)]
         common = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs[1:])}
+        common[zygote.SLOT] = "." * zygote.SLOT_BYTES  # becomes each rank's own variables
         source = "".join(linecache.getlines(zygote.__file__ or ""))
         if not source:
             self._zygote_note("its source is not readable here")

@@ -53,6 +53,9 @@ BOOT = ("import sys\n"
         "exec(compile(s,'<clusterkit.node.zygote>','exec',dont_inherit=True),g)\n"
         "sys.exit(g['main'](sys.argv[1:]))\n")
 SELF = "<clusterkit.node.zygote>"
+# A variable of the zygote's environment whose bytes each rank overwrites with its
+# own variables, so that /proc/<pid>/environ shows them (show_in_proc_environ).
+SLOT, SLOT_BYTES = "CLUSTERKIT_RANK_SLOT", 2048
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.05
 
@@ -271,8 +274,10 @@ def _become_rank(spec: dict[str, Any], all_fds: list[int], status_fd: int,
             if other > 2:
                 os.close(other)
         env = spec["env"]
+        own = {k: v for k, v in env.items() if os.environ.get(k) != v and k != SLOT}
         os.environ.clear()
         os.environ.update(env)
+        show_in_proc_environ(own)
         if cwd:
             os.chdir(cwd)
         _threads_rule(env)
@@ -280,6 +285,40 @@ def _become_rank(spec: dict[str, Any], all_fds: list[int], status_fd: int,
         sys.stderr.write(f"clusterkit zygote: rank set-up failed: {exc!r}\n")
         os._exit(126)
     run_program(kind, target, args)
+
+
+def show_in_proc_environ(own: dict[str, str]) -> bool:
+    """Write this rank's own variables (RANK, LOCAL_RANK, ...) over the SLOT variable
+    of the environment block the kernel shows as ``/proc/<pid>/environ``.
+
+    A forked process keeps its parent's block; tools that find ranks by their
+    environment (``RANK`` + ``LOCAL_RANK``, as clusterkit's and its tests' scans do)
+    would miss them. Only the SLOT bytes change (nothing reads that variable:
+    os.environ, already rebuilt, no longer holds it); entries that do not fit are
+    left out. False when the block cannot be written (then /proc shows the zygote's)."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (Linux >= 3.5)
+        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+            mem.seek(start)
+            block = mem.read(end - start)
+            # The SLOT entry's offset in the block (it may be the first entry).
+            at = (b"\0" + block).find(b"\0" + SLOT.encode() + b"=")
+            if at < 0:
+                return False
+            stop = block.find(b"\0", at)
+            size = (len(block) if stop < 0 else stop) - at
+            out = b""
+            for key, value in own.items():
+                item = f"{key}={value}".encode() + b"\0"
+                if len(out) + len(item) <= size:
+                    out += item
+            mem.seek(start + at)
+            mem.write(out.ljust(size, b"\0"))
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def _threads_rule(env: dict[str, str]) -> None:
