@@ -13,7 +13,8 @@ hits both alike:
   OpenSSH's default key exchange) with the test bed's ssh config;
 * **doctor** ``python -m clusterkit doctor --json`` as a user runs it (a fresh
   process: imports, SSH fan-out, probes, master-port check, rules; no
-  ``--bandwidth``).
+  ``--bandwidth``); "in-process" is doctor's own ``timings_s.total`` (the rest of
+  the wall time is the CLI's interpreter start-up, imports and exit).
 
 Each figure is printed with the 1-minute load average (``os.getloadavg()``)
 read right after it: on a 2-core machine shared with other work the ratio
@@ -102,8 +103,9 @@ class Size:
         run.timings = {k: float(v) for k, v in data["timings_s"].items()}
         self.client = str(data.get("ssh_client", "?"))
         if data["unreachable"]:  # a node that did not answer makes the time meaningless
-            kinds = sorted({str(v.get("kind")) for v in data["unreachable"].values()})
-            print(f"    !! doctor: {len(data['unreachable'])} node(s) unreachable ({kinds})")
+            host, why = next(iter(data["unreachable"].items()))
+            print(f"    !! doctor: {len(data['unreachable'])} node(s) unreachable, e.g. "
+                  f"{host}: {why.get('kind')}: {why.get('error')}")
         return run
 
 
@@ -125,7 +127,8 @@ def bench_size(size: Size, repeat: int) -> float:
         ratios.append(doc.wall_s / floor.wall_s)
         print(f"  pair {i + 1} ({'floor first' if first_floor else 'doctor first'}): "
               f"pdsh true {floor.wall_s:6.2f} s (load {floor.load:5.1f})   "
-              f"doctor {doc.wall_s:6.2f} s (load {doc.load:5.1f})   "
+              f"doctor {doc.wall_s:6.2f} s (load {doc.load:5.1f}; in-process "
+              f"{doc.timings.get('total', float('nan')):.2f} s)   "
               f"ratio {ratios[-1]:.2f}", flush=True)
     print(f"  doctor's SSH client: {size.client}")
     _breakdown(floors, doctors)

@@ -31,10 +31,13 @@ TARGET = SSHTarget(name="node3", address="10.0.0.3", user="root", port=22,
 # A stand-in for ssh: announces the login like LogLevel=VERBOSE, then runs the command
 # (the last argument, already quoted once) with sh, as sshd's login shell would.
 FAKE_SSH = """#!/bin/sh
+[ "$1" = "-G" ] && exit 0  # the one-time KexAlgorithms=^ syntax check
 for last; do :; done
 case "$FAKE_SSH_MODE" in
   refuse) echo "ssh: connect to host 10.0.0.3 port 22: Connection refused" >&2; exit 255;;
   hang) sleep 30; exit 255;;
+  count) touch "$FAKE_SSH_DIR/$$"; ls "$FAKE_SSH_DIR" | wc -l >> "$FAKE_SSH_LOG"; sleep 0.2
+         rm "$FAKE_SSH_DIR/$$";;
 esac
 echo 'Authenticated to 10.0.0.3 ([10.0.0.3]:22) using "publickey".' >&2
 sh -c "$last"
@@ -207,3 +210,21 @@ def test_with_openssh_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("CLUSTERKIT_SSH_CLIENT", "")
     monkeypatch.setenv("PATH", os.devnull)
     assert with_openssh(base) is base  # no ssh installed
+
+
+def test_at_most_max_handshakes_logins_at_once(fake_ssh: str, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    (tmp_path / "in-setup").mkdir()
+    log = tmp_path / "log"
+    monkeypatch.setenv("FAKE_SSH_MODE", "count")
+    monkeypatch.setenv("FAKE_SSH_DIR", str(tmp_path / "in-setup"))
+    monkeypatch.setenv("FAKE_SSH_LOG", str(log))
+    t = OpenSSHTransport(LocalTransport(), ssh=fake_ssh, connect_timeout=5, max_handshakes=2)
+    targets = [replace(TARGET, name=f"n{i}") for i in range(8)]
+    # The commands overlap (all 8 sleep at once after their login); the logins do not.
+    group = t.run_all(targets, ["sleep", "0.5"], max_parallel=8)
+    assert len(group.succeeded) == 8
+    counts = [int(line) for line in log.read_text().split()]
+    assert len(counts) == 8 and max(counts) <= 2

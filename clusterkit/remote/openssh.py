@@ -23,7 +23,6 @@ hostkey-changed, channel, command-timeout), read from ssh's messages.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import re
@@ -31,6 +30,7 @@ import selectors
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -64,17 +64,24 @@ _OUR_NOISE = (_AUTHENTICATED, "Transferred: sent ", "Bytes per second: ",
 _DROPPED = re.compile(r"^(Connection to .* closed by remote host|client_loop: |"
                       r"Timeout, server .* not responding|packet_write_wait: |Broken pipe)")
 _READ = 65536
+# SSH logins in progress at once (connect, key exchange, authentication); commands
+# after the login all run in parallel. The set-up is the CPU burst on both ends (sshd
+# re-executes itself per connection); 128 at once on a loaded machine made sshd miss
+# the 10 s banner timeout on half the nodes, which pdsh's fan-out of 32 never did.
+MAX_HANDSHAKES = 32
 
 
 class OpenSSHTransport:
     """:class:`~clusterkit.remote.base.Transport` whose commands run through ``ssh``."""
 
     def __init__(self, fallback: Transport, *, ssh: str = "ssh",
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+                 max_handshakes: int = MAX_HANDSHAKES) -> None:
         self.fallback = fallback
         self.client = ssh
         self.connect_timeout = connect_timeout
         self._configs = ConfigCache()
+        self._handshakes = threading.BoundedSemaphore(max(1, max_handshakes))
 
     @property
     def connect_budget_s(self) -> float:
@@ -124,9 +131,14 @@ class OpenSSHTransport:
         words = check_argv(argv, target.name)
         command = remote_command(words, check_env(env, target.name))
         started = time.monotonic()
-        proc = _spawn(self.argv(target, command), stdin is not None)
-        session = _Session(proc, target, stdin or b"", on_connected, self.connect_timeout)
-        code, out, err = session.communicate(self.connect_budget_s, timeout)
+        slot = _Slot(self._handshakes)  # the set-up deadline starts once we have one
+        try:
+            proc = _spawn(self.argv(target, command), stdin is not None)
+            session = _Session(proc, target, stdin or b"", slot.then(on_connected),
+                               self.connect_timeout)
+            code, out, err = session.communicate(self.connect_budget_s, timeout)
+        finally:
+            slot.release()
         return CommandResult(host=target.name, argv=words, exit_code=code,
                              stdout=out.decode("utf-8", "replace"),
                              stderr=err, duration_s=time.monotonic() - started)
@@ -185,16 +197,49 @@ def with_openssh(transport: Transport, *,
     return OpenSSHTransport(transport, ssh=ssh, connect_timeout=connect_timeout)
 
 
-@functools.cache
+_HEAD_SYNTAX: dict[str, bool] = {}
+_HEAD_SYNTAX_LOCK = threading.Lock()
+
+
 def _head_syntax_supported(ssh: str) -> bool:
     """``KexAlgorithms=^...`` (put these first, keep the defaults) exists since OpenSSH 8.7;
-    an older ssh rejects the option, so ask this one once."""
+    an older ssh rejects the option, so ask this one once (under a lock: every fan-out
+    thread asks at the same moment)."""
+    with _HEAD_SYNTAX_LOCK:
+        if ssh not in _HEAD_SYNTAX:
+            _HEAD_SYNTAX[ssh] = _ask_head_syntax(ssh)
+        return _HEAD_SYNTAX[ssh]
+
+
+def _ask_head_syntax(ssh: str) -> bool:
     try:
         res = subprocess.run([ssh, "-G", "-F", "/dev/null", "-o", f"KexAlgorithms=^{FAST_KEX}",
                               "localhost"], capture_output=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return False
     return res.returncode == 0
+
+
+class _Slot:
+    """One of the handshake slots, given back once: at the login, or when ssh ends."""
+
+    def __init__(self, pool: threading.BoundedSemaphore) -> None:
+        pool.acquire()
+        self._pool: threading.BoundedSemaphore | None = pool
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.release()
+
+    def then(self, callback: Callable[[], None] | None) -> Callable[[], None]:
+        def connected() -> None:
+            self.release()
+            if callback is not None:
+                callback()
+        return connected
 
 
 def _spawn(argv: list[str], with_stdin: bool) -> subprocess.Popen[bytes]:
