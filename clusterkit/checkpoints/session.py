@@ -1,0 +1,177 @@
+"""One connection per node for collect-ckpt: list, hash and stream over one ``ssh``.
+
+A :class:`NodeSession` runs the node program :mod:`clusterkit.node.ckstream` in one
+OpenSSH ``ssh`` process (or a local child for ``transport: local`` hosts) and keeps it
+open from the listing to the last byte: no second connection for hashing or data.
+OpenSSH rather than paramiko carries the session because bulk data is the point:
+its AES-GCM runs in C with AES-NI (figures in docs/collect-ckpt.md).
+
+Every wait has a deadline: the connect timeout is ssh's ``ConnectTimeout``; a
+watchdog kills the process when a reply (listing, hashes) takes longer than its
+command timeout, or when a stream delivers no byte for ``stall`` seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import subprocess
+import tempfile
+import threading
+import time
+from typing import IO, Any
+
+from clusterkit.node.ship import node_command
+from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S, SSHTarget
+from clusterkit.remote.command import remote_command
+
+PIPE_BUFFER = 1 << 20
+
+
+class SessionError(Exception):
+    """The session ended or misbehaved; ``str()`` carries ssh's/the node's words."""
+
+
+class NodeSession:
+    """The node program ``ckstream`` on one node, spoken to request by request."""
+
+    def __init__(self, name: str, target: SSHTarget, python: str, root: str, *,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+        self.name, self.target = name, target
+        cmd = node_command(python, "ckstream", [root])
+        self.argv = cmd.argv if target.local else openssh_argv(
+            target, remote_command(cmd.argv), connect_timeout)
+        self._errf = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._errf, bufsize=PIPE_BUFFER,
+                                     start_new_session=True)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.stdin: IO[bytes] = self.proc.stdin
+        self.stdout: IO[bytes] = self.proc.stdout
+        widen_pipe(self.stdout.fileno())
+        self._next_id = 0
+        self._deadline = float("inf")
+        self._budget = 0.0
+        self.killed_why = ""
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, daemon=True,
+                         name=f"clusterkit-session-{name}").start()
+        self._write(cmd.stdin)
+
+    # -------------------------------------------------------------- deadlines
+
+    def expect_within(self, seconds: float) -> None:
+        """The next byte must arrive within ``seconds`` (called per chunk while streaming)."""
+        self._deadline = time.monotonic() + seconds
+        self._budget = seconds
+
+    def _watch(self) -> None:
+        while not self._closed.wait(1.0):
+            if time.monotonic() > self._deadline:
+                self.kill(f"no data for {self._budget:.0f} s: session killed")
+                return
+
+    # -------------------------------------------------------------- requests
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self.stdin.write(data)
+            self.stdin.flush()
+        except OSError as exc:  # the process is gone: the reader reports why
+            self.killed_why = self.killed_why or f"cannot write to the session ({exc})"
+
+    def request(self, op: str, timeout: float, **fields: Any) -> int:
+        self._next_id += 1
+        self.expect_within(timeout)
+        self._write(json.dumps({"op": op, "id": self._next_id, **fields}).encode() + b"\n")
+        return self._next_id
+
+    def read_msg(self) -> dict[str, Any]:
+        line = self.stdout.readline()
+        if not line:
+            raise SessionError(self.why_ended())
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            raise SessionError(f"unreadable answer {line[:200]!r}") from None
+        if not isinstance(msg, dict):
+            raise SessionError(f"unreadable answer {line[:200]!r}")
+        return msg
+
+    def wait_for(self, kind: str, req_id: int) -> dict[str, Any]:
+        """The answer ``kind`` to request ``req_id`` (no file frames may come first)."""
+        msg = self.read_msg()
+        if msg.get("t") != kind or msg.get("id") != req_id:
+            raise SessionError(f"expected {kind} #{req_id}, got {str(msg)[:200]}")
+        self._deadline = float("inf")
+        return msg
+
+    # -------------------------------------------------------------- ending
+
+    def why_ended(self) -> str:
+        """Exit status and the last stderr line(s): what ssh or the node said."""
+        code = self.reap(5.0)
+        self._errf.seek(0)
+        err = " ".join(self._errf.read().decode("utf-8", "replace").split())[-300:]
+        parts = [self.killed_why] if self.killed_why else []
+        parts.append(f"exit {code}" + (f": {err}" if err else ""))
+        return "; ".join(parts)
+
+    def reap(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill("did not exit")
+            return self.proc.wait()
+
+    def kill(self, why: str = "") -> None:
+        self.killed_why = self.killed_why or why
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, 9)
+
+    def close(self) -> None:
+        """Say bye and reap; a session that does not leave within 10 s is killed."""
+        with contextlib.suppress(OSError, ValueError):
+            self.stdin.write(b'{"op": "bye"}\n')
+            self.stdin.close()
+        self.reap(10.0)
+        self._closed.set()
+        for f in (self.stdout, self._errf):
+            with contextlib.suppress(OSError):
+                f.close()
+
+
+def widen_pipe(fd: int) -> None:
+    """A 1 MiB pipe instead of 64 KiB: 16x fewer wake-ups between ssh and us per MB.
+    Best effort (F_SETPIPE_SZ is Linux; the limit is /proc/sys/fs/pipe-max-size)."""
+    with contextlib.suppress(OSError, AttributeError):
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BUFFER)
+
+
+def openssh_argv(target: SSHTarget, command: str,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> list[str]:
+    """``ssh`` argv with the target's options as ``-o`` words (:meth:`SSHTarget.options`).
+
+    ssh then reads ~/.ssh/config and /etc/ssh/ssh_config itself, first value wins —
+    the same order the paramiko transport follows (clusterkit.remote.sshconfig).
+    Compression stays off: shards are float tensors, which do not compress, and
+    zlib would cap one stream at tens of MB/s.
+    """
+    argv = ["ssh", "-T", "-x", "-a", "-o", "BatchMode=yes", "-o", "Compression=no",
+            "-o", f"ConnectTimeout={max(1, int(connect_timeout))}",
+            "-o", f"ServerAliveInterval={SERVER_ALIVE_S}", "-o", "ServerAliveCountMax=4",
+            "-c", SSH_CIPHERS]
+    if target.config_file:
+        argv += ["-F", target.config_file]
+    for key, value in target.options().items():  # the one mapping paramiko and pdsh use too
+        argv += ["-o", f"{key}={value}"]
+    return [*argv, "--", target.address, command]
+
+
+# Fastest first on this class of machine (AES-NI + VAES: measured in docs/collect-ckpt.md);
+# every OpenSSH since 6.2 offers one of these.
+SSH_CIPHERS = ("aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,"
+               "aes128-ctr,aes256-ctr")
+SERVER_ALIVE_S = 5
