@@ -61,6 +61,7 @@ class Run:
     cpu_s: float  # user + sys of the process and its children
     load: float  # 1-minute load average right after the run
     timings: dict[str, float] = field(default_factory=dict)
+    unreachable: int = 0  # doctor: nodes that did not answer (the ratio is then not comparable)
 
 
 def _timed(argv: Sequence[str], env: dict[str, str] | None = None,
@@ -102,6 +103,7 @@ class Size:
         data = json.loads(res.stdout)
         run.timings = {k: float(v) for k, v in data["timings_s"].items()}
         self.client = str(data.get("ssh_client", "?"))
+        run.unreachable = len(data["unreachable"])
         if data["unreachable"]:  # a node that did not answer makes the time meaningless
             host, why = next(iter(data["unreachable"].items()))
             print(f"    !! doctor: {len(data['unreachable'])} node(s) unreachable, e.g. "
@@ -134,6 +136,9 @@ def bench_size(size: Size, repeat: int) -> float:
     _breakdown(floors, doctors)
     ratio = statistics.median(ratios)
     verdict = "ok" if ratio <= 1.2 else "OVER the 1.2 goal"
+    if any(r.unreachable for r in doctors):
+        verdict += ("; NOT COMPARABLE: doctor gave up on unreachable nodes (its timeouts) "
+                    "that pdsh waited for")
     print(f"  => {size.n} nodes: doctor/floor median {ratio:.2f} ({verdict}); medians "
           f"pdsh {statistics.median(r.wall_s for r in floors):.2f} s, doctor "
           f"{statistics.median(r.wall_s for r in doctors):.2f} s", flush=True)
