@@ -19,7 +19,9 @@ from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.fold import parse_ranks
 from clusterkit.slurm import SlurmClient
 from clusterkit.slurm.ranklines import (
+    SRUN_PIECE_BYTES,
     JobShape,
+    LabelJoiner,
     RankLine,
     node_of_rank,
     parse_labelled,
@@ -185,3 +187,43 @@ def test_cli_passes_ranks_to_the_watch(argv: list[str], monkeypatch: pytest.Monk
     monkeypatch.setattr(cmd_sbatch, "watch", fake_watch)
     assert main(["sbatch", *argv]) == 0
     assert seen["job_id"] == "5" and seen["ranks"] == frozenset({0, 1})
+
+
+def test_srun_label_pieces_of_a_long_line_are_joined() -> None:
+    # srun --label cut a 3000-byte line into 1024 + 1024 + 952 (seen on the Slurm bed),
+    # each piece labelled; another task's line may come in between.
+    text = "X" * 3000
+    cuts = [text[:SRUN_PIECE_BYTES], text[SRUN_PIECE_BYTES:2 * SRUN_PIECE_BYTES],
+            text[2 * SRUN_PIECE_BYTES:]]
+    j = LabelJoiner()
+    assert j.feed(f" 0: {cuts[0]}\n") == []
+    assert j.feed("1: other\n") == ["1: other\n"]
+    assert j.feed(f" 0: {cuts[1]}\n") == []
+    assert j.feed(f" 0: {cuts[2]}\n") == [f" 0: {text}\n"]
+    assert j.feed("plain script line\n") == ["plain script line\n"]
+    assert j.feed(f"0: {cuts[0]}\n") == [] and j.flush() == [f"0: {cuts[0]}\n"]
+
+
+def test_torchrun_tee_repeated_header_is_dropped() -> None:
+    # torch's tail_logfile printed a half-written line in two parts, the header twice.
+    parsed = parse_labelled('0: [rank0]:CLUSTERKIT_SUMMARY {"a": 1, [rank0]:"b": 2}', NODES, SHAPE)
+    assert parsed == RankLine("node1", 0, 'CLUSTERKIT_SUMMARY {"a": 1, "b": 2}')
+
+
+def test_watch_prints_a_long_summary_whole(tmp_path: Path) -> None:
+    out_file = tmp_path / "slurm-9.out"
+    summary = SUMMARY_PREFIX + '{"k": "' + "v" * 1500 + '"}'
+    line = "0: [rank0]:" + summary
+    pieces = [line[i + 3:i + 3 + SRUN_PIECE_BYTES] for i in range(0, len(line) - 3,
+                                                                   SRUN_PIECE_BYTES)]
+    out_file.write_text("".join(f"0: {p}\n" for p in pieces) + "1: [rank1]:done\n")
+    record = (f"JobId=9 JobName=ck JobState=COMPLETED Reason=None Restarts=0 ExitCode=0:0 "
+              f"NodeList=node[1-2] StdErr={tmp_path}/none.err StdOut={out_file}\n")
+
+    def runner(argv: Sequence[str], timeout: float, env: Mapping[str, str] | None,
+               cwd: str | None) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(list(argv), 0, record, "")
+
+    out = io.StringIO()
+    watch(SlurmClient(runner=runner), "9", out, io.StringIO(), poll_s=0, sleep=lambda _: None)
+    assert out.getvalue().splitlines()[-1] == summary

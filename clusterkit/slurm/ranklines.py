@@ -55,6 +55,38 @@ def parse_shape(line: str) -> JobShape | None:
     return JobShape(m.group(1), int(world) if world else None, int(per_node) if per_node else None)
 
 
+# srun --label forwards a task's output in messages of at most this many bytes and
+# labels each one: a longer line arrives cut into labelled pieces of exactly this size
+# (seen on the Slurm test bed: a 3000-byte line -> 1024 + 1024 + 952, each "0: ...").
+SRUN_PIECE_BYTES = 1024
+
+
+class LabelJoiner:
+    """Rejoins the lines ``srun --label`` cut: a labelled piece of exactly
+    :data:`SRUN_PIECE_BYTES` continues on that task's next labelled line."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, tuple[str, str]] = {}  # task -> (label as written, text so far)
+
+    def feed(self, raw: str) -> list[str]:
+        """One line as read (with its newline) -> the whole lines it completes."""
+        m = _TASK.match(raw.rstrip("\r\n"))
+        if not m:
+            return [raw]
+        label, piece = raw[:m.start(2)], m.group(2)
+        _, head = self._open.pop(m.group(1), (label, ""))
+        if len(piece.encode()) == SRUN_PIECE_BYTES:
+            self._open[m.group(1)] = (label, head + piece)
+            return []
+        return [f"{label}{head}{piece}\n"]
+
+    def flush(self) -> list[str]:
+        """At the end: whatever is still open (a line of exactly 1024 bytes, or a cut-off one)."""
+        out = [f"{label}{text}\n" for label, text in self._open.values()]
+        self._open.clear()
+        return out
+
+
 def _node(nodes: Sequence[str], index: int) -> str:
     # Before scontrol names the nodes (or past its list): the place still tells them apart.
     return nodes[index] if 0 <= index < len(nodes) else f"node#{index}"
@@ -69,7 +101,10 @@ def parse_labelled(line: str, nodes: Sequence[str], shape: JobShape | None) -> R
     node = _node(nodes, task)
     g = _GLOBAL.match(rest)
     if g:
-        return RankLine(node, int(g.group(1)), g.group(2))
+        # torchrun's tee (torch.distributed.elastic tail_logfile) reads the rank's log with
+        # readline(): a line caught half-written is printed in two parts, the second with
+        # the header again ("[rank0]:part1[rank0]:part2"); drop the repeated header.
+        return RankLine(node, int(g.group(1)), g.group(2).replace(f"[rank{g.group(1)}]:", ""))
     local = _LOCAL.match(rest)
     per_node = shape.ranks_per_node if shape else None
     if local and per_node:

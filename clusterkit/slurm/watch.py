@@ -28,6 +28,7 @@ from clusterkit.slurm.client import SlurmClient
 from clusterkit.slurm.jobinfo import JobInfo
 from clusterkit.slurm.ranklines import (
     JobShape,
+    LabelJoiner,
     RankLine,
     node_of_rank,
     parse_labelled,
@@ -48,6 +49,7 @@ class _Follower:
     path: str
     offset: int = 0
     pending: bytes = field(default=b"")
+    joiner: LabelJoiner = field(default_factory=LabelJoiner)  # srun --label's cut lines
 
     def pump(self, final: bool = False) -> list[str]:
         """The new whole lines, each with its newline (at the end also an unfinished one)."""
@@ -199,7 +201,11 @@ def watch(client: SlurmClient, job_id: str, out: TextIO, err: TextIO, *, poll_s:
                 followers[path] = (_Follower(path), stream, rank)
         nodes, now = _node_names(info), clock()
         for follower, stream, rank in followers.values():
-            for raw in follower.pump(final=info.finished):
+            lines = [whole for raw in follower.pump(final=info.finished)
+                     for whole in follower.joiner.feed(raw)]
+            if info.finished:
+                lines += follower.joiner.flush()
+            for raw in lines:
                 console.line(raw, stream, nodes, rank, now)
         console.release(now, final=info.finished)
         if info.finished:
