@@ -25,7 +25,7 @@ from clusterkit.checkpoints.collect import (
 )
 from clusterkit.checkpoints.discover import CheckpointIncomplete, verify
 from clusterkit.checkpoints.scatter import ScatterTarget, plan_scatter, scatter
-from clusterkit.checkpoints.session import openssh_argv
+from clusterkit.checkpoints.session import collect_ssh_argv
 from clusterkit.checkpoints.transfer import PART_SUFFIX, Hashed
 from clusterkit.errors import CheckpointError
 from clusterkit.remote.base import SSHTarget
@@ -143,15 +143,19 @@ def test_choose_sources_dedupes_and_prefers_rank0_when_copies_differ(
 def test_openssh_argv_honours_inventory_fields() -> None:
     t = SSHTarget(name="n1", address="10.0.0.1", user="me", port=2222, identity_file="/k",
                   proxy_jump="bastion", config_file="/cfg", known_hosts_file="/kh")
-    argv = openssh_argv(t, "tar -cf - x")
+    argv = collect_ssh_argv(t, "tar -cf - x")
     assert argv[-3:] == ["--", "10.0.0.1", "tar -cf - x"]
     assert argv[argv.index("-F") + 1] == "/cfg"
     # The one options mapping, as -o words (paramiko and pdsh's ssh_config use it too).
     for word in ("User=me", "Port=2222", "IdentityFile=/k", "ProxyJump=bastion",
                  "UserKnownHostsFile=/kh"):
         assert argv[argv.index(word) - 1] == "-o"
-    assert "BatchMode=yes" in argv
+    assert "BatchMode=yes" in argv and "StrictHostKeyChecking=yes" in argv
     assert "StrictHostKeyChecking=accept-new" not in argv
+    # collect's data path on top of the one OpenSSH argv (remote.openssh.openssh_argv)
+    assert "Compression=no" in argv and any(w.startswith("Ciphers=aes128-gcm") for w in argv)
+    keys = [w.split("=")[0] for w in argv[argv.index("-T"):] if "=" in w]
+    assert len(keys) == len(set(keys))  # each keyword once
 
 
 # ------------------------------------------------------------------ the pipeline (local)

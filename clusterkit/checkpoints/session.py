@@ -26,6 +26,7 @@ from typing import IO, Any
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S, SSHTarget
 from clusterkit.remote.command import remote_command
+from clusterkit.remote.openssh import openssh_argv
 
 PIPE_BUFFER = 1 << 20
 
@@ -41,7 +42,7 @@ class NodeSession:
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
         self.name, self.target = name, target
         cmd = node_command(python, "ckstream", [root])
-        self.argv = cmd.argv if target.local else openssh_argv(
+        self.argv = cmd.argv if target.local else collect_ssh_argv(
             target, remote_command(cmd.argv), connect_timeout)
         self._errf = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -150,28 +151,16 @@ def widen_pipe(fd: int) -> None:
         fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BUFFER)
 
 
-def openssh_argv(target: SSHTarget, command: str,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> list[str]:
-    """``ssh`` argv with the target's options as ``-o`` words (:meth:`SSHTarget.options`).
-
-    ssh then reads ~/.ssh/config and /etc/ssh/ssh_config itself, first value wins —
-    the same order the paramiko transport follows (clusterkit.remote.sshconfig).
-    Compression stays off: shards are float tensors, which do not compress, and
-    zlib would cap one stream at tens of MB/s.
-    """
-    argv = ["ssh", "-T", "-x", "-a", "-o", "BatchMode=yes", "-o", "Compression=no",
-            "-o", f"ConnectTimeout={max(1, int(connect_timeout))}",
-            "-o", f"ServerAliveInterval={SERVER_ALIVE_S}", "-o", "ServerAliveCountMax=4",
-            "-c", SSH_CIPHERS]
-    if target.config_file:
-        argv += ["-F", target.config_file]
-    for key, value in target.options().items():  # the one mapping paramiko and pdsh use too
-        argv += ["-o", f"{key}={value}"]
-    return [*argv, "--", target.address, command]
+def collect_ssh_argv(target: SSHTarget, command: str,
+                     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> list[str]:
+    """The one OpenSSH argv (:func:`clusterkit.remote.openssh.openssh_argv`) with collect's
+    data-path choices: compression off (shards are float tensors, which do not compress,
+    and zlib would cap one stream at tens of MB/s) and the ciphers below."""
+    return openssh_argv(target, command, connect_timeout=connect_timeout,
+                        extra={"Compression": "no", "Ciphers": SSH_CIPHERS})
 
 
 # Fastest first on this class of machine (AES-NI + VAES: measured in docs/collect-ckpt.md);
 # every OpenSSH since 6.2 offers one of these.
 SSH_CIPHERS = ("aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,"
                "aes128-ctr,aes256-ctr")
-SERVER_ALIVE_S = 5

@@ -90,18 +90,11 @@ class OpenSSHTransport:
 
     def argv(self, target: SSHTarget, command: str) -> list[str]:
         """The ``ssh`` command line for ``command`` (already quoted once) on ``target``."""
-        opts = {"BatchMode": "yes", "StrictHostKeyChecking": "yes",
-                "ConnectTimeout": str(max(1, math.ceil(self.connect_timeout))),
-                "ServerAliveInterval": str(SERVER_ALIVE_S), "ServerAliveCountMax": "4",
-                "LogLevel": "VERBOSE", **target.options()}
+        extra = {"LogLevel": "VERBOSE"}  # "Authenticated to": the login is done
         if self._fast_kex_allowed(target):
-            opts["KexAlgorithms"] = f"^{FAST_KEX}"
-        words = [self.client, "-T", "-x", "-a"]
-        if target.config_file:
-            words += ["-F", target.config_file]
-        for key, value in opts.items():
-            words += ["-o", f"{key}={value}"]
-        return [*words, "--", target.address, command]
+            extra["KexAlgorithms"] = f"^{FAST_KEX}"
+        return openssh_argv(target, command, client=self.client,
+                            connect_timeout=self.connect_timeout, extra=extra)
 
     def _fast_kex_allowed(self, target: SSHTarget) -> bool:
         # A site that lists KexAlgorithms in its ssh config keeps its list (-o would win).
@@ -183,6 +176,30 @@ class OpenSSHTransport:
 
     def close(self) -> None:
         self.fallback.close()
+
+
+def openssh_argv(target: SSHTarget, command: str, *, client: str = "ssh",
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+                 extra: Mapping[str, str] | None = None) -> list[str]:
+    """The one ``ssh`` command line for ``command`` (quoted once already) on ``target``.
+
+    Every OpenSSH user in clusterkit builds its argv here (doctor's fan-out, collect's
+    per-node sessions): key logins only, known_hosts enforced, connect and keepalive
+    timeouts, then the caller's ``extra`` options, then the target's own fields (the one
+    ssh_config mapping, :meth:`SSHTarget.options`, which paramiko and pdsh use too).
+    ``-o`` is first-value-wins like ssh_config, so one dict keeps each keyword once;
+    ssh then reads ``-F config_file`` or ~/.ssh/config and /etc/ssh/ssh_config itself.
+    """
+    opts = {"BatchMode": "yes", "StrictHostKeyChecking": "yes",
+            "ConnectTimeout": str(max(1, math.ceil(connect_timeout))),
+            "ServerAliveInterval": str(SERVER_ALIVE_S), "ServerAliveCountMax": "4",
+            **(extra or {}), **target.options()}
+    words = [client, "-T", "-x", "-a"]
+    if target.config_file:
+        words += ["-F", target.config_file]
+    for key, value in opts.items():
+        words += ["-o", f"{key}={value}"]
+    return [*words, "--", target.address, command]
 
 
 def with_openssh(transport: Transport, *,
