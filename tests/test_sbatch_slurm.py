@@ -21,6 +21,7 @@ import pytest
 
 from clusterkit.cli.main import main
 from clusterkit.slurm import SlurmClient, SlurmError
+from clusterkit.slurm.ranklines import LabelJoiner
 from tests.slurmbed import SlurmBed
 
 pytestmark = [pytest.mark.slurm, pytest.mark.testbed]
@@ -140,9 +141,14 @@ def _ckpt_dirs(bed: SlurmBed, job: str) -> dict[str, str]:
 
 
 def _summary(text: str) -> dict[str, object]:
-    lines = [ln for ln in text.splitlines() if "CLUSTERKIT_SUMMARY " in ln]
+    # A raw output file holds srun --label's 1024-byte pieces of a long line (the summary
+    # lists every step's loss): join them as the watch does.
+    joiner = LabelJoiner()
+    whole = [w for raw in text.splitlines(keepends=True) for w in joiner.feed(raw)]
+    lines = [ln for ln in [*whole, *joiner.flush()] if "CLUSTERKIT_SUMMARY " in ln]
     assert lines, text[-3000:]
-    return dict(json.loads(lines[-1].split("CLUSTERKIT_SUMMARY ", 1)[1]))
+    return dict(json.loads(lines[-1].split("CLUSTERKIT_SUMMARY ", 1)[1]
+                           .replace("[rank0]:", "")))  # torchrun's tee may repeat its header
 
 
 @pytest.mark.slow
