@@ -160,6 +160,16 @@ def test_plan_warns_on_ranks_without_a_gpu_and_strict_refuses() -> None:
     assert [w.split(":")[0] for w in plan.warnings] == ["c1"]
     assert "--gpus-per-node 2 but gpus: 0" in plan.warnings[0]
     assert _mixed_plan(include="c1").warnings == ()  # a CPU job
+    # hosts with the same case fold into one line (32 CPU hosts asked for GPUs: one line)
+    from clusterkit.inventory import parse_inventory
+    from clusterkit.plan import plan_job
+    from clusterkit.spec.job import JobOptions
+    from tests.render_cases import FACTS
+
+    inv = parse_inventory(_GPU_INV.split("hosts:")[0] + "hosts:\n"
+                          "  node[1-32]:\n    address: 10.9.0.[1-32]\n    gpus: 0\n    slots: 1\n")
+    warnings = plan_job(inv, JobOptions(job_id="w", gpus_per_node=1), FACTS).warnings
+    assert len(warnings) == 1 and warnings[0].startswith("node[1-32]: --gpus-per-node 1 but")
     assert _mixed_plan(nodes=1, gpus_per_node=1).warnings == ()
 
 

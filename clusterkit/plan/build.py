@@ -13,6 +13,7 @@ from clusterkit.backend_timeouts import timeout_env
 from clusterkit.contract import Contract
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import select_hosts
+from clusterkit.hostrange import folded_lines
 from clusterkit.inventory import Host, Inventory
 from clusterkit.launchers import BACKENDS, plan_backends
 from clusterkit.plan.env import build_env
@@ -184,19 +185,23 @@ def _zero_spec(o: JobOptions, nodes: tuple[NodePlan, ...], world: int, storage: 
 
 
 def _gpu_warnings(o: JobOptions, nodes: tuple[NodePlan, ...]) -> tuple[str, ...]:
-    """Ranks that will not get a GPU of their own, though the job looks like a GPU job."""
-    out = []
+    """Ranks that will not get a GPU of their own, though the job looks like a GPU job.
+
+    One warning per distinct case, its hosts folded (``node[1-32]: ...``): 32 CPU hosts
+    asked for GPU ranks are one line, not 32."""
+    pairs = []
     for n in nodes:
         if n.host.gpus > 0 and n.nproc > n.host.gpus:
-            out.append(f"{n.name}: {n.nproc} ranks but gpus: {n.host.gpus} in the inventory; "
-                       "ranks would share GPUs (set slots/--gpus-per-node to at most gpus)")
+            pairs.append((n.name, f"{n.nproc} ranks but gpus: {n.host.gpus} in the inventory; "
+                                  "ranks would share GPUs (set slots/--gpus-per-node to at most "
+                                  "gpus)"))
         elif n.host.gpus == 0 and (o.gpus_per_node or 0) > 0 and n.host.transport != "local":
             # --gpus-per-node asks for GPU ranks; a CPU host runs them on the CPU. Virtual
             # nodes on this machine (the embedded default) are CPU ranks by design.
-            out.append(f"{n.name}: --gpus-per-node {o.gpus_per_node} but gpus: 0 in the "
-                       f"inventory; its {n.nproc} ranks run on the CPU (set gpus: N for this "
-                       "host, or leave out --gpus-per-node for a CPU job)")
-    return tuple(out)
+            pairs.append((n.name, f"--gpus-per-node {o.gpus_per_node} but gpus: 0 in the "
+                                  f"inventory; its {n.nproc} ranks run on the CPU (set gpus: N "
+                                  "in the inventory, or leave out --gpus-per-node for a CPU job)"))
+    return tuple(folded_lines(pairs, order=[n.name for n in nodes]))
 
 
 def _strict(o: JobOptions, warnings: tuple[str, ...], inv_path: str | None) -> None:
