@@ -1,6 +1,6 @@
 """The workload's side of the hang contract (docs/launch.md, "Hangs").
 
-* **Heartbeat**: after every step the rank writes its step number to
+* **Heartbeat**: after its first step, then at most once a second, the rank writes its step number to
   ``$CLUSTERKIT_HEARTBEAT`` (the node agent gives each rank its own path; under
   torchrun/DeepSpeed/accelerate the path is ``$CLUSTERKIT_HEARTBEAT_DIR/rank<RANK>.heartbeat``).
   The agent reads the file's mtime as progress and its content as the step.
