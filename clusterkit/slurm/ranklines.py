@@ -56,8 +56,10 @@ def parse_shape(line: str) -> JobShape | None:
 
 
 # srun --label forwards a task's output in messages of at most this many bytes and
-# labels each one: a longer line arrives cut into labelled pieces of exactly this size
-# (seen on the Slurm test bed: a 3000-byte line -> 1024 + 1024 + 952, each "0: ...").
+# labels each one: a longer line arrives cut into labelled pieces (seen on the Slurm
+# test bed: a 3000-byte line -> 1024 + 1024 + 952, each "0: ..."). Known gap: a line
+# that starts inside a message is cut at that message's end, so its first piece can be
+# shorter (714 bytes seen); this joiner only rejoins full-size pieces.
 SRUN_PIECE_BYTES = 1024
 
 
