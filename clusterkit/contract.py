@@ -26,6 +26,11 @@ STORAGE_KINDS: tuple[str, ...] = ("shared", "node-local")
 # Rank 0 of the bundled workload ends with this line + one JSON object; the launcher
 # reads it from the rank lines, prints it once and saves it (docs/launch.md).
 SUMMARY_PREFIX = "CLUSTERKIT_SUMMARY "
+# ... and writes the same object to <run dir>/summary.json (atomic): what a reader that
+# sees only a console stream cut into pieces (srun --label, torchrun's tee) reads instead.
+SUMMARY_FILE = "summary.json"
+RUN_SUBDIR = "run"  # <job dir>/run: the bundled workload's --run-dir (monitor, summary)
+LOG_SUBDIR = "logs"  # <job dir>/logs: where the sbatch template's --output/--error point
 
 
 @dataclass(frozen=True)

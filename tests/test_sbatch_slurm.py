@@ -140,6 +140,11 @@ def _ckpt_dirs(bed: SlurmBed, job: str) -> dict[str, str]:
     return {n["host"]: n["ckpt_dir"] for n in plan["nodes"]}
 
 
+def _saved_summary(bed: SlurmBed, job: str) -> dict[str, object]:
+    """What rank 0 saved last (<job dir>/run/summary.json): a requeued job's second run."""
+    return dict(json.loads((_job_dir(bed, job) / "run" / "summary.json").read_text()))
+
+
 def _summary(text: str) -> dict[str, object]:
     # A raw output file holds srun --label's 1024-byte pieces of a long line (the summary
     # lists every step's loss): join them as the watch does.
@@ -256,7 +261,7 @@ def test_usr1_to_batch_checkpoints_requeues_and_resumes(slurm: SlurmBed) -> None
         time.sleep(0.5)
     out = (_job_dir(slurm, job) / "logs" / f"slurm-{slurm_id}.out").read_text(errors="replace")
     assert state == "COMPLETED", out[-3000:]
-    summary = _summary(out)  # the last summary: the requeued run's (the file is appended to)
+    summary = _saved_summary(slurm, job)  # the requeued run's
     assert summary["finished"] is True and summary["preempted"] is None, summary
     assert isinstance(summary["resumed_from"], str) and summary["resumed_from"].startswith("global_step")
     _assert_nodes_clean(slurm)
@@ -309,8 +314,8 @@ def test_node_local_requeue_stays_on_its_nodes_and_keeps_both_logs(slurm: SlurmB
     assert pinned, "the requeued job was not pinned to its nodes"
     runs = re.findall(rf"===== clusterkit: job {job} slurm={slurm_id} run (\d) on (\S+) ", out)
     assert runs == [("1", "node[1-2]"), ("2", "node[1-2]")], runs
-    assert "SIGUSR1" in out  # the first run's summary survived the requeue
-    summary = _summary(out)
+    assert "SIGUSR1 received: saved" in out  # the first run's lines survived the requeue
+    summary = _saved_summary(slurm, job)
     assert summary["finished"] is True and str(summary["resumed_from"]).startswith("global_step")
     # The same job forced onto other nodes: no silent fresh start.
     script = _job_dir(slurm, job) / "sbatch.sh"

@@ -8,6 +8,7 @@ it reads a finished job's files.
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -227,3 +228,44 @@ def test_watch_prints_a_long_summary_whole(tmp_path: Path) -> None:
     out = io.StringIO()
     watch(SlurmClient(runner=runner), "9", out, io.StringIO(), poll_s=0, sleep=lambda _: None)
     assert out.getvalue().splitlines()[-1] == summary
+
+
+def _watch_file(out_file: Path, start: str = "Unknown") -> str:
+    record = (f"JobId=9 JobName=ck JobState=COMPLETED Reason=None Restarts=0 ExitCode=0:0 "
+              f"StartTime={start} NodeList=node[1-2] StdErr={out_file.parent}/none.err "
+              f"StdOut={out_file}\n")
+
+    def runner(argv: Sequence[str], timeout: float, env: Mapping[str, str] | None,
+               cwd: str | None) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(list(argv), 0, record, "")
+
+    out = io.StringIO()
+    watch(SlurmClient(runner=runner), "9", out, io.StringIO(), poll_s=0, sleep=lambda _: None)
+    return out.getvalue()
+
+
+def test_a_summary_cut_short_of_1024_bytes_is_rejoined(tmp_path: Path) -> None:
+    # The final suite run's raw file: srun cut rank 0's summary after 714 bytes (its own
+    # message boundary, not 1024), the rest on the task's next line without [rank0]:.
+    summary = SUMMARY_PREFIX + '{"losses": [' + ", ".join(["1.25"] * 200) + '], "z": 1}'
+    out_file = tmp_path / "slurm-9.out"
+    out_file.write_text(f"0: [rank0]:{summary[:714]}\n1: [rank2]:other\n"
+                        f"0: {summary[714:]}\n1: [rank3]:done\n")
+    lines = _watch_file(out_file).splitlines()
+    assert lines[-1] == summary
+    assert not any(summary[714:740] in ln for ln in lines[:-1])  # the rest is not a line of its own
+
+
+def test_the_saved_summary_file_beats_the_line(tmp_path: Path) -> None:
+    # <job dir>/logs/slurm-9.out and <job dir>/run/summary.json, as clusterkit's script has them
+    logs, run = tmp_path / "logs", tmp_path / "run"
+    logs.mkdir()
+    run.mkdir()
+    (logs / "slurm-9.out").write_text(f'0: [rank0]:{SUMMARY_PREFIX}{{"steps": 3, "cut\n')
+    (run / "summary.json").write_text('{\n "steps": 3,\n "finished": true\n}\n')
+    want = SUMMARY_PREFIX + '{"finished": true, "steps": 3}'
+    assert _watch_file(logs / "slurm-9.out").splitlines()[-1] == want
+    # Left by an earlier job in the same job dir (written before this job started): not used.
+    os.utime(run / "summary.json", (1_000_000_000, 1_000_000_000))
+    last = _watch_file(logs / "slurm-9.out", start="2026-01-01T00:00:00").splitlines()[-1]
+    assert last == f'{SUMMARY_PREFIX}{{"steps": 3, "cut'

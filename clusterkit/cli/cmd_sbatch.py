@@ -27,6 +27,7 @@ from clusterkit.cli.common import (
     resolve_job_inventory,
 )
 from clusterkit.cli.jobflags import SCRIPT_OPTION
+from clusterkit.contract import LOG_SUBDIR
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.launchers import BACKENDS
@@ -40,7 +41,6 @@ from clusterkit.spec.job import JobPlan, LaunchPlan
 ACTIONS = ("status", "cancel")
 SCRIPT = "sbatch.sh"
 EXIT_JOB_FAILED = 1
-LOG_SUBDIR = "logs"  # where the template's #SBATCH --output/--error point
 NODES_FILE = "slurm_nodes"  # the first run's SLURM_JOB_NODELIST (node-local jobs; the script writes it)
 ACTION_USAGE = {
     "status": ("clusterkit sbatch status JOBID [--watch [--ranks R]] [--poll S] [--slurm-timeout S]",

@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from clusterkit.contract import LOG_SUBDIR
 from clusterkit.errors import RenderError
 from clusterkit.launchers import BACKENDS
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan
@@ -147,7 +148,7 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
     site = site or SlurmSite()
     o = plan.options
     node = plan.nodes[0]
-    log_dir = f"{node.job_dir}/logs"
+    log_dir = f"{node.job_dir}/{LOG_SUBDIR}"
     variant, line = launch_line(plan, log_dir)
     if not _TIME.fullmatch(o.time_limit):
         raise RenderError(f"--time {o.time_limit!r} is not a Slurm time", key="--time",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -42,6 +43,15 @@ class JobInfo:
     @property
     def finished(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    @property
+    def started_at(self) -> float | None:
+        """StartTime as seconds since the epoch (the latest run's start after a requeue),
+        None while unknown. scontrol prints the controller's local time."""
+        try:
+            return time.mktime(time.strptime(self.fields.get("StartTime", ""), "%Y-%m-%dT%H:%M:%S"))
+        except (ValueError, OverflowError):
+            return None
 
     @property
     def succeeded(self) -> bool:

@@ -15,13 +15,14 @@ script puts there (:mod:`clusterkit.slurm.ranklines`). The files keep every line
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from clusterkit.contract import SUMMARY_PREFIX
+from clusterkit.contract import LOG_SUBDIR, RUN_SUBDIR, SUMMARY_FILE, SUMMARY_PREFIX
 from clusterkit.fold import Folded, LineFolder
 from clusterkit.hostrange import HostRangeError, expand_list
 from clusterkit.slurm.client import SlurmClient
@@ -42,6 +43,8 @@ CHUNK = 1 << 16
 # the same start-up warning up to 3.7 s apart, and a batch job's watch can afford the
 # wait. A line every rank said leaves as soon as the last one said it.
 WATCH_WINDOW_S = 5.0
+# A summary line that never parses (not ours after all) is shown as it is past this size.
+MAX_SUMMARY_CHARS = 1 << 20
 
 
 @dataclass
@@ -113,6 +116,10 @@ class _Console:
         self.err = _Stream(err, LineFolder(window_s, ranks=ranks))
         self.shape: JobShape | None = None
         self.summary: str | None = None
+        # Rank 0's summary line that does not parse yet, and who writes its rest: srun
+        # cuts a long line at its own message boundaries (not only at 1024 bytes), and the
+        # rest comes on that task's next lines, without the [rank0]: header.
+        self._cut: tuple[_Stream, str | None, str] | None = None
 
     def line(self, raw: str, stream: _Stream, nodes: list[str], file_rank: int | None,
              now: float) -> None:
@@ -121,15 +128,25 @@ class _Console:
             parsed = RankLine(node_of_rank(file_rank, nodes, self.shape), file_rank, text)
         else:
             parsed = parse_labelled(text, nodes, self.shape)
-        if parsed.node is None:
+        if self._cut is not None and self._cut[:2] == (stream, parsed.node):
+            self._summary_piece(self._cut[2] + parsed.text)
+        elif parsed.node is None:
             self._script_line(raw, text, stream, now)
         elif parsed.rank is None:
             stream.node(parsed.node, parsed.text)
         elif parsed.text.startswith(SUMMARY_PREFIX):
             if parsed.rank == 0:  # the bundled workload's rank 0 ends with it: shown once, last
-                self.summary = parsed.text
+                self._cut = (stream, parsed.node, "")
+                self._summary_piece(parsed.text)
         else:
             stream.rank(parsed, now)
+
+    def _summary_piece(self, text: str) -> None:
+        if _parses(text[len(SUMMARY_PREFIX):]) or len(text) > MAX_SUMMARY_CHARS:
+            self.summary, self._cut = text, None
+        else:
+            assert self._cut is not None
+            self._cut = (*self._cut[:2], text)
 
     def _script_line(self, raw: str, text: str, stream: _Stream, now: float) -> None:
         shape = parse_shape(text)
@@ -139,12 +156,49 @@ class _Console:
             self.out.folder.world_size = self.err.folder.world_size = shape.world_size
         stream.script(raw, now)
 
-    def release(self, now: float, final: bool = False) -> None:
+    def release(self, now: float, final: bool = False, saved: str | None = None) -> None:
+        """``saved``: the summary file's object, when the run wrote one (it beats the line)."""
         self.out.release(now, final)
         self.err.release(now, final)
+        if final and self._cut is not None:
+            self.summary, self._cut = self._cut[2], None
+        if final and saved is not None:
+            self.summary = SUMMARY_PREFIX + saved
         if final and self.summary is not None:
             self.out.write(self.summary + "\n")
             self.summary = None
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def summary_file(info: JobInfo) -> str | None:
+    """Where the bundled workload saved its summary: ``<job dir>/run/summary.json``,
+    the job dir being the parent of clusterkit's ``<job dir>/logs/`` output files."""
+    logs = os.path.dirname(info.stdout) if info.stdout else ""
+    if os.path.basename(logs) != LOG_SUBDIR:
+        return None  # not a script clusterkit wrote
+    return os.path.join(os.path.dirname(logs), RUN_SUBDIR, SUMMARY_FILE)
+
+
+def _saved_summary(info: JobInfo, watch_started: float) -> str | None:
+    """The summary file's object as one line, if this run of the job wrote it."""
+    path = summary_file(info)
+    started = info.started_at
+    # A second of slack: StartTime has whole seconds; some filesystems' mtimes are coarse.
+    since = (watch_started if started is None else started) - 1.0
+    try:
+        if path is None or os.path.getmtime(path) < since:
+            return None  # none, or left by an earlier job in the same job dir
+        with open(path, encoding="utf-8") as fh:
+            return json.dumps(json.load(fh), sort_keys=True)
+    except (OSError, ValueError):
+        return None
 
 
 def _node_names(info: JobInfo) -> list[str]:
@@ -189,6 +243,7 @@ def watch(client: SlurmClient, job_id: str, out: TextIO, err: TextIO, *, poll_s:
     files. ``ranks``: whose lines are shown (None: all)."""
     # A line reaches us up to one poll late: the window covers a poll on top.
     console = _Console(out, err, WATCH_WINDOW_S + poll_s, ranks)
+    started = time.time()
     followers: dict[str, tuple[_Follower, _Stream, int | None]] = {}
     last = ("", 0)
     while True:
@@ -207,7 +262,8 @@ def watch(client: SlurmClient, job_id: str, out: TextIO, err: TextIO, *, poll_s:
                 lines += follower.joiner.flush()
             for raw in lines:
                 console.line(raw, stream, nodes, rank, now)
-        console.release(now, final=info.finished)
+        saved = _saved_summary(info, started) if info.finished else None
+        console.release(now, final=info.finished, saved=saved)
         if info.finished:
             return info
         sleep(poll_s)

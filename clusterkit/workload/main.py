@@ -20,9 +20,9 @@ from typing import Any, cast
 
 from clusterkit.backend_timeouts import pg_timeout_from_env
 from clusterkit.checkpoints import layout
-from clusterkit.contract import SUMMARY_PREFIX
+from clusterkit.contract import SUMMARY_FILE, SUMMARY_PREFIX
 from clusterkit.errors import ClusterkitError
-from clusterkit.fsutil import read_json_object
+from clusterkit.fsutil import atomic_write_text, read_json_object
 from clusterkit.spec.zero import Offload, Precision, ZeroSpec, build_ds_config, resolve_precision
 from clusterkit.workload import hangs
 from clusterkit.workload.args import WorkloadArgs, parse_args
@@ -227,6 +227,10 @@ def _run(args: WorkloadArgs, rank: int, local_rank: int, world: int,
     summary = _summary(args, engine, stats, resumed_from, world, zero_stage, precision,
                        preset, micro, accum, stop_code, on_gpu, topo.num_nodes)
     if rank == 0:
+        # The file is the summary to read back: a console line can arrive cut (srun
+        # --label splits long lines at its message boundaries; torchrun's tee at a read).
+        atomic_write_text(os.path.join(run_dir, SUMMARY_FILE),
+                          json.dumps(summary, sort_keys=True, indent=1) + "\n")
         print(SUMMARY_PREFIX + json.dumps(summary, sort_keys=True), flush=True)
     return EXIT_TERM if stop_code == 2 else EXIT_OK
 
