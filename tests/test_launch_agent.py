@@ -200,6 +200,8 @@ def test_agent_classifies_torchrun_and_pdsh_lines() -> None:
                           rank_offsets={"node1": 0, "node5": 8})
     a = agent_mod.Agent(spec, out)
     assert a._classify("[default1]:step 3") == ("node1", 1, "step 3")
+    # torchrun printed a half-written line in two parts, the header twice (a summary: cut JSON)
+    assert a._classify('[default0]:{"a": 1, [default0]:"b": 2}') == ("node1", 0, '{"a": 1, "b": 2}')
     assert a._classify("plain launcher line") == ("node1", None, "plain launcher line")
     spec.prefix = "pdsh"
     assert a._classify("node5: hello") == ("node5", None, "hello")

@@ -415,7 +415,9 @@ class Agent:
             return node, 0, text
         m = _TORCHRUN_LINE.match(text)
         if m:
-            return node, int(m.group(1)), m.group(2)
+            # torchrun's tee (tail_logfile) reads a rank's log with readline(): a line
+            # caught half-written comes out in two parts, the second with the header again.
+            return node, int(m.group(1)), m.group(2).replace(text[:m.start(2)], "")
         return node, None, text
 
     def _watch_failure(self, node: str, text: str) -> None:
