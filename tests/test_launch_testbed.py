@@ -72,6 +72,24 @@ def _launch(inv: Path, job: str, extra: Sequence[str], env: dict[str, str], cwd:
                             env=env, cwd=cwd, start_new_session=True)
 
 
+def _kill9_then_wait(tb: Testbed, proc: subprocess.Popen[str], node: str, victim: int,
+                     nodes: Sequence[str], job: str, limit_s: float, seen: list[str]) -> None:
+    """kill -9 ``victim`` on ``node``; the launcher exits and, within ``limit_s`` of the
+    kill, no process of ``job`` is left on any node. Ctrl-C's the launcher if it hangs."""
+    try:
+        killed_at = time.monotonic()
+        tb.exec(node, ["kill", "-9", str(victim)])
+        out, _ = proc.communicate(timeout=60)
+        seen.append(out)
+        while not _gone_everywhere(tb, nodes, job):
+            assert time.monotonic() - killed_at < limit_s, f"processes left {limit_s} s after the kill"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(30)
+
+
 def _read_until(proc: subprocess.Popen[str], want: int, pattern: str, timeout: float,
                 seen: list[str]) -> None:
     """Read lines until ``want`` lines contain ``pattern``."""
@@ -119,18 +137,12 @@ def test_kill9_of_one_rank_on_node5_stops_every_rank_and_spares_other_jobs(
         _read_until(proc, 14, "ready rank", 120, seen)
         victim = _job_pids(testbed, "node5", job, rank=9)
         assert len(victim) == 1
-        killed_at = time.monotonic()
-        testbed.exec("node5", ["kill", "-9", str(victim[0])])
-        out, _ = proc.communicate(timeout=60)
-        seen.append(out)
-        # Every rank on every node gone within 10 s of the kill.
-        while not _gone_everywhere(testbed, nodes, job):
-            assert time.monotonic() - killed_at < 10, "ranks still alive 10 s after the kill"
-            time.sleep(0.2)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(30)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(30)
+        raise
+    # Every rank on every node gone within 10 s of the kill.
+    _kill9_then_wait(testbed, proc, "node5", victim[0], nodes, job, 10, seen)
     text = "".join(seen)
     assert proc.returncode == 137, text[-3000:]
     assert "node5 rank 9 failed first (killed by SIGKILL)" in text, text[-3000:]

@@ -11,13 +11,12 @@ import json
 import os
 import signal
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.test_launch_testbed import _gone_everywhere, _job_pids, _launch, _read_until
+from tests.test_launch_testbed import _job_pids, _kill9_then_wait, _launch, _read_until
 from tests.testbed.core import Testbed
 
 pytestmark = pytest.mark.testbed
@@ -116,17 +115,11 @@ def test_teardown_leaves_no_process_of_a_forked_job(testbed: Testbed, tmp_path: 
                 victim = int(next(ln for ln in seen if "ready rank 3 " in ln).split()[-1])
             else:
                 victim = _agent_pid(testbed, "node2", job)
-            killed_at = time.monotonic()
-            testbed.exec("node2", ["kill", "-9", str(victim)])
-            out, _ = proc.communicate(timeout=60)
-            seen.append(out)
-            while not _gone_everywhere(testbed, nodes, job):
-                assert time.monotonic() - killed_at < 15, "processes left 15 s after the kill"
-                time.sleep(0.2)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-                proc.wait(30)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(30)
+            raise
+        _kill9_then_wait(testbed, proc, "node2", victim, nodes, job, 15, seen)
         text = "".join(seen)
         assert proc.returncode != 0, text[-3000:]
         if how == "rank":
