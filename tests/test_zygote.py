@@ -125,7 +125,8 @@ def test_what_the_zygote_imports(monkeypatch: pytest.MonkeyPatch) -> None:
     target = SSHTarget(name="n", address="127.0.0.1", local=True)
     task = NodeTask(node="n", target=target, python="python", rank_offset=0, nprocs=1,
                     argv=("python", "-u", "-m", "clusterkit.workload"), native={"nproc": 1})
-    assert zygote_imports(task) == ["torch", "torch.distributed", "clusterkit.workload.main"]
+    assert zygote_imports(task) == ["torch", "torch.distributed", "torch._dynamo",
+                                    "clusterkit.workload.main"]
     assert zygote_imports(task, {"CLUSTERKIT_ZYGOTE": "0"}) == []
     assert zygote_imports(task, {"CLUSTERKIT_ZYGOTE_IMPORTS": "torch, deepspeed"}) == \
         ["torch", "deepspeed"]
