@@ -41,6 +41,10 @@ DEFAULT_TESTBED_NODES = 2
 # session with its own test bed (a fresh prefix and subnet, tests/testbed/core.py). Tests
 # that share a session resource run in one worker, so it exists once: the Slurm cluster,
 # and each expensive shared training run.
+# Longer variants of behaviours the default run already covers (the 7 x 2 acceptance
+# runs, every launcher variant on Slurm, the whole resume grid): @pytest.mark.extended.
+EXTENDED_ENV = "CLUSTERKIT_EXTENDED"
+EXTENDED = os.environ.get(EXTENDED_ENV) == "1"
 XDIST_GROUPS = {
     "slurm_bed": "slurm",
     "slurm": "slurm",
@@ -60,6 +64,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group is not None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group))
         rank[item.nodeid] = order.get(group, len(order)) if group else len(order)
+        if item.get_closest_marker("extended") is not None and not EXTENDED:
+            item.add_marker(pytest.mark.skip(reason=f"extended variant: {EXTENDED_ENV}=1 runs it"))
     if hasattr(config, "workerinput"):
         # In an xdist worker: the long groups first (the scheduler hands out work in
         # collection order), so neither worker ends the run with a long group alone.

@@ -9,7 +9,7 @@ launcher's report names the node it could not confirm. The link comes back up
 (with its routes) in ``finally``.
 
 Lean: 3 nodes x 1 rank. The 7x2 acceptance (node6 cut) is the same test with
-CLUSTERKIT_ACCEPT_7X2=1 (marked slow).
+CLUSTERKIT_EXTENDED=1 (marked slow).
 """
 
 from __future__ import annotations
@@ -93,8 +93,7 @@ def test_cut_node_tears_down_its_own_ranks(testbed: Testbed, tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("CLUSTERKIT_ACCEPT_7X2") != "1",
-                    reason="the 7x2 acceptance run: CLUSTERKIT_ACCEPT_7X2=1")
+@pytest.mark.extended  # the 7x2 acceptance run
 def test_acceptance_7x2_node6_cut(testbed: Testbed, tmp_path: Path) -> None:
     _partition_case(testbed, tmp_path, nodes=7, ranks=2, cut="node6")
 

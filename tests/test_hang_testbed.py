@@ -64,8 +64,7 @@ def test_stopped_rank_is_named_dumped_torn_down_and_the_restart_resumes(
                        ref=reference_2x2)
 
 
-@pytest.mark.skipif(os.environ.get("CLUSTERKIT_ACCEPT_7X2") != "1",
-                    reason="the 7x2 acceptance run costs minutes: CLUSTERKIT_ACCEPT_7X2=1")
+@pytest.mark.extended  # the 7x2 acceptance run costs minutes
 def test_acceptance_7x2_rank_on_node4_stopped(testbed: Testbed, tmp_path: Path) -> None:
     _stopped_rank_case(testbed, tmp_path, nodes=7, ranks=2, stop_rank=7, stop_node="node4")
 

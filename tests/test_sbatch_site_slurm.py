@@ -39,9 +39,8 @@ def _wait_finished(bed: SlurmBed, slurm_id: str, timeout: float) -> tuple[str, f
     return state, time.monotonic() - t0
 
 
-# The default launcher always; the other two variants with CLUSTERKIT_SLURM_ALL=1.
-ALL = pytest.mark.skipif(os.environ.get("CLUSTERKIT_SLURM_ALL") != "1",
-                         reason="set CLUSTERKIT_SLURM_ALL=1 for the long site tests")
+# The default launcher always; the other two variants with CLUSTERKIT_EXTENDED=1.
+ALL = pytest.mark.extended
 
 
 @pytest.mark.slow
@@ -122,7 +121,7 @@ def _job_dir(bed: SlurmBed, job: str) -> Path:
     return bed.tb.root / "work" / ".clusterkit" / "jobs" / job
 
 
-# Full trainings (minutes on 2 shared cores): only with CLUSTERKIT_SLURM_ALL=1.
+# Full trainings (minutes on 2 shared cores): only with CLUSTERKIT_EXTENDED=1.
 def _run_nodes(out: str) -> list[str]:
     """The node list of each run, from the script's "===== clusterkit: ... run N on NODES" lines."""
     return re.findall(r"^===== clusterkit: job \S+ slurm=\d+ run \d+ on (\S+)", out, re.M)

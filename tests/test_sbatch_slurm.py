@@ -204,11 +204,10 @@ def test_cancel_leaves_no_process(slurm: SlurmBed) -> None:
     assert r.returncode == 0 and "CANCELLED" in r.stdout
 
 
-# accelerate and deepspeed add ~2 minutes on 2 cores: run them with CLUSTERKIT_SLURM_ALL=1.
+# accelerate and deepspeed add ~2 minutes on 2 cores: run them with CLUSTERKIT_EXTENDED=1.
 # torchrun (the default launcher) always runs: USR1 reaches torchrun too, which must
 # ignore it (clusterkit.launchers.argv.IGNORE_USR1) so the ranks can save.
-ALL_VARIANTS = pytest.mark.skipif(os.environ.get("CLUSTERKIT_SLURM_ALL") != "1",
-                                  reason="set CLUSTERKIT_SLURM_ALL=1 for every launcher variant")
+ALL_VARIANTS = pytest.mark.extended
 
 
 @pytest.mark.slow
@@ -328,7 +327,7 @@ def test_node_local_requeue_stays_on_its_nodes_and_keeps_both_logs(slurm: SlurmB
 
 
 @pytest.mark.slow
-@ALL_VARIANTS  # two 2x2 runs (~3 min under load): a measurement, run with CLUSTERKIT_SLURM_ALL=1
+@ALL_VARIANTS  # two 2x2 runs (~3 min under load): a measurement, run with CLUSTERKIT_EXTENDED=1
 def test_threads_per_rank_same_cpu_per_step_for_every_variant(slurm: SlurmBed) -> None:
     """One Slurm task per rank (deepspeed) used 10x the CPU per step of torchrun (no
     OMP_NUM_THREADS); now both get the task's CPUs / its ranks."""
