@@ -7,7 +7,6 @@ Each test is one short job (2 nodes x 1 rank, 3 steps) or no training at all.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
