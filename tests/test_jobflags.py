@@ -157,3 +157,12 @@ def test_every_verb_refuses_its_flags_after_the_script() -> None:
             _program_options(verb, ["train.py", "--nodes", "2"])
         assert info.value.key == "--nodes", verb
         assert "put clusterkit's flags before train.py" in info.value.one_line(), verb
+
+
+def test_a_bad_script_path_is_named_as_the_program_word() -> None:
+    from clusterkit.errors import RenderError
+    from tests.render_cases import plan_for
+
+    with pytest.raises(RenderError) as err:
+        plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=1, script="-x.py")
+    assert err.value.key == "SCRIPT" and "SCRIPT '-x.py' is not a script path" in str(err.value)

@@ -56,7 +56,7 @@ def _check_options(o: JobOptions) -> None:
                           hint="use dotted identifiers, e.g. mypkg.train")
     if o.script is not None and (not o.script or o.script.startswith("-") or "\n" in o.script):
         # A leading dash would be read as an option by every launcher.
-        raise RenderError(f"--script {o.script!r} is not a script path", key="--script",
+        raise RenderError(f"SCRIPT {o.script!r} is not a script path", key="SCRIPT",
                           hint="give the path of a Python file, e.g. ./train.py")
     for key, value, minimum in (("--steps", o.steps, 1), ("--max-restarts", o.max_restarts, 0),
                                 ("--save-every", o.save_every, 0)):
