@@ -182,4 +182,4 @@ def test_workload_7x2_collect_and_consolidate_exact(
     live = torch.load(launched.weights, map_location="cpu")
     got = load_state_dict_dir(str(dest / f"{tag}-fp32"))
     assert set(live) <= set(got)
-    assert max(float((got[k] - v.detach()).abs().max()) for k, v in live.items()) == 0.0
+    assert max(float((got[k].detach() - v.detach()).abs().max()) for k, v in live.items()) == 0.0
