@@ -147,3 +147,19 @@ def test_argv_forms_and_the_script_scan(tmp_path: Path) -> None:
     script.write_text("import torch.distributed as dist\n")
     assert zygote.worth_it("script", str(script)) and zygote.worth_it("module", "x")
     assert os.path.isabs(zygote.path0("module", "x"))
+
+
+def test_ranks_with_several_cpus_are_still_forked(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # numpy's OpenBLAS (torch imports numpy) started OMP_NUM_THREADS - 1 threads at load:
+    # with 2 CPUs per rank every node fell back to exec (bench/launch.py at 32 x 1).
+    pytest.importorskip("numpy")
+    monkeypatch.setenv("CLUSTERKIT_ZYGOTE_IMPORTS", "numpy")
+    monkeypatch.delenv("CLUSTERKIT_ZYGOTE", raising=False)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    outcome, text, found = _run(tmp_path, "zomp", OMP_NUM_THREADS="2")
+    assert outcome.exit_code == 0 and "no fork server" not in text, text
+    assert sorted(found) == [0, 1, 2, 3] and all(d["forked"] for d in found.values()), text
+    # The loader's setting stays in the zygote: each rank's env is its own.
+    assert all("OPENBLAS_NUM_THREADS" not in d["env"] for d in found.values())
+    assert all(d["env"]["OMP_NUM_THREADS"] == "2" for d in found.values())

@@ -230,7 +230,7 @@ def unfit_reason() -> str | None:
     """Why forking this process now would not give clean ranks (None: it would)."""
     n = _threads()
     if n > 1:
-        return f"{n} threads after the imports (set OMP_NUM_THREADS?): fork would lose them"
+        return f"{n} threads after the imports: fork would lose them"
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
@@ -367,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         # Import as the ranks will (a torch.py beside the script shadows the real one).
         sys.path[0] = path0(kind, target)
     started = time.monotonic()
+    # torch imports numpy, whose OpenBLAS starts OMP_NUM_THREADS - 1 threads as it loads
+    # (seen: 2 threads, so no fork, on every node where a rank has 2+ CPUs, i.e. nearly
+    # every real node). Loaded here single-threaded: the ranks' torch threads still
+    # follow OMP_NUM_THREADS (_threads_rule); numpy's own BLAS stays 1-threaded in a
+    # forked rank. Only this process's variable: each rank gets its own env back.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
         for name in config.get("imports", []):
             __import__(name)
