@@ -104,7 +104,11 @@ def _watch(variant: str, tmp_path: Path, ranks: str = "all") -> tuple[str, str]:
     record = (f"JobId={sid} JobName=ck-cap-{variant} JobState=COMPLETED Reason=None Restarts=0 "
               f"ExitCode=0:0 NodeList=node[1-2] StdErr={logs}/slurm-{sid}.err "
               f"StdOut={logs}/slurm-{sid}.out\n")
+    return _watch_record(record, sid, ranks)
 
+
+def _watch_record(record: str, sid: str, ranks: str = "all") -> tuple[str, str]:
+    """The watch's stdout and stderr for a job scontrol describes with ``record``."""
     def runner(argv: Sequence[str], timeout: float, env: Mapping[str, str] | None,
                cwd: str | None) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(list(argv), 0, record, "")
@@ -211,6 +215,13 @@ def test_torchrun_tee_repeated_header_is_dropped() -> None:
     assert parsed == RankLine("node1", 0, 'CLUSTERKIT_SUMMARY {"a": 1, "b": 2}')
 
 
+def _watch_file(out_file: Path, start: str = "Unknown") -> str:
+    record = (f"JobId=9 JobName=ck JobState=COMPLETED Reason=None Restarts=0 ExitCode=0:0 "
+              f"StartTime={start} NodeList=node[1-2] StdErr={out_file.parent}/none.err "
+              f"StdOut={out_file}\n")
+    return _watch_record(record, "9")[0]
+
+
 def test_watch_prints_a_long_summary_whole(tmp_path: Path) -> None:
     out_file = tmp_path / "slurm-9.out"
     summary = SUMMARY_PREFIX + '{"k": "' + "v" * 1500 + '"}'
@@ -218,30 +229,7 @@ def test_watch_prints_a_long_summary_whole(tmp_path: Path) -> None:
     pieces = [line[i + 3:i + 3 + SRUN_PIECE_BYTES] for i in range(0, len(line) - 3,
                                                                    SRUN_PIECE_BYTES)]
     out_file.write_text("".join(f"0: {p}\n" for p in pieces) + "1: [rank1]:done\n")
-    record = (f"JobId=9 JobName=ck JobState=COMPLETED Reason=None Restarts=0 ExitCode=0:0 "
-              f"NodeList=node[1-2] StdErr={tmp_path}/none.err StdOut={out_file}\n")
-
-    def runner(argv: Sequence[str], timeout: float, env: Mapping[str, str] | None,
-               cwd: str | None) -> subprocess.CompletedProcess[str]:
-        return subprocess.CompletedProcess(list(argv), 0, record, "")
-
-    out = io.StringIO()
-    watch(SlurmClient(runner=runner), "9", out, io.StringIO(), poll_s=0, sleep=lambda _: None)
-    assert out.getvalue().splitlines()[-1] == summary
-
-
-def _watch_file(out_file: Path, start: str = "Unknown") -> str:
-    record = (f"JobId=9 JobName=ck JobState=COMPLETED Reason=None Restarts=0 ExitCode=0:0 "
-              f"StartTime={start} NodeList=node[1-2] StdErr={out_file.parent}/none.err "
-              f"StdOut={out_file}\n")
-
-    def runner(argv: Sequence[str], timeout: float, env: Mapping[str, str] | None,
-               cwd: str | None) -> subprocess.CompletedProcess[str]:
-        return subprocess.CompletedProcess(list(argv), 0, record, "")
-
-    out = io.StringIO()
-    watch(SlurmClient(runner=runner), "9", out, io.StringIO(), poll_s=0, sleep=lambda _: None)
-    return out.getvalue()
+    assert _watch_file(out_file).splitlines()[-1] == summary
 
 
 def test_a_summary_cut_short_of_1024_bytes_is_rejoined(tmp_path: Path) -> None:
