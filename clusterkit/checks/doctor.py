@@ -17,6 +17,7 @@ Nothing here prints; the CLI renders :class:`DoctorReport`.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import posixpath
 import statistics
@@ -231,7 +232,10 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *,
     probes, and each probe ends by connecting to it (one SSH session per node)."""
     started = time.monotonic()
     transport = fanout_transport(plan, transport)
-    own_digest = _in_background(_local_digest)  # ~0.1 s of hashing, while the nodes work
+    # ~0.1 s of hashing, while the nodes work (result() re-raises its error, if any)
+    digest_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="doctor-digest")
+    own_digest = digest_pool.submit(_local_digest)
+    digest_pool.shutdown(wait=False)
     master = plan.master
     listener = (_Listener.start_async(transport, master, plan.master_port)
                 if master is not None and plan.master_port else None)
@@ -250,7 +254,7 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *,
             listener.close()
     t_rules = time.monotonic()
     findings = (run_rules(facts, _with_windows(plan.ctx, windows)) + port_findings
-                + startup_findings(startup) + clusterkit_parity(facts, own_digest()))
+                + startup_findings(startup) + clusterkit_parity(facts, own_digest.result()))
     timings = {"facts": t_facts, **stats, "rules": time.monotonic() - t_rules,
                "total": time.monotonic() - started}
     client = "openssh" if isinstance(transport, OpenSSHTransport) else "paramiko"
@@ -275,28 +279,6 @@ def _local_digest() -> str:
     from clusterkit.remote.install import local_digest
 
     return local_digest()
-
-
-def _in_background(fn: Callable[[], str]) -> Callable[[], str]:
-    """Start ``fn`` on a thread now; the returned call waits for its result (or raises)."""
-    box: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            box["value"] = fn()
-        except Exception as exc:  # re-raised in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=work, daemon=True, name="doctor-digest")
-    thread.start()
-
-    def result() -> str:
-        thread.join()
-        if "error" in box:
-            raise box["error"]
-        return str(box["value"])
-
-    return result
 
 
 def clusterkit_parity(facts: Mapping[str, NodeFacts], digest: str | None = None) -> list[Finding]:
