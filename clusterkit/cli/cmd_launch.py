@@ -20,7 +20,7 @@ from clusterkit.cli.common import (
     resolve_job_inventory,
 )
 from clusterkit.cli.jobflags import add_job_flags, add_program, job_options
-from clusterkit.contract import SUMMARY_PREFIX
+from clusterkit.contract import SUMMARY_FILE, SUMMARY_PREFIX
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import folded_lines
 from clusterkit.launchers import BACKENDS
@@ -219,8 +219,7 @@ def _save_summary(registry: Any, result: Any) -> None:
 
     summary = result.outcomes[-1].summary
     if summary is not None:
-        path = registry.path(result.plan.job_id).parent / "summary.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = registry.path(result.plan.job_id).parent / SUMMARY_FILE
         atomic_write_text(path, json.dumps(summary, sort_keys=True, indent=1) + "\n")
 
 
