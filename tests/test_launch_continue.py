@@ -11,7 +11,7 @@ import pytest
 from clusterkit.errors import LaunchError
 from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.jobs import Registry
-from clusterkit.launch.run import _record, check_continue
+from clusterkit.launch.run import _record, check_continue, resume_note
 from tests.render_cases import plan_for
 
 
@@ -75,3 +75,12 @@ def test_gate_needs_clusterkit_only_for_the_bundled_workload() -> None:
     own = plan_for("a800-7x2", "torchrun", script="train.py")
     assert "clusterkit" in gate_needs(bundled) and "torch" in gate_needs(bundled)
     assert "clusterkit" not in gate_needs(own)
+
+
+def test_the_resume_note_names_the_node_local_trap_for_a_users_program() -> None:
+    assert resume_note(True, "node-local") == "the workload resumes from its newest complete checkpoint"
+    assert resume_note(False, "shared") == "your program must resume by itself"
+    # A user's DeepSpeed script that loaded `latest` resumed on node 0 only (seen on the
+    # test bed as a non-root user, node-local storage, no shared dir).
+    note = resume_note(False, "node-local")
+    assert "DeepSpeed's `latest` is on rank 0's node only" in note and "explicit tag" in note

@@ -126,9 +126,21 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
     dirs = sorted({n.ckpt_dir for n in plan.nodes})
     where = dirs[0] if len(dirs) == 1 else f"{len(dirs)} dirs"
     return (f"continuing job {plan.job_id} ({prior.state} before): checkpoints in {where} "
-            f"({plan.storage}); " + ("the workload resumes from its newest complete checkpoint"
-                                      if plan.program[:2] == ("-m", WORKLOAD_MODULE)
-                                      else "your program must resume by itself"))
+            f"({plan.storage}); "
+            + resume_note(plan.program[:2] == ("-m", WORKLOAD_MODULE), plan.storage))
+
+
+def resume_note(workload: bool, storage: str) -> str:
+    """Who resumes a continued or restarted job, and the node-local trap for a user's program."""
+    if workload:
+        return "the workload resumes from its newest complete checkpoint"
+    if storage == "node-local":
+        # Seen as a user: load_checkpoint(tag=None) resumed node 0 only, the others
+        # started fresh, and DeepSpeed failed on "tag name ... not consistent".
+        return ("your program must resume by itself: DeepSpeed's `latest` is on rank 0's node "
+                "only, so load an explicit tag every rank has (docs/launch.md, "
+                "\"Your own training script\")")
+    return "your program must resume by itself"
 
 
 def _map_text(m: list[list[Any]]) -> str:
@@ -181,8 +193,7 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         decisions, options = _prepare_restart(options, decisions, planner, transport, settings,
                                               sink)
         sink.info(f"restarting (attempt {attempt + 2} of {settings.max_restarts + 1}): "
-                  + ("the workload resumes from its newest complete checkpoint"
-                     if options.uses_workload else "your program must resume by itself"))
+                  + resume_note(options.uses_workload, decisions.storage))
     raise AssertionError("unreachable")
 
 
