@@ -23,7 +23,7 @@ from clusterkit.checkpoints.collect import (
     list_nodes,
     read_manifest,
 )
-from clusterkit.checkpoints.discover import CheckpointIncomplete, verify
+from clusterkit.checkpoints.discover import CheckpointIncomplete, WithoutMarkers, verify
 from clusterkit.checkpoints.scatter import ScatterTarget, plan_scatter, scatter
 from clusterkit.checkpoints.session import collect_ssh_argv
 from clusterkit.checkpoints.transfer import PART_SUFFIX, Hashed
@@ -382,3 +382,86 @@ def test_cli_job_mode_uses_the_job_record(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     dest = home / "jobs" / "ck-test-1" / "checkpoints"
     assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 4
+
+
+# ------------------------------------------------------- a user script's save (no markers)
+
+
+def _user_save(tmp: Path, n: int = 4, stage: int = 2, bf16: bool = False) -> list[CollectNode]:
+    """What ``engine.save_checkpoint`` leaves in a user's script: DeepSpeed's files only."""
+    nodes = _make(tmp, n=n, stage=stage)
+    for index, node in enumerate(nodes):
+        tag_dir = Path(node.root, TAG)
+        os.unlink(tag_dir / layout.marker_name(index))
+        if bf16:
+            for shard in tag_dir.glob("zero_pp_rank_*_optim_states.pt"):
+                shard.rename(shard.with_name("bf16_" + shard.name))
+    return nodes
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_user_save_is_refused_with_the_way_out_then_collected_without_markers(
+        tmp_path: Path, transport: DispatchTransport, stage: int) -> None:
+    nodes = _user_save(tmp_path, stage=stage)
+    with pytest.raises(CheckpointIncomplete) as info:
+        verify(list_nodes(transport, nodes, None))
+    assert any("--without-markers" in p for p in info.value.problems), info.value.problems
+    plan = verify(list_nodes(transport, nodes, None), "latest", WithoutMarkers(world_size=8))
+    assert plan.tag == TAG and plan.world_size == 8 and plan.canonical_node == "node1"
+    assert plan.zero_stage == {0: 0, 1: None, 3: 3}[stage]  # names cannot tell 1 from 2
+    assert [n.ranks for n in plan.nodes] == ([(), (), (), ()] if stage == 0 else
+                                             [(0, 1), (2, 3), (4, 5), (6, 7)])
+    assert plan.notes and "no completion markers" in plan.notes[0]
+
+
+def test_without_markers_names_missing_extra_and_duplicate_ranks(
+        tmp_path: Path, transport: DispatchTransport) -> None:
+    nodes = _user_save(tmp_path, bf16=True)
+    plan = verify(list_nodes(transport, nodes, None), "latest", WithoutMarkers(8))
+    assert plan.precision == "bf16"
+    with pytest.raises(CheckpointIncomplete) as info:  # the run had more ranks than given
+        verify(list_nodes(transport, nodes, None), "latest", WithoutMarkers(6))
+    assert any("ranks 6-7, beyond the expected world size 6" in p for p in info.value.problems)
+    os.unlink(synthetic.shard_paths(nodes[3].root)[1])  # rank 7
+    src = synthetic.shard_paths(nodes[0].root)[0]
+    Path(nodes[2].root, TAG, os.path.basename(src)).write_bytes(Path(src).read_bytes())
+    with pytest.raises(CheckpointIncomplete) as info:
+        verify(list_nodes(transport, nodes, None), "latest", WithoutMarkers(8))
+    text = " | ".join(info.value.problems)
+    assert "optimizer shard of rank 7 is missing" in text
+    assert "rank 0 exists on node1 and node3" in text
+
+
+def test_a_torch_file_cut_short_is_refused_in_both_modes(
+        tmp_path: Path, transport: DispatchTransport) -> None:
+    """torch.save writes a zip whose last 22 bytes are the end record; a killed save lacks it."""
+    nodes = _user_save(tmp_path)
+    shard = Path(synthetic.shard_paths(nodes[1].root)[0])
+    whole = b"PK\x03\x04" + b"x" * 100 + b"PK\x05\x06" + bytes(18)
+    shard.write_bytes(whole)
+    verify(list_nodes(transport, nodes, None), "latest", WithoutMarkers(8))
+    shard.write_bytes(whole[:-30])
+    with pytest.raises(CheckpointIncomplete, match=r"node2: global_step1/zero_pp_rank_2_mp_rank_00_"
+                       r"optim_states.pt is cut short \(96 bytes, no zip end record\)"):
+        verify(list_nodes(transport, nodes, None), "latest", WithoutMarkers(8))
+
+
+def test_cli_without_markers_collects_a_user_save(tmp_path: Path) -> None:
+    inv = _local_inventory(tmp_path)
+    roots = [str(tmp_path / f"node{i}" / "ckpt") for i in (1, 2, 3)]
+    synthetic.write_node_local(roots, shard_bytes=2048, model_bytes=512)
+    for i, root in enumerate(roots):
+        os.unlink(Path(root, TAG, layout.marker_name(i)))
+    dest = tmp_path / "dest"
+    refused = _run_cli("-i", str(inv), "--to", str(dest))
+    assert refused.returncode == 2 and "pass --without-markers" in refused.stderr
+    misuse = _run_cli("-i", str(inv), "--to", str(dest), "--world-size", "6")
+    assert misuse.returncode == 2 and "--world-size is for --without-markers" in misuse.stderr
+    ok = _run_cli("-i", str(inv), "--to", str(dest), "--without-markers", "--json")
+    assert ok.returncode == 0, ok.stderr
+    report = json.loads(ok.stdout)
+    assert report["collect"]["world_size"] == 6 and report["copied_bytes"] > 0
+    assert "ZeRO-1/2, 6 ranks on 3 nodes" in ok.stderr
+    assert "note: no completion markers" in ok.stderr
+    assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 6
+    assert read_manifest(str(dest), TAG)["zero_stage"] is None

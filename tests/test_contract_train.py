@@ -5,11 +5,13 @@
 * test bed: the documented example ``docs/examples/train.py`` (not the bundled
   workload) trains with ZeRO-3 and node-local checkpoints on 2 nodes x 1 rank, one
   rank is killed mid-run, ``clusterkit launch`` with the same ``--job-id`` resumes it
-  from its newest complete checkpoint and it ends on the uninterrupted run's loss.
+  from its newest complete checkpoint and it ends on the uninterrupted run's loss;
+  ``collect-ckpt --without-markers`` then gathers and consolidates the script's saves.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -125,3 +127,15 @@ def test_example_script_resumes_zero3_node_local_after_a_kill(testbed: Testbed,
     assert int(s["resumed_from"].removeprefix("step")) >= int(newest.removeprefix("step"))
     assert s["steps_run"] < STEPS and s["storage"] == "node-local" and s["world_size"] == 2
     assert s["final_loss"] == ref_loss, (s["final_loss"], ref_loss)
+
+    # The script's saves carry no clusterkit markers: collect-ckpt refuses them with the
+    # way out, then collects them from DeepSpeed's own files and consolidates them.
+    collect = [sys.executable, "-m", "clusterkit", "collect-ckpt", job]
+    refused = _run(collect, tmp_path)
+    assert refused.returncode == 2 and "pass --without-markers" in refused.stderr, refused.stderr
+    got = _run([*collect, "--without-markers", "--consolidate", "fp32", "--json"], tmp_path)
+    assert got.returncode == 0, (got.stdout + got.stderr)[-3000:]
+    report = json.loads(got.stdout)
+    assert (report["collect"]["world_size"], report["collect"]["zero_stage"]) == (2, 3), report
+    assert [n["ranks"] for n in report["collect"]["nodes"]] == [[0], [1]], report
+    assert report["consolidated"]["tensors"] > 0, report

@@ -29,6 +29,7 @@ from clusterkit.checkpoints.discover import (
     CheckpointIncomplete,
     CollectPlan,
     NodeListing,
+    WithoutMarkers,
     listing_command,
     parse_listing,
     verify,
@@ -81,6 +82,7 @@ class CollectOptions:
     fsync: bool = True
     dry_run: bool = False
     prune_sources: bool = False
+    without_markers: WithoutMarkers | None = None  # a user script's save: no clusterkit markers
 
 
 @dataclass
@@ -137,10 +139,10 @@ def _shared_stdin(cmds: Mapping[str, NodeCommand]) -> bytes | None:
     return next(iter(cmds.values())).stdin if cmds else None
 
 
-def discover(transport: Transport, nodes: Sequence[CollectNode], tag: str = "latest"
-             ) -> CollectPlan:
+def discover(transport: Transport, nodes: Sequence[CollectNode], tag: str = "latest",
+             without_markers: WithoutMarkers | None = None) -> CollectPlan:
     listings = list_nodes(transport, nodes, None if tag == "latest" else tag)
-    return verify(listings, tag)
+    return verify(listings, tag, without_markers)
 
 
 # ------------------------------------------------------------------ hashing
@@ -512,18 +514,19 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
     failed: dict[str, str] = {}
     with open_sessions(nodes, failed) as sessions:
         plan = verify(list_over_sessions(transport, sessions, nodes, _tag_arg(options.tag),
-                                         failed), options.tag)
+                                         failed), options.tag, options.without_markers)
         if on_plan is not None:
             on_plan(plan)
-        report = CollectReport(plan=plan, wanted=[], seconds_list=time.monotonic() - t0)
+        report = CollectReport(plan=plan, wanted=[], notes=list(plan.notes),
+                               seconds_list=time.monotonic() - t0)
         # Hashed before the copy: everything for a dry run (it reports the checksums)
         # and the test hook; on a re-run only what DEST has a record of (to skip it if
         # verified). The rest is read once, hashed on its node as it is sent.
         first = plan if options.dry_run or after_hash else _subplan(plan, _recorded(options, plan))
         if first.files:
             t1 = time.monotonic()
-            report.wanted, report.notes = _checked_choice(
-                first, *hash_over_sessions(sessions, nodes, first))
+            report.wanted, notes = _checked_choice(first, *hash_over_sessions(sessions, nodes, first))
+            report.notes += notes
             report.seconds_hash = time.monotonic() - t1
         if options.dry_run:
             return report
@@ -624,12 +627,12 @@ def _collect_sftp(transport: Transport, nodes: Sequence[CollectNode], options: C
                   on_plan: Callable[[CollectPlan], None] | None) -> CollectReport:
     """``--via sftp``: paramiko for everything, in phases (list, hash, copy)."""
     t0 = time.monotonic()
-    plan = discover(transport, nodes, options.tag)
+    plan = discover(transport, nodes, options.tag, options.without_markers)
     if on_plan is not None:
         on_plan(plan)
     t1 = time.monotonic()
     wanted, notes = _checked_choice(plan, *hash_sources(transport, nodes, plan))
-    report = CollectReport(plan=plan, wanted=wanted, notes=notes, seconds_list=t1 - t0,
+    report = CollectReport(plan=plan, wanted=wanted, notes=[*plan.notes, *notes], seconds_list=t1 - t0,
                            seconds_hash=time.monotonic() - t1)
     if options.dry_run:
         return report

@@ -40,6 +40,11 @@ MAX_SHOWN_PROBLEMS = 12
 class FileInfo:
     size: int
     mtime: float
+    whole: bool | None = None  # .pt files: ends with the zip end record (None: not a zip)
+
+
+def _file_info(v: Sequence[Any]) -> FileInfo:
+    return FileInfo(int(v[0]), float(v[1]), None if len(v) < 3 or v[2] is None else bool(v[2]))
 
 
 @dataclass(frozen=True)
@@ -65,11 +70,10 @@ def parse_listing(node: str, index: int, root: str, stdout: str) -> NodeListing:
             raise ValueError("unexpected listing format")
         tags: dict[str, dict[str, FileInfo] | None] = {}
         for tag, files in raw["tags"].items():
-            tags[tag] = None if files is None else {
-                rel: FileInfo(int(v[0]), float(v[1])) for rel, v in files.items()}
+            tags[tag] = None if files is None else {rel: _file_info(v) for rel, v in files.items()}
         return NodeListing(
             node=node, index=index, root=root, exists=bool(raw["exists"]),
-            top={n: FileInfo(int(v[0]), float(v[1])) for n, v in raw["top"].items()},
+            top={n: _file_info(v) for n, v in raw["top"].items()},
             latest=raw["latest"], tags=tags,
             markers={t: dict(m) for t, m in raw["markers"].items()})
     except (ValueError, KeyError, TypeError, IndexError) as exc:
@@ -125,6 +129,17 @@ class CollectPlan:
         return [c for copies in self.files.values() for c in copies if c.node == node]
 
 
+@dataclass(frozen=True)
+class WithoutMarkers:
+    """Collect a checkpoint that a user's own script saved with ``engine.save_checkpoint``:
+    DeepSpeed's own file set stands in for clusterkit's completion markers. Checked: the
+    tag, every rank's shard exactly once for ``world_size`` ranks, the model states, and
+    every ``.pt`` file ending with its zip end record. Not detectable without a marker: a
+    save still being written while the nodes are listed (docs/collect-ckpt.md)."""
+
+    world_size: int
+
+
 class CheckpointIncomplete(CheckpointError):
     """The checkpoint cannot be collected; ``problems`` has one line per finding."""
 
@@ -146,7 +161,8 @@ def _step(tag: str) -> int:
     return step if step is not None else -1
 
 
-def choose_tag(listings: Sequence[NodeListing], requested: str) -> tuple[str | None, list[str]]:
+def choose_tag(listings: Sequence[NodeListing], requested: str, *, markers: bool = True
+               ) -> tuple[str | None, list[str]]:
     """The tag to collect: explicit, or ``latest`` (which must agree where present)."""
     if requested != "latest":
         return requested, []
@@ -156,18 +172,22 @@ def choose_tag(listings: Sequence[NodeListing], requested: str) -> tuple[str | N
         return None, [f"the nodes' 'latest' files disagree ({detail}); pass --tag"]
     if said:
         return next(iter(said.values())), []
-    # No 'latest' anywhere: newest tag that every node has a marker for.
+    # No 'latest' anywhere: newest tag that every node has a marker (or shards) for.
     common: set[str] | None = None
     for ls in listings:
-        marked = {t for t, m in ls.markers.items() if m}
+        marked = {t for t, m in ls.markers.items() if m} if markers else \
+            {t for t, files in ls.tags.items() if files and any(
+                layout.parse_shard_name(posixpath.basename(r)) for r in files)}
         common = marked if common is None else common & marked
     if not common:
-        return None, ["no node has a 'latest' file and no tag has completion markers on "
-                      "every node; pass --tag"]
+        what = "completion markers" if markers else "DeepSpeed checkpoint files"
+        return None, [f"no node has a 'latest' file and no tag has {what} on every node; "
+                      "pass --tag"]
     return max(common, key=lambda t: (_step(t), t)), []
 
 
-def verify(listings: Sequence[NodeListing], requested_tag: str = "latest") -> CollectPlan:
+def verify(listings: Sequence[NodeListing], requested_tag: str = "latest",
+           without_markers: WithoutMarkers | None = None) -> CollectPlan:
     """Check completeness across nodes; raise :class:`CheckpointIncomplete` with every problem."""
     # Nodes that failed the same way share one line: "node[1-7]: cannot list (...)".
     order = [ls.node for ls in listings]
@@ -176,7 +196,7 @@ def verify(listings: Sequence[NodeListing], requested_tag: str = "latest") -> Co
                               for ls in listings if not ls.error and not ls.exists], order)
     if problems:
         raise CheckpointIncomplete(None if requested_tag == "latest" else requested_tag, problems)
-    tag, problems = choose_tag(listings, requested_tag)
+    tag, problems = choose_tag(listings, requested_tag, markers=without_markers is None)
     if tag is None:
         raise CheckpointIncomplete(None, problems)
     for ls in listings:
@@ -186,9 +206,11 @@ def verify(listings: Sequence[NodeListing], requested_tag: str = "latest") -> Co
                             + (f" (it has {', '.join(have[-3:])})" if have else ""))
     if problems:
         raise CheckpointIncomplete(tag, problems)
+    if without_markers is not None:
+        return plan_from_files(listings, tag, without_markers.world_size)
     markers, problems = _read_markers(listings, tag)
     if not markers:
-        raise CheckpointIncomplete(tag, problems)
+        raise CheckpointIncomplete(tag, problems + _hint_without_markers(listings, tag))
     # Go on with the markers we have, so one report lists every problem at once.
     return _plan(listings, tag, markers, problems)
 
@@ -263,6 +285,7 @@ def _plan(listings: Sequence[NodeListing], tag: str,
     files = _gather_files(listings, tag)
     problems = _shard_problems(listings, tag, first, nodes)
     problems += _marker_file_problems(listings, tag, markers)
+    problems += _torn_files(listings, tag)
     if problems:
         raise CheckpointIncomplete(tag, problems)
     canonical = next(n.node for n in nodes if 0 in n.ranks) if any(0 in n.ranks for n in nodes) \
@@ -271,6 +294,133 @@ def _plan(listings: Sequence[NodeListing], tag: str,
                        world_size=first.world_size, engine=first.engine,
                        ds_subdir=first.ds_subdir, precision=first.precision, nodes=nodes,
                        files=files, canonical_node=canonical)
+
+
+def _hint_without_markers(listings: Sequence[NodeListing], tag: str) -> list[str]:
+    """When no node has a marker but DeepSpeed's files are there: a user's own script."""
+    if any(ls.markers.get(tag) for ls in listings):
+        return []
+    if not any(layout.parse_shard_name(posixpath.basename(rel))
+               for ls in listings for rel in ls.tags.get(tag) or {}):
+        return []
+    return [f"{tag} holds DeepSpeed checkpoint files but no node has a completion marker: "
+            "only the bundled workload writes them. For a checkpoint your own script saved, "
+            "pass --without-markers (docs/collect-ckpt.md says what it checks)"]
+
+
+def _torn_files(listings: Sequence[NodeListing], tag: str) -> list[str]:
+    """``.pt`` files that do not end with their zip end record: cut short."""
+    return [f"{ls.node}: {posixpath.join(tag, rel)} is cut short ({info.size} bytes, no zip end "
+            "record): its save did not finish, or the file was truncated since"
+            for ls in listings for rel, info in (ls.tags.get(tag) or {}).items()
+            if info.whole is False and not _is_temp(rel)]
+
+
+# ------------------------------------------------------------ without markers
+
+
+def plan_from_files(listings: Sequence[NodeListing], tag: str, world_size: int) -> CollectPlan:
+    """The plan for a checkpoint without completion markers (see :class:`WithoutMarkers`).
+
+    Ranks are placed where their shards are; the node holding rank 0's shard (else the
+    one whose ``latest`` names the tag) is canonical for the ZeRO 0-2 model states."""
+    found, subdirs, bf16, problems = _deepspeed_files(listings, tag)
+    if not subdirs:
+        raise CheckpointIncomplete(tag, [
+            f"no DeepSpeed checkpoint files (mp_rank_00_model_states.pt, "
+            f"zero_pp_rank_*_optim_states.pt) under {tag} on any selected node", *problems])
+    if len(subdirs) > 1:
+        where = ", ".join(repr(d or ".") for d in sorted(subdirs))
+        raise CheckpointIncomplete(tag, [f"DeepSpeed files in several directories under {tag} "
+                                         f"({where}); point --dir/--tag at one save", *problems])
+    sub = subdirs.pop()
+    kinds = {kind for kind, _ in found}
+    stage = 3 if "zero3_model_states" in kinds else (None if "optim_states" in kinds else 0)
+    if len(bf16) > 1:
+        problems.append(f"optimizer shards under {tag} mix bf16_ and plain names (two saves?)")
+    precision = "bf16" if True in bf16 else "fp32-or-fp16"
+    problems += _rank_problems(found, world_size, stage, tag)
+    model = posixpath.join(sub, layout.model_states_name(0, 0))
+    if stage != 3 and not any(model in (ls.tags.get(tag) or {}) for ls in listings):
+        problems.append(f"no node has {posixpath.join(tag, model)} (the model states)")
+    problems += _torn_files(listings, tag)
+    if problems:
+        raise CheckpointIncomplete(tag, list(dict.fromkeys(problems)))
+    nodes = _nodes_from_files(listings, found, tag)
+    holder0 = next((n.node for n in nodes if 0 in n.ranks), None)
+    named = next((ls.node for ls in listings if ls.latest == tag), None)
+    with_model = next((ls.node for ls in listings if model in (ls.tags.get(tag) or {})), None)
+    canonical = holder0 or named or with_model or listings[0].node
+    return CollectPlan(
+        tag=tag, step=layout.parse_step_tag(tag), zero_stage=stage, world_size=world_size,
+        engine="accelerate" if sub == layout.ACCELERATE_DS_SUBDIR else "deepspeed",
+        ds_subdir=sub, precision=precision, nodes=nodes, files=_gather_files(listings, tag),
+        canonical_node=canonical, notes=(
+            f"no completion markers: checked DeepSpeed's file set for {world_size} ranks and "
+            "that every .pt file is whole; a save still running while the nodes were listed "
+            "would not be noticed",))
+
+
+_Found = dict[tuple[str, int], list[tuple[str, str]]]  # (kind, dp rank) -> [(node, relpath)]
+
+
+def _deepspeed_files(listings: Sequence[NodeListing], tag: str
+                     ) -> tuple[_Found, set[str], set[bool], list[str]]:
+    """Per-rank shards by (kind, rank), the directories holding any DeepSpeed file, and
+    whether optimizer shards carry the ``bf16_`` prefix."""
+    found: _Found = {}
+    subdirs: set[str] = set()
+    bf16: set[bool] = set()
+    problems: list[str] = []
+    for ls in listings:
+        for rel in ls.tags.get(tag) or {}:
+            parsed = layout.parse_shard_name(posixpath.basename(rel))
+            if parsed is None or _is_temp(rel):
+                continue
+            subdirs.add(posixpath.dirname(rel))
+            if parsed.mp_rank != 0:
+                problems.append(f"{ls.node}: {rel}: model-parallel checkpoints (mp_rank "
+                                f"{parsed.mp_rank}) are not supported")
+            elif parsed.dp_rank is not None:
+                found.setdefault((parsed.kind, parsed.dp_rank), []).append((ls.node, rel))
+                if parsed.kind == "optim_states":
+                    bf16.add(parsed.bf16)
+    return found, subdirs, bf16, problems
+
+
+def _rank_problems(found: _Found, world: int, stage: int | None, tag: str) -> list[str]:
+    # Stage 0 has no per-rank files (so nothing shows the world size); 1-2 an optimizer
+    # shard per rank; 3 also a model-states file per rank.
+    kinds = [] if stage == 0 else ["optim_states"] + (["zero3_model_states"] if stage == 3 else [])
+    problems: list[str] = []
+    for kind in kinds:
+        label = "optimizer shard" if kind == "optim_states" else "ZeRO-3 model states"
+        for rank in range(world):
+            holders = found.get((kind, rank), [])
+            if not holders:
+                problems.append(f"{label} of rank {rank} is missing on every selected node")
+            elif len(holders) > 1:
+                problems.append(f"{label} of rank {rank} exists on "
+                                f"{' and '.join(n for n, _ in holders)}; it must exist exactly once")
+        extra = sorted(r for (k, r) in found if k == kind and r >= world)
+        if extra:
+            problems.append(f"{tag} has {label}s for ranks {extra[0]}-{extra[-1]}, beyond the "
+                            f"expected world size {world}: pass --world-size with the run's size")
+    return problems
+
+
+def _nodes_from_files(listings: Sequence[NodeListing], found: _Found, tag: str
+                      ) -> tuple[NodeRanks, ...]:
+    """Every selected node, holding the ranks whose shards are on it."""
+    per_node: dict[str, dict[int, list[str]]] = {ls.node: {} for ls in listings}
+    for (_, rank), holders in found.items():
+        node, rel = holders[0]
+        per_node[node].setdefault(rank, []).append(rel)
+    return tuple(NodeRanks(node=ls.node, node_index=ls.index, host=ls.node,
+                           ranks=tuple(sorted(per_node[ls.node])),
+                           rank_files={r: tuple(sorted(f)) for r, f in
+                                       sorted(per_node[ls.node].items())})
+                 for ls in listings)
 
 
 def _gather_files(listings: Sequence[NodeListing], tag: str) -> dict[str, tuple[SourceFile, ...]]:

@@ -85,7 +85,8 @@ def plan_scatter(manifest: Mapping[str, Any], targets: Sequence[ScatterTarget]) 
         ranks = tuple(range(first, first + t.slots))
         first += t.slots
         rels = sorted({posixpath.join(tag, f) for r in ranks for f in rank_files.get(r, [])})
-        if manifest["zero_stage"] is not None and int(manifest["zero_stage"]) < 3:
+        # None: collected without markers, stage 1 or 2 (the model states file is shared)
+        if manifest["zero_stage"] is None or int(manifest["zero_stage"]) < 3:
             rels.append(posixpath.join(tag, sub, layout.model_states_name(0, 0)))
         if index == 0:
             rels += scripts

@@ -40,6 +40,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_inventory_option(p)
     add_selection_options(p)
     p.add_argument("--tag", default="latest", help="tag to collect (default: the nodes' latest)")
+    p.add_argument("--without-markers", action="store_true",
+                   help="for a checkpoint your own script saved (no clusterkit completion "
+                        "markers): check DeepSpeed's own file set instead; weaker, see "
+                        "docs/collect-ckpt.md")
+    p.add_argument("--world-size", type=int, metavar="N",
+                   help="with --without-markers: the ranks the save had (default: the "
+                        "selected nodes' slots, or JOB's)")
     p.add_argument("--to", dest="dest", metavar="DEST",
                    help=f"where to gather (default: ./{DEFAULT_DEST}, or the job's dir for JOB)")
     p.add_argument("--consolidate", choices=("fp32", "safetensors"),
@@ -222,7 +229,8 @@ def _collect_verb(args: argparse.Namespace) -> int:
     dest = os.path.abspath(args.dest or default_dest)
     options = CollectOptions(dest=dest, tag=args.tag, jobs=args.jobs, method=args.via,
                              fsync=args.fsync, dry_run=args.dry_run,
-                             prune_sources=args.prune_sources)
+                             prune_sources=args.prune_sources,
+                             without_markers=_without_markers(args, slots))
     if args.scatter:
         return _scatter_only(args, nodes, slots, dest)
     sink = RichProgress() if sys.stdout.isatty() and not args.json else PlainProgress()
@@ -246,6 +254,21 @@ def _collect_verb(args: argparse.Namespace) -> int:
     return 0
 
 
+def _without_markers(args: argparse.Namespace, slots: list[int]) -> Any:
+    from clusterkit.checkpoints.discover import WithoutMarkers
+
+    if not args.without_markers:
+        if args.world_size is not None:
+            raise CheckpointError("--world-size is for --without-markers (markers record it)",
+                                  key="--world-size", hint="add --without-markers or drop it")
+        return None
+    world = args.world_size if args.world_size is not None else sum(slots)
+    if world < 1 or (args.world_size is None and not all(slots)):
+        raise CheckpointError("the world size of the save is not known", key="--world-size",
+                              hint="pass --world-size N (the number of ranks that saved it)")
+    return WithoutMarkers(world_size=world)
+
+
 def _scatter_only(args: argparse.Namespace, nodes: list[Any], slots: list[int], dest: str) -> int:
     from clusterkit.checkpoints.collect import latest_tag_at
     from clusterkit.remote.dispatch import transport_for
@@ -264,11 +287,13 @@ def _scatter_only(args: argparse.Namespace, nodes: list[Any], slots: list[int], 
 
 
 def _print_plan(plan: Any) -> None:
-    print(f"checkpoint {plan.tag}: step {plan.step}, ZeRO-{plan.zero_stage}, "
+    stage = "1/2" if plan.zero_stage is None else plan.zero_stage  # without markers: unknown
+    print(f"checkpoint {plan.tag}: step {plan.step}, ZeRO-{stage}, "
           f"{plan.world_size} ranks on {len(plan.nodes)} nodes, engine {plan.engine}: "
           f"complete ({len(plan.files)} files, {_mb(plan.total_bytes)} after dedupe)")
     for n in plan.nodes:
-        ranks = f"{n.ranks[0]}-{n.ranks[-1]}" if len(n.ranks) > 1 else str(n.ranks[0])
+        ranks = (f"{n.ranks[0]}-{n.ranks[-1]}" if len(n.ranks) > 1 else str(n.ranks[0])
+                 if n.ranks else "-")
         print(f"  {n.node:<12} node {n.node_index:<3} ranks {ranks}")
 
 

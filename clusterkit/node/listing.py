@@ -2,7 +2,9 @@
 
 ``listing ROOT [TAG]``: the top-level files (``latest``, ``zero_to_fp32.py``),
 every tag dir's files with size and mtime (only TAG's when given), and the text
-of the completion markers. Parsed by :func:`clusterkit.checkpoints.discover.parse_listing`.
+of the completion markers. A ``.pt`` file also says whether it is a whole zip archive
+(``torch.save``'s format ends with the zip end record, so a save cut short lacks it).
+Parsed by :func:`clusterkit.checkpoints.discover.parse_listing`.
 """
 
 from __future__ import annotations
@@ -12,18 +14,41 @@ import os
 import sys
 from typing import Any
 
-LISTING_VERSION = 1
+LISTING_VERSION = 2
 MAX_MARKER_BYTES = 1 << 20
 
 
-def _stat(path: str) -> list[float]:
+ZIP_HEAD = b"PK\x03\x04"
+ZIP_END = b"PK\x05\x06"  # end of central directory; torch.save writes no zip comment
+ZIP_END_SIZE = 22
+
+
+def _stat(path: str) -> list[Any]:
     s = os.stat(path)
-    return [s.st_size, s.st_mtime]
+    entry: list[Any] = [s.st_size, s.st_mtime]
+    if path.endswith(".pt"):
+        entry.append(_whole_zip(path, s.st_size))
+    return entry
+
+
+def _whole_zip(path: str, size: int) -> bool | None:
+    """True/False for a zip archive that does/does not end with its end record; None when
+    the file is not a zip (torch's legacy format) or unreadable: nothing to say then."""
+    try:
+        with open(path, "rb") as fh:
+            if fh.read(4) != ZIP_HEAD:
+                return None
+            if size < ZIP_END_SIZE:
+                return False
+            fh.seek(size - ZIP_END_SIZE)
+            return fh.read(4) == ZIP_END
+    except OSError:
+        return None
 
 
 def _tag(path: str) -> tuple[dict[str, list[float]], dict[str, str]]:
     """(files, markers) of one tag dir, walked in a stable order."""
-    files: dict[str, list[float]] = {}
+    files: dict[str, list[Any]] = {}
     marks: dict[str, str] = {}
     for d, dirs, names in os.walk(path):
         dirs.sort()
