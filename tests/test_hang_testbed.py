@@ -1,12 +1,15 @@
-"""Issue 14 on the namespace test bed: a rank stopped with SIGSTOP is found by the watchdog.
+"""Issue 14 on the namespace test bed: a rank stopped with SIGSTOP is found by the watchdog,
+and (same job, next attempt) a rank killed mid-run restarts the job too.
 
-Lean variant of the 7x2 acceptance (which is run by hand, docs/launch.md): 2 nodes x
-2 ranks, the bundled workload, node-local checkpoints. Rank 3 (node2) is stopped
-after a complete checkpoint; within --hang-timeout (+ collection) the summary names
-node2 rank 3, the launcher's job dir holds a dump of all 4 ranks, nothing of the
-first attempt is left on any node, and with --max-restarts 1 the restarted job
-resumes and ends on exactly the uninterrupted run's loss (the session's
-``reference_2x2`` run, shared with test_launch_train.py's restart test). The stacks come from
+Lean variant of the 7x2 acceptance (the extended test below): 2 nodes x 2 ranks, the
+bundled workload, the default (native) launcher, node-local checkpoints. Rank 3
+(node2) is stopped after a complete checkpoint; within --hang-timeout (+ collection)
+the summary names node2 rank 3, the launcher's job dir holds a dump of all 4 ranks,
+nothing of the first attempt is left on any node, and the restarted job resumes. In
+that second attempt rank 3 is SIGKILLed after its first save: the failure is named,
+the third attempt resumes from the newest complete checkpoint, and the job ends on
+exactly the uninterrupted run's loss (the session's ``reference_2x2`` run). One job
+for both failures: each 2x2 run costs a minute of the suite. The stacks come from
 py-spy where it is installed beside the nodes' Python (ptrace as root inside the
 node's namespaces works), else from the workload's faulthandler.
 """
@@ -58,10 +61,18 @@ def _job_pids(job: str) -> list[int]:
     return found
 
 
-def test_stopped_rank_is_named_dumped_torn_down_and_the_restart_resumes(
+def test_stopped_rank_then_killed_rank_each_restart_and_the_job_ends_on_the_same_loss(
         testbed: Testbed, tmp_path: Path, reference_2x2: Run) -> None:
-    _stopped_rank_case(testbed, tmp_path, nodes=2, ranks=2, stop_rank=3, stop_node="node2",
-                       ref=reference_2x2)
+    job = _stopped_rank_case(testbed, tmp_path, nodes=2, ranks=2, stop_rank=3, stop_node="node2",
+                             ref=reference_2x2, then_kill=True)
+    # Node-local shards resume only on the same rank->node mapping: never a fresh start.
+    inv4 = testbed.write_inventory(tmp_path / "r4.yaml", nodes=[x.name for x in testbed.ensure(4)],
+                                   slots=1)
+    again = subprocess.run(_argv(inv4, job, "native", 4, 1, "node-local", STEPS, []),
+                           capture_output=True, text=True, env=_env(tmp_path), cwd=tmp_path,
+                           timeout=60)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "different rank->node mapping" in again.stderr and "--scatter" in again.stderr
 
 
 @pytest.mark.extended  # the 7x2 acceptance run costs minutes
@@ -70,7 +81,9 @@ def test_acceptance_7x2_rank_on_node4_stopped(testbed: Testbed, tmp_path: Path) 
 
 
 def _stopped_rank_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: int,
-                       stop_rank: int, stop_node: str, ref: Run | None = None) -> None:
+                       stop_rank: int, stop_node: str, ref: Run | None = None,
+                       then_kill: bool = False) -> str:
+    """The stop (and with ``then_kill`` the kill in the next attempt); returns the job id."""
     world = nodes * ranks
     if ref is None:  # the 7x2 acceptance: its own uninterrupted run
         ref = _train(testbed, tmp_path, "hang-ref", "native", nodes, ranks, "shared", STEPS)
@@ -79,13 +92,15 @@ def _stopped_rank_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: i
     job = "hang-run"
     inv = testbed.write_inventory(tmp_path / "h.yaml", nodes=[x.name for x in testbed.ensure(nodes)],
                                   slots=ranks)
+    attempts = 3 if then_kill else 2
     argv = _argv(inv, job, "native", nodes, ranks, "node-local", STEPS,
-                 ["--save-every", str(SAVE_EVERY), "--max-restarts", "1",
+                 ["--save-every", str(SAVE_EVERY), "--max-restarts", str(attempts - 1),
                   "--hang-timeout", str(HANG_TIMEOUT)])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(tmp_path), cwd=tmp_path, start_new_session=True)
     seen: list[str] = []
     stopped_at = fired_at = named_at = None
+    killed_after: str | None = None  # the checkpoint of attempt 2 after which rank dies
     left_after_teardown: list[int] = []
     try:
         assert proc.stdout is not None
@@ -99,10 +114,16 @@ def _stopped_rank_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: i
                 stopped_at = time.monotonic()
             if "odd one out" in line and named_at is None:
                 named_at = time.monotonic()
-            if "restarting (attempt 2 of 2)" in line:
+            if f"restarting (attempt 2 of {attempts})" in line:
                 fired_at = fired_at or time.monotonic()
                 # attempt 1's processes are gone before attempt 2 starts
                 left_after_teardown = [p for p in _job_pids(job) if _attempt(p) == b"0"]
+            if then_kill and m and fired_at is not None and killed_after is None \
+                    and m.group(1) == f"global_step{2 * SAVE_EVERY}":
+                pid = _rank_pid(job, stop_rank)  # attempt 2's: attempt 1's are gone
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                killed_after = m.group(1)
         proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
@@ -127,6 +148,23 @@ def _stopped_rank_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: i
     assert s["resumed_from"] is not None and s["finished"] and s["steps"] == STEPS
     assert s["final_loss"] == ref.summary["final_loss"], (s["final_loss"], ref.summary["final_loss"])
     assert _job_pids(job) == []
+    if then_kill:
+        _assert_kill_restarted(text, killed_after, stop_rank, stop_node, s)
+    return job
+
+
+def _assert_kill_restarted(text: str, killed_after: str | None, rank: int, node: str,
+                           s: dict[str, object]) -> None:
+    """Attempt 3 resumed from the newest checkpoint completed before the failure report."""
+    assert killed_after is not None, text[-4000:]
+    after = text.split(f"checkpoint {killed_after} complete", 1)[1]
+    before_report = after.split("stopping the job on every node", 1)[0]
+    newest = [killed_after, *_CKPT_DONE.findall(before_report)][-1]
+    assert f"{node} rank {rank} failed (killed by SIGKILL)" in after, after[-3000:]
+    assert "restarting (attempt 3 of 3)" in after and f"resumed from {newest}" in after, \
+        after[-3000:]
+    assert s["resumed_from"] == newest
+    assert s["steps_run"] == STEPS - int(newest.removeprefix("global_step"))
 
 
 def _attempt(pid: int) -> bytes | None:

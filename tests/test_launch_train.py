@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -153,69 +152,8 @@ def launch_7x2(tb: Testbed, tmp_path: Path, key: str) -> Launched:
     return Launched(run, time.monotonic() - started, job, storage, stage, weights)
 
 
-# ------------------------------------------------------------------ restart
-
-
-STEPS = REF_STEPS
-SAVE_EVERY = 20
-
-
-def test_rank_killed_mid_run_restarts_and_resumes_to_the_same_loss(
-        testbed: Testbed, tmp_path: Path, reference_2x2: Run) -> None:
-    ref = reference_2x2  # the uninterrupted run (also the torchrun/shared 2x2 entry)
-
-    # The default launcher (native: the agents start the ranks), node-local storage.
-    job = "restart-run"
-    inv = testbed.write_inventory(tmp_path / "r.yaml", nodes=["node1", "node2"], slots=2)
-    argv = _argv(inv, job, "native", 2, 2, "node-local", STEPS,
-                 ["--save-every", str(SAVE_EVERY), "--max-restarts", "1"])
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(tmp_path), cwd=tmp_path, start_new_session=True)
-    seen: list[str] = []
-    last_complete = None
-    killed = False
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            seen.append(line)
-            m = _CKPT_DONE.search(line)
-            if m and not killed:
-                last_complete = m.group(1)
-                if last_complete == f"global_step{2 * SAVE_EVERY}":
-                    pid = _rank_pid(job, 3)
-                    assert pid is not None
-                    os.kill(pid, signal.SIGKILL)  # rank 3 on node2, mid-run
-                    killed = True
-            elif m is None and killed and "failed" in line and "stopping the job" in line:
-                break
-        rest, _ = proc.communicate(timeout=300)
-        seen.append(rest)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = "".join(seen)
-    assert killed, text[-3000:]
-    # The checkpoints completed before the failure report: the newest is the resume point.
-    before = text.split("stopping the job on every node", 1)[0]
-    newest = _CKPT_DONE.findall(before)[-1]
-    assert "node2 rank 3 failed (killed by SIGKILL)" in text, text[-3000:]
-    assert "restarting (attempt 2 of 2)" in text
-    assert f"resumed from {newest}" in text, text[-3000:]
-    assert proc.returncode == 0, text[-3000:]
-    s = _summary(text)
-    assert s["resumed_from"] == newest and s["finished"] and s["steps"] == STEPS
-    assert s["steps_run"] == STEPS - int(newest.removeprefix("global_step"))
-    assert s["final_loss"] == ref.summary["final_loss"], (s["final_loss"], ref.summary["final_loss"])
-
-    # Node-local shards resume only on the same rank->node mapping: never a fresh start.
-    inv4 = testbed.write_inventory(tmp_path / "r4.yaml", nodes=[x.name for x in testbed.ensure(4)],
-                                   slots=1)
-    again = subprocess.run(_argv(inv4, job, "native", 4, 1, "node-local", STEPS, []),
-                           capture_output=True, text=True, env=_env(tmp_path), cwd=tmp_path,
-                           timeout=60)
-    assert again.returncode == 2, again.stdout + again.stderr
-    assert "different rank->node mapping" in again.stderr and "--scatter" in again.stderr
+# A rank killed mid-run (restart, resume to the same loss, no fresh start on another
+# mapping): tests/test_hang_testbed.py, in the same job as the stopped rank.
 
 
 # ------------------------------------------------------------------ backends

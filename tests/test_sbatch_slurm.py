@@ -173,7 +173,30 @@ def test_zero_on_7_nodes_submit_watch(slurm: SlurmBed) -> None:
     for node in slurm.nodes:  # every node wrote its own shards to its own disk
         assert (slurm.tb.node_local_path(node, ckpt[node.name]) / "global_step3").is_dir(), node.name
     _assert_nodes_clean(slurm)
+    _assert_watch_folded(slurm, r.stdout, ranks=14)
     print(f"7 nodes x 2 ranks, 3 ZeRO-2 steps via sbatch --watch: {wall:.1f} s")
+
+
+LR = "[WARNING] [lr_schedules.py:894:__init__] total_num_steps 3 is less than warmup_num_steps 10"
+
+
+def _assert_watch_folded(slurm: SlurmBed, out: str, ranks: int) -> None:
+    """The watch folds rank lines (one job of the 7-node run above, not a run of its own)."""
+    lines = out.splitlines()
+    # all ranks warn alike: printed with their range, not once per rank (how many join
+    # one group depends on their skew, here up to a few seconds); noise once per job
+    lr = [ln for ln in lines if ln.endswith(LR)]
+    assert 1 <= len(lr) < ranks and re.match(r"\[(node\d )?r\d+[-,]", lr[0]), out[-3000:]
+    assert sum("Setting accelerator to CPU" in ln for ln in lines) == 1
+    assert any(ln.startswith("[node1 r0] [clusterkit] step 3/3") for ln in lines)
+    assert sum("CLUSTERKIT_SUMMARY " in ln for ln in lines) == 1
+    # --ranks: the same finished job again, rank 0 only
+    m = re.search(r"submitted Slurm job (\d+)", out)
+    assert m, out
+    r = _cli(slurm, ["status", m.group(1), "--watch", "--ranks", "0"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    rank_lines = [ln for ln in r.stdout.splitlines() if re.match(r"\[(node\d+ )?r\d", ln)]
+    assert rank_lines and all(ln.startswith("[node1 r0] ") for ln in rank_lines), rank_lines
 
 
 @pytest.mark.slow

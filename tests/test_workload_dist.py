@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -216,6 +217,8 @@ def test_resume_is_bit_exact(tmp_path: Path, reference: dict[int, Reference], en
     first = launch([*args, "--stop-after-steps", "3"])
     assert first.summary["checkpoint_tag"] == "global_step3"
     assert first.summary["finished"] is False
+    if (engine, storage, stage) in MISSING_SHARD_CASES:
+        _missing_shard_is_a_clear_error_not_a_fresh_start(tmp_path, args, storage)
     second = launch([*args, "--dump-weights", "w.pt"])
     assert second.summary["resumed_from"] == "global_step3"
     assert second.summary["steps"] == 6 and second.summary["steps_run"] == 3
@@ -230,27 +233,27 @@ def test_resume_is_bit_exact(tmp_path: Path, reference: dict[int, Reference], en
         assert not (tmp_path / "node1" / "ckpt" / "latest").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("storage", "stage"), [("node-local", 2), ("shared", 3)])
-def test_missing_shard_is_a_clear_error_not_a_fresh_start(tmp_path: Path, storage: str,
-                                                          stage: int) -> None:
-    args = ["--steps", "4", "--zero-stage", str(stage), "--storage", storage]
+# The resume cases that also check a missing shard, on a copy of their first run's save.
+MISSING_SHARD_CASES = {("deepspeed", "node-local", 2), ("deepspeed", "shared", 3)}
+
+
+def _missing_shard_is_a_clear_error_not_a_fresh_start(tmp_path: Path, args: list[str],
+                                                      storage: str) -> None:
+    """A copy of the save with rank 1's optimizer shard deleted: every rank fails with an
+    error naming the host, the rank and the file, and nothing starts from scratch."""
+    broken = tmp_path / "broken"
     if storage == "node-local":
-        args += ["--ckpt-dir", str(tmp_path / "node{node}" / "ckpt")]
-        tag_dir = tmp_path / "node1" / "ckpt" / "global_step2"
-
-        def launch(a: list[str]) -> list[Run]:
-            return fake_nodes(a, tmp_path)
+        for node in (0, 1):
+            shutil.copytree(tmp_path / f"node{node}", broken / f"node{node}")
+        tag_dir = broken / "node1" / "ckpt" / "global_step3"
+        args = [a.replace(str(tmp_path), str(broken)) for a in args]
     else:
-        tag_dir = tmp_path / "clusterkit-run" / "checkpoints" / "global_step2"
-
-        def launch(a: list[str]) -> list[Run]:
-            return [torchrun(a, tmp_path)]
-    assert all(r.rc == 0 for r in launch([*args, "--stop-after-steps", "2"]))
+        shutil.copytree(tmp_path / "clusterkit-run", broken / "clusterkit-run")
+        tag_dir = broken / "clusterkit-run" / "checkpoints" / "global_step3"
     shard = tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     shard.unlink()
     t0 = time.monotonic()
-    runs = launch(args)
+    runs = fake_nodes(args, broken) if storage == "node-local" else [torchrun(args, broken)]
     assert time.monotonic() - t0 < 120  # no hang
     out = "\n".join(r.out for r in runs)
     assert all(r.rc != 0 for r in runs), out[-3000:]
@@ -258,7 +261,7 @@ def test_missing_shard_is_a_clear_error_not_a_fresh_start(tmp_path: Path, storag
     error = next(ln for ln in out.splitlines() if "[clusterkit] error:" in ln)
     assert f"host {socket.gethostname()}" in error
     assert "rank 1: missing" in error and str(shard) in error
-    assert "global_step2" in error
+    assert "global_step3" in error
 
 
 def _children(pid: int) -> list[int]:
