@@ -6,6 +6,7 @@ anything starts; DeepSpeed/torchrun spellings work where the meaning is the same
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -182,3 +183,35 @@ def test_help_does_not_show_the_aliases(capsys: pytest.CaptureFixture[str]) -> N
         main(["launch", "--help"])
     out = capsys.readouterr().out
     assert "--num_nodes" not in out and "--nodes" in out
+
+
+# ------------------------------------------------------------------ lazy verbs
+
+
+def test_the_verb_index_names_what_each_module_builds() -> None:
+    """main.VERBS (which module to import for a verb) matches what the modules register."""
+    from importlib import import_module
+
+    from clusterkit.cli.main import VERB_MODULES, VERBS
+
+    built: dict[str, str] = {}
+    for module in VERB_MODULES:
+        sub = argparse.ArgumentParser().add_subparsers()
+        import_module(module).add_parser(sub)
+        built.update(dict.fromkeys(sub.choices, module))
+    assert built == VERBS
+
+
+def _verbs(parser: argparse.ArgumentParser) -> set[str]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return set(sub.choices)
+
+
+def test_only_the_verb_being_run_is_built() -> None:
+    from clusterkit.cli.main import VERBS
+
+    assert _verbs(build_parser(["-i", "x.yaml"])) == _verbs(build_parser()) == set(VERBS)
+    assert _verbs(build_parser(["launch", "--nodes", "2"])) == {"launch", "status", "stop"}
+    assert _verbs(build_parser(["--help", "doctor"])) == set(VERBS)
+    assert _verbs(build_parser(["doctr"])) == set(VERBS)  # argparse lists every verb
+    assert _verbs(build_parser(["collect-ckpt"])) == {"collect-ckpt"}
