@@ -223,6 +223,9 @@ def test_resume_is_bit_exact(tmp_path: Path, reference: dict[int, Reference], en
     assert second.summary["resumed_from"] == "global_step3"
     assert second.summary["steps"] == 6 and second.summary["steps_run"] == 3
     _assert_same_weights(reference[stage].weights, tmp_path / "w.pt")
+    if engine == "accelerate" and storage == "shared":
+        _consolidates_to_the_live_weights(tmp_path / "clusterkit-run" / "checkpoints",
+                                          "global_step6", tmp_path / "w.pt")
     if storage == "node-local":
         # Each fake node holds its own marker; node 1 has no `latest` (that is rank 0's).
         for node in (0, 1):
@@ -231,6 +234,17 @@ def test_resume_is_bit_exact(tmp_path: Path, reference: dict[int, Reference], en
             assert marker["storage"] == "node-local" and marker["num_nodes"] == 2
             assert [r["global_rank"] for r in marker["ranks"]] == [node]
         assert not (tmp_path / "node1" / "ckpt" / "latest").exists()
+
+
+def _consolidates_to_the_live_weights(root: Path, tag: str, live: Path) -> None:
+    """accelerate's save_state puts DeepSpeed's files in <tag>/pytorch_model/: the
+    consolidation (collect-ckpt --consolidate) finds them there and equals the live model."""
+    from clusterkit.checkpoints.consolidate import consolidate, load_state_dict_dir
+
+    out = consolidate(str(root), tag, ds_subdir="pytorch_model", out_dir=str(root / "fp32"))
+    got, want = load_state_dict_dir(out.out_dir), _load(live)
+    assert set(want) <= set(got), (sorted(want)[:5], sorted(got)[:5])
+    assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
 # The resume cases that also check a missing shard, on a copy of their first run's save.

@@ -38,9 +38,12 @@ def output_dir(dest: str, tag: str) -> str:
 
 
 def consolidate(dest: str, tag: str, fmt: str = "fp32", *, max_shard_size: int | str = "5GB",
-                out_dir: str | None = None,
+                out_dir: str | None = None, ds_subdir: str = "",
                 model_check: Callable[[Mapping[str, Any]], str] | None = None) -> Consolidated:
-    """Run ``convert_zero_checkpoint_to_fp32_state_dict`` on DEST and verify the result."""
+    """Run ``convert_zero_checkpoint_to_fp32_state_dict`` on DEST and verify the result.
+
+    ``ds_subdir``: where DeepSpeed's files sit inside the tag dir (accelerate's
+    ``save_state`` puts them in ``pytorch_model/``); the output is named by ``tag``."""
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown --consolidate format {fmt!r}", key="--consolidate",
                               hint=f"choose one of {', '.join(FORMATS)}")
@@ -52,7 +55,8 @@ def consolidate(dest: str, tag: str, fmt: str = "fp32", *, max_shard_size: int |
     tmp = f"{final}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _convert(dest, tag, tmp, fmt == "safetensors", shard_bytes)
+        _convert(dest, f"{tag}/{ds_subdir}" if ds_subdir else tag, tmp, fmt == "safetensors",
+                 shard_bytes)
         state = load_state_dict_dir(tmp)
         # The caller (cli) knows the models; checkpoints sit below the workload layer.
         check = model_check(state) if model_check is not None else NOT_CHECKED

@@ -249,7 +249,7 @@ def _collect_verb(args: argparse.Namespace) -> int:
     if args.dry_run:
         print("dry run: nothing copied")
     elif args.consolidate:
-        result["consolidated"] = _consolidate(dest, report.plan.tag, args)
+        result["consolidated"] = _consolidate(dest, report.plan.tag, report.plan.ds_subdir, args)
     args.json_result = result
     return 0
 
@@ -313,13 +313,13 @@ def _print_report(report: Any, dest: str) -> None:
         print(f"pruned {report.plan.tag} on {node}: {status}")
 
 
-def _consolidate(dest: str, tag: str, args: argparse.Namespace) -> dict[str, Any]:
+def _consolidate(dest: str, tag: str, ds_subdir: str, args: argparse.Namespace) -> dict[str, Any]:
     from clusterkit.checkpoints.consolidate import consolidate
     from clusterkit.workload.verify import check_against_workload
 
     t0 = time.monotonic()
     c = consolidate(dest, tag, args.consolidate, max_shard_size=args.max_shard_size,
-                    model_check=check_against_workload)
+                    ds_subdir=ds_subdir, model_check=check_against_workload)
     print(f"consolidated {tag} -> {c.out_dir}/ ({', '.join(c.files)}; {c.tensors} tensors) in "
           f"{time.monotonic() - t0:.1f} s: {c.model_check}")
     return {"out_dir": c.out_dir, "files": list(c.files), "tensors": c.tensors,
