@@ -236,6 +236,26 @@ def test_down_leaves_nothing_behind(testbed_required: None) -> None:
     tb.down()  # idempotent
 
 
+def test_down_all_stops_host_daemons_a_killed_session_left(testbed_required: None) -> None:
+    """A pytest killed before its teardown leaves the Slurm bed's munged/slurmctld running
+    on the host with their files under the test bed's root; tearing the bed down by its
+    prefix (what `down --all` does for each one) stops them."""
+    from tests.testbed.core import down_prefix
+
+    tb = Testbed.create()
+    tb.ensure(1)
+    daemon = subprocess.Popen(  # stands in for `slurmctld -f <root>/slurm/slurm.conf`
+        [sys.executable, "-c", "import time; time.sleep(300)", f"{tb.root}/slurm/slurm.conf"],
+        start_new_session=True)
+    try:
+        assert down_prefix(tb.prefix)
+        assert daemon.wait(timeout=15) == -9
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+
+
 def test_cli_up_exec_down(testbed_required: None) -> None:
     prefix = f"cli{os.getpid() % 100000}"
 

@@ -49,6 +49,7 @@ from tests.testbed.sysutil import (
     link_names,
     mountpoints,
     pids_in_netns,
+    pids_mentioning,
     run,
     start_time,
     tail,
@@ -687,6 +688,7 @@ def _teardown(state: _State, procs: Any = (), spawned: Any = ()) -> None:
     pids += [p.pid for p in procs if p.poll() is None]  # launched, init not known yet
     kill_and_wait(pids)
     left = kill_and_wait(pids_in_netns(ns_paths))
+    left += kill_and_wait(pids_mentioning(f"{root}/"))  # host daemons of a killed session
     for proc in [*procs, *spawned]:
         with contextlib.suppress(Exception):
             proc.kill()

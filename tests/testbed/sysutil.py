@@ -102,6 +102,28 @@ def pids_in_netns(ns_paths: Iterable[Path]) -> list[int]:
     return found
 
 
+def pids_mentioning(text: str) -> list[int]:
+    """Host processes (not this one) whose command line contains ``text``: e.g. the Slurm
+    bed's munged/slurmctld, which run outside every node with their files under the
+    test bed's root, and outlive a pytest that was killed before its teardown."""
+    needle = text.encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if needle in Path(f"/proc/{entry.name}/cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+def _zombie(pid: int) -> bool:
+    """Dead but not yet reaped by its parent: nothing left to kill."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def kill_and_wait(pids: Iterable[int], timeout: float = 10.0) -> list[int]:
     """SIGKILL ``pids``; return those still alive after ``timeout`` (normally none)."""
     todo = [p for p in pids if p > 1]
@@ -110,7 +132,7 @@ def kill_and_wait(pids: Iterable[int], timeout: float = 10.0) -> list[int]:
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout
     while todo and time.monotonic() < deadline:
-        todo = [p for p in todo if alive(p)]
+        todo = [p for p in todo if alive(p) and not _zombie(p)]
         if todo:
             time.sleep(0.02)
     return todo
