@@ -421,15 +421,16 @@ def test_without_markers_names_missing_extra_and_duplicate_ranks(
     assert plan.precision == "bf16"
     with pytest.raises(CheckpointIncomplete) as info:  # the run had more ranks than given
         verify(list_nodes(transport, nodes, None), "latest", WithoutMarkers(6))
-    assert any("ranks 6-7, beyond the expected world size 6" in p for p in info.value.problems)
+    assert ("optimizer shard for ranks [6, 7] beyond the world size 6: pass --world-size with the "
+            "run's size") in info.value.problems
     os.unlink(synthetic.shard_paths(nodes[3].root)[1])  # rank 7
     src = synthetic.shard_paths(nodes[0].root)[0]
     Path(nodes[2].root, TAG, os.path.basename(src)).write_bytes(Path(src).read_bytes())
     with pytest.raises(CheckpointIncomplete) as info:
         verify(list_nodes(transport, nodes, None), "latest", WithoutMarkers(8))
     text = " | ".join(info.value.problems)
-    assert "optimizer shard of rank 7 is missing" in text
-    assert "rank 0 exists on node1 and node3" in text
+    assert "optimizer shard of rank 7 is missing (bf16_zero_pp_rank_7_mp_rank_00_optim_states.pt)" in text
+    assert "rank 0 (bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt) exists on node1 and node3" in text
 
 
 def test_a_torch_file_cut_short_is_refused_in_both_modes(

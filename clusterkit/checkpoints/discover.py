@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,8 +176,7 @@ def choose_tag(listings: Sequence[NodeListing], requested: str, *, markers: bool
     common: set[str] | None = None
     for ls in listings:
         marked = {t for t, m in ls.markers.items() if m} if markers else \
-            {t for t, files in ls.tags.items() if files and any(
-                layout.parse_shard_name(posixpath.basename(r)) for r in files)}
+            {t for t, files in ls.tags.items() if files and _holds_shards(files)}
         common = marked if common is None else common & marked
     if not common:
         what = "completion markers" if markers else "DeepSpeed checkpoint files"
@@ -300,12 +299,15 @@ def _hint_without_markers(listings: Sequence[NodeListing], tag: str) -> list[str
     """When no node has a marker but DeepSpeed's files are there: a user's own script."""
     if any(ls.markers.get(tag) for ls in listings):
         return []
-    if not any(layout.parse_shard_name(posixpath.basename(rel))
-               for ls in listings for rel in ls.tags.get(tag) or {}):
+    if not any(_holds_shards(ls.tags.get(tag) or {}) for ls in listings):
         return []
     return [f"{tag} holds DeepSpeed checkpoint files but no node has a completion marker: "
             "only the bundled workload writes them. For a checkpoint your own script saved, "
             "pass --without-markers (docs/collect-ckpt.md says what it checks)"]
+
+
+def _holds_shards(rels: Iterable[str]) -> bool:
+    return any(layout.parse_shard_name(posixpath.basename(rel)) for rel in rels)
 
 
 def _torn_files(listings: Sequence[NodeListing], tag: str) -> list[str]:
@@ -324,33 +326,35 @@ def plan_from_files(listings: Sequence[NodeListing], tag: str, world_size: int) 
 
     Ranks are placed where their shards are; the node holding rank 0's shard (else the
     one whose ``latest`` names the tag) is canonical for the ZeRO 0-2 model states."""
-    found, subdirs, bf16, problems = _deepspeed_files(listings, tag)
-    if not subdirs:
+    scan = _scan_shards(listings, tag)
+    problems = [_parallel_problem(node, rel, shard) for node, rel, shard in scan.parallel]
+    if not scan.subdirs:
         raise CheckpointIncomplete(tag, [
             f"no DeepSpeed checkpoint files (mp_rank_00_model_states.pt, "
             f"zero_pp_rank_*_optim_states.pt) under {tag} on any selected node", *problems])
-    if len(subdirs) > 1:
-        where = ", ".join(repr(d or ".") for d in sorted(subdirs))
+    if len(scan.subdirs) > 1:
+        where = ", ".join(repr(d or ".") for d in sorted(scan.subdirs))
         raise CheckpointIncomplete(tag, [f"DeepSpeed files in several directories under {tag} "
                                          f"({where}); point --dir/--tag at one save", *problems])
-    sub = subdirs.pop()
-    kinds = {kind for kind, _ in found}
+    sub = next(iter(scan.subdirs))
+    kinds = {kind for kind, _ in scan.found}
     stage = 3 if "zero3_model_states" in kinds else (None if "optim_states" in kinds else 0)
-    if len(bf16) > 1:
+    if len(scan.bf16) > 1:
         problems.append(f"optimizer shards under {tag} mix bf16_ and plain names (two saves?)")
-    precision = "bf16" if True in bf16 else "fp32-or-fp16"
-    problems += _rank_problems(found, world_size, stage, tag)
-    model = posixpath.join(sub, layout.model_states_name(0, 0))
-    if stage != 3 and not any(model in (ls.tags.get(tag) or {}) for ls in listings):
-        problems.append(f"no node has {posixpath.join(tag, model)} (the model states)")
+    precision = "bf16" if True in scan.bf16 else "fp32-or-fp16"
+    problems += _rank_problems(scan.found, world_size, _per_rank_kinds(stage, precision),
+                               precision, sub, {},
+                               extra_hint=": pass --world-size with the run's size")
+    problems += _model_states_problems(listings, tag, stage, sub)
     problems += _torn_files(listings, tag)
     if problems:
         raise CheckpointIncomplete(tag, list(dict.fromkeys(problems)))
-    nodes = _nodes_from_files(listings, found, tag)
-    holder0 = next((n.node for n in nodes if 0 in n.ranks), None)
-    named = next((ls.node for ls in listings if ls.latest == tag), None)
-    with_model = next((ls.node for ls in listings if model in (ls.tags.get(tag) or {})), None)
-    canonical = holder0 or named or with_model or listings[0].node
+    nodes = _nodes_from_files(listings, scan.found)
+    model = posixpath.join(sub, layout.model_states_name(0, 0))
+    canonical = (next((n.node for n in nodes if 0 in n.ranks), None)
+                 or next((ls.node for ls in listings if ls.latest == tag), None)
+                 or next((ls.node for ls in listings if model in (ls.tags.get(tag) or {})),
+                         listings[0].node))
     return CollectPlan(
         tag=tag, step=layout.parse_step_tag(tag), zero_stage=stage, world_size=world_size,
         engine="accelerate" if sub == layout.ACCELERATE_DS_SUBDIR else "deepspeed",
@@ -364,53 +368,45 @@ def plan_from_files(listings: Sequence[NodeListing], tag: str, world_size: int) 
 _Found = dict[tuple[str, int], list[tuple[str, str]]]  # (kind, dp rank) -> [(node, relpath)]
 
 
-def _deepspeed_files(listings: Sequence[NodeListing], tag: str
-                     ) -> tuple[_Found, set[str], set[bool], list[str]]:
-    """Per-rank shards by (kind, rank), the directories holding any DeepSpeed file, and
-    whether optimizer shards carry the ``bf16_`` prefix."""
+@dataclass(frozen=True)
+class _Shards:
+    """DeepSpeed's files of one tag across the nodes (one scan, both modes)."""
+
+    found: _Found  # per-rank files of model-parallel rank 0
+    subdirs: frozenset[str]  # the directories (under the tag) holding any of them
+    bf16: frozenset[bool]  # whether optimizer shards carry the ``bf16_`` prefix
+    parallel: tuple[tuple[str, str, layout.ShardName], ...]  # mp_rank != 0: unsupported
+
+
+def _scan_shards(listings: Sequence[NodeListing], tag: str, under: str = "") -> _Shards:
+    """Every DeepSpeed file of ``tag`` (only those below ``under`` when given)."""
     found: _Found = {}
     subdirs: set[str] = set()
     bf16: set[bool] = set()
-    problems: list[str] = []
+    parallel: list[tuple[str, str, layout.ShardName]] = []
     for ls in listings:
         for rel in ls.tags.get(tag) or {}:
+            if under and not rel.startswith(under + "/"):
+                continue
             parsed = layout.parse_shard_name(posixpath.basename(rel))
             if parsed is None or _is_temp(rel):
                 continue
             subdirs.add(posixpath.dirname(rel))
             if parsed.mp_rank != 0:
-                problems.append(f"{ls.node}: {rel}: model-parallel checkpoints (mp_rank "
-                                f"{parsed.mp_rank}) are not supported")
+                parallel.append((ls.node, rel, parsed))
             elif parsed.dp_rank is not None:
                 found.setdefault((parsed.kind, parsed.dp_rank), []).append((ls.node, rel))
                 if parsed.kind == "optim_states":
                     bf16.add(parsed.bf16)
-    return found, subdirs, bf16, problems
+    return _Shards(found, frozenset(subdirs), frozenset(bf16), tuple(parallel))
 
 
-def _rank_problems(found: _Found, world: int, stage: int | None, tag: str) -> list[str]:
-    # Stage 0 has no per-rank files (so nothing shows the world size); 1-2 an optimizer
-    # shard per rank; 3 also a model-states file per rank.
-    kinds = [] if stage == 0 else ["optim_states"] + (["zero3_model_states"] if stage == 3 else [])
-    problems: list[str] = []
-    for kind in kinds:
-        label = "optimizer shard" if kind == "optim_states" else "ZeRO-3 model states"
-        for rank in range(world):
-            holders = found.get((kind, rank), [])
-            if not holders:
-                problems.append(f"{label} of rank {rank} is missing on every selected node")
-            elif len(holders) > 1:
-                problems.append(f"{label} of rank {rank} exists on "
-                                f"{' and '.join(n for n, _ in holders)}; it must exist exactly once")
-        extra = sorted(r for (k, r) in found if k == kind and r >= world)
-        if extra:
-            problems.append(f"{tag} has {label}s for ranks {extra[0]}-{extra[-1]}, beyond the "
-                            f"expected world size {world}: pass --world-size with the run's size")
-    return problems
+def _parallel_problem(node: str, rel: str, shard: layout.ShardName) -> str:
+    return (f"{node}: {rel}: model-parallel checkpoints (mp_rank {shard.mp_rank}) are not "
+            "supported")
 
 
-def _nodes_from_files(listings: Sequence[NodeListing], found: _Found, tag: str
-                      ) -> tuple[NodeRanks, ...]:
+def _nodes_from_files(listings: Sequence[NodeListing], found: _Found) -> tuple[NodeRanks, ...]:
     """Every selected node, holding the ranks whose shards are on it."""
     per_node: dict[str, dict[int, list[str]]] = {ls.node: {} for ls in listings}
     for (_, rank), holders in found.items():
@@ -450,27 +446,31 @@ def _shard_problems(listings: Sequence[NodeListing], tag: str, marker: layout.Co
     expected_node = {r: n.node for n in nodes for r in n.ranks}
     problems = [f"rank {r} is listed by no completion marker" for r in range(world)
                 if nodes and r not in expected_node]
-    seen: dict[tuple[str, int], list[str]] = {}
-    for ls in listings:
-        for rel in ls.tags.get(tag) or {}:
-            if marker.ds_subdir and not rel.startswith(marker.ds_subdir + "/"):
-                continue
-            parsed = layout.parse_shard_name(posixpath.basename(rel))
-            if parsed is None or parsed.dp_rank is None:
-                continue
-            if parsed.mp_rank != 0:
-                problems.append(f"{ls.node}: {rel}: model-parallel checkpoints (mp_rank "
-                                f"{parsed.mp_rank}) are not supported")
-                continue
-            seen.setdefault((parsed.kind, parsed.dp_rank), []).append(ls.node)
-    kinds = ["optim_states"] if layout.has_zero_optimizer_shards(stage, marker.precision) else []
-    if stage == 3:
-        kinds.append("zero3_model_states")
+    scan = _scan_shards(listings, tag, under=marker.ds_subdir)
+    problems += [_parallel_problem(node, rel, shard) for node, rel, shard in scan.parallel
+                 if shard.dp_rank is not None]
+    problems += _rank_problems(scan.found, world, _per_rank_kinds(stage, marker.precision),
+                               marker.precision, marker.ds_subdir, expected_node)
+    return problems + _model_states_problems(listings, tag, stage, marker.ds_subdir)
+
+
+def _per_rank_kinds(stage: int | None, precision: str) -> list[str]:
+    """The files each rank writes; stage None (no markers: 1 or 2) has optimizer shards."""
+    kinds = ["optim_states"] if stage is None or layout.has_zero_optimizer_shards(
+        stage, precision) else []
+    return kinds + (["zero3_model_states"] if stage == 3 else [])
+
+
+def _rank_problems(found: _Found, world: int, kinds: Sequence[str], precision: str,
+                   ds_subdir: str, expected_node: Mapping[int, str], extra_hint: str = ""
+                   ) -> list[str]:
+    """Each kind's file for ranks 0..world-1 exactly once (on ``expected_node`` when known)."""
+    problems: list[str] = []
     for kind in kinds:
         label = "optimizer shard" if kind == "optim_states" else "ZeRO-3 model states"
         for rank in range(world):
-            holders = seen.get((kind, rank), [])
-            name = _shard_file(kind, rank, marker)
+            holders = [node for node, _ in found.get((kind, rank), [])]
+            name = _shard_file(kind, rank, precision, ds_subdir)
             if not holders:
                 where = f"{expected_node[rank]}: " if rank in expected_node else ""
                 problems.append(f"{where}{label} of rank {rank} is missing ({name})")
@@ -480,20 +480,27 @@ def _shard_problems(listings: Sequence[NodeListing], tag: str, marker: layout.Co
             elif rank in expected_node and holders[0] != expected_node[rank]:
                 problems.append(f"{holders[0]}: has the {label} of rank {rank}, but the "
                                 f"markers place rank {rank} on {expected_node[rank]}")
-        extra = sorted(r for (k, r) in seen if k == kind and r >= world)
+        extra = sorted(r for (k, r) in found if k == kind and r >= world)
         if extra:
-            problems.append(f"{label} for ranks {extra} beyond the world size {world}")
-    if stage is not None and stage < 3:
-        name = posixpath.join(marker.ds_subdir, layout.model_states_name(stage, 0))
-        if not any(name in (ls.tags.get(tag) or {}) for ls in listings):
-            problems.append(f"no node has {posixpath.join(tag, name)} (the model states)")
+            problems.append(f"{label} for ranks {extra} beyond the world size {world}{extra_hint}")
     return problems
 
 
-def _shard_file(kind: str, rank: int, marker: layout.CompletionMarker) -> str:
-    name = (layout.optim_states_name(rank, bf16=marker.precision == "bf16") if kind == "optim_states"
+def _model_states_problems(listings: Sequence[NodeListing], tag: str, stage: int | None,
+                           ds_subdir: str) -> list[str]:
+    """ZeRO 0-2 keep one model-states file (some node must have it); ZeRO-3 one per rank."""
+    if stage == 3:
+        return []
+    name = posixpath.join(ds_subdir, layout.model_states_name(0, 0))
+    if any(name in (ls.tags.get(tag) or {}) for ls in listings):
+        return []
+    return [f"no node has {posixpath.join(tag, name)} (the model states)"]
+
+
+def _shard_file(kind: str, rank: int, precision: str, ds_subdir: str) -> str:
+    name = (layout.optim_states_name(rank, bf16=precision == "bf16") if kind == "optim_states"
             else layout.model_states_name(3, rank))
-    return posixpath.join(marker.ds_subdir, name) if marker.ds_subdir else name
+    return posixpath.join(ds_subdir, name) if ds_subdir else name
 
 
 def _marker_file_problems(listings: Sequence[NodeListing], tag: str,

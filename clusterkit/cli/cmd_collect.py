@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clusterkit.cli.common import (
     add_inventory_option,
@@ -22,6 +22,9 @@ from clusterkit.errors import CheckpointError
 from clusterkit.inventory import Host
 from clusterkit.remote.base import target_for
 from clusterkit.units import size_type
+
+if TYPE_CHECKING:
+    from clusterkit.checkpoints.discover import WithoutMarkers
 
 DEFAULT_DEST = "checkpoints-collected"
 PLAIN_EVERY_S = 2.0
@@ -254,7 +257,7 @@ def _collect_verb(args: argparse.Namespace) -> int:
     return 0
 
 
-def _without_markers(args: argparse.Namespace, slots: list[int]) -> Any:
+def _without_markers(args: argparse.Namespace, slots: list[int]) -> WithoutMarkers | None:
     from clusterkit.checkpoints.discover import WithoutMarkers
 
     if not args.without_markers:

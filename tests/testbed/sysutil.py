@@ -116,14 +116,6 @@ def pids_mentioning(text: str) -> list[int]:
     return found
 
 
-def _zombie(pid: int) -> bool:
-    """Dead but not yet reaped by its parent: nothing left to kill."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def kill_and_wait(pids: Iterable[int], timeout: float = 10.0) -> list[int]:
     """SIGKILL ``pids``; return those still alive after ``timeout`` (normally none)."""
     todo = [p for p in pids if p > 1]
@@ -132,7 +124,7 @@ def kill_and_wait(pids: Iterable[int], timeout: float = 10.0) -> list[int]:
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout
     while todo and time.monotonic() < deadline:
-        todo = [p for p in todo if alive(p) and not _zombie(p)]
+        todo = [p for p in todo if alive(p)]
         if todo:
             time.sleep(0.02)
     return todo
