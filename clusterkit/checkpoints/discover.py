@@ -209,7 +209,11 @@ def verify(listings: Sequence[NodeListing], requested_tag: str = "latest",
         return plan_from_files(listings, tag, without_markers.world_size)
     markers, problems = _read_markers(listings, tag)
     if not markers:
-        raise CheckpointIncomplete(tag, problems + _hint_without_markers(listings, tag))
+        # A user's own script writes no markers: say that, not "the save did not finish"
+        # on every node.
+        mine = _hint_without_markers(listings, tag)
+        raise CheckpointIncomplete(tag, mine or problems, hint="add --without-markers once the "
+                                   "run has stopped saving" if mine else None)
     # Go on with the markers we have, so one report lists every problem at once.
     return _plan(listings, tag, markers, problems)
 
