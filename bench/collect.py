@@ -216,9 +216,12 @@ def bench_ciphers(tb: Testbed, work: str, mb: int, rounds: int) -> dict[str, flo
               flush=True)
 
     def ssh_cat(cipher: str, comp: str, nbytes: int) -> Callable[[], None]:
-        argv = ["ssh", "-F", tb.ssh_config, "-o", f"Compression={comp}", "-c", cipher,
+        argv = ["ssh", "-F", str(tb.ssh_config), "-o", f"Compression={comp}", "-c", cipher,
                 node.name, "head", "-c", str(nbytes), f"{inside}/f"]
-        return lambda: subprocess.run(argv, stdout=subprocess.DEVNULL, check=True, timeout=900)
+
+        def run() -> None:
+            subprocess.run(argv, stdout=subprocess.DEVNULL, check=True, timeout=900)
+        return run
 
     def sftp() -> None:
         with DispatchTransport() as t:

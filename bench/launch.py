@@ -116,7 +116,8 @@ class Bench:
         for i, node in enumerate(nodes):
             remote = (f"cd {self.work} && {sys.executable} -m torch.distributed.run "
                       f"--nnodes={n} --nproc-per-node={g} --node-rank={i} "
-                      f"--master-addr={nodes[0].address} --master-port={port} {script}")
+                      f"--master-addr={nodes[0].address} --master-port={port} "
+                      f"--log-dir={self.work}/torchelastic {script}")  # not /tmp/torchelastic_*
             lines.append(f"ssh -F {self.tb.ssh_config} {node.name} '{remote}' & pids=\"$pids $!\"")
         script_sh = "\n".join(["pids=", *lines, "rc=0",
                                'for p in $pids; do wait $p || { [ $rc = 0 ] && rc=$?; }; done',

@@ -43,7 +43,9 @@ def _launch(nproc: int, module_or_script: list[str], args: list[str], cwd: str) 
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
             "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-            "--master_port", str(_free_port()), *module_or_script, *args]
+            "--master_port", str(_free_port()),
+            f"--log-dir={cwd}/torchelastic",  # not a /tmp/torchelastic_* left per run
+            *module_or_script, *args]
     proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         sys.exit(f"run failed ({proc.returncode}): {' '.join(argv)}\n{proc.stdout[-3000:]}"

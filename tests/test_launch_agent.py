@@ -401,3 +401,20 @@ def test_folded_gate_failure_starts_nothing_anywhere(tmp_path: Path, fake: Path)
     assert gate is not None and list(gate.problems) == ["v1"], gate
     assert "ready" not in text and "step 1/600" not in text  # v0 never started its rank
     assert agent_mod.job_processes("gate-bad") == {}
+
+
+def test_folded_gate_names_a_script_missing_on_a_node(tmp_path: Path, fake: Path) -> None:
+    """Seen as a user: a script only on the launching host (no --sync, no shared dir) let
+    every rank die of Python's "can't open file"; the gate names it before anything starts."""
+    base = _job(tmp_path, fake, 2, "gate-script", FAKE_STEPS="600")
+    gone = str(tmp_path / "proj" / "train.py")
+    lacking = dataclasses.replace(base.tasks[1], needs=(gone,))
+    job = dataclasses.replace(base, tasks=(dataclasses.replace(base.tasks[0], needs=(str(fake),)),
+                                           lacking), gate_need=())
+    outcome, text = _run(job)
+    assert outcome.exit_code == 2, text  # type: ignore[attr-defined]
+    gate = outcome.gate  # type: ignore[attr-defined]
+    assert gate is not None and gate.problems == {
+        "v1": f"{gone} is not on this node (copy the code with --sync DIR, or use a shared workdir)"}
+    assert gate.facts["v0"]["missing"] == []
+    assert "step 1/600" not in text and agent_mod.job_processes("gate-script") == {}

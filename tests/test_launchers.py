@@ -85,3 +85,19 @@ def test_the_registry_is_consistent() -> None:
         assert b.plan_backend in launchers.BACKENDS and b.sbatch_plan in plans, b.name
         if b.name in plans:
             assert b.sbatch_line is not None, b.name  # sbatch.sh renders for every plan
+
+
+@pytest.mark.parametrize("backend", ["torchrun", "accelerate", "slurm"])
+def test_every_torchrun_gets_a_log_dir_so_nothing_is_left_in_tmp(backend: str) -> None:
+    """torchrun without --log-dir makes /tmp/torchelastic_* on every node and never removes
+    it (1357 of them on this machine after a day of test runs); every line that starts
+    torchrun, directly or through ``accelerate launch`` or srun, names one in the job dir."""
+    from tests.render_cases import plan_for
+    launch = plan_for("a800-7x2", backend)
+    lines = [c.shell_line() for cmds in launch.commands.values() for c in cmds]
+    lines += [line for line in launch.artifacts["sbatch.sh"].splitlines() if line.startswith("srun ")]
+    starts = [line for line in lines
+              if "torch.distributed.run" in line or "accelerate.commands.launch" in line]
+    assert starts, backend
+    for line in starts:
+        assert "--log-dir=/" in line or '--log_dir=' in line, line

@@ -63,13 +63,15 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _torchrun_argv(extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *extra, "-m", "clusterkit.workload"]
+def _torchrun_argv(extra: list[str], cwd: Path) -> list[str]:
+    # --log-dir: without it every run leaves a /tmp/torchelastic_* directory behind.
+    return [sys.executable, "-m", "torch.distributed.run", f"--log-dir={cwd}/torchelastic",
+            *extra, "-m", "clusterkit.workload"]
 
 
 def torchrun(args: list[str], cwd: Path, nproc: int = 2) -> Run:
     argv = _torchrun_argv(["--nnodes", "1", "--nproc_per_node", str(nproc),
-                           "--master_addr", "127.0.0.1", "--master_port", str(_free_port())])
+                           "--master_addr", "127.0.0.1", "--master_port", str(_free_port())], cwd)
     proc = subprocess.run([*argv, *BASE, *args], cwd=cwd, env=_env(), capture_output=True,
                           text=True, timeout=RUN_TIMEOUT)
     return Run(proc.returncode, proc.stdout + proc.stderr)
@@ -81,7 +83,7 @@ def fake_nodes(args: list[str], cwd: Path) -> list[Run]:
     procs = []
     for node in (0, 1):
         argv = _torchrun_argv(["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
-                               "--master_addr", "127.0.0.1", "--master_port", str(port)])
+                               "--master_addr", "127.0.0.1", "--master_port", str(port)], cwd)
         procs.append(subprocess.Popen([*argv, *BASE, *args], cwd=cwd, env=_env(), text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     runs = []
@@ -295,7 +297,7 @@ def _run_until_step_then_signal(tmp_path: Path, args: list[str], sig: signal.Sig
                                 rank: int) -> Run:
     log = tmp_path / f"{sig.name}.log"
     argv = _torchrun_argv(["--nnodes", "1", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(_free_port())])
+                           "127.0.0.1", "--master_port", str(_free_port())], tmp_path)
     with log.open("w") as fh:
         proc = subprocess.Popen([*argv, *BASE, *args], cwd=tmp_path, env=_env(), text=True,
                                 stdout=fh, stderr=subprocess.STDOUT)

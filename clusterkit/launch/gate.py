@@ -20,6 +20,7 @@ from clusterkit.errors import LaunchError
 from clusterkit.hostrange import folded_lines
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import SSHTarget, Transport
+from clusterkit.spec.job import JobPlan, NodePlan
 
 GATE_TIMEOUT_S = 20.0
 PARITY_KEYS = ("python", "version", "torch", "deepspeed", "accelerate")
@@ -30,6 +31,7 @@ class GateNode:
     node: str
     python: str
     target: SSHTarget
+    needs: tuple[str, ...] = ()  # files the job's ranks open there (the user's script)
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,16 @@ class GateResult:
         return not self.problems
 
 
+def needed_files(plan: JobPlan, node: NodePlan) -> tuple[str, ...]:
+    """Files the gate checks on ``node``: the user's script (a module has no path)."""
+    script = plan.script_path(node)
+    return () if script is None else (script,)
+
+
 def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[str] = ()
              ) -> GateResult:
     """Probe every node at once; ``need``: packages that must be installed everywhere."""
-    cmds = {n.node: node_command(n.python, "gatefacts") for n in nodes}
+    cmds = {n.node: node_command(n.python, "gatefacts", n.needs) for n in nodes}
     results = transport.run_all([n.target for n in nodes], {k: c.argv for k, c in cmds.items()},
                                 timeout=GATE_TIMEOUT_S,
                                 stdin=next(iter(cmds.values())).stdin if cmds else None)
@@ -77,6 +85,11 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
             if not f.get(pkg):
                 fix = " (`clusterkit nodes install`)" if pkg == "clusterkit" else ""
                 problems.setdefault(node, f"{pkg} is not installed for {f.get('python')}{fix}")
+        missing = f.get("missing")
+        if isinstance(missing, list) and missing:
+            # Seen as a user: without this, every rank died of Python's "can't open file".
+            problems.setdefault(node, f"{', '.join(map(str, missing))} is not on this node "
+                                      "(copy the code with --sync DIR, or use a shared workdir)")
     problems.update(_parity(facts, order))
     return GateResult(facts=facts, problems=problems)
 

@@ -87,6 +87,7 @@ class NodeTask:
     job_dir: str = "~/.cache/clusterkit/jobs/@JOB@"  # on the node; ~ is the node's home
     rank_log_dir: str | None = None  # per-rank log files to stream (DeepSpeed's launcher)
     native: Mapping[str, Any] | None = None  # the agent starts the ranks (see agent.Spec)
+    needs: tuple[str, ...] = ()  # files the gate checks on the node (the user's script)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class JobSpec:
             rank_log_dir=task.rank_log_dir,
             native=dict(task.native) if task.native is not None else None,
             hold=self.gate_need is not None, keepalive_s=self.keepalive_s,
-            local_ranks=task.nprocs, zygote=zygote_imports(task),
+            local_ranks=task.nprocs, zygote=zygote_imports(task), needs=list(task.needs),
         )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from clusterkit.errors import LaunchError
 from clusterkit.launch.console import Sink
 from clusterkit.launch.fromplan import job_from_plan
-from clusterkit.launch.gate import GateNode, gate_error, run_gate
+from clusterkit.launch.gate import GateNode, gate_error, needed_files, run_gate
 from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.orchestrator import JobOutcome, JobSpec, Orchestrator, describe_failure
 from clusterkit.launchers import BACKENDS
@@ -70,7 +70,8 @@ def gate_needs(plan: JobPlan) -> tuple[str, ...]:
 def _gate_nodes(plan: JobPlan) -> list[GateNode]:
     from clusterkit.launch.fromplan import target_for
 
-    return [GateNode(n.name, n.python, target_for(n.host)) for n in plan.nodes]
+    return [GateNode(n.name, n.python, target_for(n.host), needed_files(plan, n))
+            for n in plan.nodes]
 
 
 def check_nodes(transport: Transport, plan: JobPlan, sink: Sink) -> dict[str, str]:

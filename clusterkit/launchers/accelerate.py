@@ -29,7 +29,10 @@ ACCELERATE = ("-m", "accelerate.commands.launch")
 # default action killed it and --kill-on-bad-exit then killed the ranks mid-save.
 # --tee 3: each rank's lines carry its rank label, which `clusterkit sbatch --watch`
 # reads (accelerate's own --tee default, 0, overrides torchrun's).
-ACCELERATE_EXEC = (IGNORE_USR1 + 'd=$1; shift; exec "$0" ' + " ".join(ACCELERATE) + " --tee 3"
+# --log_dir (accelerate hands it to torchrun): without it torchrun makes
+# /tmp/torchelastic_* on every node and never removes it, one leftover per node per run.
+ACCELERATE_EXEC = (IGNORE_USR1 + 'd=$1; l=$2; shift 2; exec "$0" ' + " ".join(ACCELERATE)
+                   + ' --tee 3 --log_dir="$l"'
                    + ' --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml"'
                    ' --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"')
 
@@ -91,6 +94,7 @@ def accelerate_commands(plan: JobPlan, run_id: str | None) -> tuple[NodeCommand,
         # --tee 3: accelerate hands it to torchrun, whose "[default<r>]:" line prefix
         # names each rank (the node agent reads it as the rank label).
         argv = [node.python, *ACCELERATE, "--tee", "3",
+                f"--log_dir={node.job_dir}/logs/node{node.node_rank}",  # as ACCELERATE_EXEC
                 f"--config_file={node.job_dir}/{accelerate_config_name(node.node_rank)}",
                 *launcher_program(plan.programs[node.node_rank], "--module")]
         out.append(NodeCommand(label=f"accelerate node {node.node_rank}", host=node.name,
@@ -105,7 +109,7 @@ def sbatch_line(plan: JobPlan, log_dir: str) -> tuple[str, str]:
     node = plan.nodes[0]
     argv = ["srun", f"--nodes={len(plan.nodes)}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
             f"--chdir={node.workdir}", *srun_env_words(plan), "sh", "-c", ACCELERATE_EXEC,
-            node.python, node.job_dir, *launcher_program(plan.programs[0], "--module")]
+            node.python, node.job_dir, log_dir, *launcher_program(plan.programs[0], "--module")]
     return "accelerate", shlex.join(argv)
 
 

@@ -82,8 +82,13 @@ def pdsh_ssh_args(plan: JobPlan) -> str:
     return f"-F {path}"
 
 
-def srun_torchrun_argv(plan: JobPlan, master_addr: str, master_port: str) -> list[str]:
-    """``srun ... torchrun`` words; the address/port may be shell variables (sbatch)."""
+def srun_torchrun_argv(plan: JobPlan, master_addr: str, master_port: str,
+                       log_dir: str) -> list[str]:
+    """``srun ... torchrun`` words; the address/port may be shell variables (sbatch).
+
+    ``--log-dir``: without it torchrun makes ``/tmp/torchelastic_*`` on every node and
+    never removes it (one leftover per node per run); with it each rank's output also
+    lands in a file under the job's log directory."""
     uniform(plan, "srun")
     node = plan.nodes[0]
     nproc = same_nproc(plan, "srun")
@@ -91,7 +96,7 @@ def srun_torchrun_argv(plan: JobPlan, master_addr: str, master_port: str) -> lis
     head = ["srun", f"--nodes={len(plan.nodes)}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
             f"--chdir={node.workdir}", "env", *(f"{k}={v}" for k, v in node.env.items())]
     common = [f"--nnodes={len(plan.nodes)}", f"--nproc-per-node={nproc}",
-              f"--max-restarts={o.max_restarts}", "--tee=3"]
+              f"--max-restarts={o.max_restarts}", f"--log-dir={log_dir}", "--tee=3"]
     program = launcher_program(plan.programs[0], "-m")
     if o.rdzv == "c10d" and plan.node_local:
         rendezvous(plan, None)  # raises: c10d cannot keep rank -> node fixed

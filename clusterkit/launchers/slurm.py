@@ -14,7 +14,8 @@ from clusterkit.spec.job import JobPlan, NodeCommand
 
 def srun_command(plan: JobPlan, run_id: str | None) -> tuple[NodeCommand, ...]:
     """The srun line to run inside an allocation (``salloc``), from the login node."""
-    argv = srun_torchrun_argv(plan, plan.master_addr, str(plan.master_port))
+    argv = srun_torchrun_argv(plan, plan.master_addr, str(plan.master_port),
+                              f"{plan.job_dir}/logs")
     return (NodeCommand(label="srun inside an allocation", host=None, node_rank=None,
                         argv=tuple(argv)),)
 

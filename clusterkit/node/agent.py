@@ -898,7 +898,7 @@ class Agent:
     def run(self) -> int:
         self.prepare()  # while the launcher compares the nodes' facts
         if self.spec.hold:
-            self.event("facts", facts=gate_facts())
+            self.event("facts", facts=gate_facts(self.spec.needs))
         # The fork server's imports overlap the gate's round trip and the GO. Started
         # after the facts: on a node short of CPUs, its import would delay our report.
         if self.zygote_wanted():

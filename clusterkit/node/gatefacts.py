@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 PACKAGES = ("torch", "deepspeed", "accelerate")
@@ -73,15 +73,17 @@ def _clusterkit(version: Callable[[str], str | None] = _version) -> dict[str, An
             "clusterkit_digest": package_digest(where[0])}
 
 
-def gate_facts() -> dict[str, Any]:
+def gate_facts(needs: Sequence[str] = ()) -> dict[str, Any]:
+    """``needs``: files the job's ranks open on this node; ``missing`` lists the absent."""
     facts: dict[str, Any] = {"python": sys.executable, "version": sys.version.split()[0]}
     facts.update({name: _version(name) for name in PACKAGES})
     facts.update(_clusterkit())
+    facts["missing"] = [p for p in needs if not os.path.isfile(p)]
     return facts
 
 
 def main(argv: list[str] | None = None) -> int:
-    del argv  # no options
-    sys.stdout.write(json.dumps(gate_facts()) + "\n")
+    """Arguments: the files the job needs on this node."""
+    sys.stdout.write(json.dumps(gate_facts(sys.argv[1:] if argv is None else argv)) + "\n")
     sys.stdout.flush()
     return 0

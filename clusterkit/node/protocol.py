@@ -65,6 +65,7 @@ _SPEC_TYPES: dict[str, tuple[type, ...]] = {
     "attempt": (int,), "prefix": (str,), "rank_offsets": (dict,), "grace_s": (int, float),
     "rank_log_dir": (str, type(None)), "native": (dict, type(None)), "hold": (bool,),
     "keepalive_s": (int, float), "local_ranks": (int,), "zygote": (list,),
+    "needs": (list,),
 }
 
 
@@ -99,6 +100,9 @@ class AgentSpec:
     # Native mode (issue 15): modules a per-node fork server imports once before it
     # forks the ranks (clusterkit.node.zygote); empty: each rank is its own exec.
     zygote: list[str] = field(default_factory=list)
+    # Files the ranks open that must be on this node (the user's script): the gate's
+    # facts name the missing ones, so a node without the code fails before the start.
+    needs: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> str:

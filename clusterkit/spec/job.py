@@ -289,6 +289,14 @@ class JobPlan:
     def node_local(self) -> bool:
         return self.storage == "node-local"
 
+    def script_path(self, node: NodePlan) -> str | None:
+        """The user's script as ``node``'s ranks open it (their cwd is the workdir);
+        None for a module (``-m``), which only its import can find."""
+        program = self.programs[node.node_rank]
+        if not program or program[0] == "-m":
+            return None
+        return program[0] if program[0].startswith("/") else f"{node.workdir}/{program[0]}"
+
     @property
     def job_dir(self) -> str:
         """Node 0's per-job directory (where the head-node artifacts go)."""
