@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,10 +22,15 @@ def test_plan_recommends_fastest_fitting(capsys: pytest.CaptureFixture[str]) -> 
     assert len(recommended) == 1 and recommended[0].startswith("ZeRO-2 ")
 
 
-def test_plan_shape_from_inventory_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_shape_from_inventory_and_json() -> None:
+    # A process of its own: DeepSpeed's import-time "Setting accelerator to CPU" line went
+    # to stdout and broke the JSON (an earlier import in the same process hid it).
     inv = str(REPO / "hostfiles" / "h100-2x8-ib.yaml")
-    assert main(["plan", "-i", inv, "--model", "small", "--gpu-mem", "80GiB", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+    res = subprocess.run([sys.executable, "-m", "clusterkit", "plan", "-i", inv, "--model", "small",
+                          "--gpu-mem", "80GiB", "--json"], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
     assert (data["nodes"], data["gpus_per_node"]) == (2, 8)
     assert data["recommended"]["name"] == "DDP"
 

@@ -186,3 +186,61 @@ def test_embedded_default_gives_no_gpu_warning() -> None:
     with pytest.raises(RenderError) as info:
         _mixed_plan(gpus_per_node=2, strict=True)
     assert info.value.key == "--strict" and "c1: --gpus-per-node 2" in info.value.one_line()
+
+
+DS_HABIT = """import argparse, deepspeed
+p = argparse.ArgumentParser()
+p = deepspeed.add_config_arguments(p)
+args = p.parse_args()
+engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+"""
+
+
+@pytest.mark.parametrize(("text", "kw", "warned"), [
+    (DS_HABIT, {}, True),  # DeepSpeed's helper, no config given: every rank would fail
+    (DS_HABIT.replace("deepspeed.add_config_arguments(p)",
+                      'p.add_argument("--deepspeed_config")'), {}, True),
+    (DS_HABIT, {"deepspeed_config_arg": True}, False),  # --deepspeed-config-arg
+    (DS_HABIT, {"script_args": ("--deepspeed_config=mine.json",)}, False),  # their own
+    (DS_HABIT, {"script_args": ("--deepspeed_config", "mine.json")}, False),
+    # docs/examples/train.py: the argument defaults to $CLUSTERKIT_DS_CONFIG
+    ('p.add_argument("--deepspeed_config", default=os.environ.get("CLUSTERKIT_DS_CONFIG"))',
+     {}, False),
+    ("import torch\n", {}, False),  # takes its config some other way
+    (None, {}, False),  # not readable on the launching machine
+])
+def test_a_script_that_takes_deepspeed_config_the_deepspeed_way_is_warned(
+        text: str | None, kw: dict[str, Any], warned: bool) -> None:
+    """Seen as a user: a script with deepspeed.add_config_arguments launched without
+    --deepspeed-config-arg failed on every rank ("DeepSpeed requires --deepspeed_config")."""
+    import dataclasses
+
+    from clusterkit.inventory import local_inventory
+    from clusterkit.plan import plan_job
+    from clusterkit.spec.job import JobOptions
+    from tests.render_cases import FACTS
+
+    facts = dataclasses.replace(FACTS, script_text=text)
+    options = JobOptions(job_id="j", nodes=2, script="train.py", **kw)
+    warnings = plan_job(local_inventory("/tmp/ck-local"), options, facts).warnings
+    assert warnings == ((
+        "train.py takes --deepspeed_config (DeepSpeed's convention) but would get none: add "
+        "--deepspeed-config-arg, or read $CLUSTERKIT_DS_CONFIG in the script",) if warned else ())
+
+
+def test_the_cli_reads_the_script_and_strict_refuses(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "train.py").write_text(DS_HABIT)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
+    assert main(["launch", "--nodes", "2", "--dry-run", "train.py"]) == 0
+    assert ("clusterkit: warning: train.py takes --deepspeed_config (DeepSpeed's convention) "
+            "but would get none") in capsys.readouterr().err
+    assert main(["launch", "--nodes", "2", "--dry-run", "--deepspeed-config-arg", "train.py"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["render", "--nodes", "2", "--strict", "--out", str(tmp_path / "out"),
+                 "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--strict: train.py takes --deepspeed_config" in err, err
+    assert "do what the warning says" in err

@@ -19,7 +19,7 @@ from clusterkit.cli.common import (
     clusterkit_home,
     resolve_job_inventory,
 )
-from clusterkit.cli.jobflags import add_job_flags, add_program, job_options
+from clusterkit.cli.jobflags import add_job_flags, add_program, job_options, launch_facts
 from clusterkit.contract import SUMMARY_FILE, SUMMARY_PREFIX
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import folded_lines
@@ -93,7 +93,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from clusterkit.launch.run import LaunchSettings, launch
     from clusterkit.plan import plan_job
     from clusterkit.remote.dispatch import transport_for
-    from clusterkit.spec.job import LaunchFacts
 
     inventory = resolve_job_inventory(args.inventory)  # + doctor's interface pick
     if args.max_restarts < 0:
@@ -102,8 +101,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
                        ("--keepalive-timeout", args.keepalive_timeout)):
         if value < 0:
             raise LaunchError(f"{key} must be >= 0 (0: off)", key=key)
-    facts = LaunchFacts(python=sys.executable, cwd=os.getcwd(), environ=dict(os.environ),
-                        master_addr=args.master_addr)
+    facts = launch_facts(args)
     options = _options(args, inventory.name)
 
     shown: set[str] = set()

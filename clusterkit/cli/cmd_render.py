@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from clusterkit.cli import jobflags
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_job_inventory
-from clusterkit.cli.jobflags import add_job_flags, add_program, default_job_id_now
+from clusterkit.cli.jobflags import add_job_flags, add_program, default_job_id_now, launch_facts
 from clusterkit.cli.safety import check_out_dir
 from clusterkit.errors import RenderError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.plan import plan_job
 from clusterkit.render.artifacts import dry_run_text, render_all, summary
-from clusterkit.spec.job import JobOptions, LaunchFacts, LaunchPlan
+from clusterkit.spec.job import JobOptions, LaunchPlan
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -42,12 +41,6 @@ def add_job_options(p: argparse.ArgumentParser) -> None:
 
 def job_options(args: argparse.Namespace, cluster: str) -> JobOptions:
     return jobflags.job_options(args, job_id=args.job_id or default_job_id_now(cluster))
-
-
-def launch_facts(args: argparse.Namespace) -> LaunchFacts:
-    """The only place the launching machine is looked at."""
-    return LaunchFacts(python=sys.executable, cwd=os.getcwd(), environ=dict(os.environ),
-                       master_addr=args.master_addr)
 
 
 def build_plan(args: argparse.Namespace) -> LaunchPlan:

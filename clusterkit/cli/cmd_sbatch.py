@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import TextIO
 
 from clusterkit.cli import safety
-from clusterkit.cli.cmd_render import add_job_options, job_options, launch_facts, write_artifacts
+from clusterkit.cli.cmd_render import add_job_options, job_options, write_artifacts
 from clusterkit.cli.common import (
     add_inventory_option,
     add_ranks_option,
     add_selection_options,
     resolve_job_inventory,
 )
-from clusterkit.cli.jobflags import SCRIPT_OPTION
+from clusterkit.cli.jobflags import SCRIPT_OPTION, launch_facts
 from clusterkit.contract import LOG_SUBDIR
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text

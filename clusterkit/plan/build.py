@@ -10,7 +10,7 @@ import re
 from pathlib import PurePosixPath
 
 from clusterkit.backend_timeouts import timeout_env
-from clusterkit.contract import RUN_SUBDIR, Contract
+from clusterkit.contract import DEEPSPEED_CONFIG_ARG, ENV_DS_CONFIG, RUN_SUBDIR, Contract
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import select_hosts
 from clusterkit.hostrange import folded_lines
@@ -204,12 +204,28 @@ def _gpu_warnings(o: JobOptions, nodes: tuple[NodePlan, ...]) -> tuple[str, ...]
     return tuple(folded_lines(pairs, order=[n.name for n in nodes]))
 
 
+def _script_warnings(o: JobOptions, text: str | None) -> tuple[str, ...]:
+    """A script that takes its DeepSpeed config DeepSpeed's way and would get none.
+
+    Seen as a user: ``deepspeed.add_config_arguments(parser)`` + ``initialize(args=...)``
+    failed on every rank with "DeepSpeed requires --deepspeed_config". A script that
+    names $CLUSTERKIT_DS_CONFIG (docs/examples/train.py) knows where ours is."""
+    if o.script is None or text is None or o.deepspeed_config_arg or ENV_DS_CONFIG in text:
+        return ()
+    if any(a.split("=", 1)[0] == DEEPSPEED_CONFIG_ARG for a in o.script_args):
+        return ()  # the user passes a config of their own
+    if "add_config_arguments" not in text and DEEPSPEED_CONFIG_ARG not in text:
+        return ()
+    return (f"{o.script} takes {DEEPSPEED_CONFIG_ARG} (DeepSpeed's convention) but would get "
+            f"none: add --deepspeed-config-arg, or read ${ENV_DS_CONFIG} in the script",)
+
+
 def _strict(o: JobOptions, warnings: tuple[str, ...], inv_path: str | None) -> None:
     if o.strict and warnings:
         raise RenderError(f"--strict: {warnings[0]}" + (f" (and {len(warnings) - 1} more)"
                                                          if len(warnings) > 1 else ""),
                           key="--strict", path=inv_path,
-                          hint="fix the inventory's gpus/slots or the selection, or drop --strict")
+                          hint="do what the warning says, or drop --strict")
 
 
 def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> JobPlan:
@@ -222,7 +238,7 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> J
     _check_options(options)
     nodes, storage = _node_plans(inventory, options, facts)
     world = sum(n.nproc for n in nodes)
-    warnings = _gpu_warnings(options, nodes)
+    warnings = _gpu_warnings(options, nodes) + _script_warnings(options, facts.script_text)
     _strict(options, warnings, inventory.path)
     zero = _zero_spec(options, nodes, world, storage)
     return JobPlan(options=options, cluster=inventory.name, nodes=nodes, world_size=world,

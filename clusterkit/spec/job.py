@@ -178,6 +178,10 @@ class LaunchFacts:
     environ: Mapping[str, str] = field(default_factory=dict, hash=False)
     master_addr: str | None = None
     cuda_lib_dirs: tuple[str, ...] = ()
+    # The user's script as the launching machine has it (None: no script, or not
+    # readable here): the plan warns when it takes its DeepSpeed config DeepSpeed's way
+    # and would get none.
+    script_text: str | None = field(default=None, hash=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ RAM is given, its CPU estimate fits in RAM.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass
 
 from clusterkit.errors import ClusterkitError
@@ -69,8 +71,12 @@ class Advice:
 
 def _raw_estimates(preset: ModelPreset, nodes: int, gpus_per_node: int
                    ) -> list[tuple[str, int, str, str, int, int]]:
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    # DeepSpeed's logger writes to the stdout it finds at import ("Setting accelerator to
+    # CPU" on a machine without GPUs), which would break `clusterkit plan --json | jq`;
+    # bound to stderr here, it stays there for this process.
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     n = preset.n_params
     total_gpus = nodes * gpus_per_node
