@@ -466,3 +466,19 @@ def test_cli_without_markers_collects_a_user_save(tmp_path: Path) -> None:
     assert "note: no completion markers" in ok.stderr
     assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 6
     assert read_manifest(str(dest), TAG)["zero_stage"] is None
+    # Scattered back onto 2 fresh nodes of 3 slots (re-split): the result is a complete
+    # node-local checkpoint with markers, which the marker mode collects.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    inv2 = _local_inventory(fresh, n=2)
+    inv2.write_text(inv2.read_text().replace("slots: 2", "slots: 3"))
+    back = _run_cli("-i", str(inv2), "--to", str(dest), "--scatter")
+    assert back.returncode == 0, back.stderr
+    for i, ranks in ((1, [0, 1, 2]), (2, [3, 4, 5])):
+        tag_dir = fresh / f"node{i}" / "ckpt" / TAG
+        marker = json.loads((tag_dir / layout.marker_name(i - 1)).read_text())
+        assert [r["global_rank"] for r in marker["ranks"]] == ranks
+        assert (tag_dir / "mp_rank_00_model_states.pt").is_file()
+    again = _run_cli("-i", str(inv2), "--to", str(fresh / "dest2"), "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["collect"]["world_size"] == 6
