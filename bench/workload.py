@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -132,8 +133,10 @@ def main() -> None:
 
     workload_runs: list[dict[str, Any]] = []
     raw_runs: list[dict[str, Any]] = []
+    loads: list[float] = []
     with tempfile.TemporaryDirectory(prefix="ck-bench-") as tmp:
         for i in range(ns.repeats):
+            loads.append(os.getloadavg()[0])
             out = _launch(ns.nproc, ["-m", "clusterkit.workload"],
                           [*_common(ns), "--no-final-save", "--resume", "never",
                            "--log-every", str(ns.steps), "--run-dir", f"run{i}"], tmp)
@@ -142,9 +145,11 @@ def main() -> None:
                           [*_common(ns), "--raw-worker"], tmp)
             raw_runs.append(_parse(out, RAW_PREFIX))
             w, r = workload_runs[-1], raw_runs[-1]
-            print(f"repeat {i}: workload {w['samples_per_s']:.2f} samples/s "
+            print(f"repeat {i} (load {loads[-1]:.1f} at its start, {os.getloadavg()[0]:.1f} at "
+                  f"its end): workload {w['samples_per_s']:.2f} samples/s "
                   f"({1e3 * w['cpu_s_per_step']:.2f} ms CPU/step), raw {r['samples_per_s']:.2f} "
-                  f"samples/s ({1e3 * r['cpu_s_per_step']:.2f} ms CPU/step)", flush=True)
+                  f"samples/s ({1e3 * r['cpu_s_per_step']:.2f} ms CPU/step), pair ratio "
+                  f"{w['samples_per_s'] / r['samples_per_s']:.3f}", flush=True)
     best_w = max(workload_runs, key=lambda r: float(r["samples_per_s"]))
     best_r = max(raw_runs, key=lambda r: float(r["samples_per_s"]))
     cpu_w = min(float(r["cpu_s_per_step"]) for r in workload_runs)
@@ -155,6 +160,13 @@ def main() -> None:
         "workload_samples_per_s": best_w["samples_per_s"],
         "raw_samples_per_s": best_r["samples_per_s"],
         "ratio": best_w["samples_per_s"] / best_r["samples_per_s"],
+        # Each repeat's workload run against the raw run right after it (same load).
+        "pair_ratios": [round(w["samples_per_s"] / r["samples_per_s"], 3)
+                        for w, r in zip(workload_runs, raw_runs, strict=True)],
+        "median_pair_ratio": round(statistics.median(
+            w["samples_per_s"] / r["samples_per_s"]
+            for w, r in zip(workload_runs, raw_runs, strict=True)), 3),
+        "load_avg_1m": {"start": loads[0], "end": os.getloadavg()[0]},
         # Rank-0 CPU seconds per step (raw / workload): meaningful on a shared, loaded
         # machine where wall-clock throughput is dominated by other people's processes.
         "cpu_ratio": cpu_r / cpu_w,

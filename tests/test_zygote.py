@@ -26,13 +26,14 @@ from clusterkit.remote.local import LocalTransport
 
 PROBE = textwrap.dedent("""
     # (uses torch: the agent's fork server applies)
-    import json, os, sys
+    import gc, json, os, sys
     out = os.path.join(os.path.dirname(__file__), "out", os.environ["TAG"], os.environ["RANK"])
     with open(out, "w") as fh:
         json.dump({"argv": sys.argv, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
                    "env": dict(os.environ), "spec": repr(__spec__),
                    "globals": sorted(k for k in globals() if not k.startswith("__")),
-                   "forked": "clusterkit_zygote" in open(f"/proc/{os.getppid()}/cmdline").read()},
+                   "forked": "clusterkit_zygote" in open(f"/proc/{os.getppid()}/cmdline").read(),
+                   "gc_frozen": gc.get_freeze_count() > 0},
                   fh)
     if os.environ.get("FAIL_RANK") == os.environ["RANK"]:
         def deep():
@@ -89,6 +90,8 @@ def test_forked_ranks_see_what_exec_ranks_see(tmp_path: Path, preload_json: None
     for rank in range(4):
         f, e = forked[rank], execd[rank]
         assert f.pop("forked") and not e.pop("forked")
+        # The preloaded objects are frozen before the fork (pre-fork server recipe).
+        assert f.pop("gc_frozen") and not e.pop("gc_frozen")
         assert f == e, {k: (f[k], e[k]) for k in f if f[k] != e[k]}
         assert f["argv"] == ["probe.py", "x"] and f["path0"] == str(tmp_path)
         assert f["file"] == str(tmp_path / "probe.py") and f["env"]["RANK"] == str(rank)
