@@ -19,7 +19,7 @@ from clusterkit.launchers.base import Backend
 from clusterkit.plan import plan_job
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import JobOptions, JobPlan, NodeCommand
-from tests.render_cases import FACTS, ROOT, inventory
+from tests.render_cases import FACTS, ROOT, inventory, plan_for
 
 
 def _echo_commands(plan: JobPlan, run_id: str | None) -> tuple[NodeCommand, ...]:
@@ -92,7 +92,6 @@ def test_every_torchrun_gets_a_log_dir_so_nothing_is_left_in_tmp(backend: str) -
     """torchrun without --log-dir makes /tmp/torchelastic_* on every node and never removes
     it (1357 of them on this machine after a day of test runs); every line that starts
     torchrun, directly or through ``accelerate launch`` or srun, names one in the job dir."""
-    from tests.render_cases import plan_for
     launch = plan_for("a800-7x2", backend)
     lines = [c.shell_line() for cmds in launch.commands.values() for c in cmds]
     lines += [line for line in launch.artifacts["sbatch.sh"].splitlines() if line.startswith("srun ")]

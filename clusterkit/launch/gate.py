@@ -45,9 +45,12 @@ class GateResult:
 
 
 def needed_files(plan: JobPlan, node: NodePlan) -> tuple[str, ...]:
-    """Files the gate checks on ``node``: the user's script (a module has no path)."""
-    script = plan.script_path(node)
-    return () if script is None else (script,)
+    """Files the gate checks on ``node``: the user's script as its ranks open it (their
+    cwd is the workdir); none for a module (``-m``), which only its import can find."""
+    program = plan.programs[node.node_rank]
+    if not program or program[0] == "-m":
+        return ()
+    return (program[0] if program[0].startswith("/") else f"{node.workdir}/{program[0]}",)
 
 
 def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[str] = ()

@@ -21,7 +21,7 @@ import yaml
 
 from clusterkit.launchers.argv import IGNORE_USR1, launcher_program, srun_env_words, uniform
 from clusterkit.launchers.base import Backend
-from clusterkit.spec.job import JobPlan, NodeCommand
+from clusterkit.spec.job import JobPlan, NodeCommand, launcher_log_dir
 
 ACCELERATE = ("-m", "accelerate.commands.launch")
 # accelerate on each Slurm node: its machine_rank's YAML, the head resolved at run time.
@@ -94,7 +94,7 @@ def accelerate_commands(plan: JobPlan, run_id: str | None) -> tuple[NodeCommand,
         # --tee 3: accelerate hands it to torchrun, whose "[default<r>]:" line prefix
         # names each rank (the node agent reads it as the rank label).
         argv = [node.python, *ACCELERATE, "--tee", "3",
-                f"--log_dir={node.job_dir}/logs/node{node.node_rank}",  # as ACCELERATE_EXEC
+                f"--log_dir={launcher_log_dir(node.job_dir, node.node_rank)}",
                 f"--config_file={node.job_dir}/{accelerate_config_name(node.node_rank)}",
                 *launcher_program(plan.programs[node.node_rank], "--module")]
         out.append(NodeCommand(label=f"accelerate node {node.node_rank}", host=node.name,

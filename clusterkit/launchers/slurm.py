@@ -9,13 +9,13 @@ from __future__ import annotations
 from clusterkit.launchers import torchrun
 from clusterkit.launchers.argv import srun_torchrun_argv
 from clusterkit.launchers.base import Backend
-from clusterkit.spec.job import JobPlan, NodeCommand
+from clusterkit.spec.job import JobPlan, NodeCommand, launcher_log_dir
 
 
 def srun_command(plan: JobPlan, run_id: str | None) -> tuple[NodeCommand, ...]:
     """The srun line to run inside an allocation (``salloc``), from the login node."""
     argv = srun_torchrun_argv(plan, plan.master_addr, str(plan.master_port),
-                              f"{plan.job_dir}/logs")
+                              launcher_log_dir(plan.job_dir))
     return (NodeCommand(label="srun inside an allocation", host=None, node_rank=None,
                         argv=tuple(argv)),)
 

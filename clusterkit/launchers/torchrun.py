@@ -24,7 +24,7 @@ from clusterkit.launchers.argv import (
 )
 from clusterkit.launchers.base import Backend
 from clusterkit.shellsafe import NODE_RANK_PLACEHOLDER, pdsh_remote
-from clusterkit.spec.job import JobPlan, NodeCommand, NodePlan
+from clusterkit.spec.job import JobPlan, NodeCommand, NodePlan, launcher_log_dir
 
 
 def _torchrun_flags(plan: JobPlan, node: NodePlan, node_rank: str | None,
@@ -45,7 +45,7 @@ def torchrun_commands(plan: JobPlan, run_id: str | None) -> tuple[NodeCommand, .
     out = []
     for node in plan.nodes:
         argv = [node.python, *TORCHRUN, *_torchrun_flags(plan, node, str(node.node_rank),
-                                                         f"{node.job_dir}/logs/node{node.node_rank}"),
+                                                         launcher_log_dir(node.job_dir, node.node_rank)),
                 *launcher_program(plan.programs[node.node_rank], "-m")]
         out.append(NodeCommand(label=f"torchrun node {node.node_rank}", host=node.name,
                                node_rank=node.node_rank, argv=tuple(argv), env=node.env,
@@ -59,7 +59,7 @@ def torchrun_pdsh_command(plan: JobPlan, run_id: str | None) -> tuple[NodeComman
     node = plan.nodes[0]
     same_nproc(plan, "the pdsh fan-out")
     inner = [node.python, *TORCHRUN, *_torchrun_flags(plan, node, NODE_RANK_PLACEHOLDER,
-                                                    f"{node.job_dir}/logs"),
+                                                    launcher_log_dir(node.job_dir)),
              *launcher_program(plan.programs[0], "-m")]
     env_words = [f"{k}={v}" for k, v in node.env.items()]
     line = f"cd -- {shlex.quote(node.workdir)} && {shlex.join(['env', *env_words, *inner])}"

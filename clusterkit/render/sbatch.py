@@ -21,10 +21,9 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clusterkit.contract import LOG_SUBDIR
 from clusterkit.errors import RenderError
 from clusterkit.launchers import BACKENDS
-from clusterkit.spec.job import SYSTEM_PATH, JobPlan
+from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
 
 if TYPE_CHECKING:
@@ -148,7 +147,7 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
     site = site or SlurmSite()
     o = plan.options
     node = plan.nodes[0]
-    log_dir = f"{node.job_dir}/{LOG_SUBDIR}"
+    log_dir = launcher_log_dir(node.job_dir)
     variant, line = launch_line(plan, log_dir)
     if not _TIME.fullmatch(o.time_limit):
         raise RenderError(f"--time {o.time_limit!r} is not a Slurm time", key="--time",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from clusterkit.contract import LOG_SUBDIR
 from clusterkit.inventory import Host
 from clusterkit.spec.zero import (
     DEFAULT_LR,
@@ -245,12 +246,20 @@ class NodeCommand:
         return line if self.cwd is None else f"cd -- {shlex.quote(self.cwd)} && {line}"
 
 
+def launcher_log_dir(job_dir: str, node_rank: int | None = None) -> str:
+    """``<job dir>/logs`` (sbatch.sh's ``--output`` dir too), or one node's subdirectory:
+    where torchrun (``--log-dir``, also under ``accelerate launch``) keeps each rank's
+    output, instead of a ``/tmp/torchelastic_*`` it never removes."""
+    base = f"{job_dir}/{LOG_SUBDIR}"
+    return base if node_rank is None else f"{base}/node{node_rank}"
+
+
 def rank_log_dir(job_dir: str, run_id: str | None) -> str:
     """Where a launcher that writes each rank's output to files (DeepSpeed's
     ``--enable_each_rank_log``) writes them: ``<job dir>/logs`` for a rendered job that a
     person runs, ``<job dir>/ranklogs/<run id>`` for one ``clusterkit launch`` run (a
     fresh directory per run: a continued job must not re-read an earlier run's files)."""
-    return f"{job_dir}/logs" if run_id is None else f"{job_dir}/ranklogs/{run_id}"
+    return launcher_log_dir(job_dir) if run_id is None else f"{job_dir}/ranklogs/{run_id}"
 
 
 @dataclass(frozen=True)
@@ -292,14 +301,6 @@ class JobPlan:
     @property
     def node_local(self) -> bool:
         return self.storage == "node-local"
-
-    def script_path(self, node: NodePlan) -> str | None:
-        """The user's script as ``node``'s ranks open it (their cwd is the workdir);
-        None for a module (``-m``), which only its import can find."""
-        program = self.programs[node.node_rank]
-        if not program or program[0] == "-m":
-            return None
-        return program[0] if program[0].startswith("/") else f"{node.workdir}/{program[0]}"
 
     @property
     def job_dir(self) -> str:
