@@ -18,6 +18,7 @@ import pytest
 
 from clusterkit.node import protocol, ship
 from clusterkit.node.protocol import AgentSpec, ProtocolError
+from tests.testbed.core import NO_CLUSTERKIT
 
 NODE_DIR = Path(ship.__file__).parent
 PYTHONS = [p for p in ("/root/.pyenv/versions/3.8.18/bin/python3.8", sys.executable)
@@ -46,6 +47,8 @@ def test_every_program_runs_from_its_shipped_sources_alone(python: str, tmp_path
                     lambda d: d["files"]["global_step1/a.pt"][0] == 10),
         "probe": (["connect", "127.0.0.1", "1", "--timeout", "1"], lambda d: d["ok"] is False),
     }
+    if python == sys.executable:  # the editable install's finder is a .pth hook: still found
+        cases["gatefacts"] = ([], lambda d: d["version"] and d["clusterkit"] and d["torch"])
     for program, (args, check) in cases.items():
         res = _run(ship.node_command(python, program, args), tmp_path)
         assert res.returncode == 0, (program, res.stderr.decode()[-800:])
@@ -56,6 +59,43 @@ def test_every_program_runs_from_its_shipped_sources_alone(python: str, tmp_path
                (json.dumps(manifest) + "\n").encode())
     plan = json.loads(res.stdout.decode().splitlines()[-1])
     assert plan["send"] == ["new.py"] and list(plan["check"]) == ["global_step1/a.pt"], plan
+
+
+@pytest.mark.parametrize("system_site", [False, True])
+def test_programs_under_dash_S_see_the_packages_a_normal_start_sees(system_site: bool,
+                                                                     tmp_path: Path) -> None:
+    """The probe runs with ``-S``: same sys.prefix and packages, no .pth code run."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv),
+                    *(["--system-site-packages"] if system_site else [])], check=True)
+    site_dir = next(venv.glob("lib/python3*/site-packages"))
+    (site_dir / "inside-1.2.dist-info").mkdir()
+    (tmp_path / "extra" / "viapth-3.4.dist-info").mkdir(parents=True)
+    ran = tmp_path / "hook-ran"
+    (site_dir / "a.pth").write_text(f"# comment\n{tmp_path / 'extra'}\n"
+                                    f"import pathlib; pathlib.Path({str(ran)!r}).touch()\n")
+    python = str(venv / "bin" / "python")
+    cmd = ship.node_command(python, "probe", ["facts"])
+    assert cmd.argv[1] == "-S"
+    res = _run(cmd, tmp_path)
+    assert res.returncode == 0, res.stderr.decode()[-800:]
+    assert not ran.exists()  # the hook line was skipped, not run
+    with_site = _run(ship.NodeCommand([a for a in cmd.argv if a != "-S"], cmd.stdin), tmp_path)
+    assert ran.exists()
+    fast, full = (json.loads(r.stdout.decode().splitlines()[-1]) for r in (res, with_site))
+    assert fast["python"] == full["python"] and fast["python"]["prefix"] == str(venv)
+    assert fast["packages"] == full["packages"]
+    items = fast["packages"]["freeze"]["items"]
+    assert {"inside==1.2", "viapth==3.4"} <= set(items)
+    assert ("torch==2.13.0+cpu" in items) == system_site
+    # sitecustomize runs after every .pth (the editable finder included) and may hide a
+    # package: the gate's "is clusterkit importable here" must still see that.
+    (site_dir / "sitecustomize.py").write_text(NO_CLUSTERKIT)
+    gate = ship.node_command(python, "gatefacts")
+    fast, full = (json.loads(_run(ship.NodeCommand(argv, gate.stdin), tmp_path)
+                             .stdout.decode().splitlines()[-1])
+                  for argv in (gate.argv, [a for a in gate.argv if a != "-S"]))
+    assert fast == full and fast["clusterkit"] is None
 
 
 @pytest.mark.parametrize("python", PYTHONS)
@@ -114,7 +154,7 @@ def test_node_modules_import_only_the_standard_library_and_each_other() -> None:
         assert not outside, (path.name, outside)
         needs = {m.split(".")[2] for m in mods if m.startswith("clusterkit.node.")}
         if path.stem in ship.PROGRAMS:
-            assert needs <= set(ship.PROGRAMS[path.stem]), (path.name, needs)
+            assert needs <= set(ship.PROGRAMS[path.stem].modules), (path.name, needs)
 
 
 def test_spec_round_trips_and_decodes_strictly() -> None:

@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from clusterkit.node import sitepaths
+
 PACKAGES = ("torch", "deepspeed", "accelerate")
 
 
@@ -58,6 +60,8 @@ def _clusterkit(version: Callable[[str], str | None] = _version) -> dict[str, An
     """
     import importlib.util
 
+    sitepaths.finish("clusterkit")  # under -S: an editable install's finder, sitecustomize
+
     ours = {k: sys.modules.pop(k) for k in list(sys.modules)
             if k == "clusterkit" or k.startswith("clusterkit.")}
     try:
@@ -75,6 +79,7 @@ def _clusterkit(version: Callable[[str], str | None] = _version) -> dict[str, An
 
 def gate_facts(needs: Sequence[str] = ()) -> dict[str, Any]:
     """``needs``: files the job's ranks open on this node; ``missing`` lists the absent."""
+    sitepaths.add()  # shipped under -S: the package directories, as ranks will see them
     facts: dict[str, Any] = {"python": sys.executable, "version": sys.version.split()[0]}
     facts.update({name: _version(name) for name in PACKAGES})
     facts.update(_clusterkit())

@@ -163,6 +163,15 @@ def section_workdir(path: str | None) -> JSON:
 _DISTS: dict[str, tuple[str, str]] | None = None
 
 
+def _site_paths() -> None:
+    """Shipped under ``python -S``: the site directories, as a normal start has them."""
+    try:
+        from clusterkit.node import sitepaths
+    except ImportError:  # a probe copied by hand runs with site already
+        return
+    sitepaths.add()
+
+
 def _distributions() -> dict[str, tuple[str, str]]:
     """:func:`_scan_distributions`, once per run (packages and clusterkit both need it)."""
     global _DISTS
@@ -581,6 +590,7 @@ def section_routes(peer_addrs: Sequence[str], interfaces: Sequence[JSON]) -> JSO
 def collect_facts(workdir: str | None, ckpt_dirs: Sequence[str], peers: Sequence[str],
                   master: str | None = None, master_wait: float = 0.0) -> JSON:
     t0 = time.perf_counter()
+    _site_paths()  # before "python" (a venv's prefix) and "packages" (site-packages)
     facts: JSON = {"schema": SCHEMA_VERSION, "mode": "facts"}
     errors: dict[str, str] = {}
 

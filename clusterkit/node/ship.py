@@ -2,7 +2,7 @@
 
 A node program runs as::
 
-    argv:  <python> -u -c BOOTSTRAP <program> <args...>
+    argv:  <python> [-S] -u -c BOOTSTRAP <program> <args...>
     stdin: b"clusterkit-node 1 <module>:<nbytes> ...\\n" <sources> [<payload>...]
 
 The bootstrap (standard library, Python >= 3.8) reads the header line and
@@ -29,17 +29,28 @@ from clusterkit.node import protocol
 MAGIC = "clusterkit-node"
 BUNDLE_VERSION = 1
 
-# Each program with the node modules it imports, dependencies first.
-PROGRAMS: dict[str, tuple[str, ...]] = {
-    "agent": ("protocol", "gatefacts", "zygote", "agent"),
-    "probe": ("gatefacts", "probe"),
-    "bw_worker": ("bw_worker",),
-    "listing": ("listing",),
-    "hashing": ("hashing",),
-    "ckstream": ("listing", "hashing", "ckstream"),
-    "gatefacts": ("gatefacts",),
-    "sync": ("sync",),
-    "install": ("gatefacts", "install"),
+@dataclass(frozen=True)
+class Program:
+    """A node program: the node modules it imports (dependencies first), and whether it
+    needs the interpreter's full start-up (``site``: .pth hooks, sitecustomize)."""
+
+    modules: tuple[str, ...]
+    site: bool = False
+
+
+# Programs that only read files and metadata run with ``python -S`` (sitepaths.add()
+# restores the package directories where they matter); the agent runs the user's
+# ranks and `install` runs pip: they start as the user's own Python would.
+PROGRAMS: dict[str, Program] = {
+    "agent": Program(("protocol", "sitepaths", "gatefacts", "zygote", "agent"), site=True),
+    "probe": Program(("sitepaths", "gatefacts", "probe")),
+    "bw_worker": Program(("bw_worker",), site=True),  # imports torch
+    "listing": Program(("listing",)),
+    "hashing": Program(("hashing",)),
+    "ckstream": Program(("listing", "hashing", "ckstream")),
+    "gatefacts": Program(("sitepaths", "gatefacts")),
+    "sync": Program(("sync",)),
+    "install": Program(("sitepaths", "gatefacts", "install"), site=True),
 }
 
 BOOTSTRAP = (
@@ -80,7 +91,7 @@ def source(module: str) -> bytes:
 @cache
 def bundle(program: str) -> bytes:
     """The header line and the sources of ``program`` and its node imports."""
-    modules = PROGRAMS[program]
+    modules = PROGRAMS[program].modules
     header = " ".join([MAGIC, str(BUNDLE_VERSION),
                        *(f"{m}:{len(source(m))}" for m in modules)])
     return header.encode() + b"\n" + b"".join(source(m) for m in modules)
@@ -91,7 +102,8 @@ def node_command(python: str, program: str, args: Sequence[str] = (), *,
     """``python`` runs ``program`` with ``args``; ``payload`` follows the sources on stdin."""
     if program not in PROGRAMS:
         raise KeyError(f"unknown node program {program!r}")
-    return NodeCommand(argv=[python, "-u", "-c", BOOTSTRAP, program, *args],
+    flags = ["-u"] if PROGRAMS[program].site else ["-S", "-u"]
+    return NodeCommand(argv=[python, *flags, "-c", BOOTSTRAP, program, *args],
                        stdin=bundle(program) + payload)
 
 
