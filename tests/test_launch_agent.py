@@ -415,6 +415,8 @@ def test_folded_gate_names_a_script_missing_on_a_node(tmp_path: Path, fake: Path
     assert outcome.exit_code == 2, text  # type: ignore[attr-defined]
     gate = outcome.gate  # type: ignore[attr-defined]
     assert gate is not None and gate.problems == {
-        "v1": f"{gone} is not on this node (copy the code with --sync DIR, or use a shared workdir)"}
+        "v1": f"{gone} is not on this node (--sync DIR copies DIR to the same path under the "
+              "workdir, relative to your current directory: --sync . for all of it; or use a "
+              "shared workdir)"}
     assert gate.facts["v0"]["missing"] == []
     assert "step 1/600" not in text and agent_mod.job_processes("gate-script") == {}

@@ -51,8 +51,8 @@ def test_sync_then_launch_on_nodes_without_clusterkit_or_shared_dir(
     early = _cli("launch", "-i", str(inv), "--job-id", "sync-nocode", "--nodes", "7",
                  "--gpus-per-node", "1", "code/train.py", cwd=proj, env=env)
     assert early.returncode == 2, (early.stdout + early.stderr)[-3000:]
-    assert (f"node[1-7]: {work}/code/train.py is not on this node (copy the code with --sync "
-            "DIR, or use a shared workdir)") in early.stdout + early.stderr, early.stderr[-3000:]
+    assert (f"node[1-7]: {work}/code/train.py is not on this node (--sync DIR copies DIR to "
+            "the same path under the workdir") in early.stdout + early.stderr, early.stderr[-3000:]
     assert "can't open file" not in early.stdout + early.stderr
 
     first = _cli("sync", "code", "-i", str(inv), cwd=proj, env=env)

@@ -244,7 +244,12 @@ def _collect_verb(args: argparse.Namespace) -> int:
             print(f"checkpoint {exc.tag or '?'} cannot be collected:", file=sys.stderr)
             for line in exc.problems:
                 print(f"  - {line}", file=sys.stderr)
-            raise
+            # The findings are listed above: the error line says what that means, once.
+            n = len(exc.problems)
+            raise CheckpointError(
+                f"checkpoint {exc.tag or '?'} is incomplete or inconsistent, nothing was "
+                f"copied ({n} finding{'s' if n != 1 else ''} above)",
+                hint=exc.hint, exit_code=exc.exit_code) from exc
     _print_report(report, dest)
     result: dict[str, Any] = {"collect": describe(report.plan), "dest": dest,
                               "copied_bytes": report.bytes_copied, "skipped": report.skipped,

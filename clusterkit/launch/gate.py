@@ -92,7 +92,9 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
         if isinstance(missing, list) and missing:
             # Seen as a user: without this, every rank died of Python's "can't open file".
             problems.setdefault(node, f"{', '.join(map(str, missing))} is not on this node "
-                                      "(copy the code with --sync DIR, or use a shared workdir)")
+                                      "(--sync DIR copies DIR to the same path under the workdir, "
+                                      "relative to your current directory: --sync . for all "
+                                      "of it; or use a shared workdir)")
     problems.update(_parity(facts, order))
     return GateResult(facts=facts, problems=problems)
 
