@@ -107,9 +107,12 @@ def _assert_trained(run: Run, steps: int, world: int) -> None:
 # ------------------------------------------------------------------ shared runs
 
 # The uninterrupted 2 x 2 reference (torchrun, shared storage) of the restart and hang
-# tests: long enough that a kill after the checkpoint of step 40 lands mid-run.
-REF_STEPS = 120
-SHARED_7X2_STEPS = 6
+# tests: long enough that a kill after the checkpoint of step 40 lands mid-run (the
+# last attempt then resumes from step 40 and runs 20 more).
+REF_STEPS = 60
+# Every step of a 14-rank ZeRO-3 run costs ~4 s on this 2-core machine: three steps
+# show training as well as six did.
+SHARED_7X2_STEPS = 3
 # key -> (launcher, storage, ZeRO stage). The node-local ones dump their weights for
 # test_collect_testbed.py (ZeRO-2 and ZeRO-3 collect + consolidate).
 SHARED_7X2: dict[str, tuple[str, str, int]] = {
