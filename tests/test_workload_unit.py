@@ -160,3 +160,18 @@ def test_heartbeat_writes_first_beat_at_once_then_at_most_once_per_interval(
     hb.beat(3)
     assert path.read_text() == "3\n"
     assert [p.name for p in tmp_path.iterdir()] == ["rank0.heartbeat"]  # no temp file left
+
+
+def test_stop_signal_agreements_keep_about_half_a_second_apart() -> None:
+    """Short steps agree every K steps (K * step ~ AGREE_EVERY_S); long ones every step."""
+    from types import SimpleNamespace
+
+    from clusterkit.workload.main import AGREE_EVERY_S, MAX_AGREE_STEPS, _Loop
+
+    def proposal(step_s: float | None) -> int:
+        return _Loop._agree_proposal(SimpleNamespace(_agreed_step_s=step_s))  # type: ignore[arg-type]
+
+    assert proposal(None) == 1  # nothing measured yet: the next step agrees
+    assert proposal(0.03) == int(AGREE_EVERY_S / 0.03) == 16
+    assert proposal(2.0) == 1
+    assert proposal(1e-6) == MAX_AGREE_STEPS

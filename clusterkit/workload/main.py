@@ -34,6 +34,12 @@ EXIT_OK = 0
 EXIT_TERM = 143  # 128 + SIGTERM: "stopped on request, checkpoint saved"
 SIGNAL_CODES = {signal.SIGUSR1: 1, signal.SIGTERM: 2}
 SIGNAL_NAMES = {0: None, 1: "SIGUSR1", 2: "SIGTERM"}
+# The ranks agree on a stop signal every step, or every K steps when steps are short:
+# K keeps the agreements about AGREE_EVERY_S apart (K = 1 for steps of that length or
+# more). On 2 CPU ranks of the tiny model the per-step all-reduce cost ~2 % of the
+# throughput (bench/workload.py, docs/workload.md).
+AGREE_EVERY_S = 0.5
+MAX_AGREE_STEPS = 100
 
 
 class PreemptFlag:
@@ -269,24 +275,42 @@ class _Loop:
         self.on_gpu = on_gpu
         self.stats = RunStats()
         self.heartbeat = hangs.Heartbeat(self.rank)
+        # Seconds per step between the last two agreements: their wait syncs the GPU, so
+        # this is real time even where a single step's timing is not.
+        self._agreed_step_s: float | None = None
+        self._last_agreed: tuple[int, float] | None = None  # (step, time) of the last one
 
     def _start_agree(self) -> tuple[Any, Any]:
         """Start the stop-signal all-reduce for this step without waiting for it.
 
         Issued before the step's own collectives (same order on every rank), it runs
         beside the forward/backward pass; the step's end only collects the result, so
-        agreeing on a signal costs no extra round trip on the critical path."""
+        agreeing on a signal costs no extra round trip on the critical path. It also
+        carries this rank's proposal for the number of steps until the next agreement:
+        MAX over ``[signal, -proposal]`` gives every rank the same signal and the same,
+        smallest, interval."""
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([self.flag.code], dtype=torch.int32, device=self.device)
+        t = torch.tensor([self.flag.code, -self._agree_proposal()], dtype=torch.int32,
+                         device=self.device)
         return t, dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
 
-    @staticmethod
-    def _agree_signal(pending: tuple[Any, Any]) -> int:
+    def _agree_proposal(self) -> int:
+        if not self._agreed_step_s:
+            return 1
+        return max(1, min(MAX_AGREE_STEPS, int(AGREE_EVERY_S / self._agreed_step_s)))
+
+    def _agree_signal(self, pending: tuple[Any, Any], done: int) -> tuple[int, int]:
+        """(the agreed stop signal, steps until the next agreement)."""
         t, work = pending
         work.wait()
-        return int(t.item())
+        code, neg_steps = (int(x) for x in t.tolist())
+        now = time.perf_counter()
+        if self._last_agreed is not None and done > self._last_agreed[0]:
+            self._agreed_step_s = (now - self._last_agreed[1]) / (done - self._last_agreed[0])
+        self._last_agreed = (done, now)
+        return code, -neg_steps
 
     def _mean(self, value: Any) -> float:
         import torch.distributed as dist
@@ -299,17 +323,21 @@ class _Loop:
         start = self.engine.global_steps
         stop_code = 0
         window_s, window_steps = 0.0, 0
+        next_agree = start + 1
         for step in range(start, self.args.steps):
             t0, c0 = time.perf_counter(), time.process_time()
-            # One tiny all-reduce per step: all ranks stop on the same step even if only
-            # one got the signal (a signal that arrives during the step is acted on at the
-            # next step's end). Its .item() also syncs the GPU, so step times are real.
-            pending = self._start_agree()
+            done = step + 1
+            # A tiny all-reduce on agreed steps (every step, or ~AGREE_EVERY_S apart): all
+            # ranks stop on the same step even if only one got the signal (a signal is
+            # acted on at the end of the next agreed step). Its result also syncs the
+            # GPU, so step times are real.
+            pending = self._start_agree() if done >= next_agree else None
             batches = [self.stream.train_batch(step, m, self.micro) for m in range(self.accum)]
             loss = self.engine.train_step(batches)
-            stop_code = self._agree_signal(pending)
+            if pending is not None:
+                stop_code, every = self._agree_signal(pending, done)
+                next_agree = done + every
             step_s = time.perf_counter() - t0
-            done = step + 1
             self.heartbeat.beat(done)  # progress for the launcher's watchdog
             self._account(step_s, time.process_time() - c0, first=step == start)
             window_s, window_steps = window_s + step_s, window_steps + 1
