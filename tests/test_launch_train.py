@@ -107,9 +107,11 @@ def _assert_trained(run: Run, steps: int, world: int) -> None:
 # ------------------------------------------------------------------ shared runs
 
 # The uninterrupted 2 x 2 reference (torchrun, shared storage) of the restart and hang
-# tests: long enough that a kill after the checkpoint of step 40 lands mid-run (the
-# last attempt then resumes from step 40 and runs 20 more).
-REF_STEPS = 60
+# tests: long enough for a stop after the first save (every 10 steps), a kill after the
+# restarted attempt's first save and a last attempt that resumes mid-run, although the
+# test sees each line up to ~20 steps late (60 steps were too few on a quiet machine:
+# attempt 2 had finished before the kill).
+REF_STEPS = 120
 # Every step of a 14-rank ZeRO-3 run costs ~4 s on this 2-core machine: three steps
 # show training as well as six did.
 SHARED_7X2_STEPS = 3
