@@ -78,7 +78,7 @@ def _paths_only(sitedir: str | os.PathLike[str], name: str | os.PathLike[str],
 
     sitedir, fullname = os.fspath(sitedir), os.path.join(sitedir, name)
     try:
-        with open(fullname, encoding="utf-8", errors="replace") as fh:
+        with open(fullname, encoding="utf-8-sig", errors="replace") as fh:  # as site (3.13)
             lines = fh.read().splitlines()
     except OSError:
         return known_paths

@@ -330,8 +330,11 @@ class _Loop:
             # A tiny all-reduce on agreed steps (every step, or ~AGREE_EVERY_S apart): all
             # ranks stop on the same step even if only one got the signal (a signal is
             # acted on at the end of the next agreed step). Its result also syncs the
-            # GPU, so step times are real.
-            pending = self._start_agree() if done >= next_agree else None
+            # GPU: a logged step and the last one always agree, so every logged window
+            # and the run's total time are real even where a single step's is not.
+            agree = done >= next_agree or done % self.args.log_every == 0 \
+                or done == self.args.steps
+            pending = self._start_agree() if agree else None
             batches = [self.stream.train_batch(step, m, self.micro) for m in range(self.accum)]
             loss = self.engine.train_step(batches)
             if pending is not None:
