@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -324,6 +325,31 @@ def test_silent_port_times_out_at_the_banner(make_target) -> None:
             error, elapsed = _error(lambda: t.run(make_target(port=port), ["true"]))
     assert error.kind == "timeout"
     assert 0.9 < elapsed < 10
+    assert error.message.startswith(f"no SSH banner from port {port} within 1s")
+
+
+def test_port_that_closes_at_once_is_not_called_a_banner_timeout(make_target) -> None:
+    """Issue 25: "no SSH banner within 10s" came 0.7 s after the start, from an address
+    that accepted TCP and closed it; the message says what happened, and when."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+
+        def close_at_once() -> None:
+            conn, _ = listener.accept()
+            conn.close()
+
+        closer = threading.Thread(target=close_at_once, daemon=True)
+        closer.start()
+        with SSHTransport(connect_timeout=10) as t:
+            error, elapsed = _error(lambda: t.run(make_target(port=port), ["true"]))
+        closer.join(5)
+    assert elapsed < 5
+    assert error.kind == "channel"
+    assert error.message.startswith(f"connection to port {port} was closed after "), error.message
+    assert "without an SSH banner" in error.message and "within" not in error.message
+    assert "not an SSH server" in (error.hint or "")
 
 
 # ---------------------------------------------------------------------- config + jump

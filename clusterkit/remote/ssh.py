@@ -205,6 +205,7 @@ class SSHTransport:
         transport.auth_timeout = self.auth_timeout
         transport.handshake_timeout = self.connect_timeout
         _prefer_known_key_types(transport, ep)
+        started = time.monotonic()
         try:
             # start_client returns quietly when its timeout passes; the banner error,
             # if any, is raised from inside it, so give the banner its full time first.
@@ -224,7 +225,8 @@ class SSHTransport:
             raise
         except (paramiko.SSHException, EOFError, OSError) as exc:
             transport.close()
-            raise _handshake_error(exc, ep, self.connect_timeout) from exc
+            raise _handshake_error(exc, ep, self.connect_timeout, banner_timeout=self.banner_timeout,
+                                   elapsed=time.monotonic() - started) from exc
         return transport
 
     # ------------------------------------------------------------------ authentication
@@ -678,16 +680,13 @@ def _prefer_known_key_types(transport: paramiko.Transport, ep: Endpoint) -> None
     options.key_types = preferred + [k for k in available if k not in preferred]
 
 
-def _handshake_error(exc: BaseException, ep: Endpoint, timeout: float) -> TransportError:
+def _handshake_error(exc: BaseException, ep: Endpoint, timeout: float, *,
+                     banner_timeout: float | None = None, elapsed: float | None = None
+                     ) -> TransportError:
     text = str(exc)
     where = _where(ep)
     if "banner" in text.lower():
-        return TransportError(
-            f"no SSH banner from {where} within {timeout:g}s ({text.strip()})",
-            kind="timeout",
-            host=ep.label,
-            hint="is this port an SSH server? (sshd overloaded: MaxStartups)",
-        )
+        return _banner_error(text, ep, banner_timeout or timeout, elapsed)
     if isinstance(exc, IncompatiblePeer) or "negotiat" in text.lower():
         return TransportError(
             f"SSH negotiation with {where} failed: {text}",
@@ -706,6 +705,32 @@ def _handshake_error(exc: BaseException, ep: Endpoint, timeout: float) -> Transp
         kind="channel",
         host=ep.label,
         hint="sshd refused us early: check its log (MaxStartups, AllowUsers, tcp wrappers)",
+    )
+
+
+def _banner_error(text: str, ep: Endpoint, timeout: float, elapsed: float | None
+                  ) -> TransportError:
+    """What really happened before the banner: paramiko says "Error reading SSH protocol
+    banner" both when its wait ran out and when the peer closed at once (issue 25: "no
+    SSH banner within 10s", 0.7 s after starting, on an address that was not an SSH
+    server), so the elapsed time tells the two apart."""
+    where = _where(ep)
+    detail = text.split("banner", 1)[-1].strip()
+    if elapsed is not None and elapsed < timeout * 0.9:
+        how = "reset" if "reset" in detail.lower() else "closed"
+        return TransportError(
+            f"connection to {where} was {how} after {elapsed:.1f}s without an SSH banner"
+            + (f" ({detail})" if detail else ""),
+            kind="channel",
+            host=ep.label,
+            hint="something accepted the TCP connection but is not an SSH server (wrong "
+                 "address or port?), or sshd dropped us early (MaxStartups, tcp wrappers)",
+        )
+    return TransportError(
+        f"no SSH banner from {where} within {timeout:g}s" + (f" ({detail})" if detail else ""),
+        kind="timeout",
+        host=ep.label,
+        hint="is this port an SSH server? (sshd overloaded: MaxStartups)",
     )
 
 
