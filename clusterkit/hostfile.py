@@ -9,6 +9,9 @@ are deliberately stricter, and say so here:
 * ``--nodes N`` with fewer than N hosts available is an error (DeepSpeed takes all).
 * ``--nodes 0`` / ``--gpus-per-node 0`` are errors (DeepSpeed treats 0 as "no limit").
 * ``--gpus-per-node G`` above a host's slots is an error (DeepSpeed invents slots).
+* ``slots=0`` is an error naming its line: DeepSpeed keeps such a host in the world
+  with no rank unless ``--include``/``--exclude`` is given, and drops it when one is
+  (two meanings; we had made it a 1-slot CPU node, a third).
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ def parse_hostfile(text: str, path: str = "<hostfile>") -> OrderedDict[str, int]
                 f"host {host!r} is listed twice (first at line {first_line[host]})",
                 path=path, line=lineno, hint="list each host once",
             )
+        if slots == 0:
+            raise InventoryError(
+                f"host {host!r} has slots=0: a host without slots runs no rank", path=path,
+                line=lineno, hint="delete the line (or comment it out with #) to leave the "
+                                  "host out, or give it slots=N with N >= 1")
         pool[host] = slots
         first_line[host] = lineno
     if not pool:

@@ -36,7 +36,6 @@ HOSTFILE_CASES = [
     "slots=2\n",
     "",
     "# only comments\n\n",
-    "a slots=2\nb slots=0\n",
     "a slot=2\n",
     "a  slots=2\r\nb slots=3\r\n",
     "node[1-3] slots=2\n",
@@ -79,6 +78,17 @@ def test_hostfile_error_names_the_line() -> None:
     with pytest.raises(InventoryError) as exc:
         parse_hostfile("a slots=2\na slots=4\n", path="hf")
     assert "hf:2:" in exc.value.one_line() and "line 1" in exc.value.one_line()
+
+
+def test_slots_zero_is_refused_with_its_line() -> None:
+    """Stricter than DeepSpeed on purpose (issue 25): its runner keeps a slots=0 host with
+    no rank, or drops it once --include/--exclude is given; we refuse it, naming the line."""
+    assert runner._parse_hostfile(["a slots=2\n", "b slots=0\n"]) == {"a": 2, "b": 0}
+    with pytest.raises(InventoryError) as exc:
+        parse_hostfile("a slots=2\n# b is down\nb slots=0\n", path="hf")
+    line = exc.value.one_line()
+    assert line.startswith("hf:3: host 'b' has slots=0"), line
+    assert "delete the line" in line
 
 
 POOL = OrderedDict([("worker-0", 4), ("worker-1", 4), ("worker-2", 2), ("worker-3", 2)])

@@ -56,3 +56,21 @@ def test_import_then_fill_gives_a_bf16_gpu_plan_and_an_sbatch_asking_2_gpus(
     printed = capsys.readouterr()
     assert "#SBATCH --gpus-per-node=2" in printed.out
     assert ", bf16," in printed.out + printed.err  # the plan's summary line
+
+
+def test_slots_zero_is_refused_naming_its_line(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 25: `slots=0` became a 1-slot CPU node; DeepSpeed itself gives it two meanings
+    (a host with no rank, or none at all once --include/--exclude is given): refused."""
+    hf = tmp_path / "hostfile"
+    hf.write_text("node1 slots=2\nnode2 slots=0\n")
+    out = tmp_path / "inv.yaml"
+    assert main(["inventory", "import-hostfile", str(hf), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert f"{hf}:2: host 'node2' has slots=0" in err and "delete the line" in err
+    assert not out.exists()
+    for argv in (["inventory", "import-hostfile", str(hf), "--cpu"],
+                 ["launch", "--dry-run", "--hostfile", str(hf)]):
+        assert main(argv) == 2
+        assert f"{hf}:2: host 'node2' has slots=0" in capsys.readouterr().err
