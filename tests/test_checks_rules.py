@@ -315,3 +315,31 @@ def test_peer_name_on_loopback_warns() -> None:
     # node3 itself is covered by names.self; every other node gets the warning.
     assert sorted(f.host for f in bad) == sorted(h for h in HOSTS if h != "node3")
     assert all(f.status is Status.WARN and "loopback 127.0.1.1" in f.detail for f in bad)
+
+
+def test_one_machine_is_local_transport_or_loopback() -> None:
+    from clusterkit.checks.rules import one_machine
+
+    assert one_machine([("local", "127.0.0.1"), ("local", "127.0.0.1")])
+    assert one_machine([("ssh", "127.0.0.1"), ("ssh", "localhost"), ("ssh", "::1")])
+    assert not one_machine([("local", "127.0.0.1"), ("ssh", "10.0.0.2")])
+    assert not one_machine([])
+
+
+def test_loopback_names_only_inform_when_every_node_is_this_machine() -> None:
+    """The embedded default: 'vm' -> 127.0.0.1 cannot matter to ranks that all use loopback;
+    the same facts on an inventory of several machines still FAIL/WARN (tests above)."""
+    fwd = {h: ("127.0.0.1",) for h in HOSTS}
+    facts = {h: replace(node(h), forward=fwd) for h in HOSTS}
+    one = replace(CTX, one_machine=True)
+    own = check_own_name(facts, one)
+    assert {f.status for f in own} == {Status.PASS}, own
+    assert "every node is this machine" in own[0].detail
+    assert {f.status for f in check_peer_names(facts, one)} == {Status.PASS}
+    assert worst(check_own_name(facts, CTX)) is Status.FAIL
+    assert worst(check_peer_names(facts, CTX)) is Status.WARN
+    # an unresolvable own name: gloo falls back to loopback, so a warning, not a failure
+    gone = {h: replace(f, forward={**fwd, h: "gaierror: [Errno -2] Name or service not known"})
+            for h, f in facts.items()}
+    assert worst(check_own_name(gone, one)) is Status.WARN
+    assert worst(check_own_name(gone, CTX)) is Status.FAIL

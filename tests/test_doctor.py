@@ -187,6 +187,27 @@ def test_cli_json_on_local_inventory(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert data["unreachable"] == {}
 
 
+def test_a_newcomers_first_doctor_passes_on_the_embedded_default(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No -i: the embedded default's nodes are all this machine. Its own hostname on
+    loopback (most laptops, containers) must not fail it; a real inventory still would."""
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path))
+    monkeypatch.delenv("CLUSTERKIT_INVENTORY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["doctor", "--json", "--master-port", str(_free_port())])
+    data = json.loads(out.getvalue())
+    failed = [f for f in data["findings"] if f["status"] == "FAIL"]
+    assert code == 0 and data["exit_code"] == 0, out.getvalue()[-3000:]
+    assert not failed
+    plan = plan_doctor(local_inventory(str(tmp_path)).hosts, head_python=sys.executable,
+                       head_cwd=str(tmp_path), head_tools={})
+    assert plan.ctx.one_machine
+    real = [Host(name=f"n{i}", address=f"10.0.0.{i}") for i in (1, 2)]
+    assert not plan_doctor(real, head_python="python3", head_cwd="/", head_tools={}).ctx.one_machine
+
+
 # ----------------------------------------------------------------------------- probe modes used
 
 

@@ -18,6 +18,7 @@ Nothing here prints; the CLI renders :class:`DoctorReport`.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import posixpath
 import statistics
@@ -50,6 +51,7 @@ from clusterkit.checks.rules import (
     DoctorContext,
     check_master_port,
     majority,
+    one_machine,
     run_rules,
 )
 from clusterkit.errors import TransportError
@@ -139,6 +141,7 @@ def plan_doctor(
         head_tools=dict(head_tools),
         head_python=None,  # clusterkit launch never runs the launcher's own interpreter remotely
         checkpoint_bytes=checkpoint_bytes,
+        one_machine=one_machine((h.transport, h.address) for h in hosts),
     )
     return DoctorPlan(tuple(nodes), ctx, master_port, connect_timeout_s=connect_timeout_s,
                       max_parallel=max_parallel)
@@ -308,8 +311,7 @@ def clusterkit_parity(facts: Mapping[str, NodeFacts], digest: str | None = None)
 
 
 def _with_windows(ctx: DoctorContext, windows: Mapping[str, tuple[float, float]]) -> DoctorContext:
-    return DoctorContext(ctx.hosts, ctx.slots, ctx.gpus, ctx.backend, ctx.head_tools,
-                         ctx.head_python, ctx.checkpoint_bytes, dict(windows))
+    return dataclasses.replace(ctx, probe_windows=dict(windows))
 
 
 def _budget(plan: DoctorPlan, command_timeout: float) -> float:

@@ -51,6 +51,10 @@ class DoctorContext:
     checkpoint_bytes: int | None = None  # estimated size of one checkpoint on a node
     # Local clock (time.time()) just before sending / after receiving each node's probe.
     probe_windows: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # Every node is this machine (the embedded default's virtual nodes, or loopback
+    # addresses): the ranks talk over loopback, so how names resolve for *other*
+    # machines cannot matter and those checks only inform (see one_machine()).
+    one_machine: bool = False
 
 
 Rule = Callable[[Mapping[str, NodeFacts], DoctorContext], list[Finding]]
@@ -109,6 +113,16 @@ def _is_loopback(addr: str) -> bool:
         return ipaddress.ip_address(addr).is_loopback
     except ValueError:
         return False
+
+
+def one_machine(transports_and_addresses: Iterable[tuple[str, str]]) -> bool:
+    """True when every node is this machine: ``local`` transport or a loopback address."""
+    nodes = list(transports_and_addresses)
+    return bool(nodes) and all(t == "local" or _is_loopback(a) or a == "localhost"
+                               for t, a in nodes)
+
+
+ONE_MACHINE_NOTE = "fine here: every node is this machine (a FAIL on an inventory of several machines)"
 
 
 def _short(name: str) -> str:
@@ -535,10 +549,21 @@ def check_own_name(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[F
     for f in _ok(facts):
         name = f.self_name or f.hostname or f.host
         addrs = f.forward.get(name)
-        if isinstance(addrs, str) or addrs is None:
+        if (isinstance(addrs, str) or addrs is None) and ctx.one_machine:
+            # torch's gloo falls back to loopback when the hostname does not resolve.
+            out.append(Finding("names.self", Status.WARN, f.host,
+                               f"own hostname {name} does not resolve: {addrs}; gloo falls back "
+                               "to loopback, " + ONE_MACHINE_NOTE,
+                               f"add `127.0.1.1 {name}` to /etc/hosts"))
+        elif isinstance(addrs, str) or addrs is None:
             out.append(Finding("names.self", Status.FAIL, f.host,
                                f"own hostname {name} does not resolve: {addrs}",
                                f"add `<ip> {name}` to /etc/hosts"))
+        elif any(_is_loopback(a) for a in addrs) and ctx.one_machine:
+            lo = next(a for a in addrs if _is_loopback(a))
+            out.append(Finding("names.self", Status.PASS, f.host,
+                               f"own hostname {name} resolves to loopback {lo}: "
+                               + ONE_MACHINE_NOTE))
         elif any(_is_loopback(a) for a in addrs):
             ip = _own_ip(f) or "<this node's IP>"
             lo = next(a for a in addrs if _is_loopback(a))
@@ -584,7 +609,8 @@ def check_peer_names(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list
                                    f"{name} resolves to {addr} here but {common} on {holders}",
                                    f"make /etc/hosts agree: `{common} {name}`"))
                 bad_hosts.add(host)
-            elif _is_loopback(addr) and _short(name) != _short(facts[host].self_name or host):
+            elif (_is_loopback(addr) and not ctx.one_machine
+                  and _short(name) != _short(facts[host].self_name or host)):
                 out.append(Finding("names.peer", Status.WARN, host,
                                    f"peer name {name} resolves to loopback {addr}: ranks on "
                                    "other nodes cannot reach it under that name",
