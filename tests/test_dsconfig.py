@@ -7,7 +7,7 @@ import json
 import pytest
 
 from clusterkit.errors import RenderError
-from clusterkit.spec.zero import ZeroSpec, build_ds_config
+from clusterkit.spec.zero import ZeroSpec, build_ds_config, resolve_precision
 
 
 def test_train_batch_size_is_micro_times_accum_times_world() -> None:
@@ -101,3 +101,18 @@ def test_deepspeed_accepts_rendered_config(stage: int) -> None:
     assert parsed.train_batch_size == 8
     assert parsed.zero_optimization_stage == stage
     assert parsed.use_node_local_storage is True
+
+
+def test_the_one_precision_rule() -> None:
+    """auto: bf16 on GPUs, fp32 on CPU; an explicit bf16/fp16 without a GPU is refused
+    (issue 25: it reached ds_config.json while the ranks ran fp32)."""
+    assert (resolve_precision("auto", True), resolve_precision("auto", False)) == ("bf16", "fp32")
+    assert resolve_precision("fp16", True) == "fp16"
+    assert resolve_precision("fp32", False) == "fp32"
+    for precision in ("bf16", "fp16"):
+        with pytest.raises(RenderError) as exc:
+            resolve_precision(precision, False, "node[1-2]'s ranks")
+        assert exc.value.key == "--precision"
+        assert f"{precision} needs a GPU for every rank, but node[1-2]'s ranks run" in str(exc.value)
+    with pytest.raises(RenderError, match="must be one of auto"):
+        resolve_precision("fp8", True)

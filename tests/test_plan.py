@@ -151,6 +151,34 @@ def _mixed_plan(**kw: Any) -> JobPlan:
     return plan_job(parse_inventory(_GPU_INV), JobOptions(job_id="w", **kw), FACTS)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_on_cpu_ranks_is_refused(precision: str) -> None:
+    """Issue 25: --precision fp16 on CPU ranks wrote fp16 into ds_config.json while the
+    ranks trained fp32 and the summary said fp32. Asked for explicitly: refused, naming
+    the CPU hosts; auto stays quiet (fp32 on CPU, bf16 on GPUs)."""
+    with pytest.raises(RenderError) as exc:
+        _mixed_plan(precision=precision)
+    line = exc.value.one_line()
+    assert line.startswith(f"--precision: {precision} needs a GPU for every rank, but c1's ranks "
+                           "(gpus: 0) run on the CPU — use --precision auto"), line
+    assert _mixed_plan(precision=precision, include="g1").ds_config[precision]["enabled"]
+    cpu = _mixed_plan(precision="auto", include="c1")
+    assert cpu.zero.precision == "fp32" and "bf16" not in cpu.ds_config
+    assert _mixed_plan(precision="auto").zero.precision == "fp32"  # one CPU node: fp32
+    assert _mixed_plan(precision="fp32").zero.precision == "fp32"
+
+
+def test_launch_dry_run_refuses_fp16_on_the_local_cpu_nodes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
+    assert main(["launch", "--dry-run", "--precision", "fp16"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert "fp16 needs a GPU for every rank, but local[1-4]'s ranks (gpus: 0) run" in err
+
+
 def test_plan_warns_on_ranks_without_a_gpu_and_strict_refuses() -> None:
     # issue 12 D6: more ranks than the inventory's GPUs; --gpus-per-node > 0 on gpus: 0.
     plan = _mixed_plan(include="g1")

@@ -13,7 +13,7 @@ from clusterkit.backend_timeouts import timeout_env
 from clusterkit.contract import DEEPSPEED_CONFIG_ARG, ENV_DS_CONFIG, RUN_SUBDIR, Contract
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import select_hosts
-from clusterkit.hostrange import folded_lines
+from clusterkit.hostrange import fold, folded_lines
 from clusterkit.inventory import Host, Inventory
 from clusterkit.launchers import BACKENDS, plan_backends
 from clusterkit.plan.env import build_env
@@ -165,8 +165,9 @@ def _hang_env(o: JobOptions, host: Host, job_dir: str) -> list[tuple[str, str]]:
 
 
 def _zero_spec(o: JobOptions, nodes: tuple[NodePlan, ...], world: int, storage: str) -> ZeroSpec:
-    on_gpu = all(n.host.gpus > 0 for n in nodes)
-    precision = resolve_precision(o.precision, on_gpu)
+    cpu = [n.name for n in nodes if n.host.gpus == 0]
+    precision = resolve_precision(o.precision, not cpu, f"{fold(cpu)}'s ranks (gpus: 0)")
+    on_gpu = not cpu
     nvme = o.nvme_path
     local = nodes[0].host.checkpoint.local_dir
     if nvme is None and "nvme" in (o.offload_optimizer, o.offload_param) and local:

@@ -199,7 +199,8 @@ def _run(args: WorkloadArgs, rank: int, local_rank: int, world: int,
                                .format(node=topo.me.node_index, host=host))
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
-    requested: str = resolve_precision(args.precision, on_gpu)  # the one rule (spec.zero)
+    requested: str = resolve_precision(args.precision, on_gpu,  # the one rule (spec.zero)
+                                       "the ranks here (no CUDA device)")
     cfg = _ds_config(args, requested, world, on_gpu, run_dir, args.storage == "node-local")
     precision = _precision_of(cfg)
     zero_stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
