@@ -94,3 +94,18 @@ class LaunchError(ClusterkitError):
 
 class NotBuiltYet(ClusterkitError):
     """A verb that is planned but not implemented yet."""
+
+
+class UsageError(ClusterkitError):
+    """The command line itself is wrong (unknown flag, bad value, missing argument).
+
+    ``prog`` is the command whose help describes the right spelling (``clusterkit
+    launch``); the one line ends by pointing at it instead of dumping the usage."""
+
+    def __init__(self, message: str, *, key: str | None = None, hint: str | None = None,
+                 prog: str = "clusterkit") -> None:
+        super().__init__(message, key=key, hint=hint)
+        self.prog = prog
+
+    def one_line(self) -> str:
+        return f"{super().one_line()} (see `{self.prog} --help`)"

@@ -20,6 +20,7 @@ Bottom layer: standard library only, no clusterkit imports beyond the error base
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -109,11 +110,24 @@ def size_type(flag: str, minimum: int = 0) -> Callable[[str], int]:
     return convert
 
 
-def duration_type(flag: str) -> Callable[[str], float]:
-    """An argparse ``type=`` for durations, like :func:`size_type`."""
+@functools.cache
+def duration_type(flag: str, *, zero: bool = True, whole: bool = False) -> Callable[[str], float]:
+    """The argparse ``type=`` of every duration flag (``--grace``, ``--poll``, ...).
+
+    One rule (:func:`parse_duration`): never NaN, inf or negative. ``zero=False`` where
+    0 would mean nothing (a poll interval, a connect timeout), ``whole=True`` where
+    the value is handed on as whole seconds (Slurm's ``--signal``). A refusal fails
+    while parsing (exit 2), the flag named by argparse. Cached: a flag's type is one
+    object in every verb that has it (tests/test_jobflags.py compares them).
+    """
     def convert(text: str) -> float:
         try:
-            return parse_duration(text, flag)
+            value = parse_duration(text, flag)
         except ClusterkitError as exc:
             raise argparse.ArgumentTypeError(f"{exc.message} ({exc.hint})") from None
+        if not zero and value == 0:
+            raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
+        if whole and value != int(value):
+            raise argparse.ArgumentTypeError(f"must be whole seconds, got {text!r}")
+        return value
     return convert

@@ -43,19 +43,38 @@ def _no_job_started(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ flags after the script
 
 
-def test_clusterkit_flags_after_the_script_are_refused(capsys: pytest.CaptureFixture[str],
-                                                       tmp_path: Path) -> None:
-    # The issue's case: --lr is a job flag of launch too (the shared job flags), so it is
-    # the first one refused; either way the run never starts.
+def test_launch_flags_after_the_script_are_refused(capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Path) -> None:
+    # Issue 25: --lr is the script's (the workload group passes through); --dry-run is
+    # launch control, so the run never starts.
     line = _fails(["launch", "--nodes", "2", "train.py", "--lr", "3e-4", "--dry-run"], capsys,
-                  "train.py", "before train.py", "`train.py -- --")
-    assert line.startswith(("clusterkit: error: --lr: ", "clusterkit: error: --dry-run: ")), line
+                  "train.py", "before train.py", "`train.py -- --dry-run")
+    assert line.startswith("clusterkit: error: --dry-run: "), line
     line = _fails(["launch", "train.py", "--my-lr", "3e-4", "--dry-run"], capsys,
                   "--dry-run", "train.py -- --dry-run")
     assert "--my-lr" not in line  # not a clusterkit flag: the script's own
     _no_job_started(tmp_path)
-    _fails(["launch", "train.py", "--steps=5"], capsys, "--steps")
+    _fails(["launch", "train.py", "--nodes=5"], capsys, "--nodes")
+    _fails(["launch", "train.py", "-i", "inv.yaml"], capsys, "-i: ")
     _fails(["launch", "-m", "mypkg.train", "data", "--dry-run"], capsys, "--dry-run", "mypkg.train")
+
+
+def test_after_the_script_everything_else_is_the_scripts(capsys: pytest.CaptureFixture[str],
+                                                        tmp_path: Path) -> None:
+    """The issue's acceptance line: all six words reach train.py (no prefix matching)."""
+    import json
+
+    words = ["--deepspeed", "--deepspeed_config", "ds.json", "--steps", "5", "--save", "2"]
+    assert main(["render", "--dry-run", "--nodes", "2", "train.py", *words]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(out[out.index("\n", out.index("===== plan.json")):])
+    assert plan["program"] == ["train.py", *words]
+    assert main(["launch", "--dry-run", "--nodes", "2", "train.py", *words]) == 0
+    assert "-u train.py " + " ".join(words) in capsys.readouterr().out
+    # single-dash words of the script: -m is the script's after SCRIPT, -i is launch's
+    assert main(["launch", "--dry-run", "train.py", "-m", "gpt", "-x", "1", "--steps=3"]) == 0
+    assert "-u train.py -m gpt -x 1 --steps=3" in capsys.readouterr().out
+    _no_job_started(tmp_path)
 
 
 def test_after_a_double_dash_they_go_to_the_script(capsys: pytest.CaptureFixture[str],

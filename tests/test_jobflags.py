@@ -7,14 +7,17 @@ from typing import Any
 
 import pytest
 
-from clusterkit.cli.jobflags import flag_name, job_fields, job_options
+from clusterkit.cli.jobflags import SLURM_GROUP, flag_name, job_fields, job_options
 from clusterkit.cli.main import build_parser
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER
 from clusterkit.spec.job import JobOptions
 from clusterkit.spec.zero import DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS, ZeroSpec
 
 VERBS = ("launch", "render", "sbatch")
-SHARED = ("--launcher", "--job-id", "--master-addr", *(flag_name(f) for f in job_fields()))
+SHARED = ("--launcher", "--job-id", "--master-addr",
+          *(flag_name(f) for f in job_fields() if f.metadata["group"] != SLURM_GROUP))
+# The Slurm group: sbatch's, and render's (it writes sbatch.sh); launch refuses them.
+SLURM = tuple(flag_name(f) for f in job_fields() if f.metadata["group"] == SLURM_GROUP)
 
 
 def _verb(name: str) -> argparse.ArgumentParser:
@@ -32,6 +35,18 @@ def _signature(parser: argparse.ArgumentParser, flag: str) -> tuple[Any, ...]:
 def test_every_verb_has_the_same_job_flag(flag: str) -> None:
     sigs = {verb: _signature(_verb(verb), flag) for verb in VERBS}
     assert len({repr(s) for s in sigs.values()}) == 1, sigs
+
+
+@pytest.mark.parametrize("flag", SLURM)
+def test_slurm_flags_are_sbatch_and_render_only(flag: str) -> None:
+    from clusterkit.errors import ClusterkitError
+
+    assert _signature(_verb("render"), flag) == _signature(_verb("sbatch"), flag)
+    with pytest.raises(ClusterkitError) as info:
+        _verb("launch").parse_args([flag, "1"])
+    assert info.value.key == flag and "only for clusterkit sbatch" in info.value.message
+    # not launch's to refuse after the script either: launch does not use them
+    assert _program_options("launch", ["train.py", flag, "1"]).script_args == (flag, "1")
 
 
 def test_defaults_come_from_the_spec() -> None:
@@ -73,11 +88,12 @@ def test_launch_expresses_what_plan_recommends() -> None:
                                                                                   "bf16", 2)
 
 
-def test_unknown_model_fails_at_parse_time(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
+def test_unknown_model_fails_at_parse_time() -> None:
+    from clusterkit.errors import UsageError
+
+    with pytest.raises(UsageError) as exc:
         _verb("launch").parse_args(["--model", "llama-7b", "--dry-run"])
-    assert exc.value.code == 2
-    assert "--model" in capsys.readouterr().err
+    assert exc.value.exit_code == 2 and exc.value.key == "--model"
 
 
 def test_doctor_tests_the_port_launch_uses() -> None:
@@ -149,14 +165,27 @@ def test_the_same_program_words_make_the_same_program(argv: list[str],
         assert (o.script, o.module, o.script_args) == program, verb
 
 
-def test_every_verb_refuses_its_flags_after_the_script() -> None:
+def test_every_verb_refuses_its_launch_flags_after_the_script() -> None:
     from clusterkit.errors import ClusterkitError
 
     for verb in VERBS:
         with pytest.raises(ClusterkitError) as info:
             _program_options(verb, ["train.py", "--nodes", "2"])
         assert info.value.key == "--nodes", verb
-        assert "put clusterkit's flags before train.py" in info.value.one_line(), verb
+        assert "put it before train.py, or after `--`" in info.value.one_line(), verb
+        # the workload group's flags are the script's (jobflags.SCRIPT_GROUPS)
+        o = _program_options(verb, ["train.py", "--steps", "5", "--lr=1", "--micro-batch", "2"])
+        assert o.script_args == ("--steps", "5", "--lr=1", "--micro-batch", "2"), verb
+        assert o.steps == JobOptions("j").steps, verb  # clusterkit's own --steps untouched
+
+
+def test_the_script_group_is_the_spec_group() -> None:
+    from clusterkit.cli.jobflags import SCRIPT_GROUPS, script_dests
+
+    groups = {f.metadata["group"] for f in job_fields()}
+    assert set(SCRIPT_GROUPS) <= groups
+    assert {"steps", "lr", "micro_batch", "save_every", "zero_stage"} <= script_dests()
+    assert not {"nodes", "job_id", "hang_timeout_s", "storage"} & script_dests()
 
 
 def test_a_bad_script_path_is_named_as_the_program_word() -> None:

@@ -57,6 +57,7 @@ from clusterkit.fsutil import atomic_write_text
 from clusterkit.hostrange import folded_lines
 from clusterkit.node.ship import NodeCommand
 from clusterkit.remote.base import SSHTarget, Transport
+from clusterkit.slurm.steps import SlurmPlace, run_step, srun_hint
 
 MANIFEST = "clusterkit-collect.json"
 MANIFEST_SCHEMA = "clusterkit.collected-checkpoint"
@@ -65,12 +66,14 @@ LIST_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class CollectNode:
-    """One selected node: how to reach it and where its checkpoint root is."""
+    """One selected node: how to reach it and where its checkpoint root is. With
+    ``via``, every program runs there through Slurm (srun) and ``target`` is unused."""
 
     name: str
     target: SSHTarget
     python: str
     root: str
+    via: SlurmPlace | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class CollectOptions:
     dest: str
     tag: str = "latest"
     jobs: int = 8
-    method: str = "auto"  # auto | ssh | sftp
+    method: str = "auto"  # auto | ssh | sftp | slurm (every node has its SlurmPlace)
     fsync: bool = True
     dry_run: bool = False
     prune_sources: bool = False
@@ -262,7 +265,7 @@ def open_sessions(nodes: Sequence[CollectNode], failed: dict[str, str]
     try:
         for n in nodes:
             try:
-                sessions[n.name] = NodeSession(n.name, n.target, n.python, n.root)
+                sessions[n.name] = NodeSession(n.name, n.target, n.python, n.root, via=n.via)
             except OSError as exc:
                 failed[n.name] = f"cannot start ({exc})"
         yield sessions
@@ -285,9 +288,10 @@ def list_over_sessions(transport: Transport, sessions: Mapping[str, NodeSession]
         if session is None:
             return NodeListing(node.name, index, node.root, error=failed.get(node.name, "?"))
         try:
-            msg = session.wait_for("listing", session.request("list", LIST_TIMEOUT_S, tag=tag))
+            msg = session.wait_for("listing", session.request(
+                "list", LIST_TIMEOUT_S + session.startup_s, tag=tag))
         except SessionError as exc:
-            return NodeListing(node.name, index, node.root, error=f"cannot list (ssh): {exc}")
+            return NodeListing(node.name, index, node.root, error=_cannot_list(session, exc))
         return parse_listing(node.name, index, node.root, json.dumps(msg.get("listing")))
 
     with cf.ThreadPoolExecutor(max_workers=min(64, len(nodes) or 1)) as pool:
@@ -295,17 +299,25 @@ def list_over_sessions(transport: Transport, sessions: Mapping[str, NodeSession]
     return _explain_failures(transport, nodes, listings, tag)
 
 
+def _cannot_list(session: NodeSession, exc: SessionError) -> str:
+    """The listing error; srun's words get what to do about them (no SSH to re-ask)."""
+    text = f"cannot list ({session.carrier}): {exc}"
+    hint = srun_hint(text) if session.via is not None else None
+    return f"{text} — {hint}" if hint else text
+
+
 def _explain_failures(transport: Transport, nodes: Sequence[CollectNode],
                       listings: list[NodeListing], tag: str | None) -> list[NodeListing]:
     """OpenSSH's words carry each node's address, so equal failures would not fold;
     the paramiko transport classifies them (refused, auth, timeout, ...) like every
-    other verb does. Asked only for the nodes whose session failed."""
-    bad = [n for n, ls in zip(nodes, listings, strict=True) if ls.error]
+    other verb does. Asked only for the nodes whose session failed, and never for
+    nodes reached through Slurm (no SSH there)."""
+    bad = [n for n, ls in zip(nodes, listings, strict=True) if ls.error and n.via is None]
     if not bad or all(n.target.local for n in bad):
         return listings
     again = {ls.node: ls for ls in list_nodes(transport, bad, tag)}
     return [dataclasses.replace(again[ls.node], index=ls.index)
-            if ls.error and again[ls.node].error else ls for ls in listings]
+            if ls.error and ls.node in again and again[ls.node].error else ls for ls in listings]
 
 
 def hash_over_sessions(sessions: Mapping[str, NodeSession], nodes: Sequence[CollectNode],
@@ -347,7 +359,12 @@ def _copies_by_node(plan: CollectPlan) -> dict[str, list[str]]:
 # ------------------------------------------------------------------ transfer
 
 
-def resolve_method(method: str) -> str:
+def resolve_method(method: str, nodes: Sequence[CollectNode] = ()) -> str:
+    if method == "slurm" and not all(n.via is not None for n in nodes):
+        raise CheckpointError("--via slurm needs every node's Slurm place", key="--via",
+                              hint="collect a Slurm job (JOB or its job dir), or drop --via slurm")
+    if method == "auto" and nodes and all(n.via is not None for n in nodes):
+        return "slurm"
     if method == "auto":
         return "ssh" if have_ssh_binary() else "sftp"
     if method == "ssh" and not have_ssh_binary():
@@ -507,7 +524,7 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
     happen in that order; ``on_start`` gets each node's session process as its
     stream starts; ``on_plan`` the verified plan before anything is copied."""
     sink = sink or NullProgress()
-    method = resolve_method(options.method)
+    method = resolve_method(options.method, nodes)
     if method == "sftp":
         return _collect_sftp(transport, nodes, options, sink, after_hash, on_plan)
     t0 = time.monotonic()
@@ -649,7 +666,8 @@ def _collect_sftp(transport: Transport, nodes: Sequence[CollectNode], options: C
 
 def prune_sources(transport: Transport, nodes: Sequence[CollectNode], plan: CollectPlan
                   ) -> dict[str, str]:
-    """Delete the collected tag's files on every node (only after DEST verified them)."""
+    """Delete the collected tag's files on every node (only after DEST verified them);
+    over SSH, or through Slurm for nodes reached that way."""
     argv: dict[str, list[str]] = {}
     for n in nodes:
         rels = sorted({c.relpath for copies in plan.files.values() for c in copies
@@ -658,10 +676,22 @@ def prune_sources(transport: Transport, nodes: Sequence[CollectNode], plan: Coll
             paths = [posixpath.join(n.root, r) for r in rels]
             script = 'rm -f -- "$@" && find "$0" -depth -type d -empty -delete'
             argv[n.name] = ["sh", "-c", script, posixpath.join(n.root, plan.tag), *paths]
-    chosen = [n for n in nodes if n.name in argv]
+    out = _prune_through_slurm([n for n in nodes if n.name in argv and n.via is not None], argv)
+    chosen = [n for n in nodes if n.name in argv and n.via is None]
     group = transport.run_all([n.target for n in chosen], argv, timeout=LIST_TIMEOUT_S)
-    out: dict[str, str] = {}
     for n, res in zip(chosen, group, strict=True):
         out[n.name] = "ok" if res.ok else (res.error.message if res.error else
                                            (res.result.stderr.strip() if res.result else "?"))
     return out
+
+
+def _prune_through_slurm(nodes: Sequence[CollectNode], argv: Mapping[str, list[str]]
+                         ) -> dict[str, str]:
+    def one(n: CollectNode) -> str:
+        assert n.via is not None
+        res = run_step(n.via, argv[n.name], LIST_TIMEOUT_S + n.via.startup_s)
+        tail = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1]
+        return "ok" if res.returncode == 0 else tail
+
+    with cf.ThreadPoolExecutor(max_workers=min(64, len(nodes) or 1)) as pool:
+        return dict(zip([n.name for n in nodes], pool.map(one, nodes), strict=True))

@@ -1,8 +1,10 @@
 """One connection per node for collect-ckpt: list, hash and stream over one ``ssh``.
 
 A :class:`NodeSession` runs the node program :mod:`clusterkit.node.ckstream` in one
-OpenSSH ``ssh`` process (or a local child for ``transport: local`` hosts) and keeps it
-open from the listing to the last byte: no second connection for hashing or data.
+OpenSSH ``ssh`` process (or a local child for ``transport: local`` hosts, or one
+``srun`` task for a node reached through Slurm: :mod:`clusterkit.slurm.steps`) and
+keeps it open from the listing to the last byte: no second connection for hashing
+or data. The stream is the same whichever process carries it.
 OpenSSH rather than paramiko carries the session because bulk data is the point:
 its AES-GCM runs in C with AES-NI (figures in docs/collect-ckpt.md).
 
@@ -17,6 +19,7 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import threading
@@ -27,8 +30,12 @@ from clusterkit.node.ship import node_command
 from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S, SSHTarget
 from clusterkit.remote.command import remote_command
 from clusterkit.remote.openssh import openssh_argv
+from clusterkit.slurm.steps import SlurmPlace
 
 PIPE_BUFFER = 1 << 20
+# srun killed with SIGKILL cannot end its step or give its allocation back: it gets
+# SIGTERM first (it cancels the step and leaves), SIGKILL only after this grace.
+SRUN_TERM_GRACE_S = 5.0
 
 
 class SessionError(Exception):
@@ -39,15 +46,20 @@ class NodeSession:
     """The node program ``ckstream`` on one node, spoken to request by request."""
 
     def __init__(self, name: str, target: SSHTarget, python: str, root: str, *,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
-        self.name, self.target = name, target
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+                 via: SlurmPlace | None = None) -> None:
+        self.name, self.target, self.via = name, target, via
         cmd = node_command(python, "ckstream", [root])
-        self.argv = cmd.argv if target.local else collect_ssh_argv(
-            target, remote_command(cmd.argv), connect_timeout)
+        env = None
+        if via is not None:
+            self.argv, env = via.argv(cmd.argv), via.env()
+        else:
+            self.argv = cmd.argv if target.local else collect_ssh_argv(
+                target, remote_command(cmd.argv), connect_timeout)
         self._errf = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._errf, bufsize=PIPE_BUFFER,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.stdin: IO[bytes] = self.proc.stdin
         self.stdout: IO[bytes] = self.proc.stdout
@@ -62,6 +74,16 @@ class NodeSession:
         self._write(cmd.stdin)
 
     # -------------------------------------------------------------- deadlines
+
+    @property
+    def carrier(self) -> str:
+        """What carries the stream, for messages: ssh, slurm or local."""
+        return "slurm" if self.via is not None else "local" if self.target.local else "ssh"
+
+    @property
+    def startup_s(self) -> float:
+        """Extra time the first answer may take: waiting for a Slurm allocation."""
+        return self.via.startup_s if self.via is not None else 0.0
 
     def expect_within(self, seconds: float) -> None:
         """The next byte must arrive within ``seconds`` (called per chunk while streaming)."""
@@ -129,8 +151,19 @@ class NodeSession:
 
     def kill(self, why: str = "") -> None:
         self.killed_why = self.killed_why or why
+        if self.via is not None and self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            timer = threading.Timer(SRUN_TERM_GRACE_S, self._signal, (signal.SIGKILL,))
+            timer.daemon = True
+            timer.start()
+            return
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        if self.proc.poll() is not None:
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, 9)
+            os.killpg(self.proc.pid, sig)
 
     def close(self) -> None:
         """Say bye and reap; a session that does not leave within 10 s is killed."""

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clusterkit.cli.common import (
@@ -20,11 +21,13 @@ from clusterkit.cli.common import (
 )
 from clusterkit.errors import CheckpointError
 from clusterkit.inventory import Host
-from clusterkit.remote.base import target_for
+from clusterkit.remote.base import SSHTarget, target_for
+from clusterkit.slurm.steps import ALLOC_WAIT_S
 from clusterkit.units import size_type
 
 if TYPE_CHECKING:
     from clusterkit.checkpoints.discover import WithoutMarkers
+    from clusterkit.launch.jobs import JobRecord
 
 DEFAULT_DEST = "checkpoints-collected"
 PLAIN_EVERY_S = 2.0
@@ -36,10 +39,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="List every node's checkpoint dir, refuse (exit 2, nothing copied) unless "
         "every shard, marker and tag agrees, then copy each file once with sha256 checked "
         "end to end. Re-running skips files already verified at DEST.")
-    p.add_argument("job", nargs="?", metavar="JOB", help="a job started by `clusterkit launch`")
+    p.add_argument("job", nargs="?", metavar="JOB",
+                   help="a job started by `clusterkit launch`, or submitted by `clusterkit "
+                        "sbatch --submit` (its clusterkit id, its Slurm job id or its job dir)")
     p.add_argument("--dir", metavar="PATH",
                    help="checkpoint root on every node ({host} and {node} expand); default: "
-                        "the inventory's checkpoint.local_dir")
+                        "the inventory's checkpoint.local_dir. The job dir of a `clusterkit "
+                        "sbatch` job (it holds sbatch.sh) stands for that job")
     add_inventory_option(p)
     add_selection_options(p)
     p.add_argument("--tag", default="latest", help="tag to collect (default: the nodes' latest)")
@@ -64,8 +70,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="after everything is verified at DEST, delete the tag on the nodes")
     p.add_argument("--jobs", type=int, default=8, metavar="N",
                    help="nodes streaming at once, one connection each (default 8)")
-    p.add_argument("--via", choices=("auto", "ssh", "sftp"), default="auto",
-                   help="data path: OpenSSH+tar streams (auto when ssh exists) or SFTP")
+    p.add_argument("--via", choices=("auto", "ssh", "sftp", "slurm"), default="auto",
+                   help="data path: OpenSSH streams (auto when ssh exists), SFTP, or slurm: "
+                        "srun on each node, no SSH (auto for a `clusterkit sbatch` job)")
+    p.add_argument("--slurm-wait", type=int, default=ALLOC_WAIT_S, metavar="S",
+                   help="with Slurm, for a job that no longer runs: seconds the one-task "
+                        "allocation on each node may wait for it (srun --immediate; "
+                        "default %(default)s)")
     p.add_argument("--no-fsync", dest="fsync", action="store_false",
                    help="do not fsync each file before its rename (faster, less crash-safe)")
     p.add_argument("--dry-run", action="store_true", help="list, verify and hash; copy nothing")
@@ -89,10 +100,10 @@ def resolve_nodes(args: argparse.Namespace) -> tuple[list[Any], list[int], str]:
     """(CollectNodes, slots per node, default DEST) from JOB or inventory + selection."""
     from clusterkit.checkpoints.collect import CollectNode
 
-    if args.job:
-        from clusterkit.launch.jobs import Registry
-
-        record = Registry(clusterkit_home()).load(args.job)
+    record = _job_record(args)
+    if record is not None and record.transport == "slurm":
+        return _batch_job_nodes(args, record)
+    if record is not None:
         inv = None
         nodes = []
         for index, n in enumerate(record.nodes):
@@ -117,8 +128,91 @@ def resolve_nodes(args: argparse.Namespace) -> tuple[list[Any], list[int], str]:
     chosen = select_hosts(inventory, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                           include=args.include, exclude=args.exclude)
     nodes = [CollectNode(h.name, target_for(h), h.python or "python3",
-                         _root(args.dir, h, h.name, i)) for i, (h, _) in enumerate(chosen)]
+                         _root(args.dir, h, h.name, i), via=_allocation(args, h.name))
+             for i, (h, _) in enumerate(chosen)]
     return nodes, [len(s) for _, s in chosen], DEFAULT_DEST
+
+
+def _allocation(args: argparse.Namespace, node: str) -> Any:
+    """``--via slurm`` on inventory hosts: an allocation on each (host name = Slurm node)."""
+    from clusterkit.slurm.steps import SlurmPlace
+
+    return SlurmPlace(node, wait_s=args.slurm_wait) if args.via == "slurm" else None
+
+
+# ------------------------------------------------------------------ Slurm jobs
+
+
+def _batch_dir(path: str | None) -> bool:
+    """A `clusterkit sbatch` job dir here (its sbatch.sh and plan.json)."""
+    return bool(path) and all(os.path.isfile(os.path.join(str(path), f))
+                              for f in ("sbatch.sh", "plan.json"))
+
+
+def _job_record(args: argparse.Namespace) -> JobRecord | None:
+    """JOB (clusterkit id, Slurm id or job dir) or a job dir given as --dir; None: neither."""
+    from clusterkit.launch.jobs import JobRecord, Registry
+
+    if _batch_dir(args.dir):
+        if args.job:
+            raise CheckpointError("JOB and a job dir as --dir name the job twice", key="--dir",
+                                  path=args.dir, hint="pass one of them")
+        record = JobRecord.for_sbatch(args.dir)
+        args.dir = None  # it named the job, not the checkpoint root
+        return record
+    if not args.job:
+        return None
+    if _batch_dir(args.job):
+        return JobRecord.for_sbatch(args.job)
+    return Registry(clusterkit_home()).resolve(args.job)
+
+
+def _batch_job_nodes(args: argparse.Namespace, record: JobRecord
+                     ) -> tuple[list[Any], list[int], str]:
+    """A `clusterkit sbatch` job: its Slurm nodes, reached through Slurm (default) or,
+    with --via ssh/sftp, over SSH by node name."""
+    from clusterkit.checkpoints.collect import CollectNode
+    from clusterkit.hostrange import fold
+    from clusterkit.slurm import SlurmClient
+    from clusterkit.slurm.steps import job_places
+
+    extra = record.extra
+    if extra.get("storage") != "node-local" and not args.dir:
+        raise CheckpointError(
+            f"job {record.job_id} saved its checkpoints to shared storage: they are in one "
+            "place already, nothing to gather", path=str(extra.get("ckpt_dir")),
+            hint="read them there (<dir>/zero_to_fp32.py consolidates), or pass --dir")
+    slurm_id = record.slurm_job_id
+    job = job_places(SlurmClient(), slurm_id, _first_nodes(record), extra.get("slurm_site", ()),
+                     wait_s=args.slurm_wait, job_name=f"ck-collect-{record.job_id}")
+    root = args.dir or str(extra["ckpt_dir"])
+    python = str(extra.get("python") or "python3")
+    over_ssh = args.via in ("ssh", "sftp")
+    nodes = [CollectNode(p.node, SSHTarget(name=p.node, address=p.node), python,
+                         root.replace("{host}", p.node).replace("{node}", str(i)),
+                         via=None if over_ssh else p)
+             for i, p in enumerate(job.places)]
+    how = (f"over {args.via}" if over_ssh else "through Slurm, "
+           + ("a step of the running job on each node" if job.places[0].job_id
+              else f"a one-task allocation on each node (waits up to {args.slurm_wait} s)"))
+    print(f"job {record.job_id} (Slurm job {slurm_id or '?'}, {job.state}): collecting "
+          f"{root} from {fold(p.node for p in job.places)} {how}")
+    slots = [int(s) for s in extra.get("slots", [])]
+    slots = slots if len(slots) == len(nodes) else [slots[0] if slots else 0] * len(nodes)
+    home = record.job_dir or str(clusterkit_home() / "jobs" / record.job_id)
+    return nodes, slots, os.path.join(home, "checkpoints")
+
+
+def _first_nodes(record: JobRecord) -> str | None:
+    """The node list the job's first run wrote (node-local jobs): where the shards are."""
+    from clusterkit.cli.cmd_sbatch import NODES_FILE
+
+    if not record.job_dir:
+        return None
+    try:
+        return (Path(record.job_dir) / NODES_FILE).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
 
 
 # ------------------------------------------------------------------ progress
@@ -235,6 +329,10 @@ def _collect_verb(args: argparse.Namespace) -> int:
                              prune_sources=args.prune_sources,
                              without_markers=_without_markers(args, slots))
     if args.scatter:
+        if any(n.via is not None for n in nodes):
+            raise CheckpointError("--scatter does not run through Slurm", key="--scatter",
+                                  hint="scatter over SSH: -i INVENTORY --dir CKPT_DIR --scatter "
+                                       "(or the job with --via ssh)")
         return _scatter_only(args, nodes, slots, dest)
     sink = RichProgress() if sys.stdout.isatty() and not args.json else PlainProgress()
     with transport_for() as transport:

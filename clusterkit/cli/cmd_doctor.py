@@ -16,11 +16,12 @@ from clusterkit.cli.common import (
     clusterkit_home,
     resolve_inventory,
 )
+from clusterkit.cli.jobflags import job_id_type
 from clusterkit.errors import ClusterkitError
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER
 from clusterkit.spec.ports import master_port
+from clusterkit.units import duration_type, size_type
 from clusterkit.units import parse_size as parse_size  # the one size rule (docs/units.md)
-from clusterkit.units import size_type
 
 if TYPE_CHECKING:
     from clusterkit.checks.doctor import DoctorReport
@@ -44,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help=f"how the job will be launched, as `clusterkit launch --launcher` "
                    f"(default {DEFAULT_LAUNCHER}; deepspeed = DeepSpeed's runner over pdsh: "
                    "identical interpreter paths and pdsh on the first node required)")
-    p.add_argument("--job-id", metavar="JOB",
+    p.add_argument("--job-id", metavar="JOB", type=job_id_type,
                    help="test the master port `clusterkit launch --job-id JOB` will use")
     p.add_argument("--master-port", type=int, default=None, metavar="P",
                    help="port to test on the master instead (0 skips); default: the port launch "
@@ -65,8 +66,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    ".deepspeed_env-format file (atomically; other lines kept)")
     p.add_argument("--accept-new-host-keys", action="store_true",
                    help="add unknown host keys to known_hosts (never changed ones)")
-    p.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
-                   help="SSH connect timeout per node (default 10)")
+    p.add_argument("--connect-timeout", type=duration_type("--connect-timeout", zero=False),
+                   default=10.0, metavar="S",
+                   help="SSH connect timeout per node (default 10; 30s, 1m: docs/units.md)")
     p.set_defaults(func=cmd_doctor)
 
 

@@ -19,11 +19,18 @@ from clusterkit.cli.common import (
     clusterkit_home,
     resolve_job_inventory,
 )
-from clusterkit.cli.jobflags import add_job_flags, add_program, job_options, launch_facts
+from clusterkit.cli.jobflags import (
+    add_job_flags,
+    add_program,
+    job_id_type,
+    job_options,
+    launch_facts,
+)
 from clusterkit.contract import SUMMARY_FILE, SUMMARY_PREFIX
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import folded_lines
 from clusterkit.launchers import BACKENDS
+from clusterkit.units import duration_type
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,7 +39,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        "ZeRO workload on the embedded local virtual nodes).")
     add_inventory_option(p)
     add_selection_options(p)
-    add_job_flags(p)  # the same job flags as render and sbatch (cli/jobflags.py)
+    # the same job flags as render and sbatch (cli/jobflags.py); Slurm's: only for sbatch
+    add_job_flags(p, slurm=False)
     c = p.add_argument_group("restarts")
     c.add_argument("--drop-failed-nodes", action="store_true",
                    help="on restart, leave out nodes that now fail the pre-launch check")
@@ -42,9 +50,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="first copy DIR to every selected node's workdir (changed files only; "
                         "as `clusterkit sync DIR`, docs/sync.md)")
     r.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    r.add_argument("--grace", type=float, default=3.0, metavar="S",
+    r.add_argument("--grace", type=duration_type("--grace"), default=3.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL on teardown (default 3)")
-    r.add_argument("--keepalive-timeout", type=float, default=60.0, metavar="S",
+    r.add_argument("--keepalive-timeout", type=duration_type("--keepalive-timeout"),
+                   default=60.0, metavar="S",
                    help="a node agent that hears nothing from this launcher for S seconds "
                         "(network partition) stops its ranks by itself (default 60; 0: off)")
     r.add_argument("--quiet", action="store_true", help="no rank lines, only the summary")
@@ -53,13 +62,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=cmd_launch)
 
     s = sub.add_parser("status", help="jobs launched from here and whether their ranks still run")
-    s.add_argument("job", nargs="?", metavar="JOB", help="one job: per-node liveness")
+    s.add_argument("job", nargs="?", metavar="JOB", type=job_id_type,
+                   help="one job: per-node liveness")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
 
     st = sub.add_parser("stop", help="stop a job on every node (only that job's processes)")
-    st.add_argument("job", metavar="JOB")
-    st.add_argument("--grace", type=float, default=3.0, metavar="S")
+    st.add_argument("job", metavar="JOB", type=job_id_type)
+    st.add_argument("--grace", type=duration_type("--grace"), default=3.0, metavar="S")
     st.set_defaults(func=cmd_stop)
 
 
@@ -242,29 +252,49 @@ def cmd_status(args: argparse.Namespace) -> int:
         for r in records:
             state = r.state if r.state != "running" or r.launcher_alive else "running? (launcher gone)"
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created))
-            print(f"{r.job_id:<36} {r.backend:<10} {len(r.nodes):>3} nodes  {when}  {state}"
+            print(f"{r.job_id:<36} {_launcher(r):<11} {len(r.nodes):>3} nodes  {when}  {state}"
                   + (f"  exit {r.exit_code}" if r.exit_code is not None else "")
                   + (f"  ({r.failure})" if r.failure else ""))
         return 0
     record = registry.load(args.job)
     per_node = _node_status(record)
     if args.json:
-        print(json.dumps({"job": json.loads(record.to_json()), "nodes": per_node}, indent=1))
+        print(json.dumps({"job": json.loads(record.to_json()), "launcher": _launcher(record),
+                          "nodes": per_node}, indent=1))
         return 0
     print(f"{record.job_id}: {record.state}" + (f" (exit {record.exit_code})"
-                                                if record.exit_code is not None else ""))
+                                                if record.exit_code is not None else "")
+          + f"  launcher {_launcher(record)}")
     rows: list[tuple[str, str]] = []  # nodes with the same state share one line
     for node, info in per_node.items():
         if "error" in info:
             rows.append((node, f"unreachable: {info['error']}"))
         else:
-            ranks = ",".join(str(x) for x in info["ranks"]) or "-"
             rows.append((node, f"agent {'up' if info['agent_alive'] else 'down'}  "
-                               f"processes {info['processes']}  ranks {ranks}"
+                               f"processes {info['processes']}  {_ranks_text(info)}"
                                + _progress_text(info.get("progress"), info["agent_alive"])))
     for line in folded_lines(rows, list(per_node)):
         print(f"  {line}")
     return 0
+
+
+def _launcher(record: Any) -> str:
+    """The ``--launcher`` the job was started with (records before issue 25: the plan's)."""
+    name = record.extra.get("launcher")
+    return name if isinstance(name, str) and name else str(record.backend)
+
+
+def _ranks_text(info: dict[str, Any]) -> str:
+    """``ranks 0,1 (pids 4711,4712)  fork server pid 4700``: what `ps` and `kill` need."""
+    pids = info.get("pids") if isinstance(info.get("pids"), dict) else {}
+    ranks = [str(x) for x in info.get("ranks", [])]
+    text = f"ranks {','.join(ranks) or '-'}"
+    if pids:
+        text += " (pids " + ",".join(str(pids.get(r, "?")) for r in ranks) + ")"
+    for key, what in (("launcher_pid", "launcher pid"), ("fork_server_pid", "fork server pid")):
+        if isinstance(info.get(key), int):
+            text += f"  {what} {info[key]}"
+    return text
 
 
 def _progress_text(progress: Any, alive: bool) -> str:

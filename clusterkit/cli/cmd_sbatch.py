@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TextIO
 
 from clusterkit.cli import safety
+from clusterkit.cli.argparser import Parser
 from clusterkit.cli.cmd_render import add_job_options, job_options, write_artifacts
 from clusterkit.cli.common import (
     add_inventory_option,
@@ -37,6 +38,7 @@ from clusterkit.render.sbatch import DEFAULT_SIGNAL_LEAD_S, SlurmSite
 from clusterkit.slurm import JobInfo, SlurmClient
 from clusterkit.slurm.watch import watch
 from clusterkit.spec.job import JobPlan, LaunchPlan
+from clusterkit.units import duration_type
 
 ACTIONS = ("status", "cancel")
 SCRIPT = "sbatch.sh"
@@ -93,7 +95,8 @@ def _add_site_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--constraint", metavar="FEATURES", help="#SBATCH --constraint, e.g. a100")
     s.add_argument("--gpu-type", metavar="TYPE",
                    help="typed GPU request: #SBATCH --gpus-per-node=TYPE:N")
-    s.add_argument("--signal-lead", type=int, default=DEFAULT_SIGNAL_LEAD_S, metavar="S",
+    s.add_argument("--signal-lead", type=duration_type("--signal-lead", zero=False, whole=True),
+                   default=DEFAULT_SIGNAL_LEAD_S, metavar="S",
                    help="USR1 this many seconds before the time limit (default %(default)s): "
                         "enough for one checkpoint save")
     s.add_argument("--sbatch-arg", action="append", default=[], metavar="LINE",
@@ -108,10 +111,11 @@ def _add_action_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watch", action="store_true",
                    help="with --submit (or status): follow the output until the job ends; "
                         "exit 0 only if it COMPLETED")
-    p.add_argument("--poll", type=float, default=1.0, metavar="S",
+    p.add_argument("--poll", type=duration_type("--poll", zero=False), default=1.0, metavar="S",
                    help="seconds between job state polls while watching (default 1)")
     add_ranks_option(p)  # whose lines --watch shows, as in clusterkit launch
-    p.add_argument("--slurm-timeout", type=float, default=30.0, metavar="S",
+    p.add_argument("--slurm-timeout", type=duration_type("--slurm-timeout", zero=False),
+                   default=30.0, metavar="S",
                    help="timeout for each sbatch/scontrol/scancel call (default 30)")
     c = p.add_argument_group("cancel JOBID")
     c.add_argument("--signal", metavar="SIG", help="only send SIG (e.g. USR1) instead of cancelling")
@@ -124,8 +128,7 @@ def _action_words(args: argparse.Namespace) -> tuple[str, str]:
     parsed here (they are not a program), into the same namespace."""
     action, *words = args.program
     usage, text = ACTION_USAGE[action]
-    p = argparse.ArgumentParser(prog=f"clusterkit sbatch {action}", usage=usage,
-                                description=text)
+    p = Parser(prog=f"clusterkit sbatch {action}", usage=usage, description=text)
     p.add_argument("slurm_job", nargs="?", metavar="JOBID")
     _add_action_flags(p)
     parsed = p.parse_args(words, namespace=args)  # --help: the action's own help
@@ -167,6 +170,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         print(f"clusterkit: sbatch --test-only: {client.test_only(path, extra)}", file=sys.stderr)
     job_id = client.submit(path, extra)
     atomic_write_text(Path(plan.job_dir) / "slurm_job_id", job_id + "\n")
+    _register(plan.job_dir, job_id)
     _report(args, f"submitted Slurm job {job_id} (clusterkit job {plan.job_id}); script {path}",
             job_id, plan, path)
     if not args.watch:
@@ -174,6 +178,19 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
             print(f"follow it with: clusterkit sbatch status {job_id} --watch")
         return 0
     return _watch(client, job_id, args, sys.stderr if args.json else sys.stdout)
+
+
+def _register(job_dir: str, slurm_id: str) -> None:
+    """The job in the local registry (launch/jobs.py): collect-ckpt finds it by
+    clusterkit's id or Slurm's. The job is submitted already: a failure only warns."""
+    from clusterkit.cli.common import clusterkit_home
+    from clusterkit.launch.jobs import Registry
+
+    try:
+        Registry(clusterkit_home()).record_sbatch(job_dir, slurm_id)
+    except (OSError, ClusterkitError) as exc:
+        print(f"clusterkit: warning: job not recorded in the local registry ({exc}); "
+              f"collect-ckpt takes its job dir instead: {job_dir}", file=sys.stderr)
 
 
 def _write_job_dir(plan: LaunchPlan) -> Path:
@@ -224,7 +241,7 @@ def _bash_syntax(script: str, template_dir: str) -> None:
 
 def site_options(args: argparse.Namespace) -> SlurmSite:
     return SlurmSite(exclusive=args.exclusive, mem=args.mem, constraint=args.constraint,
-                     gpu_type=args.gpu_type, signal_lead_s=args.signal_lead,
+                     gpu_type=args.gpu_type, signal_lead_s=int(args.signal_lead),
                      extra_lines=tuple(args.sbatch_arg), template_dir=args.template_dir)
 
 

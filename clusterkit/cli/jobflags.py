@@ -18,14 +18,26 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from clusterkit.cli.safety import NotForThisVerb
 from clusterkit.errors import ClusterkitError
+from clusterkit.inventory import _ADDRESS as ADDRESS  # the inventory's own address rule
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER, launchers_help
-from clusterkit.spec.job import JobOptions, LaunchFacts, default_job_id
+from clusterkit.spec.job import JOB_ID, JobOptions, LaunchFacts, default_job_id
+from clusterkit.units import duration_type
 
 # Flags that are not JobOptions fields one to one (the verb maps them).
 LAUNCHER_DEST = "launcher"
 SCRIPT_OPTION = "script_option"  # --script PATH, the deprecated spelling of SCRIPT
 _TYPES: dict[str, Callable[[str], Any]] = {"int": int, "float": float}
+# Job flag groups (spec/job.py) a training script commonly has flags of its own for
+# (--steps, --lr, --micro-batch, --save-every, ...): after SCRIPT these words are the
+# script's; every other flag of the verb is launch control there and refused
+# (cli/safety.py). `-m`/`--script` after SCRIPT are the script's too.
+SCRIPT_GROUPS: tuple[str, ...] = ("workload and ZeRO",)
+# Job flag groups only `clusterkit sbatch` uses: the other verbs recognise them and refuse
+# them with "only for clusterkit sbatch" (render writes sbatch.sh from the same flags,
+# so it takes them as sbatch does).
+SLURM_GROUP = "Slurm"
 
 
 def job_fields() -> list[dataclasses.Field[Any]]:
@@ -38,8 +50,33 @@ def flag_name(f: dataclasses.Field[Any]) -> str:
 
 
 def _value_type(f: dataclasses.Field[Any]) -> Callable[[str], Any]:
+    # Fields in seconds end in _s (hang_timeout_s): the one duration rule (docs/units.md).
+    if f.name.endswith("_s"):
+        return duration_type(flag_name(f))
     # Annotations are strings here (from __future__ import annotations): "int | None" -> int.
     return _TYPES.get(str(f.type).split(" |")[0], str)
+
+
+def script_dests() -> frozenset[str]:
+    """Dests that are a script's own words after SCRIPT (see ``SCRIPT_GROUPS``)."""
+    return frozenset({f.name for f in job_fields() if f.metadata["group"] in SCRIPT_GROUPS}
+                     | {"module", SCRIPT_OPTION})
+
+
+def job_id_type(text: str) -> str:
+    """``--job-id``/JOB: a plain name (it names directories and reaches shells)."""
+    if not JOB_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a job id: use 1-64 letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit")
+    return text
+
+
+def address_type(text: str) -> str:
+    """``--master-addr``: a host name or an IP address, as the inventory's ``address``."""
+    if not ADDRESS.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a host name or IP address")
+    return text
 
 
 def _add(group: argparse._ArgumentGroup, f: dataclasses.Field[Any]) -> None:
@@ -63,20 +100,25 @@ def _add(group: argparse._ArgumentGroup, f: dataclasses.Field[Any]) -> None:
     group.add_argument(flag_name(f), **kw)
 
 
-def add_job_flags(p: argparse.ArgumentParser) -> None:
-    """The shared job flags, grouped as the spec groups them."""
+def add_job_flags(p: argparse.ArgumentParser, *, slurm: bool = True) -> None:
+    """The shared job flags, grouped as the spec groups them. ``slurm=False`` (launch):
+    the Slurm group's flags are refused with "only for clusterkit sbatch"."""
     j = p.add_argument_group("job")
     j.add_argument("--launcher", dest=LAUNCHER_DEST, choices=tuple(BACKENDS),
                    default=DEFAULT_LAUNCHER, help=f"default {DEFAULT_LAUNCHER}. {launchers_help()}")
-    j.add_argument("--job-id", metavar="JOB",
+    j.add_argument("--job-id", metavar="JOB", type=job_id_type,
                    help="default: <cluster>-<date>-<time>; the checkpoint dir is <root>/JOB, so "
                         "launching with a previous job's id continues that job")
-    j.add_argument("--master-addr", metavar="ADDR",
+    j.add_argument("--master-addr", metavar="ADDR", type=address_type,
                    help="node 0's address on the network the nodes share (default: its "
                         "inventory address)")
     groups: dict[str, argparse._ArgumentGroup] = {"job": j}
     for f in job_fields():
         name = f.metadata["group"]
+        if name == SLURM_GROUP and not slurm:
+            p.add_argument(flag_name(f), dest=f.name, action=NotForThisVerb,
+                           where="clusterkit sbatch", default=f.metadata["cli_default"])
+            continue
         if name not in groups:
             groups[name] = p.add_argument_group(name)
         _add(groups[name], f)

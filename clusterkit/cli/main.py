@@ -3,11 +3,15 @@
 Exit codes: 0 ok; 1 warnings under --strict (doctor); 2 bad input or failed checks;
 3 verb not built yet; 70 internal error; 130 interrupted. A ClusterkitError is
 printed as exactly one line; a traceback only appears with CLUSTERKIT_DEBUG=1.
+Every mistake on the command line (unknown verb or flag, a bad value, a missing one)
+is such an error too (cli/argparser.py): one line, exit 2, never the usage text. With
+``--json`` on a verb that has it, the error is also one JSON object on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -15,6 +19,7 @@ from importlib import import_module
 
 from clusterkit import __version__
 from clusterkit.cli import safety
+from clusterkit.cli.argparser import Parser, subparser_for
 from clusterkit.errors import ClusterkitError
 
 # Verb -> the module whose add_parser(sub) builds it. Only the verb being run is
@@ -50,7 +55,7 @@ def verb_word(argv: Sequence[str]) -> str | None:
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """Every verb's parser; with ``argv``, only the parser of its verb (when it is one)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="clusterkit",
         description="From SSH-reachable GPU servers to a restartable DeepSpeed ZeRO run.",
     )
@@ -70,13 +75,17 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(words)
-    args = parser.parse_args(words)
-    func: Callable[[argparse.Namespace], int] = args.func
+    args: argparse.Namespace | None = None
     try:
+        args = parser.parse_args(words)
+        func: Callable[[argparse.Namespace], int] = args.func
         safety.check_args(args)  # values and flags-after-the-script, before anything starts
         return func(args)
     except ClusterkitError as exc:
         print(f"clusterkit: error: {exc.one_line()}", file=sys.stderr)
+        if _wants_json(parser, words, args):
+            print(json.dumps({"error": exc.one_line(), "key": exc.key, "hint": exc.hint,
+                              "exit_code": exc.exit_code}))
         return exc.exit_code
     except KeyboardInterrupt:
         print("clusterkit: interrupted", file=sys.stderr)
@@ -93,6 +102,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 70
+
+
+def _wants_json(parser: argparse.ArgumentParser, words: Sequence[str],
+                args: argparse.Namespace | None) -> bool:
+    """``--json`` was asked for on a verb that has it (parsed, or typed before a parse error)."""
+    if args is not None:
+        return getattr(args, "json", False) is True
+    typed = words[:words.index("--")] if "--" in words else words
+    if "--json" not in typed:
+        return False
+    verb = subparser_for(parser, [w for w in typed if not w.startswith("-")])
+    return any("--json" in a.option_strings for a in verb._actions)
 
 
 if __name__ == "__main__":

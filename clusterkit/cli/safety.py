@@ -3,23 +3,34 @@ checked before anything starts, and clusterkit flags typed after the script.
 
 * :func:`install` (from ``build_parser``): DeepSpeed/torchrun spellings as hidden
   aliases of the flag with the same meaning (``--num_nodes`` -> ``--nodes``, ...),
-  and the list of each verb's own long flags for :func:`split_program`.
+  and the list of each verb's own flags for :func:`split_program`.
 * :func:`check_args` (from ``main``, before the verb runs): numeric and enumerated
   values, one line naming the flag the user typed (exit 2), and the program words of
-  ``launch``, ``render`` and ``sbatch`` checked for clusterkit flags that would silently
-  go to the script.
+  ``launch``, ``render`` and ``sbatch`` checked for launch-control flags.
+
+After the script, everything is the script's (as with torchrun, DeepSpeed's runner and
+accelerate): ``train.py --deepspeed --deepspeed_config ds.json --steps 5 --save 2``
+hands all six words to train.py. The one exception is an exact spelling of one of
+the verb's *launch-control* flags (``--dry-run``, ``--nodes``, ``-i``/``--inventory``,
+``--launcher``, ``--job-id``, ``--grace``, ``--sync``, ...): there it was almost
+surely meant for clusterkit, and is refused with a hint (before SCRIPT, or after
+``--`` for the script). Which flags a script commonly shares with clusterkit's job
+model (``--steps``, ``--lr``, ``--micro-batch``, ... : the spec's "workload and ZeRO"
+group) is said once, in ``cli/jobflags.py`` (``SCRIPT_GROUPS``); those pass through.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from clusterkit.errors import ClusterkitError
 
-OWN_FLAGS = "_own_long_flags"  # namespace attribute set by install()
+OWN_FLAGS = "_own_flags"  # namespace attribute set by install(): ((flag, dest), ...)
 # Namespace attribute a verb sets: first program words that are its own actions, whose
 # words it parses itself (`clusterkit sbatch status JOBID --watch`).
 PROGRAM_ACTIONS = "_program_actions"
@@ -55,8 +66,15 @@ def _at_least(minimum: float) -> Callable[[object], bool]:
     return lambda v: isinstance(v, (int, float)) and v >= minimum
 
 
+def _finite(low: float, high: float = math.inf, *, low_ok: bool = True) -> Callable[[object], bool]:
+    """A real number in [low, high] ((low, high] without ``low_ok``); never NaN or inf."""
+    def ok(v: object) -> bool:
+        return (isinstance(v, (int, float)) and math.isfinite(v) and v <= high
+                and (v >= low if low_ok else v > low))
+    return ok
+
+
 RULES: tuple[Rule, ...] = (
-    Rule("grace", "--grace", _at_least(0), "a number of seconds >= 0"),
     Rule("master_port", "--master-port", lambda v: isinstance(v, int) and 1 <= v <= 65535,
          "a TCP port 1-65535"),
     Rule("cpus_per_task", "--cpus-per-task", _at_least(1), "a number >= 1"),
@@ -71,15 +89,39 @@ RULES: tuple[Rule, ...] = (
     Rule("save_every", "--save-every", _at_least(0), "a number >= 0"),
     Rule("max_restarts", "--max-restarts", _at_least(0), "a number >= 0"),
     Rule("warmup_steps", "--warmup-steps", _at_least(0), "a number >= 0"),
+    Rule("lr", "--lr", _finite(0, low_ok=False), "a number > 0"),
+    Rule("clip", "--clip", _finite(0), "a number >= 0 (0: off)"),
+    Rule("gpu_fraction", "--gpu-fraction", _finite(0, 1, low_ok=False),
+         "a fraction > 0 and <= 1"),
+    Rule("jobs", "--jobs", _at_least(1), "a number >= 1"),
+    Rule("world_size", "--world-size", _at_least(1), "a number >= 1"),
 )
+
+
+class NotForThisVerb(argparse.Action):
+    """A flag that belongs to another verb (``launch --partition``): recognised, so the
+    answer says where it belongs instead of "unknown flag"; refused when used."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, where: str,
+                 **kwargs: Any) -> None:
+        kwargs["help"] = argparse.SUPPRESS
+        super().__init__(option_strings, dest, **kwargs)
+        self.where = where
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        verb = parser.prog
+        raise ClusterkitError(f"only for {self.where}; `{verb}` does not use it",
+                              key=option_string,
+                              hint=f"drop it here, or run {self.where} (see `{verb} --help`)")
 
 
 def install(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Aliases and the own-flags list on every verb's parser (after the verbs are built)."""
     for parser in sub.choices.values():
         _add_aliases(parser)
-        flags = sorted({s for a in parser._actions for s in a.option_strings
-                        if s.startswith("--") and s != "--help"})
+        flags = sorted({(s, a.dest) for a in parser._actions for s in a.option_strings
+                        if not isinstance(a, (argparse._HelpAction, NotForThisVerb))})
         parser.set_defaults(**{OWN_FLAGS: tuple(flags)})
 
 
@@ -113,15 +155,25 @@ def check_args(args: argparse.Namespace) -> None:
         return  # the verb's own action form, not a program
     if isinstance(words, list):
         # with -m MODULE or --script PATH every word is an argument of the program
-        args.program = split_program(words, getattr(args, OWN_FLAGS, ()),
+        args.program = split_program(words, control_flags(getattr(args, OWN_FLAGS, ())),
                                      module=getattr(args, "module", None)
                                      or getattr(args, "script_option", None))
 
 
-def split_program(words: Sequence[str], own_flags: Sequence[str],
+def control_flags(own: Sequence[tuple[str, str]]) -> frozenset[str]:
+    """The verb's flags that are refused after SCRIPT: all of its own (short and long,
+    aliases included) except those whose job field a script commonly has too."""
+    from clusterkit.cli.jobflags import script_dests  # only verbs with a program get here
+
+    passing = script_dests()
+    return frozenset(flag for flag, dest in own if dest not in passing)
+
+
+def split_program(words: Sequence[str], control: Collection[str],
                   module: str | None = None) -> list[str]:
-    """``SCRIPT ARGS``: refuse clusterkit's own long flags among ARGS; a ``--`` after the
-    script passes what follows to the script verbatim (the ``--`` itself is dropped).
+    """``SCRIPT ARGS``: every word of ARGS is the script's, except an exact spelling of a
+    launch-control flag (``control``), refused; a ``--`` after the script passes what
+    follows to the script verbatim (the ``--`` itself is dropped).
 
     A leading ``--`` (``launch ... -- train.py ...``) already means "all of this is
     the program" and is left for the verb.
@@ -132,15 +184,14 @@ def split_program(words: Sequence[str], own_flags: Sequence[str],
     rest = list(words[head:])
     cut = rest.index("--") if "--" in rest else len(rest)
     name = module or words[0]
-    own = set(own_flags)
     for word in rest[:cut]:
         flag = word.split("=", 1)[0]
-        if flag in own:
+        if flag in control:
             raise ClusterkitError(
-                f"a clusterkit flag after the program {name}: it would go to your program, "
-                f"not to clusterkit", key=flag,
-                hint=f"put clusterkit's flags before {name}, or write `{name} -- {word} ...` "
-                     f"to pass it to your program")
+                f"a clusterkit launch flag after the program {name}: clusterkit would not "
+                f"see it", key=flag,
+                hint=f"put it before {name}, or after `--` to hand it to your script "
+                     f"(`{name} -- {word} ...`)")
     return [*words[:head], *rest[:cut], *rest[cut + 1:]]
 
 

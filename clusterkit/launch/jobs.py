@@ -1,9 +1,15 @@
 """The local job registry: ``<clusterkit_home>/jobs/<job_id>/job.json``.
 
 Written by ``clusterkit launch`` when a job starts and again when it ends; read by
-``clusterkit status`` and ``clusterkit stop``. It holds enough to reach every node
-again (the SSH target, interpreter and per-node job directory), so neither verb
-needs the inventory the job was started from.
+``clusterkit status``, ``clusterkit stop`` and ``clusterkit collect-ckpt``. It holds
+enough to reach every node again (the SSH target, interpreter and per-node job
+directory), so no verb needs the inventory the job was started from.
+
+``clusterkit sbatch --submit`` records its job too (``transport: slurm``): the Slurm
+job ids it was submitted as, its job dir, the checkpoint root, slots and site
+options. Its nodes are Slurm's choice, known once it runs (``slurm_nodes`` in the job
+dir, or ``scontrol``), so ``nodes`` stays empty; ``collect-ckpt`` finds the record by
+clusterkit's id or by any of its Slurm ids (:meth:`Registry.resolve`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,11 @@ from clusterkit.errors import LaunchError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.launch.orchestrator import JobSpec
 from clusterkit.remote.base import SSHTarget
+from clusterkit.slurm.steps import site_args
+
+SBATCH_SCRIPT = "sbatch.sh"  # what `clusterkit sbatch` writes into a job dir
+SLURM_ID_FILE = "slurm_job_id"
+PLAN_FILE = "plan.json"
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,9 @@ class JobRecord:
     attempts: int = 1
     failure: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    transport: str = "ssh"  # ssh: launch's agents; slurm: a batch job (nodes via srun)
+    slurm_job_ids: list[str] = field(default_factory=list)  # oldest first
+    job_dir: str | None = None  # a batch job's dir (plan.json, sbatch.sh, logs)
 
     @classmethod
     def for_job(cls, job: JobSpec, backend: str) -> JobRecord:
@@ -48,6 +62,37 @@ class JobRecord:
                  for t in job.tasks]
         return cls(job_id=job.job_id, backend=backend, nodes=nodes, created=time.time(),
                    launcher_pid=os.getpid())
+
+    @classmethod
+    def for_sbatch(cls, job_dir: str | Path, slurm_job_id: str | None = None) -> JobRecord:
+        """A batch job from its job dir (plan.json and sbatch.sh, as `clusterkit sbatch`
+        wrote them); ``slurm_job_id`` defaults to the dir's ``slurm_job_id`` file."""
+        d = Path(job_dir).resolve()
+        try:
+            plan = json.loads((d / PLAN_FILE).read_text(encoding="utf-8"))
+            script = (d / SBATCH_SCRIPT).read_text(encoding="utf-8")
+            first = plan["nodes"][0]
+            extra = {"ckpt_dir": str(first["ckpt_dir"]), "storage": str(plan["storage"]),
+                     "slots": [len(n["slots"]) for n in plan["nodes"]],
+                     "python": str(first["python"]), "slurm_site": list(site_args(script))}
+            job_id, backend = str(plan["job_id"]), str(plan["backend"])
+        except FileNotFoundError as exc:
+            missing = Path(str(exc.filename)).name
+            raise LaunchError(f"not the job dir of a `clusterkit sbatch` job: no {missing}",
+                              path=str(d), hint="pass the directory `clusterkit sbatch` printed "
+                              "(<workdir>/.clusterkit/jobs/<job id>)") from None
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise LaunchError(f"unreadable job dir ({exc})", path=str(d)) from None
+        if slurm_job_id is None:
+            slurm_job_id = _read_word(d / SLURM_ID_FILE)
+        return cls(job_id=job_id, backend=backend, nodes=[], created=time.time(),
+                   launcher_pid=os.getpid(), state="submitted", extra=extra, transport="slurm",
+                   slurm_job_ids=[slurm_job_id] if slurm_job_id else [], job_dir=str(d))
+
+    @property
+    def slurm_job_id(self) -> str | None:
+        """The newest Slurm job id of a batch job."""
+        return self.slurm_job_ids[-1] if self.slurm_job_ids else None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -87,6 +132,34 @@ class Registry:
         except (ValueError, KeyError, TypeError) as exc:
             raise LaunchError(f"unreadable job record ({exc})", path=str(path)) from None
 
+    def resolve(self, job: str) -> JobRecord:
+        """``job`` as clusterkit's job id, else as a Slurm job id of a recorded batch job
+        (the newest record naming it)."""
+        if self.path(job).is_file() or not job.isdigit():
+            return self.load(job)
+        named = [r for r in self.all() if job in r.slurm_job_ids]
+        if named:
+            return max(named, key=lambda r: r.created)
+        try:
+            return self.load(job)
+        except LaunchError as exc:
+            raise LaunchError(f"no job {job!r} in the registry: neither a clusterkit job id nor "
+                              "the Slurm id of a job `clusterkit sbatch --submit` submitted "
+                              "from this machine", path=str(self.root),
+                              hint="pass its job dir instead (collect-ckpt --dir JOBDIR); "
+                              + (exc.hint or "")) from None
+
+    def record_sbatch(self, job_dir: str | Path, slurm_job_id: str) -> JobRecord:
+        """Record a submitted batch job; a resubmission of the same clusterkit job keeps
+        the Slurm ids it had (collect-ckpt finds the job by any of them)."""
+        record = JobRecord.for_sbatch(job_dir, slurm_job_id)
+        prior = self.find(record.job_id)
+        if prior is not None and prior.transport == "slurm":
+            record.slurm_job_ids = [*(i for i in prior.slurm_job_ids if i != slurm_job_id),
+                                    slurm_job_id]
+        self.save(record)
+        return record
+
     def find(self, job_id: str) -> JobRecord | None:
         """The record, or None when there is none (an unreadable one counts as none)."""
         if not self.path(job_id).is_file():
@@ -107,3 +180,10 @@ class Registry:
                 except LaunchError:
                     continue  # one corrupt record must not hide the others
         return out
+
+
+def _read_word(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None

@@ -1,0 +1,218 @@
+"""collect-ckpt for `clusterkit sbatch` jobs, without a cluster: the registry record,
+the srun command lines, and a whole collect through a stand-in ``srun`` that runs
+the node program here (each "node" its own directory) while ``ssh`` fails loudly.
+
+The real thing, on the Slurm test bed: tests/test_collect_sbatch_slurm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterkit.checkpoints import synthetic
+from clusterkit.errors import LaunchError
+from clusterkit.launch.jobs import JobRecord, Registry
+from clusterkit.slurm import SlurmClient
+from clusterkit.slurm.steps import SlurmPlace, job_places, site_args, srun_hint
+
+TAG = "global_step1"
+SCRIPT = """#!/bin/bash
+# a comment line
+#SBATCH --job-name=ck-j
+#SBATCH --partition=debug
+#SBATCH -A acct
+#SBATCH --qos normal
+#SBATCH --reservation=r1
+#SBATCH --partition=gpu
+set -euo pipefail
+#SBATCH --account=not-read-after-a-command
+"""
+
+
+def test_site_args_read_like_sbatch() -> None:
+    assert site_args(SCRIPT) == ("--partition=gpu", "--account=acct", "--qos=normal",
+                                 "--reservation=r1")
+    assert site_args("#!/bin/bash\n#SBATCH --nodes=2\n") == ()
+
+
+def test_place_argv_step_or_allocation() -> None:
+    program = ["python3", "-c", "x y", "arg"]
+    step = SlurmPlace("node2", job_id="77").argv(program)
+    assert step[:3] == ["srun", "--jobid=77", "--overlap"] and "--nodelist=node2" in step
+    assert step[-4:] == program and not any(a.startswith("--immediate") for a in step)
+    alloc = SlurmPlace("node2", site=("--partition=debug",), wait_s=12, job_name="ck-x").argv(program)
+    assert "--immediate=12" in alloc and "--partition=debug" in alloc and "--job-name=ck-x" in alloc
+    assert not any(a.startswith("--jobid") for a in alloc) and alloc[-4:] == program
+    env = SlurmPlace("n").env({"SLURM_JOB_ID": "5", "SLURM_CONF": "/c", "SRUN_CPUS_PER_TASK": "4",
+                               "PATH": "/bin"})
+    assert env == {"SLURM_CONF": "/c", "PATH": "/bin"}
+
+
+def test_srun_hints() -> None:
+    hint = srun_hint("srun: Required node not available (down, drained or reserved)")
+    assert hint is not None and "sinfo" in hint
+    hint = srun_hint("srun: error: Unable to allocate resources: Invalid partition name specified")
+    assert hint is not None and "sinfo -s" in hint
+    assert srun_hint("something else") is None
+
+
+def _fake_client(answers: dict[str, tuple[str, str, int]]) -> SlurmClient:
+    def runner(argv: object, timeout: float, env: object, cwd: object
+               ) -> subprocess.CompletedProcess[str]:
+        out, err, rc = answers[list(argv)[-1]]  # type: ignore[call-overload]
+        return subprocess.CompletedProcess(list(argv), rc, out, err)  # type: ignore[call-overload]
+
+    return SlurmClient(runner=runner)
+
+
+def _show(job: str, state: str, nodes: str) -> tuple[str, str, int]:
+    return (f"JobId={job} JobName=ck-j JobState={state} Reason=None ExitCode=0:0 "
+            f"NodeList={nodes} StdOut=/o StdErr=/e Restarts=0\n", "", 0)
+
+
+def test_job_places_running_finished_forgotten() -> None:
+    client = _fake_client({"7": _show("7", "RUNNING", "node[1-2]"),
+                           "8": _show("8", "COMPLETED", "node[3-4]"),
+                           "9": ("", "slurm_load_jobs error: Invalid job id specified", 1)})
+    running = job_places(client, "7", "node[1-2]", ())
+    assert [(p.node, p.job_id) for p in running.places] == [("node1", "7"), ("node2", "7")]
+    done = job_places(client, "8", None, ("--partition=debug",))
+    assert [(p.node, p.job_id) for p in done.places] == [("node3", None), ("node4", None)]
+    assert done.places[0].site == ("--partition=debug",)
+    forgotten = job_places(client, "9", "node[5-6]", ())
+    assert forgotten.state == "UNKNOWN" and [p.node for p in forgotten.places] == ["node5", "node6"]
+    with pytest.raises(LaunchError, match="are not known"):
+        job_places(client, "9", None, ())
+
+
+def _job_dir(tmp: Path, job: str = "nl-job", storage: str = "node-local") -> Path:
+    """What `clusterkit sbatch --write-only` leaves: plan.json and sbatch.sh (2 nodes x 2)."""
+    d = tmp / "work" / ".clusterkit" / "jobs" / job
+    d.mkdir(parents=True)
+    root = str(tmp / "ckpt" / job)
+    plan = {"job_id": job, "backend": "torchrun", "storage": storage, "job_dir": str(d),
+            "nodes": [{"host": f"n{i}", "slots": [0, 1], "python": sys.executable,
+                       "ckpt_dir": root} for i in (1, 2)]}
+    (d / "plan.json").write_text(json.dumps(plan))
+    (d / "sbatch.sh").write_text(SCRIPT)
+    return d
+
+
+def test_registry_finds_a_batch_job_by_either_id(tmp_path: Path) -> None:
+    d = _job_dir(tmp_path)
+    reg = Registry(tmp_path / "home")
+    reg.record_sbatch(d, "101")
+    reg.record_sbatch(d, "102")  # the same clusterkit job submitted again
+    for key in ("nl-job", "101", "102"):
+        r = reg.resolve(key)
+        assert (r.job_id, r.transport, r.slurm_job_ids) == ("nl-job", "slurm", ["101", "102"])
+    assert r.job_dir == str(d) and r.extra["ckpt_dir"].endswith("ckpt/nl-job")
+    assert r.extra["slots"] == [2, 2] and r.extra["slurm_site"][0] == "--partition=gpu"
+    assert r.state == "submitted" and not r.launcher_alive and r.nodes == []
+    with pytest.raises(LaunchError, match="nor the Slurm id"):
+        reg.resolve("999")
+    # An old record (no transport field) still loads, as an SSH job.
+    old = json.loads(reg.path("nl-job").read_text())
+    for k in ("transport", "slurm_job_ids", "job_dir"):
+        del old[k]
+    assert JobRecord.from_dict(old).transport == "ssh"
+
+
+FAKE_SRUN = """
+import os, sys
+# Stand-in srun: runs the program here; "node" N's checkpoint root is ROOT/N/...
+with open(os.environ["FAKE_LOG"], "a") as fh:
+    fh.write("srun " + " ".join(sys.argv[1:]) + "\\n")
+args, node = sys.argv[1:], ""
+while args and args[0].startswith("--"):
+    if args[0].startswith("--nodelist="):
+        node = args[0].split("=", 1)[1]
+    args.pop(0)
+if os.environ.get("FAKE_SRUN_FAIL"):
+    sys.exit(os.environ["FAKE_SRUN_FAIL"])
+if os.environ.get("SLURM_JOB_ID"):
+    sys.exit("srun: inherited SLURM_JOB_ID")
+root = os.environ["FAKE_ROOT"]
+if args[-1].startswith(root):
+    args[-1] = os.path.join(root, node, os.path.relpath(args[-1], root))
+os.execvp(args[0], args)
+"""
+
+
+def _bin(tmp: Path) -> Path:
+    b = tmp / "bin"
+    b.mkdir()
+    scripts = {
+        "srun": f"#!{sys.executable}\n{FAKE_SRUN}",
+        "scontrol": ("#!/bin/sh\n"
+                     "echo \"scontrol $*\" >> \"$FAKE_LOG\"\n"
+                     "echo \"JobId=$4 JobName=ck JobState=COMPLETED Reason=None ExitCode=0:0 "
+                     "NodeList=node[1-2] StdOut=/o StdErr=/e Restarts=0\"\n"),
+        "ssh": "#!/bin/sh\necho \"ssh $*\" >> \"$FAKE_LOG\"\nexit 255\n",
+    }
+    for name, text in scripts.items():
+        (b / name).write_text(text)
+        (b / name).chmod(stat.S_IRWXU)
+    return b
+
+
+def _env(tmp: Path, **more: str) -> dict[str, str]:
+    env = dict(os.environ, PATH=f"{_bin(tmp)}:{os.environ['PATH']}",
+               CLUSTERKIT_HOME=str(tmp / "home"), FAKE_LOG=str(tmp / "calls.log"),
+               FAKE_ROOT=str(tmp / "ckpt"), SLURM_JOB_ID="4242")  # as if inside salloc
+    env.update(more)
+    return env
+
+
+def _collect(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "clusterkit", "collect-ckpt", *args],
+                          capture_output=True, text=True, timeout=120, env=env, check=False)
+
+
+def test_collect_a_batch_job_through_srun_not_ssh(tmp_path: Path) -> None:
+    d = _job_dir(tmp_path)
+    (d / "slurm_nodes").write_text("node[1-2]\n")
+    # "node" i's checkpoint root: <tmp>/ckpt/node<i>/nl-job (the fake srun maps it).
+    synthetic.write_node_local([str(tmp_path / "ckpt" / f"node{i}" / "nl-job") for i in (1, 2)],
+                               shard_bytes=4096, model_bytes=512)
+    env = _env(tmp_path)
+    Registry(tmp_path / "home").record_sbatch(d, "555")
+    res = _collect(env, "555")
+    assert res.returncode == 0, res.stdout + res.stderr
+    dest = d / "checkpoints"  # default DEST: the job dir's
+    assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 4
+    assert "job nl-job (Slurm job 555, COMPLETED): collecting" in res.stdout
+    assert "node[1-2] through Slurm, a one-task allocation on each node" in res.stdout
+    assert "via slurm" in res.stdout
+    calls = (tmp_path / "calls.log").read_text()
+    assert "ssh " not in calls and "scontrol show job -o 555" in calls
+    sruns = [ln for ln in calls.splitlines() if ln.startswith("srun ")]
+    assert len(sruns) == 2 and all("--partition=gpu" in ln and "--immediate=30" in ln
+                                   for ln in sruns)
+    # By the job dir too (no registry needed), as JOB or as --dir; a re-run copies nothing.
+    for args in ([str(d)], ["--dir", str(d)]):
+        res = _collect(env, *args)
+        assert res.returncode == 0 and "0 file(s) copied" in res.stdout, res.stderr
+
+
+def test_slurm_refusal_is_one_clear_line(tmp_path: Path) -> None:
+    d = _job_dir(tmp_path)
+    (d / "slurm_nodes").write_text("node[1-2]\n")
+    env = _env(tmp_path, FAKE_SRUN_FAIL="srun: Required node not available (down, drained or "
+                                        "reserved)")
+    res = _collect(env, str(d))
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "node[1-2]: cannot list (slurm): exit 1: srun: Required node not available" in res.stderr
+    assert "State=RESUME" in res.stderr and "Traceback" not in res.stderr
+    assert "ssh " not in (tmp_path / "calls.log").read_text()
+    # Shared storage: nothing to gather, said at once.
+    shared = _job_dir(tmp_path, "sh-job", storage="shared")
+    res = _collect(env, str(shared))
+    assert res.returncode == 2 and "shared storage" in res.stderr, res.stderr
