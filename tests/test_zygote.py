@@ -32,7 +32,10 @@ PROBE = textwrap.dedent("""
         json.dump({"argv": sys.argv, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
                    "env": dict(os.environ), "spec": repr(__spec__),
                    "globals": sorted(k for k in globals() if not k.startswith("__")),
-                   "forked": "clusterkit_zygote" in open(f"/proc/{os.getppid()}/cmdline").read(),
+                   "forked": "clusterkit fork server" in open(f"/proc/{os.getppid()}/cmdline").read(),
+                   "parent": open(f"/proc/{os.getppid()}/cmdline").read(),
+                   "cmdline": open("/proc/self/cmdline").read(),
+                   "comm": open("/proc/self/comm").read().strip(),
                    "gc_frozen": gc.get_freeze_count() > 0},
                   fh)
     if os.environ.get("FAIL_RANK") == os.environ["RANK"]:
@@ -92,6 +95,14 @@ def test_forked_ranks_see_what_exec_ranks_see(tmp_path: Path, preload_json: None
         assert f.pop("forked") and not e.pop("forked")
         # The preloaded objects are frozen before the fork (pre-fork server recipe).
         assert f.pop("gc_frozen") and not e.pop("gc_frozen")
+        # ps shows each forked rank as the command an exec'd rank runs, and its rank
+        # (issue 25); the zygote's own title names no program, its comm is its own.
+        cmd = f"{sys.executable} -u probe.py x"
+        assert e.pop("cmdline") == cmd.replace(" ", "\0") + "\0"
+        assert f.pop("cmdline") == f"{cmd} [clusterkit rank {rank}/4 job zf]\0", rank
+        assert (f.pop("comm"), e.pop("comm")) == ("probe.py", os.path.basename(sys.executable))
+        assert f.pop("parent") == f"[clusterkit fork server job zf node v{rank // 2}]\0"
+        assert "fork server" not in e.pop("parent")
         assert f == e, {k: (f[k], e[k]) for k in f if f[k] != e[k]}
         assert f["argv"] == ["probe.py", "x"] and f["path0"] == str(tmp_path)
         assert f["file"] == str(tmp_path / "probe.py") and f["env"]["RANK"] == str(rank)
@@ -166,3 +177,44 @@ def test_ranks_with_several_cpus_are_still_forked(tmp_path: Path,
     # The loader's setting stays in the zygote: each rank's env is its own.
     assert all("OPENBLAS_NUM_THREADS" not in d["env"] for d in found.values())
     assert all(d["env"]["OMP_NUM_THREADS"] == "2" for d in found.values())
+
+
+def test_titles_keep_the_rank_visible_and_fit_the_kernel_names() -> None:
+    title = zygote.rank_title(["/v/bin/python3", "-u", "train.py", "--lr", "3e-4"], 3, 14, "J")
+    assert title == "/v/bin/python3 -u train.py --lr 3e-4 [clusterkit rank 3/14 job J]"
+    long = zygote.rank_title(["python3", "-u", "train.py", "x" * 20000], 0, 2, "J")
+    assert len(long.encode()) <= zygote.TITLE_MAX and long.endswith("... [clusterkit rank 0/2 job J]")
+    assert zygote.server_title("J", "n1") == "[clusterkit fork server job J node n1]"
+    assert zygote.comm_name("script", "/w/train.py") == "train.py"
+    assert zygote.comm_name("module", "clusterkit.workload") == "workload"
+    assert zygote.comm_name("script", "a_very_long_script_name.py") == "a_very_long_scr"
+
+
+SET_TITLE = textwrap.dedent("""
+    import subprocess, sys
+    sys.path.insert(0, sys.argv[1])
+    from clusterkit.node import zygote
+    ok = zygote.set_title(__import__("os").environ["TITLE"], "train.py")
+    ps = subprocess.run(["ps", "-o", "comm=,args=", "-p", str(__import__("os").getpid())],
+                        capture_output=True, text=True).stdout
+    print(repr((ok, open("/proc/self/cmdline", "rb").read(), ps.strip(), sys.argv[1:])))
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="Linux /proc only")
+def test_set_title_rewrites_cmdline_and_comm_and_cuts_what_does_not_fit() -> None:
+    import ast
+    import subprocess
+
+    root = str(Path(zygote.__file__).parent.parent.parent)
+    for title, pad in (("python3 train.py --lr 3e-4 [clusterkit rank 1/2 job J]", "." * 60),
+                       ("x" * 5000, "")):
+        res = subprocess.run([sys.executable, "-c", SET_TITLE, root, pad], capture_output=True,
+                             text=True, timeout=60, check=True, env=dict(os.environ, TITLE=title))
+        ok, cmdline, ps, argv = ast.literal_eval(res.stdout.strip())
+        assert ok and argv == [root, pad]  # sys.argv is Python's own copy
+        if pad:  # the area holds it: one title, one NUL, nothing after it
+            assert cmdline == title.encode() + b"\0" and ps == f"train.py        {title}"
+        else:  # cut to the area (the script's own argv here), never past it
+            assert cmdline.startswith(b"xxx") and cmdline.endswith(b"\0")
+            assert len(cmdline) < len(title) and set(cmdline[:-1]) == {ord("x")}

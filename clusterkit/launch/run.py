@@ -21,7 +21,7 @@ from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.gate import GateNode, gate_error, needed_files, run_gate
 from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.orchestrator import JobOutcome, JobSpec, Orchestrator, describe_failure
-from clusterkit.launchers import BACKENDS
+from clusterkit.launchers import BACKENDS, launcher_name
 from clusterkit.remote.base import Transport
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, JobPlan, LaunchPlan
@@ -155,7 +155,10 @@ def _record(job: JobSpec, plan: JobPlan, attempt: int) -> JobRecord:
     record.extra = {"ckpt_dirs": {n.name: n.ckpt_dir for n in plan.nodes},
                     "ckpt_dir": plan.nodes[0].ckpt_dir,
                     "slots": [n.nproc for n in plan.nodes], "storage": plan.storage,
-                    "rank_map": rank_map(plan)}
+                    "rank_map": rank_map(plan),
+                    # `clusterkit status` names the launcher the user chose (issue 25).
+                    "launcher": launcher_name(plan.backend,
+                                              any(t.native is not None for t in job.tasks))}
     return record
 
 

@@ -19,8 +19,8 @@ MODULES = (native, torchrun, deepspeed, accelerate, slurm)
 BACKENDS: dict[str, Backend] = {m.BACKEND.name: m.BACKEND for m in MODULES}
 DEFAULT_LAUNCHER = native.BACKEND.name
 
-__all__ = ["BACKENDS", "DEFAULT_LAUNCHER", "Backend", "backend", "launchers_help",
-           "plan_backends"]
+__all__ = ["BACKENDS", "DEFAULT_LAUNCHER", "Backend", "backend", "launcher_name",
+           "launchers_help", "plan_backends"]
 
 
 def backend(name: str) -> Backend:
@@ -31,6 +31,13 @@ def backend(name: str) -> Backend:
 def plan_backends() -> tuple[str, ...]:
     """The values a plan's ``backend`` takes (what `render` renders as "chosen")."""
     return tuple(dict.fromkeys(b.plan_backend for b in BACKENDS.values()))
+
+
+def launcher_name(plan_backend: str, native: bool) -> str:
+    """The ``--launcher`` a job was started with, from its plan backend and whether the
+    agents start the ranks themselves (``native`` runs the torchrun plan)."""
+    return next((b.name for b in BACKENDS.values()
+                 if b.plan_backend == plan_backend and b.native == native), plan_backend)
 
 
 def launchers_help() -> str:

@@ -134,6 +134,32 @@ def job_processes(job_id: str, node: str | None = None, attempt: int | None = No
     return found
 
 
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def rank_pids_of(procs: dict[int, dict[bytes, bytes]]) -> dict[int, int]:
+    """global rank -> pid of the rank's own process among ``procs`` (pid -> environ).
+
+    A rank's helpers (DataLoader workers, compile workers) inherit its RANK: the rank is
+    the process whose parent is not of the same rank (the lowest pid where that leaves
+    several, as after a pid wrap)."""
+    by_rank: dict[int, list[int]] = {}
+    for pid, env in procs.items():
+        rank = env.get(b"RANK", b"")
+        if rank.isdigit() and b"LOCAL_RANK" in env:
+            by_rank.setdefault(int(rank), []).append(pid)
+    out: dict[int, int] = {}
+    for rank, pids in by_rank.items():
+        roots = [p for p in pids if _ppid(p) not in pids] or pids
+        out[rank] = min(roots)
+    return out
+
+
 def _signal(pid: int, sig: int) -> bool:
     try:
         os.kill(pid, sig)
@@ -550,6 +576,13 @@ class Agent:
 
     # -------------------------------------------------------------- the fork server
 
+    def rank_title(self, local_rank: int) -> str:
+        """What ``ps`` shows for a forked rank (an exec'd one shows its own argv)."""
+        n = self.spec.native or {}
+        return zygote.rank_title([_expand(a, self.job_dir) for a in self.spec.argv],
+                                 int(n["first_rank"]) + local_rank, int(n["world_size"]),
+                                 self.spec.job_id)
+
     def zygote_wanted(self) -> bool:
         if not (self.spec.native and self.spec.argv and self.spec.zygote):
             return False
@@ -584,9 +617,14 @@ class Agent:
             return
         pipes = [os.pipe() for _ in range(nproc)]
         status_r, status_w = os.pipe()
+        # The zygote's argv area must hold the longest title it and its ranks will show
+        # (zygote.set_title): a padding argument that it ignores.
+        title = zygote.server_title(self.spec.job_id, self.spec.node)
+        pad = "." * min(zygote.TITLE_MAX, max(len(t.encode()) for t in
+                                              [title, *map(self.rank_title, range(nproc))]))
         try:
             self.zygote = subprocess.Popen(
-                [argv[0], "-u", "-c", zygote.BOOT, str(os.getpid())],
+                [argv[0], "-u", "-c", zygote.BOOT, str(os.getpid()), pad],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 env=common, cwd=cwd, start_new_session=True,
                 pass_fds=[status_w, *(w for _, w in pipes)])
@@ -600,7 +638,7 @@ class Agent:
         self._zy_fds = {lr: r for lr, (r, _) in enumerate(pipes)}
         self._zy_wfds = [w for _, w in pipes]
         config = {"argv": argv, "cwd": cwd, "imports": list(self.spec.zygote),
-                  "status_fd": status_w, "grace_s": self.spec.grace_s}
+                  "status_fd": status_w, "grace_s": self.spec.grace_s, "title": title}
         body = source.encode()
         assert self.zygote.stdin is not None
         with contextlib.suppress(OSError):  # it died at once: its status thread says "gone"
@@ -675,8 +713,8 @@ class Agent:
             self._log("launcher.log", f"clusterkit agent: fork server ready "
                                       f"(imports took {ready.get('import_s')} s)")
         n = self.spec.native or {}
-        ranks = [{"lr": lr, "fd": self._zy_wfds[lr], "env": self.rank_env(lr)}
-                 for lr in range(int(n["nproc"]))]
+        ranks = [{"lr": lr, "fd": self._zy_wfds[lr], "env": self.rank_env(lr),
+                  "title": self.rank_title(lr)} for lr in range(int(n["nproc"]))]
         assert self.zygote.stdin is not None
         try:
             self.zygote.stdin.write(json.dumps({"ranks": ranks}).encode() + b"\n")
@@ -796,12 +834,7 @@ class Agent:
         if self.ranks:
             first = int((self.spec.native or {})["first_rank"])
             return {first + lr: p.pid for lr, p in self.ranks.items() if p.poll() is None}
-        out: dict[int, int] = {}
-        for pid, env in job_processes(self.spec.job_id, self.spec.node, self.spec.attempt).items():
-            rank = env.get(b"RANK", b"")
-            if rank.isdigit() and b"LOCAL_RANK" in env:
-                out.setdefault(int(rank), pid)  # the lowest pid: the rank, not its helpers
-        return out
+        return rank_pids_of(job_processes(self.spec.job_id, self.spec.node, self.spec.attempt))
 
     def progress(self) -> dict[str, Any]:
         """Seconds since this node's ranks last showed progress, and their steps."""
@@ -1035,20 +1068,29 @@ def _status(job_id: str, job_dir: str | None, node: str | None) -> dict[str, Any
             state = None
     agent_alive = bool(state and state.get("state") != "exited" and state.get("agent_pid")
                        and os.path.exists(f"/proc/{state['agent_pid']}"))
-    found = {int(env[b"RANK"]) for env in procs.values()
-             if env.get(b"RANK", b"").isdigit() and b"LOCAL_RANK" in env}
+    pids = rank_pids_of(procs)
     if isinstance(state, dict) and isinstance(state.get("ranks"), dict):
-        # Ranks forked by the zygote: their RANK is not in /proc/<pid>/environ.
-        found |= {int(r) for r, pid in state["ranks"].items()
-                  if isinstance(pid, int) and pid in procs and r.isdigit()}
-    ranks = sorted(found)
+        # Ranks the agent started itself: its own record names them (a forked rank whose
+        # environ has no room for RANK is found here too).
+        pids.update({int(r): pid for r, pid in state["ranks"].items()
+                     if isinstance(pid, int) and pid in procs and r.isdigit()})
     prog = state.get("progress") if isinstance(state, dict) else None
     progress = None
     if isinstance(prog, dict) and isinstance(prog.get("time"), (int, float)):
         # The age on this node's own clock: the launcher's may differ.
         progress = {"step": prog.get("step"), "age_s": round(time.time() - prog["time"], 1)}
-    return {"processes": len(procs), "ranks": ranks, "agent": state, "agent_alive": agent_alive,
-            "progress": progress}
+    return {"processes": len(procs), "ranks": sorted(pids), "agent": state,
+            "agent_alive": agent_alive, "progress": progress,
+            # JSON keys are strings: rank -> pid of each live rank of this node.
+            "pids": {str(r): pids[r] for r in sorted(pids)},
+            "launcher_pid": _live(state, "child_pid", procs),
+            "fork_server_pid": _live(state, "zygote_pid", procs)}
+
+
+def _live(state: Any, key: str, procs: dict[int, dict[bytes, bytes]]) -> int | None:
+    """The agent's recorded pid of ``key`` while that process still runs for the job."""
+    pid = state.get(key) if isinstance(state, dict) else None
+    return pid if isinstance(pid, int) and pid in procs else None
 
 
 def main(argv: list[str] | None = None) -> int:

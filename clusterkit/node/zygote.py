@@ -21,13 +21,20 @@ exec instead, saying so in one line.
 
 Wire (all lines JSON): the agent writes the source (``<nbytes>\\n<source>``, read
 by :data:`BOOT`), then a config line ``{"argv", "cwd", "imports", "status_fd",
-"grace_s"}``; we answer on ``status_fd`` ``{"ev": "ready"|"unfit", ...}``. Then
-it writes ``{"ranks": [{"lr", "fd", "env"}, ...]}``; we fork, report
+"grace_s", "title"}``; we answer on ``status_fd`` ``{"ev": "ready"|"unfit", ...}``. Then
+it writes ``{"ranks": [{"lr", "fd", "env", "title"}, ...]}``; we fork, report
 ``{"ev": "forked", "lr", "pid"}`` for each and ``{"ev": "exit", "lr", "code"}``
 (``code`` as ``subprocess`` gives it: negative for a signal) as each ends, and
 exit once all have. Teardown: SIGTERM (the agent's sweep, or our parent-death
 signal when the agent dies) or EOF on stdin makes us SIGTERM the ranks, SIGKILL
 them after ``grace_s``; each rank dies with us (its parent-death signal).
+
+Process titles (issue 25): a forked rank would show in ``ps``/``top``/``nvidia-smi``
+as the zygote's own command line (``python3 -u -c import sys r=...``). Each process
+rewrites its argv area instead (:func:`set_title`, as the setproctitle package does):
+a rank shows ``<python> -u train.py ARGS [clusterkit rank R/W job J]``, the zygote
+``[clusterkit fork server job J node N]``. The agent starts us with a padding
+argument, so the area holds the longest title.
 
 Standard library only, Python >= 3.8; runs outside the agent's bootstrap (its
 own interpreter, the job's Python), so it imports no other clusterkit module.
@@ -57,8 +64,13 @@ SELF = "<clusterkit.node.zygote>"
 # A variable of the zygote's environment whose bytes each rank overwrites with its
 # own variables, so that /proc/<pid>/environ shows them (show_in_proc_environ).
 SLOT, SLOT_BYTES = "CLUSTERKIT_RANK_SLOT", 2048
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 POLL_S = 0.05
+# The longest process title (bytes): the agent's padding argument is at most this long
+# (Linux takes one argument of up to 128 KiB).
+TITLE_MAX = 8192
+COMM_MAX = 15  # /proc/<pid>/comm: 16 bytes with its NUL
+SERVER_COMM = "ck-forkserver"
 
 
 # ----------------------------------------------------------------- the rank program
@@ -192,6 +204,66 @@ def _flush() -> None:
             stream.flush()
 
 
+# ----------------------------------------------------------------- process titles
+
+
+def rank_title(argv: list[str], rank: int, world_size: int, job_id: str) -> str:
+    """What ``ps -eo args`` shows for a forked rank: the command an exec'd rank would
+    show, and which rank of which job it is (``grep train.py`` finds every rank)."""
+    tag = f" [clusterkit rank {rank}/{world_size} job {job_id}]"
+    command = " ".join(argv)
+    room = TITLE_MAX - len(tag.encode()) - 4
+    if len(command.encode()) > room:  # the tag (the rank) must stay visible
+        command = command.encode()[:room].decode("utf-8", "ignore") + "..."
+    return command + tag
+
+
+def server_title(job_id: str, node: str) -> str:
+    """The zygote's own title: no program name in it, so ``grep train.py`` finds ranks only."""
+    return f"[clusterkit fork server job {job_id} node {node}]"
+
+
+def comm_name(kind: str, target: str) -> str:
+    """The short name ``top`` and ``ps -e`` show: the script's file name, or the module's
+    last part (the kernel keeps 15 bytes)."""
+    name = target.rsplit(".", 1)[-1] if kind == "module" else os.path.basename(target)
+    return name.encode()[:COMM_MAX].decode("utf-8", "ignore") or "python"
+
+
+def set_title(title: str, comm: str | None = None) -> bool:
+    """Show ``title`` as this process's command line (``/proc/self/cmdline``) and ``comm``
+    as its name (``/proc/self/comm``). Linux only; False where it cannot (then the
+    process shows what it showed before, nothing else changes).
+
+    Python has copied its argv long before (sys.argv, sys.orig_argv): the area the
+    kernel reads ``cmdline`` from is free to overwrite. The title ends with a NUL and
+    the area's last byte is not one: the kernel then reads the area as one title (up to
+    that NUL, as for setproctitle), so no run of empty arguments follows it."""
+    ok = True
+    if comm:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            ok = libc.prctl(PR_SET_NAME, ctypes.c_char_p(comm.encode()[:COMM_MAX]), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            ok = False
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (Linux >= 3.5)
+        if end - start < 3:
+            return False
+        text = title.encode()[:end - start - 2]
+        block = (text + b"\0").ljust(end - start - 1, b"\0") + b" "
+        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+            mem.seek(start)
+            mem.write(block)
+        return ok
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 # ----------------------------------------------------------------- process plumbing
 
 
@@ -279,6 +351,8 @@ def _become_rank(spec: dict[str, Any], all_fds: list[int], status_fd: int,
         os.environ.clear()
         os.environ.update(env)
         show_in_proc_environ(own)
+        if spec.get("title"):
+            set_title(str(spec["title"]), comm_name(kind, target))
         if cwd:
             os.chdir(cwd)
         _threads_rule(env)
@@ -355,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     stdin = sys.stdin.buffer
     config = json.loads(stdin.readline() or b"{}")
     status_fd = int(config["status_fd"])
+    if config.get("title"):  # before the imports: ps shows who we are while we import
+        set_title(str(config["title"]), SERVER_COMM)
     grace_s = float(config.get("grace_s", 3.0))
     cwd = config.get("cwd") or None
     if cwd:
