@@ -17,8 +17,9 @@ from typing import Any
 
 import yaml
 
-from clusterkit.errors import InventoryError
+from clusterkit.errors import InventoryError, RenderError
 from clusterkit.hostrange import HostRangeError, expand
+from clusterkit.shellsafe import check_env_value, ssh_config_value
 
 SCHEMA_VERSION = 1
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -112,10 +113,12 @@ class Inventory:
 
 
 class _LineDict(dict[Any, Any]):
-    """A mapping that remembers the 1-based line of each key (and of itself)."""
+    """A mapping that remembers the 1-based line of each key (and of itself), and the
+    text of each plain (unquoted) scalar value as written: ``1.10``, not YAML's 1.1."""
 
     line: int = 0
     key_lines: dict[Any, int]
+    plain: dict[Any, str]
 
 
 class _LineLoader(yaml.SafeLoader):
@@ -127,6 +130,7 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> _LineDict
     out = _LineDict()
     out.line = node.start_mark.line + 1
     out.key_lines = {}
+    out.plain = {}
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
         line = key_node.start_mark.line + 1
@@ -137,6 +141,8 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> _LineDict
             raise _Located(line, f"duplicate key {key!r} (first at line {out.key_lines[key]})")
         out[key] = loader.construct_object(value_node, deep=True)
         out.key_lines[key] = line
+        if isinstance(value_node, yaml.ScalarNode) and not value_node.style:
+            out.plain[key] = value_node.value
     return out
 
 
@@ -216,10 +222,24 @@ def _as_str(ctx: _Ctx, value: Any, line: int, where: str) -> str:
 
 
 def _as_abs_path(ctx: _Ctx, value: Any, line: int, where: str) -> str:
+    # The same rule as the planner's (plan/build.py): these paths reach argv and files
+    # verbatim, where nothing would expand a ``~`` (issue 25: validate said ok to it).
     text = _as_str(ctx, value, line, where)
-    if not (PurePosixPath(text).is_absolute() or text.startswith("~")):
-        ctx.fail(line, f"{where} must be an absolute path, got {text!r}", "write the full path")
+    if text.startswith("~") or not PurePosixPath(text).is_absolute():
+        ctx.fail(line, f"{where} must be an absolute path, got {text!r}",
+                 "write the full path (clusterkit passes it as a literal argument: nothing "
+                 "expands ~ there)")
     return text
+
+
+def _shell_rule(ctx: _Ctx, line: int, where: str, rule: Callable[[], object]) -> None:
+    """A :mod:`clusterkit.shellsafe` rule, applied where the user wrote the value: the
+    launch refuses what these rules refuse, so ``inventory validate`` must refuse it too,
+    naming file:line instead of a variable the plan met later."""
+    try:
+        rule()
+    except RenderError as exc:
+        ctx.fail(line, exc.message, exc.hint, key=where)
 
 
 def _as_int(ctx: _Ctx, value: Any, line: int, where: str, minimum: int, maximum: int) -> int:
@@ -244,13 +264,34 @@ def _as_str_map(ctx: _Ctx, value: Any, line: int, where: str) -> dict[str, str]:
 
 
 def _as_env_map(ctx: _Ctx, value: Any, line: int, where: str) -> dict[str, str]:
-    """``env:`` names are checked here, where the user wrote them (not later by render)."""
-    out = _as_str_map(ctx, value, line, where)
-    for name in out:
+    """``env:`` names and values are checked here, where the user wrote them, by the rules
+    the launch applies (:func:`clusterkit.shellsafe.check_env_value`)."""
+    mapping = _require_mapping(ctx, value, line, where)
+    for name, v in mapping.items():
+        _env_value_is_a_string(ctx, mapping, name, v, where)
+    out = _as_str_map(ctx, mapping, line, where)
+    for name, text in out.items():
+        kl = _line_of(value, name)
         if not _ENV_NAME.fullmatch(name):
-            ctx.fail(_line_of(value, name), f"{where}: {name!r} is not an environment variable name",
+            ctx.fail(kl, f"{where}: {name!r} is not an environment variable name",
                      "names must match [A-Za-z_][A-Za-z0-9_]* (no spaces or dashes)")
+        _shell_rule(ctx, kl, f"{where}.{name}", lambda n=name, t=text: check_env_value(n, t))
     return out
+
+
+_YAML_TYPES = {bool: "a boolean", int: "a number", float: "a number"}
+
+
+def _env_value_is_a_string(ctx: _Ctx, mapping: _LineDict, name: Any, v: Any, where: str) -> None:
+    """A bare ``1.10``, ``010``, ``true`` or empty value is YAML's number, boolean or null:
+    the ranks got ``1.1`` and ``8`` (issue 25). Environment values are text: quote them."""
+    if isinstance(v, str | _LineDict | list):
+        return  # lists and mappings: _as_str_map says "must be a scalar value"
+    written = mapping.plain.get(name, "")
+    what = "null (no value)" if v is None else f"{_YAML_TYPES.get(type(v), 'a value')} ({v!r})"
+    ctx.fail(_line_of(mapping, name),
+             f"{written or '(empty)'} is not a string: YAML reads it as {what}",
+             f'quote it: {name}: "{written}"', key=f"{where}.{name}")
 
 
 def _as_python(ctx: _Ctx, value: Any, line: int, where: str) -> str:
@@ -274,7 +315,10 @@ def _parse_ssh(ctx: _Ctx, value: Any, line: int, where: str) -> dict[str, Any]:
         if key == "port":
             out[key] = _as_int(ctx, v, kl, f"{where}.port", 1, 65535)
         else:
-            out[key] = _as_str(ctx, v, kl, f"{where}.{key}")
+            out[key] = text = _as_str(ctx, v, kl, f"{where}.{key}")
+            # Every job renders these into its ssh_config (render/ssh_config.py).
+            _shell_rule(ctx, kl, f"{where}.{key}",
+                        lambda t=text, k=key: ssh_config_value(t, f"ssh.{k}"))
     return out
 
 

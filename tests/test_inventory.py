@@ -22,7 +22,7 @@ defaults:
   gpus: 2
   python: /opt/py/bin/python
   checkpoint: {local_dir: /scratch/ckpt}
-  env: {NCCL_DEBUG: WARN, FLAG: true}
+  env: {NCCL_DEBUG: WARN, FLAG: "true"}
 hosts:
   node[01-03]:
     address: 10.0.0.[11-13]
@@ -83,6 +83,15 @@ BAD = [
     ("schema_version: 1\nhosts:\n  'node;rm -rf /': {}\n", ":3:", "not a plain host name"),
     ("schema_version: 1\nhosts:\n  node1:\n    env: {A: [1, 2]}\n", ":4:", "scalar value"),
     ("schema_version: 1\nhosts:\n  node1:\n    checkpoint: {local: /x}\n", ":4:", "local_dir"),
+    # issue 25: what the launch refuses, refused here, where the user wrote it
+    ("schema_version: 1\nhosts:\n  node1:\n    env: {A: \"x$HOME\"}\n", ":4: hosts.node1.env.A",
+     "contains '$'"),
+    ("schema_version: 1\nhosts:\n  node1:\n    env: {A: \" x\"}\n", ":4:", "trailing whitespace"),
+    ("schema_version: 1\nhosts:\n  node1:\n    workdir: ~/proj\n", ":4:", "nothing expands ~"),
+    ("schema_version: 1\nhosts:\n  node1:\n    checkpoint: {local_dir: ~/ck}\n", ":4:",
+     "absolute path"),
+    ("schema_version: 1\nhosts:\n  node1:\n    ssh: {user: 'a\"b'}\n", ":4: hosts.node1.ssh.user",
+     "cannot be written to an ssh_config file"),
     ("- node1\n- node2\n", ":1:", "must be a YAML mapping"),
     ("schema_version: 1\ndefaults: {address: 1.2.3.4}\nhosts: {n1: {}}\n", ":2:", "set address per host"),
 ]
@@ -101,6 +110,29 @@ def test_bad_inventory_gives_one_clear_line(
     assert lines[0].startswith(f"clusterkit: error: {path}{where}"), lines[0]
     assert what in lines[0]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("written", "read_as"), [
+    ("1.10", "a number (1.1)"), ("010", "a number (8)"), ("true", "a boolean (True)"),
+    ("null", "null (no value)"), ("yes", "a boolean (True)")])
+def test_env_values_must_be_strings_in_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            written: str, read_as: str) -> None:
+    """Issue 25: `env: {MYLIB_VERSION: 1.10, OCT: 010}` validated, and the ranks got `1.1`
+    and `8`. Refused by validate and launch alike, naming file:line, the key and the fix."""
+    path = tmp_path / "inv.yaml"
+    path.write_text("schema_version: 1\ndefaults:\n  transport: local\n  env:\n"
+                    f"    OK: \"1.10\"\n    MYLIB_VERSION: {written}\nhosts:\n"
+                    "  l1: {address: 127.0.0.1}\n")
+    for argv in (["inventory", "validate", "-i", str(path)],
+                 ["launch", "--dry-run", "-i", str(path)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == (f"clusterkit: error: {path}:6: defaults.env.MYLIB_VERSION: {written} is not "
+                       f"a string: YAML reads it as {read_as} — quote it: "
+                       f'MYLIB_VERSION: "{written}"\n'), err
+    path.write_text(path.read_text().replace(f"MYLIB_VERSION: {written}",
+                                             f"MYLIB_VERSION: '{written}'"))
+    assert dict(load_inventory(path).hosts[0].env) == {"OK": "1.10", "MYLIB_VERSION": written}
 
 
 def test_missing_and_directory_inventory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
