@@ -11,6 +11,13 @@ FutureWarnings, ...) is shown once per job: after its first group is released,
 the same noise from later ranks is dropped. The per-rank log files on the nodes
 keep every line; this only changes what the console shows.
 
+After the job's first failure (:meth:`LineFolder.fail`), the other ranks' lines
+are *collateral*: each rank's "Connection closed by peer" traceback, ~60 lines
+apiece, says only that the failed rank is gone. They are counted, not shown, and
+:meth:`LineFolder.collateral` turns them into one line
+(``[r1-13] collateral: 13 ranks printed 812 lines after node1 rank 0 failed ...``);
+the failed rank's own lines still show in full.
+
 Pure: no threads, no clock, no I/O. The caller passes ``now`` and prints what
 :meth:`LineFolder.feed` and :meth:`LineFolder.release` return. Two consoles use it:
 ``clusterkit launch`` (:mod:`clusterkit.launch.console`, lines from the node agents)
@@ -122,11 +129,16 @@ class LineFolder:
         self._open: dict[str, _Group] = {}
         self._noise_shown: set[str] = set()
         self.suppressed = 0  # noise lines dropped after their first showing
+        self.failed: int | None = None  # the first failed rank: the others' lines are collateral
+        self._collateral: dict[int, tuple[str, int]] = {}  # rank -> (node, lines held back)
 
     def feed(self, node: str, rank: int, text: str, now: float) -> list[Folded]:
         if text.startswith(SUMMARY_PREFIX):
             return self.release(now)  # the launcher prints the job's summary once
         if self.ranks is not None and rank not in self.ranks:
+            return self.release(now)
+        if self.failed is not None and rank != self.failed:
+            self._hold_back(rank, node, 1)
             return self.release(now)
         key = fold_key(text)
         noise = is_noise(key)
@@ -141,6 +153,40 @@ class LineFolder:
             self._queue.append(group)
         group.members[rank] = node
         return self.release(now)
+
+    def fail(self, rank: int) -> bool:
+        """The job's first failure is ``rank``'s: from now on the other ranks' lines are
+        collateral. Their lines still waiting in a window count too (a killed rank's
+        peers print before its node reports it). False when a failure was set already."""
+        if self.failed is not None:
+            return False
+        self.failed = rank
+        for group in self._queue:
+            for other in [r for r in group.members if r != rank]:
+                self._hold_back(other, group.members.pop(other), 1)
+        self._queue = [g for g in self._queue if g.members]
+        self._open = {k: g for k, g in self._open.items() if g.members}
+        return True
+
+    def _hold_back(self, rank: int, node: str, lines: int) -> None:
+        _node, held = self._collateral.get(rank, (node, 0))
+        self._collateral[rank] = (node, held + lines)
+
+    def collateral(self, where: str, logs: str) -> Folded | None:
+        """The one line for the lines held back since :meth:`fail` (None: nothing held),
+        and a fresh start (the next attempt's first failure is its own)."""
+        held, failed = self._collateral, self.failed
+        self._collateral, self.failed = {}, None
+        if not held or failed is None:
+            return None
+        ranks = tuple(sorted(held))
+        nodes = tuple(held[r][0] for r in ranks)
+        lines = sum(n for _node, n in held.values())
+        kept = f"; each rank's log has them: {logs}" if logs else ""
+        text = (f"collateral: {len(ranks)} rank{'s' * (len(ranks) > 1)} printed {lines} "
+                f"line{'s' * (lines > 1)} after {where or f'rank {failed}'} failed "
+                f"(not shown{kept})")
+        return Folded(label=rank_label(ranks, nodes), text=text, nodes=nodes, ranks=ranks)
 
     def show_once(self, text: str) -> bool:
         """For a line shown outside the groups (a node's launcher speaking for itself):

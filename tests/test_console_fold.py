@@ -126,3 +126,99 @@ def test_selected_ranks_do_not_wait_for_the_others() -> None:
     f = LineFolder(window_s=5.0, world_size=4, ranks=frozenset({2, 3, 9}))
     assert f.feed("n2", 2, "x", now=0.0) == []
     assert _texts(f.feed("n2", 3, "x", now=0.1)) == ["[n2 r2-3] x"]
+
+
+# ------------------------------------------------------------------ collateral (issue 25)
+
+GLOO = [
+    "Traceback (most recent call last):",
+    '  File "/work/train.py", line 40, in <module>',
+    "    dist.all_reduce(t)",
+    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+    "Connection closed by peer [127.0.0.1]:29500",
+]
+
+
+def _kill_rank0(f: LineFolder, world: int, failed_at: float) -> list:
+    """Rank 0 raises (its traceback first); the others' gloo tracebacks follow, some
+    before the launcher hears of rank 0's failure, some after."""
+    out = []
+    for text in ("Traceback (most recent call last):", "ValueError: bad batch"):
+        out += f.feed("node1", 0, text, now=0.0)
+    for rank in range(1, world - 1):  # in the window when the failure is reported
+        for text in GLOO:  # (rank 13 prints nothing: "Traceback" waits for it)
+            out += f.feed(f"node{rank // 2 + 1}", rank, text, now=0.1)
+    assert f.fail(0) and not f.fail(3)  # only the first failure counts
+    for rank in range(1, world - 1):  # after: 60 more lines each
+        for i in range(60):
+            out += f.feed(f"node{rank // 2 + 1}", rank, f"  frame {i}", now=failed_at + 0.01 * i)
+    out += f.feed("node1", 0, "rank 0 says goodbye", now=failed_at + 1)
+    return out + f.release(now=failed_at + 5, final=True)
+
+
+def test_collateral_tracebacks_fold_into_one_line_after_the_first_failure() -> None:
+    f = LineFolder(window_s=1.0, world_size=14)
+    shown = _texts(_kill_rank0(f, 14, failed_at=0.5))
+    # rank 0's traceback in full (its "Traceback" line no longer merged with others')
+    assert shown == ["[node1 r0] Traceback (most recent call last):",
+                     "[node1 r0] ValueError: bad batch", "[node1 r0] rank 0 says goodbye"]
+    item = f.collateral("node1 rank 0", "/j/nodes/<node>/rank<N>.log")
+    assert item is not None
+    assert item.render() == (
+        "[r1-12] collateral: 12 ranks printed 768 lines after node1 rank 0 failed "
+        "(not shown; each rank's log has them: /j/nodes/<node>/rank<N>.log)")
+    # the next attempt starts fresh: its lines show again, no second collateral line
+    assert f.failed is None and f.collateral("x", "") is None
+    assert _texts(f.feed("node2", 3, "attempt 2 line", now=9.0) + f.release(20.0, final=True)) \
+        == ["[node2 r3] attempt 2 line"]
+
+
+def test_no_failure_no_collateral_and_one_rank_singular() -> None:
+    f = LineFolder(window_s=0.0)
+    assert f.collateral("n1 rank 0", "") is None
+    f.fail(1)
+    f.feed("n1", 0, "x", now=0.0)
+    item = f.collateral("", "")
+    assert item is not None
+    assert item.render() == "[n1 r0] collateral: 1 rank printed 1 line after rank 1 failed (not shown)"
+
+
+def test_folding_sink_prints_the_collateral_line_at_the_end_of_the_attempt() -> None:
+    buf = io.StringIO()
+    sink = FoldingSink(PlainSink(buf), LineFolder(window_s=0.2, world_size=4), tick_s=0.05)
+    sink.line("n1", 0, "boom")
+    sink.failed_first(0, "n1 rank 0", "~/j/nodes/<node>/rank<N>.log")
+    for rank in (1, 2, 3):
+        for text in GLOO:
+            sink.line(f"n{rank // 2 + 1}", rank, text)
+    sink.info("n1 rank 0 failed (exit code 1): stopping the job on every node")
+    sink.end_attempt()
+    sink.close()
+    assert buf.getvalue().splitlines() == [
+        "[n1 r0] boom",
+        "[clusterkit] n1 rank 0 failed (exit code 1): stopping the job on every node",
+        "[r1-3] collateral: 3 ranks printed 12 lines after n1 rank 0 failed (not shown; "
+        "each rank's log has them: ~/j/nodes/<node>/rank<N>.log)"]
+
+
+# ------------------------------------------------------------------ the status line (issue 25)
+
+
+def test_status_line_names_the_phase_and_the_time_since_launch() -> None:
+    from clusterkit.launch.console import StatusLine, clock
+
+    st = StatusLine(total=2, started_at=100.0)
+    assert st.text(101.0) == " connecting  1 s since launch  nodes up 0/2  step -  loss -  tokens/s -"
+    st.set_phase("gate", "1/2 nodes", now=103.0)
+    assert st.text(104.5).startswith(" gate 1/2 nodes 1 s  4 s since launch")
+    st.up.update({"n1", "n2"})
+    st.set_phase("initialising", "", now=110.0)
+    # the 80 s of "step -" under load now say what they are and for how long
+    assert st.text(190.0).startswith(" initialising 1:20  1:30 since launch  nodes up 2/2  step -")
+    st.progress.update("[clusterkit] step 10/30 | loss 4.8143 | 5,205 tok/s")
+    st.set_phase("training", "", now=191.0)
+    assert st.text(200.0) == (" training  1:40 since launch  nodes up 2/2  step 10/30  "
+                              "loss 4.8143  tokens/s 5,205")
+    st.done["n2"] = 1
+    assert "failed 1" in st.text(201.0)
+    assert (clock(59.9), clock(60), clock(3725)) == ("59 s", "1:00", "1:02:05")

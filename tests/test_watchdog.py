@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from clusterkit.launch.stacks import read_stack, signature, summarize
-from clusterkit.launch.watchdog import Watchdog, ping_interval
+from clusterkit.launch.watchdog import Watchdog, ping_interval, step_of
 from clusterkit.node import agent as agent_mod
 from clusterkit.workload import hangs
 
@@ -89,18 +89,80 @@ def test_summary_without_a_stopped_rank_blames_the_smallest_group_and_lists_miss
     assert s.missing == [4] and "no dump from ranks 4" in s.lines()[-1]
 
 
-def test_watchdog_fires_only_when_no_node_progresses() -> None:
+# The watchdog's word (issue 25), as a table: --hang-timeout 10, so the start-up
+# allowance is 20 s from begin(). Each row: events in time order, then the verdict
+# asked at each "check" (None: quiet; a string: the message must contain it).
+#   ("begin", t)  the ranks start      ("line", t, node)  a rank of node printed
+#   ("step", t)   a step line          ("report", t, node, idle_s, step)  an agent's report
+STARTUP_MSG = "no sign of training within the start-up allowance of 20 s (2 \u00d7 --hang-timeout 10)"
+WATCHDOG_TABLE: list[tuple[str, float, list[tuple[Any, ...]]]] = [
+    ("silent script: fires when the allowance ends, naming it", 10.0, [
+        ("begin", 0.0), ("check", 19.9, None),
+        ("check", 20.0, STARTUP_MSG + ": no output or heartbeat from any rank since they "
+                        "started 20 s ago")]),
+    ("prints, no heartbeat, then hangs (the issue): the allowance ends at its bound", 10.0, [
+        ("begin", 0.0), ("line", 1.0, "n1"), ("line", 5.0, "n1"), ("check", 14.0, None),
+        ("check", 19.9, None),
+        ("check", 20.0, "no progress on any rank for 15 s (--hang-timeout 10; the start-up "
+                        "allowance of 20 s (2 \u00d7 --hang-timeout 10) passed with no step line "
+                        "or heartbeat)")]),
+    ("prints steadily, no step: output is progress, the plain limit after start-up", 10.0, [
+        ("begin", 0.0), *[("line", float(t), "n1") for t in range(0, 31, 2)],
+        ("check", 40.0, None), ("check", 40.6, "no progress on any rank for 11 s (--hang-timeout 10;")]),
+    ("a step line ends the allowance at once", 10.0, [
+        ("begin", 0.0), ("step", 3.0), ("line", 3.0, "n1"), ("check", 13.0, None),
+        ("check", 13.4, "no progress on any rank for 10 s (--hang-timeout 10)")]),
+    ("a heartbeat step ends it too", 10.0, [
+        ("begin", 0.0), ("report", 4.0, "n1", 0.0, 1), ("check", 14.0, None),
+        ("check", 14.3, "no progress on any rank for 10 s (--hang-timeout 10)")]),
+    ("one node progressing holds it off", 10.0, [
+        ("begin", 0.0), ("step", 1.0), ("report", 30.0, "n1", 29.0, 1),
+        ("report", 30.0, "n2", 1.0, 9), ("check", 35.0, None), ("line", 38.0, "n2"),
+        ("check", 47.9, None), ("check", 48.2, "for 10 s (--hang-timeout 10)")]),
+    ("an agent's idle before the gate's GO does not count", 10.0, [
+        ("report", 40.0, "n1", 40.0, None), ("check", 49.0, None), ("begin", 50.0),
+        ("report", 51.0, "n1", 51.0, None), ("check", 69.9, None),
+        ("check", 70.0, "since they started 20 s ago")]),
+    ("an older report does not undo a line the launcher saw", 10.0, [
+        ("begin", 0.0), ("step", 0.5), ("line", 9.0, "n1"), ("report", 9.5, "n1", 8.0, None),
+        ("check", 18.9, None), ("check", 19.2, "for 10 s")]),
+    ("not begun: never", 10.0, [("check", 1000.0, None)]),
+    ("--hang-timeout 0: off", 0.0, [("begin", 0.0), ("check", 1e9, None)]),
+]
+
+
+@pytest.mark.parametrize("case", WATCHDOG_TABLE, ids=[c[0] for c in WATCHDOG_TABLE])
+def test_watchdog_table(case: tuple[str, float, list[tuple[Any, ...]]]) -> None:
+    _name, timeout, rows = case
+    wd = Watchdog(hang_timeout_s=timeout, started_at=0.0)
+    for kind, t, *rest in rows:
+        if kind == "begin":
+            wd.begin(t)
+        elif kind == "line":
+            wd.output(rest[0], t)
+        elif kind == "step":
+            wd.saw_training(t)
+        elif kind == "report":
+            node, idle, step = rest
+            wd.report(node, {"idle_s": idle, "step": step}, now=t)
+        else:
+            got = wd.check(t)
+            want = rest[0]
+            if want is None:
+                assert got is None, (t, got)
+            else:
+                assert got is not None and want in got, (t, got)
+
+
+def test_watchdog_limits_and_helpers() -> None:
     wd = Watchdog(hang_timeout_s=10.0, started_at=0.0)
-    # nothing reported: silence since start, and start-up is allowed twice the limit
-    assert not wd.stalled(19.0) and wd.stalled(21.0)
-    wd.report("node1", {"idle_s": 30.0, "step": None}, now=11.0)
-    assert wd.limit() == 20.0
+    wd.begin(0.0)
+    assert wd.limit(5.0) == 20.0 and wd.limit(20.0) == 10.0  # the allowance, then the limit
     wd.report("node1", {"idle_s": 30.0, "step": 4}, now=11.0)
     wd.report("node2", {"idle_s": 1.0, "step": 5}, now=11.0)
-    assert wd.limit() == 10.0
-    assert wd.idle(11.0) == 1.0 and not wd.stalled(15.0) and wd.stalled(20.5)
-    assert wd.last_step() == 5
-    assert not Watchdog(0.0, 0.0).stalled(1e9)  # 0: off
+    assert wd.limit(11.0) == 10.0 and wd.idle(11.0) == 1.0 and wd.last_step() == 5
+    assert step_of("[clusterkit] step 10/30 | loss 4.8") == 10 and step_of("Step: 3") == 3
+    assert step_of("steps=5 loaded") is None and step_of("no numbers") is None
     assert ping_interval(60.0) == 5.0 and ping_interval(4.0) == 1.0
 
 

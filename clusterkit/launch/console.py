@@ -1,8 +1,11 @@
 """What the user sees while a job runs: ``[node3 r5] text`` lines plus, on a TTY, a
-live status line (nodes up, step, loss, tokens/s parsed from rank 0's progress).
+live status line (the phase, the time since the launch started, nodes up, step,
+loss, tokens/s parsed from rank 0's progress).
 
 Piped output stays plain lines (grep-able, no escape codes); rank 0 is highlighted
-only on a terminal.
+only on a terminal. After the job's first failure, the other ranks' output (their
+collateral tracebacks) is folded into one line per attempt (:class:`FoldingSink`,
+:meth:`clusterkit.fold.LineFolder.fail`); their log files keep every line.
 """
 
 from __future__ import annotations
@@ -11,15 +14,15 @@ import re
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Protocol
 
 from clusterkit.fold import FOLD_WINDOW_S, Folded, LineFolder
+from clusterkit.launch.watchdog import STEP_LINE
 
 if TYPE_CHECKING:
     from rich.text import Text
 
-_STEP = re.compile(r"\bstep[ =:]+(\d+)(?:\s*/\s*(\d+))?", re.IGNORECASE)
 _LOSS = re.compile(r"\bloss[ =:]+([0-9.]+(?:e[-+]?\d+)?)", re.IGNORECASE)
 _TOKS = re.compile(r"([0-9][0-9,.]*[kMG]?)\s*tok(?:ens)?/s", re.IGNORECASE)
 
@@ -35,7 +38,20 @@ class Sink(Protocol):
 
     def node_done(self, node: str, code: int) -> None: ...
 
+    def phase(self, name: str, detail: str = "") -> None: ...
+
+    def failed_first(self, rank: int, where: str, logs: str) -> None: ...
+
+    def end_attempt(self) -> None: ...
+
     def close(self) -> None: ...
+
+
+# Where a launch is, in order (the orchestrator only moves forward within an attempt):
+# the agents' SSH sessions start; they report their facts to the gate; GO, the ranks
+# start; every node's ranks run but no step yet (imports, init_process_group, model
+# build, checkpoint load); a step line or heartbeat was seen; the teardown.
+PHASES = ("connecting", "gate", "starting ranks", "initialising", "training", "tearing down")
 
 
 def prefix(node: str, rank: int | None) -> str:
@@ -52,7 +68,7 @@ class Progress:
 
     def update(self, text: str) -> bool:
         changed = False
-        for regex, attr in ((_STEP, "step"), (_LOSS, "loss"), (_TOKS, "toks")):
+        for regex, attr in ((STEP_LINE, "step"), (_LOSS, "loss"), (_TOKS, "toks")):
             m = regex.search(text)
             if m:
                 value = m.group(1)
@@ -61,6 +77,47 @@ class Progress:
                 setattr(self, attr, value)
                 changed = True
         return changed
+
+
+def clock(seconds: float) -> str:
+    """``42 s``, ``3:07``, ``1:02:03``: the elapsed time on the status line."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s} s"
+    h, rest = divmod(s, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+@dataclass
+class StatusLine:
+    """The live status line's state; :meth:`text` renders it at ``now`` (pure)."""
+
+    total: int
+    started_at: float  # the launch's start (monotonic): elapsed counts the whole job
+    phase: str = "connecting"
+    detail: str = ""
+    phase_at: float | None = None
+    up: set[str] = field(default_factory=set)
+    done: dict[str, int] = field(default_factory=dict)
+    progress: Progress = field(default_factory=Progress)
+
+    def set_phase(self, name: str, detail: str, now: float) -> None:
+        if name != self.phase:
+            self.phase_at = now
+        self.phase, self.detail = name, detail
+
+    def text(self, now: float) -> str:
+        failed = sum(1 for c in self.done.values() if c != 0)
+        phase = f"{self.phase} {self.detail}" if self.detail else self.phase
+        if self.phase_at is not None and self.phase != "training":
+            phase += f" {clock(now - self.phase_at)}"  # how long this phase has lasted
+        parts = [phase, f"{clock(now - self.started_at)} since launch",
+                 f"nodes up {len(self.up) - len(self.done)}/{self.total}"]
+        if failed:
+            parts.append(f"failed {failed}")
+        parts.append(f"step {self.progress.step}  loss {self.progress.loss}"
+                     f"  tokens/s {self.progress.toks}")
+        return " " + "  ".join(parts)
 
 
 class PlainSink:
@@ -93,6 +150,15 @@ class PlainSink:
     def node_done(self, node: str, code: int) -> None:
         pass
 
+    def phase(self, name: str, detail: str = "") -> None:
+        pass  # piped output: no status line
+
+    def failed_first(self, rank: int, where: str, logs: str) -> None:
+        pass  # unfolded output shows every line
+
+    def end_attempt(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -100,29 +166,25 @@ class PlainSink:
 class RichSink:
     """A terminal: rank-0 lines highlighted, a live status line kept at the bottom."""
 
-    def __init__(self, total_nodes: int) -> None:
+    def __init__(self, total_nodes: int, started_at: float | None = None) -> None:
         from rich.console import Console
         from rich.live import Live
         from rich.text import Text
 
         self._text = Text
         self.console = Console(highlight=False)
-        self.total = total_nodes
-        self.up: set[str] = set()
-        self.done: dict[str, int] = {}
-        self.progress = Progress()
-        self._live = Live(self._status(), console=self.console, refresh_per_second=4,
-                          transient=True)
+        self.state = StatusLine(total_nodes, time.monotonic() if started_at is None
+                                else started_at)
+        self.progress = self.state.progress
+        # get_renderable: the line is rendered at every refresh, so the clock runs.
+        self._live = Live(console=self.console, refresh_per_second=4, transient=True,
+                          get_renderable=self._status)
         self._live.start()
 
     def _status(self) -> Text:
-        failed = sum(1 for c in self.done.values() if c != 0)
-        t = self._text()
-        t.append(f" nodes up {len(self.up) - len(self.done)}/{self.total}", style="bold")
-        if failed:
-            t.append(f"  failed {failed}", style="bold red")
-        t.append(f"  step {self.progress.step}  loss {self.progress.loss}"
-                 f"  tokens/s {self.progress.toks}")
+        t = self._text(self.state.text(time.monotonic()), style="bold")
+        if any(c != 0 for c in self.state.done.values()):
+            t.stylize("bold red")
         return t
 
     def line(self, node: str, rank: int | None, text: str, *, agent: bool = False) -> None:
@@ -136,19 +198,29 @@ class RichSink:
         out = self._text(label + " ", style=style)
         out.append(text, style="bold" if rank0 else "")
         self.console.print(out, soft_wrap=True)
-        if rank0 and self.progress.update(text):
-            self._live.update(self._status())
+        if rank0:
+            self.progress.update(text)
 
     def info(self, text: str) -> None:
         self.console.print(self._text(f"[clusterkit] {text}", style="bold magenta"), soft_wrap=True)
 
     def node_up(self, node: str) -> None:
-        self.up.add(node)
-        self._live.update(self._status())
+        self.state.up.add(node)
 
     def node_done(self, node: str, code: int) -> None:
-        self.done[node] = code
-        self._live.update(self._status())
+        self.state.done[node] = code
+
+    def phase(self, name: str, detail: str = "") -> None:
+        if name == "connecting":  # a new attempt: its nodes come up again
+            self.state.up.clear()
+            self.state.done.clear()
+        self.state.set_phase(name, detail, time.monotonic())
+
+    def failed_first(self, rank: int, where: str, logs: str) -> None:
+        pass
+
+    def end_attempt(self) -> None:
+        pass
 
     def close(self) -> None:
         self._live.stop()
@@ -165,6 +237,7 @@ class FoldingSink:
     def __init__(self, inner: Sink, folder: LineFolder, tick_s: float = 0.2) -> None:
         self.inner = inner
         self.folder = folder
+        self._failure: tuple[str, str] = ("", "")  # (where, logs) of this attempt's first failure
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._tick, args=(tick_s,), daemon=True,
@@ -201,6 +274,23 @@ class FoldingSink:
 
     def node_done(self, node: str, code: int) -> None:
         self.inner.node_done(node, code)
+
+    def phase(self, name: str, detail: str = "") -> None:
+        self.inner.phase(name, detail)
+
+    def failed_first(self, rank: int, where: str, logs: str) -> None:
+        with self._lock:
+            if self.folder.fail(rank):
+                self._failure = (where, logs)
+
+    def end_attempt(self) -> None:
+        """The attempt is over: its collateral line, then a fresh start for the next one."""
+        self._release(final=True)
+        with self._lock:
+            item = self.folder.collateral(*self._failure)
+        if item is not None:
+            self.inner.show(item)
+        self.inner.end_attempt()
 
     def close(self) -> None:
         self._stop.set()

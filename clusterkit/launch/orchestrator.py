@@ -29,10 +29,10 @@ from typing import Any
 from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.errors import TransportError
 from clusterkit.hostrange import folded_lines
-from clusterkit.launch.console import Sink
+from clusterkit.launch.console import PHASES, Sink
 from clusterkit.launch.gate import GATE_TIMEOUT_S, GateResult, judge
 from clusterkit.launch.stacks import RankStack, StackSummary, read_stack, summarize
-from clusterkit.launch.watchdog import DUMP_COLLECT_S, Watchdog, ping_interval
+from clusterkit.launch.watchdog import DUMP_COLLECT_S, Watchdog, ping_interval, step_of
 from clusterkit.node import protocol
 from clusterkit.node.protocol import EVENT_PREFIX, LINE_PREFIX
 from clusterkit.node.ship import NodeCommand, agent_command
@@ -156,6 +156,7 @@ class _Node:
     code: int | None = None
     dropped: bool = False
     failed_rank: dict[str, Any] | None = None
+    started: bool = False  # its agent reported "started" (its ranks run)
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     rank_tails: dict[int, deque[str]] = field(default_factory=dict)
 
@@ -194,6 +195,7 @@ class Orchestrator:
         self._stack_summary: StackSummary | None = None
         self._stacks_dir = stacks_dir  # launcher side copy of the dumps (None: nodes only)
         self._unconfirmed: list[str] = []
+        self._phase = -1  # index into console.PHASES: the status line only moves forward
 
     # -------------------------------------------------------------- public
 
@@ -206,6 +208,7 @@ class Orchestrator:
         finally:
             for sig, handler in restore.items():
                 signal.signal(sig, handler)
+            self.sink.end_attempt()  # the collateral line, once every rank line is in
         gate_failed = self._gate is not None and not self._gate.ok  # nothing was started
         leftovers = self._verify_gone() if (self._failure or self._interrupts) and not gate_failed \
             else {}
@@ -239,9 +242,28 @@ class Orchestrator:
     def _start_all(self) -> None:
         self.sink.info(f"job {self.job.job_id}: starting {len(self.nodes)} node agents"
                        + (f" (attempt {self.job.attempt + 1})" if self.job.attempt else ""))
+        self._set_phase("connecting", f"attempt {self.job.attempt + 1}" if self.job.attempt
+                        else "")
         self._gate_started = time.monotonic()
         with ThreadPoolExecutor(max_workers=min(64, len(self.nodes))) as pool:
             list(pool.map(self._start_one, self.nodes.values()))
+        if self.job.gate_need is None:  # no gate: the agents start their ranks at once
+            self._ranks_starting()
+
+    def _ranks_starting(self) -> None:
+        self._watchdog.begin(time.monotonic())
+        self._set_phase("starting ranks")
+
+    def _set_phase(self, name: str, detail: str = "") -> None:
+        """Tell the console where the job is (forward only; a detail may change)."""
+        index = PHASES.index(name)
+        if index >= self._phase:
+            self._phase = index
+            self.sink.phase(name, detail)
+
+    def _training_seen(self) -> None:
+        if self._watchdog.saw_training(time.monotonic()):
+            self._set_phase("training")
 
     def _read(self, state: _Node, proc: RemoteProcess) -> None:
         for stream, line in proc.lines():
@@ -283,6 +305,10 @@ class Orchestrator:
             offset = self.job.rank_offsets().get(node, state.task.rank_offset)
             rank = offset + int(lrank_s) if lrank_s.isdigit() else None
             self._record_tail(self.nodes.get(node, state), rank, text)
+            if rank is not None:  # a rank's line is progress, a step line a sign of training
+                self._watchdog.output(node, time.monotonic())
+                if step_of(text) is not None:
+                    self._training_seen()
             if text.startswith(SUMMARY_PREFIX) and (self._summary is None or rank == 0):
                 self._summary = _parse_json(text[len(SUMMARY_PREFIX):])
             self.sink.line(node, rank, text)
@@ -318,11 +344,17 @@ class Orchestrator:
         elif kind == "facts":
             self._facts[state.task.node] = dict(ev.get("facts") or {})
             self._gate_last = time.monotonic()
+            self._set_phase("gate", f"{len(self._facts)}/{len(self.nodes)} nodes")
             self._decide_gate()
         elif kind == "started":
             self.sink.node_up(state.task.node)
+            state.started = True
+            if all(s.started for s in self.nodes.values()):
+                self._set_phase("initialising")
         elif kind == "progress":
             self._watchdog.report(state.task.node, ev, time.monotonic())
+            if self._watchdog.last_step() is not None:
+                self._training_seen()
         elif kind == "stacks":
             self._on_stacks(state, ev)
         elif kind == "error":
@@ -383,6 +415,7 @@ class Orchestrator:
                            self.job.gate_need)
         if self._gate.ok:
             self._broadcast("GO")
+            self._ranks_starting()
             return
         for line in folded_lines(self._gate.problems.items(), list(self.nodes)):
             self.sink.info(line)  # "node[1-7]: why": nodes with one problem share a line
@@ -422,12 +455,21 @@ class Orchestrator:
             )
             self.sink.info(f"{self._failure.where()} failed ({_describe(self._failure)}): "
                            "stopping the job on every node")
+            if rank is not None:  # the other ranks' tracebacks that follow are collateral
+                self.sink.failed_first(rank, self._failure.where(), self._rank_logs())
         self._begin_teardown()
+
+    def _rank_logs(self) -> str:
+        """Where every rank's output is kept (the agents' per-rank logs)."""
+        dirs = {t.job_dir.replace("@JOB@", self.job.job_id) for t in self.job.tasks}
+        job_dir = dirs.pop() if len(dirs) == 1 else "<job dir>"
+        return f"{job_dir}/nodes/<node>/rank<N>.log"
 
     def _begin_teardown(self) -> None:
         if self._teardown_at is not None:
             return
         self._teardown_at = time.monotonic()
+        self._set_phase("tearing down")
         self._broadcast("TERM")
 
     def _broadcast(self, command: str) -> None:
@@ -472,11 +514,10 @@ class Orchestrator:
         if wd.fired_at is None:
             if self._teardown_at is not None or self._interrupts or not self._running():
                 return
-            if wd.stalled(now):
+            why = wd.check(now)
+            if why is not None:
                 wd.fired_at = now
-                self.sink.info(f"no progress on any rank for {wd.idle(now):.0f} s "
-                               f"(--hang-timeout {wd.hang_timeout_s:g}): collecting every "
-                               "rank's Python stacks")
+                self.sink.info(f"{why}: collecting every rank's Python stacks")
                 self._broadcast("DUMP")
             return
         if self._stack_summary is None and self._teardown_at is None and (

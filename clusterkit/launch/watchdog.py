@@ -10,21 +10,38 @@ a rank stuck in a collective blocks the others, so they all go quiet together;
 a rank that merely prints less than the others (user scripts often print on rank 0
 only) does not count as hung while any other rank still progresses.
 
-Start-up counts double: until some rank reports a step (its first heartbeat; the
-workload writes one after each step) the limit is ``STARTUP_FACTOR * hang_timeout_s``.
-Imports, DeepSpeed's op builds and a checkpoint load print nothing for long
-stretches (measured: 30 s of silence on a loaded test bed), and a hang there is
-still caught, only later.
+**The start-up allowance** (the watchdog's word, issue 25): the clock starts when
+the ranks are started (:meth:`Watchdog.begin`: the gate's GO, or the agents'
+start without a gate), and for the first ``STARTUP_FACTOR * hang_timeout_s`` the
+watchdog does not fire: imports, DeepSpeed's op builds and a checkpoint load print
+nothing for long stretches (measured: 30 s of silence on a loaded test bed). The
+allowance ends early at the first sign of training: a heartbeat with a step
+number, or a rank's output line that reads as a step (:func:`step_of`: ``step 10``,
+``step=10``, ``Step: 10/30``). After it, the limit is ``hang_timeout_s`` of
+silence, and the message says which limit fired (:meth:`Watchdog.check`). A
+script that prints but never reports a step is held to the plain limit once the
+allowance has passed: its output lines are its progress.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_KEEPALIVE_S = 60.0
-DUMP_COLLECT_S = 30.0
-STARTUP_FACTOR = 2.0  # how long the launcher waits for every node's stacks
+DUMP_COLLECT_S = 30.0  # how long the launcher waits for every node's stacks
+STARTUP_FACTOR = 2.0  # the start-up allowance, in units of --hang-timeout
+
+# A rank's output line that reports a training step (the console's status line
+# reads the same: "step 10/30 | loss 4.8", "step=10", "Step: 10").
+STEP_LINE = re.compile(r"\bstep[ =:]+(\d+)(?:\s*/\s*(\d+))?", re.IGNORECASE)
+
+
+def step_of(text: str) -> int | None:
+    """The step number a rank's line reports, or None."""
+    m = STEP_LINE.search(text)
+    return int(m.group(1)) if m else None
 
 
 def ping_interval(keepalive_s: float) -> float:
@@ -45,31 +62,91 @@ class NodeProgress:
 @dataclass
 class Watchdog:
     hang_timeout_s: float
-    started_at: float
+    started_at: float  # until begin(): the launcher's start (no firing before begin)
     nodes: dict[str, NodeProgress] = field(default_factory=dict)
     fired_at: float | None = None
+    begun: bool = False  # the ranks were started: the start-up allowance runs
+    training_at: float | None = None  # first sign of training (step line or heartbeat step)
+
+    def begin(self, now: float) -> None:
+        """The ranks are being started now: the start-up allowance counts from here."""
+        if not self.begun:
+            self.begun, self.started_at = True, now
 
     def report(self, node: str, ev: dict[str, Any], now: float) -> None:
         idle = ev.get("idle_s")
         step = ev.get("step")
         if isinstance(idle, (int, float)):
-            self.nodes[node] = NodeProgress(float(idle), now,
-                                            step if isinstance(step, int) else None)
+            step = step if isinstance(step, int) and not isinstance(step, bool) else None
+            prev = self.nodes.get(node)
+            # Both are upper bounds of the true silence: a line the launcher saw after
+            # the agent measured must not be forgotten by the older report.
+            idle = min(float(idle), prev.idle_now(now)) if prev else float(idle)
+            self.nodes[node] = NodeProgress(idle, now, step if step is not None
+                                            else (prev.step if prev else None))
+            if step is not None:
+                self.saw_training(now)
+
+    def output(self, node: str, now: float) -> None:
+        """A rank of ``node`` printed a line now (the launcher sees every line at once;
+        the agents' reports come every few seconds)."""
+        prev = self.nodes.get(node)
+        self.nodes[node] = NodeProgress(0.0, now, prev.step if prev else None)
+
+    def saw_training(self, now: float) -> bool:
+        """A sign of training (a step line, a heartbeat step); True the first time."""
+        if self.training_at is None:
+            self.training_at = now
+            return True
+        return False
 
     def idle(self, now: float) -> float:
-        """Seconds since any rank of the job made progress (since start before any report)."""
-        if not self.nodes:
-            return now - self.started_at
-        return min(p.idle_now(now) for p in self.nodes.values())
+        """Seconds since any rank of the job made progress, at most since begin().
 
-    def limit(self) -> float:
-        """The silence allowed now: doubled until the first step is reported."""
-        factor = 1.0 if self.last_step() is not None else STARTUP_FACTOR
-        return self.hang_timeout_s * factor
+        An agent's idle time before its ranks printed counts from the agent's own
+        start (before the gate); the ranks cannot be silent for longer than they ran.
+        """
+        since_start = now - self.started_at
+        if not self.nodes:
+            return since_start
+        return min(since_start, *(p.idle_now(now) for p in self.nodes.values()))
+
+    @property
+    def allowance_s(self) -> float:
+        return STARTUP_FACTOR * self.hang_timeout_s
+
+    def in_startup(self, now: float) -> bool:
+        """The start-up allowance still runs: no sign of training, and not over yet."""
+        return self.training_at is None and now - self.started_at < self.allowance_s
+
+    def limit(self, now: float) -> float:
+        """The silence allowed now: the allowance's rest during start-up, else the limit."""
+        if self.in_startup(now):
+            return self.allowance_s
+        return self.hang_timeout_s
 
     def stalled(self, now: float) -> bool:
-        return (self.hang_timeout_s > 0 and self.fired_at is None
-                and self.idle(now) > self.limit())
+        return self.check(now) is not None
+
+    def check(self, now: float) -> str | None:
+        """The watchdog's verdict at ``now``: None, or why it fires (the limit applied)."""
+        if self.hang_timeout_s <= 0 or self.fired_at is not None or not self.begun:
+            return None
+        if self.in_startup(now):
+            return None  # idle <= now - started_at < the allowance: nothing can fire yet
+        idle = self.idle(now)
+        t, allowance = self.hang_timeout_s, self.allowance_s
+        if idle <= t:
+            return None
+        if self.training_at is not None:
+            return f"no progress on any rank for {idle:.0f} s (--hang-timeout {t:g})"
+        startup = (f"the start-up allowance of {allowance:g} s "
+                   f"({STARTUP_FACTOR:g} \u00d7 --hang-timeout {t:g})")
+        if idle >= now - self.started_at - 1.0:  # silent since the ranks started
+            return (f"no sign of training within {startup}: no output or heartbeat from any "
+                    f"rank since they started {idle:.0f} s ago")
+        return (f"no progress on any rank for {idle:.0f} s (--hang-timeout {t:g}; {startup} "
+                "passed with no step line or heartbeat)")
 
     def last_step(self) -> int | None:
         steps = [p.step for p in self.nodes.values() if p.step is not None]
