@@ -208,7 +208,7 @@ def _print_summary(result: Any) -> None:
         print(f"[clusterkit] job {plan.job_id} interrupted: stopped on every node", file=sys.stderr)
     else:
         print(f"[clusterkit] job {plan.job_id} finished{tries}: {len(plan.nodes)} nodes, "
-              f"{plan.world_size} ranks, {out.elapsed_s:.1f} s")
+              f"{plan.world_size} ranks, {result.timing()}")
     for node, count in out.leftovers.items():
         print(f"[clusterkit] warning: {count} process(es) of this job still on {node}; "
               f"run `clusterkit stop {plan.job_id}`", file=sys.stderr)

@@ -47,6 +47,17 @@ class LaunchResult:
     exit_code: int
     outcomes: list[JobOutcome]
     plan: LaunchPlan
+    # The whole job, from the first attempt's start to the last one's end (restarts,
+    # their re-checks and every attempt included); outcomes[i].elapsed_s is attempt i's.
+    elapsed_s: float = 0.0
+
+    def timing(self) -> str:
+        """``247.0 s`` or ``247.0 s in all (attempts 102.3 + 138.0 s)``."""
+        total = f"{self.elapsed_s:.1f} s"
+        if len(self.outcomes) < 2:
+            return total
+        each = " + ".join(f"{o.elapsed_s:.1f}" for o in self.outcomes)
+        return f"{total} in all (attempts {each} s)"
 
 
 def run_id(stamp: str, attempt: int) -> str:
@@ -165,6 +176,7 @@ def _record(job: JobSpec, plan: JobPlan, attempt: int) -> JobRecord:
 def launch(options: JobOptions, planner: Planner, transport: Transport, registry: Registry,
            settings: LaunchSettings, sink: Sink, decisions: JobPlan | None = None) -> LaunchResult:
     """``decisions``: the plan of ``options`` when the caller has made it already."""
+    started = time.monotonic()
     decisions = decisions or planner(options)
     note = check_continue(decisions, registry.find(decisions.job_id))
     if note:
@@ -193,7 +205,8 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         outcomes.append(outcome)
         _finish_record(registry, record, outcome)
         if outcome.exit_code == 0 or outcome.interrupted or attempt == settings.max_restarts:
-            return LaunchResult(outcome.exit_code, outcomes, plan)
+            return LaunchResult(outcome.exit_code, outcomes, plan,
+                                elapsed_s=time.monotonic() - started)
         decisions, options = _prepare_restart(options, decisions, planner, transport, settings,
                                               sink)
         sink.info(f"restarting (attempt {attempt + 2} of {settings.max_restarts + 1}): "
