@@ -249,7 +249,7 @@ def _sigterm(_sig: int, _frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.collect", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.collect", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=7)
     p.add_argument("--sizes", default="tiny,large", help="comma list of: " + ", ".join(SIZES))

@@ -216,7 +216,8 @@ def _with_bed(mask_bashrc: bool, body: Callable[[Testbed], None]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0],
+                                     allow_abbrev=False)
     parser.add_argument("--sizes", type=int, nargs="+", default=[7, 32, 128])
     parser.add_argument("--repeat", type=int, default=3, help="interleaved pairs per size")
     parser.add_argument("--mask-bashrc", action="store_true",

@@ -198,7 +198,7 @@ def _summary(runs: list[Run], modes: list[str], shapes: list[str]) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="7x2,32x1", help="NODESxRANKS, comma-separated")
     p.add_argument("--repeat", type=int, default=1, help="repetitions, interleaved")

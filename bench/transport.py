@@ -63,7 +63,7 @@ def bench(tb: Testbed, n: int, rounds: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--nodes", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prefix", help="use this existing test bed instead of a new one")

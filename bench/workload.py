@@ -115,7 +115,8 @@ def raw_worker(ns: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=60)

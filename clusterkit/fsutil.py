@@ -42,6 +42,35 @@ class _suppress_oserror:
         return isinstance(exc, OSError)
 
 
+def check_writable(path: str, key: str, *, directory: bool = False) -> None:
+    """A path the user asked clusterkit to write (``-o FILE``, ``--fix-env FILE``, ``--out
+    DIR``, ``--to DEST``), checked before any work, as ``cp`` would: its parent directory
+    must exist already (clusterkit never creates parents a typo named), a file must not
+    be a directory and a directory not a file, and the place must take a new entry
+    (probed with a temporary directory, removed again: permissions, read-only mounts and
+    /proc all answer the same way). One :class:`ClusterkitError` naming ``key``.
+    """
+    if not path:
+        raise ClusterkitError("is empty", key=key, hint="give a path")
+    target = Path(path)
+    if directory and target.exists() and not target.is_dir():
+        raise ClusterkitError("is a file, not a directory", path=path, key=key,
+                              hint="give a directory (it is created if missing)")
+    if not directory and target.is_dir():
+        raise ClusterkitError("is a directory, not a file", path=path, key=key,
+                              hint=f"name the file to write, e.g. {path.rstrip('/')}/NAME")
+    where = target if directory and target.is_dir() else target.parent
+    if not where.is_dir():
+        raise ClusterkitError(f"directory {where} does not exist", path=path, key=key,
+                              hint=f"create it first (mkdir -p {where}); clusterkit does not "
+                                   "create parent directories")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".clusterkit-probe-", dir=where))
+    except OSError as exc:
+        raise ClusterkitError(f"cannot write there: {exc.strerror or exc}", path=path, key=key,
+                              hint="choose a place you can write to") from None
+
+
 def read_json_object(path: str, what: str, error: type[ClusterkitError]) -> dict[str, Any]:
     """Read a JSON file that must hold an object; failures become one-line ``error``s."""
     try:

@@ -27,7 +27,7 @@ _REWORDS = (
     (re.compile(r"invalid int value: (.*)"), r"expected a whole number, got \1"),
     (re.compile(r"invalid float value: (.*)"), r"expected a number, got \1"),
     (re.compile(r"expected one argument"), "needs a value"),
-    (re.compile(r"not allowed with argument (.*)"), r"cannot be combined with \1"),
+    (re.compile(r"not allowed with argument (?:\S+/)?(\S+)"), r"cannot be combined with \1"),
     (re.compile(r"the following arguments are required: (.*)"), r"missing \1"),
 )
 _NEGATIVE_NUMBER = re.compile(r"-\d+(\.\d*)?")

@@ -20,6 +20,7 @@ from clusterkit.cli.common import (
     resolve_inventory,
 )
 from clusterkit.errors import CheckpointError
+from clusterkit.fsutil import check_writable
 from clusterkit.inventory import Host
 from clusterkit.remote.base import SSHTarget, target_for
 from clusterkit.slurm.steps import ALLOC_WAIT_S
@@ -322,6 +323,8 @@ def _collect_verb(args: argparse.Namespace) -> int:
 
     if args.jobs < 1:
         raise CheckpointError("--jobs must be >= 1", key="--jobs")
+    if args.dest is not None and not args.scatter:  # its parent must exist (like cp)
+        check_writable(args.dest, "--to", directory=True)
     nodes, slots, default_dest = resolve_nodes(args)
     dest = os.path.abspath(args.dest or default_dest)
     options = CollectOptions(dest=dest, tag=args.tag, jobs=args.jobs, method=args.via,

@@ -18,6 +18,7 @@ from clusterkit.cli.common import (
 )
 from clusterkit.cli.jobflags import job_id_type
 from clusterkit.errors import ClusterkitError
+from clusterkit.fsutil import check_writable
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER
 from clusterkit.spec.ports import master_port
 from clusterkit.units import duration_type, size_type
@@ -83,6 +84,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from clusterkit.checks.doctor import plan_doctor, run_doctor
     from clusterkit.hostfile import select_hosts
 
+    if args.fix_env:
+        check_writable(args.fix_env, "--fix-env")  # before the checks run, not after
     inv = resolve_inventory(args.inventory)
     chosen = select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                           include=args.include, exclude=args.exclude)

@@ -8,7 +8,7 @@ import sys
 
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
 from clusterkit.errors import InventoryError
-from clusterkit.fsutil import atomic_write_text
+from clusterkit.fsutil import atomic_write_text, check_writable
 from clusterkit.hostfile import (
     inventory_pool,
     inventory_yaml_from_hostfile,
@@ -87,6 +87,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    if args.out:
+        check_writable(args.out, "-o")  # like cp: an existing directory, a file name
     try:
         with open(args.hostfile, encoding="utf-8") as fh:
             text = fh.read()
@@ -104,6 +106,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.out:
+        check_writable(args.out, "-o")
     inv = resolve_inventory(args.inventory)
     chosen = select(inventory_pool(inv), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                     include=args.include, exclude=args.exclude)

@@ -16,6 +16,7 @@ from clusterkit.cli.common import (
     add_inventory_option,
     add_ranks_option,
     add_selection_options,
+    check_ranks,
     clusterkit_home,
     resolve_job_inventory,
 )
@@ -125,6 +126,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return plan
 
     first = planner(options)  # the one plan; launch() reuses it
+    check_ranks(args.ranks, first.world_size)
     if args.dry_run:
         _print_plan(first, native=BACKENDS[args.launcher].native)
         return 0

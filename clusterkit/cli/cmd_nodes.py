@@ -29,8 +29,10 @@ def cmd_install(args: argparse.Namespace) -> int:
     from clusterkit.hostrange import folded_lines
     from clusterkit.remote.base import target_for
     from clusterkit.remote.dispatch import transport_for
-    from clusterkit.remote.install import InstallNode, install_all
+    from clusterkit.remote.install import InstallNode, check_wheel, install_all
 
+    if args.wheel:
+        check_wheel(Path(args.wheel))  # before any node is asked
     inv = resolve_inventory(args.inventory)
     chosen = select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                           include=args.include, exclude=args.exclude)

@@ -9,9 +9,8 @@ from pathlib import Path
 from clusterkit.cli import jobflags
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_job_inventory
 from clusterkit.cli.jobflags import add_job_flags, add_program, default_job_id_now, launch_facts
-from clusterkit.cli.safety import check_out_dir
 from clusterkit.errors import RenderError
-from clusterkit.fsutil import atomic_write_text
+from clusterkit.fsutil import atomic_write_text, check_writable
 from clusterkit.plan import plan_job
 from clusterkit.render.artifacts import dry_run_text, render_all, summary
 from clusterkit.spec.job import JobOptions, LaunchPlan
@@ -25,8 +24,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                     "last, as in `clusterkit launch`: [-m MODULE] [SCRIPT] [ARGS...].")
     add_inventory_option(p)
     add_selection_options(p)
-    p.add_argument("-o", "--out", metavar="DIR", help="write the files here (required unless --dry-run)")
-    p.add_argument("--dry-run", action="store_true", help="print what would be written, write nothing")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("-o", "--out", metavar="DIR",
+                     help="write the files here (required unless --dry-run; DIR is created if "
+                          "missing, its parent must exist)")
+    out.add_argument("--dry-run", action="store_true",
+                     help="print what would be written, write nothing (not with --out)")
     add_job_options(p)
     p.add_argument("--write-user-deepspeed-env", action="store_true",
                    help="also replace ~/.deepspeed_env (atomically) with the job's environment")
@@ -60,8 +63,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     if not args.out and not args.dry_run:
         raise RenderError("say where to write the files", key="--out",
                           hint="pass --out DIR, or --dry-run to only print them")
-    if args.out and not args.dry_run:
-        check_out_dir(args.out)  # one line naming --out, before any planning
+    if args.out:
+        check_writable(args.out, "--out", directory=True)  # one line, before any planning
     plan = build_plan(args)
     user_env = Path.home() / ".deepspeed_env"
     if args.dry_run:

@@ -55,6 +55,10 @@ def run_sync(src: str, hosts: Sequence[Host], *, delete: bool = False,
     if not os.path.isdir(src):
         raise ClusterkitError(f"{src} is not a directory", path=src,
                               hint="pass the code directory to sync (default: .)")
+    if exclude_from is not None and not os.path.isfile(exclude_from):
+        raise ClusterkitError("is a directory" if os.path.isdir(exclude_from) else "no such file",
+                              path=exclude_from, key="--exclude-from",
+                              hint="give a file of gitignore-style patterns")
     cwd = cwd or os.getcwd()
     nodes = [SyncNode(h.name, target_for(h), h.python or sys.executable,
                       destination(src, h, cwd)) for h in hosts]

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from clusterkit.cli.safety import HostfilePath, node_spec_hint
-from clusterkit.errors import InventoryError
+from clusterkit.errors import ClusterkitError, InventoryError
 from clusterkit.fold import parse_ranks
 from clusterkit.inventory import Inventory, load_inventory, local_inventory, parse_inventory
 
@@ -43,6 +43,16 @@ def _rank_selection(text: str) -> frozenset[int] | None:
         return parse_ranks(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def check_ranks(ranks: frozenset[int] | None, world_size: int) -> None:
+    """``--ranks`` against the job's size, once it is known (the parser cannot know it):
+    a selection naming no rank of the job would show nothing, silently."""
+    beyond = sorted(r for r in ranks or () if r >= world_size)
+    if beyond:
+        raise ClusterkitError(f"rank {beyond[0]} is not in this job: it has ranks 0-"
+                              f"{world_size - 1}", key="--ranks",
+                              hint=f"choose ranks below {world_size}, or all")
 
 
 def clusterkit_home() -> Path:

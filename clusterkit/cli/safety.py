@@ -89,6 +89,8 @@ RULES: tuple[Rule, ...] = (
     Rule("save_every", "--save-every", _at_least(0), "a number >= 0"),
     Rule("max_restarts", "--max-restarts", _at_least(0), "a number >= 0"),
     Rule("warmup_steps", "--warmup-steps", _at_least(0), "a number >= 0"),
+    Rule("env_allowlist", "--env", lambda v: isinstance(v, list) and all(v),
+         "a variable name or glob, not empty"),
     Rule("lr", "--lr", _finite(0, low_ok=False), "a number > 0"),
     Rule("clip", "--clip", _finite(0), "a number >= 0 (0: off)"),
     Rule("gpu_fraction", "--gpu-fraction", _finite(0, 1, low_ok=False),
@@ -203,22 +205,3 @@ def node_spec_hint(value: str) -> str | None:
         return (f"did you mean --include {value}? (-i is DeepSpeed's --include; in "
                 f"clusterkit -i is the inventory file)")
     return None
-
-
-def check_out_dir(out: str) -> None:
-    """``--out DIR`` must be a directory clusterkit can create or write into; said before
-    planning, as one line naming ``--out`` (not an OSError from the first write)."""
-    from pathlib import Path
-
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ClusterkitError("is a file, not a directory", path=out, key="--out",
-                              hint="give a directory (it is created if missing)")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".clusterkit-write-test"
-        probe.touch()
-        probe.unlink()
-    except OSError as e:
-        raise ClusterkitError(f"cannot write there: {e.strerror or e}", path=out, key="--out",
-                              hint="choose a directory you can write to") from None

@@ -1094,7 +1094,7 @@ def _live(state: Any, key: str, procs: dict[int, dict[bytes, bytes]]) -> int | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="clusterkit node agent")
+    p = argparse.ArgumentParser(prog="clusterkit node agent", allow_abbrev=False)
     p.add_argument("--spec-b64")
     p.add_argument("--stop", metavar="JOB_ID")
     p.add_argument("--status", metavar="JOB_ID")

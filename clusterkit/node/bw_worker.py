@@ -39,7 +39,7 @@ def round_robin(n: int) -> list[dict[int, int]]:
 
 
 def _main(argv: list[str]) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="clusterkit-bw")
+    p = argparse.ArgumentParser(prog="clusterkit-bw", allow_abbrev=False)
     p.add_argument("--bytes", type=int, default=4 << 20)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--backend", default="gloo")

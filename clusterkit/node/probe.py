@@ -749,21 +749,21 @@ def _emit(obj: JSON) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="clusterkit-probe")
+    p = argparse.ArgumentParser(prog="clusterkit-probe", allow_abbrev=False)
     sub = p.add_subparsers(dest="mode", required=True)
-    f = sub.add_parser("facts")
+    f = sub.add_parser("facts", allow_abbrev=False)
     f.add_argument("--workdir")
     f.add_argument("--ckpt-dir", action="append", default=[])
     f.add_argument("--peer", action="append", default=[])
     f.add_argument("--master", help="HOST:PORT to connect to at the end (the doctor's listener)")
     f.add_argument("--master-wait", type=float, default=0.0,
                    help="keep retrying a refused --master connect this long")
-    lst = sub.add_parser("listen")
+    lst = sub.add_parser("listen", allow_abbrev=False)
     lst.add_argument("port", type=int)
     lst.add_argument("seconds", type=float)
     lst.add_argument("--bind", default="0.0.0.0")
     lst.add_argument("--expect", type=int, default=0)
-    c = sub.add_parser("connect")
+    c = sub.add_parser("connect", allow_abbrev=False)
     c.add_argument("host")
     c.add_argument("port", type=int)
     c.add_argument("--timeout", type=float, default=3.0)

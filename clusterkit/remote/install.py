@@ -40,6 +40,28 @@ def local_digest() -> str:
     return package_digest(os.path.dirname(clusterkit.__file__))
 
 
+def check_wheel(wheel: Path) -> None:
+    """``--wheel FILE`` before anything connects: a readable zip that holds clusterkit.
+
+    One line naming ``--wheel`` (exit 2) for a missing file, a directory or a file that
+    is no wheel, instead of an OSError or zipfile.BadZipFile from the middle of a run.
+    """
+    hint = "pass a clusterkit wheel (pip wheel --no-deps .), or no --wheel to build one here"
+    if not wheel.is_file():
+        why = "is a directory" if wheel.is_dir() else "does not exist"
+        raise ClusterkitError(f"{why}, not a wheel file", path=str(wheel), key="--wheel",
+                              hint=hint)
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            names = zf.namelist()
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise ClusterkitError(f"is not a wheel ({exc})", path=str(wheel), key="--wheel",
+                              hint=hint) from None
+    if not any(n.startswith("clusterkit/") for n in names):
+        raise ClusterkitError("holds no clusterkit package", path=str(wheel), key="--wheel",
+                              hint=hint)
+
+
 def wheel_digest(wheel: Path, scratch: str) -> str:
     """The source digest of the clusterkit inside ``wheel`` (what the nodes must end up with).
 

@@ -54,7 +54,7 @@ class WorkloadArgs:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m clusterkit.workload",
+        prog="python -m clusterkit.workload", allow_abbrev=False,  # --save is not --save-every
         description="GPT training with DeepSpeed ZeRO (native or via accelerate): restartable "
                     "checkpoints on shared or node-local storage, preemption-safe.")
     g = p.add_argument_group("model and engine")

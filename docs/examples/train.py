@@ -31,7 +31,7 @@ DONE = "complete.rank{rank}"  # written after every rank finished a save
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--steps", type=int, default=60, help="optimizer steps in total")
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps (0: never)")
     p.add_argument("--hidden", type=int, default=64)
