@@ -25,6 +25,7 @@ from clusterkit.cli.common import (
     add_inventory_option,
     add_ranks_option,
     add_selection_options,
+    check_ranks,
     resolve_job_inventory,
 )
 from clusterkit.cli.jobflags import SCRIPT_OPTION, launch_facts
@@ -149,6 +150,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         raise LaunchError("--watch needs --submit (or: clusterkit sbatch status JOBID --watch)",
                           key="--watch")
     plan = build_sbatch_plan(args, None if args.dry_run else client)
+    check_ranks(args.ranks, plan.world_size)
     script = plan.artifacts[SCRIPT]
     if args.template_dir is not None:
         _bash_syntax(script, args.template_dir)
