@@ -97,9 +97,9 @@ def test_forked_ranks_see_what_exec_ranks_see(tmp_path: Path, preload_json: None
         assert f.pop("gc_frozen") and not e.pop("gc_frozen")
         # ps shows each forked rank as the command an exec'd rank runs, and its rank
         # (issue 25); the zygote's own title names no program, its comm is its own.
-        cmd = f"{sys.executable} -u probe.py x"
-        assert e.pop("cmdline") == cmd.replace(" ", "\0") + "\0"
-        assert f.pop("cmdline") == f"{cmd} [clusterkit rank {rank}/4 job zf]\0", rank
+        assert e.pop("cmdline") == f"{sys.executable}\0-u\0probe.py\0x\0"
+        python = os.path.basename(sys.executable)
+        assert f.pop("cmdline") == f"{python} probe.py x [clusterkit rank {rank}/4 job zf]\0"
         assert (f.pop("comm"), e.pop("comm")) == ("probe.py", os.path.basename(sys.executable))
         assert f.pop("parent") == f"[clusterkit fork server job zf node v{rank // 2}]\0"
         assert "fork server" not in e.pop("parent")
@@ -180,8 +180,10 @@ def test_ranks_with_several_cpus_are_still_forked(tmp_path: Path,
 
 
 def test_titles_keep_the_rank_visible_and_fit_the_kernel_names() -> None:
-    title = zygote.rank_title(["/v/bin/python3", "-u", "train.py", "--lr", "3e-4"], 3, 14, "J")
-    assert title == "/v/bin/python3 -u train.py --lr 3e-4 [clusterkit rank 3/14 job J]"
+    title = zygote.rank_title(["/v/bin/python3", "-u", "/w/train.py", "--lr", "3e-4"], 3, 14, "J")
+    assert title == "python3 train.py --lr 3e-4 [clusterkit rank 3/14 job J]"
+    assert zygote.rank_title(["py", "-u", "-m", "pkg.mod", "a"], 0, 2, "J") == \
+        "py -m pkg.mod a [clusterkit rank 0/2 job J]"
     long = zygote.rank_title(["python3", "-u", "train.py", "x" * 20000], 0, 2, "J")
     assert len(long.encode()) <= zygote.TITLE_MAX and long.endswith("... [clusterkit rank 0/2 job J]")
     assert zygote.server_title("J", "n1") == "[clusterkit fork server job J node n1]"

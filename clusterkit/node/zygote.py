@@ -32,7 +32,7 @@ them after ``grace_s``; each rank dies with us (its parent-death signal).
 Process titles (issue 25): a forked rank would show in ``ps``/``top``/``nvidia-smi``
 as the zygote's own command line (``python3 -u -c import sys r=...``). Each process
 rewrites its argv area instead (:func:`set_title`, as the setproctitle package does):
-a rank shows ``<python> -u train.py ARGS [clusterkit rank R/W job J]``, the zygote
+a rank shows ``python3 train.py ARGS [clusterkit rank R/W job J]``, the zygote
 ``[clusterkit fork server job J node N]``. The agent starts us with a padding
 argument, so the area holds the longest title.
 
@@ -208,10 +208,17 @@ def _flush() -> None:
 
 
 def rank_title(argv: list[str], rank: int, world_size: int, job_id: str) -> str:
-    """What ``ps -eo args`` shows for a forked rank: the command an exec'd rank would
-    show, and which rank of which job it is (``grep train.py`` finds every rank)."""
+    """What ``ps -eo args`` shows for a forked rank: ``python3 train.py ARGS [clusterkit
+    rank R/W job J]`` (``grep train.py`` finds every rank).
+
+    Short names for the interpreter and the script (and no ``-u``, ours): ``ps`` cuts
+    its lines at 80 columns when its output is not a terminal, and a venv's path and a
+    script's directory would push the script's name past that."""
+    rest = argv[2:] if argv[1:2] == ["-u"] else argv[1:]
+    if rest and rest[0] != "-m":
+        rest = [os.path.basename(rest[0]), *rest[1:]]
     tag = f" [clusterkit rank {rank}/{world_size} job {job_id}]"
-    command = " ".join(argv)
+    command = " ".join([os.path.basename(argv[0]), *rest])
     room = TITLE_MAX - len(tag.encode()) - 4
     if len(command.encode()) > room:  # the tag (the rank) must stay visible
         command = command.encode()[:room].decode("utf-8", "ignore") + "..."
