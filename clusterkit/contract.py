@@ -31,6 +31,19 @@ SUMMARY_PREFIX = "CLUSTERKIT_SUMMARY "
 SUMMARY_FILE = "summary.json"
 RUN_SUBDIR = "run"  # <job dir>/run: the bundled workload's --run-dir (monitor, summary)
 LOG_SUBDIR = "logs"  # <job dir>/logs: where the sbatch template's --output/--error point
+# <job dir>/exits: under sbatch each rank that exits non-zero records how (argv.RANK_RUN);
+# the batch script names the first one as the step's cause.
+EXITS_SUBDIR = "exits"
+# sbatch: the file that appears when the job is asked to stop (time limit, preemption,
+# `clusterkit sbatch cancel JOB --signal USR1 --batch`); the ranks also get SIGUSR1.
+# A rank that follows the contract saves into $CLUSTERKIT_CKPT_DIR and exits 0
+# (docs/sbatch.md, "Preemption: what your script must do").
+ENV_STOP_FILE = "CLUSTERKIT_STOP_FILE"
+STOP_FILE = "stop"  # <job dir>/stop
+
+
+def exits_dir(job_dir: str) -> str:
+    return f"{job_dir}/{EXITS_SUBDIR}"
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -222,13 +223,16 @@ def test_bad_site_flags_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_script_keeps_the_site_path_and_sets_threads(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     for launcher, ranks_per_task in (("torchrun", 2), ("accelerate", 2), ("deepspeed", 1)):
-        rc, out, _ = _dry(tmp_path, capsys, launcher=launcher)
+        rc, out, err = _dry(tmp_path, capsys, launcher=launcher)
         assert rc == 0
         assert 'export PATH=/usr/bin:"$PATH"\n' not in out  # a system dir is not re-added
         assert "PATH=/usr/local/sbin" not in out  # the site's PATH is never replaced
         assert "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK" in out
         assert f"task_cpus / {ranks_per_task} > 1 ?" in out, launcher
-        assert "MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 12768 ))" in out  # max 32767
+        # one master port: the summary's is the script's (spec.ports, 20000-32767)
+        port = re.search(r"master \S+:(\d+)", err)
+        assert port and f"\nMASTER_PORT={port.group(1)}\n" in out, err
+        assert 20000 <= int(port.group(1)) <= 32767
     rc, out, _ = _dry(tmp_path, capsys, "--set-env", "OMP_NUM_THREADS=3")
     assert "export OMP_NUM_THREADS=3" in out and "task_cpus / 2" not in out
 
@@ -328,3 +332,108 @@ def test_script_records_nodes_then_refuses_other_nodes(
     assert r.returncode == 3
     assert "keeps node-local checkpoints on n[1-2], but this run got n[3-4]" in r.stderr
     assert "collect-ckpt --scatter" in r.stderr
+
+
+# --- issue 24 / 25: the smaller sbatch items ---
+
+@pytest.mark.parametrize("value", ["10", "90:30", "2:00:00", "48:00:00", "1-12", "1-12:30",
+                                   "1-12:30:00", "UNLIMITED"])
+def test_slurm_time_forms_accepted(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                   value: str) -> None:
+    rc, out, err = _dry(tmp_path, capsys, "--time", value)
+    assert rc == 0 and f"#SBATCH --time={value}\n" in out, err
+
+
+@pytest.mark.parametrize("value", ["99:99", "25:99:99", "99:99:99", "1:60", "1-24", "1-2:3:4:5",
+                                   "soon", "-5"])
+def test_slurm_time_typos_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                  value: str) -> None:
+    rc, out, err = _dry(tmp_path, capsys, f"--time={value}")
+    assert rc == 2 and out == "", err
+    (line,) = [ln for ln in err.splitlines() if "error" in ln]
+    assert "--time" in line and "MM:SS, HH:MM:SS, D-HH" in line and "UNLIMITED" in line
+
+
+def test_dry_run_json_is_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _dry(tmp_path, capsys, "--json")
+    assert rc == 0
+    data = json.loads(out)
+    assert data["dry_run"] is True and data["slurm_job_id"] is None and data["job_id"] == "s1"
+    assert data["script_text"].startswith("#!/bin/bash\n")
+
+
+def test_dry_run_is_the_submitted_script(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Byte for byte, --cpus-per-task default included (the dry run asks sinfo too)."""
+    inv = _inventory(tmp_path, gpus=0)
+    args = ["sbatch", "-i", str(inv), "--nodes", "2", "--job-id", "same"]
+    _fake_client(monkeypatch, [("8\n", "", 0)])
+    assert main([*args, "--dry-run"]) == 0
+    dry = capsys.readouterr().out
+    _fake_client(monkeypatch, [("8\n", "", 0), ("77\n", "", 0)])
+    assert main([*args, "--submit"]) == 0
+    assert "#SBATCH --cpus-per-task=8\n" in dry
+    assert (tmp_path / "work/.clusterkit/jobs/same/sbatch.sh").read_text() == dry
+
+
+def test_refused_submission_leaves_no_job_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    inv = _inventory(tmp_path, gpus=0)
+    _fake_client(monkeypatch, [("", "sbatch: error: Batch job submission failed: Invalid "
+                                "partition name specified\n", 1)])
+    assert main(["sbatch", "-i", str(inv), "--job-id", "refused", "--cpus-per-task", "1",
+                 "--submit"]) == 2
+    assert "Invalid partition name" in capsys.readouterr().err
+    assert not (tmp_path / "work/.clusterkit/jobs/refused").exists()
+
+
+def test_missing_or_relative_script(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    inv = _inventory(tmp_path, gpus=0)
+    monkeypatch.chdir(tmp_path)
+    base = ["sbatch", "-i", str(inv), "--job-id", "rel", "--cpus-per-task", "1"]
+    assert main([*base, "--write-only", "nosuch.py"]) == 2
+    err = capsys.readouterr().err
+    assert "nosuch.py does not exist" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "work/.clusterkit/jobs/rel").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine/usertrain.py").write_text("print('hi')\n")
+    monkeypatch.chdir(tmp_path / "mine")
+    assert main([*base, "--write-only", "usertrain.py", "--lr", "1"]) == 0
+    script = (tmp_path / "work/.clusterkit/jobs/rel/sbatch.sh").read_text()
+    assert f" {tmp_path}/mine/usertrain.py --lr 1" in script
+
+
+@pytest.mark.parametrize(("state", "code", "rc"), [("RUNNING", "0:0", 0), ("COMPLETED", "0:0", 0),
+                                                   ("FAILED", "2:0", 1), ("CANCELLED", "0:15", 1),
+                                                   ("TIMEOUT", "0:1", 1)])
+def test_status_exit_code_is_the_outcome(capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch, state: str, code: str,
+                                         rc: int) -> None:
+    _fake_client(monkeypatch, [(SHOW_JOB.replace("JobState=FAILED", f"JobState={state}")
+                                .replace("ExitCode=138:0", f"ExitCode={code}"), "", 0)])
+    assert main(["sbatch", "status", "7"]) == rc
+    assert state in capsys.readouterr().out
+
+
+def test_failure_hint_names_only_files_that_exist(tmp_path: Path) -> None:
+    from clusterkit.cli.cmd_sbatch import output_hint
+
+    out = tmp_path / "slurm-2.out"
+    info = parse_job(SHOW_JOB.replace("/tmp/t1/logs/slurm-7.out", str(out))
+                     .replace("/tmp/t1/logs/slurm-7.err", str(tmp_path / "slurm-2.err")), "7")
+    assert "is not on this machine" in output_hint(info) and "node1" in output_hint(info)
+    out.write_text("x\n")
+    assert output_hint(info) == f"see {out}"
+
+
+def test_cancel_help_lists_only_cancel_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["sbatch", "cancel", "--help"])
+    out = capsys.readouterr().out
+    assert "--signal" in out and "--batch" in out
+    assert "--watch" not in out and "--poll" not in out and "--ranks" not in out
+    with pytest.raises(SystemExit):
+        main(["sbatch", "status", "--help"])
+    out = capsys.readouterr().out
+    assert "--watch" in out and "--signal" not in out and "--batch" not in out

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +40,7 @@ from clusterkit.render.artifacts import render_all, summary
 from clusterkit.render.sbatch import DEFAULT_SIGNAL_LEAD_S, SlurmSite
 from clusterkit.slurm import JobInfo, SlurmClient
 from clusterkit.slurm.watch import watch
-from clusterkit.spec.job import JobPlan, LaunchPlan
+from clusterkit.spec.job import JobOptions, JobPlan, LaunchPlan
 from clusterkit.units import duration_type
 
 ACTIONS = ("status", "cancel")
@@ -109,15 +111,28 @@ def _add_site_options(p: argparse.ArgumentParser) -> None:
 
 def _add_action_flags(p: argparse.ArgumentParser) -> None:
     """Flags of `--submit --watch` and of the two actions (status, cancel)."""
+    _add_watch_flags(p)
+    _add_slurm_timeout(p)
+    _add_cancel_flags(p)
+
+
+def _add_watch_flags(p: argparse.ArgumentParser) -> None:
+    """`--submit --watch` and `status JOBID`."""
     p.add_argument("--watch", action="store_true",
                    help="with --submit (or status): follow the output until the job ends; "
                         "exit 0 only if it COMPLETED")
     p.add_argument("--poll", type=duration_type("--poll", zero=False), default=1.0, metavar="S",
                    help="seconds between job state polls while watching (default 1)")
     add_ranks_option(p)  # whose lines --watch shows, as in clusterkit launch
+
+
+def _add_slurm_timeout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slurm-timeout", type=duration_type("--slurm-timeout", zero=False),
                    default=30.0, metavar="S",
                    help="timeout for each sbatch/scontrol/scancel call (default 30)")
+
+
+def _add_cancel_flags(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cancel JOBID")
     c.add_argument("--signal", metavar="SIG", help="only send SIG (e.g. USR1) instead of cancelling")
     c.add_argument("--batch", action="store_true", help="with --signal: the batch shell only")
@@ -131,7 +146,8 @@ def _action_words(args: argparse.Namespace) -> tuple[str, str]:
     usage, text = ACTION_USAGE[action]
     p = Parser(prog=f"clusterkit sbatch {action}", usage=usage, description=text)
     p.add_argument("slurm_job", nargs="?", metavar="JOBID")
-    _add_action_flags(p)
+    (_add_cancel_flags if action == "cancel" else _add_watch_flags)(p)
+    _add_slurm_timeout(p)
     parsed = p.parse_args(words, namespace=args)  # --help: the action's own help
     if parsed.slurm_job is None:
         raise LaunchError(f"usage: clusterkit sbatch {action} JOBID", key=action)
@@ -149,28 +165,33 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     if args.watch and not args.submit:
         raise LaunchError("--watch needs --submit (or: clusterkit sbatch status JOBID --watch)",
                           key="--watch")
-    plan = build_sbatch_plan(args, None if args.dry_run else client)
+    # The dry run asks Slurm for the --cpus-per-task default too: it prints the script
+    # that --write-only/--submit would write, byte for byte.
+    plan = build_sbatch_plan(args, client)
     check_ranks(args.ranks, plan.world_size)
     script = plan.artifacts[SCRIPT]
     if args.template_dir is not None:
         _bash_syntax(script, args.template_dir)
     sys.stderr.write(summary(plan))
     if args.dry_run:
-        sys.stdout.write(script)
+        if args.json:
+            print(json.dumps({"slurm_job_id": None, "job_id": plan.job_id,
+                              "job_dir": plan.job_dir, "script": str(Path(plan.job_dir) / SCRIPT),
+                              "dry_run": True, "script_text": script}))
+        else:
+            sys.stdout.write(script)
         # The script reads ds_config.json etc. from the job directory at run time.
         print(f"clusterkit: dry run: nothing written. The script needs the job files in "
               f"{plan.job_dir} (written by `clusterkit sbatch ... --write-only` with the same "
               f"flags) before it can run anywhere", file=sys.stderr)
         return 0
+    created = not Path(plan.job_dir).exists()
     path = _write_job_dir(plan)
     if not args.submit:
         _report(args, f"wrote {path} (submit with: sbatch {path}, or rerun with --submit)",
                 None, plan, path)
         return 0
-    extra = _pinned_nodes(plan)
-    if args.template_dir is not None:
-        print(f"clusterkit: sbatch --test-only: {client.test_only(path, extra)}", file=sys.stderr)
-    job_id = client.submit(path, extra)
+    job_id = _submit(client, plan, path, args.template_dir, remove_on_refusal=created)
     atomic_write_text(Path(plan.job_dir) / "slurm_job_id", job_id + "\n")
     _register(plan.job_dir, job_id)
     _report(args, f"submitted Slurm job {job_id} (clusterkit job {plan.job_id}); script {path}",
@@ -180,6 +201,22 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
             print(f"follow it with: clusterkit sbatch status {job_id} --watch")
         return 0
     return _watch(client, job_id, args, sys.stderr if args.json else sys.stdout)
+
+
+def _submit(client: SlurmClient, plan: LaunchPlan, path: Path, template_dir: str | None, *,
+            remove_on_refusal: bool) -> str:
+    """sbatch (after --test-only for a site template); a refused job's directory, made by
+    this command, is removed again: nothing is left of a submission that never was."""
+    extra = _pinned_nodes(plan)
+    try:
+        if template_dir is not None:
+            print(f"clusterkit: sbatch --test-only: {client.test_only(path, extra)}",
+                  file=sys.stderr)
+        return client.submit(path, extra)
+    except ClusterkitError:
+        if remove_on_refusal:
+            shutil.rmtree(plan.job_dir, ignore_errors=True)
+        raise
 
 
 def _register(job_dir: str, slurm_id: str) -> None:
@@ -251,7 +288,7 @@ def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = Non
     """The plan, its batch script rendered with the site flags. ``client``: ask Slurm
     for the nodes' CPUs when --cpus-per-task is not given (None: do not ask)."""
     inv = resolve_job_inventory(args.inventory)  # + doctor's interface pick
-    options = job_options(args, inv.name)
+    options = _absolute_script(job_options(args, inv.name), os.getcwd())
     # --launcher X submits the batch script of X's Slurm variant (the registry's sbatch_plan).
     options = dataclasses.replace(options, backend=BACKENDS[args.launcher].sbatch_plan)
     plan = plan_job(inv, options, launch_facts(args))
@@ -259,6 +296,23 @@ def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = Non
         cpus = _default_cpus(client, plan)
         plan = dataclasses.replace(plan, options=dataclasses.replace(options, cpus_per_task=cpus))
     return render_all(plan, site=site_options(args), require=(SCRIPT,))
+
+
+def _absolute_script(options: JobOptions, cwd: str) -> JobOptions:
+    """The script as an absolute path, checked here before anything is written or
+    submitted: the ranks run in the workdir, where a path relative to the user's cwd
+    names nothing (the job failed 12 s after submitting). A path that is not a file
+    here is refused; so is one that only exists relative to the workdir elsewhere."""
+    script = options.script
+    if script is None:
+        return options
+    path = os.path.normpath(os.path.join(cwd, os.path.expanduser(script)))
+    if not os.path.isfile(path):
+        what = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise LaunchError(f"script {script} {what} ({path})", key="SCRIPT", path=path,
+                          hint="give the path of your training script, relative to this "
+                               "directory or absolute, on the filesystem the nodes share")
+    return dataclasses.replace(options, script=path)
 
 
 def _default_cpus(client: SlurmClient, plan: JobPlan) -> int | None:
@@ -287,7 +341,9 @@ def _action(client: SlurmClient, action: str, job_id: str, args: argparse.Namesp
         return _watch(client, job_id, args)
     info = client.show(job_id)
     print(_status_line(info))
-    return 0
+    # The exit status is the job's outcome, as for --watch: 0 while it is pending or
+    # running and once it COMPLETED, 1 for any other end (FAILED, CANCELLED, TIMEOUT, ...).
+    return EXIT_JOB_FAILED if info.finished and not info.succeeded else 0
 
 
 def _status_line(info: JobInfo) -> str:
@@ -309,6 +365,17 @@ def _watch(client: SlurmClient, job_id: str, args: argparse.Namespace,
         print(f"clusterkit: Slurm job {job_id} COMPLETED", file=sys.stderr)
         return 0
     raise SlurmJobFailed(f"Slurm job {job_id} ended {info.describe()}",
-                         hint=f"see {info.stdout}" + (f" and {info.stderr}"
-                                                      if info.stderr != info.stdout else ""),
-                         exit_code=EXIT_JOB_FAILED)
+                         hint=output_hint(info), exit_code=EXIT_JOB_FAILED)
+
+
+def output_hint(info: JobInfo) -> str:
+    """Where to read more: the job's output files that exist here, never a name that does
+    not (a relative StdOut, a file on a node's own disk)."""
+    paths = [p for p in dict.fromkeys((info.stdout, info.stderr)) if p]
+    found = [p for p in paths if os.path.isfile(p)]
+    if found:
+        return "see " + " and ".join(found)
+    if paths:
+        return (f"its output ({', '.join(paths)}) is not on this machine: look on "
+                f"{info.fields.get('BatchHost') or 'the batch host'}")
+    return "Slurm names no output file for it"

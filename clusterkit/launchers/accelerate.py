@@ -19,7 +19,14 @@ from typing import Any
 
 import yaml
 
-from clusterkit.launchers.argv import IGNORE_USR1, launcher_program, srun_env_words, uniform
+from clusterkit.contract import exits_dir
+from clusterkit.launchers.argv import (
+    IGNORE_USR1,
+    launcher_program,
+    ranks_under_recorder,
+    srun_env_words,
+    uniform,
+)
 from clusterkit.launchers.base import Backend
 from clusterkit.spec.job import JobPlan, NodeCommand, launcher_log_dir
 
@@ -109,7 +116,8 @@ def sbatch_line(plan: JobPlan, log_dir: str) -> tuple[str, str]:
     node = plan.nodes[0]
     argv = ["srun", f"--nodes={len(plan.nodes)}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
             f"--chdir={node.workdir}", *srun_env_words(plan), "sh", "-c", ACCELERATE_EXEC,
-            node.python, node.job_dir, log_dir, *launcher_program(plan.programs[0], "--module")]
+            node.python, node.job_dir, log_dir,
+            *ranks_under_recorder(plan, exits_dir(node.job_dir), "--no_python")]
     return "accelerate", shlex.join(argv)
 
 

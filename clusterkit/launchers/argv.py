@@ -27,6 +27,20 @@ IGNORE_USR1 = 'trap "" USR1; '
 # script, the interpreter and the remaining words arrive as "$0" "$@", nothing is re-parsed.
 SLURM_NODE_RANK_EXEC = IGNORE_USR1 + 'exec "$0" -m torch.distributed.run --node-rank="$SLURM_NODEID" "$@"'
 SLURM_EXEC = IGNORE_USR1 + 'exec "$@"'
+# sbatch.sh runs every rank under this shell ("$0" = the job's exits dir), which outlives
+# the rank (no exec) to record how it ended: a rank that exits non-zero writes
+# "<time ns> <node> <status>" to <exits dir>/rank$RANK. After a failed step the batch
+# script names the earliest one: --kill-on-bad-exit then tears the other ranks down with
+# SIGTERM, and their 143 must not hide the cause (a missing file's 2, an import error's 1).
+# The rank keeps USR1 ignored unless it installs a handler (docs/sbatch.md, "Preemption").
+RANK_RUN = (IGNORE_USR1 + 'd=$0; "$@"; rc=$?; [ "$rc" = 0 ] || printf "%s %s %s\\n" '
+            '"$(date +%s%N)" "${SLURMD_NODENAME:-$(hostname)}" "$rc" 2>/dev/null >"$d/rank$RANK"; '
+            'exit "$rc"')
+# One Slurm task per rank (sbatch.sh's deepspeed variant): the standard torch variables
+# from Slurm's own, as torchrun sets them for its ranks (deepspeed.init_distributed needs
+# RANK/LOCAL_RANK/WORLD_SIZE, or it falls back to MPI discovery and mpi4py).
+SLURM_RANK_RUN = ('export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" '
+                  'WORLD_SIZE="$SLURM_NTASKS"; ' + RANK_RUN)
 # sbatch.sh launch lines: the master address/port are the batch script's shell variables.
 ADDR_WORD = "@CLUSTERKIT_MASTER_ADDR@"
 PORT_WORD = "@CLUSTERKIT_MASTER_PORT@"
@@ -82,13 +96,21 @@ def pdsh_ssh_args(plan: JobPlan) -> str:
     return f"-F {path}"
 
 
+def ranks_under_recorder(plan: JobPlan, exits_dir: str, no_python: str) -> list[str]:
+    """``<no_python> sh -c RANK_RUN <exits dir> <python> -u <program>``: a torchrun-based
+    launcher (its ``--no-python`` spelling) starts each rank under :data:`RANK_RUN`."""
+    node = plan.nodes[0]
+    return [no_python, "sh", "-c", RANK_RUN, exits_dir, node.python, "-u", *plan.programs[0]]
+
+
 def srun_torchrun_argv(plan: JobPlan, master_addr: str, master_port: str,
-                       log_dir: str) -> list[str]:
+                       log_dir: str, exits_dir: str | None = None) -> list[str]:
     """``srun ... torchrun`` words; the address/port may be shell variables (sbatch).
 
     ``--log-dir``: without it torchrun makes ``/tmp/torchelastic_*`` on every node and
     never removes it (one leftover per node per run); with it each rank's output also
-    lands in a file under the job's log directory."""
+    lands in a file under the job's log directory. ``exits_dir`` (sbatch.sh): each rank
+    runs under :data:`RANK_RUN`, which records a failing rank's status there."""
     uniform(plan, "srun")
     node = plan.nodes[0]
     nproc = same_nproc(plan, "srun")
@@ -97,7 +119,8 @@ def srun_torchrun_argv(plan: JobPlan, master_addr: str, master_port: str,
             f"--chdir={node.workdir}", "env", *(f"{k}={v}" for k, v in node.env.items())]
     common = [f"--nnodes={len(plan.nodes)}", f"--nproc-per-node={nproc}",
               f"--max-restarts={o.max_restarts}", f"--log-dir={log_dir}", "--tee=3"]
-    program = launcher_program(plan.programs[0], "-m")
+    program = (launcher_program(plan.programs[0], "-m") if exits_dir is None
+               else ranks_under_recorder(plan, exits_dir, "--no-python"))
     if o.rdzv == "c10d" and plan.node_local:
         rendezvous(plan, None)  # raises: c10d cannot keep rank -> node fixed
     if plan.node_local or o.rdzv == "static":
@@ -122,6 +145,18 @@ def without_path(argv: list[str], path: str) -> list[str]:
     # interpreter's dir in front) must not be replaced by the plan's fixed system PATH.
     word = f"PATH={path}"
     return [w for w in argv if w != word]
+
+
+def srun_rank_argv(plan: JobPlan, exits_dir: str, extra: list[str]) -> list[str]:
+    """sbatch.sh, one Slurm task per rank: srun, the job environment, the torch variables
+    (:data:`SLURM_RANK_RUN`), the program under the exit recorder."""
+    uniform(plan, "srun")
+    node = plan.nodes[0]
+    nproc = same_nproc(plan, "srun")
+    return ["srun", f"--nodes={len(plan.nodes)}", f"--ntasks-per-node={nproc}",
+            "--kill-on-bad-exit=1", f"--chdir={node.workdir}", *extra, *srun_env_words(plan),
+            f"LOCAL_WORLD_SIZE={nproc}", "sh", "-c", SLURM_RANK_RUN, exits_dir, node.python, "-u",
+            *plan.programs[0]]
 
 
 def srun_env_words(plan: JobPlan) -> list[str]:

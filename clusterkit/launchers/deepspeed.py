@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import shlex
 
-from clusterkit.launchers.argv import launcher_program, pdsh_ssh_args, srun_env_words, uniform
+from clusterkit.contract import exits_dir
+from clusterkit.launchers.argv import launcher_program, pdsh_ssh_args, srun_rank_argv, uniform
 from clusterkit.launchers.base import Backend
 from clusterkit.shellsafe import bare_word, ds_user_arg
 from clusterkit.spec.job import JobPlan, NodeCommand, rank_log_dir
@@ -45,15 +46,12 @@ def deepspeed_command(plan: JobPlan, run_id: str | None) -> tuple[NodeCommand, .
 
 
 def sbatch_line(plan: JobPlan, log_dir: str) -> tuple[str, str]:
-    """sbatch.sh: one Slurm task per rank, as DeepSpeed's own slurm launcher does; the
-    workload reads SLURM_PROCID/SLURM_LOCALID and the exported MASTER_ADDR/PORT.
+    """sbatch.sh: one Slurm task per rank, as DeepSpeed's own slurm launcher does; each
+    rank gets RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE from Slurm's variables and the
+    exported MASTER_ADDR/PORT (argv.SLURM_RANK_RUN), as under every other launcher.
     --open-mode=append: a requeued run adds to the rank logs instead of truncating them."""
-    uniform(plan, "srun")
-    node = plan.nodes[0]
-    argv = ["srun", f"--nodes={len(plan.nodes)}", f"--ntasks-per-node={node.nproc}",
-            "--kill-on-bad-exit=1", f"--chdir={node.workdir}",
-            f"--output={log_dir}/%x-%j-rank%t.out", "--open-mode=append",
-            *srun_env_words(plan), node.python, "-u", *plan.programs[0]]
+    argv = srun_rank_argv(plan, exits_dir(plan.nodes[0].job_dir),
+                          [f"--output={log_dir}/%x-%j-rank%t.out", "--open-mode=append"])
     return "srun-per-rank", shlex.join(argv)
 
 

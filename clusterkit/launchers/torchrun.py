@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 
+from clusterkit.contract import exits_dir
 from clusterkit.launchers.argv import (
     ADDR_WORD,
     PORT_WORD,
@@ -72,7 +73,8 @@ def torchrun_pdsh_command(plan: JobPlan, run_id: str | None) -> tuple[NodeComman
 
 def sbatch_line(plan: JobPlan, log_dir: str) -> tuple[str, str]:
     """sbatch.sh: srun starts one torchrun per node; the address/port are the script's."""
-    argv = without_path(srun_torchrun_argv(plan, ADDR_WORD, PORT_WORD, log_dir),
+    argv = without_path(srun_torchrun_argv(plan, ADDR_WORD, PORT_WORD, log_dir,
+                                           exits_dir(plan.nodes[0].job_dir)),
                         plan.nodes[0].env.get("PATH", ""))
     return "torchrun", with_shell_vars(argv)
 

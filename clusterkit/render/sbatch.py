@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from clusterkit.contract import STOP_FILE, exits_dir
 from clusterkit.errors import RenderError
 from clusterkit.launchers import BACKENDS
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
@@ -30,14 +31,32 @@ if TYPE_CHECKING:
     import jinja2
 
 TEMPLATE = "sbatch.sh.j2"
-# The batch script's port: 20000 + SLURM_JOB_ID % 12768, i.e. 20000-32767, below Linux's
-# ephemeral range (32768-60999): the one port rule of spec.ports, computed in bash.
+# spec.ports' range (20000-32767, below Linux's ephemeral range 32768-60999): what a
+# site template that derives its own port needs; the bundled one uses the plan's port.
 SLURM_PORT_BASE = PORT_BASE
 SLURM_PORT_SPAN = PORT_SPAN
 DEFAULT_SIGNAL_LEAD_S = 90
 _SLURM_VALUE = re.compile(r"[A-Za-z0-9_.,:@+-]+")
 _MEM = re.compile(r"[0-9]+[KMGT]?")
-_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+")
+# Slurm's --time forms (sbatch(1)), minutes and seconds below 60 (Slurm silently carries
+# 99:99 into 1:40:39) and hours below 24 after days; 48:00:00 is two days, as for Slurm.
+TIME_FORMS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"
+_MS = r"[0-5]?[0-9]"
+_HOURS = r"(?:[01]?[0-9]|2[0-3])"
+_TIME = re.compile(rf"[0-9]+|[0-9]+:{_MS}|[0-9]+:{_MS}:{_MS}"
+                   rf"|[0-9]+-{_HOURS}(?::{_MS}(?::{_MS})?)?|UNLIMITED|INFINITE")
+
+
+def check_time(value: str) -> str:
+    """A Slurm ``--time`` value, refused unless it is one of Slurm's own forms with
+    minutes/seconds below 60 and hours below 24 (``99:99``, ``25:99:99`` are typos
+    that Slurm would turn into some other limit)."""
+    if not _TIME.fullmatch(value.strip()):
+        raise RenderError(f"{value!r} is not a Slurm time limit", key="--time",
+                          hint=f"use {TIME_FORMS} (e.g. 2:00:00 or 1-12:00:00)")
+    return value.strip()
+
+
 @dataclass(frozen=True)
 class SlurmSite:
     """What only the batch script knows: a site's #SBATCH needs and its own template.
@@ -149,9 +168,6 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
     node = plan.nodes[0]
     log_dir = launcher_log_dir(node.job_dir)
     variant, line = launch_line(plan, log_dir)
-    if not _TIME.fullmatch(o.time_limit):
-        raise RenderError(f"--time {o.time_limit!r} is not a Slurm time", key="--time",
-                          hint="use MINUTES, HH:MM:SS or D-HH:MM:SS")
     per_rank = BACKENDS[plan.backend].slurm_task_per_rank
     context = {
         "job_id": plan.job_id,
@@ -164,12 +180,13 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
         "ntasks_per_node": node.nproc if per_rank else 1,
         "ranks_per_task": 1 if per_rank else node.nproc,
         "cpus_per_task": o.cpus_per_task,
-        "time_limit": o.time_limit,
+        "time_limit": check_time(o.time_limit),
         "partition": _slurm_value(o.partition, "--partition"),
         "account": _slurm_value(o.account, "--account"),
         "qos": _slurm_value(o.qos, "--qos"),
         "output": _path_word(f"{log_dir}/slurm-%j.out", "--output"),
         "error": _path_word(f"{log_dir}/slurm-%j.err", "--error"),
+        "master_port": plan.master_port,
         "port_base": SLURM_PORT_BASE,
         "port_span": SLURM_PORT_SPAN,
         "path_prefix": path_prefix(node.env.get("PATH", "")),
@@ -180,6 +197,8 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
         "log_dir": log_dir,
         "node_local": plan.node_local,
         "node_local_dirs": [node.ckpt_dir] if plan.node_local else [],
+        "exits_dir": exits_dir(node.job_dir),
+        "stop_file": f"{node.job_dir}/{STOP_FILE}",
         "variant": variant,
         "launch_line": line,
         **_site_context(plan, site),

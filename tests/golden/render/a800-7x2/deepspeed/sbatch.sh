@@ -11,17 +11,17 @@
 # A requeued run appends to the same files (the default truncates: the first run's log
 # would be lost); each run starts with a "===== clusterkit: ... run N" line.
 #SBATCH --open-mode=append
-# 90 s before the time limit Slurm sends USR1 to this script (B:), which forwards it
-# to the launch step: the workload checkpoints and exits 0, then the script requeues
-# the job, which resumes from that checkpoint (--resume auto, same checkpoint dir).
-# USR1 sent to the steps only (scancel --signal=USR1 JOB) checkpoints and stops.
+# 90 s before the time limit Slurm sends USR1 to this script (B:), which writes
+# $CLUSTERKIT_STOP_FILE and forwards USR1 to the ranks: they save and exit 0, then the
+# script requeues the job, which resumes from that save (same checkpoint dir). USR1 sent
+# to the steps only (scancel --signal=USR1 JOB) saves and stops.
 #SBATCH --signal=B:USR1@90
 #SBATCH --requeue
 set -euo pipefail
 
+both() { echo "$1"; echo "$1" >&2; }  # a line for the .out and the .err file
 run_line="===== clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID run $(( ${SLURM_RESTART_COUNT:-0} + 1 )) on $SLURM_JOB_NODELIST at $(date -u +%Y-%m-%dT%H:%M:%SZ) ====="
-echo "$run_line"
-echo "$run_line" >&2
+both "$run_line"
 
 # The interpreter's directory in front of the site's own PATH: srun, scontrol and
 # scancel stay where the submitting shell found them (/opt/slurm/bin, a module, ...).
@@ -37,8 +37,9 @@ if [ -z "$MASTER_ADDR" ]; then
     echo "clusterkit: cannot resolve the head node $head_node to an IPv4 address" >&2
     exit 2
 fi
-# From the Slurm job id, below Linux's ephemeral port range (32768-60999).
-MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 12768 ))
+# The plan's port (spec.ports, from the job id: 20000-32767, below Linux's ephemeral
+# range), the one `clusterkit sbatch` printed; a requeued run keeps it.
+MASTER_PORT=32707
 export MASTER_ADDR MASTER_PORT
 
 # The job environment (an allowlist, see docs/render.md).
@@ -97,33 +98,76 @@ fi
 # Every node needs its own directory.
 srun --nodes=7 --ntasks-per-node=1 mkdir -p -- /scratch/ckpt/golden-a800-7x2
 
+# Per-run state in the job dir: each rank that exits non-zero records how in $exits
+# (the first one is the step's cause); $CLUSTERKIT_STOP_FILE appears when the job is
+# asked to stop. A requeued run starts with neither.
+exits=/srv/train/.clusterkit/jobs/golden-a800-7x2/exits
+export CLUSTERKIT_STOP_FILE=/srv/train/.clusterkit/jobs/golden-a800-7x2/stop
+rm -rf -- "$exits" "$CLUSTERKIT_STOP_FILE"
+mkdir -p -- "$exits"
 # world_size/ranks_per_node: `clusterkit sbatch --watch` reads them to place rank labels.
 echo "clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=srun-per-rank world_size=14 ranks_per_node=2 OMP_NUM_THREADS=$OMP_NUM_THREADS"
-preempted=0
+# USR1 (Slurm's time-limit warning, preemption, `clusterkit sbatch cancel JOB --signal USR1
+# --batch`): the stop file appears and every rank gets SIGUSR1. A rank that follows the
+# contract (docs/sbatch.md, "Preemption") saves into $CLUSTERKIT_CKPT_DIR and exits 0.
+stop_at=
 forward_usr1() {
-    preempted=1
-    echo "clusterkit: USR1 (time limit or preemption): asking every rank to checkpoint"
+    if [ -z "$stop_at" ]; then
+        stop_at=$(date +%s)
+        date -u +%Y-%m-%dT%H:%M:%SZ > "$CLUSTERKIT_STOP_FILE" \
+            || echo "clusterkit: cannot write $CLUSTERKIT_STOP_FILE" >&2
+    fi
+    echo "clusterkit: USR1 (time limit or preemption): asking every rank to save and stop (SIGUSR1 to the ranks; $CLUSTERKIT_STOP_FILE)"
     scancel --signal=USR1 "$SLURM_JOB_ID" || true
 }
 trap forward_usr1 USR1
 # In the background so the trap runs at once; `wait` returns early on a trapped
 # signal, so wait again until the step has really finished.
-srun --nodes=7 --ntasks-per-node=2 --kill-on-bad-exit=1 --chdir=/srv/train --output=/srv/train/.clusterkit/jobs/golden-a800-7x2/logs/%x-%j-rank%t.out --open-mode=append env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME==ens1f0 GLOO_SOCKET_IFNAME=ens1f0 CLUSTERKIT_JOB_ID=golden-a800-7x2 CLUSTERKIT_JOB_DIR=/srv/train/.clusterkit/jobs/golden-a800-7x2 CLUSTERKIT_DS_CONFIG=/srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json CLUSTERKIT_CKPT_DIR=/scratch/ckpt/golden-a800-7x2 CLUSTERKIT_STORAGE=node-local /opt/conda/envs/train/bin/python -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json --run-dir /srv/train/.clusterkit/jobs/golden-a800-7x2/run --ckpt-dir /scratch/ckpt/golden-a800-7x2 --storage node-local &
+srun --nodes=7 --ntasks-per-node=2 --kill-on-bad-exit=1 --chdir=/srv/train --output=/srv/train/.clusterkit/jobs/golden-a800-7x2/logs/%x-%j-rank%t.out --open-mode=append env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME==ens1f0 GLOO_SOCKET_IFNAME=ens1f0 CLUSTERKIT_JOB_ID=golden-a800-7x2 CLUSTERKIT_JOB_DIR=/srv/train/.clusterkit/jobs/golden-a800-7x2 CLUSTERKIT_DS_CONFIG=/srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json CLUSTERKIT_CKPT_DIR=/scratch/ckpt/golden-a800-7x2 CLUSTERKIT_STORAGE=node-local LOCAL_WORLD_SIZE=2 sh -c 'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" WORLD_SIZE="$SLURM_NTASKS"; trap "" USR1; d=$0; "$@"; rc=$?; [ "$rc" = 0 ] || printf "%s %s %s\n" "$(date +%s%N)" "${SLURMD_NODENAME:-$(hostname)}" "$rc" 2>/dev/null >"$d/rank$RANK"; exit "$rc"' /srv/train/.clusterkit/jobs/golden-a800-7x2/exits /opt/conda/envs/train/bin/python -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json --run-dir /srv/train/.clusterkit/jobs/golden-a800-7x2/run --ckpt-dir /scratch/ckpt/golden-a800-7x2 --storage node-local &
 launch_pid=$!
 status=0
 while :; do
     wait "$launch_pid" && status=0 || status=$?
     kill -0 "$launch_pid" 2>/dev/null || break
 done
-if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then
-    echo "clusterkit: checkpoint saved; requeueing job $SLURM_JOB_ID to resume"
-    # Pinned to these nodes (their disks hold the shards): held while the node list is
-    # set, so it cannot start elsewhere first. Slurm TERMs this script once the job is
-    # requeued; ignore that for these three calls.
-    trap '' TERM
-    scontrol requeuehold "$SLURM_JOB_ID"
-    scontrol update JobId="$SLURM_JOB_ID" ReqNodeList="$SLURM_JOB_NODELIST" \
-        || echo "clusterkit: could not pin job $SLURM_JOB_ID to $SLURM_JOB_NODELIST" >&2
-    scontrol release "$SLURM_JOB_ID"
+if [ "$status" != 0 ]; then
+    # The earliest rank that exited non-zero, "<time ns> <node> <status> <rank>": the
+    # cause; srun's own status is the largest of the torn-down tasks' (143 = SIGTERM).
+    first=$(for f in "$exits"/rank*; do
+                if [ -f "$f" ]; then printf '%s %s\n' "$(cat "$f")" "${f##*/rank}"; fi
+            done | sort -n | sed -n 1p) || first=
+    if [ -n "$first" ]; then
+        read -r _ node rc rank <<< "$first"
+        how="exit code $rc"
+        [ "$rc" -gt 128 ] && how="killed by signal $(( rc - 128 ))"
+        output="/srv/train/.clusterkit/jobs/golden-a800-7x2/logs/ck-golden-a800-7x2-$SLURM_JOB_ID-rank$rank.out"
+        echo "clusterkit: rank $rank on $node failed first ($how); the other ranks were stopped after it. Its output: $output" >&2
+        status=$rc
+    else
+        echo "clusterkit: the launch step failed (exit $status) before any rank ended on its own; see /srv/train/.clusterkit/jobs/golden-a800-7x2/logs/slurm-$SLURM_JOB_ID.err" >&2
+    fi
+fi
+if [ -n "$stop_at" ]; then
+    # Requeue only for a save made after the stop request, by ranks that then stopped
+    # within the signal lead: a script that ignores the request is not requeued as saved.
+    waited=$(( $(date +%s) - stop_at ))
+    saved=$(find "$CLUSTERKIT_CKPT_DIR" -type f -newer "$CLUSTERKIT_STOP_FILE" -print -quit 2>/dev/null) || saved=
+    if [ -z "$saved" ]; then
+        both "clusterkit: stop requested, but nothing was saved in $CLUSTERKIT_CKPT_DIR since: not requeueing job $SLURM_JOB_ID (a script saves on SIGUSR1 or when \$CLUSTERKIT_STOP_FILE appears: docs/sbatch.md, Preemption)"
+    elif [ "$status" != 0 ]; then
+        both "clusterkit: stop requested and $saved written since, but the step failed (exit $status): not requeueing job $SLURM_JOB_ID"
+    elif [ "$waited" -gt 90 ]; then
+        both "clusterkit: stop requested, but the ranks ran on for $waited s (more than the signal lead, 90 s): they did not stop for it; not requeueing job $SLURM_JOB_ID"
+    else
+        echo "clusterkit: saved after the stop request ($saved); requeueing job $SLURM_JOB_ID to resume"
+        # Pinned to these nodes (their disks hold the shards): held while the node list is
+        # set, so it cannot start elsewhere first. Slurm TERMs this script once the job is
+        # requeued; ignore that for these three calls.
+        trap '' TERM
+        scontrol requeuehold "$SLURM_JOB_ID"
+        scontrol update JobId="$SLURM_JOB_ID" ReqNodeList="$SLURM_JOB_NODELIST" \
+            || echo "clusterkit: could not pin job $SLURM_JOB_ID to $SLURM_JOB_NODELIST" >&2
+        scontrol release "$SLURM_JOB_ID"
+    fi
 fi
 exit "$status"

@@ -10,17 +10,17 @@
 # A requeued run appends to the same files (the default truncates: the first run's log
 # would be lost); each run starts with a "===== clusterkit: ... run N" line.
 #SBATCH --open-mode=append
-# 90 s before the time limit Slurm sends USR1 to this script (B:), which forwards it
-# to the launch step: the workload checkpoints and exits 0, then the script requeues
-# the job, which resumes from that checkpoint (--resume auto, same checkpoint dir).
-# USR1 sent to the steps only (scancel --signal=USR1 JOB) checkpoints and stops.
+# 90 s before the time limit Slurm sends USR1 to this script (B:), which writes
+# $CLUSTERKIT_STOP_FILE and forwards USR1 to the ranks: they save and exit 0, then the
+# script requeues the job, which resumes from that save (same checkpoint dir). USR1 sent
+# to the steps only (scancel --signal=USR1 JOB) saves and stops.
 #SBATCH --signal=B:USR1@90
 #SBATCH --requeue
 set -euo pipefail
 
+both() { echo "$1"; echo "$1" >&2; }  # a line for the .out and the .err file
 run_line="===== clusterkit: job golden-local slurm=$SLURM_JOB_ID run $(( ${SLURM_RESTART_COUNT:-0} + 1 )) on $SLURM_JOB_NODELIST at $(date -u +%Y-%m-%dT%H:%M:%SZ) ====="
-echo "$run_line"
-echo "$run_line" >&2
+both "$run_line"
 
 # The interpreter's directory in front of the site's own PATH: srun, scontrol and
 # scancel stay where the submitting shell found them (/opt/slurm/bin, a module, ...).
@@ -36,8 +36,9 @@ if [ -z "$MASTER_ADDR" ]; then
     echo "clusterkit: cannot resolve the head node $head_node to an IPv4 address" >&2
     exit 2
 fi
-# From the Slurm job id, below Linux's ephemeral port range (32768-60999).
-MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 12768 ))
+# The plan's port (spec.ports, from the job id: 20000-32767, below Linux's ephemeral
+# range), the one `clusterkit sbatch` printed; a requeued run keeps it.
+MASTER_PORT=25877
 export MASTER_ADDR MASTER_PORT
 
 # The job environment (an allowlist, see docs/render.md).
@@ -78,30 +79,73 @@ if [ -n "$unseen" ]; then
     exit 2
 fi
 
+# Per-run state in the job dir: each rank that exits non-zero records how in $exits
+# (the first one is the step's cause); $CLUSTERKIT_STOP_FILE appears when the job is
+# asked to stop. A requeued run starts with neither.
+exits=/home/me/proj/.clusterkit/jobs/golden-local/exits
+export CLUSTERKIT_STOP_FILE=/home/me/proj/.clusterkit/jobs/golden-local/stop
+rm -rf -- "$exits" "$CLUSTERKIT_STOP_FILE"
+mkdir -p -- "$exits"
 # world_size/ranks_per_node: `clusterkit sbatch --watch` reads them to place rank labels.
 echo "clusterkit: job golden-local slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=torchrun world_size=8 ranks_per_node=2 OMP_NUM_THREADS=$OMP_NUM_THREADS"
 # Rank labels for `clusterkit sbatch --watch`: srun puts the task (= node) number in front
 # of each line ("1: "), torchrun the rank's global rank ("[rank3]:"; torch >= 2.2; older
 # torch writes the node-local rank, "[default1]:"). One file per rank needs neither.
 export SLURM_LABELIO=1 TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:'
-preempted=0
+# USR1 (Slurm's time-limit warning, preemption, `clusterkit sbatch cancel JOB --signal USR1
+# --batch`): the stop file appears and every rank gets SIGUSR1. A rank that follows the
+# contract (docs/sbatch.md, "Preemption") saves into $CLUSTERKIT_CKPT_DIR and exits 0.
+stop_at=
 forward_usr1() {
-    preempted=1
-    echo "clusterkit: USR1 (time limit or preemption): asking every rank to checkpoint"
+    if [ -z "$stop_at" ]; then
+        stop_at=$(date +%s)
+        date -u +%Y-%m-%dT%H:%M:%SZ > "$CLUSTERKIT_STOP_FILE" \
+            || echo "clusterkit: cannot write $CLUSTERKIT_STOP_FILE" >&2
+    fi
+    echo "clusterkit: USR1 (time limit or preemption): asking every rank to save and stop (SIGUSR1 to the ranks; $CLUSTERKIT_STOP_FILE)"
     scancel --signal=USR1 "$SLURM_JOB_ID" || true
 }
 trap forward_usr1 USR1
 # In the background so the trap runs at once; `wait` returns early on a trapped
 # signal, so wait again until the step has really finished.
-srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/home/me/proj env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local CLUSTERKIT_JOB_DIR=/home/me/proj/.clusterkit/jobs/golden-local CLUSTERKIT_DS_CONFIG=/home/me/proj/.clusterkit/jobs/golden-local/ds_config.json CLUSTERKIT_CKPT_DIR=/home/me/.cache/clusterkit/local/shared/ckpt/golden-local CLUSTERKIT_STORAGE=shared sh -c 'trap "" USR1; exec "$@"' sh /opt/py/bin/python3 -m torch.distributed.run --nnodes=4 --nproc-per-node=2 --max-restarts=0 --log-dir=/home/me/proj/.clusterkit/jobs/golden-local/logs --tee=3 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR":"$MASTER_PORT" --rdzv-id=golden-local -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt/golden-local --storage shared &
+srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/home/me/proj env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local CLUSTERKIT_JOB_DIR=/home/me/proj/.clusterkit/jobs/golden-local CLUSTERKIT_DS_CONFIG=/home/me/proj/.clusterkit/jobs/golden-local/ds_config.json CLUSTERKIT_CKPT_DIR=/home/me/.cache/clusterkit/local/shared/ckpt/golden-local CLUSTERKIT_STORAGE=shared sh -c 'trap "" USR1; exec "$@"' sh /opt/py/bin/python3 -m torch.distributed.run --nnodes=4 --nproc-per-node=2 --max-restarts=0 --log-dir=/home/me/proj/.clusterkit/jobs/golden-local/logs --tee=3 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR":"$MASTER_PORT" --rdzv-id=golden-local --no-python sh -c 'trap "" USR1; d=$0; "$@"; rc=$?; [ "$rc" = 0 ] || printf "%s %s %s\n" "$(date +%s%N)" "${SLURMD_NODENAME:-$(hostname)}" "$rc" 2>/dev/null >"$d/rank$RANK"; exit "$rc"' /home/me/proj/.clusterkit/jobs/golden-local/exits /opt/py/bin/python3 -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt/golden-local --storage shared &
 launch_pid=$!
 status=0
 while :; do
     wait "$launch_pid" && status=0 || status=$?
     kill -0 "$launch_pid" 2>/dev/null || break
 done
-if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then
-    echo "clusterkit: checkpoint saved; requeueing job $SLURM_JOB_ID to resume"
-    scontrol requeue "$SLURM_JOB_ID"
+if [ "$status" != 0 ]; then
+    # The earliest rank that exited non-zero, "<time ns> <node> <status> <rank>": the
+    # cause; srun's own status is the largest of the torn-down tasks' (143 = SIGTERM).
+    first=$(for f in "$exits"/rank*; do
+                if [ -f "$f" ]; then printf '%s %s\n' "$(cat "$f")" "${f##*/rank}"; fi
+            done | sort -n | sed -n 1p) || first=
+    if [ -n "$first" ]; then
+        read -r _ node rc rank <<< "$first"
+        how="exit code $rc"
+        [ "$rc" -gt 128 ] && how="killed by signal $(( rc - 128 ))"
+        output="the [rank$rank] lines of /home/me/proj/.clusterkit/jobs/golden-local/logs/slurm-$SLURM_JOB_ID.err"
+        echo "clusterkit: rank $rank on $node failed first ($how); the other ranks were stopped after it. Its output: $output" >&2
+        status=$rc
+    else
+        echo "clusterkit: the launch step failed (exit $status) before any rank ended on its own; see /home/me/proj/.clusterkit/jobs/golden-local/logs/slurm-$SLURM_JOB_ID.err" >&2
+    fi
+fi
+if [ -n "$stop_at" ]; then
+    # Requeue only for a save made after the stop request, by ranks that then stopped
+    # within the signal lead: a script that ignores the request is not requeued as saved.
+    waited=$(( $(date +%s) - stop_at ))
+    saved=$(find "$CLUSTERKIT_CKPT_DIR" -type f -newer "$CLUSTERKIT_STOP_FILE" -print -quit 2>/dev/null) || saved=
+    if [ -z "$saved" ]; then
+        both "clusterkit: stop requested, but nothing was saved in $CLUSTERKIT_CKPT_DIR since: not requeueing job $SLURM_JOB_ID (a script saves on SIGUSR1 or when \$CLUSTERKIT_STOP_FILE appears: docs/sbatch.md, Preemption)"
+    elif [ "$status" != 0 ]; then
+        both "clusterkit: stop requested and $saved written since, but the step failed (exit $status): not requeueing job $SLURM_JOB_ID"
+    elif [ "$waited" -gt 90 ]; then
+        both "clusterkit: stop requested, but the ranks ran on for $waited s (more than the signal lead, 90 s): they did not stop for it; not requeueing job $SLURM_JOB_ID"
+    else
+        echo "clusterkit: saved after the stop request ($saved); requeueing job $SLURM_JOB_ID to resume"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
 fi
 exit "$status"

@@ -1,0 +1,164 @@
+"""A user's own script under `clusterkit sbatch` on the REAL Slurm test bed (issue 24).
+
+* every variant (torchrun, accelerate, deepspeed) gives each rank the standard torch
+  variables and the CLUSTERKIT_* contract (tests/slurmbed/usertrain.py asserts them),
+  and a DeepSpeed script COMPLETES with the same final loss on all three;
+* a relative script path from the user's cwd works (made absolute before submitting);
+* a failing rank's own exit code and name end the job, not the teardown's 143;
+* preemption: `scancel --signal=USR1 --batch` makes a contract-following script save,
+  the job requeues, resumes from that save and COMPLETES; a script that ignores the
+  request is not requeued, and the script says that nothing was saved.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.slurmbed import SlurmBed
+from tests.test_sbatch_slurm import IN_PROGRESS, _assert_nodes_clean, _job_dir, _wait_finished
+
+pytestmark = [pytest.mark.slurm, pytest.mark.testbed, pytest.mark.slow]
+
+USERTRAIN = Path(__file__).resolve().parent / "slurmbed" / "usertrain.py"
+STEPS = 8
+
+
+def _user_dir(bed: SlurmBed) -> Path:
+    """The user's own folder on the shared filesystem, with their script in it."""
+    folder = bed.tb.root / "user"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(USERTRAIN, folder / "usertrain.py")
+    (folder / "fails.py").write_text(
+        "import os, sys, time\n"
+        "rank = int(os.environ['RANK'])\n"
+        "time.sleep(2 if rank == 1 else 120)\n"
+        "sys.exit(2 if rank == 1 else 0)\n")
+    return folder
+
+
+def _sbatch(bed: SlurmBed, job: str, launcher: str, program: list[str], *extra: str,
+            timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    """`clusterkit sbatch` from the user's folder, the script given relative to it. The
+    inventory says gpus: 0 (a CPU/gloo job: torch's Adam in ds_config.json)."""
+    folder = _user_dir(bed)
+    inv = bed.tb.write_inventory(bed.tb.root / "inventory-user.yaml", nodes=bed.nodes, slots=2,
+                                 gpus=0)
+    argv = [sys.executable, "-m", "clusterkit", "sbatch", "-i", str(inv), "--nodes", "2",
+            "--gpus-per-node", "2", "--launcher", launcher, "--storage", "shared",
+            "--steps", str(STEPS), "--job-id", job, "--partition", "debug", *extra,
+            "--submit", *program]
+    return subprocess.run(argv, capture_output=True, text=True, env=bed.env, cwd=folder,
+                          timeout=timeout, check=False)
+
+
+def _slurm_id(r: subprocess.CompletedProcess[str]) -> str:
+    m = re.search(r"submitted Slurm job (\d+)", r.stdout)
+    assert m, (r.stdout[-2000:], r.stderr[-2000:])
+    return m.group(1)
+
+
+def _summary(text: str) -> dict[str, object]:
+    lines = [ln for ln in text.splitlines() if "CLUSTERKIT_SUMMARY " in ln]
+    assert lines, text[-3000:]
+    return dict(json.loads(lines[-1].split("CLUSTERKIT_SUMMARY ", 1)[1]))
+
+
+def _log(bed: SlurmBed, job: str, slurm_id: str, ext: str = "out") -> str:
+    return (_job_dir(bed, job) / "logs" / f"slurm-{slurm_id}.{ext}").read_text(errors="replace")
+
+
+def test_user_script_gets_the_contract_on_every_variant(slurm: SlurmBed) -> None:
+    losses = {}
+    for launcher in ("torchrun", "accelerate", "deepspeed"):
+        job = f"user-{launcher}"
+        t0 = time.monotonic()
+        r = _sbatch(slurm, job, launcher, ["usertrain.py", "--steps", str(STEPS)], "--watch",
+                    "--poll", "0.5")
+        assert r.returncode == 0, (launcher, r.stdout[-3000:], r.stderr[-3000:])
+        summary = _summary(r.stdout)
+        assert summary["world_size"] == 4 and summary["finished"] is True, summary
+        losses[launcher] = summary["final_loss"]
+        plan = json.loads((_job_dir(slurm, job) / "plan.json").read_text())
+        assert str(slurm.tb.root / "user" / "usertrain.py") in json.dumps(plan)  # made absolute
+        print(f"{launcher}: COMPLETED in {time.monotonic() - t0:.0f} s, loss {losses[launcher]}")
+    assert len(set(losses.values())) == 1, losses
+    _assert_nodes_clean(slurm)
+
+
+def test_missing_script_is_refused_before_submitting(slurm: SlurmBed) -> None:
+    r = _sbatch(slurm, "user-missing", "torchrun", ["nosuch.py"])
+    assert r.returncode == 2, r.stderr
+    assert "nosuch.py does not exist" in r.stderr and "submitted" not in r.stdout
+    assert not _job_dir(slurm, "user-missing").exists()
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_first_failing_rank_gives_the_exit_code(slurm: SlurmBed, launcher: str) -> None:
+    job = f"user-fails-{launcher}"
+    r = _sbatch(slurm, job, launcher, ["fails.py"], "--watch", "--poll", "0.5")
+    assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "ended FAILED (exit code 2" in r.stderr, r.stderr[-2000:]
+    slurm_id = _slurm_id(r)
+    err = _log(slurm, job, slurm_id, "err")
+    assert re.search(r"clusterkit: rank 1 on node\d failed first \(exit code 2\)", err), err[-2000:]
+    _assert_nodes_clean(slurm)
+
+
+def _wait_line(bed: SlurmBed, job: str, slurm_id: str, needle: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    out = _job_dir(bed, job) / "logs" / f"slurm-{slurm_id}.out"
+    while not (out.exists() and needle in out.read_text(errors="replace")):
+        assert time.monotonic() < deadline, f"{needle!r} not in job {slurm_id}'s output"
+        assert bed.job_state(slurm_id) in IN_PROGRESS
+        time.sleep(0.5)
+
+
+def _usr1_to_batch_then_wait(bed: SlurmBed, job: str, slurm_id: str) -> str:
+    _wait_line(bed, job, slurm_id, "step 3 loss")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", slurm_id], env=bed.env, check=True,
+                   timeout=30)
+    deadline = time.monotonic() + 400
+    while (state := bed.job_state(slurm_id)) in IN_PROGRESS:
+        assert time.monotonic() < deadline, f"job {slurm_id} still {state}"
+        time.sleep(0.5)
+    return state
+
+
+def test_preemption_saves_requeues_and_resumes(slurm: SlurmBed) -> None:
+    job = "user-preempt"
+    steps = ["--steps", "30", "--step-sleep", "1"]
+    r = _sbatch(slurm, job, "torchrun", ["usertrain.py", *steps])
+    slurm_id = _slurm_id(r)
+    state = _usr1_to_batch_then_wait(slurm, job, slurm_id)
+    out = _log(slurm, job, slurm_id)
+    assert state == "COMPLETED", out[-3000:]
+    assert "stop requested: saved step" in out and "requeueing job" in out, out[-3000:]
+    runs = re.findall(rf"===== clusterkit: job {job} slurm={slurm_id} run (\d)", out)
+    assert runs == ["1", "2"], runs
+    saved = re.search(r"stop requested: saved (step\d+)", out)
+    assert saved and f"resumed from {saved.group(1)}" in out, out[-3000:]
+    summary = _summary(out.replace("[rank0]:", ""))
+    assert summary["finished"] is True and summary["resumed_from"] == saved.group(1)
+    _assert_nodes_clean(slurm)
+
+
+def test_a_script_that_ignores_the_stop_is_not_requeued(slurm: SlurmBed) -> None:
+    job = "user-ignores"
+    r = _sbatch(slurm, job, "torchrun", ["usertrain.py", "--steps", "15", "--step-sleep", "1",
+                                         "--ignore-stop"])
+    slurm_id = _slurm_id(r)
+    state = _usr1_to_batch_then_wait(slurm, job, slurm_id)
+    out = _log(slurm, job, slurm_id)
+    assert state == "COMPLETED", out[-3000:]
+    assert "nothing was saved" in out and "not requeueing" in out, out[-3000:]
+    assert "requeueing job" not in out.replace("not requeueing job", "")
+    assert re.findall(rf"slurm={slurm_id} run (\d)", out) == ["1"]
+    assert _wait_finished(slurm, slurm_id) == "COMPLETED"
