@@ -31,7 +31,7 @@ PROBE = textwrap.dedent("""
     info = {"argv": sys.argv, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
             "name": __name__, "env": dict(os.environ), "spec": repr(__spec__),
             "globals": sorted(k for k in globals() if not k.startswith("__")),
-            "threads": torch.get_num_threads(), "forked": "clusterkit_zygote" in parent_cmd(),
+            "threads": torch.get_num_threads(), "forked": "clusterkit fork server" in parent_cmd(),
             "stdout": [sys.stdout.line_buffering, sys.stdout.write_through]}
     out = os.path.join(os.path.dirname(__file__), "out", sys.argv[1], f"rank{os.environ['RANK']}.json")
     with open(out, "w") as fh:
@@ -131,7 +131,7 @@ def _agent_pid(tb: Testbed, node: str, job: str) -> int:
     """The agent of ``job`` on ``node``: the parent of the job's zygote."""
     for pid in _job_pids(tb, node, job):
         res = tb.exec(node, ["cat", f"/proc/{pid}/cmdline", f"/proc/{pid}/stat"], timeout=30)
-        if "clusterkit_zygote" in res.stdout:
+        if "clusterkit fork server" in res.stdout:
             return int(res.stdout.rsplit(")", 1)[1].split()[1])
     raise AssertionError(f"no zygote of {job} on {node}")
 
