@@ -437,3 +437,17 @@ def test_cancel_help_lists_only_cancel_flags(capsys: pytest.CaptureFixture[str])
         main(["sbatch", "status", "--help"])
     out = capsys.readouterr().out
     assert "--watch" in out and "--signal" not in out and "--batch" not in out
+
+
+def test_no_nccl_variables_on_a_cpu_job(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gloo job gets no NCCL_*/TORCH_NCCL_* (torch prints a deprecation warning on every
+    rank for TORCH_NCCL_TRACE_BUFFER_SIZE); a GPU job keeps them; --set-env always wins."""
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    rc, out, err = _dry(tmp_path, capsys, gpus=0)
+    assert rc == 0, err
+    assert "NCCL_" not in out.replace("# ", "")  # neither exported nor on the srun line
+    rc, out, _ = _dry(tmp_path, capsys, "--set-env", "NCCL_MINE=1", gpus=0)
+    assert "NCCL_MINE=1" in out and "NCCL_DEBUG" not in out
+    rc, out, _ = _dry(tmp_path, capsys, gpus=2)
+    assert "NCCL_DEBUG=INFO" in out and "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in out

@@ -150,7 +150,8 @@ def _node_plans(inventory: Inventory, o: JobOptions,
                         host_allowlist=host.env_allowlist, user_allowlist=o.env_allowlist,
                         set_env=(*_hang_env(o, host, job_dir), *o.set_env,
                                  *contract.env().items()),
-                        cuda_lib_dirs=facts.cuda_lib_dirs, job_id=o.job_id)
+                        cuda_lib_dirs=facts.cuda_lib_dirs, job_id=o.job_id,
+                        gpu=host.gpus > 0)
         nodes.append(NodePlan(node_rank=index, host=host, slots=tuple(slots), first_rank=first_rank,
                               python=python, workdir=workdir, job_dir=job_dir,
                               ckpt_dir=ckpt_dir, env=env))

@@ -24,6 +24,11 @@ DEFAULT_ALLOWLIST: tuple[str, ...] = (
 )
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL", re.IGNORECASE)
 _GLOB_CHARS = set("*?[")
+# NCCL's settings (and torch's for its NCCL process group) mean nothing to a CPU (gloo)
+# job; torch >= 2.7 even prints a deprecation warning on every rank for some of them
+# (TORCH_NCCL_TRACE_BUFFER_SIZE). A node without GPUs does not get them from the
+# launching shell or the inventory; a name the user sets with --set-env still goes.
+GPU_ONLY_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 
 
 def is_secret_name(name: str) -> bool:
@@ -64,6 +69,7 @@ def build_env(
     set_env: Iterable[tuple[str, str]],
     cuda_lib_dirs: Iterable[str],
     job_id: str,
+    gpu: bool = True,
 ) -> dict[str, str]:
     """Every variable a rank on one node gets, later sources overriding earlier ones.
 
@@ -81,6 +87,8 @@ def build_env(
         env["LD_LIBRARY_PATH"] = ld
     env["PYTHONUNBUFFERED"] = "1"
     env.update(host_env)
+    if not gpu:
+        env = {k: v for k, v in env.items() if not k.startswith(GPU_ONLY_PREFIXES)}
     env.update(dict(set_env))
     env["CLUSTERKIT_JOB_ID"] = job_id  # tags every rank: job-scoped status/teardown
     for name, value in env.items():

@@ -43,8 +43,6 @@ export MASTER_ADDR MASTER_PORT
 
 # The job environment (an allowlist, see docs/render.md).
 export HF_HUB_OFFLINE=1
-export NCCL_DEBUG=WARN
-export NCCL_IB_TIMEOUT=22
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 export PYTHONUNBUFFERED=1
 export CLUSTERKIT_JOB_ID=golden-local
@@ -108,7 +106,7 @@ forward_usr1() {
 trap forward_usr1 USR1
 # In the background so the trap runs at once; `wait` returns early on a trapped
 # signal, so wait again until the step has really finished.
-srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/home/me/proj env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local CLUSTERKIT_JOB_DIR=/home/me/proj/.clusterkit/jobs/golden-local CLUSTERKIT_DS_CONFIG=/home/me/proj/.clusterkit/jobs/golden-local/ds_config.json CLUSTERKIT_CKPT_DIR=/home/me/.cache/clusterkit/local/shared/ckpt/golden-local CLUSTERKIT_STORAGE=shared sh -c 'trap "" USR1; d=$1; l=$2; shift 2; exec "$0" -m accelerate.commands.launch --tee 3 --log_dir="$l" --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml" --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"' /opt/py/bin/python3 /home/me/proj/.clusterkit/jobs/golden-local /home/me/proj/.clusterkit/jobs/golden-local/logs --no_python sh -c 'trap "" USR1; d=$0; "$@"; rc=$?; [ "$rc" = 0 ] || printf "%s %s %s\n" "$(date +%s%N)" "${SLURMD_NODENAME:-$(hostname)}" "$rc" 2>/dev/null >"$d/rank$RANK"; exit "$rc"' /home/me/proj/.clusterkit/jobs/golden-local/exits /opt/py/bin/python3 -u -m clusterkit.workload --engine accelerate --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt/golden-local --storage shared &
+srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/home/me/proj env HF_HUB_OFFLINE=1 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local CLUSTERKIT_JOB_DIR=/home/me/proj/.clusterkit/jobs/golden-local CLUSTERKIT_DS_CONFIG=/home/me/proj/.clusterkit/jobs/golden-local/ds_config.json CLUSTERKIT_CKPT_DIR=/home/me/.cache/clusterkit/local/shared/ckpt/golden-local CLUSTERKIT_STORAGE=shared sh -c 'trap "" USR1; d=$1; l=$2; shift 2; exec "$0" -m accelerate.commands.launch --tee 3 --log_dir="$l" --config_file="$d/accelerate_config.rank$SLURM_NODEID.yaml" --main_process_ip="$MASTER_ADDR" --main_process_port="$MASTER_PORT" "$@"' /opt/py/bin/python3 /home/me/proj/.clusterkit/jobs/golden-local /home/me/proj/.clusterkit/jobs/golden-local/logs --no_python sh -c 'trap "" USR1; d=$0; "$@"; rc=$?; [ "$rc" = 0 ] || printf "%s %s %s\n" "$(date +%s%N)" "${SLURMD_NODENAME:-$(hostname)}" "$rc" 2>/dev/null >"$d/rank$RANK"; exit "$rc"' /home/me/proj/.clusterkit/jobs/golden-local/exits /opt/py/bin/python3 -u -m clusterkit.workload --engine accelerate --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt/golden-local --storage shared &
 launch_pid=$!
 status=0
 while :; do

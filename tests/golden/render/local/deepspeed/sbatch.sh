@@ -43,8 +43,6 @@ export MASTER_ADDR MASTER_PORT
 
 # The job environment (an allowlist, see docs/render.md).
 export HF_HUB_OFFLINE=1
-export NCCL_DEBUG=WARN
-export NCCL_IB_TIMEOUT=22
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 export PYTHONUNBUFFERED=1
 export CLUSTERKIT_JOB_ID=golden-local
@@ -104,7 +102,7 @@ forward_usr1() {
 trap forward_usr1 USR1
 # In the background so the trap runs at once; `wait` returns early on a trapped
 # signal, so wait again until the step has really finished.
-srun --nodes=4 --ntasks-per-node=2 --kill-on-bad-exit=1 --chdir=/home/me/proj --output=/home/me/proj/.clusterkit/jobs/golden-local/logs/%x-%j-rank%t.out --open-mode=append env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local CLUSTERKIT_JOB_DIR=/home/me/proj/.clusterkit/jobs/golden-local CLUSTERKIT_DS_CONFIG=/home/me/proj/.clusterkit/jobs/golden-local/ds_config.json CLUSTERKIT_CKPT_DIR=/home/me/.cache/clusterkit/local/shared/ckpt/golden-local CLUSTERKIT_STORAGE=shared LOCAL_WORLD_SIZE=2 sh -c 'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" WORLD_SIZE="$SLURM_NTASKS"; trap "" USR1; d=$0; "$@"; rc=$?; [ "$rc" = 0 ] || printf "%s %s %s\n" "$(date +%s%N)" "${SLURMD_NODENAME:-$(hostname)}" "$rc" 2>/dev/null >"$d/rank$RANK"; exit "$rc"' /home/me/proj/.clusterkit/jobs/golden-local/exits /opt/py/bin/python3 -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt/golden-local --storage shared &
+srun --nodes=4 --ntasks-per-node=2 --kill-on-bad-exit=1 --chdir=/home/me/proj --output=/home/me/proj/.clusterkit/jobs/golden-local/logs/%x-%j-rank%t.out --open-mode=append env HF_HUB_OFFLINE=1 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local CLUSTERKIT_JOB_DIR=/home/me/proj/.clusterkit/jobs/golden-local CLUSTERKIT_DS_CONFIG=/home/me/proj/.clusterkit/jobs/golden-local/ds_config.json CLUSTERKIT_CKPT_DIR=/home/me/.cache/clusterkit/local/shared/ckpt/golden-local CLUSTERKIT_STORAGE=shared LOCAL_WORLD_SIZE=2 sh -c 'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" WORLD_SIZE="$SLURM_NTASKS"; trap "" USR1; d=$0; "$@"; rc=$?; [ "$rc" = 0 ] || printf "%s %s %s\n" "$(date +%s%N)" "${SLURMD_NODENAME:-$(hostname)}" "$rc" 2>/dev/null >"$d/rank$RANK"; exit "$rc"' /home/me/proj/.clusterkit/jobs/golden-local/exits /opt/py/bin/python3 -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt/golden-local --storage shared &
 launch_pid=$!
 status=0
 while :; do

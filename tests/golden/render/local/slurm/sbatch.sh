@@ -43,8 +43,6 @@ export MASTER_ADDR MASTER_PORT
 
 # The job environment (an allowlist, see docs/render.md).
 export HF_HUB_OFFLINE=1
-export NCCL_DEBUG=WARN
-export NCCL_IB_TIMEOUT=22
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 export PYTHONUNBUFFERED=1
 export CLUSTERKIT_JOB_ID=golden-local
@@ -108,7 +106,7 @@ forward_usr1() {
 trap forward_usr1 USR1
 # In the background so the trap runs at once; `wait` returns early on a trapped
 # signal, so wait again until the step has really finished.
-srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/home/me/proj env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local CLUSTERKIT_JOB_DIR=/home/me/proj/.clusterkit/jobs/golden-local CLUSTERKIT_DS_CONFIG=/home/me/proj/.clusterkit/jobs/golden-local/ds_config.json CLUSTERKIT_CKPT_DIR=/home/me/.cache/clusterkit/local/shared/ckpt/golden-local CLUSTERKIT_STORAGE=shared sh -c 'trap "" USR1; exec "$@"' sh /opt/py/bin/python3 -m torch.distributed.run --nnodes=4 --nproc-per-node=2 --max-restarts=0 --log-dir=/home/me/proj/.clusterkit/jobs/golden-local/logs --tee=3 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR":"$MASTER_PORT" --rdzv-id=golden-local --no-python sh -c 'trap "" USR1; d=$0; "$@"; rc=$?; [ "$rc" = 0 ] || printf "%s %s %s\n" "$(date +%s%N)" "${SLURMD_NODENAME:-$(hostname)}" "$rc" 2>/dev/null >"$d/rank$RANK"; exit "$rc"' /home/me/proj/.clusterkit/jobs/golden-local/exits /opt/py/bin/python3 -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt/golden-local --storage shared &
+srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/home/me/proj env HF_HUB_OFFLINE=1 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 CLUSTERKIT_JOB_ID=golden-local CLUSTERKIT_JOB_DIR=/home/me/proj/.clusterkit/jobs/golden-local CLUSTERKIT_DS_CONFIG=/home/me/proj/.clusterkit/jobs/golden-local/ds_config.json CLUSTERKIT_CKPT_DIR=/home/me/.cache/clusterkit/local/shared/ckpt/golden-local CLUSTERKIT_STORAGE=shared sh -c 'trap "" USR1; exec "$@"' sh /opt/py/bin/python3 -m torch.distributed.run --nnodes=4 --nproc-per-node=2 --max-restarts=0 --log-dir=/home/me/proj/.clusterkit/jobs/golden-local/logs --tee=3 --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR":"$MASTER_PORT" --rdzv-id=golden-local --no-python sh -c 'trap "" USR1; d=$0; "$@"; rc=$?; [ "$rc" = 0 ] || printf "%s %s %s\n" "$(date +%s%N)" "${SLURMD_NODENAME:-$(hostname)}" "$rc" 2>/dev/null >"$d/rank$RANK"; exit "$rc"' /home/me/proj/.clusterkit/jobs/golden-local/exits /opt/py/bin/python3 -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /home/me/proj/.clusterkit/jobs/golden-local/ds_config.json --run-dir /home/me/proj/.clusterkit/jobs/golden-local/run --ckpt-dir /home/me/.cache/clusterkit/local/shared/ckpt/golden-local --storage shared &
 launch_pid=$!
 status=0
 while :; do
