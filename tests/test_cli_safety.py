@@ -22,6 +22,8 @@ def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("CLUSTERKIT_INVENTORY", raising=False)
     monkeypatch.chdir(tmp_path)
+    # A dry run checks the script as a launch would (issue 25): the one these cases name.
+    (tmp_path / "train.py").write_text("print('train')\n")
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], *want: str) -> str:
@@ -184,7 +186,8 @@ def test_deepspeed_spellings_are_aliases(capsys: pytest.CaptureFixture[str],
     args = build_parser().parse_args(["doctor", "--master_port", "29511"])
     assert args.master_port == 29511
     (tmp_path / "hostfile").write_text("local1 slots=2\nlocal2 slots=2\n")
-    assert main(["launch", "--dry-run", "--hostfile", "hostfile", "--storage", "shared",
+    # --skip-checks: local1/local2 are names of no machine; the plan is what is tested
+    assert main(["launch", "--dry-run", "--skip-checks", "--hostfile", "hostfile", "--storage", "shared",
                  "--ckpt-dir", str(tmp_path / "ck"), "train.py"]) == 0
     out = capsys.readouterr().out
     assert "2 nodes, 4 ranks" in out and "local2: ranks 2-3" in out

@@ -129,7 +129,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     check_ranks(args.ranks, first.world_size)
     if args.dry_run:
         _print_plan(first, native=BACKENDS[args.launcher].native)
+        _dry_run_checks(args, first)  # exit 2 where the launch would refuse
         return 0
+    _check_here(args, first)  # what the dry run checks here, before anything starts
     settings = LaunchSettings(skip_checks=args.skip_checks, max_restarts=args.max_restarts,
                               drop_failed_nodes=args.drop_failed_nodes, grace_s=args.grace,
                               hang_timeout_s=args.hang_timeout_s,
@@ -151,6 +153,37 @@ def cmd_launch(args: argparse.Namespace) -> int:
     _print_summary(result)
     _save_summary(registry, result)
     return result.exit_code
+
+
+def _check_here(args: argparse.Namespace, plan: Any) -> bool:
+    """The launch's checks on this machine (script, --sync DIR), the same for a dry run
+    and a launch; True when --sync brings the script (launch/gate.py)."""
+    from clusterkit.launch.gate import check_here
+
+    return check_here(plan, args.sync, gate=not args.skip_checks)
+
+
+def _dry_run_checks(args: argparse.Namespace, plan: Any) -> None:
+    """Every check a launch makes before starting, made now (issue 25): the ones here,
+    then the gate the agents run on every node (interpreter and package parity, the
+    script, the checkpoint dir created and written, the master address and port), run
+    on its own. Raises the launch's own refusal; prints what passed."""
+    from clusterkit.launch.gate import gate_error, gate_nodes, run_gate
+    from clusterkit.launch.run import gate_needs
+    from clusterkit.remote.dispatch import transport_for
+
+    synced = _check_here(args, plan)
+    if args.skip_checks:
+        print("pre-launch checks on the nodes: skipped (--skip-checks)")
+        return
+    with transport_for() as transport:
+        result = run_gate(transport, gate_nodes(plan, synced=synced), need=gate_needs(plan))
+    if not result.ok:
+        raise gate_error(result)
+    script = "" if plan.options.script is None or synced else f"{plan.options.script}, "
+    print(f"pre-launch checks passed on {len(plan.nodes)} nodes: same Python and packages, "
+          f"{script}checkpoint dir writable, master {plan.master_addr} resolves, "
+          f"port {plan.master_port} free")
 
 
 def _print_plan(decisions: Any, native: bool) -> None:

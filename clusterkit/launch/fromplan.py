@@ -9,7 +9,7 @@ node (it kills by ``CLUSTERKIT_JOB_ID``, never by command line).
 from __future__ import annotations
 
 from clusterkit.errors import LaunchError
-from clusterkit.launch.gate import needed_files
+from clusterkit.launch.gate import node_needs
 from clusterkit.launch.orchestrator import JobSpec, NodeTask
 from clusterkit.launchers import BACKENDS
 from clusterkit.remote.base import target_for as target_for  # the one host -> target function
@@ -31,7 +31,7 @@ def _native_task(plan: LaunchPlan, node: NodePlan, cmd: NodeCommand) -> NodeTask
                     argv=(node.python, "-u", *program), rank_offset=node.first_rank,
                     nprocs=node.nproc, env=dict(cmd.env), files=dict(plan.artifacts),
                     cwd=cmd.cwd, prefix="native", job_dir=node.job_dir, native=native,
-                    needs=needed_files(plan, node))
+                    needs=node_needs(plan, node))
 
 
 def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, grace_s: float = 3.0,
@@ -61,7 +61,7 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, grace_s: float = 3.0,
             node=node.name, target=target_for(node.host), python=node.python, argv=argv,
             rank_offset=node.first_rank, nprocs=node.nproc, env=env, files=files, cwd=cwd,
             prefix=BACKENDS[plan.backend].output_prefix, job_dir=node.job_dir,
-            rank_log_dir=plan.rank_log_dir, needs=needed_files(plan, node),
+            rank_log_dir=plan.rank_log_dir, needs=node_needs(plan, node),
         ))
     if not any(t.argv for t in tasks):
         raise LaunchError("the plan has no command for any selected node", key="--launcher")

@@ -13,13 +13,15 @@ installed on the nodes, only the bundled workload needs it (``need``).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import folded_lines
+from clusterkit.node.gatefacts import need_dir, need_port, need_resolve
 from clusterkit.node.ship import node_command
-from clusterkit.remote.base import SSHTarget, Transport
+from clusterkit.remote.base import SSHTarget, Transport, target_for
 from clusterkit.spec.job import JobPlan, NodePlan
 
 GATE_TIMEOUT_S = 20.0
@@ -31,7 +33,7 @@ class GateNode:
     node: str
     python: str
     target: SSHTarget
-    needs: tuple[str, ...] = ()  # files the job's ranks open there (the user's script)
+    needs: tuple[str, ...] = ()  # what the job needs there (node_needs)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,62 @@ def needed_files(plan: JobPlan, node: NodePlan) -> tuple[str, ...]:
     if not program or program[0] == "-m":
         return ()
     return (program[0] if program[0].startswith("/") else f"{node.workdir}/{program[0]}",)
+
+
+def node_needs(plan: JobPlan, node: NodePlan, *, synced: bool = False) -> tuple[str, ...]:
+    """Everything the gate checks on ``node`` before a rank starts (node/gatefacts.py):
+    the user's script (unless ``synced``: a dry run's ``--sync`` brings it), the
+    checkpoint dir created and written as the ranks will, the master address resolved,
+    and on the master's node its port free. The real launch (the agents) and the dry run
+    check the same list."""
+    files = () if synced else needed_files(plan, node)
+    master = (need_port(plan.master_port),) if node.node_rank == 0 else ()
+    return (*files, need_dir(node.ckpt_dir), need_resolve(plan.master_addr), *master)
+
+
+def check_here(plan: JobPlan, sync: str | None, *, gate: bool = True,
+               cwd: str | None = None) -> bool:
+    """The checks a launch makes on this machine before anything starts; the dry run
+    makes the same ones (issue 25: it printed a plan for a missing script, a directory
+    as the script and a missing --sync DIR). ``gate``: False with --skip-checks, which
+    leaves only what the launch cannot run without (the --sync DIR itself).
+
+    Returns whether ``--sync`` brings the script to the nodes (a dry run's node gate
+    then leaves it out: nothing has been copied yet). Raises :class:`LaunchError`."""
+    cwd = cwd or os.getcwd()
+    if sync is not None and not os.path.isdir(sync):
+        what = "is not a directory" if os.path.exists(sync) else "does not exist"
+        raise LaunchError(f"{sync} {what}", key="--sync", hint="pass the directory to copy to "
+                          "every node's workdir (--sync . for the current one)")
+    script = plan.options.script
+    here = os.path.join(cwd, script) if script else None
+    synced = bool(sync and here and os.path.isfile(here)
+                  and _inside(here, os.path.join(cwd, sync)))
+    if not gate or here is None:
+        return synced
+    if os.path.isdir(here):
+        raise LaunchError(f"{script} is a directory, not a Python file", key="SCRIPT",
+                          hint="give the script's path, e.g. ./train.py (or -m PACKAGE for a "
+                               "package with __main__.py)")
+    for node in plan.nodes:  # virtual nodes on this machine: their files are ours
+        if node.host.transport != "local" or synced:
+            continue
+        for path in needed_files(plan, node):
+            if not os.path.isfile(path):
+                raise LaunchError(f"{script}: no such file ({path})", key="SCRIPT",
+                                  hint="check the path (it is relative to the current "
+                                       "directory)")
+    return synced
+
+
+def _inside(path: str, directory: str) -> bool:
+    rel = os.path.relpath(os.path.realpath(path), os.path.realpath(directory))
+    return rel != ".." and not rel.startswith(".." + os.sep)
+
+
+def gate_nodes(plan: JobPlan, *, synced: bool = False) -> list[GateNode]:
+    return [GateNode(n.name, n.python, target_for(n.host), node_needs(plan, n, synced=synced))
+            for n in plan.nodes]
 
 
 def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[str] = ()
@@ -95,8 +153,26 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
                                       "(--sync DIR copies DIR to the same path under the workdir, "
                                       "relative to your current directory: --sync . for all "
                                       "of it; or use a shared workdir)")
+        for why in _need_problems(f):
+            problems.setdefault(node, why)
     problems.update(_parity(facts, order))
     return GateResult(facts=facts, problems=problems)
+
+
+def _need_problems(f: dict[str, object]) -> list[str]:
+    """The checkpoint dir, master port and address checks of one node's facts (an agent
+    older than these checks reports none of the keys: nothing to say)."""
+    out: list[str] = []
+    for key, text in (("unwritable", "checkpoint dir {} {} (--ckpt-dir or the inventory's "
+                                     "checkpoint dirs)"),
+                      ("port", "master port {} is taken here ({}): another job or process "
+                               "listens on it; a new --job-id picks another port"),
+                      ("resolve", "cannot resolve the master address {} here ({}); "
+                                  "set --master-addr to an address every node reaches")):
+        found = f.get(key)
+        if isinstance(found, dict):
+            out += [text.format(value, why) for value, why in found.items()]
+    return out
 
 
 def _parity(facts: dict[str, dict[str, object]], order: Sequence[str]) -> dict[str, str]:

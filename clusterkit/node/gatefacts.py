@@ -77,13 +77,89 @@ def _clusterkit(version: Callable[[str], str | None] = _version) -> dict[str, An
             "clusterkit_digest": package_digest(where[0])}
 
 
+# What a job needs on a node, one string each (the agent passes them through as they are):
+# an absolute path is a file the ranks open (the user's script); the others are
+# ``KIND:VALUE``. The launcher builds them with the functions below (launch/gate.py).
+NEED_DIR = "dir:"  # a directory the ranks must be able to create and write (checkpoints)
+NEED_PORT = "port:"  # a TCP port the master (rank 0's node) must be able to listen on
+NEED_RESOLVE = "resolve:"  # the master address every rank connects to
+
+
+def need_dir(path: str) -> str:
+    return NEED_DIR + path
+
+
+def need_port(port: int) -> str:
+    return f"{NEED_PORT}{port}"
+
+
+def need_resolve(address: str) -> str:
+    return NEED_RESOLVE + address
+
+
+def dir_problem(path: str) -> str | None:
+    """Why the ranks could not create and write ``path`` here (None: they can).
+
+    Probed for real, by creating and removing a directory in ``path`` or in its nearest
+    existing parent: ``os.access`` says yes to root on /proc and on a root-squashed NFS
+    mount (issue 25: ``--ckpt-dir /proc/nope`` passed the gate and failed in the ranks).
+    Nothing is left behind, so a dry run stays dry."""
+    import tempfile
+
+    base = path
+    while not os.path.lexists(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        return f"cannot be created: {base} is not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".clusterkit-probe-", dir=base))
+    except OSError as exc:
+        if base == path:
+            return f"is not writable ({exc.strerror})"
+        return f"cannot be created in {base} ({exc.strerror})"
+    return None
+
+
+def port_problem(port: int) -> str | None:
+    """Why the master could not listen on ``port`` here (None: it can). SO_REUSEADDR as
+    torch's TCPStore sets it: a closed connection in TIME_WAIT is no obstacle."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def resolve_problem(address: str) -> str | None:
+    import socket
+
+    try:
+        socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def gate_facts(needs: Sequence[str] = ()) -> dict[str, Any]:
-    """``needs``: files the job's ranks open on this node; ``missing`` lists the absent."""
+    """``needs``: what the job needs on this node (see ``NEED_*``): ``missing`` lists the
+    absent files, ``unwritable`` the directories the ranks could not write (path ->
+    why), ``port``/``resolve`` what the master port and address checks found."""
     sitepaths.add()  # shipped under -S: the package directories, as ranks will see them
     facts: dict[str, Any] = {"python": sys.executable, "version": sys.version.split()[0]}
     facts.update({name: _version(name) for name in PACKAGES})
     facts.update(_clusterkit())
-    facts["missing"] = [p for p in needs if not os.path.isfile(p)]
+    facts["missing"] = [p for p in needs if p.startswith("/") and not os.path.isfile(p)]
+    checks: dict[str, tuple[str, Callable[[str], str | None]]] = {
+        NEED_DIR: ("unwritable", dir_problem),
+        NEED_PORT: ("port", lambda v: port_problem(int(v))),
+        NEED_RESOLVE: ("resolve", resolve_problem)}
+    for prefix, (key, check) in checks.items():
+        found = {n[len(prefix):]: check(n[len(prefix):]) for n in needs if n.startswith(prefix)}
+        facts[key] = {value: why for value, why in found.items() if why is not None}
     return facts
 
 
