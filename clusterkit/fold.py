@@ -40,6 +40,10 @@ _STAMP = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\]?\s*")
 _GLOG_STAMP = re.compile(r"^\[([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ ")
 # How long a rank line waits for the same line from other ranks (seconds).
 FOLD_WINDOW_S = 1.0
+# A failure reaches the launcher this long after its peers' first collateral lines at
+# most (the agents poll their ranks every 0.1 s; a rank that raised closes its sockets
+# before its exit is seen); their lines from before that are shown as usual.
+COLLATERAL_LOOKBACK_S = 0.5
 # Lines that say nothing to the user and repeat on every rank: shown once per job.
 NOISE: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
     r"Setting accelerator to \w+\. If you have GPU or other accelerator",
@@ -93,6 +97,7 @@ class _Group:
     first_seen: float
     noise: bool
     members: dict[int, str] = field(default_factory=dict)  # rank -> node
+    arrived: dict[int, float] = field(default_factory=dict)  # rank -> when its line came
 
 
 def parse_ranks(spec: str) -> frozenset[int] | None:
@@ -152,17 +157,22 @@ class LineFolder:
             self._open[key] = group
             self._queue.append(group)
         group.members[rank] = node
+        group.arrived[rank] = now
         return self.release(now)
 
-    def fail(self, rank: int) -> bool:
+    def fail(self, rank: int, now: float) -> bool:
         """The job's first failure is ``rank``'s: from now on the other ranks' lines are
-        collateral. Their lines still waiting in a window count too (a killed rank's
-        peers print before its node reports it). False when a failure was set already."""
+        collateral. Their lines still waiting in a window that came in the last
+        ``COLLATERAL_LOOKBACK_S`` count too (a killed rank's peers print before its node
+        reports it). False when a failure was set already."""
         if self.failed is not None:
             return False
         self.failed = rank
         for group in self._queue:
-            for other in [r for r in group.members if r != rank]:
+            late = [r for r, t in group.arrived.items()
+                    if r != rank and now - t <= COLLATERAL_LOOKBACK_S]
+            for other in late:
+                del group.arrived[other]
                 self._hold_back(other, group.members.pop(other), 1)
         self._queue = [g for g in self._queue if g.members]
         self._open = {k: g for k, g in self._open.items() if g.members}

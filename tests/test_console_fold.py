@@ -148,7 +148,7 @@ def _kill_rank0(f: LineFolder, world: int, failed_at: float) -> list:
     for rank in range(1, world - 1):  # in the window when the failure is reported
         for text in GLOO:  # (rank 13 prints nothing: "Traceback" waits for it)
             out += f.feed(f"node{rank // 2 + 1}", rank, text, now=0.1)
-    assert f.fail(0) and not f.fail(3)  # only the first failure counts
+    assert f.fail(0, now=0.3) and not f.fail(3, now=0.4)  # only the first failure counts
     for rank in range(1, world - 1):  # after: 60 more lines each
         for i in range(60):
             out += f.feed(f"node{rank // 2 + 1}", rank, f"  frame {i}", now=failed_at + 0.01 * i)
@@ -176,11 +176,25 @@ def test_collateral_tracebacks_fold_into_one_line_after_the_first_failure() -> N
 def test_no_failure_no_collateral_and_one_rank_singular() -> None:
     f = LineFolder(window_s=0.0)
     assert f.collateral("n1 rank 0", "") is None
-    f.fail(1)
+    f.fail(1, now=0.0)
     f.feed("n1", 0, "x", now=0.0)
     item = f.collateral("", "")
     assert item is not None
     assert item.render() == "[n1 r0] collateral: 1 rank printed 1 line after rank 1 failed (not shown)"
+
+
+def test_lines_from_before_the_failure_stay_lines() -> None:
+    """Only what came shortly before the report is collateral: an earlier line waiting
+    behind another group is still shown."""
+    f = LineFolder(window_s=5.0, world_size=4)
+    f.feed("n1", 1, "rank 1 ready", now=0.0)
+    f.feed("n2", 3, "step 7 on rank 3", now=2.0)
+    f.feed("n2", 3, "RuntimeError: Connection closed by peer", now=2.9)
+    f.fail(0, now=3.0)
+    assert _texts(f.release(9.0, final=True)) == ["[n1 r1] rank 1 ready",
+                                                  "[n2 r3] step 7 on rank 3"]
+    item = f.collateral("n1 rank 0", "")
+    assert item is not None and item.label == "[n2 r3]" and "printed 1 line " in item.text
 
 
 def test_folding_sink_prints_the_collateral_line_at_the_end_of_the_attempt() -> None:

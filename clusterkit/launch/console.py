@@ -280,7 +280,7 @@ class FoldingSink:
 
     def failed_first(self, rank: int, where: str, logs: str) -> None:
         with self._lock:
-            if self.folder.fail(rank):
+            if self.folder.fail(rank, time.monotonic()):
                 self._failure = (where, logs)
 
     def end_attempt(self) -> None:

@@ -453,10 +453,11 @@ class Orchestrator:
                 code=int(rank_code) if isinstance(rank_code, int) and rank_code != 0 else code,
                 reason=reason, tail=tail,
             )
+            if rank is not None:  # the other ranks' tracebacks that follow are collateral
+                # (before info(), which lets out the lines still in their fold window)
+                self.sink.failed_first(rank, self._failure.where(), self._rank_logs())
             self.sink.info(f"{self._failure.where()} failed ({_describe(self._failure)}): "
                            "stopping the job on every node")
-            if rank is not None:  # the other ranks' tracebacks that follow are collateral
-                self.sink.failed_first(rank, self._failure.where(), self._rank_logs())
         self._begin_teardown()
 
     def _rank_logs(self) -> str:
