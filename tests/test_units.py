@@ -56,6 +56,43 @@ def test_argparse_types_fail_at_parse_time() -> None:
             p.parse_args(argv)
 
 
+def test_duration_type_refuses_zero_and_fractions_where_asked() -> None:
+    poll = duration_type("--poll", zero=False)
+    assert poll("2s") == 2.0
+    with pytest.raises(argparse.ArgumentTypeError, match="more than 0"):
+        poll("0")
+    lead = duration_type("--signal-lead", zero=False, whole=True)
+    assert lead("2m") == 120.0
+    with pytest.raises(argparse.ArgumentTypeError, match="whole seconds"):
+        lead("1.5")
+    # one object per flag and rule: the same type in every verb (tests/test_jobflags.py)
+    assert duration_type("--grace") is duration_type("--grace")
+
+
+# Every duration flag of every verb, with the value its verb's parser gets for "1h30m".
+DURATION_FLAGS = [
+    (["launch", "--grace"], "grace"), (["launch", "--keepalive-timeout"], "keepalive_timeout"),
+    (["launch", "--hang-timeout"], "hang_timeout_s"), (["render", "--hang-timeout"], "hang_timeout_s"),
+    (["sbatch", "--hang-timeout"], "hang_timeout_s"), (["stop", "j", "--grace"], "grace"),
+    (["doctor", "--connect-timeout"], "connect_timeout"), (["sbatch", "--poll"], "poll"),
+    (["sbatch", "--slurm-timeout"], "slurm_timeout"), (["sbatch", "--signal-lead"], "signal_lead"),
+]
+
+
+@pytest.mark.parametrize(("argv", "dest"), DURATION_FLAGS)
+def test_every_duration_flag_takes_the_documented_forms(argv: list[str], dest: str) -> None:
+    from clusterkit.cli.main import build_parser
+    from clusterkit.errors import UsageError
+
+    for text, seconds in (("90", 90.0), ("90s", 90.0), ("5m", 300.0), ("1h30m", 5400.0),
+                          ("01:30:00", 5400.0)):
+        assert getattr(build_parser(argv).parse_args([*argv, text]), dest) == seconds
+    for bad in ("nan", "inf", "-1", "5 minutes"):
+        with pytest.raises(UsageError) as e:
+            build_parser(argv).parse_args([*argv, bad])
+        assert e.value.key == argv[-1]
+
+
 @pytest.mark.parametrize(("argv", "flag"), [
     (["doctor", "--ckpt-size", "lots"], "--ckpt-size"),
     (["doctor", "--bandwidth-size", "0"], "--bandwidth-size"),

@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib import import_module
+from typing import cast
 
 from clusterkit import __version__
 from clusterkit.cli import safety
@@ -60,7 +61,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         description="From SSH-reachable GPU servers to a restartable DeepSpeed ZeRO run.",
     )
     parser.add_argument("--version", action="version", version=f"clusterkit {__version__}")
-    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    # Every verb's parser is a Parser (argparse makes subparsers of the parent's class);
+    # the verb modules are typed against plain ArgumentParser.
+    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
+               parser.add_subparsers(dest="verb", metavar="VERB", required=True))
     word = verb_word(argv) if argv is not None else None
     for name in (VERBS[word],) if word in VERBS else VERB_MODULES:
         import_module(name).add_parser(sub)
