@@ -257,3 +257,20 @@ def test_the_saved_summary_file_beats_the_line(tmp_path: Path) -> None:
     os.utime(run / "summary.json", (1_000_000_000, 1_000_000_000))
     last = _watch_file(logs / "slurm-9.out", start="2026-01-01T00:00:00").splitlines()[-1]
     assert last == f'{SUMMARY_PREFIX}{{"steps": 3, "cut'
+
+
+def test_the_run_header_is_shown_once(tmp_path: Path) -> None:
+    """The batch script writes each run's header to the .out and the .err file."""
+    header = "===== clusterkit: job j slurm=9 run 1 on node1 at 2026-11-25T10:00:00Z =====\n"
+    out_file, err_file = tmp_path / "slurm-9.out", tmp_path / "slurm-9.err"
+    out_file.write_text(header + "hello\n")
+    err_file.write_text(header)
+    record = (f"JobId=9 JobName=ck JobState=COMPLETED Reason=None Restarts=0 ExitCode=0:0 "
+              f"NodeList=node1 StdErr={err_file} StdOut={out_file}\n")
+    out, err = io.StringIO(), io.StringIO()
+
+    def runner(argv: object, timeout: float, env: object, cwd: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess([], 0, record, "")
+
+    watch(SlurmClient(runner=runner), "9", out, err, poll_s=0, sleep=lambda _: None)
+    assert (out.getvalue() + err.getvalue()).count("===== clusterkit: job j") == 1
