@@ -222,17 +222,19 @@ def test_status_line_names_the_phase_and_the_time_since_launch() -> None:
     from clusterkit.launch.console import StatusLine, clock
 
     st = StatusLine(total=2, started_at=100.0)
-    assert st.text(101.0) == " connecting  1 s since launch  nodes up 0/2  step -  loss -  tokens/s -"
+    assert st.text(101.0) == (" connecting | 1 s since launch | nodes up 0/2 | step - | loss - | "
+                              "tokens/s -")
     st.set_phase("gate", "1/2 nodes", now=103.0)
-    assert st.text(104.5).startswith(" gate 1/2 nodes 1 s  4 s since launch")
+    assert st.text(104.5).startswith(" gate 1/2 nodes 1 s | 4 s since launch |")
     st.up.update({"n1", "n2"})
     st.set_phase("initialising", "", now=110.0)
     # the 80 s of "step -" under load now say what they are and for how long
-    assert st.text(190.0).startswith(" initialising 1:20  1:30 since launch  nodes up 2/2  step -")
+    assert st.text(190.0).startswith(" initialising 1:20 | 1:30 since launch | nodes up 2/2 | "
+                                     "step -")
     st.progress.update("[clusterkit] step 10/30 | loss 4.8143 | 5,205 tok/s")
     st.set_phase("training", "", now=191.0)
-    assert st.text(200.0) == (" training  1:40 since launch  nodes up 2/2  step 10/30  "
-                              "loss 4.8143  tokens/s 5,205")
+    assert st.text(200.0) == (" training | 1:40 since launch | nodes up 2/2 | step 10/30 | "
+                              "loss 4.8143 | tokens/s 5,205")
     st.done["n2"] = 1
-    assert "failed 1" in st.text(201.0)
+    assert "| failed 1 |" in st.text(201.0)
     assert (clock(59.9), clock(60), clock(3725)) == ("59 s", "1:00", "1:02:05")

@@ -115,9 +115,9 @@ class StatusLine:
                  f"nodes up {len(self.up) - len(self.done)}/{self.total}"]
         if failed:
             parts.append(f"failed {failed}")
-        parts.append(f"step {self.progress.step}  loss {self.progress.loss}"
-                     f"  tokens/s {self.progress.toks}")
-        return " " + "  ".join(parts)
+        parts += [f"step {self.progress.step}", f"loss {self.progress.loss}",
+                  f"tokens/s {self.progress.toks}"]
+        return " " + " | ".join(parts)
 
 
 class PlainSink:

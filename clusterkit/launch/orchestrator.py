@@ -252,7 +252,11 @@ class Orchestrator:
 
     def _ranks_starting(self) -> None:
         self._watchdog.begin(time.monotonic())
-        self._set_phase("starting ranks")
+        # Native launches fork the ranks once each node's fork server has imported
+        # torch (10 s on a loaded machine): say so, or the phase looks stuck.
+        imports = next((m for m in map(zygote_imports, self.job.tasks) if m), [])
+        self._set_phase("starting ranks", f"(fork servers import {imports[0]})" if imports
+                        else "")
 
     def _set_phase(self, name: str, detail: str = "") -> None:
         """Tell the console where the job is (forward only; a detail may change)."""
