@@ -66,7 +66,8 @@ def test_srun_hints() -> None:
 def _fake_client(answers: dict[str, tuple[str, str, int]]) -> SlurmClient:
     def runner(argv: object, timeout: float, env: object, cwd: object
                ) -> subprocess.CompletedProcess[str]:
-        out, err, rc = answers[list(argv)[-1]]  # type: ignore[call-overload]
+        words = list(argv)  # type: ignore[call-overload]
+        out, err, rc = answers[words[0] if words[0] == "sinfo" else words[-1]]
         return subprocess.CompletedProcess(list(argv), rc, out, err)  # type: ignore[call-overload]
 
     return SlurmClient(runner=runner)
@@ -80,14 +81,21 @@ def _show(job: str, state: str, nodes: str) -> tuple[str, str, int]:
 def test_job_places_running_finished_forgotten() -> None:
     client = _fake_client({"7": _show("7", "RUNNING", "node[1-2]"),
                            "8": _show("8", "COMPLETED", "node[3-4]"),
-                           "9": ("", "slurm_load_jobs error: Invalid job id specified", 1)})
+                           "9": ("", "slurm_load_jobs error: Invalid job id specified", 1),
+                           "sinfo": ("node3|idle|none\nnode4|mixed|none\nnode5|idle|none\n"
+                                     "node6|down*|Not responding\n", "", 0)})
     running = job_places(client, "7", "node[1-2]", ())
     assert [(p.node, p.job_id) for p in running.places] == [("node1", "7"), ("node2", "7")]
     done = job_places(client, "8", None, ("--partition=debug",))
     assert [(p.node, p.job_id) for p in done.places] == [("node3", None), ("node4", None)]
     assert done.places[0].site == ("--partition=debug",)
-    forgotten = job_places(client, "9", "node[5-6]", ())
-    assert forgotten.state == "UNKNOWN" and [p.node for p in forgotten.places] == ["node5", "node6"]
+    forgotten = job_places(client, "9", "node[3-5]", ())
+    assert forgotten.state == "UNKNOWN" and [p.node for p in forgotten.places] == [
+        "node3", "node4", "node5"]
+    # A node Slurm has down: said at once, by name (srun would wait, then say "busy").
+    with pytest.raises(LaunchError, match=r"node6 down\* \(reason: Not responding\)") as err:
+        job_places(client, "9", "node[5-6]", ())
+    assert "State=RESUME" in err.value.one_line()
     with pytest.raises(LaunchError, match="are not known"):
         job_places(client, "9", None, ())
 
@@ -155,6 +163,7 @@ def _bin(tmp: Path) -> Path:
                      "echo \"scontrol $*\" >> \"$FAKE_LOG\"\n"
                      "echo \"JobId=$4 JobName=ck JobState=COMPLETED Reason=None ExitCode=0:0 "
                      "NodeList=node[1-2] StdOut=/o StdErr=/e Restarts=0\"\n"),
+        "sinfo": "#!/bin/sh\nprintf 'node1|idle|none\\nnode2|idle|none\\n'\n",
         "ssh": "#!/bin/sh\necho \"ssh $*\" >> \"$FAKE_LOG\"\nexit 255\n",
     }
     for name, text in scripts.items():

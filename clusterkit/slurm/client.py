@@ -127,3 +127,15 @@ class SlurmClient:
         if full:
             argv.append("--full")
         self._run([*argv, job_id])
+
+    def node_states(self, nodes: Sequence[str]) -> dict[str, tuple[str, str]]:
+        """``{node: (state, reason)}`` from ``sinfo -N`` (state as sinfo's %T prints it,
+        e.g. ``idle``, ``down*``, ``drained``; reason ``none`` when there is none)."""
+        proc = self._run(["sinfo", "-h", "-N", f"--nodes={','.join(nodes)}", "-o", "%N|%T|%E"])
+        out: dict[str, tuple[str, str]] = {}
+        for line in proc.stdout.splitlines():
+            name, _, rest = line.strip().partition("|")
+            state, _, reason = rest.partition("|")
+            if name:
+                out.setdefault(name, (state, reason))
+        return out

@@ -180,8 +180,36 @@ def job_places(client: SlurmClient, slurm_job_id: str | None, first_nodes: str |
                          f"{slurm_job_id}: {exc}", key="JOB") from None
     # A step can only run on the nodes the job holds now (a pinned requeue holds the same).
     running = state == "RUNNING" and set(names) <= set(_names(listed))
+    if not running:
+        check_available(client, names)
     return JobNodes(tuple(SlurmPlace(n, slurm_job_id if running else None, tuple(site),
                                      wait_s, job_name) for n in names), state)
+
+
+# sinfo %T states in which no new allocation starts on a node (a trailing * means
+# "not responding"): srun --immediate would only say "Requested nodes are busy".
+_UNAVAILABLE = ("down", "drain", "fail", "unk", "future", "inval", "power", "maint")
+
+
+def check_available(client: SlurmClient, nodes: Sequence[str]) -> None:
+    """Refuse at once, naming them, when Slurm has nodes down or drained (best effort:
+    a site whose sinfo cannot answer leaves it to srun)."""
+    try:
+        states = client.node_states(nodes)
+    except SlurmError:
+        return
+    bad = {n: states[n] for n in nodes if n in states and (
+        states[n][0].endswith("*") or any(w in states[n][0] for w in _UNAVAILABLE))}
+    if not bad:
+        return
+    what = "; ".join(f"{n} {state}" + (f" (reason: {why})" if why and why != "none" else "")
+                     for n, (state, why) in bad.items())
+    first = next(iter(bad))
+    raise SlurmError(f"Slurm cannot place a step on the job's node(s): {what}. Their node-local "
+                     "checkpoint files are only on their disks", key="JOB",
+                     hint=f"bring the node back (`scontrol update NodeName={first} "
+                          "State=RESUME`, an admin's call once it is healthy), then run "
+                          "collect-ckpt again")
 
 
 def _names(nodelist: str) -> list[str]:
