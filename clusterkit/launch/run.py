@@ -18,7 +18,7 @@ from typing import Any
 from clusterkit.errors import LaunchError
 from clusterkit.launch.console import Sink
 from clusterkit.launch.fromplan import job_from_plan
-from clusterkit.launch.gate import GateNode, gate_error, needed_files, run_gate
+from clusterkit.launch.gate import gate_error, gate_nodes, run_gate
 from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.orchestrator import JobOutcome, JobSpec, Orchestrator, describe_failure
 from clusterkit.launchers import BACKENDS, launcher_name
@@ -78,16 +78,10 @@ def gate_needs(plan: JobPlan) -> tuple[str, ...]:
     return needs
 
 
-def _gate_nodes(plan: JobPlan) -> list[GateNode]:
-    from clusterkit.launch.fromplan import target_for
-
-    return [GateNode(n.name, n.python, target_for(n.host), needed_files(plan, n))
-            for n in plan.nodes]
-
-
 def check_nodes(transport: Transport, plan: JobPlan, sink: Sink) -> dict[str, str]:
     """The gate; returns node -> problem (empty when every node is fit)."""
-    result = run_gate(transport, _gate_nodes(plan), need=gate_needs(plan))
+    # The agents' gate, on its own: the same needs (script, checkpoint dir, master).
+    result = run_gate(transport, gate_nodes(plan), need=gate_needs(plan))
     for node, why in result.problems.items():
         sink.info(f"{node}: {why}")
     return result.problems
