@@ -232,12 +232,13 @@ def _as_abs_path(ctx: _Ctx, value: Any, line: int, where: str) -> str:
     return text
 
 
-def _shell_rule(ctx: _Ctx, line: int, where: str, rule: Callable[[], object]) -> None:
+def _shell_rule(ctx: _Ctx, line: int, where: str, rule: Callable[[str, str], object],
+                *args: str) -> None:
     """A :mod:`clusterkit.shellsafe` rule, applied where the user wrote the value: the
     launch refuses what these rules refuse, so ``inventory validate`` must refuse it too,
     naming file:line instead of a variable the plan met later."""
     try:
-        rule()
+        rule(*args)
     except RenderError as exc:
         ctx.fail(line, exc.message, exc.hint, key=where)
 
@@ -275,7 +276,7 @@ def _as_env_map(ctx: _Ctx, value: Any, line: int, where: str) -> dict[str, str]:
         if not _ENV_NAME.fullmatch(name):
             ctx.fail(kl, f"{where}: {name!r} is not an environment variable name",
                      "names must match [A-Za-z_][A-Za-z0-9_]* (no spaces or dashes)")
-        _shell_rule(ctx, kl, f"{where}.{name}", lambda n=name, t=text: check_env_value(n, t))
+        _shell_rule(ctx, kl, f"{where}.{name}", check_env_value, name, text)
     return out
 
 
@@ -317,8 +318,7 @@ def _parse_ssh(ctx: _Ctx, value: Any, line: int, where: str) -> dict[str, Any]:
         else:
             out[key] = text = _as_str(ctx, v, kl, f"{where}.{key}")
             # Every job renders these into its ssh_config (render/ssh_config.py).
-            _shell_rule(ctx, kl, f"{where}.{key}",
-                        lambda t=text, k=key: ssh_config_value(t, f"ssh.{k}"))
+            _shell_rule(ctx, kl, f"{where}.{key}", ssh_config_value, text, f"ssh.{key}")
     return out
 
 
