@@ -420,3 +420,64 @@ def test_folded_gate_names_a_script_missing_on_a_node(tmp_path: Path, fake: Path
               "shared workdir)"}
     assert gate.facts["v0"]["missing"] == []
     assert "step 1/600" not in text and agent_mod.job_processes("gate-script") == {}
+
+
+HELPER_PARENT = textwrap.dedent("""
+    import subprocess, sys, time
+    # A DataLoader-like helper: same environ (RANK too), a child of the rank.
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_status_lists_each_rank_pid_not_its_helpers(tmp_path: Path) -> None:
+    """`clusterkit status JOB` (issue 25): the agent's --status answer names each rank's
+    own pid (a helper that inherited RANK is not the rank) and the launcher's pid."""
+    env = dict(os.environ, CLUSTERKIT_JOB_ID="pidjob", CLUSTERKIT_NODE="n1", LOCAL_RANK="0")
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    ranks = [subprocess.Popen([sys.executable, "-c", HELPER_PARENT], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, text=True) for r in (4, 5)]
+    try:
+        for p in ranks:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        node_dir = tmp_path / "nodes" / "n1"
+        node_dir.mkdir(parents=True)
+        (node_dir / "agent.json").write_text(json.dumps(
+            {"state": "running", "agent_pid": os.getpid(), "child_pid": launcher.pid,
+             "zygote_pid": None, "ranks": {}}))
+        procs = agent_mod.job_processes("pidjob", "n1")
+        assert len(procs) == 5  # the launcher, 2 ranks, 2 helpers
+        assert agent_mod.rank_pids_of(procs) == {4: ranks[0].pid, 5: ranks[1].pid}
+        info = agent_mod._status("pidjob", str(tmp_path), "n1")
+        assert info["ranks"] == [4, 5] and info["processes"] == 5
+        assert info["pids"] == {"4": ranks[0].pid, "5": ranks[1].pid}
+        assert info["launcher_pid"] == launcher.pid and info["fork_server_pid"] is None
+    finally:
+        for p in (launcher, *ranks):
+            p.kill()
+            p.wait()
+        agent_mod.sweep("pidjob", "n1", None, 0.5)  # the helpers
+
+
+def test_status_text_names_pids_and_the_launcher() -> None:
+    from types import SimpleNamespace
+
+    from clusterkit.cli.cmd_launch import _launcher, _ranks_text
+
+    assert _ranks_text({"ranks": [0, 1], "pids": {"0": 51, "1": 52}, "fork_server_pid": 50,
+                        "launcher_pid": None}) == "ranks 0,1 (pids 51,52)  fork server pid 50"
+    assert _ranks_text({"ranks": [2], "pids": {"2": 9}, "launcher_pid": 7}) == \
+        "ranks 2 (pids 9)  launcher pid 7"
+    assert _ranks_text({"ranks": []}) == "ranks -"  # an older agent's answer: no pids
+    assert _launcher(SimpleNamespace(extra={"launcher": "native"}, backend="torchrun")) == "native"
+    assert _launcher(SimpleNamespace(extra={}, backend="torchrun")) == "torchrun"
+
+
+def test_the_recorded_launcher_is_the_one_chosen() -> None:
+    from clusterkit.launchers import launcher_name
+
+    assert launcher_name("torchrun", native=True) == "native"
+    assert launcher_name("torchrun", native=False) == "torchrun"
+    assert launcher_name("deepspeed", native=False) == "deepspeed"
+    assert launcher_name("accelerate", native=False) == "accelerate"

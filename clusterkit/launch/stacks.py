@@ -80,6 +80,8 @@ class StackGroup:
 class StackSummary:
     groups: list[StackGroup] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)  # ranks no dump came back from
+    # How to get a stack where a dump had none (the agents' "fix: ..." lines), once each.
+    fixes: list[str] = field(default_factory=list)
 
     def odd_ones(self) -> list[StackGroup]:
         return [g for g in self.groups if g.odd]
@@ -100,7 +102,7 @@ class StackSummary:
         out = [("  " + g.label() + ("   <- odd one out" if g.odd else "")) for g in self.groups]
         if self.missing:
             out.append(f"  no dump from ranks {_rank_ranges(tuple(self.missing))}")
-        return out
+        return out + [f"  {fix}" for fix in self.fixes]
 
     def one_line(self) -> str:
         return "; ".join(g.label() for g in self.groups)
@@ -159,11 +161,13 @@ def summarize(stacks: Mapping[int, RankStack], world_size: int) -> StackSummary:
     all_reduce as the others, but it is the one they wait for.
     """
     by_sig: dict[tuple[str, bool], list[RankStack]] = {}
+    fixes: dict[str, None] = {}
     for rank in sorted(stacks):
         st = stacks[rank]
-        sig = signature(st.frames) if st.frames else (
-            "no Python stack" + (f" ({st.text.strip().splitlines()[0][:80]})"
-                                 if st.text.strip() else ""))
+        sig = signature(st.frames) if st.frames else no_stack(st.text)
+        if not st.frames:
+            fixes.update(dict.fromkeys(ln.strip() for ln in st.text.splitlines()
+                                       if ln.strip().startswith("fix: ")))
         by_sig.setdefault((sig, st.stopped), []).append(st)
     biggest = max((len(v) for v in by_sig.values()), default=0)
     single_big = sum(1 for v in by_sig.values() if len(v) == biggest) == 1
@@ -174,4 +178,11 @@ def summarize(stacks: Mapping[int, RankStack], world_size: int) -> StackSummary:
         groups.append(StackGroup(signature=sig, ranks=tuple(m.rank for m in members),
                                  nodes=tuple(m.node for m in members), stopped=stopped, odd=odd))
     missing = [r for r in range(world_size) if r not in stacks]
-    return StackSummary(groups=groups, missing=missing)
+    return StackSummary(groups=groups, missing=missing, fixes=list(fixes))
+
+
+def no_stack(text: str) -> str:
+    """The row of a dump without frames: ``no Python stack: <the agent's first line>``
+    (the agent says why: no py-spy where it looked, no faulthandler handler)."""
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return "no Python stack" + (f": {first[:200]}" if first else "")

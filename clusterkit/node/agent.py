@@ -150,9 +150,9 @@ def rank_pids_of(procs: dict[int, dict[bytes, bytes]]) -> dict[int, int]:
     several, as after a pid wrap)."""
     by_rank: dict[int, list[int]] = {}
     for pid, env in procs.items():
-        rank = env.get(b"RANK", b"")
-        if rank.isdigit() and b"LOCAL_RANK" in env:
-            by_rank.setdefault(int(rank), []).append(pid)
+        value = env.get(b"RANK", b"")
+        if value.isdigit() and b"LOCAL_RANK" in env:
+            by_rank.setdefault(int(value), []).append(pid)
     out: dict[int, int] = {}
     for rank, pids in by_rank.items():
         roots = [p for p in pids if _ppid(p) not in pids] or pids
@@ -340,6 +340,7 @@ class Agent:
         self._next_progress = 0.0
         self.progress_dir = os.path.join(self.node_dir, "progress")
         self._threaded = False  # see start_writer
+        self._spy_python = sys.executable  # the job's Python, named in the py-spy hint
 
     def start_writer(self) -> None:
         """From now on output goes through a writer thread (the real agent, not tests)."""
@@ -871,7 +872,9 @@ class Agent:
     def dump_stacks(self) -> None:
         """Every rank's Python stacks: py-spy where installed, else faulthandler's file."""
         pids = self.rank_pids()
-        spy = _py_spy()
+        pythons = self.job_pythons(pids.values())
+        spy = _py_spy(pythons, self.child_env().get("PATH"))
+        self._spy_python = pythons[0] if pythons else sys.executable  # for the hint
         results: dict[str, dict[str, Any]] = {}
         threads = []
         for rank, pid in sorted(pids.items()):
@@ -892,15 +895,52 @@ class Agent:
     def _dump_one(self, rank: int, pid: int, spy: str | None,
                   results: dict[str, dict[str, Any]]) -> None:
         state = _proc_state(pid)
-        text, tool = "", "none"
+        text, tool, spy_error = "", "none", ""
         if spy:
             # py-spy cannot pause a process that is already stopped (SIGSTOP): read it
             # without pausing then, and as the second try for any other.
-            text = "" if state.startswith("T") else _spy_dump(spy, pid)
-            text, tool = text or _spy_dump(spy, pid, "--nonblocking"), "py-spy"
+            if not state.startswith("T"):
+                text, spy_error = _spy_dump(spy, pid)
+            if not text:
+                text, spy_error = _spy_dump(spy, pid, "--nonblocking")
+            tool = "py-spy"
         if not text.strip():
             text, tool = self._faulthandler_dump(rank, pid, state), "faulthandler"
+        if not text.strip():
+            text, tool = self._no_stack(spy, spy_error), "none"
         results[str(rank)] = {"pid": pid, "state": state, "tool": tool, "text": text}
+
+    def job_pythons(self, pids: Any = ()) -> list[str]:
+        """The interpreters this node's ranks run, as paths (a venv's ``bin/python`` as
+        typed, not resolved: its py-spy sits beside it): each exec'd rank's argv[0],
+        then the job's command's (the native ranks' Python, or torchrun's)."""
+        found: list[str] = []
+        for pid in pids:
+            argv0 = _argv0(pid)
+            if argv0 and os.path.isabs(argv0):  # a forked rank's title is not a path
+                found.append(argv0)
+        if self.spec.argv:
+            first = _expand(self.spec.argv[0], self.job_dir)
+            path = first if os.sep in first else shutil.which(
+                first, path=self.child_env().get("PATH"))
+            if path:
+                found.append(os.path.abspath(path))
+        return list(dict.fromkeys(found))
+
+    def _no_stack(self, spy: str | None, spy_error: str) -> str:
+        """Why a rank's dump holds no stack (first line: the summary's), and the fix."""
+        python = self._spy_python
+        handler = "no faulthandler dump (the program registers none on SIGWINCH)"
+        if spy is None:
+            why = f"py-spy is not beside {python} nor on PATH, and {handler}"
+            fix = (f"fix: {python} -m pip install py-spy on every node, or register "
+                   "faulthandler on SIGWINCH (docs/launch.md, Hangs)")
+        else:
+            why = f"{spy} could not read the process ({spy_error or 'no output'}), and {handler}"
+            fix = ("fix: py-spy needs ptrace permission (root, CAP_SYS_PTRACE, or "
+                   "kernel.yama.ptrace_scope=0), or register faulthandler on SIGWINCH "
+                   "(docs/launch.md, Hangs)")
+        return f"{why}\n{fix}\n"
 
     def _faulthandler_dump(self, rank: int, pid: int, state: str) -> str:
         path = os.path.join(self.progress_dir, f"rank{rank}.stacks")
@@ -918,7 +958,7 @@ class Agent:
                 with open(path, encoding="utf-8", errors="replace") as fh:
                     fh.seek(size)
                     return fh.read()
-        return "(no faulthandler dump: the program did not register one on SIGWINCH)"
+        return ""  # nothing written: the program registers no handler
 
     def hold_for_go(self) -> bool:
         """True once the launcher says GO (the facts are reported), False on a stop."""
@@ -1018,22 +1058,46 @@ def _proc_state(pid: int) -> str:
         return "?"
 
 
-def _py_spy() -> str | None:
-    """py-spy beside this Python (a venv or pyenv version) or on PATH; off by env."""
+def _argv0(pid: int) -> str:
+    """The first word of a process's command line ("" when unreadable)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().split(b"\0", 1)[0].decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _py_spy(pythons: Sequence[str] = (), path: str | None = None) -> str | None:
+    """py-spy beside the job's Python (``pythons``: a venv's ``bin/python`` has its
+    ``bin/py-spy`` beside it, found even when the venv is not on PATH), beside this
+    agent's Python, then on ``path`` (the ranks' PATH) and the agent's PATH.
+    None: not found, or ``CLUSTERKIT_STACK_TOOL=faulthandler``."""
     if os.environ.get("CLUSTERKIT_STACK_TOOL") == "faulthandler":
         return None
-    here = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    return here if os.access(here, os.X_OK) else shutil.which("py-spy")
+    for python in [*pythons, sys.executable]:
+        if python and os.path.isabs(python):
+            here = os.path.join(os.path.dirname(python), "py-spy")
+            if os.path.isfile(here) and os.access(here, os.X_OK):
+                return here
+    for search in (path, os.environ.get("PATH")):
+        found = shutil.which("py-spy", path=search) if search else None
+        if found:
+            return found
+    return None
 
 
-def _spy_dump(spy: str, pid: int, *extra: str) -> str:
+def _spy_dump(spy: str, pid: int, *extra: str) -> tuple[str, str]:
+    """(the dump, "") or ("", why py-spy gave none: its last error line)."""
     try:
         res = subprocess.run([spy, "dump", *extra, "--pid", str(pid)], capture_output=True,
                              text=True, timeout=15.0, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return "", type(exc).__name__
     # Without ptrace permission py-spy fails: the caller falls back to faulthandler.
-    return res.stdout if res.returncode == 0 else ""
+    if res.returncode == 0:
+        return res.stdout, ""
+    lines = (res.stderr or res.stdout).strip().splitlines()
+    return "", (lines[-1][:160] if lines else f"exit {res.returncode}")
 
 
 # ----------------------------------------------------------------- entry points
