@@ -44,6 +44,11 @@ FOLD_WINDOW_S = 1.0
 # most (the agents poll their ranks every 0.1 s; a rank that raised closes its sockets
 # before its exit is seen); their lines from before that are shown as usual.
 COLLATERAL_LOOKBACK_S = 0.5
+# Where a rank's error output begins (a Python traceback, an exception line, a glog
+# error line "[E1123 12:50:40 ...]"): in the lookback, a rank's lines turn collateral
+# from there on, so its last step or checkpoint line before it is still shown.
+ERROR_START = re.compile(r"Traceback \(most recent call last\)|\b[A-Z]\w*(?:Error|Exception)\b"
+                         r"|\[E\d{4} |\bERROR\b")
 # Lines that say nothing to the user and repeat on every rank: shown once per job.
 NOISE: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
     r"Setting accelerator to \w+\. If you have GPU or other accelerator",
@@ -164,16 +169,21 @@ class LineFolder:
         """The job's first failure is ``rank``'s: from now on the other ranks' lines are
         collateral. Their lines still waiting in a window that came in the last
         ``COLLATERAL_LOOKBACK_S`` count too (a killed rank's peers print before its node
-        reports it). False when a failure was set already."""
+        reports it), from their first error line on (:data:`ERROR_START`). False when a
+        failure was set already."""
         if self.failed is not None:
             return False
         self.failed = rank
-        for group in self._queue:
-            late = [r for r, t in group.arrived.items()
-                    if r != rank and now - t <= COLLATERAL_LOOKBACK_S]
-            for other in late:
-                del group.arrived[other]
-                self._hold_back(other, group.members.pop(other), 1)
+        erring: set[int] = set()  # ranks whose error output began in the lookback
+        for group in self._queue:  # first-seen order: each rank's lines in their order
+            for other, t in list(group.arrived.items()):
+                if other == rank or now - t > COLLATERAL_LOOKBACK_S:
+                    continue
+                if other not in erring and ERROR_START.search(group.key):
+                    erring.add(other)
+                if other in erring:
+                    del group.arrived[other]
+                    self._hold_back(other, group.members.pop(other), 1)
         self._queue = [g for g in self._queue if g.members]
         self._open = {k: g for k, g in self._open.items() if g.members}
         return True

@@ -189,12 +189,22 @@ def test_lines_from_before_the_failure_stay_lines() -> None:
     f = LineFolder(window_s=5.0, world_size=4)
     f.feed("n1", 1, "rank 1 ready", now=0.0)
     f.feed("n2", 3, "step 7 on rank 3", now=2.0)
-    f.feed("n2", 3, "RuntimeError: Connection closed by peer", now=2.9)
-    f.fail(0, now=3.0)
-    assert _texts(f.release(9.0, final=True)) == ["[n1 r1] rank 1 ready",
-                                                  "[n2 r3] step 7 on rank 3"]
-    item = f.collateral("n1 rank 0", "")
-    assert item is not None and item.label == "[n2 r3]" and "printed 1 line " in item.text
+    f.feed("n1", 0, "checkpoint global_step20 complete in 0.07s", now=2.8)  # a peer's news
+    f.feed("n2", 3, "[rank3]: Traceback (most recent call last):", now=2.85)
+    f.feed("n2", 3, "[rank3]:     dist.all_reduce(t)", now=2.9)
+    f.fail(1, now=3.0)  # rank 1 was killed
+    assert _texts(f.release(9.0, final=True)) == [
+        "[n1 r1] rank 1 ready", "[n2 r3] step 7 on rank 3",
+        "[n1 r0] checkpoint global_step20 complete in 0.07s"]
+    item = f.collateral("n1 rank 1", "")
+    assert item is not None and item.label == "[n2 r3]" and "printed 2 lines " in item.text
+    from clusterkit.fold import ERROR_START
+
+    for line in ("[rank1]: RuntimeError: [../gloo/pair.cc:534] Connection closed by peer",
+                 "[rank1]:[E1123 12:50:40.891 ProcessGroupNCCL.cpp:616] Watchdog caught",
+                 "torch.distributed.DistBackendError: NCCL error", "ERROR: failed"):
+        assert ERROR_START.search(line), line
+    assert not ERROR_START.search("step 10/30 | loss 4.8 | no errors so far")
 
 
 def test_folding_sink_prints_the_collateral_line_at_the_end_of_the_attempt() -> None:
