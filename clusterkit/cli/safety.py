@@ -75,8 +75,9 @@ def _finite(low: float, high: float = math.inf, *, low_ok: bool = True) -> Calla
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("master_port", "--master-port", lambda v: isinstance(v, int) and 1 <= v <= 65535,
-         "a TCP port 1-65535"),
+    # doctor's --master-port: 0 skips the port test (docs/doctor.md)
+    Rule("master_port", "--master-port", lambda v: isinstance(v, int) and 0 <= v <= 65535,
+         "a TCP port 1-65535 (0: skip the test)"),
     Rule("cpus_per_task", "--cpus-per-task", _at_least(1), "a number >= 1"),
     Rule("local_ranks_filter", "--local-ranks-filter",
          lambda v: isinstance(v, str) and bool(_RANK_LIST.fullmatch(v)),
