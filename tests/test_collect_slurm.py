@@ -59,7 +59,7 @@ def test_srun_hints() -> None:
     hint = srun_hint("srun: Required node not available (down, drained or reserved)")
     assert hint is not None and "sinfo" in hint
     hint = srun_hint("srun: error: Unable to allocate resources: Invalid partition name specified")
-    assert hint is not None and "sinfo -s" in hint
+    assert hint is not None and "sinfo -s" in hint and "JOBDIR/sbatch.sh" in hint
     assert srun_hint("something else") is None
 
 
@@ -209,6 +209,11 @@ def test_collect_a_batch_job_through_srun_not_ssh(tmp_path: Path) -> None:
     for args in ([str(d)], ["--dir", str(d)]):
         res = _collect(env, *args)
         assert res.returncode == 0 and "0 file(s) copied" in res.stdout, res.stderr
+    # The script edited since the submit (a partition that is gone): the edit counts.
+    (d / "sbatch.sh").write_text(SCRIPT.replace("--partition=gpu", "--partition=other"))
+    res = _collect(env, "nl-job")
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "calls.log").read_text().count("--partition=other") == 2  # one per node
 
 
 def test_slurm_refusal_is_one_clear_line(tmp_path: Path) -> None:

@@ -184,7 +184,7 @@ def _batch_job_nodes(args: argparse.Namespace, record: JobRecord
             "place already, nothing to gather", path=str(extra.get("ckpt_dir")),
             hint="read them there (<dir>/zero_to_fp32.py consolidates), or pass --dir")
     slurm_id = record.slurm_job_id
-    job = job_places(SlurmClient(), slurm_id, _first_nodes(record), extra.get("slurm_site", ()),
+    job = job_places(SlurmClient(), slurm_id, _first_nodes(record), _site(record),
                      wait_s=args.slurm_wait, job_name=f"ck-collect-{record.job_id}")
     root = args.dir or str(extra["ckpt_dir"])
     python = str(extra.get("python") or "python3")
@@ -202,6 +202,21 @@ def _batch_job_nodes(args: argparse.Namespace, record: JobRecord
     slots = slots if len(slots) == len(nodes) else [slots[0] if slots else 0] * len(nodes)
     home = record.job_dir or str(clusterkit_home() / "jobs" / record.job_id)
     return nodes, slots, os.path.join(home, "checkpoints")
+
+
+def _site(record: JobRecord) -> tuple[str, ...]:
+    """The job script's partition/account/QOS/reservation as the script says now (an
+    edit since the submit counts: the fix for a partition that is gone), else as
+    recorded at submit."""
+    from clusterkit.launch.jobs import SBATCH_SCRIPT
+    from clusterkit.slurm.steps import site_args
+
+    if record.job_dir:
+        try:
+            return site_args((Path(record.job_dir) / SBATCH_SCRIPT).read_text(encoding="utf-8"))
+        except OSError:
+            pass
+    return tuple(record.extra.get("slurm_site", ()))
 
 
 def _first_nodes(record: JobRecord) -> str | None:

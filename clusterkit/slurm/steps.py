@@ -47,6 +47,10 @@ SRUN_HINTS: tuple[tuple[str, str], ...] = (
                                                  "collect-ckpt again (it uses an allocation now)"),
     ("Immediate execution impossible", "the node did not become free within --slurm-wait "
                                        "seconds; run again later or with a larger --slurm-wait"),
+    ("Invalid partition name", "the job's partition is gone (`sinfo -s` lists them): edit "
+                               "#SBATCH --partition in JOBDIR/sbatch.sh and run again"),
+    ("Requested reservation is invalid", "the job's reservation is over: remove #SBATCH "
+                                         "--reservation from JOBDIR/sbatch.sh and run again"),
     ("Unable to allocate resources: Access/permission denied", "your account may not use this "
      "partition; pass the account, QOS or partition the job was submitted with"),
 )
