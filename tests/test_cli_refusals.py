@@ -62,6 +62,8 @@ def _rows_job_verbs() -> list[tuple[list[str], str]]:
             ([*verb, "--steps"], "--steps: needs a value"),
             ([*verb, "--local-ranks-filter", "a,b"], "--local-ranks-filter"),
             ([*verb, "--env", ""], "--env"),
+            ([*verb, "--nvme-path", ""], "--nvme-path: needs a value, got an empty string"),
+            ([*verb, "--ckpt-dir", " "], "--ckpt-dir: needs a value"),
             ([*verb, "train.py", "--nodes", "2"], "--nodes: a clusterkit launch flag after"),
             ([*verb, "train.py", "--dry-run"], "after `--` to hand it to your script"),
             ([*verb, "train.py", "-i", "x.yaml"], "-i: a clusterkit launch flag"),

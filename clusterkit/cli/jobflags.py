@@ -54,7 +54,14 @@ def _value_type(f: dataclasses.Field[Any]) -> Callable[[str], Any]:
     if f.name.endswith("_s"):
         return duration_type(flag_name(f))
     # Annotations are strings here (from __future__ import annotations): "int | None" -> int.
-    return _TYPES.get(str(f.type).split(" |")[0], str)
+    return _TYPES.get(str(f.type).split(" |")[0], _text)
+
+
+def _text(value: str) -> str:
+    """A text job flag (a path, a Slurm partition, ...): '' would silently mean "unset"."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("needs a value, got an empty string")
+    return value
 
 
 def script_dests() -> frozenset[str]:
