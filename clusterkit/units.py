@@ -116,7 +116,7 @@ def duration_type(flag: str, *, zero: bool = True, whole: bool = False) -> Calla
 
     One rule (:func:`parse_duration`): never NaN, inf or negative. ``zero=False`` where
     0 would mean nothing (a poll interval, a connect timeout), ``whole=True`` where
-    the value is handed on as whole seconds (Slurm's ``--signal``). A refusal fails
+    the value is handed on as whole seconds (Slurm's ``--signal``): then an ``int``. A refusal fails
     while parsing (exit 2), the flag named by argparse. Cached: a flag's type is one
     object in every verb that has it (tests/test_jobflags.py compares them).
     """
@@ -127,7 +127,9 @@ def duration_type(flag: str, *, zero: bool = True, whole: bool = False) -> Calla
             raise argparse.ArgumentTypeError(f"{exc.message} ({exc.hint})") from None
         if not zero and value == 0:
             raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
-        if whole and value != int(value):
-            raise argparse.ArgumentTypeError(f"must be whole seconds, got {text!r}")
+        if whole:
+            if value != int(value):
+                raise argparse.ArgumentTypeError(f"must be whole seconds, got {text!r}")
+            return int(value)  # handed on as a Slurm argument: 300, not 300.0
         return value
     return convert

@@ -62,7 +62,7 @@ def test_duration_type_refuses_zero_and_fractions_where_asked() -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="more than 0"):
         poll("0")
     lead = duration_type("--signal-lead", zero=False, whole=True)
-    assert lead("2m") == 120.0
+    assert lead("2m") == 120 and isinstance(lead("2m"), int)
     with pytest.raises(argparse.ArgumentTypeError, match="whole seconds"):
         lead("1.5")
     # one object per flag and rule: the same type in every verb (tests/test_jobflags.py)
@@ -76,6 +76,7 @@ DURATION_FLAGS = [
     (["sbatch", "--hang-timeout"], "hang_timeout_s"), (["stop", "j", "--grace"], "grace"),
     (["doctor", "--connect-timeout"], "connect_timeout"), (["sbatch", "--poll"], "poll"),
     (["sbatch", "--slurm-timeout"], "slurm_timeout"), (["sbatch", "--signal-lead"], "signal_lead"),
+    (["collect-ckpt", "--slurm-wait"], "slurm_wait"),
 ]
 
 

@@ -24,7 +24,7 @@ from clusterkit.fsutil import check_writable
 from clusterkit.inventory import Host
 from clusterkit.remote.base import SSHTarget, target_for
 from clusterkit.slurm.steps import ALLOC_WAIT_S
-from clusterkit.units import size_type
+from clusterkit.units import duration_type, size_type
 
 if TYPE_CHECKING:
     from clusterkit.checkpoints.discover import WithoutMarkers
@@ -74,7 +74,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--via", choices=("auto", "ssh", "sftp", "slurm"), default="auto",
                    help="data path: OpenSSH streams (auto when ssh exists), SFTP, or slurm: "
                         "srun on each node, no SSH (auto for a `clusterkit sbatch` job)")
-    p.add_argument("--slurm-wait", type=int, default=ALLOC_WAIT_S, metavar="S",
+    p.add_argument("--slurm-wait", type=duration_type("--slurm-wait", zero=False, whole=True),
+                   default=ALLOC_WAIT_S, metavar="S",
                    help="with Slurm, for a job that no longer runs: seconds the one-task "
                         "allocation on each node may wait for it (srun --immediate; "
                         "default %(default)s)")
