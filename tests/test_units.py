@@ -138,3 +138,24 @@ def test_consolidate_hands_deepspeed_the_byte_count(tmp_path: Path,
     with pytest.raises(ClusterkitError) as e:
         mod.consolidate(str(tmp_path), "global_step1", max_shard_size="5 gigs")
     assert e.value.key == "--max-shard-size" and not seen
+
+
+def test_every_seconds_flag_uses_the_duration_type() -> None:
+    """A flag whose value is seconds (metavar S) reads it by the one rule: no float()."""
+    import argparse as ap
+
+    from clusterkit.cli.main import build_parser
+
+    def walk(p: ap.ArgumentParser) -> list[tuple[str, ap.Action]]:
+        out = [(p.prog, a) for a in p._actions]
+        for a in p._actions:
+            if isinstance(a, ap._SubParsersAction):
+                for sub in dict.fromkeys(a.choices.values()):
+                    out += walk(sub)
+        return out
+
+    seconds = [(prog, a) for prog, a in walk(build_parser()) if a.metavar == "S"]
+    assert len(seconds) >= 10
+    for prog, action in seconds:
+        assert getattr(action.type, "__qualname__", "") == "duration_type.<locals>.convert", \
+            (prog, action.option_strings)
