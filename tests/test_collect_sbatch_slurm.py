@@ -4,7 +4,8 @@ on PATH is a stand-in that records any call, so an SSH attempt fails the test.
 
 One small job (2 nodes x 1 rank, 3 steps of the bundled workload, node-local
 checkpoints) is collected and consolidated twice: by clusterkit's job id and by
-Slurm's. The fake-srun unit tests are in tests/test_collect_slurm.py.
+Slurm's; no allocation is left behind; then a node marked DOWN is named in one line.
+The fake-srun unit tests are in tests/test_collect_slurm.py.
 """
 
 from __future__ import annotations
@@ -63,7 +64,16 @@ def test_collect_finished_node_local_job_through_slurm(slurm: SlurmBed, tmp_path
             assert len(list((dest / tag).glob("*_optim_states.pt"))) == 2
             assert "loads strictly into clusterkit.workload GPT(tiny)" in r.stdout, r.stdout
             print(r.stdout)
+        slurm.wait_all_jobs_gone(timeout=30)  # every one-task allocation was given back
+        # A node Slurm has down: one line at once, naming it (srun alone waits, then says "busy").
+        slurm.client(["scontrol", "update", "NodeName=node2", "State=DOWN", "Reason=ck-test"])
+        r = _run(env, "collect-ckpt", JOB, "--to", str(tmp_path / "down"), timeout=60)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert "node2 down (reason: ck-test)" in r.stderr and "State=RESUME" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     finally:
+        slurm.client(["scontrol", "update", "NodeName=node2", "State=RESUME"], check=False)
         for node in stopped:
             slurm.tb.start_sshd(node)
+        slurm.wait_nodes_idle(timeout=60)
     assert not (tmp_path / "ssh.log").exists(), (tmp_path / "ssh.log").read_text()
