@@ -91,6 +91,7 @@ def test_ps_shows_train_py_for_every_rank_and_status_lists_their_pids(
                                       f"[clusterkit rank {rank}/4 job {job}]")
         if launcher == "native":
             assert f"[clusterkit fork server job {job} node {node}]" in shown[node], shown[node]
+        assert f"[clusterkit agent job {job} node {node}]" in shown[node], shown[node]
     assert status.returncode == 0, status.stderr
     assert f"launcher {launcher}" in status.stdout.splitlines()[0], status.stdout
     for i, node in enumerate(nodes):

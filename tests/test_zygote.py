@@ -102,7 +102,8 @@ def test_forked_ranks_see_what_exec_ranks_see(tmp_path: Path, preload_json: None
         assert f.pop("cmdline") == f"{python} probe.py x [clusterkit rank {rank}/4 job zf]\0"
         assert (f.pop("comm"), e.pop("comm")) == ("probe.py", os.path.basename(sys.executable))
         assert f.pop("parent") == f"[clusterkit fork server job zf node v{rank // 2}]\0"
-        assert "fork server" not in e.pop("parent")
+        # An exec'd rank's parent is the agent: it shows as one too.
+        assert e.pop("parent") == f"[clusterkit agent job ze node v{rank // 2}]\0"
         assert f == e, {k: (f[k], e[k]) for k in f if f[k] != e[k]}
         assert f["argv"] == ["probe.py", "x"] and f["path0"] == str(tmp_path)
         assert f["file"] == str(tmp_path / "probe.py") and f["env"]["RANK"] == str(rank)

@@ -80,6 +80,7 @@ ENV_HEARTBEAT, ENV_HEARTBEAT_DIR, ENV_STACKS = (
 DUMP_SIGNAL = signal.SIGWINCH
 DUMP_WAIT_S = 5.0
 Spec = AgentSpec  # the name the agent has always used
+AGENT_COMM = "ck-agent"
 
 # torchrun --tee 3: "[default0]:text"; pdsh: "node3: text".
 _TORCHRUN_LINE = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:(.*)$")
@@ -1178,6 +1179,8 @@ def main(argv: list[str] | None = None) -> int:
         # Said on stderr and as the exit code: the launcher shows the agent's last line.
         sys.stderr.write(f"clusterkit agent: {exc}\n")
         return 2
+    # ps/top show the job's agent as such, not as `python3 -u -c import linecache,...`.
+    zygote.set_title(f"[clusterkit agent job {spec.job_id} node {spec.node}]", AGENT_COMM)
     agent = Agent(spec, sys.stdout)
     agent.start_writer()
     _install_signals(agent)
