@@ -237,3 +237,20 @@ def test_only_the_verb_being_run_is_built() -> None:
     assert _verbs(build_parser(["--help", "doctor"])) == set(VERBS)
     assert _verbs(build_parser(["doctr"])) == set(VERBS)  # argparse lists every verb
     assert _verbs(build_parser(["collect-ckpt"])) == {"collect-ckpt"}
+
+
+def test_a_real_launch_hands_the_script_all_its_words(tmp_path: Path) -> None:
+    """Issue 25's acceptance line, run for real on the embedded default's local nodes."""
+    import os
+    import subprocess
+
+    (tmp_path / "argv.py").write_text(
+        "import os, sys\nprint('ARGV', os.environ['RANK'], ' '.join(sys.argv[1:]))\n")
+    words = ["--deepspeed", "--deepspeed_config", "ds.json", "--steps", "5", "--save", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "clusterkit", "launch", "--nodes", "2", "--gpus-per-node", "1",
+         "--skip-checks", "argv.py", *words], cwd=tmp_path, capture_output=True, text=True,
+        env=dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home")), timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for rank in (0, 1):
+        assert f"ARGV {rank} {' '.join(words)}" in proc.stdout, proc.stdout
