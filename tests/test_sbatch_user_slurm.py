@@ -13,8 +13,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -162,3 +164,35 @@ def test_a_script_that_ignores_the_stop_is_not_requeued(slurm: SlurmBed) -> None
     assert "requeueing job" not in out.replace("not requeueing job", "")
     assert re.findall(rf"slurm={slurm_id} run (\d)", out) == ["1"]
     assert _wait_finished(slurm, slurm_id) == "COMPLETED"
+
+
+def test_a_stopped_rank_is_named_and_ends_the_step(slurm: SlurmBed) -> None:
+    """One rank SIGSTOPped mid-run: within --hang-timeout + 30 s the watchdog prints a
+    folded stack summary naming that rank, and the step ends with that reason."""
+    job, hang = "user-hang", 30
+    r = _sbatch(slurm, job, "torchrun", ["usertrain.py", "--steps", "300", "--step-sleep", "0.5"],
+                "--hang-timeout", str(hang))
+    slurm_id = _slurm_id(r)
+    _wait_line(slurm, job, slurm_id, "step 3 loss")
+    victim = None
+    for pid, cmd in slurm.job_processes("node2"):
+        if "usertrain.py" in cmd and not cmd.startswith(("sh ", "/bin/sh ")) \
+                and "torch.distributed.run" not in cmd:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            victim = (pid, next(e for e in env if e.startswith(b"RANK=")).decode()[5:])
+            break
+    assert victim is not None, slurm.job_processes("node2")
+    os.kill(victim[0], signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    state = _wait_finished(slurm, slurm_id, timeout=hang + 120)
+    out = _log(slurm, job, slurm_id)
+    detected = re.search(r"clusterkit: no progress on any rank for (\d+) s", out)
+    assert detected, out[-3000:]
+    assert time.monotonic() - stopped_at < hang + 30 + 60  # detection + teardown
+    assert int(detected.group(1)) <= hang + 30
+    assert re.search(rf"  rank {victim[1]} \(node2, stopped\): .*odd one out", out), out[-3000:]
+    assert "ending the step: no progress for" in out and f"rank {victim[1]} on node2 is stopped" in out
+    assert state == "FAILED", state
+    hangs = list((_job_dir(slurm, job) / "hangs").glob(f"{slurm_id}.1/rank*.txt"))
+    assert len(hangs) == 4, hangs
+    _assert_nodes_clean(slurm)

@@ -51,6 +51,7 @@ PROGRAMS: dict[str, Program] = {
     "gatefacts": Program(("sitepaths", "gatefacts")),
     "sync": Program(("sync",)),
     "install": Program(("sitepaths", "gatefacts", "install"), site=True),
+    "slurmwatch": Program(("slurmwatch",)),  # sbatch.sh's progress watchdog (docs/sbatch.md)
 }
 
 BOOTSTRAP = (

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from clusterkit.contract import STOP_FILE, exits_dir
 from clusterkit.errors import RenderError
 from clusterkit.launchers import BACKENDS
+from clusterkit.node import ship
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
 
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     import jinja2
 
 TEMPLATE = "sbatch.sh.j2"
+WATCHDOG_EOF = "CLUSTERKIT_SLURMWATCH_EOF"
+PROGRESS_SUBDIR = "progress"  # <job dir>/progress: $CLUSTERKIT_HEARTBEAT_DIR under sbatch
 # spec.ports' range (20000-32767, below Linux's ephemeral range 32768-60999): what a
 # site template that derives its own port needs; the bundled one uses the plan's port.
 SLURM_PORT_BASE = PORT_BASE
@@ -198,12 +201,32 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
         "node_local": plan.node_local,
         "node_local_dirs": [node.ckpt_dir] if plan.node_local else [],
         "exits_dir": exits_dir(node.job_dir),
+        **_watchdog_context(plan),
         "stop_file": f"{node.job_dir}/{STOP_FILE}",
         "variant": variant,
         "launch_line": line,
         **_site_context(plan, site),
     }
     return _render(site.template_dir, context)
+
+
+def _watchdog_context(plan: JobPlan) -> dict[str, object]:
+    """The progress watchdog (--hang-timeout S > 0): node/slurmwatch.py, started the one
+    way node programs are (ship.node_command: the bootstrap, its sources on stdin, here
+    a heredoc of the script, so the script stays the one file Slurm needs)."""
+    node = plan.nodes[0]
+    hang = plan.options.hang_timeout_s
+    if hang <= 0:
+        return {"hang_timeout": 0, "watchdog_cmd": "", "watchdog_bundle": "",
+                "progress_dir": "", "max_restarts": plan.options.max_restarts}
+    cmd = ship.node_command(node.python, "slurmwatch", ["watch", plan.job_id, node.job_dir])
+    bundle = cmd.stdin.decode("utf-8")
+    if WATCHDOG_EOF in bundle:
+        raise RenderError(f"the watchdog's sources contain {WATCHDOG_EOF}")
+    return {"hang_timeout": f"{hang:g}", "watchdog_cmd": shlex.join(cmd.argv),
+            "watchdog_bundle": bundle.rstrip("\n"), "watchdog_eof": WATCHDOG_EOF,
+            "progress_dir": f"{node.job_dir}/{PROGRESS_SUBDIR}",
+            "max_restarts": plan.options.max_restarts}
 
 
 def _render(template_dir: str | None, context: dict[str, object]) -> str:

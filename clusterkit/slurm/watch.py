@@ -43,8 +43,8 @@ CHUNK = 1 << 16
 # the same start-up warning up to 3.7 s apart, and a batch job's watch can afford the
 # wait. A line every rank said leaves as soon as the last one said it.
 WATCH_WINDOW_S = 5.0
-# The first line of each run of the batch script (on stdout and stderr).
-RUN_HEADER = "===== clusterkit: "
+# Lines the batch script (and its watchdog) write to both the .out and the .err file.
+BOTH_FILES = ("===== clusterkit: ", "clusterkit: ")
 # A summary line that never parses (not ours after all) is shown as it is past this size.
 MAX_SUMMARY_CHARS = 1 << 20
 
@@ -122,7 +122,7 @@ class _Console:
         # cuts a long line at its own message boundaries (not only at 1024 bytes), and the
         # rest comes on that task's next lines, without the [rank0]: header.
         self._cut: tuple[_Stream, str | None, str] | None = None
-        self._headers: set[str] = set()  # run headers shown (the .out and .err both have them)
+        self._said: dict[str, _Stream] = {}  # script lines shown, awaiting their other copy
 
     def line(self, raw: str, stream: _Stream, nodes: list[str], file_rank: int | None,
              now: float) -> None:
@@ -152,12 +152,13 @@ class _Console:
             self._cut = (*self._cut[:2], text)
 
     def _script_line(self, raw: str, text: str, stream: _Stream, now: float) -> None:
-        if text.startswith(RUN_HEADER):
-            # The script writes each run's header to both files (each must say where a
-            # run starts); the console shows it once.
-            if text in self._headers:
+        if text.startswith(BOTH_FILES):
+            # The script writes its run headers and verdicts (requeue, hang, nothing saved)
+            # to both files, each of which must say it; the console shows each once.
+            other = self._said.pop(text, None)
+            if other is not None and other is not stream:
                 return
-            self._headers.add(text)
+            self._said[text] = stream
         shape = parse_shape(text)
         if shape is not None:
             self.shape = shape

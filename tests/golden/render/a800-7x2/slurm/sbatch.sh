@@ -103,7 +103,8 @@ srun --nodes=7 --ntasks-per-node=1 mkdir -p -- /scratch/ckpt/golden-a800-7x2
 # asked to stop. A requeued run starts with neither.
 exits=/srv/train/.clusterkit/jobs/golden-a800-7x2/exits
 export CLUSTERKIT_STOP_FILE=/srv/train/.clusterkit/jobs/golden-a800-7x2/stop
-rm -rf -- "$exits" "$CLUSTERKIT_STOP_FILE"
+hang_file=/srv/train/.clusterkit/jobs/golden-a800-7x2/hang
+rm -rf -- "$exits" "$CLUSTERKIT_STOP_FILE" "$hang_file"
 mkdir -p -- "$exits"
 # world_size/ranks_per_node: `clusterkit sbatch --watch` reads them to place rank labels.
 echo "clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=torchrun world_size=14 ranks_per_node=2 OMP_NUM_THREADS=$OMP_NUM_THREADS"
@@ -134,6 +135,16 @@ while :; do
     wait "$launch_pid" && status=0 || status=$?
     kill -0 "$launch_pid" 2>/dev/null || break
 done
+requeue() {
+    # Pinned to these nodes (their disks hold the shards): held while the node list is
+    # set, so it cannot start elsewhere first. Slurm TERMs this script once the job is
+    # requeued; ignore that for these three calls.
+    trap '' TERM
+    scontrol requeuehold "$SLURM_JOB_ID"
+    scontrol update JobId="$SLURM_JOB_ID" ReqNodeList="$SLURM_JOB_NODELIST" \
+        || echo "clusterkit: could not pin job $SLURM_JOB_ID to $SLURM_JOB_NODELIST" >&2
+    scontrol release "$SLURM_JOB_ID"
+}
 if [ "$status" != 0 ]; then
     # The earliest rank that exited non-zero, "<time ns> <node> <status> <rank>": the
     # cause; srun's own status is the largest of the torn-down tasks' (143 = SIGTERM).
@@ -164,14 +175,7 @@ if [ -n "$stop_at" ]; then
         both "clusterkit: stop requested, but the ranks ran on for $waited s (more than the signal lead, 90 s): they did not stop for it; not requeueing job $SLURM_JOB_ID"
     else
         echo "clusterkit: saved after the stop request ($saved); requeueing job $SLURM_JOB_ID to resume"
-        # Pinned to these nodes (their disks hold the shards): held while the node list is
-        # set, so it cannot start elsewhere first. Slurm TERMs this script once the job is
-        # requeued; ignore that for these three calls.
-        trap '' TERM
-        scontrol requeuehold "$SLURM_JOB_ID"
-        scontrol update JobId="$SLURM_JOB_ID" ReqNodeList="$SLURM_JOB_NODELIST" \
-            || echo "clusterkit: could not pin job $SLURM_JOB_ID to $SLURM_JOB_NODELIST" >&2
-        scontrol release "$SLURM_JOB_ID"
+        requeue
     fi
 fi
 exit "$status"

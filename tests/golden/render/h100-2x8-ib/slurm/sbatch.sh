@@ -88,7 +88,8 @@ fi
 # asked to stop. A requeued run starts with neither.
 exits=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/exits
 export CLUSTERKIT_STOP_FILE=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/stop
-rm -rf -- "$exits" "$CLUSTERKIT_STOP_FILE"
+hang_file=/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/hang
+rm -rf -- "$exits" "$CLUSTERKIT_STOP_FILE" "$hang_file"
 mkdir -p -- "$exits"
 # world_size/ranks_per_node: `clusterkit sbatch --watch` reads them to place rank labels.
 echo "clusterkit: job golden-h100-2x8-ib slurm=$SLURM_JOB_ID head=$head_node ($MASTER_ADDR:$MASTER_PORT) variant=torchrun world_size=16 ranks_per_node=8 OMP_NUM_THREADS=$OMP_NUM_THREADS"
@@ -119,6 +120,9 @@ while :; do
     wait "$launch_pid" && status=0 || status=$?
     kill -0 "$launch_pid" 2>/dev/null || break
 done
+requeue() {
+    scontrol requeue "$SLURM_JOB_ID"
+}
 if [ "$status" != 0 ]; then
     # The earliest rank that exited non-zero, "<time ns> <node> <status> <rank>": the
     # cause; srun's own status is the largest of the torn-down tasks' (143 = SIGTERM).
@@ -149,7 +153,7 @@ if [ -n "$stop_at" ]; then
         both "clusterkit: stop requested, but the ranks ran on for $waited s (more than the signal lead, 90 s): they did not stop for it; not requeueing job $SLURM_JOB_ID"
     else
         echo "clusterkit: saved after the stop request ($saved); requeueing job $SLURM_JOB_ID to resume"
-        scontrol requeue "$SLURM_JOB_ID"
+        requeue
     fi
 fi
 exit "$status"
