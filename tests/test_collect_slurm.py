@@ -230,3 +230,23 @@ def test_slurm_refusal_is_one_clear_line(tmp_path: Path) -> None:
     shared = _job_dir(tmp_path, "sh-job", storage="shared")
     res = _collect(env, str(shared))
     assert res.returncode == 2 and "shared storage" in res.stderr, res.stderr
+
+
+def test_via_slurm_on_inventory_hosts(tmp_path: Path) -> None:
+    """`--via slurm -i INV`: an allocation on each selected host (inventory name = Slurm node)."""
+    synthetic.write_node_local([str(tmp_path / "ckpt" / f"node{i}" / "run") for i in (1, 2)],
+                               shard_bytes=4096, model_bytes=512)
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("schema_version: 1\ncluster: {name: unit}\n"
+                   f"defaults: {{transport: ssh, slots: 2, python: {sys.executable}}}\n"
+                   "hosts:\n  node1: {address: 10.0.0.1}\n  node2: {address: 10.0.0.2}\n")
+    env = _env(tmp_path)
+    res = _collect(env, "-i", str(inv), "--dir", str(tmp_path / "ckpt" / "run"), "--via", "slurm",
+                   "--slurm-wait", "7", "--to", str(tmp_path / "dest"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(list((tmp_path / "dest" / TAG).glob("*_optim_states.pt"))) == 4
+    calls = (tmp_path / "calls.log").read_text()
+    assert calls.count("--immediate=7") == 2 and "ssh " not in calls
+    res = _collect(env, "-i", str(inv), "--dir", str(tmp_path / "ckpt" / "run"), "--via", "slurm",
+                   "--to", str(tmp_path / "dest"), "--scatter")
+    assert res.returncode == 2 and "--scatter does not run through Slurm" in res.stderr

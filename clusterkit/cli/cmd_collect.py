@@ -121,7 +121,8 @@ def resolve_nodes(args: argparse.Namespace) -> tuple[list[Any], list[int], str]:
                         hint="pass the inventory the job was launched with (-i FILE), or "
                              "--dir with the checkpoint directory")
                 host = inv.host(n.node)
-            nodes.append(CollectNode(n.node, n.target, n.python, _root(pattern, host, n.node, index)))
+            nodes.append(CollectNode(n.node, n.target, n.python, _root(pattern, host, n.node, index),
+                                     via=_allocation(args, n.node)))
         slots = [int(s) for s in record.extra.get("slots", [])] or [0] * len(nodes)
         return nodes, slots, str(clusterkit_home() / "jobs" / args.job / "checkpoints")
     from clusterkit.hostfile import select_hosts
