@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from clusterkit.contract import ENV_CKPT_DIR, ENV_JOB_DIR
 from clusterkit.errors import InventoryError, RenderError
 from clusterkit.hostrange import HostRangeError, expand
 from clusterkit.shellsafe import check_env_value, ssh_config_value
@@ -325,7 +326,20 @@ def _parse_ssh(ctx: _Ctx, value: Any, line: int, where: str) -> dict[str, Any]:
 def _parse_ckpt(ctx: _Ctx, value: Any, line: int, where: str) -> dict[str, Any]:
     mapping = _require_mapping(ctx, value, line, where)
     _check_keys(ctx, mapping, _CKPT_KEYS, where)
-    return {k: _as_abs_path(ctx, v, _line_of(mapping, k), f"{where}.{k}") for k, v in mapping.items()}
+    return {k: _as_env_path(ctx, v, _line_of(mapping, k), f"{where}.{k}", ENV_CKPT_DIR)
+            for k, v in mapping.items()}
+
+
+def _as_env_path(ctx: _Ctx, value: Any, line: int, where: str, env_name: str) -> str:
+    """An absolute path every rank gets in its environment (``env_name``, the user-script
+    contract): the launch refuses what the environment cannot carry, so refuse it here."""
+    text = _as_abs_path(ctx, value, line, where)
+    _shell_rule(ctx, line, where, check_env_value, env_name, text)
+    return text
+
+
+def _as_workdir(ctx: _Ctx, value: Any, line: int, where: str) -> str:
+    return _as_env_path(ctx, value, line, where, ENV_JOB_DIR)  # <workdir>/.clusterkit/jobs/<id>
 
 
 def _parse_allowlist(ctx: _Ctx, value: Any, line: int, where: str) -> tuple[str, ...]:
@@ -345,7 +359,7 @@ _FIELD_PARSERS: dict[str, _Parser] = {
     "gpu_model": _as_str,
     "slots": lambda c, v, ln, w: _as_int(c, v, ln, w, 1, 4096),
     "python": _as_python,
-    "workdir": _as_abs_path,
+    "workdir": _as_workdir,
     "checkpoint": _parse_ckpt,
     "env": _as_env_map,
     "env_allowlist": _parse_allowlist,

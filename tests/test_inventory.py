@@ -92,6 +92,8 @@ BAD = [
      "absolute path"),
     ("schema_version: 1\nhosts:\n  node1:\n    ssh: {user: 'a\"b'}\n", ":4: hosts.node1.ssh.user",
      "cannot be written to an ssh_config file"),
+    ("schema_version: 1\nhosts:\n  node1:\n    workdir: '/w/$USER'\n", ":4: hosts.node1.workdir",
+     "CLUSTERKIT_JOB_DIR contains '$'"),
     ("- node1\n- node2\n", ":1:", "must be a YAML mapping"),
     ("schema_version: 1\ndefaults: {address: 1.2.3.4}\nhosts: {n1: {}}\n", ":2:", "set address per host"),
 ]
@@ -133,6 +135,45 @@ def test_env_values_must_be_strings_in_yaml(tmp_path: Path, capsys: pytest.Captu
     path.write_text(path.read_text().replace(f"MYLIB_VERSION: {written}",
                                              f"MYLIB_VERSION: '{written}'"))
     assert dict(load_inventory(path).hosts[0].env) == {"OK": "1.10", "MYLIB_VERSION": written}
+
+
+_AGREE_BASE = ("schema_version: 1\ncluster: {name: t}\n"
+               "defaults: {transport: local, checkpoint: {shared_dir: /tmp/ck-agree}}\nhosts:\n")
+AGREE = {
+    "plain": "  l1: {address: 127.0.0.1}\n",
+    "env number": "  l1: {address: 127.0.0.1, env: {V: 1.10}}\n",
+    "env percent": "  l1: {address: 127.0.0.1, env: {A: '50%'}}\n",
+    "env newline": "  l1: {address: 127.0.0.1, env: {A: \"x\\ny\"}}\n",
+    "env spaces": "  l1: {address: 127.0.0.1, env: {A: ' x'}}\n",
+    "workdir dollar": "  l1: {address: 127.0.0.1, workdir: '/tmp/a$b'}\n",
+    "workdir quote": "  l1: {address: 127.0.0.1, workdir: '/tmp/a\"b'}\n",
+    "workdir tilde": "  l1: {address: 127.0.0.1, workdir: '~/proj'}\n",
+    "workdir space": "  l1: {address: 127.0.0.1, workdir: '/tmp/a b'}\n",
+    "ckpt newline": "  l1: {address: 127.0.0.1, checkpoint: {shared_dir: \"/tmp/c\\nk\"}}\n",
+    "ckpt space": "  l1: {address: 127.0.0.1, checkpoint: {shared_dir: '/tmp/c k'}}\n",
+    "ssh quote": "  l1: {address: 127.0.0.1, ssh: {identity_file: '/k\"ey'}}\n",
+    "ipv6 zone": "  l1: {address: 'fe80::1%eth0'}\n",
+}
+
+
+@pytest.mark.parametrize("hosts", AGREE.values(), ids=AGREE.keys())
+def test_validate_refuses_exactly_what_launch_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str],
+                                                      hosts: str) -> None:
+    """Issue 25: `inventory validate` said ok to values the launch then refused. One parse
+    (clusterkit.inventory) holds the launch's rules, so both agree on every inventory.
+    (What depends on the job, like DeepSpeed's runner putting the workdir unquoted on its
+    command line, is for `launch --dry-run`: the launcher here is the default.)"""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "inv.yaml").write_text(_AGREE_BASE + hosts)
+    validate = main(["inventory", "validate", "-i", "inv.yaml"])
+    launch = main(["launch", "--dry-run", "--skip-checks", "-i", "inv.yaml", "train.py"])
+    err = capsys.readouterr().err
+    assert validate == launch, err
+    if validate:
+        assert err.count("clusterkit: error: inv.yaml:5: hosts.l1.") == 2, err
 
 
 def test_missing_and_directory_inventory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
