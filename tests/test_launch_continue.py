@@ -65,6 +65,34 @@ def test_a_running_job_is_not_launched_twice(tmp_path: Path) -> None:
         check_continue(plan, running)
 
 
+def test_the_dry_run_refuses_a_job_id_that_is_still_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 25: the dry run makes the launch's checks, this one included."""
+    from clusterkit.cli.main import main
+    from clusterkit.inventory import local_inventory
+    from clusterkit.plan import plan_job
+    from clusterkit.render.artifacts import render_all
+    from clusterkit.spec.job import JobOptions
+    from tests.render_cases import FACTS
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("CLUSTERKIT_INVENTORY", raising=False)
+    (tmp_path / "train.py").write_text("")
+    plan = render_all(plan_job(local_inventory(str(tmp_path / "home" / "local")),
+                               JobOptions(job_id="busy", nodes=1, script="train.py"), FACTS))
+    record = _record(job_from_plan(plan), plan, 0)
+    registry = Registry(tmp_path / "home")
+    registry.save(dataclasses.replace(record, state="failed"))
+    argv = ["launch", "--dry-run", "--skip-checks", "--nodes", "1", "--job-id", "busy", "train.py"]
+    assert main(argv) == 0
+    assert "continuing job busy (failed before)" in capsys.readouterr().out
+    registry.save(dataclasses.replace(record, state="running", launcher_pid=os.getpid()))
+    assert main(argv) == 2
+    assert "--job-id: job busy is still running" in capsys.readouterr().err
+
+
 def test_gate_needs_clusterkit_only_for_the_bundled_workload() -> None:
     """A user's script needs only a Python on the nodes; the bundled workload needs
     clusterkit there too, so the gate says `clusterkit nodes install` before any rank starts."""

@@ -169,10 +169,15 @@ def _dry_run_checks(args: argparse.Namespace, plan: Any) -> None:
     script, the checkpoint dir created and written, the master address and port), run
     on its own. Raises the launch's own refusal; prints what passed."""
     from clusterkit.launch.gate import gate_error, gate_nodes, run_gate
-    from clusterkit.launch.run import gate_needs
+    from clusterkit.launch.jobs import Registry
+    from clusterkit.launch.run import check_continue, gate_needs
     from clusterkit.remote.dispatch import transport_for
 
     synced = _check_here(args, plan)
+    # A --job-id still running, or a node-local job on another rank->node mapping.
+    note = check_continue(plan, Registry(clusterkit_home()).find(plan.job_id))
+    if note:
+        print(note)
     if args.skip_checks:
         print("pre-launch checks on the nodes: skipped (--skip-checks)")
         return
