@@ -23,6 +23,7 @@ faulthandler the script registered on SIGWINCH (``$CLUSTERKIT_STACKS``, or
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
 import re
 import shutil
@@ -109,19 +110,16 @@ def _hang(job_id: str, job_dir: str, dump_dir: str, hang_s: float, idle: float,
 
 
 def _bundle() -> bytes:
-    """The sources this program came with (the node bootstrap registered them)."""
-    mod = sys.modules.get("clusterkit.node.slurmwatch")
-    name = "slurmwatch"
-    text = ""
-    if mod is not None and getattr(mod, "__file__", "").startswith("<"):
-        import linecache
-
-        text = "".join(linecache.getlines(mod.__file__))
-    else:  # run from an installed clusterkit (tests)
+    """This program's bundle (header + source) for the same program on the other nodes.
+    Started by the node bootstrap, ``__file__`` is ``<clusterkit.node.slurmwatch>`` and
+    the bootstrap registered the source with linecache; else it is a file (tests)."""
+    if __file__.startswith("<"):
+        text = "".join(linecache.getlines(__file__))
+    else:
         with open(__file__, encoding="utf-8") as fh:
             text = fh.read()
     data = text.encode("utf-8")
-    return f"clusterkit-node 1 {name}:{len(data)}\n".encode() + data
+    return f"clusterkit-node 1 slurmwatch:{len(data)}\n".encode() + data
 
 
 def _frames(text: str) -> list[str]:
