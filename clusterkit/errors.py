@@ -103,9 +103,10 @@ class UsageError(ClusterkitError):
     launch``); the one line ends by pointing at it instead of dumping the usage."""
 
     def __init__(self, message: str, *, key: str | None = None, hint: str | None = None,
-                 prog: str = "clusterkit") -> None:
+                 prog: str = "clusterkit", unknown: str | None = None) -> None:
         super().__init__(message, key=key, hint=hint)
         self.prog = prog
+        self.unknown = unknown  # the flag this command does not have, if that is the error
 
     def one_line(self) -> str:
         return f"{super().one_line()} (see `{self.prog} --help`)"

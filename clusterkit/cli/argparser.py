@@ -8,7 +8,8 @@ builds subparsers with the parent's class):
   ``--deepspeed`` never "ambiguous" — a word clusterkit does not know is unknown;
 * every parse error is a :class:`~clusterkit.errors.UsageError` (one line, exit 2,
   "see `clusterkit VERB --help`"; ``cli/main.py`` prints it), never the usage text;
-* an unknown verb, flag or choice names the closest one (difflib).
+* an unknown verb, flag or choice names the closest one (difflib); a flag of another
+  verb says whose it is (``launch --submit``: a flag of ``clusterkit sbatch``; main).
 """
 
 from __future__ import annotations
@@ -42,14 +43,23 @@ def flag_of(action: argparse.Action) -> str:
 
 
 def closest(word: str, candidates: Iterable[str]) -> str | None:
-    """The one candidate close enough to ``word`` to suggest (``--stesp`` -> ``--steps``)."""
-    pool = list(candidates)
-    found = difflib.get_close_matches(word, pool, n=1, cutoff=0.6)
-    if not found:  # --zero_stage / --zero-stage, --microbatch / --micro-batch
-        squash = {c.replace("-", "").replace("_", ""): c for c in pool}
-        found = [squash[m] for m in difflib.get_close_matches(
-            word.replace("-", "").replace("_", ""), list(squash), n=1, cutoff=0.8)]
-    return found[0] if found else None
+    """The one candidate close enough to ``word`` to suggest: a near spelling (``--stesp``
+    -> ``--steps``, ``--zero_stage`` -> ``--zero-stage``), else the one flag ``word``
+    begins (``--zero`` -> ``--zero-stage``: no abbreviations, but the full name helps)."""
+    def bare(text: str) -> str:
+        return text.lstrip("-")
+
+    pool = {bare(c): c for c in candidates}
+    found = difflib.get_close_matches(bare(word), list(pool), n=1, cutoff=0.75)
+    if found:
+        return pool[found[0]]
+    squash = {k.replace("-", "").replace("_", ""): v for k, v in pool.items()}
+    found = difflib.get_close_matches(bare(word).replace("-", "").replace("_", ""),
+                                      list(squash), n=1, cutoff=0.85)
+    if found:
+        return squash[found[0]]
+    starts = [c for c in pool.values() if bare(word) and c.startswith(word)]
+    return starts[0] if len(starts) == 1 else None
 
 
 class Parser(argparse.ArgumentParser):
@@ -79,7 +89,7 @@ class Parser(argparse.ArgumentParser):
         if word.startswith("-") and len(word) > 1 and not _NEGATIVE_NUMBER.fullmatch(word):
             flag = word.split("=", 1)[0]
             near = closest(flag, self.visible_flags())
-            raise UsageError(f"unknown flag {flag}", prog=self.prog,
+            raise UsageError(f"unknown flag {flag}", prog=self.prog, unknown=flag,
                              hint=f"did you mean {near}?" if near else None)
         raise UsageError(f"unexpected argument {word!r}", prog=self.prog)
 
@@ -105,6 +115,18 @@ class Parser(argparse.ArgumentParser):
             message = pattern.sub(text, message)
         message = message.replace("argument ", "")
         raise UsageError(message, key=key, prog=self.prog)
+
+
+def verbs_with(parser: argparse.ArgumentParser, flag: str) -> list[str]:
+    """The commands under ``parser`` that have ``flag`` (``--submit`` -> clusterkit sbatch)."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                if flag in sub._option_string_actions:
+                    found.append(sub.prog)
+                found += verbs_with(sub, flag)
+    return found
 
 
 def subparser_for(parser: argparse.ArgumentParser,

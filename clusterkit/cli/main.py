@@ -20,8 +20,8 @@ from typing import cast
 
 from clusterkit import __version__
 from clusterkit.cli import safety
-from clusterkit.cli.argparser import Parser, subparser_for
-from clusterkit.errors import ClusterkitError
+from clusterkit.cli.argparser import Parser, subparser_for, verbs_with
+from clusterkit.errors import ClusterkitError, UsageError
 
 # Verb -> the module whose add_parser(sub) builds it. Only the verb being run is
 # imported and built: every verb module at start-up cost ~0.15 s of CPU per command
@@ -86,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         safety.check_args(args)  # values and flags-after-the-script, before anything starts
         return func(args)
     except ClusterkitError as exc:
+        if isinstance(exc, UsageError) and exc.unknown and exc.hint is None:
+            exc.hint = _elsewhere(exc.unknown, exc.prog)
         print(f"clusterkit: error: {exc.one_line()}", file=sys.stderr)
         if _wants_json(parser, words, args):
             print(json.dumps({"error": exc.one_line(), "key": exc.key, "hint": exc.hint,
@@ -106,6 +108,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 70
+
+
+def _elsewhere(flag: str, prog: str) -> str | None:
+    """``launch --submit``: say which commands have the flag (every verb is built for it)."""
+    owners = [p for p in verbs_with(build_parser(), flag) if p != prog]
+    if not owners:
+        return None
+    return f"{flag} is a flag of {' and '.join(f'`{p}`' for p in owners[:3])}"
 
 
 def _wants_json(parser: argparse.ArgumentParser, words: Sequence[str],
