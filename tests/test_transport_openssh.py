@@ -130,6 +130,18 @@ def test_timeout_message_names_the_connect_timeout() -> None:
     assert "within 2s" in classify_failure(MESSAGES["timeout"], TARGET, 2.0).message
 
 
+def test_banner_timeout_is_not_called_no_answer() -> None:
+    """Issue 25: say what happened. OpenSSH 9.2 on an address whose TCP port accepts but
+    sends no banner: "Connection timed out during banner exchange"."""
+    err = classify_failure("Connection timed out during banner exchange\n"
+                           "Connection to 10.255.255.1 port 22 timed out\n", TARGET, 5.0)
+    assert err.kind == "timeout"
+    assert err.message == ("no SSH banner from port 22 within 5s (the TCP connection was "
+                           "accepted)")
+    assert classify_failure(MESSAGES["timeout"], TARGET, 5.0).message == \
+        "no answer from port 22 within 5s"
+
+
 def test_unknown_message_is_kept() -> None:
     err = classify_failure("ssh: something new\n", TARGET, 2.0)
     assert (err.kind, err.message) == ("ssh", "ssh failed: ssh: something new")

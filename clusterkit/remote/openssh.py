@@ -388,6 +388,8 @@ _FAILURES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("connection refused",), "refused"),
     (("could not resolve hostname", "name or service not known",
       "temporary failure in name resolution"), "resolve"),
+    # TCP was accepted, then no banner: not "no answer" (issue 25: say what happened).
+    (("timed out during banner exchange",), "banner"),
     (("timed out",), "timeout"),
     (("no route to host", "network is unreachable"), "unreachable"),
     (("permission denied",), "auth"),
@@ -405,8 +407,8 @@ def classify_failure(stderr: str, target: SSHTarget, connect_timeout: float) -> 
     for words, kind in _FAILURES:
         if any(w in text for w in words):
             message, hint = _failure_text(kind, port, last, connect_timeout)
-            return TransportError(message, kind="timeout" if kind == "unreachable" else kind,
-                                  host=target.name, hint=hint)
+            return TransportError(message, kind="timeout" if kind in ("unreachable", "banner")
+                                  else kind, host=target.name, hint=hint)
     return TransportError(f"ssh failed: {last[:300]}", kind="ssh", host=target.name)
 
 
@@ -426,6 +428,9 @@ def _failure_text(kind: str, port: str, last: str, connect_timeout: float) -> tu
                     "/etc/hosts or DNS"),
         "timeout": (f"no answer from {where} within {connect_timeout:g}s",
                     "the host is down, firewalled, or the address is wrong"),
+        "banner": (f"no SSH banner from {where} within {connect_timeout:g}s (the TCP "
+                   "connection was accepted)",
+                   "is this port an SSH server? (sshd overloaded: MaxStartups)"),
         "unreachable": (f"{where} is unreachable ({last.rsplit(':', 1)[-1].strip()})",
                         "the host is down or there is no route to it"),
         "auth": ("authentication failed (the host refused every key offered)",
