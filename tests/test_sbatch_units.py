@@ -451,3 +451,17 @@ def test_no_nccl_variables_on_a_cpu_job(tmp_path: Path, capsys: pytest.CaptureFi
     assert "NCCL_MINE=1" in out and "NCCL_DEBUG" not in out
     rc, out, _ = _dry(tmp_path, capsys, gpus=2)
     assert "NCCL_DEBUG=INFO" in out and "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in out
+
+
+def test_every_variant_gives_ranks_the_torch_variables(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """deepspeed (one Slurm task per rank): RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE from
+    Slurm's own; torchrun/accelerate set them themselves. Every rank runs under the exit
+    recorder (the first failing rank's status is the job's)."""
+    rc, out, _ = _dry(tmp_path, capsys, launcher="deepspeed")
+    assert rc == 0
+    assert ('export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" WORLD_SIZE="$SLURM_NTASKS"'
+            in out) and " LOCAL_WORLD_SIZE=2 sh -c " in out
+    for launcher, no_python in (("torchrun", "--no-python"), ("accelerate", "--no_python")):
+        rc, out, _ = _dry(tmp_path, capsys, launcher=launcher)
+        assert rc == 0 and f" {no_python} sh -c " in out and "/exits " in out, launcher

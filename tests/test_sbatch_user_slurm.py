@@ -186,6 +186,9 @@ def test_a_stopped_rank_is_named_and_ends_the_step(slurm: SlurmBed) -> None:
     stopped_at = time.monotonic()
     state = _wait_finished(slurm, slurm_id, timeout=hang + 120)
     out = _log(slurm, job, slurm_id)
+    print("\n".join(ln for ln in out.splitlines()
+                    if ln.startswith(("clusterkit: no progress", "  rank", "clusterkit: ending",
+                                      "clusterkit: the step hung"))))
     detected = re.search(r"clusterkit: no progress on any rank for (\d+) s", out)
     assert detected, out[-3000:]
     assert time.monotonic() - stopped_at < hang + 30 + 60  # detection + teardown
