@@ -51,8 +51,8 @@ SRUN_HINTS: tuple[tuple[str, str], ...] = (
                                "#SBATCH --partition in JOBDIR/sbatch.sh and run again"),
     ("Requested reservation is invalid", "the job's reservation is over: remove #SBATCH "
                                          "--reservation from JOBDIR/sbatch.sh and run again"),
-    ("Unable to allocate resources: Access/permission denied", "your account may not use this "
-     "partition; pass the account, QOS or partition the job was submitted with"),
+    ("Unable to allocate resources: Access/permission denied", "your account may not use the "
+     "job's partition: fix #SBATCH --account/--qos/--partition in JOBDIR/sbatch.sh"),
 )
 # Environment that would make srun join another allocation (collect-ckpt started
 # inside `salloc`, or from a batch script) instead of the one we name.
