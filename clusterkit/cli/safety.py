@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from clusterkit.errors import ClusterkitError
+from clusterkit.errors import ClusterkitError, UsageError
 
 OWN_FLAGS = "_own_flags"  # namespace attribute set by install(): ((flag, dest), ...)
 # Namespace attribute a verb sets: first program words that are its own actions, whose
@@ -113,10 +113,9 @@ class NotForThisVerb(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: object, option_string: str | None = None) -> None:
-        verb = parser.prog
-        raise ClusterkitError(f"only for {self.where}; `{verb}` does not use it",
-                              key=option_string,
-                              hint=f"drop it here, or run {self.where} (see `{verb} --help`)")
+        raise UsageError(f"only for {self.where}; `{parser.prog}` does not use it",
+                         key=option_string, prog=parser.prog,
+                         hint=f"drop it here, or run {self.where}")
 
 
 def install(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
