@@ -11,9 +11,11 @@ FutureWarnings, ...) is shown once per job: after its first group is released,
 the same noise from later ranks is dropped. The per-rank log files on the nodes
 keep every line; this only changes what the console shows.
 
-After the job's first failure (:meth:`LineFolder.fail`), the other ranks' lines
-are *collateral*: each rank's "Connection closed by peer" traceback, ~60 lines
-apiece, says only that the failed rank is gone. They are counted, not shown, and
+After the job's first failure (:meth:`LineFolder.fail`), the other ranks' error
+output is *collateral*: each rank's "Connection closed by peer" traceback, ~60 lines
+apiece, says only that the failed rank is gone. From a rank's first error line on
+(:data:`ERROR_START`) its lines are counted, not shown (what it prints before that,
+say a checkpoint saved on the teardown's SIGTERM, is still shown), and
 :meth:`LineFolder.collateral` turns them into one line
 (``[r1-13] collateral: 13 ranks printed 812 lines after node1 rank 0 failed ...``);
 the failed rank's own lines still show in full.
@@ -141,13 +143,14 @@ class LineFolder:
         self.suppressed = 0  # noise lines dropped after their first showing
         self.failed: int | None = None  # the first failed rank: the others' lines are collateral
         self._collateral: dict[int, tuple[str, int]] = {}  # rank -> (node, lines held back)
+        self._erring: set[int] = set()  # ranks whose error output began after the failure
 
     def feed(self, node: str, rank: int, text: str, now: float) -> list[Folded]:
         if text.startswith(SUMMARY_PREFIX):
             return self.release(now)  # the launcher prints the job's summary once
         if self.ranks is not None and rank not in self.ranks:
             return self.release(now)
-        if self.failed is not None and rank != self.failed:
+        if self._is_collateral(rank, text):
             self._hold_back(rank, node, 1)
             return self.release(now)
         key = fold_key(text)
@@ -174,7 +177,7 @@ class LineFolder:
         if self.failed is not None:
             return False
         self.failed = rank
-        erring: set[int] = set()  # ranks whose error output began in the lookback
+        erring = self._erring  # ranks whose error output began in the lookback (or later)
         for group in self._queue:  # first-seen order: each rank's lines in their order
             for other, t in list(group.arrived.items()):
                 if other == rank or now - t > COLLATERAL_LOOKBACK_S:
@@ -188,6 +191,15 @@ class LineFolder:
         self._open = {k: g for k, g in self._open.items() if g.members}
         return True
 
+    def _is_collateral(self, rank: int, text: str) -> bool:
+        """After the failure: another rank's line from its first error line on."""
+        if self.failed is None or rank == self.failed:
+            return False
+        if rank not in self._erring and not ERROR_START.search(text):
+            return False
+        self._erring.add(rank)
+        return True
+
     def _hold_back(self, rank: int, node: str, lines: int) -> None:
         _node, held = self._collateral.get(rank, (node, 0))
         self._collateral[rank] = (node, held + lines)
@@ -196,7 +208,7 @@ class LineFolder:
         """The one line for the lines held back since :meth:`fail` (None: nothing held),
         and a fresh start (the next attempt's first failure is its own)."""
         held, failed = self._collateral, self.failed
-        self._collateral, self.failed = {}, None
+        self._collateral, self.failed, self._erring = {}, None, set()
         if not held or failed is None:
             return None
         ranks = tuple(sorted(held))

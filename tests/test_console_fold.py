@@ -177,10 +177,25 @@ def test_no_failure_no_collateral_and_one_rank_singular() -> None:
     f = LineFolder(window_s=0.0)
     assert f.collateral("n1 rank 0", "") is None
     f.fail(1, now=0.0)
-    f.feed("n1", 0, "x", now=0.0)
+    f.feed("n1", 0, "RuntimeError: x", now=0.0)
     item = f.collateral("", "")
     assert item is not None
     assert item.render() == "[n1 r0] collateral: 1 rank printed 1 line after rank 1 failed (not shown)"
+
+
+def test_after_the_failure_a_rank_is_shown_until_its_error_output_begins() -> None:
+    """Rank 0 saves a checkpoint on the teardown's SIGTERM, then fails in a collective:
+    the save is news, the traceback is collateral."""
+    f = LineFolder(window_s=0.0)
+    f.fail(3, now=0.0)
+    out = []
+    for text in ("checkpoint global_step86 complete in 0.1s", "[rank0]: Traceback (most recent "
+                 "call last):", '[rank0]:   File "train.py", line 3', "[rank0]: saving more?"):
+        out += f.feed("n1", 0, text, now=1.0)
+    assert _texts(out + f.release(2.0, final=True)) == [
+        "[n1 r0] checkpoint global_step86 complete in 0.1s"]
+    item = f.collateral("n2 rank 3", "")
+    assert item is not None and "1 rank printed 3 lines" in item.text
 
 
 def test_lines_from_before_the_failure_stay_lines() -> None:

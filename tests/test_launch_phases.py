@@ -18,6 +18,7 @@ RANK = """
 import os, signal, sys, time
 rank = int(os.environ["RANK"])
 def torn_down(*_):  # the others' collateral: a traceback when the teardown reaches them
+    print("Traceback (most recent call last):", flush=True)
     for i in range(30):
         print(f"rank {rank} collateral frame {i}", flush=True)
     sys.exit(1)
