@@ -111,6 +111,7 @@ ROWS: list[tuple[list[str], str]] = [
     (["render", "--out", "/nonexistent/dir/x"], "directory /nonexistent/dir does not exist"),
     (["render", "--out", "x", "--dry-run"], "--dry-run: cannot be combined with --out"),
     (["render"], "--out: say where to write the files"),
+    (["render", "--out", "outdir"], "outdir/hostfile: cannot write hostfile: Is a directory"),
     # sbatch (refused while parsing: Slurm is never asked)
     (["sbatch", "--dry-run", "--submit"], "cannot be combined with --dry-run"),
     (["sbatch", "--write-only", "--dry-run"], "cannot be combined"),
@@ -190,6 +191,7 @@ def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "train.py").write_text("print('hi')\n")
     (tmp_path / "afile").write_text("not an inventory\n")
     (tmp_path / "adir").mkdir()
+    (tmp_path / "outdir" / "hostfile").mkdir(parents=True)  # in the way of render's file
     (tmp_path / "inv.yaml").write_text(INVENTORY)
     (tmp_path / "hostfile").write_text("node1 slots=2\nnode2 slots=2\n")
     return tmp_path

@@ -55,7 +55,13 @@ def write_artifacts(plan: LaunchPlan, out: str) -> list[Path]:
     written = []
     for name, text in plan.artifacts.items():
         mode = 0o755 if name.endswith(".sh") else 0o644
-        written.append(atomic_write_text(Path(out) / name, text, mode=mode))
+        try:
+            written.append(atomic_write_text(Path(out) / name, text, mode=mode))
+        except OSError as exc:  # e.g. a directory of that name in DIR: one line, not exit 70
+            raise RenderError(f"cannot write {name}: {exc.strerror or exc}",
+                              path=str(Path(out) / name),
+                              hint="move what is there out of the way, or choose another "
+                                   "directory") from None
     return written
 
 
