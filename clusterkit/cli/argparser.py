@@ -107,6 +107,11 @@ class Parser(argparse.ArgumentParser):
                          + f"choose from {', '.join(names)}")
 
     def error(self, message: str) -> NoReturn:
+        verbs = next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)),
+                     None)
+        if verbs is not None and message.endswith(f"required: {verbs.metavar}"):
+            raise UsageError(f"missing {verbs.metavar}", prog=self.prog,
+                             hint=f"one of {', '.join(dict.fromkeys(verbs.choices))}")
         key = None
         m = _ARGUMENT.fullmatch(message)
         if m:
