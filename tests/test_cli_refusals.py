@@ -141,6 +141,7 @@ ROWS: list[tuple[list[str], str]] = [
     (["doctor", "--master-port", "x"], "--master-port"),
     (["doctor", "--ckpt-size", "abc"], "--ckpt-size"),
     (["doctor", "--bandwidth-size", "0"], "--bandwidth-size"),
+    (["doctor", "--bandwidth-size", "8M"], "--bandwidth-size: only goes with --bandwidth"),
     (["doctor", "--fix-env", "adir"], "--fix-env: is a directory, not a file"),
     (["doctor", "--fix-env", "/nonexistent/dir/env"], "does not exist"),
     (["doctor", "--launcher", "pdsh"], "--launcher: invalid choice"),

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # The checks are imported when doctor runs, not when the parser is built: every
 # clusterkit command builds the whole parser.
 HEAD_TOOLS = ("pdsh", "ninja", "ssh")
+BANDWIDTH_SIZE = "4M"  # --bandwidth's message size unless --bandwidth-size says otherwise
 _STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
 
 
@@ -56,9 +57,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "docs/units.md): checks free space")
     p.add_argument("--bandwidth", action="store_true",
                    help="also run a short all_reduce and pairwise tests (needs torch on nodes)")
-    p.add_argument("--bandwidth-size", default="4M", metavar="SIZE",
+    p.add_argument("--bandwidth-size", default=None, metavar="SIZE",
                    type=size_type("--bandwidth-size", minimum=1),
-                   help="message size for --bandwidth (default 4M)")
+                   help=f"message size for --bandwidth (default {BANDWIDTH_SIZE})")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings")
     p.add_argument("-v", "--verbose", action="store_true", help="also list every passed check")
@@ -84,6 +85,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from clusterkit.checks.doctor import plan_doctor, run_doctor
     from clusterkit.hostfile import select_hosts
 
+    if args.bandwidth_size is not None and not args.bandwidth:  # would be ignored silently
+        raise ClusterkitError("only goes with --bandwidth", key="--bandwidth-size",
+                              hint="add --bandwidth to measure, or drop --bandwidth-size")
     if args.fix_env:
         check_writable(args.fix_env, "--fix-env")  # before the checks run, not after
     inv = resolve_inventory(args.inventory)
@@ -103,7 +107,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if args.bandwidth:
             from clusterkit.checks.bandwidth import add_bandwidth
 
-            report = add_bandwidth(report, transport, nbytes=args.bandwidth_size)
+            report = add_bandwidth(report, transport,
+                                   nbytes=args.bandwidth_size or parse_size(BANDWIDTH_SIZE))
     _remember_ifaces(inv.name, report, quiet=args.json)
     if args.json:
         print(json.dumps(report.to_json(strict=args.strict), indent=2))
