@@ -274,3 +274,37 @@ def test_the_run_header_is_shown_once(tmp_path: Path) -> None:
 
     watch(SlurmClient(runner=runner), "9", out, err, poll_s=0, sleep=lambda _: None)
     assert (out.getvalue() + err.getvalue()).count("===== clusterkit: job j") == 1
+
+
+def test_a_rank_0_only_line_is_not_held_a_window_after_the_first(tmp_path: Path) -> None:
+    """Rank 0's progress lines: the first waits the fold window (no other rank says it),
+    the next ones of the same shape leave in the poll that read them."""
+    out_file = tmp_path / "slurm-9.out"
+    shape = "clusterkit: job j slurm=9 head=n1 (10.0.0.1:20009) variant=torchrun world_size=4 " \
+            "ranks_per_node=2 OMP_NUM_THREADS=1\n"
+    text = shape
+    polls = ["0: [rank0]:step 1 loss 0.91\n", "", "", "", "", "", "", "",
+             "0: [rank0]:step 2 loss 0.85\n", "0: [rank0]:step 3 loss 0.80\n", None]
+    record = (f"JobId=9 JobName=ck JobState={{}} Reason=None Restarts=0 ExitCode=0:0 "
+              f"NodeList=node[1-2] StdErr={tmp_path}/none.err StdOut={out_file}\n")
+    seen: list[str] = []
+    out = io.StringIO()
+
+    def runner(argv: Sequence[str], timeout: float, env: Mapping[str, str] | None,
+               cwd: str | None) -> subprocess.CompletedProcess[str]:
+        nonlocal text
+        seen.append(out.getvalue())
+        piece = polls.pop(0)
+        text += piece or ""
+        out_file.write_text(text)
+        return subprocess.CompletedProcess(list(argv), 0, record.format(
+            "COMPLETED" if piece is None else "RUNNING"), "")
+
+    clock = iter(float(t) for t in range(20))
+    watch(SlurmClient(runner=runner), "9", out, io.StringIO(), poll_s=1.0, sleep=lambda _: None,
+          clock=lambda: next(clock))
+    step1 = next(i for i, o in enumerate(seen) if "step 1 " in o)
+    assert step1 >= 6  # the first one waited its window (5 s + one poll)
+    # the second and third: printed by the poll that read them
+    assert "step 2 " not in seen[8] and "[node1 r0] step 2 loss 0.85" in seen[9]
+    assert "[node1 r0] step 3 loss 0.80" in seen[10]

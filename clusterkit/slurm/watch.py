@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
 from clusterkit.contract import LOG_SUBDIR, RUN_SUBDIR, SUMMARY_FILE, SUMMARY_PREFIX
-from clusterkit.fold import Folded, LineFolder
+from clusterkit.fold import Folded, LineFolder, fold_key, rank_label
 from clusterkit.hostrange import HostRangeError, expand_list
 from clusterkit.slurm.client import SlurmClient
 from clusterkit.slurm.jobinfo import JobInfo
@@ -43,6 +44,14 @@ CHUNK = 1 << 16
 # the same start-up warning up to 3.7 s apart, and a batch job's watch can afford the
 # wait. A line every rank said leaves as soon as the last one said it.
 WATCH_WINDOW_S = 5.0
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def line_shape(text: str) -> str:
+    """A line with its numbers blanked: ``step 3 loss 0.41`` and ``step 4 loss 0.40`` alike."""
+    return _NUMBER.sub("#", fold_key(text))
+
+
 # Lines the batch script (and its watchdog) write to both the .out and the .err file.
 BOTH_FILES = ("===== clusterkit: ", "clusterkit: ")
 # A summary line that never parses (not ours after all) is shown as it is past this size.
@@ -81,9 +90,19 @@ class _Stream:
     def __init__(self, sink: TextIO, folder: LineFolder) -> None:
         self.sink = sink
         self.folder = folder
+        # (rank, line shape) of lines only that rank printed (rank 0's progress lines):
+        # learned from the first one, which waited out the fold window; the next ones
+        # leave at once instead of a window late (numbers do not change a shape).
+        self.solo: set[tuple[int, str]] = set()
 
     def rank(self, line: RankLine, now: float) -> None:
         assert line.node is not None and line.rank is not None
+        wanted = self.folder.ranks is None or line.rank in self.folder.ranks
+        if wanted and (line.rank, line_shape(line.text)) in self.solo:
+            self._show(self.folder.release(now, final=True))  # what came before it, first
+            self.write(Folded(label=rank_label((line.rank,), (line.node,)), text=line.text,
+                              nodes=(line.node,), ranks=(line.rank,)).render() + "\n")
+            return
         self._show(self.folder.feed(line.node, line.rank, line.text, now))
 
     def node(self, node: str, text: str) -> None:
@@ -102,6 +121,8 @@ class _Stream:
 
     def _show(self, items: list[Folded]) -> None:
         for item in items:
+            if len(item.ranks) == 1:
+                self.solo.add((item.ranks[0], line_shape(item.text)))
             self.write(item.render() + "\n")
 
     def write(self, text: str) -> None:
