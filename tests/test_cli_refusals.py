@@ -105,6 +105,7 @@ ROWS: list[tuple[list[str], str]] = [
     ([*L, "train.py", "--sync=."], "--sync"),
     ([*L, "--sync"], "--sync: needs a value"),
     ([*L, "--set-env", "NOEQUALS"], "--set-env"),
+    ([*L, "--drop-failed-nodes"], "--drop-failed-nodes: does nothing without --max-restarts K"),
     # render
     (["render", "--out", "afile"], "--out: is a file, not a directory"),
     (["render", "--out", "/proc/x"], "--out: cannot write there"),

@@ -101,6 +101,14 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+# A flag that does nothing without another one: (dest, flag, the other is given, what to
+# add). Refused instead of being ignored silently.
+NEEDS: tuple[tuple[str, str, Callable[[argparse.Namespace], bool], str], ...] = (
+    ("drop_failed_nodes", "--drop-failed-nodes", lambda a: bool(getattr(a, "max_restarts", 0)),
+     "--max-restarts K (nodes are dropped on a restart)"),
+)
+
+
 class NotForThisVerb(argparse.Action):
     """A flag that belongs to another verb (``launch --partition``): recognised, so the
     answer says where it belongs instead of "unknown flag"; refused when used."""
@@ -145,6 +153,10 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, rule.dest, None)
         if value is not None and not rule.ok(value):
             raise ClusterkitError(f"must be {rule.need}, got {value!r}", key=rule.flag)
+    for dest, flag, given, other in NEEDS:
+        if getattr(args, dest, None) and not given(args):
+            raise ClusterkitError(f"does nothing without {other.split(' (')[0]}", key=flag,
+                                  hint=f"add {other}, or drop {flag}")
     model = getattr(args, "model", None)
     if isinstance(model, str):
         from clusterkit.workload.presets import PRESETS  # light: no torch
