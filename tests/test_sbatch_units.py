@@ -465,3 +465,79 @@ def test_every_variant_gives_ranks_the_torch_variables(tmp_path: Path,
     for launcher, no_python in (("torchrun", "--no-python"), ("accelerate", "--no_python")):
         rc, out, _ = _dry(tmp_path, capsys, launcher=launcher)
         assert rc == 0 and f" {no_python} sh -c " in out and "/exits " in out, launcher
+
+
+# --- the batch script's verdicts, run with Slurm's commands stubbed (no cluster) ---
+
+VERDICT_STUBS = """
+scontrol() { echo "scontrol $*" >> "$CALLS"; printf '%s\\n' n1; }
+scancel() { echo "scancel $*" >> "$CALLS"; }
+getent() { printf '10.0.0.1 STREAM n1\\n'; }
+srun() {
+    case " $* " in
+        *" --kill-on-bad-exit=1 "*) launch_step ;;
+        *) return 0 ;;
+    esac
+}
+"""
+
+
+def _verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str], step: str, *flags: str,
+             restarts: int = 0) -> tuple[subprocess.CompletedProcess[str], str, Path]:
+    """Run the written sbatch.sh with ``step`` as the launch step's body (bash)."""
+    inv = _inventory(tmp_path, gpus=0)
+    assert main(["sbatch", "-i", str(inv), "--job-id", "v1", "--storage", "shared",
+                 "--cpus-per-task", "2", "--write-only", *flags]) == 0
+    capsys.readouterr()
+    job_dir = tmp_path / "work/.clusterkit/jobs/v1"
+    calls = tmp_path / "calls"
+    calls.write_text("")
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n1",
+           "SLURM_CPUS_PER_TASK": "4", "SLURM_RESTART_COUNT": str(restarts),
+           "CALLS": str(calls)}
+    body = f"launch_step() {{ {step}; }}\n"
+    r = subprocess.run(["bash", "-c", VERDICT_STUBS + body + (job_dir / "sbatch.sh").read_text()],
+                       capture_output=True, text=True, env=env, timeout=60, check=False)
+    return r, calls.read_text(), job_dir
+
+
+def test_script_names_the_first_failing_rank_and_exits_with_its_code(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    step = ('printf "200 n1 143\\n" > "$exits/rank0"; printf "100 n2 2\\n" > "$exits/rank3"; '
+            "return 143")
+    r, _, _ = _verdict(tmp_path, capsys, step)
+    assert r.returncode == 2, r.stderr
+    assert "clusterkit: rank 3 on n2 failed first (exit code 2)" in r.stderr
+    assert "the [rank3] lines of" in r.stderr and "slurm-77.err" in r.stderr
+
+
+def test_script_requeues_only_for_a_save_after_the_stop_request(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = tmp_path / "ckpt/v1"
+    # a contract-following step: the stop file appears, it saves into the checkpoint dir
+    step = (f'kill -USR1 $$; while [ ! -e "$CLUSTERKIT_STOP_FILE" ]; do sleep 0.1; done; '
+            f'sleep 1.1; mkdir -p {ckpt}/step4; echo x > {ckpt}/step4/done; return 0')
+    r, calls, _ = _verdict(tmp_path, capsys, step)
+    assert r.returncode == 0, r.stderr
+    assert "scancel --signal=USR1 77" in calls and "scontrol requeue 77" in calls
+    assert "saved after the stop request" in r.stdout and "requeueing job 77" in r.stdout
+    # a step that ignores it: nothing saved since, no requeue, said on both files
+    step = 'kill -USR1 $$; sleep 1.5; return 0'
+    r, calls, job_dir = _verdict(tmp_path, capsys, step)
+    assert r.returncode == 0 and "scontrol requeue" not in calls
+    for text in (r.stdout, r.stderr):
+        assert "stop requested, but nothing was saved in" in text and "not requeueing job 77" in text
+    assert (job_dir / "stop").is_file()  # what the ranks could poll
+
+
+def test_script_requeues_a_hung_step_as_max_restarts_allows(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    step = 'echo "no progress for 31 s (--hang-timeout 30)" > "$hang_file"; return 143'
+    flags = ("--hang-timeout", "30", "--max-restarts", "1")
+    r, calls, job_dir = _verdict(tmp_path, capsys, step, *flags)
+    assert r.returncode == 124, r.stderr
+    assert "scontrol requeue 77" in calls and "restart 1 of --max-restarts 1" in r.stdout
+    assert (job_dir / "hang_restarts").read_text().strip() == "1"
+    r, calls, _ = _verdict(tmp_path, capsys, step, *flags, restarts=1)
+    assert r.returncode == 124 and "scontrol requeue" not in calls
+    assert "not requeueing (--max-restarts 1 used: 1)" in r.stderr
