@@ -84,7 +84,7 @@ def test_gate_facts_report_every_need(tmp_path: Path) -> None:
                         need_dir(str(tmp_path / "ck")), need_resolve("no-such-host.invalid"),
                         need_port(1)])
     assert facts["missing"] == [str(tmp_path / "gone.py")]
-    assert list(facts["unwritable"]) == ["/proc/nope"]
+    assert list(facts["unwritable"]) == ["checkpoint dir=/proc/nope"]
     assert list(facts["resolve"]) == ["no-such-host.invalid"]
     assert facts["port"] == {}  # root may listen on port 1
 
@@ -93,13 +93,20 @@ def test_judge_names_each_new_problem() -> None:
     base = {"python": "/py", "version": "3.11"}
     facts = {"n1": {**base, "port": {"29500": "Address already in use"}, "unwritable": {},
                     "resolve": {}},
-             "n2": {**base, "unwritable": {"/ck/j": "cannot be created in / (Read-only file "
-                                                    "system)"}},
+             "n2": {**base, "unwritable": {"checkpoint dir=/ck/j": "cannot be created in / "
+                                                                  "(Read-only file system)"}},
+             "n5": {**base, "unwritable": {"job dir=/w/.clusterkit/jobs/j": "is not writable "
+                                                                           "(Permission denied)"}},
              "n3": {**base, "resolve": {"master0": "Name or service not known"}},
              "n4": dict(base)}  # an agent from before these checks: nothing to say
-    problems = judge(facts, {}, ["n1", "n2", "n3", "n4"]).problems
+    problems = judge(facts, {}, ["n1", "n2", "n3", "n4", "n5"]).problems
     assert problems["n1"].startswith("master port 29500 is taken here (Address already in use)")
-    assert problems["n2"].startswith("checkpoint dir /ck/j cannot be created in / (Read-only")
+    assert problems["n2"] == ("checkpoint dir /ck/j cannot be created in / (Read-only file "
+                              "system); it comes from --ckpt-dir or the inventory's checkpoint "
+                              "dirs")
+    assert problems["n5"] == ("job dir /w/.clusterkit/jobs/j is not writable (Permission denied); "
+                              "it comes from the workdir (the inventory's, or the current "
+                              "directory)")
     assert problems["n3"].startswith("cannot resolve the master address master0 here")
     assert "n4" not in problems
 
@@ -114,10 +121,13 @@ def test_node_needs_script_ckpt_master() -> None:
                                                           script="train.py"), FACTS)
     first, second = (node_needs(plan, n) for n in plan.nodes)
     workdir = plan.nodes[0].workdir
-    assert first == (f"{workdir}/train.py", need_dir(plan.nodes[0].ckpt_dir),
-                     need_resolve(plan.master_addr), need_port(plan.master_port))
-    assert second == (f"{workdir}/train.py", need_dir(plan.nodes[1].ckpt_dir),
+    assert first == (f"{workdir}/train.py", need_dir(plan.nodes[0].job_dir, "job dir"),
+                     need_dir(plan.nodes[0].ckpt_dir), need_resolve(plan.master_addr),
+                     need_port(plan.master_port))
+    assert second == (f"{workdir}/train.py", need_dir(plan.nodes[1].job_dir, "job dir"),
+                      need_dir(plan.nodes[1].ckpt_dir),
                       need_resolve(plan.master_addr))  # the port: the master's node only
+    assert need_dir("/ck") == "dir:checkpoint dir=/ck"
     assert all(not any(x.startswith("/") for x in g.needs)
                for g in gate_nodes(plan, synced=True))  # --sync brings the script
 
@@ -141,15 +151,25 @@ def test_dry_run_refuses_what_the_launch_refuses(cwd: Path, capsys: pytest.Captu
     assert not (cwd / "home" / "jobs").exists()  # nothing was started or recorded
 
 
+def test_dry_run_refuses_an_unwritable_workdir(cwd: Path, capsys: pytest.CaptureFixture[str]
+                                               ) -> None:
+    (cwd / "inv.yaml").write_text("schema_version: 1\ndefaults: {transport: local, workdir: "
+                                  "/proc/wd, checkpoint: {shared_dir: " + str(cwd / "ck") + "}}\n"
+                                  "hosts:\n  l1: {address: 127.0.0.1}\n")
+    _refused(["launch", "--dry-run", "-i", "inv.yaml", "--job-id", "wd"], capsys,
+             "l1: job dir /proc/wd/.clusterkit/jobs/wd cannot be created in /proc",
+             "it comes from the workdir")
+
+
 def test_dry_run_that_passes_says_what_it_checked(cwd: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", "--dry-run", "--nodes", "2", "--job-id", "ok", "train.py"]) == 0
     out = capsys.readouterr().out
-    assert "pre-launch checks passed on 2 nodes: same Python and packages, train.py, checkpoint " \
-           "dir writable, master 127.0.0.1 resolves, port" in out
+    assert "pre-launch checks passed on 2 nodes: same Python and packages, train.py, job and " \
+           "checkpoint dirs writable, master 127.0.0.1 resolves, port" in out
     # --sync . brings the script: the dry run does not ask the nodes for it
     assert main(["launch", "--dry-run", "--nodes", "1", "--sync", ".", "train.py"]) == 0
-    assert "packages, checkpoint dir writable" in capsys.readouterr().out
+    assert "packages, job and checkpoint dirs writable" in capsys.readouterr().out
     # --skip-checks skips the node gate, as it does for a launch; --sync DIR still must exist
     assert main(["launch", "--dry-run", "--skip-checks", "missing.py"]) == 0
     assert "pre-launch checks on the nodes: skipped (--skip-checks)" in capsys.readouterr().out

@@ -66,7 +66,7 @@ def test_dry_run_checks_every_node_and_the_launch_refuses_the_same(
     dry = _cli(*base, "--dry-run", "train.py", cwd=tmp_path, env=env)
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert "pre-launch checks passed on 2 nodes: same Python and packages, train.py, " \
-           "checkpoint dir writable" in dry.stdout, dry.stdout
+           "job and checkpoint dirs writable" in dry.stdout, dry.stdout
     for node in nodes:  # the probe left nothing behind
         assert testbed.exec(node, ["ls", "-A", str(ckpt)]).returncode != 0
     real = _cli(*base, "train.py", cwd=tmp_path, env=env)

@@ -187,7 +187,7 @@ def _dry_run_checks(args: argparse.Namespace, plan: Any) -> None:
         raise gate_error(result)
     script = "" if plan.options.script is None or synced else f"{plan.options.script}, "
     print(f"pre-launch checks passed on {len(plan.nodes)} nodes: same Python and packages, "
-          f"{script}checkpoint dir writable, master {plan.master_addr} resolves, "
+          f"{script}job and checkpoint dirs writable, master {plan.master_addr} resolves, "
           f"port {plan.master_port} free")
 
 

@@ -63,7 +63,8 @@ def node_needs(plan: JobPlan, node: NodePlan, *, synced: bool = False) -> tuple[
     check the same list."""
     files = () if synced else needed_files(plan, node)
     master = (need_port(plan.master_port),) if node.node_rank == 0 else ()
-    return (*files, need_dir(node.ckpt_dir), need_resolve(plan.master_addr), *master)
+    return (*files, need_dir(node.job_dir, "job dir"), need_dir(node.ckpt_dir),
+            need_resolve(plan.master_addr), *master)
 
 
 def check_here(plan: JobPlan, sync: str | None, *, gate: bool = True,
@@ -163,16 +164,28 @@ def _need_problems(f: dict[str, object]) -> list[str]:
     """The checkpoint dir, master port and address checks of one node's facts (an agent
     older than these checks reports none of the keys: nothing to say)."""
     out: list[str] = []
-    for key, text in (("unwritable", "checkpoint dir {} {} (--ckpt-dir or the inventory's "
-                                     "checkpoint dirs)"),
+    for key, text in (("unwritable", "{}"),
                       ("port", "master port {} is taken here ({}): another job or process "
                                "listens on it; a new --job-id picks another port"),
                       ("resolve", "cannot resolve the master address {} here ({}); "
                                   "set --master-addr to an address every node reaches")):
         found = f.get(key)
         if isinstance(found, dict):
-            out += [text.format(value, why) for value, why in found.items()]
+            out += [_dir_problem(value, why) if key == "unwritable" else text.format(value, why)
+                    for value, why in found.items()]
     return out
+
+
+# Where each directory the gate probes comes from: the fix names it.
+_DIR_SOURCES = {"checkpoint dir": "--ckpt-dir or the inventory's checkpoint dirs",
+                "job dir": "the workdir (the inventory's, or the current directory)"}
+
+
+def _dir_problem(value: str, why: str) -> str:
+    """``checkpoint dir=/ck/j`` -> ``checkpoint dir /ck/j WHY; set by --ckpt-dir or ...``"""
+    what, _, path = value.partition("=")
+    source = _DIR_SOURCES.get(what)
+    return f"{what} {path} {why}" + (f"; it comes from {source}" if source else "")
 
 
 def _parity(facts: dict[str, dict[str, object]], order: Sequence[str]) -> dict[str, str]:

@@ -80,13 +80,14 @@ def _clusterkit(version: Callable[[str], str | None] = _version) -> dict[str, An
 # What a job needs on a node, one string each (the agent passes them through as they are):
 # an absolute path is a file the ranks open (the user's script); the others are
 # ``KIND:VALUE``. The launcher builds them with the functions below (launch/gate.py).
-NEED_DIR = "dir:"  # a directory the ranks must be able to create and write (checkpoints)
+NEED_DIR = "dir:"  # WHAT=PATH: a directory the job must be able to create and write there
 NEED_PORT = "port:"  # a TCP port the master (rank 0's node) must be able to listen on
 NEED_RESOLVE = "resolve:"  # the master address every rank connects to
 
 
-def need_dir(path: str) -> str:
-    return NEED_DIR + path
+def need_dir(path: str, what: str = "checkpoint dir") -> str:
+    """``what`` names the directory in the report (``checkpoint dir``, ``job dir``)."""
+    return f"{NEED_DIR}{what}={path}"
 
 
 def need_port(port: int) -> str:
@@ -146,15 +147,15 @@ def resolve_problem(address: str) -> str | None:
 
 def gate_facts(needs: Sequence[str] = ()) -> dict[str, Any]:
     """``needs``: what the job needs on this node (see ``NEED_*``): ``missing`` lists the
-    absent files, ``unwritable`` the directories the ranks could not write (path ->
-    why), ``port``/``resolve`` what the master port and address checks found."""
+    absent files, ``unwritable`` the directories the job could not write (``WHAT=PATH``
+    -> why), ``port``/``resolve`` what the master port and address checks found."""
     sitepaths.add()  # shipped under -S: the package directories, as ranks will see them
     facts: dict[str, Any] = {"python": sys.executable, "version": sys.version.split()[0]}
     facts.update({name: _version(name) for name in PACKAGES})
     facts.update(_clusterkit())
     facts["missing"] = [p for p in needs if p.startswith("/") and not os.path.isfile(p)]
     checks: dict[str, tuple[str, Callable[[str], str | None]]] = {
-        NEED_DIR: ("unwritable", dir_problem),
+        NEED_DIR: ("unwritable", lambda v: dir_problem(v.partition("=")[2])),
         NEED_PORT: ("port", lambda v: port_problem(int(v))),
         NEED_RESOLVE: ("resolve", resolve_problem)}
     for prefix, (key, check) in checks.items():
