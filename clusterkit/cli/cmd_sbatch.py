@@ -292,10 +292,15 @@ def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = Non
     # --launcher X submits the batch script of X's Slurm variant (the registry's sbatch_plan).
     options = dataclasses.replace(options, backend=BACKENDS[args.launcher].sbatch_plan)
     plan = plan_job(inv, options, launch_facts(args))
+    site = site_options(args)
+    rendered = render_all(plan, site=site, require=(SCRIPT,))  # every refusal before Slurm
     if options.cpus_per_task is None and client is not None:
         cpus = _default_cpus(client, plan)
-        plan = dataclasses.replace(plan, options=dataclasses.replace(options, cpus_per_task=cpus))
-    return render_all(plan, site=site_options(args), require=(SCRIPT,))
+        if cpus is not None:
+            plan = dataclasses.replace(plan, options=dataclasses.replace(options,
+                                                                         cpus_per_task=cpus))
+            rendered = render_all(plan, site=site, require=(SCRIPT,))
+    return rendered
 
 
 def _absolute_script(options: JobOptions, cwd: str) -> JobOptions:
@@ -321,7 +326,8 @@ def _default_cpus(client: SlurmClient, plan: JobPlan) -> int | None:
     try:
         cpus = client.node_cpus(plan.options.partition)
     except ClusterkitError as exc:
-        print(f"clusterkit: no --cpus-per-task default ({exc.one_line()})", file=sys.stderr)
+        print(f"clusterkit: warning: no --cpus-per-task default ({exc.one_line()})",
+              file=sys.stderr)
         return None
     if cpus is None or cpus <= 0:
         return None
