@@ -4,7 +4,9 @@ Deliberately smaller than ``clusterkit doctor``: the doctor's probe spends ~2 s
 per node on names, interfaces and GPUs, which would double the start-up time of
 every launch. Here one ``run_all`` reads the interpreter path, the Python version
 and the versions of the packages every rank imports (package metadata only, no
-``import torch``) — the mismatches behind DeepSpeed#3965 and friends. The facts
+``import torch``) — the mismatches behind DeepSpeed#3965 and friends — and what
+the job needs there (``node_needs``: the script, the job and checkpoint dirs
+writable, the master address and port). The facts
 come from the node program :mod:`clusterkit.node.gatefacts` (the same one the
 agent reports when the gate is folded into it); clusterkit itself need not be
 installed on the nodes, only the bundled workload needs it (``need``).
@@ -57,10 +59,10 @@ def needed_files(plan: JobPlan, node: NodePlan) -> tuple[str, ...]:
 
 def node_needs(plan: JobPlan, node: NodePlan, *, synced: bool = False) -> tuple[str, ...]:
     """Everything the gate checks on ``node`` before a rank starts (node/gatefacts.py):
-    the user's script (unless ``synced``: a dry run's ``--sync`` brings it), the
-    checkpoint dir created and written as the ranks will, the master address resolved,
-    and on the master's node its port free. The real launch (the agents) and the dry run
-    check the same list."""
+    the user's script (unless ``synced``: a dry run's ``--sync`` brings it), the job dir
+    and the checkpoint dir created and written as the agent and the ranks will, the
+    master address resolved, and on the master's node its port free. The real launch
+    (the agents), ``--drop-failed-nodes`` and the dry run check the same list."""
     files = () if synced else needed_files(plan, node)
     master = (need_port(plan.master_port),) if node.node_rank == 0 else ()
     return (*files, need_dir(node.job_dir, "job dir"), need_dir(node.ckpt_dir),
@@ -161,19 +163,25 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
 
 
 def _need_problems(f: dict[str, object]) -> list[str]:
-    """The checkpoint dir, master port and address checks of one node's facts (an agent
-    older than these checks reports none of the keys: nothing to say)."""
+    """The directory, master port and address checks of one node's facts (facts without
+    these keys, as from a hand-run probe: nothing to say)."""
     out: list[str] = []
-    for key, text in (("unwritable", "{}"),
-                      ("port", "master port {} is taken here ({}): another job or process "
-                               "listens on it; a new --job-id picks another port"),
-                      ("resolve", "cannot resolve the master address {} here ({}); "
-                                  "set --master-addr to an address every node reaches")):
+    for key, say in (("unwritable", _dir_problem), ("port", _port_problem),
+                     ("resolve", _resolve_problem)):
         found = f.get(key)
         if isinstance(found, dict):
-            out += [_dir_problem(value, why) if key == "unwritable" else text.format(value, why)
-                    for value, why in found.items()]
+            out += [say(str(value), str(why)) for value, why in found.items()]
     return out
+
+
+def _port_problem(port: str, why: str) -> str:
+    return (f"master port {port} is taken here ({why}): another job or process listens on "
+            "it; a new --job-id picks another port")
+
+
+def _resolve_problem(address: str, why: str) -> str:
+    return (f"cannot resolve the master address {address} here ({why}); set --master-addr to "
+            "an address every node reaches")
 
 
 # Where each directory the gate probes comes from: the fix names it.
@@ -182,7 +190,7 @@ _DIR_SOURCES = {"checkpoint dir": "--ckpt-dir or the inventory's checkpoint dirs
 
 
 def _dir_problem(value: str, why: str) -> str:
-    """``checkpoint dir=/ck/j`` -> ``checkpoint dir /ck/j WHY; set by --ckpt-dir or ...``"""
+    """``checkpoint dir=/ck/j`` -> ``checkpoint dir /ck/j WHY; it comes from --ckpt-dir ...``"""
     what, _, path = value.partition("=")
     source = _DIR_SOURCES.get(what)
     return f"{what} {path} {why}" + (f"; it comes from {source}" if source else "")
