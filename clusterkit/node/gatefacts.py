@@ -6,7 +6,9 @@ seconds on every launch. The agent reports these as its ``facts`` event; run on
 its own it prints them as one JSON line. ``clusterkit`` is the version importable
 by this interpreter (None when absent: only the bundled workload needs it) and
 ``clusterkit_digest`` a digest of its sources, so "the same version" means the
-same code (``clusterkit nodes install`` compares it with the launcher's).
+same code (``clusterkit nodes install`` compares it with the launcher's). Beside
+them, what the job needs on this node (``NEED_*``): its files, its directories
+created and written for real, the master address resolved and the master port free.
 """
 
 from __future__ import annotations
