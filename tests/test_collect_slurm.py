@@ -250,3 +250,27 @@ def test_via_slurm_on_inventory_hosts(tmp_path: Path) -> None:
     res = _collect(env, "-i", str(inv), "--dir", str(tmp_path / "ckpt" / "run"), "--via", "slurm",
                    "--to", str(tmp_path / "dest"), "--scatter")
     assert res.returncode == 2 and "--scatter does not run through Slurm" in res.stderr
+
+
+@pytest.mark.parametrize(("trap", "code"), [("echo term >> \"$FAKE_LOG\"; exit 0", 0),
+                                            ("", -9)])
+def test_a_slurm_session_is_terminated_before_killed(tmp_path: Path, trap: str, code: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """srun killed with SIGKILL cannot give its allocation back: TERM first, KILL later."""
+    from clusterkit.checkpoints import session
+    from clusterkit.remote.base import SSHTarget
+
+    b = tmp_path / "bin"
+    b.mkdir()
+    (b / "srun").write_text(f"#!/bin/sh\ntrap '{trap}' TERM\nsleep 30 & wait\nsleep 30\n")
+    (b / "srun").chmod(stat.S_IRWXU)
+    monkeypatch.setenv("PATH", f"{b}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_LOG", str(tmp_path / "log"))
+    monkeypatch.setattr(session, "SRUN_TERM_GRACE_S", 0.5)
+    s = session.NodeSession("node1", SSHTarget("node1", "node1"), sys.executable, "/x",
+                            via=SlurmPlace("node1"))
+    assert s.argv[0] == "srun" and s.carrier == "slurm" and s.startup_s == 30
+    s.kill("test")
+    assert s.reap(10.0) == code
+    assert (tmp_path / "log").exists() is (code == 0)
+    s.close()
