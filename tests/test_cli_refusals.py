@@ -126,6 +126,8 @@ ROWS: list[tuple[list[str], str]] = [
     ([*S, "--signal-lead", "0"], "--signal-lead: must be more than 0"),
     ([*S, "--signal-lead", "1.5"], "--signal-lead: must be whole seconds"),
     ([*S, "--ranks", "x"], "--ranks"),
+    ([*S, "--signal", "USR1"], "--signal: only for `clusterkit sbatch cancel JOBID`"),
+    ([*S, "--full"], "--full: only for `clusterkit sbatch cancel JOBID`"),
     # status / stop
     (["stop", "somejob", "--grace", "nan"], "--grace"),
     (["stop", "a b"], "JOB: 'a b' is not a job id"),

@@ -162,6 +162,11 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         action, slurm_job = _action_words(args)
         return _action(SlurmClient(timeout_s=args.slurm_timeout), action, slurm_job, args)
     client = SlurmClient(timeout_s=args.slurm_timeout)
+    cancel_flag = next((f for f, on in (("--signal", args.signal), ("--batch", args.batch),
+                                        ("--full", args.full)) if on), None)
+    if cancel_flag:  # accepted before the action word, but the job form would ignore it
+        raise LaunchError("only for `clusterkit sbatch cancel JOBID`", key=cancel_flag,
+                          hint=f"clusterkit sbatch cancel JOBID {cancel_flag} ...")
     if args.watch and not args.submit:
         raise LaunchError("--watch needs --submit (or: clusterkit sbatch status JOBID --watch)",
                           key="--watch")
