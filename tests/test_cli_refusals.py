@@ -75,6 +75,18 @@ def _rows_job_verbs() -> list[tuple[list[str], str]]:
 
 
 ROWS: list[tuple[list[str], str]] = [
+    # an empty path or name (`-i "$UNSET"`) is not "not given"
+    (["inventory", "validate", "-i", ""], "--inventory: needs a value, got an empty string"),
+    ([*L, "-i", ""], "--inventory: needs a value"),
+    ([*L, "--sync", ""], "--sync: needs a value"),
+    (["render", "--out", ""], "--out: needs a value"),
+    (["doctor", "--fix-env", ""], "--fix-env: needs a value"),
+    (["nodes", "install", "--wheel", ""], "--wheel: needs a value"),
+    (["collect-ckpt", "--to", ""], "--to: needs a value"),
+    (["collect-ckpt", "--dir", ""], "--dir: needs a value"),
+    (["sync", ".", "--exclude-from", ""], "--exclude-from: needs a value"),
+    (["inventory", "export-hostfile", "-o", ""], "--out: needs a value"),
+    ([*S, "--template-dir", ""], "--template-dir: needs a value"),
     # verbs and the top level
     (["lanch"], "unknown verb 'lanch' — did you mean `clusterkit launch`?"),
     (["--bogus"], "missing VERB"),

@@ -134,6 +134,14 @@ def verbs_with(parser: argparse.ArgumentParser, flag: str) -> list[str]:
     return found
 
 
+def nonempty(value: str) -> str:
+    """The argparse type of a path or name flag (``-i``, ``--out``, ``--wheel``, ...): an
+    empty value (``-i "$UNSET"``) would silently mean "not given"."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("needs a value, got an empty string")
+    return value
+
+
 def subparser_for(parser: argparse.ArgumentParser,
                   words: Sequence[str]) -> argparse.ArgumentParser:
     """The innermost parser ``words`` reach (``inventory show`` -> show's parser)."""

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.common import (
     add_inventory_option,
     add_selection_options,
@@ -43,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("job", nargs="?", metavar="JOB",
                    help="a job started by `clusterkit launch`, or submitted by `clusterkit "
                         "sbatch --submit` (its clusterkit id, its Slurm job id or its job dir)")
-    p.add_argument("--dir", metavar="PATH",
+    p.add_argument("--dir", metavar="PATH", type=nonempty,
                    help="checkpoint root on every node ({host} and {node} expand); default: "
                         "the inventory's checkpoint.local_dir. The job dir of a `clusterkit "
                         "sbatch` job (it holds sbatch.sh) stands for that job")
@@ -57,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--world-size", type=int, metavar="N",
                    help="with --without-markers: the ranks the save had (default: the "
                         "selected nodes' slots, or JOB's)")
-    p.add_argument("--to", dest="dest", metavar="DEST",
+    p.add_argument("--to", dest="dest", metavar="DEST", type=nonempty,
                    help=f"where to gather (default: ./{DEFAULT_DEST}, or the job's dir for JOB)")
     p.add_argument("--consolidate", choices=("fp32", "safetensors"),
                    help="also write one fp32 state dict to DEST/<tag>-fp32/ (DeepSpeed's code)")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.common import (
     add_inventory_option,
     add_selection_options,
@@ -63,7 +64,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings")
     p.add_argument("-v", "--verbose", action="store_true", help="also list every passed check")
-    p.add_argument("--fix-env", metavar="FILE",
+    p.add_argument("--fix-env", metavar="FILE", type=nonempty,
                    help="write the recommended NCCL/GLOO interface and PATH into this "
                    ".deepspeed_env-format file (atomically; other lines kept)")
     p.add_argument("--accept-new-host-keys", action="store_true",

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
 from clusterkit.errors import InventoryError
 from clusterkit.fsutil import atomic_write_text, check_writable
@@ -35,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     imp = verbs.add_parser("import-hostfile", help="turn a DeepSpeed hostfile into an inventory")
     imp.add_argument("hostfile", metavar="FILE")
-    imp.add_argument("-o", "--out", metavar="FILE", help="write here (atomically) instead of stdout")
+    imp.add_argument("-o", "--out", metavar="FILE", type=nonempty,
+                     help="write here (atomically) instead of stdout")
     imp.add_argument("--cpu", action="store_true",
                      help="the slots are CPU ranks, not GPUs (default: slots=N means N GPUs)")
     imp.set_defaults(func=cmd_import)
@@ -43,7 +45,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     exp = verbs.add_parser("export-hostfile", help="print a DeepSpeed hostfile for the inventory")
     add_inventory_option(exp)
     add_selection_options(exp)
-    exp.add_argument("-o", "--out", metavar="FILE", help="write here (atomically) instead of stdout")
+    exp.add_argument("-o", "--out", metavar="FILE", type=nonempty,
+                     help="write here (atomically) instead of stdout")
     exp.set_defaults(func=cmd_export)
 
 

@@ -12,6 +12,7 @@ import time
 from datetime import datetime
 from typing import Any
 
+from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.common import (
     add_inventory_option,
     add_ranks_option,
@@ -47,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="on restart, leave out nodes that now fail the pre-launch check")
     r = p.add_argument_group("running")
     r.add_argument("--skip-checks", action="store_true", help="skip the pre-launch gate")
-    r.add_argument("--sync", metavar="DIR",
+    r.add_argument("--sync", metavar="DIR", type=nonempty,
                    help="first copy DIR to every selected node's workdir (changed files only; "
                         "as `clusterkit sync DIR`, docs/sync.md)")
     r.add_argument("--dry-run", action="store_true", help="print the plan and exit")

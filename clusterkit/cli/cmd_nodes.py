@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
 from clusterkit.hostfile import select_hosts
 
@@ -21,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "and collect-ckpt need nothing but a Python on the nodes. Idempotent. See docs/sync.md.")
     add_inventory_option(inst)
     add_selection_options(inst)
-    inst.add_argument("--wheel", metavar="FILE", help="install this wheel instead of building one")
+    inst.add_argument("--wheel", metavar="FILE", type=nonempty,
+                      help="install this wheel instead of building one")
     inst.set_defaults(func=cmd_install)
 
 

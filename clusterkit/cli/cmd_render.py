@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from clusterkit.cli import jobflags
+from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_job_inventory
 from clusterkit.cli.jobflags import add_job_flags, add_program, default_job_id_now, launch_facts
 from clusterkit.errors import RenderError
@@ -25,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_inventory_option(p)
     add_selection_options(p)
     out = p.add_mutually_exclusive_group()
-    out.add_argument("-o", "--out", metavar="DIR",
+    out.add_argument("-o", "--out", metavar="DIR", type=nonempty,
                      help="write the files here (required unless --dry-run; DIR is created if "
                           "missing, its parent must exist)")
     out.add_argument("--dry-run", action="store_true",

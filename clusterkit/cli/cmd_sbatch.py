@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from clusterkit.cli import safety
-from clusterkit.cli.argparser import Parser
+from clusterkit.cli.argparser import Parser, nonempty
 from clusterkit.cli.cmd_render import add_job_options, job_options, write_artifacts
 from clusterkit.cli.common import (
     add_inventory_option,
@@ -104,7 +104,7 @@ def _add_site_options(p: argparse.ArgumentParser) -> None:
                         "enough for one checkpoint save")
     s.add_argument("--sbatch-arg", action="append", default=[], metavar="LINE",
                    help="one more #SBATCH option, e.g. --sbatch-arg=--reservation=r1 (repeatable)")
-    s.add_argument("--template-dir", metavar="DIR",
+    s.add_argument("--template-dir", metavar="DIR", type=nonempty,
                    help="render DIR/sbatch.sh.j2 instead of clusterkit's template (checked with "
                         "bash -n; with --submit also sbatch --test-only)")
 

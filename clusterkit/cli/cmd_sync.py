@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
 from clusterkit.errors import ClusterkitError
 from clusterkit.hostfile import select_hosts
@@ -30,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_selection_options(p)
     p.add_argument("--delete", action="store_true",
                    help="also delete files on the nodes that DIR does not have")
-    p.add_argument("--exclude-from", metavar="FILE",
+    p.add_argument("--exclude-from", metavar="FILE", type=nonempty,
                    help="more gitignore-style patterns (besides DIR/.clusterkitignore)")
     p.set_defaults(func=cmd_sync)
 

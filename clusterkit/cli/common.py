@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.safety import HostfilePath, node_spec_hint
 from clusterkit.errors import ClusterkitError, InventoryError
 from clusterkit.fold import parse_ranks
@@ -16,7 +17,7 @@ ENV_INVENTORY = "CLUSTERKIT_INVENTORY"
 
 def add_inventory_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "-i", "--inventory", metavar="FILE",
+        "-i", "--inventory", metavar="FILE", type=nonempty,
         help=f"inventory YAML (default: ${ENV_INVENTORY}, else ./clusterkit.yaml, "
         "else the embedded local default)",
     )

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.safety import NotForThisVerb
 from clusterkit.errors import ClusterkitError
 from clusterkit.inventory import _ADDRESS as ADDRESS  # the inventory's own address rule
@@ -54,14 +55,7 @@ def _value_type(f: dataclasses.Field[Any]) -> Callable[[str], Any]:
     if f.name.endswith("_s"):
         return duration_type(flag_name(f))
     # Annotations are strings here (from __future__ import annotations): "int | None" -> int.
-    return _TYPES.get(str(f.type).split(" |")[0], _text)
-
-
-def _text(value: str) -> str:
-    """A text job flag (a path, a Slurm partition, ...): '' would silently mean "unset"."""
-    if not value.strip():
-        raise argparse.ArgumentTypeError("needs a value, got an empty string")
-    return value
+    return _TYPES.get(str(f.type).split(" |")[0], nonempty)  # text: a path, a partition
 
 
 def script_dests() -> frozenset[str]:
