@@ -128,6 +128,10 @@ def test_node_needs_script_ckpt_master() -> None:
                       need_dir(plan.nodes[1].ckpt_dir),
                       need_resolve(plan.master_addr))  # the port: the master's node only
     assert need_dir("/ck") == "dir:checkpoint dir=/ck"
+    nvme = plan_job(local_inventory("/tmp/ck"), JobOptions(
+        job_id="j", nodes=1, zero_stage=3, offload_param="nvme", storage="node-local"), FACTS)
+    assert need_dir("/tmp/ck/nodes/local1/ckpt/nvme-offload", "NVMe offload dir") in \
+        node_needs(nvme, nvme.nodes[0])
     assert all(not any(x.startswith("/") for x in g.needs)
                for g in gate_nodes(plan, synced=True))  # --sync brings the script
 

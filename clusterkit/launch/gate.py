@@ -59,13 +59,17 @@ def needed_files(plan: JobPlan, node: NodePlan) -> tuple[str, ...]:
 
 def node_needs(plan: JobPlan, node: NodePlan, *, synced: bool = False) -> tuple[str, ...]:
     """Everything the gate checks on ``node`` before a rank starts (node/gatefacts.py):
-    the user's script (unless ``synced``: a dry run's ``--sync`` brings it), the job dir
-    and the checkpoint dir created and written as the agent and the ranks will, the
-    master address resolved, and on the master's node its port free. The real launch
-    (the agents), ``--drop-failed-nodes`` and the dry run check the same list."""
+    the user's script (unless ``synced``: a dry run's ``--sync`` brings it), the job dir,
+    the checkpoint dir and the NVMe offload dir (if any) created and written as the
+    agent and the ranks will, the master address resolved, and on the master's node its
+    port free. The real launch (the agents), ``--drop-failed-nodes`` and the dry run
+    check the same list."""
     files = () if synced else needed_files(plan, node)
     master = (need_port(plan.master_port),) if node.node_rank == 0 else ()
-    return (*files, need_dir(node.job_dir, "job dir"), need_dir(node.ckpt_dir),
+    z = plan.zero
+    nvme = (need_dir(z.nvme_path, NVME_DIR),) if z.nvme_path and "nvme" in (
+        z.offload_optimizer, z.offload_param) else ()
+    return (*files, need_dir(node.job_dir, "job dir"), need_dir(node.ckpt_dir), *nvme,
             need_resolve(plan.master_addr), *master)
 
 
@@ -185,8 +189,10 @@ def _resolve_problem(address: str, why: str) -> str:
 
 
 # Where each directory the gate probes comes from: the fix names it.
+NVME_DIR = "NVMe offload dir"
 _DIR_SOURCES = {"checkpoint dir": "--ckpt-dir or the inventory's checkpoint dirs",
-                "job dir": "the workdir (the inventory's, or the current directory)"}
+                "job dir": "the workdir (the inventory's, or the current directory)",
+                NVME_DIR: "--nvme-path (default: <checkpoint.local_dir>/nvme-offload)"}
 
 
 def _dir_problem(value: str, why: str) -> str:
