@@ -78,6 +78,7 @@ ROWS: list[tuple[list[str], str]] = [
     # an empty path or name (`-i "$UNSET"`) is not "not given"
     (["inventory", "validate", "-i", ""], "--inventory: needs a value, got an empty string"),
     ([*L, "-i", ""], "--inventory: needs a value"),
+    ([*L, "--hostfile", ""], "--hostfile: needs a value"),
     ([*L, "--sync", ""], "--sync: needs a value"),
     (["render", "--out", ""], "--out: needs a value"),
     (["doctor", "--fix-env", ""], "--fix-env: needs a value"),

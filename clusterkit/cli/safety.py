@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from clusterkit.cli.argparser import nonempty
 from clusterkit.errors import ClusterkitError, UsageError
 
 OWN_FLAGS = "_own_flags"  # namespace attribute set by install(): ((flag, dest), ...)
@@ -141,10 +142,14 @@ def _add_aliases(parser: argparse.ArgumentParser) -> None:
         action = by_flag.get(target)
         if action is None or alias in by_flag or action.nargs not in (None, "?"):
             continue  # only where the verb has the same flag, taking one value
-        kind = HostfilePath if alias == "--hostfile" else action.type
+        kind = _hostfile if alias == "--hostfile" else action.type
         parser.add_argument(alias, dest=action.dest, type=kind,  # type: ignore[arg-type]
                             choices=action.choices, metavar=action.metavar,
                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _hostfile(value: str) -> HostfilePath:
+    return HostfilePath(nonempty(value))
 
 
 def check_args(args: argparse.Namespace) -> None:
