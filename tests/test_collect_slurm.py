@@ -12,6 +12,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -262,7 +263,8 @@ def test_a_slurm_session_is_terminated_before_killed(tmp_path: Path, trap: str, 
 
     b = tmp_path / "bin"
     b.mkdir()
-    (b / "srun").write_text(f"#!/bin/sh\ntrap '{trap}' TERM\nsleep 30 & wait\nsleep 30\n")
+    (b / "srun").write_text(f"#!/bin/sh\ntrap '{trap}' TERM\n: > \"$FAKE_LOG.ready\"\n"
+                            "sleep 30 & wait\nsleep 30\n")
     (b / "srun").chmod(stat.S_IRWXU)
     monkeypatch.setenv("PATH", f"{b}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "log"))
@@ -270,6 +272,10 @@ def test_a_slurm_session_is_terminated_before_killed(tmp_path: Path, trap: str, 
     s = session.NodeSession("node1", SSHTarget("node1", "node1"), sys.executable, "/x",
                             via=SlurmPlace("node1"))
     assert s.argv[0] == "srun" and s.carrier == "slurm" and s.startup_s == 30
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "log.ready").exists():  # its trap is set
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     s.kill("test")
     assert s.reap(10.0) == code
     assert (tmp_path / "log").exists() is (code == 0)

@@ -147,17 +147,11 @@ def _allocation(args: argparse.Namespace, node: str) -> Any:
 # ------------------------------------------------------------------ Slurm jobs
 
 
-def _batch_dir(path: str | None) -> bool:
-    """A `clusterkit sbatch` job dir here (its sbatch.sh and plan.json)."""
-    return bool(path) and all(os.path.isfile(os.path.join(str(path), f))
-                              for f in ("sbatch.sh", "plan.json"))
-
-
 def _job_record(args: argparse.Namespace) -> JobRecord | None:
     """JOB (clusterkit id, Slurm id or job dir) or a job dir given as --dir; None: neither."""
-    from clusterkit.launch.jobs import JobRecord, Registry
+    from clusterkit.launch.jobs import JobRecord, Registry, is_sbatch_dir
 
-    if _batch_dir(args.dir):
+    if is_sbatch_dir(args.dir):
         if args.job:
             raise CheckpointError("JOB and a job dir as --dir name the job twice", key="--dir",
                                   path=args.dir, hint="pass one of them")
@@ -166,7 +160,7 @@ def _job_record(args: argparse.Namespace) -> JobRecord | None:
         return record
     if not args.job:
         return None
-    if _batch_dir(args.job):
+    if is_sbatch_dir(args.job):
         return JobRecord.for_sbatch(args.job)
     return Registry(clusterkit_home()).resolve(args.job)
 
@@ -193,8 +187,7 @@ def _batch_job_nodes(args: argparse.Namespace, record: JobRecord
     python = str(extra.get("python") or "python3")
     over_ssh = args.via in ("ssh", "sftp")
     nodes = [CollectNode(p.node, SSHTarget(name=p.node, address=p.node), python,
-                         root.replace("{host}", p.node).replace("{node}", str(i)),
-                         via=None if over_ssh else p)
+                         _root(root, None, p.node, i), via=None if over_ssh else p)
              for i, p in enumerate(job.places)]
     how = (f"over {args.via}" if over_ssh else "through Slurm, "
            + ("a step of the running job on each node" if job.places[0].job_id

@@ -182,6 +182,11 @@ class Registry:
         return out
 
 
+def is_sbatch_dir(path: str | None) -> bool:
+    """``path`` is the job dir of a `clusterkit sbatch` job (it holds sbatch.sh and plan.json)."""
+    return bool(path) and all((Path(str(path)) / f).is_file() for f in (SBATCH_SCRIPT, PLAN_FILE))
+
+
 def _read_word(path: Path) -> str | None:
     try:
         return path.read_text(encoding="utf-8").strip() or None
