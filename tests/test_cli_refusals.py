@@ -290,6 +290,7 @@ def test_no_json_on_a_verb_without_it(scratch: Path, capsys: pytest.CaptureFixtu
     [*L, "train.py", "--", "--nodes", "2"],
     [*L, "--", "--steps", "5"],
     [*R, "--partition", "gpu", "--time", "1:00:00", "train.py", "--steps", "5"],
+    [*R, "--master-addr", "::1", "--job-id", "Run_3.b-x"],
     ["doctor", "--help"],
 ])
 def test_good_inputs_still_work(argv: list[str], scratch: Path,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 import sys
 from collections.abc import Callable
@@ -75,6 +76,11 @@ def job_id_type(text: str) -> str:
 
 def address_type(text: str) -> str:
     """``--master-addr``: a host name or an IP address, as the inventory's ``address``."""
+    try:
+        ipaddress.ip_address(text)  # also ::1, which the name rule's first letter refuses
+        return text
+    except ValueError:
+        pass
     if not ADDRESS.fullmatch(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a host name or IP address")
     return text
