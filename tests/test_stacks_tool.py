@@ -20,6 +20,7 @@ import pytest
 
 from clusterkit.launch.stacks import read_stack, summarize
 from clusterkit.node import agent as agent_mod
+from clusterkit.node import agent_hangs
 from clusterkit.node.protocol import EVENT_PREFIX
 
 
@@ -59,7 +60,7 @@ def no_spy_elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bare.mkdir(parents=True)
     monkeypatch.setattr(sys, "executable", str(bare / "python3"))
     monkeypatch.setenv("PATH", str(bare))
-    monkeypatch.setattr(agent_mod, "DUMP_WAIT_S", 0.3)
+    monkeypatch.setattr(agent_hangs, "DUMP_WAIT_S", 0.3)
     monkeypatch.delenv("CLUSTERKIT_STACK_TOOL", raising=False)
 
 
@@ -83,7 +84,7 @@ def _dump(a: agent_mod.Agent, python: str) -> dict[str, dict[str, str]]:
     finally:
         proc.kill()
         proc.wait()
-    out = a._out.getvalue()  # type: ignore[attr-defined]
+    out = a.output.out.getvalue()  # type: ignore[attr-defined]
     line = next(ln for ln in out.splitlines() if ln.startswith(EVENT_PREFIX) and '"stacks"' in ln)
     return dict(json.loads(line[len(EVENT_PREFIX):])["ranks"])
 
@@ -96,7 +97,7 @@ def test_py_spy_in_the_venv_bin_dir_only_reads_the_rank(
     python = str(venv / "bin" / "python3")
     a = _agent(tmp_path, python)
     assert a.job_pythons() == [python]  # as typed: the venv's path, not the resolved one
-    assert agent_mod._py_spy(a.job_pythons()) == str(venv / "bin" / "py-spy")
+    assert agent_hangs.py_spy(a.job_pythons()) == str(venv / "bin" / "py-spy")
     res = _dump(a, python)["0"]
     assert res["tool"] == "py-spy", res
     st = read_stack(0, "node1", res["text"])
@@ -111,9 +112,9 @@ def test_a_bare_interpreter_name_is_found_on_the_ranks_path(
     a = _agent(tmp_path, "python3")
     a.spec.env["PATH"] = str(venv / "bin")  # the ranks' PATH (the inventory's env)
     assert a.job_pythons() == [str(venv / "bin" / "python3")]
-    assert agent_mod._py_spy(a.job_pythons()) == str(venv / "bin" / "py-spy")
-    assert agent_mod._py_spy([], str(venv / "bin")) == str(venv / "bin" / "py-spy")
-    assert agent_mod._py_spy([]) is None
+    assert agent_hangs.py_spy(a.job_pythons()) == str(venv / "bin" / "py-spy")
+    assert agent_hangs.py_spy([], str(venv / "bin")) == str(venv / "bin" / "py-spy")
+    assert agent_hangs.py_spy([]) is None
 
 
 def test_no_py_spy_and_no_handler_says_why_once_and_how_to_get_py_spy(

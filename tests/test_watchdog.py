@@ -22,6 +22,7 @@ import pytest
 from clusterkit.launch.stacks import read_stack, signature, summarize
 from clusterkit.launch.watchdog import Watchdog, ping_interval, step_of
 from clusterkit.node import agent as agent_mod
+from clusterkit.node import agent_hangs
 from clusterkit.workload import hangs
 
 FAULTHANDLER = """\
@@ -214,9 +215,9 @@ def test_faulthandler_dump_of_a_stopped_rank(tmp_path: Path) -> None:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         os.kill(proc.pid, signal.SIGSTOP)
         time.sleep(0.2)
-        state = agent_mod._proc_state(proc.pid)
+        state = agent_hangs.proc_state(proc.pid)
         assert state == "T"
-        text = a._faulthandler_dump(5, proc.pid, state)
+        text = a.stacks.faulthandler_dump(5, proc.pid, state)
     finally:
         proc.kill()
         proc.wait()
@@ -272,7 +273,7 @@ def test_user_script_that_hangs_silently_is_caught_by_its_heartbeat(tmp_path: Pa
     assert dumps == ["rank0.txt", "rank1.txt", "rank2.txt", "rank3.txt", "summary.txt"], dumps
 
 
-@pytest.mark.skipif(agent_mod._py_spy() is None, reason="py-spy is not installed")
+@pytest.mark.skipif(agent_hangs.py_spy() is None, reason="py-spy is not installed")
 def test_py_spy_reads_a_stopped_rank_without_pausing_it(tmp_path: Path) -> None:
     spec = agent_mod.Spec(job_id="j", node="node1", job_dir=str(tmp_path))
     a = agent_mod.Agent(spec, io.StringIO())
@@ -284,7 +285,7 @@ def test_py_spy_reads_a_stopped_rank_without_pausing_it(tmp_path: Path) -> None:
         os.kill(proc.pid, signal.SIGSTOP)
         time.sleep(0.2)
         results: dict[str, dict[str, Any]] = {}
-        a._dump_one(2, proc.pid, agent_mod._py_spy(), results)
+        a.stacks.dump_one(2, proc.pid, agent_hangs.py_spy(), results)
     finally:
         proc.kill()
         proc.wait()

@@ -42,7 +42,10 @@ class Program:
 # restores the package directories where they matter); the agent runs the user's
 # ranks and `install` runs pip: they start as the user's own Python would.
 PROGRAMS: dict[str, Program] = {
-    "agent": Program(("protocol", "sitepaths", "gatefacts", "zygote", "agent"), site=True),
+    # The agent split by concern (docs/architecture.md, "Node agent modules").
+    "agent": Program(("protocol", "sitepaths", "gatefacts", "zygote", "agent_files",
+                      "agent_procs", "agent_hangs", "agent_env", "agent_output",
+                      "agent_forkserver", "agent"), site=True),
     "probe": Program(("sitepaths", "gatefacts", "probe")),
     "bw_worker": Program(("bw_worker",), site=True),  # imports torch
     "listing": Program(("listing",)),
