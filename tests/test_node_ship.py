@@ -157,6 +157,41 @@ def test_node_modules_import_only_the_standard_library_and_each_other() -> None:
             assert needs <= set(ship.PROGRAMS[path.stem].modules), (path.name, needs)
 
 
+def _node_imports(path: Path) -> set[str]:
+    """The node modules ``path`` imports (``from clusterkit.node import x`` included)."""
+    found: set[str] = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.ImportFrom) and n.module == "clusterkit.node":
+            found |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and (n.module or "").startswith("clusterkit.node."):
+            found.add((n.module or "").split(".")[2])
+        elif isinstance(n, ast.Import):
+            found |= {a.name.split(".")[2] for a in n.names
+                      if a.name.startswith("clusterkit.node.")}
+    return found
+
+
+def test_each_program_ships_the_node_modules_it_imports_before_their_importer() -> None:
+    # The bootstrap runs the sources in the listed order: a module's imports must be
+    # registered before it runs, and a module left out does not exist on the node.
+    for program, spec in ship.PROGRAMS.items():
+        for i, module in enumerate(spec.modules):
+            missing = _node_imports(NODE_DIR / f"{module}.py") - set(spec.modules[:i])
+            assert not missing, (program, module, missing)
+
+
+def test_the_agent_modules_all_ship_each_says_what_it_holds_and_stays_small() -> None:
+    """Issue 23 item 3: the agent split by concern (entry + loop, processes, files,
+    environment, output, fork server, hangs), every part in the agent program."""
+    parts = [m for m in ship.PROGRAMS["agent"].modules if m == "agent" or m.startswith("agent_")]
+    assert sorted(parts) == sorted(p.stem for p in NODE_DIR.glob("agent*.py"))
+    assert parts[-1] == "agent"  # the entry runs last, its parts are there by then
+    for module in parts:
+        text = (NODE_DIR / f"{module}.py").read_text()
+        assert len(text.splitlines()) <= 500, module
+        assert ast.get_docstring(ast.parse(text)), module
+
+
 def test_spec_round_trips_and_decodes_strictly() -> None:
     spec = AgentSpec(job_id="j", node="n", job_dir="/d", argv=["x"], native=None, grace_s=2)
     assert AgentSpec.from_json(spec.to_json()) == spec
