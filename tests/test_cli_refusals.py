@@ -90,7 +90,8 @@ ROWS: list[tuple[list[str], str]] = [
     ([*S, "--template-dir", ""], "--template-dir: needs a value"),
     # verbs and the top level
     (["lanch"], "unknown verb 'lanch' — did you mean `clusterkit launch`?"),
-    (["--bogus"], "missing VERB"),
+    (["--bogus"], "unknown flag --bogus"),
+    (["inventory", "--jsn", "show"], "unknown flag --jsn"),
     (["--bogus", "launch"], "unknown flag --bogus"),
     ([], "missing VERB"),
     (["inventory"], "missing VERB"),

@@ -77,6 +77,14 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None,
                          ) -> tuple[argparse.Namespace, list[str]]:
+        # A parser of VERBs: a flag before the verb that it does not know is that, not a
+        # "missing VERB" (`clusterkit --bogus`).
+        if args is not None and self._subparsers is not None:
+            for word in args:
+                if not word.startswith("-"):
+                    break
+                if word.split("=", 1)[0] not in self._option_string_actions:
+                    self._unknown([word])
         # Each parser refuses its own leftovers, so the innermost parser (the verb's)
         # names the unknown flag and suggests one of its own.
         ns, extras = super().parse_known_args(args, namespace)
