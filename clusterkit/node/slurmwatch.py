@@ -103,10 +103,14 @@ def _hang(job_id: str, job_dir: str, dump_dir: str, hang_s: float, idle: float,
         _say(line)
     reason = (f"no progress for {idle:.0f} s (--hang-timeout {hang_s:g})"
               + (f"; {culprit}" if culprit else ""))
+    if not _alive(launch_pid):  # it ended by itself meanwhile: its own status stands
+        _say("clusterkit: the step ended while its stacks were collected")
+        return
     with open(os.path.join(job_dir, HANG_FILE), "w", encoding="utf-8") as fh:
         fh.write(reason + "\n")
     _say(f"clusterkit: ending the step: {reason}")
-    os.kill(launch_pid, signal.SIGTERM)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(launch_pid, signal.SIGTERM)
 
 
 def _bundle() -> bytes:
