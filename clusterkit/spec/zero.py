@@ -35,22 +35,23 @@ def resolve_precision(requested: str, on_gpu: bool, cpu_ranks: str = "this job's
                       ) -> Precision:
     """The one precision rule: ``auto`` is bf16 when every rank has a GPU, else fp32
     (DeepSpeed's CPU path trains bf16, but slowly and without gain); an explicit choice
-    stands where every rank has a GPU.
+    stands wherever it can run.
 
-    An explicit bf16/fp16 for ranks without a GPU is refused (``cpu_ranks`` names them):
-    it used to reach ds_config.json while the ranks trained fp32 and the summary said
-    fp32, without a word (issue 25). Asked for explicitly, the answer is no, not a quiet
-    substitute."""
+    fp16 needs a GPU: DeepSpeed's CPU accelerator supports fp32 and bf16 only
+    (``supported_dtypes()``), so an explicit fp16 for ranks without a GPU is refused
+    (``cpu_ranks`` names them). It used to reach ds_config.json while the ranks trained
+    fp32 and the summary said fp32, without a word (issue 25). An explicit bf16 on CPU
+    ranks stands: it really trains bf16 there (ZeRO 0, 2 and 3 measured, docs/workload.md)."""
     if requested == "auto":
         return "bf16" if on_gpu else "fp32"
     if requested not in PRECISION_CHOICES:
         raise RenderError(f"--precision must be one of {', '.join(PRECISION_AUTO_CHOICES)}, "
                           f"got {requested!r}", key="--precision")
-    if requested != "fp32" and not on_gpu:
-        raise RenderError(f"{requested} needs a GPU for every rank, but {cpu_ranks} run on the "
-                          "CPU", key="--precision",
-                          hint="use --precision auto (fp32 on CPU ranks, bf16 on GPUs) or fp32; "
-                               "if the nodes have GPUs, say so with gpus: N in the inventory")
+    if requested == "fp16" and not on_gpu:
+        raise RenderError(f"fp16 needs a GPU for every rank, but {cpu_ranks} run on the CPU, "
+                          "which trains fp32 or bf16 only", key="--precision",
+                          hint="use --precision auto (fp32 on CPU ranks, bf16 on GPUs), bf16 or "
+                               "fp32; if the nodes have GPUs, say so with gpus: N in the inventory")
     return requested  # type: ignore[return-value]
 
 
