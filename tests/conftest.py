@@ -55,6 +55,20 @@ XDIST_GROUPS = {
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the group marks
+@pytest.fixture(scope="session", autouse=True)
+def _private_clusterkit_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every test's default job registry and virtual nodes live in a session temp dir, never
+    in the real ~/.cache/clusterkit (an in-process `sbatch --submit` registers its job);
+    a test that sets CLUSTERKIT_HOME itself (monkeypatch, a subprocess env) still wins."""
+    old = os.environ.get("CLUSTERKIT_HOME")
+    os.environ["CLUSTERKIT_HOME"] = str(tmp_path_factory.mktemp("clusterkit-home"))
+    yield
+    if old is None:
+        os.environ.pop("CLUSTERKIT_HOME", None)
+    else:
+        os.environ["CLUSTERKIT_HOME"] = old
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     order = {g: i for i, g in enumerate(dict.fromkeys(XDIST_GROUPS.values()))}
     rank: dict[str, int] = {}
