@@ -74,3 +74,38 @@ def test_summary_folds_alike_ranks(tmp_path: Path) -> None:
     assert lines[0] == "  ranks 0-2 (node1,node2): in all_reduce \u2190 main"
     assert lines[1].startswith("  rank 3 (node2, stopped): in wait") and "odd one out" in lines[1]
     assert culprit == "rank 3 on node2 is stopped (SIGSTOP?)"
+
+
+def test_watch_ends_a_step_without_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """No write under the job's logs for HANG_S: the hang file with the reason, SIGTERM to
+    the step (here a sleep), the lines on both streams. (srun fails here: no Slurm.)"""
+    (tmp_path / "logs").mkdir()
+    monkeypatch.setattr(slurmwatch, "POLL_S", 0.2)
+    monkeypatch.delenv("CLUSTERKIT_HEARTBEAT_DIR", raising=False)
+    step = subprocess.Popen(["sleep", "60"])
+    try:
+        t0 = time.monotonic()
+        assert slurmwatch.watch("nojob", str(tmp_path), str(tmp_path / "hangs"), 1.0, step.pid,
+                                1) == 0
+        assert step.wait(timeout=10) == -signal.SIGTERM
+        assert time.monotonic() - t0 < 30
+    finally:
+        step.kill()
+    reason = (tmp_path / "hang").read_text()
+    assert reason.startswith("no progress for ") and "(--hang-timeout 1)" in reason
+    out, err = capsys.readouterr()
+    for text in (out, err):
+        assert "clusterkit: no progress on any rank for" in text
+        assert "clusterkit: ending the step: no progress for" in text
+
+
+def test_watch_leaves_a_step_that_progresses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    monkeypatch.setattr(slurmwatch, "POLL_S", 0.2)
+    step = subprocess.Popen(["sh", "-c", f"for i in 1 2 3 4 5 6 7 8; do echo $i >> {logs}/x; "
+                                         "sleep 0.4; done"])
+    assert slurmwatch.watch("nojob", str(tmp_path), str(tmp_path / "hangs"), 1.5, step.pid,
+                            1) == 0
+    assert step.wait(timeout=10) == 0 and not (tmp_path / "hang").exists()

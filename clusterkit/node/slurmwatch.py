@@ -60,11 +60,12 @@ def newest_write(dirs: list[str]) -> float:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie, ended but not yet reaped by its parent, is not)."""
     try:
         os.kill(pid, 0)
     except OSError:
         return False
-    return True
+    return _state_and_comm(pid)[0] not in ("Z", "X")
 
 
 def watch(job_id: str, job_dir: str, dump_dir: str, hang_s: float, launch_pid: int,
