@@ -280,3 +280,24 @@ def test_a_slurm_session_is_terminated_before_killed(tmp_path: Path, trap: str, 
     assert s.reap(10.0) == code
     assert (tmp_path / "log").exists() is (code == 0)
     s.close()
+
+
+def test_status_and_stop_of_a_batch_job_point_at_slurm(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`clusterkit status/stop JOB` of an sbatch record: its nodes are Slurm's, so status
+    names the Slurm job and the command that shows it, and stop refuses in one line with
+    `clusterkit sbatch cancel ID` (was: '0 nodes ... submitted', and a stop that claimed
+    nothing was left on 0 nodes)."""
+    from clusterkit.cli.main import main
+
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
+    Registry(tmp_path / "home").record_sbatch(_job_dir(tmp_path), "101")
+    assert main(["status", "nl-job"]) == 0
+    out = capsys.readouterr().out
+    assert "nl-job: Slurm job 101" in out and "clusterkit sbatch status 101" in out
+    assert main(["status"]) == 0
+    assert "slurm   101" in capsys.readouterr().out
+    assert main(["stop", "nl-job"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "clusterkit sbatch cancel 101" in err[0], err

@@ -293,11 +293,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         for r in records:
             state = r.state if r.state != "running" or r.launcher_alive else "running? (launcher gone)"
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created))
-            print(f"{r.job_id:<36} {_launcher(r):<11} {len(r.nodes):>3} nodes  {when}  {state}"
+            where = (f"slurm {r.slurm_job_ids[-1] if r.slurm_job_ids else '?':>5}"
+                     if r.transport == "slurm" else f"{len(r.nodes):>3} nodes")
+            print(f"{r.job_id:<36} {_launcher(r):<11} {where}  {when}  {state}"
                   + (f"  exit {r.exit_code}" if r.exit_code is not None else "")
                   + (f"  ({r.failure})" if r.failure else ""))
         return 0
     record = registry.load(args.job)
+    if record.transport == "slurm":
+        return _slurm_record_status(record, args.json)
     per_node = _node_status(record)
     if args.json:
         print(json.dumps({"job": json.loads(record.to_json()), "launcher": _launcher(record),
@@ -316,6 +320,25 @@ def cmd_status(args: argparse.Namespace) -> int:
                                + _progress_text(info.get("progress"), info["agent_alive"])))
     for line in folded_lines(rows, list(per_node)):
         print(f"  {line}")
+    return 0
+
+
+def _slurm_command(record: Any, action: str) -> str:
+    slurm_id = record.slurm_job_ids[-1] if record.slurm_job_ids else "JOBID"
+    return f"clusterkit sbatch {action} {slurm_id}"
+
+
+def _slurm_record_status(record: Any, as_json: bool) -> int:
+    """A batch job's nodes are Slurm's to report: say which Slurm job it is and where to
+    look, instead of 'submitted' on 0 nodes (its agents are Slurm's steps, not ours)."""
+    ids = ",".join(record.slurm_job_ids) or "?"
+    if as_json:
+        print(json.dumps({"job": json.loads(record.to_json()), "launcher": _launcher(record),
+                          "slurm_job_ids": record.slurm_job_ids}, indent=1))
+        return 0
+    print(f"{record.job_id}: Slurm job {ids} (submitted by clusterkit sbatch; job dir "
+          f"{record.job_dir})  launcher {_launcher(record)}")
+    print(f"  its state and output: {_slurm_command(record, 'status')} [--watch]")
     return 0
 
 
@@ -382,6 +405,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
     registry = Registry(clusterkit_home())
     record = registry.load(args.job)
+    if record.transport == "slurm":
+        raise LaunchError(f"job {record.job_id} is Slurm job "
+                          f"{','.join(record.slurm_job_ids) or '?'}: Slurm stops it, not clusterkit's "
+                          "agents", key="JOB", hint=f"run `{_slurm_command(record, 'cancel')}`")
     if record.launcher_alive:
         # The launcher tears the job down itself (and records it); the sweep below
         # still runs in case a node is beyond its reach.
