@@ -53,8 +53,10 @@ ACTION_USAGE = {
                "--watch: follow the job's output until it ends; exit 0 only if it COMPLETED."),
     "cancel": ("clusterkit sbatch cancel JOBID [--signal SIG [--batch | --full]] [--slurm-timeout S]",
                "scancel JOBID (SIGTERM, then SIGKILL after Slurm's KillWait). --signal SIG only "
-               "signals the job's steps (USR1: the workload checkpoints and exits 0); --batch: "
-               "the batch shell only (USR1 there: checkpoint, requeue, resume); --full: both."),
+               "signals the job's steps (USR1: the ranks save and exit 0, the job ends); "
+               "--batch: the batch shell only (USR1 there: $CLUSTERKIT_STOP_FILE and USR1 to "
+               "the ranks; requeued only if they saved: docs/sbatch.md, Preemption); --full: "
+               "both."),
 }
 
 
