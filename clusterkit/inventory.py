@@ -27,6 +27,8 @@ _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ADDRESS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:%-]*")
 TRANSPORTS = ("ssh", "local")
 
+LOOPBACK = "127.0.0.1"  # the default address of a local-transport host
+
 
 @dataclass(frozen=True)
 class SSHSettings:
@@ -399,10 +401,14 @@ def _merge(defaults: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
 def _make_host(name: str, address: str | None, s: dict[str, Any]) -> Host:
     gpus = int(s.get("gpus", 0))
     slots = int(s.get("slots", gpus if gpus > 0 else 1))
+    transport = s.get("transport", "ssh")
     return Host(
         name=name,
-        address=address or name,
-        transport=s.get("transport", "ssh"),
+        # A local-transport host is this machine: its default address is loopback, the
+        # one every "node" of it reaches (its name, e.g. v0, resolves nowhere and would
+        # be the master address ranks cannot connect to).
+        address=address or (LOOPBACK if transport == "local" else name),
+        transport=transport,
         ssh=SSHSettings(**s.get("ssh", {})),
         gpus=gpus,
         gpu_model=s.get("gpu_model"),
@@ -544,7 +550,7 @@ def local_inventory(base_dir: str, nodes: int = 4, slots: int = 2) -> Inventory:
     hosts = tuple(
         Host(
             name=f"local{i}",
-            address="127.0.0.1",
+            address=LOOPBACK,
             transport="local",
             slots=slots,
             checkpoint=CheckpointStorage(

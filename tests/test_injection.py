@@ -24,12 +24,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from clusterkit.contract import exits_dir
 from clusterkit.errors import ClusterkitError, InventoryError
 from clusterkit.inventory import CheckpointStorage, Host, Inventory, parse_inventory
 from clusterkit.launchers import plan_backends
+from clusterkit.launchers.argv import ranks_under_recorder
 from clusterkit.plan import plan_job
 from clusterkit.render.artifacts import render_all
-from clusterkit.render.sbatch import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from clusterkit.spec.job import JobOptions, LaunchPlan
 from tests.render_cases import FACTS
 
@@ -135,16 +136,17 @@ def _sbatch_runs_as_intended(plan: LaunchPlan) -> None:
     stubs = STUBS + (f"scontrol() {{ printf '%s\\n' {plan.nodes[0].name}; }}\n"
                      f"getent() {{ printf '%s STREAM x\\n' {plan.master_addr}; }}\n"
                      "echo() { :; }\n")
-    slurm_id = 4242  # the script's port: SLURM_PORT_BASE + id % SLURM_PORT_SPAN
-    env = {"PATH": os.environ["PATH"], "SLURM_JOB_NODELIST": "x", "SLURM_JOB_ID": str(slurm_id)}
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_NODELIST": "x", "SLURM_JOB_ID": "4242"}
     records = _run_bash(stubs + plan.artifacts["sbatch.sh"], env)
     # The batch script keeps the site's PATH (prefixed, exported) instead of the plan's
-    # PATH= word, and derives its port from the Slurm job id (docs/sbatch.md); every
-    # other word must match.
+    # PATH= word, and runs each rank under the exit recorder (the first failing rank's
+    # code is the job's, docs/sbatch.md); every other word, the port included, must match.
     path_word = f"PATH={plan.nodes[0].env.get('PATH')}"
-    port = str(SLURM_PORT_BASE + slurm_id % SLURM_PORT_SPAN)
-    expected = [re.sub(rf"(?<=[:=]){plan.master_port}$", port, w)
-                for w in plan.commands["srun"][0].argv if w != path_word]
+    plain = [w for w in plan.commands["srun"][0].argv if w != path_word]
+    program = list(plan.programs[0])
+    head = plain[:len(plain) - len(program)]
+    assert plain[len(head):] == program
+    expected = head + ranks_under_recorder(plan, exits_dir(plan.nodes[0].job_dir), "--no-python")
     assert records[-1] == expected
 
 
