@@ -352,3 +352,22 @@ def test_every_other_argument_parser_in_the_repo_has_allow_abbrev_off() -> None:
                     if not (isinstance(value, ast.Constant) and value.value is False):
                         missing.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not missing, missing
+
+
+def test_sbatch_refuses_an_explicit_native_launcher(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 24: `sbatch --launcher native` silently rendered torchrun. Typed, it is refused
+    (native's agents start the ranks; Slurm's srun does here); left out, the shared default
+    still means the torchrun variant."""
+    from clusterkit.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    assert main(["sbatch", "--dry-run", "--launcher", "native", "train.py"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["clusterkit: error: --launcher: native is clusterkit launch's own (its agents "
+                   "start the ranks); a Slurm batch script starts them with srun — leave "
+                   "--launcher out (torchrun under srun), or pick torchrun, accelerate or "
+                   "deepspeed"], err
+    assert main(["sbatch", "--dry-run", "train.py"]) == 0

@@ -457,9 +457,13 @@ def test_cli_without_markers_collects_a_user_save(tmp_path: Path) -> None:
     refused = _run_cli("-i", str(inv), "--to", str(dest))
     assert refused.returncode == 2 and "pass --without-markers" in refused.stderr
     assert refused.stderr.count("no node has a completion marker") == 1, refused.stderr  # once
-    assert refused.stderr.strip().splitlines()[-1].endswith(
-        "nothing was copied (1 finding above) — add --without-markers once the run has "
-        "stopped saving"), refused.stderr
+    # One finding: it is the error line itself (one line, no bullet list above it).
+    assert refused.stderr.strip().splitlines() == [
+        f"clusterkit: error: checkpoint {TAG} cannot be collected: {TAG} holds DeepSpeed "
+        "checkpoint files but no node has a completion marker: only the bundled workload "
+        "writes them. For a checkpoint your own script saved, pass --without-markers "
+        "(docs/collect-ckpt.md says what it checks) — add --without-markers once the run "
+        "has stopped saving"], refused.stderr
     misuse = _run_cli("-i", str(inv), "--to", str(dest), "--world-size", "6")
     assert misuse.returncode == 2 and "--world-size is for --without-markers" in misuse.stderr
     ok = _run_cli("-i", str(inv), "--to", str(dest), "--without-markers", "--json")

@@ -28,7 +28,7 @@ from typing import Any
 
 from clusterkit.checkpoints import layout
 from clusterkit.errors import CheckpointError
-from clusterkit.hostrange import folded_lines
+from clusterkit.hostrange import fold, folded_lines
 from clusterkit.node.listing import LISTING_VERSION
 from clusterkit.node.ship import NodeCommand, node_command
 
@@ -185,14 +185,29 @@ def choose_tag(listings: Sequence[NodeListing], requested: str, *, markers: bool
     return max(common, key=lambda t: (_step(t), t)), []
 
 
+def _nothing_there(missing: Sequence[NodeListing]) -> CheckpointError:
+    """No node has the checkpoint directory: nothing was ever saved there (or the wrong
+    job or --dir was named), one line rather than a finding per node."""
+    roots = sorted({ls.root for ls in missing})
+    where = roots[0] if len(roots) == 1 else f"{roots[0]} (and {len(roots) - 1} more)"
+    return CheckpointError(
+        f"no checkpoint to collect: the checkpoint directory {where} does not exist on any "
+        f"node ({fold(ls.node for ls in missing)})", path=roots[0],
+        hint="name the job that saved it (clusterkit status lists them) or give --dir the "
+             "checkpoint root the nodes wrote to")
+
+
 def verify(listings: Sequence[NodeListing], requested_tag: str = "latest",
            without_markers: WithoutMarkers | None = None) -> CollectPlan:
     """Check completeness across nodes; raise :class:`CheckpointIncomplete` with every problem."""
     # Nodes that failed the same way share one line: "node[1-7]: cannot list (...)".
     order = [ls.node for ls in listings]
     problems = folded_lines([(ls.node, ls.error) for ls in listings if ls.error], order)
+    missing = [ls for ls in listings if not ls.error and not ls.exists]
+    if listings and len(missing) == len(listings):
+        raise _nothing_there(missing)
     problems += folded_lines([(ls.node, f"checkpoint directory {ls.root} does not exist")
-                              for ls in listings if not ls.error and not ls.exists], order)
+                              for ls in missing], order)
     if problems:
         raise CheckpointIncomplete(None if requested_tag == "latest" else requested_tag, problems)
     tag, problems = choose_tag(listings, requested_tag, markers=without_markers is None)

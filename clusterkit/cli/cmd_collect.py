@@ -50,7 +50,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "sbatch` job (it holds sbatch.sh) stands for that job")
     add_inventory_option(p)
     add_selection_options(p)
-    p.add_argument("--tag", default="latest", help="tag to collect (default: the nodes' latest)")
+    p.add_argument("--tag", default="latest", type=nonempty,
+                   help="tag to collect (default: the nodes' latest)")
     p.add_argument("--without-markers", action="store_true",
                    help="for a checkpoint your own script saved (no clusterkit completion "
                         "markers): check DeepSpeed's own file set instead; weaker, see "
@@ -353,6 +354,10 @@ def _collect_verb(args: argparse.Namespace) -> int:
         try:
             report = collect(transport, nodes, options, sink, on_plan=_print_plan)
         except CheckpointIncomplete as exc:
+            if len(exc.problems) == 1:  # one finding: it is the error line
+                raise CheckpointError(f"checkpoint {exc.tag or '?'} cannot be collected: "
+                                      f"{exc.problems[0]}", hint=exc.hint,
+                                      exit_code=exc.exit_code) from exc
             print(f"checkpoint {exc.tag or '?'} cannot be collected:", file=sys.stderr)
             for line in exc.problems:
                 print(f"  - {line}", file=sys.stderr)

@@ -30,7 +30,7 @@ from clusterkit.cli.common import (
     check_ranks,
     resolve_job_inventory,
 )
-from clusterkit.cli.jobflags import SCRIPT_OPTION, launch_facts
+from clusterkit.cli.jobflags import SCRIPT_OPTION, launch_facts, launcher_given
 from clusterkit.contract import LOG_SUBDIR
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text
@@ -297,6 +297,12 @@ def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = Non
     inv = resolve_job_inventory(args.inventory)  # + doctor's interface pick
     options = _absolute_script(job_options(args, inv.name), os.getcwd())
     # --launcher X submits the batch script of X's Slurm variant (the registry's sbatch_plan).
+    if launcher_given(args) and BACKENDS[args.launcher].native:
+        # Not a silent torchrun: native's agents fork the ranks, which Slurm's srun does here.
+        raise RenderError(f"{args.launcher} is clusterkit launch's own (its agents "
+                          "start the ranks); a Slurm batch script starts them with srun",
+                          key="--launcher", hint="leave --launcher out (torchrun under srun), "
+                          "or pick torchrun, accelerate or deepspeed")
     options = dataclasses.replace(options, backend=BACKENDS[args.launcher].sbatch_plan)
     plan = plan_job(inv, options, launch_facts(args))
     site = site_options(args)

@@ -29,6 +29,7 @@ from clusterkit.units import duration_type
 
 # Flags that are not JobOptions fields one to one (the verb maps them).
 LAUNCHER_DEST = "launcher"
+LAUNCHER_GIVEN = "_launcher_given"  # set by --launcher when typed
 SCRIPT_OPTION = "script_option"  # --script PATH, the deprecated spelling of SCRIPT
 _TYPES: dict[str, Callable[[str], Any]] = {"int": int, "float": float}
 # Job flag groups (spec/job.py) a training script commonly has flags of its own for
@@ -107,12 +108,29 @@ def _add(group: argparse._ArgumentGroup, f: dataclasses.Field[Any]) -> None:
     group.add_argument(flag_name(f), **kw)
 
 
+class _StoreLauncher(argparse.Action):
+    """``--launcher X`` that also records that it was typed: every verb shares one default
+    (``native``), and ``sbatch`` must tell the default from an explicit ``native``, which
+    has no Slurm variant of its own (:func:`launcher_given`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, LAUNCHER_GIVEN, True)
+
+
+def launcher_given(args: argparse.Namespace) -> bool:
+    """Whether ``--launcher`` was on the command line (not the shared default)."""
+    return bool(getattr(args, LAUNCHER_GIVEN, False))
+
+
 def add_job_flags(p: argparse.ArgumentParser, *, slurm: bool = True) -> None:
     """The shared job flags, grouped as the spec groups them. ``slurm=False`` (launch):
     the Slurm group's flags are refused with "only for clusterkit sbatch"."""
     j = p.add_argument_group("job")
     j.add_argument("--launcher", dest=LAUNCHER_DEST, choices=tuple(BACKENDS),
-                   default=DEFAULT_LAUNCHER, help=f"default {DEFAULT_LAUNCHER}. {launchers_help()}")
+                   action=_StoreLauncher, default=DEFAULT_LAUNCHER,
+                   help=f"default {DEFAULT_LAUNCHER}. {launchers_help()}")
     j.add_argument("--job-id", metavar="JOB", type=job_id_type,
                    help="default: <cluster>-<date>-<time>; the checkpoint dir is <root>/JOB, so "
                         "launching with a previous job's id continues that job")
