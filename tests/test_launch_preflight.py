@@ -111,6 +111,37 @@ def test_judge_names_each_new_problem() -> None:
     assert "n4" not in problems
 
 
+@pytest.mark.parametrize(("versions", "odd"), [
+    ({"n1": "2.3.1", "n2": "2.4.0", "n3": "2.4.0"}, "n1"),  # the first node is the odd one
+    ({"n1": "2.4.0", "n2": "2.3.1", "n3": "2.4.0"}, "n2"),
+    ({"n1": "2.4.0", "n2": "2.3.1"}, "n2"),  # a tie: the earliest node's value wins
+])
+def test_gate_and_doctor_give_one_verdict(versions: dict[str, str], odd: str) -> None:
+    """The same facts given to the gate and to doctor: both blame the same node, by the
+    one rule (majority, ties to the earliest node: node/parity.py), for every package
+    of the one table the gate reads (a mismatch there refuses / FAILs)."""
+    from clusterkit.checks.facts import NodeFacts
+    from clusterkit.checks.findings import Status
+    from clusterkit.checks.rules import DoctorContext, check_versions
+    from clusterkit.hostrange import fold
+    from clusterkit.node.gatefacts import PACKAGES
+    from clusterkit.node.parity import MUST, packages
+
+    assert packages(MUST) == PACKAGES and PACKAGES
+    order = list(versions)
+    for pkg in PACKAGES:
+        gate = judge({n: {"python": "/py", "version": "3.11", pkg: v}
+                      for n, v in versions.items()}, {}, order).problems
+        doctor = check_versions({n: NodeFacts(host=n, python_executable="/py",
+                                              python_version="3.11", versions={pkg: v})
+                                 for n, v in versions.items()}, DoctorContext(hosts=tuple(order)))
+        failed = {f.host for f in doctor if f.check == f"version.{pkg}" and f.status is Status.FAIL}
+        assert set(gate) == failed == {odd}
+        want = versions[next(n for n in order if n != odd)]
+        assert gate[odd] == ("differs from the majority: "
+                             f"{pkg} {versions[odd]} != {want} on {fold(n for n in order if n != odd)}")
+
+
 def test_node_needs_script_ckpt_master() -> None:
     from clusterkit.inventory import local_inventory
     from clusterkit.plan import plan_job

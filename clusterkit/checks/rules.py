@@ -24,6 +24,8 @@ from clusterkit.checks.findings import Finding, Measure, Status
 from clusterkit.checks.infiniband import parse_nccl_ib_hca, unmatched_hca_entries
 from clusterkit.hostrange import fold
 from clusterkit.launchers import BACKENDS
+from clusterkit.node.parity import MUST, PACKAGES, SHOULD, majority
+from clusterkit.node.parity import holders as holders_of
 
 GiB = 1024**3
 SHM_MIN_BYTES = 1 * GiB
@@ -68,17 +70,6 @@ def _ok(facts: Mapping[str, NodeFacts]) -> list[NodeFacts]:
     return [f for f in facts.values() if f.ok]
 
 
-def majority(values: Mapping[str, T], order: Sequence[str]) -> T:
-    """Most common value; a tie goes to the value of the earliest host (rank 0 first)."""
-    counts = Counter(values.values())
-    best = max(counts.values())
-    rank = {h: i for i, h in enumerate(order)}
-    for host in sorted(values, key=lambda h: rank.get(h, len(rank))):
-        if counts[values[host]] == best:
-            return values[host]
-    raise ValueError("majority of no values")
-
-
 def _show(value: object) -> str:
     return "not installed" if value is None else str(value)
 
@@ -88,8 +79,8 @@ def parity(check: str, label: str, values: Mapping[str, T], ctx: DoctorContext,
     """One finding per host: PASS for the majority value, ``bad`` for the odd ones."""
     if not values:
         return []
-    common = majority(values, ctx.hosts)
-    holders = fold(h for h in ctx.hosts if h in values and values[h] == common)
+    common = majority(values, ctx.hosts)  # the gate's rule too (node/parity.py)
+    holders = fold(holders_of(values, common, ctx.hosts))
     out = []
     for host, value in values.items():
         if value == common:
@@ -200,20 +191,18 @@ def check_interpreter(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> lis
     return out
 
 
-_VERSION_CHECKS: tuple[tuple[str, str, Status], ...] = (
-    ("torch", "torch", Status.FAIL),
-    ("deepspeed", "deepspeed", Status.FAIL),
-    ("accelerate", "accelerate", Status.FAIL),
-    ("transformers", "transformers", Status.WARN),
-    ("numpy", "numpy", Status.WARN),
-)
+# The packages compared across nodes and what a mismatch is: the one table
+# (node/parity.py), whose MUST packages the launch gate refuses on.
+_VERSION_CHECKS: tuple[tuple[str, Status], ...] = tuple(
+    (pkg, Status.FAIL if kind == MUST else Status.WARN)
+    for pkg, kind in PACKAGES.items() if kind in (MUST, SHOULD))
 
 
 def check_versions(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Finding]:
     nodes = _ok(facts)
     out = parity("version.python", "python", {f.host: f.python_version for f in nodes}, ctx,
                  Status.FAIL, lambda h, v: f"recreate the environment with Python {v}")
-    for check, pkg, severity in _VERSION_CHECKS:
+    for pkg, severity in _VERSION_CHECKS:
         values = {f.host: f.versions.get(pkg) for f in nodes}
         if not any(values.values()):
             continue  # nobody has it: nothing to compare
@@ -223,7 +212,7 @@ def check_versions(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[F
                 return f"{_python(facts, host)} -m pip uninstall {pkg}"
             return f"{_python(facts, host)} -m pip install '{pkg}=={want}'"
 
-        out += parity(f"version.{check}", pkg, values, ctx, severity, fix)
+        out += parity(f"version.{pkg}", pkg, values, ctx, severity, fix)
     with_torch = [f for f in nodes if f.versions.get("torch")]
     out += parity("version.torch-cuda", "torch CUDA", {f.host: f.torch_cuda or "cpu"
                                                         for f in with_torch}, ctx, Status.FAIL,

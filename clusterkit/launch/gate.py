@@ -20,14 +20,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clusterkit.errors import LaunchError
-from clusterkit.hostrange import folded_lines
-from clusterkit.node.gatefacts import need_dir, need_port, need_resolve
+from clusterkit.hostrange import fold, folded_lines
+from clusterkit.node.gatefacts import PACKAGES, need_dir, need_port, need_resolve
+from clusterkit.node.parity import holders, majority
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import SSHTarget, Transport, target_for
 from clusterkit.spec.job import JobPlan, NodePlan
 
 GATE_TIMEOUT_S = 20.0
-PARITY_KEYS = ("python", "version", "torch", "deepspeed", "accelerate")
+# The interpreter path, the Python version and the MUST packages of node/parity.py
+# (what gatefacts reads): doctor FAILs the same versions.
+PARITY_KEYS = ("python", "version", *PACKAGES)
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[
 
 def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: Sequence[str],
           need: Sequence[str] = ()) -> GateResult:
-    """Per-node requirements and parity with the first node (``problems``: already known)."""
+    """Per-node requirements and parity with the majority (``problems``: already known)."""
     problems = dict(problems)
     for node, f in facts.items():
         for pkg in need:
@@ -203,20 +206,24 @@ def _dir_problem(value: str, why: str) -> str:
 
 
 def _parity(facts: dict[str, dict[str, object]], order: Sequence[str]) -> dict[str, str]:
-    """Nodes that differ from the first reachable node, with what differs."""
-    reference = next((n for n in order if n in facts), None)
-    if reference is None:
-        return {}
-    ref = facts[reference]
-    out: dict[str, str] = {}
-    for node in order:
-        if node == reference or node not in facts:
+    """Nodes whose interpreter or versions differ from the majority's (ties: the earliest
+    node's), with what differs: doctor's rule (node/parity.py), so both name the same
+    odd node. The text names no node of its own: nodes with the same difference fold."""
+    diffs: dict[str, list[str]] = {}
+    for key in PARITY_KEYS:
+        values = {n: _show(facts[n].get(key)) for n in order if n in facts}
+        if not values:
             continue
-        diffs = [f"{k} {facts[node].get(k)} != {ref.get(k)}" for k in PARITY_KEYS
-                 if facts[node].get(k) != ref.get(k)]
-        if diffs:
-            out[node] = f"differs from {reference}: " + ", ".join(diffs)
-    return out
+        common = majority(values, order)
+        where = fold(holders(values, common, order))
+        for node, value in values.items():
+            if value != common:
+                diffs.setdefault(node, []).append(f"{key} {value} != {common} on {where}")
+    return {node: "differs from the majority: " + ", ".join(d) for node, d in diffs.items()}
+
+
+def _show(value: object) -> str:
+    return "not installed" if value is None else str(value)
 
 
 def gate_error(result: GateResult) -> LaunchError:

@@ -21,8 +21,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from clusterkit.node import sitepaths
+from clusterkit.node.parity import MUST, packages
 
-PACKAGES = ("torch", "deepspeed", "accelerate")
+PACKAGES = packages(MUST)  # the versions every node must agree on (node/parity.py)
 
 
 def _version(name: str) -> str | None:

@@ -43,8 +43,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Dict  # noqa: UP035 - see JSON below
 
 SCHEMA_VERSION = 1
-# Packages whose versions must match across nodes (name as on PyPI).
-KEY_PACKAGES = ("torch", "deepspeed", "accelerate", "transformers", "ninja", "numpy")
 TOOLS = ("ninja", "pdsh", "nvidia-smi", "ibstat", "ibv_devinfo", "nvcc", "ip")
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TP_SOCKET_", "UCX_", "CUDA_", "TORCH_", "MASTER_")
 ENV_NAMES = ("PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "PDSH_RCMD_TYPE")
@@ -172,6 +170,16 @@ def _site_paths() -> None:
     sitepaths.add()
 
 
+def _key_packages() -> tuple[str, ...]:
+    """The packages doctor compares across nodes (node/parity.py's table, shipped
+    beside the probe); a probe copied by hand, run for its errors, reads none."""
+    try:
+        from clusterkit.node.parity import packages
+    except ImportError:
+        return ()
+    return packages()
+
+
 def _distributions() -> dict[str, tuple[str, str]]:
     """:func:`_scan_distributions`, once per run (packages and clusterkit both need it)."""
     global _DISTS
@@ -185,7 +193,7 @@ def _scan_distributions() -> dict[str, tuple[str, str]]:
 
     Reading directory names instead of every METADATA file keeps this at a few ms
     for hundreds of packages (what `pip freeze` spends most of its time on). The
-    few KEY_PACKAGES get their version from METADATA, which is authoritative (a
+    few key packages (:func:`_key_packages`) get their version from METADATA, which is authoritative (a
     dist-info directory can be renamed or copied; the metadata is what pip wrote).
     """
     found: dict[str, tuple[str, str]] = {}
@@ -205,7 +213,7 @@ def _scan_distributions() -> dict[str, tuple[str, str]]:
             if key not in found:
                 found[key] = (version, entry)
                 dirs[key] = os.path.join(entry, name)
-    for key in KEY_PACKAGES:
+    for key in _key_packages():
         if key in found:
             meta = _metadata_version(dirs[key])
             if meta:
@@ -266,7 +274,7 @@ def section_packages() -> JSON:
     dists = _distributions()
     items = sorted(f"{name}=={ver}" for name, (ver, _loc) in dists.items())
     digest = hashlib.sha256("\n".join(items).encode()).hexdigest()
-    key = {name: (dists[name][0] if name in dists else None) for name in KEY_PACKAGES}
+    key = {name: (dists[name][0] if name in dists else None) for name in _key_packages()}
     nccl = None
     for name in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
         if name in dists:

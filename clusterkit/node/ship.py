@@ -43,17 +43,17 @@ class Program:
 # ranks and `install` runs pip: they start as the user's own Python would.
 PROGRAMS: dict[str, Program] = {
     # The agent split by concern (docs/architecture.md, "Node agent modules").
-    "agent": Program(("protocol", "sitepaths", "gatefacts", "zygote", "agent_files",
+    "agent": Program(("protocol", "sitepaths", "parity", "gatefacts", "zygote", "agent_files",
                       "agent_procs", "agent_hangs", "agent_env", "agent_output",
                       "agent_forkserver", "agent"), site=True),
-    "probe": Program(("sitepaths", "gatefacts", "probe")),
+    "probe": Program(("sitepaths", "parity", "gatefacts", "probe")),
     "bw_worker": Program(("bw_worker",), site=True),  # imports torch
     "listing": Program(("listing",)),
     "hashing": Program(("hashing",)),
     "ckstream": Program(("listing", "hashing", "ckstream")),
-    "gatefacts": Program(("sitepaths", "gatefacts")),
+    "gatefacts": Program(("sitepaths", "parity", "gatefacts")),
     "sync": Program(("sync",)),
-    "install": Program(("sitepaths", "gatefacts", "install"), site=True),
+    "install": Program(("sitepaths", "parity", "gatefacts", "install"), site=True),
     "slurmwatch": Program(("slurmwatch",)),  # sbatch.sh's progress watchdog (docs/sbatch.md)
 }
 
