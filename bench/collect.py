@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from clusterkit.checkpoints import synthetic
-from clusterkit.checkpoints.collect import CollectNode, CollectOptions, collect
+from clusterkit.checkpoints.collect import CollectOptions, collect
+from clusterkit.checkpoints.source import CollectNode
 from clusterkit.remote.dispatch import DispatchTransport
 from tests.testbed import Testbed
 

@@ -14,18 +14,13 @@ from pathlib import Path
 import pytest
 
 from clusterkit.checkpoints import layout, synthetic
-from clusterkit.checkpoints.collect import (
-    MANIFEST,
-    CollectNode,
-    CollectOptions,
-    choose_sources,
-    collect,
-    list_nodes,
-    read_manifest,
-)
+from clusterkit.checkpoints.choose import choose_sources
+from clusterkit.checkpoints.collect import CollectOptions, collect
 from clusterkit.checkpoints.discover import CheckpointIncomplete, WithoutMarkers, verify
+from clusterkit.checkpoints.manifest import MANIFEST, read_manifest
 from clusterkit.checkpoints.scatter import ScatterTarget, plan_scatter, scatter
 from clusterkit.checkpoints.session import collect_ssh_argv
+from clusterkit.checkpoints.source import CollectNode, list_nodes
 from clusterkit.checkpoints.transfer import PART_SUFFIX, Hashed
 from clusterkit.errors import CheckpointError
 from clusterkit.remote.base import SSHTarget

@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 from clusterkit.checkpoints import synthetic
-from clusterkit.checkpoints.collect import MANIFEST, CollectNode, CollectOptions, collect
+from clusterkit.checkpoints.collect import CollectOptions, collect
+from clusterkit.checkpoints.manifest import MANIFEST
+from clusterkit.checkpoints.source import CollectNode
 from clusterkit.checkpoints.transfer import PART_SUFFIX
 from clusterkit.errors import CheckpointError
 from clusterkit.remote.dispatch import DispatchTransport

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clusterkit.checkpoints import layout
-from clusterkit.checkpoints.collect import CollectNode, read_manifest
+from clusterkit.checkpoints.manifest import read_manifest
+from clusterkit.checkpoints.source import CollectNode
 from clusterkit.checkpoints.transfer import hash_command, parse_hashes
 from clusterkit.errors import CheckpointError
 from clusterkit.remote.base import Transport

@@ -102,7 +102,7 @@ def _root(pattern: str | None, host: Host | None, name: str, index: int) -> str:
 
 def resolve_nodes(args: argparse.Namespace) -> tuple[list[Any], list[int], str]:
     """(CollectNodes, slots per node, default DEST) from JOB or inventory + selection."""
-    from clusterkit.checkpoints.collect import CollectNode
+    from clusterkit.checkpoints.source import CollectNode
 
     record = _job_record(args)
     if record is not None and record.transport == "slurm":
@@ -170,7 +170,7 @@ def _batch_job_nodes(args: argparse.Namespace, record: JobRecord
                      ) -> tuple[list[Any], list[int], str]:
     """A `clusterkit sbatch` job: its Slurm nodes, reached through Slurm (default) or,
     with --via ssh/sftp, over SSH by node name."""
-    from clusterkit.checkpoints.collect import CollectNode
+    from clusterkit.checkpoints.source import CollectNode
     from clusterkit.hostrange import fold
     from clusterkit.slurm import SlurmClient
     from clusterkit.slurm.steps import job_places
@@ -395,7 +395,7 @@ def _without_markers(args: argparse.Namespace, slots: list[int]) -> WithoutMarke
 
 
 def _scatter_only(args: argparse.Namespace, nodes: list[Any], slots: list[int], dest: str) -> int:
-    from clusterkit.checkpoints.collect import latest_tag_at
+    from clusterkit.checkpoints.manifest import latest_tag_at
     from clusterkit.remote.dispatch import transport_for
 
     tag = args.tag if args.tag != "latest" else latest_tag_at(dest)
