@@ -174,6 +174,25 @@ def test_collect_local_nodes_then_rerun_skips(tmp_path: Path, transport: Dispatc
     assert again.skipped == len(report.wanted) and again.bytes_copied == 0
 
 
+def test_sftp_source_collects_what_the_stream_source_does(tmp_path: Path,
+                                                        transport: DispatchTransport) -> None:
+    """The two sources behind one verb: --via sftp hashes every file first, then
+    copies the same files with the same checksums; a re-run skips them all."""
+    nodes = _make(tmp_path)
+    by_method = {}
+    for method in ("ssh", "sftp"):
+        dest = tmp_path / f"dest-{method}"
+        report = collect(transport, nodes, CollectOptions(dest=str(dest), method=method))
+        assert not report.failed and report.method == method
+        by_method[method] = {rel: (e["sha256"], e["source"])
+                             for rel, e in read_manifest(str(dest), TAG)["files"].items()}
+    assert by_method["sftp"] == by_method["ssh"]
+    assert report.seconds_hash > 0.0  # sftp: a hashing pass of its own
+    again = collect(transport, nodes, CollectOptions(dest=str(tmp_path / "dest-sftp"),
+                                                     method="sftp"))
+    assert again.skipped == len(report.wanted) and again.bytes_copied == 0
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_first_run_manifest_has_the_node_checksums(tmp_path: Path, transport: DispatchTransport,
                                                    stage: int) -> None:
