@@ -16,7 +16,8 @@ import pytest
 from clusterkit.checkpoints import layout, synthetic
 from clusterkit.checkpoints.choose import choose_sources
 from clusterkit.checkpoints.collect import CollectOptions, collect
-from clusterkit.checkpoints.discover import CheckpointIncomplete, WithoutMarkers, verify
+from clusterkit.checkpoints.collectplan import CheckpointIncomplete, WithoutMarkers
+from clusterkit.checkpoints.discover import verify
 from clusterkit.checkpoints.manifest import MANIFEST, read_manifest
 from clusterkit.checkpoints.scatter import ScatterTarget, plan_scatter, scatter
 from clusterkit.checkpoints.session import collect_ssh_argv

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from clusterkit.checkpoints.discover import CollectPlan
+from clusterkit.checkpoints.collectplan import CollectPlan
 from clusterkit.checkpoints.transfer import Hashed, Wanted
 
 

@@ -22,12 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from clusterkit.checkpoints.choose import choose_sources, copy_notes, pick_sources
-from clusterkit.checkpoints.discover import (
-    CheckpointIncomplete,
-    CollectPlan,
-    WithoutMarkers,
-    verify,
-)
+from clusterkit.checkpoints.collectplan import CheckpointIncomplete, CollectPlan, WithoutMarkers
+from clusterkit.checkpoints.discover import verify
 from clusterkit.checkpoints.manifest import write_latest, write_manifest
 from clusterkit.checkpoints.prune import prune_sources
 from clusterkit.checkpoints.sftp_source import SftpSource

@@ -1,8 +1,8 @@
 """Find a checkpoint on every node and decide whether it is complete (before copying).
 
-One ``run_all`` of the node program :mod:`clusterkit.node.listing` returns each
-node's checkpoint root as JSON: the top-level files (``latest``, ``zero_to_fp32.py``),
-every tag dir's files with size and mtime, and the text of the completion markers.
+Each node's listing (:mod:`clusterkit.checkpoints.listing`: the top-level files
+(``latest``, ``zero_to_fp32.py``), every tag dir's files with size and mtime, and the
+text of the completion markers) comes from a collect source.
 :func:`verify` is pure: listings in, a :class:`CollectPlan` or a
 :class:`CheckpointIncomplete` listing every problem by node and rank out.
 
@@ -23,137 +23,19 @@ from __future__ import annotations
 import json
 import posixpath
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from clusterkit.checkpoints import layout
+from clusterkit.checkpoints.collectplan import (
+    CheckpointIncomplete,
+    CollectPlan,
+    NodeRanks,
+    SourceFile,
+    WithoutMarkers,
+)
+from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.errors import CheckpointError
 from clusterkit.hostrange import fold, folded_lines
-from clusterkit.node.listing import LISTING_VERSION
-from clusterkit.node.ship import NodeCommand, node_command
-
-MAX_SHOWN_PROBLEMS = 12
-
-
-
-@dataclass(frozen=True)
-class FileInfo:
-    size: int
-    mtime: float
-    whole: bool | None = None  # .pt files: ends with the zip end record (None: not a zip)
-
-
-def _file_info(v: Sequence[Any]) -> FileInfo:
-    return FileInfo(int(v[0]), float(v[1]), None if len(v) < 3 or v[2] is None else bool(v[2]))
-
-
-@dataclass(frozen=True)
-class NodeListing:
-    """One node's checkpoint root. ``index`` is the node's position in the selection."""
-
-    node: str
-    index: int
-    root: str
-    exists: bool = False
-    top: Mapping[str, FileInfo] = field(default_factory=dict)
-    latest: str | None = None
-    tags: Mapping[str, Mapping[str, FileInfo] | None] = field(default_factory=dict)
-    markers: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-    error: str | None = None  # unreachable / listing failed
-
-
-def parse_listing(node: str, index: int, root: str, stdout: str) -> NodeListing:
-    """Parse the listing script's JSON; a malformed answer becomes ``error``."""
-    try:
-        raw = json.loads(stdout.strip().splitlines()[-1] if stdout.strip() else "")
-        if not isinstance(raw, dict) or raw.get("v") != LISTING_VERSION:
-            raise ValueError("unexpected listing format")
-        tags: dict[str, dict[str, FileInfo] | None] = {}
-        for tag, files in raw["tags"].items():
-            tags[tag] = None if files is None else {rel: _file_info(v) for rel, v in files.items()}
-        return NodeListing(
-            node=node, index=index, root=root, exists=bool(raw["exists"]),
-            top={n: _file_info(v) for n, v in raw["top"].items()},
-            latest=raw["latest"], tags=tags,
-            markers={t: dict(m) for t, m in raw["markers"].items()})
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
-        return NodeListing(node=node, index=index, root=root,
-                           error=f"unreadable listing ({exc}): {stdout[:200]!r}")
-
-
-# ---------------------------------------------------------------------- the plan
-
-
-@dataclass(frozen=True)
-class SourceFile:
-    """One file on one node. ``relpath`` is relative to the checkpoint root
-    (``latest``, ``zero_to_fp32.py``, ``<tag>/...``)."""
-
-    node: str
-    relpath: str
-    size: int
-    mtime: float
-
-
-@dataclass(frozen=True)
-class NodeRanks:
-    node: str  # inventory name of the node holding these ranks now
-    node_index: int  # the marker's node index (rank order of the training run)
-    host: str  # host name recorded at save time
-    ranks: tuple[int, ...]
-    rank_files: Mapping[int, tuple[str, ...]]  # global rank -> files relative to the tag dir
-
-
-@dataclass(frozen=True)
-class CollectPlan:
-    """A complete checkpoint: what exists where, and which copies must agree."""
-
-    tag: str
-    step: int | None
-    zero_stage: int | None
-    world_size: int
-    engine: str
-    ds_subdir: str
-    precision: str
-    nodes: tuple[NodeRanks, ...]  # by node_index
-    # relpath -> every copy (several for per-node duplicates such as model states)
-    files: Mapping[str, tuple[SourceFile, ...]]
-    canonical_node: str  # the node holding global rank 0: wins when copies differ
-    notes: tuple[str, ...] = ()
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(copies[0].size for copies in self.files.values())
-
-    def copies_on(self, node: str) -> list[SourceFile]:
-        return [c for copies in self.files.values() for c in copies if c.node == node]
-
-
-@dataclass(frozen=True)
-class WithoutMarkers:
-    """Collect a checkpoint that a user's own script saved with ``engine.save_checkpoint``:
-    DeepSpeed's own file set stands in for clusterkit's completion markers. Checked: the
-    tag, every rank's shard exactly once for ``world_size`` ranks, the model states, and
-    every ``.pt`` file ending with its zip end record. Not detectable without a marker: a
-    save still being written while the nodes are listed (docs/collect-ckpt.md)."""
-
-    world_size: int
-
-
-class CheckpointIncomplete(CheckpointError):
-    """The checkpoint cannot be collected; ``problems`` has one line per finding."""
-
-    def __init__(self, tag: str | None, problems: Sequence[str], *, hint: str | None = None) -> None:
-        shown = list(problems[:MAX_SHOWN_PROBLEMS])
-        more = len(problems) - len(shown)
-        what = f"checkpoint {tag}" if tag else "checkpoint"
-        text = f"{what} is incomplete or inconsistent, nothing was copied: " + "; ".join(shown)
-        if more:
-            text += f"; and {more} more"
-        super().__init__(text, hint=hint or "fix the nodes named above (or pick another --tag) "
-                         "and run collect-ckpt again", exit_code=2)
-        self.problems = tuple(problems)
-        self.tag = tag
 
 
 def _step(tag: str) -> int:
@@ -543,19 +425,3 @@ def _marker_file_problems(listings: Sequence[NodeListing], tag: str,
                                     f"its completion marker recorded {size} (truncated or "
                                     "rewritten after the save)")
     return problems
-
-
-def listing_command(python: str, root: str, tag: str | None) -> NodeCommand:
-    """The node program :mod:`clusterkit.node.listing` for one node's root."""
-    return node_command(python, "listing", [root, tag or ""])
-
-
-def describe(plan: CollectPlan) -> dict[str, Any]:
-    """A JSON-able summary for ``--dry-run``/reports."""
-    return {
-        "tag": plan.tag, "step": plan.step, "zero_stage": plan.zero_stage,
-        "world_size": plan.world_size, "engine": plan.engine,
-        "nodes": [{"node": n.node, "node_index": n.node_index, "ranks": list(n.ranks)}
-                  for n in plan.nodes],
-        "files": len(plan.files), "bytes": plan.total_bytes,
-    }

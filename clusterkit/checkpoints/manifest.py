@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from clusterkit.checkpoints import layout
-from clusterkit.checkpoints.discover import CollectPlan
+from clusterkit.checkpoints.collectplan import CollectPlan
 from clusterkit.checkpoints.transfer import Wanted
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text

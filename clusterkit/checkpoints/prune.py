@@ -7,7 +7,7 @@ import concurrent.futures as cf
 import posixpath
 from collections.abc import Mapping, Sequence
 
-from clusterkit.checkpoints.discover import CollectPlan
+from clusterkit.checkpoints.collectplan import CollectPlan
 from clusterkit.checkpoints.source import LIST_TIMEOUT_S, CollectNode
 from clusterkit.remote.base import Transport
 from clusterkit.slurm.steps import run_step

@@ -12,7 +12,8 @@ import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
-from clusterkit.checkpoints.discover import CollectPlan, NodeListing
+from clusterkit.checkpoints.collectplan import CollectPlan
+from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.source import (
     CollectNode,
     NodeHashes,

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
 
-from clusterkit.checkpoints.discover import CollectPlan, NodeListing, listing_command, parse_listing
+from clusterkit.checkpoints.collectplan import CollectPlan
+from clusterkit.checkpoints.listing import NodeListing, listing_command, parse_listing
 from clusterkit.checkpoints.transfer import DestState, Hashed, NodeResult, ProgressSink, Wanted
 from clusterkit.node.ship import NodeCommand
 from clusterkit.remote.base import SSHTarget, Transport

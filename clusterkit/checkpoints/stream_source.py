@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 
-from clusterkit.checkpoints.discover import CollectPlan, NodeListing, parse_listing
+from clusterkit.checkpoints.collectplan import CollectPlan
+from clusterkit.checkpoints.listing import NodeListing, parse_listing
 from clusterkit.checkpoints.session import NodeSession, SessionError
 from clusterkit.checkpoints.source import (
     LIST_TIMEOUT_S,

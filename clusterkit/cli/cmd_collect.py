@@ -28,7 +28,7 @@ from clusterkit.slurm.steps import ALLOC_WAIT_S
 from clusterkit.units import duration_type, size_type
 
 if TYPE_CHECKING:
-    from clusterkit.checkpoints.discover import WithoutMarkers
+    from clusterkit.checkpoints.collectplan import WithoutMarkers
     from clusterkit.launch.jobs import JobRecord
 
 DEFAULT_DEST = "checkpoints-collected"
@@ -330,7 +330,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 def _collect_verb(args: argparse.Namespace) -> int:
     from clusterkit.checkpoints.collect import CollectOptions, collect
-    from clusterkit.checkpoints.discover import CheckpointIncomplete, describe
+    from clusterkit.checkpoints.collectplan import CheckpointIncomplete, describe
     from clusterkit.remote.dispatch import transport_for
 
     if args.jobs < 1:
@@ -380,7 +380,7 @@ def _collect_verb(args: argparse.Namespace) -> int:
 
 
 def _without_markers(args: argparse.Namespace, slots: list[int]) -> WithoutMarkers | None:
-    from clusterkit.checkpoints.discover import WithoutMarkers
+    from clusterkit.checkpoints.collectplan import WithoutMarkers
 
     if not args.without_markers:
         if args.world_size is not None:

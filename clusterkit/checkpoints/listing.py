@@ -1,0 +1,63 @@
+"""One node's checkpoint root as the node program :mod:`clusterkit.node.listing` reports
+it: the command that asks for it and the parse of its JSON into a :class:`NodeListing`.
+:mod:`clusterkit.checkpoints.discover` verifies the listings of every node."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterkit.node.listing import LISTING_VERSION
+from clusterkit.node.ship import NodeCommand, node_command
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    size: int
+    mtime: float
+    whole: bool | None = None  # .pt files: ends with the zip end record (None: not a zip)
+
+
+def _file_info(v: Sequence[Any]) -> FileInfo:
+    return FileInfo(int(v[0]), float(v[1]), None if len(v) < 3 or v[2] is None else bool(v[2]))
+
+
+@dataclass(frozen=True)
+class NodeListing:
+    """One node's checkpoint root. ``index`` is the node's position in the selection."""
+
+    node: str
+    index: int
+    root: str
+    exists: bool = False
+    top: Mapping[str, FileInfo] = field(default_factory=dict)
+    latest: str | None = None
+    tags: Mapping[str, Mapping[str, FileInfo] | None] = field(default_factory=dict)
+    markers: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    error: str | None = None  # unreachable / listing failed
+
+
+def parse_listing(node: str, index: int, root: str, stdout: str) -> NodeListing:
+    """Parse the listing script's JSON; a malformed answer becomes ``error``."""
+    try:
+        raw = json.loads(stdout.strip().splitlines()[-1] if stdout.strip() else "")
+        if not isinstance(raw, dict) or raw.get("v") != LISTING_VERSION:
+            raise ValueError("unexpected listing format")
+        tags: dict[str, dict[str, FileInfo] | None] = {}
+        for tag, files in raw["tags"].items():
+            tags[tag] = None if files is None else {rel: _file_info(v) for rel, v in files.items()}
+        return NodeListing(
+            node=node, index=index, root=root, exists=bool(raw["exists"]),
+            top={n: _file_info(v) for n, v in raw["top"].items()},
+            latest=raw["latest"], tags=tags,
+            markers={t: dict(m) for t, m in raw["markers"].items()})
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        return NodeListing(node=node, index=index, root=root,
+                           error=f"unreadable listing ({exc}): {stdout[:200]!r}")
+
+
+def listing_command(python: str, root: str, tag: str | None) -> NodeCommand:
+    """The node program :mod:`clusterkit.node.listing` for one node's root."""
+    return node_command(python, "listing", [root, tag or ""])
