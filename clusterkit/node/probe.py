@@ -21,6 +21,11 @@ failure is reported as data, never as a traceback):
     Try one TCP connection, say hello, print ``{"ok": ..., "error_kind": ...}``.
 
 Python >= 3.7 on the remote side: no ``match``, no walrus, annotations are strings.
+
+One file because: the probe is also run by hand, copied alone to a node, when doctor
+cannot read its answer (docs/doctor.md, kind ``probe``); every mode must then work
+from this file, so its imports of the shipped node modules (sitepaths, parity,
+gatefacts) are optional and only add facts.
 """
 
 from __future__ import annotations

@@ -38,6 +38,11 @@ argument, so the area holds the longest title.
 
 Standard library only, Python >= 3.8; runs outside the agent's bootstrap (its
 own interpreter, the job's Python), so it imports no other clusterkit module.
+
+One file because: the agent sends this module's source alone (:data:`BOOT` reads
+one ``<nbytes>\\n<source>``) to the job's own interpreter, outside the node bootstrap
+that loads the other node modules; a second module would need a loader of its own
+in that boot line.
 """
 
 from __future__ import annotations
