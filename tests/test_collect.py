@@ -474,7 +474,8 @@ def test_cli_without_markers_collects_a_user_save(tmp_path: Path) -> None:
     assert refused.stderr.count("no node has a completion marker") == 1, refused.stderr  # once
     # One finding: it is the error line itself (one line, no bullet list above it).
     assert refused.stderr.strip().splitlines() == [
-        f"clusterkit: error: checkpoint {TAG} cannot be collected: {TAG} holds DeepSpeed "
+        f"clusterkit: error: checkpoint {TAG} cannot be collected, nothing was copied: {TAG} "
+        "holds DeepSpeed "
         "checkpoint files but no node has a completion marker: only the bundled workload "
         "writes them. For a checkpoint your own script saved, pass --without-markers "
         "(docs/collect-ckpt.md says what it checks) — add --without-markers once the run "

@@ -355,8 +355,8 @@ def _collect_verb(args: argparse.Namespace) -> int:
             report = collect(transport, nodes, options, sink, on_plan=_print_plan)
         except CheckpointIncomplete as exc:
             if len(exc.problems) == 1:  # one finding: it is the error line
-                raise CheckpointError(f"checkpoint {exc.tag or '?'} cannot be collected: "
-                                      f"{exc.problems[0]}", hint=exc.hint,
+                raise CheckpointError(f"checkpoint {exc.tag or '?'} cannot be collected, nothing "
+                                      f"was copied: {exc.problems[0]}", hint=exc.hint,
                                       exit_code=exc.exit_code) from exc
             print(f"checkpoint {exc.tag or '?'} cannot be collected:", file=sys.stderr)
             for line in exc.problems:
