@@ -34,7 +34,7 @@ from clusterkit.launch.gate import GATE_TIMEOUT_S, GateResult, judge
 from clusterkit.launch.stacks import RankStack, StackSummary, read_stack, summarize
 from clusterkit.launch.watchdog import DUMP_COLLECT_S, Watchdog, ping_interval, step_of
 from clusterkit.node import protocol
-from clusterkit.node.protocol import EVENT_PREFIX, LINE_PREFIX
+from clusterkit.node.protocol import Control
 from clusterkit.node.ship import NodeCommand, agent_command
 from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
 
@@ -155,7 +155,7 @@ class _Node:
     proc: RemoteProcess | None = None
     code: int | None = None
     dropped: bool = False
-    failed_rank: dict[str, Any] | None = None
+    failed_rank: protocol.RankFailed | None = None
     started: bool = False  # its agent reported "started" (its ranks run)
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     rank_tails: dict[int, deque[str]] = field(default_factory=dict)
@@ -304,65 +304,66 @@ class Orchestrator:
                 self._on_line(self.nodes[node], *payload)
 
     def _on_line(self, state: _Node, stream: str, line: str) -> None:
-        if line.startswith(LINE_PREFIX):
-            node, lrank_s, text = ([*line[len(LINE_PREFIX):].split(" ", 2), "", ""])[:3]
-            offset = self.job.rank_offsets().get(node, state.task.rank_offset)
-            rank = offset + int(lrank_s) if lrank_s.isdigit() else None
-            self._record_tail(self.nodes.get(node, state), rank, text)
-            if rank is not None:  # a rank's line is progress, a step line a sign of training
-                self._watchdog.output(node, time.monotonic())
-                if step_of(text) is not None:
-                    self._training_seen()
-            if text.startswith(SUMMARY_PREFIX) and (self._summary is None or rank == 0):
-                self._summary = _parse_json(text[len(SUMMARY_PREFIX):])
-            self.sink.line(node, rank, text)
-        elif line.startswith(EVENT_PREFIX):
-            try:
-                event = protocol.decode_event(line)
-            except protocol.ProtocolError as exc:
-                self.sink.info(f"{state.task.node}: unreadable agent event: {exc}")
-                return
-            self._on_event(state, {"ev": event.ev, "node": event.node, **event.data})
+        try:
+            msg = protocol.decode(line)
+        except protocol.ProtocolError as exc:
+            self.sink.info(f"{state.task.node}: unreadable agent event: {exc}")
+            return
+        if isinstance(msg, protocol.Line):
+            self._on_output(state, msg)
+        elif msg is not None:
+            self._on_event(state, msg)
         else:
             # The agent itself (a traceback, a python that cannot find clusterkit).
             state.tail.append(line)
             self.sink.line(state.task.node, None, line, agent=True)
+
+    def _on_output(self, state: _Node, msg: protocol.Line) -> None:
+        node, text = msg.node, msg.text
+        rank = msg.rank(self.job.rank_offsets(), state.task.rank_offset)
+        self._record_tail(self.nodes.get(node, state), rank, text)
+        if rank is not None:  # a rank's line is progress, a step line a sign of training
+            self._watchdog.output(node, time.monotonic())
+            if step_of(text) is not None:
+                self._training_seen()
+        if text.startswith(SUMMARY_PREFIX) and (self._summary is None or rank == 0):
+            self._summary = _parse_json(text[len(SUMMARY_PREFIX):])
+        self.sink.line(node, rank, text)
 
     def _record_tail(self, state: _Node, rank: int | None, text: str) -> None:
         state.tail.append(text if rank is None else f"r{rank}: {text}")
         if rank is not None:
             state.rank_tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
 
-    def _on_event(self, state: _Node, ev: dict[str, Any]) -> None:
-        kind = ev.get("ev")
-        if kind == "rank-failed":
-            target = self.nodes.get(str(ev.get("failed_node")), state)
+    def _on_event(self, state: _Node, ev: protocol.AgentEvent) -> None:
+        if isinstance(ev, protocol.RankFailed):
+            target = self.nodes.get(ev.failed_node, state)
             if target.failed_rank is None:
                 target.failed_rank = ev
             if state.failed_rank is None:
                 state.failed_rank = ev
             # The earliest report names the culprit and starts the teardown now, before
             # the other ranks fail in their collectives and their agents exit too.
-            code = ev.get("code")
-            self._fail(state, "exit", code if isinstance(code, int) and code else 1)
-        elif kind == "facts":
-            self._facts[state.task.node] = dict(ev.get("facts") or {})
+            self._fail(state, "exit", ev.code or 1)
+        elif isinstance(ev, protocol.Facts):
+            self._facts[state.task.node] = dict(ev.facts)
             self._gate_last = time.monotonic()
             self._set_phase("gate", f"{len(self._facts)}/{len(self.nodes)} nodes")
             self._decide_gate()
-        elif kind == "started":
+        elif isinstance(ev, protocol.Started):
             self.sink.node_up(state.task.node)
             state.started = True
             if all(s.started for s in self.nodes.values()):
                 self._set_phase("initialising")
-        elif kind == "progress":
-            self._watchdog.report(state.task.node, ev, time.monotonic())
+        elif isinstance(ev, protocol.Progress):
+            self._watchdog.report(state.task.node, {"idle_s": ev.idle_s, "step": ev.step},
+                                  time.monotonic())
             if self._watchdog.last_step() is not None:
                 self._training_seen()
-        elif kind == "stacks":
+        elif isinstance(ev, protocol.Stacks):
             self._on_stacks(state, ev)
-        elif kind == "error":
-            self.sink.info(f"{state.task.node}: agent error: {ev.get('message')}")
+        elif isinstance(ev, protocol.Error):
+            self.sink.info(f"{state.task.node}: agent error: {ev.message}")
 
     def _on_exit(self, state: _Node, code: int, dropped: bool) -> None:
         state.code = code
@@ -418,7 +419,7 @@ class Orchestrator:
         self._gate = judge(self._facts, self._gate_problems, list(self.nodes),
                            self.job.gate_need)
         if self._gate.ok:
-            self._broadcast("GO")
+            self._broadcast(Control.GO)
             self._ranks_starting()
             return
         for line in folded_lines(self._gate.problems.items(), list(self.nodes)):
@@ -443,19 +444,18 @@ class Orchestrator:
 
     def _fail(self, state: _Node, reason: str, code: int) -> None:
         if self._failure is None and not self._interrupts:
-            ev = state.failed_rank or {}
-            if not ev and state.task.nprocs == 1 and reason == "exit":
+            ev = state.failed_rank or protocol.RankFailed(state.task.node, code=0)
+            if state.failed_rank is None and state.task.nprocs == 1 and reason == "exit":
                 # One rank on the node: the launcher's exit is that rank's.
-                ev = {"rank": state.task.rank_offset, "local_rank": 0}
-            failed_node = self.nodes.get(str(ev.get("failed_node", state.task.node)), state)
-            rank = ev.get("rank")
-            rank_code = ev.get("code")
+                ev = protocol.RankFailed(state.task.node, rank=state.task.rank_offset,
+                                         local_rank=0, code=0)
+            failed_node = self.nodes.get(ev.failed_node, state)
+            rank = ev.rank
             tail = list(failed_node.rank_tails.get(rank, failed_node.tail)) if rank is not None \
                 else list(failed_node.tail)
             self._failure = RankFailure(
-                node=failed_node.task.node, rank=rank, local_rank=ev.get("local_rank"),
-                code=int(rank_code) if isinstance(rank_code, int) and rank_code != 0 else code,
-                reason=reason, tail=tail,
+                node=failed_node.task.node, rank=rank, local_rank=ev.local_rank,
+                code=ev.code or code, reason=reason, tail=tail,
             )
             if rank is not None:  # the other ranks' tracebacks that follow are collateral
                 # (before info(), which lets out the lines still in their fold window)
@@ -475,14 +475,14 @@ class Orchestrator:
             return
         self._teardown_at = time.monotonic()
         self._set_phase("tearing down")
-        self._broadcast("TERM")
+        self._broadcast(Control.TERM)
 
-    def _broadcast(self, command: str) -> None:
+    def _broadcast(self, command: protocol.Control) -> None:
         for state in self.nodes.values():
             if state.proc is not None and state.code is None:
                 # A gone connection raises; its agent tears down on EOF by itself.
                 with contextlib.suppress(TransportError):
-                    state.proc.write_stdin(protocol.control_line(command))
+                    state.proc.write_stdin(command.line())
 
     def _advance_teardown(self) -> None:
         if self._teardown_at is None:
@@ -491,7 +491,7 @@ class Orchestrator:
         grace = self.job.grace_s
         if waited > grace + 2.0 and not self._killed:
             self._killed = True
-            self._broadcast("KILL")
+            self._broadcast(Control.KILL)
         if waited > grace + 4.0 and not self._closed:
             # Closing the channel makes the agent see EOF; it sweeps on its own.
             self._closed = True
@@ -511,7 +511,7 @@ class Orchestrator:
         if self.job.keepalive_s <= 0 or time.monotonic() < self._next_ping:
             return
         self._next_ping = time.monotonic() + ping_interval(self.job.keepalive_s)
-        self._broadcast("PING")
+        self._broadcast(Control.PING)
 
     def _watch(self) -> None:
         now = time.monotonic()
@@ -523,7 +523,7 @@ class Orchestrator:
             if why is not None:
                 wd.fired_at = now
                 self.sink.info(f"{why}: collecting every rank's Python stacks")
-                self._broadcast("DUMP")
+                self._broadcast(Control.DUMP)
             return
         if self._stack_summary is None and self._teardown_at is None and (
                 self._stack_nodes >= self._live_nodes() or now - wd.fired_at > DUMP_COLLECT_S):
@@ -537,10 +537,9 @@ class Orchestrator:
     def _live_nodes(self) -> set[str]:
         return {n for n, s in self.nodes.items() if s.code is None and s.task.nprocs > 0}
 
-    def _on_stacks(self, state: _Node, ev: dict[str, Any]) -> None:
+    def _on_stacks(self, state: _Node, ev: protocol.Stacks) -> None:
         self._stack_nodes.add(state.task.node)
-        ranks = ev.get("ranks") or {}
-        for key, res in ranks.items():
+        for key, res in ev.ranks.items():
             if not (isinstance(res, dict) and str(key).isdigit()):
                 continue
             rank = int(key)
@@ -560,9 +559,9 @@ class Orchestrator:
         culprit = summary.culprit()
         node, rank = culprit if culprit else (self.job.tasks[0].node, None)
         state = self.nodes[node]
-        state.failed_rank = {"failed_node": node, "rank": rank,
-                             "local_rank": None if rank is None else rank - state.task.rank_offset,
-                             "code": 124}
+        state.failed_rank = protocol.RankFailed(
+            node, failed_node=node, rank=rank,
+            local_rank=None if rank is None else rank - state.task.rank_offset, code=124)
         self._fail(state, "hang", 124)
 
     def _save_stacks(self) -> str | None:
@@ -607,7 +606,7 @@ class Orchestrator:
         for name in pending:
             if name in ("SIGUSR1", "SIGUSR2"):
                 self.sink.info(f"forwarding {name} to every node")
-                self._broadcast(name[3:])
+                self._broadcast(Control[name[3:]])
                 continue
             self._interrupts += 1
             if self._interrupts == 1:
@@ -616,7 +615,7 @@ class Orchestrator:
                 self._begin_teardown()
             else:
                 self._killed = True
-                self._broadcast("KILL")
+                self._broadcast(Control.KILL)
 
     # -------------------------------------------------------------- results
 

@@ -69,6 +69,7 @@ from clusterkit.node.protocol import (
     EVENT_PREFIX,
     LINE_PREFIX,
     AgentSpec,
+    Control,
     ProtocolError,
 )
 
@@ -106,7 +107,7 @@ class Agent:
         self.forkserver = ForkServer(spec, self.job_dir, self.output, self.ranks, self.rank_env,
                                      self._stop, self.check_keepalive, self.request_stop)
         self.stacks = StackDump(self.job_dir, self.progress_dir, spec.node, spec.attempt,
-                                self.output.event)
+                                self.output.send)
 
     # -------------------------------------------------------------- output (agent_output)
 
@@ -123,8 +124,8 @@ class Agent:
         """From now on output goes through a writer thread (the real agent, not tests)."""
         self.output.start_writer()
 
-    def event(self, ev: str, **fields: Any) -> None:
-        self.output.event(ev, **fields)
+    def send(self, msg: protocol.AgentEvent) -> None:
+        self.output.send(msg)
 
     def drain(self, timeout: float = 5.0) -> None:
         self.output.drain(timeout)
@@ -170,17 +171,17 @@ class Agent:
     def read_control(self, stream: IO[str]) -> None:
         for raw in stream:
             self._last_control = time.monotonic()
-            cmd = protocol.parse_control(raw)
-            if cmd in (protocol.TERM, protocol.KILL):
-                self.request_stop(cmd.lower())
-                if cmd == protocol.KILL:
+            cmd = Control.parse(raw)
+            if cmd in (Control.TERM, Control.KILL):
+                self.request_stop(cmd.value.lower())
+                if cmd == Control.KILL:
                     self.kill_now()
-            elif cmd == protocol.GO:
+            elif cmd == Control.GO:
                 self._go.set()
-            elif cmd in (protocol.USR1, protocol.USR2):
-                n = self.forward(getattr(signal, f"SIG{cmd}"))
-                self.event("forwarded", signal=cmd, processes=n)
-            elif cmd == protocol.DUMP:
+            elif cmd in (Control.USR1, Control.USR2):
+                n = self.forward(getattr(signal, f"SIG{cmd.value}"))
+                self.send(protocol.Forwarded(self.spec.node, signal=cmd.value, processes=n))
+            elif cmd == Control.DUMP:
                 threading.Thread(target=self.dump_stacks, daemon=True).start()
         self.request_stop("stdin-eof")  # the launcher exited or the connection dropped
 
@@ -216,7 +217,7 @@ class Agent:
             env=self.child_env(), cwd=cwd, start_new_session=True,
         )
         self.write_state("running")
-        self.event("started", pid=self.child.pid, argv=argv)
+        self.send(protocol.Started(self.spec.node, pid=self.child.pid, argv=argv))
 
     def children(self) -> list[Child]:
         out: list[Child] = [self.child] if self.child is not None else []
@@ -249,11 +250,11 @@ class Agent:
         self._ranks_started()
         return pumps
 
-    def _ranks_started(self, **extra: Any) -> None:
+    def _ranks_started(self, zygote: int | None = None) -> None:
         argv = [expand(a, self.job_dir) for a in self.spec.argv]
         self.write_state("running")
-        self.event("started", pid=None, pids=[p.pid for p in self.ranks.values()], argv=argv,
-                   **extra)
+        self.send(protocol.Started(self.spec.node, pids=[p.pid for p in self.ranks.values()],
+                                   argv=argv, zygote=zygote))
 
     def pump_rank(self, local_rank: int, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
@@ -325,7 +326,7 @@ class Agent:
             return
         self._next_progress = time.monotonic() + PROGRESS_EVERY_S
         prog = self.progress()
-        self.event("progress", **prog)
+        self.send(protocol.Progress(self.spec.node, **prog))
         self.write_state("running", progress=prog)  # what `clusterkit status JOB` shows
 
     def dump_stacks(self) -> None:
@@ -352,14 +353,14 @@ class Agent:
     def run(self) -> int:
         self.prepare()  # while the launcher compares the nodes' facts
         if self.spec.hold:
-            self.event("facts", facts=gate_facts(self.spec.needs))
+            self.send(protocol.Facts(self.spec.node, facts=gate_facts(self.spec.needs)))
         # The fork server's imports overlap the gate's round trip and the GO. Started
         # after the facts: on a node short of CPUs, its import would delay our report.
         if self.forkserver.wanted():
             self.forkserver.start()
         if self.spec.hold and not self.hold_for_go():
             self.forkserver.drop()
-            self.event("exit", code=0, reason=self.stop_reason, held=True)
+            self.send(protocol.Exit(self.spec.node, code=0, reason=self.stop_reason, held=True))
             return 0
         pumps: list[threading.Thread] = []
         tail: threading.Thread | None = None
@@ -374,7 +375,7 @@ class Agent:
             pumps[0].start()
         else:
             self.write_state("watching")
-            self.event("started", pid=None, argv=[])
+            self.send(protocol.Started(self.spec.node))
         while not self._stop.wait(POLL_S):
             if self.child is not None and self.child.poll() is not None:
                 break
@@ -401,7 +402,7 @@ class Agent:
                tail: threading.Thread | None = None) -> int:
         node = self.spec.node
         if self.stop_reason is not None:
-            self.event("teardown", reason=self.stop_reason)
+            self.send(protocol.Teardown(self.spec.node, reason=self.stop_reason))
             # On teardown match untagged job processes too (pdsh-started ranks).
             counts = sweep(self.spec.job_id, node, self.spec.attempt, self.spec.grace_s,
                            self.children())
@@ -421,7 +422,9 @@ class Agent:
             tail.join(5.0)
         code = self._exit_code()
         self.write_state("exited", exit_code=code, reason=self.stop_reason, **counts)
-        self.event("exit", code=code, reason=self.stop_reason, **counts)
+        self.send(protocol.Exit(self.spec.node, code=code, reason=self.stop_reason,
+                                signalled=counts["signalled"], killed=counts["killed"],
+                                left=counts["left"]))
         self.drain()
         self.output.close()
         return code
@@ -477,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = agent.run()
     except (OSError, ValueError) as exc:
-        agent.event("error", message=f"{type(exc).__name__}: {exc}")
+        agent.send(protocol.Error(spec.node, message=f"{type(exc).__name__}: {exc}"))
         agent.drain()
         return 127 if isinstance(exc, FileNotFoundError) else 126
     if agent.keepalive_lost:

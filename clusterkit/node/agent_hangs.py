@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from clusterkit.node import protocol
 from clusterkit.node.agent_files import write_atomic
 from clusterkit.node.agent_procs import signal_pid
 
@@ -89,15 +90,16 @@ def job_pythons(pids: Iterable[int], command: str | None, path: str | None) -> l
 
 class StackDump:
     """Every rank's stacks into ``<job_dir>/stacks/a<attempt>/rank<R>.txt``, and one
-    ``stacks`` event (``event``: the agent's) that carries them to the launcher."""
+    :class:`~clusterkit.node.protocol.Stacks` event (``send``: the agent's) that
+    carries them to the launcher."""
 
     def __init__(self, job_dir: str, progress_dir: str, node: str, attempt: int,
-                 event: Callable[..., None]) -> None:
+                 send: Callable[[protocol.AgentEvent], None]) -> None:
         self.job_dir = job_dir
         self.progress_dir = progress_dir
         self.node = node
         self.attempt = attempt
-        self.event = event
+        self.send = send
         self.spy_python = sys.executable  # the job's Python, named in the py-spy hint
 
     def dump(self, pids: dict[int, int], pythons: Sequence[str], path: str | None) -> None:
@@ -119,7 +121,7 @@ class StackDump:
                 write_atomic(os.path.join(out_dir, f"rank{key}.txt"),
                              f"# node {self.node} rank {key} pid {res['pid']} "
                              f"state {res['state']} via {res['tool']}\n{res['text']}")
-        self.event("stacks", ranks=results, dir=out_dir)
+        self.send(protocol.Stacks(self.node, ranks=results, dir=out_dir))
 
     def dump_one(self, rank: int, pid: int, spy: str | None,
                  results: dict[str, dict[str, Any]]) -> None:

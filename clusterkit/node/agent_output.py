@@ -7,8 +7,8 @@ launchers' rank labels (torchrun's ``[default0]:``, pdsh's ``node3: ``), followi
 DeepSpeed's per-rank log files, the per-node log files, the one writer thread to the
 SSH session, and the launchers' own failure reports. What it sends::
 
-    @ck:L <node> <local-rank|-> <text>     one output line of a rank or the launcher
-    @ck:E {"ev": ...}                      an event (started, rank-failed, exit, ...)
+    @ck:L <node> <local-rank|-> <text>     protocol.Line: one output line of a rank or launcher
+    @ck:E {"ev": ...}                      one protocol.AgentEvent (Started, RankFailed, ...)
 
 Every line also lands in ``<job_dir>/nodes/<node>/rank<R>.log`` (or ``launcher.log``).
 Standard library only, Python >= 3.8 on the node.
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from clusterkit.node import protocol
-from clusterkit.node.protocol import LINE_PREFIX, AgentSpec
+from clusterkit.node.protocol import AgentSpec
 
 # torchrun --tee 3: "[default0]:text"; pdsh: "node3: text".
 _TORCHRUN_LINE = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:(.*)$")
@@ -135,8 +135,9 @@ class AgentOutput:
                 and time.monotonic() < deadline:
             time.sleep(0.02)
 
-    def event(self, ev: str, **fields: Any) -> None:
-        self.emit_raw(protocol.encode_event(ev, self.spec.node, **fields))
+    def send(self, msg: protocol.Message) -> None:
+        """One typed message (``protocol.encode``) to the launcher."""
+        self.emit_raw(protocol.encode(msg))
 
     def _log(self, name: str, text: str) -> None:  # the caller holds self.lock
         fh = self._logs.get(name)
@@ -165,7 +166,7 @@ class AgentOutput:
         self.log(log_name, text)
         if lrank is not None and offset is not None:
             self.last_line[offset + lrank] = time.monotonic()
-        self.emit_raw(f"{LINE_PREFIX}{node} {'-' if lrank is None else lrank} {text}")
+        self.send(protocol.Line(node, lrank, text))
         self.watch_failure(node, text)
 
     def handle_rank_line(self, rank: int, text: str) -> None:
@@ -173,7 +174,7 @@ class AgentOutput:
         offset = self.spec.rank_offsets.get(self.spec.node, 0)
         self.log(f"rank{rank}.log", text)
         self.last_line[rank] = time.monotonic()
-        self.emit_raw(f"{LINE_PREFIX}{self.spec.node} {rank - offset} {text}")
+        self.send(protocol.Line(self.spec.node, rank - offset, text))
 
     def tail_rank_logs(self, directory: str) -> None:
         """Until ``tail_done``: stream DeepSpeed's per-rank log files as rank lines."""
@@ -233,4 +234,5 @@ class AgentOutput:
         self.failure_sent = True
         offset = self.spec.rank_offsets.get(node)
         rank = offset + lrank if (offset is not None and lrank is not None) else None
-        self.event("rank-failed", failed_node=node, local_rank=lrank, rank=rank, code=code)
+        self.send(protocol.RankFailed(self.spec.node, failed_node=node, local_rank=lrank,
+                                      rank=rank, code=code))

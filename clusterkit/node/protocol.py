@@ -6,7 +6,12 @@ time) and imported by the launcher, so both ends read one definition.
 * The **spec** (:class:`AgentSpec`) is one JSON line on the agent's stdin.
 * The agent writes **lines** ``@ck:L <node> <local-rank|-> <text>`` and **events**
   ``@ck:E {"v": 1, "ev": ..., "node": ..., ...}`` on stdout.
-* The launcher writes **control words** on the agent's stdin, one per line.
+* The launcher writes **control words** (:class:`Control`) on the agent's stdin, one
+  per line.
+
+Each ``@ck:`` line is one typed message (:class:`Line`, or one
+:class:`AgentEvent` subclass per event kind); :func:`encode`/:func:`decode` are
+the one line codec for both ends.
 
 Both directions carry ``schema_version`` (events: ``v``). Decoding is strict:
 an unknown key, a missing key, a wrong type or another version is a
@@ -17,7 +22,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any
+from enum import Enum
+from typing import Any, ClassVar, Union
 
 SCHEMA_VERSION = 1
 
@@ -28,17 +34,6 @@ JOB_DIR_TOKEN = "@JOB_DIR@"  # replaced in argv/env/files by the node's expanded
 LINE_PREFIX = "@ck:L "
 EVENT_PREFIX = "@ck:E "
 DEFAULT_GRACE_S = 3.0
-
-# Control words, launcher -> agent, one per stdin line.
-TERM, KILL, GO, USR1, USR2 = "TERM", "KILL", "GO", "USR1", "USR2"
-# Hangs (issue 14): PING keeps the agent's dead-man switch from firing; DUMP asks it
-# for the Python stacks of its ranks.
-PING, DUMP = "PING", "DUMP"
-CONTROL_WORDS = (TERM, KILL, GO, USR1, USR2, PING, DUMP)
-
-# Events, agent -> launcher.
-EVENTS = ("facts", "started", "rank-failed", "forwarded", "teardown", "exit", "error",
-          "progress", "stacks")
 
 # How to read ranks from a launcher's output (AgentSpec.prefix).
 PREFIXES = ("torchrun", "pdsh", "single", "native")  # native: ranks started by the agent
@@ -153,26 +148,211 @@ class AgentSpec:
 
 
 
+# ----------------------------------------------------------------- the wire messages
+#
+# Every line the agent writes that the launcher reads is one of the dataclasses below
+# (``@ck:L``: :class:`Line`; ``@ck:E``: one per event kind), and every line the
+# launcher writes after the spec is a :class:`Control` word. :func:`encode` and
+# :func:`decode` are the one codec, both directions.
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
+    "dict": (dict,), "list": (list,), "None": (type(None),), "Any": (object,),
+}
+
+
+def _accepted(annotation: str) -> tuple[type, ...]:
+    """The JSON types a field's annotation (a string: postponed annotations) allows.
+
+    Read from the annotation text so that the field list is the only declaration
+    (``typing.get_type_hints`` cannot evaluate ``X | None`` on the node's Python 3.8).
+    """
+    out: tuple[type, ...] = ()
+    for part in annotation.split("|"):
+        out += _JSON_TYPES[part.strip().split("[", 1)[0]]
+    return out
+
+
 @dataclass(frozen=True)
-class Event:
-    """One ``@ck:E`` line: its kind, the reporting node and the kind's own fields."""
+class AgentEvent:
+    """One ``@ck:E`` line: ``{"v": 1, "ev": <EV>, "node": ..., <the kind's fields>}``."""
 
-    ev: str
+    EV: ClassVar[str] = ""
     node: str
-    data: dict[str, Any] = field(default_factory=dict)
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.data.get(key, default)
-
-
-def encode_event(ev: str, node: str, **data: Any) -> str:
-    """The line (with prefix) the agent prints for one event."""
-    if ev not in EVENTS:
-        raise ProtocolError(f"unknown event {ev!r}")
-    return EVENT_PREFIX + json.dumps({"v": SCHEMA_VERSION, "ev": ev, "node": node, **data})
+    @property
+    def ev(self) -> str:
+        return self.EV
 
 
-def decode_event(line: str) -> Event:
+@dataclass(frozen=True)
+class Facts(AgentEvent):
+    """The folded gate: what this node has (``gatefacts``); the agent holds for GO."""
+
+    EV: ClassVar[str] = "facts"
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Started(AgentEvent):
+    """The node's launcher (``pid``) or its ranks (``pids``; ``zygote``: the fork
+    server's pid) run; ``argv`` empty: the agent only watches."""
+
+    EV: ClassVar[str] = "started"
+    pid: int | None = None
+    argv: list[str] = field(default_factory=list)
+    pids: list[int] | None = None
+    zygote: int | None = None
+
+
+@dataclass(frozen=True)
+class RankFailed(AgentEvent):
+    """A rank failed (read off the launcher's output or seen exiting): the earliest
+    report names the culprit. ``failed_node`` may be another node (pdsh, DeepSpeed)."""
+
+    EV: ClassVar[str] = "rank-failed"
+    failed_node: str = ""
+    local_rank: int | None = None
+    rank: int | None = None
+    code: int = 1
+
+
+@dataclass(frozen=True)
+class Forwarded(AgentEvent):
+    """USR1/USR2 reached ``processes`` of this node's ranks."""
+
+    EV: ClassVar[str] = "forwarded"
+    signal: str = ""
+    processes: int = 0
+
+
+@dataclass(frozen=True)
+class Teardown(AgentEvent):
+    """The agent is tearing its ranks down (``reason``: term, kill, stdin-eof, ...)."""
+
+    EV: ClassVar[str] = "teardown"
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Exit(AgentEvent):
+    """The agent's last event: its exit code, why it stopped, what the sweep found
+    (``held``: it never got GO and started nothing)."""
+
+    EV: ClassVar[str] = "exit"
+    code: int = 0
+    reason: str | None = None
+    held: bool = False
+    signalled: int = 0
+    killed: int = 0
+    left: int = 0
+
+
+@dataclass(frozen=True)
+class Error(AgentEvent):
+    """The agent itself failed (an exception in its own code)."""
+
+    EV: ClassVar[str] = "error"
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Progress(AgentEvent):
+    """For the hang watchdog: seconds since this node's newest progress (ages, not
+    clock times), each rank's age, the newest step, the agent's wall clock of it."""
+
+    EV: ClassVar[str] = "progress"
+    idle_s: float = 0.0
+    ranks: dict[str, float] = field(default_factory=dict)
+    step: int | None = None
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class Stacks(AgentEvent):
+    """The ranks' Python stacks after DUMP: rank -> {pid, state, tool, text}, and
+    where the agent wrote them on the node."""
+
+    EV: ClassVar[str] = "stacks"
+    ranks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dir: str = ""
+
+
+EVENT_TYPES: dict[str, type[AgentEvent]] = {
+    c.EV: c for c in (Facts, Started, RankFailed, Forwarded, Teardown, Exit, Error, Progress,
+                      Stacks)}
+EVENTS = tuple(EVENT_TYPES)
+
+
+@dataclass(frozen=True)
+class Line:
+    """One ``@ck:L <node> <local-rank|-> <text>`` line: a rank's output (``local_rank``)
+    or its launcher's (None)."""
+
+    node: str
+    local_rank: int | None
+    text: str
+
+    def rank(self, offsets: dict[str, int], default: int) -> int | None:
+        """The global rank (``offsets``: node -> first rank; ``default``: the reader's)."""
+        if self.local_rank is None:
+            return None
+        return offsets.get(self.node, default) + self.local_rank
+
+
+class Control(Enum):
+    """A control word, launcher -> agent, one per stdin line."""
+
+    TERM = "TERM"  # tear down (grace, then SIGKILL)
+    KILL = "KILL"  # tear down now
+    GO = "GO"  # the folded gate passed: start the ranks
+    USR1 = "USR1"  # forward the signal to the ranks
+    USR2 = "USR2"
+    # Hangs (issue 14): PING keeps the agent's dead-man switch from firing; DUMP asks
+    # it for the Python stacks of its ranks.
+    PING = "PING"
+    DUMP = "DUMP"
+
+    def line(self) -> bytes:
+        """The bytes the launcher writes on the agent's stdin."""
+        return (self.value + "\n").encode()
+
+    @classmethod
+    def parse(cls, line: str) -> Control | None:
+        """A control word, or None for anything else (ignored, never fatal mid-job)."""
+        return cls.__members__.get(line.strip().upper())
+
+
+TERM, KILL, GO, USR1, USR2, PING, DUMP = (Control.TERM, Control.KILL, Control.GO, Control.USR1,
+                                          Control.USR2, Control.PING, Control.DUMP)
+CONTROL_WORDS = tuple(c.value for c in Control)
+
+# Union, not `|`: this alias is evaluated at run time, on the node's Python >= 3.8.
+Message = Union[Line, AgentEvent]  # noqa: UP007
+
+
+def encode(msg: Message) -> str:
+    """The line (with its prefix) the agent prints for one message."""
+    if isinstance(msg, Line):
+        return f"{LINE_PREFIX}{msg.node} {'-' if msg.local_rank is None else msg.local_rank} " \
+               f"{msg.text}"
+    if EVENT_TYPES.get(msg.EV) is not type(msg):
+        raise ProtocolError(f"unknown event {type(msg).__name__}")
+    return EVENT_PREFIX + json.dumps({"v": SCHEMA_VERSION, "ev": msg.EV, **asdict(msg)})
+
+
+def decode(line: str) -> Message | None:
+    """The message on one agent stdout line; None: not a protocol line (the agent's
+    own output: a traceback, a Python that cannot start). A bad event raises."""
+    if line.startswith(LINE_PREFIX):
+        node, lrank, text = [*line[len(LINE_PREFIX):].split(" ", 2), "", ""][:3]
+        return Line(node, int(lrank) if lrank.isdigit() else None, text)
+    if line.startswith(EVENT_PREFIX):
+        return decode_event(line)
+    return None
+
+
+def decode_event(line: str) -> AgentEvent:
     """Parse one ``@ck:E`` line (with or without the prefix), strictly."""
     text = line[len(EVENT_PREFIX):] if line.startswith(EVENT_PREFIX) else line
     try:
@@ -183,21 +363,24 @@ def decode_event(line: str) -> Event:
         raise ProtocolError("agent event is not a JSON object")
     if raw.get("v") != SCHEMA_VERSION:
         raise _version_error("an agent event", raw.get("v"))
-    ev, node = raw.pop("ev", None), raw.pop("node", None)
+    ev = raw.pop("ev", None)
     raw.pop("v")
-    if ev not in EVENTS or not isinstance(node, str):
-        raise ProtocolError(f"agent event {ev!r} (node {node!r}) is not one this side knows")
-    return Event(ev=str(ev), node=node, data=raw)
+    cls = EVENT_TYPES.get(ev) if isinstance(ev, str) else None
+    if cls is None or not isinstance(raw.get("node"), str):
+        raise ProtocolError(f"agent event {ev!r} (node {raw.get('node')!r}) is not one this "
+                            "side knows")
+    return cls(**_checked(f"agent event {ev!r}", cls, raw))
 
 
-def control_line(word: str) -> bytes:
-    """One control word as the bytes the launcher writes on the agent's stdin."""
-    if word not in CONTROL_WORDS:
-        raise ProtocolError(f"unknown control word {word!r}")
-    return (word + "\n").encode()
-
-
-def parse_control(line: str) -> str | None:
-    """A control word, or None for anything else (ignored, never fatal mid-job)."""
-    word = line.strip().upper()
-    return word if word in CONTROL_WORDS else None
+def _checked(what: str, cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` when its keys are ``cls``'s fields with the declared JSON types."""
+    types = {f.name: _accepted(str(f.type)) for f in fields(cls)}
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        raise ProtocolError(f"{what} has unknown keys: {', '.join(unknown)}")
+    for key, value in data.items():
+        ok = types[key]
+        if not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok
+                                         and object not in ok):
+            raise ProtocolError(f"{what} key {key!r} has type {type(value).__name__}")
+    return data
