@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from clusterkit.checks.netpick import (
-    KEYS,
-    apply_picks,
     load_picks,
     picks_from_facts,
     picks_path,
@@ -17,7 +16,8 @@ from clusterkit.checks.netpick import (
 )
 from clusterkit.inventory import Inventory
 from clusterkit.plan import plan_job
-from clusterkit.render.artifacts import render_all
+from clusterkit.plan.ifaces import KEYS, apply_picks
+from clusterkit.render.artifacts import plan_json, render_all, summary
 from clusterkit.spec.job import JobOptions
 from tests.render_cases import FACTS, ROOT, inventory
 from tests.test_checks_rules import cluster, node
@@ -59,6 +59,25 @@ def test_plan_renders_the_exact_names_on_every_node() -> None:
     assert "NCCL_SOCKET_IFNAME==eth0" in plan.artifacts["deepspeed_env"]
 
 
+def test_the_plan_records_what_the_pick_set() -> None:
+    """The pick is a fact of the plan (LaunchFacts.doctor_ifaces), and what it set on each
+    node is a decision (JobPlan.doctor_ifaces): plan.json and the dry run show it."""
+    inv = inventory_without_ifnames()
+    facts = replace(FACTS, doctor_ifaces={h.name: "eth0" for h in inv.hosts[:3]})
+    options = JobOptions(job_id="nic", backend="deepspeed", nodes=2)
+    plan = render_all(plan_job(inv, options, facts))
+    by_hand = render_all(plan_job(apply_picks(inv, facts.doctor_ifaces, {}), options, FACTS))
+    assert [n.env for n in plan.nodes] == [n.env for n in by_hand.nodes]
+    want = {"NCCL_SOCKET_IFNAME": "=eth0", "GLOO_SOCKET_IFNAME": "eth0"}
+    assert plan.doctor_ifaces == {"node1": want, "node2": want}  # the selected nodes
+    assert json.loads(plan_json(plan))["doctor_ifaces"] == {"node1": want, "node2": want}
+    assert ("  doctor's interface pick: node[1-2]: NCCL_SOCKET_IFNAME==eth0 "
+            "GLOO_SOCKET_IFNAME=eth0\n") in summary(plan)
+    without = render_all(plan_job(inv, options, FACTS))  # no pick: plan.json as before
+    assert "doctor_ifaces" not in json.loads(plan_json(without))
+    assert "interface pick" not in summary(without)
+
+
 def test_different_names_give_nccl_the_exact_list_and_gloo_nothing() -> None:
     inv = inventory_without_ifnames()
     picked = apply_picks(inv, {inv.hosts[0].name: "eth0", inv.hosts[1].name: "ens1"}, {})
@@ -95,3 +114,5 @@ def test_render_cli_uses_the_saved_pick(tmp_path: Path, monkeypatch: pytest.Monk
     assert main([*argv, "--out", str(out)]) == 0
     env = (out / "deepspeed_env").read_text()
     assert "NCCL_SOCKET_IFNAME==ens1f1\n" in env and "GLOO_SOCKET_IFNAME=ens1f1\n" in env
+    recorded = json.loads((out / "plan.json").read_text())["doctor_ifaces"]
+    assert set(recorded) == {f"node{i}" for i in range(1, 8)}

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from clusterkit.checks.netpick import inventory_with_picks
+from clusterkit.checks.netpick import saved_picks
 from clusterkit.cli.main import main
 from clusterkit.inventory import load_inventory
+from clusterkit.plan.ifaces import apply_picks
 from tests.testbed import Testbed, TestNode
 
 pytestmark = pytest.mark.testbed
@@ -83,7 +84,8 @@ def test_bridge_with_the_same_address_everywhere_warns(
         assert found[0]["fix"] == ("set NCCL_SOCKET_IFNAME==eth0 and GLOO_SOCKET_IFNAME=eth0 "
                                    "in the inventory env")
     # doctor kept its pick, and the plan renders exactly that name on every node
-    picked = inventory_with_picks(load_inventory(inv), tmp_path / "home", {})
+    loaded = load_inventory(inv)
+    picked = apply_picks(loaded, saved_picks(tmp_path / "home", loaded.name), {})
     for host in picked.hosts:
         assert host.env["NCCL_SOCKET_IFNAME"] == "=eth0", host.env
         assert host.env["GLOO_SOCKET_IFNAME"] == "eth0"

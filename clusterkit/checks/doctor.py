@@ -50,13 +50,13 @@ from clusterkit.checks.rules import (
     VIRTUAL_IFACE_PREFIXES,
     DoctorContext,
     check_master_port,
-    majority,
     one_machine,
     run_rules,
 )
 from clusterkit.errors import TransportError
 from clusterkit.hostrange import fold
 from clusterkit.inventory import Host
+from clusterkit.node.parity import majority
 from clusterkit.remote.base import CommandResult, RemoteProcess, SSHTarget, Transport, target_for
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.remote.fanout import fan_out

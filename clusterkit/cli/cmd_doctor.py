@@ -122,7 +122,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def _remember_ifaces(cluster: str, report: DoctorReport, *, quiet: bool) -> None:
     """Keep each node's peer interface for launch/render/sbatch (docs/doctor.md, issue 14)."""
-    from clusterkit.checks.netpick import cluster_env, picks_path, remember_picks
+    from clusterkit.checks.netpick import picks_path, remember_picks
+    from clusterkit.plan.ifaces import cluster_env
 
     picks = remember_picks(clusterkit_home(), cluster, report.facts)
     if picks and not quiet:

@@ -19,14 +19,14 @@ from clusterkit.cli.common import (
     add_selection_options,
     check_ranks,
     clusterkit_home,
-    resolve_job_inventory,
+    job_facts,
+    resolve_inventory,
 )
 from clusterkit.cli.jobflags import (
     add_job_flags,
     add_program,
     job_id_type,
     job_options,
-    launch_facts,
 )
 from clusterkit.contract import SUMMARY_FILE, SUMMARY_PREFIX
 from clusterkit.errors import LaunchError
@@ -106,14 +106,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from clusterkit.plan import plan_job
     from clusterkit.remote.dispatch import transport_for
 
-    inventory = resolve_job_inventory(args.inventory)  # + doctor's interface pick
+    inventory = resolve_inventory(args.inventory)
     if args.max_restarts < 0:
         raise LaunchError("--max-restarts must be >= 0", key="--max-restarts")
     for key, value in (("--hang-timeout", args.hang_timeout_s),
                        ("--keepalive-timeout", args.keepalive_timeout)):
         if value < 0:
             raise LaunchError(f"{key} must be >= 0 (0: off)", key=key)
-    facts = launch_facts(args)
+    facts = job_facts(args, inventory)  # + doctor's interface pick
     options = _options(args, inventory.name)
 
     shown: set[str] = set()

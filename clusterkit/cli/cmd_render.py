@@ -8,8 +8,13 @@ from pathlib import Path
 
 from clusterkit.cli import jobflags
 from clusterkit.cli.argparser import nonempty
-from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_job_inventory
-from clusterkit.cli.jobflags import add_job_flags, add_program, default_job_id_now, launch_facts
+from clusterkit.cli.common import (
+    add_inventory_option,
+    add_selection_options,
+    job_facts,
+    resolve_inventory,
+)
+from clusterkit.cli.jobflags import add_job_flags, add_program, default_job_id_now
 from clusterkit.errors import RenderError
 from clusterkit.fsutil import atomic_write_text, check_writable
 from clusterkit.plan import plan_job
@@ -48,8 +53,9 @@ def job_options(args: argparse.Namespace, cluster: str) -> JobOptions:
 
 
 def build_plan(args: argparse.Namespace) -> LaunchPlan:
-    inv = resolve_job_inventory(args.inventory)  # + doctor's interface pick
-    return render_all(plan_job(inv, job_options(args, inv.name), launch_facts(args)))
+    inv = resolve_inventory(args.inventory)
+    # job_facts: + doctor's interface pick
+    return render_all(plan_job(inv, job_options(args, inv.name), job_facts(args, inv)))
 
 
 def write_artifacts(plan: LaunchPlan, out: str) -> list[Path]:

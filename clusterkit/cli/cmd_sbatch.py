@@ -28,9 +28,10 @@ from clusterkit.cli.common import (
     add_ranks_option,
     add_selection_options,
     check_ranks,
-    resolve_job_inventory,
+    job_facts,
+    resolve_inventory,
 )
-from clusterkit.cli.jobflags import SCRIPT_OPTION, launch_facts, launcher_given
+from clusterkit.cli.jobflags import SCRIPT_OPTION, launcher_given
 from clusterkit.contract import LOG_SUBDIR
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text
@@ -294,7 +295,7 @@ def site_options(args: argparse.Namespace) -> SlurmSite:
 def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = None) -> LaunchPlan:
     """The plan, its batch script rendered with the site flags. ``client``: ask Slurm
     for the nodes' CPUs when --cpus-per-task is not given (None: do not ask)."""
-    inv = resolve_job_inventory(args.inventory)  # + doctor's interface pick
+    inv = resolve_inventory(args.inventory)
     options = _absolute_script(job_options(args, inv.name), os.getcwd())
     # --launcher X submits the batch script of X's Slurm variant (the registry's sbatch_plan).
     if launcher_given(args) and BACKENDS[args.launcher].native:
@@ -304,7 +305,7 @@ def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = Non
                           key="--launcher", hint="leave --launcher out (torchrun under srun), "
                           "or pick torchrun, accelerate or deepspeed")
     options = dataclasses.replace(options, backend=BACKENDS[args.launcher].sbatch_plan)
-    plan = plan_job(inv, options, launch_facts(args))
+    plan = plan_job(inv, options, job_facts(args, inv))  # + doctor's interface pick
     site = site_options(args)
     rendered = render_all(plan, site=site, require=(SCRIPT,))  # every refusal before Slurm
     if options.cpus_per_task is None and client is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from clusterkit.cli.argparser import nonempty
@@ -11,6 +12,7 @@ from clusterkit.cli.safety import HostfilePath, node_spec_hint
 from clusterkit.errors import ClusterkitError, InventoryError
 from clusterkit.fold import parse_ranks
 from clusterkit.inventory import Inventory, load_inventory, local_inventory, parse_inventory
+from clusterkit.spec.job import LaunchFacts
 
 ENV_INVENTORY = "CLUSTERKIT_INVENTORY"
 
@@ -64,13 +66,17 @@ def clusterkit_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "clusterkit"
 
 
-def resolve_job_inventory(path: str | None) -> Inventory:
-    """The inventory launch/render/sbatch plan from: plus the interface the last
-    ``clusterkit doctor`` found (NCCL_SOCKET_IFNAME==IF, GLOO_SOCKET_IFNAME=IF) where
-    neither the inventory nor this shell sets them (clusterkit.checks.netpick)."""
-    from clusterkit.checks.netpick import inventory_with_picks
+def job_facts(args: argparse.Namespace, inventory: Inventory) -> LaunchFacts:
+    """The facts launch/render/sbatch plan with: the launching machine's
+    (``jobflags.launch_facts``) and the interface the last ``clusterkit doctor`` saved
+    for each node (checks/netpick.py), which the plan turns into NCCL_SOCKET_IFNAME==IF
+    and GLOO_SOCKET_IFNAME=IF where neither the inventory nor this shell sets them
+    (plan/ifaces.py; plan.json and the dry run show what it set)."""
+    from clusterkit.checks.netpick import saved_picks
+    from clusterkit.cli.jobflags import launch_facts
 
-    return inventory_with_picks(resolve_inventory(path), clusterkit_home(), os.environ)
+    return replace(launch_facts(args),
+                   doctor_ifaces=saved_picks(clusterkit_home(), inventory.name))
 
 
 def resolve_inventory(path: str | None) -> Inventory:

@@ -17,6 +17,7 @@ from clusterkit.hostrange import fold, folded_lines
 from clusterkit.inventory import Host, Inventory
 from clusterkit.launchers import BACKENDS, plan_backends
 from clusterkit.plan.env import build_env
+from clusterkit.plan.ifaces import added_env, apply_picks
 from clusterkit.spec.job import (
     DS_LAUNCHERS,
     JOB_ID,
@@ -238,7 +239,10 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> J
     anything that cannot launch.
     """
     _check_options(options)
+    given = inventory
+    inventory = apply_picks(inventory, facts.doctor_ifaces, facts.environ)
     nodes, storage = _node_plans(inventory, options, facts)
+    added = added_env(given, inventory)
     world = sum(n.nproc for n in nodes)
     warnings = _gpu_warnings(options, nodes) + _script_warnings(options, facts.script_text)
     _strict(options, warnings, inventory.path)
@@ -249,4 +253,5 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> J
                    ds_config=build_ds_config(zero),
                    programs=tuple(_program(options, n.job_dir, n.ckpt_dir, storage)
                                   for n in nodes),
-                   warnings=warnings)
+                   warnings=warnings,
+                   doctor_ifaces={n.name: added[n.name] for n in nodes if n.name in added})

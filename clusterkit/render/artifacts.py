@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import render_hostfile
+from clusterkit.hostrange import folded_lines
 from clusterkit.launchers import BACKENDS
 from clusterkit.render.dsenv import render_deepspeed_env
 from clusterkit.render.sbatch import SlurmSite, render_sbatch
@@ -153,6 +154,8 @@ def plan_json(plan: LaunchPlan) -> str:
         "skipped": dict(plan.skipped),
         "files": sorted({*plan.artifacts, "commands.sh", "plan.json"}),
     }
+    if plan.doctor_ifaces:  # absent without a doctor pick: such plans read as before
+        doc["doctor_ifaces"] = {n: dict(env) for n, env in plan.doctor_ifaces.items()}
     return json.dumps(doc, indent=2) + "\n"
 
 
@@ -174,10 +177,18 @@ def summary(plan: LaunchPlan) -> str:
         lines.append(f"  node {n.node_rank}: {n.name} ({n.host.address}) ranks "
                      f"{n.ranks.start}-{n.ranks.stop - 1} slots {','.join(map(str, n.slots))} "
                      f"ckpt {n.ckpt_dir}")
+    lines += _iface_lines(plan)
     for name, why in plan.skipped.items():
         lines.append(f"  not rendered: {name}: {why}")
     lines += [f"  warning: {w}" for w in plan.warnings]
     return "\n".join(lines) + "\n"
+
+
+def _iface_lines(plan: LaunchPlan) -> list[str]:
+    """What doctor's saved interface pick set, nodes with the same settings folded."""
+    settings = {n: " ".join(f"{k}={v}" for k, v in env.items())
+                for n, env in plan.doctor_ifaces.items()}
+    return [f"  doctor's interface pick: {row}" for row in folded_lines(settings.items())]
 
 
 FILE_MARK = "===== "

@@ -183,6 +183,10 @@ class LaunchFacts:
     # readable here): the plan warns when it takes its DeepSpeed config DeepSpeed's way
     # and would get none.
     script_text: str | None = field(default=None, hash=False, repr=False)
+    # host -> the interface the last ``clusterkit doctor`` saved for it (reaches every
+    # peer; checks/netpick.py): the plan sets NCCL/GLOO_SOCKET_IFNAME from it
+    # (plan/ifaces.py) where neither the inventory nor the shell sets them.
+    doctor_ifaces: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -283,6 +287,9 @@ class JobPlan:
     programs: tuple[tuple[str, ...], ...]
     # What is legal but probably not meant (printed by every verb; --strict refuses them).
     warnings: tuple[str, ...] = ()
+    # node -> the NCCL/GLOO_SOCKET_IFNAME settings doctor's saved interface pick added
+    # to its env (plan/ifaces.py; plan.json and the dry run show them)
+    doctor_ifaces: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
 
     @property
     def job_id(self) -> str:
