@@ -18,8 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from clusterkit.node.contract import ENV_PG_TIMEOUT_S
+
 # The job contract: seconds a user script should pass to init_process_group(timeout=...).
-PG_TIMEOUT_ENV = "CLUSTERKIT_PG_TIMEOUT_S"
+PG_TIMEOUT_ENV = ENV_PG_TIMEOUT_S
 # The watchdog fires at S, then waits up to 30 s for the stacks and tears down: the
 # backend must not fail first, or the stacks are lost to a timeout traceback.
 WATCHDOG_MARGIN_S = 120

@@ -40,12 +40,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from clusterkit.errors import CheckpointError
+from clusterkit.node.contract import MARKER_GLOB as MARKER_GLOB
+from clusterkit.node.contract import MARKER_PREFIX as MARKER_PREFIX
+from clusterkit.node.contract import MARKER_SUFFIX as MARKER_SUFFIX
+from clusterkit.node.contract import marker_name as marker_name
+from clusterkit.node.contract import parse_marker_name as parse_marker_name
 
 MARKER_SCHEMA = "clusterkit.checkpoint-complete"
 MARKER_SCHEMA_VERSION = 1
-MARKER_PREFIX = "clusterkit-complete.node"
-MARKER_SUFFIX = ".json"
-MARKER_GLOB = f"{MARKER_PREFIX}*{MARKER_SUFFIX}"
+# The completion-marker rule (MARKER_*, marker_name, parse_marker_name) is the node
+# contract's (node/contract.py), imported above and read as layout.* by its callers.
 LATEST_FILE = "latest"
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 ACCELERATE_DS_SUBDIR = "pytorch_model"
@@ -56,7 +60,6 @@ ShardKind = Literal["model_states", "zero3_model_states", "optim_states"]
 _MODEL_RE = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
 _ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt$")
 _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt$")
-_MARKER_RE = re.compile(r"^" + re.escape(MARKER_PREFIX) + r"(\d+)" + re.escape(MARKER_SUFFIX) + "$")
 _STEP_TAG_RE = re.compile(r"^global_step(\d+)$")
 
 
@@ -106,15 +109,6 @@ def rank_files(zero_stage: int, dp_rank: int, precision: str) -> tuple[str, ...]
     if has_zero_optimizer_shards(zero_stage, precision):
         files.append(optim_states_name(dp_rank, bf16=precision == "bf16"))
     return tuple(files)
-
-
-def marker_name(node_index: int) -> str:
-    return f"{MARKER_PREFIX}{node_index}{MARKER_SUFFIX}"
-
-
-def parse_marker_name(name: str) -> int | None:
-    m = _MARKER_RE.match(name)
-    return int(m.group(1)) if m else None
 
 
 def step_tag(step: int) -> str:

@@ -28,7 +28,7 @@ from clusterkit.cli.jobflags import (
     job_id_type,
     job_options,
 )
-from clusterkit.contract import SUMMARY_FILE, SUMMARY_PREFIX
+from clusterkit.contract import SUMMARY_FILE, SUMMARY_PREFIX, JobDir
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import folded_lines
 from clusterkit.launchers import BACKENDS
@@ -235,8 +235,7 @@ def _print_summary(result: Any) -> None:
     if out.failure is not None:
         f = out.failure
         node = plan.node(f.node) if f.node in {n.name for n in plan.nodes} else None
-        log = f"{node.job_dir}/nodes/{f.node}/" + (f"rank{f.rank}.log" if f.rank is not None
-                                                  else "launcher.log") if node else "?"
+        log = JobDir(node.job_dir).node_log(f.node, f.rank) if node else "?"
         print(f"[clusterkit] job {plan.job_id} FAILED{tries}: {f.where()} failed first "
               f"({describe_failure(f)}); {_stopped_where(out)} "
               f"(exit code {out.exit_code})", file=sys.stderr)

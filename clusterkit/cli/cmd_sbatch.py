@@ -32,7 +32,7 @@ from clusterkit.cli.common import (
     resolve_inventory,
 )
 from clusterkit.cli.jobflags import SCRIPT_OPTION, launcher_given
-from clusterkit.contract import LOG_SUBDIR
+from clusterkit.contract import ENV_STOP_FILE, LOG_SUBDIR, JobDir
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.launchers import BACKENDS
@@ -47,7 +47,7 @@ from clusterkit.units import duration_type
 ACTIONS = ("status", "cancel")
 SCRIPT = "sbatch.sh"
 EXIT_JOB_FAILED = 1
-NODES_FILE = "slurm_nodes"  # the first run's SLURM_JOB_NODELIST (node-local jobs; the script writes it)
+NODES_FILE = JobDir.SLURM_NODES  # the first run's SLURM_JOB_NODELIST (node-local jobs; the script writes it)
 ACTION_USAGE = {
     "status": ("clusterkit sbatch status JOBID [--watch [--ranks R]] [--poll S] [--slurm-timeout S]",
                "One line from `scontrol show job JOBID`: state, exit code, nodes, output file. "
@@ -55,7 +55,7 @@ ACTION_USAGE = {
     "cancel": ("clusterkit sbatch cancel JOBID [--signal SIG [--batch | --full]] [--slurm-timeout S]",
                "scancel JOBID (SIGTERM, then SIGKILL after Slurm's KillWait). --signal SIG only "
                "signals the job's steps (USR1: the ranks save and exit 0, the job ends); "
-               "--batch: the batch shell only (USR1 there: $CLUSTERKIT_STOP_FILE and USR1 to "
+               f"--batch: the batch shell only (USR1 there: ${ENV_STOP_FILE} and USR1 to "
                "the ranks; requeued only if they saved: docs/sbatch.md, Preemption); --full: "
                "both."),
 }

@@ -24,6 +24,7 @@ from typing import Any
 from clusterkit.errors import LaunchError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.launch.orchestrator import JobSpec
+from clusterkit.node.contract import with_job_id
 from clusterkit.remote.base import SSHTarget
 from clusterkit.slurm.steps import site_args
 
@@ -58,7 +59,7 @@ class JobRecord:
 
     @classmethod
     def for_job(cls, job: JobSpec, backend: str) -> JobRecord:
-        nodes = [NodeRecord(t.node, t.python, t.job_dir.replace("@JOB@", job.job_id), t.target)
+        nodes = [NodeRecord(t.node, t.python, with_job_id(t.job_dir, job.job_id), t.target)
                  for t in job.tasks]
         return cls(job_id=job.job_id, backend=backend, nodes=nodes, created=time.time(),
                    launcher_pid=os.getpid())

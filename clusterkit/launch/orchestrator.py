@@ -34,6 +34,13 @@ from clusterkit.launch.gate import GATE_TIMEOUT_S, GateResult, judge
 from clusterkit.launch.stacks import RankStack, StackSummary, read_stack, summarize
 from clusterkit.launch.watchdog import DUMP_COLLECT_S, Watchdog, ping_interval, step_of
 from clusterkit.node import protocol
+from clusterkit.node.contract import (
+    ENV_ZYGOTE,
+    ENV_ZYGOTE_IMPORTS,
+    JOB_ID_TOKEN,
+    JobDir,
+    with_job_id,
+)
 from clusterkit.node.protocol import Control
 from clusterkit.node.ship import NodeCommand, agent_command
 from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
@@ -42,7 +49,7 @@ TAIL_LINES = 15
 # Native launches (issue 15): each node's agent starts a fork server that imports
 # these once, then forks the ranks. CLUSTERKIT_ZYGOTE=0 switches it off (each rank
 # is its own `python -u ...` again); CLUSTERKIT_ZYGOTE_IMPORTS=a,b names the modules.
-ZYGOTE_ENV, ZYGOTE_IMPORTS_ENV = "CLUSTERKIT_ZYGOTE", "CLUSTERKIT_ZYGOTE_IMPORTS"
+ZYGOTE_ENV, ZYGOTE_IMPORTS_ENV = ENV_ZYGOTE, ENV_ZYGOTE_IMPORTS
 ZYGOTE_IMPORTS = ("torch", "torch.distributed")
 # The bundled workload's own modules (deepspeed stays with the ranks: on a GPU node
 # its accelerator probe opens the driver, after which forking is not safe), and
@@ -84,7 +91,7 @@ class NodeTask:
     files: Mapping[str, str] = field(default_factory=dict, hash=False)
     cwd: str | None = None
     prefix: str = "torchrun"  # torchrun | pdsh | single (see agent.Spec.prefix)
-    job_dir: str = "~/.cache/clusterkit/jobs/@JOB@"  # on the node; ~ is the node's home
+    job_dir: str = f"~/.cache/clusterkit/jobs/{JOB_ID_TOKEN}"  # on the node; ~ is the node's home
     rank_log_dir: str | None = None  # per-rank log files to stream (DeepSpeed's launcher)
     native: Mapping[str, Any] | None = None  # the agent starts the ranks (see agent.Spec)
     needs: tuple[str, ...] = ()  # files the gate checks on the node (the user's script)
@@ -110,7 +117,7 @@ class JobSpec:
     def agent_spec(self, task: NodeTask) -> protocol.AgentSpec:
         return protocol.AgentSpec(
             job_id=self.job_id, node=task.node,
-            job_dir=task.job_dir.replace("@JOB@", self.job_id),
+            job_dir=with_job_id(task.job_dir, self.job_id),
             argv=list(task.argv), env=dict(task.env), files=dict(task.files),
             cwd=task.cwd, attempt=self.attempt, prefix=task.prefix,
             rank_offsets=self.rank_offsets(), grace_s=self.grace_s,
@@ -466,9 +473,9 @@ class Orchestrator:
 
     def _rank_logs(self) -> str:
         """Where every rank's output is kept (the agents' per-rank logs)."""
-        dirs = {t.job_dir.replace("@JOB@", self.job.job_id) for t in self.job.tasks}
+        dirs = {with_job_id(t.job_dir, self.job.job_id) for t in self.job.tasks}
         job_dir = dirs.pop() if len(dirs) == 1 else "<job dir>"
-        return f"{job_dir}/nodes/<node>/rank<N>.log"
+        return JobDir(job_dir).node_log("<node>", "<N>")
 
     def _begin_teardown(self) -> None:
         if self._teardown_at is not None:

@@ -22,6 +22,7 @@ from clusterkit.launch.gate import gate_error, gate_nodes, run_gate
 from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.orchestrator import JobOutcome, JobSpec, Orchestrator, describe_failure
 from clusterkit.launchers import BACKENDS, launcher_name
+from clusterkit.node.contract import JobDir
 from clusterkit.remote.base import Transport
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, JobPlan, LaunchPlan
@@ -190,7 +191,7 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         record = _record(job, plan, attempt)
         registry.save(record)
         # The watchdog's stack dumps also land beside the job record (issue 14).
-        stacks = str(registry.path(plan.job_id).parent / "stacks")
+        stacks = str(registry.path(plan.job_id).parent / JobDir.STACKS)
         outcome = Orchestrator(job, transport, sink, stacks_dir=stacks).run()
         if outcome.gate is not None and not outcome.gate.ok:
             record.state, record.exit_code = "not-started", 2

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from clusterkit.contract import exits_dir
+from clusterkit.contract import JobDir, exits_dir
 from clusterkit.launchers.argv import (
     IGNORE_USR1,
     launcher_program,
@@ -91,7 +91,7 @@ def render_accelerate_config(plan: JobPlan, node_rank: int, ds_config_path: str)
 def config_files(plan: JobPlan) -> dict[str, str]:
     """One YAML per node, read by that node's ``accelerate launch --config_file``."""
     return {accelerate_config_name(n.node_rank): render_accelerate_config(
-        plan, n.node_rank, f"{n.job_dir}/ds_config.json") for n in plan.nodes}
+        plan, n.node_rank, JobDir(n.job_dir).ds_config) for n in plan.nodes}
 
 
 def accelerate_commands(plan: JobPlan, run_id: str | None) -> tuple[NodeCommand, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shlex
 
-from clusterkit.contract import exits_dir
+from clusterkit.contract import ENV_JOB_ID, JobDir, exits_dir
 from clusterkit.launchers.argv import launcher_program, pdsh_ssh_args, srun_rank_argv, uniform
 from clusterkit.launchers.base import Backend
 from clusterkit.shellsafe import bare_word, ds_user_arg
@@ -31,16 +31,16 @@ def deepspeed_command(plan: JobPlan, run_id: str | None) -> tuple[NodeCommand, .
         ds_user_arg(arg)
     # --enable_each_rank_log: each rank's output goes to <dir>/<stamp>_rank<R>.log (and
     # nothing to the console), which the node agents tail and label with node and rank.
-    argv = [node.python, *DS_RUNNER, f"--hostfile={node.job_dir}/hostfile",
+    argv = [node.python, *DS_RUNNER, f"--hostfile={JobDir(node.job_dir).path(JobDir.HOSTFILE)}",
             f"--launcher={plan.options.deepspeed_launcher}",
             f"--master_addr={plan.master_addr}", f"--master_port={plan.master_port}",
             # clusterkit doctor checks ssh with the settings pdsh uses; DeepSpeed's own check
             # runs plain `ssh HOST hostname` without them.
             "--no_ssh_check", f"--enable_each_rank_log={rank_log_dir(node.job_dir, run_id)}",
             *program]
-    env = {"PATH": node.env["PATH"], "DS_ENV_FILE": f"{node.job_dir}/deepspeed_env",
+    env = {"PATH": node.env["PATH"], "DS_ENV_FILE": JobDir(node.job_dir).path(JobDir.DEEPSPEED_ENV),
            "PDSH_SSH_ARGS_APPEND": pdsh_ssh_args(plan),
-           "CLUSTERKIT_JOB_ID": plan.job_id}
+           ENV_JOB_ID: plan.job_id}
     return (NodeCommand(label="deepspeed runner on node 0", host=node.name, node_rank=None,
                         argv=tuple(argv), env=env, cwd=node.workdir),)
 

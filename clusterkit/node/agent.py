@@ -63,6 +63,7 @@ from clusterkit.node.agent_procs import (
     sweep,
 )
 from clusterkit.node.agent_procs import job_status as _status
+from clusterkit.node.contract import JobDir
 from clusterkit.node.gatefacts import gate_facts
 from clusterkit.node.protocol import (
     DEFAULT_GRACE_S,
@@ -90,8 +91,8 @@ class Agent:
     def __init__(self, spec: AgentSpec, out: IO[str]) -> None:
         self.spec = spec
         self.job_dir = os.path.abspath(os.path.expanduser(spec.job_dir))
-        node_dir = os.path.join(self.job_dir, "nodes", spec.node)
-        self.progress_dir = os.path.join(node_dir, "progress")
+        node_dir = JobDir(self.job_dir).node_dir(spec.node)
+        self.progress_dir = JobDir(self.job_dir).node_progress(spec.node)
         self.child: subprocess.Popen[bytes] | None = None  # the launcher (launcher mode)
         self.ranks: dict[int, Child] = {}  # local rank -> process (native)
         self.rank_codes: dict[int, int] = {}  # local rank -> exit code, in order of exit
@@ -290,7 +291,7 @@ class Agent:
                 "state": state, "time": time.time(), **extra}
         # A full or vanished disk must not stop the teardown.
         with contextlib.suppress(OSError):
-            write_atomic(os.path.join(self.node_dir, "agent.json"), json.dumps(data))
+            write_atomic(os.path.join(self.node_dir, JobDir.AGENT_STATE), json.dumps(data))
 
     # -------------------------------------------------------------- hangs (issue 14)
 
@@ -305,7 +306,7 @@ class Agent:
         if ka <= 0 or self.keepalive_lost or time.monotonic() - self._last_control <= ka:
             return
         self.output.silenced = True
-        self.output.log("launcher.log", f"clusterkit agent: no keepalive from the launcher for "
+        self.output.log(JobDir.LAUNCHER_LOG, f"clusterkit agent: no keepalive from the launcher for "
                                         f"{ka:g} s: tearing down this node's ranks")
         self.request_stop("keepalive-lost")
 

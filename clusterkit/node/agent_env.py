@@ -16,8 +16,18 @@ from __future__ import annotations
 import os
 
 from clusterkit.node.agent_files import expand
-from clusterkit.node.agent_hangs import ENV_HEARTBEAT, ENV_HEARTBEAT_DIR, ENV_STACKS
-from clusterkit.node.protocol import ENV_ATTEMPT, ENV_JOB, ENV_NODE, AgentSpec
+from clusterkit.node.contract import (
+    ENV_ATTEMPT,
+    ENV_HEARTBEAT,
+    ENV_HEARTBEAT_DIR,
+    ENV_NODE,
+    ENV_STACKS,
+    HEARTBEAT_SUFFIX,
+    STACKS_SUFFIX,
+    progress_file,
+)
+from clusterkit.node.contract import ENV_JOB_ID as ENV_JOB
+from clusterkit.node.protocol import AgentSpec
 
 
 def omp_threads(nproc: int) -> str:
@@ -61,8 +71,8 @@ def rank_env(spec: AgentSpec, job_dir: str, progress_dir: str, local_rank: int) 
         "MASTER_PORT": str(n["master_port"]),
     })
     rank = int(n["first_rank"]) + local_rank
-    env[ENV_HEARTBEAT] = os.path.join(progress_dir, f"rank{rank}.heartbeat")
-    env[ENV_STACKS] = os.path.join(progress_dir, f"rank{rank}.stacks")
+    env[ENV_HEARTBEAT] = progress_file(progress_dir, rank, HEARTBEAT_SUFFIX)
+    env[ENV_STACKS] = progress_file(progress_dir, rank, STACKS_SUFFIX)
     if "OMP_NUM_THREADS" not in env:  # an inventory env value wins
         env["OMP_NUM_THREADS"] = omp_threads(nproc)
     return env

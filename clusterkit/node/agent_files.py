@@ -14,7 +14,7 @@ import os
 import secrets
 import socket
 
-from clusterkit.node.protocol import JOB_DIR_TOKEN
+from clusterkit.node.contract import expand_job_dir
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -30,4 +30,4 @@ def write_atomic(path: str, text: str) -> None:
 
 def expand(value: str, job_dir: str) -> str:
     """``value`` with the launcher's job-dir token replaced by this node's job dir."""
-    return value.replace(JOB_DIR_TOKEN, job_dir)
+    return expand_job_dir(value, job_dir)

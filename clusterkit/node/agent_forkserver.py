@@ -29,6 +29,7 @@ from clusterkit.node import zygote
 from clusterkit.node.agent_files import expand
 from clusterkit.node.agent_output import AgentOutput
 from clusterkit.node.agent_procs import POLL_S, Child, signal_group
+from clusterkit.node.contract import ENV_ZYGOTE, JobDir
 from clusterkit.node.protocol import AgentSpec
 
 
@@ -108,10 +109,10 @@ class ForkServer:
                None if zygote.worth_it(parsed[0], parsed[1], cwd) else
                "the script names no module the fork server preloads")
         if why is not None:  # exec, as before: nothing to say on the console
-            self.output.log("launcher.log", f"clusterkit agent: no fork server: {why}")
+            self.output.log(JobDir.LAUNCHER_LOG, f"clusterkit agent: no fork server: {why}")
             return False
         # The job's env (inventory) may switch it off for one cluster.
-        off = self.spec.env.get("CLUSTERKIT_ZYGOTE", os.environ.get("CLUSTERKIT_ZYGOTE", ""))
+        off = self.spec.env.get(ENV_ZYGOTE, os.environ.get(ENV_ZYGOTE, ""))
         return off.strip().lower() not in ("0", "off", "no", "false")
 
     def start(self) -> None:
@@ -226,7 +227,7 @@ class ForkServer:
             self.note(str(ready.get("why", "it exited while importing")))
             self.drop()
             return None
-        self.output.log("launcher.log", f"clusterkit agent: fork server ready "
+        self.output.log(JobDir.LAUNCHER_LOG, f"clusterkit agent: fork server ready "
                                         f"(imports took {ready.get('import_s')} s)")
         n = self.spec.native or {}
         ranks = [{"lr": lr, "fd": self._wfds[lr], "env": self.rank_env(lr),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -29,13 +28,18 @@ from typing import Any
 from clusterkit.node import protocol
 from clusterkit.node.agent_files import write_atomic
 from clusterkit.node.agent_procs import signal_pid
+from clusterkit.node.contract import (
+    ENV_STACK_TOOL,
+    HEARTBEAT_RE,
+    STACKS_SUFFIX,
+    JobDir,
+    progress_file,
+)
 
 PROGRESS_EVERY_S = 2.0  # how often the agent reports its ranks' progress
-# The job contract (docs/launch.md): a rank shows progress by writing output or by
-# touching CLUSTERKIT_HEARTBEAT (the workload writes its step there); the workload
-# registers faulthandler on DUMP_SIGNAL to write its stacks to CLUSTERKIT_STACKS.
-ENV_HEARTBEAT, ENV_HEARTBEAT_DIR, ENV_STACKS = (
-    "CLUSTERKIT_HEARTBEAT", "CLUSTERKIT_HEARTBEAT_DIR", "CLUSTERKIT_STACKS")
+# The job contract (docs/launch.md; node/contract.py): a rank shows progress by writing
+# output or by touching its heartbeat file (the workload writes its step there); the
+# workload registers faulthandler on DUMP_SIGNAL to write its stacks to its stacks file.
 # SIGWINCH: its default action is "ignore", so a script that registered nothing is
 # not killed by a stack request.
 DUMP_SIGNAL = signal.SIGWINCH
@@ -53,7 +57,7 @@ def progress(progress_dir: str, last_line: dict[int, float], started: float,
     steps: dict[int, int] = {}
     with contextlib.suppress(OSError):
         for name in os.listdir(progress_dir):
-            m = re.match(r"rank(\d+)\.heartbeat$", name)
+            m = HEARTBEAT_RE.match(name)
             if not m:
                 continue
             path, rank = os.path.join(progress_dir, name), int(m.group(1))
@@ -114,7 +118,7 @@ class StackDump:
             threads.append(t)
         for t in threads:
             t.join(DUMP_WAIT_S + 15.0)
-        out_dir = os.path.join(self.job_dir, "stacks", f"a{self.attempt}")
+        out_dir = JobDir(self.job_dir).stacks(self.attempt)
         with contextlib.suppress(OSError):
             os.makedirs(out_dir, exist_ok=True)
             for key, res in results.items():
@@ -142,7 +146,7 @@ class StackDump:
         results[str(rank)] = {"pid": pid, "state": state, "tool": tool, "text": text}
 
     def faulthandler_dump(self, rank: int, pid: int, state: str) -> str:
-        path = os.path.join(self.progress_dir, f"rank{rank}.stacks")
+        path = progress_file(self.progress_dir, rank, STACKS_SUFFIX)
         size = os.path.getsize(path) if os.path.exists(path) else 0
         signal_pid(pid, DUMP_SIGNAL)
         if state.startswith("T"):
@@ -198,7 +202,7 @@ def py_spy(pythons: Sequence[str] = (), path: str | None = None) -> str | None:
     ``bin/py-spy`` beside it, found even when the venv is not on PATH), beside this
     agent's Python, then on ``path`` (the ranks' PATH) and the agent's PATH.
     None: not found, or ``CLUSTERKIT_STACK_TOOL=faulthandler``."""
-    if os.environ.get("CLUSTERKIT_STACK_TOOL") == "faulthandler":
+    if os.environ.get(ENV_STACK_TOOL) == "faulthandler":
         return None
     for python in [*pythons, sys.executable]:
         if python and os.path.isabs(python):

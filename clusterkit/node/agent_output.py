@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from clusterkit.node import protocol
+from clusterkit.node.contract import node_log_name
 from clusterkit.node.protocol import AgentSpec
 
 # torchrun --tee 3: "[default0]:text"; pdsh: "node3: text".
@@ -160,9 +161,9 @@ class AgentOutput:
         node, lrank, text = self.classify(line)
         offset = self.spec.rank_offsets.get(node)
         if lrank is not None and offset is not None:
-            log_name = f"rank{offset + lrank}.log"
+            log_name = node_log_name(offset + lrank)
         else:
-            log_name = "launcher.log" if node == self.spec.node else f"{node}.log"
+            log_name = node_log_name(None) if node == self.spec.node else f"{node}.log"
         self.log(log_name, text)
         if lrank is not None and offset is not None:
             self.last_line[offset + lrank] = time.monotonic()
@@ -172,7 +173,7 @@ class AgentOutput:
     def handle_rank_line(self, rank: int, text: str) -> None:
         """A line read from a rank's own log file on this node (global rank known)."""
         offset = self.spec.rank_offsets.get(self.spec.node, 0)
-        self.log(f"rank{rank}.log", text)
+        self.log(node_log_name(rank), text)
         self.last_line[rank] = time.monotonic()
         self.send(protocol.Line(self.spec.node, rank - offset, text))
 

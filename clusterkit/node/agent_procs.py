@@ -25,7 +25,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from clusterkit.node.protocol import ENV_ATTEMPT, ENV_JOB, ENV_NODE
+from clusterkit.node.contract import ENV_ATTEMPT, ENV_NODE, JobDir
+from clusterkit.node.contract import ENV_JOB_ID as ENV_JOB
 
 POLL_S = 0.1  # how often the agent looks again (its loop, the sweep, the fork server)
 
@@ -154,7 +155,7 @@ def job_status(job_id: str, job_dir: str | None, node: str | None) -> dict[str, 
     procs = job_processes(job_id, node)
     state: Any = None
     if job_dir and node:
-        path = os.path.join(os.path.expanduser(job_dir), "nodes", node, "agent.json")
+        path = JobDir(os.path.expanduser(job_dir)).agent_state(node)
         try:
             with open(path, encoding="utf-8") as fh:
                 state = json.load(fh)

@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Any
 
+from clusterkit.node.contract import looks_like_marker
+
 LISTING_VERSION = 2
 MAX_MARKER_BYTES = 1 << 20
 
@@ -58,8 +60,7 @@ def _tag(path: str) -> tuple[dict[str, list[float]], dict[str, str]]:
                 continue
             rel = os.path.relpath(f, path)
             files[rel] = _stat(f)
-            if (d == path and n.startswith("clusterkit-complete.node") and n.endswith(".json")
-                    and files[rel][0] < MAX_MARKER_BYTES):
+            if d == path and looks_like_marker(n) and files[rel][0] < MAX_MARKER_BYTES:
                 with open(f) as fh:
                     marks[rel] = fh.read()
     return files, marks

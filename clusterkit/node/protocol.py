@@ -27,10 +27,6 @@ from typing import Any, ClassVar, Union
 
 SCHEMA_VERSION = 1
 
-ENV_JOB = "CLUSTERKIT_JOB_ID"
-ENV_NODE = "CLUSTERKIT_NODE"
-ENV_ATTEMPT = "CLUSTERKIT_ATTEMPT"
-JOB_DIR_TOKEN = "@JOB_DIR@"  # replaced in argv/env/files by the node's expanded job dir
 LINE_PREFIX = "@ck:L "
 EVENT_PREFIX = "@ck:E "
 DEFAULT_GRACE_S = 3.0

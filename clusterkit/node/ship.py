@@ -43,18 +43,18 @@ class Program:
 # ranks and `install` runs pip: they start as the user's own Python would.
 PROGRAMS: dict[str, Program] = {
     # The agent split by concern (docs/architecture.md, "Node agent modules").
-    "agent": Program(("protocol", "sitepaths", "parity", "gatefacts", "zygote", "agent_files",
+    "agent": Program(("contract", "protocol", "sitepaths", "parity", "gatefacts", "zygote", "agent_files",
                       "agent_procs", "agent_hangs", "agent_env", "agent_output",
                       "agent_forkserver", "agent"), site=True),
     "probe": Program(("sitepaths", "parity", "gatefacts", "probe")),
     "bw_worker": Program(("bw_worker",), site=True),  # imports torch
-    "listing": Program(("listing",)),
+    "listing": Program(("contract", "listing")),
     "hashing": Program(("hashing",)),
-    "ckstream": Program(("listing", "hashing", "ckstream")),
+    "ckstream": Program(("contract", "listing", "hashing", "ckstream")),
     "gatefacts": Program(("sitepaths", "parity", "gatefacts")),
     "sync": Program(("sync",)),
     "install": Program(("sitepaths", "parity", "gatefacts", "install"), site=True),
-    "slurmwatch": Program(("slurmwatch",)),  # sbatch.sh's progress watchdog (docs/sbatch.md)
+    "slurmwatch": Program(("contract", "slurmwatch")),  # sbatch.sh's progress watchdog (docs/sbatch.md)
 }
 
 BOOTSTRAP = (

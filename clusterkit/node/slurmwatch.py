@@ -33,10 +33,19 @@ import subprocess
 import sys
 import time
 
+from clusterkit.node.contract import (
+    ENV_HEARTBEAT_DIR,
+    ENV_JOB_ID,
+    ENV_STACKS,
+    STACKS_SUFFIX,
+    JobDir,
+    rank_file,
+)
+
 POLL_S = 2.0
 STACKS_TIMEOUT_S = 60.0
 FAULTHANDLER_WAIT_S = 3.0
-HANG_FILE = "hang"  # <job dir>/hang: the reason the watchdog ended the step
+HANG_FILE = JobDir.HANG  # <job dir>/hang: the reason the watchdog ended the step
 _SHELLS = ("sh", "bash", "dash")
 _FRAME = re.compile(r'^\s+(?:File "[^"]*", line \d+ in (?P<fh>\S+)|(?P<spy>\S+) \([^)]*\))')
 
@@ -70,7 +79,7 @@ def _alive(pid: int) -> bool:
 
 def watch(job_id: str, job_dir: str, dump_dir: str, hang_s: float, launch_pid: int,
           nodes: int) -> int:
-    dirs = [os.path.join(job_dir, "logs"), os.environ.get("CLUSTERKIT_HEARTBEAT_DIR", "")]
+    dirs = [JobDir(job_dir).logs(), os.environ.get(ENV_HEARTBEAT_DIR, "")]
     dirs = [d for d in dirs if d]
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # scancel --full --signal=USR1 reaches us too
     last = time.time()
@@ -210,7 +219,7 @@ def ranks_of(job_id: str) -> dict[int, int]:
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         env = _environ(int(entry))
-        if env.get("CLUSTERKIT_JOB_ID") != job_id or not env.get("RANK", "").isdigit():
+        if env.get(ENV_JOB_ID) != job_id or not env.get("RANK", "").isdigit():
             continue
         _state, comm = _state_and_comm(int(entry))
         if comm in _SHELLS or comm == "srun":
@@ -236,11 +245,9 @@ def _py_spy(pid: int) -> str | None:
 
 
 def _faulthandler(pid: int, rank: int, env: dict[str, str]) -> str:
-    path = env.get("CLUSTERKIT_STACKS") or (
-        os.path.join(env["CLUSTERKIT_HEARTBEAT_DIR"], f"rank{rank}.stacks")
-        if env.get("CLUSTERKIT_HEARTBEAT_DIR") else None)
+    path = rank_file(env, ENV_STACKS, rank, STACKS_SUFFIX)
     if path is None:
-        return "(no py-spy, and the rank set no CLUSTERKIT_STACKS for a faulthandler dump)"
+        return f"(no py-spy, and the rank set no {ENV_STACKS} for a faulthandler dump)"
     try:
         before = os.path.getsize(path)
     except OSError:

@@ -10,7 +10,7 @@ import re
 from pathlib import PurePosixPath
 
 from clusterkit.backend_timeouts import timeout_env
-from clusterkit.contract import DEEPSPEED_CONFIG_ARG, ENV_DS_CONFIG, RUN_SUBDIR, Contract
+from clusterkit.contract import DEEPSPEED_CONFIG_ARG, ENV_DS_CONFIG, Contract, JobDir
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import select_hosts
 from clusterkit.hostrange import fold, folded_lines
@@ -123,7 +123,7 @@ def _program(o: JobOptions, job_dir: str, ckpt_dir: str, storage: str) -> tuple[
     words = ["-m", WORKLOAD_MODULE,
              "--engine", BACKENDS[o.backend].engine,
              "--model", o.model, "--steps", str(o.steps),
-             "--ds-config", f"{job_dir}/ds_config.json", "--run-dir", f"{job_dir}/{RUN_SUBDIR}",
+             "--ds-config", JobDir(job_dir).ds_config, "--run-dir", JobDir(job_dir).run_dir,
              "--ckpt-dir", ckpt_dir, "--storage", storage]
     if o.save_every:
         words += ["--save-every", str(o.save_every)]
@@ -174,7 +174,7 @@ def _zero_spec(o: JobOptions, nodes: tuple[NodePlan, ...], world: int, storage: 
     local = nodes[0].host.checkpoint.local_dir
     if nvme is None and "nvme" in (o.offload_optimizer, o.offload_param) and local:
         nvme = f"{local}/nvme-offload"  # NVMe offload wants a node-local disk
-    run_dir = f"{nodes[0].job_dir}/{RUN_SUBDIR}"
+    run_dir = JobDir(nodes[0].job_dir).run_dir
     return ZeroSpec(
         stage=o.zero_stage, offload_optimizer=o.offload_optimizer,  # type: ignore[arg-type]
         offload_param=o.offload_param, nvme_path=nvme,  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ import posixpath
 import re
 from collections.abc import Iterable, Mapping
 
+from clusterkit.node.contract import ENV_JOB_ID
 from clusterkit.shellsafe import check_env_name, check_env_value
 from clusterkit.spec.job import SYSTEM_PATH
 
@@ -90,7 +91,7 @@ def build_env(
     if not gpu:
         env = {k: v for k, v in env.items() if not k.startswith(GPU_ONLY_PREFIXES)}
     env.update(dict(set_env))
-    env["CLUSTERKIT_JOB_ID"] = job_id  # tags every rank: job-scoped status/teardown
+    env[ENV_JOB_ID] = job_id  # tags every rank: job-scoped status/teardown
     for name, value in env.items():
         check_env_name(name)
         check_env_value(name, value)

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
+from clusterkit.contract import JobDir
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import render_hostfile
 from clusterkit.hostrange import folded_lines
@@ -92,10 +93,10 @@ def _render_files(plan: JobPlan, site: SlurmSite, required: Collection[str],
     """hostfile, deepspeed_env, ssh_config, ds_config.json, the launchers' own files
     (accelerate YAMLs), sbatch.sh."""
     files: dict[str, str] = OrderedDict()
-    files["hostfile"] = render_hostfile(OrderedDict((n.name, list(n.slots)) for n in plan.nodes))
-    files["deepspeed_env"] = render_deepspeed_env(plan.nodes[0].env)
+    files[JobDir.HOSTFILE] = render_hostfile(OrderedDict((n.name, list(n.slots)) for n in plan.nodes))
+    files[JobDir.DEEPSPEED_ENV] = render_deepspeed_env(plan.nodes[0].env)
     files["ssh_config"] = render_ssh_config([n.host for n in plan.nodes])
-    files["ds_config.json"] = json.dumps(plan.ds_config, indent=2) + "\n"
+    files[JobDir.DS_CONFIG] = json.dumps(plan.ds_config, indent=2) + "\n"
     for entry in BACKENDS.values():
         if entry.files is not None:
             files.update(entry.files(plan))

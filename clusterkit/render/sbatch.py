@@ -21,10 +21,11 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clusterkit.contract import STOP_FILE, exits_dir
+from clusterkit.contract import ENV_CKPT_DIR, ENV_STOP_FILE, JobDir, exits_dir
 from clusterkit.errors import RenderError
 from clusterkit.launchers import BACKENDS
 from clusterkit.node import ship
+from clusterkit.node.contract import ENV_HEARTBEAT_DIR
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
 
@@ -33,7 +34,9 @@ if TYPE_CHECKING:
 
 TEMPLATE = "sbatch.sh.j2"
 WATCHDOG_EOF = "CLUSTERKIT_SLURMWATCH_EOF"
-PROGRESS_SUBDIR = "progress"  # <job dir>/progress: $CLUSTERKIT_HEARTBEAT_DIR under sbatch
+PROGRESS_SUBDIR = JobDir.PROGRESS  # <job dir>/progress: $CLUSTERKIT_HEARTBEAT_DIR under sbatch
+# The contract's names the script spells (`{{ env.stop_file }}`, `{{ layout.HANG }}`).
+ENV_NAMES = {"stop_file": ENV_STOP_FILE, "heartbeat_dir": ENV_HEARTBEAT_DIR, "ckpt_dir": ENV_CKPT_DIR}
 # spec.ports' range (20000-32767, below Linux's ephemeral range 32768-60999): what a
 # site template that derives its own port needs; the bundled one uses the plan's port.
 SLURM_PORT_BASE = PORT_BASE
@@ -196,13 +199,15 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
         "exports": [f"{k}={shlex.quote(v)}" for k, v in node.env.items() if k != "PATH"],
         "omp_from_env": "OMP_NUM_THREADS" in node.env,
         "job_dir": node.job_dir,
-        "ds_config": f"{node.job_dir}/ds_config.json",
+        "ds_config": JobDir(node.job_dir).ds_config,
         "log_dir": log_dir,
         "node_local": plan.node_local,
         "node_local_dirs": [node.ckpt_dir] if plan.node_local else [],
         "exits_dir": exits_dir(node.job_dir),
         **_watchdog_context(plan),
-        "stop_file": f"{node.job_dir}/{STOP_FILE}",
+        "stop_file": JobDir(node.job_dir).stop_file,
+        "env": ENV_NAMES,
+        "layout": JobDir,
         "variant": variant,
         "launch_line": line,
         **_site_context(plan, site),

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from clusterkit.contract import LOG_SUBDIR
+from clusterkit.contract import ENV_DS_CONFIG, JobDir
 from clusterkit.inventory import Host
+from clusterkit.node.contract import ENV_HEARTBEAT
 from clusterkit.spec.zero import (
     DEFAULT_LR,
     DEFAULT_MICRO_BATCH,
@@ -88,7 +89,7 @@ class JobOptions:
     script_args: tuple[str, ...] = ()
     deepspeed_config_arg: bool = flag(
         False, "append --deepspeed_config <job dir>/ds_config.json to your script's arguments "
-        "(DeepSpeed's convention; the path is also in $CLUSTERKIT_DS_CONFIG)", kind="switch")
+        f"(DeepSpeed's convention; the path is also in ${ENV_DS_CONFIG})", kind="switch")
     # workload and ZeRO
     model: str = flag(DEFAULT_MODEL, "bundled workload: model preset", choices=MODEL_NAMES,
                       group="workload and ZeRO")
@@ -149,7 +150,7 @@ class JobOptions:
     # every verb renders the ranks' backend timeouts from it (clusterkit.backend_timeouts).
     # 0 (the field default, for options built in code): off, no timeouts rendered.
     hang_timeout_s: float = flag(
-        0.0, "no progress on any rank for S seconds (output or CLUSTERKIT_HEARTBEAT): launch "
+        0.0, f"no progress on any rank for S seconds (output or {ENV_HEARTBEAT}): launch "
         "dumps every rank's stacks, stops the job, restarts per --max-restarts; every verb "
         "sets the ranks' backend timeouts to match (0 turns both off)", name="--hang-timeout",
         metavar="S", group="launcher details", cli_default=900.0)
@@ -254,8 +255,7 @@ def launcher_log_dir(job_dir: str, node_rank: int | None = None) -> str:
     """``<job dir>/logs`` (sbatch.sh's ``--output`` dir too), or one node's subdirectory:
     where torchrun (``--log-dir``, also under ``accelerate launch``) keeps each rank's
     output, instead of a ``/tmp/torchelastic_*`` it never removes."""
-    base = f"{job_dir}/{LOG_SUBDIR}"
-    return base if node_rank is None else f"{base}/node{node_rank}"
+    return JobDir(job_dir).logs(node_rank)
 
 
 def rank_log_dir(job_dir: str, run_id: str | None) -> str:
@@ -263,7 +263,7 @@ def rank_log_dir(job_dir: str, run_id: str | None) -> str:
     ``--enable_each_rank_log``) writes them: ``<job dir>/logs`` for a rendered job that a
     person runs, ``<job dir>/ranklogs/<run id>`` for one ``clusterkit launch`` run (a
     fresh directory per run: a continued job must not re-read an earlier run's files)."""
-    return launcher_log_dir(job_dir) if run_id is None else f"{job_dir}/ranklogs/{run_id}"
+    return JobDir(job_dir).rank_logs(run_id)
 
 
 @dataclass(frozen=True)

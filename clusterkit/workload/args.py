@@ -7,13 +7,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from clusterkit.node.contract import ENV_DUMP_WEIGHTS
 from clusterkit.spec import job as spec_job
 from clusterkit.spec import zero as spec
 from clusterkit.workload.presets import PRESETS
 
 # --dump-weights for the bundled workload under `clusterkit launch`, which has no flag
 # for it (tests share one launched 7x2 run between launch and collect-ckpt checks).
-DUMP_WEIGHTS_ENV = "CLUSTERKIT_DUMP_WEIGHTS"
+DUMP_WEIGHTS_ENV = ENV_DUMP_WEIGHTS
 
 
 @dataclass(frozen=True)

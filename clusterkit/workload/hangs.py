@@ -22,15 +22,19 @@ import time
 from collections.abc import Mapping
 from typing import IO
 
+from clusterkit.node.contract import (
+    ENV_HEARTBEAT,
+    ENV_STACKS,
+    HEARTBEAT_SUFFIX,
+    STACKS_SUFFIX,
+    rank_file,
+)
+
 DUMP_SIGNAL = signal.SIGWINCH
 
 
-def contract_path(env: Mapping[str, str], var: str, rank: int, suffix: str) -> str | None:
-    """The per-rank file: ``$var`` itself, else ``$CLUSTERKIT_HEARTBEAT_DIR/rank<R><suffix>``."""
-    if env.get(var):
-        return env[var]
-    base = env.get("CLUSTERKIT_HEARTBEAT_DIR")
-    return os.path.join(base, f"rank{rank}{suffix}") if base else None
+# The per-rank file: ``$var`` itself, else ``$CLUSTERKIT_HEARTBEAT_DIR/rank<R><suffix>``.
+contract_path = rank_file
 
 
 _dump_file: IO[str] | None = None  # kept open: faulthandler writes to its descriptor
@@ -39,7 +43,7 @@ _dump_file: IO[str] | None = None  # kept open: faulthandler writes to its descr
 def install_stack_dump(rank: int, env: Mapping[str, str] | None = None) -> str | None:
     """Register faulthandler on SIGWINCH; returns the file it writes to (None: not under clusterkit)."""
     global _dump_file
-    path = contract_path(os.environ if env is None else env, "CLUSTERKIT_STACKS", rank, ".stacks")
+    path = contract_path(os.environ if env is None else env, ENV_STACKS, rank, STACKS_SUFFIX)
     if path is None:
         return None
     try:
@@ -60,8 +64,8 @@ class Heartbeat:
 
     def __init__(self, rank: int, env: Mapping[str, str] | None = None,
                  min_interval_s: float = 1.0) -> None:
-        self.path = contract_path(os.environ if env is None else env, "CLUSTERKIT_HEARTBEAT",
-                                  rank, ".heartbeat")
+        self.path = contract_path(os.environ if env is None else env, ENV_HEARTBEAT,
+                                  rank, HEARTBEAT_SUFFIX)
         self.min_interval_s = min_interval_s
         self._last: float | None = None
 

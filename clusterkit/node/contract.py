@@ -1,0 +1,236 @@
+"""The node contract: every name the launcher, the node agent and the ranks agree on.
+
+One module, standard library only (Python >= 3.8 on the node), so the node programs
+ship it (``node/ship.py``'s ``PROGRAMS``) and every other layer imports it
+(``clusterkit.contract`` re-exports it for the layers above the node code). What
+lives here, each spelled once (``tests/test_contract_names.py`` fails on a second
+spelling anywhere in ``clusterkit/`` or ``templates/``):
+
+* every ``CLUSTERKIT_*`` environment name that crosses a process boundary (launcher
+  -> agent -> ranks, batch script -> ranks), and the summary line's prefix;
+* the placeholder tokens the launcher writes and something else expands;
+* the job-dir layout, as one class (:class:`JobDir`): where logs, rank logs,
+  heartbeats, stacks, the run dir, the summary, exits and the stop file live;
+* the per-rank progress file rule (``rank<R>.heartbeat``, ``rank<R>.stacks``);
+* the checkpoint completion-marker rule (``clusterkit-complete.node<N>.json``).
+
+The user-script names are documented in docs/launch.md ("Your own training
+script"); the job-dir layout in docs/architecture.md ("The job dir").
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+# -- The user-script contract: what every rank of a job finds in its environment, whatever
+# the backend, besides RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+ENV_JOB_ID = "CLUSTERKIT_JOB_ID"  # also the tag that makes status and teardown job-scoped
+ENV_JOB_DIR = "CLUSTERKIT_JOB_DIR"
+ENV_DS_CONFIG = "CLUSTERKIT_DS_CONFIG"
+ENV_CKPT_DIR = "CLUSTERKIT_CKPT_DIR"
+ENV_STORAGE = "CLUSTERKIT_STORAGE"
+CONTRACT_NAMES = (ENV_JOB_ID, ENV_JOB_DIR, ENV_DS_CONFIG, ENV_CKPT_DIR, ENV_STORAGE)
+# sbatch: the file that appears when the job is asked to stop (time limit, preemption,
+# `clusterkit sbatch cancel JOB --signal USR1 --batch`); the ranks also get SIGUSR1.
+ENV_STOP_FILE = "CLUSTERKIT_STOP_FILE"
+# Seconds a user script should pass to init_process_group(timeout=...) (issue 14).
+ENV_PG_TIMEOUT_S = "CLUSTERKIT_PG_TIMEOUT_S"
+
+# -- The agent's tags on every process it starts (besides ENV_JOB_ID): teardown by node
+# and attempt reads them from /proc/<pid>/environ.
+ENV_NODE = "CLUSTERKIT_NODE"
+ENV_ATTEMPT = "CLUSTERKIT_ATTEMPT"
+
+# -- Hangs (docs/launch.md, "Hangs"): a rank shows progress by writing output or by
+# touching its heartbeat file (the workload writes its step there), and registers
+# faulthandler on SIGWINCH to write its stacks to its stacks file. A rank without its
+# own path uses ``$CLUSTERKIT_HEARTBEAT_DIR/rank<R>.<suffix>`` (:func:`rank_file`).
+ENV_HEARTBEAT = "CLUSTERKIT_HEARTBEAT"
+ENV_HEARTBEAT_DIR = "CLUSTERKIT_HEARTBEAT_DIR"
+ENV_STACKS = "CLUSTERKIT_STACKS"
+# `faulthandler`: the agent does not look for py-spy (tests; sites without ptrace).
+ENV_STACK_TOOL = "CLUSTERKIT_STACK_TOOL"
+
+# -- The fork server (docs/launch.md, "Fork server"): 0/off/no/false in the launcher's or
+# the job's environment switches it off; ..._IMPORTS=a,b names the modules it preloads.
+ENV_ZYGOTE = "CLUSTERKIT_ZYGOTE"
+ENV_ZYGOTE_IMPORTS = "CLUSTERKIT_ZYGOTE_IMPORTS"
+# (The fork server's own CLUSTERKIT_RANK_SLOT stays in node/zygote.py: the zygote runs as
+# one source file in its own interpreter and imports nothing, this module included.)
+
+# -- A test hook that crosses to the ranks: the bundled workload's --dump-weights default.
+# (The probe's CLUSTERKIT_PROBE_CLOCK_OFFSET_S stays in node/probe.py: the probe also runs
+# as one hand-copied file, docs/doctor.md.)
+ENV_DUMP_WEIGHTS = "CLUSTERKIT_DUMP_WEIGHTS"
+
+# Rank 0 of the bundled workload ends with this line + one JSON object; the launcher
+# reads it from the rank lines, prints it once and saves it (docs/launch.md).
+SUMMARY_PREFIX = "CLUSTERKIT_SUMMARY "
+
+# -- Placeholder tokens. The launcher's NodeTask job dir may name the job by JOB_ID_TOKEN
+# (replaced by the job id before anything reaches a node); argv, env values and files
+# sent to the agent may name the node's job dir by JOB_DIR_TOKEN (replaced on the node
+# by its expanded, absolute job dir: ``~`` is the node's home, not the launcher's).
+JOB_ID_TOKEN = "@JOB@"
+JOB_DIR_TOKEN = "@JOB_DIR@"
+
+
+def with_job_id(job_dir: str, job_id: str) -> str:
+    """``job_dir`` with :data:`JOB_ID_TOKEN` replaced by ``job_id``."""
+    return job_dir.replace(JOB_ID_TOKEN, job_id)
+
+
+def expand_job_dir(value: str, job_dir: str) -> str:
+    """``value`` with :data:`JOB_DIR_TOKEN` replaced by this node's ``job_dir``."""
+    return value.replace(JOB_DIR_TOKEN, job_dir)
+
+
+# -- Per-rank progress files, in a progress dir (the agent's per-node one, or sbatch's
+# $CLUSTERKIT_HEARTBEAT_DIR).
+HEARTBEAT_SUFFIX = ".heartbeat"
+STACKS_SUFFIX = ".stacks"
+HEARTBEAT_RE = re.compile(r"rank(\d+)\.heartbeat$")
+
+
+def progress_file(progress_dir: str, rank: int, suffix: str) -> str:
+    """``<progress dir>/rank<R><suffix>``."""
+    return os.path.join(progress_dir, f"rank{rank}{suffix}")
+
+
+def rank_file(env: Mapping[str, str], var: str, rank: int, suffix: str) -> str | None:
+    """A rank's own progress file: ``$var`` itself, else
+    ``$CLUSTERKIT_HEARTBEAT_DIR/rank<R><suffix>``; None outside clusterkit."""
+    if env.get(var):
+        return env[var]
+    base = env.get(ENV_HEARTBEAT_DIR)
+    return progress_file(base, rank, suffix) if base else None
+
+
+class JobDir:
+    """The layout of one job dir (the same on every node; ``root`` as the caller has it:
+    absolute on the node, ``~/...`` or rendered in a plan). Every path below it is here.
+
+    Paths are ``root + "/" + name``: rendered files and command lines write them this
+    way on the launcher (whose OS need not be the node's), and the node's own root is
+    absolute and ends in no slash, where this equals ``os.path.join``.
+    """
+
+    DS_CONFIG = "ds_config.json"  # the rendered ds_config, written into every node's job dir
+    HOSTFILE = "hostfile"  # DeepSpeed's runner's --hostfile
+    DEEPSPEED_ENV = "deepspeed_env"  # DeepSpeed's runner's DS_ENV_FILE
+    LOGS = "logs"  # sbatch.sh's --output/--error; torchrun's --log-dir; a rendered job's rank logs
+    RANK_LOGS = "ranklogs"  # ranklogs/<run id>: one `clusterkit launch` run's per-rank log files
+    RUN = "run"  # the bundled workload's --run-dir (monitor, summary)
+    SUMMARY = "summary.json"  # <run dir>/summary.json, and beside a launch's job record
+    EXITS = "exits"  # sbatch: each rank that exits non-zero records how (argv.RANK_RUN)
+    STOP = "stop"  # sbatch: $CLUSTERKIT_STOP_FILE
+    PROGRESS = "progress"  # sbatch: $CLUSTERKIT_HEARTBEAT_DIR; under nodes/<node>/: the agent's
+    HANG = "hang"  # sbatch: why the watchdog ended the step
+    HANGS = "hangs"  # sbatch: hangs/<slurm id>.<run>/: the watchdog's stacks
+    STACKS = "stacks"  # stacks/a<attempt>/rank<R>.txt: the agent's stacks; a launch record's too
+    NODES = "nodes"  # nodes/<node>/: one agent's logs, progress and state
+    SLURM_NODES = "slurm_nodes"  # sbatch: the first run's SLURM_JOB_NODELIST (node-local jobs)
+    AGENT_STATE = "agent.json"
+    LAUNCHER_LOG = "launcher.log"
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def path(self, *names: str) -> str:
+        return "/".join((self.root, *names))
+
+    @property
+    def ds_config(self) -> str:
+        return self.path(self.DS_CONFIG)
+
+    def logs(self, node_rank: int | None = None) -> str:
+        """``<job dir>/logs``, or one node's ``logs/node<N>`` (torchrun's --log-dir)."""
+        return self.path(self.LOGS) if node_rank is None else self.path(self.LOGS, f"node{node_rank}")
+
+    def rank_logs(self, run_id: str | None) -> str:
+        """Where a launcher that writes each rank's output to files puts them:
+        ``logs`` for a rendered job a person runs, ``ranklogs/<run id>`` for one
+        ``clusterkit launch`` run (a continued job must not re-read an earlier run's)."""
+        return self.logs() if run_id is None else self.path(self.RANK_LOGS, run_id)
+
+    @property
+    def run_dir(self) -> str:
+        return self.path(self.RUN)
+
+    @property
+    def summary(self) -> str:
+        return self.path(self.RUN, self.SUMMARY)
+
+    @property
+    def exits(self) -> str:
+        return self.path(self.EXITS)
+
+    @property
+    def stop_file(self) -> str:
+        return self.path(self.STOP)
+
+    @property
+    def progress(self) -> str:
+        return self.path(self.PROGRESS)
+
+    @property
+    def hang_file(self) -> str:
+        return self.path(self.HANG)
+
+    @property
+    def hangs(self) -> str:
+        return self.path(self.HANGS)
+
+    def stacks(self, attempt: int) -> str:
+        return self.path(self.STACKS, f"a{attempt}")
+
+    def node_dir(self, node: str) -> str:
+        return self.path(self.NODES, node)
+
+    def node_progress(self, node: str) -> str:
+        """The agent's progress dir: its ranks' heartbeat and stacks files."""
+        return self.path(self.NODES, node, self.PROGRESS)
+
+    def agent_state(self, node: str) -> str:
+        return self.path(self.NODES, node, self.AGENT_STATE)
+
+    def node_log(self, node: str, rank: int | str | None = None) -> str:
+        """The agent's copy of a rank's lines (``rank<R>.log``), or of the launcher's."""
+        return self.path(self.NODES, node, node_log_name(rank))
+
+
+def node_log_name(rank: int | str | None) -> str:
+    """The file name of a rank's lines in the agent's node dir (None: the launcher's;
+    a str: a pattern such as ``<N>`` for a message)."""
+    return JobDir.LAUNCHER_LOG if rank is None else f"rank{rank}.log"
+
+
+def exits_dir(job_dir: str) -> str:
+    return JobDir(job_dir).exits
+
+
+# -- Checkpoint completion markers: each node writes ``clusterkit-complete.node<N>.json``
+# into the tag dir once every rank of it saved; a checkpoint is complete when the markers
+# of nodes 0 .. num_nodes-1 all exist (docs/collect-ckpt.md).
+MARKER_PREFIX = "clusterkit-complete.node"
+MARKER_SUFFIX = ".json"
+MARKER_GLOB = f"{MARKER_PREFIX}*{MARKER_SUFFIX}"
+_MARKER_RE = re.compile(r"^" + re.escape(MARKER_PREFIX) + r"(\d+)" + re.escape(MARKER_SUFFIX) + "$")
+
+
+def marker_name(node_index: int) -> str:
+    return f"{MARKER_PREFIX}{node_index}{MARKER_SUFFIX}"
+
+
+def parse_marker_name(name: str) -> int | None:
+    """The node index of a marker's file name; None for any other name."""
+    m = _MARKER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def looks_like_marker(name: str) -> bool:
+    """A name the node listing ships the text of: the launcher's reader then judges it
+    (a malformed marker is reported there, not silently left out on the node)."""
+    return name.startswith(MARKER_PREFIX) and name.endswith(MARKER_SUFFIX)
