@@ -46,7 +46,7 @@ def test_totals_count_every_attempt(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         monotonic=lambda: clock[0], strftime=time.strftime))
     plan = plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=2)
     result = launch(JobOptions(job_id=plan.job_id), lambda _o: plan, transport=None,  # type: ignore[arg-type]
-                    registry=Registry(tmp_path), settings=LaunchSettings(max_restarts=1),
+                    registry=Registry(tmp_path), settings=LaunchSettings(relaunches=1),
                     sink=PlainSink(io.StringIO()), decisions=plan)
     assert result.exit_code == 0 and len(result.outcomes) == 2
     assert result.elapsed_s == 247.0

@@ -71,7 +71,7 @@ def test_duration_type_refuses_zero_and_fractions_where_asked() -> None:
 
 # Every duration flag of every verb, with the value its verb's parser gets for "1h30m".
 DURATION_FLAGS = [
-    (["launch", "--grace"], "grace"), (["launch", "--keepalive-timeout"], "keepalive_timeout"),
+    (["launch", "--grace"], "grace_s"), (["launch", "--keepalive-timeout"], "keepalive_s"),
     (["launch", "--hang-timeout"], "hang_timeout_s"), (["render", "--hang-timeout"], "hang_timeout_s"),
     (["sbatch", "--hang-timeout"], "hang_timeout_s"), (["stop", "j", "--grace"], "grace"),
     (["doctor", "--connect-timeout"], "connect_timeout"), (["sbatch", "--poll"], "poll"),

@@ -25,13 +25,16 @@ from clusterkit.cli.common import (
 from clusterkit.cli.jobflags import (
     add_job_flags,
     add_program,
+    add_run_flags,
     job_id_type,
     job_options,
+    run_options,
 )
 from clusterkit.contract import SUMMARY_FILE, SUMMARY_PREFIX, JobDir
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import folded_lines
 from clusterkit.launchers import BACKENDS
+from clusterkit.node.protocol import DEFAULT_GRACE_S
 from clusterkit.units import duration_type
 
 
@@ -43,21 +46,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_selection_options(p)
     # the same job flags as render and sbatch (cli/jobflags.py); Slurm's: only for sbatch
     add_job_flags(p, slurm=False)
-    c = p.add_argument_group("restarts")
-    c.add_argument("--drop-failed-nodes", action="store_true",
-                   help="on restart, leave out nodes that now fail the pre-launch check")
-    r = p.add_argument_group("running")
-    r.add_argument("--skip-checks", action="store_true", help="skip the pre-launch gate")
+    # the runtime flags (--grace, --keepalive-timeout, ...) from spec.job.RunOptions
+    r = add_run_flags(p)["running"]
     r.add_argument("--sync", metavar="DIR", type=nonempty,
                    help="first copy DIR to every selected node's workdir (changed files only; "
                         "as `clusterkit sync DIR`, docs/sync.md)")
     r.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    r.add_argument("--grace", type=duration_type("--grace"), default=3.0, metavar="S",
-                   help="seconds between SIGTERM and SIGKILL on teardown (default 3)")
-    r.add_argument("--keepalive-timeout", type=duration_type("--keepalive-timeout"),
-                   default=60.0, metavar="S",
-                   help="a node agent that hears nothing from this launcher for S seconds "
-                        "(network partition) stops its ranks by itself (default 60; 0: off)")
     r.add_argument("--quiet", action="store_true", help="no rank lines, only the summary")
     add_ranks_option(r)
     add_program(p)  # [-m MODULE] [SCRIPT] [ARGS...], as render and sbatch
@@ -71,7 +65,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     st = sub.add_parser("stop", help="stop a job on every node (only that job's processes)")
     st.add_argument("job", metavar="JOB", type=job_id_type)
-    st.add_argument("--grace", type=duration_type("--grace"), default=3.0, metavar="S")
+    st.add_argument("--grace", type=duration_type("--grace"), default=DEFAULT_GRACE_S,
+                    metavar="S")
     st.set_defaults(func=cmd_stop)
 
 
@@ -93,8 +88,8 @@ def _fresh_job_id(cluster: str) -> str:
 
 
 def _options(args: argparse.Namespace, cluster: str) -> Any:
-    # --max-restarts is clusterkit's own relaunch here (LaunchSettings): the ranks'
-    # launcher itself must not restart them too.
+    # --max-restarts is clusterkit's own relaunch here (LaunchSettings.relaunches): the
+    # ranks' launcher itself must not restart them too (the plan's max_restarts: 0).
     options = job_options(args, job_id=args.job_id or _fresh_job_id(cluster))
     return dataclasses.replace(options, max_restarts=0)
 
@@ -110,7 +105,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise LaunchError("--max-restarts must be >= 0", key="--max-restarts")
     for key, value in (("--hang-timeout", args.hang_timeout_s),
-                       ("--keepalive-timeout", args.keepalive_timeout)):
+                       ("--keepalive-timeout", args.keepalive_s)):
         if value < 0:
             raise LaunchError(f"{key} must be >= 0 (0: off)", key=key)
     facts = job_facts(args, inventory)  # + doctor's interface pick
@@ -133,10 +128,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         _dry_run_checks(args, first)  # exit 2 where the launch would refuse
         return 0
     _check_here(args, first)  # what the dry run checks here, before anything starts
-    settings = LaunchSettings(skip_checks=args.skip_checks, max_restarts=args.max_restarts,
-                              drop_failed_nodes=args.drop_failed_nodes, grace_s=args.grace,
-                              hang_timeout_s=args.hang_timeout_s,
-                              keepalive_s=args.keepalive_timeout,
+    settings = LaunchSettings(run=run_options(args), relaunches=args.max_restarts,
                               native=BACKENDS[args.launcher].native)
     if args.sync:  # the code to every node's workdir before anything starts there
         from clusterkit.cli.cmd_sync import run_sync

@@ -24,7 +24,7 @@ from clusterkit.cli.safety import NotForThisVerb
 from clusterkit.errors import ClusterkitError
 from clusterkit.inventory import _ADDRESS as ADDRESS  # the inventory's own address rule
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER, launchers_help
-from clusterkit.spec.job import JOB_ID, JobOptions, LaunchFacts, default_job_id
+from clusterkit.spec.job import JOB_ID, JobOptions, LaunchFacts, RunOptions, default_job_id
 from clusterkit.units import duration_type
 
 # Flags that are not JobOptions fields one to one (the verb maps them).
@@ -46,6 +46,28 @@ SLURM_GROUP = "Slurm"
 def job_fields() -> list[dataclasses.Field[Any]]:
     """The JobOptions fields that are job flags, in declaration order."""
     return [f for f in dataclasses.fields(JobOptions) if "flag" in f.metadata]
+
+
+def run_fields() -> list[dataclasses.Field[Any]]:
+    """The RunOptions fields: ``launch``'s runtime flags, in declaration order."""
+    return [f for f in dataclasses.fields(RunOptions) if "flag" in f.metadata]
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """``launch``'s runtime flags (``--grace``, ``--keepalive-timeout``, ...) from
+    :class:`RunOptions`; returns the groups made, for the verb's own flags."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in run_fields():
+        name = f.metadata["group"]
+        if name not in groups:
+            groups[name] = p.add_argument_group(name)
+        _add(groups[name], f)
+    return groups
+
+
+def run_options(args: argparse.Namespace) -> RunOptions:
+    """RunOptions from the parsed runtime flags."""
+    return RunOptions(**{f.name: getattr(args, f.name) for f in run_fields()})
 
 
 def flag_name(f: dataclasses.Field[Any]) -> str:

@@ -12,8 +12,9 @@ from clusterkit.errors import LaunchError
 from clusterkit.launch.gate import node_needs
 from clusterkit.launch.orchestrator import JobSpec, NodeTask
 from clusterkit.launchers import BACKENDS
+from clusterkit.node.protocol import DEFAULT_GRACE_S
 from clusterkit.remote.base import target_for as target_for  # the one host -> target function
-from clusterkit.spec.job import LaunchPlan, NodeCommand, NodePlan
+from clusterkit.spec.job import LaunchPlan, NodeCommand, NodePlan, RunOptions
 
 
 def _native_task(plan: LaunchPlan, node: NodePlan, cmd: NodeCommand) -> NodeTask:
@@ -34,12 +35,15 @@ def _native_task(plan: LaunchPlan, node: NodePlan, cmd: NodeCommand) -> NodeTask
                     needs=node_needs(plan, node))
 
 
-def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, grace_s: float = 3.0,
-                  native: bool = False) -> JobSpec:
+def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, native: bool = False,
+                  run: RunOptions | None = None, gate_need: tuple[str, ...] | None = None,
+                  hang_timeout_s: float = 0.0) -> JobSpec:
     """The plan's commands as they are rendered (``render_all(plan, run_id=...)`` names
     the run's per-rank log dir, ``plan.rank_log_dir``, which the agents tail).
     ``native``: with the torchrun backend, the agents start the ranks themselves
-    instead of running torchrun."""
+    instead of running torchrun. ``run``: launch's runtime options (None: the
+    agents' own defaults, no dead-man switch); ``gate_need``/``hang_timeout_s``: as
+    :class:`JobSpec`."""
     if native and not any(b.native and b.plan_backend == plan.backend for b in BACKENDS.values()):
         raise LaunchError(f"native launch replaces torchrun, not {plan.backend}",
                           key="--launcher")
@@ -65,4 +69,7 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, grace_s: float = 3.0,
         ))
     if not any(t.argv for t in tasks):
         raise LaunchError("the plan has no command for any selected node", key="--launcher")
-    return JobSpec(job_id=plan.job_id, tasks=tuple(tasks), attempt=attempt, grace_s=grace_s)
+    return JobSpec(job_id=plan.job_id, tasks=tuple(tasks), attempt=attempt,
+                   grace_s=run.grace_s if run else DEFAULT_GRACE_S,
+                   keepalive_s=run.keepalive_s if run else 0.0, gate_need=gate_need,
+                   hang_timeout_s=hang_timeout_s)

@@ -102,7 +102,7 @@ class JobSpec:
     job_id: str
     tasks: tuple[NodeTask, ...]
     attempt: int = 0
-    grace_s: float = 3.0
+    grace_s: float = protocol.DEFAULT_GRACE_S
     # The pre-launch gate folded into the agents (None: no gate): packages every node
     # must have; agents report their facts and start nothing until the launcher's GO.
     gate_need: tuple[str, ...] | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from clusterkit.errors import LaunchError
@@ -25,7 +25,7 @@ from clusterkit.launchers import BACKENDS, launcher_name
 from clusterkit.node.contract import JobDir
 from clusterkit.remote.base import Transport
 from clusterkit.render.artifacts import render_all
-from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, JobPlan, LaunchPlan
+from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, JobPlan, LaunchPlan, RunOptions
 
 # JobOptions -> the decisions; made again only when a restart drops nodes.
 Planner = Callable[[JobOptions], JobPlan]
@@ -33,14 +33,14 @@ Planner = Callable[[JobOptions], JobPlan]
 
 @dataclass(frozen=True)
 class LaunchSettings:
-    skip_checks: bool = False
-    max_restarts: int = 0
-    drop_failed_nodes: bool = False
-    grace_s: float = 3.0
+    """How this launch runs, beside the job itself (``JobOptions``; the hang watchdog's
+    limit is the job's ``hang_timeout_s``, which also sets the ranks' backend timeouts)."""
+
+    run: RunOptions = field(default_factory=RunOptions)  # launch's runtime flags
+    # clusterkit's own relaunches after a failure (launch's --max-restarts); the plan's
+    # JobOptions.max_restarts is the rendered launcher's own restarts (0 under launch).
+    relaunches: int = 0
     native: bool = False  # torchrun backend: the agents start the ranks themselves
-    # Hangs (issue 14): the progress watchdog and the agents' dead-man switch (0: off).
-    hang_timeout_s: float = 900.0
-    keepalive_s: float = 60.0
 
 
 @dataclass
@@ -178,16 +178,13 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         sink.info(note)
     # The gate runs inside the agents (facts reported, nothing started until GO): no
     # separate round of SSH commands before the launch.
-    need = None if settings.skip_checks else gate_needs(decisions)
+    need = None if settings.run.skip_checks else gate_needs(decisions)
     outcomes: list[JobOutcome] = []
     stamp = stamp_now()
-    for attempt in range(settings.max_restarts + 1):
+    for attempt in range(settings.relaunches + 1):
         plan = render_all(decisions, run_id=run_id(stamp, attempt))
-        job = dataclasses.replace(
-            job_from_plan(plan, attempt=attempt, grace_s=settings.grace_s,
-                          native=settings.native),
-            gate_need=need, hang_timeout_s=settings.hang_timeout_s,
-            keepalive_s=settings.keepalive_s)
+        job = job_from_plan(plan, attempt=attempt, native=settings.native, run=settings.run,
+                            gate_need=need, hang_timeout_s=options.hang_timeout_s)
         record = _record(job, plan, attempt)
         registry.save(record)
         # The watchdog's stack dumps also land beside the job record (issue 14).
@@ -199,19 +196,19 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
             raise gate_error(outcome.gate)
         outcomes.append(outcome)
         _finish_record(registry, record, outcome)
-        if outcome.exit_code == 0 or outcome.interrupted or attempt == settings.max_restarts:
+        if outcome.exit_code == 0 or outcome.interrupted or attempt == settings.relaunches:
             return LaunchResult(outcome.exit_code, outcomes, plan,
                                 elapsed_s=time.monotonic() - started)
         decisions, options = _prepare_restart(options, decisions, planner, transport, settings,
                                               sink)
-        sink.info(f"restarting (attempt {attempt + 2} of {settings.max_restarts + 1}): "
+        sink.info(f"restarting (attempt {attempt + 2} of {settings.relaunches + 1}): "
                   + resume_note(options.uses_workload, decisions.storage))
     raise AssertionError("unreachable")
 
 
 def _prepare_restart(options: JobOptions, plan: JobPlan, planner: Planner, transport: Transport,
                      settings: LaunchSettings, sink: Sink) -> tuple[JobPlan, JobOptions]:
-    if not settings.drop_failed_nodes:
+    if not settings.run.drop_failed_nodes:
         return plan, options
     bad = sorted(check_nodes(transport, plan, sink))
     if not bad:

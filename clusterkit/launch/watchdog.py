@@ -29,7 +29,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_KEEPALIVE_S = 60.0
 DUMP_COLLECT_S = 30.0  # how long the launcher waits for every node's stacks
 STARTUP_FACTOR = 2.0  # the start-up allowance, in units of --hang-timeout
 

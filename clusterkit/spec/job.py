@@ -19,6 +19,7 @@ from typing import Any
 from clusterkit.contract import ENV_DS_CONFIG, JobDir
 from clusterkit.inventory import Host
 from clusterkit.node.contract import ENV_HEARTBEAT
+from clusterkit.node.protocol import DEFAULT_GRACE_S
 from clusterkit.spec.zero import (
     DEFAULT_LR,
     DEFAULT_MICRO_BATCH,
@@ -70,6 +71,33 @@ def flag(default: Any, help: str, *, name: str | None = None, choices: tuple[Any
     meta = {"flag": name, "help": help, "choices": choices, "metavar": metavar, "group": group,
             "kind": kind, "cli_default": default if cli_default is None else cli_default}
     return field(default=default, metadata=meta)
+
+
+# One default per runtime timeout (issue 23): launch's flags, the launcher and the
+# agents' spec all read these. DEFAULT_GRACE_S is the node protocol's (the agent's
+# own default when a spec leaves it out).
+DEFAULT_HANG_TIMEOUT_S = 900.0  # --hang-timeout on the command line; JobOptions(): 0 = off
+DEFAULT_KEEPALIVE_S = 60.0  # --keepalive-timeout; a JobSpec built in code: 0 = off
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How ``clusterkit launch`` runs a job, beside what it runs (:class:`JobOptions`).
+
+    Each field declared with :func:`flag` is one of ``launch``'s runtime flags, made by
+    ``cli/jobflags.add_run_flags`` with this field's default, type and help (durations
+    end in ``_s``); ``launch.run`` reads the record (tests/test_jobflags.py)."""
+
+    skip_checks: bool = flag(False, "skip the pre-launch gate", group="running", kind="switch")
+    grace_s: float = flag(DEFAULT_GRACE_S, "seconds between SIGTERM and SIGKILL on teardown",
+                          name="--grace", metavar="S", group="running")
+    keepalive_s: float = flag(
+        DEFAULT_KEEPALIVE_S, "a node agent that hears nothing from this launcher for S "
+        "seconds (network partition) stops its ranks by itself (0: off)",
+        name="--keepalive-timeout", metavar="S", group="running")
+    drop_failed_nodes: bool = flag(
+        False, "on restart, leave out nodes that now fail the pre-launch check",
+        group="restarts", kind="switch")
 
 
 @dataclass(frozen=True)
@@ -153,7 +181,7 @@ class JobOptions:
         0.0, f"no progress on any rank for S seconds (output or {ENV_HEARTBEAT}): launch "
         "dumps every rank's stacks, stops the job, restarts per --max-restarts; every verb "
         "sets the ranks' backend timeouts to match (0 turns both off)", name="--hang-timeout",
-        metavar="S", group="launcher details", cli_default=900.0)
+        metavar="S", group="launcher details", cli_default=DEFAULT_HANG_TIMEOUT_S)
     # Slurm
     partition: str | None = flag(None, "Slurm partition", group="Slurm")
     account: str | None = flag(None, "Slurm account", group="Slurm")
