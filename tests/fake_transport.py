@@ -71,6 +71,13 @@ class FakeTransport:
         time.sleep(0)  # let other fan-out workers interleave
         return self.script[target.name](target, argv, timeout)
 
+    def run_connected(self, target: SSHTarget, argv: Sequence[str], *, timeout: float = 60.0,
+                      env: Mapping[str, str] | None = None, stdin: bytes | None = None,
+                      on_connected: Callable[[], None] | None = None) -> CommandResult:
+        if on_connected is not None:  # no login to wait for
+            on_connected()
+        return self.run(target, argv, timeout=timeout, env=env, stdin=stdin)
+
     def run_all(self, targets: Sequence[SSHTarget],
                 argv: Sequence[str] | Mapping[str, Sequence[str]], *, timeout: float = 60.0,
                 env: Mapping[str, str] | None = None, max_parallel: int = 64,

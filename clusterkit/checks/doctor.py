@@ -341,8 +341,9 @@ def collect_facts(plan: DoctorPlan, transport: Transport, *,
         def connected() -> None:  # SSH set-up stays out of the clock window
             marks.extend((time.monotonic(), clock()))
 
-        result = run_connected(transport, target, node.argv, timeout=plan.probe_timeout_s,
-                               env=node.env or None, stdin=stdin, on_connected=connected)
+        result = transport.run_connected(target, node.argv, timeout=plan.probe_timeout_s,
+                                         env=node.env or None, stdin=stdin,
+                                         on_connected=connected)
         t1, sent = marks if marks else (t0, clock())
         windows[node.host] = (sent, clock())
         phases[node.host] = (t1 - t0, time.monotonic() - t1)
@@ -390,26 +391,6 @@ def _phase_stats(phases: Mapping[str, tuple[float, float]],
     if probe_ms:
         out["probe_work_max"] = max(probe_ms) / 1000
     return out
-
-
-def run_connected(transport: Transport, target: SSHTarget, argv: Sequence[str], *,
-                  timeout: float, env: Mapping[str, str] | None, stdin: bytes,
-                  on_connected: Callable[[], None]) -> CommandResult:
-    """``transport.run``, calling ``on_connected`` when the command is about to be sent.
-
-    The OpenSSH fan-out (:class:`~clusterkit.remote.openssh.OpenSSHTransport`) says when
-    its login succeeded; with paramiko the connection is opened first, then the command.
-    """
-    run = getattr(transport, "run_connected", None)
-    if callable(run):
-        result: CommandResult = run(target, argv, timeout=timeout, env=env, stdin=stdin,
-                                    on_connected=on_connected)
-        return result
-    connect = getattr(getattr(transport, "ssh", transport), "connect", None)
-    if not target.local and callable(connect):
-        connect(target)
-    on_connected()
-    return transport.run(target, argv, timeout=timeout, env=env, stdin=stdin)
 
 
 def _facts_of(host: str, result: CommandResult | None, error: TransportError | None,

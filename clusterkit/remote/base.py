@@ -8,7 +8,7 @@ call has a connect and a command timeout.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -193,6 +193,21 @@ class Transport(Protocol):
         env: Mapping[str, str] | None = None,
         stdin: bytes | None = None,
     ) -> CommandResult: ...
+
+    def run_connected(
+        self,
+        target: SSHTarget,
+        argv: Sequence[str],
+        *,
+        timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+        on_connected: Callable[[], None] | None = None,
+    ) -> CommandResult:
+        """``run``, calling ``on_connected`` once the host is logged in to and the command
+        is about to be sent (at once for a local host): doctor starts a node's clock
+        window and set-up time there, so slow logins are not counted as skew."""
+        ...
 
     def run_all(
         self,

@@ -7,7 +7,7 @@ only created when a non-local target is first used.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from clusterkit.remote.base import (
@@ -66,6 +66,19 @@ class DispatchTransport:
         stdin: bytes | None = None,
     ) -> CommandResult:
         return self._for(target).run(target, argv, timeout=timeout, env=env, stdin=stdin)
+
+    def run_connected(
+        self,
+        target: SSHTarget,
+        argv: Sequence[str],
+        *,
+        timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+        on_connected: Callable[[], None] | None = None,
+    ) -> CommandResult:
+        return self._for(target).run_connected(target, argv, timeout=timeout, env=env,
+                                               stdin=stdin, on_connected=on_connected)
 
     def run_all(
         self,

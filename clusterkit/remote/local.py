@@ -78,6 +78,21 @@ class LocalTransport:
         except (FileNotFoundError, PermissionError, NotADirectoryError):
             return None  # reported as exit 127/126 like a shell would
 
+    def run_connected(
+        self,
+        target: SSHTarget,
+        argv: Sequence[str],
+        *,
+        timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+        on_connected: Callable[[], None] | None = None,
+    ) -> CommandResult:
+        """``run``; there is no login here, so ``on_connected`` is called at once."""
+        if on_connected is not None:
+            on_connected()
+        return self.run(target, argv, timeout=timeout, env=env, stdin=stdin)
+
     def run(
         self,
         target: SSHTarget,

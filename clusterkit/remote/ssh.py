@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import paramiko
@@ -232,6 +232,22 @@ class SSHTransport:
             return conn, conn.transport.open_session(timeout=self.connect_timeout)
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise dropped_error(target.name, exc) from exc
+
+    def run_connected(
+        self,
+        target: SSHTarget,
+        argv: Sequence[str],
+        *,
+        timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+        on_connected: Callable[[], None] | None = None,
+    ) -> CommandResult:
+        """``run``, connecting first and calling ``on_connected`` once logged in."""
+        self.connect(target)
+        if on_connected is not None:
+            on_connected()
+        return self.run(target, argv, timeout=timeout, env=env, stdin=stdin)
 
     def run(
         self,
