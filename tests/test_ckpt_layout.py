@@ -85,11 +85,3 @@ def test_marker_validation_names_the_key() -> None:
     data["step"] = "4"
     with pytest.raises(CheckpointError):
         layout.marker_from_json_dict(data)
-
-
-def test_completeness_helpers() -> None:
-    m0, m1 = _marker(0, (0, 1)), _marker(1, (2, 3))
-    assert layout.missing_nodes([m0]) == [1]
-    assert layout.missing_nodes([m0, m1]) == []
-    assert layout.covered_ranks([m0, m1]) == {0, 1, 2, 3}
-    assert layout.missing_nodes([]) == []

@@ -35,7 +35,7 @@ node-local storage each node holds its own).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -222,15 +222,3 @@ def _rank_entry(raw: Any, path: str | None) -> RankEntry:
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"marker rank entry is malformed ({exc})", path=path,
                               key="ranks") from None
-
-
-def missing_nodes(markers: Sequence[CompletionMarker]) -> list[int]:
-    """Node indices without a marker, given the markers found for one tag (any node)."""
-    if not markers:
-        return []
-    expected = set(range(markers[0].num_nodes))
-    return sorted(expected - {m.node_index for m in markers})
-
-
-def covered_ranks(markers: Sequence[CompletionMarker]) -> set[int]:
-    return {r.global_rank for m in markers for r in m.ranks}
