@@ -15,13 +15,12 @@ import pytest
 from clusterkit.checks.bandwidth import analyze, bandwidth_findings, busbw_allreduce
 from clusterkit.checks.doctor import (
     _facts_of,
-    merge_env_file,
     plan_doctor,
-    recommended_env,
     run_doctor,
 )
 from clusterkit.checks.facts import NodeFacts
 from clusterkit.checks.findings import Finding, Status
+from clusterkit.checks.fixenv import merge_env_file, recommended_env
 from clusterkit.cli.cmd_doctor import parse_size
 from clusterkit.cli.main import main
 from clusterkit.errors import ClusterkitError, TransportError

@@ -21,8 +21,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from clusterkit.checks.doctor import DoctorReport, recommended_env
+from clusterkit.checks.doctor import DoctorReport
 from clusterkit.checks.findings import Finding, Status
+from clusterkit.checks.fixenv import recommended_env
 from clusterkit.checks.invoke import ProbeOutputError, parse_probe_stdout
 from clusterkit.errors import TransportError
 from clusterkit.node.ship import bundle, node_command

@@ -12,22 +12,21 @@ a :class:`DoctorPlan` out). :func:`run_doctor` executes it over a transport:
    listener (so the port is free again right after doctor);
 3. the pure rules turn facts into findings.
 
-Nothing here prints; the CLI renders :class:`DoctorReport`.
+Nothing here prints; the CLI renders :class:`DoctorReport`. The master-port phase
+is ``checks/doctor_port.py``, ``--fix-env`` is ``checks/fixenv.py``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import json
-import posixpath
 import statistics
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from clusterkit.checks.doctor_port import Listener, master_port_findings, probe_budget
 from clusterkit.checks.facts import NodeFacts, from_probe_json, unreachable
 from clusterkit.checks.findings import (
     Finding,
@@ -40,24 +39,19 @@ from clusterkit.checks.findings import (
 from clusterkit.checks.invoke import (
     FACTS_TIMEOUT_S,
     ProbeOutputError,
-    connect_argv,
     facts_argv,
-    listen_argv,
     parse_probe_stdout,
     probe_source,
 )
 from clusterkit.checks.rules import (
-    VIRTUAL_IFACE_PREFIXES,
     DoctorContext,
-    check_master_port,
     one_machine,
     run_rules,
 )
 from clusterkit.errors import TransportError
 from clusterkit.hostrange import fold
 from clusterkit.inventory import Host
-from clusterkit.node.parity import majority
-from clusterkit.remote.base import CommandResult, RemoteProcess, SSHTarget, Transport, target_for
+from clusterkit.remote.base import CommandResult, SSHTarget, Transport, target_for
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.remote.fanout import fan_out
 from clusterkit.remote.openssh import OpenSSHTransport, with_openssh
@@ -68,10 +62,6 @@ DEFAULT_MASTER_PORT = 29500
 # 8 s was too short under load: at 128 nodes (load ~120) the master's login took longer,
 # 14 probes gave up, and asking them again (a second SSH round) cost 10.5 s.
 MASTER_WAIT_S = 15.0
-CONNECT_TIMEOUT_S = 3.0  # one TCP connect to the master port
-LISTEN_SECONDS = 120.0  # upper bound; the listener ends when doctor closes its channel
-LISTEN_READY_TIMEOUT_S = 20.0
-HELLO_GRACE_S = 3.0  # wait this long for hellos still in flight after the facts phase
 SLOW_STARTUP_S = 5.0  # remote start-up (shell + interpreter) above this is worth a warning
 # A remote shell that cannot exec the interpreter exits 126/127 before the probe runs.
 _NO_INTERPRETER = (126, 127)
@@ -240,7 +230,7 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *,
     own_digest = digest_pool.submit(_local_digest)
     digest_pool.shutdown(wait=False)
     master = plan.master
-    listener = (_Listener.start_async(transport, master, plan.master_port)
+    listener = (Listener.start_async(transport, master, plan.master_port)
                 if master is not None and plan.master_port else None)
     try:
         stats: dict[str, float] = {}
@@ -314,11 +304,6 @@ def _with_windows(ctx: DoctorContext, windows: Mapping[str, tuple[float, float]]
     return dataclasses.replace(ctx, probe_windows=dict(windows))
 
 
-def _budget(plan: DoctorPlan, command_timeout: float) -> float:
-    # TCP + banner + kex + auth (the SSH transport's worst case) plus the command.
-    return 4 * plan.connect_timeout_s + command_timeout
-
-
 Collected = tuple[dict[str, NodeFacts], dict[str, tuple[float, float]],
                   dict[str, Mapping[str, Any]]]  # facts, clock windows, master connects
 
@@ -350,7 +335,7 @@ def collect_facts(plan: DoctorPlan, transport: Transport, *,
         return result
 
     group = fan_out([n.target for n in plan.nodes], work,
-                    per_host_budget_s=_budget(plan, plan.probe_timeout_s),
+                    per_host_budget_s=probe_budget(plan, plan.probe_timeout_s),
                     max_parallel=plan.max_parallel)
     facts: dict[str, NodeFacts] = {}
     connects: dict[str, Mapping[str, Any]] = {}
@@ -408,203 +393,3 @@ def _facts_of(host: str, result: CommandResult | None, error: TransportError | N
         return unreachable(host, f"{exc} (exit {result.exit_code}, stderr: "
                                  f"{result.stderr.strip()[-200:]!r})", "probe"), {}
     return from_probe_json(host, raw), raw
-
-
-# ----------------------------------------------------------------------------- master port
-
-
-def master_port_findings(plan: DoctorPlan, transport: Transport, listener: _Listener,
-                         facts: Mapping[str, NodeFacts],
-                         connects: Mapping[str, Mapping[str, Any]],
-                         stats: dict[str, float] | None = None) -> list[Finding]:
-    """The listener's bind result plus each node's connect result (from its probe)."""
-    master, port = plan.master, plan.master_port
-    assert master is not None and port is not None
-    check = f"port:{port}"
-    if not facts[master.host].ok:
-        return [Finding(check, Status.FAIL, master.host,
-                        "master port not checked: the master node is unreachable",
-                        "fix the master's SSH first (see the ssh finding)")]
-    listen = listener.bind_result(LISTEN_READY_TIMEOUT_S)
-    if not listen.get("bound"):
-        return check_master_port(master.host, port, listen or None, {})
-    late = [n for n in plan.nodes if connects.get(n.host, {}).get("error_kind") == "refused"]
-    if stats is not None:
-        stats["port_retry_nodes"] = float(len(late))  # a second SSH round for these
-    if late:
-        # The listener came up after these probes stopped retrying (a slow login shell
-        # on the master): ask them once more, now that it listens. Costs a round only here.
-        connects = {**connects, **_connect_again(plan, transport, late, master.address, port)}
-    reached = {h for h, r in connects.items() if r.get("ok")}
-    names = {h: facts[h].hostname or h for h in reached}
-    arrived = listener.wait_hellos(set(names.values()), HELLO_GRACE_S)
-    findings = check_master_port(master.host, port, listen, connects)
-    for host in sorted(reached, key=plan.ctx.hosts.index):
-        if names[host] not in arrived:
-            findings.append(Finding(
-                check, Status.WARN, host,
-                f"connected to {master.address}:{port}, but the master's listener never saw "
-                "this node (another process or host answered)",
-                "check that the master address points at the master node"))
-    return findings
-
-
-def _connect_again(plan: DoctorPlan, transport: Transport, nodes: Sequence[NodeProbe],
-                   addr: str, port: int) -> dict[str, Mapping[str, Any]]:
-    by_name = {n.host: n for n in nodes}
-    timeout = CONNECT_TIMEOUT_S + 15
-
-    def work(target: SSHTarget) -> CommandResult:
-        node = by_name[target.name]
-        return transport.run(target, connect_argv(node.python, addr, port, CONNECT_TIMEOUT_S),
-                             timeout=timeout, stdin=probe_source())
-
-    group = fan_out([n.target for n in nodes], work,
-                    per_host_budget_s=_budget(plan, timeout), max_parallel=plan.max_parallel)
-    out: dict[str, Mapping[str, Any]] = {}
-    for hr in group:
-        if hr.result is None:
-            continue  # keep the probe's own answer
-        try:
-            out[hr.host] = parse_probe_stdout(hr.result.stdout)
-        except ProbeOutputError:
-            continue
-    return out
-
-
-class _Listener:
-    """The ``listen`` probe on the master, started in the background; its JSON lines
-    (ready / hello / result) are collected by a reader thread."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._ready: dict[str, Any] | None = None  # ready line, or the bind-failure result
-        self._hellos: set[str] = set()
-        self._done = False
-        self._proc: RemoteProcess | None = None
-        self._closed = False
-
-    @classmethod
-    def start_async(cls, transport: Transport, master: NodeProbe, port: int) -> _Listener:
-        self = cls()
-        threading.Thread(target=self._run, args=(transport, master, port), daemon=True,
-                         name="doctor-listener").start()
-        return self
-
-    def _run(self, transport: Transport, master: NodeProbe, port: int) -> None:
-        try:
-            proc = transport.start(master.target, listen_argv(master.python, port,
-                                                              LISTEN_SECONDS))
-            with self._cond:
-                self._proc = proc
-                closed = self._closed
-            if closed:
-                proc.terminate()
-                return
-            proc.write_stdin(probe_source())
-            proc.close_stdin()
-            for stream, line in proc.lines():
-                if stream == "stdout" and line.strip().startswith("{"):
-                    self._on_line(line)
-        except (TransportError, OSError) as exc:
-            self._set_ready({"bound": False, "error": f"listener not started: {exc}"})
-        finally:
-            with self._cond:
-                self._done = True
-                self._cond.notify_all()
-
-    def _on_line(self, line: str) -> None:
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError:
-            return
-        event = data.get("event")
-        if event == "ready":
-            self._set_ready({"bound": True, **data})
-        elif event == "result" and not data.get("bound"):
-            self._set_ready(data)
-        elif event == "hello" and data.get("hello"):
-            with self._cond:
-                self._hellos.add(str(data["hello"]))
-                self._cond.notify_all()
-
-    def _set_ready(self, data: dict[str, Any]) -> None:
-        with self._cond:
-            if self._ready is None:
-                self._ready = data
-            self._cond.notify_all()
-
-    def bind_result(self, timeout: float) -> dict[str, Any]:
-        with self._cond:
-            self._cond.wait_for(lambda: self._ready is not None or self._done, timeout)
-            return dict(self._ready or {})
-
-    def wait_hellos(self, expected: set[str], timeout: float) -> set[str]:
-        with self._cond:
-            self._cond.wait_for(lambda: expected <= self._hellos or self._done, timeout)
-            return set(self._hellos)
-
-    def close(self) -> None:
-        """Close the channel: the listener sees its stdout go away and exits at once."""
-        with self._cond:
-            self._closed = True
-            proc = self._proc
-        if proc is not None:
-            proc.terminate()
-
-
-# ----------------------------------------------------------------------------- --fix-env
-
-
-def recommended_env(report: DoctorReport) -> dict[str, str]:
-    """NCCL/GLOO interface (exact match) and PATH with the interpreter's bin dir.
-
-    Only what the facts support: no interface when the nodes disagree on its name
-    (NCCL then gets the exact list, gloo nothing), no PATH when no node answered.
-    """
-    nodes = [f for f in report.facts.values() if f.ok]
-    out: dict[str, str] = {}
-    ifaces = {f.host: i for f in nodes if (i := _peer_iface(f))}
-    if ifaces:
-        names = sorted(set(ifaces.values()))
-        out["NCCL_SOCKET_IFNAME"] = "=" + ",".join(names)  # "=" prefix: exact match
-        if len(names) == 1:
-            out["GLOO_SOCKET_IFNAME"] = names[0]
-    pythons = {f.host: f.python_executable for f in nodes if f.python_executable}
-    if pythons:
-        python = majority(pythons, report.hosts)
-        if python and "/" in python:
-            out["PATH"] = f"{posixpath.dirname(python)}:$PATH"
-    return out
-
-
-def _peer_iface(f: NodeFacts) -> str | None:
-    own = {a for addrs in f.interfaces.values() for a in addrs}
-    used = {i for a, i in f.routes.items() if i and a not in own and not a.startswith("127.")}
-    if len(used) == 1:
-        return used.pop()
-    real = [i for i, a in f.interfaces.items() if a and not i.startswith(VIRTUAL_IFACE_PREFIXES)]
-    return real[0] if len(real) == 1 else None
-
-
-def merge_env_file(existing: str, updates: Mapping[str, str]) -> str:
-    """``.deepspeed_env`` text with ``updates`` set: other lines kept in order, ours replaced.
-
-    The format is DeepSpeed's (``KEY=VALUE`` per line, split at the first ``=``);
-    blank and comment lines are dropped because DeepSpeed's runner crashes on them.
-    """
-    lines: list[str] = []
-    seen: set[str] = set()
-    for raw in existing.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#") or "=" not in line:
-            continue
-        key = line.split("=", 1)[0].strip()
-        if key in updates:
-            if key not in seen:
-                lines.append(f"{key}={updates[key]}")
-                seen.add(key)
-            continue
-        lines.append(line)
-    lines += [f"{k}={v}" for k, v in updates.items() if k not in seen]
-    return "".join(f"{line}\n" for line in lines)

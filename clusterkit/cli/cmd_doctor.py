@@ -161,7 +161,7 @@ def print_report(report: DoctorReport, *, verbose: bool, strict: bool) -> None:
 
 
 def write_fix_env(report: DoctorReport, path: Path, *, quiet: bool = False) -> None:
-    from clusterkit.checks.doctor import merge_env_file, recommended_env
+    from clusterkit.checks.fixenv import merge_env_file, recommended_env
     from clusterkit.fsutil import atomic_write_text
 
     updates = recommended_env(report)
