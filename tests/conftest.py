@@ -14,7 +14,7 @@ when the environment variable CI is set: then they fail loudly.
 
 Expensive training runs are session fixtures too, launched once by the first test
 that asks and checked by every test that needs them (helpers in
-tests/test_launch_train.py):
+tests/helpers.py):
 
 * ``reference_2x2``: the uninterrupted 2 x 2 run the restart and hang tests compare
   their resumed loss with;
@@ -34,7 +34,7 @@ from tests.slurmbed.fixtures import slurm, slurm_bed  # noqa: F401  (Slurm test 
 from tests.testbed import Testbed, TestNode, unavailable_reason
 
 if TYPE_CHECKING:
-    from tests.test_launch_train import Launched, Run
+    from tests.helpers import Launched, Run
 
 DEFAULT_TESTBED_NODES = 2
 # pytest-xdist (`-n 2 --dist loadgroup`, pyproject addopts): every worker is its own
@@ -120,8 +120,8 @@ def testbed_nodes(request: pytest.FixtureRequest, testbed: Testbed) -> list[Test
 
 @pytest.fixture(scope="session")
 def reference_2x2(testbed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """The uninterrupted 2 x 2 torchrun/shared run of test_launch_train.REF_STEPS steps."""
-    from tests.test_launch_train import launch_reference
+    """The uninterrupted 2 x 2 torchrun/shared run of tests/helpers.REF_STEPS steps."""
+    from tests.helpers import launch_reference
 
     return launch_reference(testbed, tmp_path_factory.mktemp("reference-2x2"))
 
@@ -129,10 +129,10 @@ def reference_2x2(testbed: Testbed, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.fixture(scope="session")
 def launched_7x2(testbed: Testbed, tmp_path_factory: pytest.TempPathFactory
                  ) -> Callable[[str], Launched]:
-    """``launched_7x2(key)``: the 7 x 2 run of test_launch_train.SHARED_7X2[key], launched
+    """``launched_7x2(key)``: the 7 x 2 run of tests/helpers.SHARED_7X2[key], launched
     on first use and kept for the session (a failed run is kept too: every test that
     shares it then reports the same failure instead of launching it again)."""
-    from tests.test_launch_train import launch_7x2
+    from tests.helpers import launch_7x2
 
     runs: dict[str, Launched] = {}
 

@@ -6,12 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from clusterkit.checks.facts import NodeFacts, StorageFacts, unreachable
+from clusterkit.checks.facts import StorageFacts, unreachable
 from clusterkit.checks.findings import Finding, Status, group_findings, worst
-from clusterkit.checks.gpu_topology import GpuInfo, parse_topo_matrix
+from clusterkit.checks.gpu_topology import parse_topo_matrix
 from clusterkit.checks.infiniband import IBPort
 from clusterkit.checks.rules import (
-    DoctorContext,
     GiB,
     check_clock,
     check_cuda,
@@ -33,56 +32,7 @@ from clusterkit.checks.rules import (
     ifname_selected,
     run_rules,
 )
-
-HOSTS = tuple(f"node{i}" for i in range(1, 8))
-PY = "/opt/venv/bin/python"
-ADDR = {h: f"10.0.0.{i}" for i, h in enumerate(HOSTS, start=1)}
-H100 = GpuInfo(0, "NVIDIA H100 80GB HBM3", "535.104.05", 81559)
-
-
-def node(host: str) -> NodeFacts:
-    """A healthy 2-GPU node that sees every peer over eth0."""
-    return NodeFacts(
-        host=host, hostname=host, time=1000.0, python_executable=PY, python_version="3.11.7",
-        workdir="/srv/train", workdir_exists=True, workdir_writable=True,
-        versions={"torch": "2.4.0", "deepspeed": "0.14.4", "accelerate": "0.33.0",
-                  "transformers": "4.44.0", "ninja": "1.11.1", "numpy": "1.26.4"},
-        torch_cuda="12.1", nccl_version="2.20.5",
-        freeze=("deepspeed==0.14.4", "ninja==1.11.1", "torch==2.4.0"),
-        tools={"ninja": "/opt/venv/bin/ninja", "pdsh": "/usr/bin/pdsh"},
-        cuda_home="/usr/local/cuda", cuda_home_exists=True, nvcc="/usr/local/cuda/bin/nvcc",
-        libcudart="/usr/local/cuda/lib64/libcudart.so.12", nvidia_smi="/usr/bin/nvidia-smi",
-        gpus=(H100, replace(H100, index=1)),
-        ib_ports=(IBPort("mlx5_0", 1, "ACTIVE", "LinkUp", "InfiniBand", 200.0),),
-        storage=(StorageFacts("/ckpt", True, True, 500 * GiB, 1000 * GiB),),
-        shm_total_bytes=64 * GiB, nofile_soft=1048576, self_name=host,
-        forward={h: (ADDR[h],) for h in HOSTS},
-        reverse={a: h for h, a in ADDR.items()},
-        interfaces={"lo": ("127.0.0.1",), "eth0": (ADDR[host],)},
-        routes={a: "eth0" for h, a in ADDR.items() if h != host},
-        env={"NCCL_SOCKET_IFNAME": "=eth0", "GLOO_SOCKET_IFNAME": "eth0"},
-    )
-
-
-CTX = DoctorContext(hosts=HOSTS, slots={h: 2 for h in HOSTS}, gpus={h: 2 for h in HOSTS},
-                    backend="pdsh", head_tools={"pdsh": "/usr/bin/pdsh"}, head_python=PY,
-                    checkpoint_bytes=100 * GiB)
-
-
-def cluster(**bad: object) -> dict[str, NodeFacts]:
-    """Seven healthy nodes with ``bad`` fields replaced on node7."""
-    facts = {h: node(h) for h in HOSTS}
-    facts["node7"] = replace(facts["node7"], **bad)  # type: ignore[arg-type]
-    return facts
-
-
-def only_node7(findings: list[Finding], check_prefix: str) -> Finding:
-    """Assert exactly node7 is flagged for this check and everybody else passed; return it."""
-    mine = [f for f in findings if f.check.startswith(check_prefix)]
-    bad = [f for f in mine if f.status is not Status.PASS]
-    assert [f.host for f in bad] == ["node7"], [(f.host, f.detail) for f in bad]
-    assert {f.host for f in mine if f.status is Status.PASS} >= set(HOSTS[:6])
-    return bad[0]
+from tests.helpers import ADDR, CTX, H100, HOSTS, PY, cluster, node, only_node7
 
 
 def test_healthy_cluster_has_no_warnings() -> None:

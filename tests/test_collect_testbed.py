@@ -27,7 +27,7 @@ from clusterkit.checkpoints.source import CollectNode
 from clusterkit.checkpoints.transfer import PART_SUFFIX
 from clusterkit.errors import CheckpointError
 from clusterkit.remote.dispatch import DispatchTransport
-from tests.test_launch_train import SHARED_7X2_STEPS, Launched
+from tests.helpers import SHARED_7X2_STEPS, Launched
 from tests.testbed import Testbed
 
 NODES = 7

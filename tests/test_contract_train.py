@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from clusterkit.contract import CONTRACT_NAMES, DEEPSPEED_CONFIG_ARG
+from tests.helpers import rank_pid, train_env, workload_summary
 from tests.render_cases import plan_for
-from tests.test_launch_train import _env, _rank_pid, _summary
 from tests.testbed.core import Testbed
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "train.py"
@@ -71,21 +71,21 @@ def _argv(inv: Path, job: str) -> list[str]:
 
 
 def _run(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, env=_env(tmp_path),
+    return subprocess.run(argv, capture_output=True, text=True, env=train_env(tmp_path),
                           cwd=tmp_path, timeout=300)
 
 
 def _kill_after_first_checkpoint(argv: list[str], tmp_path: Path, job: str) -> str:
     """Launch, SIGKILL rank 1 (node2) once a checkpoint is complete; the job fails."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(tmp_path), cwd=tmp_path, start_new_session=True)
+                            env=train_env(tmp_path), cwd=tmp_path, start_new_session=True)
     seen: list[str] = []
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             seen.append(line)
             if _CKPT_DONE.search(line):
-                pid = _rank_pid(job, 1)
+                pid = rank_pid(job, 1)
                 assert pid is not None, "".join(seen)[-3000:]
                 os.kill(pid, signal.SIGKILL)
                 break
@@ -110,7 +110,7 @@ def test_example_script_resumes_zero3_node_local_after_a_kill(testbed: Testbed,
     t0 = time.monotonic()
     ref = _run(_argv(inv, "contract-ref"), tmp_path)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
-    ref_loss = _summary(ref.stdout)["final_loss"]
+    ref_loss = workload_summary(ref.stdout)["final_loss"]
     print(f"reference run {time.monotonic() - t0:.1f} s")
 
     job = "contract-resume"
@@ -121,7 +121,7 @@ def test_example_script_resumes_zero3_node_local_after_a_kill(testbed: Testbed,
     again = _run(_argv(inv, job), tmp_path)  # same --job-id: the same checkpoint dirs
     text = again.stdout + again.stderr
     assert again.returncode == 0, text[-4000:]
-    s = _summary(again.stdout)
+    s = workload_summary(again.stdout)
     assert s["resumed_from"] is not None, text[-3000:]
     # The kill can land after one more save completed than the console had shown.
     assert int(s["resumed_from"].removeprefix("step")) >= int(newest.removeprefix("step"))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_launch_testbed import SLEEPER, _job_pids, _launch, _read_until
+from tests.helpers import SLEEPER, job_pids, read_until, start_launch
 from tests.testbed.core import Testbed
 
 pytestmark = pytest.mark.testbed
@@ -49,19 +49,19 @@ def _partition_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: int,
     inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes=names, slots=ranks)
     env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
     job = f"deadman-{nodes}x{ranks}"
-    proc = _launch(inv, job, ["--skip-checks", "--nodes", str(nodes), "--hang-timeout", "0",
+    proc = start_launch(inv, job, ["--skip-checks", "--nodes", str(nodes), "--hang-timeout", "0",
                               "--keepalive-timeout", f"{KEEPALIVE_S:g}", str(work / "sleeper.py")],
                    env, tmp_path)
     seen: list[str] = []
     routes = _routes(testbed, cut)
     try:
-        _read_until(proc, nodes * ranks, "ready rank", 180, seen)
-        assert _job_pids(testbed, cut, job), "no rank on the node to cut"
+        read_until(proc, nodes * ranks, "ready rank", 180, seen)
+        assert job_pids(testbed, cut, job), "no rank on the node to cut"
         _link(testbed, cut, "down", routes)
         t0 = time.monotonic()
         gone_after = None
         while time.monotonic() - t0 < KEEPALIVE_S + 30:
-            if not _job_pids(testbed, cut, job):  # inside the node, link still down
+            if not job_pids(testbed, cut, job):  # inside the node, link still down
                 gone_after = time.monotonic() - t0
                 break
             time.sleep(0.5)
@@ -85,7 +85,7 @@ def _partition_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: int,
     assert f"{cut}: could not verify the teardown" in text, text
     assert f"{cut} could not be confirmed" in text, text
     for name in names:  # the other nodes as after any lost node; the cut one cleaned itself
-        assert not _job_pids(testbed, name, job), (name, text[-3000:])
+        assert not job_pids(testbed, name, job), (name, text[-3000:])
 
 
 def test_cut_node_tears_down_its_own_ranks(testbed: Testbed, tmp_path: Path) -> None:

@@ -24,16 +24,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_launch_train import (
-    _CKPT_DONE,
+from tests.helpers import (
+    CKPT_DONE,
     REF_STEPS,
     Run,
-    _argv,
-    _assert_trained,
-    _env,
-    _rank_pid,
-    _summary,
-    _train,
+    assert_trained,
+    rank_pid,
+    train,
+    train_argv,
+    train_env,
+    workload_summary,
 )
 from tests.testbed.core import Testbed
 
@@ -73,8 +73,8 @@ def test_stopped_rank_then_killed_rank_each_restart_and_the_job_ends_on_the_same
     # Node-local shards resume only on the same rank->node mapping: never a fresh start.
     inv4 = testbed.write_inventory(tmp_path / "r4.yaml", nodes=[x.name for x in testbed.ensure(4)],
                                    slots=1)
-    again = subprocess.run(_argv(inv4, job, "native", 4, 1, "node-local", STEPS, []),
-                           capture_output=True, text=True, env=_env(tmp_path), cwd=tmp_path,
+    again = subprocess.run(train_argv(inv4, job, "native", 4, 1, "node-local", STEPS, []),
+                           capture_output=True, text=True, env=train_env(tmp_path), cwd=tmp_path,
                            timeout=60)
     assert again.returncode == 2, again.stdout + again.stderr
     assert "different rank->node mapping" in again.stderr and "--scatter" in again.stderr
@@ -91,18 +91,18 @@ def _stopped_rank_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: i
     """The stop (and with ``then_kill`` the kill in the next attempt); returns the job id."""
     world = nodes * ranks
     if ref is None:  # the 7x2 acceptance: its own uninterrupted run
-        ref = _train(testbed, tmp_path, "hang-ref", "native", nodes, ranks, "shared", STEPS)
-    _assert_trained(ref, STEPS, world)
+        ref = train(testbed, tmp_path, "hang-ref", "native", nodes, ranks, "shared", STEPS)
+    assert_trained(ref, STEPS, world)
 
     job = "hang-run"
     inv = testbed.write_inventory(tmp_path / "h.yaml", nodes=[x.name for x in testbed.ensure(nodes)],
                                   slots=ranks)
     attempts = 3 if then_kill else 2
-    argv = _argv(inv, job, "native", nodes, ranks, "node-local", STEPS,
+    argv = train_argv(inv, job, "native", nodes, ranks, "node-local", STEPS,
                  ["--save-every", str(SAVE_EVERY), "--max-restarts", str(attempts - 1),
                   "--hang-timeout", str(HANG_TIMEOUT)])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(tmp_path), cwd=tmp_path, start_new_session=True)
+                            env=train_env(tmp_path), cwd=tmp_path, start_new_session=True)
     seen: list[str] = []
     stopped_at = fired_at = named_at = None
     killed_after: str | None = None  # the checkpoint of attempt 2 after which rank dies
@@ -111,9 +111,9 @@ def _stopped_rank_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: i
         assert proc.stdout is not None
         for line in proc.stdout:
             seen.append(line)
-            m = _CKPT_DONE.search(line)
+            m = CKPT_DONE.search(line)
             if m and stopped_at is None and m.group(1) == f"global_step{SAVE_EVERY}":
-                pid = _rank_pid(job, stop_rank)
+                pid = rank_pid(job, stop_rank)
                 assert pid is not None
                 os.kill(pid, signal.SIGSTOP)  # alive, silent, stuck
                 stopped_at = time.monotonic()
@@ -125,7 +125,7 @@ def _stopped_rank_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: i
                 left_after_teardown = [p for p in _job_pids(job) if _attempt(p) == b"0"]
             if then_kill and m and fired_at is not None and killed_after is None \
                     and m.group(1) != f"global_step{STEPS}":
-                pid = _rank_pid(job, stop_rank)  # attempt 2's: attempt 1's are gone
+                pid = rank_pid(job, stop_rank)  # attempt 2's: attempt 1's are gone
                 assert pid is not None, "".join(seen)[-3000:]
                 os.kill(pid, signal.SIGKILL)
                 killed_after = m.group(1)
@@ -149,7 +149,7 @@ def _stopped_rank_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: i
         sorted(f"rank{r}.txt" for r in range(world))
     assert left_after_teardown == [], left_after_teardown
     assert proc.returncode == 0, text[-4000:]
-    s = _summary(text)
+    s = workload_summary(text)
     assert s["resumed_from"] is not None and s["finished"] and s["steps"] == STEPS
     assert s["final_loss"] == ref.summary["final_loss"], (s["final_loss"], ref.summary["final_loss"])
     assert _job_pids(job) == []
@@ -164,7 +164,7 @@ def _assert_kill_restarted(text: str, killed_after: str | None, rank: int, node:
     assert killed_after is not None, text[-4000:]
     after = text.split(f"checkpoint {killed_after} complete", 1)[1]
     before_report = after.split("stopping the job on every node", 1)[0]
-    newest = [killed_after, *_CKPT_DONE.findall(before_report)][-1]
+    newest = [killed_after, *CKPT_DONE.findall(before_report)][-1]
     assert f"{node} rank {rank} failed (killed by SIGKILL)" in after, after[-3000:]
     assert "restarting (attempt 3 of 3)" in after and f"resumed from {newest}" in after, \
         after[-3000:]

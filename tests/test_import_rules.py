@@ -43,3 +43,36 @@ def test_the_paramiko_check_sees_a_lazy_import(tmp_path: Path) -> None:
     (root / "remote" / "ssh.py").write_text("import paramiko\n")
     (root / "checks" / "doctor.py").write_text("def f():\n    from paramiko import Agent\n")
     assert paramiko_importers(root) == ["clusterkit/checks/doctor.py:2"]
+
+
+
+def imports_of_test_modules(root: Path = TESTS) -> list[str]:
+    """Imports of a test module (``tests.test_*``, or ``from tests import test_*``)
+    anywhere under ``root``."""
+    def is_test_module(module: str, names: list[str]) -> bool:
+        parts = module.split(".")
+        if parts[0] != "tests":
+            return False
+        if len(parts) > 1:
+            return parts[1].startswith("test_")
+        return any(n.startswith("test_") for n in names)
+
+    return [f"{path.relative_to(root.parent)}:{line}: {module}"
+            for path in sorted(root.rglob("*.py"))
+            for line, module, names in imported_modules(path)
+            if is_test_module(module, names)]
+
+
+def test_no_module_imports_a_test_module() -> None:
+    """Shared helpers live in tests/helpers.py (or a helper package such as
+    tests/testbed): no module imports another test module's names."""
+    assert imports_of_test_modules() == []
+
+
+def test_the_test_import_check_sees_both_spellings(tmp_path: Path) -> None:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_a.py").write_text("from tests.helpers import x\nfrom tests.test_b import _y\n")
+    (tests / "conftest.py").write_text("def f():\n    from tests import test_b\n")
+    assert imports_of_test_modules(tests) == ["tests/conftest.py:2: tests",
+                                              "tests/test_a.py:2: tests.test_b"]

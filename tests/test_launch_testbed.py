@@ -7,102 +7,23 @@ backend at 7 nodes x 2 ranks (CPU/gloo, tiny model, few steps).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import textwrap
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import SLEEPER, gone_everywhere, job_pids, kill9_then_wait, read_until, start_launch
 from tests.testbed.core import Testbed
 
 pytestmark = pytest.mark.testbed
 
-SLEEPER = textwrap.dedent("""
-    import os, sys, time
-    print(f"ready rank {os.environ['RANK']}", flush=True)
-    time.sleep(300)
-""")
-
-# Runs inside a node: the pids of this job's processes (optionally of one rank).
-FIND = textwrap.dedent("""
-    import json, os, sys
-    job, rank = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
-    out = []
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            env = dict(x.split("=", 1) for x in open(f"/proc/{p}/environ").read().split("\\0") if "=" in x)
-        except OSError:
-            continue
-        is_rank = env.get("RANK") == rank and "LOCAL_RANK" in env
-        if env.get("CLUSTERKIT_JOB_ID") == job and (rank is None or is_rank):
-            out.append(int(p))
-    print(json.dumps(out))
-""")
-
-
-def _job_pids(tb: Testbed, node: str, job: str, rank: int | None = None) -> list[int]:
-    args = [sys.executable, "-c", FIND, job] + ([str(rank)] if rank is not None else [])
-    res = tb.exec(node, args, timeout=30)
-    assert res.returncode == 0, res.stderr
-    return list(json.loads(res.stdout))
-
-
-def _gone_everywhere(tb: Testbed, nodes: Sequence[str], job: str) -> bool:
-    return all(not _job_pids(tb, n, job) for n in nodes)
-
-
 @pytest.fixture()
 def env(tmp_path: Path) -> dict[str, str]:
     return dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
-
-
-def _launch(inv: Path, job: str, extra: Sequence[str], env: dict[str, str], cwd: Path
-            ) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
-            "--grace", "2", *extra]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=cwd, start_new_session=True)
-
-
-def _kill9_then_wait(tb: Testbed, proc: subprocess.Popen[str], node: str, victim: int,
-                     nodes: Sequence[str], job: str, limit_s: float, seen: list[str]) -> None:
-    """kill -9 ``victim`` on ``node``; the launcher exits and, within ``limit_s`` of the
-    kill, no process of ``job`` is left on any node. Ctrl-C's the launcher if it hangs."""
-    try:
-        killed_at = time.monotonic()
-        tb.exec(node, ["kill", "-9", str(victim)])
-        out, _ = proc.communicate(timeout=60)
-        seen.append(out)
-        while not _gone_everywhere(tb, nodes, job):
-            assert time.monotonic() - killed_at < limit_s, f"processes left {limit_s} s after the kill"
-            time.sleep(0.2)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(30)
-
-
-def _read_until(proc: subprocess.Popen[str], want: int, pattern: str, timeout: float,
-                seen: list[str]) -> None:
-    """Read lines until ``want`` lines contain ``pattern``."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    hits = 0
-    for line in proc.stdout:
-        seen.append(line)
-        hits += pattern in line
-        if hits >= want:
-            return
-        assert time.monotonic() < deadline, "".join(seen[-30:])
-    raise AssertionError("launcher ended early:\n" + "".join(seen[-40:]))
 
 
 @pytest.fixture()
@@ -130,19 +51,19 @@ def test_kill9_of_one_rank_on_node5_stops_every_rank_and_spares_other_jobs(
     (work / "sleeper.py").write_text(SLEEPER)
     inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes=nodes, slots=2)
     job = "kill9-test"
-    proc = _launch(inv, job, ["--skip-checks", "--nodes", "7", "--gpus-per-node", "2",
+    proc = start_launch(inv, job, ["--skip-checks", "--nodes", "7", "--gpus-per-node", "2",
                               str(work / "sleeper.py")], env, tmp_path)
     seen: list[str] = []
     try:
-        _read_until(proc, 14, "ready rank", 120, seen)
-        victim = _job_pids(testbed, "node5", job, rank=9)
+        read_until(proc, 14, "ready rank", 120, seen)
+        victim = job_pids(testbed, "node5", job, rank=9)
         assert len(victim) == 1
     except BaseException:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(30)
         raise
     # Every rank on every node gone within 10 s of the kill.
-    _kill9_then_wait(testbed, proc, "node5", victim[0], nodes, job, 10, seen)
+    kill9_then_wait(testbed, proc, "node5", victim[0], nodes, job, 10, seen)
     text = "".join(seen)
     assert proc.returncode == 137, text[-3000:]
     assert "node5 rank 9 failed first (killed by SIGKILL)" in text, text[-3000:]
@@ -157,14 +78,14 @@ def test_ctrl_c_on_the_launcher_leaves_no_process_on_any_node(
     (work / "sleeper.py").write_text(SLEEPER)
     inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes=nodes, slots=2)
     job = "ctrlc-test"
-    proc = _launch(inv, job, [str(work / "sleeper.py")], env, tmp_path)
+    proc = start_launch(inv, job, [str(work / "sleeper.py")], env, tmp_path)
     seen: list[str] = []
-    _read_until(proc, 6, "ready rank", 120, seen)
+    read_until(proc, 6, "ready rank", 120, seen)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130, "".join(seen) + out
     assert "interrupted: stopped on every node" in out
-    assert _gone_everywhere(testbed, nodes, job)
+    assert gone_everywhere(testbed, nodes, job)
 
 
 def test_status_and_stop_reach_every_node(testbed: Testbed, tmp_path: Path,
@@ -175,10 +96,10 @@ def test_status_and_stop_reach_every_node(testbed: Testbed, tmp_path: Path,
     (work / "sleeper.py").write_text(SLEEPER)
     inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes=nodes, slots=1)
     job = "stop-test"
-    proc = _launch(inv, job, ["--skip-checks", str(work / "sleeper.py")], env, tmp_path)
+    proc = start_launch(inv, job, ["--skip-checks", str(work / "sleeper.py")], env, tmp_path)
     seen: list[str] = []
     try:
-        _read_until(proc, 2, "ready rank", 120, seen)
+        read_until(proc, 2, "ready rank", 120, seen)
         ck = [sys.executable, "-m", "clusterkit"]
         status = subprocess.run([*ck, "status", job], capture_output=True, text=True, env=env,
                                 timeout=60)
@@ -192,7 +113,7 @@ def test_status_and_stop_reach_every_node(testbed: Testbed, tmp_path: Path,
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert _gone_everywhere(testbed, nodes, job)
+    assert gone_everywhere(testbed, nodes, job)
     listing = subprocess.run([sys.executable, "-m", "clusterkit", "status"], capture_output=True,
                              text=True, env=env, timeout=30)
     assert job in listing.stdout

@@ -19,8 +19,8 @@ from clusterkit.plan import plan_job
 from clusterkit.plan.ifaces import KEYS, apply_picks
 from clusterkit.render.artifacts import plan_json, render_all, summary
 from clusterkit.spec.job import JobOptions
+from tests.helpers import cluster, node
 from tests.render_cases import FACTS, ROOT, inventory
-from tests.test_checks_rules import cluster, node
 
 
 def inventory_without_ifnames() -> Inventory:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from clusterkit.checks.findings import Status
 from clusterkit.checks.rules import check_interfaces, gloo_pick, nccl_pick
-from tests.test_checks_rules import ADDR, CTX, HOSTS, cluster, node, only_node7
+from tests.helpers import ADDR, CTX, HOSTS, cluster, node, only_node7
 
 BRIDGE = ("172.18.0.1",)  # docker's user-defined network: the same address on every node
 

@@ -22,6 +22,7 @@ import pytest
 from clusterkit.cli.main import main
 from clusterkit.slurm import SlurmClient, SlurmError
 from clusterkit.slurm.ranklines import LabelJoiner
+from tests.helpers import IN_PROGRESS, assert_slurm_nodes_clean, slurm_job_dir, wait_slurm_finished
 from tests.slurmbed import SlurmBed
 
 pytestmark = [pytest.mark.slurm, pytest.mark.testbed]
@@ -35,10 +36,6 @@ WORKLOAD = ("--precision", "fp32", "--model", "tiny")
 def _inventory(bed: SlurmBed, gpus: int) -> Path:
     path = bed.tb.root / f"inventory-gpus{gpus}.yaml"
     return bed.tb.write_inventory(path, nodes=bed.nodes, slots=2, gpus=gpus)
-
-
-def _job_dir(bed: SlurmBed, job: str) -> Path:
-    return bed.tb.root / "work" / ".clusterkit" / "jobs" / job
 
 
 def _cli(bed: SlurmBed, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -55,7 +52,7 @@ def test_test_only_accepts_every_variant(slurm: SlurmBed, capsys: pytest.Capture
         assert main(["sbatch", "-i", str(inv), "--nodes", "7", "--gpus-per-node", "2",
                      "--launcher", launcher, "--storage", storage, "--job-id", job,
                      "--partition", "debug", "--time", "00:10:00", *WORKLOAD]) == 0, job
-        script = _job_dir(slurm, job) / "sbatch.sh"
+        script = slurm_job_dir(slurm, job) / "sbatch.sh"
         text = script.read_text()
         assert ("#SBATCH --gpus-per-node=2" in text) is (gpus > 0)
         # one Slurm task per rank needs the allocation to hold them all
@@ -75,7 +72,7 @@ def test_test_only_rejections_name_the_fix(slurm: SlurmBed) -> None:
                                    slots=3, gpus=3)
     assert main(["sbatch", "-i", str(inv), "--nodes", "2", "--job-id", "rej-gpus", *WORKLOAD]) == 0
     with pytest.raises(SlurmError) as err:
-        client.test_only(_job_dir(slurm, "rej-gpus") / "sbatch.sh")
+        client.test_only(slurm_job_dir(slurm, "rej-gpus") / "sbatch.sh")
     assert "Requested node configuration is not available" in str(err.value)
     assert "sinfo" in err.value.one_line()
     # A partition that does not exist.
@@ -101,7 +98,7 @@ def _submit(bed: SlurmBed, job: str, *extra: str, nodes: int = 2, ranks_per_node
 
 
 def _wait_output(bed: SlurmBed, job: str, slurm_id: str, needle: str, timeout: float = 180) -> str:
-    out = _job_dir(bed, job) / "logs" / f"slurm-{slurm_id}.out"
+    out = slurm_job_dir(bed, job) / "logs" / f"slurm-{slurm_id}.out"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = out.read_text(errors="replace") if out.exists() else ""
@@ -112,37 +109,15 @@ def _wait_output(bed: SlurmBed, job: str, slurm_id: str, needle: str, timeout: f
     raise AssertionError(f"{needle!r} not in the output of job {slurm_id} after {timeout} s")
 
 
-def _wait_finished(bed: SlurmBed, slurm_id: str, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = bed.job_state(slurm_id)
-        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
-            return state
-        time.sleep(0.3)
-    raise AssertionError(f"job {slurm_id} still {bed.job_state(slurm_id)} after {timeout} s")
-
-
-def _assert_nodes_clean(bed: SlurmBed, timeout: float = 20) -> None:
-    """No slurmstepd, batch script or rank left on any node (after KillWait at most)."""
-    deadline = time.monotonic() + timeout
-    left: dict[str, list[tuple[int, str]]] = {}
-    while time.monotonic() < deadline:
-        left = {n.name: p for n in bed.nodes if (p := bed.job_processes(n))}
-        if not left:
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"processes left after the job: {left}")
-
-
 def _ckpt_dirs(bed: SlurmBed, job: str) -> dict[str, str]:
     """node name -> checkpoint directory, as the plan decided (JOBDIR/plan.json)."""
-    plan = json.loads((_job_dir(bed, job) / "plan.json").read_text())
+    plan = json.loads((slurm_job_dir(bed, job) / "plan.json").read_text())
     return {n["host"]: n["ckpt_dir"] for n in plan["nodes"]}
 
 
 def _saved_summary(bed: SlurmBed, job: str) -> dict[str, object]:
     """What rank 0 saved last (<job dir>/run/summary.json): a requeued job's second run."""
-    return dict(json.loads((_job_dir(bed, job) / "run" / "summary.json").read_text()))
+    return dict(json.loads((slurm_job_dir(bed, job) / "run" / "summary.json").read_text()))
 
 
 def _summary(text: str) -> dict[str, object]:
@@ -172,7 +147,7 @@ def test_zero_on_7_nodes_submit_watch(slurm: SlurmBed) -> None:
     ckpt = _ckpt_dirs(slurm, "zero7")
     for node in slurm.nodes:  # every node wrote its own shards to its own disk
         assert (slurm.tb.node_local_path(node, ckpt[node.name]) / "global_step3").is_dir(), node.name
-    _assert_nodes_clean(slurm)
+    assert_slurm_nodes_clean(slurm)
     _assert_watch_folded(slurm, r.stdout, ranks=14)
     print(f"7 nodes x 2 ranks, 3 ZeRO-2 steps via sbatch --watch: {wall:.1f} s")
 
@@ -211,7 +186,7 @@ def test_killed_rank_ends_the_whole_job(slurm: SlurmBed) -> None:
     r = _cli(slurm, ["status", slurm_id, "--watch", "--poll", "0.5"], timeout=120)
     assert r.returncode == 1, r.stderr
     assert f"Slurm job {slurm_id} ended FAILED" in r.stderr
-    _assert_nodes_clean(slurm)
+    assert_slurm_nodes_clean(slurm)
 
 
 @pytest.mark.slow
@@ -221,8 +196,8 @@ def test_cancel_leaves_no_process(slurm: SlurmBed) -> None:
     _wait_output(slurm, "cancel1", slurm_id, "step 2/")
     r = _cli(slurm, ["cancel", slurm_id])
     assert r.returncode == 0 and f"cancelled Slurm job {slurm_id}" in r.stdout, r.stderr
-    assert _wait_finished(slurm, slurm_id) == "CANCELLED"
-    _assert_nodes_clean(slurm)
+    assert wait_slurm_finished(slurm, slurm_id) == "CANCELLED"
+    assert_slurm_nodes_clean(slurm)
     r = _cli(slurm, ["status", slurm_id])
     assert r.returncode == 1 and "CANCELLED" in r.stdout  # the exit status is the outcome
 
@@ -241,7 +216,7 @@ def test_usr1_checkpoints_then_stops(slurm: SlurmBed, launcher: str) -> None:
     slurm_id = _submit(slurm, job, "--", "--log-every", "1", launcher=launcher)
     rank0 = "step 2/"
     if launcher == "deepspeed":
-        out = _job_dir(slurm, job) / "logs" / f"ck-{job}-{slurm_id}-rank0.out"
+        out = slurm_job_dir(slurm, job) / "logs" / f"ck-{job}-{slurm_id}-rank0.out"
         deadline = time.monotonic() + 180
         while not (out.exists() and rank0 in out.read_text(errors="replace")):
             assert time.monotonic() < deadline, f"rank 0 of job {slurm_id} did not train"
@@ -260,10 +235,9 @@ def test_usr1_checkpoints_then_stops(slurm: SlurmBed, launcher: str) -> None:
     assert summary["world_size"] == 4  # all ranks ran (deepspeed: one Slurm task per rank)
     tag = summary["checkpoint_tag"]
     assert isinstance(tag, str) and (Path(_ckpt_dirs(slurm, job)["node1"]) / tag).is_dir()
-    _assert_nodes_clean(slurm)
+    assert_slurm_nodes_clean(slurm)
 
 
-IN_PROGRESS = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING")
 
 
 @pytest.mark.slow
@@ -281,12 +255,12 @@ def test_usr1_to_batch_checkpoints_requeues_and_resumes(slurm: SlurmBed) -> None
     while (state := slurm.job_state(slurm_id)) in IN_PROGRESS:
         assert time.monotonic() < deadline, f"job {slurm_id} still {state}"
         time.sleep(0.5)
-    out = (_job_dir(slurm, job) / "logs" / f"slurm-{slurm_id}.out").read_text(errors="replace")
+    out = (slurm_job_dir(slurm, job) / "logs" / f"slurm-{slurm_id}.out").read_text(errors="replace")
     assert state == "COMPLETED", out[-3000:]
     summary = _saved_summary(slurm, job)  # the requeued run's
     assert summary["finished"] is True and summary["preempted"] is None, summary
     assert isinstance(summary["resumed_from"], str) and summary["resumed_from"].startswith("global_step")
-    _assert_nodes_clean(slurm)
+    assert_slurm_nodes_clean(slurm)
 
 
 # --- issue 13: site flags, node pinning and logs across requeue (more in
@@ -303,7 +277,7 @@ def test_test_only_accepts_site_flags(slurm: SlurmBed, capsys: pytest.CaptureFix
         assert main(["sbatch", "-i", str(_inventory(slurm, 2)), "--nodes", "2", "--gpus-per-node",
                      "2", "--launcher", launcher, "--storage", "node-local", "--job-id", job,
                      "--write-only", *site, *WORKLOAD]) == 0, job
-        script = _job_dir(slurm, job) / "sbatch.sh"
+        script = slurm_job_dir(slurm, job) / "sbatch.sh"
         text = script.read_text()
         # default --cpus-per-task: the node's 4 CPUs (sinfo) shared by the Slurm tasks on it
         assert f"#SBATCH --cpus-per-task={cpus}\n" in text and "--gpus-per-node=tbgpu:2" in text
@@ -331,7 +305,7 @@ def test_node_local_requeue_stays_on_its_nodes_and_keeps_both_logs(slurm: SlurmB
         pinned = pinned or "ReqNodeList=node[1-2]" in slurm.client(
             ["scontrol", "show", "job", "-o", slurm_id]).stdout
         time.sleep(0.5)
-    out = (_job_dir(slurm, job) / "logs" / f"slurm-{slurm_id}.out").read_text(errors="replace")
+    out = (slurm_job_dir(slurm, job) / "logs" / f"slurm-{slurm_id}.out").read_text(errors="replace")
     assert state == "COMPLETED", out[-3000:]
     assert pinned, "the requeued job was not pinned to its nodes"
     runs = re.findall(rf"===== clusterkit: job {job} slurm={slurm_id} run (\d) on (\S+) ", out)
@@ -340,13 +314,13 @@ def test_node_local_requeue_stays_on_its_nodes_and_keeps_both_logs(slurm: SlurmB
     summary = _saved_summary(slurm, job)
     assert summary["finished"] is True and str(summary["resumed_from"]).startswith("global_step")
     # The same job forced onto other nodes: no silent fresh start.
-    script = _job_dir(slurm, job) / "sbatch.sh"
+    script = slurm_job_dir(slurm, job) / "sbatch.sh"
     other = SlurmClient(env=slurm.env).submit(script, ["--nodelist=node[3-4]"])
-    assert _wait_finished(slurm, other, timeout=120) == "FAILED"
-    err = (_job_dir(slurm, job) / "logs" / f"slurm-{other}.err").read_text(errors="replace")
+    assert wait_slurm_finished(slurm, other, timeout=120) == "FAILED"
+    err = (slurm_job_dir(slurm, job) / "logs" / f"slurm-{other}.err").read_text(errors="replace")
     assert "keeps node-local checkpoints on node[1-2], but this run got node[3-4]" in err
     assert "collect-ckpt --scatter" in err
-    _assert_nodes_clean(slurm)
+    assert_slurm_nodes_clean(slurm)
 
 
 @pytest.mark.slow

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import IN_PROGRESS, assert_slurm_nodes_clean, slurm_job_dir, wait_slurm_finished
 from tests.slurmbed import SlurmBed
-from tests.test_sbatch_slurm import IN_PROGRESS, _assert_nodes_clean, _job_dir, _wait_finished
 
 pytestmark = [pytest.mark.slurm, pytest.mark.testbed, pytest.mark.slow]
 
@@ -74,7 +74,7 @@ def _summary(text: str) -> dict[str, object]:
 
 
 def _log(bed: SlurmBed, job: str, slurm_id: str, ext: str = "out") -> str:
-    return (_job_dir(bed, job) / "logs" / f"slurm-{slurm_id}.{ext}").read_text(errors="replace")
+    return (slurm_job_dir(bed, job) / "logs" / f"slurm-{slurm_id}.{ext}").read_text(errors="replace")
 
 
 def test_user_script_gets_the_contract_on_every_variant(slurm: SlurmBed) -> None:
@@ -88,18 +88,18 @@ def test_user_script_gets_the_contract_on_every_variant(slurm: SlurmBed) -> None
         summary = _summary(r.stdout)
         assert summary["world_size"] == 4 and summary["finished"] is True, summary
         losses[launcher] = summary["final_loss"]
-        plan = json.loads((_job_dir(slurm, job) / "plan.json").read_text())
+        plan = json.loads((slurm_job_dir(slurm, job) / "plan.json").read_text())
         assert str(slurm.tb.root / "user" / "usertrain.py") in json.dumps(plan)  # made absolute
         print(f"{launcher}: COMPLETED in {time.monotonic() - t0:.0f} s, loss {losses[launcher]}")
     assert len(set(losses.values())) == 1, losses
-    _assert_nodes_clean(slurm)
+    assert_slurm_nodes_clean(slurm)
 
 
 def test_missing_script_is_refused_before_submitting(slurm: SlurmBed) -> None:
     r = _sbatch(slurm, "user-missing", "torchrun", ["nosuch.py"])
     assert r.returncode == 2, r.stderr
     assert "nosuch.py does not exist" in r.stderr and "submitted" not in r.stdout
-    assert not _job_dir(slurm, "user-missing").exists()
+    assert not slurm_job_dir(slurm, "user-missing").exists()
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
@@ -111,12 +111,12 @@ def test_first_failing_rank_gives_the_exit_code(slurm: SlurmBed, launcher: str) 
     slurm_id = _slurm_id(r)
     err = _log(slurm, job, slurm_id, "err")
     assert re.search(r"clusterkit: rank 1 on node\d failed first \(exit code 2\)", err), err[-2000:]
-    _assert_nodes_clean(slurm)
+    assert_slurm_nodes_clean(slurm)
 
 
 def _wait_line(bed: SlurmBed, job: str, slurm_id: str, needle: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
-    out = _job_dir(bed, job) / "logs" / f"slurm-{slurm_id}.out"
+    out = slurm_job_dir(bed, job) / "logs" / f"slurm-{slurm_id}.out"
     while not (out.exists() and needle in out.read_text(errors="replace")):
         assert time.monotonic() < deadline, f"{needle!r} not in job {slurm_id}'s output"
         assert bed.job_state(slurm_id) in IN_PROGRESS
@@ -149,7 +149,7 @@ def test_preemption_saves_requeues_and_resumes(slurm: SlurmBed) -> None:
     assert saved and f"resumed from {saved.group(1)}" in out, out[-3000:]
     summary = _summary(out.replace("[rank0]:", ""))
     assert summary["finished"] is True and summary["resumed_from"] == saved.group(1)
-    _assert_nodes_clean(slurm)
+    assert_slurm_nodes_clean(slurm)
 
 
 def test_a_script_that_ignores_the_stop_is_not_requeued(slurm: SlurmBed) -> None:
@@ -163,7 +163,7 @@ def test_a_script_that_ignores_the_stop_is_not_requeued(slurm: SlurmBed) -> None
     assert "nothing was saved" in out and "not requeueing" in out, out[-3000:]
     assert "requeueing job" not in out.replace("not requeueing job", "")
     assert re.findall(rf"slurm={slurm_id} run (\d)", out) == ["1"]
-    assert _wait_finished(slurm, slurm_id) == "COMPLETED"
+    assert wait_slurm_finished(slurm, slurm_id) == "COMPLETED"
 
 
 def test_a_stopped_rank_is_named_and_ends_the_step(slurm: SlurmBed) -> None:
@@ -184,7 +184,7 @@ def test_a_stopped_rank_is_named_and_ends_the_step(slurm: SlurmBed) -> None:
     assert victim is not None, slurm.job_processes("node2")
     os.kill(victim[0], signal.SIGSTOP)
     stopped_at = time.monotonic()
-    state = _wait_finished(slurm, slurm_id, timeout=hang + 120)
+    state = wait_slurm_finished(slurm, slurm_id, timeout=hang + 120)
     out = _log(slurm, job, slurm_id)
     print("\n".join(ln for ln in out.splitlines()
                     if ln.startswith(("clusterkit: no progress", "  rank", "clusterkit: ending",
@@ -196,6 +196,6 @@ def test_a_stopped_rank_is_named_and_ends_the_step(slurm: SlurmBed) -> None:
     assert re.search(rf"  rank {victim[1]} \(node2, stopped\): .*odd one out", out), out[-3000:]
     assert "ending the step: no progress for" in out and f"rank {victim[1]} on node2 is stopped" in out
     assert state == "FAILED", state
-    hangs = list((_job_dir(slurm, job) / "hangs").glob(f"{slurm_id}.1/rank*.txt"))
+    hangs = list((slurm_job_dir(slurm, job) / "hangs").glob(f"{slurm_id}.1/rank*.txt"))
     assert len(hangs) == 4, hangs
-    _assert_nodes_clean(slurm)
+    assert_slurm_nodes_clean(slurm)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_launch_testbed import _launch, _read_until
+from tests.helpers import read_until, start_launch
 from tests.testbed.core import Testbed
 
 pytestmark = pytest.mark.testbed
@@ -46,11 +46,11 @@ def test_ps_shows_train_py_for_every_rank_and_status_lists_their_pids(
     env.pop("CLUSTERKIT_ZYGOTE", None)
     env.pop("CLUSTERKIT_ZYGOTE_IMPORTS", None)
     job = f"titles-{launcher}"
-    proc = _launch(inv, job, ["--skip-checks", "--launcher", launcher, "--nodes", "2",
+    proc = start_launch(inv, job, ["--skip-checks", "--launcher", launcher, "--nodes", "2",
                               str(work / "train.py"), "--lr", "3e-4"], env, tmp_path)
     seen: list[str] = []
     try:
-        _read_until(proc, 4, "ready rank", 240, seen)
+        read_until(proc, 4, "ready rank", 240, seen)
         # rank -> pid as each rank saw itself (in its node's PID namespace)
         pids = {int(m.group(1)): int(m.group(2)) for line in seen
                 for m in [re.search(r"ready rank (\d+) pid (\d+)", line)] if m}

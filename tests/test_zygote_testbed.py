@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_launch_testbed import _job_pids, _kill9_then_wait, _launch, _read_until
+from tests.helpers import job_pids, kill9_then_wait, read_until, start_launch
 from tests.testbed.core import Testbed
 
 pytestmark = pytest.mark.testbed
@@ -52,7 +52,7 @@ def _probe(tb: Testbed, tmp_path: Path, work: Path, env: dict[str, str], tag: st
     nodes = [n.name for n in tb.ensure(2)]
     inv = tb.write_inventory(tmp_path / "inv.yaml", nodes=nodes, slots=2)
     (work / "out" / tag).mkdir(parents=True)
-    proc = _launch(inv, job, ["--skip-checks", "--nodes", "2", "--gpus-per-node", "2",
+    proc = start_launch(inv, job, ["--skip-checks", "--nodes", "2", "--gpus-per-node", "2",
                               str(work / "probe.py"), tag], env, tmp_path)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
@@ -102,13 +102,13 @@ def test_teardown_leaves_no_process_of_a_forked_job(testbed: Testbed, tmp_path: 
     env.pop("CLUSTERKIT_ZYGOTE", None)
     for how in ("rank", "agent"):
         job = f"zy-kill-{how}"
-        proc = _launch(inv, job, ["--skip-checks", "--nodes", "2", "--gpus-per-node", "2",
+        proc = start_launch(inv, job, ["--skip-checks", "--nodes", "2", "--gpus-per-node", "2",
                                   str(work / "sleeper.py")], env, tmp_path)
         seen: list[str] = []
         try:
-            _read_until(proc, 4, "ready rank", 240, seen)
+            read_until(proc, 4, "ready rank", 240, seen)
             text = "".join(seen)
-            pids = _job_pids(testbed, "node2", job)
+            pids = job_pids(testbed, "node2", job)
             # 2 ranks + the zygote, all tagged with the job.
             assert len(pids) >= 3, (pids, text[-2000:])
             if how == "rank":
@@ -119,7 +119,7 @@ def test_teardown_leaves_no_process_of_a_forked_job(testbed: Testbed, tmp_path: 
             os.killpg(proc.pid, signal.SIGINT)
             proc.wait(30)
             raise
-        _kill9_then_wait(testbed, proc, "node2", victim, nodes, job, 15, seen)
+        kill9_then_wait(testbed, proc, "node2", victim, nodes, job, 15, seen)
         text = "".join(seen)
         assert proc.returncode != 0, text[-3000:]
         if how == "rank":
@@ -129,7 +129,7 @@ def test_teardown_leaves_no_process_of_a_forked_job(testbed: Testbed, tmp_path: 
 
 def _agent_pid(tb: Testbed, node: str, job: str) -> int:
     """The agent of ``job`` on ``node``: the parent of the job's zygote."""
-    for pid in _job_pids(tb, node, job):
+    for pid in job_pids(tb, node, job):
         res = tb.exec(node, ["cat", f"/proc/{pid}/cmdline", f"/proc/{pid}/stat"], timeout=30)
         if "clusterkit fork server" in res.stdout:
             return int(res.stdout.rsplit(")", 1)[1].split()[1])
@@ -146,7 +146,7 @@ def test_an_unimportable_preload_falls_back_to_exec_with_a_note(
     inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes=nodes, slots=2)
     env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1",
                CLUSTERKIT_ZYGOTE_IMPORTS="torch,no_such_module_here")
-    proc = _launch(inv, "zy-fallback", ["--skip-checks", "--nodes", "1", "--gpus-per-node", "2",
+    proc = start_launch(inv, "zy-fallback", ["--skip-checks", "--nodes", "1", "--gpus-per-node", "2",
                                         str(work / "probe.py"), "fallback"], env, tmp_path)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]

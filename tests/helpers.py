@@ -1,0 +1,316 @@
+"""Helpers shared by several test modules (one place: no test module imports from another).
+
+Sections: doctor rules' synthetic fact sets; ``clusterkit launch`` on the namespace
+test bed (a sleeping rank script, the job's pids, reading the launcher's output);
+the bundled workload trained on the test bed (the shared session runs of
+tests/conftest.py); ``clusterkit sbatch`` on the Slurm test bed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from clusterkit.checks.facts import NodeFacts, StorageFacts
+from clusterkit.checks.findings import Finding, Status
+from clusterkit.checks.gpu_topology import GpuInfo
+from clusterkit.checks.infiniband import IBPort
+from clusterkit.checks.rules import DoctorContext, GiB
+
+if TYPE_CHECKING:
+    from tests.slurmbed import SlurmBed
+    from tests.testbed.core import Testbed
+
+
+# ------------------------------------------------------------------ doctor rules (synthetic facts)
+
+HOSTS = tuple(f"node{i}" for i in range(1, 8))
+PY = "/opt/venv/bin/python"
+ADDR = {h: f"10.0.0.{i}" for i, h in enumerate(HOSTS, start=1)}
+H100 = GpuInfo(0, "NVIDIA H100 80GB HBM3", "535.104.05", 81559)
+
+
+def node(host: str) -> NodeFacts:
+    """A healthy 2-GPU node that sees every peer over eth0."""
+    return NodeFacts(
+        host=host, hostname=host, time=1000.0, python_executable=PY, python_version="3.11.7",
+        workdir="/srv/train", workdir_exists=True, workdir_writable=True,
+        versions={"torch": "2.4.0", "deepspeed": "0.14.4", "accelerate": "0.33.0",
+                  "transformers": "4.44.0", "ninja": "1.11.1", "numpy": "1.26.4"},
+        torch_cuda="12.1", nccl_version="2.20.5",
+        freeze=("deepspeed==0.14.4", "ninja==1.11.1", "torch==2.4.0"),
+        tools={"ninja": "/opt/venv/bin/ninja", "pdsh": "/usr/bin/pdsh"},
+        cuda_home="/usr/local/cuda", cuda_home_exists=True, nvcc="/usr/local/cuda/bin/nvcc",
+        libcudart="/usr/local/cuda/lib64/libcudart.so.12", nvidia_smi="/usr/bin/nvidia-smi",
+        gpus=(H100, replace(H100, index=1)),
+        ib_ports=(IBPort("mlx5_0", 1, "ACTIVE", "LinkUp", "InfiniBand", 200.0),),
+        storage=(StorageFacts("/ckpt", True, True, 500 * GiB, 1000 * GiB),),
+        shm_total_bytes=64 * GiB, nofile_soft=1048576, self_name=host,
+        forward={h: (ADDR[h],) for h in HOSTS},
+        reverse={a: h for h, a in ADDR.items()},
+        interfaces={"lo": ("127.0.0.1",), "eth0": (ADDR[host],)},
+        routes={a: "eth0" for h, a in ADDR.items() if h != host},
+        env={"NCCL_SOCKET_IFNAME": "=eth0", "GLOO_SOCKET_IFNAME": "eth0"},
+    )
+
+
+CTX = DoctorContext(hosts=HOSTS, slots={h: 2 for h in HOSTS}, gpus={h: 2 for h in HOSTS},
+                    backend="pdsh", head_tools={"pdsh": "/usr/bin/pdsh"}, head_python=PY,
+                    checkpoint_bytes=100 * GiB)
+
+
+def cluster(**bad: object) -> dict[str, NodeFacts]:
+    """Seven healthy nodes with ``bad`` fields replaced on node7."""
+    facts = {h: node(h) for h in HOSTS}
+    facts["node7"] = replace(facts["node7"], **bad)  # type: ignore[arg-type]
+    return facts
+
+
+def only_node7(findings: list[Finding], check_prefix: str) -> Finding:
+    """Assert exactly node7 is flagged for this check and everybody else passed; return it."""
+    mine = [f for f in findings if f.check.startswith(check_prefix)]
+    bad = [f for f in mine if f.status is not Status.PASS]
+    assert [f.host for f in bad] == ["node7"], [(f.host, f.detail) for f in bad]
+    assert {f.host for f in mine if f.status is Status.PASS} >= set(HOSTS[:6])
+    return bad[0]
+
+
+# ------------------------------------------------------------------ launch on the test bed
+
+SLEEPER = textwrap.dedent("""
+    import os, sys, time
+    print(f"ready rank {os.environ['RANK']}", flush=True)
+    time.sleep(300)
+""")
+
+# Runs inside a node: the pids of this job's processes (optionally of one rank).
+FIND = textwrap.dedent("""
+    import json, os, sys
+    job, rank = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    out = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            env = dict(x.split("=", 1) for x in open(f"/proc/{p}/environ").read().split("\\0") if "=" in x)
+        except OSError:
+            continue
+        is_rank = env.get("RANK") == rank and "LOCAL_RANK" in env
+        if env.get("CLUSTERKIT_JOB_ID") == job and (rank is None or is_rank):
+            out.append(int(p))
+    print(json.dumps(out))
+""")
+
+
+def job_pids(tb: Testbed, node: str, job: str, rank: int | None = None) -> list[int]:
+    args = [sys.executable, "-c", FIND, job] + ([str(rank)] if rank is not None else [])
+    res = tb.exec(node, args, timeout=30)
+    assert res.returncode == 0, res.stderr
+    return list(json.loads(res.stdout))
+
+
+def gone_everywhere(tb: Testbed, nodes: Sequence[str], job: str) -> bool:
+    return all(not job_pids(tb, n, job) for n in nodes)
+
+
+def start_launch(inv: Path, job: str, extra: Sequence[str], env: dict[str, str], cwd: Path
+            ) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
+            "--grace", "2", *extra]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=cwd, start_new_session=True)
+
+
+def kill9_then_wait(tb: Testbed, proc: subprocess.Popen[str], node: str, victim: int,
+                     nodes: Sequence[str], job: str, limit_s: float, seen: list[str]) -> None:
+    """kill -9 ``victim`` on ``node``; the launcher exits and, within ``limit_s`` of the
+    kill, no process of ``job`` is left on any node. Ctrl-C's the launcher if it hangs."""
+    try:
+        killed_at = time.monotonic()
+        tb.exec(node, ["kill", "-9", str(victim)])
+        out, _ = proc.communicate(timeout=60)
+        seen.append(out)
+        while not gone_everywhere(tb, nodes, job):
+            assert time.monotonic() - killed_at < limit_s, f"processes left {limit_s} s after the kill"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(30)
+
+
+def read_until(proc: subprocess.Popen[str], want: int, pattern: str, timeout: float,
+                seen: list[str]) -> None:
+    """Read lines until ``want`` lines contain ``pattern``."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    hits = 0
+    for line in proc.stdout:
+        seen.append(line)
+        hits += pattern in line
+        if hits >= want:
+            return
+        assert time.monotonic() < deadline, "".join(seen[-30:])
+    raise AssertionError("launcher ended early:\n" + "".join(seen[-40:]))
+
+
+# ------------------------------------------------------------------ the workload trained on the test bed
+
+CKPT_DONE = re.compile(r"checkpoint (global_step\d+) complete")
+RANK_LABEL = re.compile(r"^\[node\d+ r(\d+)\] ")
+
+
+@dataclass
+class Run:
+    code: int
+    text: str
+    summary: dict[str, Any]
+
+
+def train_argv(inv: Path, job: str, backend: str, n: int, g: int, storage: str, steps: int,
+          extra: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
+            "--launcher", backend, "--nodes", str(n), "--gpus-per-node", str(g),
+            "--storage", storage, "--steps", str(steps), "--grace", "2", "--skip-checks", *extra]
+
+
+def train_env(tmp_path: Path) -> dict[str, str]:
+    return dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1",
+                OMP_NUM_THREADS="1")
+
+
+def workload_summary(text: str) -> dict[str, Any]:
+    lines = [ln for ln in text.splitlines() if ln.startswith("CLUSTERKIT_SUMMARY ")]
+    assert lines, text[-4000:]
+    value = json.loads(lines[-1].split(" ", 1)[1])
+    assert isinstance(value, dict)
+    return value
+
+
+def train(tb: Testbed, tmp_path: Path, job: str, backend: str, n: int, g: int, storage: str,
+           steps: int, extra: Sequence[str] = (), timeout: float = 300) -> Run:
+    inv = tb.write_inventory(tmp_path / f"{job}.yaml", nodes=[x.name for x in tb.ensure(n)], slots=g)
+    proc = subprocess.run(train_argv(inv, job, backend, n, g, storage, steps, extra),
+                          capture_output=True, text=True, env=train_env(tmp_path), cwd=tmp_path,
+                          timeout=timeout)
+    text = proc.stdout + proc.stderr
+    return Run(proc.returncode, text, workload_summary(text) if proc.returncode == 0 else {})
+
+
+def rank_pid(job: str, rank: int) -> int | None:
+    """The host pid of one rank of ``job`` (node PID namespaces are visible from the host)."""
+    want = {b"CLUSTERKIT_JOB_ID=" + job.encode(), b"RANK=" + str(rank).encode()}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            env = set(Path(f"/proc/{name}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if want <= env and any(x.startswith(b"LOCAL_RANK=") for x in env):
+            return int(name)
+    return None
+
+
+def assert_trained(run: Run, steps: int, world: int) -> None:
+    assert run.code == 0, run.text[-4000:]
+    s = run.summary
+    assert s["finished"] and s["steps"] == steps and s["world_size"] == world, s
+    assert isinstance(s["final_loss"], float)
+    # every rank's lines carry their label, whatever the launcher
+    ranks = {int(m.group(1)) for ln in run.text.splitlines() if (m := RANK_LABEL.match(ln))}
+    assert 0 in ranks, run.text[-2000:]
+
+
+# ------------------------------------------------------------------ shared runs
+
+# The uninterrupted 2 x 2 reference (torchrun, shared storage) of the restart and hang
+# tests: long enough for a stop after the first save (every 10 steps), a kill after the
+# restarted attempt's first save and a last attempt that resumes mid-run, although the
+# test sees each line up to ~20 steps late (60 steps were too few on a quiet machine:
+# attempt 2 had finished before the kill).
+REF_STEPS = 120
+# Every step of a 14-rank ZeRO-3 run costs ~4 s on this 2-core machine: three steps
+# show training as well as six did.
+SHARED_7X2_STEPS = 3
+# key -> (launcher, storage, ZeRO stage). The node-local ones dump their weights for
+# test_collect_testbed.py (ZeRO-2 and ZeRO-3 collect + consolidate).
+SHARED_7X2: dict[str, tuple[str, str, int]] = {
+    "native": ("native", "node-local", 2),
+    "deepspeed": ("deepspeed", "node-local", 3),
+    "accelerate": ("accelerate", "shared", 2),
+}
+
+
+@dataclass
+class Launched:
+    """One launched job shared by several tests (session fixtures in tests/conftest.py)."""
+
+    run: Run
+    wall: float
+    job: str
+    storage: str
+    zero_stage: int
+    weights: Path | None  # the workload's --dump-weights file (shared dir), if asked for
+
+
+def launch_reference(tb: Testbed, tmp_path: Path) -> Run:
+    t0 = time.monotonic()
+    ref = train(tb, tmp_path, "ref-run", "torchrun", 2, 2, "shared", REF_STEPS)
+    assert_trained(ref, REF_STEPS, 4)
+    print(f"reference run {time.monotonic() - t0:.1f} s")
+    return ref
+
+
+def launch_7x2(tb: Testbed, tmp_path: Path, key: str) -> Launched:
+    backend, storage, stage = SHARED_7X2[key]
+    job = f"b7-{key}"
+    extra = ["--zero-stage", str(stage)]
+    weights = None
+    if storage == "node-local":
+        weights = tb.shared_dir / f"{job}-weights.pt"
+        extra += ["--set-env", f"CLUSTERKIT_DUMP_WEIGHTS={weights}"]
+    started = time.monotonic()
+    run = train(tb, tmp_path, job, backend, 7, 2, storage, SHARED_7X2_STEPS, extra)
+    return Launched(run, time.monotonic() - started, job, storage, stage, weights)
+
+
+# ------------------------------------------------------------------ sbatch on the Slurm test bed
+
+IN_PROGRESS = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING")
+
+
+def slurm_job_dir(bed: SlurmBed, job: str) -> Path:
+    return bed.tb.root / "work" / ".clusterkit" / "jobs" / job
+
+
+def wait_slurm_finished(bed: SlurmBed, slurm_id: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = bed.job_state(slurm_id)
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return state
+        time.sleep(0.3)
+    raise AssertionError(f"job {slurm_id} still {bed.job_state(slurm_id)} after {timeout} s")
+
+
+def assert_slurm_nodes_clean(bed: SlurmBed, timeout: float = 20) -> None:
+    """No slurmstepd, batch script or rank left on any node (after KillWait at most)."""
+    deadline = time.monotonic() + timeout
+    left: dict[str, list[tuple[int, str]]] = {}
+    while time.monotonic() < deadline:
+        left = {n.name: p for n in bed.nodes if (p := bed.job_processes(n))}
+        if not left:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"processes left after the job: {left}")
