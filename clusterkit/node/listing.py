@@ -4,7 +4,7 @@
 every tag dir's files with size and mtime (only TAG's when given), and the text
 of the completion markers. A ``.pt`` file also says whether it is a whole zip archive
 (``torch.save``'s format ends with the zip end record, so a save cut short lacks it).
-Parsed by :func:`clusterkit.checkpoints.discover.parse_listing`.
+Parsed by :func:`clusterkit.checkpoints.listing.parse_listing`.
 """
 
 from __future__ import annotations
