@@ -6,7 +6,8 @@
 watches the agents: the first one that exits non-zero, or whose connection drops,
 starts the teardown of the whole job (``TERM`` to every other agent, ``KILL`` when
 an agent has not finished after the grace period, then the channel is closed,
-which the agent treats as a teardown too). SIGINT/SIGTERM to the launcher do the
+which the agent treats as a teardown too: :mod:`clusterkit.launch.teardown`, a pure
+state machine this loop feeds and whose actions it performs). SIGINT/SIGTERM to the launcher do the
 same; SIGUSR1/SIGUSR2 are forwarded to every agent.
 """
 
@@ -29,9 +30,11 @@ from typing import Any
 from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.errors import TransportError
 from clusterkit.hostrange import folded_lines
+from clusterkit.launch import teardown
 from clusterkit.launch.console import PHASES, Sink
 from clusterkit.launch.gate import GATE_TIMEOUT_S, GateResult, judge
 from clusterkit.launch.stacks import RankStack, StackSummary, read_stack, summarize
+from clusterkit.launch.teardown import Teardown
 from clusterkit.launch.watchdog import DUMP_COLLECT_S, Watchdog, ping_interval, step_of
 from clusterkit.node import protocol
 from clusterkit.node.contract import (
@@ -183,9 +186,7 @@ class Orchestrator:
         self.nodes = {t.node: _Node(t) for t in job.tasks}
         self._q: queue.Queue[tuple[str, str, Any]] = queue.Queue()
         self._failure: RankFailure | None = None
-        self._teardown_at: float | None = None
-        self._killed = False
-        self._closed = False
+        self._teardown = Teardown(job.grace_s)  # pure: this loop feeds it and acts
         self._interrupts = 0
         self._pending_signals: list[str] = []
         self._summary: dict[str, Any] | None = None
@@ -478,11 +479,25 @@ class Orchestrator:
         return JobDir(job_dir).node_log("<node>", "<N>")
 
     def _begin_teardown(self) -> None:
-        if self._teardown_at is not None:
-            return
-        self._teardown_at = time.monotonic()
-        self._set_phase("tearing down")
-        self._broadcast(Control.TERM)
+        if not self._teardown.begun:
+            self._set_phase("tearing down")
+        self._perform(self._teardown.on(teardown.Begin(), time.monotonic()))
+
+    def _perform(self, actions: list[teardown.Action]) -> None:
+        """Carry out what the teardown state machine decided."""
+        for action in actions:
+            if isinstance(action, teardown.Send):
+                self._broadcast(action.word)
+            elif isinstance(action, teardown.CloseChannels):
+                # Closing the channel makes the agent see EOF; it sweeps on its own.
+                for state in self.nodes.values():
+                    if state.proc is not None and state.code is None:
+                        state.proc.close_stdin()
+                        state.proc.terminate()
+            else:  # GiveUp
+                for state in self.nodes.values():
+                    if state.code is None:
+                        state.code, state.dropped = -1, True
 
     def _broadcast(self, command: protocol.Control) -> None:
         for state in self.nodes.values():
@@ -492,24 +507,7 @@ class Orchestrator:
                     state.proc.write_stdin(command.line())
 
     def _advance_teardown(self) -> None:
-        if self._teardown_at is None:
-            return
-        waited = time.monotonic() - self._teardown_at
-        grace = self.job.grace_s
-        if waited > grace + 2.0 and not self._killed:
-            self._killed = True
-            self._broadcast(Control.KILL)
-        if waited > grace + 4.0 and not self._closed:
-            # Closing the channel makes the agent see EOF; it sweeps on its own.
-            self._closed = True
-            for state in self.nodes.values():
-                if state.proc is not None and state.code is None:
-                    state.proc.close_stdin()
-                    state.proc.terminate()
-        if waited > grace + 15.0:
-            for state in self.nodes.values():
-                if state.code is None:
-                    state.code, state.dropped = -1, True
+        self._perform(self._teardown.on(teardown.Tick(), time.monotonic()))
 
     # -------------------------------------------------------------- hangs (issue 14)
 
@@ -524,7 +522,7 @@ class Orchestrator:
         now = time.monotonic()
         wd = self._watchdog
         if wd.fired_at is None:
-            if self._teardown_at is not None or self._interrupts or not self._running():
+            if self._teardown.begun or self._interrupts or not self._running():
                 return
             why = wd.check(now)
             if why is not None:
@@ -532,7 +530,7 @@ class Orchestrator:
                 self.sink.info(f"{why}: collecting every rank's Python stacks")
                 self._broadcast(Control.DUMP)
             return
-        if self._stack_summary is None and self._teardown_at is None and (
+        if self._stack_summary is None and not self._teardown.begun and (
                 self._stack_nodes >= self._live_nodes() or now - wd.fired_at > DUMP_COLLECT_S):
             self._hang_verdict()
 
@@ -621,8 +619,7 @@ class Orchestrator:
                                f"(again to kill at once)")
                 self._begin_teardown()
             else:
-                self._killed = True
-                self._broadcast(Control.KILL)
+                self._perform(self._teardown.on(teardown.Kill(), time.monotonic()))
 
     # -------------------------------------------------------------- results
 
