@@ -81,7 +81,7 @@ class CheckpointIncomplete(CheckpointError):
         text = f"{what} is incomplete or inconsistent, nothing was copied: " + "; ".join(shown)
         if more:
             text += f"; and {more} more"
-        super().__init__(text, hint=hint or "fix the nodes named above (or pick another --tag) "
+        super().__init__(text, hint=hint or "fix the nodes named (or pick another --tag) "
                          "and run collect-ckpt again", exit_code=2)
         self.problems = tuple(problems)
         self.tag = tag
