@@ -22,6 +22,7 @@ faulthandler the script registered on SIGWINCH (``$CLUSTERKIT_STACKS``, or
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import linecache
 import os
@@ -124,16 +125,30 @@ def _hang(job_id: str, job_dir: str, dump_dir: str, hang_s: float, idle: float,
 
 
 def _bundle() -> bytes:
-    """This program's bundle (header + source) for the same program on the other nodes.
-    Started by the node bootstrap, ``__file__`` is ``<clusterkit.node.slurmwatch>`` and
-    the bootstrap registered the source with linecache; else it is a file (tests)."""
+    """This program's bundle for the same program on the other nodes: the header and the
+    source of every node module it runs with, dependencies first (the node contract
+    before this module, which imports it). Started by the node bootstrap, each module's
+    ``__file__`` is ``<clusterkit.node.NAME>`` with its source in linecache, registered in
+    the order it was sent; run as files (tests), the node modules this one imports."""
     if __file__.startswith("<"):
-        text = "".join(linecache.getlines(__file__))
+        shipped = [(name, str(getattr(m, "__file__", "") or "")) for name, m in
+                   list(sys.modules.items()) if name.startswith("clusterkit.node.")]
+        parts = [(name, "".join(linecache.getlines(path))) for name, path in shipped
+                 if path.startswith("<")]
     else:
         with open(__file__, encoding="utf-8") as fh:
-            text = fh.read()
-    data = text.encode("utf-8")
-    return f"clusterkit-node 1 slurmwatch:{len(data)}\n".encode() + data
+            own = fh.read()
+        deps = [str(n.module) for n in ast.walk(ast.parse(own)) if isinstance(n, ast.ImportFrom)
+                and str(n.module).startswith("clusterkit.node.")]
+        parts = []
+        for name in deps:
+            with open(os.path.join(os.path.dirname(__file__), name.rsplit(".", 1)[1] + ".py"),
+                      encoding="utf-8") as fh:
+                parts.append((name, fh.read()))
+        parts.append((__name__, own))
+    data = [(name.rsplit(".", 1)[1], text.encode("utf-8")) for name, text in parts]
+    header = " ".join(["clusterkit-node", "1", *(f"{n}:{len(b)}" for n, b in data)])
+    return header.encode() + b"\n" + b"".join(b for _, b in data)
 
 
 def _frames(text: str) -> list[str]:
