@@ -152,6 +152,9 @@ def test_preemption_saves_requeues_and_resumes(slurm: SlurmBed) -> None:
     assert_slurm_nodes_clean(slurm)
 
 
+# ~90 s of real Slurm: the default run covers the decision with Slurm stubbed
+# (test_sbatch_units.py::test_script_requeues_only_for_a_save_after_the_stop_request).
+@pytest.mark.extended
 def test_a_script_that_ignores_the_stop_is_not_requeued(slurm: SlurmBed) -> None:
     job = "user-ignores"
     r = _sbatch(slurm, job, "torchrun", ["usertrain.py", "--steps", "15", "--step-sleep", "1",
