@@ -12,7 +12,8 @@ spelling anywhere in ``clusterkit/`` or ``templates/``):
 * the job-dir layout, as one class (:class:`JobDir`): where logs, rank logs,
   heartbeats, stacks, the run dir, the summary, exits and the stop file live;
 * the per-rank progress file rule (``rank<R>.heartbeat``, ``rank<R>.stacks``);
-* the checkpoint completion-marker rule (``clusterkit-complete.node<N>.json``).
+* the checkpoint completion-marker rule (``clusterkit-complete.node<N>.json``);
+* the node-program bundle's header (what the node bootstrap reads on stdin).
 
 The user-script names are documented in docs/launch.md ("Your own training
 script"); the job-dir layout in docs/architecture.md ("The job dir").
@@ -234,3 +235,17 @@ def looks_like_marker(name: str) -> bool:
     """A name the node listing ships the text of: the launcher's reader then judges it
     (a malformed marker is reported there, not silently left out on the node)."""
     return name.startswith(MARKER_PREFIX) and name.endswith(MARKER_SUFFIX)
+
+
+# -- The bundle a node program is started with: one header line naming each module and
+# its size, then the sources (node/ship.py's bootstrap reads it; slurmwatch re-sends its
+# own to the other nodes of its job).
+BUNDLE_MAGIC = "clusterkit-node"
+BUNDLE_VERSION = 1
+
+
+def encode_bundle(modules: list[tuple[str, bytes]]) -> bytes:
+    """``clusterkit-node 1 name:len ...\\n`` and the sources, dependencies first."""
+    header = " ".join([BUNDLE_MAGIC, str(BUNDLE_VERSION),
+                       *(f"{name}:{len(data)}" for name, data in modules)])
+    return header.encode() + b"\n" + b"".join(data for _, data in modules)

@@ -25,9 +25,9 @@ from functools import cache
 from importlib import resources
 
 from clusterkit.node import protocol
+from clusterkit.node.contract import BUNDLE_MAGIC, BUNDLE_VERSION, encode_bundle
 
-MAGIC = "clusterkit-node"
-BUNDLE_VERSION = 1
+MAGIC = BUNDLE_MAGIC  # the header every node program is started with (node/contract.py)
 
 @dataclass(frozen=True)
 class Program:
@@ -95,10 +95,7 @@ def source(module: str) -> bytes:
 @cache
 def bundle(program: str) -> bytes:
     """The header line and the sources of ``program`` and its node imports."""
-    modules = PROGRAMS[program].modules
-    header = " ".join([MAGIC, str(BUNDLE_VERSION),
-                       *(f"{m}:{len(source(m))}" for m in modules)])
-    return header.encode() + b"\n" + b"".join(source(m) for m in modules)
+    return encode_bundle([(m, source(m)) for m in PROGRAMS[program].modules])
 
 
 def node_command(python: str, program: str, args: Sequence[str] = (), *,

@@ -40,6 +40,7 @@ from clusterkit.node.contract import (
     ENV_STACKS,
     STACKS_SUFFIX,
     JobDir,
+    encode_bundle,
     rank_file,
 )
 
@@ -146,9 +147,8 @@ def _bundle() -> bytes:
                       encoding="utf-8") as fh:
                 parts.append((name, fh.read()))
         parts.append((__name__, own))
-    data = [(name.rsplit(".", 1)[1], text.encode("utf-8")) for name, text in parts]
-    header = " ".join(["clusterkit-node", "1", *(f"{n}:{len(b)}" for n, b in data)])
-    return header.encode() + b"\n" + b"".join(b for _, b in data)
+    return encode_bundle([(name.rsplit(".", 1)[1], text.encode("utf-8"))
+                          for name, text in parts])
 
 
 def _frames(text: str) -> list[str]:
