@@ -13,6 +13,7 @@ spelling anywhere in ``clusterkit/`` or ``templates/``):
   heartbeats, stacks, the run dir, the summary, exits and the stop file live;
 * the per-rank progress file rule (``rank<R>.heartbeat``, ``rank<R>.stacks``);
 * the checkpoint completion-marker rule (``clusterkit-complete.node<N>.json``);
+* the checkpoint replica area's layout, its manifest's name and the replica ports;
 * the node-program bundle's header (what the node bootstrap reads on stdin).
 
 The user-script names are documented in docs/launch.md ("Your own training
@@ -21,6 +22,7 @@ script"); the job-dir layout in docs/architecture.md ("The job dir").
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Mapping
@@ -235,6 +237,58 @@ def looks_like_marker(name: str) -> bool:
     """A name the node listing ships the text of: the launcher's reader then judges it
     (a malformed marker is reported there, not silently left out on the node)."""
     return name.startswith(MARKER_PREFIX) and name.endswith(MARKER_SUFFIX)
+
+
+# -- Checkpoint replicas (issue 22, docs/lost-a-node.md). With node-local storage each
+# node's agent copies every checkpoint its node completed to K other nodes' agents. A
+# node's copies of node N's files live in the replica area beside the checkpoint dir:
+# ``<ckpt dir>.replicas/node<N>/<tag>/``, a small checkpoint root of its own (the tag's
+# files under ``<tag>/``, and for node 0 the top-level ``latest`` and recovery scripts),
+# with ``clusterkit-replica.json`` (the manifest: every file's size and sha256, as the
+# source computed them while sending) written last. A copy in progress is
+# ``node<N>/.partial-<tag>-<nonce>/`` and is never read; only a dir with its manifest
+# counts, and its files count only while their sha256 still equals the manifest's.
+REPLICA_AREA_SUFFIX = ".replicas"
+REPLICA_MANIFEST = "clusterkit-replica.json"
+REPLICA_PARTIAL_PREFIX = ".partial-"
+REPLICA_SCHEMA = "clusterkit.replica"
+REPLICA_SCHEMA_VERSION = 1
+_REPLICA_NODE_RE = re.compile(r"^node(\d+)$")
+# The agents' replica servers listen on ports derived from the job id and node index (no
+# launcher round trip, no port file): 10000-19999, below Linux's ephemeral range, with
+# REPLICA_PORT_TRIES candidates each when one is taken.
+REPLICA_PORT_BASE = 10000
+REPLICA_PORT_SPAN = 10000
+REPLICA_PORT_TRIES = 4
+
+
+def replica_area(ckpt_dir: str) -> str:
+    """``<ckpt dir>.replicas``: every copy this node holds of other nodes' checkpoints."""
+    return ckpt_dir.rstrip("/") + REPLICA_AREA_SUFFIX
+
+
+def replica_source_dir(ckpt_dir: str, source_index: int) -> str:
+    """``<ckpt dir>.replicas/node<N>``: this node's copies of node index N's files."""
+    return replica_area(ckpt_dir) + f"/node{source_index}"
+
+
+def replica_dir(ckpt_dir: str, source_index: int, tag: str) -> str:
+    """``<ckpt dir>.replicas/node<N>/<tag>``: one complete copy (once its manifest exists)."""
+    return replica_source_dir(ckpt_dir, source_index) + "/" + tag
+
+
+def parse_replica_source(name: str) -> int | None:
+    """The node index of a ``node<N>`` dir in the replica area; None for any other name."""
+    m = _REPLICA_NODE_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def replica_ports(job_id: str, node_index: int) -> list[int]:
+    """The ports node index ``node_index``'s replica server tries, in order (its peers
+    try the same list; the handshake tells them which answers for this job)."""
+    h = int(hashlib.sha256(job_id.encode()).hexdigest()[:8], 16)
+    return [REPLICA_PORT_BASE + (h + node_index + 1009 * k) % REPLICA_PORT_SPAN
+            for k in range(REPLICA_PORT_TRIES)]
 
 
 # -- The bundle a node program is started with: one header line naming each module and

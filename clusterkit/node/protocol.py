@@ -56,7 +56,7 @@ _SPEC_TYPES: dict[str, tuple[type, ...]] = {
     "attempt": (int,), "prefix": (str,), "rank_offsets": (dict,), "grace_s": (int, float),
     "rank_log_dir": (str, type(None)), "native": (dict, type(None)), "hold": (bool,),
     "keepalive_s": (int, float), "local_ranks": (int,), "zygote": (list,),
-    "needs": (list,),
+    "needs": (list,), "replica": (dict, type(None)),
 }
 
 
@@ -94,6 +94,9 @@ class AgentSpec:
     # Files the ranks open that must be on this node (the user's script): the gate's
     # facts name the missing ones, so a node without the code fails before the start.
     needs: list[str] = field(default_factory=list)
+    # Checkpoint replication (issue 22; node/replica*.py): this node's index, its peers,
+    # the per-job secret. None: no replication.
+    replica: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> str:
@@ -274,9 +277,25 @@ class Stacks(AgentEvent):
     dir: str = ""
 
 
+@dataclass(frozen=True)
+class Replica(AgentEvent):
+    """A copy of node index ``source``'s checkpoint ``tag`` to node ``target`` ended:
+    ``state`` is ``complete`` (received, sha256-verified, renamed into place) or
+    ``failed`` (``detail`` says why; nothing counts)."""
+
+    EV: ClassVar[str] = "replica"
+    tag: str = ""
+    source: int = 0
+    target: str = ""
+    state: str = ""
+    detail: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+
+
 EVENT_TYPES: dict[str, type[AgentEvent]] = {
     c.EV: c for c in (Facts, Started, RankFailed, Forwarded, Teardown, Exit, Error, Progress,
-                      Stacks)}
+                      Stacks, Replica)}
 EVENTS = tuple(EVENT_TYPES)
 
 
