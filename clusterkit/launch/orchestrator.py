@@ -98,6 +98,8 @@ class NodeTask:
     rank_log_dir: str | None = None  # per-rank log files to stream (DeepSpeed's launcher)
     native: Mapping[str, Any] | None = None  # the agent starts the ranks (see agent.Spec)
     needs: tuple[str, ...] = ()  # files the gate checks on the node (the user's script)
+    # Checkpoint replication (issue 22): AgentSpec.replica for this node, None: off.
+    replica: Mapping[str, Any] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class JobSpec:
             native=dict(task.native) if task.native is not None else None,
             hold=self.gate_need is not None, keepalive_s=self.keepalive_s,
             local_ranks=task.nprocs, zygote=zygote_imports(task), needs=list(task.needs),
+            replica=dict(task.replica) if task.replica is not None else None,
         )
 
 
