@@ -27,6 +27,8 @@ MESSAGES: list[protocol.Message] = [
     protocol.Progress("node3", idle_s=2.5, ranks={"8": 2.5, "9": 0.5}, step=12, time=1700.25),
     protocol.Stacks("node3", ranks={"8": {"pid": 42, "state": "S", "tool": "py-spy",
                                           "text": "Thread 1"}}, dir="/j/stacks/a0"),
+    protocol.Replica("node3", tag="global_step20", source=2, target="node4", state="complete",
+                     detail="", bytes=4096, seconds=0.25),
 ]
 
 
