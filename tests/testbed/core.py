@@ -113,6 +113,7 @@ class _State:
     mask_bashrc: bool = False
     name_prefix: str = "node"
     nodes: list[TestNode] = field(default_factory=list)
+    destroyed: list[str] = field(default_factory=list)  # nodes lost for good (destroy())
 
     @staticmethod
     def load(path: Path) -> _State:
@@ -607,6 +608,43 @@ class Testbed:
         write_atomic(out, "# clusterkit test bed inventory (tests/testbed)\n"
                      + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
         return out
+
+    # ------------------------------------------------------------- losing a node
+    def destroy(self, node: TestNode | str) -> None:
+        """Lose ``node`` for good, as a dead server: every process in its namespaces
+        killed, its network namespace (and with it its veth and address) deleted, its
+        node-private ``/scratch`` deleted, and the other nodes' pinned ARP entry for it
+        dropped (a dead host's address then fails like one: no ARP answer, "no route to
+        host", instead of packets swallowed by a permanent entry). Its name stays in
+        the state (``ensure`` never brings it back; ``down`` has nothing left to do for
+        it). Idempotent."""
+        n = self.node(node)
+        if n.name in self._state.destroyed:
+            return
+        with flock(self.root / ".lock"):
+            self._state.destroyed.append(n.name)
+            self._state.save()  # first: a crash half-way still counts it as lost
+            ns_path = Path("/run/netns") / n.netns
+            pids = [n.pid] if n.pid and alive(n.pid, n.pid_start) else []
+            proc = self._procs.pop(n.name, None)
+            pids += [proc.pid] if proc is not None and proc.poll() is None else []
+            left = kill_and_wait(pids) + kill_and_wait(pids_in_netns([ns_path]))
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    proc.wait(timeout=5)
+            if ns_path.exists():
+                ip_batch([f"netns del {n.netns}"], force=True)
+            _wait_links_gone({n.veth}, timeout=5.0)
+            for peer in self.nodes:
+                if peer.name != n.name and peer.name not in self._state.destroyed \
+                        and alive(peer.pid, peer.pid_start):
+                    ip_batch([f"neigh del {n.address} dev eth0"], netns=peer.netns, force=True)
+            shutil.rmtree(self.root / "nodes" / n.name / "scratch", ignore_errors=True)
+        if left:
+            raise TestbedError(f"processes of {n.name} survived SIGKILL: {left}", host=n.name)
+
+    def destroyed(self, node: TestNode | str) -> bool:
+        return self.node(node).name in self._state.destroyed
 
     # ------------------------------------------------------------------ teardown
     def down(self) -> None:
