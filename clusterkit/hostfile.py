@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from clusterkit.errors import InventoryError, SelectionError
 from clusterkit.hostrange import HostRangeError, expand, fold
@@ -184,11 +184,55 @@ def select_hosts(
     gpus_per_node: int | None = None,
     include: str = "",
     exclude: str = "",
+    replace: Sequence[str] = (),
 ) -> list[tuple[Host, list[int]]]:
     """The inventory hosts chosen by the selection flags, with their slot ids, in rank order."""
-    chosen = select(inventory_pool(inventory), nodes=nodes, gpus_per_node=gpus_per_node,
+    pool = inventory_pool(inventory)
+    chosen = select(pool, nodes=nodes, gpus_per_node=gpus_per_node,
                     include=include, exclude=exclude)
+    chosen = apply_replace(chosen, pool, parse_replace(replace))
     return [(inventory.host(name), slots) for name, slots in chosen.items()]
+
+
+def parse_replace(words: Sequence[str]) -> dict[str, str]:
+    """``--replace OLD=NEW`` words as ``{OLD: NEW}``."""
+    out: dict[str, str] = {}
+    for word in words:
+        old, sep, new = word.partition("=")
+        if not sep or not old or not new or old == new:
+            raise SelectionError(f"--replace {word!r}: expected OLD=NEW, two different hosts",
+                                 key="--replace", hint="e.g. --replace node6=node8")
+        if old in out or new in out.values():
+            raise SelectionError(f"--replace {word!r}: {old if old in out else new} is named "
+                                 "twice", key="--replace")
+        out[old] = new
+    return out
+
+
+def apply_replace(chosen: OrderedDict[str, list[int]], pool: Mapping[str, int],
+                  replace: Mapping[str, str]) -> OrderedDict[str, list[int]]:
+    """NEW takes OLD's place: its position (node index, ranks) and its slot ids, so the
+    rank->node mapping is OLD's with one name changed (what a node-local checkpoint
+    restored onto NEW needs). NEW must be an inventory host outside the selection with
+    at least OLD's slots."""
+    for old, new in replace.items():
+        if old not in chosen:
+            raise SelectionError(f"--replace {old}={new}: {old} is not among the selected hosts "
+                                 f"({fold(list(chosen))})", key="--replace",
+                                 hint="select the job's hosts as before (same --nodes/--include/"
+                                      "--exclude) and name one of them")
+        if new not in pool:
+            raise SelectionError(f"--replace {old}={new}: {new} is not an inventory host",
+                                 key="--replace", hint=f"add {new} to the inventory's hosts")
+        if new in chosen:
+            raise SelectionError(f"--replace {old}={new}: {new} is already selected",
+                                 key="--replace", hint=f"leave {new} out of the selection "
+                                 "(--exclude, --nodes) or pick another spare")
+        if pool[new] < len(chosen[old]):
+            raise SelectionError(f"--replace {old}={new}: {new} has {pool[new]} slots, {old} "
+                                 f"ran {len(chosen[old])}", key="--replace",
+                                 hint="a spare needs at least the slots of the node it replaces")
+    return OrderedDict((replace.get(h, h), slots) for h, slots in chosen.items())
 
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

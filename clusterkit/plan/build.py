@@ -135,7 +135,7 @@ def _program(o: JobOptions, job_dir: str, ckpt_dir: str, storage: str) -> tuple[
 def _node_plans(inventory: Inventory, o: JobOptions,
                 facts: LaunchFacts) -> tuple[tuple[NodePlan, ...], str]:
     chosen = select_hosts(inventory, nodes=o.nodes, gpus_per_node=o.gpus_per_node,
-                          include=o.include, exclude=o.exclude)
+                          include=o.include, exclude=o.exclude, replace=o.replace)
     storage = _storage([h for h, _ in chosen], o, inventory.path)
     nodes: list[NodePlan] = []
     first_rank = 0

@@ -160,6 +160,12 @@ class JobOptions:
     set_env: tuple[tuple[str, str], ...] = flag(
         (), "set NAME=VALUE in every rank's environment (repeatable)", metavar="NAME=VALUE",
         kind="repeat", group="checkpoints and environment")
+    # A lost node's part on a spare (issue 22, docs/lost-a-node.md): OLD's node index,
+    # ranks and slots run on NEW (hostfile.apply_replace).
+    replace: tuple[str, ...] = flag(
+        (), "run OLD's ranks on the spare host NEW, same node index and slots; continuing a "
+        "node-local job restores OLD's checkpoint part onto NEW from its replica (repeatable)",
+        metavar="OLD=NEW", kind="repeat", group="checkpoints and environment")
     # launcher knobs
     rdzv: str = flag("auto", "auto: static per node; c10d under Slurm unless node-local",
                      choices=RDZV_CHOICES, group="launcher details")
