@@ -25,6 +25,30 @@ def _file_info(v: Sequence[Any]) -> FileInfo:
 
 
 @dataclass(frozen=True)
+class ReplicaCopy:
+    """One copy a node holds of node index ``source``'s ``tag``
+    (``<root>.replicas/node<N>/<tag>/``). ``files`` are relative to that dir
+    (``<tag>/...``, for node 0 also ``latest`` and the recovery scripts); ``manifest`` is
+    the manifest's text, None while the copy has none (never complete then)."""
+
+    source: int
+    tag: str
+    files: Mapping[str, FileInfo]
+    manifest: str | None
+    markers: Mapping[str, str]  # relpath -> the text of a completion marker in the copy
+
+
+@dataclass(frozen=True)
+class NodeReplicas:
+    """What a node holds of node index ``source``: its copies by tag (None: a tag the
+    listing named but did not walk) and how many copies are still in progress."""
+
+    source: int
+    copies: Mapping[str, ReplicaCopy | None] = field(default_factory=dict)
+    partial: int = 0
+
+
+@dataclass(frozen=True)
 class NodeListing:
     """One node's checkpoint root. ``index`` is the node's position in the selection."""
 
@@ -37,6 +61,13 @@ class NodeListing:
     tags: Mapping[str, Mapping[str, FileInfo] | None] = field(default_factory=dict)
     markers: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     error: str | None = None  # unreachable / listing failed
+    # The replica area beside ``root``: what this node holds of other nodes, by source index.
+    replicas: Mapping[int, NodeReplicas] = field(default_factory=dict)
+
+    def replica(self, source: int, tag: str) -> ReplicaCopy | None:
+        """This node's copy of node index ``source``'s ``tag``, if listed."""
+        held = self.replicas.get(source)
+        return held.copies.get(tag) if held is not None else None
 
 
 def parse_listing(node: str, index: int, root: str, stdout: str) -> NodeListing:
@@ -52,10 +83,25 @@ def parse_listing(node: str, index: int, root: str, stdout: str) -> NodeListing:
             node=node, index=index, root=root, exists=bool(raw["exists"]),
             top={n: _file_info(v) for n, v in raw["top"].items()},
             latest=raw["latest"], tags=tags,
-            markers={t: dict(m) for t, m in raw["markers"].items()})
+            markers={t: dict(m) for t, m in raw["markers"].items()},
+            replicas=_replicas(raw.get("replicas") or {}))
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         return NodeListing(node=node, index=index, root=root,
                            error=f"unreadable listing ({exc}): {stdout[:200]!r}")
+
+
+def _replicas(raw: Mapping[str, Any]) -> dict[int, NodeReplicas]:
+    out: dict[int, NodeReplicas] = {}
+    for key, entry in raw.items():
+        source = int(key)
+        copies: dict[str, ReplicaCopy | None] = {}
+        for tag, c in entry["tags"].items():
+            copies[tag] = None if c is None else ReplicaCopy(
+                source=source, tag=tag,
+                files={rel: _file_info(v) for rel, v in c["files"].items()},
+                manifest=c["manifest"], markers=dict(c["markers"]))
+        out[source] = NodeReplicas(source, copies, int(entry.get("partial", 0)))
+    return out
 
 
 def listing_command(python: str, root: str, tag: str | None) -> NodeCommand:

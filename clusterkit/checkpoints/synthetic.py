@@ -10,12 +10,14 @@ its ranks' optimizer shards, and its completion marker.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from collections.abc import Sequence
 
 from clusterkit.checkpoints import layout
+from clusterkit.node import contract
 
 SCRIPT_TEXT = "# stand-in for DeepSpeed's zero_to_fp32.py\n"
 
@@ -98,3 +100,43 @@ def shard_paths(root: str, tag: str = "global_step1") -> list[str]:
     """Optimizer shard files under one node's root (for tests that break them)."""
     d = os.path.join(root, tag)
     return sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith("_optim_states.pt"))
+
+
+def write_replica(root: str, holder_root: str, source: int, tag: str = "global_step1", *,
+                  job_id: str = "job", source_host: str | None = None,
+                  holder: str | None = None, manifest: bool = True) -> str:
+    """Copy node index ``source``'s ``tag`` (its root ``root``) into ``holder_root``'s
+    replica area as the replication service leaves it: the tag's files under ``<tag>/``
+    (node 0: also ``latest`` and the recovery scripts), the manifest with real sha256s
+    written last. ``manifest=False`` leaves a copy that never finished. Returns its dir."""
+    dest = contract.replica_dir(holder_root, source, tag)
+    rels = [os.path.relpath(os.path.join(d, n), root)
+            for d, _, names in os.walk(os.path.join(root, tag)) for n in names]
+    rels += [n for n in (layout.LATEST_FILE, *layout.RECOVERY_SCRIPTS)
+             if source == 0 and os.path.isfile(os.path.join(root, n))]
+    files: dict[str, dict[str, object]] = {}
+    for rel in sorted(rels):
+        with open(os.path.join(root, rel), "rb") as fh:
+            data = fh.read()
+        _write(os.path.join(dest, rel), data)
+        files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    if manifest:
+        doc = {"schema": contract.REPLICA_SCHEMA, "version": contract.REPLICA_SCHEMA_VERSION,
+               "job_id": job_id, "tag": tag, "source": source,
+               "source_host": source_host or f"node{source + 1}",
+               "holder": holder or os.path.basename(os.path.dirname(holder_root.rstrip("/"))),
+               "files": files, "completed": time.time()}
+        _write(os.path.join(dest, contract.REPLICA_MANIFEST), json.dumps(doc, indent=1).encode())
+    return dest
+
+
+def write_ring_replicas(roots: Sequence[str], tag: str = "global_step1", *, replicas: int = 1,
+                        hosts: Sequence[str] | None = None) -> None:
+    """Every node's ``tag`` copied to the next ``replicas`` nodes (the default ring)."""
+    n = len(roots)
+    for source, root in enumerate(roots):
+        for k in range(1, replicas + 1):
+            holder = (source + k) % n
+            write_replica(root, roots[holder], source, tag,
+                          source_host=hosts[source] if hosts else None,
+                          holder=hosts[holder] if hosts else None)
