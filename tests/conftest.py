@@ -54,7 +54,6 @@ XDIST_GROUPS = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the group marks
 @pytest.fixture(scope="session", autouse=True)
 def _private_clusterkit_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Every test's default job registry and virtual nodes live in a session temp dir, never
@@ -69,6 +68,12 @@ def _private_clusterkit_home(tmp_path_factory: pytest.TempPathFactory) -> Iterat
         os.environ["CLUSTERKIT_HOME"] = old
 
 
+# tryfirst: xdist's own collection hook turns the group marks into the "@group" nodeid
+# suffix its scheduler groups by; marks added after it are ignored. (From 07400c8 to
+# this line's commit the decorator sat on the fixture above: no group held, so both
+# workers launched the shared runs and a Slurm cluster each, and split the Slurm tests.
+# pytest_collection_finish below now refuses that state.)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     order = {g: i for i, g in enumerate(dict.fromkeys(XDIST_GROUPS.values()))}
     rank: dict[str, int] = {}
@@ -84,6 +89,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # In an xdist worker: the long groups first (the scheduler hands out work in
         # collection order), so neither worker ends the run with a long group alone.
         items.sort(key=lambda item: rank[item.nodeid])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """In an xdist worker under --dist loadgroup: every grouped test must carry its group
+    in its nodeid, or the scheduler spreads the group over the workers (see above)."""
+    config = session.config
+    if not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(f"xdist groups not applied (conftest hook order?): {lost[:3]}")
 
 
 def _require_testbed() -> None:
