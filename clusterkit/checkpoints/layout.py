@@ -40,9 +40,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from clusterkit.errors import CheckpointError
+from clusterkit.node.contract import LATEST_FILE as LATEST_FILE
 from clusterkit.node.contract import MARKER_GLOB as MARKER_GLOB
 from clusterkit.node.contract import MARKER_PREFIX as MARKER_PREFIX
 from clusterkit.node.contract import MARKER_SUFFIX as MARKER_SUFFIX
+from clusterkit.node.contract import MODEL_STATES_RE, OPTIM_STATES_RE, ZERO3_MODEL_STATES_RE
+from clusterkit.node.contract import RECOVERY_SCRIPTS as RECOVERY_SCRIPTS
 from clusterkit.node.contract import marker_name as marker_name
 from clusterkit.node.contract import parse_marker_name as parse_marker_name
 
@@ -50,16 +53,16 @@ MARKER_SCHEMA = "clusterkit.checkpoint-complete"
 MARKER_SCHEMA_VERSION = 1
 # The completion-marker rule (MARKER_*, marker_name, parse_marker_name) is the node
 # contract's (node/contract.py), imported above and read as layout.* by its callers.
-LATEST_FILE = "latest"
-RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+# DeepSpeed's file names (LATEST_FILE, RECOVERY_SCRIPTS, the shard regexes) are the node
+# contract's too: the replica agents judge a tag dir with them on the node.
 ACCELERATE_DS_SUBDIR = "pytorch_model"
 ACCELERATE_RNG_PATTERN = re.compile(r"^random_states_(\d+)\.pkl$")
 
 ShardKind = Literal["model_states", "zero3_model_states", "optim_states"]
 
-_MODEL_RE = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
-_ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt$")
-_OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt$")
+_MODEL_RE = MODEL_STATES_RE
+_ZERO3_MODEL_RE = ZERO3_MODEL_STATES_RE
+_OPTIM_RE = OPTIM_STATES_RE
 _STEP_TAG_RE = re.compile(r"^global_step(\d+)$")
 
 

@@ -24,6 +24,7 @@ it, each a module of the ``agent`` program (``node/ship.py`` ``PROGRAMS``):
 - ``agent_output``: rank labels, log files, the writer thread, failure reports
 - ``agent_forkserver``: the fork server's client (native mode)
 - ``agent_hangs``: progress (heartbeats) and stack dumps for the hang watchdog
+- ``replica_service`` (with ``replica``, ``replica_done``): checkpoint replicas, agent to agent
 
 The agent's exit code is the launcher's (128+N when a signal N ended it).
 Other modes, used by ``clusterkit stop`` / ``status`` through ``run_all``:
@@ -47,7 +48,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from clusterkit.node import agent_env, agent_hangs, protocol, zygote
+from clusterkit.node import agent_env, agent_hangs, protocol, replica_service, zygote
 from clusterkit.node.agent_env import omp_threads
 from clusterkit.node.agent_files import expand, write_atomic
 from clusterkit.node.agent_forkserver import ForkServer
@@ -109,6 +110,8 @@ class Agent:
                                      self._stop, self.check_keepalive, self.request_stop)
         self.stacks = StackDump(self.job_dir, self.progress_dir, spec.node, spec.attempt,
                                 self.output.send)
+        # Checkpoint replicas (issue 22): a service that does nothing when they are off.
+        self.replicas = replica_service.for_agent(spec, self.job_dir, self.output)
 
     # -------------------------------------------------------------- output (agent_output)
 
@@ -158,6 +161,7 @@ class Agent:
         if self.stop_reason is None:
             self.stop_reason = reason
         self._stop.set()
+        self.replicas.abort()  # a failure or a stop: copies end at once
 
     def forward(self, sig: int) -> int:
         """USR1/USR2 go to the ranks (a launcher such as torchrun dies of SIGUSR1)."""
@@ -353,6 +357,7 @@ class Agent:
 
     def run(self) -> int:
         self.prepare()  # while the launcher compares the nodes' facts
+        self.replicas.start()
         if self.spec.hold:
             self.send(protocol.Facts(self.spec.node, facts=gate_facts(self.spec.needs)))
         # The fork server's imports overlap the gate's round trip and the GO. Started
@@ -422,6 +427,7 @@ class Agent:
             self.output.tail_done.set()  # the ranks are gone: read what is left, then stop
             tail.join(5.0)
         code = self._exit_code()
+        self.replicas.end(ok=code == 0 and self.stop_reason is None)  # bounded waits
         self.write_state("exited", exit_code=code, reason=self.stop_reason, **counts)
         self.send(protocol.Exit(self.spec.node, code=code, reason=self.stop_reason,
                                 signalled=counts["signalled"], killed=counts["killed"],

@@ -13,6 +13,7 @@ spelling anywhere in ``clusterkit/`` or ``templates/``):
   heartbeats, stacks, the run dir, the summary, exits and the stop file live;
 * the per-rank progress file rule (``rank<R>.heartbeat``, ``rank<R>.stacks``);
 * the checkpoint completion-marker rule (``clusterkit-complete.node<N>.json``);
+* DeepSpeed's checkpoint file names (``latest``, model states, optimizer shards);
 * the checkpoint replica area's layout, its manifest's name and the replica ports;
 * the node-program bundle's header (what the node bootstrap reads on stdin).
 
@@ -136,6 +137,7 @@ class JobDir:
     NODES = "nodes"  # nodes/<node>/: one agent's logs, progress and state
     SLURM_NODES = "slurm_nodes"  # sbatch: the first run's SLURM_JOB_NODELIST (node-local jobs)
     AGENT_STATE = "agent.json"
+    REPLICA_STATE = "replicas.json"  # nodes/<node>/replicas.json: the agent's copies (issue 22)
     LAUNCHER_LOG = "launcher.log"
 
     def __init__(self, root: str) -> None:
@@ -199,6 +201,10 @@ class JobDir:
     def agent_state(self, node: str) -> str:
         return self.path(self.NODES, node, self.AGENT_STATE)
 
+    def replica_state(self, node: str) -> str:
+        """The agent's record of its checkpoint copies: tag -> target -> state."""
+        return self.path(self.NODES, node, self.REPLICA_STATE)
+
     def node_log(self, node: str, rank: int | str | None = None) -> str:
         """The agent's copy of a rank's lines (``rank<R>.log``), or of the launcher's."""
         return self.path(self.NODES, node, node_log_name(rank))
@@ -237,6 +243,17 @@ def looks_like_marker(name: str) -> bool:
     """A name the node listing ships the text of: the launcher's reader then judges it
     (a malformed marker is reported there, not silently left out on the node)."""
     return name.startswith(MARKER_PREFIX) and name.endswith(MARKER_SUFFIX)
+
+
+# -- DeepSpeed's checkpoint file names (checkpoints/layout.py parses them; the replica
+# agents judge a tag dir with them on the node): the top-level ``latest`` and recovery
+# scripts (global rank 0 only), the ZeRO 0-2 model states, ZeRO-3's per-rank model
+# states and the per-rank optimizer shards.
+LATEST_FILE = "latest"
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+MODEL_STATES_RE = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
+ZERO3_MODEL_STATES_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt$")
+OPTIM_STATES_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt$")
 
 
 # -- Checkpoint replicas (issue 22, docs/lost-a-node.md). With node-local storage each
