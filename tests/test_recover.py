@@ -3,12 +3,42 @@ node (launch/run.check_continue) and the restore of a lost node's part (launch/r
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
+import sys
 from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import yaml
 
-from clusterkit.errors import SelectionError
+from clusterkit.checkpoints import synthetic
+from clusterkit.cli.recover import restore_replacements
+from clusterkit.errors import LaunchError, SelectionError
 from clusterkit.hostfile import apply_replace, parse_replace, select
+from clusterkit.inventory import parse_inventory
+from clusterkit.launch.fromplan import job_from_plan
+from clusterkit.launch.jobs import Registry
+from clusterkit.launch.run import (
+    Replacement,
+    _record,
+    check_continue,
+    continue_swaps,
+    replacements,
+)
+from clusterkit.node.contract import (
+    REPLICA_MANIFEST,
+    REPLICA_SCHEMA,
+    REPLICA_SCHEMA_VERSION,
+    marker_name,
+    replica_dir,
+)
+from clusterkit.plan import plan_job
+from clusterkit.remote.dispatch import DispatchTransport
+from clusterkit.spec.job import JobOptions, JobPlan, LaunchFacts
+from tests.render_cases import plan_for
 
 POOL = OrderedDict((f"node{i}", 2) for i in range(1, 9))
 
@@ -37,3 +67,141 @@ def test_a_spare_with_fewer_slots_is_refused() -> None:
     pool = OrderedDict([("a", 2), ("b", 2), ("spare", 1)])
     with pytest.raises(SelectionError, match="spare has 1 slots, b ran 2"):
         apply_replace(select(pool, nodes=2), pool, parse_replace(["b=spare"]))
+
+
+# ------------------------------------------------------------------ check_continue
+
+
+def _recorded(tmp_path: Path, **kw: object) -> Registry:
+    plan = plan_for("a800-7x2", "torchrun", **kw)
+    registry = Registry(tmp_path)
+    record = _record(job_from_plan(plan), plan, 0)
+    record.state = "failed"
+    registry.save(record)
+    return registry
+
+
+def test_a_replaced_node_with_the_same_slots_may_continue(tmp_path: Path) -> None:
+    registry = _recorded(tmp_path, nodes=6)
+    plan = plan_for("a800-7x2", "torchrun", nodes=6, replace=("node6=node7",))
+    prior = registry.find(plan.job_id)
+    assert plan.storage == "node-local" and [n.name for n in plan.nodes][-1] == "node7"
+    note = check_continue(plan, prior)
+    assert note is not None and "node index 5 runs on node7 instead of node6" in note
+    assert "restored there first" in note
+    assert continue_swaps(plan, prior) == [Replacement(5, "node6", "node7")]
+    # Without --replace the same new mapping is refused, and the refusal names --replace.
+    other = plan_for("a800-7x2", "torchrun", exclude="node6")
+    with pytest.raises(LaunchError) as err:
+        check_continue(other, prior)
+    assert "--replace OLD=NEW" in (err.value.hint or "")
+    # The same nodes: nothing to restore.
+    assert continue_swaps(plan_for("a800-7x2", "torchrun", nodes=6), prior) == []
+
+
+def test_a_replacement_that_changes_the_ranks_is_refused(tmp_path: Path) -> None:
+    registry = _recorded(tmp_path, nodes=6)
+    plan = plan_for("a800-7x2", "torchrun", nodes=6, gpus_per_node=1, replace=("node6=node7",))
+    assert replacements(registry.find(plan.job_id).extra["rank_map"], plan) is None  # type: ignore[union-attr]
+    with pytest.raises(LaunchError, match="different rank->node mapping"):
+        check_continue(plan, registry.find(plan.job_id))
+
+
+# ------------------------------------------------------------------ the restore
+
+
+TAG = "global_step1"
+
+
+def _local_plan(tmp: Path, nodes: int, replace: tuple[str, ...] = ()) -> JobPlan:
+    hosts = {f"node{i}": {"address": "127.0.0.1",
+                          "checkpoint": {"local_dir": str(tmp / f"node{i}" / "ckpt")}}
+             for i in range(1, 6)}
+    text = yaml.safe_dump({"schema_version": 1, "cluster": {"name": "t"},
+                           "defaults": {"transport": "local", "gpus": 0, "slots": 2,
+                                        "python": sys.executable, "workdir": str(tmp / "work")},
+                           "hosts": hosts})
+    options = JobOptions(job_id="j1", nodes=nodes, replace=replace)
+    facts = LaunchFacts(python=sys.executable, cwd=str(tmp))
+    return plan_job(parse_inventory(text), options, facts)
+
+
+def _replicate(src_root: Path, holder_root: Path, index: int, tag: str = TAG) -> Path:
+    """What the replication service leaves on a holder: the tag's files and the manifest."""
+    dest = Path(replica_dir(str(holder_root), index, tag))
+    files = {}
+    for f in sorted((src_root / tag).rglob("*")):
+        if f.is_file():
+            rel = f"{tag}/{f.relative_to(src_root / tag)}"
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dest / rel)
+            files[rel] = {"size": f.stat().st_size,
+                          "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    manifest = {"schema": REPLICA_SCHEMA, "version": REPLICA_SCHEMA_VERSION, "job_id": "j1",
+                "tag": tag, "source": index, "source_host": f"node{index + 1}",
+                "holder": holder_root.parent.parent.name, "files": files, "completed": 1.0}
+    (dest / REPLICA_MANIFEST).write_text(json.dumps(manifest))
+    return dest
+
+
+@pytest.fixture
+def transport() -> Iterator[DispatchTransport]:
+    with DispatchTransport() as t:
+        yield t
+
+
+def _lost_node2(tmp: Path) -> tuple[JobPlan, list[Path], Path]:
+    """3 nodes saved TAG; node2 (node index 1) kept a replica on node3 and on node1;
+    then node2 is lost. Returns the --replace node2=node5 plan, the roots, node2's copy."""
+    plan = _local_plan(tmp, 3)
+    roots = [Path(n.ckpt_dir) for n in plan.nodes]
+    synthetic.write_node_local([str(r) for r in roots], zero_stage=2, shard_bytes=4096,
+                               model_bytes=1024, tag=TAG, hosts=[n.name for n in plan.nodes])
+    _replicate(roots[1], roots[2], 1)
+    _replicate(roots[1], roots[0], 1)
+    saved = tmp / "node2-as-saved"
+    shutil.copytree(roots[1], saved)
+    shutil.rmtree(tmp / "node2")
+    return _local_plan(tmp, 3, ("node2=node5",)), roots, saved
+
+
+def _same_tree(a: Path, b: Path) -> None:
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert files_a == files_b
+    for rel in files_a:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+
+
+def test_the_lost_part_is_restored_onto_the_spare(tmp_path: Path,
+                                                  transport: DispatchTransport) -> None:
+    plan, _roots, saved = _lost_node2(tmp_path)
+    said: list[str] = []
+    done = restore_replacements(transport, plan, [Replacement(1, "node2", "node5")],
+                                str(tmp_path / "staging"), said.append)
+    assert [(r.tag, r.holder, r.rejected) for r in done] == [(TAG, "node3", [])]
+    _same_tree(saved / TAG, Path(plan.nodes[1].ckpt_dir) / TAG)
+    assert any("restored global_step1 of node index 1 (node2) onto node5" in s for s in said)
+
+
+def test_a_corrupted_replica_is_never_used(tmp_path: Path, transport: DispatchTransport) -> None:
+    plan, roots, saved = _lost_node2(tmp_path)
+    shard = next(p for p in Path(replica_dir(str(roots[2]), 1, TAG)).rglob("*optim_states.pt"))
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))  # same size: only the sha256 can tell
+    done = restore_replacements(transport, plan, [Replacement(1, "node2", "node5")],
+                                str(tmp_path / "staging"), lambda _s: None)
+    assert done[0].holder == "node1"  # the next holder in ring order, verified
+    assert "node3's copy of global_step1" in done[0].rejected[0]
+    assert "sha256" in done[0].rejected[0]
+    _same_tree(saved / TAG, Path(plan.nodes[1].ckpt_dir) / TAG)
+    # With the good copy gone too, nothing is restored and the refusal names the options.
+    shutil.rmtree(Path(replica_dir(str(roots[0]), 1, TAG)))
+    shutil.rmtree(Path(plan.nodes[1].ckpt_dir))
+    with pytest.raises(LaunchError) as err:
+        restore_replacements(transport, plan, [Replacement(1, "node2", "node5")],
+                             str(tmp_path / "staging2"), lambda _s: None)
+    assert "no verified replica of node index 1" in err.value.message
+    assert "--replicas" in (err.value.hint or "") and "--resume never" in (err.value.hint or "")
+    assert not (Path(plan.nodes[1].ckpt_dir) / TAG / marker_name(1)).exists()

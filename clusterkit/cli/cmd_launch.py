@@ -140,12 +140,24 @@ def cmd_launch(args: argparse.Namespace) -> int:
     with transport_for() as transport:
         try:
             result = launch(options, planner, transport, registry, settings, sink,
-                            decisions=first)
+                            decisions=first, restore=_restorer(registry, transport, sink))
         finally:
             sink.close()
     _print_summary(result)
     _save_summary(registry, result)
     return result.exit_code
+
+
+def _restorer(registry: Any, transport: Any, sink: Any) -> Any:
+    """Restores replaced nodes' checkpoint parts (``--replace``) through a staging dir
+    beside the job record, removed afterwards (docs/lost-a-node.md)."""
+    from clusterkit.cli.recover import restore_replacements, staging_dir
+
+    def restore(plan: Any, swaps: Any) -> None:
+        with staging_dir(str(registry.path(plan.job_id).parent / "restore")) as staging:
+            restore_replacements(transport, plan, swaps, staging, sink.info)
+
+    return restore
 
 
 def _check_here(args: argparse.Namespace, plan: Any) -> bool:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clusterkit.errors import LaunchError
+from clusterkit.hostfile import parse_replace
 from clusterkit.launch.console import Sink
 from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.gate import gate_error, gate_nodes, run_gate
@@ -29,6 +30,8 @@ from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, JobPlan, LaunchPlan
 
 # JobOptions -> the decisions; made again only when a restart drops nodes.
 Planner = Callable[[JobOptions], JobPlan]
+# Before the agents start: the replaced nodes' checkpoint parts onto their spares.
+Restorer = Callable[[JobPlan, "list[Replacement]"], None]
 
 
 @dataclass(frozen=True)
@@ -105,13 +108,52 @@ def rank_map(plan: JobPlan) -> list[list[Any]]:
     return [[n.name, n.first_rank, n.nproc] for n in plan.nodes]
 
 
+@dataclass(frozen=True)
+class Replacement:
+    """Node index ``index`` ran on ``old`` and now runs on ``new`` (``--replace``)."""
+
+    index: int
+    old: str
+    new: str
+
+
+def replacements(old_map: Sequence[Sequence[Any]], plan: JobPlan) -> list[Replacement] | None:
+    """The replaced nodes when the new rank->node mapping is the old one with only
+    ``--replace`` names changed (same node index, first rank and ranks); None when the
+    mapping changed otherwise. Pure."""
+    swap = parse_replace(plan.options.replace)
+    if len(old_map) != len(plan.nodes):
+        return None
+    out: list[Replacement] = []
+    for index, (old, node) in enumerate(zip(old_map, plan.nodes, strict=True)):
+        name, first, nproc = old
+        if [first, nproc] != [node.first_rank, node.nproc]:
+            return None
+        if name != node.name:
+            if swap.get(str(name)) != node.name:
+                return None
+            out.append(Replacement(index, str(name), node.name))
+    return out
+
+
+def continue_swaps(plan: JobPlan, prior: JobRecord | None) -> list[Replacement]:
+    """The nodes whose node-local checkpoint part must be restored onto their spare
+    before this launch continues ``prior`` (empty: nothing to restore)."""
+    old_map = None if prior is None else prior.extra.get("rank_map")
+    if plan.storage != "node-local" or old_map is None or old_map == rank_map(plan):
+        return []
+    return replacements(old_map, plan) or []
+
+
 def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
     """Launching with the id of a recorded job continues it; say how, or refuse.
 
     The checkpoint dir is ``<root>/<job_id>``, so the same id means the same dir and
     the workload's ``--resume auto`` picks up the newest complete checkpoint there.
     Node-local shards resume only on the same rank->node mapping: a changed one is
-    refused here, never silently turned into a fresh start.
+    refused here, never silently turned into a fresh start, except a ``--replace``d
+    node (same node index, ranks and slots on a spare), whose part is restored onto
+    the spare from its replica before the start (cli/recover.py).
     """
     if prior is None:
         return None
@@ -120,20 +162,28 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
                           key="--job-id", hint=f"`clusterkit stop {plan.job_id}` first, or pick "
                                                "another --job-id")
     old_map = prior.extra.get("rank_map")
-    if plan.storage == "node-local" and old_map is not None and old_map != rank_map(plan):
+    swaps = None if old_map is None else replacements(old_map, plan)
+    if plan.storage == "node-local" and old_map is not None and old_map != rank_map(plan) \
+            and swaps is None:
         raise LaunchError(
             f"cannot continue job {plan.job_id} on a different rank->node mapping: its "
             "node-local checkpoints resume only where each rank saved its shards "
             f"(was {_map_text(old_map)}, now {_map_text(rank_map(plan))})",
             key="--job-id",
-            hint=f"gather the shards with `clusterkit collect-ckpt {plan.job_id}`, re-spread them "
-                 f"with `clusterkit collect-ckpt --scatter --to DEST --dir {plan.nodes[0].ckpt_dir} "
-                 "...` for the new nodes, then launch again; or launch on the same nodes and "
+            hint="a lost node: run its ranks on a spare with --replace OLD=NEW (its part is "
+                 "restored from its replica; docs/lost-a-node.md); or gather the shards with "
+                 f"`clusterkit collect-ckpt {plan.job_id}`, re-spread them with `clusterkit "
+                 f"collect-ckpt --scatter --to DEST --dir {plan.nodes[0].ckpt_dir} ...` for "
+                 "the new nodes, then launch again; or launch on the same nodes and "
                  "--gpus-per-node")
     dirs = sorted({n.ckpt_dir for n in plan.nodes})
     where = dirs[0] if len(dirs) == 1 else f"{len(dirs)} dirs"
+    moved = "".join(f"; node index {s.index} runs on {s.new} instead of {s.old}"
+                    + (" (its checkpoint part restored there first)"
+                       if plan.storage == "node-local" else "")
+                    for s in swaps or ())
     return (f"continuing job {plan.job_id} ({prior.state} before): checkpoints in {where} "
-            f"({plan.storage}); "
+            f"({plan.storage}){moved}; "
             + resume_note(plan.program[:2] == ("-m", WORKLOAD_MODULE), plan.storage))
 
 
@@ -169,13 +219,22 @@ def _record(job: JobSpec, plan: JobPlan, attempt: int) -> JobRecord:
 
 
 def launch(options: JobOptions, planner: Planner, transport: Transport, registry: Registry,
-           settings: LaunchSettings, sink: Sink, decisions: JobPlan | None = None) -> LaunchResult:
-    """``decisions``: the plan of ``options`` when the caller has made it already."""
+           settings: LaunchSettings, sink: Sink, decisions: JobPlan | None = None,
+           restore: Restorer | None = None) -> LaunchResult:
+    """``decisions``: the plan of ``options`` when the caller has made it already;
+    ``restore``: puts replaced nodes' checkpoint parts onto their spares (cli/recover.py)."""
     started = time.monotonic()
     decisions = decisions or planner(options)
-    note = check_continue(decisions, registry.find(decisions.job_id))
+    prior = registry.find(decisions.job_id)
+    note = check_continue(decisions, prior)
     if note:
         sink.info(note)
+    swaps = continue_swaps(decisions, prior)
+    if swaps:
+        if restore is None:
+            raise LaunchError("no way to restore a replaced node's checkpoint part here",
+                              key="--replace")
+        restore(decisions, swaps)
     # The gate runs inside the agents (facts reported, nothing started until GO): no
     # separate round of SSH commands before the launch.
     need = None if settings.run.skip_checks else gate_needs(decisions)
