@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 
 from clusterkit.checkpoints.choose import choose_sources, copy_notes, pick_sources
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete, CollectPlan, WithoutMarkers
-from clusterkit.checkpoints.discover import verify
+from clusterkit.checkpoints.discover import choose_tag, verify
+from clusterkit.checkpoints.fromreplicas import ReplicaUse, next_route, plan_replicas, stand_ins
+from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.manifest import write_latest, write_manifest
 from clusterkit.checkpoints.prune import prune_sources
 from clusterkit.checkpoints.sftp_source import SftpSource
@@ -66,6 +68,7 @@ class CollectReport:
     seconds_hash: float = 0.0
     seconds_copy: float = 0.0
     pruned: dict[str, str] = field(default_factory=dict)  # node -> "ok" or why not
+    replicas: ReplicaUse | None = None  # the parts read from replicas, when any node has some
 
     @property
     def bytes_copied(self) -> int:
@@ -120,12 +123,11 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
     source = open_source(transport, nodes, options, on_start)
     t0 = time.monotonic()
     with source:
-        plan = verify(source.listings(_tag_arg(options.tag)), options.tag,
-                      options.without_markers)
+        plan, use = _verified(source, source.listings(_tag_arg(options.tag)), options)
         if on_plan is not None:
             on_plan(plan)
         report = CollectReport(plan=plan, wanted=[], notes=list(plan.notes),
-                               seconds_list=time.monotonic() - t0)
+                               seconds_list=time.monotonic() - t0, replicas=use)
         # Hashed before the copy: everything for a dry run (it reports the checksums),
         # the test hook and a source that cannot hash while sending; on a re-run only
         # what DEST has a record of (to skip it if verified). The rest is read once,
@@ -135,6 +137,7 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
         if first.files:
             t1 = time.monotonic()
             report.wanted, notes = _checked_choice(first, *source.hashes(first))
+            report.wanted = _expected(report.wanted, use)
             report.notes += notes
             report.seconds_hash = time.monotonic() - t1
         if options.dry_run:
@@ -142,17 +145,70 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
         if after_hash is not None:
             after_hash(plan)
         rest = _subplan(plan, set(plan.files) - set(first.files))
-        inline = pick_sources(rest)
+        inline = _expected(pick_sources(rest), use)
         report.wanted += inline
         report.method = source.method
         _prepare_dest(options.dest, plan.tag)
         t2 = time.monotonic()
         report.results, hashes, problems = source.copy(
             report.wanted, _unpicked_copies(rest, inline), sink)
+        if use is not None:
+            _fall_back(source, use, report, sink)
+            report.notes += use.notes
         report.seconds_copy = time.monotonic() - t2
     _settle_inline_hashes(report, inline, hashes, problems, options.dest)
     _finish(transport, nodes, report, options)
     return report
+
+
+def _verified(source: Source, listings: list[NodeListing], options: CollectOptions
+              ) -> tuple[CollectPlan, ReplicaUse | None]:
+    """The plan, with the parts that come from replicas when the nodes hold any: a node
+    that is unreachable, or whose copy is missing or incomplete, is stood in for by a
+    complete replica (:mod:`clusterkit.checkpoints.fromreplicas`)."""
+    tag = _tag_arg(options.tag)
+    if tag is None:  # 'latest' as the reachable nodes say, else the newest assemblable
+        tag = choose_tag([ls for ls in listings if not ls.error], options.tag,
+                         markers=options.without_markers is None)[0]
+    use = plan_replicas(listings, tag, require_markers=options.without_markers is None)
+    if use is None:
+        return verify(listings, options.tag, options.without_markers), None
+    if use.routes and not isinstance(source, StreamSource):
+        raise CheckpointError("completing a checkpoint from replicas needs one session per "
+                              "node; --via sftp cannot read them", key="--via",
+                              hint="drop --via sftp (the OpenSSH 'ssh' program is needed)")
+    source.routes = use.routes
+    return verify(stand_ins(use), use.tag, options.without_markers), use
+
+
+def _expected(wanted: list[Wanted], use: ReplicaUse | None) -> list[Wanted]:
+    """Files of which a replica manifest knows the sha256 must arrive with it."""
+    if use is None:
+        return wanted
+    expect = use.expect()
+    return [dataclasses.replace(w, sha256=e.sha256, mismatch=e.mismatch)
+            if (e := expect.get((w.node, w.relpath))) is not None else w for w in wanted]
+
+
+def _fall_back(source: Source, use: ReplicaUse, report: CollectReport,
+               sink: ProgressSink) -> None:
+    """A part whose files failed (a replica corrupted on disk, a primary file that
+    differs from its replica's manifest, a read error) is read again from its next copy,
+    while there is one; what is verified at DEST already is skipped."""
+    while True:
+        moved = [node for node, r in report.results.items() if r.failed and next_route(
+            use, node, "; ".join(f"{rel}: {why}" for rel, why in list(r.failed.items())[:2]))]
+        if not moved:
+            return
+        source.routes = use.routes
+        again = _expected([w for w in report.wanted if w.node in moved], use)
+        report.wanted = [w for w in report.wanted if w.node not in moved] + again
+        results, _, _ = source.copy(again, {}, sink)
+        for node in moved:
+            old, new = report.results[node], results.get(node, NodeResult(node))
+            new.copied = old.copied + new.copied
+            new.bytes_copied += old.bytes_copied
+            report.results[node] = new
 
 
 def _tag_arg(tag: str) -> str | None:
@@ -223,7 +279,11 @@ def _finish(transport: Transport, nodes: Sequence[CollectNode], report: CollectR
             f"{len(report.failed)} file(s) of {plan.tag} failed verification or transfer "
             f"(verified files stay in DEST): {shown}", path=options.dest,
             hint="run the same command again: verified files are skipped, failed ones re-copied")
-    write_manifest(options.dest, plan, report.wanted, report.notes)
+    use = report.replicas
+    write_manifest(options.dest, plan, report.wanted, report.notes,
+                   use.routes if use else None, use.parts_json() if use else None)
     write_latest(options.dest, plan.tag)
-    if options.prune_sources:
-        report.pruned = prune_sources(transport, nodes, plan)
+    if options.prune_sources:  # a node whose part came from a replica keeps what it has
+        routed = use.routes if use else {}
+        report.pruned = prune_sources(transport, [n for n in nodes if n.name not in routed],
+                                      plan)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from clusterkit.checkpoints import layout
 from clusterkit.checkpoints.collectplan import CollectPlan
+from clusterkit.checkpoints.source import Route
 from clusterkit.checkpoints.transfer import Wanted
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text
@@ -20,9 +21,14 @@ MANIFEST = "clusterkit-collect.json"
 MANIFEST_SCHEMA = "clusterkit.collected-checkpoint"
 
 
-def manifest_dict(plan: CollectPlan, wanted: Sequence[Wanted], notes: Sequence[str]
-                  ) -> dict[str, Any]:
-    return {
+def manifest_dict(plan: CollectPlan, wanted: Sequence[Wanted], notes: Sequence[str],
+                  routes: Mapping[str, Route] | None = None,
+                  parts: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``routes``/``parts``: the node parts read from replicas (each such file's entry
+    names its ``replica_on`` node; ``parts`` says where every node index's part came
+    from)."""
+    routes = routes or {}
+    doc = {
         "schema": MANIFEST_SCHEMA, "schema_version": 1, "tag": plan.tag, "step": plan.step,
         "zero_stage": plan.zero_stage, "world_size": plan.world_size, "engine": plan.engine,
         "ds_subdir": plan.ds_subdir, "precision": plan.precision,
@@ -31,16 +37,23 @@ def manifest_dict(plan: CollectPlan, wanted: Sequence[Wanted], notes: Sequence[s
                    "rank_files": {str(r): list(f) for r, f in n.rank_files.items()}}
                   for n in plan.nodes],
         "files": {w.relpath: {"size": w.size, "sha256": w.sha256, "source": w.node,
-                              "copies": [c.node for c in plan.files[w.relpath]]}
+                              "copies": [c.node for c in plan.files[w.relpath]],
+                              **({"replica_on": routes[w.node].holder} if w.node in routes
+                                 else {})}
                   for w in sorted(wanted, key=lambda w: w.relpath)},
         "notes": list(notes), "created_unix": time.time(),
     }
+    if parts:
+        doc["parts"] = dict(parts)
+    return doc
 
 
 def write_manifest(dest: str, plan: CollectPlan, wanted: Sequence[Wanted],
-                   notes: Sequence[str]) -> None:
+                   notes: Sequence[str], routes: Mapping[str, Route] | None = None,
+                   parts: Mapping[str, Any] | None = None) -> None:
     atomic_write_text(os.path.join(dest, plan.tag, MANIFEST),
-                      json.dumps(manifest_dict(plan, wanted, notes), indent=1) + "\n")
+                      json.dumps(manifest_dict(plan, wanted, notes, routes, parts), indent=1)
+                      + "\n")
 
 
 def read_manifest(dest: str, tag: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.source import (
     CollectNode,
     NodeHashes,
+    Route,
     copies_by_node,
     list_nodes,
     shared_stdin,
@@ -47,6 +48,7 @@ class SftpSource:
                  dest: str, jobs: int, fsync: bool) -> None:
         self.transport, self.nodes = transport, list(nodes)
         self.dest, self.jobs, self.fsync = dest, jobs, fsync
+        self.routes: dict[str, Route] = {}  # refused by the verb: --via ssh follows them
 
     def __enter__(self) -> SftpSource:
         return self

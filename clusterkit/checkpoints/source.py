@@ -41,6 +41,15 @@ class CollectNode:
     via: SlurmPlace | None = None
 
 
+@dataclass(frozen=True)
+class Route:
+    """A node's files read elsewhere: on ``holder``'s session, under ``base`` (its
+    replica of the node's part, :mod:`clusterkit.checkpoints.fromreplicas`)."""
+
+    holder: str
+    base: str
+
+
 class Source(Protocol):
     """Where collect-ckpt's bytes come from. Used as a context manager: whatever it
     holds open (one session per node) lives from the listing to the last byte."""
@@ -49,6 +58,9 @@ class Source(Protocol):
     # True when copy() hashes on the node what it sends: the verb then hashes up front
     # only what it must (a dry run, files DEST may already hold).
     hashes_inline: bool
+    # Logical node -> where its files are read (parts completed from replicas); set by
+    # the verb after the listing. A source that cannot follow routes refuses them.
+    routes: dict[str, Route]
 
     def __enter__(self) -> Source: ...
 

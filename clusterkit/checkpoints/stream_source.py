@@ -24,6 +24,7 @@ from clusterkit.checkpoints.source import (
     LIST_TIMEOUT_S,
     CollectNode,
     NodeHashes,
+    Route,
     copies_by_node,
     list_nodes,
     todo,
@@ -36,8 +37,10 @@ from clusterkit.checkpoints.transfer import (
     ProgressSink,
     Receiver,
     Wanted,
+    at,
     grouped,
     parse_hashes,
+    rel_under,
     stream_node,
 )
 from clusterkit.hostrange import folded_lines
@@ -80,6 +83,7 @@ class StreamSource:
         self.dest, self.jobs, self.fsync, self.on_start = dest, jobs, fsync, on_start
         self.failed: dict[str, str] = {}
         self.sessions: dict[str, NodeSession] = {}
+        self.routes: dict[str, Route] = {}
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> StreamSource:
@@ -123,30 +127,53 @@ class StreamSource:
                 if ls.error and ls.node in again and again[ls.node].error else ls
                 for ls in listings]
 
+    def _units(self, logical: set[str]) -> dict[str, list[str]]:
+        """Session (node name) -> the logical nodes whose files it reads, its own first:
+        a part completed from a replica is read on its holder's session, after the
+        holder's own files (one request at a time per session)."""
+        out: dict[str, list[str]] = {}
+        for n in self.nodes:
+            if n.name in logical and n.name not in self.routes:
+                out.setdefault(n.name, []).append(n.name)
+        for name in sorted(logical & set(self.routes)):
+            out.setdefault(self.routes[name].holder, []).append(name)
+        return out
+
+    def _base(self, logical: str) -> str:
+        route = self.routes.get(logical)
+        return route.base if route is not None else ""
+
     def hashes(self, plan: CollectPlan) -> tuple[NodeHashes, list[str]]:
         """sha256 of every copy of every planned file, on its node, before any copy."""
         by_node = copies_by_node(plan)
-        involved = [n for n in self.nodes if n.name in by_node]
+        units = self._units(set(by_node))
 
-        def one(node: CollectNode) -> tuple[dict[str, Hashed], dict[str, str], str]:
-            session = self.sessions[node.name]
-            try:
-                msg = session.wait_for("hashes", session.request(
-                    "hash", HASH_TIMEOUT_S, files=by_node[node.name]))
-                files, errors = parse_hashes(json.dumps(msg))
-            except (SessionError, ValueError, KeyError, TypeError) as exc:
-                return {}, {}, str(exc)
-            return files, errors, ""
+        def one(holder: str) -> list[tuple[str, dict[str, Hashed], dict[str, str], str]]:
+            session = self.sessions[holder]
+            out: list[tuple[str, dict[str, Hashed], dict[str, str], str]] = []
+            for logical in units[holder]:
+                base = self._base(logical)
+                try:
+                    msg = session.wait_for("hashes", session.request(
+                        "hash", HASH_TIMEOUT_S,
+                        files=[at(base, r) for r in by_node[logical]]))
+                    files, errors = parse_hashes(json.dumps(msg))
+                except (SessionError, ValueError, KeyError, TypeError) as exc:
+                    out.append((logical, {}, {}, str(exc)))
+                    continue
+                out.append((logical, {rel_under(base, k): v for k, v in files.items()},
+                            {rel_under(base, k): v for k, v in errors.items()}, ""))
+            return out
 
-        with cf.ThreadPoolExecutor(max_workers=min(64, len(involved) or 1)) as pool:
-            answers = list(pool.map(one, involved))
+        with cf.ThreadPoolExecutor(max_workers=min(64, len(units) or 1)) as pool:
+            answers = [a for batch in pool.map(one, list(units)) for a in batch]
         hashes: NodeHashes = {}
-        problems = folded_lines([(n.name, f"cannot hash ({why})")
-                                 for n, (_, _, why) in zip(involved, answers, strict=True) if why],
-                                [n.name for n in involved])
-        for node, (files, errors, _) in zip(involved, answers, strict=True):
-            problems += [f"{node.name}: cannot read {rel}: {why}" for rel, why in errors.items()]
-            hashes.update({(node.name, rel): h for rel, h in files.items()})
+        problems = folded_lines([(name, f"cannot hash ({why})")
+                                 for name, _, _, why in answers if why],
+                                [name for name, _, _, _ in answers])
+        for name, files, errors, _ in answers:
+            problems += [f"{name}: cannot read {rel}: {why}" for rel, why in errors.items()]
+            hashes.update({(name, rel): h for rel, h in files.items()})
         return hashes, problems
 
     def copy(self, wanted: Sequence[Wanted], hash_only: Mapping[str, Sequence[str]],
@@ -157,28 +184,29 @@ class StreamSource:
         results: dict[str, NodeResult] = {}
         per_node = grouped(todo(wanted, state, sink, results))
         sink.begin({n: sum(w.size for w in ws) for n, ws in per_node.items()})
-        units = [n for n in self.nodes if n.name in per_node or hash_only.get(n.name)]
+        units = self._units({n for n in per_node} | {n for n, rels in hash_only.items() if rels})
         hashes: NodeHashes = {}
         problems: list[str] = []
 
-        def work(node: CollectNode) -> None:
-            session = self.sessions[node.name]
-            result = results.setdefault(node.name, NodeResult(node.name))
+        def work(holder: str) -> None:
+            session = self.sessions[holder]
             if self.on_start is not None:
                 self.on_start(session.proc)
-            t0 = time.monotonic()
-            receiver = Receiver(self.dest, state, sink, node.name, result, self.fsync)
-            got = stream_node(session, per_node.get(node.name, []),
-                              hash_only.get(node.name, ()), receiver)
-            result.seconds = time.monotonic() - t0
-            hashes.update({(node.name, rel): h for rel, h in got.hashes.items()})
-            problems.extend(f"{node.name}: cannot hash {rel}: {why}"
-                            for rel, why in got.hash_errors.items())
+            for name in units[holder]:
+                result = results.setdefault(name, NodeResult(name))
+                t0 = time.monotonic()
+                receiver = Receiver(self.dest, state, sink, name, result, self.fsync)
+                got = stream_node(session, per_node.get(name, []), hash_only.get(name, ()),
+                                  receiver, self._base(name))
+                result.seconds = time.monotonic() - t0
+                hashes.update({(name, rel): h for rel, h in got.hashes.items()})
+                problems.extend(f"{name}: cannot hash {rel}: {why}"
+                                for rel, why in got.hash_errors.items())
 
         pool = cf.ThreadPoolExecutor(max_workers=max(1, min(self.jobs, len(units) or 1)),
                                      thread_name_prefix="clusterkit-collect")
         try:
-            list(pool.map(work, units))
+            list(pool.map(work, list(units)))
         except BaseException:
             for s in self.sessions.values():  # readers blocked on a session return at once
                 s.kill("collect-ckpt stopped")

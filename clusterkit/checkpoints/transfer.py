@@ -76,6 +76,8 @@ class Wanted:
     size: int
     sha256: str
     mtime: float = 0.0  # at listing; a pending checksum taken at another mtime is refused
+    # Set when ``sha256`` is a replica manifest's: what a different digest means.
+    mismatch: str = ""
 
 
 @dataclass
@@ -245,6 +247,8 @@ class Receiver:
             with contextlib.suppress(OSError):
                 os.unlink(part)
             why = (expected if isinstance(expected, str) else
+                   f"{w.mismatch}: read sha256 {digest[:16]}…, the manifest has "
+                   f"{expected[1][:16]}…" if w.mismatch and got == expected[0] else
                    f"size mismatch: source had {expected[0]} bytes when hashed, received {got}"
                    if got != expected[0] else
                    f"sha256 mismatch: source {expected[1][:16]}… when hashed on {w.node}, "
@@ -268,9 +272,11 @@ class Receiver:
         self.sink.file_done(self.node, rel, got, "failed", why)
 
 
-def expected_from(w: Wanted, end: Mapping[str, Any], digest: str) -> tuple[int, str] | str:
-    """What the received copy must equal, from the node's end-of-file frame."""
-    if end.get("t") != "end" or end.get("rel") != w.relpath:
+def expected_from(w: Wanted, end: Mapping[str, Any], digest: str, src: str = ""
+                  ) -> tuple[int, str] | str:
+    """What the received copy must equal, from the node's end-of-file frame (``src``:
+    the path the node was asked for, when not ``w.relpath``)."""
+    if end.get("t") != "end" or end.get("rel") != (src or w.relpath):
         return f"protocol error: expected the end of {w.relpath}, got {str(end)[:120]}"
     if w.sha256:  # checksummed before the copy (re-run, --dry-run, test hook): must match
         return w.size, w.sha256
@@ -295,14 +301,17 @@ class NodeStream:
 
 
 def stream_node(session: NodeSession, files: Sequence[Wanted], hash_only: Sequence[str],
-                receiver: Receiver) -> NodeStream:
+                receiver: Receiver, base: str = "") -> NodeStream:
     """``files`` over ``session`` into DEST while the node hashes ``hash_only`` (copies
     we do not send, or everything before a phased copy). Files not received are marked
-    failed with the session's last words (ssh's stderr, exit status)."""
+    failed with the session's last words (ssh's stderr, exit status). ``base``: the
+    files are read under that dir on the node (a replica), not under its root; the
+    answers are keyed by relpath all the same."""
     st = NodeStream()
-    wanted = {w.relpath: w for w in files}
+    wanted = {at(base, w.relpath): w for w in files}
     if hash_only:
-        st.waiting.add(session.request("hash", HASH_TIMEOUT_S, files=list(hash_only)))
+        st.waiting.add(session.request("hash", HASH_TIMEOUT_S,
+                                       files=[at(base, r) for r in hash_only]))
     if files:
         st.waiting.add(session.request("send", STALL_TIMEOUT_S, files=list(wanted)))
     buf = bytearray(CHUNK)
@@ -313,13 +322,25 @@ def stream_node(session: NodeSession, files: Sequence[Wanted], hash_only: Sequen
         except (SessionError, OSError, ValueError, KeyError) as exc:
             session.kill()
             why = f"not received: {exc}"
-            for rel in wanted:
-                if rel not in st.answered:
-                    receiver.failed(rel, why)
+            for src, w in wanted.items():
+                if src not in st.answered:
+                    receiver.failed(w.relpath, why)
             for rel in hash_only:
-                if rel not in st.hashes:
-                    st.hash_errors.setdefault(rel, why)
+                if at(base, rel) not in st.hashes:
+                    st.hash_errors.setdefault(at(base, rel), why)
+    if base:  # answers are keyed by the path asked for: back to relpaths
+        st.hashes = {rel_under(base, k): v for k, v in st.hashes.items()}
+        st.hash_errors = {rel_under(base, k): v for k, v in st.hash_errors.items()}
     return st
+
+
+def at(base: str, rel: str) -> str:
+    """Where the node reads ``rel``: under its root, or under ``base`` (absolute)."""
+    return posixpath.join(base, rel) if base else rel
+
+
+def rel_under(base: str, path: str) -> str:
+    return path[len(base.rstrip("/")) + 1:] if path.startswith(base.rstrip("/") + "/") else path
 
 
 def _one_message(session: NodeSession, wanted: Mapping[str, Wanted], receiver: Receiver,
@@ -327,19 +348,23 @@ def _one_message(session: NodeSession, wanted: Mapping[str, Wanted], receiver: R
     msg = session.read_msg()
     kind = msg.get("t")
     if kind == "file":
-        w = wanted.get(str(msg.get("rel")))
+        src = str(msg.get("rel"))
+        w = wanted.get(src)
         if w is None:  # never write a name we did not ask for
-            raise SessionError(f"unexpected file {str(msg.get('rel'))[:200]!r}")
+            raise SessionError(f"unexpected file {src[:200]!r}")
         got = int(msg["size"])
         part, final, digest = receiver.receive_exact(w, session.stdout, got, session, buf)
         end = session.read_msg()
-        st.answered.add(w.relpath)
-        st.hashes[w.relpath] = Hashed(got, float(end.get("mtime", 0.0)), str(end.get("sha256")))
-        fin.submit(receiver.finish, w, part, final, got, digest, expected_from(w, end, digest))
+        st.answered.add(src)
+        st.hashes[src] = Hashed(got, float(end.get("mtime", 0.0)), str(end.get("sha256")))
+        fin.submit(receiver.finish, w, part, final, got, digest,
+                   expected_from(w, end, digest, src))
     elif kind == "err":
-        rel = str(msg.get("rel"))
-        st.answered.add(rel)
-        receiver.failed(rel, f"cannot read on {session.name}: {msg.get('why')}")
+        src = str(msg.get("rel"))
+        st.answered.add(src)
+        w = wanted.get(src)
+        receiver.failed(w.relpath if w else src,
+                        f"cannot read on {session.name}: {msg.get('why')}")
     elif kind == "hashes":
         files, errors = parse_hashes(json.dumps(msg))
         st.hashes.update(files)

@@ -371,6 +371,9 @@ def _collect_verb(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"collect": describe(report.plan), "dest": dest,
                               "copied_bytes": report.bytes_copied, "skipped": report.skipped,
                               "notes": report.notes}
+    if report.replicas is not None:
+        result["replicas"] = {"used": report.replicas.used(),
+                              "parts": report.replicas.parts_json()}
     if args.dry_run:
         print("dry run: nothing copied")
     elif args.consolidate:
@@ -428,6 +431,8 @@ def _print_report(report: Any, dest: str) -> None:
     print(f"listed in {report.seconds_list:.1f} s, {hashed}")
     for note in report.notes:
         print(f"note: {note}")
+    for line in report.replicas.used() if report.replicas is not None else ():
+        print(line)
     if report.method:
         copied = sum(len(r.copied) for r in report.results.values())
         rate = report.bytes_copied / report.seconds_copy / 1e6 if report.seconds_copy else 0.0
