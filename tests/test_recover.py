@@ -150,6 +150,9 @@ def transport() -> Iterator[DispatchTransport]:
         yield t
 
 
+OLD_MAP = [["node1", 0, 2], ["node2", 2, 2], ["node3", 4, 2]]
+
+
 def _lost_node2(tmp: Path) -> tuple[JobPlan, list[Path], Path]:
     """3 nodes saved TAG; node2 (node index 1) kept a replica on node3 and on node1;
     then node2 is lost. Returns the --replace node2=node5 plan, the roots, node2's copy."""
@@ -178,7 +181,7 @@ def test_the_lost_part_is_restored_onto_the_spare(tmp_path: Path,
     plan, _roots, saved = _lost_node2(tmp_path)
     said: list[str] = []
     done = restore_replacements(transport, plan, [Replacement(1, "node2", "node5")],
-                                str(tmp_path / "staging"), said.append)
+                                OLD_MAP, str(tmp_path / "staging"), said.append)
     assert [(r.tag, r.holder, r.rejected) for r in done] == [(TAG, "node3", [])]
     _same_tree(saved / TAG, Path(plan.nodes[1].ckpt_dir) / TAG)
     assert any("restored global_step1 of node index 1 (node2) onto node5" in s for s in said)
@@ -191,7 +194,7 @@ def test_a_corrupted_replica_is_never_used(tmp_path: Path, transport: DispatchTr
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))  # same size: only the sha256 can tell
     done = restore_replacements(transport, plan, [Replacement(1, "node2", "node5")],
-                                str(tmp_path / "staging"), lambda _s: None)
+                                OLD_MAP, str(tmp_path / "staging"), lambda _s: None)
     assert done[0].holder == "node1"  # the next holder in ring order, verified
     assert "node3's copy of global_step1" in done[0].rejected[0]
     assert "sha256" in done[0].rejected[0]
@@ -201,7 +204,21 @@ def test_a_corrupted_replica_is_never_used(tmp_path: Path, transport: DispatchTr
     shutil.rmtree(Path(plan.nodes[1].ckpt_dir))
     with pytest.raises(LaunchError) as err:
         restore_replacements(transport, plan, [Replacement(1, "node2", "node5")],
-                             str(tmp_path / "staging2"), lambda _s: None)
-    assert "no verified replica of node index 1" in err.value.message
+                             OLD_MAP, str(tmp_path / "staging2"), lambda _s: None)
+    assert "every copy failed verification" in err.value.message
+    assert "sha256 mismatch" in err.value.message
     assert "--replicas" in (err.value.hint or "") and "--resume never" in (err.value.hint or "")
     assert not (Path(plan.nodes[1].ckpt_dir) / TAG / marker_name(1)).exists()
+
+
+def test_without_any_replica_the_launch_is_refused(tmp_path: Path,
+                                                   transport: DispatchTransport) -> None:
+    plan, roots, _saved = _lost_node2(tmp_path)
+    for root in (roots[0], roots[2]):
+        shutil.rmtree(Path(replica_dir(str(root), 1, TAG)))
+    with pytest.raises(LaunchError) as err:
+        restore_replacements(transport, plan, [Replacement(1, "node2", "node5")],
+                             OLD_MAP, str(tmp_path / "staging"), lambda _s: None)
+    assert "checkpoint global_step1 cannot be assembled" in err.value.message
+    assert "node index 1 (node5): " in err.value.message
+    assert "no complete replica of global_step1" in err.value.message

@@ -153,9 +153,9 @@ def _restorer(registry: Any, transport: Any, sink: Any) -> Any:
     beside the job record, removed afterwards (docs/lost-a-node.md)."""
     from clusterkit.cli.recover import restore_replacements, staging_dir
 
-    def restore(plan: Any, swaps: Any) -> None:
+    def restore(plan: Any, swaps: Any, old_map: Any) -> None:
         with staging_dir(str(registry.path(plan.job_id).parent / "restore")) as staging:
-            restore_replacements(transport, plan, swaps, staging, sink.info)
+            restore_replacements(transport, plan, swaps, old_map, staging, sink.info)
 
     return restore
 

@@ -18,34 +18,27 @@ other (tests/test_layering.py).
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import os
 import posixpath
-import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from clusterkit.checkpoints import layout
+from clusterkit.checkpoints.assemble import Assembly, PartSource, assemble, candidate_tags
 from clusterkit.checkpoints.collect import CollectOptions, open_source
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.source import CollectNode
 from clusterkit.checkpoints.transfer import NullProgress, Wanted, hash_command, parse_hashes
 from clusterkit.errors import LaunchError
+from clusterkit.hostfile import parse_replace
 from clusterkit.launch.run import Replacement
-from clusterkit.node.contract import (
-    REPLICA_MANIFEST,
-    REPLICA_PARTIAL_PREFIX,
-    REPLICA_SCHEMA,
-    REPLICA_SCHEMA_VERSION,
-    replica_source_dir,
-)
 from clusterkit.remote.base import Transport, target_for
 from clusterkit.spec.job import JobPlan, NodePlan
 
 HASH_TIMEOUT_S = 3600.0
-STEP_RE = re.compile(r"(\d+)$")
 
 Say = Callable[[str], None]
 
@@ -57,51 +50,34 @@ def collect_node(n: NodePlan, root: str) -> CollectNode:
     return CollectNode(n.name, target_for(n.host), n.python, root)
 
 
-def list_roots(transport: Transport, nodes: Sequence[CollectNode], staging: str
-               ) -> list[NodeListing]:
-    """Every node's listing of its root, one session each (the collect-ckpt listing)."""
-    with open_source(transport, nodes, CollectOptions(dest=staging, jobs=len(nodes) or 1)) as src:
+def list_parts(transport: Transport, plan: JobPlan, old_map: Sequence[Sequence[Any]],
+               staging: str) -> list[NodeListing]:
+    """The listing of every node of ``plan`` that held (or now takes) a node index of the
+    job's rank->node mapping ``old_map``, its replica area included, with ``index`` = that
+    node index: what :func:`assemble` reads. One collect-ckpt session per node."""
+    index_of = {str(row[0]): i for i, row in enumerate(old_map)}
+    swap = parse_replace(plan.options.replace)
+    index_of.update({new: index_of[old] for old, new in swap.items() if old in index_of})
+    nodes = [n for n in plan.nodes if n.name in index_of]
+    found = _list(transport, [collect_node(n, n.ckpt_dir) for n in nodes], staging)
+    return [dataclasses.replace(ls, index=index_of[ls.node]) for ls in found]
+
+
+def _list(transport: Transport, nodes: Sequence[CollectNode], staging: str) -> list[NodeListing]:
+    if not nodes:
+        return []
+    with open_source(transport, nodes, CollectOptions(dest=staging, jobs=len(nodes))) as src:
         return src.listings(None)
 
 
-def step_of(tag: str) -> int:
-    m = STEP_RE.search(tag)
-    return int(m.group(1)) if m else -1
-
-
-def complete_elsewhere(own: Sequence[NodeListing], plan: JobPlan, skip: set[int]) -> list[str]:
-    """Tags every node outside ``skip`` holds complete, newest first: its own completion
-    marker there (the bundled workload), or the tag dir (a user's script: no markers)."""
-    tags: set[str] | None = None
-    for ls in own:
-        if ls.index in skip:
-            continue
-        have = {t for t, files in ls.tags.items() if files is not None and _own_part(ls, t)}
-        tags = have if tags is None else tags & have
-    return sorted(tags or (), key=lambda t: (step_of(t), t), reverse=True)
-
-
-def _own_part(ls: NodeListing, tag: str) -> bool:
-    markers = ls.markers.get(tag) or {}
-    if markers:
-        return layout.marker_name(ls.index) in markers
-    files = ls.tags.get(tag) or {}
-    return not any(layout.parse_marker_name(posixpath.basename(f)) is not None for f in files)
-
-
-def replica_tags(ls: NodeListing) -> list[str]:
-    """The copies in a replica listing (root ``<ckpt>.replicas/node<N>``) that finished:
-    their manifest is there; ``.partial-*`` copies in progress never count."""
-    return [t for t, files in ls.tags.items()
-            if files and not t.startswith(REPLICA_PARTIAL_PREFIX) and REPLICA_MANIFEST in files]
-
-
-def ring_from(index: int, nodes: Sequence[NodePlan], skip: set[int]) -> list[tuple[int, NodePlan]]:
-    """The other nodes in ring order after ``index``: where replication put its copies
-    first (node i's copy lives on node i+1), so the likeliest holder is asked first."""
-    n = len(nodes)
-    order = [(index + k) % n for k in range(1, n)]
-    return [(i, nodes[i]) for i in order if i not in skip]
+def assemble_newest(listings: Sequence[NodeListing], num_nodes: int, markers: bool
+                    ) -> list[Assembly]:
+    """Every tag that can be assembled from the nodes and the replicas, newest first;
+    when none can, the newest tag's attempt alone (its ``missing`` says why)."""
+    tags = candidate_tags(listings)
+    tried = [assemble(listings, t, expect_nodes=num_nodes, require_markers=markers) for t in tags]
+    complete = [a for a in tried if a.complete]
+    return complete or tried[:1]
 
 
 # ------------------------------------------------------------------ restoring
@@ -109,7 +85,7 @@ def ring_from(index: int, nodes: Sequence[NodePlan], skip: set[int]) -> list[tup
 
 @dataclass
 class Restore:
-    """What restoring one replaced node did, for the console and the tests."""
+    """What restoring one node index's part did, for the console and the tests."""
 
     replacement: Replacement
     tag: str = ""
@@ -120,125 +96,98 @@ class Restore:
 
 
 def restore_replacements(transport: Transport, plan: JobPlan, swaps: Sequence[Replacement],
-                         staging: str, say: Say) -> list[Restore]:
-    """Restore every replaced node's part of the newest checkpoint the other nodes and
-    the replicas can complete; raise LaunchError naming what is missing."""
-    spares = {s.index for s in swaps}
-    own = list_roots(transport, [collect_node(n, n.ckpt_dir) for n in plan.nodes], staging)
-    down = [f"{ls.node}: {ls.error}" for ls in own if ls.error and ls.index not in spares]
+                         old_map: Sequence[Sequence[Any]], staging: str, say: Say
+                         ) -> list[Restore]:
+    """Put each replaced node index's part of the newest checkpoint that can be assembled
+    onto its spare (newest first; a tag whose copies all fail verification gives way to
+    the next older one). Raise LaunchError naming what is missing and the options."""
+    listings = list_parts(transport, plan, old_map, staging)
+    down = [f"{ls.node}: {ls.error}" for ls in listings if ls.error]
     if down:
-        raise LaunchError(f"cannot restore {_names(swaps)}: other nodes of the job cannot be "
-                          f"listed ({'; '.join(down)})", key="--replace",
+        raise LaunchError(f"cannot restore {_names(swaps)}: nodes of the job cannot be listed "
+                          f"({'; '.join(down)})", key="--replace",
                           hint="fix those nodes, or replace them too (--replace OLD=NEW)")
-    tags = complete_elsewhere(own, plan, spares)
+    tried = assemble_newest(listings, len(plan.nodes), plan.options.uses_workload)
+    rejected: list[str] = []
+    for a in (t for t in tried if t.complete):
+        done = _restore_tag(transport, plan, a, swaps, staging, say, rejected)
+        if done is not None:
+            return done
+    raise LaunchError(_missing_text(swaps, tried, rejected), key="--replace", hint=REFUSAL_HINT)
+
+
+REFUSAL_HINT = ("pass --resume never to start fresh on purpose, or --resume TAG for an older "
+                "checkpoint every node still has; `clusterkit status JOB` shows which "
+                "checkpoints are replicated; next time keep replicas on (--replicas K, default 1 "
+                "with node-local storage; docs/lost-a-node.md)")
+
+
+def _restore_tag(transport: Transport, plan: JobPlan, a: Assembly, swaps: Sequence[Replacement],
+                 staging: str, say: Say, rejected: list[str]) -> list[Restore] | None:
+    assert a.tag is not None
     done = []
     for s in swaps:
-        say(f"restoring node index {s.index} ({s.old}) onto {s.new} from its replica ...")
-        r = _restore_one(transport, plan, s, tags, spares, os.path.join(staging, f"node{s.index}"))
-        say(f"restored {r.tag} of node index {s.index} ({s.old}) onto {s.new}: {r.files} files, "
-            f"{r.bytes / 1e6:.1f} MB from its replica on {r.holder}, sha256 verified "
-            "against the replica's manifest on the holder, here and on " + s.new)
+        r = Restore(s, tag=a.tag)
+        cands = a.candidates.get(s.index, ())
+        if cands and not cands[0].replica:  # a restore that finished before, on the spare
+            r.holder = s.new
+            say(f"node index {s.index} ({s.old}): {s.new} already holds its part of {a.tag}")
+            done.append(r)
+            continue
+        say(f"restoring node index {s.index} ({s.old})'s part of {a.tag} onto {s.new} "
+            "from its replica ...")
+        for part in (c for c in cands if c.replica):
+            why = _try_copy(transport, plan, s, part, a.tag,
+                            os.path.join(staging, f"node{s.index}"), r)
+            if why is None:
+                break
+            r.rejected.append(f"{part.host}'s copy of {a.tag}: {why}")
+        rejected.extend(r.rejected)
         for why in r.rejected:
             say(f"  not used: {why}")
+        if not r.holder:
+            return None
+        say(f"restored {a.tag} of node index {s.index} ({s.old}) onto {s.new}: {r.files} files, "
+            f"{r.bytes / 1e6:.1f} MB from its replica on {r.holder}, each file's sha256 equal to "
+            "the replica manifest's as read on the holder, as received here and on " + s.new)
         done.append(r)
     return done
 
 
-def _restore_one(transport: Transport, plan: JobPlan, s: Replacement, tags: Sequence[str],
-                 spares: set[int], staging: str) -> Restore:
-    result = Restore(s)
-    holders = ring_from(s.index, plan.nodes, spares)
-    roots = [collect_node(n, replica_source_dir(n.ckpt_dir, s.index)) for _, n in holders]
-    listings = list_roots(transport, roots, staging)
-    have = {ls.node: set(replica_tags(ls)) for ls in listings if not ls.error}
-    for tag in tags:
-        for node in roots:
-            if tag not in have.get(node.name, ()):
-                continue
-            why = _try_holder(transport, plan, s, node, tag, staging, result)
-            if why is None:
-                return result
-            result.rejected.append(f"{node.name}'s copy of {tag}: {why}")
-    raise LaunchError(_missing_text(s, tags, listings, result), key="--replace",
-                      hint=("pass --resume never to start fresh on purpose, or --resume an "
-                            "older tag; `clusterkit status " + plan.job_id + "` shows which "
-                            "checkpoints are replicated; next time keep replicas on "
-                            "(--replicas K, default 1 with node-local storage)"))
+def _missing_text(swaps: Sequence[Replacement], tried: Sequence[Assembly],
+                  rejected: Sequence[str]) -> str:
+    what = (tried[0].describe() if tried and not tried[0].complete else
+            "no checkpoint of the job on its nodes or in their replicas" if not tried else
+            "every copy failed verification")
+    text = f"cannot continue with {_names(swaps)}: {what}"
+    return text + ("; rejected: " + "; ".join(rejected) if rejected else "")
 
 
-def _missing_text(s: Replacement, tags: Sequence[str], listings: Sequence[NodeListing],
-                  result: Restore) -> str:
-    seen = "; ".join(f"{ls.node}: " + (ls.error or ", ".join(sorted(replica_tags(ls))) or "none")
-                     for ls in listings)
-    text = (f"cannot continue on {s.new} in place of {s.old}: no verified replica of node "
-            f"index {s.index}'s part of a checkpoint the other nodes hold complete "
-            f"({', '.join(tags) or 'none'}); replicas seen: {seen or 'no other node'}")
-    if result.rejected:
-        text += "; rejected: " + "; ".join(result.rejected)
-    return text
-
-
-def _try_holder(transport: Transport, plan: JobPlan, s: Replacement, holder: CollectNode,
-                tag: str, staging: str, result: Restore) -> str | None:
-    """Pull ``tag``'s copy from ``holder`` and push it to the spare; None when done, else
-    why this copy was not used (the staging files of a rejected copy are removed)."""
+def _try_copy(transport: Transport, plan: JobPlan, s: Replacement, part: PartSource, tag: str,
+              staging: str, result: Restore) -> str | None:
+    """Pull one replica from its holder and push it to the spare; None when done, else why
+    this copy was not used (the staging files of a rejected copy are removed)."""
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging, exist_ok=True)
+    holder = next(n for n in plan.nodes if n.name == part.host)
+    files = {rel: (size, part.sha256[rel]) for rel, size in part.files.items()}
     try:
-        manifest = _read_manifest(transport, holder, tag)
-        why = _manifest_problem(manifest, plan, s, tag)
-        if why:
-            return why
-        files: Mapping[str, Mapping[str, Any]] = manifest["files"]
-        _pull(transport, holder, tag, files, staging)
+        _pull(transport, collect_node(holder, part.root), files, staging)
         spare = plan.nodes[s.index]
-        _push(transport, collect_node(spare, spare.ckpt_dir), os.path.join(staging, tag), files)
+        _push(transport, collect_node(spare, spare.ckpt_dir), staging, files)
     except LaunchError as exc:
         return exc.message
-    result.tag, result.holder = tag, holder.name
-    result.files = len(files)
-    result.bytes = sum(int(v["size"]) for v in files.values())
+    result.holder, result.files = part.host, len(files)
+    result.bytes = sum(size for size, _ in files.values())
     return None
 
 
-def _read_manifest(transport: Transport, holder: CollectNode, tag: str) -> dict[str, Any]:
-    path = posixpath.join(holder.root, tag, REPLICA_MANIFEST)
-    res = transport.run(holder.target, ["cat", "--", path], timeout=60.0)
-    if not res.ok:
-        raise LaunchError(f"cannot read its manifest: {res.stderr.strip()[-200:]}")
-    try:
-        value = json.loads(res.stdout)
-    except ValueError:
-        raise LaunchError("its manifest is not JSON") from None
-    if not isinstance(value, dict):
-        raise LaunchError("its manifest is not a JSON object")
-    return value
-
-
-def _manifest_problem(m: Mapping[str, Any], plan: JobPlan, s: Replacement, tag: str
-                      ) -> str | None:
-    """Why this manifest does not describe node index ``s.index``'s part of ``tag``."""
-    if m.get("schema") != REPLICA_SCHEMA or m.get("version") != REPLICA_SCHEMA_VERSION:
-        return f"unknown manifest schema {m.get('schema')!r} version {m.get('version')!r}"
-    if m.get("job_id") != plan.job_id or m.get("tag") != tag or m.get("source") != s.index:
-        return (f"its manifest is for job {m.get('job_id')}, tag {m.get('tag')}, node index "
-                f"{m.get('source')}")
-    files = m.get("files")
-    if not isinstance(files, dict) or not files:
-        return "its manifest lists no files"
-    if not any(layout.parse_marker_name(posixpath.basename(f)) == s.index for f in files) \
-            and any(layout.parse_marker_name(posixpath.basename(f)) is not None for f in files):
-        return f"its manifest lacks node index {s.index}'s completion marker"
-    return None
-
-
-def _pull(transport: Transport, holder: CollectNode, tag: str,
-          files: Mapping[str, Mapping[str, Any]], staging: str) -> None:
-    """The replica's files into ``staging/<tag>/``: each checked against the manifest's
-    sha256 (the source's) as the holder reads it and as it arrives here, so a copy
-    corrupted on the holder's disk is caught and never used."""
-    wanted = [Wanted(holder.name, posixpath.join(tag, rel), int(v["size"]), str(v["sha256"]))
-              for rel, v in files.items()]
+def _pull(transport: Transport, holder: CollectNode, files: Mapping[str, tuple[int, str]],
+          staging: str) -> None:
+    """The replica's files into ``staging``: each checked against the manifest's sha256
+    (the source's) as the holder reads it and as it arrives here, so a copy corrupted on
+    the holder's disk is caught and never used."""
+    wanted = [Wanted(holder.name, rel, size, digest) for rel, (size, digest) in files.items()]
     with open_source(transport, [holder], CollectOptions(dest=staging, jobs=1)) as src:
         results, _, problems = src.copy(wanted, {}, NullProgress())
     failed = results.get(holder.name)
@@ -252,7 +201,7 @@ def _pull(transport: Transport, holder: CollectNode, tag: str,
 
 
 def _push(transport: Transport, spare: CollectNode, local_root: str,
-          files: Mapping[str, Mapping[str, Any]]) -> None:
+          files: Mapping[str, tuple[int, str]]) -> None:
     """The staged files into the spare's checkpoint dir, hashed there; the completion
     marker and ``latest`` last, so a spare that did not get everything never looks
     complete to the workload's resume."""
@@ -274,7 +223,7 @@ def _goes_last(rel: str) -> bool:
 
 
 def _check_on_node(transport: Transport, node: CollectNode, rels: Sequence[str],
-                   files: Mapping[str, Mapping[str, Any]]) -> None:
+                   files: Mapping[str, tuple[int, str]]) -> None:
     if not rels:
         return
     cmd = hash_command(node.python, node.root, list(rels))
@@ -283,7 +232,7 @@ def _check_on_node(transport: Transport, node: CollectNode, rels: Sequence[str],
         raise LaunchError(f"hashing on {node.name} failed: {res.stderr.strip()[-200:]}",
                           host=node.name)
     got, _ = parse_hashes(res.stdout)
-    bad = [r for r in rels if r not in got or got[r].sha256 != files[r]["sha256"]]
+    bad = [r for r in rels if r not in got or got[r].sha256 != files[r][1]]
     if bad:
         raise LaunchError(f"sha256 mismatch on {node.name} after upload: {', '.join(bad[:4])}",
                           host=node.name)

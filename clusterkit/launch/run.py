@@ -31,7 +31,8 @@ from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, JobPlan, LaunchPlan
 # JobOptions -> the decisions; made again only when a restart drops nodes.
 Planner = Callable[[JobOptions], JobPlan]
 # Before the agents start: the replaced nodes' checkpoint parts onto their spares.
-Restorer = Callable[[JobPlan, "list[Replacement]"], None]
+# (plan, replaced nodes, the job's recorded rank->node mapping)
+Restorer = Callable[[JobPlan, "list[Replacement]", "list[list[Any]]"], None]
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,8 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         if restore is None:
             raise LaunchError("no way to restore a replaced node's checkpoint part here",
                               key="--replace")
-        restore(decisions, swaps)
+        assert prior is not None  # swaps come from its recorded mapping
+        restore(decisions, swaps, prior.extra["rank_map"])
     # The gate runs inside the agents (facts reported, nothing started until GO): no
     # separate round of SSH commands before the launch.
     need = None if settings.run.skip_checks else gate_needs(decisions)
