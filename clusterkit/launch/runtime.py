@@ -211,9 +211,12 @@ class Runtime:
             self._set_phase("initialising")
 
     def _progress(self, state: NodeState, ev: protocol.Progress, now: float) -> None:
+        untrained = self.watchdog.training_at is None
         self.watchdog.report(state.task.node, {"idle_s": ev.idle_s, "step": ev.step}, now)
-        if self.watchdog.last_step() is not None:
-            self._training_seen(now)
+        # report() notes a heartbeat's step as the first sign of training itself, so
+        # the phase moves here (asking saw_training() again would say "not the first").
+        if untrained and self.watchdog.training_at is not None:
+            self._set_phase("training")
 
     def _stacks(self, state: NodeState, ev: protocol.Stacks, _now: float) -> None:
         self.stack_nodes.add(state.task.node)
