@@ -67,6 +67,7 @@ def ssh_options(*, user: str | None = None, port: int | None = None,
 class CheckpointStorage:
     shared_dir: str | None = None
     local_dir: str | None = None
+    replicas: int | None = None  # the default of --replicas (docs/lost-a-node.md)
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,8 @@ _HOST_KEYS = (
     "labels",
 )
 _SSH_KEYS = ("user", "port", "identity_file", "proxy_jump", "config_file", "known_hosts_file")
-_CKPT_KEYS = ("shared_dir", "local_dir")
+MAX_REPLICAS = 16  # checkpoint.replicas: copies of each node's checkpoints on other nodes
+_CKPT_KEYS = ("shared_dir", "local_dir", "replicas")
 _TOP_KEYS = ("schema_version", "cluster", "defaults", "hosts")
 _CLUSTER_KEYS = ("name",)
 
@@ -333,7 +335,9 @@ def _parse_ssh(ctx: _Ctx, value: Any, line: int, where: str) -> dict[str, Any]:
 def _parse_ckpt(ctx: _Ctx, value: Any, line: int, where: str) -> dict[str, Any]:
     mapping = _require_mapping(ctx, value, line, where)
     _check_keys(ctx, mapping, _CKPT_KEYS, where)
-    return {k: _as_env_path(ctx, v, _line_of(mapping, k), f"{where}.{k}", ENV_CKPT_DIR)
+    return {k: _as_int(ctx, v, _line_of(mapping, k), f"{where}.{k}", 0, MAX_REPLICAS)
+            if k == "replicas" else
+            _as_env_path(ctx, v, _line_of(mapping, k), f"{where}.{k}", ENV_CKPT_DIR)
             for k, v in mapping.items()}
 
 

@@ -304,7 +304,13 @@ def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = Non
                           "start the ranks); a Slurm batch script starts them with srun",
                           key="--launcher", hint="leave --launcher out (torchrun under srun), "
                           "or pick torchrun, accelerate or deepspeed")
-    options = dataclasses.replace(options, backend=BACKENDS[args.launcher].sbatch_plan)
+    if options.replicas:  # issue 22: copied by launch's node agents, which sbatch has not
+        raise RenderError(f"--replicas {options.replicas}: checkpoint replicas are copied by "
+                          "clusterkit launch's node agents; a Slurm batch job runs none",
+                          key="--replicas", hint="drop --replicas (sbatch jobs are not "
+                          "replicated, docs/sbatch.md), or run the job with clusterkit launch")
+    options = dataclasses.replace(options, backend=BACKENDS[args.launcher].sbatch_plan,
+                                  replicas=0)
     plan = plan_job(inv, options, job_facts(args, inv))  # + doctor's interface pick
     site = site_options(args)
     rendered = render_all(plan, site=site, require=(SCRIPT,))  # every refusal before Slurm

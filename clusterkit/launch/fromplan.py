@@ -8,6 +8,10 @@ node (it kills by ``CLUSTERKIT_JOB_ID``, never by command line).
 
 from __future__ import annotations
 
+import secrets
+from dataclasses import replace
+from typing import Any
+
 from clusterkit.errors import LaunchError
 from clusterkit.launch.gate import node_needs
 from clusterkit.launch.orchestrator import JobSpec, NodeTask
@@ -35,15 +39,32 @@ def _native_task(plan: LaunchPlan, node: NodePlan, cmd: NodeCommand) -> NodeTask
                     needs=node_needs(plan, node))
 
 
+def replica_spec(plan: LaunchPlan, index: int, secret: str) -> dict[str, Any] | None:
+    """``AgentSpec.replica`` of node ``index`` (node/replica_service.py's REPLICA_KEYS):
+    None when the plan has it neither send nor hold copies. ``secret`` is the run's
+    (on the agent's stdin only: never argv, env, plan.json or a log)."""
+    sources = plan.replica_sources(index)
+    targets = plan.replica_targets[index] if plan.replica_targets else ()
+    if not targets and not sources:
+        return None
+    node = plan.nodes[index]
+    return {"index": index, "address": node.host.address, "ckpt_dir": node.ckpt_dir,
+            "ranks": list(node.ranks), "markers": plan.options.uses_workload,
+            "targets": [{"node": plan.nodes[j].name, "index": j,
+                         "address": plan.nodes[j].host.address} for j in targets],
+            "sources": list(sources), "secret": secret}
+
+
 def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, native: bool = False,
                   run: RunOptions | None = None, gate_need: tuple[str, ...] | None = None,
-                  hang_timeout_s: float = 0.0) -> JobSpec:
+                  hang_timeout_s: float = 0.0, replica_secret: str | None = None) -> JobSpec:
     """The plan's commands as they are rendered (``render_all(plan, run_id=...)`` names
     the run's per-rank log dir, ``plan.rank_log_dir``, which the agents tail).
     ``native``: with the torchrun backend, the agents start the ranks themselves
     instead of running torchrun. ``run``: launch's runtime options (None: the
     agents' own defaults, no dead-man switch); ``gate_need``/``hang_timeout_s``: as
-    :class:`JobSpec`."""
+    :class:`JobSpec`. ``replica_secret``: the checkpoint replicas' per-run secret (None:
+    a fresh ``secrets.token_hex(32)``, once per call, i.e. per run)."""
     if native and not any(b.native and b.plan_backend == plan.backend for b in BACKENDS.values()):
         raise LaunchError(f"native launch replaces torchrun, not {plan.backend}",
                           key="--launcher")
@@ -52,11 +73,13 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, native: bool = False,
                           key="--launcher", hint="use `clusterkit sbatch` for Slurm")
     by_host: dict[str | None, NodeCommand] = {c.host: c for c in plan.launch_commands}
     files = dict(plan.artifacts)
+    secret = replica_secret or secrets.token_hex(32)
     tasks = []
     for node in plan.nodes:
         cmd = by_host.get(node.name)
+        replica = replica_spec(plan, node.node_rank, secret)
         if native and cmd is not None:
-            tasks.append(_native_task(plan, node, cmd))
+            tasks.append(replace(_native_task(plan, node, cmd), replica=replica))
             continue
         # No command: a pdsh peer whose ranks DeepSpeed's runner starts; its agent watches.
         argv, env, cwd = ((), {}, None) if cmd is None else \
@@ -65,7 +88,7 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, native: bool = False,
             node=node.name, target=target_for(node.host), python=node.python, argv=argv,
             rank_offset=node.first_rank, nprocs=node.nproc, env=env, files=files, cwd=cwd,
             prefix=BACKENDS[plan.backend].output_prefix, job_dir=node.job_dir,
-            rank_log_dir=plan.rank_log_dir, needs=node_needs(plan, node),
+            rank_log_dir=plan.rank_log_dir, needs=node_needs(plan, node), replica=replica,
         ))
     if not any(t.argv for t in tasks):
         raise LaunchError("the plan has no command for any selected node", key="--launcher")

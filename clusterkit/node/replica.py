@@ -61,9 +61,7 @@ CHUNK = 1 << 20  # modest buffers: sequential I/O that leaves the ranks the disk
 MAX_LINE = 16 << 20  # a header names every file of a tag: bounded all the same
 CONNECT_TIMEOUT_S = 5.0
 IO_TIMEOUT_S = 60.0  # no byte for this long: the peer is gone
-# A copy is "the same" (HAVE) when its files and sizes match and it was completed after
-# every source file's mtime, less this much clock skew between the two nodes.
-HAVE_SKEW_S = 2.0
+HAVE_SKEW_S = 2.0  # HAVE: same files and sizes, completed this long after their mtimes
 
 
 class ReplicaError(Exception):
@@ -99,8 +97,7 @@ class _Conn:
         line, _, self.buf = self.buf.partition(b"\n")
         return line
 
-    def chunks(self, size: int) -> Any:
-        """Exactly ``size`` bytes, in pieces."""
+    def chunks(self, size: int) -> Any:  # exactly ``size`` bytes, in pieces
         left = size
         while left:
             if self.buf:
@@ -147,10 +144,9 @@ def safe_rel(rel: Any, tag: str) -> bool:
 
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
-    try:
+    with contextlib.ExitStack() as done:
+        done.callback(os.close, fd)
         os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_manifest(path: str) -> dict[str, Any] | None:

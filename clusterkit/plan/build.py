@@ -60,7 +60,8 @@ def _check_options(o: JobOptions) -> None:
         raise RenderError(f"SCRIPT {o.script!r} is not a script path", key="SCRIPT",
                           hint="give the path of a Python file, e.g. ./train.py")
     for key, value, minimum in (("--steps", o.steps, 1), ("--max-restarts", o.max_restarts, 0),
-                                ("--save-every", o.save_every, 0)):
+                                ("--save-every", o.save_every, 0),
+                                ("--replicas", 0 if o.replicas is None else o.replicas, 0)):
         if value < minimum:
             raise RenderError(f"{key} must be >= {minimum}, got {value}", key=key)
     if o.hang_timeout_s < 0:
@@ -223,6 +224,56 @@ def _script_warnings(o: JobOptions, text: str | None) -> tuple[str, ...]:
             f"none: add --deepspeed-config-arg, or read ${ENV_DS_CONFIG} in the script",)
 
 
+def _replica_count(o: JobOptions, nodes: tuple[NodePlan, ...], storage: str) -> int:
+    """K: ``--replicas``, else the inventory's ``checkpoint.replicas`` (node 0's host:
+    one number a job), else 1 with node-local storage; 0 where agents cannot copy."""
+    asked = o.replicas if o.replicas is not None else nodes[0].host.checkpoint.replicas
+    if not BACKENDS[o.backend].launchable:
+        if o.replicas:
+            raise RenderError(f"--replicas {o.replicas}: checkpoint replicas are copied by "
+                              f"clusterkit launch's node agents, which the {o.backend!r} "
+                              "backend does not run", key="--replicas",
+                              hint="use clusterkit launch, or drop --replicas")
+        return 0
+    if storage != "node-local":
+        return 0
+    return 1 if asked is None else asked
+
+
+def _placement(o: JobOptions, nodes: tuple[NodePlan, ...],
+               storage: str) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
+    """Where each node's checkpoint copies go, and the warnings: node i's to the next K
+    nodes in plan order (a ring), skipping a node on the same host name or address as i
+    or as a target already chosen (one lost machine must not take a checkpoint and its
+    copy). The default K (1) places silently what it can; a K the user asked for warns."""
+    k = _replica_count(o, nodes, storage)
+    asked = o.replicas is not None or nodes[0].host.checkpoint.replicas is not None
+    if o.replicas and (storage != "node-local" or len(nodes) < 2):
+        why = f"{storage} storage" if storage != "node-local" else "one node"
+        return (), (f"--replicas {o.replicas}: no checkpoint replicas with {why} (they copy "
+                    "node-local checkpoints to other nodes)",)
+    if k == 0 or len(nodes) < 2:
+        return (), ()
+    targets: list[tuple[int, ...]] = []
+    short: list[tuple[str, str]] = []
+    for i, node in enumerate(nodes):
+        taken = {node.host.name, node.host.address}
+        chosen: list[int] = []
+        for step in range(1, len(nodes)):
+            j = (i + step) % len(nodes)
+            cand = nodes[j].host
+            if len(chosen) == k or cand.name in taken or cand.address in taken:
+                continue
+            chosen.append(j)
+            taken |= {cand.name, cand.address}
+        targets.append(tuple(chosen))
+        if len(chosen) < k and asked:
+            short.append((node.name, f"{len(chosen)} of {k} checkpoint replicas placed (the "
+                                     "other nodes share its host or address)"))
+    warnings = tuple(folded_lines(short, order=[n.name for n in nodes]))
+    return (tuple(targets) if any(targets) else ()), warnings
+
+
 def _strict(o: JobOptions, warnings: tuple[str, ...], inv_path: str | None) -> None:
     if o.strict and warnings:
         raise RenderError(f"--strict: {warnings[0]}" + (f" (and {len(warnings) - 1} more)"
@@ -244,7 +295,9 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> J
     nodes, storage = _node_plans(inventory, options, facts)
     added = added_env(given, inventory)
     world = sum(n.nproc for n in nodes)
-    warnings = _gpu_warnings(options, nodes) + _script_warnings(options, facts.script_text)
+    replica_targets, replica_warnings = _placement(options, nodes, storage)
+    warnings = _gpu_warnings(options, nodes) + _script_warnings(options, facts.script_text) \
+        + replica_warnings
     _strict(options, warnings, inventory.path)
     zero = _zero_spec(options, nodes, world, storage)
     return JobPlan(options=options, cluster=inventory.name, nodes=nodes, world_size=world,
@@ -254,4 +307,5 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> J
                    programs=tuple(_program(options, n.job_dir, n.ckpt_dir, storage)
                                   for n in nodes),
                    warnings=warnings,
-                   doctor_ifaces={n.name: added[n.name] for n in nodes if n.name in added})
+                   doctor_ifaces={n.name: added[n.name] for n in nodes if n.name in added},
+                   replica_targets=replica_targets)

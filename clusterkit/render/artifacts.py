@@ -157,6 +157,8 @@ def plan_json(plan: LaunchPlan) -> str:
     }
     if plan.doctor_ifaces:  # absent without a doctor pick: such plans read as before
         doc["doctor_ifaces"] = {n: dict(env) for n, env in plan.doctor_ifaces.items()}
+    if plan.replica_targets:  # absent without checkpoint replicas (issue 22)
+        doc["replicas"] = plan.replica_placement()
     return json.dumps(doc, indent=2) + "\n"
 
 
@@ -179,6 +181,9 @@ def summary(plan: LaunchPlan) -> str:
                      f"{n.ranks.start}-{n.ranks.stop - 1} slots {','.join(map(str, n.slots))} "
                      f"ckpt {n.ckpt_dir}")
     lines += _iface_lines(plan)
+    if plan.replica_targets:
+        lines.append("  replicas: " + "; ".join(
+            f"{src} -> {', '.join(dst)}" for src, dst in plan.replica_placement().items()))
     for name, why in plan.skipped.items():
         lines.append(f"  not rendered: {name}: {why}")
     lines += [f"  warning: {w}" for w in plan.warnings]

@@ -153,6 +153,14 @@ class JobOptions:
                         group="checkpoints and environment")
     ckpt_dir: str | None = flag(None, "checkpoint root (overrides the inventory's directory)",
                                 metavar="DIR", group="checkpoints and environment")
+    # Checkpoint replicas (issue 22, docs/lost-a-node.md): node-local checkpoints copied by
+    # the launch agents to K other nodes. None: the inventory's checkpoint.replicas, else 1
+    # with node-local storage and 0 with shared storage; 0: off.
+    replicas: int | None = flag(
+        None, "copy each node's node-local checkpoints to K other nodes (a ring in plan "
+        "order; default: the inventory's checkpoint.replicas, else 1 with node-local "
+        "storage; 0: off; clusterkit launch only)", metavar="K",
+        group="checkpoints and environment")
     # environment
     env_allowlist: tuple[str, ...] = flag(
         (), "also pass this variable (or glob) from your environment (repeatable)",
@@ -324,6 +332,9 @@ class JobPlan:
     # node -> the NCCL/GLOO_SOCKET_IFNAME settings doctor's saved interface pick added
     # to its env (plan/ifaces.py; plan.json and the dry run show them)
     doctor_ifaces: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
+    # Checkpoint replicas (issue 22): per node (same order as ``nodes``), the node indexes
+    # that hold copies of its node-local checkpoints. Empty: no replication.
+    replica_targets: tuple[tuple[int, ...], ...] = ()
 
     @property
     def job_id(self) -> str:
@@ -347,6 +358,15 @@ class JobPlan:
     def job_dir(self) -> str:
         """Node 0's per-job directory (where the head-node artifacts go)."""
         return self.nodes[0].job_dir
+
+    def replica_placement(self) -> dict[str, list[str]]:
+        """node -> the nodes holding copies of its checkpoints (plan.json, the dry run)."""
+        return {n.name: [self.nodes[j].name for j in ts]
+                for n, ts in zip(self.nodes, self.replica_targets, strict=True) if ts}
+
+    def replica_sources(self, index: int) -> tuple[int, ...]:
+        """The node indexes whose copies node ``index`` holds."""
+        return tuple(i for i, ts in enumerate(self.replica_targets) if index in ts)
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
