@@ -51,7 +51,13 @@ from clusterkit.checks.rules import (
 from clusterkit.errors import TransportError
 from clusterkit.hostrange import fold
 from clusterkit.inventory import Host
-from clusterkit.remote.base import CommandResult, SSHTarget, Transport, target_for
+from clusterkit.remote.base import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    CommandResult,
+    SSHTarget,
+    Transport,
+    target_for,
+)
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.remote.fanout import fan_out
 from clusterkit.remote.openssh import OpenSSHTransport, with_openssh
@@ -88,7 +94,7 @@ class DoctorPlan:
     ctx: DoctorContext
     master_port: int | None = DEFAULT_MASTER_PORT
     probe_timeout_s: float = FACTS_TIMEOUT_S
-    connect_timeout_s: float = 10.0
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     max_parallel: int = 128
 
     @property
@@ -105,7 +111,7 @@ def plan_doctor(
     backend: str = "torchrun",
     master_port: int | None = DEFAULT_MASTER_PORT,
     checkpoint_bytes: int | None = None,
-    connect_timeout_s: float = 10.0,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     accept_new_host_keys: bool = False,
     max_parallel: int = 128,
 ) -> DoctorPlan:

@@ -21,6 +21,7 @@ from clusterkit.cli.jobflags import job_id_type
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import check_writable
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER
+from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S
 from clusterkit.spec.ports import master_port
 from clusterkit.units import duration_type, size_type
 from clusterkit.units import parse_size as parse_size  # the one size rule (docs/units.md)
@@ -70,8 +71,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--accept-new-host-keys", action="store_true",
                    help="add unknown host keys to known_hosts (never changed ones)")
     p.add_argument("--connect-timeout", type=duration_type("--connect-timeout", zero=False),
-                   default=10.0, metavar="S",
-                   help="SSH connect timeout per node (default 10; 30s, 1m: docs/units.md)")
+                   default=DEFAULT_CONNECT_TIMEOUT_S, metavar="S",
+                   help=f"SSH connect timeout per node (default {DEFAULT_CONNECT_TIMEOUT_S:g}; "
+                   "30s, 1m: docs/units.md)")
     p.set_defaults(func=cmd_doctor)
 
 
