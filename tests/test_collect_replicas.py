@@ -186,3 +186,53 @@ def test_cli_json_names_the_parts_from_replicas(tmp_path: Path) -> None:
         "node index 1 (node2): from its replica on node3 (global_step20, verified)"]
     assert out["replicas"]["parts"]["1"]["from"] == "node3"
     assert "node index 1 (node2): from its replica on node3" in res.stderr
+
+
+# ------------------------------------------------------------------ status
+
+
+def test_health_per_tag_newest_first(tmp_path: Path, transport: DispatchTransport) -> None:
+    from clusterkit.checkpoints.health import health, list_all
+
+    nodes = _make(tmp_path)
+    roots = [n.root for n in nodes]
+    synthetic.write_node_local(roots, zero_stage=2, shard_bytes=1024, model_bytes=256,
+                               tag="global_step40")
+    synthetic.write_ring_replicas(roots, "global_step40")
+    # node4's copy of step 40 (on node1) never finished; node2 is down
+    os.unlink(os.path.join(contract.replica_dir(roots[0], 3, "global_step40"),
+                           contract.REPLICA_MANIFEST))
+    _down(nodes, 1, tmp_path)
+    listings = list_all(transport, nodes)
+    # replicated counts what the reachable nodes hold: node1's replicas are on node2
+    assert [h.line() for h in health(listings)] == [
+        "global_step40: 3/4 nodes, replicated 2/4; complete from replicas",
+        "global_step20: 3/4 nodes, replicated 3/4; complete from replicas"]
+    _down(nodes, 0, tmp_path)  # node1 down too: node2's step-20 replica is on node3 still
+    h = health(list_all(transport, nodes))
+    assert h[0].line() == ("global_step40: 2/4 nodes, replicated 2/4; cannot be assembled: "
+                           "node index 0 (node1): unreachable; no complete replica of "
+                           "global_step40 on any reachable node (unreachable: node2)")
+
+
+def test_status_job_shows_replica_health(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from clusterkit.cli.main import main
+    from clusterkit.launch.jobs import JobRecord, NodeRecord, Registry
+
+    nodes = _make(tmp_path, n=3)
+    home = tmp_path / "home"
+    record = JobRecord(job_id="ck-repl-1", backend="torchrun", created=0.0, launcher_pid=0,
+                       nodes=[NodeRecord(n.name, sys.executable, str(tmp_path / "jobdir"),
+                                         n.target) for n in nodes])
+    record.extra = {"ckpt_dirs": {n.name: n.root for n in nodes}, "storage": "node-local"}
+    Registry(home).save(record)
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(home))
+    assert main(["status", "ck-repl-1"]) == 0
+    out = capsys.readouterr().out
+    assert "  checkpoints (newest first):\n    global_step20: 3/3 nodes, replicated 3/3\n" \
+        in out, out
+    assert main(["status", "ck-repl-1", "--json"]) == 0
+    tags = json.loads(capsys.readouterr().out)["checkpoints"]["tags"]
+    assert tags == [{"tag": TAG, "nodes": 3, "own": 3, "replicated": 3, "complete": True,
+                     "missing": {}}]

@@ -306,9 +306,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if record.transport == "slurm":
         return _slurm_record_status(record, args.json)
     per_node = _node_status(record)
+    ckpts = _checkpoint_health(record)
     if args.json:
         print(json.dumps({"job": json.loads(record.to_json()), "launcher": _launcher(record),
-                          "nodes": per_node}, indent=1))
+                          "nodes": per_node,
+                          "checkpoints": ckpts.to_json() if ckpts else None}, indent=1))
         return 0
     print(f"{record.job_id}: {record.state}" + (f" (exit {record.exit_code})"
                                                 if record.exit_code is not None else "")
@@ -323,7 +325,18 @@ def cmd_status(args: argparse.Namespace) -> int:
                                + _progress_text(info.get("progress"), info["agent_alive"])))
     for line in folded_lines(rows, list(per_node)):
         print(f"  {line}")
+    for line in ckpts.lines() if ckpts else ():
+        print(f"  {line}")
     return 0
+
+
+def _checkpoint_health(record: Any) -> Any:
+    """A node-local job's replica health per checkpoint (checkpoints/health.py)."""
+    from clusterkit.checkpoints.health import job_health
+    from clusterkit.remote.dispatch import transport_for
+
+    with transport_for() as transport:
+        return job_health(transport, record.nodes, record.extra)
 
 
 def _slurm_command(record: Any, action: str) -> str:

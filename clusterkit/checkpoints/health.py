@@ -1,0 +1,103 @@
+"""Replica health per checkpoint, for ``clusterkit status JOB`` (issue 22).
+
+"global_step40: 7/7 nodes, replicated 7/7": how many node parts of the tag are on their
+own node, and how many have at least one complete replica on another node
+(:func:`clusterkit.checkpoints.assemble.assemble` decides both). The listings come
+through collect-ckpt's own sessions (one ``ckstream`` session per node, each request
+with its timeout); an unreachable node is reported, never fatal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from clusterkit.checkpoints.assemble import assemble, candidate_tags
+from clusterkit.checkpoints.collect import CollectOptions, open_source
+from clusterkit.checkpoints.listing import NodeListing
+from clusterkit.checkpoints.source import CollectNode
+from clusterkit.remote.base import Transport
+
+SHOWN_TAGS = 3  # the newest few: older ones are pruned by the keep policy anyway
+
+
+@dataclass(frozen=True)
+class TagHealth:
+    tag: str
+    nodes: int
+    own: int  # node parts present on their own node
+    replicated: int  # node parts with a complete replica on another node
+    complete: bool  # the tag can be assembled from the reachable nodes and replicas
+    missing: Mapping[int, str]  # node index -> why its part cannot be had ("node index N (x)")
+
+    def line(self) -> str:
+        text = f"{self.tag}: {self.own}/{self.nodes} nodes, replicated {self.replicated}/{self.nodes}"
+        if not self.complete:
+            return text + "; cannot be assembled: " + "; ".join(self.missing.values())
+        return text + ("; complete from replicas" if self.own < self.nodes else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tag": self.tag, "nodes": self.nodes, "own": self.own,
+                "replicated": self.replicated, "complete": self.complete,
+                "missing": {str(i): why for i, why in self.missing.items()}}
+
+
+def health(listings: Sequence[NodeListing], shown: int = SHOWN_TAGS,
+           expect_nodes: int | None = None) -> list[TagHealth]:
+    """The newest ``shown`` tags' health, newest first (pure)."""
+    out: list[TagHealth] = []
+    for tag in candidate_tags(listings)[:shown]:
+        a = assemble(listings, tag, expect_nodes=expect_nodes)
+        out.append(TagHealth(tag=tag, nodes=a.num_nodes, own=len(a.own),
+                             replicated=len(a.replicated), complete=a.complete,
+                             missing={i: f"{a.label(i)}: {why}"
+                                      for i, why in sorted(a.missing.items())}))
+    return out
+
+
+def job_nodes(nodes: Sequence[Any], extra: Mapping[str, Any]) -> list[CollectNode]:
+    """A launched job's nodes (``JobRecord.nodes``: node, target, python) with the
+    checkpoint dirs its record names; empty when it names none."""
+    dirs = extra.get("ckpt_dirs") or {}
+    out = []
+    for n in nodes:
+        root = dirs.get(n.node) or extra.get("ckpt_dir")
+        if not root:
+            return []
+        out.append(CollectNode(n.node, n.target, n.python, str(root)))
+    return out
+
+
+def list_all(transport: Transport, nodes: Sequence[CollectNode]) -> list[NodeListing]:
+    """Every node's listing (replica areas included) over collect-ckpt's sessions."""
+    with open_source(transport, nodes, CollectOptions(dest="")) as source:
+        return source.listings(None)
+
+
+@dataclass(frozen=True)
+class JobHealth:
+    tags: list[TagHealth]
+    unreachable: Mapping[str, str]  # node -> why it could not be listed
+
+    def lines(self) -> list[str]:
+        if not self.tags:
+            out = ["checkpoints: none saved yet (no tag with a completion marker or a replica)"]
+        else:
+            out = ["checkpoints (newest first):"] + [f"  {t.line()}" for t in self.tags]
+        out += [f"  {node}: not listed ({why})" for node, why in self.unreachable.items()]
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tags": [t.to_json() for t in self.tags], "unreachable": dict(self.unreachable)}
+
+
+def job_health(transport: Transport, nodes: Sequence[Any], extra: Mapping[str, Any]
+               ) -> JobHealth | None:
+    """A launched job's replica health; None when it is not node-local or its record
+    names no checkpoint dir (nothing to replicate, or nothing known)."""
+    chosen = job_nodes(nodes, extra)
+    if extra.get("storage") != "node-local" or not chosen:
+        return None
+    listings = list_all(transport, chosen)
+    return JobHealth(health(listings), {ls.node: ls.error for ls in listings if ls.error})
