@@ -15,17 +15,18 @@ import pytest
 import yaml
 
 from clusterkit.checkpoints import synthetic
-from clusterkit.cli.recover import restore_replacements
+from clusterkit.cli.recover import prepare_continue, restore_replacements
 from clusterkit.errors import LaunchError, SelectionError
 from clusterkit.hostfile import apply_replace, parse_replace, select
 from clusterkit.inventory import parse_inventory
 from clusterkit.launch.fromplan import job_from_plan
-from clusterkit.launch.jobs import Registry
+from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.run import (
     Replacement,
     _record,
     check_continue,
     continue_swaps,
+    is_reshard,
     replacements,
 )
 from clusterkit.node.contract import (
@@ -37,6 +38,7 @@ from clusterkit.node.contract import (
 )
 from clusterkit.plan import plan_job
 from clusterkit.remote.dispatch import DispatchTransport
+from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import JobOptions, JobPlan, LaunchFacts
 from tests.render_cases import plan_for
 
@@ -90,18 +92,25 @@ def test_a_replaced_node_with_the_same_slots_may_continue(tmp_path: Path) -> Non
     assert note is not None and "node index 5 runs on node7 instead of node6" in note
     assert "restored there first" in note
     assert continue_swaps(plan, prior) == [Replacement(5, "node6", "node7")]
-    # Without --replace the same new mapping is refused, and the refusal names --replace.
+    # Another node set: the bundled workload (--resume auto) is resharded; a user's
+    # program (or an explicit --resume) is refused, and the refusal names --replace.
     other = plan_for("a800-7x2", "torchrun", exclude="node6")
-    with pytest.raises(LaunchError) as err:
-        check_continue(other, prior)
-    assert "--replace OLD=NEW" in (err.value.hint or "")
+    assert is_reshard(other, prior) and "resharded first" in (check_continue(other, prior) or "")
+    for mine in (plan_for("a800-7x2", "torchrun", exclude="node6", script="train.py"),
+                 plan_for("a800-7x2", "torchrun", exclude="node6",
+                          script_args=("--resume", "never"))):
+        assert not is_reshard(mine, prior)
+        with pytest.raises(LaunchError) as err:
+            check_continue(mine, prior)
+        assert "--replace OLD=NEW" in (err.value.hint or "")
     # The same nodes: nothing to restore.
     assert continue_swaps(plan_for("a800-7x2", "torchrun", nodes=6), prior) == []
 
 
 def test_a_replacement_that_changes_the_ranks_is_refused(tmp_path: Path) -> None:
-    registry = _recorded(tmp_path, nodes=6)
-    plan = plan_for("a800-7x2", "torchrun", nodes=6, gpus_per_node=1, replace=("node6=node7",))
+    registry = _recorded(tmp_path, nodes=6, script="train.py")
+    plan = plan_for("a800-7x2", "torchrun", nodes=6, gpus_per_node=1, replace=("node6=node7",),
+                    script="train.py")
     assert replacements(registry.find(plan.job_id).extra["rank_map"], plan) is None  # type: ignore[union-attr]
     with pytest.raises(LaunchError, match="different rank->node mapping"):
         check_continue(plan, registry.find(plan.job_id))
@@ -113,7 +122,8 @@ def test_a_replacement_that_changes_the_ranks_is_refused(tmp_path: Path) -> None
 TAG = "global_step1"
 
 
-def _local_plan(tmp: Path, nodes: int, replace: tuple[str, ...] = ()) -> JobPlan:
+def _local_plan(tmp: Path, nodes: int, replace: tuple[str, ...] = (),
+                script_args: tuple[str, ...] = ()) -> JobPlan:
     hosts = {f"node{i}": {"address": "127.0.0.1",
                           "checkpoint": {"local_dir": str(tmp / f"node{i}" / "ckpt")}}
              for i in range(1, 6)}
@@ -121,7 +131,7 @@ def _local_plan(tmp: Path, nodes: int, replace: tuple[str, ...] = ()) -> JobPlan
                            "defaults": {"transport": "local", "gpus": 0, "slots": 2,
                                         "python": sys.executable, "workdir": str(tmp / "work")},
                            "hosts": hosts})
-    options = JobOptions(job_id="j1", nodes=nodes, replace=replace)
+    options = JobOptions(job_id="j1", nodes=nodes, replace=replace, script_args=script_args)
     facts = LaunchFacts(python=sys.executable, cwd=str(tmp))
     return plan_job(parse_inventory(text), options, facts)
 
@@ -222,3 +232,47 @@ def test_without_any_replica_the_launch_is_refused(tmp_path: Path,
     assert "checkpoint global_step1 cannot be assembled" in err.value.message
     assert "node index 1 (node5): " in err.value.message
     assert "no complete replica of global_step1" in err.value.message
+
+
+# ------------------------------------------------------------------ before a continued launch
+
+
+def _prior(plan: JobPlan) -> JobRecord:
+    record = _record(job_from_plan(render_all(plan, run_id="r0")), plan, 0)
+    record.state = "failed"
+    return record
+
+
+def test_a_part_wiped_on_its_own_node_is_restored_there(tmp_path: Path,
+                                                        transport: DispatchTransport) -> None:
+    plan = _local_plan(tmp_path, 3)
+    roots = [Path(n.ckpt_dir) for n in plan.nodes]
+    synthetic.write_node_local([str(r) for r in roots], tag=TAG, shard_bytes=4096,
+                               model_bytes=1024, hosts=[n.name for n in plan.nodes])
+    _replicate(roots[1], roots[2], 1)
+    saved = tmp_path / "saved"
+    shutil.copytree(roots[1], saved)
+    shutil.rmtree(roots[1] / TAG)  # node2 came back with an empty disk
+    said: list[str] = []
+    prepare_continue(transport, plan, _prior(plan), str(tmp_path / "home"), said.append)
+    _same_tree(saved / TAG, roots[1] / TAG)
+    assert any("onto node2" in s for s in said), said
+
+
+def test_a_checkpoint_that_cannot_be_assembled_is_refused(tmp_path: Path,
+                                                          transport: DispatchTransport) -> None:
+    plan = _local_plan(tmp_path, 3)
+    roots = [Path(n.ckpt_dir) for n in plan.nodes]
+    synthetic.write_node_local([str(r) for r in roots], tag=TAG, shard_bytes=4096,
+                               model_bytes=1024, hosts=[n.name for n in plan.nodes])
+    shutil.rmtree(roots[1] / TAG)  # no replica anywhere: today's silent fresh start
+    with pytest.raises(LaunchError) as err:
+        prepare_continue(transport, plan, _prior(plan), str(tmp_path / "home"), lambda _s: None)
+    assert err.value.message.startswith("cannot continue job j1: checkpoint global_step1 cannot "
+                                        "be assembled"), err.value.message
+    assert "node index 1 (node2)" in err.value.message
+    hint = err.value.hint or ""
+    assert "--resume never" in hint and "--replicas" in hint
+    # --resume never (or a tag) is the user's explicit choice: not refused here.
+    never = _local_plan(tmp_path, 3, script_args=("--resume", "never"))
+    prepare_continue(transport, never, _prior(plan), str(tmp_path / "home"), lambda _s: None)

@@ -140,7 +140,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     with transport_for() as transport:
         try:
             result = launch(options, planner, transport, registry, settings, sink,
-                            decisions=first, restore=_restorer(registry, transport, sink))
+                            decisions=first, prepare=_preparer(registry, transport, sink))
         finally:
             sink.close()
     _print_summary(result)
@@ -148,16 +148,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def _restorer(registry: Any, transport: Any, sink: Any) -> Any:
-    """Restores replaced nodes' checkpoint parts (``--replace``) through a staging dir
-    beside the job record, removed afterwards (docs/lost-a-node.md)."""
-    from clusterkit.cli.recover import restore_replacements, staging_dir
+def _preparer(registry: Any, transport: Any, sink: Any) -> Any:
+    """Readies a continued node-local job's checkpoint before its agents start (spare
+    restore, reshard, the refusal: docs/lost-a-node.md), through a staging dir beside
+    the job record."""
+    from clusterkit.cli.recover import prepare_continue
 
-    def restore(plan: Any, swaps: Any, old_map: Any) -> None:
-        with staging_dir(str(registry.path(plan.job_id).parent / "restore")) as staging:
-            restore_replacements(transport, plan, swaps, old_map, staging, sink.info)
+    def prepare(plan: Any, prior: Any) -> None:
+        prepare_continue(transport, plan, prior, str(registry.path(plan.job_id).parent),
+                         sink.info)
 
-    return restore
+    return prepare
 
 
 def _check_here(args: argparse.Namespace, plan: Any) -> bool:

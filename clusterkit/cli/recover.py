@@ -17,6 +17,7 @@ other (tests/test_layering.py).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import os
@@ -28,13 +29,21 @@ from typing import Any
 
 from clusterkit.checkpoints import layout
 from clusterkit.checkpoints.assemble import Assembly, PartSource, assemble, candidate_tags
-from clusterkit.checkpoints.collect import CollectOptions, open_source
+from clusterkit.checkpoints.collect import CollectOptions, collect, open_source
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.source import CollectNode
-from clusterkit.checkpoints.transfer import NullProgress, Wanted, hash_command, parse_hashes
+from clusterkit.checkpoints.transfer import (
+    NullProgress,
+    Wanted,
+    hash_command,
+    parse_hashes,
+    sha256_file,
+)
+from clusterkit.checkpoints.universal import UNIVERSAL_MARKER, convert_to_universal
 from clusterkit.errors import LaunchError
 from clusterkit.hostfile import parse_replace
-from clusterkit.launch.run import Replacement
+from clusterkit.launch.jobs import JobRecord
+from clusterkit.launch.run import Replacement, continue_swaps, is_reshard, resume_arg
 from clusterkit.remote.base import Transport, target_for
 from clusterkit.spec.job import JobPlan, NodePlan
 
@@ -95,12 +104,69 @@ class Restore:
     rejected: list[str] = field(default_factory=list)  # holder: why its copy was not used
 
 
+def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home: str,
+                     say: Say) -> None:
+    """Before a continued node-local job starts (``launch.run.launch``'s ``prepare``):
+
+    * the newest checkpoint it can resume from is assembled from the nodes and their
+      replicas (``checkpoints/assemble.py``); when a save exists but none can be
+      assembled, a bundled-workload job with ``--resume auto`` (and any ``--replace``
+      or reshard) is refused before anything starts, naming what is missing;
+    * ``--replace``d node indexes, and any node index whose own copy is gone from its
+      node, get their part restored from a verified replica;
+    * on another rank->node mapping (fewer nodes), the checkpoint is resharded: gathered
+      here, converted to DeepSpeed's universal checkpoint, pushed to every node.
+    """
+    old_map = prior.extra["rank_map"]
+    resume = resume_arg(plan)
+    if resume not in (None, "auto"):  # an explicit tag or `never`: the workload's own checks
+        return
+    swaps = continue_swaps(plan, prior)
+    reshard = is_reshard(plan, prior)
+    with staging_dir(os.path.join(home, "restore")) as staging:
+        listings = list_parts(transport, plan, old_map, staging)
+        down = [f"{ls.node}: {ls.error}" for ls in listings if ls.error]
+        if down:
+            if swaps or reshard:
+                raise LaunchError(f"cannot ready job {plan.job_id}'s checkpoint: nodes of the job "
+                                  f"cannot be listed ({'; '.join(down)})", key="--job-id",
+                                  hint="fix those nodes, or leave them out (--replace OLD=NEW "
+                                       "or fewer nodes)")
+            return  # the gate names an unreachable node of the plan, as for any launch
+        tried = assemble_newest(listings, len(old_map), plan.options.uses_workload)
+        if not tried:
+            return  # nothing saved yet: a fresh start is what the job would do anyway
+        if not tried[0].complete:
+            if resume == "auto" or swaps or reshard:
+                raise LaunchError(f"cannot continue job {plan.job_id}: {tried[0].describe()}",
+                                  key="--job-id", hint=REFUSAL_HINT)
+            return
+        if reshard:
+            _reshard(transport, plan, prior, tried[0], home, say)
+            return
+        lost = _parts_to_restore(plan, tried[0], swaps)
+        if lost:
+            _restore_parts(transport, plan, tried, lost, staging, say)
+
+
+def _parts_to_restore(plan: JobPlan, a: Assembly, swaps: Sequence[Replacement]
+                      ) -> list[Replacement]:
+    """The replaced indexes, and any other whose part exists only as a replica (its node
+    came back with an empty disk): each is restored onto the node that now runs it."""
+    out = list(swaps)
+    named = {s.index for s in swaps}
+    for index, part in sorted(a.sources.items()):
+        if part.replica and index not in named and index < len(plan.nodes):
+            name = plan.nodes[index].name
+            out.append(Replacement(index, name, name))
+    return out
+
+
 def restore_replacements(transport: Transport, plan: JobPlan, swaps: Sequence[Replacement],
                          old_map: Sequence[Sequence[Any]], staging: str, say: Say
                          ) -> list[Restore]:
     """Put each replaced node index's part of the newest checkpoint that can be assembled
-    onto its spare (newest first; a tag whose copies all fail verification gives way to
-    the next older one). Raise LaunchError naming what is missing and the options."""
+    onto its spare. Raise LaunchError naming what is missing and the options."""
     listings = list_parts(transport, plan, old_map, staging)
     down = [f"{ls.node}: {ls.error}" for ls in listings if ls.error]
     if down:
@@ -108,12 +174,71 @@ def restore_replacements(transport: Transport, plan: JobPlan, swaps: Sequence[Re
                           f"({'; '.join(down)})", key="--replace",
                           hint="fix those nodes, or replace them too (--replace OLD=NEW)")
     tried = assemble_newest(listings, len(plan.nodes), plan.options.uses_workload)
+    return _restore_parts(transport, plan, tried, swaps, staging, say)
+
+
+def _restore_parts(transport: Transport, plan: JobPlan, tried: Sequence[Assembly],
+                   swaps: Sequence[Replacement], staging: str, say: Say) -> list[Restore]:
+    """Newest tag first; a tag whose copies all fail verification gives way to the next."""
     rejected: list[str] = []
     for a in (t for t in tried if t.complete):
         done = _restore_tag(transport, plan, a, swaps, staging, say, rejected)
         if done is not None:
             return done
     raise LaunchError(_missing_text(swaps, tried, rejected), key="--replace", hint=REFUSAL_HINT)
+
+
+# ------------------------------------------------------------------ resharding
+
+
+def _reshard(transport: Transport, plan: JobPlan, prior: JobRecord, a: Assembly, home: str,
+             say: Say) -> None:
+    """Gather ``a.tag`` here (collect-ckpt, replicas standing in for lost nodes), convert
+    it to DeepSpeed's universal checkpoint and push that to every node of the new plan,
+    marker last; the bundled workload then resumes from it on the new world size."""
+    assert a.tag is not None
+    old_nodes = _recorded_nodes(prior)
+    with staging_dir(os.path.join(home, "reshard")) as dest:
+        say(f"resharding {a.tag} ({len(old_nodes)} nodes) for {len(plan.nodes)} nodes, "
+            f"{plan.world_size} ranks: 1/3 gathering it here ({a.describe()})")
+        report = collect(transport, old_nodes, CollectOptions(dest=dest, tag=a.tag))
+        say(f"gathered {a.tag}: {len(report.plan.files)} files, "
+            f"{report.bytes_copied / 1e6:.1f} MB, sha256 verified")
+        say("2/3 converting it to DeepSpeed's universal checkpoint "
+            "(deepspeed.checkpoint.ds_to_universal) ...")
+        u = convert_to_universal(dest, a.tag)
+        say(f"converted to {u.tag} in {u.seconds:.1f} s (saved by {u.marker.world_size} ranks, "
+            f"ZeRO-{u.marker.zero_stage}, step {u.marker.step})")
+        files = _local_files(dest, u.tag)
+        say(f"3/3 pushing {u.tag} ({len(files)} files, "
+            f"{sum(size for size, _ in files.values()) / 1e6:.1f} MB) to {len(plan.nodes)} nodes")
+        targets = [collect_node(n, n.ckpt_dir) for n in plan.nodes]
+        with cf.ThreadPoolExecutor(max_workers=min(8, len(targets))) as pool:
+            list(pool.map(lambda t: _push(transport, t, dest, files), targets))
+    say(f"every node holds {u.tag}: the workload resumes from it on {plan.world_size} ranks")
+
+
+def _recorded_nodes(prior: JobRecord) -> list[CollectNode]:
+    """The job's nodes as recorded, in node-index order (a lost one included: collect
+    takes its part from a replica)."""
+    dirs = prior.extra.get("ckpt_dirs") or {}
+    by_name = {n.node: n for n in prior.nodes}
+    out = []
+    for row in prior.extra["rank_map"]:
+        n = by_name[str(row[0])]
+        out.append(CollectNode(n.node, n.target, n.python,
+                               str(dirs.get(n.node) or prior.extra.get("ckpt_dir"))))
+    return out
+
+
+def _local_files(root: str, tag: str) -> dict[str, tuple[int, str]]:
+    out = {}
+    for d, _dirs, names in os.walk(os.path.join(root, tag)):
+        for name in names:
+            path = os.path.join(d, name)
+            out[os.path.relpath(path, root).replace(os.sep, "/")] = (os.path.getsize(path),
+                                                                     sha256_file(path))
+    return out
 
 
 REFUSAL_HINT = ("pass --resume never to start fresh on purpose, or --resume TAG for an older "
@@ -218,8 +343,10 @@ def _push(transport: Transport, spare: CollectNode, local_root: str,
 
 
 def _goes_last(rel: str) -> bool:
+    """What makes a checkpoint look complete on its node: written after the rest."""
     name = posixpath.basename(rel)
-    return rel == layout.LATEST_FILE or layout.parse_marker_name(name) is not None
+    return (rel == layout.LATEST_FILE or layout.parse_marker_name(name) is not None
+            or name == UNIVERSAL_MARKER)
 
 
 def _check_on_node(transport: Transport, node: CollectNode, rels: Sequence[str],

@@ -30,9 +30,10 @@ from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, JobPlan, LaunchPlan
 
 # JobOptions -> the decisions; made again only when a restart drops nodes.
 Planner = Callable[[JobOptions], JobPlan]
-# Before the agents start: the replaced nodes' checkpoint parts onto their spares.
-# (plan, replaced nodes, the job's recorded rank->node mapping)
-Restorer = Callable[[JobPlan, "list[Replacement]", "list[list[Any]]"], None]
+# Before the agents start, when a node-local job is continued: check that its newest
+# checkpoint can be assembled, restore replaced nodes' parts onto their spares, or
+# reshard for fewer nodes (cli/recover.py). Gets the plan and the job's record.
+Preparer = Callable[[JobPlan, JobRecord], None]
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,29 @@ def continue_swaps(plan: JobPlan, prior: JobRecord | None) -> list[Replacement]:
     return replacements(old_map, plan) or []
 
 
+def resume_arg(plan: JobPlan) -> str | None:
+    """The bundled workload's ``--resume`` (default ``auto``); None for a user's program."""
+    if not plan.options.uses_workload:
+        return None
+    args = list(plan.options.script_args)
+    for i, word in enumerate(args):
+        if word == "--resume" and i + 1 < len(args):
+            return args[i + 1]
+        if word.startswith("--resume="):
+            return word.split("=", 1)[1]
+    return "auto"
+
+
+def is_reshard(plan: JobPlan, prior: JobRecord | None) -> bool:
+    """Continuing a node-local job of the bundled workload on another rank->node mapping
+    that is not a ``--replace`` (fewer nodes after a loss, ``--exclude``, ``--nodes``):
+    its newest checkpoint is converted to DeepSpeed's universal checkpoint, which loads
+    on any world size (cli/recover.py), when the workload resumes by itself (auto)."""
+    old_map = None if prior is None else prior.extra.get("rank_map")
+    return (plan.storage == "node-local" and old_map is not None and old_map != rank_map(plan)
+            and replacements(old_map, plan) is None and resume_arg(plan) == "auto")
+
+
 def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
     """Launching with the id of a recorded job continues it; say how, or refuse.
 
@@ -165,14 +189,16 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
     old_map = prior.extra.get("rank_map")
     swaps = None if old_map is None else replacements(old_map, plan)
     if plan.storage == "node-local" and old_map is not None and old_map != rank_map(plan) \
-            and swaps is None:
+            and swaps is None and not is_reshard(plan, prior):
         raise LaunchError(
             f"cannot continue job {plan.job_id} on a different rank->node mapping: its "
             "node-local checkpoints resume only where each rank saved its shards "
             f"(was {_map_text(old_map)}, now {_map_text(rank_map(plan))})",
             key="--job-id",
             hint="a lost node: run its ranks on a spare with --replace OLD=NEW (its part is "
-                 "restored from its replica; docs/lost-a-node.md); or gather the shards with "
+                 "restored from its replica; docs/lost-a-node.md), or, with the bundled "
+                 "workload and --resume auto, relaunch on fewer nodes (resharded through "
+                 "DeepSpeed's universal checkpoint); or gather the shards with "
                  f"`clusterkit collect-ckpt {plan.job_id}`, re-spread them with `clusterkit "
                  f"collect-ckpt --scatter --to DEST --dir {plan.nodes[0].ckpt_dir} ...` for "
                  "the new nodes, then launch again; or launch on the same nodes and "
@@ -183,6 +209,9 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
                     + (" (its checkpoint part restored there first)"
                        if plan.storage == "node-local" else "")
                     for s in swaps or ())
+    if old_map is not None and is_reshard(plan, prior):
+        moved = (f"; on {len(plan.nodes)} nodes, {plan.world_size} ranks (was "
+                 f"{_map_text(old_map)}): the newest checkpoint is resharded first")
     return (f"continuing job {plan.job_id} ({prior.state} before): checkpoints in {where} "
             f"({plan.storage}){moved}; "
             + resume_note(plan.program[:2] == ("-m", WORKLOAD_MODULE), plan.storage))
@@ -221,22 +250,21 @@ def _record(job: JobSpec, plan: JobPlan, attempt: int) -> JobRecord:
 
 def launch(options: JobOptions, planner: Planner, transport: Transport, registry: Registry,
            settings: LaunchSettings, sink: Sink, decisions: JobPlan | None = None,
-           restore: Restorer | None = None) -> LaunchResult:
+           prepare: Preparer | None = None) -> LaunchResult:
     """``decisions``: the plan of ``options`` when the caller has made it already;
-    ``restore``: puts replaced nodes' checkpoint parts onto their spares (cli/recover.py)."""
+    ``prepare``: readies a continued node-local job's checkpoint (cli/recover.py)."""
     started = time.monotonic()
     decisions = decisions or planner(options)
     prior = registry.find(decisions.job_id)
     note = check_continue(decisions, prior)
     if note:
         sink.info(note)
-    swaps = continue_swaps(decisions, prior)
-    if swaps:
-        if restore is None:
-            raise LaunchError("no way to restore a replaced node's checkpoint part here",
+    if prior is not None and decisions.storage == "node-local" and "rank_map" in prior.extra:
+        if prepare is None and (continue_swaps(decisions, prior) or is_reshard(decisions, prior)):
+            raise LaunchError("cannot restore or reshard node-local checkpoints from here",
                               key="--replace")
-        assert prior is not None  # swaps come from its recorded mapping
-        restore(decisions, swaps, prior.extra["rank_map"])
+        if prepare is not None:
+            prepare(decisions, prior)
     # The gate runs inside the agents (facts reported, nothing started until GO): no
     # separate round of SSH commands before the launch.
     need = None if settings.run.skip_checks else gate_needs(decisions)
