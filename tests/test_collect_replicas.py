@@ -116,6 +116,7 @@ def test_a_corrupted_replica_is_refused_naming_the_file(tmp_path: Path,
     text = info.value.one_line()
     assert f"node3:{TAG}/{os.path.basename(bad)}" in text
     assert "the replica on node4 differs from its manifest (corrupted on disk)" in text
+    assert "never used" in (info.value.hint or "")
     assert not (dest / TAG / os.path.basename(bad)).exists()
 
 

@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 from clusterkit.checkpoints.choose import choose_sources, copy_notes, pick_sources
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete, CollectPlan, WithoutMarkers
 from clusterkit.checkpoints.discover import choose_tag, verify
-from clusterkit.checkpoints.fromreplicas import ReplicaUse, next_route, plan_replicas, stand_ins
+from clusterkit.checkpoints.fromreplicas import (
+    REPLICA_DAMAGED,
+    ReplicaUse,
+    next_route,
+    plan_replicas,
+    stand_ins,
+)
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.manifest import write_latest, write_manifest
 from clusterkit.checkpoints.prune import prune_sources
@@ -275,10 +281,14 @@ def _finish(transport: Transport, nodes: Sequence[CollectNode], report: CollectR
     plan = report.plan
     if report.failed:
         shown = "; ".join(f"{k}: {v}" for k, v in list(report.failed.items())[:6])
+        damaged = any(REPLICA_DAMAGED in why for why in report.failed.values())
         raise CheckpointError(
             f"{len(report.failed)} file(s) of {plan.tag} failed verification or transfer "
             f"(verified files stay in DEST): {shown}", path=options.dest,
-            hint="run the same command again: verified files are skipped, failed ones re-copied")
+            hint="a replica that does not match its manifest is never used: bring the node "
+                 "named back (or collect a tag another copy covers) and run collect-ckpt again"
+            if damaged else
+            "run the same command again: verified files are skipped, failed ones re-copied")
     use = report.replicas
     write_manifest(options.dest, plan, report.wanted, report.notes,
                    use.routes if use else None, use.parts_json() if use else None)

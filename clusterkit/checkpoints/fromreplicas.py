@@ -23,6 +23,8 @@ from clusterkit.checkpoints.collectplan import CheckpointIncomplete
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.source import Route
 
+REPLICA_DAMAGED = "differs from its manifest (corrupted on disk)"
+
 
 @dataclass(frozen=True)
 class Expect:
@@ -67,7 +69,7 @@ class ReplicaUse:
             p = self.part(index)
             cands = self.assembly.candidates[index]
             holder = cands[1].host if not p.replica and len(cands) > 1 else p.host
-            why = (f"the replica on {p.host} differs from its manifest (corrupted on disk)"
+            why = (f"the replica on {p.host} {REPLICA_DAMAGED}"
                    if p.replica else f"{p.host}'s copy differs from the sha256 the manifest of "
                    f"its replica on {holder} recorded (changed since the save?)")
             for rel, digest in p.sha256.items():
