@@ -164,6 +164,48 @@ def read_until(proc: subprocess.Popen[str], want: int, pattern: str, timeout: fl
     raise AssertionError("launcher ended early:\n" + "".join(seen[-40:]))
 
 
+# ------------------------------------------------------------ the workload under torchrun on this machine
+
+# torchrun's own variables: a test's environment must not leak a rank into its workers.
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+               "CROSS_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
+               "SLURM_NODEID", "NODE_RANK")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def workload_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def torchrun_argv(extra: list[str], cwd: Path) -> list[str]:
+    """``python -m torch.distributed.run EXTRA -m clusterkit.workload``; --log-dir: without
+    it every run leaves a /tmp/torchelastic_* directory behind."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--log-dir={cwd}/torchelastic",
+            *extra, "-m", "clusterkit.workload"]
+
+
+def torchrun_workload(args: Sequence[str], cwd: Path, nproc: int, timeout: float
+                      ) -> tuple[int, str]:
+    """One machine, ``nproc`` CPU ranks: (exit code, stdout + stderr)."""
+    argv = torchrun_argv(["--nnodes", "1", "--nproc_per_node", str(nproc), "--master_addr",
+                          "127.0.0.1", "--master_port", str(free_port())], cwd)
+    proc = subprocess.run([*argv, *args], cwd=cwd, env=workload_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 # ------------------------------------------------------------------ the workload trained on the test bed
 
 CKPT_DONE = re.compile(r"checkpoint (global_step\d+) complete")

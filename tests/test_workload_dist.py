@@ -22,15 +22,13 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import free_port, torchrun_argv, torchrun_workload, workload_env
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
-REPO = Path(__file__).resolve().parents[1]
 SUMMARY = "CLUSTERKIT_SUMMARY "
 RUN_TIMEOUT = 240
-LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-               "CROSS_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
-               "SLURM_NODEID", "NODE_RANK")
 # Small, fast, and with the cosine part of the schedule active after 2 warm-up steps.
 BASE = ["--model", "tiny", "--micro-batch", "2", "--grad-accum", "2", "--warmup-steps", "2",
         "--log-every", "1", "--seed", "7", "--dist-timeout", "180"]
@@ -49,42 +47,18 @@ class Run:
         return data
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def _torchrun_argv(extra: list[str], cwd: Path) -> list[str]:
-    # --log-dir: without it every run leaves a /tmp/torchelastic_* directory behind.
-    return [sys.executable, "-m", "torch.distributed.run", f"--log-dir={cwd}/torchelastic",
-            *extra, "-m", "clusterkit.workload"]
-
-
 def torchrun(args: list[str], cwd: Path, nproc: int = 2) -> Run:
-    argv = _torchrun_argv(["--nnodes", "1", "--nproc_per_node", str(nproc),
-                           "--master_addr", "127.0.0.1", "--master_port", str(_free_port())], cwd)
-    proc = subprocess.run([*argv, *BASE, *args], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT)
-    return Run(proc.returncode, proc.stdout + proc.stderr)
+    return Run(*torchrun_workload([*BASE, *args], cwd, nproc, RUN_TIMEOUT))
 
 
 def fake_nodes(args: list[str], cwd: Path) -> list[Run]:
     """Two torchrun agents = two nodes of one rank each (LOCAL_RANK 0 on both)."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for node in (0, 1):
-        argv = _torchrun_argv(["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+        argv = torchrun_argv(["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
                                "--master_addr", "127.0.0.1", "--master_port", str(port)], cwd)
-        procs.append(subprocess.Popen([*argv, *BASE, *args], cwd=cwd, env=_env(), text=True,
+        procs.append(subprocess.Popen([*argv, *BASE, *args], cwd=cwd, env=workload_env(), text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     runs = []
     for p in procs:
@@ -100,10 +74,10 @@ def fake_nodes(args: list[str], cwd: Path) -> list[Run]:
 
 def srun_style(args: list[str], cwd: Path) -> list[Run]:
     """What a plain ``srun python -m clusterkit.workload`` provides: SLURM_* only."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in (0, 1):
-        env = _env() | {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+        env = workload_env() | {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
                         "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen([sys.executable, "-m", "clusterkit.workload", *BASE, *args],
@@ -296,10 +270,10 @@ def _worker_pid(launcher_pid: int, rank: int) -> int:
 def _run_until_step_then_signal(tmp_path: Path, args: list[str], sig: signal.Signals,
                                 rank: int) -> Run:
     log = tmp_path / f"{sig.name}.log"
-    argv = _torchrun_argv(["--nnodes", "1", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(_free_port())], tmp_path)
+    argv = torchrun_argv(["--nnodes", "1", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(free_port())], tmp_path)
     with log.open("w") as fh:
-        proc = subprocess.Popen([*argv, *BASE, *args], cwd=tmp_path, env=_env(), text=True,
+        proc = subprocess.Popen([*argv, *BASE, *args], cwd=tmp_path, env=workload_env(), text=True,
                                 stdout=fh, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + RUN_TIMEOUT

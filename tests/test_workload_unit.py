@@ -132,18 +132,19 @@ def test_advisor_recommends_fastest_fitting_strategy() -> None:
 
 def test_resume_skips_a_checkpoint_missing_a_nodes_marker() -> None:
     """A save killed midway can leave markers on some nodes only: never resume from it."""
-    from clusterkit.workload.ckpt import _decide
+    from clusterkit.workload.ckpt import ScanEntry, _decide
 
     # node-local, 2 nodes: rank scans of node 0's dir and of node 1's dir
-    node0 = ([("global_step20", 20, [0], 2), ("global_step40", 40, [0], 2)], [])
-    node1 = ([("global_step20", 20, [1], 2)], ["global_step40"])
-    tag, warning = _decide("auto", [node0, node0, node1, node1])
-    assert tag == "global_step20"
+    node0 = ([ScanEntry("global_step20", 20, (0,), 2, 4), ScanEntry("global_step40", 40, (0,), 2, 4)],
+             [])
+    node1 = ([ScanEntry("global_step20", 20, (1,), 2, 4)], ["global_step40"])
+    tag, warning, refusal = _decide("auto", [node0, node0, node1, node1], 4)
+    assert tag == "global_step20" and refusal is None
     assert warning is not None and "global_step40: no completion marker from node(s) 1" in warning
     # shared storage: both markers in one dir
-    shared = ([("global_step40", 40, [0, 1], 2)], [])
-    assert _decide("auto", [shared, shared])[0] == "global_step40"
-    assert _decide("auto", [([], []), ([], [])]) == (None, None)
+    shared = ([ScanEntry("global_step40", 40, (0, 1), 2, 2)], [])
+    assert _decide("auto", [shared, shared], 2)[0] == "global_step40"
+    assert _decide("auto", [([], []), ([], [])], 2) == (None, None, None)
 
 
 def test_heartbeat_writes_first_beat_at_once_then_at_most_once_per_interval(

@@ -48,6 +48,7 @@ class WorkloadArgs:
     eval_batches: int
     log_every: int
     dump_weights: str | None
+    dump_loaded_weights: str | None
     dist_timeout: float
     peak_tflops: float | None
     local_rank: int | None
@@ -101,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="PATH",
                    help="rank 0 writes the full fp32 state dict here after training "
                         f"(default: ${DUMP_WEIGHTS_ENV}, e.g. from `launch --set-env`)")
+    c.add_argument("--dump-loaded-weights", default=None, metavar="PATH",
+                   help="rank 0 writes the full fp32 state dict here right after a checkpoint "
+                        "was loaded (checks a resume, e.g. on fewer ranks, against the "
+                        "consolidated checkpoint)")
     o = p.add_argument_group("evaluation, logging, distributed")
     o.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: off)")
     o.add_argument("--eval-batches", type=int, default=2)

@@ -16,18 +16,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from clusterkit.backend_timeouts import pg_timeout_from_env
 from clusterkit.checkpoints import layout
 from clusterkit.contract import SUMMARY_FILE, SUMMARY_PREFIX
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import atomic_write_text, read_json_object
+from clusterkit.spec.batch import shrink_batch
 from clusterkit.spec.zero import Offload, Precision, ZeroSpec, build_ds_config, resolve_precision
 from clusterkit.workload import hangs
 from clusterkit.workload.args import WorkloadArgs, parse_args
 from clusterkit.workload.distenv import resolve_dist_env
 from clusterkit.workload.presets import ModelPreset, get_preset, peak_tflops_for
+
+if TYPE_CHECKING:
+    from clusterkit.checkpoints.universal import UniversalMarker
 
 LOG_PREFIX = "[clusterkit]"
 EXIT_OK = 0
@@ -204,6 +208,14 @@ def _run(args: WorkloadArgs, rank: int, local_rank: int, world: int,
     cfg = _ds_config(args, requested, world, on_gpu, run_dir, args.storage == "node-local")
     precision = _precision_of(cfg)
     zero_stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
+    adapter = AccelerateAdapter if args.engine == "accelerate" else DeepSpeedAdapter
+    ctx = ckpt.CkptContext(ckpt_dir=ckpt_dir, engine_name=args.engine, zero_stage=zero_stage,
+                           precision=precision, storage=args.storage, topo=topo,
+                           ds_subdir=adapter.ds_subdir)
+    # Chosen before the engine exists: a universal checkpoint changes the ds_config.
+    resume = ckpt.choose_and_verify(ctx, args.resume)
+    if resume is not None and resume.marker is not None:
+        _load_universal(cfg, resume.tag, resume.marker, world, rank)
     micro, accum = int(cfg["train_micro_batch_size_per_gpu"]), int(cfg["gradient_accumulation_steps"])
     preset = get_preset(args.model)
 
@@ -215,25 +227,26 @@ def _run(args: WorkloadArgs, rank: int, local_rank: int, world: int,
         engine = AccelerateAdapter(model, cfg, args.weight_decay, run_dir, trackers)
     else:
         engine = DeepSpeedAdapter(model, cfg, args.weight_decay)
-    ctx = ckpt.CkptContext(ckpt_dir=ckpt_dir, engine_name=args.engine, zero_stage=zero_stage,
-                           precision=precision, storage=args.storage, topo=topo)
     _log(rank, f"engine={args.engine} model={args.model} ({preset.n_params:,} params) "
                f"world={world} nodes={topo.num_nodes} zero={zero_stage} precision={precision} "
                f"micro={micro} accum={accum} ckpt_dir={ckpt_dir} storage={args.storage}")
 
-    resumed_from = ckpt.choose_and_verify(ctx, engine, args.resume)
+    resumed_from = resume.tag if resume is not None else None
     if resumed_from is not None:
         engine.load(ckpt_dir, resumed_from)
-        _log(rank, f"resumed from {resumed_from} at step {engine.global_steps}")
+        _log(rank, f"resumed from {resumed_from} at step {engine.global_steps} "
+                   f"({engine.global_samples} samples consumed)")
+        if args.dump_loaded_weights:
+            _dump_weights(engine, rank, args.dump_loaded_weights)
     stream = TokenStream(load_corpus_bytes(), seq_len=preset.seq_len, world_size=world,
                          rank=rank, seed=args.seed)
     loop = _Loop(args, engine, stream, ctx, flag, preset, micro, accum, world, on_gpu)
+    # Nothing trained since a universal load: a final save would overwrite the source tag.
+    loop.resave = resume is None or resume.marker is None
     stats, stop_code = loop.run()
 
     if args.dump_weights:
-        state = engine.full_fp32_state_dict()  # collective
-        if rank == 0:
-            _save_torch_atomic(state, args.dump_weights)
+        _dump_weights(engine, rank, args.dump_weights)
     if isinstance(engine, AccelerateAdapter):
         engine.end()
     summary = _summary(args, engine, stats, resumed_from, world, zero_stage, precision,
@@ -245,6 +258,28 @@ def _run(args: WorkloadArgs, rank: int, local_rank: int, world: int,
                           json.dumps(summary, sort_keys=True, indent=1) + "\n")
         print(SUMMARY_PREFIX + json.dumps(summary, sort_keys=True), flush=True)
     return EXIT_TERM if stop_code == 2 else EXIT_OK
+
+
+def _load_universal(cfg: dict[str, Any], tag: str, marker: UniversalMarker, world: int,
+                    rank: int) -> None:
+    """DeepSpeed reads ``checkpoint.load_universal`` at ``initialize``; on another world
+    size the batch split follows spec/batch.py (--micro-batch/--grad-accum overridden)."""
+    cfg.setdefault("checkpoint", {})["load_universal"] = True
+    source = f"resuming {marker.source_tag} ({marker.world_size} ranks) from {tag}"
+    if marker.world_size == world:
+        _log(rank, f"{source} on the same {world} ranks")
+        return
+    plan = shrink_batch(marker.world_size, marker.micro_batch, marker.grad_accum, world)
+    cfg["train_micro_batch_size_per_gpu"] = plan.micro
+    cfg["gradient_accumulation_steps"] = plan.grad_accum
+    cfg["train_batch_size"] = plan.global_batch
+    _log(rank, f"{source} on {world} ranks: {plan.note}")
+
+
+def _dump_weights(engine: Any, rank: int, path: str) -> None:
+    state = engine.full_fp32_state_dict()  # collective
+    if rank == 0:
+        _save_torch_atomic(state, path)
 
 
 def _save_torch_atomic(obj: Any, path: str) -> None:
@@ -280,6 +315,7 @@ class _Loop:
         # this is real time even where a single step's timing is not.
         self._agreed_step_s: float | None = None
         self._last_agreed: tuple[int, float] | None = None  # (step, time) of the last one
+        self.resave = True  # the final save even when this invocation ran no step
 
     def _start_agree(self) -> tuple[Any, Any]:
         """Start the stop-signal all-reduce for this step without waiting for it.
@@ -364,6 +400,7 @@ class _Loop:
                 _log(self.rank, f"--stop-after-steps reached: saved {self.stats.last_tag}, exiting")
                 break
         if (self.args.save_final and not stop_code and not self.stats.stopped_early
+                and (self.resave or self.stats.steps_run)
                 and self.stats.last_tag != layout.step_tag(self.engine.global_steps)):
             self._save(self.engine.global_steps, final=True)
         return self.stats, stop_code

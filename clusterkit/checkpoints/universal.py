@@ -1,0 +1,248 @@
+"""A complete ZeRO checkpoint -> DeepSpeed's universal checkpoint, to resume on another
+world size (a shrink after a node is lost for good, issue 22; docs/lost-a-node.md).
+
+API (the launcher's recovery path and people call these; torch and deepspeed are
+imported only inside :func:`convert_to_universal`):
+
+* ``convert_to_universal(root, tag, *, workers=1, without_markers=None, timeout_s=None)
+  -> Universal``: ``root`` holds ``<tag>/`` complete in one place (what
+  ``clusterkit collect-ckpt`` leaves in DEST, or a shared-storage checkpoint root).
+  Verified first with collect-ckpt's own rules (``discover.verify``: every node's
+  completion marker, every rank's shard); then DeepSpeed's converter
+  (``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state``) runs in a
+  child process into ``root/.<tag>_universal.tmp-<pid>/``; the clusterkit marker is
+  written last and the directory renamed to ``root/<tag>_universal/``.
+* ``universal_tag(tag)`` = ``<tag>_universal``; ``UNIVERSAL_MARKER`` (the marker's file
+  name in that directory); ``read_universal_marker(tag_dir) -> UniversalMarker``
+  (raises ``CheckpointError``); ``is_universal_dir(path)``.
+
+What the resume needs: every node's checkpoint root (``--ckpt-dir`` of the bundled
+workload; with node-local storage each node's own) holds a full copy of
+``<tag>_universal/``, its marker copied last. Nothing else is passed: with
+``--resume auto`` the workload finds it, loads it with ``checkpoint.load_universal``,
+applies :func:`clusterkit.spec.batch.shrink_batch` and saves ordinary checkpoints
+from then on (``--resume <tag>_universal`` names it explicitly).
+
+The marker (``clusterkit-universal.json``, schema ``clusterkit.universal`` v1): the
+source tag, its step and samples consumed, the world size, ZeRO stage, micro batch,
+grad accumulation and global batch it was saved with, engine, precision, DeepSpeed's
+version, and ``files`` (every file of the directory but the marker, relpath -> size)
+so that a copy can be checked without reading it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterkit.checkpoints import discover, layout
+from clusterkit.checkpoints.collectplan import CollectPlan, WithoutMarkers
+from clusterkit.checkpoints.consolidate import _replace_dir  # the one swap-in of a directory
+from clusterkit.checkpoints.listing import parse_listing
+from clusterkit.errors import CheckpointError
+from clusterkit.fsutil import atomic_write_text, read_json_object
+from clusterkit.node import listing as node_listing
+
+UNIVERSAL_SUFFIX = "_universal"
+UNIVERSAL_MARKER = "clusterkit-universal.json"
+UNIVERSAL_SCHEMA = "clusterkit.universal"
+UNIVERSAL_SCHEMA_VERSION = 1
+CONVERTER = "deepspeed.checkpoint.ds_to_universal"
+DEFAULT_TIMEOUT_S = 3600.0
+OUTPUT_TAIL_LINES = 3
+
+
+def universal_tag(tag: str) -> str:
+    return f"{tag}{UNIVERSAL_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class UniversalMarker:
+    source_tag: str
+    step: int
+    global_samples: int
+    world_size: int  # of the save it was converted from
+    zero_stage: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    engine: str
+    precision: str
+    deepspeed_version: str
+    files: Mapping[str, int] = field(default_factory=dict)  # relpath -> size, marker excluded
+    created_unix: float = 0.0
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {"schema": UNIVERSAL_SCHEMA, "version": UNIVERSAL_SCHEMA_VERSION,
+                "source_tag": self.source_tag, "step": self.step,
+                "global_samples": self.global_samples, "world_size": self.world_size,
+                "zero_stage": self.zero_stage, "micro_batch": self.micro_batch,
+                "grad_accum": self.grad_accum, "global_batch": self.global_batch,
+                "engine": self.engine, "precision": self.precision,
+                "deepspeed_version": self.deepspeed_version,
+                "files": dict(sorted(self.files.items())), "created_unix": self.created_unix}
+
+
+_INT_KEYS = ("step", "global_samples", "world_size", "zero_stage", "micro_batch", "grad_accum",
+             "global_batch")
+_STR_KEYS = ("source_tag", "engine", "precision", "deepspeed_version")
+
+
+def marker_from_json_dict(data: Mapping[str, Any], *, path: str | None = None) -> UniversalMarker:
+    if data.get("schema") != UNIVERSAL_SCHEMA or data.get("version") != UNIVERSAL_SCHEMA_VERSION:
+        raise CheckpointError(f"not a {UNIVERSAL_SCHEMA} v{UNIVERSAL_SCHEMA_VERSION} marker",
+                              path=path, key="schema")
+    for keys, typ in ((_INT_KEYS, int), (_STR_KEYS, str)):
+        for key in keys:
+            if not isinstance(data.get(key), typ) or isinstance(data.get(key), bool):
+                raise CheckpointError("universal marker lacks a key or it has the wrong type",
+                                      path=path, key=key)
+    files = data.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError("universal marker lacks its file list", path=path, key="files")
+    return UniversalMarker(**{k: data[k] for k in (*_INT_KEYS, *_STR_KEYS)},
+                           files={str(k): int(v) for k, v in files.items()},
+                           created_unix=float(data.get("created_unix", 0.0)))
+
+
+def read_universal_marker(tag_dir: str) -> UniversalMarker:
+    path = os.path.join(tag_dir, UNIVERSAL_MARKER)
+    return marker_from_json_dict(read_json_object(path, "universal marker", CheckpointError),
+                                 path=path)
+
+
+def is_universal_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, UNIVERSAL_MARKER))
+
+
+def missing_files(tag_dir: str, marker: UniversalMarker) -> list[str]:
+    """The marker's files absent from ``tag_dir`` or of another size (a partial copy)."""
+    out = []
+    for rel, size in sorted(marker.files.items()):
+        full = os.path.join(tag_dir, rel)
+        if not os.path.isfile(full) or os.path.getsize(full) != size:
+            out.append(rel)
+    return out
+
+
+@dataclass(frozen=True)
+class Universal:
+    out_dir: str  # <root>/<tag>_universal
+    tag: str  # its name: what --resume takes
+    marker: UniversalMarker
+    seconds: float
+
+
+def verify_source(root: str, tag: str, without_markers: WithoutMarkers | None = None
+                  ) -> CollectPlan:
+    """collect-ckpt's completeness rules on one local checkpoint root (raises
+    ``CheckpointIncomplete`` naming every missing marker or shard)."""
+    text = json.dumps(node_listing.listing(root, tag))
+    return discover.verify([parse_listing("here", 0, root, text)], tag, without_markers)
+
+
+def convert_to_universal(root: str, tag: str, *, workers: int = 1,
+                         without_markers: WithoutMarkers | None = None,
+                         timeout_s: float | None = DEFAULT_TIMEOUT_S) -> Universal:
+    """Convert ``root/<tag>`` into ``root/<tag>_universal`` (see the module doc)."""
+    t0 = time.monotonic()
+    root = os.path.abspath(root)
+    plan = verify_source(root, tag, without_markers)
+    if plan.zero_stage == 0:
+        raise CheckpointError(f"{tag} was saved with ZeRO stage 0: it has no optimizer shards "
+                              "for DeepSpeed's universal converter", path=os.path.join(root, tag),
+                              hint="resume it on its own world size, or train with ZeRO 1-3")
+    source = os.path.join(root, tag, plan.ds_subdir) if plan.ds_subdir else os.path.join(root, tag)
+    name = universal_tag(tag)
+    final = os.path.join(root, name)
+    # The converter writes `latest_universal` beside its output dir: give it a parent of
+    # its own, so that nothing but the finished directory reaches root.
+    work = os.path.join(root, f".{name}.tmp-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        out = os.path.join(work, name)
+        _run_converter(source, out, workers, timeout_s)
+        marker = _marker(plan, tag, out, source)
+        atomic_write_text(os.path.join(out, UNIVERSAL_MARKER),
+                          json.dumps(marker.to_json_dict(), indent=1) + "\n")
+        _replace_dir(out, final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return Universal(out_dir=final, tag=name, marker=marker, seconds=time.monotonic() - t0)
+
+
+def _run_converter(source: str, out: str, workers: int, timeout_s: float | None) -> None:
+    try:
+        import deepspeed  # noqa: F401  (only to fail here, with a hint, when it is absent)
+    except ImportError:
+        raise CheckpointError("deepspeed is not installed for this Python", path=sys.executable,
+                              hint="pip install deepspeed (the version that saved the "
+                                   "checkpoint), or convert on a node that has it") from None
+    n = str(max(1, workers))
+    argv = [sys.executable, "-m", CONVERTER, "--input_folder", source, "--output_folder", out,
+            "--num_extract_workers", n, "--num_merge_workers", n, "--inject_missing_state"]
+    # Nothing is compiled; the import of DeepSpeed's Muon module would import inductor.
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1")}
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        raise CheckpointError(f"DeepSpeed's universal converter ran over {timeout_s:.0f} s",
+                              path=source, hint="run it by hand: " + " ".join(argv)) from None
+    if proc.returncode != 0:
+        lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+        tail = " | ".join(ln.strip() for ln in lines[-OUTPUT_TAIL_LINES:])
+        raise CheckpointError(f"DeepSpeed's universal converter failed (exit {proc.returncode}): "
+                              f"{tail}", path=source,
+                              hint="run it by hand to see everything: " + " ".join(argv))
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What DeepSpeed stored in the model states: its config and counters (a user's
+    script has no clusterkit record of its batch)."""
+
+    micro: int
+    grad_accum: int
+    global_samples: int
+    version: str
+
+
+def _saved(source: str, plan: CollectPlan) -> _Saved:
+    import torch
+
+    name = layout.model_states_name(plan.zero_stage or 0, 0)
+    state = torch.load(os.path.join(source, name), map_location="cpu", weights_only=False)
+    cfg = state.get("ds_config") or {}
+    try:
+        micro = int(cfg["train_micro_batch_size_per_gpu"])
+        ga = int(cfg.get("gradient_accumulation_steps", 1))
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError("the model states hold no ds_config with an integer "
+                              "train_micro_batch_size_per_gpu", path=os.path.join(source, name),
+                              hint="save with a DeepSpeed that records its config") from None
+    return _Saved(micro, ga, int(state.get("global_samples") or 0),
+                  str(state.get("ds_version", "unknown")))
+
+
+def _marker(plan: CollectPlan, tag: str, out: str, source: str) -> UniversalMarker:
+    saved = _saved(source, plan)
+    files = {}
+    for base, _, names in os.walk(out):
+        for n in names:
+            full = os.path.join(base, n)
+            files[os.path.relpath(full, out)] = os.path.getsize(full)
+    return UniversalMarker(
+        source_tag=tag, step=int(plan.step or 0), global_samples=saved.global_samples,
+        world_size=plan.world_size, zero_stage=int(plan.zero_stage or 0),
+        micro_batch=saved.micro, grad_accum=saved.grad_accum,
+        global_batch=saved.micro * saved.grad_accum * plan.world_size, engine=plan.engine,
+        precision=plan.precision, deepspeed_version=saved.version, files=files,
+        created_unix=time.time())
