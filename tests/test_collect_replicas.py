@@ -237,3 +237,27 @@ def test_status_job_shows_replica_health(tmp_path: Path, monkeypatch: pytest.Mon
     tags = json.loads(capsys.readouterr().out)["checkpoints"]["tags"]
     assert tags == [{"tag": TAG, "nodes": 3, "own": 3, "replicated": 3, "complete": True,
                      "missing": {}}]
+
+
+def test_dry_run_names_a_corrupted_replica_and_copies_nothing(
+        tmp_path: Path, transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path)
+    _down(nodes, 2, tmp_path)
+    bad = _replica_shard(nodes, 2, 3)
+    _flip(bad)
+    dest = tmp_path / "dest"
+    report = collect(transport, nodes, CollectOptions(dest=str(dest), dry_run=True))
+    assert f"node3:{TAG}/{os.path.basename(bad)}: the replica on node4 differs from its " \
+        "manifest (corrupted on disk)" in report.notes
+    assert report.replicas is not None and report.replicas.used(False) == [
+        "node index 2 (node3): from its replica on node4 (global_step20, hashed)"]
+    assert not (dest / TAG).exists()
+
+
+def test_latest_disagreement_is_still_refused_with_replicas(
+        tmp_path: Path, transport: DispatchTransport) -> None:
+    nodes = _make(tmp_path)
+    Path(nodes[1].root, "latest").write_text("global_step10")
+    with pytest.raises(CheckpointIncomplete) as info:
+        collect(transport, nodes, CollectOptions(dest=str(tmp_path / "dest")))
+    assert "'latest' files disagree" in info.value.problems[0]

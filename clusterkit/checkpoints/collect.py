@@ -143,6 +143,8 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
         if first.files:
             t1 = time.monotonic()
             report.wanted, notes = _checked_choice(first, *source.hashes(first))
+            if options.dry_run:  # the copy would refuse these: say so now
+                notes += _would_refuse(report.wanted, use)
             report.wanted = _expected(report.wanted, use)
             report.notes += notes
             report.seconds_hash = time.monotonic() - t1
@@ -176,7 +178,10 @@ def _verified(source: Source, listings: list[NodeListing], options: CollectOptio
     if tag is None:  # 'latest' as the reachable nodes say, else the newest assemblable
         tag = choose_tag([ls for ls in listings if not ls.error], options.tag,
                          markers=options.without_markers is None)[0]
-    use = plan_replicas(listings, tag, require_markers=options.without_markers is None)
+    # Every node answered but 'latest' is unclear: verify() says why, as without replicas.
+    unclear = tag is None and not any(ls.error for ls in listings)
+    use = None if unclear else plan_replicas(listings, tag,
+                                             require_markers=options.without_markers is None)
     if use is None:
         return verify(listings, options.tag, options.without_markers), None
     if use.routes and not isinstance(source, StreamSource):
@@ -194,6 +199,13 @@ def _expected(wanted: list[Wanted], use: ReplicaUse | None) -> list[Wanted]:
     expect = use.expect()
     return [dataclasses.replace(w, sha256=e.sha256, mismatch=e.mismatch)
             if (e := expect.get((w.node, w.relpath))) is not None else w for w in wanted]
+
+
+def _would_refuse(hashed: list[Wanted], use: ReplicaUse | None) -> list[str]:
+    """Files whose sha256 on their node differs from their replica manifest's."""
+    expect = use.expect() if use is not None else {}
+    return [f"{w.node}:{w.relpath}: {e.mismatch}" for w in hashed
+            if (e := expect.get((w.node, w.relpath))) is not None and e.sha256 != w.sha256]
 
 
 def _fall_back(source: Source, use: ReplicaUse, report: CollectReport,

@@ -76,11 +76,12 @@ class ReplicaUse:
                 out[(p.node, rel)] = Expect(digest, why)
         return out
 
-    def used(self) -> list[str]:
+    def used(self, verified: bool = True) -> list[str]:
         """One line per part read from a replica: "node index 5 (node6): from its replica
-        on node7 (global_step20, verified)"."""
+        on node7 (global_step20, verified)" (a dry run: "hashed", nothing copied)."""
+        how = "verified" if verified else "hashed"
         return [f"{self.assembly.label(i)}: from its replica on {self.part(i).host} "
-                f"({self.tag}, verified)" for i in sorted(self.chosen) if self.part(i).replica]
+                f"({self.tag}, {how})" for i in sorted(self.chosen) if self.part(i).replica]
 
     def parts_json(self) -> dict[str, dict[str, object]]:
         return {str(i): {"node": self.part(i).node, "from": self.part(i).host,

@@ -372,7 +372,7 @@ def _collect_verb(args: argparse.Namespace) -> int:
                               "copied_bytes": report.bytes_copied, "skipped": report.skipped,
                               "notes": report.notes}
     if report.replicas is not None:
-        result["replicas"] = {"used": report.replicas.used(),
+        result["replicas"] = {"used": report.replicas.used(not args.dry_run),
                               "parts": report.replicas.parts_json()}
     if args.dry_run:
         print("dry run: nothing copied")
@@ -431,7 +431,7 @@ def _print_report(report: Any, dest: str) -> None:
     print(f"listed in {report.seconds_list:.1f} s, {hashed}")
     for note in report.notes:
         print(f"note: {note}")
-    for line in report.replicas.used() if report.replicas is not None else ():
+    for line in report.replicas.used(bool(report.method)) if report.replicas else ():
         print(line)
     if report.method:
         copied = sum(len(r.copied) for r in report.results.values())
