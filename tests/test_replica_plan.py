@@ -4,6 +4,7 @@ placement and its warnings, and the per-run secret that reaches only the agents'
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -105,3 +106,27 @@ def test_the_secret_reaches_only_the_agent_spec() -> None:
     # A user's own script writes no completion markers.
     own = job_from_plan(plan_for("a800-7x2", "torchrun", nodes=2, script="train.py"))
     assert own.tasks[0].replica is not None and own.tasks[0].replica["markers"] is False
+
+
+def test_doctor_counts_the_replicas_a_node_local_dir_holds() -> None:
+    from dataclasses import replace
+
+    from clusterkit.checks.facts import StorageFacts
+    from clusterkit.checks.rules_base import GiB, Status
+    from clusterkit.checks.rules_host import check_storage
+    from tests.helpers import CTX, HOSTS, cluster, only_node7
+
+    def node7(findings: list[Any]) -> Any:
+        return next(f for f in findings if f.host == "node7")
+
+    roomy = (StorageFacts("/ckpt", True, True, 250 * GiB, 1000 * GiB),)
+    assert node7(check_storage(cluster(storage=roomy), CTX)).status is Status.PASS  # 2.5 x 100 GiB
+    ctx = replace(CTX, replicas=1, local_dirs={h: "/ckpt" for h in HOSTS})
+    f = only_node7(check_storage(cluster(storage=roomy), ctx), "storage:/ckpt")
+    assert f.status is Status.WARN and "one checkpoint + 1 replica(s)" in f.detail
+    tight = (StorageFacts("/ckpt", True, True, 150 * GiB, 1000 * GiB),)
+    f = only_node7(check_storage(cluster(storage=tight), ctx), "storage:/ckpt")
+    assert f.status is Status.FAIL and "< 200.0 GiB" in f.detail
+    # A shared dir holds no replicas.
+    shared = replace(ctx, local_dirs={h: "/local" for h in HOSTS})
+    assert node7(check_storage(cluster(storage=roomy), shared)).status is Status.PASS

@@ -111,6 +111,7 @@ def plan_doctor(
     backend: str = "torchrun",
     master_port: int | None = DEFAULT_MASTER_PORT,
     checkpoint_bytes: int | None = None,
+    replicas: int = 0,
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     accept_new_host_keys: bool = False,
     max_parallel: int = 128,
@@ -136,7 +137,8 @@ def plan_doctor(
         backend=backend if backend == "deepspeed" else "ssh",
         head_tools=dict(head_tools),
         head_python=None,  # clusterkit launch never runs the launcher's own interpreter remotely
-        checkpoint_bytes=checkpoint_bytes,
+        checkpoint_bytes=checkpoint_bytes, replicas=replicas,
+        local_dirs={h.name: h.checkpoint.local_dir for h in hosts if h.checkpoint.local_dir},
         one_machine=one_machine((h.transport, h.address) for h in hosts),
     )
     return DoctorPlan(tuple(nodes), ctx, master_port, connect_timeout_s=connect_timeout_s,

@@ -38,6 +38,10 @@ class DoctorContext:
     head_tools: Mapping[str, str | None] = field(default_factory=dict)  # which() on the head
     head_python: str | None = None  # sys.executable of the launcher (pdsh reuses it)
     checkpoint_bytes: int | None = None  # estimated size of one checkpoint on a node
+    # Checkpoint replicas (issue 22): a node-local dir (host -> checkpoint.local_dir) also
+    # holds copies of `replicas` other nodes' checkpoints, each about checkpoint_bytes.
+    replicas: int = 0
+    local_dirs: Mapping[str, str] = field(default_factory=dict)
     # Local clock (time.time()) just before sending / after receiving each node's probe.
     probe_windows: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     # Every node is this machine (the embedded default's virtual nodes, or loopback

@@ -25,11 +25,11 @@ SKEW_FAIL_S = 30.0
 
 
 def check_storage(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Finding]:
-    need = ctx.checkpoint_bytes
     out = []
     for f in ok_nodes(facts):
         for s in f.storage:
             check = f"storage:{s.path}"
+            need, what = _need(ctx, f.host, s.path)
             if not s.writable:
                 out.append(Finding(check, Status.FAIL, f.host, f"{s.path} is not writable",
                                    "create it with the right owner (mkdir -p; chown)"))
@@ -41,17 +41,26 @@ def check_storage(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Fi
                 out.append(Finding(check, Status.PASS, f.host, f"{s.path} writable"))
             elif s.free_bytes < need:
                 out.append(Finding(check, Status.FAIL, f.host,
-                                   f"{s.path}: {gib(s.free_bytes)} free < {gib(need)} for one "
-                                   f"checkpoint", "free space or point the checkpoint dir at "
+                                   f"{s.path}: {gib(s.free_bytes)} free < {gib(need)} for {what}",
+                                   "free space or point the checkpoint dir at "
                                    "a bigger volume"))
             elif s.free_bytes < 2 * need:
                 out.append(Finding(check, Status.WARN, f.host,
                                    f"{s.path}: {gib(s.free_bytes)} free, room for only one "
-                                   f"{gib(need)} checkpoint", "free space before the second save"))
+                                   f"{gib(need)} save ({what})", "free space before the second save"))
             else:
                 out.append(Finding(check, Status.PASS, f.host,
                                    f"{s.path}: room for 2+ checkpoints"))
     return out
+
+
+def _need(ctx: DoctorContext, host: str, path: str) -> tuple[int | None, str]:
+    """Bytes one save takes in ``path``, and what they are: a node-local dir also holds
+    the copies of K other nodes' checkpoints (``--replicas``, docs/lost-a-node.md)."""
+    need = ctx.checkpoint_bytes
+    if need is None or not ctx.replicas or ctx.local_dirs.get(host) != path:
+        return need, "one checkpoint"
+    return need * (1 + ctx.replicas), f"one checkpoint + {ctx.replicas} replica(s)"
 
 
 def check_limits(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Finding]:

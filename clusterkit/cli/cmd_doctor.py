@@ -28,6 +28,7 @@ from clusterkit.units import parse_size as parse_size  # the one size rule (docs
 
 if TYPE_CHECKING:
     from clusterkit.checks.doctor import DoctorReport
+    from clusterkit.inventory import Host
 
 # The checks are imported when doctor runs, not when the parser is built: every
 # clusterkit command builds the whole parser.
@@ -57,6 +58,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--ckpt-size", metavar="SIZE", type=size_type("--ckpt-size"),
                    help="expected size of one checkpoint per node (e.g. 40G = 40GiB; "
                         "docs/units.md): checks free space")
+    p.add_argument("--replicas", metavar="K", type=int, default=None,
+                   help="checkpoint replicas each node-local dir also holds (--ckpt-size "
+                        "counts 1+K there); default: the inventory's checkpoint.replicas, "
+                        "else 1 where the job would be node-local (docs/lost-a-node.md)")
     p.add_argument("--bandwidth", action="store_true",
                    help="also run a short all_reduce and pairwise tests (needs torch on nodes)")
     p.add_argument("--bandwidth-size", default=None, metavar="SIZE",
@@ -84,6 +89,18 @@ def _master_port(args: argparse.Namespace, cluster: str) -> int | None:
     return master_port(args.job_id or cluster)
 
 
+def _replicas(args: argparse.Namespace, hosts: list[Host]) -> int:
+    """K as launch would take it: --replicas, the inventory's, else 1 when storage would
+    be node-local (storage auto: not every host has checkpoint.shared_dir)."""
+    if args.replicas is not None:
+        if args.replicas < 0:
+            raise ClusterkitError(f"must be >= 0, got {args.replicas}", key="--replicas")
+        return int(args.replicas)
+    if hosts and hosts[0].checkpoint.replicas is not None:
+        return hosts[0].checkpoint.replicas
+    return 1 if len(hosts) > 1 and not all(h.checkpoint.shared_dir for h in hosts) else 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from clusterkit.checks.doctor import plan_doctor, run_doctor
     from clusterkit.hostfile import select_hosts
@@ -100,7 +117,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         [h for h, _slots in chosen], head_python=sys.executable, head_cwd=os.getcwd(),
         head_tools={t: shutil.which(t) for t in HEAD_TOOLS},
         backend=BACKENDS[args.backend].doctor, master_port=_master_port(args, inv.name),
-        checkpoint_bytes=args.ckpt_size or None,
+        checkpoint_bytes=args.ckpt_size or None, replicas=_replicas(args, [h for h, _ in chosen]),
         connect_timeout_s=args.connect_timeout, accept_new_host_keys=args.accept_new_host_keys,
     )
     from clusterkit.remote.dispatch import transport_for
