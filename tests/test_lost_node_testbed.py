@@ -6,8 +6,10 @@ processes killed, its namespace and its node-private /scratch deleted for good.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,9 +121,11 @@ class Console:
         return code
 
 
-def _argv(inv: Path, job: str, shape: Shape, *extra: str) -> list[str]:
+def _argv(inv: Path, job: str, shape: Shape, *extra: str,
+          select: Sequence[str] = ("--nodes", "7")) -> list[str]:
+    """The launch of ``shape``; ``extra`` may end with ``-- ARGS`` for the workload."""
     return [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
-            "--nodes", "7", "--storage", "node-local",
+            *select, "--storage", "node-local",
             "--zero-stage", str(shape.zero_stage), "--steps", str(shape.steps),
             "--save-every", str(shape.save_every), "--replicas", "1", "--grace", "2",
             "--skip-checks", *extra]
@@ -132,7 +136,8 @@ def _replica_manifest(tb: Testbed, job: str, index: int, tag: str) -> Path:
     return tb.node_local_path(holder, f"ckpt/{job}.replicas/node{index}/{tag}/{REPLICA_MANIFEST}")
 
 
-def _lose_node6_mid_run(tb: Testbed, inv: Path, tmp: Path, job: str, shape: Shape) -> str:
+def _lose_node6_mid_run(tb: Testbed, inv: Path, tmp: Path, job: str, shape: Shape,
+                        before_loss: Callable[[], object] | None = None) -> str:
     """Run job until ``shape.tag`` is complete and every node's copy of it sits on its ring
     successor, then destroy node6 while the job runs; return the console text."""
     run = Console(_argv(inv, job, shape), train_env(tmp), tmp)
@@ -143,7 +148,10 @@ def _lose_node6_mid_run(tb: Testbed, inv: Path, tmp: Path, job: str, shape: Shap
                                  for i in range(len(RING))), 120, f"replicas of {shape.tag}")
         assert f"checkpoint {shape.next_tag} complete" not in run.text, \
             "the next save completed before node6 was lost: the scenario needs a slower run"
+        if before_loss is not None:
+            before_loss()
         step_at_loss = max((int(m.group(1)) for m in STEP_LINE.finditer(run.text)), default=0)
+        assert f"checkpoint {shape.next_tag} complete" not in run.text
         tb.destroy(LOST)
         code = run.finish(timeout=180)
     except BaseException:
@@ -192,3 +200,111 @@ def test_a_lost_node_is_replaced_by_a_spare_and_the_resume_is_exact(
 def test_the_issue_scenario_with_a_spare(testbed_required: None, tmp_path: Path) -> None:
     """The issue's numbers: saves every 10 steps, node6 lost after step 20's replicas."""
     _spare_case(tmp_path, ISSUE)
+
+
+# ------------------------------------------------------------------ without a spare: fewer nodes
+
+
+def _snapshot(tb: Testbed, job: str, tag: str, dest: Path) -> Path:
+    """Every node's files of ``tag`` gathered on the host before the loss (file copies, no
+    clusterkit code): node1's first, so the model states file shared by ZeRO 0-2 is rank
+    0's, as collect-ckpt picks it."""
+    for name in RING:
+        src = tb.node_local_path(name, f"ckpt/{job}/{tag}")
+        for f in sorted(src.rglob("*")):
+            target = dest / tag / f.relative_to(src)
+            if f.is_file() and not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, target)
+    return dest
+
+
+def _shrink_case(tmp: Path, shape: Shape) -> None:
+    import torch
+
+    from clusterkit.checkpoints.consolidate import consolidate, load_state_dict_dir
+
+    with temporary(7) as tb:
+        inv = tb.write_inventory(tmp / "inv.yaml", slots=2)
+        before = tmp / "before"
+        _lose_node6_mid_run(tb, inv, tmp, "shrink", shape,
+                            before_loss=lambda: _snapshot(tb, "shrink", shape.tag, before))
+        loaded = tb.shared_dir / "loaded-weights.pt"
+        again = _train_to_end(_argv(inv, "shrink", shape, "--", "--dump-loaded-weights",
+                                    str(loaded), select=("--exclude", LOST)), tmp)
+        assert again.code == 0, again.text[-5000:]
+        for step in ("1/3 gathering it here", "2/3 converting it", "3/3 pushing"):
+            assert step in again.text, again.text[-5000:]
+        assert again.summary["resumed_from"] == f"{shape.tag}_universal", again.summary
+        assert again.summary["world_size"] == 12 and again.summary["finished"], again.summary
+        # The fp32 weights of the checkpoint before the loss (all 7 nodes' files) and the
+        # weights the 12 ranks hold right after loading the universal checkpoint.
+        consolidate(str(before), shape.tag, "fp32")
+        want = load_state_dict_dir(str(before / f"{shape.tag}-fp32"))
+        got = torch.load(loaded, map_location="cpu")
+        assert set(got) <= set(want) and got, (sorted(got)[:5], sorted(want)[:5])
+        for name, tensor in got.items():
+            assert torch.equal(tensor.float(), want[name].float()), name
+        print("\n".join(ln for ln in again.text.splitlines()
+                        if "[clusterkit]" in ln and ("reshard" in ln or "/3" in ln
+                                                     or "batch" in ln or "resumed" in ln)))
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
+def test_without_a_spare_the_job_goes_on_on_six_nodes_zero2(testbed_required: None,
+                                                            tmp_path: Path) -> None:
+    _shrink_case(tmp_path, ISSUE)
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
+def test_without_a_spare_the_job_goes_on_on_six_nodes_zero3(testbed_required: None,
+                                                            tmp_path: Path) -> None:
+    _shrink_case(tmp_path, dataclasses.replace(ISSUE, zero_stage=3))
+
+
+# ------------------------------------------------------------------ a user's own DeepSpeed script
+
+USER_SCRIPT = Path(__file__).with_name("slurmbed") / "usertrain.py"
+
+
+def _user_argv(inv: Path, job: str, shape: Shape, *extra: str) -> list[str]:
+    """tests/slurmbed/usertrain.py: saves with explicit tags (step<N>), resumes from the
+    newest tag every rank has; no clusterkit markers."""
+    return [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
+            "--nodes", "7", "--storage", "node-local", "--zero-stage", str(shape.zero_stage),
+            "--replicas", "1", "--grace", "2", "--skip-checks", *extra, str(USER_SCRIPT),
+            "--steps", str(shape.steps), "--save-every", str(shape.save_every),
+            "--step-sleep", "0.5"]
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
+def test_a_users_own_script_gets_replicas_and_the_spare(testbed_required: None,
+                                                        tmp_path: Path) -> None:
+    shape = Shape(steps=16, save_every=8, lost_after=8)
+    tag = f"step{shape.lost_after}"
+    with temporary(8) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=2)
+        ref = _train_to_end(_user_argv(inv, "uref", shape), tmp_path)
+        assert ref.code == 0 and ref.summary["finished"], ref.text[-4000:]
+        run = Console(_user_argv(inv, "user", shape), train_env(tmp_path), tmp_path)
+        try:
+            run.wait_for(lambda: f"saved {tag}" in run.text, 600, f"save {tag}")
+            run.wait_for(lambda: all(_replica_manifest(tb, "user", i, tag).exists()
+                                     for i in range(len(RING))), 120, f"replicas of {tag}")
+            assert f"saved step{shape.steps}" not in run.text
+            tb.destroy(LOST)
+            code = run.finish(timeout=180)
+        except BaseException:
+            run.finish(timeout=1)
+            raise
+        assert code != 0, run.text[-3000:]
+        again = _train_to_end(_user_argv(inv, "user", shape, "--replace", f"{LOST}={SPARE}"),
+                              tmp_path)
+        assert again.code == 0, again.text[-4000:]
+        assert f"restored {tag} of node index 5 ({LOST}) onto {SPARE}" in again.text
+        assert again.summary["resumed_from"] == tag, again.summary
+        assert again.summary["final_loss"] == ref.summary["final_loss"], (again.summary,
+                                                                          ref.summary)

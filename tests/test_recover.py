@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from clusterkit.checkpoints import synthetic
+from clusterkit.checkpoints.universal import verify_source
 from clusterkit.cli.recover import prepare_continue, restore_replacements
-from clusterkit.errors import LaunchError, SelectionError
+from clusterkit.errors import CheckpointError, LaunchError, SelectionError
 from clusterkit.hostfile import apply_replace, parse_replace, select
 from clusterkit.inventory import parse_inventory
 from clusterkit.launch.fromplan import job_from_plan
@@ -276,3 +277,33 @@ def test_a_checkpoint_that_cannot_be_assembled_is_refused(tmp_path: Path,
     # --resume never (or a tag) is the user's explicit choice: not refused here.
     never = _local_plan(tmp_path, 3, script_args=("--resume", "never"))
     prepare_continue(transport, never, _prior(plan), str(tmp_path / "home"), lambda _s: None)
+
+
+def test_a_gathered_checkpoint_holds_node_0s_model_states(tmp_path: Path) -> None:
+    """collect-ckpt's DEST (what a reshard converts) keeps node 0's copy of the model states
+    every ZeRO 0-2 node wrote its own of: only node 0's marker must match its size
+    (checkpoints/discover._gathered_copy)."""
+    roots = [tmp_path / f"n{i}" for i in range(3)]
+    synthetic.write_node_local([str(r) for r in roots], tag=TAG, shard_bytes=4096,
+                               model_bytes=1024)
+    dest = tmp_path / "dest"
+    for r in roots:
+        shutil.copytree(r, dest, dirs_exist_ok=True, copy_function=_keep_first)
+    model = "mp_rank_00_model_states.pt"
+    for index in (1, 2):  # the other nodes' copies were of another size
+        path = dest / TAG / marker_name(index)
+        marker = json.loads(path.read_text())
+        marker["node_files"][model] += 64
+        path.write_text(json.dumps(marker))
+    verify_source(str(dest), TAG)
+    path = dest / TAG / marker_name(0)
+    marker = json.loads(path.read_text())
+    marker["node_files"][model] += 64
+    path.write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match="its completion marker recorded"):
+        verify_source(str(dest), TAG)
+
+
+def _keep_first(src: str, dst: str) -> None:
+    if not Path(dst).exists():
+        shutil.copy2(src, dst)

@@ -420,8 +420,17 @@ def _marker_file_problems(listings: Sequence[NodeListing], tag: str,
                 if info is None:
                     problems.append(f"{node}: {posixpath.join(tag, rel)} is missing (its "
                                     "completion marker lists it)")
-                elif info.size != size:
+                elif info.size != size and not _gathered_copy(rel, info.size, ms):
                     problems.append(f"{node}: {posixpath.join(tag, rel)} has {info.size} bytes, "
                                     f"its completion marker recorded {size} (truncated or "
                                     "rewritten after the save)")
     return problems
+
+
+def _gathered_copy(rel: str, size: int, markers: Sequence[layout.CompletionMarker]) -> bool:
+    """One dir holding every node's marker is a gathered checkpoint (collect-ckpt's DEST):
+    it has one copy of the model states file that each ZeRO 0-2 node wrote its own of
+    (they differ; collect takes node 0's), so that file must match node 0's marker only."""
+    shard = layout.parse_shard_name(posixpath.basename(rel))
+    return (len(markers) > 1 and (shard is None or shard.dp_rank is None)
+            and any(m.node_index == 0 and m.node_files.get(rel) == size for m in markers))
