@@ -162,22 +162,29 @@ def _expected_lrs(steps: int) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.extended)])
-def test_shrink_4_to_2_ranks_through_universal(tmp_path: Path, stage: int) -> None:
+@pytest.mark.parametrize(("engine", "stage"), [
+    ("deepspeed", 2),
+    pytest.param("deepspeed", 3, marks=pytest.mark.extended),
+    pytest.param("accelerate", 2, marks=pytest.mark.extended),
+])
+def test_shrink_4_to_2_ranks_through_universal(tmp_path: Path, engine: str, stage: int
+                                               ) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("deepspeed")
     from clusterkit.checkpoints.consolidate import consolidate, load_state_dict_dir
+    from clusterkit.checkpoints.layout import ACCELERATE_DS_SUBDIR
 
-    z = ["--zero-stage", str(stage)]
+    z = ["--zero-stage", str(stage), "--engine", engine]
+    sub = ACCELERATE_DS_SUBDIR if engine == "accelerate" else ""
     first = _run([*z, "--steps", "6", "--stop-after-steps", "3"], tmp_path, 4)
     root = tmp_path / "clusterkit-run" / "checkpoints"
-    want = load_state_dict_dir(consolidate(str(root), "global_step3",
+    want = load_state_dict_dir(consolidate(str(root), "global_step3", ds_subdir=sub,
                                            out_dir=str(tmp_path / "fp32")).out_dir)
     conv = universal.convert_to_universal(str(root), "global_step3")
     assert conv.tag == "global_step3_universal" and conv.out_dir == str(root / conv.tag)
     m = conv.marker
     assert (m.step, m.world_size, m.zero_stage, m.micro_batch, m.grad_accum, m.global_batch,
-            m.global_samples) == (3, 4, stage, 2, 1, 8, 24)
+            m.global_samples, m.engine, m.ds_subdir) == (3, 4, stage, 2, 1, 8, 24, engine, sub)
     assert not [p for p in root.iterdir() if p.name.startswith(".")]  # no temp dir left
 
     # On 2 ranks: DeepSpeed's fp32 master weights right after the load equal the

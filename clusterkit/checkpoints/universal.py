@@ -11,7 +11,9 @@ imported only inside :func:`convert_to_universal`):
   completion marker, every rank's shard); then DeepSpeed's converter
   (``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state``) runs in a
   child process into ``root/.<tag>_universal.tmp-<pid>/``; the clusterkit marker is
-  written last and the directory renamed to ``root/<tag>_universal/``.
+  written last and the directory renamed to ``root/<tag>_universal/``. DeepSpeed's files
+  sit where the source had them: at the top, or (``--engine accelerate``) in
+  ``pytorch_model/``, where accelerate's ``load_state`` reads them.
 * ``universal_tag(tag)`` = ``<tag>_universal``; ``UNIVERSAL_MARKER`` (the marker's file
   name in that directory); ``read_universal_marker(tag_dir) -> UniversalMarker``
   (raises ``CheckpointError``); ``is_universal_dir(path)``.
@@ -26,12 +28,13 @@ from then on (``--resume <tag>_universal`` names it explicitly).
 The marker (``clusterkit-universal.json``, schema ``clusterkit.universal`` v1): the
 source tag, its step and samples consumed, the world size, ZeRO stage, micro batch,
 grad accumulation and global batch it was saved with, engine, precision, DeepSpeed's
-version, and ``files`` (every file of the directory but the marker, relpath -> size)
+version, ``ds_subdir``, and ``files`` (every file of the directory but the marker, relpath -> size)
 so that a copy can be checked without reading it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -78,6 +81,7 @@ class UniversalMarker:
     deepspeed_version: str
     files: Mapping[str, int] = field(default_factory=dict)  # relpath -> size, marker excluded
     created_unix: float = 0.0
+    ds_subdir: str = ""  # DeepSpeed's files one level down (accelerate: pytorch_model)
 
     def to_json_dict(self) -> dict[str, Any]:
         return {"schema": UNIVERSAL_SCHEMA, "version": UNIVERSAL_SCHEMA_VERSION,
@@ -86,7 +90,7 @@ class UniversalMarker:
                 "zero_stage": self.zero_stage, "micro_batch": self.micro_batch,
                 "grad_accum": self.grad_accum, "global_batch": self.global_batch,
                 "engine": self.engine, "precision": self.precision,
-                "deepspeed_version": self.deepspeed_version,
+                "deepspeed_version": self.deepspeed_version, "ds_subdir": self.ds_subdir,
                 "files": dict(sorted(self.files.items())), "created_unix": self.created_unix}
 
 
@@ -109,7 +113,8 @@ def marker_from_json_dict(data: Mapping[str, Any], *, path: str | None = None) -
         raise CheckpointError("universal marker lacks its file list", path=path, key="files")
     return UniversalMarker(**{k: data[k] for k in (*_INT_KEYS, *_STR_KEYS)},
                            files={str(k): int(v) for k, v in files.items()},
-                           created_unix=float(data.get("created_unix", 0.0)))
+                           created_unix=float(data.get("created_unix", 0.0)),
+                           ds_subdir=str(data.get("ds_subdir", "")))
 
 
 def read_universal_marker(tag_dir: str) -> UniversalMarker:
@@ -168,7 +173,13 @@ def convert_to_universal(root: str, tag: str, *, workers: int = 1,
     shutil.rmtree(work, ignore_errors=True)
     try:
         out = os.path.join(work, name)
-        _run_converter(source, out, workers, timeout_s)
+        # accelerate's load_state reads DeepSpeed's files from <dir>/pytorch_model: the
+        # same place in the universal dir (the converter's `latest_universal` then lands
+        # in it, and goes).
+        _run_converter(source, os.path.join(out, plan.ds_subdir) if plan.ds_subdir else out,
+                       workers, timeout_s)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, "latest_universal"))
         marker = _marker(plan, tag, out, source)
         atomic_write_text(os.path.join(out, UNIVERSAL_MARKER),
                           json.dumps(marker.to_json_dict(), indent=1) + "\n")
@@ -245,4 +256,4 @@ def _marker(plan: CollectPlan, tag: str, out: str, source: str) -> UniversalMark
         micro_batch=saved.micro, grad_accum=saved.grad_accum,
         global_batch=saved.micro * saved.grad_accum * plan.world_size, engine=plan.engine,
         precision=plan.precision, deepspeed_version=saved.version, files=files,
-        created_unix=time.time())
+        created_unix=time.time(), ds_subdir=plan.ds_subdir)

@@ -269,8 +269,6 @@ def _verify_universal(ctx: CkptContext, tag_dir: str, where: str) -> list[str]:
                            ("engine", ctx.engine_name, marker.engine)):
         if want != got:
             problems.append(f"{where}: universal checkpoint has {key}={got}, this run has {want}")
-    if ctx.engine_name != "deepspeed":
-        problems.append(f"{where}: a universal checkpoint is loaded by --engine deepspeed only")
     if ctx.topo.me.local_rank == 0:
         missing = universal.missing_files(tag_dir, marker)
         problems += [f"{where}: {os.path.join(tag_dir, f)} is missing or of another size "
