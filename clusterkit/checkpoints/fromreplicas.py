@@ -100,8 +100,9 @@ def plan_replicas(listings: Sequence[NodeListing], tag: str | None, *,
     a = assemble(listings, tag, require_markers=require_markers)
     if not a.complete:
         if any(ls.error for ls in listings):
-            raise CheckpointIncomplete(a.tag, [f"{a.label(i)}: {why}"
-                                               for i, why in sorted(a.missing.items())],
+            found = ([f"{a.label(i)}: {why}" for i, why in sorted(a.missing.items())]
+                     if a.tag is not None else list(a.missing.values()))
+            raise CheckpointIncomplete(a.tag, found,
                                        hint="bring the nodes named back, or collect a tag "
                                             "their replicas cover (--tag)")
         return None  # every node answered: verify() names what is wrong, as without replicas
