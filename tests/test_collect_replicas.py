@@ -261,3 +261,26 @@ def test_latest_disagreement_is_still_refused_with_replicas(
     with pytest.raises(CheckpointIncomplete) as info:
         collect(transport, nodes, CollectOptions(dest=str(tmp_path / "dest")))
     assert "'latest' files disagree" in info.value.problems[0]
+
+
+def test_a_user_scripts_save_without_markers_is_completed_from_its_replica(
+        tmp_path: Path, transport: DispatchTransport) -> None:
+    from clusterkit.checkpoints.collectplan import WithoutMarkers
+
+    nodes = [CollectNode(f"node{i + 1}", SSHTarget(name=f"node{i + 1}", address="127.0.0.1",
+                                                   local=True),
+                         sys.executable, str(tmp_path / f"node{i + 1}" / "ckpt"))
+             for i in range(4)]
+    roots = [c.root for c in nodes]
+    synthetic.write_node_local(roots, zero_stage=2, shard_bytes=4096, model_bytes=1024, tag=TAG)
+    for index, root in enumerate(roots):  # engine.save_checkpoint writes no markers
+        os.unlink(os.path.join(root, TAG, contract.marker_name(index)))
+    synthetic.write_ring_replicas(roots, TAG)
+    _down(nodes, 1, tmp_path)
+    dest = tmp_path / "dest"
+    report = collect(transport, nodes, CollectOptions(
+        dest=str(dest), without_markers=WithoutMarkers(world_size=8)))
+    assert not report.failed and report.plan.world_size == 8
+    assert report.replicas is not None and report.replicas.used() == [
+        "node index 1 (node2): from its replica on node3 (global_step20, verified)"]
+    assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 8
