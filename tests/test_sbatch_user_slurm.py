@@ -2,7 +2,9 @@
 
 * every variant (torchrun, accelerate, deepspeed) gives each rank the standard torch
   variables and the CLUSTERKIT_* contract (tests/slurmbed/usertrain.py asserts them),
-  and a DeepSpeed script COMPLETES with the same final loss on all three;
+  and a DeepSpeed script COMPLETES with the same final loss on all three (the torchrun
+  job is the preemption test's: stopped, requeued and resumed, it must still end on the
+  loss of the other two, which run straight through);
 * a relative script path from the user's cwd works (made absolute before submitting);
 * a failing rank's own exit code and name end the job, not the teardown's 143;
 * preemption: `scancel --signal=USR1 --batch` makes a contract-following script save,
@@ -20,6 +22,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -77,19 +81,56 @@ def _log(bed: SlurmBed, job: str, slurm_id: str, ext: str = "out") -> str:
     return (slurm_job_dir(bed, job) / "logs" / f"slurm-{slurm_id}.{ext}").read_text(errors="replace")
 
 
-def test_user_script_gets_the_contract_on_every_variant(slurm: SlurmBed) -> None:
-    losses = {}
-    for launcher in ("torchrun", "accelerate", "deepspeed"):
+@dataclass
+class Preempted:
+    """The torchrun job of the user's script, asked to stop (batch USR1) after step 3."""
+
+    job: str
+    slurm_id: str
+    state: str
+    out: str
+
+
+@pytest.fixture(scope="module")
+def preempted(slurm_bed: SlurmBed) -> Iterator[Preempted]:
+    """One job for two tests (each Slurm job of this script costs ~30 s of 2 cores): the
+    preemption test checks its save/requeue/resume, the contract test its torchrun run.
+    --hold-after 3: the first run waits after step 3 for the stop request, so the request
+    always lands mid-run without sleeping steps; the resumed run trains straight on."""
+    slurm_bed.wait_all_jobs_gone(timeout=30)
+    job = "user-preempt"
+    r = _sbatch(slurm_bed, job, "torchrun",
+                ["usertrain.py", "--steps", str(STEPS), "--hold-after", "3"])
+    slurm_id = _slurm_id(r)
+    try:
+        state = _usr1_to_batch_then_wait(slurm_bed, job, slurm_id)
+    except BaseException:
+        slurm_bed.client(["scancel", "--full", slurm_id], check=False)
+        raise
+    yield Preempted(job, slurm_id, state, _log(slurm_bed, job, slurm_id))
+
+
+def _assert_contract_run(bed: SlurmBed, job: str, summary: dict[str, object]) -> None:
+    assert summary["world_size"] == 4 and summary["finished"] is True, summary
+    plan = json.loads((slurm_job_dir(bed, job) / "plan.json").read_text())
+    assert str(bed.tb.root / "user" / "usertrain.py") in json.dumps(plan)  # made absolute
+
+
+def test_user_script_gets_the_contract_on_every_variant(slurm: SlurmBed,
+                                                        preempted: Preempted) -> None:
+    assert preempted.state == "COMPLETED", preempted.out[-3000:]
+    summary = _summary(preempted.out.replace("[rank0]:", ""))
+    _assert_contract_run(slurm, preempted.job, summary)
+    losses = {"torchrun": summary["final_loss"]}
+    for launcher in ("accelerate", "deepspeed"):
         job = f"user-{launcher}"
         t0 = time.monotonic()
         r = _sbatch(slurm, job, launcher, ["usertrain.py", "--steps", str(STEPS)], "--watch",
                     "--poll", "0.5")
         assert r.returncode == 0, (launcher, r.stdout[-3000:], r.stderr[-3000:])
         summary = _summary(r.stdout)
-        assert summary["world_size"] == 4 and summary["finished"] is True, summary
+        _assert_contract_run(slurm, job, summary)
         losses[launcher] = summary["final_loss"]
-        plan = json.loads((slurm_job_dir(slurm, job) / "plan.json").read_text())
-        assert str(slurm.tb.root / "user" / "usertrain.py") in json.dumps(plan)  # made absolute
         print(f"{launcher}: COMPLETED in {time.monotonic() - t0:.0f} s, loss {losses[launcher]}")
     assert len(set(losses.values())) == 1, losses
     assert_slurm_nodes_clean(slurm)
@@ -134,19 +175,15 @@ def _usr1_to_batch_then_wait(bed: SlurmBed, job: str, slurm_id: str) -> str:
     return state
 
 
-def test_preemption_saves_requeues_and_resumes(slurm: SlurmBed) -> None:
-    job = "user-preempt"
-    steps = ["--steps", "30", "--step-sleep", "1"]
-    r = _sbatch(slurm, job, "torchrun", ["usertrain.py", *steps])
-    slurm_id = _slurm_id(r)
-    state = _usr1_to_batch_then_wait(slurm, job, slurm_id)
-    out = _log(slurm, job, slurm_id)
-    assert state == "COMPLETED", out[-3000:]
+def test_preemption_saves_requeues_and_resumes(slurm: SlurmBed, preempted: Preempted) -> None:
+    job, slurm_id, out = preempted.job, preempted.slurm_id, preempted.out
+    assert preempted.state == "COMPLETED", out[-3000:]
     assert "stop requested: saved step" in out and "requeueing job" in out, out[-3000:]
     runs = re.findall(rf"===== clusterkit: job {job} slurm={slurm_id} run (\d)", out)
     assert runs == ["1", "2"], runs
     saved = re.search(r"stop requested: saved (step\d+)", out)
     assert saved and f"resumed from {saved.group(1)}" in out, out[-3000:]
+    assert saved.group(1) == "step3"  # the run held after step 3 until the request came
     summary = _summary(out.replace("[rank0]:", ""))
     assert summary["finished"] is True and summary["resumed_from"] == saved.group(1)
     assert_slurm_nodes_clean(slurm)

@@ -5,7 +5,9 @@ preemption contract of docs/sbatch.md ("Preemption"): it asserts that every rank
 got the standard torch variables and the ``CLUSTERKIT_*`` ones, trains with
 ``$CLUSTERKIT_DS_CONFIG``, resumes from the newest tag every rank finished, and on
 SIGUSR1 or ``$CLUSTERKIT_STOP_FILE`` saves and exits 0. ``--ignore-stop``: a script
-that does none of that (it trains to the end). The data of a step depends only on
+that does none of that (it trains to the end). ``--hold-after N``: a fresh run (not a
+resumed one) waits after step N until the stop request arrives, so a preemption test
+needs no sleeping steps to be sure the request lands mid-run. The data of a step depends only on
 the step, so every launcher and every resume ends on the same loss.
 """
 
@@ -50,6 +52,13 @@ def newest_complete(ckpt: Path) -> int:
     return int(found.item())
 
 
+def hold_for_stop(stop_file: Path, limit_s: float = 300.0) -> None:
+    """Wait until this rank sees the stop request (its signal or the stop file)."""
+    deadline = time.monotonic() + limit_s
+    while not (stop_requested or stop_file.exists()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def save(engine: deepspeed.DeepSpeedEngine, ckpt: Path, step: int) -> None:
     engine.save_checkpoint(str(ckpt), tag=f"step{step}", client_state={"step": step})
     dist.barrier()
@@ -64,6 +73,7 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--ignore-stop", action="store_true")
+    p.add_argument("--hold-after", type=int, default=0)
     p.add_argument("--local_rank", type=int, default=-1)
     args = p.parse_args()
     check_env()
@@ -99,6 +109,8 @@ def main() -> None:
         time.sleep(args.step_sleep)
         if args.save_every and (step + 1) % args.save_every == 0:
             save(engine, ckpt, step + 1)
+        if resume < 0 and step + 1 == args.hold_after:
+            hold_for_stop(stop_file)
         # Every rank must stop on the same step: agree on the request.
         asked = torch.tensor([int(not args.ignore_stop and (stop_requested or stop_file.exists()))])
         dist.all_reduce(asked, op=dist.ReduceOp.MAX)
