@@ -77,13 +77,26 @@ def test_auto_prefers_the_newest_and_refuses_another_world_size() -> None:
     assert _decide("auto", [([same, conv], [])] * 2, 2)[0] == "global_step20"
     # A newer normal save of another world size is refused, naming the fix (not skipped).
     newer = _normal("global_step30", 30, (0, 1), 2, 4)
-    tag, _, refusal = _decide("auto", [([newer, conv], [])] * 2, 2)
-    assert tag == "global_step30" and refusal is not None
-    assert "saved by 4 ranks and this run has 2" in refusal[0]
-    assert "global_step30_universal" in refusal[1] and "convert_to_universal" in refusal[1]
+    _, _, refusal = _decide("auto", [([newer, conv], [])] * 2, 2)
+    assert refusal == ("checkpoint global_step30 was saved by 4 ranks and this run has 2: "
+                       "ZeRO's optimizer shards load only on the world size that wrote them",
+                       "global_step30")
     # Named explicitly: refused the same way.
     assert _decide("global_step30", [([newer], [])] * 2, 2)[2] is not None
     assert _decide("global_step30", [([newer], [])] * 2, 4)[2] is None
+
+
+def test_the_refusal_names_the_conversion() -> None:
+    from clusterkit.workload.ckpt import CkptContext, RankInfo, Topology, _convert_hint
+
+    me = RankInfo(0, 0, 0, "h")
+    shared = CkptContext("/ck", "deepspeed", 2, "fp32", "shared", Topology(me, (me,)))
+    hint = _convert_hint(shared, "global_step30")
+    assert ("convert_to_universal(\"/ck\", \"global_step30\")'" in hint
+            and "global_step30_universal/" in hint)
+    local = CkptContext("/ck", "deepspeed", 2, "fp32", "node-local", Topology(me, (me,)))
+    hint = _convert_hint(local, "global_step30")
+    assert "clusterkit launch --job-id" in hint and "collect-ckpt JOB --tag global_step30" in hint
 
 
 def test_a_universal_copy_counts_only_on_every_node() -> None:

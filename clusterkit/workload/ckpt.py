@@ -300,7 +300,7 @@ def choose_and_verify(ctx: CkptContext, resume: str) -> Resume | None:
     if warning and ctx.topo.me.global_rank == 0:
         print(f"[clusterkit] warning: {warning}", flush=True)
     if refusal:
-        raise ResumeError(refusal[0], path=ctx.ckpt_dir, hint=refusal[1],
+        raise ResumeError(refusal[0], path=ctx.ckpt_dir, hint=_convert_hint(ctx, refusal[1]),
                           exit_code=EXIT_CHECKPOINT_ERROR)
     if tag is None:
         return None
@@ -324,7 +324,7 @@ def choose_and_verify(ctx: CkptContext, resume: str) -> Resume | None:
         tag_dir, layout.marker_name(ctx.topo.me.node_index))).step)
 
 
-# (tag or None, warning or None, (refusal, hint) or None): rank 0's decision, broadcast.
+# (tag or None, warning or None, (refusal, refused tag) or None): rank 0's decision.
 Decision = tuple[str | None, str | None, tuple[str, str] | None]
 
 
@@ -389,7 +389,18 @@ def _other_world(entry: ScanEntry, world_size: int) -> tuple[str, str] | None:
         return None
     return (f"checkpoint {entry.tag} was saved by {entry.world_size} ranks and this run has "
             f"{world_size}: ZeRO's optimizer shards load only on the world size that wrote them",
-            f"convert it to a universal checkpoint (clusterkit.checkpoints.universal."
-            f"convert_to_universal on a copy holding every shard, e.g. collect-ckpt's DEST) and "
-            f"put {universal.universal_tag(entry.tag)}/ in every node's checkpoint dir, or "
-            f"relaunch on {entry.world_size} ranks")
+            entry.tag)
+
+
+def _convert_hint(ctx: CkptContext, tag: str) -> str:
+    """The conversion, spelled out: in place on shared storage; gathered first otherwise."""
+    call = (f"python3 -c 'from clusterkit.checkpoints.universal import convert_to_universal; "
+            f"convert_to_universal(\"%s\", \"{tag}\")'")
+    out = universal.universal_tag(tag)
+    if ctx.storage == "shared":
+        return (f"convert it to DeepSpeed's universal checkpoint, then run again: "
+                f"{call % ctx.ckpt_dir} (writes {out}/ beside it; docs/workload.md)")
+    return (f"relaunch with `clusterkit launch --job-id JOB` on the new nodes, which converts "
+            f"it for you; or gather it (clusterkit collect-ckpt JOB --tag {tag} --to DEST), "
+            f"run {call % 'DEST'} and copy DEST/{out}/ into every node's checkpoint dir "
+            f"(docs/lost-a-node.md)")
