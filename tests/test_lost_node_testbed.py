@@ -158,7 +158,9 @@ def _lose_node6_mid_run(tb: Testbed, inv: Path, tmp: Path, job: str, shape: Shap
         run.finish(timeout=1)
         raise
     assert code != 0, run.text[-3000:]
-    print(f"node6 destroyed at step ~{step_at_loss} (after {shape.tag} was replicated)")
+    print(f"node6 destroyed at step ~{step_at_loss} (after {shape.tag} was replicated); "
+          f"the launcher exited {code}:")
+    print("\n".join([ln for ln in run.text.splitlines() if not STEP_LINE.search(ln)][-12:]))
     return run.text
 
 
