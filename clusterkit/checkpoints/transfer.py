@@ -279,6 +279,9 @@ def expected_from(w: Wanted, end: Mapping[str, Any], digest: str, src: str = ""
     if end.get("t") != "end" or end.get("rel") != (src or w.relpath):
         return f"protocol error: expected the end of {w.relpath}, got {str(end)[:120]}"
     if w.sha256:  # checksummed before the copy (re-run, --dry-run, test hook): must match
+        if w.mismatch and str(end.get("sha256")) != digest:  # not the disk: the way here
+            return (f"corrupted in transit: {w.node} read {str(end.get('sha256'))[:16]}…, "
+                    f"received {digest[:16]}…")
         return w.size, w.sha256
     if end.get("changed"):
         return f"changed on {w.node} while it was being sent (size/mtime moved)"
@@ -340,6 +343,7 @@ def at(base: str, rel: str) -> str:
 
 
 def rel_under(base: str, path: str) -> str:
+    """The relpath a node's answer for ``path`` (asked as ``at(base, rel)``) stands for."""
     return path[len(base.rstrip("/")) + 1:] if path.startswith(base.rstrip("/") + "/") else path
 
 
