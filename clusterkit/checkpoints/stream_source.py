@@ -139,6 +139,11 @@ class StreamSource:
             out.setdefault(self.routes[name].holder, []).append(name)
         return out
 
+    def _label(self, logical: str) -> str:
+        """How progress names a node's files: whose they are, and where they are read."""
+        route = self.routes.get(logical)
+        return f"{logical} (replica on {route.holder})" if route is not None else logical
+
     def _base(self, logical: str) -> str:
         route = self.routes.get(logical)
         return route.base if route is not None else ""
@@ -183,7 +188,7 @@ class StreamSource:
         state = DestState(self.dest)
         results: dict[str, NodeResult] = {}
         per_node = grouped(todo(wanted, state, sink, results))
-        sink.begin({n: sum(w.size for w in ws) for n, ws in per_node.items()})
+        sink.begin({self._label(n): sum(w.size for w in ws) for n, ws in per_node.items()})
         units = self._units({n for n in per_node} | {n for n, rels in hash_only.items() if rels})
         hashes: NodeHashes = {}
         problems: list[str] = []
@@ -195,7 +200,8 @@ class StreamSource:
             for name in units[holder]:
                 result = results.setdefault(name, NodeResult(name))
                 t0 = time.monotonic()
-                receiver = Receiver(self.dest, state, sink, name, result, self.fsync)
+                receiver = Receiver(self.dest, state, sink, self._label(name), result,
+                                    self.fsync)
                 got = stream_node(session, per_node.get(name, []), hash_only.get(name, ()),
                                   receiver, self._base(name))
                 result.seconds = time.monotonic() - t0
