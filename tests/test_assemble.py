@@ -146,3 +146,11 @@ def test_newest_tag_that_can_be_assembled(tmp_path: Path) -> None:
 def test_no_checkpoint_at_all(tmp_path: Path) -> None:
     a = assemble(_list(_roots(tmp_path)))
     assert a.tag is None and not a.complete and "no tag" in a.describe()
+
+
+def test_node0s_own_latest_counts_only_while_it_names_the_tag(tmp_path: Path) -> None:
+    roots = _make(tmp_path, tags=("global_step10", TAG))  # latest names global_step20
+    listings = _list(roots)
+    assert "latest" in assemble(listings, TAG).sources[0].files
+    assert "latest" not in assemble(listings, "global_step10").sources[0].files
+    assert "zero_to_fp32.py" in assemble(listings, "global_step10").sources[0].files

@@ -256,9 +256,10 @@ def _own_part(ls: NodeListing | None, index: int, tag: str, require_markers: boo
     if not ls.exists or files is None:
         return None, f"has no {tag}"
     part = {posixpath.join(tag, rel): info.size for rel, info in files.items()}
-    if index == 0:
+    if index == 0:  # 'latest' only while it names this tag (as a replica holds it)
         part.update({name: info.size for name, info in ls.top.items()
-                     if name == layout.LATEST_FILE or name in layout.RECOVERY_SCRIPTS})
+                     if name in layout.RECOVERY_SCRIPTS
+                     or (name == layout.LATEST_FILE and ls.latest == tag)})
     source = PartSource(index=index, node=ls.node, host=ls.node, root=ls.root,
                         replica=False, files=part)
     torn = [rel for rel, info in files.items() if info.whole is False]
