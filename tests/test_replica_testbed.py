@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from clusterkit.node import contract
-from tests.helpers import train
+from tests.helpers import train, train_argv, train_env
 from tests.testbed.core import Testbed
 
 pytestmark = pytest.mark.testbed
@@ -53,3 +54,34 @@ def test_each_nodes_checkpoints_are_copied_to_its_ring_successor(
         record = contract.JobDir(str(testbed.root / "work" / ".clusterkit" / "jobs" / job))
         state = json.loads(Path(record.replica_state(node)).read_text())
         assert state == {tag: {succ: "complete"} for tag in tags}, (node, state)
+
+
+@pytest.mark.extended
+def test_a_users_own_deepspeed_script_is_replicated_without_markers(
+        testbed: Testbed, tmp_path: Path) -> None:
+    """docs/examples/train.py saves with explicit tags and writes no clusterkit marker:
+    the agents' no-marker rule (every local rank's files, whole zips, nothing open,
+    stable for 2 s) still copies each save, the last one in the agents' finish."""
+    job = "replica-own-script"
+    script = Path(__file__).resolve().parents[1] / "docs" / "examples" / "train.py"
+    nodes = [n.name for n in testbed.ensure(2)]
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes=nodes, slots=1)
+    # Saves at steps 4 and 8 (the script never saves at its last step, 9): the step-8
+    # save is one step before the ranks exit, so its copy is made in the agents' finish.
+    argv = train_argv(inv, job, "native", 2, 1, "node-local", 9, [
+        "--replicas", "1", str(script), "--", "--steps", "9", "--save-every", "4"])
+    proc = subprocess.run(argv, capture_output=True, text=True, env=train_env(tmp_path),
+                          cwd=tmp_path, timeout=240)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "checkpoints replicated: step4 2/2, step8 2/2" in text, text[-3000:]
+    for i, node in enumerate(nodes):
+        src = testbed.node_local_path(node, f"ckpt/{job}")
+        area = testbed.node_local_path(nodes[1 - i], contract.replica_source_dir(f"ckpt/{job}", i))
+        assert sorted(p.name for p in area.iterdir()) == ["step4", "step8"], (node, text[-3000:])
+        for tag in ("step4", "step8"):
+            manifest = json.loads((area / tag / contract.REPLICA_MANIFEST).read_text())
+            assert f"{tag}/zero_pp_rank_{i}_mp_rank_00_optim_states.pt" in manifest["files"]
+            for rel, entry in manifest["files"].items():
+                if rel != contract.LATEST_FILE:
+                    assert entry["sha256"] == _sha(src / rel), (node, rel)
