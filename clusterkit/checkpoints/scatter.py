@@ -9,8 +9,8 @@ Ranks are assigned in selection order (node k gets the next ``slots`` ranks), th
 same rule the launcher uses. The same world size on a different node split (7 x 2 ->
 14 x 1) is supported: ZeRO shards are per data-parallel rank, so each rank only needs
 its own file. A different world size is refused: DeepSpeed can only re-shard through
-a universal checkpoint (``deepspeed.checkpoint.ds_to_universal`` plus
-``checkpoint.load_universal``), which the bundled workload does not load.
+a universal checkpoint (``checkpoints/universal.py``: DeepSpeed's ``ds_to_universal``,
+loaded with ``checkpoint.load_universal``), which every node then holds whole.
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def plan_scatter(manifest: Mapping[str, Any], targets: Sequence[ScatterTarget]) 
             f"{new_world} slots; ZeRO shards cannot be re-split by copying",
             key="--scatter",
             hint=f"select nodes with {world} slots in total, or convert it with "
-                 "`python -m deepspeed.checkpoint.ds_to_universal` and resume with "
-                 "checkpoint.load_universal=true (not supported by the bundled workload)")
+                 "clusterkit.checkpoints.universal.convert_to_universal and copy "
+                 "<tag>_universal/ to every node: the bundled workload resumes it on any "
+                 "world size (docs/workload.md)")
     tag, sub = str(manifest["tag"]), str(manifest["ds_subdir"])
     rank_files: dict[int, list[str]] = {}
     for n in manifest["nodes"]:
