@@ -188,21 +188,23 @@ def select_hosts(
 ) -> list[tuple[Host, list[int]]]:
     """The inventory hosts chosen by the selection flags, with their slot ids, in rank order."""
     pool = inventory_pool(inventory)
-    chosen = select(pool, nodes=nodes, gpus_per_node=gpus_per_node,
-                    include=include, exclude=exclude)
-    chosen = apply_replace(chosen, pool, parse_replace(replace))
+    # Spares are never selected; they only take a replaced host's place.
+    chosen = select(OrderedDict((h, n) for h, n in pool.items() if h not in inventory.spares),
+                    nodes=nodes, gpus_per_node=gpus_per_node, include=include, exclude=exclude)
+    chosen = apply_replace(chosen, pool, parse_replace(replace), inventory.spares)
     return [(inventory.host(name), slots) for name, slots in chosen.items()]
 
 
 def parse_replace(words: Sequence[str]) -> dict[str, str]:
-    """``--replace OLD=NEW`` words as ``{OLD: NEW}``."""
+    """``--replace OLD=NEW`` (or ``OLD``: the first free spare, NEW "") as ``{OLD: NEW}``."""
     out: dict[str, str] = {}
     for word in words:
         old, sep, new = word.partition("=")
-        if not sep or not old or not new or old == new:
-            raise SelectionError(f"--replace {word!r}: expected OLD=NEW, two different hosts",
-                                 key="--replace", hint="e.g. --replace node6=node8")
-        if old in out or new in out.values():
+        if not old or (sep and not new) or old == new:
+            raise SelectionError(f"--replace {word!r}: expected OLD=NEW (two different hosts) "
+                                 "or OLD (the inventory's first free spare)", key="--replace",
+                                 hint="e.g. --replace node6=node8")
+        if old in out or (new and new in out.values()):
             raise SelectionError(f"--replace {word!r}: {old if old in out else new} is named "
                                  "twice", key="--replace")
         out[old] = new
@@ -210,11 +212,13 @@ def parse_replace(words: Sequence[str]) -> dict[str, str]:
 
 
 def apply_replace(chosen: OrderedDict[str, list[int]], pool: Mapping[str, int],
-                  replace: Mapping[str, str]) -> OrderedDict[str, list[int]]:
+                  replace: Mapping[str, str], spares: Sequence[str] = ()
+                  ) -> OrderedDict[str, list[int]]:
     """NEW takes OLD's place: its position (node index, ranks) and its slot ids, so the
     rank->node mapping is OLD's with one name changed (what a node-local checkpoint
     restored onto NEW needs). NEW must be an inventory host outside the selection with
-    at least OLD's slots."""
+    at least OLD's slots; no NEW: the first spare free for it."""
+    replace = _pick_spares(chosen, pool, replace, spares)
     for old, new in replace.items():
         if old not in chosen:
             raise SelectionError(f"--replace {old}={new}: {old} is not among the selected hosts "
@@ -233,6 +237,27 @@ def apply_replace(chosen: OrderedDict[str, list[int]], pool: Mapping[str, int],
                                  f"ran {len(chosen[old])}", key="--replace",
                                  hint="a spare needs at least the slots of the node it replaces")
     return OrderedDict((replace.get(h, h), slots) for h, slots in chosen.items())
+
+
+def _pick_spares(chosen: Mapping[str, list[int]], pool: Mapping[str, int],
+                 replace: Mapping[str, str], spares: Sequence[str]) -> dict[str, str]:
+    """``--replace OLD`` alone: the first spare (inventory order) not selected, not named
+    by another replacement and with at least OLD's slots."""
+    out = dict(replace)
+    taken = set(out.values())
+    for old, new in replace.items():
+        if new:
+            continue
+        need = len(chosen.get(old, ()))
+        free = [s for s in spares if s not in chosen and s not in taken and pool[s] >= need]
+        if not free:
+            raise SelectionError(f"--replace {old}: no free spare"
+                                 + (f" with {need} slots" if need else ""), key="--replace",
+                                 hint="list one under the inventory's spares:, or name it: "
+                                      f"--replace {old}=NEW")
+        out[old] = free[0]
+        taken.add(free[0])
+    return out
 
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -99,6 +99,9 @@ class Inventory:
     hosts: tuple[Host, ...]
     name: str = "cluster"
     path: str | None = None
+    # Spare hosts (docs/lost-a-node.md): kept out of every selection; `launch --replace
+    # OLD` runs OLD's ranks on the first one not in use.
+    spares: tuple[str, ...] = ()
 
     def names(self) -> list[str]:
         return [h.name for h in self.hosts]
@@ -188,7 +191,7 @@ _HOST_KEYS = (
 _SSH_KEYS = ("user", "port", "identity_file", "proxy_jump", "config_file", "known_hosts_file")
 MAX_REPLICAS = 16  # checkpoint.replicas: copies of each node's checkpoints on other nodes
 _CKPT_KEYS = ("shared_dir", "local_dir", "replicas")
-_TOP_KEYS = ("schema_version", "cluster", "defaults", "hosts")
+_TOP_KEYS = ("schema_version", "cluster", "defaults", "hosts", "spares")
 _CLUSTER_KEYS = ("name",)
 
 
@@ -510,7 +513,30 @@ def _build(ctx: _Ctx, doc: Any) -> Inventory:
                          "ssh.port); list a machine once")
             by_address.setdefault(where, host.name)
             hosts.append(host)
-    return Inventory(hosts=tuple(hosts), name=name, path=ctx.path)
+    return Inventory(hosts=tuple(hosts), name=name, path=ctx.path,
+                     spares=_spares(ctx, doc, seen))
+
+
+def _spares(ctx: _Ctx, doc: _LineDict, known: Mapping[str, int]) -> tuple[str, ...]:
+    """``spares: [node8]`` (names or host ranges of hosts listed under ``hosts``)."""
+    raw = doc.get("spares")
+    if raw is None:
+        return ()
+    line = _line_of(doc, "spares")
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        ctx.fail(line, "spares must be a list of host names", "e.g. 'spares: [node8]'")
+    names: list[str] = []
+    for item in items:
+        try:
+            names += expand(item)
+        except HostRangeError as exc:
+            ctx.fail(line, f"spares: {exc}")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        ctx.fail(line, f"spares: {', '.join(unknown)} not among the hosts",
+                 "list each spare under hosts too (its address, slots, ...)")
+    return tuple(dict.fromkeys(names))
 
 
 def parse_inventory(text: str, path: str = "<inventory>") -> Inventory:

@@ -17,8 +17,8 @@ import yaml
 from clusterkit.checkpoints import synthetic
 from clusterkit.checkpoints.universal import verify_source
 from clusterkit.cli.recover import prepare_continue, restore_replacements
-from clusterkit.errors import CheckpointError, LaunchError, SelectionError
-from clusterkit.hostfile import apply_replace, parse_replace, select
+from clusterkit.errors import CheckpointError, InventoryError, LaunchError, SelectionError
+from clusterkit.hostfile import apply_replace, parse_replace, select, select_hosts
 from clusterkit.inventory import parse_inventory
 from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.jobs import JobRecord, Registry
@@ -54,7 +54,8 @@ def test_the_spare_takes_the_lost_nodes_place_and_slots() -> None:
 
 
 @pytest.mark.parametrize(("words", "needle"), [
-    (["node6"], "expected OLD=NEW"),
+    (["node6="], "expected OLD=NEW"),
+    (["node6"], "no free spare"),
     (["node6=node6"], "expected OLD=NEW"),
     (["node6=node8", "node6=node1"], "named twice"),
     (["node8=node1"], "not among the selected hosts"),
@@ -64,6 +65,24 @@ def test_the_spare_takes_the_lost_nodes_place_and_slots() -> None:
 def test_bad_replacements_are_refused(words: list[str], needle: str) -> None:
     with pytest.raises(SelectionError, match=needle):
         apply_replace(select(POOL, nodes=7), POOL, parse_replace(words))
+
+
+def test_the_inventorys_spares_are_never_selected_and_replace_picks_one() -> None:
+    hosts = {f"node{i}": {"address": f"10.0.0.{i}", "slots": 1 if i == 8 else 2}
+             for i in range(1, 10)}
+    inv = parse_inventory(yaml.safe_dump({"schema_version": 1, "hosts": hosts,
+                                          "spares": ["node[8-9]"]}))
+    assert inv.spares == ("node8", "node9")
+    names = [h.name for h, _ in select_hosts(inv)]
+    assert names == [f"node{i}" for i in range(1, 8)]
+    # node8 has 1 slot, node6 ran 2: the first spare that fits is node9.
+    picked = [h.name for h, _ in select_hosts(inv, replace=("node6",))]
+    assert picked[5] == "node9"
+    with pytest.raises(SelectionError, match="no free spare with 2 slots"):
+        select_hosts(inv, replace=("node6", "node5"))
+    with pytest.raises(InventoryError, match="spares: node10 not among the hosts"):
+        parse_inventory(yaml.safe_dump({"schema_version": 1, "hosts": hosts,
+                                        "spares": ["node10"]}))
 
 
 def test_a_spare_with_fewer_slots_is_refused() -> None:

@@ -41,9 +41,14 @@ from clusterkit.checkpoints.transfer import (
 )
 from clusterkit.checkpoints.universal import UNIVERSAL_MARKER, convert_to_universal
 from clusterkit.errors import LaunchError
-from clusterkit.hostfile import parse_replace
 from clusterkit.launch.jobs import JobRecord
-from clusterkit.launch.run import Replacement, continue_swaps, is_reshard, resume_arg
+from clusterkit.launch.run import (
+    Replacement,
+    continue_swaps,
+    is_reshard,
+    replacements,
+    resume_arg,
+)
 from clusterkit.remote.base import Transport, target_for
 from clusterkit.spec.job import JobPlan, NodePlan
 
@@ -65,8 +70,7 @@ def list_parts(transport: Transport, plan: JobPlan, old_map: Sequence[Sequence[A
     job's rank->node mapping ``old_map``, its replica area included, with ``index`` = that
     node index: what :func:`assemble` reads. One collect-ckpt session per node."""
     index_of = {str(row[0]): i for i, row in enumerate(old_map)}
-    swap = parse_replace(plan.options.replace)
-    index_of.update({new: index_of[old] for old, new in swap.items() if old in index_of})
+    index_of.update({s.new: s.index for s in replacements(old_map, plan) or ()})
     nodes = [n for n in plan.nodes if n.name in index_of]
     found = _list(transport, [collect_node(n, n.ckpt_dir) for n in nodes], staging)
     return [dataclasses.replace(ls, index=index_of[ls.node]) for ls in found]

@@ -132,7 +132,7 @@ def replacements(old_map: Sequence[Sequence[Any]], plan: JobPlan) -> list[Replac
         if [first, nproc] != [node.first_rank, node.nproc]:
             return None
         if name != node.name:
-            if swap.get(str(name)) != node.name:
+            if swap.get(str(name)) not in (node.name, ""):  # "": a spare picked for it
                 return None
             out.append(Replacement(index, str(name), node.name))
     return out
