@@ -150,22 +150,28 @@ class Orchestrator:
         self._q.put(AgentEnded(node, code, bool(getattr(proc, "dropped", False))))
 
     def _loop(self) -> None:
+        """Each turn: the next queued input (waiting at most TICK_S), signals, a Tick."""
         while not self.runtime.finished:
-            event: Event = Tick()  # nothing came within TICK_S
-            with contextlib.suppress(queue.Empty):
-                event = self._q.get(timeout=TICK_S)
-            if not isinstance(event, Tick):
-                self._feed(event)
+            queued = self._next(TICK_S)
+            if queued is not None:
+                self._feed(queued)
             with self._lock:
                 pending, self._pending_signals = self._pending_signals, []
             for name in pending:
                 self._feed(Signalled(name))
             self._feed(Tick())
         # Lines still queued after the last exit (reader threads are done).
-        while not self._q.empty():
-            event = self._q.get_nowait()
-            if not isinstance(event, AgentEnded):
-                self._feed(event)
+        while (queued := self._next(None)) is not None:
+            if not isinstance(queued, AgentEnded):
+                self._feed(queued)
+
+    def _next(self, wait_s: float | None) -> Event | None:
+        """The next input from the reader threads; None when none came within ``wait_s``
+        (``wait_s`` None: when none is queued now)."""
+        try:
+            return self._q.get(timeout=wait_s) if wait_s is not None else self._q.get_nowait()
+        except queue.Empty:
+            return None
 
     # -------------------------------------------------------------- outputs
 

@@ -17,8 +17,7 @@ runtime") and of tests/test_runtime.py; :attr:`Runtime.stage` names the rows' st
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, assert_never
 
 from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.hostrange import folded_lines
@@ -91,12 +90,32 @@ class Runtime:
     def on(self, event: Event, now: float) -> list[Action]:
         """Apply ``event`` (happened at ``now``, the launcher's monotonic clock)."""
         self._out = []
-        handler: Callable[[Any, float], None] = getattr(self, _HANDLERS[type(event)])
-        handler(event, now)
+        match event:
+            case Starting():
+                self._starting(now)
+            case Spawned():
+                self._spawned(event, now)
+            case Received():
+                self._received(event, now)
+            case AgentOutput():
+                self._agent_output(event)
+            case Unreadable():
+                self._say(f"{event.node}: unreadable agent event: {event.error}")
+            case AgentEnded():
+                self._agent_ended(event, now)
+            case Signalled():
+                self._signalled(event, now)
+            case Tick():
+                self._tick(now)
+            case Drained():
+                self._drained()
+            case _:
+                assert_never(event)  # mypy: every event of runtime_io.Event has a case
         return self._out
 
     @property
     def stage(self) -> Stage:
+        """The state column of the table, read off the state (stored nowhere else)."""
         if self.finished:
             return Stage.FINISHED
         if self.teardown.begun:
@@ -113,7 +132,7 @@ class Runtime:
 
     # ---------------------------------------------------------------- the start
 
-    def _starting(self, _ev: Starting, now: float) -> None:
+    def _starting(self, now: float) -> None:
         self.gate.last = now
         attempt = self.job.attempt
         self._say(f"job {self.job.job_id}: starting {len(self.nodes)} node agents"
@@ -153,22 +172,31 @@ class Runtime:
     # ---------------------------------------------------------------- agent output
 
     def _received(self, ev: Received, now: float) -> None:
-        state = self.nodes[ev.node]
-        msg = ev.msg
-        if isinstance(msg, protocol.Line):
-            self._output(state, msg, now)
-            return
-        handler = _EVENT_HANDLERS.get(type(msg))
-        if handler is not None:
-            getattr(self, handler)(state, msg, now)
+        state, msg = self.nodes[ev.node], ev.msg
+        match msg:
+            case protocol.Line():
+                self._output(state, msg, now)
+            case protocol.RankFailed():
+                self._rank_failed(state, msg, now)
+            case protocol.Facts():
+                self._facts(state, msg, now)
+            case protocol.Started():
+                self._started(state)
+            case protocol.Progress():
+                self._progress(state, msg, now)
+            case protocol.Stacks():
+                self._stacks(state, msg)
+            case protocol.Error():
+                self._say(f"{state.task.node}: agent error: {msg.message}")
+            case protocol.Replica():
+                self._say(replica_line(msg))
+                self.replicas.add(msg)
+            # Forwarded, Teardown, Exit: nothing (the exit code comes with AgentEnded).
 
-    def _agent_output(self, ev: AgentOutput, _now: float) -> None:
+    def _agent_output(self, ev: AgentOutput) -> None:
         # The agent itself (a traceback, a python that cannot find clusterkit).
         self.nodes[ev.node].tail.append(ev.text)
         self._out.append(Show(ev.node, None, ev.text, agent=True))
-
-    def _unreadable(self, ev: Unreadable, _now: float) -> None:
-        self._say(f"{ev.node}: unreadable agent event: {ev.error}")
 
     def _output(self, state: NodeState, msg: protocol.Line, now: float) -> None:
         node, text = msg.node, msg.text
@@ -204,7 +232,7 @@ class Runtime:
         self._set_phase("gate", f"{len(self.gate.facts)}/{len(self.nodes)} nodes")
         self._decide_gate(now)
 
-    def _started(self, state: NodeState, _ev: protocol.Started, _now: float) -> None:
+    def _started(self, state: NodeState) -> None:
         self._out.append(NodeUp(state.task.node))
         state.started = True
         if all(s.started for s in self.nodes.values()):
@@ -218,7 +246,7 @@ class Runtime:
         if untrained and self.watchdog.training_at is not None:
             self._set_phase("training")
 
-    def _stacks(self, state: NodeState, ev: protocol.Stacks, _now: float) -> None:
+    def _stacks(self, state: NodeState, ev: protocol.Stacks) -> None:
         self.stack_nodes.add(state.task.node)
         for key, res in ev.ranks.items():
             if not (isinstance(res, dict) and str(key).isdigit()):
@@ -227,13 +255,6 @@ class Runtime:
             self.stacks[rank] = read_stack(rank, state.task.node, str(res.get("text", "")),
                                            state=str(res.get("state", "")),
                                            tool=str(res.get("tool", "")))
-
-    def _error(self, state: NodeState, ev: protocol.Error, _now: float) -> None:
-        self._say(f"{state.task.node}: agent error: {ev.message}")
-
-    def _replica(self, _state: NodeState, ev: protocol.Replica, _now: float) -> None:
-        self._say(replica_line(ev))
-        self.replicas.add(ev)
 
     # ---------------------------------------------------------------- agent ends
 
@@ -350,7 +371,7 @@ class Runtime:
         else:
             self._teardown_did(self.teardown.on(teardown.Kill(), now))
 
-    def _tick(self, _ev: Tick, now: float) -> None:
+    def _tick(self, now: float) -> None:
         if self.gate.timed_out(now, list(self.nodes)):
             self._decide_gate(now)
         self._keepalive(now)
@@ -403,7 +424,7 @@ class Runtime:
 
     # ---------------------------------------------------------------- the end
 
-    def _drained(self, _ev: Drained, _now: float) -> None:
+    def _drained(self) -> None:
         line = self.replica_summary()
         if line:
             self._say(line)
@@ -447,18 +468,3 @@ class Runtime:
 
     def _say(self, text: str) -> None:
         self._out.append(Info(text))
-
-
-# Which method applies each event (the runtime's input alphabet, launch/runtime_io.py).
-_HANDLERS: dict[type, str] = {
-    Starting: "_starting", Spawned: "_spawned", Received: "_received",
-    AgentOutput: "_agent_output", Unreadable: "_unreadable", AgentEnded: "_agent_ended",
-    Signalled: "_signalled", Tick: "_tick", Drained: "_drained",
-}
-# Forwarded, Teardown and Exit change nothing: the agent's exit code comes with the
-# end of its session (AgentEnded).
-_EVENT_HANDLERS: dict[type, str] = {
-    protocol.RankFailed: "_rank_failed", protocol.Facts: "_facts",
-    protocol.Started: "_started", protocol.Progress: "_progress",
-    protocol.Stacks: "_stacks", protocol.Error: "_error", protocol.Replica: "_replica",
-}
