@@ -47,7 +47,7 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-# Where a launch is, in order (the orchestrator only moves forward within an attempt):
+# Where a launch is, in order (the launch runtime only moves forward within an attempt):
 # the agents' SSH sessions start; they report their facts to the gate; GO, the ranks
 # start; every node's ranks run but no step yet (imports, init_process_group, model
 # build, checkpoint load); a step line or heartbeat was seen; the teardown.

@@ -1,12 +1,13 @@
 """The launcher's job-wide teardown as a pure state machine (no I/O, no clock of its own).
 
-The orchestrator feeds it events with the time they happened (``Begin``: the first
-failure, a refused gate or the first SIGINT/SIGTERM; ``Kill``: a second signal;
-``Tick``: every turn of its loop) and performs the actions it returns (send a
-control word to every agent, close every agent's channel, give up on the agents
-that never answered). Like :mod:`clusterkit.launch.watchdog`, every transition is
-a plain function of state, event and time, so the table below is tested as a
-table (tests/test_teardown.py) and written down in docs/architecture.md.
+The launch runtime (:mod:`clusterkit.launch.runtime`) feeds it events with the time
+they happened (``Begin``: the first failure, a refused gate or the first
+SIGINT/SIGTERM; ``Kill``: a second signal; ``Tick``: every tick of the orchestrator's
+loop) and turns the actions it returns into its own, addressed to the agents still
+running (send a control word, close their channels; giving up marks them dropped).
+Like :mod:`clusterkit.launch.watchdog`, every transition is a plain function of
+state, event and time, so the table below is tested as a table
+(tests/test_teardown.py) and written down in docs/architecture.md.
 
 =========  ===========================  ==========  ==========================
 stage      event (waited: since Begin)  next stage  actions
@@ -61,7 +62,7 @@ class Kill:
 
 @dataclass(frozen=True)
 class Tick:
-    """Time passed (the orchestrator's loop turns at least every 0.1 s)."""
+    """Time passed (the orchestrator's loop ticks at least every 0.1 s)."""
 
 
 Event = Begin | Kill | Tick
