@@ -326,3 +326,15 @@ def test_a_gathered_checkpoint_holds_node_0s_model_states(tmp_path: Path) -> Non
 def _keep_first(src: str, dst: str) -> None:
     if not Path(dst).exists():
         shutil.copy2(src, dst)
+
+
+def test_the_dry_run_says_what_the_launch_would_restore(tmp_path: Path,
+                                                        transport: DispatchTransport) -> None:
+    plan, _roots, _saved = _lost_node2(tmp_path)
+    old = _local_plan(tmp_path, 3)
+    said: list[str] = []
+    prepare_continue(transport, plan, _prior(old), str(tmp_path / "home"), said.append,
+                     dry_run=True)
+    assert ("the launch would restore node index 1 (node2)'s part of global_step1 onto node5 "
+            "from its replica on node3") in said, said
+    assert not (Path(plan.nodes[1].ckpt_dir) / TAG).exists()  # nothing copied

@@ -181,9 +181,18 @@ def _dry_run_checks(args: argparse.Namespace, plan: Any) -> None:
 
     synced = _check_here(args, plan)
     # A --job-id still running, or a node-local job on another rank->node mapping.
-    note = check_continue(plan, Registry(clusterkit_home()).find(plan.job_id))
+    registry = Registry(clusterkit_home())
+    prior = registry.find(plan.job_id)
+    note = check_continue(plan, prior)
     if note:
         print(note)
+    if prior is not None and plan.storage == "node-local" and "rank_map" in prior.extra:
+        from clusterkit.cli.recover import prepare_continue
+
+        # The launch's checkpoint check: assembled from the nodes and replicas, or refused.
+        with transport_for() as transport:
+            prepare_continue(transport, plan, prior, str(registry.path(plan.job_id).parent),
+                             print, dry_run=True)
     if args.skip_checks:
         print("pre-launch checks on the nodes: skipped (--skip-checks)")
         return

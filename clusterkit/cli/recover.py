@@ -109,7 +109,7 @@ class Restore:
 
 
 def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home: str,
-                     say: Say) -> None:
+                     say: Say, *, dry_run: bool = False) -> None:
     """Before a continued node-local job starts (``launch.run.launch``'s ``prepare``):
 
     * the newest checkpoint it can resume from is assembled from the nodes and their
@@ -120,6 +120,9 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
       node, get their part restored from a verified replica;
     * on another rank->node mapping (fewer nodes), the checkpoint is resharded: gathered
       here, converted to DeepSpeed's universal checkpoint, pushed to every node.
+
+    ``dry_run``: the same listing, assembly and refusal; what would be restored or
+    resharded is said, nothing is copied.
     """
     old_map = prior.extra["rank_map"]
     resume = resume_arg(plan)
@@ -145,12 +148,27 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
                 raise LaunchError(f"cannot continue job {plan.job_id}: {tried[0].describe()}",
                                   key="--job-id", hint=REFUSAL_HINT)
             return
-        if reshard:
+        lost = [] if reshard else _parts_to_restore(plan, tried[0], swaps)
+        if dry_run:
+            _say_plan(tried[0], lost, reshard, plan, say)
+        elif reshard:
             _reshard(transport, plan, prior, tried[0], home, say)
-            return
-        lost = _parts_to_restore(plan, tried[0], swaps)
-        if lost:
+        elif lost:
             _restore_parts(transport, plan, tried, lost, staging, say)
+
+
+def _say_plan(a: Assembly, lost: Sequence[Replacement], reshard: bool, plan: JobPlan,
+              say: Say) -> None:
+    """The dry run's account of what the launch would do with the checkpoint."""
+    say(a.describe())
+    if reshard:
+        say(f"the launch would reshard {a.tag} for {len(plan.nodes)} nodes, {plan.world_size} "
+            "ranks (gather here, convert to DeepSpeed's universal checkpoint, push to every node)")
+    for s in lost:
+        part = a.sources.get(s.index)
+        where = f"its replica on {part.host}" if part is not None and part.replica else "its copy"
+        say(f"the launch would restore node index {s.index} ({s.old})'s part of {a.tag} onto "
+            f"{s.new} from {where}")
 
 
 def _parts_to_restore(plan: JobPlan, a: Assembly, swaps: Sequence[Replacement]
