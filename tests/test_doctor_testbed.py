@@ -102,6 +102,7 @@ def bed(testbed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> Bed:
     assert code == 0, report["verdict"]
     assert not [k for k in baseline if k[0] == "FAIL"], baseline
     assert not report["unreachable"]
+    assert report["ssh_client"] == "openssh"  # the fan-out went over the system ssh
     return Bed(testbed, inv, baseline, work)
 
 

@@ -60,7 +60,7 @@ from clusterkit.remote.base import (
 )
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.remote.fanout import fan_out
-from clusterkit.remote.openssh import OpenSSHTransport, with_openssh
+from clusterkit.remote.openssh import with_openssh
 
 DEFAULT_MASTER_PORT = 29500
 # Probes connect to the master's listener at the end of their run; the listener is
@@ -227,12 +227,15 @@ def _plural(n: int, word: str) -> str:
 # ----------------------------------------------------------------------------- execution
 
 
-def run_doctor(plan: DoctorPlan, transport: Transport, *,
+def run_doctor(plan: DoctorPlan, transport: Transport, *, ssh_client: str | None = None,
                clock: Callable[[], float] = time.time) -> DoctorReport:
     """Facts and master port in one round: the master's listener starts alongside the
-    probes, and each probe ends by connecting to it (one SSH session per node)."""
+    probes, and each probe ends by connecting to it (one SSH session per node).
+
+    ``ssh_client`` names what carries the SSH sessions for the report (``openssh`` or
+    ``paramiko``: :func:`fanout_transport` says which), None: not said.
+    """
     started = time.monotonic()
-    transport = fanout_transport(plan, transport)
     # ~0.1 s of hashing, while the nodes work (result() re-raises its error, if any)
     digest_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="doctor-digest")
     own_digest = digest_pool.submit(_local_digest)
@@ -258,22 +261,24 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *,
                 + startup_findings(startup) + clusterkit_parity(facts, own_digest.result()))
     timings = {"facts": t_facts, **stats, "rules": time.monotonic() - t_rules,
                "total": time.monotonic() - started}
-    client = "openssh" if isinstance(transport, OpenSSHTransport) else "paramiko"
-    extra = {"ssh_client": client} if any(not n.target.local for n in plan.nodes) else {}
+    extra = {"ssh_client": ssh_client} if ssh_client else {}
     return DoctorReport(plan, facts, tuple(findings), timings, extra)
 
 
-def fanout_transport(plan: DoctorPlan, transport: Transport) -> Transport:
-    """The real transport's commands over the system ``ssh`` when one is installed.
+def fanout_transport(plan: DoctorPlan,
+                     transport: DispatchTransport) -> tuple[Transport, str | None]:
+    """The real transport's commands over the system ``ssh`` when one is installed, and
+    the client's name for the report (None: every node is local, no SSH at all).
 
     paramiko's handshakes are Python work in this process, serialised by the GIL: at
     128 nodes they cost ~10 s of the launcher's CPU (docs/doctor.md, "Measured"); ``ssh``
-    does them in C, in parallel processes. Other transports (tests' fakes) are kept.
+    does them in C, in parallel processes. Typed DispatchTransport, so no type probe:
+    only the real transport is offered (tests hand run_doctor their fakes directly).
     """
-    if isinstance(transport, DispatchTransport) and any(not n.target.local
-                                                        for n in plan.nodes):
-        return with_openssh(transport, connect_timeout=plan.connect_timeout_s)
-    return transport
+    if all(n.target.local for n in plan.nodes):
+        return transport, None
+    fast = with_openssh(transport, connect_timeout=plan.connect_timeout_s)
+    return fast, "paramiko" if fast is transport else "openssh"
 
 
 def _local_digest() -> str:

@@ -102,7 +102,7 @@ def _replicas(args: argparse.Namespace, hosts: list[Host]) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from clusterkit.checks.doctor import plan_doctor, run_doctor
+    from clusterkit.checks.doctor import fanout_transport, plan_doctor, run_doctor
     from clusterkit.hostfile import select_hosts
 
     if args.bandwidth_size is not None and not args.bandwidth:  # would be ignored silently
@@ -123,7 +123,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from clusterkit.remote.dispatch import transport_for
 
     with transport_for(connect_timeout=args.connect_timeout) as transport:
-        report = run_doctor(plan, transport)
+        fast, client = fanout_transport(plan, transport)
+        report = run_doctor(plan, fast, ssh_client=client)
         if args.bandwidth:
             from clusterkit.checks.bandwidth import add_bandwidth
 
