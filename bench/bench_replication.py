@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
               "save_every": ns.save_every, "rounds": ns.rounds,
               "step_ms_on": round(m_on * 1000, 2), "step_ms_off": round(m_off * 1000, 2),
               "ratio_on_off": round(m_on / m_off, 3),
+              "median_ratio_on_off": round(statistics.median(x["step_s"] for x in on)
+                                           / statistics.median(x["step_s"] for x in off), 3),
               "load_on": round(statistics.mean(x["load"] for x in on), 1),
               "load_off": round(statistics.mean(x["load"] for x in off), 1),
               "copies_per_run_on": statistics.mean(x["copies"] for x in on),
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                                         / statistics.mean(x["cpu_s_per_step"] for x in off), 3)}
     print(f"replicas on:  mean step {result['step_ms_on']} ms (load {result['load_on']})")
     print(f"replicas off: mean step {result['step_ms_off']} ms (load {result['load_off']})")
-    print(f"ratio on/off: {result['ratio_on_off']} (rank 0 CPU per step: "
+    print(f"ratio on/off: {result['ratio_on_off']} (of medians: "
+          f"{result['median_ratio_on_off']}; rank 0 CPU per step: "
           f"{result['cpu_ratio_on_off']})")
     print("BENCH " + json.dumps(result))
     return 0
