@@ -274,9 +274,12 @@ USER_SCRIPT = Path(__file__).with_name("slurmbed") / "usertrain.py"
 def _user_argv(inv: Path, job: str, shape: Shape, *extra: str) -> list[str]:
     """tests/slurmbed/usertrain.py: saves with explicit tags (step<N>), resumes from the
     newest tag every rank has; no clusterkit markers."""
+    # The script also follows sbatch's preemption contract: a stop file that never appears.
+    stop = inv.parent / f"{job}-never-stop"
     return [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
             "--nodes", "7", "--storage", "node-local", "--zero-stage", str(shape.zero_stage),
-            "--replicas", "1", "--grace", "2", "--skip-checks", *extra, str(USER_SCRIPT),
+            "--replicas", "1", "--grace", "2", "--skip-checks",
+            "--set-env", f"CLUSTERKIT_STOP_FILE={stop}", *extra, str(USER_SCRIPT),
             "--steps", str(shape.steps), "--save-every", str(shape.save_every),
             "--step-sleep", "0.5"]
 
