@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,15 @@ from clusterkit.node.replica_service import ReplicaService
 
 SECRET = "s" * 64
 JOB = "job-replica-test"
+
+
+@pytest.fixture(autouse=True)
+def _own_job_id() -> Iterator[None]:
+    """A job id (hence replica ports) per test: servers of parallel tests (xdist) or
+    lingering sockets of earlier ones never answer for this one."""
+    global JOB
+    JOB = f"job-replica-{os.getpid()}-{secrets.token_hex(3)}"
+    yield
 
 
 def _zip(path: Path, payload: bytes) -> None:
@@ -157,12 +168,12 @@ KILLED_CLIENT = f"""
 import sys, time
 from clusterkit.node.replica import push
 sys.argv.pop(0)
-src, port_target = sys.argv[0], sys.argv[1]
+src, job = sys.argv[0], sys.argv[1]
 def slow(block):
     time.sleep(0.05)
     return block
 push(src, "global_step10", {{"node": "node2", "index": 1, "address": "127.0.0.1"}},
-     job_id={JOB!r}, source=0, source_host="node1", secret={SECRET!r}, tags=["global_step10"], tamper=slow)
+     job_id=job, source=0, source_host="node1", secret={SECRET!r}, tags=["global_step10"], tamper=slow)
 """
 
 
@@ -173,7 +184,7 @@ def test_a_client_killed_mid_copy_leaves_nothing_counted(tmp_path: Path) -> None
     srv.start()
     src = tmp_path / "src" / "ckpt"
     _checkpoint(src, "global_step10", [0, 1], size=4 << 20)
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, str(src), "x"])
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, str(src), JOB])
     area = Path(contract.replica_source_dir(str(holder), 0))
     deadline = time.monotonic() + 20
     while not (area.is_dir() and any(area.iterdir())) and time.monotonic() < deadline:
@@ -305,3 +316,42 @@ def test_two_services_replicate_each_other_and_finish(tmp_path: Path) -> None:
         state = json.loads((tmp_path / f"n{i}.json").read_text())
         assert state == {"global_step5": {f"n{other}": "complete"}}
         assert services[i].server.byes == {other}
+
+
+def test_a_node_that_cannot_serve_still_says_bye_and_ends_at_once(tmp_path: Path) -> None:
+    """Every replica port taken: an Error event, no copies, and the end does not wait
+    (its BYE still reaches its target, which then does not wait for it either)."""
+    import socket
+
+    from clusterkit.node import protocol
+
+    job = "job-cannot-serve"  # ports of its own (earlier tests' may linger in TIME_WAIT)
+    taken = []
+    for port in contract.replica_ports(job, 0):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("0.0.0.0", port))
+        sock.listen(1)
+        taken.append(sock)
+    holder = tmp_path / "holder" / "ckpt"
+    holder.mkdir(parents=True)
+    srv = ReplicaServer(job, 1, "n1", str(holder), SECRET, address="127.0.0.1", sources=[0])
+    srv.start()
+    events: list[Any] = []
+    ckpt = tmp_path / "n0" / "ckpt"
+    ckpt.mkdir(parents=True)
+    cfg = {"index": 0, "address": "127.0.0.1", "ckpt_dir": str(ckpt), "ranks": [0],
+           "markers": True, "sources": [1], "secret": SECRET,
+           "targets": [{"node": "n1", "index": 1, "address": "127.0.0.1"}]}
+    svc = ReplicaService(cfg, job, "n0", str(tmp_path / "n0.json"), events.append, lambda m: None)
+    try:
+        svc.start()
+        assert isinstance(events[0], protocol.Error) and "replication is off" in events[0].message
+        t0 = time.monotonic()
+        svc.end(True)
+        assert time.monotonic() - t0 < 10
+        assert srv.wait_sources(1.0)
+    finally:
+        srv.stop()
+        for sock in taken:
+            sock.close()

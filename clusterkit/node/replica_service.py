@@ -89,8 +89,7 @@ class ReplicaService:
         except (ReplicaError, OSError) as exc:
             self.send(protocol.Error(self.node, message=f"checkpoint replication is off on "
                                                         f"this node: {exc}"))
-            self._stop.set()
-            return
+            return  # no pusher either; finish() still says BYE, so no peer waits for us
         self.log(f"replica: node index {self.index} serving on port {port}; pushing to "
                  + (", ".join(t["node"] for t in self.targets) or "nobody"))
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -113,7 +112,7 @@ class ReplicaService:
         """The ranks exited 0: push what is due, BYE the targets, wait for the sources."""
         self._finishing = time.monotonic()
         t0 = time.monotonic()
-        if not self._idle.wait(push_s):
+        if self._thread is not None and not self._idle.wait(push_s):
             self.log(f"replica: outstanding copies not done after {push_s:g} s; stopping them")
         self._stop.set()
         if self._thread is not None:
@@ -123,7 +122,7 @@ class ReplicaService:
                 say_bye(target, self.job_id, self.index, str(self.cfg["secret"]))
             except (ReplicaError, OSError) as exc:
                 self.log(f"replica: BYE to {target['node']} failed: {exc}")
-        if not self.server.wait_sources(sources_s):
+        if self.server.sock is not None and not self.server.wait_sources(sources_s):
             missing = sorted(self.server.sources - self.server.byes)
             self.log(f"replica: no BYE from node index(es) {missing} after {sources_s:g} s")
         self.server.stop()
