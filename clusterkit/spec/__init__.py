@@ -4,6 +4,7 @@
   (``JobPlan``: the decisions; ``LaunchPlan``: the decisions and what was rendered).
 * :mod:`clusterkit.spec.zero`: the ZeRO spec, the ds_config builder, the precision rule.
 * :mod:`clusterkit.spec.ports`: the rendezvous port rule (job id -> port).
+* :mod:`clusterkit.spec.batch`: the batch split when a job resumes on another world size.
 
 Imports only the standard library and the base modules (errors, inventory); the backend
 registry sits one layer up, in :mod:`clusterkit.launchers`. docs/architecture.md gives
