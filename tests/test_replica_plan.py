@@ -130,3 +130,15 @@ def test_doctor_counts_the_replicas_a_node_local_dir_holds() -> None:
     # A shared dir holds no replicas.
     shared = replace(ctx, local_dirs={h: "/local" for h in HOSTS})
     assert node7(check_storage(cluster(storage=roomy), shared)).status is Status.PASS
+
+
+def test_no_agent_waits_for_a_watch_only_peers_bye() -> None:
+    """DeepSpeed's runner starts the other nodes' ranks over pdsh: their agents only watch
+    and are closed after node 0's ended, so node 0 must not wait for their BYE."""
+    plan = plan_for("a800-7x2", "deepspeed", nodes=3)
+    job = job_from_plan(plan)
+    replicas = [t.replica for t in job.tasks]
+    assert all(r is not None for r in replicas)
+    # node 0 ran the runner: its holder (node 1) may wait for it; it waits for nobody
+    assert [r["sources"] for r in replicas if r] == [[], [0], []]
+    assert [[t["index"] for t in r["targets"]] for r in replicas if r] == [[1], [2], [0]]

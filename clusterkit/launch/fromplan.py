@@ -39,14 +39,17 @@ def _native_task(plan: LaunchPlan, node: NodePlan, cmd: NodeCommand) -> NodeTask
                     needs=node_needs(plan, node))
 
 
-def replica_spec(plan: LaunchPlan, index: int, secret: str) -> dict[str, Any] | None:
+def replica_spec(plan: LaunchPlan, index: int, secret: str,
+                 ending: frozenset[int] | None = None) -> dict[str, Any] | None:
     """``AgentSpec.replica`` of node ``index`` (node/replica_service.py's REPLICA_KEYS):
     None when the plan has it neither send nor hold copies. ``secret`` is the run's
-    (on the agent's stdin only: never argv, env, plan.json or a log)."""
-    sources = plan.replica_sources(index)
+    (on the agent's stdin only: never argv, env, plan.json or a log). ``ending``: the
+    nodes whose agents see their ranks end and so say BYE (None: all); a watch-only
+    agent (a pdsh peer) is closed only after the others ended, so no one waits for it."""
     targets = plan.replica_targets[index] if plan.replica_targets else ()
-    if not targets and not sources:
+    if not targets and not plan.replica_sources(index):
         return None
+    sources = tuple(i for i in plan.replica_sources(index) if ending is None or i in ending)
     node = plan.nodes[index]
     return {"index": index, "address": node.host.address, "ckpt_dir": node.ckpt_dir,
             "ranks": list(node.ranks), "markers": plan.options.uses_workload,
@@ -74,10 +77,11 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, native: bool = False,
     by_host: dict[str | None, NodeCommand] = {c.host: c for c in plan.launch_commands}
     files = dict(plan.artifacts)
     secret = replica_secret or secrets.token_hex(32)
+    ending = frozenset(n.node_rank for n in plan.nodes if n.name in by_host)
     tasks = []
     for node in plan.nodes:
         cmd = by_host.get(node.name)
-        replica = replica_spec(plan, node.node_rank, secret)
+        replica = replica_spec(plan, node.node_rank, secret, ending)
         if native and cmd is not None:
             tasks.append(replace(_native_task(plan, node, cmd), replica=replica))
             continue
