@@ -62,8 +62,9 @@ class NodeTask:
     rank_log_dir: str | None = None  # per-rank log files to stream (DeepSpeed's launcher)
     native: Mapping[str, Any] | None = None  # the agent starts the ranks (see agent.Spec)
     needs: tuple[str, ...] = ()  # files the gate checks on the node (the user's script)
-    # Checkpoint replication (issue 22): AgentSpec.replica for this node, None: off.
-    replica: Mapping[str, Any] | None = field(default=None, hash=False)
+    # Checkpoint replication (issue 22): AgentSpec.replica for this node, None: off. It
+    # holds the per-run secret, so it stays out of the repr (tracebacks, debug prints).
+    replica: Mapping[str, Any] | None = field(default=None, hash=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -261,8 +261,8 @@ OPTIM_STATES_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim
 # node's copies of node N's files live in the replica area beside the checkpoint dir:
 # ``<ckpt dir>.replicas/node<N>/<tag>/``, a small checkpoint root of its own (the tag's
 # files under ``<tag>/``, and for node 0 the top-level ``latest`` and recovery scripts),
-# with ``clusterkit-replica.json`` (the manifest: every file's size and sha256, as the
-# source computed them while sending) written last. A copy in progress is
+# with ``clusterkit-replica.json`` (the manifest: every file's size, sha256 and mtime,
+# as the source had them while sending) written last. A copy in progress is
 # ``node<N>/.partial-<tag>-<nonce>/`` and is never read; only a dir with its manifest
 # counts, and its files count only while their sha256 still equals the manifest's.
 REPLICA_AREA_SUFFIX = ".replicas"

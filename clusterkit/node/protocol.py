@@ -96,7 +96,7 @@ class AgentSpec:
     needs: list[str] = field(default_factory=list)
     # Checkpoint replication (issue 22; node/replica*.py): this node's index, its peers,
     # the per-job secret. None: no replication.
-    replica: dict[str, Any] | None = None
+    replica: dict[str, Any] | None = field(default=None, repr=False)  # holds the secret
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> str:

@@ -50,18 +50,17 @@ from clusterkit.node.contract import (
     REPLICA_PARTIAL_PREFIX,
     REPLICA_SCHEMA,
     REPLICA_SCHEMA_VERSION,
-    replica_area,
     replica_dir,
     replica_ports,
     replica_source_dir,
 )
+from clusterkit.node.replica_area import fsync_dir, read_manifest, safe_rel, sweep_partials
 
 GREETING = b"CKREP1"
 CHUNK = 1 << 20  # modest buffers: sequential I/O that leaves the ranks the disk
 MAX_LINE = 16 << 20  # a header names every file of a tag: bounded all the same
 CONNECT_TIMEOUT_S = 5.0
 IO_TIMEOUT_S = 60.0  # no byte for this long: the peer is gone
-HAVE_SKEW_S = 2.0  # HAVE: same files and sizes, completed this long after their mtimes
 
 
 class ReplicaError(Exception):
@@ -129,49 +128,10 @@ def _read_signed(conn: _Conn, secret: bytes, nonce: bytes, *extra: bytes) -> tup
     return m.decode(), doc
 
 
-def safe_rel(rel: Any, tag: str) -> bool:
-    """A relpath the receiver may write: under ``<tag>/``, or a top-level ``latest`` or
-    recovery script; never absolute, never ``..``, never hidden, never the manifest."""
-    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel:
-        return False
-    parts = rel.split("/")
-    if any(p in ("", ".", "..") or p.startswith(".") for p in parts):
-        return False
-    if len(parts) == 1:
-        return rel == LATEST_FILE or rel in RECOVERY_SCRIPTS
-    return parts[0] == tag and rel != REPLICA_MANIFEST
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    with contextlib.ExitStack() as done:
-        done.callback(os.close, fd)
-        os.fsync(fd)
-
-
-def read_manifest(path: str) -> dict[str, Any] | None:
-    """A replica dir's manifest, or None when absent or unreadable (the copy counts not)."""
-    try:
-        with open(os.path.join(path, REPLICA_MANIFEST), encoding="utf-8") as fh:
-            doc = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(doc, dict) and doc.get("schema") == REPLICA_SCHEMA \
-        and doc.get("version") == REPLICA_SCHEMA_VERSION and isinstance(doc.get("files"), dict)
-    return doc if ok else None
-
-
-def sweep_partials(ckpt_dir: str) -> list[str]:
-    """Remove copies a killed agent left half-written (``node<N>/.partial-*``)."""
-    gone = []
-    area = replica_area(ckpt_dir)
-    for src in (os.listdir(area) if os.path.isdir(area) else []):
-        d = os.path.join(area, src)
-        for name in (os.listdir(d) if os.path.isdir(d) else []):
-            if name.startswith(REPLICA_PARTIAL_PREFIX):
-                shutil.rmtree(os.path.join(d, name), ignore_errors=True)
-                gone.append(os.path.join(d, name))
-    return gone
+def _source_mtimes(head: dict[str, Any]) -> dict[str, float | None]:
+    """rel -> the file's mtime on the source as the push header states it."""
+    return {str(f[0]): (float(f[2]) if len(f) > 2 and isinstance(f[2], (int, float)) else None)
+            for f in head["files"]}
 
 
 class ReplicaServer:
@@ -295,12 +255,14 @@ class ReplicaServer:
             os.makedirs(partial)
             conn.send(b"OK\n")
             got = self._write_files(conn, partial, files)
+            mtimes = _source_mtimes(head)
             _, trailer = _read_signed(conn, self.secret, nonce.encode(), head_mac.encode())
             self._check(trailer, got)
             manifest = {"schema": REPLICA_SCHEMA, "version": REPLICA_SCHEMA_VERSION,
                         "job_id": self.job_id, "tag": tag, "source": source,
                         "source_host": str(head.get("source_host", "")), "holder": self.node,
-                        "files": {rel: {"size": size, "sha256": got[rel]} for rel, size in files},
+                        "files": {rel: {"size": size, "sha256": got[rel], "mtime": mtimes.get(rel)}
+                                  for rel, size in files},
                         "completed": time.time()}
             self._commit(partial, final, manifest)
             self._prune(source, tag, head.get("tags"))
@@ -311,12 +273,17 @@ class ReplicaServer:
                 self._busy.discard((source, tag))
 
     def _have(self, final: str, files: list[tuple[str, int]], head: dict[str, Any]) -> bool:
-        """A complete copy of exactly these files, made after they were last written."""
+        """A complete copy of exactly these files as the source has them now: the same
+        names, sizes and source mtimes (the source's own clock on both sides, so no
+        clock skew between the nodes can make a stale copy look current)."""
         m = read_manifest(final)
-        if m is None or {r: int(e.get("size", -1)) for r, e in m["files"].items()} != dict(files):
+        if m is None:
             return False
-        newest = max((float(f[2]) for f in head["files"] if len(f) > 2), default=0.0)
-        return float(m.get("completed", 0)) >= newest + HAVE_SKEW_S
+        mtimes = _source_mtimes(head)
+        if None in mtimes.values() or len(mtimes) != len(files):
+            return False
+        have = {r: (int(e.get("size", -1)), e.get("mtime")) for r, e in m["files"].items()}
+        return have == {rel: (size, mtimes[rel]) for rel, size in files}
 
     def _write_files(self, conn: _Conn, partial: str, files: list[tuple[str, int]]) -> dict[str, str]:
         got: dict[str, str] = {}
@@ -354,13 +321,13 @@ class ReplicaServer:
             fh.flush()
             os.fsync(fh.fileno())
         for d, _, _ in os.walk(partial):
-            _fsync_dir(d)
+            fsync_dir(d)
         old = None
         if os.path.exists(final):
             old = partial + "-old"
             os.rename(final, old)
         os.rename(partial, final)
-        _fsync_dir(os.path.dirname(final))
+        fsync_dir(os.path.dirname(final))
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -1,0 +1,69 @@
+"""The replica area on disk (part of the node agent, issue 22; layout in node/contract.py).
+
+What a receiving agent may write there (:func:`safe_rel`), how a copy's manifest is read
+(a copy without a readable manifest does not count), and the sweep of copies a killed
+agent left half-written. Standard library only, Python >= 3.8 on the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from typing import Any
+
+from clusterkit.node.contract import (
+    LATEST_FILE,
+    RECOVERY_SCRIPTS,
+    REPLICA_MANIFEST,
+    REPLICA_PARTIAL_PREFIX,
+    REPLICA_SCHEMA,
+    REPLICA_SCHEMA_VERSION,
+    replica_area,
+)
+
+
+def safe_rel(rel: Any, tag: str) -> bool:
+    """A relpath the receiver may write: under ``<tag>/``, or a top-level ``latest`` or
+    recovery script; never absolute, never ``..``, never hidden, never the manifest."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel:
+        return False
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+        return False
+    if len(parts) == 1:
+        return rel == LATEST_FILE or rel in RECOVERY_SCRIPTS
+    return parts[0] == tag and rel != REPLICA_MANIFEST
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    with contextlib.ExitStack() as done:
+        done.callback(os.close, fd)
+        os.fsync(fd)
+
+
+def read_manifest(path: str) -> dict[str, Any] | None:
+    """A replica dir's manifest, or None when absent or unreadable (the copy counts not)."""
+    try:
+        with open(os.path.join(path, REPLICA_MANIFEST), encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(doc, dict) and doc.get("schema") == REPLICA_SCHEMA \
+        and doc.get("version") == REPLICA_SCHEMA_VERSION and isinstance(doc.get("files"), dict)
+    return doc if ok else None
+
+
+def sweep_partials(ckpt_dir: str) -> list[str]:
+    """Remove copies a killed agent left half-written (``node<N>/.partial-*``)."""
+    gone = []
+    area = replica_area(ckpt_dir)
+    for src in (os.listdir(area) if os.path.isdir(area) else []):
+        d = os.path.join(area, src)
+        for name in (os.listdir(d) if os.path.isdir(d) else []):
+            if name.startswith(REPLICA_PARTIAL_PREFIX):
+                shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+                gone.append(os.path.join(d, name))
+    return gone
