@@ -71,9 +71,17 @@ def test_stopped_rank_then_killed_rank_each_restart_and_the_job_ends_on_the_same
     job = _stopped_rank_case(testbed, tmp_path, nodes=2, ranks=2, stop_rank=3, stop_node="node2",
                              ref=reference_2x2, then_kill=True)
     # Node-local shards resume only on the same rank->node mapping: never a fresh start.
+    # The bundled workload on another mapping is resharded (issue 22; the dry run says so,
+    # tests/test_lost_node_testbed.py runs it); an explicit --resume is refused.
     inv4 = testbed.write_inventory(tmp_path / "r4.yaml", nodes=[x.name for x in testbed.ensure(4)],
                                    slots=1)
-    again = subprocess.run(train_argv(inv4, job, "native", 4, 1, "node-local", STEPS, []),
+    dry = subprocess.run(train_argv(inv4, job, "native", 4, 1, "node-local", STEPS, ["--dry-run"]),
+                         capture_output=True, text=True, env=train_env(tmp_path), cwd=tmp_path,
+                         timeout=120)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "the launch would reshard" in dry.stdout, dry.stdout + dry.stderr
+    again = subprocess.run(train_argv(inv4, job, "native", 4, 1, "node-local", STEPS,
+                                      ["--", "--resume", "global_step10"]),
                            capture_output=True, text=True, env=train_env(tmp_path), cwd=tmp_path,
                            timeout=60)
     assert again.returncode == 2, again.stdout + again.stderr
