@@ -154,3 +154,19 @@ def test_node0s_own_latest_counts_only_while_it_names_the_tag(tmp_path: Path) ->
     assert "latest" in assemble(listings, TAG).sources[0].files
     assert "latest" not in assemble(listings, "global_step10").sources[0].files
     assert "zero_to_fp32.py" in assemble(listings, "global_step10").sources[0].files
+
+
+def test_tags_order_by_their_step_number_then_by_age() -> None:
+    """A user's tags (step8, step16) are newest by number, not by name; tags that name no
+    step follow the newest file mtime."""
+    from clusterkit.checkpoints.assemble import candidate_tags
+    from clusterkit.checkpoints.listing import FileInfo
+
+    def listing(tags: dict[str, float]) -> NodeListing:
+        return NodeListing(node="n1", index=0, root="/ck", exists=True,
+                           tags={t: {"a.pt": FileInfo(1, mt)} for t, mt in tags.items()},
+                           markers={t: {contract.marker_name(0): "{}"} for t in tags})
+
+    assert candidate_tags([listing({"step8": 1.0, "step16": 2.0, "step9": 3.0})]) == \
+        ["step16", "step9", "step8"]
+    assert candidate_tags([listing({"best": 5.0, "final": 9.0})]) == ["final", "best"]

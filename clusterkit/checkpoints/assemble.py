@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import posixpath
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,12 +179,32 @@ def candidate_tags(listings: Sequence[NodeListing]) -> list[str]:
         tags.update(t for t, m in ls.markers.items() if m)
         tags.update(c.tag for r in ls.replicas.values() for c in r.copies.values()
                     if c is not None and c.manifest is not None)
-    return sorted(tags, key=lambda t: (_step(t), t), reverse=True)
+    newest = _newest_mtimes(listings)
+    return sorted(tags, key=lambda t: (_step(t), newest.get(t, 0.0), t), reverse=True)
+
+
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
 
 
 def _step(tag: str) -> int:
+    """The step a tag names: DeepSpeed's ``global_step<N>``, else a trailing number (a
+    user's ``step8``, ``ckpt_0016``: numerically, so step16 is newer than step8); -1."""
     step = layout.parse_step_tag(tag)
+    if step is None and (m := _TRAILING_NUMBER.search(tag)):
+        step = int(m.group(1))
     return -1 if step is None else step
+
+
+def _newest_mtimes(listings: Sequence[NodeListing]) -> dict[str, float]:
+    """tag -> the newest mtime of its files anywhere (own copies and replicas): the order
+    of tags that name no step."""
+    out: dict[str, float] = {}
+    for ls in listings:
+        seen = [(t, f) for t, f in ls.tags.items() if f]
+        seen += [(c.tag, c.files) for r in ls.replicas.values() for c in r.copies.values() if c]
+        for tag, files in seen:
+            out[tag] = max([out.get(tag, 0.0), *(fi.mtime for fi in files.values())])
+    return out
 
 
 def _names(listings: Sequence[NodeListing], expect_nodes: int | None,
