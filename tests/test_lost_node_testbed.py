@@ -313,3 +313,39 @@ def test_a_users_own_script_gets_replicas_and_the_spare(testbed_required: None,
         assert again.summary["resumed_from"] == tag, again.summary
         assert again.summary["final_loss"] == ref.summary["final_loss"], (again.summary,
                                                                           ref.summary)
+
+
+# ------------------------------------------- the same, with no one at the keyboard
+
+@pytest.mark.extended
+def test_a_running_job_survives_a_lost_node_on_its_own(testbed_required: None,
+                                                       tmp_path: Path) -> None:
+    """--max-restarts 1 --drop-failed-nodes and `spares: [node8]`: node6 destroyed after
+    the step-8 save was replicated; the launcher's own restart gives node6's place to the
+    spare (its part restored from node7) and ends on the uninterrupted run's loss."""
+    shape = SMALL
+    with temporary(8) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=2)
+        inv.write_text(inv.read_text() + f"spares: [{SPARE}]\n")
+        ref = _train_to_end(_argv(inv, "ref", shape), tmp_path)
+        assert_trained(ref, shape.steps, 14)
+        run = Console(_argv(inv, "auto", shape, "--max-restarts", "1", "--drop-failed-nodes"),
+                      train_env(tmp_path), tmp_path)
+        try:
+            run.wait_for(lambda: f"checkpoint {shape.tag} complete" in run.text, 600,
+                         f"checkpoint {shape.tag}")
+            run.wait_for(lambda: all(_replica_manifest(tb, "auto", i, shape.tag).exists()
+                                     for i in range(len(RING))), 120, f"replicas of {shape.tag}")
+            tb.destroy(LOST)
+            code = run.finish(timeout=900)
+        except BaseException:
+            run.finish(timeout=1)
+            raise
+        text = run.text
+        assert code == 0, text[-4000:]
+        assert f"restored {shape.tag} of node index 5 ({LOST}) onto {SPARE}" in text, text[-4000:]
+        summary = workload_summary(text)
+        assert summary["resumed_from"] == shape.tag and summary["world_size"] == 14, summary
+        assert summary["final_loss"] == ref.summary["final_loss"], (summary, ref.summary)
+        print("\n".join(ln for ln in text.splitlines() if "[clusterkit]" in ln and "r0]" not in ln
+                        and not STEP_LINE.search(ln))[-3000:])

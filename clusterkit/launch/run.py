@@ -3,8 +3,12 @@
 A restart runs the same plan again (same job id, same master port, same
 rank→node mapping) and the bundled workload resumes from its newest complete
 checkpoint (its default ``--resume auto``). ``--drop-failed-nodes`` re-runs the
-gate and plans without the nodes that now fail it — refused with node-local
-checkpoints, whose shards only resume on the same rank→node mapping.
+gate and plans without the nodes that now fail it. With node-local checkpoints,
+whose shards resume only on the same rank→node mapping, a dropped node's place goes
+to a free spare of the inventory (its part restored there from a replica), else the
+bundled workload is resharded onto the remaining nodes (``cli/recover.py`` does both,
+through ``prepare``, as for a relaunch by hand); a user's program without a spare is
+refused.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from clusterkit.errors import LaunchError
+from clusterkit.errors import ClusterkitError, LaunchError
 from clusterkit.hostfile import parse_replace
 from clusterkit.launch.console import Sink
 from clusterkit.launch.fromplan import job_from_plan
@@ -94,15 +98,39 @@ def check_nodes(transport: Transport, plan: JobPlan, sink: Sink) -> dict[str, st
 
 
 def _without(options: JobOptions, plan: JobPlan, bad: Sequence[str]) -> JobOptions:
-    if plan.storage == "node-local":
+    """The plan's other nodes and slots, as an explicit ``--include`` (DeepSpeed's rules
+    refuse ``--exclude`` beside ``--nodes``/``--gpus-per-node``, and a node count alone
+    could pick a spare host the job never ran on)."""
+    keep = "@".join(f"{n.name}:{','.join(map(str, n.slots))}" for n in plan.nodes
+                    if n.name not in bad)
+    return dataclasses.replace(options, include=keep, exclude="", nodes=None,
+                               gpus_per_node=None)
+
+
+def _replan_node_local(options: JobOptions, plan: JobPlan, bad: Sequence[str],
+                       planner: Planner, sink: Sink) -> tuple[JobPlan, JobOptions]:
+    """The restart's plan without ``bad`` for a node-local job: each bad node's place on a
+    free spare (``--replace BAD``: same node index and ranks), else fewer nodes when the
+    bundled workload resumes by itself (resharded); anything else is refused."""
+    spared = dataclasses.replace(options, replace=(*options.replace, *bad))
+    try:
+        new = planner(spared)
+    except ClusterkitError as exc:
+        why = exc.message
+    else:
+        sink.info(f"{', '.join(bad)}: their places go to spare(s) "
+                  + ", ".join(f"{n.name}" for n in new.nodes if n.name not in
+                              {m.name for m in plan.nodes}))
+        return new, spared
+    fewer = _without(options, plan, bad)
+    if resume_arg(plan) != "auto":
         raise LaunchError(
             f"cannot drop {', '.join(bad)}: node-local checkpoints resume only on the same "
-            "rank->node mapping, and dropping a node changes it",
-            hint="gather and re-spread the shards with `clusterkit collect-ckpt --scatter`, "
-                 "then launch again; or restart without --drop-failed-nodes")
-    exclude = "@".join(x for x in (options.exclude, *bad) if x)
-    nodes = None if options.nodes is None else min(options.nodes, len(plan.nodes) - len(bad))
-    return dataclasses.replace(options, exclude=exclude, nodes=nodes)
+            f"rank->node mapping, and no spare can take their place ({why})",
+            hint="name spares in the inventory (`spares: [...]`) for a user's program; the "
+                 "bundled workload with --resume auto is resharded onto fewer nodes instead")
+    sink.info(f"no spare for {', '.join(bad)} ({why}): going on with fewer nodes")
+    return planner(fewer), fewer
 
 
 def rank_map(plan: JobPlan) -> list[list[Any]]:
@@ -288,8 +316,14 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         if outcome.exit_code == 0 or outcome.interrupted or attempt == settings.relaunches:
             return LaunchResult(outcome.exit_code, outcomes, plan,
                                 elapsed_s=time.monotonic() - started)
+        before = decisions
         decisions, options = _prepare_restart(options, decisions, planner, transport, settings,
                                               sink)
+        if decisions is not before and decisions.storage == "node-local":
+            if prepare is None:
+                raise LaunchError("cannot restore or reshard node-local checkpoints from here",
+                                  key="--drop-failed-nodes")
+            prepare(decisions, record)  # this attempt's record: the mapping it saved with
         sink.info(f"restarting (attempt {attempt + 2} of {settings.relaunches + 1}): "
                   + resume_note(options.uses_workload, decisions.storage))
     raise AssertionError("unreachable")
@@ -303,6 +337,8 @@ def _prepare_restart(options: JobOptions, plan: JobPlan, planner: Planner, trans
     if not bad:
         return plan, options
     sink.info(f"dropping {', '.join(bad)} (they fail the pre-launch check now)")
+    if plan.storage == "node-local":
+        return _replan_node_local(options, plan, bad, planner, sink)
     options = _without(options, plan, bad)
     return planner(options), options
 
