@@ -355,3 +355,32 @@ def test_a_node_that_cannot_serve_still_says_bye_and_ends_at_once(tmp_path: Path
         srv.stop()
         for sock in taken:
             sock.close()
+
+
+def test_a_retried_failure_is_logged_only_the_last_one_is_an_event(tmp_path: Path) -> None:
+    """At a (re)start the peers' servers come up at different moments: a refused try that
+    will be retried stays in the node's log; only the try that gives up is an event."""
+    from clusterkit.launch.replica_events import replica_line
+    from clusterkit.node import protocol, replica_service
+
+    events: list[Any] = []
+    logged: list[str] = []
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    # A target that never answers (nothing listens on its ports).
+    cfg = {"index": 0, "address": "127.0.0.1", "ckpt_dir": str(ckpt), "ranks": [0],
+           "markers": True, "sources": [], "secret": SECRET,
+           "targets": [{"node": "n1", "index": 1, "address": "127.0.0.1"}]}
+    svc = ReplicaService(cfg, "job-nobody-listens", "n0", str(tmp_path / "n0.json"),
+                         events.append, logged.append)
+    for tries in range(1, replica_service.MAX_TRIES + 1):
+        svc._tries.pop(("global_step5", "n1"), None)
+        if tries > 1:
+            svc._tries[("global_step5", "n1")] = (tries - 1, 0.0)
+        svc._copy("global_step5", "n1")
+    assert len(logged) == replica_service.MAX_TRIES
+    assert len(events) == 1 and events[0].state == "failed" and "giving up" in events[0].detail
+    assert "failed" in replica_line(events[0])
+    have = protocol.Replica("n0", tag="global_step5", source=0, target="n1", state="complete",
+                            detail=protocol.REPLICA_ALREADY_THERE)
+    assert "already there" in replica_line(have) and "copied" not in replica_line(have)

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from clusterkit.node.protocol import Replica
+from clusterkit.node.protocol import REPLICA_ALREADY_THERE, Replica
 
 
 def replica_line(ev: Replica) -> str:
     """One console line for one finished copy."""
+    if ev.state == "complete" and ev.detail == REPLICA_ALREADY_THERE:
+        return (f"replica {ev.tag}: node index {ev.source}'s copy on {ev.target} is already "
+                "there (its manifest names these files)")
     if ev.state == "complete":
         mb = ev.bytes / 1e6
         return (f"replica {ev.tag}: node index {ev.source}'s files copied to {ev.target} "

@@ -293,6 +293,11 @@ class Replica(AgentEvent):
     seconds: float = 0.0
 
 
+# Replica.detail of a complete push the holder answered HAVE to: its copy's manifest names
+# these very files (sizes and source mtimes), so nothing was sent.
+REPLICA_ALREADY_THERE = "already there"
+
+
 EVENT_TYPES: dict[str, type[AgentEvent]] = {
     c.EV: c for c in (Facts, Started, RankFailed, Forwarded, Teardown, Exit, Error, Progress,
                       Stacks, Replica)}

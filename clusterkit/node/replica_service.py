@@ -178,14 +178,18 @@ class ReplicaService:
             again = tries < MAX_TRIES and not self._stop.is_set()
             self._tries[(tag, target_node)] = (tries, time.monotonic() + 2.0 ** tries)
             detail = f"{exc} ({'will retry' if again else 'giving up'}, try {tries}/{MAX_TRIES})"
-            self._record(tag, target_node, "failed", detail, 0, time.monotonic() - t0)
+            # A try that will be retried goes to the node's log only: at a (re)start the
+            # peers' servers come up at slightly different times, and "refused, will
+            # retry" on the console would alarm for nothing. The last one is an event.
+            self._record(tag, target_node, "failed", detail, 0, time.monotonic() - t0,
+                         event=not again)
             return
         self._tries.pop((tag, target_node), None)
-        self._record(tag, target_node, "complete", "" if sent else "already there", sent,
+        self._record(tag, target_node, "complete", "" if sent else protocol.REPLICA_ALREADY_THERE, sent,
                      time.monotonic() - t0)
 
     def _record(self, tag: str, target: str, state: str, detail: str, nbytes: int,
-                seconds: float) -> None:
+                seconds: float, event: bool = True) -> None:
         self.state.setdefault(tag, {})[target] = state
         live = set(self.watch.tags())  # the record follows the keep policy too
         self.state = {k: v for k, v in self.state.items() if k in live or k == tag}
@@ -194,9 +198,10 @@ class ReplicaService:
         except OSError as exc:
             self.log(f"replica: cannot write {self.state_path}: {exc}")
         self.log(f"replica: {tag} -> {target}: {state} {detail} ({nbytes} bytes, {seconds:.1f} s)")
-        self.send(protocol.Replica(self.node, tag=tag, source=self.index, target=target,
-                                   state=state, detail=detail, bytes=nbytes,
-                                   seconds=round(seconds, 3)))
+        if event:
+            self.send(protocol.Replica(self.node, tag=tag, source=self.index, target=target,
+                                       state=state, detail=detail, bytes=nbytes,
+                                       seconds=round(seconds, 3)))
 
 
 class NoReplicas:
