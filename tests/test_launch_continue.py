@@ -147,6 +147,7 @@ def test_a_restart_gives_a_dropped_node_local_node_to_a_spare_else_reshards() ->
     new, o = _replan_node_local(opts, first, ["node2"], _planner(()), _Sink())
     assert [n.name for n in new.nodes] == ["node1", "node3"] and o.include == "node1:0,1@node3:0,1"
     assert any("going on with fewer nodes" in s for s in said)
+    assert "node2 -> node7 (node index 1)" in said[0]
     user = dataclasses.replace(opts, script="train.py")
     with pytest.raises(LaunchError, match="no spare can take their place"):
         _replan_node_local(user, _planner(())(user), ["node2"], _planner(()), _Sink())

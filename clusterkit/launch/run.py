@@ -118,9 +118,10 @@ def _replan_node_local(options: JobOptions, plan: JobPlan, bad: Sequence[str],
     except ClusterkitError as exc:
         why = exc.message
     else:
-        sink.info(f"{', '.join(bad)}: their places go to spare(s) "
-                  + ", ".join(f"{n.name}" for n in new.nodes if n.name not in
-                              {m.name for m in plan.nodes}))
+        moved = [f"{old.name} -> {n.name} (node index {i})"
+                 for i, (old, n) in enumerate(zip(plan.nodes, new.nodes, strict=True))
+                 if old.name != n.name]
+        sink.info(f"spares take the dropped nodes' places: {', '.join(moved)}")
         return new, spared
     fewer = _without(options, plan, bad)
     if resume_arg(plan) != "auto":
