@@ -221,3 +221,9 @@ def test_set_title_rewrites_cmdline_and_comm_and_cuts_what_does_not_fit() -> Non
         else:  # cut to the area (the script's own argv here), never past it
             assert cmdline.startswith(b"xxx") and cmdline.endswith(b"\0")
             assert len(cmdline) < len(title) and set(cmdline[:-1]) == {ord("x")}
+
+
+def test_the_fork_servers_fallback_grace_is_the_protocols() -> None:
+    """The zygote imports nothing of clusterkit, so it spells the default grace again."""
+    from clusterkit.node import protocol, zygote
+    assert zygote.DEFAULT_GRACE_S == protocol.DEFAULT_GRACE_S

@@ -71,6 +71,10 @@ SELF = "<clusterkit.node.zygote>"
 SLOT, SLOT_BYTES = "CLUSTERKIT_RANK_SLOT", 2048
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 POLL_S = 0.05
+# The agent always sends its grace; this is the fallback, node/protocol.py's
+# DEFAULT_GRACE_S spelled again because the zygote imports nothing of clusterkit
+# (tests/test_zygote.py holds the two equal).
+DEFAULT_GRACE_S = 3.0
 # The longest process title (bytes): the agent's padding argument is at most this long
 # (Linux takes one argument of up to 128 KiB).
 TITLE_MAX = 8192
@@ -443,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     status_fd = int(config["status_fd"])
     if config.get("title"):  # before the imports: ps shows who we are while we import
         set_title(str(config["title"]), SERVER_COMM)
-    grace_s = float(config.get("grace_s", 3.0))
+    grace_s = float(config.get("grace_s", DEFAULT_GRACE_S))
     cwd = config.get("cwd") or None
     if cwd:
         os.chdir(cwd)
