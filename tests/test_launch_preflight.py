@@ -237,3 +237,21 @@ def test_a_real_launch_refuses_an_unwritable_checkpoint_dir(
         "clusterkit: error: pre-launch check failed on 2 node(s): local[1-2]: checkpoint dir "
         "/proc/nope/ro cannot be created in /proc"), err
     assert "[r0" not in err  # no rank started
+
+
+def test_an_interpreter_path_counts_only_where_the_launcher_needs_one_path() -> None:
+    """The gate's verdict on paths is doctor's (launchers.base.Backend.same_python):
+    DeepSpeed's runner starts its own path on every node, so a node with another path
+    is refused; one launcher per node runs each host's `python:`, where only versions
+    must agree."""
+    from clusterkit.checks.rules_parity import SAME_PYTHON_BACKENDS
+    from clusterkit.launchers import BACKENDS
+
+    facts = {"n1": {"python": "/venv/bin/python", "version": "3.11"},
+             "n2": {"python": "/venv/bin/python", "version": "3.11"},
+             "n3": {"python": "/opt/py/bin/python", "version": "3.11"}}
+    order = ["n1", "n2", "n3"]
+    assert "python /opt/py/bin/python" in judge(facts, {}, order).problems["n3"]
+    assert judge(facts, {}, order, same_python=False).ok
+    assert BACKENDS["deepspeed"].same_python and not BACKENDS["torchrun"].same_python
+    assert {b.doctor for b in BACKENDS.values() if b.same_python} <= set(SAME_PYTHON_BACKENDS)

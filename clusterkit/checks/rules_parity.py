@@ -21,7 +21,7 @@ from clusterkit.node.parity import MUST, PACKAGES, SHOULD, majority
 
 # Doctor modes whose launcher runs its own sys.executable on every node: DeepSpeed's
 # runner from the launching machine ("pdsh") or from node 0 (the registry's "deepspeed").
-SAME_PYTHON_BACKENDS = ("pdsh", *sorted({b.doctor for b in BACKENDS.values() if b.doctor != "ssh"}))
+SAME_PYTHON_BACKENDS = ("pdsh", *sorted({b.doctor for b in BACKENDS.values() if b.same_python}))
 
 
 # ----------------------------------------------------------------------------- environment parity

@@ -197,7 +197,8 @@ def _dry_run_checks(args: argparse.Namespace, plan: Any) -> None:
         print("pre-launch checks on the nodes: skipped (--skip-checks)")
         return
     with transport_for() as transport:
-        result = run_gate(transport, gate_nodes(plan, synced=synced), need=gate_needs(plan))
+        result = run_gate(transport, gate_nodes(plan, synced=synced), need=gate_needs(plan),
+                          same_python=BACKENDS[plan.backend].same_python)
     if not result.ok:
         raise gate_error(result)
     script = "" if plan.options.script is None or synced else f"{plan.options.script}, "

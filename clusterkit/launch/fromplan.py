@@ -99,4 +99,5 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, native: bool = False,
     return JobSpec(job_id=plan.job_id, tasks=tuple(tasks), attempt=attempt,
                    grace_s=run.grace_s if run else DEFAULT_GRACE_S,
                    keepalive_s=run.keepalive_s if run else 0.0, gate_need=gate_need,
+                   gate_same_python=BACKENDS[plan.backend].same_python,
                    hang_timeout_s=hang_timeout_s)

@@ -121,9 +121,10 @@ def gate_nodes(plan: JobPlan, *, synced: bool = False) -> list[GateNode]:
             for n in plan.nodes]
 
 
-def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[str] = ()
-             ) -> GateResult:
-    """Probe every node at once; ``need``: packages that must be installed everywhere."""
+def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[str] = (),
+             same_python: bool = True) -> GateResult:
+    """Probe every node at once; ``need``: packages that must be installed everywhere;
+    ``same_python``: the backend's (``launchers.base.Backend.same_python``)."""
     cmds = {n.node: node_command(n.python, "gatefacts", n.needs) for n in nodes}
     results = transport.run_all([n.target for n in nodes], {k: c.argv for k, c in cmds.items()},
                                 timeout=GATE_TIMEOUT_S,
@@ -144,12 +145,14 @@ def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[
         except (ValueError, IndexError):
             problems[r.host] = f"unexpected output: {r.result.stdout.strip()[:120]!r}"
             continue
-    return judge(facts, problems, [n.node for n in nodes], need)
+    return judge(facts, problems, [n.node for n in nodes], need, same_python=same_python)
 
 
 def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: Sequence[str],
-          need: Sequence[str] = ()) -> GateResult:
-    """Per-node requirements and parity with the majority (``problems``: already known)."""
+          need: Sequence[str] = (), *, same_python: bool = True) -> GateResult:
+    """Per-node requirements and parity with the majority (``problems``: already known);
+    the interpreter path counts only where the launcher needs one path everywhere
+    (``same_python``), as in doctor's ``check_interpreter``."""
     problems = dict(problems)
     for node, f in facts.items():
         for pkg in need:
@@ -165,7 +168,8 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
                                       "of it; or use a shared workdir)")
         for why in _need_problems(f):
             problems.setdefault(node, why)
-    problems.update(_parity(facts, order))
+    keys = PARITY_KEYS if same_python else tuple(k for k in PARITY_KEYS if k != "python")
+    problems.update(_parity(facts, order, keys))
     return GateResult(facts=facts, problems=problems)
 
 
@@ -205,12 +209,13 @@ def _dir_problem(value: str, why: str) -> str:
     return f"{what} {path} {why}" + (f"; it comes from {source}" if source else "")
 
 
-def _parity(facts: dict[str, dict[str, object]], order: Sequence[str]) -> dict[str, str]:
+def _parity(facts: dict[str, dict[str, object]], order: Sequence[str],
+            keys: Sequence[str] = PARITY_KEYS) -> dict[str, str]:
     """Nodes whose interpreter or versions differ from the majority's (ties: the earliest
     node's), with what differs: doctor's rule (node/parity.py), so both name the same
     odd node. The text names no node of its own: nodes with the same difference fold."""
     diffs: dict[str, list[str]] = {}
-    for key in PARITY_KEYS:
+    for key in keys:
         values = {n: _show(facts[n].get(key)) for n in order if n in facts}
         if not values:
             continue

@@ -91,7 +91,8 @@ def gate_needs(plan: JobPlan) -> tuple[str, ...]:
 def check_nodes(transport: Transport, plan: JobPlan, sink: Sink) -> dict[str, str]:
     """The gate; returns node -> problem (empty when every node is fit)."""
     # The agents' gate, on its own: the same needs (script, checkpoint dir, master).
-    result = run_gate(transport, gate_nodes(plan), need=gate_needs(plan))
+    result = run_gate(transport, gate_nodes(plan), need=gate_needs(plan),
+                      same_python=BACKENDS[plan.backend].same_python)
     for node, why in result.problems.items():
         sink.info(f"{node}: {why}")
     return result.problems

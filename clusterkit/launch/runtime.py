@@ -71,7 +71,7 @@ class Runtime:
         self.nodes = {t.node: NodeState(t) for t in job.tasks}
         self.spawned = False
         self.unstarted: set[str] = set()  # nodes whose agent could not be started
-        self.gate = GateState(job.gate_need, now)
+        self.gate = GateState(job.gate_need, now, same_python=job.gate_same_python)
         self.watchdog = Watchdog(job.hang_timeout_s, now)
         self.teardown = teardown.Teardown(job.grace_s)
         self.next_ping = 0.0

@@ -62,6 +62,7 @@ class GateState:
     facts: dict[str, dict[str, object]] = field(default_factory=dict)
     problems: dict[str, str] = field(default_factory=dict)
     result: GateResult | None = None
+    same_python: bool = True  # the backend's: see gate.judge
 
     @property
     def undecided(self) -> bool:
@@ -86,7 +87,8 @@ class GateState:
                                      for n in order):
             return None
         assert self.need is not None
-        self.result = judge(self.facts, self.problems, order, self.need)
+        self.result = judge(self.facts, self.problems, order, self.need,
+                            same_python=self.same_python)
         return self.result
 
     def timed_out(self, now: float, order: list[str]) -> bool:

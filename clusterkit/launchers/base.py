@@ -56,5 +56,13 @@ class Backend:
     # Doctor semantics: "deepspeed" = DeepSpeed's runner on node 0 reaches the others over
     # pdsh and runs its own interpreter path everywhere; "ssh" = one launcher per node.
     doctor: str = "ssh"
+
+    @property
+    def same_python(self) -> bool:
+        """The launcher starts its own interpreter path on every node (DeepSpeed's runner
+        over pdsh), so every node needs that very path: the gate refuses a node whose
+        path differs and doctor FAILs it. One launcher per node ("ssh") runs each host's
+        own ``python:``; there only the versions must agree (doctor WARNs on paths)."""
+        return self.doctor != "ssh"
     # The bundled workload's --engine under this backend.
     engine: str = "deepspeed"
