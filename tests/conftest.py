@@ -39,15 +39,17 @@ if TYPE_CHECKING:
 DEFAULT_TESTBED_NODES = 2
 # pytest-xdist (`-n 2 --dist loadgroup`, pyproject addopts): every worker is its own
 # session with its own test bed (a fresh prefix and subnet, tests/testbed/core.py). Tests
-# that share a session resource run in one worker, so it exists once: the Slurm cluster,
-# and each expensive shared training run.
+# that share an expensive run (a session or module fixture) run in one worker, so it
+# runs once.
 # Longer variants of behaviours the default run already covers (the 7 x 2 acceptance
 # runs, every launcher variant on Slurm, the whole resume grid): @pytest.mark.extended.
 EXTENDED_ENV = "CLUSTERKIT_EXTENDED"
 EXTENDED = os.environ.get(EXTENDED_ENV) == "1"
+# The Slurm tests are not one group: a second cluster costs each worker a few seconds,
+# while the Slurm tests together took 9:30 on one worker (docs/testbed.md). Only the two
+# that share one job (test_sbatch_user_slurm.py's module fixture `preempted`) are grouped.
 XDIST_GROUPS = {
-    "slurm_bed": "slurm",
-    "slurm": "slurm",
+    "preempted": "slurm-user-preempted",
     "launched_7x2": "train-7x2",
     "reference_2x2": "train-ref-2x2",
     "reference": "workload-dist-reference",  # test_workload_dist.py's module fixture
