@@ -317,6 +317,7 @@ def test_a_users_own_script_gets_replicas_and_the_spare(testbed_required: None,
 
 # ------------------------------------------- the same, with no one at the keyboard
 
+@pytest.mark.testbed
 @pytest.mark.extended
 def test_a_running_job_survives_a_lost_node_on_its_own(testbed_required: None,
                                                        tmp_path: Path) -> None:
