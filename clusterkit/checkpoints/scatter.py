@@ -158,8 +158,10 @@ def scatter(transport: Transport, dest: str, tag: str, targets: Sequence[Scatter
     return report
 
 
-def _remote_hashes(transport: Transport, node: CollectNode, files: Sequence[str]
-                   ) -> dict[str, str]:
+def remote_hashes(transport: Transport, node: CollectNode, files: Sequence[str]
+                  ) -> dict[str, str]:
+    """relpath -> sha256 of ``files`` under ``node.root``, hashed on the node (absent: not
+    there); the check after an upload (here and in cli/recover.py's restore)."""
     cmd = hash_command(node.python, node.root, list(files))
     res = transport.run(node.target, cmd.argv, timeout=HASH_TIMEOUT_S, stdin=cmd.stdin)
     if not res.ok:
@@ -172,7 +174,7 @@ def _remote_hashes(transport: Transport, node: CollectNode, files: Sequence[str]
 def _push_node(transport: Transport, dest: str, manifest: Mapping[str, Any], node: CollectNode,
                push: NodePush) -> tuple[int, int]:
     files = manifest["files"]
-    have = _remote_hashes(transport, node, push.files)
+    have = remote_hashes(transport, node, push.files)
     todo = [f for f in push.files if have.get(f) != files[f]["sha256"]]
     for d in sorted({posixpath.dirname(posixpath.join(node.root, f)) for f in push.files}):
         transport.makedirs(node.target, d)
@@ -182,7 +184,7 @@ def _push_node(transport: Transport, dest: str, manifest: Mapping[str, Any], nod
         node.root, tag, layout.marker_name(push.node_index))], timeout=60.0)
     for f in todo:
         transport.put(node.target, os.path.join(dest, f), posixpath.join(node.root, f))
-    after = _remote_hashes(transport, node, push.files) if todo else have
+    after = remote_hashes(transport, node, push.files) if todo else have
     bad = [f for f in push.files if after.get(f) != files[f]["sha256"]]
     if bad:
         raise CheckpointError(f"sha256 mismatch after upload: {', '.join(bad[:4])}",

@@ -31,16 +31,11 @@ from clusterkit.checkpoints import layout
 from clusterkit.checkpoints.assemble import Assembly, PartSource, assemble, candidate_tags
 from clusterkit.checkpoints.collect import CollectOptions, collect, open_source
 from clusterkit.checkpoints.listing import NodeListing
+from clusterkit.checkpoints.scatter import remote_hashes
 from clusterkit.checkpoints.source import CollectNode
-from clusterkit.checkpoints.transfer import (
-    NullProgress,
-    Wanted,
-    hash_command,
-    parse_hashes,
-    sha256_file,
-)
+from clusterkit.checkpoints.transfer import NullProgress, Wanted, sha256_file
 from clusterkit.checkpoints.universal import UNIVERSAL_MARKER, convert_to_universal
-from clusterkit.errors import LaunchError
+from clusterkit.errors import CheckpointError, LaunchError
 from clusterkit.launch.jobs import JobRecord
 from clusterkit.launch.run import (
     Replacement,
@@ -51,8 +46,6 @@ from clusterkit.launch.run import (
 )
 from clusterkit.remote.base import Transport, target_for
 from clusterkit.spec.job import JobPlan, NodePlan
-
-HASH_TIMEOUT_S = 3600.0
 
 Say = Callable[[str], None]
 
@@ -375,13 +368,11 @@ def _check_on_node(transport: Transport, node: CollectNode, rels: Sequence[str],
                    files: Mapping[str, tuple[int, str]]) -> None:
     if not rels:
         return
-    cmd = hash_command(node.python, node.root, list(rels))
-    res = transport.run(node.target, cmd.argv, timeout=HASH_TIMEOUT_S, stdin=cmd.stdin)
-    if not res.ok:
-        raise LaunchError(f"hashing on {node.name} failed: {res.stderr.strip()[-200:]}",
-                          host=node.name)
-    got, _ = parse_hashes(res.stdout)
-    bad = [r for r in rels if r not in got or got[r].sha256 != files[r][1]]
+    try:
+        got = remote_hashes(transport, node, rels)
+    except CheckpointError as exc:  # a restore's failures are the launch's: LaunchError
+        raise LaunchError(f"{node.name}: {exc.message}", host=node.name) from None
+    bad = [r for r in rels if got.get(r) != files[r][1]]
     if bad:
         raise LaunchError(f"sha256 mismatch on {node.name} after upload: {', '.join(bad[:4])}",
                           host=node.name)
