@@ -26,6 +26,10 @@ from clusterkit.checks.findings import Finding, Status
 from clusterkit.checks.gpu_topology import GpuInfo
 from clusterkit.checks.infiniband import IBPort
 from clusterkit.checks.rules import DoctorContext, GiB
+from clusterkit.launch.fromplan import job_from_plan
+from clusterkit.launch.jobs import Registry
+from clusterkit.launch.run import _record
+from tests.render_cases import plan_for
 
 if TYPE_CHECKING:
     from tests.slurmbed import SlurmBed
@@ -356,3 +360,17 @@ def assert_slurm_nodes_clean(bed: SlurmBed, timeout: float = 20) -> None:
             return
         time.sleep(0.3)
     raise AssertionError(f"processes left after the job: {left}")
+
+
+# -------------------------------------------------------------- a job recorded as failed
+
+
+def recorded_failed_job(tmp_path: Path, **kw: object) -> Registry:
+    """A registry holding the a800-7x2 torchrun plan of ``kw`` as a failed job (what a
+    relaunch with the same id continues: tests of check_continue and the recovery)."""
+    plan = plan_for("a800-7x2", "torchrun", **kw)
+    registry = Registry(tmp_path)
+    record = _record(job_from_plan(plan), plan, 0)
+    record.state = "failed"
+    registry.save(record)
+    return registry

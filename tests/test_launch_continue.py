@@ -12,16 +12,8 @@ from clusterkit.errors import LaunchError
 from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.jobs import Registry
 from clusterkit.launch.run import _record, check_continue, resume_note
+from tests.helpers import recorded_failed_job
 from tests.render_cases import plan_for
-
-
-def _recorded(tmp_path: Path, **kw: object) -> Registry:
-    plan = plan_for("a800-7x2", "torchrun", **kw)
-    registry = Registry(tmp_path)
-    record = _record(job_from_plan(plan), plan, 0)
-    record.state = "failed"
-    registry.save(record)
-    return registry
 
 
 def test_a_new_job_id_is_not_a_continuation(tmp_path: Path) -> None:
@@ -30,7 +22,7 @@ def test_a_new_job_id_is_not_a_continuation(tmp_path: Path) -> None:
 
 
 def test_same_id_continues_and_says_where_the_checkpoints_are(tmp_path: Path) -> None:
-    registry = _recorded(tmp_path, nodes=2, gpus_per_node=2)
+    registry = recorded_failed_job(tmp_path, nodes=2, gpus_per_node=2)
     plan = plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=2)
     record = registry.find(plan.job_id)
     assert record is not None
@@ -42,7 +34,7 @@ def test_same_id_continues_and_says_where_the_checkpoints_are(tmp_path: Path) ->
 
 
 def test_node_local_refuses_a_changed_rank_to_node_mapping(tmp_path: Path) -> None:
-    registry = _recorded(tmp_path, nodes=2, gpus_per_node=2, script="train.py")
+    registry = recorded_failed_job(tmp_path, nodes=2, gpus_per_node=2, script="train.py")
     plan = plan_for("a800-7x2", "torchrun", nodes=4, gpus_per_node=1, script="train.py")
     assert plan.storage == "node-local"
     with pytest.raises(LaunchError) as err:
@@ -59,7 +51,7 @@ def test_node_local_refuses_a_changed_rank_to_node_mapping(tmp_path: Path) -> No
 
 
 def test_a_running_job_is_not_launched_twice(tmp_path: Path) -> None:
-    registry = _recorded(tmp_path, nodes=2, gpus_per_node=2)
+    registry = recorded_failed_job(tmp_path, nodes=2, gpus_per_node=2)
     plan = plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=2)
     record = registry.find(plan.job_id)
     assert record is not None

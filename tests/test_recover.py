@@ -21,7 +21,7 @@ from clusterkit.errors import CheckpointError, InventoryError, LaunchError, Sele
 from clusterkit.hostfile import apply_replace, parse_replace, select, select_hosts
 from clusterkit.inventory import parse_inventory
 from clusterkit.launch.fromplan import job_from_plan
-from clusterkit.launch.jobs import JobRecord, Registry
+from clusterkit.launch.jobs import JobRecord
 from clusterkit.launch.run import (
     Replacement,
     _record,
@@ -41,6 +41,7 @@ from clusterkit.plan import plan_job
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import JobOptions, JobPlan, LaunchFacts
+from tests.helpers import recorded_failed_job
 from tests.render_cases import plan_for
 
 POOL = OrderedDict((f"node{i}", 2) for i in range(1, 9))
@@ -94,17 +95,8 @@ def test_a_spare_with_fewer_slots_is_refused() -> None:
 # ------------------------------------------------------------------ check_continue
 
 
-def _recorded(tmp_path: Path, **kw: object) -> Registry:
-    plan = plan_for("a800-7x2", "torchrun", **kw)
-    registry = Registry(tmp_path)
-    record = _record(job_from_plan(plan), plan, 0)
-    record.state = "failed"
-    registry.save(record)
-    return registry
-
-
 def test_a_replaced_node_with_the_same_slots_may_continue(tmp_path: Path) -> None:
-    registry = _recorded(tmp_path, nodes=6)
+    registry = recorded_failed_job(tmp_path, nodes=6)
     plan = plan_for("a800-7x2", "torchrun", nodes=6, replace=("node6=node7",))
     prior = registry.find(plan.job_id)
     assert plan.storage == "node-local" and [n.name for n in plan.nodes][-1] == "node7"
@@ -128,7 +120,7 @@ def test_a_replaced_node_with_the_same_slots_may_continue(tmp_path: Path) -> Non
 
 
 def test_a_replacement_that_changes_the_ranks_is_refused(tmp_path: Path) -> None:
-    registry = _recorded(tmp_path, nodes=6, script="train.py")
+    registry = recorded_failed_job(tmp_path, nodes=6, script="train.py")
     plan = plan_for("a800-7x2", "torchrun", nodes=6, gpus_per_node=1, replace=("node6=node7",),
                     script="train.py")
     assert replacements(registry.find(plan.job_id).extra["rank_map"], plan) is None  # type: ignore[union-attr]
