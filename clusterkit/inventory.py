@@ -190,6 +190,14 @@ _HOST_KEYS = (
 )
 _SSH_KEYS = ("user", "port", "identity_file", "proxy_jump", "config_file", "known_hosts_file")
 MAX_REPLICAS = 16  # checkpoint.replicas: copies of each node's checkpoints on other nodes
+
+
+def replicas_problem(k: int) -> str | None:
+    """What is wrong with K checkpoint replicas, None when nothing: the one bound for the
+    inventory's checkpoint.replicas, launch's --replicas and doctor's --replicas."""
+    if k < 0:
+        return f"must be >= 0, got {k}"
+    return None if k <= MAX_REPLICAS else f"must be <= {MAX_REPLICAS}, got {k}"
 _CKPT_KEYS = ("shared_dir", "local_dir", "replicas")
 _TOP_KEYS = ("schema_version", "cluster", "defaults", "hosts", "spares")
 _CLUSTER_KEYS = ("name",)

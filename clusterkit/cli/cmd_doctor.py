@@ -20,6 +20,7 @@ from clusterkit.cli.common import (
 from clusterkit.cli.jobflags import job_id_type
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import check_writable
+from clusterkit.inventory import replicas_problem
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER
 from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S
 from clusterkit.spec.ports import master_port
@@ -93,8 +94,8 @@ def _replicas(args: argparse.Namespace, hosts: list[Host]) -> int:
     """K as launch would take it: --replicas, the inventory's, else 1 when storage would
     be node-local (storage auto: not every host has checkpoint.shared_dir)."""
     if args.replicas is not None:
-        if args.replicas < 0:
-            raise ClusterkitError(f"must be >= 0, got {args.replicas}", key="--replicas")
+        if why := replicas_problem(args.replicas):
+            raise ClusterkitError(why, key="--replicas")
         return int(args.replicas)
     if hosts and hosts[0].checkpoint.replicas is not None:
         return hosts[0].checkpoint.replicas

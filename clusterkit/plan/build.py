@@ -14,7 +14,7 @@ from clusterkit.contract import DEEPSPEED_CONFIG_ARG, ENV_DS_CONFIG, Contract, J
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import select_hosts
 from clusterkit.hostrange import fold, folded_lines
-from clusterkit.inventory import Host, Inventory
+from clusterkit.inventory import Host, Inventory, replicas_problem
 from clusterkit.launchers import BACKENDS, plan_backends
 from clusterkit.plan.env import build_env
 from clusterkit.plan.ifaces import added_env, apply_picks
@@ -60,10 +60,11 @@ def _check_options(o: JobOptions) -> None:
         raise RenderError(f"SCRIPT {o.script!r} is not a script path", key="SCRIPT",
                           hint="give the path of a Python file, e.g. ./train.py")
     for key, value, minimum in (("--steps", o.steps, 1), ("--max-restarts", o.max_restarts, 0),
-                                ("--save-every", o.save_every, 0),
-                                ("--replicas", 0 if o.replicas is None else o.replicas, 0)):
+                                ("--save-every", o.save_every, 0)):
         if value < minimum:
             raise RenderError(f"{key} must be >= {minimum}, got {value}", key=key)
+    if o.replicas is not None and (why := replicas_problem(o.replicas)):
+        raise RenderError(f"--replicas {why}", key="--replicas")
     if o.hang_timeout_s < 0:
         raise RenderError(f"must be >= 0 (0: off), got {o.hang_timeout_s:g}",
                           key="--hang-timeout")
