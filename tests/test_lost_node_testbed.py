@@ -38,6 +38,10 @@ def _check_destroy(tb: Testbed) -> None:
     a, b = tb.nodes
     local = tb.local_mountpoint / "ckpt"
     tb.exec(a, ["sh", "-c", f"mkdir -p {local} && echo x > {local}/f"], check=True)
+    # Reachability as the survivor sees it: a TCP connect to a's sshd (bash's /dev/tcp: no
+    # package beyond the bed's own; ping may be missing on a fresh machine).
+    probe = ["bash", "-c", f"timeout 3 bash -c '</dev/tcp/{a.address}/22' 2>/dev/null; echo $?"]
+    assert tb.exec(b, probe).stdout.strip() == "0"  # reachable before, so the check below bites
     sleeper = tb.spawn(a, ["sleep", "600"])
     scratch = tb.node_local_path(a, "ckpt/f")
     assert scratch.exists()
@@ -46,8 +50,7 @@ def _check_destroy(tb: Testbed) -> None:
     assert sleeper.wait(timeout=10) is not None
     assert not scratch.exists() and not scratch.parent.exists()
     # The survivor cannot reach it any more: no answer, not a swallowed packet.
-    r = tb.exec(b, ["sh", "-c", f"ping -c1 -W2 {a.address} >/dev/null 2>&1; echo $?"])
-    assert r.stdout.strip() != "0"
+    assert tb.exec(b, probe).stdout.strip() != "0"
     tb.destroy(a)  # idempotent
     assert tb.ensure(2)[0].name == a.name and tb.destroyed(a)  # never brought back
 
@@ -136,16 +139,21 @@ def _replica_manifest(tb: Testbed, job: str, index: int, tag: str) -> Path:
     return tb.node_local_path(holder, f"ckpt/{job}.replicas/node{index}/{tag}/{REPLICA_MANIFEST}")
 
 
+def _saved_and_replicated(run: Console, tb: Testbed, job: str, saved: str, tag: str) -> None:
+    """Wait for the console's ``saved`` line, then for every node's copy of ``tag`` (its
+    manifest) on the node's ring successor."""
+    run.wait_for(lambda: saved in run.text, 600, saved)
+    run.wait_for(lambda: all(_replica_manifest(tb, job, i, tag).exists()
+                             for i in range(len(RING))), 120, f"replicas of {tag}")
+
+
 def _lose_node6_mid_run(tb: Testbed, inv: Path, tmp: Path, job: str, shape: Shape,
                         before_loss: Callable[[], object] | None = None) -> str:
     """Run job until ``shape.tag`` is complete and every node's copy of it sits on its ring
     successor, then destroy node6 while the job runs; return the console text."""
     run = Console(_argv(inv, job, shape), train_env(tmp), tmp)
     try:
-        run.wait_for(lambda: f"checkpoint {shape.tag} complete" in run.text, 600,
-                     f"checkpoint {shape.tag}")
-        run.wait_for(lambda: all(_replica_manifest(tb, job, i, shape.tag).exists()
-                                 for i in range(len(RING))), 120, f"replicas of {shape.tag}")
+        _saved_and_replicated(run, tb, job, f"checkpoint {shape.tag} complete", shape.tag)
         assert f"checkpoint {shape.next_tag} complete" not in run.text, \
             "the next save completed before node6 was lost: the scenario needs a slower run"
         if before_loss is not None:
@@ -296,9 +304,7 @@ def test_a_users_own_script_gets_replicas_and_the_spare(testbed_required: None,
         assert ref.code == 0 and ref.summary["finished"], ref.text[-4000:]
         run = Console(_user_argv(inv, "user", shape), train_env(tmp_path), tmp_path)
         try:
-            run.wait_for(lambda: f"saved {tag}" in run.text, 600, f"save {tag}")
-            run.wait_for(lambda: all(_replica_manifest(tb, "user", i, tag).exists()
-                                     for i in range(len(RING))), 120, f"replicas of {tag}")
+            _saved_and_replicated(run, tb, "user", f"saved {tag}", tag)
             assert f"saved step{shape.steps}" not in run.text
             tb.destroy(LOST)
             code = run.finish(timeout=180)
@@ -333,10 +339,7 @@ def test_a_running_job_survives_a_lost_node_on_its_own(testbed_required: None,
         run = Console(_argv(inv, "auto", shape, "--max-restarts", "1", "--drop-failed-nodes"),
                       train_env(tmp_path), tmp_path)
         try:
-            run.wait_for(lambda: f"checkpoint {shape.tag} complete" in run.text, 600,
-                         f"checkpoint {shape.tag}")
-            run.wait_for(lambda: all(_replica_manifest(tb, "auto", i, shape.tag).exists()
-                                     for i in range(len(RING))), 120, f"replicas of {shape.tag}")
+            _saved_and_replicated(run, tb, "auto", f"checkpoint {shape.tag} complete", shape.tag)
             tb.destroy(LOST)
             code = run.finish(timeout=900)
         except BaseException:
