@@ -92,10 +92,6 @@ class LaunchError(ClusterkitError):
     """A job could not be started, or failed."""
 
 
-class NotBuiltYet(ClusterkitError):
-    """A verb that is planned but not implemented yet."""
-
-
 class UsageError(ClusterkitError):
     """The command line itself is wrong (unknown flag, bad value, missing argument).
 

@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: system packages, Python packages,
 # pytest (including the real-sshd / real-Slurm test bed), ruff and mypy.
-# Needs root for the namespace test bed and apt-get; CI runs it as root.
+# Needs root for the namespace test bed and apt-get: it re-runs itself with sudo when
+# started by another user; CI runs it as root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# One command for everyone: root (a container, CI) runs it as it is; anyone else is
+# re-run through sudo, which the test bed needs (namespaces, sshd, slurmd, apt-get).
+if [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null 2>&1; then
+        exec sudo -E env "PATH=$PATH" bash "$0" "$@"
+    fi
+    echo "test.sh: needs root (namespaces, sshd, slurmd, apt-get) and sudo is not installed: run it as root" >&2
+    exit 2
+fi
 
 SYSTEM_PACKAGES=(openssh-server openssh-client pdsh rsync slurm-wlm munge iproute2 procps psmisc util-linux)
 
@@ -13,10 +24,6 @@ install_system_packages() {
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
     done
     if [ ${#missing[@]} -eq 0 ]; then return 0; fi
-    if [ "$(id -u)" -ne 0 ]; then
-        echo "test.sh: missing system packages: ${missing[*]} (run as root to install them)" >&2
-        return 0
-    fi
     echo "test.sh: installing ${missing[*]}" >&2
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
@@ -32,7 +39,7 @@ install_python_packages() {
 
 cleanup() {
     # Whatever a crashed or interrupted run left behind: namespaces, sshd, slurmd, mounts.
-    if [ "$(id -u)" -eq 0 ]; then python3 -m tests.testbed down --all >/dev/null 2>&1 || true; fi
+    python3 -m tests.testbed down --all >/dev/null 2>&1 || true
 }
 
 install_system_packages

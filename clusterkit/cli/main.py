@@ -1,7 +1,7 @@
 """Entry point: builds the parser from the verb modules and owns every exit code.
 
 Exit codes: 0 ok; 1 warnings under --strict (doctor); 2 bad input or failed checks;
-3 verb not built yet; 70 internal error; 130 interrupted. A ClusterkitError is
+70 internal error; 130 interrupted. A ClusterkitError is
 printed as exactly one line; a traceback only appears with CLUSTERKIT_DEBUG=1.
 Every mistake on the command line (unknown verb or flag, a bad value, a missing one)
 is such an error too (cli/argparser.py): one line, exit 2, never the usage text. With
@@ -68,10 +68,6 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     word = verb_word(argv) if argv is not None else None
     for name in (VERBS[word],) if word in VERBS else VERB_MODULES:
         import_module(name).add_parser(sub)
-    if word not in VERBS:
-        from clusterkit.cli import cmd_planned
-
-        cmd_planned.add_parsers(sub)
     safety.install(sub)  # DeepSpeed/torchrun spellings; each verb's own flags
     return parser
 
