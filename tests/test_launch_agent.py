@@ -229,6 +229,14 @@ def test_agent_names_the_failed_rank_from_launcher_reports() -> None:
     assert '"failed_node": "node5"' in out3.getvalue()
 
 
+def test_a_go_after_a_stop_starts_nothing(tmp_path: Path) -> None:
+    """Issue 30: TERM while the agent holds, then a late GO: the stop wins."""
+    spec = agent_mod.Spec(job_id="j", node="node1", job_dir=str(tmp_path), hold=True)
+    a = agent_mod.Agent(spec, io.StringIO())
+    a.read_control(io.StringIO("TERM\nGO\n"))
+    assert a.hold_for_go() is False
+
+
 def test_progress_parses_the_workload_line() -> None:
     p = Progress()
     assert p.update("[clusterkit] step 10/50 | loss 5.1234 | lr 1.000e-03 | 12,345 tok/s | 3.0 samples/s")

@@ -84,6 +84,9 @@ STATES: dict[str, Callable[[], Runtime]] = {
     "gate": lambda: fed(job(gate_need=()), *START),
     "gate, v0 reported": lambda: fed(job(gate_need=()), *START,
                                      (1.0, Received("v0", protocol.Facts("v0", FACTS)))),
+    "stopping, gate undecided": lambda: fed(
+        job(gate_need=()), *START, (1.0, Received("v0", protocol.Facts("v0", FACTS))),
+        (1.5, Signalled("SIGINT"))),
     "running": lambda: fed(job(), *START),
     "running, v0 up": lambda: fed(job(), *START, (1.0, Received("v0", protocol.Started("v0")))),
     "running, v1 watches": lambda: fed(job(v1_argv=()), *START),
@@ -132,6 +135,13 @@ TABLE: list[tuple[str, float, Event, Stage, list[Action]]] = [
      [Info("v1: the node agent ended before reporting (exit code 1): no output"),
       Phase("tearing down"), Send(Control.TERM, ("v0",)), NodeDone("v1", 1)]),
     ("gate", GATE_TIMEOUT_S - 0.1, Tick(), Stage.GATE, []),
+    # GO after a stop (issue 30): the last node's facts after SIGINT start nothing
+    ("stopping, gate undecided", 2.0, Received("v1", protocol.Facts("v1", FACTS)),
+     Stage.STOPPING, []),
+    ("stopping, gate undecided", 2.0, AgentEnded("v1", 143), Stage.STOPPING,
+     [NodeDone("v1", 143)]),
+    ("stopping, gate undecided", 1.5 + G + 2.1, Tick(), Stage.STOPPING,
+     [Send(Control.KILL, BOTH)]),
     ("gate, v0 reported", 1.0 + GATE_TIMEOUT_S, Tick(), Stage.STOPPING,
      [Info("v1: the node agent did not report within 20 s"), Phase("tearing down"),
       Send(Control.TERM, BOTH)]),

@@ -289,6 +289,8 @@ class Runtime:
     # ---------------------------------------------------------------- the folded gate
 
     def _decide_gate(self, now: float) -> None:
+        if self.teardown.begun:
+            return  # stopping: a late node's facts start nothing (no GO after a stop)
         result = self.gate.decide(list(self.nodes))
         if result is None:
             return

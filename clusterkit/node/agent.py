@@ -348,12 +348,11 @@ class Agent:
     # -------------------------------------------------------------- the run
 
     def hold_for_go(self) -> bool:
-        """True once the launcher says GO (the facts are reported), False on a stop."""
-        while not self._go.is_set():
-            if self._stop.wait(POLL_S / 2):
-                return self._go.is_set()
+        """True once the launcher says GO, False on a stop (it wins over a later GO)."""
+        while not self._go.is_set() and not self._stop.is_set():
+            self._stop.wait(POLL_S / 2)
             self.check_keepalive()
-        return True
+        return not self._stop.is_set()
 
     def run(self) -> int:
         self.prepare()  # while the launcher compares the nodes' facts
