@@ -21,7 +21,15 @@ from dataclasses import dataclass
 
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import fold, folded_lines
-from clusterkit.node.gatefacts import PACKAGES, need_dir, need_port, need_resolve
+from clusterkit.node.gatefacts import (
+    NEED_UNSHARED,
+    PACKAGES,
+    need_dir,
+    need_port,
+    need_resolve,
+    need_unshared,
+    shared_groups,
+)
 from clusterkit.node.parity import holders, majority
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import SSHTarget, Transport, target_for
@@ -72,8 +80,11 @@ def node_needs(plan: JobPlan, node: NodePlan, *, synced: bool = False) -> tuple[
     z = plan.zero
     nvme = (need_dir(z.nvme_path, NVME_DIR),) if z.nvme_path and "nvme" in (
         z.offload_optimizer, z.offload_param) else ()
+    # node-local on several nodes: the checkpoint dir must be each node's own (issue 32)
+    own = (need_unshared(node.ckpt_dir, plan.job_id, node.name),) if (
+        plan.storage == "node-local" and len(plan.nodes) > 1) else ()
     return (*files, need_dir(node.job_dir, "job dir"), need_dir(node.ckpt_dir), *nvme,
-            need_resolve(plan.master_addr), *master)
+            need_resolve(plan.master_addr), *master, *own)
 
 
 def check_here(plan: JobPlan, sync: str | None, *, gate: bool = True,
@@ -145,7 +156,19 @@ def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[
         except (ValueError, IndexError):
             problems[r.host] = f"unexpected output: {r.result.stdout.strip()[:120]!r}"
             continue
+    drop_tokens(transport, nodes)
     return judge(facts, problems, [n.node for n in nodes], need, same_python=same_python)
+
+
+def drop_tokens(transport: Transport, nodes: Sequence[GateNode]) -> None:
+    """Every node has looked for the others' tokens: remove them (node/gatefacts.py).
+    Best effort: a token left behind is removed by a later round after an hour."""
+    cmds = {n.node: node_command(n.python, "gatefacts", ("--drop", *tokens))
+            for n in nodes if (tokens := [x for x in n.needs if x.startswith(NEED_UNSHARED)])}
+    if cmds:
+        transport.run_all([n.target for n in nodes if n.node in cmds],
+                          {k: c.argv for k, c in cmds.items()}, timeout=GATE_TIMEOUT_S,
+                          stdin=next(iter(cmds.values())).stdin)
 
 
 def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: Sequence[str],
@@ -168,6 +191,8 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
                                       "of it; or use a shared workdir)")
         for why in _need_problems(f):
             problems.setdefault(node, why)
+    for node, why in shared_dirs(facts, order).items():
+        problems.setdefault(node, why)
     keys = PARITY_KEYS if same_python else tuple(k for k in PARITY_KEYS if k != "python")
     problems.update(_parity(facts, order, keys))
     return GateResult(facts=facts, problems=problems)
@@ -183,6 +208,35 @@ def _need_problems(f: dict[str, object]) -> list[str]:
         if isinstance(found, dict):
             out += [say(str(value), str(why)) for value, why in found.items()]
     return out
+
+
+SHARED_FIX = ("--storage shared, or a checkpoint.local_dir (--ckpt-dir) on each node's own "
+              "disk")
+
+
+def shared_dirs(facts: dict[str, dict[str, object]], order: Sequence[str]) -> dict[str, str]:
+    """node -> why its "node-local" checkpoint dir is not its own: a token written there
+    by one node was seen by another (gatefacts.token_seen). One text per group: they fold."""
+    seen: dict[str, list[str]] = {}
+    where: dict[str, str] = {}
+    for node, f in facts.items():
+        found = f.get("unshared")
+        for path, result in (found.items() if isinstance(found, dict) else ()):
+            if isinstance(result, dict) and isinstance(result.get("seen"), list):
+                seen.setdefault(node, []).extend(str(n) for n in result["seen"])
+                where[node] = str(path)
+    out: dict[str, str] = {}
+    for group in shared_groups(seen, order):
+        text = shared_line(where.get(group[0], "?"), group)
+        out.update(dict.fromkeys(group, f"{text}; use {SHARED_FIX}"))
+    return out
+
+
+def shared_line(path: str, nodes: Sequence[str]) -> str:
+    """``checkpoint dir /x is one directory shared by node[1-4] ...``: doctor, the gate."""
+    return (f"checkpoint dir {path} is one directory shared by {fold(nodes)} (a file written "
+            "on one node is seen on the others), not a disk of each node's own: node-local "
+            "checkpoints and their replicas would land in one place")
 
 
 def _port_problem(port: str, why: str) -> str:

@@ -65,7 +65,7 @@ from clusterkit.node.agent_procs import (
 )
 from clusterkit.node.agent_procs import job_status as _status
 from clusterkit.node.contract import JobDir
-from clusterkit.node.gatefacts import gate_facts
+from clusterkit.node.gatefacts import drop_tokens, gate_facts
 from clusterkit.node.protocol import (
     DEFAULT_GRACE_S,
     EVENT_PREFIX,
@@ -352,6 +352,7 @@ class Agent:
         while not self._go.is_set() and not self._stop.is_set():
             self._stop.wait(POLL_S / 2)
             self.check_keepalive()
+        drop_tokens(self.spec.needs)  # every node has looked (gatefacts.token_seen)
         return not self._stop.is_set()
 
     def run(self) -> int:

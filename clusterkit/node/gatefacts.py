@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from clusterkit.node import sitepaths
@@ -148,6 +148,112 @@ def resolve_problem(address: str) -> str | None:
     return None
 
 
+# -- "Node-local" checkpoint dirs that are one filesystem (issue 32): each node writes a
+# token naming itself into the dir (or its nearest existing parent: nothing is created),
+# then lists the tokens of this round it can see. The launcher removes them only after
+# every node has looked (the agent after GO or a stop, run_gate and doctor by a second
+# command), so of two nodes sharing the dir the one that writes second sees the first's
+# token: "A sees B or B sees A" is the shared relation (shared_groups).
+NEED_UNSHARED = "unshared:"  # RUN:NODE=PATH: PATH must not be this node's alone
+TOKEN_PREFIX = ".clusterkit-token."
+TOKEN_STALE_S = 3600.0  # a token this old was left by a killed round: any round removes it
+
+
+def need_unshared(path: str, run: str, node: str) -> str:
+    return f"{NEED_UNSHARED}{run}:{node}={path}"
+
+
+def _unshared(value: str) -> tuple[str, str, str]:
+    """``RUN:NODE=PATH`` (the part after NEED_UNSHARED) -> (run, node, path)."""
+    head, _, path = value.partition("=")
+    run, _, node = head.rpartition(":")
+    return run, node, path
+
+
+def token_name(run: str, node: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{run}.{node}")
+    return TOKEN_PREFIX + safe
+
+
+def _base(path: str) -> tuple[str, str]:
+    """(the nearest existing directory of ``path``, the rest of ``path`` below it)."""
+    base = os.path.abspath(path)
+    while not os.path.isdir(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    return base, os.path.relpath(os.path.abspath(path), base)
+
+
+def token_seen(path: str, run: str, node: str, now: float | None = None) -> dict[str, Any]:
+    """Write this node's token for ``path`` and list the other nodes' tokens of ``run``
+    naming the same directory: ``{"seen": [nodes]}``, or ``{"error": why}``."""
+    import time
+
+    base, tail = _base(path)
+    now = time.time() if now is None else now
+    mine = token_name(run, node)
+    tmp = os.path.join(base, f".clusterkit-tokentmp.{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"run": run, "node": node, "tail": tail}, fh)
+        os.replace(tmp, os.path.join(base, mine))
+        names = os.listdir(base)
+    except OSError as exc:
+        return {"error": f"cannot write a token in {base} ({exc.strerror or exc})"}
+    seen = []
+    for name in names:
+        if not name.startswith(TOKEN_PREFIX) or name == mine:
+            continue
+        p = os.path.join(base, name)
+        try:
+            if now - os.stat(p).st_mtime > TOKEN_STALE_S:
+                os.unlink(p)
+                continue
+            with open(p, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            continue  # removed while we looked, or being written: not this round's anyway
+        if isinstance(data, dict) and data.get("run") == run and data.get("tail") == tail:
+            seen.append(str(data.get("node")))
+    return {"seen": sorted(seen)}
+
+
+def drop_tokens(needs: Sequence[str]) -> None:
+    """Remove this node's tokens of ``needs`` (after every node has looked); a dir
+    created since the token was written: the token is in one of its parents."""
+    for value in (n[len(NEED_UNSHARED):] for n in needs if n.startswith(NEED_UNSHARED)):
+        run, node, path = _unshared(value)
+        d = os.path.abspath(path)
+        while True:
+            try:
+                os.unlink(os.path.join(d, token_name(run, node)))
+                break
+            except OSError:
+                if os.path.dirname(d) == d:
+                    break
+                d = os.path.dirname(d)
+
+
+def shared_groups(seen: Mapping[str, Sequence[str]], order: Sequence[str] = ()) -> list[list[str]]:
+    """The nodes that share one directory: ``seen[a]`` lists the nodes whose token ``a``
+    saw; a and b share when either saw the other (the second to write sees the first).
+    Groups of two or more, each in ``order`` (then by name), first node first."""
+    group: dict[str, set[str]] = {}
+    for a, others in seen.items():
+        for b in others:
+            if b == a:
+                continue
+            merged = group.get(a, {a}) | group.get(b, {b})
+            for n in merged:
+                group[n] = merged
+    rank = {n: i for i, n in enumerate(order)}
+
+    def key(n: str) -> tuple[int, str]:
+        return rank.get(n, len(rank)), n
+
+    out = {tuple(sorted(g, key=key)) for g in group.values()}
+    return [list(g) for g in sorted(out, key=lambda g: key(g[0]))]
+
+
 def gate_facts(needs: Sequence[str] = ()) -> dict[str, Any]:
     """``needs``: what the job needs on this node (see ``NEED_*``): ``missing`` lists the
     absent files, ``unwritable`` the directories the job could not write (``WHAT=PATH``
@@ -164,11 +270,19 @@ def gate_facts(needs: Sequence[str] = ()) -> dict[str, Any]:
     for prefix, (key, check) in checks.items():
         found = {n[len(prefix):]: check(n[len(prefix):]) for n in needs if n.startswith(prefix)}
         facts[key] = {value: why for value, why in found.items() if why is not None}
+    tokens = [_unshared(n[len(NEED_UNSHARED):]) for n in needs if n.startswith(NEED_UNSHARED)]
+    if tokens:
+        facts["unshared"] = {path: token_seen(path, run, node) for run, node, path in tokens}
     return facts
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Arguments: the files the job needs on this node."""
-    sys.stdout.write(json.dumps(gate_facts(sys.argv[1:] if argv is None else argv)) + "\n")
+    """Arguments: the files the job needs on this node; ``--drop NEEDS``: remove this
+    node's tokens of an earlier call (every node has looked)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--drop"]:
+        drop_tokens(args[1:])
+        return 0
+    sys.stdout.write(json.dumps(gate_facts(args)) + "\n")
     sys.stdout.flush()
     return 0

@@ -1,0 +1,133 @@
+"""A "node-local" checkpoint dir that is one filesystem for several nodes (issue 32).
+
+The token logic (node/gatefacts.py: token_seen, drop_tokens, shared_groups) on this
+machine's filesystem, the gate's verdict from the nodes' facts (launch/gate.py), doctor's
+finding (checks/rules_storage.py) and collect-ckpt's one line (checkpoints/discover.py).
+The test bed runs the same over SSH (tests/test_shared_storage_testbed.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from clusterkit.launch.gate import judge, node_needs, shared_dirs
+from clusterkit.node.gatefacts import (
+    TOKEN_PREFIX,
+    TOKEN_STALE_S,
+    drop_tokens,
+    gate_facts,
+    need_unshared,
+    shared_groups,
+    token_seen,
+)
+
+
+def _tokens(d: Path) -> list[str]:
+    return sorted(n for n in os.listdir(d) if n.startswith(".clusterkit-token"))
+
+
+def test_the_second_writer_sees_the_first_and_the_drop_leaves_nothing(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    assert token_seen(str(d), "j1", "node1") == {"seen": []}
+    assert token_seen(str(d), "j1", "node2") == {"seen": ["node1"]}
+    assert token_seen(str(d), "j1", "node3") == {"seen": ["node1", "node2"]}
+    assert token_seen(str(d), "other-run", "node4") == {"seen": []}  # another round's
+    for node in ("node1", "node2", "node3"):
+        drop_tokens([need_unshared(str(d), "j1", node)])
+    drop_tokens([need_unshared(str(d), "other-run", "node4")])
+    assert _tokens(d) == []
+
+
+def test_own_dirs_see_nothing(tmp_path: Path) -> None:
+    for node in ("node1", "node2"):
+        (tmp_path / node).mkdir()
+        assert token_seen(str(tmp_path / node), "j", node) == {"seen": []}
+
+
+def test_a_dir_not_created_yet_is_compared_by_its_full_path(tmp_path: Path) -> None:
+    """Nothing is created: the token goes to the nearest existing parent, naming the
+    rest of the path, so /shared/{host} (a dir per node on one disk) is not shared."""
+    a = token_seen(str(tmp_path / "ck" / "node1"), "j", "node1")
+    b = token_seen(str(tmp_path / "ck" / "node2"), "j", "node2")
+    c = token_seen(str(tmp_path / "ck" / "node1"), "j", "node3")
+    assert (a, b, c) == ({"seen": []}, {"seen": []}, {"seen": ["node1"]})
+    assert not (tmp_path / "ck").exists()
+    for node, sub in (("node1", "node1"), ("node2", "node2"), ("node3", "node1")):
+        drop_tokens([need_unshared(str(tmp_path / "ck" / sub), "j", node)])
+    assert _tokens(tmp_path) == []
+
+
+def test_drop_finds_the_token_after_the_dir_was_created(tmp_path: Path) -> None:
+    token_seen(str(tmp_path / "ck"), "j", "node1")
+    (tmp_path / "ck").mkdir()  # the agent created it between the facts and GO
+    drop_tokens([need_unshared(str(tmp_path / "ck"), "j", "node1")])
+    assert _tokens(tmp_path) == []
+
+
+def test_a_stale_token_is_swept(tmp_path: Path) -> None:
+    token_seen(str(tmp_path), "old", "node9")
+    stale = tmp_path / _tokens(tmp_path)[0]
+    old = time.time() - TOKEN_STALE_S - 10
+    os.utime(stale, (old, old))
+    assert token_seen(str(tmp_path), "old", "node1") == {"seen": []}
+    assert not stale.exists()
+    drop_tokens([need_unshared(str(tmp_path), "old", "node1")])
+
+
+def test_an_unwritable_dir_is_an_error_not_a_verdict(tmp_path: Path) -> None:
+    out = token_seen("/proc/nope", "j", "node1")
+    assert list(out) == ["error"] and "/proc" in out["error"]
+
+
+def test_shared_groups_either_direction_transitive_in_order() -> None:
+    order = ["node1", "node2", "node3", "node4", "node5"]
+    assert shared_groups({"node1": [], "node2": ["node1"], "node3": []}, order) == [
+        ["node1", "node2"]]
+    # node4 saw node3, node5 saw node4: one group; node1/node2 their own
+    assert shared_groups({"node2": ["node1"], "node4": ["node3"], "node5": ["node4"]},
+                         order) == [["node1", "node2"], ["node3", "node4", "node5"]]
+    assert shared_groups({"node1": [], "node2": []}, order) == []
+    assert shared_groups({"node1": ["node1"]}, order) == []
+
+
+def test_gate_facts_report_tokens_only_when_asked(tmp_path: Path) -> None:
+    assert "unshared" not in gate_facts([])
+    facts = gate_facts([need_unshared(str(tmp_path), "j", "node1")])
+    assert facts["unshared"] == {str(tmp_path): {"seen": []}}
+    drop_tokens([need_unshared(str(tmp_path), "j", "node1")])
+
+
+def test_judge_refuses_each_sharing_node_with_one_folded_line() -> None:
+    facts: dict[str, dict[str, object]] = {
+        f"node{i}": {"unshared": {"/home/u/ck/j": {"seen": [f"node{j}" for j in range(1, i)]}}}
+        for i in range(1, 5)}
+    facts["node5"] = {"unshared": {"/home/u/ck/j": {"seen": []}}}
+    order = [f"node{i}" for i in range(1, 6)]
+    problems = judge(facts, {}, order, same_python=False).problems
+    assert sorted(problems) == order[:4]
+    assert len(set(problems.values())) == 1
+    line = problems["node1"]
+    assert line.startswith("checkpoint dir /home/u/ck/j is one directory shared by node[1-4]")
+    assert line.endswith("use --storage shared, or a checkpoint.local_dir (--ckpt-dir) on "
+                         "each node's own disk")
+    assert shared_dirs({"node1": {"unshared": {"/x": {"error": "no"}}}}, order) == {}
+
+
+def test_node_needs_ask_for_tokens_on_node_local_with_several_nodes() -> None:
+    from clusterkit.inventory import local_inventory
+    from clusterkit.plan import plan_job
+    from clusterkit.spec.job import JobOptions
+    from tests.render_cases import FACTS
+
+    inv = local_inventory("/tmp/ck")
+    two = plan_job(inv, JobOptions(job_id="j", nodes=2, storage="node-local"), FACTS)
+    assert [node_needs(two, n)[-1] for n in two.nodes] == [
+        need_unshared(n.ckpt_dir, "j", n.name) for n in two.nodes]
+    one = plan_job(inv, JobOptions(job_id="j", nodes=1, storage="node-local"), FACTS)
+    shared = plan_job(inv, JobOptions(job_id="j", nodes=2, storage="shared"), FACTS)
+    assert not any(x.startswith("unshared:") for p in (one, shared) for n in p.nodes
+                   for x in node_needs(p, n))
+    assert TOKEN_PREFIX.startswith(".")  # hidden: the replica watcher skips it
