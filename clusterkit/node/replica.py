@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from clusterkit.node import priority
 from clusterkit.node.contract import (
     LATEST_FILE,
     RECOVERY_SCRIPTS,
@@ -71,19 +72,29 @@ def mac(secret: bytes, *parts: bytes) -> str:
     return hmac.new(secret, b"".join(parts), hashlib.sha256).hexdigest()
 
 
-def low_priority() -> None:
-    """This thread at nice 19 (Linux: setpriority on a thread id is per thread), so the
-    copy yields the CPU to the ranks."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+_said: set[str] = set()
+_said_lock = threading.Lock()
+
+
+def low_priority(log: Callable[[str], None], path: str) -> None:
+    """This thread's CPU and I/O below the ranks' (``node/priority.py``); what applied
+    goes to the node's log once per process (it is the same for every copy thread)."""
+    words = priority.lower_this_thread(path)
+    with _said_lock:
+        if words in _said:
+            return
+        _said.add(words)
+    log(f"replica: copies run at low priority: {words}")
 
 
 class _Conn:
-    """Line and exact-byte reads over a socket, with one buffer."""
+    """Line and exact-byte reads over a socket: lines through a small buffer, file
+    bytes straight into one reused ``CHUNK`` buffer (``recv_into``, no copy per piece)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = b""
+        self._pieces: memoryview | None = None
 
     def line(self) -> bytes:
         while b"\n" not in self.buf:
@@ -96,19 +107,24 @@ class _Conn:
         line, _, self.buf = self.buf.partition(b"\n")
         return line
 
-    def chunks(self, size: int) -> Any:  # exactly ``size`` bytes, in pieces
+    def chunks(self, size: int) -> Any:
+        """Exactly ``size`` bytes, in pieces; each piece is valid until the next."""
         left = size
+        if self._pieces is None:
+            self._pieces = memoryview(bytearray(CHUNK))
         while left:
             if self.buf:
                 piece, self.buf = self.buf[:left], self.buf[left:]
-            else:
-                piece = self.sock.recv(min(left, CHUNK))
-                if not piece:
-                    raise ReplicaError("connection closed inside a file")
-            left -= len(piece)
-            yield piece
+                left -= len(piece)
+                yield piece
+                continue
+            n = self.sock.recv_into(self._pieces, min(left, CHUNK))
+            if not n:
+                raise ReplicaError("connection closed inside a file")
+            left -= n
+            yield self._pieces[:n]
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes | memoryview) -> None:
         self.sock.sendall(data)
 
 
@@ -206,7 +222,7 @@ class ReplicaServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
-        low_priority()
+        low_priority(self.log, self.ckpt_dir)
         sock.settimeout(IO_TIMEOUT_S)
         conn = _Conn(sock)
         nonce = secrets.token_hex(16)
@@ -299,6 +315,7 @@ class ReplicaServer:
                     fh.write(piece)
                 fh.flush()
                 os.fsync(fh.fileno())
+                _drop_cache(fh.fileno())
             got[rel] = h.hexdigest()
         return got
 
@@ -436,28 +453,38 @@ def push(ckpt_dir: str, tag: str, target: dict[str, Any], *, job_id: str, source
         conn.sock.close()
 
 
+def _drop_cache(fd: int) -> None:
+    """A received copy is read only after a node is lost: its pages (clean after the
+    fsync) leave the page cache to the ranks. Best effort (posix_fadvise is Linux/BSD)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def _send_files(conn: _Conn, ckpt_dir: str, rels: list[str], stats: dict[str, os.stat_result],
                 stop: threading.Event | None,
                 tamper: Callable[[bytes], bytes] | None) -> tuple[dict[str, str], list[str], int]:
-    """Each file read once: hashed and sent, exactly its announced size."""
+    """Each file read once, into one reused buffer: hashed and sent from it, exactly its
+    announced size. (``os.sendfile`` would spare the copy into the socket but not the
+    read: the digest needs the bytes here, so it would read every byte twice.)"""
     digests: dict[str, str] = {}
     changed: list[str] = []
     sent = 0
+    view = memoryview(bytearray(CHUNK))
     for rel in rels:
         size = stats[rel].st_size
         h = hashlib.sha256()
         left = size
-        with open(os.path.join(ckpt_dir, rel), "rb") as fh:
+        with open(os.path.join(ckpt_dir, rel), "rb", buffering=0) as fh:
             while left:
                 if stop is not None and stop.is_set():
                     raise ReplicaError("the agent is stopping")
-                block = fh.read(min(CHUNK, left))
-                if not block:
+                n = fh.readinto(view[:min(CHUNK, left)])
+                if not n:
                     raise ReplicaError(f"{rel} shrank while it was read")
-                h.update(block)
-                conn.send(tamper(block) if tamper else block)
-                left -= len(block)
-                sent += len(block)
+                h.update(view[:n])
+                conn.send(tamper(bytes(view[:n])) if tamper else view[:n])
+                left -= n
+                sent += n
             now = os.fstat(fh.fileno())
         if (now.st_size, now.st_mtime_ns) != (size, stats[rel].st_mtime_ns):
             changed.append(rel)

@@ -45,7 +45,7 @@ PROGRAMS: dict[str, Program] = {
     # The agent split by concern (docs/architecture.md, "Node agent modules").
     "agent": Program(("contract", "protocol", "sitepaths", "parity", "gatefacts", "zygote", "agent_files",
                       "agent_procs", "agent_hangs", "agent_env", "agent_output",
-                      "agent_forkserver", "listing", "replica_done", "replica_area", "replica",
+                      "agent_forkserver", "listing", "replica_done", "replica_area", "priority", "replica",
                       "replica_service", "agent"), site=True),
     "probe": Program(("sitepaths", "parity", "gatefacts", "probe")),
     "bw_worker": Program(("bw_worker",), site=True),  # imports torch

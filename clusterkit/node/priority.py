@@ -1,0 +1,159 @@
+"""Put the calling thread's CPU and disk use below the ranks' (checkpoint replicas, issue 31).
+
+Part of the node agent (node program ``agent``, ``node/ship.py``): the replica copy runs
+in the agent's threads (``node/replica.py``) and must take what the ranks leave, no more.
+:func:`lower_this_thread` applies, to the calling thread only, each of:
+
+* **CPU policy** ``SCHED_IDLE`` (``os.sched_setscheduler`` on the thread's native id;
+  allowed without privileges), else nice 19. This ranks the copy below every normal
+  task *of the same scheduling group* only: Linux's autogroup puts each session in a
+  group of its own, and the ranks run in sessions of their own, so under autogroup
+  neither nice nor SCHED_IDLE keeps the copy's session from taking its equal share.
+* **A cpu cgroup** (cgroup v1 ``cpu`` controller, where writable — root, or a delegated
+  hierarchy): the thread moves into ``clusterkit-copy`` (``cpu.shares`` 2, against 1024
+  for a session) created under the thread's own cpu cgroup, so it stays inside a batch
+  job's hierarchy. A task in a cgroup other than the root is not autogrouped, so this is
+  what works under autogroup. cgroup v2 moves only whole processes outside threaded
+  subtrees: not tried.
+* **I/O class idle** (``ioprio_set`` through ctypes, else ``ionice -c3``): the disk
+  serves the copy when nobody else asks; honoured by the bfq (and old cfq) schedulers
+  only — the line says which scheduler the checkpoint's disk has.
+
+Every step falls back silently; the returned line says what applied (the agent writes it
+to the node's ``launcher.log``). Standard library only, Python >= 3.8, Linux (elsewhere
+nothing applies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import subprocess
+import threading
+
+CGROUP_NAME = "clusterkit-copy"
+CGROUP_SHARES = 2  # the least cgroup v1 accepts; a session's autogroup weighs 1024
+IOPRIO_CLASS_IDLE = 3
+IOPRIO_CLASS_SHIFT = 13
+IOPRIO_WHO_PROCESS = 1  # "process" is a thread id to the kernel: per thread
+# ioprio_set's number per architecture (asm/unistd.h).
+SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "riscv64": 30, "ppc64le": 273,
+                  "ppc64": 273, "s390x": 282, "i686": 289, "armv7l": 314}
+
+
+def lower_this_thread(path: str = "") -> str:
+    """CPU and I/O priority of the calling thread as low as allowed; what applied, in
+    words. ``path``: a file or dir on the disk the thread will use (for the line)."""
+    tid = threading.get_native_id()
+    parts = [_cpu_policy(tid), _cpu_cgroup(tid), _io_idle(tid)]
+    sched = _io_scheduler(path) if path else ""
+    if sched:
+        parts[-1] += f" (the disk's scheduler: {sched}"\
+                     + ("" if sched in ("bfq", "cfq") else ", which ignores I/O classes") + ")"
+    return "; ".join(p for p in parts if p)
+
+
+def _cpu_policy(tid: int) -> str:
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return "CPU: SCHED_IDLE"
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+        return "CPU: nice 19 (SCHED_IDLE refused)"
+    except (AttributeError, OSError):
+        return "CPU: normal (neither SCHED_IDLE nor nice allowed)"
+
+
+def cpu_cgroup_dir(tid: int) -> str | None:
+    """Where the thread's cgroup v1 cpu controller is mounted, joined with its cgroup
+    path: the parent of ``clusterkit-copy``. None without a v1 cpu hierarchy."""
+    mount = None
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            fields = right.split()
+            if len(fields) >= 3 and fields[0] == "cgroup" \
+                        and "cpu" in fields[2].split(","):
+                mount = left.split()[4]
+                break
+    if mount is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{tid}/cgroup", encoding="utf-8") as fh:
+            for line in fh:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if "cpu" in controllers.split(","):
+                    if os.path.basename(path) == CGROUP_NAME:  # in it already
+                        path = os.path.dirname(path)
+                    return os.path.join(mount, path.lstrip("/"))
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _cpu_cgroup(tid: int) -> str:
+    parent = cpu_cgroup_dir(tid)
+    if parent is None:
+        return ""
+    group = os.path.join(parent, CGROUP_NAME)
+    try:
+        os.makedirs(group, exist_ok=True)
+        with open(os.path.join(group, "cpu.shares"), "w", encoding="ascii") as fh:
+            fh.write(str(CGROUP_SHARES))
+        with open(os.path.join(group, "tasks"), "w", encoding="ascii") as fh:
+            fh.write(str(tid))
+    except OSError as exc:
+        return f"no cpu cgroup ({group}: {exc.strerror or exc})"
+    return f"cpu cgroup {group} (cpu.shares {CGROUP_SHARES})"
+
+
+def release_cgroup() -> None:
+    """Remove this node's ``clusterkit-copy`` cgroup once no thread is in it (another
+    agent's threads keep it: the kernel refuses, and that is fine)."""
+    parent = cpu_cgroup_dir(threading.get_native_id())
+    if parent is not None:
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(parent, CGROUP_NAME))
+
+
+def _io_idle(tid: int) -> str:
+    number = SYS_IOPRIO_SET.get(platform.machine())
+    if number is not None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            value = IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT
+            if libc.syscall(number, IOPRIO_WHO_PROCESS, tid, value) == 0:
+                return "I/O: idle class"
+        except (OSError, AttributeError, ImportError):
+            pass
+    ionice = shutil.which("ionice")
+    if ionice is not None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            done = subprocess.run([ionice, "-c", "3", "-p", str(tid)], capture_output=True,
+                                  timeout=5, check=False)
+            if done.returncode == 0:
+                return "I/O: idle class (ionice)"
+    return "I/O: normal (idle class refused)"
+
+
+def _io_scheduler(path: str) -> str:
+    """The I/O scheduler of the block device holding ``path`` ('' when unknown)."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return ""
+    base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    for queue in (os.path.join(base, "queue"), os.path.join(base, "..", "queue")):
+        with contextlib.suppress(OSError):
+            with open(os.path.join(queue, "scheduler"), encoding="ascii") as fh:
+                text = fh.read()
+            start, end = text.find("["), text.find("]")
+            return text[start + 1:end] if 0 <= start < end else text.strip()
+    return ""
+

@@ -1,0 +1,114 @@
+"""The replica copy's priority (issue 31 item 6): node/priority.py lowers the calling
+thread only, and falls back without an error where a step is not allowed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clusterkit.node import priority
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _in_thread(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """fn's result in a new thread, and that thread's native id."""
+    out: dict[str, Any] = {}
+    go, done = threading.Event(), threading.Event()
+
+    def run() -> None:
+        out["tid"] = threading.get_native_id()
+        out["words"] = fn()
+        out["policy"] = os.sched_getscheduler(out["tid"])
+        out["cgroup"] = Path(f"/proc/self/task/{out['tid']}/cgroup").read_text()
+        out["ionice"] = (subprocess.run(["ionice", "-p", str(out["tid"])], capture_output=True,
+                                        text=True, check=False).stdout
+                         if shutil.which("ionice") else "")
+        go.set()
+        done.wait(10)
+
+    t = threading.Thread(target=run)
+    t.start()
+    go.wait(10)
+    res = dict(out)
+    done.set()
+    t.join()
+    return res, res["tid"]
+
+
+@pytest.fixture
+def cgroup_cleanup() -> Any:
+    """Remove the clusterkit-copy cgroup afterwards if this test made it."""
+    parent = priority.cpu_cgroup_dir(threading.get_native_id())
+    group = os.path.join(parent, priority.CGROUP_NAME) if parent else None
+    existed = group is not None and os.path.isdir(group)
+    yield
+    if group is not None and not existed:
+        for _ in range(50):  # a joined thread leaves its cgroup a moment after
+            priority.release_cgroup()
+            if not os.path.isdir(group):
+                break
+            time.sleep(0.1)
+        assert not os.path.isdir(group)
+
+
+def test_the_calling_thread_gets_sched_idle_and_the_others_keep_theirs(cgroup_cleanup: Any,
+                                                                        tmp_path: Path) -> None:
+    before = os.sched_getscheduler(0)
+    res, tid = _in_thread(lambda: priority.lower_this_thread(str(tmp_path)))
+    assert res["policy"] == os.SCHED_IDLE
+    assert "CPU: SCHED_IDLE" in res["words"]
+    assert os.sched_getscheduler(0) == before == os.SCHED_OTHER  # this thread untouched
+    if res["ionice"]:
+        assert "idle" in res["ionice"]
+        assert "I/O: idle class" in res["words"]
+    parent = priority.cpu_cgroup_dir(tid)
+    if parent is not None and os.geteuid() == 0 and os.access(parent, os.W_OK):
+        assert f"/{priority.CGROUP_NAME}" in res["cgroup"], res
+        assert "cpu cgroup" in res["words"]
+
+
+def test_every_step_refused_gives_a_line_not_an_error(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    def refuse(*_a: Any, **_k: Any) -> Any:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    monkeypatch.setattr(os, "setpriority", refuse)
+    monkeypatch.setattr(priority, "SYS_IOPRIO_SET", {})
+    monkeypatch.setattr(priority.shutil, "which", lambda _n: None)
+    monkeypatch.setattr(priority, "cpu_cgroup_dir", lambda _t: str(tmp_path / "no" / "such"))
+    (tmp_path / "no").write_text("a file where the cgroup dir would go")
+    res, _ = _in_thread(lambda: priority.lower_this_thread())
+    assert res["policy"] == os.SCHED_OTHER
+    assert res["words"].startswith("CPU: normal (neither SCHED_IDLE nor nice allowed); "
+                                   "no cpu cgroup (")
+    assert res["words"].endswith("I/O: normal (idle class refused)")
+
+
+def test_an_unprivileged_user_gets_what_it_may_without_an_error(tmp_path: Path) -> None:
+    """As nobody: SCHED_IDLE and the idle I/O class are allowed, the cgroup is not."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a check as nobody")
+    code = ("import threading,os,sys;sys.path.insert(0,%r);"
+            "from clusterkit.node import priority as p;r={};"
+            "t=threading.Thread(target=lambda:r.update(w=p.lower_this_thread(),"
+            "s=os.sched_getscheduler(0)));t.start();t.join();"
+            "print(r['s']==os.SCHED_IDLE);print(r['w'])") % str(REPO)
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    done = subprocess.run([python, "-S", "-c", code], capture_output=True, text=True,
+                          user="nobody", cwd="/", timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    first, words = done.stdout.splitlines()[:2]
+    assert first == "True", words
+    assert "CPU: SCHED_IDLE" in words
+    assert "cpu cgroup /" not in words  # refused, said, no error
