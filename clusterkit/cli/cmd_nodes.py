@@ -1,4 +1,5 @@
-"""``clusterkit nodes install``: the bundled workload's code on every selected node."""
+"""``clusterkit nodes install|env|build-ops``: clusterkit, the Python environment and
+DeepSpeed's JIT ops on every selected node (docs/sync.md, docs/getting-nodes-ready.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from clusterkit.hostfile import select_hosts
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("nodes", help="manage clusterkit on the nodes (install)")
+    p = sub.add_parser("nodes", help="get the nodes ready (install, env, build-ops)")
     verbs = p.add_subparsers(dest="nodes_verb", metavar="VERB", required=True)
     inst = verbs.add_parser(
         "install", help="install this exact clusterkit (a local wheel) into every node's python",
@@ -25,6 +26,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     inst.add_argument("--wheel", metavar="FILE", type=nonempty,
                       help="install this wheel instead of building one")
     inst.set_defaults(func=cmd_install)
+    env = verbs.add_parser(
+        "env", help="make every node's Python environment equal this one (offline, verified)",
+        description="Copy this interpreter's environment (sys.prefix; the base interpreter "
+        "when it is a venv; editable installs' source trees) to the same absolute path on "
+        "every selected node, through clusterkit sync's transfer, and verify it file by "
+        "file: afterwards its digest is equal everywhere (doctor and the launch gate compare "
+        "it). Refused per node, before any byte moves: another CPU architecture, an older "
+        "glibc, a path that exists and is no environment. See docs/getting-nodes-ready.md.")
+    add_inventory_option(env)
+    add_selection_options(env)
+    env.add_argument("--python", metavar="PY", type=nonempty,
+                     help="the job's interpreter whose environment travels (default: the one "
+                          "running clusterkit)")
+    env.add_argument("--node-python", default="python3", metavar="PY",
+                     help="a Python 3.8+ that already exists on the nodes, to run the "
+                          "copy's node side (default: python3 on the remote PATH)")
+    env.set_defaults(func=cmd_env)
 
 
 def cmd_install(args: argparse.Namespace) -> int:
@@ -49,3 +67,46 @@ def cmd_install(args: argparse.Namespace) -> int:
         print(f"  {line}")
     group.raise_on_failure("nodes install")
     return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from clusterkit.hostrange import folded_lines
+    from clusterkit.remote.base import target_for
+    from clusterkit.remote.dispatch import transport_for
+    from clusterkit.remote.envcopy import EnvNode, describe_local, replicate
+
+    inv = resolve_inventory(args.inventory)
+    chosen = select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                          include=args.include, exclude=args.exclude)
+    source = describe_local(args.python)  # an editable tree that cannot travel: refused here
+    nodes = [EnvNode(h.name, target_for(h), args.node_python, dict(h.env)) for h, _ in chosen]
+    print(f"environment {source.prefix} (Python {source.python_version}) -> "
+          f"{len(nodes)} node(s), at the same path:", file=sys.stderr)
+    for part in source.parts:
+        how = "" if part.copy else " (the OS's: checked, not copied)"
+        print(f"  {part.role}: {part.path}{how}", file=sys.stderr)
+    with transport_for() as transport:
+        results, group, _ = replicate(transport, nodes, source)
+    order = [n.name for n in nodes]
+    for line in folded_lines(((n, r.summary()) for n, r in results.items()), order):
+        print(f"  {line}")
+    for line in folded_lines(((n, w) for n, r in results.items() for w in r.warnings), order):
+        print(f"  warning: {line}")
+    note = driver_note({n: r.facts.get("driver") for n, r in results.items()}, order)
+    if note:
+        print(f"  note: {note}")
+    group.raise_on_failure("nodes env")
+    return 0
+
+
+def driver_note(drivers: dict[str, object], order: list[str]) -> str | None:
+    """GPU drivers are the OS's, not the environment's: say when the nodes' differ."""
+    from clusterkit.hostrange import fold_by_text
+
+    known = {n: str(v) for n, v in drivers.items() if v}
+    if len(set(known.values())) < 2:
+        return None
+    rows = fold_by_text(((n, v) for n, v in known.items()), order)
+    return ("GPU drivers differ (" + ", ".join(f"{v} on {hosts}" for hosts, v in rows)
+            + "): not part of the environment, not copied; install one driver everywhere "
+              "(doctor's gpu.driver check)")

@@ -54,6 +54,8 @@ PROGRAMS: dict[str, Program] = {
     "ckstream": Program(("contract", "listing", "hashing", "ckstream")),
     "gatefacts": Program(("sitepaths", "parity", "gatefacts")),
     "sync": Program(("sync",)),
+    "envfacts": Program(("envfacts",)),  # nodes env: facts, verify, record (remote/envcopy.py)
+    "jitops": Program(("jitops",), site=True),  # nodes build-ops: imports deepspeed to build
     "install": Program(("sitepaths", "parity", "gatefacts", "install"), site=True),
     "slurmwatch": Program(("contract", "slurmwatch")),  # sbatch.sh's progress watchdog (docs/sbatch.md)
 }

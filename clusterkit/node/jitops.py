@@ -1,0 +1,175 @@
+"""Node program and helper: DeepSpeed's JIT-built ops, built once per node; stale build locks.
+
+Standard library only at import (shipped, node/ship.py); ``build`` imports deepspeed
+inside the function that must call it.
+
+Why: torch builds a JIT extension under a lock file, ``<build dir>/lock``, created with
+O_EXCL and kept open by the builder until the build ends (torch.utils.file_baton).
+Every other process waits in ``FileBaton.wait`` until the file is gone. A builder
+killed mid-build leaves the file behind and every later DeepSpeed start on that node
+waits forever. Building the ops once per node before the ranks start (``clusterkit
+nodes build-ops``) means eight ranks never race one build, and ``doctor`` names a
+lock that no live process holds (:func:`locks`).
+
+``build``: stdin holds one JSON line ``{"ops": [builder class names], "ds_config":
+{...}}``; the ops are the given ones plus :func:`ops_for_config` of the config. Prints
+one JSON line: per op, built / not available here / failed (with the last error line).
+``locks``: prints the build locks found (:func:`locks`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Dict, List  # noqa: UP035 - runs on Python 3.8 nodes
+
+JITOPS_VERSION = 1
+# Built by DeepSpeed's CPU accelerator at every deepspeed.init_distributed (comm/torch.py).
+SHM_COMM = "ShareMemCommBuilder"
+
+
+def extension_roots() -> List[str]:  # noqa: UP006
+    """Where torch puts JIT builds: ``$TORCH_EXTENSIONS_DIR/<op>/`` when set, else
+    ``~/.cache/torch_extensions/py<XY>_<cpu|cuXYZ>/<op>/`` (torch.utils.cpp_extension)."""
+    roots = []
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        roots.append(os.environ["TORCH_EXTENSIONS_DIR"])
+    roots.append(os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions"))
+    return roots
+
+
+def holders(path: str, proc: str = "/proc") -> List[int]:  # noqa: UP006
+    """The pids with ``path`` open (fuser's answer, from ``/proc/<pid>/fd``). Only
+    processes this user may see and, in a PID namespace, only that namespace's."""
+    want = os.path.realpath(path)
+    out = []
+    for fd_dir in glob.glob(os.path.join(proc, "[0-9]*", "fd")):
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in names:
+            try:
+                if os.readlink(os.path.join(fd_dir, fd)) == want:
+                    out.append(int(fd_dir.split(os.sep)[-2]))
+                    break
+            except OSError:
+                continue
+    return sorted(out)
+
+
+def locks(roots: List[str] | None = None, now: float | None = None  # noqa: UP006
+          ) -> List[Dict[str, Any]]:  # noqa: UP006
+    """Every ``lock`` file of a JIT build under the roots: path, age, holders (pids that
+    have it open; none: stale, unless a process on another node sharing this directory
+    builds right now)."""
+    now = time.time() if now is None else now
+    seen, out = set(), []
+    for root in roots if roots is not None else extension_roots():
+        for path in sorted(glob.glob(os.path.join(root, "*", "lock"))
+                           + glob.glob(os.path.join(root, "*", "*", "lock"))):
+            real = os.path.realpath(path)
+            if real in seen or not os.path.isfile(real):
+                continue
+            seen.add(real)
+            try:
+                age = now - os.stat(real).st_mtime
+            except OSError:
+                continue
+            out.append({"path": real, "age_s": round(age, 1), "holders": holders(real)})
+    return out
+
+
+def stale(found: List[Dict[str, Any]]) -> List[Dict[str, Any]]:  # noqa: UP006
+    return [lk for lk in found if not lk.get("holders")]
+
+
+# ----------------------------------------------------------------------------- which ops
+
+
+def ops_for_config(ds_config: Dict[str, Any], accelerator: str) -> List[str]:  # noqa: UP006
+    """The op builders a DeepSpeed job with ``ds_config`` JIT-builds on ``accelerator``
+    (``cpu``, ``cuda``...): the CPU accelerator's shared-memory collectives (every
+    init), and the optimizer's kernel unless the config asks for torch's own Adam."""
+    ops = [SHM_COMM] if accelerator == "cpu" else []
+    opt = ds_config.get("optimizer") if isinstance(ds_config.get("optimizer"), dict) else {}
+    kind = str(opt.get("type", "")).lower()
+    params = opt.get("params") if isinstance(opt.get("params"), dict) else {}
+    zero = ds_config.get("zero_optimization") if isinstance(
+        ds_config.get("zero_optimization"), dict) else {}
+    off = (zero.get("offload_optimizer") or {}) if isinstance(zero, dict) else {}
+    offload = isinstance(off, dict) and off.get("device") in ("cpu", "nvme")
+    if kind in ("adam", "adamw") and not params.get("torch_adam"):
+        ops.append("CPUAdamBuilder" if offload or accelerator == "cpu" else "FusedAdamBuilder")
+    elif kind == "lion":
+        ops.append("CPULionBuilder" if offload or accelerator == "cpu" else "FusedLionBuilder")
+    elif kind == "adagrad":
+        ops.append("CPUAdagradBuilder")
+    if isinstance(off, dict) and off.get("device") == "nvme":
+        ops.append("AsyncIOBuilder")
+    return list(dict.fromkeys(ops))
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def _stop(signum: int, frame: Any) -> None:
+    # torch releases its build lock in a ``finally``: a SIGTERM/SIGHUP (the SSH session
+    # ended, Ctrl-C on the launcher) must unwind through it, not end the process there.
+    raise SystemExit(128 + signum)
+
+
+def build(ops: List[str], ds_config: Dict[str, Any]) -> Dict[str, Any]:  # noqa: UP006
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop)
+    import importlib
+
+    # The one import outside the standard library, here only: the op builders are
+    # deepspeed's (the other modes and the launcher's imports of this module need none).
+    acc = importlib.import_module("deepspeed.accelerator").get_accelerator()
+    name = str(getattr(acc, "_name", "") or acc.device_name())
+    wanted = list(dict.fromkeys([*ops, *ops_for_config(ds_config, name)]))
+    results: Dict[str, Any] = {}  # noqa: UP006
+    for op in wanted:
+        t0 = time.monotonic()
+        try:
+            builder = acc.create_op_builder(op)
+            if builder is None or not builder.is_compatible(verbose=False):
+                results[op] = {"state": "not available", "why": f"not built on {name}"}
+                continue
+            builder.load(verbose=False)
+            results[op] = {"state": "built", "name": builder.absolute_name(),
+                           "seconds": round(time.monotonic() - t0, 1)}
+        except Exception as exc:  # a failed op is data; the next op still builds
+            tail = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+            results[op] = {"state": "failed", "why": f"{type(exc).__name__}: {tail[:300]}"}
+    return {"v": JITOPS_VERSION, "accelerator": name, "ops": results}
+
+
+def main(argv: List[str] | None = None) -> int:  # noqa: UP006
+    args = list(sys.argv[1:] if argv is None else argv)
+    mode = args[0] if args else ""
+    try:
+        if mode == "build":
+            req = json.loads(sys.stdin.buffer.readline().decode("utf-8") or "{}")
+            found = stale(locks())
+            if found and not req.get("remove_stale"):
+                out = {"v": JITOPS_VERSION, "stale": found}
+            else:
+                for lk in found:
+                    os.unlink(lk["path"])
+                out = build(list(req.get("ops") or []), dict(req.get("ds_config") or {}))
+                out["removed"] = [lk["path"] for lk in found]
+        elif mode == "locks":
+            out = {"v": JITOPS_VERSION, "locks": locks()}
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+    except (OSError, ValueError, ImportError) as exc:
+        out = {"v": JITOPS_VERSION, "error": f"{type(exc).__name__}: {exc}"}
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
+    return 0 if "error" not in out else 1
