@@ -8,10 +8,15 @@ The test bed runs the same over SSH (tests/test_shared_storage_testbed.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 
+from clusterkit.checks.findings import Status
+from clusterkit.checks.rules_base import DoctorContext
+from clusterkit.checks.rules_storage import check_shared_dirs
 from clusterkit.launch.gate import judge, node_needs, shared_dirs
 from clusterkit.node.gatefacts import (
     TOKEN_PREFIX,
@@ -131,3 +136,56 @@ def test_node_needs_ask_for_tokens_on_node_local_with_several_nodes() -> None:
     assert not any(x.startswith("unshared:") for p in (one, shared) for n in p.nodes
                    for x in node_needs(p, n))
     assert TOKEN_PREFIX.startswith(".")  # hidden: the replica watcher skips it
+
+
+# ------------------------------------------------------------------ doctor
+
+
+def _ctx(storage: str | None = None) -> DoctorContext:
+    return DoctorContext(hosts=("node1", "node2", "node3"), storage=storage,
+                         local_dirs=dict.fromkeys(("node1", "node2", "node3"), "/home/u/ck"))
+
+
+TOKENS: dict[str, dict[str, object]] = {
+    "node1": {"/home/u/ck": {"seen": []}}, "node2": {"/home/u/ck": {"seen": ["node1"]}},
+    "node3": {"/home/u/ck": {"seen": []}}}
+
+
+def test_doctor_warns_fails_for_node_local_and_skips_for_shared() -> None:
+    warn = check_shared_dirs(TOKENS, _ctx())
+    assert [(f.host, f.status) for f in warn] == [
+        ("node1", Status.WARN), ("node2", Status.WARN), ("node3", Status.PASS)]
+    assert warn[0].detail == warn[1].detail == (
+        "checkpoint dir /home/u/ck is one directory shared by node[1-2] (a file written on one "
+        "is seen on the others): node-local checkpoints and replicas would collide there")
+    assert warn[0].fix == ("use --storage shared, or a checkpoint.local_dir (--ckpt-dir) on "
+                           "each node's own disk")
+    fail = check_shared_dirs(TOKENS, _ctx("node-local"))
+    assert [f.status for f in fail] == [Status.FAIL, Status.FAIL, Status.PASS]
+    assert check_shared_dirs(TOKENS, _ctx("shared")) == []
+    err = check_shared_dirs({"node1": {"/x": {"error": "cannot write a token in /x"}}}, _ctx())
+    assert [(f.status, f.detail.split(":")[0]) for f in err] == [
+        (Status.WARN, "cannot tell whether checkpoint.local_dir is this node's own")]
+
+
+def test_doctor_finds_a_local_dir_two_local_nodes_share(tmp_path: Path) -> None:
+    """Two virtual nodes with one checkpoint.local_dir, a third with its own; the phase
+    leaves no token behind."""
+    from clusterkit.checks.doctor import plan_doctor, run_doctor
+    from clusterkit.inventory import local_inventory
+    from clusterkit.remote.dispatch import DispatchTransport
+
+    inv = local_inventory(str(tmp_path), nodes=3)
+    common = str(tmp_path / "common")
+    hosts = [dataclasses.replace(h, checkpoint=dataclasses.replace(h.checkpoint,
+                                                                   local_dir=common))
+             if i < 2 else h for i, h in enumerate(inv.hosts)]
+    plan = plan_doctor(hosts, head_python=sys.executable, head_cwd=str(tmp_path),
+                       head_tools={}, master_port=None, storage="node-local")
+    with DispatchTransport() as transport:
+        report = run_doctor(plan, transport)
+    found = {f.host: f for f in report.findings if f.check == "storage.node-local"}
+    assert found["local1"].status is Status.FAIL and found["local2"].status is Status.FAIL
+    assert "shared by local[1-2]" in found["local1"].detail
+    assert found["local3"].status is Status.PASS
+    assert not list(tmp_path.rglob(".clusterkit-token*"))

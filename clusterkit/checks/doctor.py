@@ -10,7 +10,9 @@ a :class:`DoctorPlan` out). :func:`run_doctor` executes it over a transport:
 2. the master-port phase reuses those connections: ``listen`` on the master,
    ``connect`` from every reachable node, then a ``!done`` hello ends the
    listener (so the port is free again right after doctor);
-3. the pure rules turn facts into findings.
+3. the shared-storage phase (``checks/doctor_storage.py``): a token written into each
+   ``checkpoint.local_dir`` and looked for from the others, then removed;
+4. the pure rules turn facts into findings.
 
 Nothing here prints; the CLI renders :class:`DoctorReport`. The master-port phase
 is ``checks/doctor_port.py``, ``--fix-env`` is ``checks/fixenv.py``.
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clusterkit.checks.doctor_port import Listener, master_port_findings, probe_budget
+from clusterkit.checks.doctor_storage import shared_dir_tokens
 from clusterkit.checks.facts import NodeFacts, from_probe_json, unreachable
 from clusterkit.checks.findings import (
     Finding,
@@ -48,6 +51,7 @@ from clusterkit.checks.rules import (
     one_machine,
     run_rules,
 )
+from clusterkit.checks.rules_storage import check_shared_dirs
 from clusterkit.errors import TransportError
 from clusterkit.hostrange import fold
 from clusterkit.inventory import Host
@@ -112,6 +116,7 @@ def plan_doctor(
     master_port: int | None = DEFAULT_MASTER_PORT,
     checkpoint_bytes: int | None = None,
     replicas: int = 0,
+    storage: str | None = None,
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     accept_new_host_keys: bool = False,
     max_parallel: int = 128,
@@ -139,6 +144,7 @@ def plan_doctor(
         head_python=None,  # clusterkit launch never runs the launcher's own interpreter remotely
         checkpoint_bytes=checkpoint_bytes, replicas=replicas,
         local_dirs={h.name: h.checkpoint.local_dir for h in hosts if h.checkpoint.local_dir},
+        storage=storage,
         one_machine=one_machine((h.transport, h.address) for h in hosts),
     )
     return DoctorPlan(tuple(nodes), ctx, master_port, connect_timeout_s=connect_timeout_s,
@@ -253,12 +259,15 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *, ssh_client: str | None
                                               stats=stats)
                          if listener is not None else [])
         stats["port"] = time.monotonic() - started - t_facts
+        tokens = shared_dir_tokens({n.host: (n.target, n.python) for n in plan.nodes},
+                                   plan.ctx.local_dirs, facts, transport)
     finally:
         if listener is not None:
             listener.close()
     t_rules = time.monotonic()
     findings = (run_rules(facts, _with_windows(plan.ctx, windows)) + port_findings
-                + startup_findings(startup) + clusterkit_parity(facts, own_digest.result()))
+                + startup_findings(startup) + clusterkit_parity(facts, own_digest.result())
+                + check_shared_dirs(tokens, plan.ctx))
     timings = {"facts": t_facts, **stats, "rules": time.monotonic() - t_rules,
                "total": time.monotonic() - started}
     extra = {"ssh_client": ssh_client} if ssh_client else {}

@@ -42,6 +42,9 @@ class DoctorContext:
     # holds copies of `replicas` other nodes' checkpoints, each about checkpoint_bytes.
     replicas: int = 0
     local_dirs: Mapping[str, str] = field(default_factory=dict)
+    # The job's storage when doctor is told (--storage): node-local makes a local_dir that
+    # several nodes share a FAIL (rules_storage), shared skips that check; None: WARN.
+    storage: str | None = None
     # Local clock (time.time()) just before sending / after receiving each node's probe.
     probe_windows: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     # Every node is this machine (the embedded default's virtual nodes, or loopback

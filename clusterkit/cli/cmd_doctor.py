@@ -63,6 +63,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="checkpoint replicas each node-local dir also holds (--ckpt-size "
                         "counts 1+K there); default: the inventory's checkpoint.replicas, "
                         "else 1 where the job would be node-local (docs/lost-a-node.md)")
+    p.add_argument("--storage", choices=("node-local", "shared"), default=None,
+                   help="the job's checkpoint storage, as `clusterkit launch --storage`: "
+                        "node-local FAILs a checkpoint.local_dir that several nodes share "
+                        "(default: WARN), shared skips that check")
     p.add_argument("--bandwidth", action="store_true",
                    help="also run a short all_reduce and pairwise tests (needs torch on nodes)")
     p.add_argument("--bandwidth-size", default=None, metavar="SIZE",
@@ -119,6 +123,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         head_tools={t: shutil.which(t) for t in HEAD_TOOLS},
         backend=BACKENDS[args.backend].doctor, master_port=_master_port(args, inv.name),
         checkpoint_bytes=args.ckpt_size or None, replicas=_replicas(args, [h for h, _ in chosen]),
+        storage=args.storage,
         connect_timeout_s=args.connect_timeout, accept_new_host_keys=args.accept_new_host_keys,
     )
     from clusterkit.remote.dispatch import transport_for

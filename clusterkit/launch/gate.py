@@ -24,11 +24,13 @@ from clusterkit.hostrange import fold, folded_lines
 from clusterkit.node.gatefacts import (
     NEED_UNSHARED,
     PACKAGES,
+    SHARED_FIX,
     need_dir,
     need_port,
     need_resolve,
     need_unshared,
-    shared_groups,
+    shared_line,
+    shared_verdict,
 )
 from clusterkit.node.parity import holders, majority
 from clusterkit.node.ship import node_command
@@ -210,33 +212,13 @@ def _need_problems(f: dict[str, object]) -> list[str]:
     return out
 
 
-SHARED_FIX = ("--storage shared, or a checkpoint.local_dir (--ckpt-dir) on each node's own "
-              "disk")
-
-
 def shared_dirs(facts: dict[str, dict[str, object]], order: Sequence[str]) -> dict[str, str]:
-    """node -> why its "node-local" checkpoint dir is not its own: a token written there
-    by one node was seen by another (gatefacts.token_seen). One text per group: they fold."""
-    seen: dict[str, list[str]] = {}
-    where: dict[str, str] = {}
-    for node, f in facts.items():
-        found = f.get("unshared")
-        for path, result in (found.items() if isinstance(found, dict) else ()):
-            if isinstance(result, dict) and isinstance(result.get("seen"), list):
-                seen.setdefault(node, []).extend(str(n) for n in result["seen"])
-                where[node] = str(path)
+    """node -> why its "node-local" checkpoint dir is not its own (gatefacts.token_seen):
+    one text per group of nodes sharing a dir, so they fold."""
     out: dict[str, str] = {}
-    for group in shared_groups(seen, order):
-        text = shared_line(where.get(group[0], "?"), group)
-        out.update(dict.fromkeys(group, f"{text}; use {SHARED_FIX}"))
+    for path, group in shared_verdict(facts, order):
+        out.update(dict.fromkeys(group, f"{shared_line(path, fold(group))}; use {SHARED_FIX}"))
     return out
-
-
-def shared_line(path: str, nodes: Sequence[str]) -> str:
-    """``checkpoint dir /x is one directory shared by node[1-4] ...``: doctor, the gate."""
-    return (f"checkpoint dir {path} is one directory shared by {fold(nodes)} (a file written "
-            "on one node is seen on the others), not a disk of each node's own: node-local "
-            "checkpoints and their replicas would land in one place")
 
 
 def _port_problem(port: str, why: str) -> str:

@@ -254,6 +254,30 @@ def shared_groups(seen: Mapping[str, Sequence[str]], order: Sequence[str] = ()) 
     return [list(g) for g in sorted(out, key=lambda g: key(g[0]))]
 
 
+def shared_verdict(facts: Mapping[str, Mapping[str, Any]], order: Sequence[str] = ()
+                   ) -> list[tuple[str, list[str]]]:
+    """(dir, the nodes sharing it) from the nodes' facts (their ``unshared`` key: the
+    gate's, doctor's); a node whose token could not be written takes no part."""
+    seen: dict[str, list[str]] = {}
+    where: dict[str, str] = {}
+    for node, f in facts.items():
+        found = f.get("unshared")
+        for path, result in (found.items() if isinstance(found, Mapping) else ()):
+            if isinstance(result, Mapping) and isinstance(result.get("seen"), list):
+                seen.setdefault(node, []).extend(str(n) for n in result["seen"])
+                where[node] = str(path)
+    return [(where.get(g[0], "?"), g) for g in shared_groups(seen, order)]
+
+
+# One spelling for the gate, doctor and collect-ckpt (``where``: the nodes, folded).
+SHARED_FIX = "--storage shared, or a checkpoint.local_dir (--ckpt-dir) on each node's own disk"
+
+
+def shared_line(path: str, where: str) -> str:
+    return (f"checkpoint dir {path} is one directory shared by {where} (a file written on one "
+            "is seen on the others): node-local checkpoints and replicas would collide there")
+
+
 def gate_facts(needs: Sequence[str] = ()) -> dict[str, Any]:
     """``needs``: what the job needs on this node (see ``NEED_*``): ``missing`` lists the
     absent files, ``unwritable`` the directories the job could not write (``WHAT=PATH``
