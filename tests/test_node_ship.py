@@ -53,12 +53,9 @@ def test_every_program_runs_from_its_shipped_sources_alone(python: str, tmp_path
         res = _run(ship.node_command(python, program, args), tmp_path)
         assert res.returncode == 0, (program, res.stderr.decode()[-800:])
         assert check(json.loads(res.stdout.decode().strip().splitlines()[-1])), program
-    # sync plans from a manifest that follows its sources on stdin.
-    manifest = {"files": {"global_step1/a.pt": [10, 0.0], "new.py": [3, 0.0]}}
-    res = _run(ship.node_command(python, "sync", ["plan", str(tmp_path / "ckpt")]), tmp_path,
-               (json.dumps(manifest) + "\n").encode())
-    plan = json.loads(res.stdout.decode().splitlines()[-1])
-    assert plan["send"] == ["new.py"] and list(plan["check"]) == ["global_step1/a.pt"], plan
+    # dist (clusterkit sync's node program) checks a directory against its manifest.
+    res = _run(ship.node_command(python, "dist", ["check", str(tmp_path / "ckpt")]), tmp_path)
+    assert json.loads(res.stdout.decode().splitlines()[-1])["state"] == "no-manifest", res
 
 
 @pytest.mark.parametrize("system_site", [False, True])

@@ -50,7 +50,8 @@ def test_sync_moves_only_changed_files_honours_ignore_and_delete(
     dest = work / "code"  # same path relative to the launcher's cwd, under the workdir
     assert "v0: 4 file(s) sent" in out
     assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()) == [
-        ".clusterkitignore", "keep.log", "pkg/model.py", "train.py"]
+        ".clusterkit-sync/manifest.json", ".clusterkitignore", "keep.log", "pkg/model.py",
+        "train.py"]
     assert os.stat(dest / "train.py").st_mtime == os.stat(src / "train.py").st_mtime
     # Nothing changed: nothing moves.
     assert "v0: 0 file(s) sent (0 bytes, verified), 4 unchanged" in _sync(inv, src, capsys)
@@ -58,9 +59,10 @@ def test_sync_moves_only_changed_files_honours_ignore_and_delete(
     (src / "pkg" / "model.py").write_text("W = 2\n")
     assert "v0: 1 file(s) sent (6 bytes, verified), 3 unchanged" in _sync(inv, src, capsys)
     assert (dest / "pkg" / "model.py").read_text() == "W = 2\n"
-    # Same content, new mtime: checksum says equal, only the mtime is fixed.
+    # Same content, new mtime: the sha256 says equal, nothing travels, the mtime follows.
     os.utime(src / "train.py", (time.time() + 5, time.time() + 5))
-    assert "1 mtime(s) fixed" in _sync(inv, src, capsys)
+    assert "v0: 0 file(s) sent (0 bytes, verified), 4 unchanged" in _sync(inv, src, capsys)
+    assert os.stat(dest / "train.py").st_mtime_ns == os.stat(src / "train.py").st_mtime_ns
     # A file only on the node stays unless --delete.
     (dest / "stale.py").write_text("old\n")
     assert "1 extra file(s) kept" in _sync(inv, src, capsys)
@@ -150,6 +152,11 @@ def test_delete_never_touches_job_dirs_or_checkpoints_under_the_destination(
     cwd = os.getcwd()
     os.chdir(src)
     try:
+        # --delete only where a sync put its manifest: not in a directory sync never filled.
+        assert main(["sync", ".", "-i", str(inv), "--delete"]) == 2
+        assert "holds no clusterkit sync manifest" in capsys.readouterr().out
+        assert (work / "old.py").exists()
+        assert main(["sync", ".", "-i", str(inv)]) == 0
         assert main(["sync", ".", "-i", str(inv), "--delete"]) == 0
     finally:
         os.chdir(cwd)

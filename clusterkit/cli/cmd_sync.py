@@ -1,8 +1,10 @@
-"""``clusterkit sync [DIR]``: the code directory to the same path under every node's workdir."""
+"""``clusterkit sync [DIR]``: a directory of any size to the same path under every node's
+workdir, node to node at the link's rate (clusterkit.remote.distribute; docs/sync.md)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import posixpath
 import sys
@@ -10,74 +12,182 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from clusterkit.cli.argparser import nonempty
-from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
+from clusterkit.cli.common import (
+    add_inventory_option,
+    add_selection_options,
+    clusterkit_home,
+    resolve_inventory,
+)
 from clusterkit.errors import ClusterkitError
 from clusterkit.hostfile import select_hosts
 from clusterkit.inventory import Host
 
 if TYPE_CHECKING:
-    from clusterkit.remote.sync import SyncNode
+    from clusterkit.remote.distribute import DistNode, DistributeResult, Progress
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
-        "sync", help="copy a code directory to every node's workdir (changed files only)",
+        "sync", help="copy a directory (code, model, data) to every node's workdir",
         description="Copy DIR (default: .) to the same path under every selected node's "
-        "workdir over SSH: only changed files move (size+mtime, then checksum), each is "
-        "written atomically and verified. Files matching DIR/.clusterkitignore "
-        "(gitignore-style) and .git/ stay here. See docs/sync.md.")
+        "workdir: node to node in a pipelined chain (about size/rate whatever the number "
+        "of nodes), only what a node lacks (sha256 per file and per 64 MiB chunk), each "
+        "chunk verified on arrival and each file renamed into place when complete; a cut "
+        "short run resumes. Files matching DIR/.clusterkitignore (gitignore-style) and "
+        ".git/ stay here. See docs/sync.md.")
     p.add_argument("dir", nargs="?", default=".", metavar="DIR")
     add_inventory_option(p)
     add_selection_options(p)
     p.add_argument("--delete", action="store_true",
-                   help="also delete files on the nodes that DIR does not have")
+                   help="also delete files on the nodes that DIR does not have (only in a "
+                   "directory an earlier sync filled)")
     p.add_argument("--exclude-from", metavar="FILE", type=nonempty,
                    help="more gitignore-style patterns (besides DIR/.clusterkitignore)")
+    p.add_argument("--dest", metavar="PATH", type=nonempty,
+                   help="where under each node's workdir (default: DIR's path relative "
+                   "to the current directory)")
+    p.add_argument("--port", type=int, metavar="P", default=None,
+                   help="first TCP port the nodes listen on for the chain (default 29640; "
+                   "16 tried)")
+    p.add_argument("--json", action="store_true",
+                   help="progress and the result as JSON lines on stdout")
     p.set_defaults(func=cmd_sync)
 
 
-def destination(src: str, host: Host, cwd: str) -> str:
-    """DIR's path relative to the launcher's cwd, under the node's workdir (same layout)."""
+def destination(src: str, host: Host, cwd: str, dest: str | None = None) -> str:
+    """DIR's path relative to the launcher's cwd (or ``dest``), under the node's workdir."""
+    base = posixpath.normpath(host.workdir or cwd)
+    if dest is not None:
+        path = posixpath.normpath(posixpath.join(base, dest))
+        if path != base and not path.startswith(base.rstrip("/") + "/"):
+            raise ClusterkitError(f"{dest} is outside the workdir {base}", key="--dest",
+                                  host=host.name, hint="give a path under the workdir")
+        return path
     rel = os.path.relpath(os.path.abspath(src), cwd)
     if rel.startswith(".."):
         rel = os.path.basename(os.path.abspath(src))  # outside the project: by its name
-    base = host.workdir or cwd
     return posixpath.normpath(posixpath.join(base, rel.replace(os.sep, "/")))
 
 
-def run_sync(src: str, hosts: Sequence[Host], *, delete: bool = False,
-             exclude_from: str | None = None, cwd: str | None = None) -> int:
-    """Sync ``src`` to ``hosts`` and print one folded line per outcome (used by launch --sync)."""
-    from clusterkit.hostrange import folded_lines
-    from clusterkit.remote.base import target_for
-    from clusterkit.remote.dispatch import transport_for
-    from clusterkit.remote.sync import SyncNode, load_ignore, manifest, sync_all
-
+def check_source(src: str) -> None:
+    if os.path.islink(src) and not os.path.exists(src):
+        raise ClusterkitError("a symbolic link loop or a dangling link", path=src,
+                              hint="pass the directory itself")
     if not os.path.isdir(src):
         raise ClusterkitError(f"{src} is not a directory", path=src,
-                              hint="pass the code directory to sync (default: .)")
+                              hint="pass the directory to sync (default: .)")
+
+
+def run_sync(src: str, hosts: Sequence[Host], *, delete: bool = False,
+             exclude_from: str | None = None, cwd: str | None = None, dest: str | None = None,
+             port: int | None = None, as_json: bool = False) -> DistributeResult:
+    """Sync ``src`` to ``hosts``; print the progress and one folded line per outcome
+    (also ``launch --sync``). Raises (exit 2) unless every node holds the source's digest."""
+    from clusterkit.remote.dispatch import transport_for
+    from clusterkit.remote.distribute import DEFAULT_PORT, DistOptions, distribute
+    from clusterkit.remote.sync import load_ignore
+
+    check_source(src)
     if exclude_from is not None and not os.path.isfile(exclude_from):
         raise ClusterkitError("is a directory" if os.path.isdir(exclude_from) else "no such file",
                               path=exclude_from, key="--exclude-from",
                               hint="give a file of gitignore-style patterns")
     cwd = cwd or os.getcwd()
-    nodes = [SyncNode(h.name, target_for(h), h.python or sys.executable,
-                      destination(src, h, cwd)) for h in hosts]
+    nodes = dist_nodes(src, hosts, cwd, dest)
     ignore = load_ignore(src, exclude_from, _checkpoints_inside(hosts, nodes))
-    files = manifest(src, ignore)
     dests = {n.dest for n in nodes}
-    print(f"sync {src} ({len(files)} files) -> {dests.pop() if len(dests) == 1 else 'each workdir'}"
-          f" on {len(nodes)} node(s)", file=sys.stderr)
+    where = dests.pop() if len(dests) == 1 else "each workdir"
+    if not as_json:
+        print(f"sync {src} -> {where} on {len(nodes)} node(s)", file=sys.stderr)
+    show = _Shower(as_json)
+    opts = DistOptions(delete=delete, ignore=ignore, port=DEFAULT_PORT if port is None else port,
+                       cache_dir=str(clusterkit_home() / "sync-cache"), on_progress=show)
     with transport_for() as transport:
-        results, group = sync_all(transport, nodes, files, delete=delete, ignore=ignore)
-    order = [n.name for n in nodes]
-    for line in folded_lines(((n, r.summary()) for n, r in results.items()), order):
-        print(f"  {line}")
-    group.raise_on_failure("sync")
-    return 0
+        result = distribute(transport, nodes, src, options=opts)
+    show.close()
+    report(result, [n.name for n in nodes], as_json)
+    return result
 
 
-def _checkpoints_inside(hosts: Sequence[Host], nodes: Sequence[SyncNode]) -> list[str]:
+def dist_nodes(src: str, hosts: Sequence[Host], cwd: str, dest: str | None = None
+               ) -> list[DistNode]:
+    from clusterkit.remote.base import target_for
+    from clusterkit.remote.distribute import DistNode
+
+    return [DistNode(h.name, target_for(h), h.python or sys.executable, h.address,
+                     destination(src, h, cwd, dest)) for h in hosts]
+
+
+class _Shower:
+    """Progress on stderr: one line rewritten in place on a terminal, else every 10 s."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+        self.width = 0
+
+    def __call__(self, p: Progress) -> None:
+        from clusterkit.remote.distplan import progress_line
+
+        if self.as_json:
+            print(json.dumps({"event": "progress", "elapsed_s": round(p.elapsed_s, 1),
+                              "sent": p.sent, "nodes": {v.name: [v.got, v.need, v.state]
+                                                        for v in p.views}}), flush=True)
+            return
+        line = progress_line(p.views, p.elapsed_s, p.sent)
+        if self.tty:
+            sys.stderr.write("\r" + line[:200].ljust(self.width))
+            self.width = min(200, len(line))
+            sys.stderr.flush()
+        elif p.elapsed_s - self.last >= 10:
+            self.last = p.elapsed_s
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty and self.width and not self.as_json:
+            sys.stderr.write("\r" + " " * self.width + "\r")
+            sys.stderr.flush()
+
+
+def report(result: DistributeResult, order: Sequence[str], as_json: bool) -> None:
+    """The end: one folded line per outcome (or one JSON object); exit 2 unless all is well."""
+    from clusterkit.hostrange import fold, folded_lines
+    from clusterkit.remote.distplan import fmt_bytes
+
+    bad = [n for n in order if not result.node_ok(n)]
+    if as_json:
+        print(json.dumps({"event": "done", "ok": result.ok, "digest": result.digest,
+                          "files": result.files, "bytes": result.total_bytes,
+                          "sent_from_here": result.sent_bytes, "seconds": round(result.seconds, 2),
+                          "chains": result.chains, "notes": result.notes,
+                          "changed": result.changed, "links": result.links,
+                          "nodes": {n: vars(r) for n, r in result.nodes.items()}}), flush=True)
+    else:
+        for note in result.notes:
+            print(f"  note: {note}")
+        for line in folded_lines(((n, r.summary()) for n, r in result.nodes.items()), order):
+            print(f"  {line}")
+        if result.links:
+            print(f"  note: {len(result.links)} symbolic link(s) not copied: "
+                  + ", ".join(result.links[:3]) + (" ..." if len(result.links) > 3 else ""))
+        rate = result.sent_bytes / result.seconds if result.seconds else 0.0
+        print(f"  {result.files} file(s), {fmt_bytes(result.total_bytes)}, digest "
+              f"{result.digest[:12]}; {fmt_bytes(result.sent_bytes)} sent from here in "
+              f"{result.seconds:.1f} s ({fmt_bytes(rate)}/s)", file=sys.stderr)
+    if result.changed:
+        raise ClusterkitError(f"{result.changed[0]} changed while it was sent"
+                              + (f" (and {len(result.changed) - 1} more)"
+                                 if len(result.changed) > 1 else "")
+                              + ": the nodes refused it", hint="run sync again once it is "
+                              "written (the other files are in place and stay)")
+    if bad:
+        raise ClusterkitError(f"sync incomplete on {len(bad)} of {len(order)} node(s): {fold(bad)}",
+                              hint="see the lines above; run sync again to complete only what "
+                              "is missing")
+
+
+def _checkpoints_inside(hosts: Sequence[Host], nodes: Sequence[DistNode]) -> list[str]:
     """Checkpoint dirs that lie under a node's destination: never sent over, never deleted."""
     out = []
     for h, n in zip(hosts, nodes, strict=True):
@@ -92,5 +202,6 @@ def cmd_sync(args: argparse.Namespace) -> int:
     inv = resolve_inventory(args.inventory)
     chosen = select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                           include=args.include, exclude=args.exclude)
-    return run_sync(args.dir, [h for h, _ in chosen], delete=args.delete,
-                    exclude_from=args.exclude_from)
+    run_sync(args.dir, [h for h, _ in chosen], delete=args.delete,
+             exclude_from=args.exclude_from, dest=args.dest, port=args.port, as_json=args.json)
+    return 0

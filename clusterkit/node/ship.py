@@ -53,7 +53,7 @@ PROGRAMS: dict[str, Program] = {
     "hashing": Program(("hashing",)),
     "ckstream": Program(("contract", "listing", "hashing", "ckstream")),
     "gatefacts": Program(("sitepaths", "parity", "gatefacts")),
-    "sync": Program(("sync",)),
+    "dist": Program(("dist_store", "dist")),  # clusterkit sync: one node of the chain
     "envfacts": Program(("envfacts",)),  # nodes env: facts, verify, record (remote/envcopy.py)
     "jitops": Program(("jitops",), site=True),  # nodes build-ops: imports deepspeed to build
     "install": Program(("sitepaths", "parity", "gatefacts", "install"), site=True),

@@ -1,43 +1,36 @@
-"""``clusterkit sync``: a code directory to the same path under every node's workdir.
+"""The source side of ``clusterkit sync``: which files travel, and their sha256s.
 
-Per node, over the transport (the same SSH seam as everything else), two runs of
-the node program :mod:`clusterkit.node.sync`:
+* :class:`Ignore` / :func:`load_ignore`: ``.clusterkitignore`` (gitignore-style) plus
+  what never travels (``.git/``, bytecode, launch's job dirs, checkpoint dirs);
+* :func:`manifest`: every regular file under the source that is not ignored (symbolic
+  links are not followed and not copied: :func:`manifest` counts them);
+* :func:`source_entries`: each file's sha256 and its 64 MiB chunks' (node/dist_store.py),
+  from a cache on this machine keyed by (path, size, mtime_ns), so a second run with
+  nothing changed hashes nothing.
 
-1. ``plan``: the node compares our manifest (size + mtime) with its copy and
-   returns the sha256 of files whose size matches but mtime differs;
-2. ``apply``: only the files that differ travel, as one tar stream on stdin;
-   the node writes each atomically, checks its sha256, sets mode and mtime, and
-   (with ``--delete``) removes files we do not have.
-
-Files matching the ignore file (``.clusterkitignore`` in the directory,
-gitignore-style) and ``.git/`` never travel. Nothing is cached locally: a second
-sync asks the nodes again, so a file changed on a node is noticed too.
+The transfer itself is :mod:`clusterkit.remote.distribute`.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
-import io
 import json
 import os
 import posixpath
-import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from clusterkit.errors import TransportError
-from clusterkit.node.ship import node_command
-from clusterkit.remote.base import CommandResult, GroupResult, SSHTarget, Transport
-from clusterkit.remote.fanout import fan_out
+from clusterkit.errors import ClusterkitError
+from clusterkit.fsutil import atomic_write_text
+from clusterkit.node import dist_store
 
 IGNORE_FILE = ".clusterkitignore"
 # Never sent, never deleted: VCS data, bytecode, and the job dirs launch keeps in the
 # workdir (.clusterkit/jobs/<job>: logs, rendered files) which --delete must not touch.
 ALWAYS_IGNORED = (".git/", "__pycache__/", "*.pyc", "/.clusterkit/")
-SYNC_TIMEOUT_S = 600.0
-MAX_BYTES = 2 << 30  # one in-memory tar stream per node: a code dir, not a dataset
+CACHE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -109,135 +102,95 @@ def load_ignore(src: str, extra: str | None = None, protect: Sequence[str] = ())
 @dataclass(frozen=True)
 class LocalFile:
     size: int
-    mtime: float
+    mtime_ns: int
     mode: int
     path: str  # absolute, on this machine
 
 
-def manifest(src: str, ignore: Ignore) -> dict[str, LocalFile]:
-    """Every regular file under ``src`` that is not ignored, by POSIX relative path."""
-    out: dict[str, LocalFile] = {}
+@dataclass
+class Scan:
+    """What :func:`scan` found: the files, and the symbolic links it left out."""
+
+    files: dict[str, LocalFile] = field(default_factory=dict)
+    links: list[str] = field(default_factory=list)
+
+
+def scan(src: str, ignore: Ignore) -> Scan:
+    """Every regular file under ``src`` that is not ignored, by POSIX relative path;
+    symbolic links are neither followed nor copied (a loop cannot trap the walk)."""
+    out = Scan()
     for d, dirs, names in os.walk(src):
         rel_dir = os.path.relpath(d, src).replace(os.sep, "/")
         rel_dir = "" if rel_dir == "." else rel_dir + "/"
-        dirs[:] = sorted(x for x in dirs if not ignore.ignored(rel_dir + x, True))
+        keep = []
+        for x in sorted(dirs):
+            if ignore.ignored(rel_dir + x, True):
+                continue
+            if os.path.islink(os.path.join(d, x)):
+                out.links.append(rel_dir + x)
+            else:
+                keep.append(x)
+        dirs[:] = keep
         for n in sorted(names):
             p = os.path.join(d, n)
-            if os.path.islink(p) or not os.path.isfile(p) or ignore.ignored(rel_dir + n, False):
+            if ignore.ignored(rel_dir + n, False):
                 continue
-            st = os.stat(p)
-            out[rel_dir + n] = LocalFile(st.st_size, st.st_mtime, st.st_mode & 0o7777, p)
+            if os.path.islink(p):
+                out.links.append(rel_dir + n)
+                continue
+            st = os.lstat(p)
+            if os.path.isfile(p):
+                out.files[rel_dir + n] = LocalFile(st.st_size, st.st_mtime_ns,
+                                                   st.st_mode & 0o7777, p)
     return out
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def manifest(src: str, ignore: Ignore) -> dict[str, LocalFile]:
+    """Every regular file under ``src`` that is not ignored, by POSIX relative path."""
+    return scan(src, ignore).files
 
 
-@dataclass(frozen=True)
-class SyncNode:
-    name: str
-    target: SSHTarget
-    python: str
-    dest: str  # absolute directory on the node
+def _cache_file(cache_dir: str, src: str) -> str:
+    key = hashlib.sha256(os.path.realpath(src).encode("utf-8", "surrogateescape")).hexdigest()
+    return os.path.join(cache_dir, key[:32] + ".json")
 
 
-@dataclass
-class NodeSync:
-    """What one node got: files written (verified), mtimes fixed, deleted, unchanged."""
-
-    node: str
-    written: list[str] = field(default_factory=list)
-    bytes: int = 0
-    touched: list[str] = field(default_factory=list)
-    deleted: list[str] = field(default_factory=list)
-    unchanged: int = 0
-    extra: list[str] = field(default_factory=list)  # on the node only, kept (no --delete)
-
-    def summary(self) -> str:
-        """One line without the node's name (equal lines fold into node ranges)."""
-        parts = [f"{len(self.written)} file(s) sent ({self.bytes:,} bytes, verified)",
-                 f"{self.unchanged} unchanged"]
-        if self.touched:
-            parts.append(f"{len(self.touched)} mtime(s) fixed")
-        if self.deleted:
-            parts.append(f"{len(self.deleted)} deleted")
-        if self.extra:
-            parts.append(f"{len(self.extra)} extra file(s) kept (--delete removes them)")
-        return ", ".join(parts)
-
-
-def _node_json(res: CommandResult, node: str, what: str) -> dict[str, Any]:
-    line = (res.stdout.strip().splitlines() or [""])[-1]
+def _read_cache(path: str) -> dict[str, Any]:
     try:
-        data = json.loads(line)
-    except ValueError:
-        data = None
-    if not isinstance(data, dict) or "error" in data or not res.ok:
-        why = data.get("error") if isinstance(data, dict) else (res.stderr.strip()[-300:] or line)
-        raise TransportError(f"sync {what} failed (exit {res.exit_code}): {why}", kind="sync",
-                             host=node, hint="check the workdir on the node (permissions, space)")
-    return data
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    ok = isinstance(doc, dict) and doc.get("v") == CACHE_VERSION \
+        and doc.get("chunk") == dist_store.CHUNK and isinstance(doc.get("files"), dict)
+    return doc["files"] if ok else {}
 
 
-def sync_node(transport: Transport, node: SyncNode, files: dict[str, LocalFile], *,
-              delete: bool = False, ignore: Ignore | None = None) -> NodeSync:
-    wanted = {rel: [f.size, f.mtime] for rel, f in files.items()}
-    cmd = node_command(node.python, "sync", ["plan", node.dest],
-                       payload=(json.dumps({"files": wanted}) + "\n").encode())
-    plan = _node_json(transport.run(node.target, cmd.argv, stdin=cmd.stdin,
-                                    timeout=SYNC_TIMEOUT_S), node.name, "plan")
-    # Ignored files on the node (its own __pycache__, logs) are neither extra nor deleted.
-    plan["extra"] = [r for r in plan["extra"] if not (ignore and ignore.ignored_path(r))]
-    send = list(plan["send"])
-    checks: dict[str, str] = dict(plan["check"])
-    touch = {rel: files[rel].mtime for rel, sha in checks.items() if sha == _sha256(files[rel].path)}
-    send += sorted(set(checks) - set(touch))
-    out = NodeSync(node.name, unchanged=len(plan["same"]) + len(touch),
-                   extra=[] if delete else list(plan["extra"]))
-    if not send and not touch and not (delete and plan["extra"]):
-        return out
-    header = {"files": {rel: [_sha256(files[rel].path), files[rel].mtime, files[rel].mode]
-                        for rel in send},
-              "touch": touch, "delete": list(plan["extra"]) if delete else []}
-    cmd = node_command(node.python, "sync", ["apply", node.dest],
-                       payload=(json.dumps(header) + "\n").encode() + _tar(files, send))
-    done = _node_json(transport.run(node.target, cmd.argv, stdin=cmd.stdin,
-                                    timeout=SYNC_TIMEOUT_S), node.name, "apply")
-    out.written = list(done["written"])
-    out.bytes = int(done["bytes"])
-    out.touched = list(done["touched"])
-    out.deleted = list(done["deleted"])
-    return out
-
-
-def _tar(files: dict[str, LocalFile], send: Sequence[str]) -> bytes:
-    if sum(files[rel].size for rel in send) > MAX_BYTES:
-        raise TransportError(f"{len(send)} files to sync exceed {MAX_BYTES >> 30} GiB",
-                             kind="usage", hint=f"exclude data and outputs in {IGNORE_FILE}")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for rel in send:
-            tar.add(files[rel].path, arcname=rel, recursive=False)
-    return buf.getvalue()
-
-
-def sync_all(transport: Transport, nodes: Sequence[SyncNode], files: dict[str, LocalFile], *,
-             delete: bool = False, ignore: Ignore | None = None, max_parallel: int = 16
-             ) -> tuple[dict[str, NodeSync], GroupResult]:
-    """Sync every node in parallel; per-node results plus the group (failures inside)."""
-    results: dict[str, NodeSync] = {}
-    by_name = {n.name: n for n in nodes}
-
-    def work(target: SSHTarget) -> CommandResult:
-        results[target.name] = sync_node(transport, by_name[target.name], files, delete=delete,
-                                         ignore=ignore)
-        return CommandResult(target.name, ("sync",), 0, "", "", 0.0)
-
-    group = fan_out([n.target for n in nodes], work, per_host_budget_s=2 * SYNC_TIMEOUT_S,
-                    max_parallel=max_parallel)
-    return results, group
+def source_entries(files: dict[str, LocalFile], cache_dir: str | None, src: str
+                   ) -> tuple[list[list[Any]], int]:
+    """The source manifest the nodes get (``[rel, size, mtime_ns, mode, sha256, [chunk
+    sha256]]``, node/dist_store.py) and how many bytes had to be hashed now: a file
+    whose size and mtime_ns match the cache is not read again."""
+    cache_path = _cache_file(cache_dir, src) if cache_dir else None
+    cache = _read_cache(cache_path) if cache_path else {}
+    fresh: dict[str, Any] = {}
+    entries: list[list[Any]] = []
+    hashed = 0
+    for rel, f in files.items():
+        rec = cache.get(rel)
+        if not (isinstance(rec, list) and len(rec) == 4 and rec[:2] == [f.size, f.mtime_ns]):
+            try:
+                sha, chunks = dist_store.hash_file(f.path)
+            except OSError as exc:
+                raise ClusterkitError(f"cannot read it: {exc.strerror or exc}", path=f.path,
+                                      hint="fix its permissions, or exclude it in "
+                                      f"{IGNORE_FILE}") from None
+            hashed += f.size
+            rec = [f.size, f.mtime_ns, sha, chunks]
+        fresh[rel] = rec
+        entries.append([rel, f.size, f.mtime_ns, f.mode, rec[2], rec[3]])
+    if cache_path and fresh != cache:
+        atomic_write_text(cache_path, json.dumps(
+            {"v": CACHE_VERSION, "chunk": dist_store.CHUNK, "src": os.path.realpath(src),
+             "files": fresh}))
+    return entries, hashed

@@ -1,0 +1,498 @@
+"""Put one directory on many nodes at the link's rate: a pipelined chain, delta, verified.
+
+The entry point (stable; ``clusterkit sync``, ``launch --sync`` and the environment
+replication call it)::
+
+    distribute(transport, nodes, src_dir, dest_dir=None, *, options=DistOptions())
+        -> DistributeResult
+
+* ``nodes``: :class:`DistNode` (name, SSH target, the node's Python, the address the
+  other nodes reach it at, its destination directory); ``dest_dir``, when given, is
+  the destination on every node instead (e.g. an environment's absolute path).
+* what travels: every regular file under ``src_dir`` that ``options.ignore`` does not
+  exclude (default: nothing is excluded); symbolic links are not copied
+  (``DistributeResult.links`` lists them).
+* how: each node runs the node program ``dist`` (node/dist.py, over the transport);
+  it says what it lacks (a file it holds with the same sha256 is kept; a partial
+  file's verified 64 MiB chunks too), the launcher plans one chain in the nodes'
+  order (distplan.Chains), streams every record some node lacks to the first node
+  over TCP, and each node writes what it lacks and forwards the rest at once, so S
+  bytes reach N nodes in about S/R. Each chunk is checked against this side's
+  sha256 on arrival, each file renamed into place only when complete, and each node
+  writes its manifest last (node/dist_store.py): its digest equals
+  :attr:`DistributeResult.digest` exactly when the node holds every file.
+* a hop that cannot connect (a blocked port) splits the chain: the launcher feeds
+  the next node itself (``notes`` says so, with the cost); a node lost mid-transfer
+  is cut out and the launcher re-feeds the nodes after it from where each stopped;
+  the others complete. Per-node results, never an exception for one node's failure.
+* the per-run secret authenticating every TCP hop goes to each node on stdin only.
+
+``read_manifests(transport, nodes, dest_dir=None, *, digest=None, deep=False)`` reads
+each node's manifest and which files no longer match it (doctor, the launch gate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterkit.errors import TransportError
+from clusterkit.node import dist_store as store
+from clusterkit.node.dist import END, dial, header
+from clusterkit.node.ship import node_command
+from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
+from clusterkit.remote.distplan import Chains, NodeView, fmt_bytes, records
+from clusterkit.remote.fanout import fan_out
+from clusterkit.remote.sync import Ignore, scan, source_entries
+
+DEFAULT_PORT = 29640  # first port each node tries for the chain (16 after it)
+READY_TIMEOUT_S = 600.0  # a node hashing what it already holds may take long
+STALL_S = 90.0  # no word from a node for this long: it is lost
+CHECK_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class DistNode:
+    name: str
+    target: SSHTarget
+    python: str
+    address: str  # where the other nodes and this machine reach it over TCP
+    dest: str = ""  # absolute directory on the node (or distribute's dest_dir)
+
+
+@dataclass(frozen=True)
+class Progress:
+    views: tuple[NodeView, ...]
+    elapsed_s: float
+    sent: int  # bytes sent from this machine so far
+
+
+@dataclass(frozen=True)
+class DistOptions:
+    delete: bool = False  # remove node files the source lacks (only in a synced dir)
+    ignore: Ignore = field(default_factory=Ignore)  # not sent, neither extra nor deleted
+    port: int = DEFAULT_PORT  # 0: any free port
+    cache_dir: str | None = None  # the source's (path, size, mtime_ns) -> sha256 cache
+    on_progress: Callable[[Progress], None] | None = None
+    progress_every_s: float = 1.0
+    env: Mapping[str, str] | None = None  # the node program's environment
+    ready_timeout_s: float = READY_TIMEOUT_S
+
+
+@dataclass
+class NodeResult:
+    node: str
+    state: str = "starting"  # -> "done", "lost" or "failed"
+    need_bytes: int = 0
+    got_bytes: int = 0
+    files_sent: int = 0
+    unchanged: int = 0
+    deleted: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)  # only on the node, kept (no delete)
+    digest: str | None = None
+    failed: dict[str, str] = field(default_factory=dict)  # file -> why
+    lacking: list[str] = field(default_factory=list)
+    lacking_count: int = 0
+    why: str = ""
+
+    def summary(self) -> str:
+        """One line without the node's name (equal lines fold into node ranges)."""
+        if self.state == "failed":
+            return f"failed: {self.why}"
+        if self.state == "lost":
+            return (f"lost mid-transfer ({self.why}): lacks {self.files_sent} file(s), "
+                    f"{fmt_bytes(self.got_bytes)} of {fmt_bytes(self.need_bytes)} delivered; "
+                    "run sync again to complete it")
+        parts = [f"{self.files_sent - len(self.failed)} file(s) sent "
+                 f"({self.got_bytes:,} bytes, verified)", f"{self.unchanged} unchanged"]
+        if self.failed:
+            first = sorted(self.failed)[0]
+            parts.append(f"{len(self.failed)} failed ({first}: {self.failed[first]})")
+        if self.deleted:
+            parts.append(f"{len(self.deleted)} deleted")
+        if self.extra:
+            parts.append(f"{len(self.extra)} extra file(s) kept (--delete removes them)")
+        return ", ".join(parts)
+
+
+@dataclass
+class DistributeResult:
+    digest: str  # the source's (node/dist_store.tree_digest)
+    files: int
+    total_bytes: int
+    nodes: dict[str, NodeResult]  # in the nodes' order
+    sent_bytes: int = 0  # bytes this machine sent
+    hashed_bytes: int = 0  # bytes hashed here (the cache spares the rest)
+    seconds: float = 0.0
+    chains: list[list[str]] = field(default_factory=list)  # as first planned
+    notes: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)  # source files changed while read
+    links: list[str] = field(default_factory=list)  # symbolic links not copied
+
+    def node_ok(self, name: str) -> bool:
+        r = self.nodes[name]
+        return r.state == "done" and not r.failed and r.digest == self.digest
+
+    @property
+    def ok(self) -> bool:
+        return not self.changed and all(self.node_ok(n) for n in self.nodes)
+
+
+@dataclass
+class _Peer:
+    index: int
+    node: DistNode
+    proc: RemoteProcess
+    result: NodeResult
+    port: int = 0
+    need: dict[int, list[int]] = field(default_factory=dict)
+    last_word: float = field(default_factory=time.monotonic)
+    tail: list[str] = field(default_factory=list)
+    delete: list[str] = field(default_factory=list)
+
+
+def distribute(transport: Transport, nodes: Sequence[DistNode], src_dir: str,
+               dest_dir: str | None = None, *, options: DistOptions | None = None
+               ) -> DistributeResult:
+    """Put ``src_dir`` on every node (module docstring); per-node results."""
+    opts = options or DistOptions()
+    found = scan(src_dir, opts.ignore)
+    entries, hashed = source_entries(found.files, opts.cache_dir, src_dir)
+    paths = {e[store.REL]: found.files[e[store.REL]].path for e in entries}
+    result = DistributeResult(
+        digest=store.tree_digest((e[store.REL], e[store.SIZE], e[store.SHA]) for e in entries),
+        files=len(entries), total_bytes=sum(int(e[store.SIZE]) for e in entries),
+        nodes={n.name: NodeResult(n.name) for n in nodes}, hashed_bytes=hashed,
+        links=list(found.links))
+    if nodes:
+        _Run(transport, nodes, dest_dir, entries, paths, opts, result).run()
+    return result
+
+
+class _Run:
+    """One distribution: the sessions, the feeders, the event loop."""
+
+    def __init__(self, transport: Transport, nodes: Sequence[DistNode], dest_dir: str | None,
+                 entries: list[list[Any]], paths: dict[str, str], opts: DistOptions,
+                 result: DistributeResult) -> None:
+        self.transport, self.nodes, self.dest_dir = transport, nodes, dest_dir
+        self.entries, self.paths, self.opts, self.result = entries, paths, opts, result
+        self.secret = secrets.token_hex(32)
+        self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        self.peers: dict[int, _Peer] = {}
+        self.lock = threading.Lock()
+        self.chains = Chains()
+        self.recs: list[tuple[int, int, tuple[int, ...]]] = []
+        self.stop = threading.Event()
+        self.sent = 0
+        self.feeders: dict[int, threading.Thread] = {}
+        self.socks: list[socket.socket] = []
+        self.changed: set[str] = set()
+
+    # ---------------------------------------------------------------- sessions
+    def _start(self, i: int, node: DistNode) -> None:
+        dest = self.dest_dir or node.dest
+        spec = {"dest": dest, "index": i, "secret": self.secret, "files": self.entries,
+                "port": self.opts.port, "delete": self.opts.delete}
+        cmd = node_command(node.python, "dist", ["serve"])
+        res = self.result.nodes[node.name]
+        try:
+            proc = self.transport.start(node.target, cmd.argv, env=self.opts.env)
+            proc.write_stdin(cmd.stdin + (json.dumps(spec) + "\n").encode())
+        except TransportError as exc:
+            res.state, res.why = "failed", f"{exc.kind}: {exc.message}"
+            return
+        peer = self.peers[i] = _Peer(i, node, proc, res)
+        threading.Thread(target=self._read, args=(peer,), daemon=True,
+                         name=f"clusterkit-dist-{node.name}").start()
+
+    def _read(self, peer: _Peer) -> None:
+        for stream, line in peer.proc.lines():
+            if stream == "stdout" and line.startswith("{"):
+                try:
+                    self.events.put((peer.index, json.loads(line)))
+                    continue
+                except ValueError:
+                    pass
+            peer.tail = ([*peer.tail, line])[-5:]
+        try:
+            rc = peer.proc.wait(timeout=30)
+        except TimeoutError:
+            rc = -1
+        self.events.put((peer.index, {"ev": "exit", "rc": rc}))
+
+    def _say(self, i: int, msg: dict[str, Any]) -> None:
+        with contextlib.suppress(TransportError):
+            self.peers[i].proc.write_stdin((json.dumps(msg) + "\n").encode())
+
+    # ---------------------------------------------------------------- the run
+    def run(self) -> None:
+        started = time.monotonic()
+        fan_out([n.target for n in self.nodes], lambda t: self._start_named(t.name),
+                per_host_budget_s=120.0, max_parallel=64)
+        try:
+            self._gather_ready()
+            self._go()
+            self._loop(started)
+        except KeyboardInterrupt:
+            self._end(interrupted=True)
+            raise
+        self._end()
+        self.result.seconds = time.monotonic() - started
+        self.result.sent_bytes = self.sent
+        self.result.changed = sorted(self.changed)
+
+    def _start_named(self, name: str) -> Any:
+        from clusterkit.remote.base import CommandResult
+
+        i = next(k for k, n in enumerate(self.nodes) if n.name == name)
+        self._start(i, self.nodes[i])
+        return CommandResult(name, ("dist",), 0, "", "", 0.0)
+
+    def _gather_ready(self) -> None:
+        waiting = set(self.peers)
+        deadline = time.monotonic() + self.opts.ready_timeout_s
+        while waiting and time.monotonic() < deadline:
+            try:
+                i, ev = self.events.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            peer = self.peers[i]
+            peer.last_word = time.monotonic()
+            kind = ev.get("ev")
+            if kind == "ready" and i in waiting:
+                self._ready(peer, ev)
+                waiting.discard(i)
+            elif kind in ("error", "exit") and i in waiting:
+                peer.result.state = "failed"
+                peer.result.why = str(ev.get("why") or self._exit_why(peer, ev))
+                waiting.discard(i)
+        for i in waiting:
+            self.peers[i].result.state = "failed"
+            self.peers[i].result.why = f"not ready after {self.opts.ready_timeout_s:g} s"
+            self._say(i, {"op": "stop"})
+
+    def _exit_why(self, peer: _Peer, ev: dict[str, Any]) -> str:
+        tail = "; ".join(t for t in peer.tail if t.strip())[-300:]
+        return f"the node program ended (exit {ev.get('rc')})" + (f": {tail}" if tail else "")
+
+    def _ready(self, peer: _Peer, ev: dict[str, Any]) -> None:
+        res = peer.result
+        peer.port = int(ev["port"])
+        peer.need = {int(fi): [int(c) for c in cs] for fi, cs in ev["need"]}
+        res.need_bytes = int(ev["need_bytes"])
+        res.files_sent = len(peer.need)
+        res.unchanged = len(self.entries) - len(peer.need)
+        extra = [r for r in ev.get("extra", []) if not self.opts.ignore.ignored_path(r)]
+        res.extra = [] if self.opts.delete else extra
+        peer.delete = extra if self.opts.delete else []
+        res.state = "sending"
+
+    def _go(self) -> None:
+        ready = [i for i in sorted(self.peers) if self.peers[i].result.state == "sending"]
+        self.chains = Chains.plan(ready)
+        self.result.chains = [[self.nodes[i].name for i in c] for c in self.chains.chains]
+        self.recs = records({i: self.peers[i].need for i in ready})
+        for i in ready:
+            self._say(i, {"op": "go", "down": self._addr(self.chains.downstream(i)),
+                          "delete": self.peers[i].delete})
+        for head in self.chains.heads():
+            self._feed(head)
+
+    def _addr(self, i: int | None) -> dict[str, Any] | None:
+        if i is None:
+            return None
+        p = self.peers[i]
+        return {"node": p.node.name, "address": p.node.address, "port": p.port}
+
+    # ---------------------------------------------------------------- feeding
+    def _feed(self, head: int) -> None:
+        t = threading.Thread(target=self._feeder, args=(head,), daemon=True,
+                             name=f"clusterkit-dist-feed-{head}")
+        self.feeders[head] = t
+        t.start()
+
+    def _feeder(self, head: int) -> None:
+        peer = self.peers[head]
+        try:
+            sock, start = dial(peer.node.address, peer.port, self.secret)
+        except (OSError, ValueError) as exc:
+            self.events.put((head, {"ev": "unreachable", "why": str(exc)}))
+            return
+        self.socks.append(sock)
+        try:
+            self._stream(sock, head, start)
+            sock.sendall(header(len(self.recs), END, 0, 0, ()))
+            sock.shutdown(socket.SHUT_WR)
+            with contextlib.suppress(OSError):
+                while sock.recv(65536):
+                    pass
+        except OSError as exc:
+            self.events.put((head, {"ev": "feed-lost", "why": str(exc)}))
+        finally:
+            sock.close()
+
+    def _stream(self, sock: socket.socket, head: int, start: int) -> None:
+        fh: Any = None
+        open_fi = -1
+        try:
+            for seq in range(start, len(self.recs)):
+                if self.stop.is_set():
+                    raise OSError("stopped")
+                fi, ci, to = self.recs[seq]
+                with self.lock:
+                    members = set(self.chains.members(head))
+                if not members & set(to):
+                    continue
+                e = self.entries[fi]
+                n = store.chunk_len(int(e[store.SIZE]), ci)
+                if fi != open_fi:
+                    if fh is not None:
+                        fh.close()
+                    fh, open_fi = open(self.paths[e[store.REL]], "rb"), fi  # noqa: SIM115
+                sock.sendall(header(seq, fi, ci, n, to))
+                sent = sock.sendfile(fh, ci * store.CHUNK, n) if n else 0
+                if sent < n:  # the file shrank: keep the framing, the nodes refuse it
+                    sock.sendall(bytes(n - sent))
+                    self.changed.add(str(e[store.REL]))
+                with self.lock:
+                    self.sent += n
+                st = os.fstat(fh.fileno())
+                if (st.st_size, st.st_mtime_ns) != (int(e[store.SIZE]), int(e[store.MTIME])):
+                    self.changed.add(str(e[store.REL]))
+        finally:
+            if fh is not None:
+                fh.close()
+
+    # ---------------------------------------------------------------- events
+    def _loop(self, started: float) -> None:
+        last_progress = 0.0
+        while any(p.result.state == "sending" for p in self.peers.values()):
+            try:
+                i, ev = self.events.get(timeout=0.5)
+                self._event(self.peers[i], ev)
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            for p in self.peers.values():
+                if p.result.state == "sending" and now - p.last_word > STALL_S:
+                    self._lose(p, f"no word from it for {STALL_S:g} s")
+            if self.opts.on_progress and now - last_progress >= self.opts.progress_every_s:
+                last_progress = now
+                self.opts.on_progress(self.progress(now - started))
+
+    def progress(self, elapsed: float) -> Progress:
+        views = tuple(NodeView(p.node.name, p.result.got_bytes, p.result.need_bytes,
+                               p.result.state) for p in self.peers.values())
+        return Progress(views, elapsed, self.sent)
+
+    def _event(self, peer: _Peer, ev: dict[str, Any]) -> None:
+        peer.last_word = time.monotonic()
+        kind, res = ev.get("ev"), peer.result
+        if kind in ("progress", "stopped"):
+            res.got_bytes = int(ev.get("got", res.got_bytes))
+        elif kind == "done" and res.state == "sending":
+            res.state, res.digest = "done", str(ev["digest"])
+            res.got_bytes = int(ev["got"])
+            res.failed = {str(k): str(v) for k, v in dict(ev.get("failed", {})).items()}
+            res.lacking, res.lacking_count = list(ev["lacking"]), int(ev["lacking_count"])
+            res.deleted = list(ev.get("deleted", []))
+        elif kind == "blocked":
+            self._blocked(peer, ev)
+        elif kind == "down-lost":
+            with self.lock:
+                down = self.chains.downstream(peer.index)
+            if down is not None:
+                self._lose(self.peers[down], f"{peer.node.name} could not send to it: {ev['why']}")
+        elif kind in ("unreachable", "feed-lost"):
+            port = peer.port
+            self._lose(peer, f"cannot reach it on port {port} from here: {ev['why']}"
+                       if kind == "unreachable" else f"the stream to it broke: {ev['why']}")
+        elif kind == "exit" and res.state == "sending":
+            self._lose(peer, self._exit_why(peer, ev))
+
+    def _blocked(self, peer: _Peer, ev: dict[str, Any]) -> None:
+        target = next((p for p in self.peers.values() if p.node.name == ev["down"]), None)
+        if target is None:
+            return
+        with self.lock:
+            head = self.chains.split_before(target.index)
+            copies = len(self.chains.chains)
+        if head is not None:
+            self.result.notes.append(
+                f"node-to-node blocked on port {ev['port']} ({peer.node.name} -> "
+                f"{target.node.name}: {ev['why']}): sending {copies} copies from here, "
+                f"~{copies}x size/rate")
+            self._feed(head)
+
+    def _lose(self, peer: _Peer, why: str) -> None:
+        res = peer.result
+        if res.state != "sending":
+            return
+        res.state, res.why = "lost", why
+        with self.lock:
+            up = self.chains.upstream(peer.index)
+            head = self.chains.lose(peer.index)
+        if up is not None:
+            self._say(up, {"op": "cut"})
+        self._say(peer.index, {"op": "stop"})
+        with contextlib.suppress(TransportError, OSError):
+            peer.proc.close_stdin()
+        if head is not None and self.peers[head].result.state == "sending":
+            self._feed(head)
+
+    def _end(self, interrupted: bool = False) -> None:
+        self.stop.set()
+        for p in self.peers.values():
+            self._say(p.index, {"op": "stop"})
+            with contextlib.suppress(TransportError, OSError):
+                p.proc.close_stdin()
+        for s in list(self.socks):
+            with contextlib.suppress(OSError):
+                s.close()
+        for p in self.peers.values():
+            try:
+                p.proc.wait(timeout=10)
+            except (TimeoutError, TransportError):
+                p.proc.terminate()
+        if interrupted:
+            for p in self.peers.values():
+                if p.result.state == "sending":
+                    p.result.state, p.result.why = "lost", "interrupted"
+
+
+def read_manifests(transport: Transport, nodes: Sequence[DistNode], dest_dir: str | None = None,
+                   *, digest: str | None = None, deep: bool = False,
+                   env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """Each node's synced directory against its manifest (node/dist_store.check):
+    ``{"state": ok|differs|other|no-manifest|absent|unreachable, "digest", "differ":
+    [files], "files"}``; ``digest``: the source's, to tell ``other`` from ``ok``."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def one(target: SSHTarget) -> Any:
+        node = next(n for n in nodes if n.name == target.name)
+        args = ["check", dest_dir or node.dest] + (["--digest", digest] if digest else []) \
+            + (["--deep"] if deep else [])
+        cmd = node_command(node.python, "dist", args)
+        res = transport.run(target, cmd.argv, stdin=cmd.stdin, timeout=CHECK_TIMEOUT_S, env=env)
+        try:
+            out[target.name] = json.loads(res.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            tail = (res.stderr.strip() or res.stdout.strip())[-300:]
+            out[target.name] = {"state": "unreachable", "why": f"exit {res.exit_code}: {tail}"}
+        return res
+
+    group = fan_out([n.target for n in nodes], one, per_host_budget_s=CHECK_TIMEOUT_S + 60,
+                    max_parallel=64)
+    for r in group.failed:
+        out.setdefault(r.host, {"state": "unreachable", "why": r.reason() or "failed"})
+    return {n.name: out.get(n.name, {"state": "unreachable"}) for n in nodes}
