@@ -14,6 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from clusterkit.checkpoints import synthetic
+from clusterkit.checkpoints.collect import CollectOptions, collect
+from clusterkit.checkpoints.collectplan import CheckpointIncomplete, WithoutMarkers
+from clusterkit.checkpoints.source import CollectNode
 from clusterkit.checks.findings import Status
 from clusterkit.checks.rules_base import DoctorContext
 from clusterkit.checks.rules_storage import check_shared_dirs
@@ -27,6 +33,8 @@ from clusterkit.node.gatefacts import (
     shared_groups,
     token_seen,
 )
+from clusterkit.remote.base import SSHTarget
+from clusterkit.remote.dispatch import DispatchTransport
 
 
 def _tokens(d: Path) -> list[str]:
@@ -189,3 +197,39 @@ def test_doctor_finds_a_local_dir_two_local_nodes_share(tmp_path: Path) -> None:
     assert "shared by local[1-2]" in found["local1"].detail
     assert found["local3"].status is Status.PASS
     assert not list(tmp_path.rglob(".clusterkit-token*"))
+
+
+# ------------------------------------------------------------------ collect-ckpt
+
+
+def _shared_nodes(tmp: Path, n: int = 4) -> list[CollectNode]:
+    """n nodes whose "node-local" dir is one directory: each wrote its part there."""
+    common = str(tmp / "home" / "ckpt")
+    synthetic.write_node_local([common] * n, zero_stage=2, shard_bytes=1024, model_bytes=256)
+    return [CollectNode(f"node{i + 1}", SSHTarget(name=f"node{i + 1}", address="127.0.0.1",
+                                                  local=True), sys.executable, common)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("markers", [True, False])
+def test_collect_says_shared_in_one_line(tmp_path: Path, markers: bool) -> None:
+    nodes = _shared_nodes(tmp_path)
+    options = CollectOptions(dest=str(tmp_path / "dest"),
+                             without_markers=None if markers else WithoutMarkers(8))
+    with DispatchTransport() as transport, pytest.raises(CheckpointIncomplete) as info:
+        collect(transport, nodes, options)
+    assert list(info.value.problems) == [
+        f"global_step1 is the same files on node[1-4]: its checkpoint dir {nodes[0].root} is "
+        "one directory shared by node[1-4] (a file written on one is seen on the others): "
+        "node-local checkpoints and replicas would collide there"]
+    assert info.value.hint is not None and "--include node1" in info.value.hint
+    assert "--storage shared" in info.value.hint
+    assert not (tmp_path / "dest" / "global_step1").exists()
+
+
+def test_collect_from_one_node_of_a_shared_dir_works(tmp_path: Path) -> None:
+    """What the hint says: --include one node reads the whole checkpoint from it."""
+    nodes = _shared_nodes(tmp_path)
+    with DispatchTransport() as transport:
+        report = collect(transport, nodes[:1], CollectOptions(dest=str(tmp_path / "dest")))
+    assert not report.failed and report.plan.world_size == 8

@@ -23,6 +23,7 @@ from clusterkit.launch.stacks import read_stack, signature, summarize
 from clusterkit.launch.watchdog import Watchdog, ping_interval, step_of
 from clusterkit.node import agent as agent_mod
 from clusterkit.node import agent_hangs
+from clusterkit.node.protocol import Progress
 from clusterkit.workload import hangs
 
 FAULTHANDLER = """\
@@ -145,7 +146,7 @@ def test_watchdog_table(case: tuple[str, float, list[tuple[Any, ...]]]) -> None:
             wd.saw_training(t)
         elif kind == "report":
             node, idle, step = rest
-            wd.report(node, {"idle_s": idle, "step": step}, now=t)
+            wd.report(Progress(node, idle_s=idle, step=step), now=t)
         else:
             got = wd.check(t)
             want = rest[0]
@@ -159,8 +160,8 @@ def test_watchdog_limits_and_helpers() -> None:
     wd = Watchdog(hang_timeout_s=10.0, started_at=0.0)
     wd.begin(0.0)
     assert wd.limit(5.0) == 20.0 and wd.limit(20.0) == 10.0  # the allowance, then the limit
-    wd.report("node1", {"idle_s": 30.0, "step": 4}, now=11.0)
-    wd.report("node2", {"idle_s": 1.0, "step": 5}, now=11.0)
+    wd.report(Progress("node1", idle_s=30.0, step=4), now=11.0)
+    wd.report(Progress("node2", idle_s=1.0, step=5), now=11.0)
     assert wd.limit(11.0) == 10.0 and wd.idle(11.0) == 1.0 and wd.last_step() == 5
     assert step_of("[clusterkit] step 10/30 | loss 4.8") == 10 and step_of("Step: 3") == 3
     assert step_of("steps=5 loaded") is None and step_of("no numbers") is None

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from clusterkit.checkpoints.choose import choose_sources, copy_notes, pick_sources
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete, CollectPlan, WithoutMarkers
-from clusterkit.checkpoints.discover import choose_tag, verify
+from clusterkit.checkpoints.discover import choose_tag, shared_dir, verify
 from clusterkit.checkpoints.fromreplicas import (
     REPLICA_DAMAGED,
     ReplicaUse,
@@ -175,6 +175,10 @@ def _verified(source: Source, listings: list[NodeListing], options: CollectOptio
     that is unreachable, or whose copy is missing or incomplete, is stood in for by a
     complete replica (:mod:`clusterkit.checkpoints.fromreplicas`)."""
     tag = _tag_arg(options.tag)
+    chosen = tag or choose_tag(listings, options.tag, markers=False)[0]
+    shared = shared_dir(listings, chosen) if chosen else None
+    if shared is not None:  # one line, not the replicas' or the shards' view of it
+        raise shared
     if tag is None:  # 'latest' as the reachable nodes say, else the newest assemblable
         tag = choose_tag([ls for ls in listings if not ls.error], options.tag,
                          markers=options.without_markers is None)[0]

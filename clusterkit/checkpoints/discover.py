@@ -36,6 +36,7 @@ from clusterkit.checkpoints.collectplan import (
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.errors import CheckpointError
 from clusterkit.hostrange import fold, folded_lines
+from clusterkit.node.gatefacts import SHARED_FIX, shared_line
 
 
 def _step(tag: str) -> int:
@@ -102,6 +103,9 @@ def verify(listings: Sequence[NodeListing], requested_tag: str = "latest",
                             + (f" (it has {', '.join(have[-3:])})" if have else ""))
     if problems:
         raise CheckpointIncomplete(tag, problems)
+    shared = shared_dir(listings, tag)
+    if shared is not None:
+        raise shared
     if without_markers is not None:
         return plan_from_files(listings, tag, without_markers.world_size)
     markers, problems = _read_markers(listings, tag)
@@ -113,6 +117,32 @@ def verify(listings: Sequence[NodeListing], requested_tag: str = "latest",
                                    "run has stopped saving" if mine else None)
     # Go on with the markers we have, so one report lists every problem at once.
     return _plan(listings, tag, markers, problems)
+
+
+def shared_dir(listings: Sequence[NodeListing], tag: str) -> CheckpointIncomplete | None:
+    """Several nodes list the very same files of ``tag`` (names, sizes, mtimes), per-rank
+    shards included: their "node-local" dir is one shared directory (issue 32). One line
+    instead of a "must exist exactly once" per shard."""
+    groups: dict[frozenset[tuple[str, int, float]], list[NodeListing]] = {}
+    for ls in listings:
+        files = ls.tags.get(tag) if not ls.error else None
+        if files and any(_per_rank(rel) for rel in files):
+            key = frozenset((rel, i.size, i.mtime) for rel, i in files.items())
+            groups.setdefault(key, []).append(ls)
+    same = max(groups.values(), key=len, default=[])
+    if len(same) < 2:
+        return None
+    where = fold(ls.node for ls in same)
+    return CheckpointIncomplete(tag, [
+        f"{tag} is the same files on {where}: "
+        + shared_line(same[0].root, where).replace("checkpoint dir", "its checkpoint dir", 1)],
+        hint="it is in one place already: read it there, or collect it from one node "
+             f"(--include {same[0].node}); for the next job use {SHARED_FIX}")
+
+
+def _per_rank(rel: str) -> bool:
+    shard = layout.parse_shard_name(posixpath.basename(rel))
+    return shard is not None and shard.dp_rank is not None
 
 
 def _read_markers(listings: Sequence[NodeListing], tag: str

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Protocol
 
 from clusterkit.fold import FOLD_WINDOW_S, Folded, LineFolder
+from clusterkit.launch.runtime_io import ConsolePhase
 from clusterkit.launch.watchdog import STEP_LINE
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class Sink(Protocol):
 
     def node_done(self, node: str, code: int) -> None: ...
 
-    def phase(self, name: str, detail: str = "") -> None: ...
+    def phase(self, name: str, detail: str = "") -> None: ...  # a ConsolePhase
 
     def failed_first(self, rank: int, where: str, logs: str) -> None: ...
 
@@ -47,11 +48,8 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-# Where a launch is, in order (the launch runtime only moves forward within an attempt):
-# the agents' SSH sessions start; they report their facts to the gate; GO, the ranks
-# start; every node's ranks run but no step yet (imports, init_process_group, model
-# build, checkpoint load); a step line or heartbeat was seen; the teardown.
-PHASES = ("connecting", "gate", "starting ranks", "initialising", "training", "tearing down")
+# Where a launch is, in order: the runtime's phases (a str enum; launch/runtime_io.py).
+PHASES = tuple(ConsolePhase)
 
 
 def prefix(node: str, rank: int | None) -> str:

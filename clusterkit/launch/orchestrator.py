@@ -64,6 +64,7 @@ from clusterkit.launch.runtime_io import (
     parse_json,
     read_line,
 )
+from clusterkit.launch.runtime_state import Stage
 from clusterkit.node.ship import NodeCommand, agent_command
 from clusterkit.remote.base import RemoteProcess, Transport
 
@@ -93,7 +94,7 @@ class Orchestrator:
         self._procs: dict[str, RemoteProcess] = {}
         self._q: queue.Queue[Event] = queue.Queue()
         self._lock = threading.Lock()
-        self._pending_signals: list[str] = []
+        self._pending_signals: list[signal.Signals] = []
         self._stacks_dir = stacks_dir  # launcher side copy of the dumps (None: nodes only)
         self._sweep: tuple[str, ...] = ()
         self._unconfirmed: list[str] = []
@@ -151,14 +152,14 @@ class Orchestrator:
 
     def _loop(self) -> None:
         """Each turn: the next queued input (waiting at most TICK_S), signals, a Tick."""
-        while not self.runtime.finished:
+        while self.runtime.stage is not Stage.FINISHED:
             queued = self._next(TICK_S)
             if queued is not None:
                 self._feed(queued)
             with self._lock:
                 pending, self._pending_signals = self._pending_signals, []
-            for name in pending:
-                self._feed(Signalled(name))
+            for sig in pending:
+                self._feed(Signalled(sig))
             self._feed(Tick())
         # Lines still queued after the last exit (reader threads are done).
         while (queued := self._next(None)) is not None:
@@ -246,7 +247,7 @@ class Orchestrator:
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         # Only record it: the loop feeds it to the runtime within TICK_S, outside the handler.
         with self._lock:
-            self._pending_signals.append(signal.Signals(signum).name)
+            self._pending_signals.append(signal.Signals(signum))
 
     # -------------------------------------------------------------- the sweep
 

@@ -17,12 +17,12 @@ runtime") and of tests/test_runtime.py; :attr:`Runtime.stage` names the rows' st
 
 from __future__ import annotations
 
+import signal
 from typing import Any, assert_never
 
 from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.hostrange import folded_lines
 from clusterkit.launch import teardown
-from clusterkit.launch.console import PHASES
 from clusterkit.launch.jobspec import JobSpec
 from clusterkit.launch.outcome import JobOutcome, RankFailure, describe_failure, exit_status
 from clusterkit.launch.replica_events import ReplicaLedger, replica_line
@@ -31,6 +31,7 @@ from clusterkit.launch.runtime_io import (
     AgentEnded,
     AgentOutput,
     Close,
+    ConsolePhase,
     Drained,
     Event,
     FailedFirst,
@@ -57,19 +58,27 @@ from clusterkit.node import protocol
 from clusterkit.node.contract import JobDir, with_job_id
 from clusterkit.node.protocol import Control
 
+# The signals the launcher forwards to every node's ranks, as the agents' control words.
+FORWARDED = {signal.SIGUSR1: Control.USR1, signal.SIGUSR2: Control.USR2}
 REPLICA_TAGS_SHOWN = 3  # the end-of-job replica line names the newest few checkpoints
 
 
 class Runtime:
-    """The attempt's state; :meth:`on` is the one way it changes."""
+    """The attempt's state; :meth:`on` is the one way it changes.
+
+    ``stage`` is stored: each handler reads it first and acts only in the stages its
+    rows name (a ``# row <id>`` comment marks the one place of each row of the table
+    in docs/architecture.md; tests/test_runtime.py checks that every row id of the
+    table has a test row). A (stage, event) the table does not list does nothing.
+    """
 
     def __init__(self, job: JobSpec, now: float, *, fork_import: str = "") -> None:
         self.job = job
         # The first module the fork servers import (the "starting ranks" phase says so:
         # torch takes 10 s on a loaded machine). Read from the environment by the caller.
         self.fork_import = fork_import
+        self.stage = Stage.CONNECTING
         self.nodes = {t.node: NodeState(t) for t in job.tasks}
-        self.spawned = False
         self.unstarted: set[str] = set()  # nodes whose agent could not be started
         self.gate = GateState(job.gate_need, now, same_python=job.gate_same_python)
         self.watchdog = Watchdog(job.hang_timeout_s, now)
@@ -81,7 +90,7 @@ class Runtime:
         self.stacks: dict[int, RankStack] = {}
         self.stack_nodes: set[str] = set()
         self.stack_summary: StackSummary | None = None
-        self.phase = -1  # index into console.PHASES: the status line only moves forward
+        self.phase: ConsolePhase | None = None  # the console's: it only moves forward
         self.replicas = ReplicaLedger()
         self._out: list[Action] = []
 
@@ -96,11 +105,13 @@ class Runtime:
             case Spawned():
                 self._spawned(event, now)
             case Received():
-                self._received(event, now)
+                self._received(self.nodes[event.node], event.msg, now)
             case AgentOutput():
-                self._agent_output(event)
+                # row agent-output: the agent itself (a traceback, no clusterkit there)
+                self.nodes[event.node].tail.append(event.text)
+                self._out.append(Show(event.node, None, event.text, agent=True))
             case Unreadable():
-                self._say(f"{event.node}: unreadable agent event: {event.error}")
+                self._say(f"{event.node}: unreadable agent event: {event.error}")  # row unreadable
             case AgentEnded():
                 self._agent_ended(event, now)
             case Signalled():
@@ -111,68 +122,70 @@ class Runtime:
                 self._drained()
             case _:
                 assert_never(event)  # mypy: every event of runtime_io.Event has a case
+        if self.stage is not Stage.FINISHED and self.finished:
+            self.stage = Stage.FINISHED  # row last-ended (or the teardown gave up)
         return self._out
 
     @property
-    def stage(self) -> Stage:
-        """The state column of the table, read off the state (stored nowhere else)."""
-        if self.finished:
-            return Stage.FINISHED
-        if self.teardown.begun:
-            return Stage.STOPPING
-        if self.watchdog.fired_at is not None:
-            return Stage.COLLECTING
-        if not self.spawned:
-            return Stage.CONNECTING
-        return Stage.RUNNING if self.gate.passed else Stage.GATE
-
-    @property
     def finished(self) -> bool:
+        """Every agent ended (or was given up on)."""
         return all(s.code is not None for s in self.nodes.values())
+
+    def _enter(self, stage: Stage, now: float) -> None:
+        """The stage moves (forward only); the console's phase follows it."""
+        self.stage = stage
+        if stage is Stage.RUNNING:
+            self.watchdog.begin(now)  # the start-up allowance counts from here
+            self._set_phase(ConsolePhase.STARTING, f"(fork servers import {self.fork_import})"
+                            if self.fork_import else "")
+        elif stage is Stage.STOPPING:
+            self._set_phase(ConsolePhase.TEARING_DOWN)
+
+    def _set_phase(self, phase: ConsolePhase, detail: str = "") -> None:
+        """Tell the console where the job is (forward only; a detail may change)."""
+        if self.phase is None or phase.order >= self.phase.order:
+            self.phase = phase
+            self._out.append(Phase(phase, detail))
 
     # ---------------------------------------------------------------- the start
 
     def _starting(self, now: float) -> None:
-        self.gate.last = now
+        if self.stage is not Stage.CONNECTING:
+            return
+        self.gate.start(now)  # row start
         attempt = self.job.attempt
         self._say(f"job {self.job.job_id}: starting {len(self.nodes)} node agents"
                   + (f" (attempt {attempt + 1})" if attempt else ""))
-        self._set_phase("connecting", f"attempt {attempt + 1}" if attempt else "")
+        self._set_phase(ConsolePhase.CONNECTING, f"attempt {attempt + 1}" if attempt else "")
 
     def _spawned(self, ev: Spawned, now: float) -> None:
-        self.spawned = True
+        if self.stage is not Stage.CONNECTING:
+            return
         self.unstarted = set(ev.failed)
-        if self.gate.need is None:  # no gate: the agents start their ranks at once
-            self._ranks_starting(now)
-        for node, message in ev.failed.items():
-            self._start_failed(self.nodes[node], message, now)
+        if self.gate.need is None:
+            self._enter(Stage.RUNNING, now)  # row spawned: the agents start their ranks at once
+            for node, message in ev.failed.items():  # row start-failed
+                state = self._start_failed(node, message)
+                self._say(f"{node}: could not start the agent: {message}")
+                self._fail(state, "start-failed", -1, now)
+            return
+        self._enter(Stage.GATE, now)  # row spawned-gated: the agents report their facts and hold
+        for node, message in ev.failed.items():  # row start-failed-gated
+            self._start_failed(node, message)
+            self.gate.problem(node, message)
+        self._decide_gate(now)
 
-    def _start_failed(self, state: NodeState, message: str, now: float) -> None:
+    def _start_failed(self, node: str, message: str) -> NodeState:
+        state = self.nodes[node]
         state.code = -1
         state.tail.append(message)
-        if self.gate.waits_for(state.task.node):
-            self.gate.problems[state.task.node] = message
-            self._decide_gate(now)
-            return
-        self._say(f"{state.task.node}: could not start the agent: {message}")
-        self._fail(state, "start-failed", -1, now)
+        return state
 
-    def _ranks_starting(self, now: float) -> None:
-        self.watchdog.begin(now)
-        self._set_phase("starting ranks", f"(fork servers import {self.fork_import})"
-                        if self.fork_import else "")
+    # ---------------------------------------------------------------- agent messages
 
-    def _set_phase(self, name: str, detail: str = "") -> None:
-        """Tell the console where the job is (forward only; a detail may change)."""
-        index = PHASES.index(name)
-        if index >= self.phase:
-            self.phase = index
-            self._out.append(Phase(name, detail))
-
-    # ---------------------------------------------------------------- agent output
-
-    def _received(self, ev: Received, now: float) -> None:
-        state, msg = self.nodes[ev.node], ev.msg
+    def _received(self, state: NodeState, msg: protocol.Line | protocol.AnyEvent,
+                  now: float) -> None:
+        """One message of ``state``'s agent; every kind has its case (mypy checks)."""
         match msg:
             case protocol.Line():
                 self._output(state, msg, now)
@@ -183,41 +196,38 @@ class Runtime:
             case protocol.Started():
                 self._started(state)
             case protocol.Progress():
-                self._progress(state, msg, now)
+                self._progress(msg, now)
             case protocol.Stacks():
                 self._stacks(state, msg)
             case protocol.Error():
-                self._say(f"{state.task.node}: agent error: {msg.message}")
+                self._say(f"{state.task.node}: agent error: {msg.message}")  # row error
             case protocol.Replica():
-                self._say(replica_line(msg))
+                self._say(replica_line(msg))  # row replica
                 self.replicas.add(msg)
-            # Forwarded, Teardown, Exit: nothing (the exit code comes with AgentEnded).
-
-    def _agent_output(self, ev: AgentOutput) -> None:
-        # The agent itself (a traceback, a python that cannot find clusterkit).
-        self.nodes[ev.node].tail.append(ev.text)
-        self._out.append(Show(ev.node, None, ev.text, agent=True))
+            case protocol.Forwarded() | protocol.Teardown() | protocol.Exit():
+                pass  # row quiet: the agent's exit code comes with AgentEnded
+            case _:
+                assert_never(msg)  # a new protocol.AnyEvent kind needs its case here
 
     def _output(self, state: NodeState, msg: protocol.Line, now: float) -> None:
         node, text = msg.node, msg.text
         rank = msg.rank(self.job.rank_offsets(), state.task.rank_offset)
         self.nodes.get(node, state).record(rank, text)
-        if rank is not None:  # a rank's line is progress, a step line a sign of training
+        if rank is not None and self.stage is Stage.RUNNING:
+            # row rank-line: a rank's line is progress, a step line a sign of training
             self.watchdog.output(node, now)
-            if step_of(text) is not None:
-                self._training_seen(now)
+            if step_of(text) is not None and self.watchdog.saw_training(now):
+                self._set_phase(ConsolePhase.TRAINING)
         if text.startswith(SUMMARY_PREFIX) and (self.summary is None or rank == 0):
             self.summary = parse_json(text[len(SUMMARY_PREFIX):])
-        self._out.append(Show(node, rank, text))
-
-    def _training_seen(self, now: float) -> None:
-        if self.watchdog.saw_training(now):
-            self._set_phase("training")
+        self._out.append(Show(node, rank, text))  # row launcher-line (and rank-line)
 
     # ---------------------------------------------------------------- agent events
 
     def _rank_failed(self, state: NodeState, ev: protocol.RankFailed, now: float) -> None:
-        target = self.nodes.get(ev.failed_node, state)
+        if self.stage not in (Stage.RUNNING, Stage.COLLECTING):
+            return  # row stopping-rank-failed: collateral, the first failure stays named
+        target = self.nodes.get(ev.failed_node, state)  # row rank-failed
         if target.failed_rank is None:
             target.failed_rank = ev
         if state.failed_rank is None:
@@ -227,27 +237,28 @@ class Runtime:
         self._fail(state, "exit", ev.code or 1, now)
 
     def _facts(self, state: NodeState, ev: protocol.Facts, now: float) -> None:
-        self.gate.facts[state.task.node] = dict(ev.facts)
-        self.gate.last = now
-        self._set_phase("gate", f"{len(self.gate.facts)}/{len(self.nodes)} nodes")
+        if self.stage is not Stage.GATE:
+            return  # row late-facts: after a stop a late node's facts start nothing
+        self.gate.report(state.task.node, ev.facts, now)  # row gate-facts
+        self._set_phase(ConsolePhase.GATE, f"{len(self.gate.facts)}/{len(self.nodes)} nodes")
         self._decide_gate(now)
 
     def _started(self, state: NodeState) -> None:
-        self._out.append(NodeUp(state.task.node))
+        self._out.append(NodeUp(state.task.node))  # row started
         state.started = True
         if all(s.started for s in self.nodes.values()):
-            self._set_phase("initialising")
+            self._set_phase(ConsolePhase.INITIALISING)
 
-    def _progress(self, state: NodeState, ev: protocol.Progress, now: float) -> None:
-        untrained = self.watchdog.training_at is None
-        self.watchdog.report(state.task.node, {"idle_s": ev.idle_s, "step": ev.step}, now)
-        # report() notes a heartbeat's step as the first sign of training itself, so
-        # the phase moves here (asking saw_training() again would say "not the first").
-        if untrained and self.watchdog.training_at is not None:
-            self._set_phase("training")
+    def _progress(self, ev: protocol.Progress, now: float) -> None:
+        if self.stage is not Stage.RUNNING:
+            return
+        if self.watchdog.report(ev, now):  # row progress: its first step ends the start-up
+            self._set_phase(ConsolePhase.TRAINING)
 
     def _stacks(self, state: NodeState, ev: protocol.Stacks) -> None:
-        self.stack_nodes.add(state.task.node)
+        if self.stage is not Stage.COLLECTING:
+            return
+        self.stack_nodes.add(state.task.node)  # row stacks
         for key, res in ev.ranks.items():
             if not (isinstance(res, dict) and str(key).isdigit()):
                 continue
@@ -262,19 +273,20 @@ class Runtime:
         state = self.nodes[ev.node]
         state.code = ev.code
         state.dropped = ev.dropped or ev.code == -1
-        if self.gate.waits_for(ev.node):
+        if self.stage is Stage.GATE and self.gate.waits_for(ev.node):
             why = "the SSH connection dropped" if state.dropped else f"exit code {ev.code}"
-            self.gate.problems[ev.node] = (
-                f"the node agent ended before reporting ({why}): {state.last_words()[:200]}")
+            self.gate.problem(ev.node, "the node agent ended before reporting "  # row gate-ended
+                              f"({why}): {state.last_words()[:200]}")
             self._decide_gate(now)
             self._out.append(NodeDone(ev.node, ev.code))
             return
-        if self.gate.refused:
-            pass  # the gate failed: agents that never got GO are released, not failures
-        elif state.dropped:
-            self._fail(state, "connection-dropped", ev.code, now)
-        elif ev.code != 0:
-            self._fail(state, "exit", ev.code, now)
+        if self.stage in (Stage.GATE, Stage.RUNNING, Stage.COLLECTING):
+            if state.dropped:
+                self._fail(state, "connection-dropped", ev.code, now)  # row ended-dropped
+            elif ev.code != 0:
+                self._fail(state, "exit", ev.code, now)  # row ended-failed
+        # row ended-ok; # row stopping-ended: a refused gate's agents are released,
+        # and after a failure or a signal the others' ends are collateral
         self._out.append(NodeDone(ev.node, ev.code))
         self._release_watchers()
 
@@ -289,17 +301,18 @@ class Runtime:
     # ---------------------------------------------------------------- the folded gate
 
     def _decide_gate(self, now: float) -> None:
-        if self.teardown.begun:
-            return  # stopping: a late node's facts start nothing (no GO after a stop)
+        """The gate's verdict once every node reported (only while the stage is gate)."""
+        if self.stage is not Stage.GATE:
+            return  # issue 30: no GO after a stop
         result = self.gate.decide(list(self.nodes))
         if result is None:
             return
         if result.ok:
-            self._broadcast(Control.GO)
-            self._ranks_starting(now)
+            self._broadcast(Control.GO)  # row gate-go
+            self._enter(Stage.RUNNING, now)
             return
         for line in folded_lines(result.problems.items(), list(self.nodes)):
-            self._say(line)  # "node[1-7]: why": nodes with one problem share a line
+            self._say(line)  # row gate-refused: "node[1-7]: why", one line per problem
         self._begin_teardown(now)  # the holding agents exit without starting anything
 
     # ---------------------------------------------------------------- failure, teardown
@@ -336,8 +349,8 @@ class Runtime:
         return JobDir(job_dir).node_log("<node>", "<N>")
 
     def _begin_teardown(self, now: float) -> None:
-        if not self.teardown.begun:
-            self._set_phase("tearing down")
+        if self.stage is not Stage.STOPPING:
+            self._enter(Stage.STOPPING, now)
         self._teardown_did(self.teardown.on(teardown.Begin(), now))
 
     def _teardown_did(self, actions: list[teardown.Action]) -> None:
@@ -362,23 +375,33 @@ class Runtime:
     # ---------------------------------------------------------------- signals, time
 
     def _signalled(self, ev: Signalled, now: float) -> None:
-        if ev.name in ("SIGUSR1", "SIGUSR2"):
-            self._say(f"forwarding {ev.name} to every node")
-            self._broadcast(Control[ev.name[3:]])
+        name = ev.sig.name
+        if ev.sig in FORWARDED:
+            self._say(f"forwarding {name} to every node")  # row forward
+            self._broadcast(FORWARDED[ev.sig])
             return
         self.interrupts += 1
-        if self.interrupts == 1:
-            self._say(f"{ev.name}: stopping the job on every node (again to kill at once)")
-            self._begin_teardown(now)
-        else:
-            self._teardown_did(self.teardown.on(teardown.Kill(), now))
+        if self.stage in (Stage.GATE, Stage.RUNNING, Stage.COLLECTING):
+            self._say(f"{name}: stopping the job on every node (again to kill at once)")
+            self._begin_teardown(now)  # row signal
+        elif self.stage is Stage.STOPPING and self.interrupts == 1:
+            # row signal-stopping: a failure's teardown runs already; the next one kills
+            self._say(f"{name}: stopping the job on every node (again to kill at once)")
+        elif self.stage is Stage.STOPPING:
+            self._teardown_did(self.teardown.on(teardown.Kill(), now))  # row signal-again
 
     def _tick(self, now: float) -> None:
-        if self.gate.timed_out(now, list(self.nodes)):
-            self._decide_gate(now)
-        self._keepalive(now)
-        self._watch(now)
-        self._teardown_did(self.teardown.on(teardown.Tick(), now))
+        if self.stage is Stage.GATE and self.gate.timed_out(now, list(self.nodes)):
+            self._decide_gate(now)  # row gate-timeout
+        if self.stage is not Stage.FINISHED:
+            self._keepalive(now)  # row keepalive
+        if self.stage is Stage.RUNNING:
+            self._watch(now)
+        elif self.stage is Stage.COLLECTING:
+            self._collect(now)
+        elif self.stage is Stage.STOPPING:
+            # row stopping-tick: the teardown's own table; its give-up marks them dropped
+            self._teardown_did(self.teardown.on(teardown.Tick(), now))
 
     def _keepalive(self, now: float) -> None:
         """PING every agent: its dead-man switch fires only after keepalive_s of silence."""
@@ -390,23 +413,18 @@ class Runtime:
     # ---------------------------------------------------------------- hangs (issue 14)
 
     def _watch(self, now: float) -> None:
-        wd = self.watchdog
-        if wd.fired_at is None:
-            if self.teardown.begun or self.interrupts or not self._ranks_run():
-                return
-            why = wd.check(now)
-            if why is not None:
-                wd.fired_at = now
-                self._say(f"{why}: collecting every rank's Python stacks")
-                self._broadcast(Control.DUMP)
-            return
-        if self.stack_summary is None and not self.teardown.begun and (
-                self.stack_nodes >= self._live_rank_nodes() or now - wd.fired_at > DUMP_COLLECT_S):
-            self._hang_verdict(now)
+        why = self.watchdog.trip(now)
+        if why is None:
+            return  # row tick: nothing due
+        self.stage = Stage.COLLECTING  # row watchdog
+        self._say(f"{why}: collecting every rank's Python stacks")
+        self._broadcast(Control.DUMP)
 
-    def _ranks_run(self) -> bool:
-        """Past the gate (if any) and every agent started: only then can a job hang."""
-        return self.gate.passed and self.spawned and not self.unstarted
+    def _collect(self, now: float) -> None:
+        fired_at = self.watchdog.fired_at
+        assert fired_at is not None  # the stage is collecting
+        if self.stack_nodes >= self._live_rank_nodes() or now - fired_at > DUMP_COLLECT_S:
+            self._hang_verdict(now)  # row verdict
 
     def _live_rank_nodes(self) -> set[str]:
         return {n for n, s in self.nodes.items() if s.code is None and s.task.nprocs > 0}
@@ -427,7 +445,9 @@ class Runtime:
     # ---------------------------------------------------------------- the end
 
     def _drained(self) -> None:
-        line = self.replica_summary()
+        if self.stage is not Stage.FINISHED:
+            return
+        line = self.replica_summary()  # row drained
         if line:
             self._say(line)
         self._out.append(Finish(self._sweep()))
@@ -458,13 +478,12 @@ class Runtime:
     def outcome(self, elapsed_s: float, leftovers: dict[str, int],
                 unconfirmed: list[str]) -> JobOutcome:
         """The attempt's result; the sweep's findings and the time come from the I/O loop."""
-        wd = self.watchdog
         return JobOutcome(
             exit_code=self.exit_code, failure=self.failure, summary=self.summary,
             node_codes={n: (s.code if s.code is not None else -1) for n, s in self.nodes.items()},
             interrupted=self.interrupts > 0, elapsed_s=elapsed_s, leftovers=leftovers,
             gate=self.gate.result, stacks=self.stack_summary, unconfirmed=list(unconfirmed),
-            hang_idle_s=wd.idle(wd.fired_at) if wd.fired_at is not None else None,
+            hang_idle_s=self.watchdog.hang_idle_s(),
             replicas=self.replicas,
         )
 

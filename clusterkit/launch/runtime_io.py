@@ -13,8 +13,10 @@ needs no state of its own beyond the sessions.
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from clusterkit.launch.stacks import RankStack, StackSummary
@@ -41,7 +43,7 @@ class Received:
     """One ``@ck:`` message from ``node``'s agent: a :class:`~protocol.Line` or an event."""
 
     node: str
-    msg: protocol.Line | protocol.AgentEvent
+    msg: protocol.Line | protocol.AnyEvent
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class AgentEnded:
 class Signalled:
     """The launcher got a signal (``SIGINT``, ``SIGTERM``, ``SIGUSR1``, ``SIGUSR2``)."""
 
-    name: str
+    sig: signal.Signals
 
 
 @dataclass(frozen=True)
@@ -135,11 +137,30 @@ class Show:
     agent: bool = False
 
 
+class ConsolePhase(StrEnum):
+    """Where a launch is, in order, for the console's status line (only forward within
+    an attempt): the agents' sessions start; they report their facts to the gate; GO,
+    the ranks start; every node's ranks run but no step yet (imports,
+    init_process_group, model build, checkpoint load); a step line or heartbeat was
+    seen; the teardown. The runtime derives it from its stage (``Runtime.on``)."""
+
+    CONNECTING = "connecting"
+    GATE = "gate"
+    STARTING = "starting ranks"
+    INITIALISING = "initialising"
+    TRAINING = "training"
+    TEARING_DOWN = "tearing down"
+
+    @property
+    def order(self) -> int:
+        return list(ConsolePhase).index(self)
+
+
 @dataclass(frozen=True)
 class Phase:
-    """The console's status line moves to phase ``name`` (console.PHASES)."""
+    """The console's status line moves to phase ``name``."""
 
-    name: str
+    name: ConsolePhase
     detail: str = ""
 
 

@@ -20,7 +20,8 @@ TAIL_LINES = 15  # per node and per rank: what a failure shows of its output
 
 
 class Stage(Enum):
-    """Where the attempt is: the state column of the runtime's table."""
+    """Where the attempt is: the state column of the runtime's table, stored in
+    ``Runtime.stage`` and read by every handler before it acts."""
 
     CONNECTING = "connecting"  # the agents are being started
     GATE = "gate"  # the folded gate waits for every node's facts
@@ -76,6 +77,19 @@ class GateState:
     def passed(self) -> bool:
         """Nothing holds the ranks back: no gate, or it said GO."""
         return self.need is None or (self.result is not None and self.result.ok)
+
+    def start(self, now: float) -> None:
+        """The agents are being started: the timeout counts from here."""
+        self.last = now
+
+    def report(self, node: str, facts: dict[str, object], now: float) -> None:
+        """``node``'s facts came (a report restarts the timeout)."""
+        self.facts[node] = dict(facts)
+        self.last = now
+
+    def problem(self, node: str, why: str) -> None:
+        """``node`` cannot report: its agent did not start, or it ended before reporting."""
+        self.problems[node] = why
 
     def waits_for(self, node: str) -> bool:
         """True while the gate is undecided and ``node`` has not reported yet."""

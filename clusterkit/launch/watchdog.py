@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+
+from clusterkit.node.protocol import Progress
 
 DUMP_COLLECT_S = 30.0  # how long the launcher waits for every node's stacks
 STARTUP_FACTOR = 2.0  # the start-up allowance, in units of --hang-timeout
@@ -72,19 +73,15 @@ class Watchdog:
         if not self.begun:
             self.begun, self.started_at = True, now
 
-    def report(self, node: str, ev: dict[str, Any], now: float) -> None:
-        idle = ev.get("idle_s")
-        step = ev.get("step")
-        if isinstance(idle, (int, float)):
-            step = step if isinstance(step, int) and not isinstance(step, bool) else None
-            prev = self.nodes.get(node)
-            # Both are upper bounds of the true silence: a line the launcher saw after
-            # the agent measured must not be forgotten by the older report.
-            idle = min(float(idle), prev.idle_now(now)) if prev else float(idle)
-            self.nodes[node] = NodeProgress(idle, now, step if step is not None
-                                            else (prev.step if prev else None))
-            if step is not None:
-                self.saw_training(now)
+    def report(self, ev: Progress, now: float) -> bool:
+        """A node's progress report; True when its step is the first sign of training."""
+        prev = self.nodes.get(ev.node)
+        # Both are upper bounds of the true silence: a line the launcher saw after
+        # the agent measured must not be forgotten by the older report.
+        idle = min(float(ev.idle_s), prev.idle_now(now)) if prev else float(ev.idle_s)
+        step = ev.step if ev.step is not None else (prev.step if prev else None)
+        self.nodes[ev.node] = NodeProgress(idle, now, step)
+        return ev.step is not None and self.saw_training(now)
 
     def output(self, node: str, now: float) -> None:
         """A rank of ``node`` printed a line now (the launcher sees every line at once;
@@ -123,6 +120,17 @@ class Watchdog:
         if self.in_startup(now):
             return self.allowance_s
         return self.hang_timeout_s
+
+    def trip(self, now: float) -> str | None:
+        """:meth:`check`, and when it fires, the watchdog has fired (once: at ``now``)."""
+        why = self.check(now)
+        if why is not None:
+            self.fired_at = now
+        return why
+
+    def hang_idle_s(self) -> float | None:
+        """How long every rank had been silent when it fired (None: it did not)."""
+        return None if self.fired_at is None else self.idle(self.fired_at)
 
     def stalled(self, now: float) -> bool:
         return self.check(now) is not None
