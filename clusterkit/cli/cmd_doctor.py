@@ -72,6 +72,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--bandwidth-size", default=None, metavar="SIZE",
                    type=size_type("--bandwidth-size", minimum=1),
                    help=f"message size for --bandwidth (default {BANDWIDTH_SIZE})")
+    p.add_argument("--sync", metavar="DIR", type=nonempty, default=None,
+                   help="also check that every node holds DIR as `clusterkit sync DIR` put it "
+                   "there (names the node and the files that differ; docs/sync.md)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings")
     p.add_argument("-v", "--verbose", action="store_true", help="also list every passed check")
@@ -131,6 +134,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     with transport_for(connect_timeout=args.connect_timeout) as transport:
         fast, client = fanout_transport(plan, transport)
         report = run_doctor(plan, fast, ssh_client=client)
+        if args.sync:
+            from clusterkit.cli.cmd_sync import doctor_sync_parity
+
+            report = doctor_sync_parity(report, transport, args.sync, [h for h, _ in chosen])
         if args.bandwidth:
             from clusterkit.checks.bandwidth import add_bandwidth
 

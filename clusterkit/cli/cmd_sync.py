@@ -23,6 +23,8 @@ from clusterkit.hostfile import select_hosts
 from clusterkit.inventory import Host
 
 if TYPE_CHECKING:
+    from clusterkit.checks.doctor import DoctorReport
+    from clusterkit.remote.base import Transport
     from clusterkit.remote.distribute import DistNode, DistributeResult, Progress
 
 
@@ -185,6 +187,19 @@ def report(result: DistributeResult, order: Sequence[str], as_json: bool) -> Non
         raise ClusterkitError(f"sync incomplete on {len(bad)} of {len(order)} node(s): {fold(bad)}",
                               hint="see the lines above; run sync again to complete only what "
                               "is missing")
+
+
+def doctor_sync_parity(report: DoctorReport, transport: Transport, src: str,
+                       hosts: Sequence[Host]) -> DoctorReport:
+    """``doctor --sync DIR``: one sync.parity finding per node (checks/rules_sync.py)."""
+    from clusterkit.checks.rules_sync import add_sync_parity
+    from clusterkit.remote.sync import load_ignore
+
+    check_source(src)
+    nodes = dist_nodes(src, hosts, os.getcwd())
+    ignore = load_ignore(src, None, _checkpoints_inside(hosts, nodes))
+    return add_sync_parity(report, transport, nodes, src, ignore,
+                           cache_dir=str(clusterkit_home() / "sync-cache"))
 
 
 def _checkpoints_inside(hosts: Sequence[Host], nodes: Sequence[DistNode]) -> list[str]:

@@ -55,6 +55,11 @@ def tree_digest(rows: Any) -> str:
     return h.hexdigest()
 
 
+def entries_digest(entries: Any) -> str:
+    """The digest of a source manifest (its entries, as the launcher sends them)."""
+    return tree_digest((e[REL], e[SIZE], e[SHA]) for e in entries)
+
+
 def safe_rel(rel: Any) -> bool:
     """A relative path a node may write: no absolute path, no ``..``, never the state dir."""
     if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:

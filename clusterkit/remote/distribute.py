@@ -169,7 +169,7 @@ def distribute(transport: Transport, nodes: Sequence[DistNode], src_dir: str,
     entries, hashed = source_entries(found.files, opts.cache_dir, src_dir)
     paths = {e[store.REL]: found.files[e[store.REL]].path for e in entries}
     result = DistributeResult(
-        digest=store.tree_digest((e[store.REL], e[store.SIZE], e[store.SHA]) for e in entries),
+        digest=store.entries_digest(entries),
         files=len(entries), total_bytes=sum(int(e[store.SIZE]) for e in entries),
         nodes={n.name: NodeResult(n.name) for n in nodes}, hashed_bytes=hashed,
         links=list(found.links))
@@ -392,7 +392,7 @@ class _Run:
 
     def progress(self, elapsed: float) -> Progress:
         views = tuple(NodeView(p.node.name, p.result.got_bytes, p.result.need_bytes,
-                               p.result.state) for p in self.peers.values())
+                               p.result.state) for _, p in sorted(self.peers.items()))
         return Progress(views, elapsed, self.sent)
 
     def _event(self, peer: _Peer, ev: dict[str, Any]) -> None:
