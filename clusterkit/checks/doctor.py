@@ -51,6 +51,7 @@ from clusterkit.checks.rules import (
     one_machine,
     run_rules,
 )
+from clusterkit.checks.rules_env import env_parity
 from clusterkit.checks.rules_storage import check_shared_dirs
 from clusterkit.errors import TransportError
 from clusterkit.hostrange import fold
@@ -267,7 +268,7 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *, ssh_client: str | None
     t_rules = time.monotonic()
     findings = (run_rules(facts, _with_windows(plan.ctx, windows)) + port_findings
                 + startup_findings(startup) + clusterkit_parity(facts, own_digest.result())
-                + check_shared_dirs(tokens, plan.ctx))
+                + check_shared_dirs(tokens, plan.ctx) + env_parity(facts))
     timings = {"facts": t_facts, **stats, "rules": time.monotonic() - t_rules,
                "total": time.monotonic() - started}
     extra = {"ssh_client": ssh_client} if ssh_client else {}

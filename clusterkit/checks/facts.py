@@ -79,6 +79,11 @@ class NodeFacts:
     # source digest: the same digest as the launcher's means the same code.
     clusterkit_version: str | None = None
     clusterkit_digest: str | None = None
+    # `clusterkit nodes env`'s record of this interpreter's environment (node/envfacts.py
+    # env_state: prefix, digest, stale, groups, changed) and DeepSpeed's JIT build locks
+    # (node/jitops.py locks: path, age_s, holders).
+    env_state: Mapping[str, Any] = field(default_factory=dict)
+    jit_locks: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -171,6 +176,9 @@ def from_probe_json(host: str, data: Mapping[str, Any]) -> NodeFacts:
         heavy_modules=tuple(_d(data, "probe", "heavy_modules_imported") or ()),
         clusterkit_version=_s(_d(data, "clusterkit", "version")),
         clusterkit_digest=_s(_d(data, "clusterkit", "digest")),
+        env_state=_d(data, "envstate", "env") or {},
+        jit_locks=tuple(lk for lk in (_d(data, "envstate", "jit_locks") or [])
+                        if isinstance(lk, Mapping)),
     )
 
 

@@ -29,6 +29,7 @@ from clusterkit.checks.rules_base import (
     one_machine,
     parity,
 )
+from clusterkit.checks.rules_env import check_jit_locks
 from clusterkit.checks.rules_gpu import (
     check_gpus,
     check_topology,
@@ -89,6 +90,7 @@ __all__ = [
     "check_gpus",
     "check_interfaces",
     "check_interpreter",
+    "check_jit_locks",
     "check_limits",
     "check_master_port",
     "check_nccl_env",
@@ -112,7 +114,7 @@ __all__ = [
 
 ALL_RULES: tuple[Rule, ...] = (
     check_probe, check_interpreter, check_versions, check_freeze, check_workdir,
-    check_ninja, check_cuda, check_pdsh, check_gpus, check_topology, check_storage,
+    check_ninja, check_jit_locks, check_cuda, check_pdsh, check_gpus, check_topology, check_storage,
     check_limits, check_clock, check_own_name, check_peer_names, check_interfaces,
     check_nccl_env,
 )

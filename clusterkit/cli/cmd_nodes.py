@@ -9,6 +9,7 @@ from pathlib import Path
 
 from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
+from clusterkit.errors import ClusterkitError
 from clusterkit.hostfile import select_hosts
 
 
@@ -70,32 +71,43 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
+    from clusterkit.cli.common import clusterkit_home
     from clusterkit.hostrange import folded_lines
     from clusterkit.remote.base import target_for
     from clusterkit.remote.dispatch import transport_for
-    from clusterkit.remote.envcopy import EnvNode, describe_local, replicate
+    from clusterkit.remote.envcopy import EnvNode, describe_local, distribute_transfer, replicate
 
     inv = resolve_inventory(args.inventory)
     chosen = select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                           include=args.include, exclude=args.exclude)
     source = describe_local(args.python)  # an editable tree that cannot travel: refused here
-    nodes = [EnvNode(h.name, target_for(h), args.node_python, dict(h.env)) for h, _ in chosen]
+    nodes = [EnvNode(h.name, target_for(h), args.node_python, h.address, dict(h.env))
+             for h, _ in chosen]
     print(f"environment {source.prefix} (Python {source.python_version}) -> "
           f"{len(nodes)} node(s), at the same path:", file=sys.stderr)
     for part in source.parts:
         how = "" if part.copy else " (the OS's: checked, not copied)"
         print(f"  {part.role}: {part.path}{how}", file=sys.stderr)
+    cache = str(clusterkit_home() / "sync-cache")
     with transport_for() as transport:
-        results, group, _ = replicate(transport, nodes, source)
+        results = replicate(transport, nodes, source, transfer=lambda t, ns, part:
+                            distribute_transfer(t, ns, part, cache_dir=cache))
     order = [n.name for n in nodes]
-    for line in folded_lines(((n, r.summary()) for n, r in results.items()), order):
+    good = {n: r for n, r in results.items() if not r.error}
+    for line in folded_lines(((n, r.summary()) for n, r in good.items()), order):
         print(f"  {line}")
     for line in folded_lines(((n, w) for n, r in results.items() for w in r.warnings), order):
         print(f"  warning: {line}")
     note = driver_note({n: r.facts.get("driver") for n, r in results.items()}, order)
     if note:
         print(f"  note: {note}")
-    group.raise_on_failure("nodes env")
+    bad = folded_lines(((n, r.error) for n, r in results.items() if r.error), order)
+    if bad:
+        raise ClusterkitError(
+            f"nodes env: {len(results) - len(good)} of {len(results)} node(s) do not hold the "
+            "environment: " + "; ".join(bad),
+            hint="fix what the line says (or --exclude NODE) and run it again: nodes that "
+                 "already hold it are left alone")
     return 0
 
 

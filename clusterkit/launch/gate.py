@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import fold, folded_lines
+from clusterkit.node.envfacts import env_problems
 from clusterkit.node.gatefacts import (
     NEED_UNSHARED,
     PACKAGES,
@@ -194,6 +195,8 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
         for why in _need_problems(f):
             problems.setdefault(node, why)
     for node, why in shared_dirs(facts, order).items():
+        problems.setdefault(node, why)
+    for node, why in env_problems(facts).items():  # `nodes env`'s digest, recorded
         problems.setdefault(node, why)
     keys = PARITY_KEYS if same_python else tuple(k for k in PARITY_KEYS if k != "python")
     problems.update(_parity(facts, order, keys))

@@ -37,16 +37,23 @@ import os
 import sys
 from typing import Any, Dict, List  # noqa: UP035 - runs on Python 3.8 nodes
 
+from clusterkit.node.contract import ENV_TEST_ENVFACTS
+from clusterkit.node.dist_store import STATE_DIR as SYNC_STATE_DIR
+
 ENVFACTS_VERSION = 1
 RECORD_DIR = ".clusterkit"
 MANIFEST_FILE = "env-manifest.json"
 DIGEST_FILE = "env-digest.json"
-TEST_OVERRIDE_ENV = "CLUSTERKIT_TEST_ENVFACTS"
+TEST_OVERRIDE_ENV = ENV_TEST_ENVFACTS
 CHUNK = 1 << 20
 # Never part of an environment's manifest: bytecode the interpreter writes on each node
 # as it imports, and our own record. The same names the sync leaves alone.
 SKIP_DIRS = ("__pycache__", ".git")
 SKIP_SUFFIXES = (".pyc",)
+TOP_SKIP = (RECORD_DIR, SYNC_STATE_DIR)  # ours and clusterkit sync's state, at the top only
+# The same, as the gitignore-style rules clusterkit sync's engine takes (remote/envcopy.py).
+SKIPPED = (*(f"{d}/" for d in SKIP_DIRS), *(f"*{x}" for x in SKIP_SUFFIXES),
+           *(f"/{d}/" for d in TOP_SKIP))
 
 Entry = List[Any]  # noqa: UP006 - ["f", size, mode, sha256, mtime] | ["l", target]
 Manifest = Dict[str, Entry]  # noqa: UP006
@@ -80,7 +87,7 @@ def read_digest(directory: str) -> Dict[str, Any] | None:  # noqa: UP006
 
 def _skipped(rel: str, name: str, is_dir: bool) -> bool:
     if is_dir:
-        return name in SKIP_DIRS or rel == RECORD_DIR
+        return name in SKIP_DIRS or rel in TOP_SKIP
     return name.endswith(SKIP_SUFFIXES)
 
 
@@ -169,12 +176,29 @@ def _atomic_json(path: str, data: Dict[str, Any]) -> None:  # noqa: UP006
     os.replace(tmp, path)
 
 
+def group_of(rel: str) -> str:
+    """The unit doctor names when two records differ: a site-packages entry (one package,
+    ``lib/python3.11/site-packages/torch``), else the first two path components."""
+    parts = rel.split("/")
+    if "site-packages" in parts:
+        return "/".join(parts[:parts.index("site-packages") + 2])
+    return "/".join(parts[:2])
+
+
+def group_digests(entries: Manifest) -> Dict[str, str]:  # noqa: UP006
+    groups: Dict[str, Manifest] = {}  # noqa: UP006
+    for rel, e in entries.items():
+        groups.setdefault(group_of(rel), {})[rel] = e
+    return {g: digest(m)[:16] for g, m in sorted(groups.items())}
+
+
 def write_record(directory: str, entries: Manifest, env: Dict[str, Any] | None = None  # noqa: UP006
                  ) -> Dict[str, Any]:  # noqa: UP006
     """Record ``entries`` as ``directory``'s manifest; ``env``: for an environment's prefix,
     its parts' digests and the combined ``env_digest`` (what the launch gate compares)."""
     small = {"v": ENVFACTS_VERSION, "dir": directory, "digest": digest(entries),
-             "files": len(entries), "fingerprint": fingerprint(directory)}
+             "files": len(entries), "fingerprint": fingerprint(directory),
+             "groups": group_digests(entries)}
     small.update(env or {})
     _atomic_json(record_path(directory), {"v": ENVFACTS_VERSION, "entries": entries})
     _atomic_json(record_path(directory, DIGEST_FILE), small)
@@ -186,6 +210,73 @@ def local_manifest(directory: str) -> Manifest:
     old = _read_json(record_path(directory)) or {}
     cache = old.get("entries") if isinstance(old.get("entries"), dict) else None
     return manifest(directory, cache)
+
+
+# ----------------------------------------------------------------------------- the gate, doctor
+
+
+def env_state(prefix: str, *, changes: bool = False) -> Dict[str, Any]:  # noqa: UP006
+    """What the launch gate (node/gatefacts.py) and doctor read of an environment: its
+    recorded digest (no hashing), and whether its packages changed since (``stale``:
+    the fingerprint, one listdir per site-packages). ``changes``: doctor's, the entries
+    whose size, mtime or link target differ from the record (a stat of every file)."""
+    prefix = os.path.realpath(prefix)
+    rec = read_digest(prefix)
+    if rec is None:
+        return {"prefix": prefix, "digest": None}
+    out = {"prefix": prefix, "digest": rec.get("env_digest") or rec.get("digest"),
+           "stale": fingerprint(prefix) != rec.get("fingerprint"),
+           "groups": rec.get("groups") or {}}
+    if changes:
+        out["changed"] = changed_since_record(prefix)
+    return out
+
+
+def changed_since_record(directory: str, limit: int = 20) -> List[str]:  # noqa: UP006
+    old = _read_json(record_path(directory)) or {}
+    entries = old.get("entries")
+    want: Manifest = entries if isinstance(entries, dict) else {}
+    # The cache makes manifest() reuse recorded sha256s: only size/mtime/target count here.
+    have = manifest(directory, want)
+    return compare(want, have)[:limit]
+
+
+ENV_FIX = "`clusterkit nodes env` (from the launcher, with --python {prefix}/bin/python)"
+
+
+def env_problems(facts: Dict[str, Any], here: Any = env_state  # noqa: UP006
+                 ) -> Dict[str, str]:  # noqa: UP006
+    """node -> why its environment is not the launcher's, from the nodes' ``env`` facts
+    and ``here(prefix)`` (the launcher's own env_state of the same path). Nothing to say
+    where the launcher holds no record of that path (never replicated from here). One
+    text per kind of difference, without the node's name: the lines fold."""
+    out: Dict[str, str] = {}  # noqa: UP006
+    mine: Dict[str, Any] = {}  # noqa: UP006
+    for node, f in facts.items():
+        st = f.get("env") if isinstance(f, dict) else None
+        if not isinstance(st, dict) or not st.get("prefix"):
+            continue
+        prefix = str(st["prefix"])
+        if prefix not in mine:
+            mine[prefix] = here(prefix)
+        ours = mine[prefix] or {}
+        if not ours.get("digest"):
+            continue
+        fix = ENV_FIX.format(prefix=prefix)
+        if ours.get("stale"):
+            out[node] = (f"environment {prefix} changed on the launcher since it was "
+                         f"replicated (packages installed or removed): run {fix} again")
+        elif not st.get("digest"):
+            out[node] = (f"environment {prefix} was not replicated here (no record): "
+                         f"run {fix}")
+        elif st["digest"] != ours["digest"]:
+            out[node] = (f"environment {prefix} differs from the launcher's (digest "
+                         f"{str(st['digest'])[:12]} != {str(ours['digest'])[:12]}): run {fix}; "
+                         "`clusterkit doctor` names what differs")
+        elif st.get("stale"):
+            out[node] = (f"environment {prefix} changed on this node since it was replicated "
+                         f"(packages installed or removed): run {fix}")
+    return out
 
 
 # ----------------------------------------------------------------------------- facts
@@ -248,8 +339,10 @@ def path_state(path: str) -> Dict[str, Any]:  # noqa: UP006
         except OSError as exc:
             return {"state": "other", "what": exc.strerror or str(exc)}
     out: Dict[str, Any] = {"state": state}  # noqa: UP006
-    if small is not None:
+    if small is not None:  # and what changed since (stat only: a quick rerun skips it)
         out["record"] = small
+        out["changed"] = (fingerprint(path) != small.get("fingerprint")
+                          or bool(changed_since_record(path, 1)))
     return out
 
 
@@ -296,8 +389,10 @@ def finish(directory: str, want: Manifest, env: Dict[str, Any] | None = None  # 
            ) -> Dict[str, Any]:  # noqa: UP006
     _make_links(directory, want)
     have = local_manifest(directory)
-    for rel in [r for r, e in have.items() if e[0] == "l" and r not in want]:
-        os.unlink(os.path.join(directory, rel))  # links are ours to keep equal too
+    for rel in [r for r in have if r not in want]:
+        # What the environment does not hold (an older package's files, a stale link):
+        # the target passed the refusal check (absent, empty, an environment, ours).
+        os.unlink(os.path.join(directory, rel))
         del have[rel]
     bad = compare(want, have)
     if bad:

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from clusterkit.node import sitepaths
+from clusterkit.node import envfacts, sitepaths
 from clusterkit.node.parity import MUST, packages
 
 PACKAGES = packages(MUST)  # the versions every node must agree on (node/parity.py)
@@ -286,6 +286,7 @@ def gate_facts(needs: Sequence[str] = ()) -> dict[str, Any]:
     facts: dict[str, Any] = {"python": sys.executable, "version": sys.version.split()[0]}
     facts.update({name: _version(name) for name in PACKAGES})
     facts.update(_clusterkit())
+    facts["env"] = envfacts.env_state(sys.prefix)  # its record of `nodes env`: no hashing
     facts["missing"] = [p for p in needs if p.startswith("/") and not os.path.isfile(p)]
     checks: dict[str, tuple[str, Callable[[str], str | None]]] = {
         NEED_DIR: ("unwritable", lambda v: dir_problem(v.partition("=")[2])),

@@ -91,25 +91,27 @@ def stale(found: List[Dict[str, Any]]) -> List[Dict[str, Any]]:  # noqa: UP006
 # ----------------------------------------------------------------------------- which ops
 
 
+def _dict(value: Any) -> Dict[str, Any]:  # noqa: UP006
+    return value if isinstance(value, dict) else {}
+
+
 def ops_for_config(ds_config: Dict[str, Any], accelerator: str) -> List[str]:  # noqa: UP006
     """The op builders a DeepSpeed job with ``ds_config`` JIT-builds on ``accelerator``
     (``cpu``, ``cuda``...): the CPU accelerator's shared-memory collectives (every
     init), and the optimizer's kernel unless the config asks for torch's own Adam."""
     ops = [SHM_COMM] if accelerator == "cpu" else []
-    opt = ds_config.get("optimizer") if isinstance(ds_config.get("optimizer"), dict) else {}
+    opt = _dict(ds_config.get("optimizer"))
     kind = str(opt.get("type", "")).lower()
-    params = opt.get("params") if isinstance(opt.get("params"), dict) else {}
-    zero = ds_config.get("zero_optimization") if isinstance(
-        ds_config.get("zero_optimization"), dict) else {}
-    off = (zero.get("offload_optimizer") or {}) if isinstance(zero, dict) else {}
-    offload = isinstance(off, dict) and off.get("device") in ("cpu", "nvme")
+    params = _dict(opt.get("params"))
+    off = _dict(_dict(ds_config.get("zero_optimization")).get("offload_optimizer"))
+    offload = off.get("device") in ("cpu", "nvme")
     if kind in ("adam", "adamw") and not params.get("torch_adam"):
         ops.append("CPUAdamBuilder" if offload or accelerator == "cpu" else "FusedAdamBuilder")
     elif kind == "lion":
         ops.append("CPULionBuilder" if offload or accelerator == "cpu" else "FusedLionBuilder")
     elif kind == "adagrad":
         ops.append("CPUAdagradBuilder")
-    if isinstance(off, dict) and off.get("device") == "nvme":
+    if off.get("device") == "nvme":
         ops.append("AsyncIOBuilder")
     return list(dict.fromkeys(ops))
 

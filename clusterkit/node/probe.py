@@ -335,6 +335,17 @@ def _first_match(directory: str | None, prefix: str) -> str | None:
     return None
 
 
+def section_envstate() -> JSON:
+    """`clusterkit nodes env`'s record of this environment, what changed since, and
+    DeepSpeed's JIT build locks (node/envfacts.py, node/jitops.py, shipped beside the
+    probe; a probe copied by hand has neither and reports nothing here)."""
+    try:
+        from clusterkit.node import envfacts, jitops
+    except ImportError:
+        return {}
+    return {"env": envfacts.env_state(sys.prefix, changes=True), "jit_locks": jitops.locks()}
+
+
 def section_tools() -> JSON:
     return {name: shutil.which(name) for name in TOOLS}
 
@@ -629,6 +640,7 @@ def collect_facts(workdir: str | None, ckpt_dirs: Sequence[str], peers: Sequence
     sect("limits", section_limits, {})
     sect("env", section_env, {})
     sect("clusterkit", section_clusterkit, {})
+    sect("envstate", section_envstate, {})
     # The slow, I/O-bound sections run side by side.
     slow = _parallel({
         "gpu": lambda: section_gpu(tools),

@@ -43,20 +43,25 @@ class Program:
 # ranks and `install` runs pip: they start as the user's own Python would.
 PROGRAMS: dict[str, Program] = {
     # The agent split by concern (docs/architecture.md, "Node agent modules").
-    "agent": Program(("contract", "protocol", "sitepaths", "parity", "gatefacts", "zygote", "agent_files",
+    "agent": Program(("contract", "protocol", "sitepaths", "parity", "dist_store", "envfacts",
+                      "gatefacts", "zygote", "agent_files",
                       "agent_procs", "agent_hangs", "agent_env", "agent_output",
                       "agent_forkserver", "listing", "replica_done", "replica_area", "priority", "replica",
                       "replica_service", "agent"), site=True),
-    "probe": Program(("sitepaths", "parity", "gatefacts", "probe")),
+    "probe": Program(("contract", "sitepaths", "parity", "dist_store", "envfacts", "jitops",
+                      "gatefacts", "probe")),
     "bw_worker": Program(("bw_worker",), site=True),  # imports torch
     "listing": Program(("contract", "listing")),
     "hashing": Program(("hashing",)),
     "ckstream": Program(("contract", "listing", "hashing", "ckstream")),
-    "gatefacts": Program(("sitepaths", "parity", "gatefacts")),
+    "gatefacts": Program(("contract", "sitepaths", "parity", "dist_store", "envfacts",
+                          "gatefacts")),
     "dist": Program(("dist_store", "dist")),  # clusterkit sync: one node of the chain
-    "envfacts": Program(("envfacts",)),  # nodes env: facts, verify, record (remote/envcopy.py)
+    # nodes env: facts, verify, record (remote/envcopy.py)
+    "envfacts": Program(("contract", "dist_store", "envfacts")),
     "jitops": Program(("jitops",), site=True),  # nodes build-ops: imports deepspeed to build
-    "install": Program(("sitepaths", "parity", "gatefacts", "install"), site=True),
+    "install": Program(("contract", "sitepaths", "parity", "dist_store", "envfacts", "gatefacts",
+                         "install"), site=True),
     "slurmwatch": Program(("contract", "slurmwatch")),  # sbatch.sh's progress watchdog (docs/sbatch.md)
 }
 

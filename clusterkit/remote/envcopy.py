@@ -24,6 +24,7 @@ Per node, in order (:func:`replicate`), never stopping at one node's failure:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -34,7 +35,7 @@ from typing import Any
 from clusterkit.errors import ClusterkitError, TransportError
 from clusterkit.node import envfacts
 from clusterkit.node.ship import node_command
-from clusterkit.remote.base import CommandResult, GroupResult, SSHTarget, Transport
+from clusterkit.remote.base import CommandResult, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
 
 FACTS_TIMEOUT_S = 60.0
@@ -187,9 +188,12 @@ def refusal(here: Mapping[str, Any], there: Mapping[str, Any],
 
 
 def unchanged(source_digests: Mapping[str, str], there: Mapping[str, Any], part: Part) -> bool:
-    """The node's record of ``part`` already has our digest: nothing to send."""
-    rec = ((there.get("paths") or {}).get(part.path) or {}).get("record") or {}
-    return bool(rec.get("digest")) and rec.get("digest") == source_digests.get(part.path)
+    """The node's record of ``part`` already has our digest and nothing changed there
+    since (sizes, mtimes, packages): nothing to send."""
+    state = (there.get("paths") or {}).get(part.path) or {}
+    rec = state.get("record") or {}
+    return (bool(rec.get("digest")) and rec.get("digest") == source_digests.get(part.path)
+            and not state.get("changed"))
 
 
 # ----------------------------------------------------------------------------- execution
@@ -200,6 +204,7 @@ class EnvNode:
     name: str
     target: SSHTarget
     python: str  # a Python that exists on the node now (the environment may not)
+    address: str = ""  # where the other nodes reach it (the chain's TCP hops)
     env: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -214,25 +219,42 @@ class NodeEnv:
     digest: str = ""
     warnings: list[str] = field(default_factory=list)
     facts: Mapping[str, Any] = field(default_factory=dict)
+    error: str = ""  # why this node does not hold the environment (refused, failed)
 
     def summary(self) -> str:
+        if self.error:
+            return self.error
         sent = (f"{self.sent_files} file(s) sent ({self.sent_bytes:,} bytes, verified)"
                 if self.sent_files else "nothing sent")
         return f"{sent}; environment {self.digest[:12]} equal to the launcher's"
 
 
-# transfer(transport, node, part): copies the part's regular files (delta, verified);
-# returns (files sent, bytes sent). The one way bytes move: clusterkit sync's.
-Transfer = Callable[[Transport, EnvNode, Part], tuple[int, int]]
+# transfer(transport, nodes, part) -> node -> (why it failed or "", files, bytes): the
+# part's regular files onto those nodes. The one way bytes move: clusterkit sync's.
+Transfer = Callable[[Transport, Sequence[EnvNode], Part], dict[str, tuple[str, int, int]]]
 
 
-def sync_transfer(transport: Transport, node: EnvNode, part: Part) -> tuple[int, int]:
-    from clusterkit.remote.sync import ALWAYS_IGNORED, Ignore, SyncNode, manifest, sync_node
+def distribute_transfer(transport: Transport, nodes: Sequence[EnvNode], part: Part, *,
+                        cache_dir: str | None = None,
+                        on_progress: Callable[[Any], None] | None = None
+                        ) -> dict[str, tuple[str, int, int]]:
+    """The part through ``clusterkit sync``'s engine (remote/distribute.py): one chain of
+    the nodes, delta by sha256, each file verified on arrival."""
+    from clusterkit.remote.distribute import DistNode, DistOptions, distribute
+    from clusterkit.remote.sync import Ignore
 
-    ignore = Ignore.parse("\n".join(ALWAYS_IGNORED))  # envfacts.manifest skips the same
-    done = sync_node(transport, SyncNode(node.name, node.target, node.python, part.path),
-                     manifest(part.path, ignore), delete=True, ignore=ignore)
-    return len(done.written), done.bytes
+    opts = DistOptions(delete=True, ignore=Ignore.parse("\n".join(envfacts.SKIPPED)),
+                       cache_dir=cache_dir, on_progress=on_progress)
+    res = distribute(transport, [DistNode(n.name, n.target, n.python, n.address, part.path)
+                                 for n in nodes], part.path, part.path, options=opts)
+    out = {}
+    for n in nodes:
+        r = res.nodes[n.name]
+        why = "" if res.node_ok(n.name) else (
+            f"copying {part.path} {r.state}: {r.why or r.summary()}" if r.state != "done"
+            else f"copying {part.path}: {r.summary()}")
+        out[n.name] = (why, r.files_sent, r.got_bytes)
+    return out
 
 
 def _node_json(res: CommandResult, node: str, what: str) -> dict[str, Any]:
@@ -256,21 +278,18 @@ def node_facts(transport: Transport, node: EnvNode, paths: Sequence[str]) -> dic
                       node.name, "reading the node's facts")
 
 
-def record_source(source: EnvSource) -> dict[str, str]:
-    """Hash (or re-read from its record) every part here and record it: path -> digest.
-    The prefix's record carries the parts and the environment's digest."""
-    digests: dict[str, str] = {}
-    manifests = {}
-    for part in source.copied:
-        manifests[part.path] = envfacts.local_manifest(part.path)
-        digests[part.path] = envfacts.digest(manifests[part.path])
+def record_source(source: EnvSource) -> tuple[dict[str, str], dict[str, envfacts.Manifest]]:
+    """Hash (or re-read from its record) every part here and record it: path -> digest,
+    and the manifests. The prefix's record carries the parts and the environment's digest."""
+    manifests = {p.path: envfacts.local_manifest(p.path) for p in source.copied}
+    digests = {path: envfacts.digest(m) for path, m in manifests.items()}
     env = env_record(source, digests)
     for part in source.copied:
         # A read-only part here: no record, the nodes' records still say what they hold.
         with contextlib.suppress(OSError):
             envfacts.write_record(part.path, manifests[part.path],
                                   env if part.path == source.prefix else None)
-    return digests
+    return digests, manifests
 
 
 def env_record(source: EnvSource, digests: Mapping[str, str]) -> dict[str, Any]:
@@ -278,50 +297,76 @@ def env_record(source: EnvSource, digests: Mapping[str, str]) -> dict[str, Any]:
             "prefix": source.prefix}
 
 
-def replicate_node(transport: Transport, node: EnvNode, source: EnvSource,
-                   digests: Mapping[str, str], transfer: Transfer) -> NodeEnv:
-    there = node_facts(transport, node, [p.path for p in source.parts])
-    why, warnings = refusal(source.facts, there, source.parts)
-    if why is not None:
-        raise TransportError(why, kind="env-refused", host=node.name)
-    out = NodeEnv(node.name, warnings=warnings, facts=there)
-    env = env_record(source, digests)
-    # The prefix last: its record (what the gate reads) exists only once all parts do.
-    for part in sorted(source.copied, key=lambda p: p.path == source.prefix):
-        if unchanged(digests, there, part):
-            out.same_parts += 1
-            continue
-        files, nbytes = transfer(transport, node, part)
-        out.sent_files += files
-        out.sent_bytes += nbytes
-        want = envfacts.local_manifest(part.path)
-        header = {"entries": want, "env": env if part.path == source.prefix else None}
-        cmd = node_command(node.python, "envfacts", ["finish", part.path],
-                           payload=(json.dumps(header) + "\n").encode())
-        done = _node_json(transport.run(node.target, cmd.argv, stdin=cmd.stdin,
-                                        timeout=FINISH_TIMEOUT_S), node.name, "verifying")
-        if "differ" in done:
-            shown = ", ".join(done["differ"][:5])
-            raise TransportError(f"{part.path}: {done['ndiffer']} file(s) still differ after "
-                                 f"the copy ({shown}): changed on the launcher meanwhile?",
-                                 kind="env", host=node.name, hint="run it again")
-    out.digest = env["env_digest"]
-    return out
+def _fan(transport: Transport, nodes: Sequence[EnvNode], budget_s: float,
+         work: Callable[[EnvNode], None], max_parallel: int) -> dict[str, str]:
+    """``work`` on every node at once; node -> why it failed (nodes that did not fail: absent)."""
+    by_name = {n.name: n for n in nodes}
+
+    def one(target: SSHTarget) -> CommandResult:
+        work(by_name[target.name])
+        return CommandResult(target.name, ("env",), 0, "", "", 0.0)
+
+    group = fan_out([n.target for n in nodes], one, per_host_budget_s=budget_s,
+                    max_parallel=max_parallel)
+    return {r.host: r.reason() or "failed" for r in group.failed}
+
+
+def finish_node(transport: Transport, node: EnvNode, part: Part, want: envfacts.Manifest,
+                env: Mapping[str, Any] | None) -> None:
+    header = {"entries": want, "env": dict(env) if env else None}
+    cmd = node_command(node.python, "envfacts", ["finish", part.path],
+                       payload=(json.dumps(header) + "\n").encode())
+    done = _node_json(transport.run(node.target, cmd.argv, stdin=cmd.stdin,
+                                    timeout=FINISH_TIMEOUT_S), node.name, "verifying")
+    if "differ" in done:
+        shown = ", ".join(done["differ"][:5])
+        raise TransportError(f"{part.path}: {done['ndiffer']} file(s) still differ after the "
+                             f"copy ({shown}): changed on the launcher meanwhile?", kind="env",
+                             host=node.name, hint="run it again")
+
+
+def _finish_one(transport: Transport, node: EnvNode, *, part: Part, want: envfacts.Manifest,
+                env: Mapping[str, Any] | None) -> None:
+    finish_node(transport, node, part, want, env)
 
 
 def replicate(transport: Transport, nodes: Sequence[EnvNode], source: EnvSource, *,
-              transfer: Transfer = sync_transfer, max_parallel: int = 16
-              ) -> tuple[dict[str, NodeEnv], GroupResult, dict[str, str]]:
-    """Every node at once; per-node results, the group (failures inside) and our digests."""
-    digests = record_source(source)
-    results: dict[str, NodeEnv] = {}
-    by_name = {n.name: n for n in nodes}
+              transfer: Transfer = distribute_transfer, max_parallel: int = 16
+              ) -> dict[str, NodeEnv]:
+    """Facts and refusals on every node first (no byte moves to a refused node), then each
+    part through ``transfer`` to the nodes whose record differs from ours, verified."""
+    digests, manifests = record_source(source)
+    env = env_record(source, digests)
+    results = {n.name: NodeEnv(n.name, digest=env["env_digest"]) for n in nodes}
+    paths = [p.path for p in source.parts]
 
-    def work(target: SSHTarget) -> CommandResult:
-        results[target.name] = replicate_node(transport, by_name[target.name], source, digests,
-                                              transfer)
-        return CommandResult(target.name, ("env",), 0, "", "", 0.0)
+    def facts(node: EnvNode) -> None:
+        r = results[node.name]
+        r.facts = node_facts(transport, node, paths)
+        why, r.warnings = refusal(source.facts, r.facts, source.parts)
+        if why is not None:
+            r.error = f"refused: {why}"
 
-    group = fan_out([n.target for n in nodes], work,
-                    per_host_budget_s=2 * FINISH_TIMEOUT_S, max_parallel=max_parallel)
-    return results, group, digests
+    for name, why in _fan(transport, nodes, FACTS_TIMEOUT_S + 30, facts, max_parallel).items():
+        results[name].error = why
+    # The prefix last: its record (what the gate reads) exists only once all parts do.
+    for part in sorted(source.copied, key=lambda p: p.path == source.prefix):
+        todo = [n for n in nodes if not results[n.name].error
+                and not unchanged(digests, results[n.name].facts, part)]
+        for n in nodes:
+            if not results[n.name].error and n not in todo:
+                results[n.name].same_parts += 1
+        if not todo:
+            continue
+        for name, (why, files, nbytes) in transfer(transport, todo, part).items():
+            results[name].sent_files += files
+            results[name].sent_bytes += nbytes
+            results[name].error = why
+        ready = [n for n in todo if not results[n.name].error]
+        record = env if part.path == source.prefix else None
+        failed = _fan(transport, ready, FINISH_TIMEOUT_S + 30, functools.partial(
+            _finish_one, transport, part=part, want=manifests[part.path], env=record),
+            max_parallel)
+        for name, why in failed.items():
+            results[name].error = why
+    return results
