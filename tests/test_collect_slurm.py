@@ -151,6 +151,8 @@ if os.environ.get("SLURM_JOB_ID"):
 root = os.environ["FAKE_ROOT"]
 if args[-1].startswith(root):
     args[-1] = os.path.join(root, node, os.path.relpath(args[-1], root))
+# What real srun puts in a task's environment: where srun listens for its I/O.
+os.environ["SLURM_SRUN_COMM_HOST"] = os.environ.get("FAKE_SRUN_COMM_HOST", "127.0.0.1")
 os.execvp(args[0], args)
 """
 
@@ -200,7 +202,7 @@ def test_collect_a_batch_job_through_srun_not_ssh(tmp_path: Path) -> None:
     assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 4
     assert "job nl-job (Slurm job 555, COMPLETED): collecting" in res.stdout
     assert "node[1-2] through Slurm, a one-task allocation on each node" in res.stdout
-    assert "via slurm" in res.stdout
+    assert "via slurm (a socket per node)" in res.stdout  # not srun's stdout
     calls = (tmp_path / "calls.log").read_text()
     assert "ssh " not in calls and "scontrol show job -o 555" in calls
     sruns = [ln for ln in calls.splitlines() if ln.startswith("srun ")]
@@ -215,6 +217,21 @@ def test_collect_a_batch_job_through_srun_not_ssh(tmp_path: Path) -> None:
     res = _collect(env, "nl-job")
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "calls.log").read_text().count("--partition=other") == 2  # one per node
+
+
+def test_a_node_that_cannot_connect_back_sends_through_srun_and_says_so(tmp_path: Path) -> None:
+    """The socket is the fast path, srun's stdout the fallback: same files, same checks."""
+    d = _job_dir(tmp_path)
+    (d / "slurm_nodes").write_text("node[1-2]\n")
+    synthetic.write_node_local([str(tmp_path / "ckpt" / f"node{i}" / "nl-job") for i in (1, 2)],
+                               shard_bytes=4096, model_bytes=512)
+    env = _env(tmp_path, FAKE_SRUN_COMM_HOST="collector.invalid")  # resolves nowhere
+    Registry(tmp_path / "home").record_sbatch(d, "555")
+    res = _collect(env, "555")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(list((d / "checkpoints" / TAG).glob("*_optim_states.pt"))) == 4
+    assert "every file sha256-checked" in res.stdout
+    assert "via slurm (node[1-2]: srun's stdout, slower: gaierror: " in res.stdout, res.stdout
 
 
 def test_slurm_refusal_is_one_clear_line(tmp_path: Path) -> None:

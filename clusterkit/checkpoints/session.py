@@ -8,6 +8,13 @@ or data. The stream is the same whichever process carries it.
 OpenSSH rather than paramiko carries the session because bulk data is the point:
 its AES-GCM runs in C with AES-NI (figures in docs/collect-ckpt.md).
 
+Through Slurm the bytes do not ride srun's I/O forwarding (tens of MB/s): the node
+program connects back to this process on a socket of its own (:class:`BackChannel`,
+``ckstream``'s ``socket`` request; issue 31) and everything after the request, file
+bytes included, comes that way. If the node cannot connect (a firewall between the
+nodes and this host), the session stays on srun's stdout and says why
+(:attr:`NodeSession.fallback`); either way every byte is verified the same.
+
 Every wait has a deadline: the connect timeout is ssh's ``ConnectTimeout``; a
 watchdog kills the process when a reply (listing, hashes) takes longer than its
 command timeout, or when a stream delivers no byte for ``stall`` seconds.
@@ -19,13 +26,16 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
 import time
-from typing import IO, Any
+from typing import IO, Any, cast
 
+from clusterkit.node.ckstream import SOCKET_GREETING, SOCKET_TIMEOUT_S, socket_proof
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S, SSHTarget
 from clusterkit.remote.command import remote_command
@@ -40,6 +50,80 @@ SRUN_TERM_GRACE_S = 5.0
 
 class SessionError(Exception):
     """The session ended or misbehaved; ``str()`` carries ssh's/the node's words."""
+
+
+class BackChannel:
+    """The socket a Slurm session's node program connects back on (issue 31).
+
+    Listens on every address of this host, port chosen by the kernel, for as long as
+    the session may take to start; accepts the first connection that proves the
+    per-run secret (``ckstream.socket_proof``), proves it back, and closes the
+    listener. The secret travels only in the request on the node program's stdin."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.secret = secrets.token_hex(32)
+        self.listener = _listen()
+        self.port = int(self.listener.getsockname()[1])
+        self.sock: socket.socket | None = None
+        self.why = ""
+        self.done = threading.Event()
+        threading.Thread(target=self._accept, args=(wait_s,), daemon=True,
+                         name="clusterkit-session-socket").start()
+
+    def request(self) -> bytes:
+        """ckstream's ``socket`` request (written to its stdin, never on argv)."""
+        return json.dumps({"op": "socket", "port": self.port,
+                           "secret": self.secret}).encode() + b"\n"
+
+    def _accept(self, wait_s: float) -> None:
+        try:
+            self.listener.settimeout(wait_s)
+            want = SOCKET_GREETING + b" " + socket_proof(self.secret, b"node", self.port)
+            while self.sock is None:
+                conn, _ = self.listener.accept()
+                try:
+                    conn.settimeout(SOCKET_TIMEOUT_S)
+                    if _line(conn) != want:
+                        conn.close()  # not our node: keep waiting for it
+                        continue
+                    conn.sendall(socket_proof(self.secret, b"collector", self.port) + b"\n")
+                    conn.settimeout(None)
+                except OSError:
+                    conn.close()
+                    continue
+                self.sock = conn
+        except OSError as exc:
+            self.why = str(exc)
+        finally:
+            self.listener.close()
+            self.done.set()
+
+    def close(self) -> None:
+        """Stop listening; end the data socket (a reader blocked on it returns)."""
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.close()
+
+
+def _listen() -> socket.socket:
+    """A listener on every address (IPv4 and, where the host has it, IPv6)."""
+    if socket.has_dualstack_ipv6():
+        with contextlib.suppress(OSError):
+            return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", 0))
+
+
+def _line(conn: socket.socket) -> bytes:
+    got = b""
+    while not got.endswith(b"\n") and len(got) < 200:
+        piece = conn.recv(200 - len(got))
+        if not piece:
+            break
+        got += piece
+    return got.strip()
 
 
 class NodeSession:
@@ -69,9 +153,14 @@ class NodeSession:
         self._budget = 0.0
         self.killed_why = ""
         self._closed = threading.Event()
+        self._pipe = self.stdout
+        self.back = BackChannel(self.startup_s + 120.0) if via is not None else None
+        self.fallback = ""  # why a Slurm session's bytes ride srun's stdout after all
         threading.Thread(target=self._watch, daemon=True,
                          name=f"clusterkit-session-{name}").start()
         self._write(cmd.stdin)
+        if self.back is not None:
+            self._write(self.back.request())
 
     # -------------------------------------------------------------- deadlines
 
@@ -111,7 +200,31 @@ class NodeSession:
         self._write(json.dumps({"op": op, "id": self._next_id, **fields}).encode() + b"\n")
         return self._next_id
 
+    def _settle_back(self, back: BackChannel) -> None:
+        """The node's answer to the ``socket`` request (its first line): read the rest
+        from the socket, or stay on srun's stdout and keep why."""
+        self.back = None
+        line = self.stdout.readline()
+        if not line:
+            back.close()
+            raise SessionError(self.why_ended())
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            msg = {}
+        if not isinstance(msg, dict) or msg.get("t") != "socket":
+            back.close()
+            raise SessionError(f"expected the socket answer, got {line[:200]!r}")
+        if msg.get("ok") and back.done.wait(SOCKET_TIMEOUT_S + 5.0) and back.sock is not None:
+            self.back = back
+            self.stdout = cast(IO[bytes], back.sock.makefile("rb", buffering=PIPE_BUFFER))
+            return
+        back.close()
+        self.fallback = str(msg.get("why") or back.why or "the node's connection was not seen")
+
     def read_msg(self) -> dict[str, Any]:
+        if self.back is not None and self.stdout is self._pipe:
+            self._settle_back(self.back)
         line = self.stdout.readline()
         if not line:
             raise SessionError(self.why_ended())
@@ -151,6 +264,8 @@ class NodeSession:
 
     def kill(self, why: str = "") -> None:
         self.killed_why = self.killed_why or why
+        if self.back is not None:  # a reader blocked on the socket returns now
+            self.back.close()
         if self.via is not None and self.proc.poll() is None:
             self._signal(signal.SIGTERM)
             timer = threading.Timer(SRUN_TERM_GRACE_S, self._signal, (signal.SIGKILL,))
@@ -172,7 +287,9 @@ class NodeSession:
             self.stdin.close()
         self.reap(10.0)
         self._closed.set()
-        for f in (self.stdout, self._errf):
+        if self.back is not None:
+            self.back.close()
+        for f in {self.stdout, self._pipe, self._errf}:
             with contextlib.suppress(OSError):
                 f.close()
 

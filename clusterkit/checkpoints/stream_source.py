@@ -111,6 +111,7 @@ class StreamSource:
 
         with cf.ThreadPoolExecutor(max_workers=min(64, len(self.nodes) or 1)) as pool:
             found = list(pool.map(one, enumerate(self.nodes)))
+        self.method = self._carried()  # each session chose its path at its first answer
         return self._explain(found, tag)
 
     def _explain(self, listings: list[NodeListing], tag: str | None) -> list[NodeListing]:
@@ -222,6 +223,18 @@ class StreamSource:
             state.flush()
             sink.end()
         return results, hashes, problems
+
+    def _carried(self) -> str:
+        """What carried the bytes, for the report's "via ...": through Slurm, a socket
+        per node, or srun's stdout where a node could not connect back (and why)."""
+        if self.method != "slurm":
+            return self.method
+        slow = [(name, s.fallback) for name, s in sorted(self.sessions.items()) if s.fallback]
+        if not slow:
+            return "slurm (a socket per node)"
+        lines = folded_lines([(name, f"srun's stdout, slower: {why}") for name, why in slow],
+                             [name for name, _ in slow])
+        return "slurm (" + "; ".join(lines) + ")"
 
 
 def _cannot_list(session: NodeSession, exc: SessionError) -> str:

@@ -12,6 +12,14 @@ exactly ``size`` raw bytes. Requests (``id`` is echoed in the answer):
 * ``{"op": "send", "id": k, "files": [...]}`` -> per file ``{"t": "file", "rel", "size"}``
   + bytes + ``{"t": "end", "rel", "sha256", "mtime", "changed"}`` (or ``{"t": "err"}``),
   then ``{"t": "sent", "id": k}``. Each file is read once: hashed as it is sent.
+* ``{"op": "socket", "port": P, "secret": S}`` (Slurm: the first request; issue 31):
+  connect back to the collecting host (``$SLURM_SRUN_COMM_HOST``, the address srun set
+  for its own I/O, so reachable wherever srun is) on port P, prove the per-run secret
+  S and check the collector's proof (:func:`socket_proof`), and from then on send every
+  answer there instead of on stdout, so the bytes skip srun's I/O forwarding. The answer
+  on stdout: ``{"t": "socket", "ok": true}``, or ``{"t": "socket", "ok": false, "why"}``
+  and the answers stay on stdout (the slower path, still verified the same way). The
+  secret comes on stdin only, never on argv or in the environment.
 * ``{"op": "bye"}`` or end of stdin: exit.
 
 Parsed by :mod:`clusterkit.checkpoints.session`. Standard library only (Python >= 3.8).
@@ -20,16 +28,51 @@ Parsed by :mod:`clusterkit.checkpoints.session`. Standard library only (Python >
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import socket
 import sys
 import threading
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from clusterkit.node import hashing, listing
 
 CHUNK = 1 << 20
 ZEROS = bytes(CHUNK)
+SOCKET_GREETING = b"CKSTREAM1"
+SOCKET_TIMEOUT_S = 10.0  # connect and proofs; then the collector's stall watchdog rules
+
+
+def socket_proof(secret: str, who: bytes, port: int) -> bytes:
+    """What each end of the data socket sends to show it holds the per-run secret:
+    ``who`` is b"node" or b"collector" (so neither proof can be echoed back)."""
+    return hmac.new(secret.encode(), who + b" %d" % port, hashlib.sha256).hexdigest().encode()
+
+
+def connect_back(req: dict[str, Any]) -> socket.socket:
+    """The collector's socket, both proofs checked; OSError or ValueError otherwise."""
+    host = os.environ.get("SLURM_SRUN_COMM_HOST", "")
+    if not host:
+        raise ValueError("SLURM_SRUN_COMM_HOST is not set (not started by srun)")
+    port, secret = int(req["port"]), str(req["secret"])
+    sock = socket.create_connection((host, port), timeout=SOCKET_TIMEOUT_S)
+    try:
+        sock.sendall(SOCKET_GREETING + b" " + socket_proof(secret, b"node", port) + b"\n")
+        got = b""
+        while not got.endswith(b"\n") and len(got) < 200:
+            piece = sock.recv(200)
+            if not piece:
+                break
+            got += piece
+        if not hmac.compare_digest(got.strip(), socket_proof(secret, b"collector", port)):
+            raise ValueError("%s:%d did not prove the run's secret" % (host, port))  # noqa: UP031
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 class Out:
@@ -96,6 +139,7 @@ def serve(root: str, inp: IO[bytes], stream: IO[bytes]) -> int:
     out = Out(stream)
     buf = bytearray(CHUNK)
     hashers: list[threading.Thread] = []
+    sock: socket.socket | None = None
     while True:
         line = inp.readline()
         if not line.strip():
@@ -111,13 +155,26 @@ def serve(root: str, inp: IO[bytes], stream: IO[bytes]) -> int:
             for rel in req["files"]:
                 send_file(out, root, rel, buf)
             out.msg({"t": "sent", "id": req["id"]})
+        elif op == "socket" and sock is None:
+            try:
+                sock = connect_back(req)
+            except (OSError, ValueError, KeyError) as e:
+                out.msg({"t": "socket", "ok": False, "why": "%s: %s" % (type(e).__name__, e)})  # noqa: UP031
+                continue
+            out.msg({"t": "socket", "ok": True})
+            with out.lock:
+                out.stream = cast(IO[bytes], sock.makefile("wb", buffering=CHUNK))
         elif op == "bye":
             break
         else:
             out.msg({"t": "bad", "id": req.get("id"), "why": "unknown op %r" % (op,)})  # noqa: UP031
     for t in hashers:  # answer every request before leaving
         t.join()
-    stream.flush()
+    out.stream.flush()
+    if sock is not None:  # the collector reads to the end of the stream
+        out.stream.close()
+        sock.shutdown(socket.SHUT_WR)
+        sock.close()
     return 0
 
 
