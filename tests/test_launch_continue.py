@@ -107,39 +107,3 @@ def test_the_resume_note_names_the_node_local_trap_for_a_users_program() -> None
     # test bed as a non-root user, node-local storage, no shared dir).
     note = resume_note(False, "node-local")
     assert "DeepSpeed's `latest` is on rank 0's node only" in note and "explicit tag" in note
-
-
-def _planner(spares: tuple[str, ...]):  # type: ignore[no-untyped-def]
-    from clusterkit.plan.build import plan_job
-    from tests.render_cases import FACTS, inventory
-    inv = dataclasses.replace(inventory("a800-7x2"), spares=spares)
-    return lambda o: plan_job(inv, o, FACTS)
-
-
-def test_a_restart_gives_a_dropped_node_local_node_to_a_spare_else_reshards() -> None:
-    """--drop-failed-nodes with node-local checkpoints (issue 22): the dropped node's
-    place goes to a free spare (same node index and ranks); with none, the bundled
-    workload goes on with fewer nodes; a user's program is refused."""
-    from clusterkit.launch.console import Sink
-    from clusterkit.launch.run import _replan_node_local
-    from clusterkit.spec.job import JobOptions
-
-    said: list[str] = []
-
-    class _Sink(Sink):
-        def info(self, text: str) -> None:
-            said.append(text)
-
-    opts = JobOptions(job_id="j", backend="torchrun", nodes=3, gpus_per_node=2,
-                      storage="node-local")
-    first = _planner(("node7",))(opts)
-    new, o = _replan_node_local(opts, first, ["node2"], _planner(("node7",)), _Sink())
-    assert [n.name for n in new.nodes] == ["node1", "node7", "node3"] and o.replace == ("node2",)
-    assert [n.first_rank for n in new.nodes] == [n.first_rank for n in first.nodes]
-    new, o = _replan_node_local(opts, first, ["node2"], _planner(()), _Sink())
-    assert [n.name for n in new.nodes] == ["node1", "node3"] and o.include == "node1:0,1@node3:0,1"
-    assert any("going on with fewer nodes" in s for s in said)
-    assert "node2 -> node7 (node index 1)" in said[0]
-    user = dataclasses.replace(opts, script="train.py")
-    with pytest.raises(LaunchError, match="no spare can take their place"):
-        _replan_node_local(user, _planner(())(user), ["node2"], _planner(()), _Sink())

@@ -17,10 +17,11 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 from clusterkit.errors import ClusterkitError, LaunchError
 from clusterkit.hostfile import parse_replace
+from clusterkit.launch.attempts import AttemptEnd, Next, RestartRules, RestartState, decide
 from clusterkit.launch.console import Sink
 from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.gate import gate_error, gate_nodes, run_gate
@@ -108,31 +109,65 @@ def _without(options: JobOptions, plan: JobPlan, bad: Sequence[str]) -> JobOptio
                                gpus_per_node=None)
 
 
-def _replan_node_local(options: JobOptions, plan: JobPlan, bad: Sequence[str],
-                       planner: Planner, sink: Sink) -> tuple[JobPlan, JobOptions]:
-    """The restart's plan without ``bad`` for a node-local job: each bad node's place on a
-    free spare (``--replace BAD``: same node index and ranks), else fewer nodes when the
-    bundled workload resumes by itself (resharded); anything else is refused."""
-    spared = dataclasses.replace(options, replace=(*options.replace, *bad))
-    try:
-        new = planner(spared)
-    except ClusterkitError as exc:
-        why = exc.message
-    else:
-        moved = [f"{old.name} -> {n.name} (node index {i})"
-                 for i, (old, n) in enumerate(zip(plan.nodes, new.nodes, strict=True))
-                 if old.name != n.name]
-        sink.info(f"spares take the dropped nodes' places: {', '.join(moved)}")
-        return new, spared
-    fewer = _without(options, plan, bad)
-    if resume_arg(plan) != "auto":
-        raise LaunchError(
-            f"cannot drop {', '.join(bad)}: node-local checkpoints resume only on the same "
-            f"rank->node mapping, and no spare can take their place ({why})",
-            hint="name spares in the inventory (`spares: [...]`) for a user's program; the "
-                 "bundled workload with --resume auto is resharded onto fewer nodes instead")
-    sink.info(f"no spare for {', '.join(bad)} ({why}): going on with fewer nodes")
-    return planner(fewer), fewer
+def restart_plan(options: JobOptions, plan: JobPlan, planner: Planner, sink: Sink,
+                 end: AttemptEnd, rules: RestartRules, state: RestartState,
+                 check: Callable[[], list[str]]) -> tuple[JobPlan, JobOptions]:
+    """The next attempt's plan and options: the attempt table's steps (launch/attempts.py)
+    performed until one says which plan runs; ``check`` finds the nodes that fail the
+    gate now. A node-local job's dropped nodes go to free spares (``--replace BAD``:
+    same node index and ranks), else to fewer nodes when the bundled workload resumes
+    by itself (resharded); anything else is refused."""
+    spared, new, why = options, plan, ""
+    while True:
+        step = decide(end, rules, state)
+        match step:
+            case Next.RESTART:
+                return plan, options
+            case Next.CHECK:
+                bad = check()
+                if bad:
+                    sink.info(f"dropping {', '.join(bad)} (they fail the pre-launch check now)")
+                state = dataclasses.replace(state, bad=tuple(bad))
+            case Next.TRY_SPARES:
+                spared = dataclasses.replace(options,
+                                             replace=(*options.replace, *(state.bad or ())))
+                try:
+                    new = planner(spared)
+                except ClusterkitError as exc:
+                    why = exc.message
+                state = dataclasses.replace(state, spares_ok=not why)
+            case Next.SPARES:
+                moved = [f"{old.name} -> {n.name} (node index {i})"
+                         for i, (old, n) in enumerate(zip(plan.nodes, new.nodes, strict=True))
+                         if old.name != n.name]
+                sink.info(f"spares take the dropped nodes' places: {', '.join(moved)}")
+                return new, spared
+            case Next.FEWER:
+                bad = list(state.bad or ())
+                if rules.node_local:
+                    sink.info(f"no spare for {', '.join(bad)} ({why}): going on with fewer nodes")
+                fewer = _without(options, plan, bad)
+                return planner(fewer), fewer
+            case Next.REFUSE:
+                raise LaunchError(
+                    f"cannot drop {', '.join(state.bad or ())}: node-local checkpoints resume "
+                    "only on the same rank->node mapping, and no spare can take their place "
+                    f"({why})",
+                    hint="name spares in the inventory (`spares: [...]`) for a user's program; "
+                         "the bundled workload with --resume auto is resharded onto fewer "
+                         "nodes instead")
+            case Next.STOP | Next.REFUSE_GATE:
+                raise AssertionError(f"launch() stops before a restart: {step}")
+            case _:
+                assert_never(step)
+
+
+def restart_rules(settings: LaunchSettings, plan: JobPlan) -> RestartRules:
+    """What the attempt table reads of the launch's options and this plan."""
+    return RestartRules(relaunches=settings.relaunches,
+                        drop_failed_nodes=settings.run.drop_failed_nodes,
+                        node_local=plan.storage == "node-local",
+                        resumes_itself=resume_arg(plan) == "auto")
 
 
 def rank_map(plan: JobPlan) -> list[list[Any]]:
@@ -309,18 +344,21 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         # The watchdog's stack dumps also land beside the job record (issue 14).
         stacks = str(registry.path(plan.job_id).parent / JobDir.STACKS)
         outcome = Orchestrator(job, transport, sink, stacks_dir=stacks).run()
-        if outcome.gate is not None and not outcome.gate.ok:
+        end = AttemptEnd(gate_refused=outcome.gate is not None and not outcome.gate.ok,
+                         exit_code=outcome.exit_code, interrupted=outcome.interrupted)
+        step = decide(end, restart_rules(settings, decisions), RestartState(attempt))
+        if step is Next.REFUSE_GATE and outcome.gate is not None:
             record.state, record.exit_code = "not-started", 2
             registry.save(record)
             raise gate_error(outcome.gate)
         outcomes.append(outcome)
         _finish_record(registry, record, outcome)
-        if outcome.exit_code == 0 or outcome.interrupted or attempt == settings.relaunches:
+        if step is Next.STOP:
             return LaunchResult(outcome.exit_code, outcomes, plan,
                                 elapsed_s=time.monotonic() - started)
         before = decisions
         decisions, options = _prepare_restart(options, decisions, planner, transport, settings,
-                                              sink)
+                                              sink, end, attempt)
         if decisions is not before and decisions.storage == "node-local":
             if prepare is None:
                 raise LaunchError("cannot restore or reshard node-local checkpoints from here",
@@ -332,17 +370,12 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
 
 
 def _prepare_restart(options: JobOptions, plan: JobPlan, planner: Planner, transport: Transport,
-                     settings: LaunchSettings, sink: Sink) -> tuple[JobPlan, JobOptions]:
-    if not settings.run.drop_failed_nodes:
-        return plan, options
-    bad = sorted(check_nodes(transport, plan, sink))
-    if not bad:
-        return plan, options
-    sink.info(f"dropping {', '.join(bad)} (they fail the pre-launch check now)")
-    if plan.storage == "node-local":
-        return _replan_node_local(options, plan, bad, planner, sink)
-    options = _without(options, plan, bad)
-    return planner(options), options
+                     settings: LaunchSettings, sink: Sink, end: AttemptEnd,
+                     attempt: int) -> tuple[JobPlan, JobOptions]:
+    """The I/O of a restart's steps: the gate round on its own, the planner."""
+    return restart_plan(options, plan, planner, sink, end, restart_rules(settings, plan),
+                        RestartState(attempt),
+                        check=lambda: sorted(check_nodes(transport, plan, sink)))
 
 
 def _finish_record(registry: Registry, record: JobRecord, outcome: JobOutcome) -> None:
