@@ -34,12 +34,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from clusterkit.contract import SUMMARY_PREFIX
-from clusterkit.hostrange import fold_numbers
+from clusterkit.hostrange import fold, fold_numbers
 
 # Leading timestamps differ per rank and say nothing the console's order does not.
 _STAMP = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\]?\s*")
-# torch's C++ (glog) lines: "[W1123 12:50:40.891008724 Utils.hpp:137] ..." -> "[W Utils.hpp:137] ...".
-_GLOG_STAMP = re.compile(r"^\[([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ ")
+# torch's C++ (glog) lines: "[W1123 12:50:40.891008724 Utils.hpp:137] ..." -> "[W Utils.hpp:137] ...";
+# torch.distributed.elastic's Python log lines, with the process id after the time:
+# "W1127 02:09:04.960000 14511 site-packages/torch/.../api.py:753] ..." -> "[W site-pa...".
+_GLOG_STAMP = re.compile(r"^\[?([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ (?:\d+ )?")
+# What else differs between nodes' copies of one line: an address (and its port), a port,
+# a process id ("Sending process 226 closing signal SIGTERM" on every node).
+_VARYING: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"\[?\b(?:::ffff:)?\d{1,3}(?:\.\d{1,3}){3}\b\]?(?::\d+)?"), "<addr>"),
+    (re.compile(r"\b((?:sub)?[Pp]rocess |[Pp][Ii][Dd][: =]+)\d+\b"), r"\1<pid>"),
+    (re.compile(r"\b(port[: =]+)\d+\b"), r"\1<port>"),
+)
 # How long a rank line waits for the same line from other ranks (seconds).
 FOLD_WINDOW_S = 1.0
 # A failure reaches the launcher this long after its peers' first collateral lines at
@@ -60,12 +69,18 @@ NOISE: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
     r"hostname of the client socket cannot be retrieved",
     r"deepspeed_shm_comm_op built successfully",
     r"Using /\S+ as PyTorch extensions root",
+    r"Setting OMP_NUM_THREADS environment variable for each process",  # torchrun, per node
+    r"^\*{20,}$",  # ... between two lines of asterisks
 ))
 
 
 def fold_key(text: str) -> str:
-    """What makes two ranks' lines "the same": the text without its leading timestamp."""
-    return _GLOG_STAMP.sub(r"[\1 ", _STAMP.sub("", text.rstrip()))
+    """What makes two ranks' (or nodes') lines "the same": the text without its leading
+    timestamp, with ``<addr>``, ``<pid>``, ``<port>`` for what differs between them."""
+    key = _GLOG_STAMP.sub(r"[\1 ", _STAMP.sub("", text.rstrip()))
+    for regex, repl in _VARYING:
+        key = regex.sub(repl, key)
+    return key
 
 
 def is_noise(text: str) -> bool:
@@ -105,6 +120,11 @@ class _Group:
     noise: bool
     members: dict[int, str] = field(default_factory=dict)  # rank -> node
     arrived: dict[int, float] = field(default_factory=dict)  # rank -> when its line came
+    hosts: list[str] = field(default_factory=list)  # a launcher line's group: its nodes
+
+    @property
+    def said(self) -> int:
+        return len(self.hosts) if self.hosts else len(self.members)
 
 
 def parse_ranks(spec: str) -> frozenset[int] | None:
@@ -133,9 +153,10 @@ class LineFolder:
     """
 
     def __init__(self, window_s: float = 1.0, world_size: int | None = None,
-                 ranks: frozenset[int] | None = None) -> None:
+                 ranks: frozenset[int] | None = None, nodes: int | None = None) -> None:
         self.window_s = window_s
         self.world_size = world_size
+        self.nodes = nodes  # how many nodes' launchers can say a line (None: wait the window)
         self.ranks = ranks  # None: every rank's lines are shown
         self._queue: list[_Group] = []
         self._open: dict[str, _Group] = {}
@@ -144,6 +165,9 @@ class LineFolder:
         self.failed: int | None = None  # the first failed rank: the others' lines are collateral
         self._collateral: dict[int, tuple[str, int]] = {}  # rank -> (node, lines held back)
         self._erring: set[int] = set()  # ranks whose error output began after the failure
+        self.tearing = False  # the job is being stopped: launcher lines are teardown output
+        self._node_groups: dict[str, list[_Group]] = {}  # key -> launcher-line groups waiting
+        self._teardown: dict[str, int] = {}  # node -> launcher lines held back since then
 
     def feed(self, node: str, rank: int, text: str, now: float) -> list[Folded]:
         if text.startswith(SUMMARY_PREFIX):
@@ -168,6 +192,51 @@ class LineFolder:
         group.arrived[rank] = now
         return self.release(now)
 
+    def feed_node(self, node: str, text: str, now: float) -> list[Folded]:
+        """A line of a node's launcher (torchrun's agent, DeepSpeed's runner, accelerate):
+        the same line from several nodes folds into one (``[node[1-4]] text (4 nodes)``);
+        once the job is being torn down (:meth:`tear_down`) it is counted, not shown."""
+        if self.tearing:
+            self._teardown[node] = self._teardown.get(node, 0) + 1
+            return self.release(now)
+        key = fold_key(text)
+        noise = is_noise(key)
+        if not key or (noise and key in self._noise_shown):  # an empty line: the log has it
+            self.suppressed += bool(key)
+            return self.release(now)
+        # The oldest waiting group of this line that this node has not said yet: the
+        # nodes' launchers print the same lines in the same order, at their own pace.
+        waiting = self._node_groups.setdefault(key, [])
+        group = next((g for g in waiting if node not in g.hosts), None)
+        if group is None:
+            group = _Group(key=key, text=text.rstrip(), first_seen=now, noise=noise)
+            waiting.append(group)
+            self._queue.append(group)
+        group.hosts.append(node)
+        return self.release(now)
+
+    def tear_down(self) -> None:
+        """The job is being stopped: from now on what the launchers print (torchrun's
+        "Received 15 death signal", its SignalException traceback, DeepSpeed's "Killing
+        subprocess") is teardown output. The failure's cause is on the console already:
+        the launcher's verdict, the failed rank's own lines, the failed node's last lines
+        in the job's end report."""
+        self.tearing = True
+
+    def teardown(self, logs: str) -> Folded | None:
+        """The one line for the launcher lines held back since :meth:`tear_down` (None:
+        none), and a fresh start for the next attempt."""
+        held, self._teardown, self.tearing = self._teardown, {}, False
+        if not held:
+            return None
+        nodes = tuple(held)
+        lines = sum(held.values())
+        kept = f"; each node's log has them: {logs}" if logs else ""
+        where = f"{len(nodes)} node{'s' * (len(nodes) > 1)}"
+        text = (f"teardown: the launchers on {where} printed {lines} line{'s' * (lines > 1)} "
+                f"while they were stopped (not shown{kept})")
+        return Folded(label=f"[{fold(nodes)}]", text=text, nodes=nodes, ranks=())
+
     def fail(self, rank: int, now: float) -> bool:
         """The job's first failure is ``rank``'s: from now on the other ranks' lines are
         collateral. Their lines still waiting in a window that came in the last
@@ -187,8 +256,8 @@ class LineFolder:
                 if other in erring:
                     del group.arrived[other]
                     self._hold_back(other, group.members.pop(other), 1)
-        self._queue = [g for g in self._queue if g.members]
-        self._open = {k: g for k, g in self._open.items() if g.members}
+        self._queue = [g for g in self._queue if g.said]
+        self._open = {k: g for k, g in self._open.items() if g.said}
         return True
 
     def _is_collateral(self, rank: int, text: str) -> bool:
@@ -235,12 +304,17 @@ class LineFolder:
     def release(self, now: float, final: bool = False) -> list[Folded]:
         out: list[Folded] = []
         while self._queue and (final or self._ready(self._queue[0], now)):
-            out.append(self._emit(self._queue.pop(0)))
+            group = self._queue.pop(0)
+            if group.noise and group.key in self._noise_shown:  # its twin went first
+                self._forget(group)
+                self.suppressed += group.said
+                continue
+            out.append(self._emit(group))
         return out
 
     def _ready(self, group: _Group, now: float) -> bool:
-        expected = self._expected()
-        complete = expected is not None and len(group.members) >= expected
+        expected = self.nodes if group.hosts else self._expected()
+        complete = expected is not None and group.said >= expected
         return complete or now - group.first_seen >= self.window_s
 
     def _expected(self) -> int | None:
@@ -251,11 +325,24 @@ class LineFolder:
             return self.world_size
         return max(1, sum(1 for r in self.ranks if r < self.world_size))
 
-    def _emit(self, group: _Group) -> Folded:
+    def _forget(self, group: _Group) -> None:
+        """``group`` leaves the queue: later lines of its text start a new one."""
         if self._open.get(group.key) is group:
             del self._open[group.key]
+        if group.hosts:
+            self._node_groups[group.key] = [g for g in self._node_groups[group.key]
+                                            if g is not group]
+
+    def _emit(self, group: _Group) -> Folded:
+        self._forget(group)
         if group.noise:
             self._noise_shown.add(group.key)
+        if group.hosts:
+            nodes = tuple(group.hosts)
+            if len(nodes) == 1:
+                return Folded(label=f"[{nodes[0]}]", text=group.text, nodes=nodes, ranks=())
+            return Folded(label=f"[{fold(nodes)}]", text=f"{group.key} ({len(nodes)} nodes)",
+                          nodes=nodes, ranks=())
         ranks = tuple(sorted(group.members))
         nodes = tuple(group.members[r] for r in ranks)
         label = rank_label(ranks, nodes)

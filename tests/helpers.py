@@ -15,8 +15,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -233,6 +234,43 @@ def train_argv(inv: Path, job: str, backend: str, n: int, g: int, storage: str, 
 def train_env(tmp_path: Path) -> dict[str, str]:
     return dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1",
                 OMP_NUM_THREADS="1")
+
+
+class Console:
+    """A launcher's merged output, read on a thread (a full pipe would stall the job)."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str], cwd: Path) -> None:
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, cwd=cwd, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert self.proc.poll() is None, f"launcher ended before {what}:\n{self.text[-4000:]}"
+            assert time.monotonic() < deadline, f"no {what} in {timeout:.0f} s:\n{self.text[-4000:]}"
+            time.sleep(0.1)
+
+    def finish(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGINT)
+                self.proc.wait(30)
+        self._reader.join(10)
+        return code
 
 
 def workload_summary(text: str) -> dict[str, Any]:

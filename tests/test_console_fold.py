@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import re
+from pathlib import Path
 
 import pytest
 
@@ -263,3 +265,158 @@ def test_status_line_names_the_phase_and_the_time_since_launch() -> None:
     st.done["n2"] = 1
     assert "| failed 1 |" in st.text(201.0)
     assert (clock(59.9), clock(60), clock(3725)) == ("59 s", "1:00", "1:02:05")
+
+
+# ------------------------------------------------------------------ launcher lines (issue 32)
+
+FIXTURES = Path(__file__).with_name("fixtures") / "launcher_teardown"
+_RANK_LINE = re.compile(r"^\[default\d+\]:|^step \d+/1000 ")  # torchrun's rank label; launch.py's ranks
+SOCKET = ("[W1127 00:56:14.779442919 socket.cpp:207] [c10d] The hostname of the client socket "
+          "cannot be retrieved. err=-3")
+
+
+def _launcher_lines(name: str) -> tuple[list[str], list[str]]:
+    """A fixture's launcher lines (not its ranks'): before the SIGTERM and after it."""
+    lines = [ln for ln in (FIXTURES / name).read_text().splitlines() if not _RANK_LINE.match(ln)]
+    first = next(i for i, ln in enumerate(lines) if re.search(
+        r"Received 15 death signal|sigkill_handler", ln))
+    return lines[:first], lines[first:]
+
+
+def test_the_same_launcher_line_from_several_nodes_folds_with_the_node_range() -> None:
+    f = LineFolder(window_s=1.0, nodes=4)
+    out = []
+    for i, stamp in enumerate(("14.779442919", "15.001", "14.9", "16.2")):
+        out += f.feed_node(f"node{i + 1}", SOCKET.replace("14.779442919", stamp), now=0.1 * i)
+    assert _texts(out) == ["[node[1-4]] [W socket.cpp:207] [c10d] The hostname of the client "
+                           "socket cannot be retrieved. err=-3 (4 nodes)"]
+    # noise: once per job; the next attempt's copies (and the ranks' copy) are dropped
+    out = f.feed_node("node1", SOCKET, now=5.0) + f.feed("node1", 0, SOCKET, now=5.0)
+    assert out + f.release(9.0, final=True) == [] and f.suppressed == 2
+    # one node: its own line as it came; lines differing in a pid or an address fold
+    g = LineFolder(window_s=1.0, nodes=3)
+    out = g.feed_node("node2", "Sending process 226 closing signal SIGTERM", now=0.0)
+    out += g.feed_node("node3", "Sending process 9120 closing signal SIGTERM", now=0.1)
+    out += g.feed_node("node1", "bound to 10.213.1.11:29500", now=0.2)
+    out += g.release(5.0, final=True)
+    assert _texts(out) == ["[node[2-3]] Sending process <pid> closing signal SIGTERM (2 nodes)",
+                           "[node1] bound to 10.213.1.11:29500"]
+
+
+@pytest.mark.parametrize("name", ["torchrun.txt", "accelerate.txt", "deepspeed_launch.txt"])
+def test_what_each_launcher_prints_when_torn_down_is_one_line(name: str) -> None:
+    """The real texts (tests/fixtures/launcher_teardown): three nodes' launchers, started
+    the same way, then SIGTERMed by the teardown."""
+    before, after = _launcher_lines(name)
+    assert after, name
+    buf = io.StringIO()
+    sink = FoldingSink(PlainSink(buf), LineFolder(window_s=0.2, world_size=3, nodes=3),
+                       tick_s=0.05, launcher_logs="/j/nodes/<node>/launcher.log")
+    for node in ("node1", "node2", "node3"):
+        for text in before:
+            sink.line(node, None, text)
+    sink.phase("tearing down")
+    for node in ("node3", "node1", "node2"):
+        for text in after:
+            sink.line(node, None, text)
+    sink.info("node2 failed (the SSH connection dropped): stopping the job on every node")
+    sink.end_attempt()
+    sink.close()
+    lines = buf.getvalue().splitlines()
+    n = 3 * len(after)
+    assert lines[-2:] == [
+        "[clusterkit] node2 failed (the SSH connection dropped): stopping the job on every node",
+        f"[node[1-3]] teardown: the launchers on 3 nodes printed {n} lines while they were "
+        "stopped (not shown; each node's log has them: /j/nodes/<node>/launcher.log)"]
+    # what they printed before: once for the three nodes (timestamps and pids differ)
+    assert len(lines) - 2 <= len([t for t in before if t.strip()]), lines
+    assert all(ln.startswith("[node[1-3]] ") for ln in lines[:-2]), lines
+
+
+def test_the_testbed_console_before_issue32_folds_to_a_few_lines() -> None:
+    """tests/fixtures/launcher_teardown/testbed_console_before.txt: the torchrun agents'
+    126 lines of a 3-node run with a lost node and a failed restart, replayed with each
+    attempt's teardown where the launcher began it (its "stopping the job" line)."""
+    lines = (FIXTURES / "testbed_console_before.txt").read_text().splitlines()
+    label = re.compile(r"^\[(node\d+)\] (.*)$")
+    buf = io.StringIO()
+    sink = FoldingSink(PlainSink(buf), LineFolder(window_s=0.2, world_size=3, nodes=3),
+                       tick_s=0.05, launcher_logs="/j/nodes/<node>/launcher.log")
+    for ln in lines:
+        m = label.match(ln)
+        if m:
+            sink.line(m.group(1), None, m.group(2))
+        elif "stopping the job on every node" in ln:
+            sink.info(ln.removeprefix("[clusterkit] "))
+            sink.phase("tearing down")
+        elif ln.startswith("[clusterkit] checkpoints replicated"):
+            sink.end_attempt()  # the attempt's end: its folded lines
+    sink.close()
+    shown = [ln for ln in buf.getvalue().splitlines() if not ln.startswith("[clusterkit]")]
+    assert sum(1 for ln in lines if label.match(ln)) == 126
+    logs = "(not shown; each node's log has them: /j/nodes/<node>/launcher.log)"
+    assert shown == [
+        "[node[1-3]] [W socket.cpp:207] [c10d] The hostname of the client socket cannot be "
+        "retrieved. err=-3 (3 nodes)",  # attempt 2's copies: noise, shown once per job
+        f"[node[1,3]] teardown: the launchers on 2 nodes printed 6 lines while they were stopped {logs}",
+        # the launcher's word on the failure, before the stop: shown
+        "[node4] E1127 02:12:53.320000 534 site-packages/torch/distributed/elastic/"
+        "multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 539) of binary: "
+        "/root/.pyenv/versions/3.11.7/bin/python3",
+        f"[node[1,3-4]] teardown: the launchers on 3 nodes printed 113 lines while they were "
+        f"stopped {logs}"]
+
+
+def test_fold_key_leaves_out_what_differs_between_nodes() -> None:
+    # torch.distributed.elastic's own log format: level+date, time, pid, file:line]
+    elastic = ("W1127 02:09:04.960000 14511 site-packages/torch/distributed/elastic/"
+               "multiprocessing/api.py:1028] Sending process 14693 closing signal SIGTERM")
+    assert fold_key(elastic) == ("[W site-packages/torch/distributed/elastic/multiprocessing/"
+                                 "api.py:1028] Sending process <pid> closing signal SIGTERM")
+    for a, b in (("Connection closed by peer [10.213.1.11]:29500", "Connection closed by peer "
+                  "[10.213.1.13]:41022"), ("exitcode  : -9 (pid: 20825)", "exitcode  : -9 (pid: 7)"),
+                 ("Killing subprocess 16173", "Killing subprocess 16174"),
+                 ("listening on port 29511", "listening on port 29512")):
+        assert fold_key(a) == fold_key(b), (a, b)
+    # what says something different stays different
+    assert fold_key("exitcode  : -9 (pid: 1)") != fold_key("exitcode  : 1 (pid: 1)")
+    assert fold_key("step 10/30 | loss 4.8") != fold_key("step 20/30 | loss 4.8")
+
+
+def test_teardown_folds_launcher_lines_only_and_each_attempt_starts_afresh() -> None:
+    f = LineFolder(window_s=0.0, nodes=2)
+    assert f.teardown("/j/nodes/<node>/launcher.log") is None  # nothing held: no line
+    f.tear_down()
+    out = f.feed_node("n2", "Received 15 death signal, shutting down workers", now=0.0)
+    out += f.feed("n1", 0, "checkpoint global_step86 complete", now=0.0)  # a rank: shown
+    out += f.release(1.0, final=True)
+    assert _texts(out) == ["[n1 r0] checkpoint global_step86 complete"]
+    item = f.teardown("")
+    assert item is not None and item.render() == (
+        "[n2] teardown: the launchers on 1 node printed 1 line while they were stopped "
+        "(not shown)")
+    assert not f.tearing  # the next attempt's launcher lines are shown again
+    assert _texts(f.feed_node("n2", "hello", now=2.0) + f.release(3.0, final=True)) == ["[n2] hello"]
+
+
+def test_a_saves_replicas_are_one_line_and_a_failed_copy_shows_at_once() -> None:
+    from clusterkit.launch.replica_events import ReplicaLedger
+    from clusterkit.node.protocol import REPLICA_ALREADY_THERE, Replica
+
+    ledger = ReplicaLedger()
+    logs = "/j/nodes/<node>/rank<N>.log"
+
+    def copy(source: int, target: str, tag: str = "step8", **kw: object) -> list[str]:
+        ev = Replica("x", tag=tag, source=source, target=target, state="complete",
+                     bytes=2_000_000, seconds=0.2)
+        return ledger.report(Replica(**{**ev.__dict__, **kw}), 3, logs)
+
+    assert copy(0, "node2") == [] and copy(1, "node3") == []
+    failed = copy(2, "node1", tag="step16", state="failed", detail="boom (giving up, try 5/5)")
+    assert failed == ["replica step16: copy of node index 2's files to node1 failed: "
+                      "boom (giving up, try 5/5)"]
+    assert copy(2, "node1", detail=REPLICA_ALREADY_THERE, bytes=0) == [
+        "replicas step8: 3/3 nodes' files copied to another node (4.0 MB, sha256 verified; "
+        "each copy in /j/nodes/<node>/launcher.log)"]
+    assert copy(0, "node3") == []  # a second copy (--replicas 2): the line was said
+    assert ledger.replicated("step8") == 3 and ledger.replicated("step16") == 0

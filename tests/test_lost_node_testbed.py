@@ -7,14 +7,10 @@ processes killed, its namespace and its node-private /scratch deleted for good.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.node.contract import REPLICA_MANIFEST
-from tests.helpers import Run, assert_trained, train_env, workload_summary
+from tests.helpers import Console, Run, assert_trained, train_env, workload_summary
 from tests.testbed import Testbed, temporary
 
 STEP_LINE = re.compile(r"step (\d+)/\d+ \| loss")
@@ -85,43 +81,6 @@ class Shape:
 SMALL = Shape(steps=16, save_every=8, lost_after=8)
 # The issue's own numbers: saves every 10 steps, node6 lost around step 25.
 ISSUE = Shape(steps=30, save_every=10, lost_after=20)
-
-
-class Console:
-    """A launcher's merged output, read on a thread (a full pipe would stall the job)."""
-
-    def __init__(self, argv: Sequence[str], env: dict[str, str], cwd: Path) -> None:
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, cwd=cwd, start_new_session=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert self.proc.poll() is None, f"launcher ended before {what}:\n{self.text[-4000:]}"
-            assert time.monotonic() < deadline, f"no {what} in {timeout:.0f} s:\n{self.text[-4000:]}"
-            time.sleep(0.1)
-
-    def finish(self, timeout: float) -> int:
-        try:
-            code = self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGINT)
-                self.proc.wait(30)
-        self._reader.join(10)
-        return code
 
 
 def _argv(inv: Path, job: str, shape: Shape, *extra: str,

@@ -135,7 +135,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
         run_sync(args.sync, [n.host for n in first.nodes])
     sink = make_sink(len(first.nodes), quiet_ranks=args.quiet, world_size=first.world_size,
-                     ranks=args.ranks)
+                     ranks=args.ranks, launcher_logs=_launcher_logs(first))
     registry = Registry(clusterkit_home())
     with transport_for() as transport:
         try:
@@ -146,6 +146,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     _print_summary(result)
     _save_summary(registry, result)
     return result.exit_code
+
+
+def _launcher_logs(plan: Any) -> str:
+    """Where each node's launcher lines are kept, for the console's folded teardown line."""
+    dirs = {n.job_dir for n in plan.nodes}
+    return JobDir(dirs.pop() if len(dirs) == 1 else "<job dir>").node_log("<node>")
 
 
 def _preparer(registry: Any, transport: Any, sink: Any) -> Any:

@@ -3,9 +3,13 @@ live status line (the phase, the time since the launch started, nodes up, step,
 loss, tokens/s parsed from rank 0's progress).
 
 Piped output stays plain lines (grep-able, no escape codes); rank 0 is highlighted
-only on a terminal. After the job's first failure, the other ranks' output (their
-collateral tracebacks) is folded into one line per attempt (:class:`FoldingSink`,
-:meth:`clusterkit.fold.LineFolder.fail`); their log files keep every line.
+only on a terminal. The same line from several ranks or several nodes' launchers is
+shown once (``[r0-13] text``, ``[node[1-4]] text (4 nodes)``). After the job's first
+failure, the other ranks' output (their collateral tracebacks) is folded into one line
+per attempt (:class:`FoldingSink`, :meth:`clusterkit.fold.LineFolder.fail`), and so is
+what the launchers print while the job is torn down (torchrun's "Received 15 death
+signal" and SignalException traceback, DeepSpeed's "Killing subprocess":
+:meth:`clusterkit.fold.LineFolder.tear_down`); the node logs keep every line.
 """
 
 from __future__ import annotations
@@ -228,13 +232,17 @@ class FoldingSink:
     """Rank lines through a :class:`LineFolder` into another sink.
 
     A timer thread releases groups whose window has passed, so a line never waits
-    longer than the window for ranks that do not print it. The launcher's own
-    lines (agent lines, ``info``) pass straight through.
+    longer than the window for ranks that do not print it. The node launchers' lines
+    fold across nodes; the agents' own lines and clusterkit's (``info``) pass straight
+    through. ``launcher_logs``: where each node's launcher lines are kept
+    (``<job dir>/nodes/<node>/launcher.log``), named by the teardown line.
     """
 
-    def __init__(self, inner: Sink, folder: LineFolder, tick_s: float = 0.2) -> None:
+    def __init__(self, inner: Sink, folder: LineFolder, tick_s: float = 0.2,
+                 launcher_logs: str = "") -> None:
         self.inner = inner
         self.folder = folder
+        self.launcher_logs = launcher_logs
         self._failure: tuple[str, str] = ("", "")  # (where, logs) of this attempt's first failure
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -253,11 +261,14 @@ class FoldingSink:
                 self.inner.show(item)
 
     def line(self, node: str, rank: int | None, text: str, *, agent: bool = False) -> None:
-        if rank is None or agent:
+        if agent:
             self.inner.line(node, rank, text, agent=agent)
             return
         with self._lock:
-            for item in self.folder.feed(node, rank, text, time.monotonic()):
+            now = time.monotonic()
+            items = (self.folder.feed_node(node, text, now) if rank is None
+                     else self.folder.feed(node, rank, text, now))
+            for item in items:
                 self.inner.show(item)
 
     def show(self, item: Folded) -> None:
@@ -274,6 +285,9 @@ class FoldingSink:
         self.inner.node_done(node, code)
 
     def phase(self, name: str, detail: str = "") -> None:
+        if name == "tearing down":
+            with self._lock:
+                self.folder.tear_down()
         self.inner.phase(name, detail)
 
     def failed_first(self, rank: int, where: str, logs: str) -> None:
@@ -282,12 +296,16 @@ class FoldingSink:
                 self._failure = (where, logs)
 
     def end_attempt(self) -> None:
-        """The attempt is over: its collateral line, then a fresh start for the next one."""
+        """The attempt is over: its collateral and teardown lines, then a fresh start for
+        the next one."""
         self._release(final=True)
         with self._lock:
-            item = self.folder.collateral(*self._failure)
-        if item is not None:
-            self.inner.show(item)
+            items = (self.folder.collateral(*self._failure),
+                     self.folder.teardown(self.launcher_logs))
+            self._failure = ("", "")
+        for item in items:
+            if item is not None:
+                self.inner.show(item)
         self.inner.end_attempt()
 
     def close(self) -> None:
@@ -298,9 +316,10 @@ class FoldingSink:
 
 
 def make_sink(total_nodes: int, *, quiet_ranks: bool = False, world_size: int | None = None,
-              ranks: frozenset[int] | None = None, fold: bool = True) -> Sink:
+              ranks: frozenset[int] | None = None, fold: bool = True,
+              launcher_logs: str = "") -> Sink:
     """The console for one launch: folded rank lines (``--ranks`` selects whose) on a
-    live terminal or as plain lines."""
+    live terminal or as plain lines; ``launcher_logs`` as :class:`FoldingSink`'s."""
     inner: Sink
     if sys.stdout.isatty() and not quiet_ranks:
         inner = RichSink(total_nodes)
@@ -308,4 +327,5 @@ def make_sink(total_nodes: int, *, quiet_ranks: bool = False, world_size: int | 
         inner = PlainSink(quiet_ranks=quiet_ranks)
     if quiet_ranks or not fold:
         return inner
-    return FoldingSink(inner, LineFolder(FOLD_WINDOW_S, world_size=world_size, ranks=ranks))
+    return FoldingSink(inner, LineFolder(FOLD_WINDOW_S, world_size=world_size, ranks=ranks,
+                                         nodes=total_nodes), launcher_logs=launcher_logs)

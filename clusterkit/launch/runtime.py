@@ -25,7 +25,7 @@ from clusterkit.hostrange import folded_lines
 from clusterkit.launch import teardown
 from clusterkit.launch.jobspec import JobSpec
 from clusterkit.launch.outcome import JobOutcome, RankFailure, describe_failure, exit_status
-from clusterkit.launch.replica_events import ReplicaLedger, replica_line
+from clusterkit.launch.replica_events import ReplicaLedger
 from clusterkit.launch.runtime_io import (
     Action,
     AgentEnded,
@@ -202,8 +202,9 @@ class Runtime:
             case protocol.Error():
                 self._say(f"{state.task.node}: agent error: {msg.message}")  # row error
             case protocol.Replica():
-                self._say(replica_line(msg))  # row replica
-                self.replicas.add(msg)
+                # row replica: a failed copy at once, a save's copies as one line
+                for line in self.replicas.report(msg, len(self.nodes), self._rank_logs()):
+                    self._say(line)
             case protocol.Forwarded() | protocol.Teardown() | protocol.Exit():
                 pass  # row quiet: the agent's exit code comes with AgentEnded
             case _:
