@@ -6,7 +6,10 @@ the replica area included) in, an :class:`Assembly` out. For a tag, each node in
 gets its part from
 
 1. its own node: reachable, its completion marker for the tag present and every file the
-   marker lists present with the marker's size (and no ``.pt`` cut short); else
+   marker lists present with the marker's size (and no ``.pt`` cut short); for a user's
+   script (no markers, ``require_markers=False``) the replicas' own rule instead
+   (node/replica_done.part_problem: every file DeepSpeed owes the node's ranks, none cut
+   short); else
 2. a complete replica on another reachable node (``<root>.replicas/node<N>/<tag>/``): its
    manifest present, of a known version, naming this tag and source, every file it lists
    present with the manifest's size. Replicas are tried in ring order (N+1, N+2, ...),
@@ -44,6 +47,7 @@ from clusterkit.node.contract import (
     REPLICA_SCHEMA_VERSION,
     replica_dir,
 )
+from clusterkit.node.replica_done import part_problem
 
 
 @dataclass(frozen=True)
@@ -145,24 +149,29 @@ class Assembly:
                 "own nodes" + ("; " + "; ".join(used) if used else ""))
 
 
+Ranks = Mapping[int, Sequence[int]]  # node index -> its global ranks
+
+
 def assemble(listings: Sequence[NodeListing], tag: str | None = None, *,
-             expect_nodes: int | None = None, require_markers: bool = True) -> Assembly:
+             expect_nodes: int | None = None, require_markers: bool = True,
+             ranks: Ranks | None = None) -> Assembly:
     """The assembly of ``tag`` (None: the newest tag that can be assembled, else the
     newest tag seen, whose ``missing`` then says why). ``listings`` carry the node index
     in ``index`` (unreachable nodes: a listing with ``error``); ``expect_nodes`` is the
     job's node count when known (else the markers' ``num_nodes``, else the listings').
-    ``require_markers=False``: a user script's save, whose own copy counts when its tag
-    dir holds files (no marker to check sizes against)."""
+    ``require_markers=False``: a user script's save, whose own copy counts when it holds
+    every file DeepSpeed owes the node's ``ranks`` (node index -> global ranks; unknown:
+    when its tag dir holds any file)."""
     if tag is not None:
-        return _assemble_tag(listings, tag, expect_nodes, require_markers)
-    tags = candidate_tags(listings)
+        return _assemble_tag(listings, tag, expect_nodes, require_markers, ranks)
+    tags = candidate_tags(listings, markers=require_markers)
     if not tags:
         return Assembly(tag=None, names=_names(listings, expect_nodes), sources={},
                         candidates={}, missing={-1: "no tag with a completion marker or a "
                                                 "replica manifest on any reachable node"})
     first: Assembly | None = None
     for t in tags:
-        a = _assemble_tag(listings, t, expect_nodes, require_markers)
+        a = _assemble_tag(listings, t, expect_nodes, require_markers, ranks)
         if a.complete:
             return a
         first = first or a
@@ -170,13 +179,17 @@ def assemble(listings: Sequence[NodeListing], tag: str | None = None, *,
     return first
 
 
-def candidate_tags(listings: Sequence[NodeListing]) -> list[str]:
-    """Every tag some reachable node has a marker or a replica manifest of, newest first."""
+def candidate_tags(listings: Sequence[NodeListing], *, markers: bool = True) -> list[str]:
+    """Every tag some reachable node has a marker or a replica manifest of (``markers``
+    False, a user's script: or any DeepSpeed checkpoint file of), newest first."""
     tags: set[str] = set()
     for ls in listings:
         if ls.error:
             continue
         tags.update(t for t, m in ls.markers.items() if m)
+        if not markers:
+            tags.update(t for t, files in ls.tags.items() if files and any(
+                layout.parse_shard_name(posixpath.basename(rel)) for rel in files))
         tags.update(c.tag for r in ls.replicas.values() for c in r.copies.values()
                     if c is not None and c.manifest is not None)
     newest = _newest_mtimes(listings)
@@ -214,8 +227,24 @@ def _names(listings: Sequence[NodeListing], expect_nodes: int | None,
     return {i: by_index.get(i, "") for i in range(count)}
 
 
+def ranks_of_map(rank_map: Sequence[Sequence[Any]]) -> dict[int, range]:
+    """A launched job's ``rank_map`` (``[[node, first_rank, nproc], ...]``, node index
+    order) -> node index -> its global ranks."""
+    return {i: range(int(first), int(first) + int(n)) for i, (_, first, n) in enumerate(rank_map)}
+
+
+def ranks_of_slots(slots: Sequence[int]) -> dict[int, range]:
+    """Ranks placed in node order, ``slots[i]`` on node index i (DeepSpeed's and
+    torchrun's order, what clusterkit's plans use)."""
+    out, first = {}, 0
+    for i, n in enumerate(slots):
+        out[i] = range(first, first + n)
+        first += n
+    return out
+
+
 def _assemble_tag(listings: Sequence[NodeListing], tag: str, expect_nodes: int | None,
-                  require_markers: bool) -> Assembly:
+                  require_markers: bool, ranks: Ranks | None = None) -> Assembly:
     names = _names(listings, expect_nodes, _markers_num_nodes(listings, tag))
     by_index = {ls.index: ls for ls in listings}
     n = len(names)
@@ -226,7 +255,8 @@ def _assemble_tag(listings: Sequence[NodeListing], tag: str, expect_nodes: int |
     replicated: dict[int, tuple[str, ...]] = {}
     for index in range(n):
         mine = by_index.get(index)
-        own_part, own_why = _own_part(mine, index, tag, require_markers)
+        own_part, own_why = _own_part(mine, index, tag, require_markers,
+                                      None if ranks is None else ranks.get(index))
         holders = sorted((ls for ls in listings if ls.index != index),
                          key=lambda ls: (ls.index - index) % max(n, 1))
         reps, rep_why = _replica_parts(holders, index, names.get(index, ""), tag)
@@ -266,8 +296,8 @@ def _marker(text: str) -> layout.CompletionMarker | None:
         return None
 
 
-def _own_part(ls: NodeListing | None, index: int, tag: str, require_markers: bool
-              ) -> tuple[PartSource | None, str]:
+def _own_part(ls: NodeListing | None, index: int, tag: str, require_markers: bool,
+              ranks: Sequence[int] | None = None) -> tuple[PartSource | None, str]:
     """(the node's own copy, or None and why not)."""
     if ls is None:
         return None, "not among the nodes listed"
@@ -287,9 +317,11 @@ def _own_part(ls: NodeListing | None, index: int, tag: str, require_markers: boo
     if torn:
         return None, f"{posixpath.join(tag, torn[0])} is cut short"
     text = ls.markers.get(tag, {}).get(layout.marker_name(index))
+    if text is None and not require_markers and files:
+        why = part_problem(list(files), ranks) if ranks is not None else None
+        return (None, f"{tag}: {why}") if why else (source, "")
     if text is None:
-        return (source, "") if not require_markers and files else \
-            (None, f"no completion marker in {tag} (its save did not finish)")
+        return None, f"no completion marker in {tag} (its save did not finish)"
     marker = _marker(text)
     if marker is None or marker.tag != tag or marker.node_index != index:
         return None, f"unreadable completion marker in {tag}"

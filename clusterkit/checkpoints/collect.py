@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from clusterkit.checkpoints.assemble import ranks_of_slots
 from clusterkit.checkpoints.choose import choose_sources, copy_notes, pick_sources
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete, CollectPlan, WithoutMarkers
 from clusterkit.checkpoints.discover import choose_tag, shared_dir, verify
@@ -184,8 +185,10 @@ def _verified(source: Source, listings: list[NodeListing], options: CollectOptio
                          markers=options.without_markers is None)[0]
     # Every node answered but 'latest' is unclear: verify() says why, as without replicas.
     unclear = tag is None and not any(ls.error for ls in listings)
-    use = None if unclear else plan_replicas(listings, tag,
-                                             require_markers=options.without_markers is None)
+    wm = options.without_markers
+    use = None if unclear else plan_replicas(
+        listings, tag, require_markers=wm is None,
+        ranks=ranks_of_slots(wm.slots) if wm is not None and wm.slots else None)
     if use is None:
         return verify(listings, options.tag, options.without_markers), None
     if use.routes and not isinstance(source, StreamSource):

@@ -69,6 +69,9 @@ class WithoutMarkers:
     save still being written while the nodes are listed (docs/collect-ckpt.md)."""
 
     world_size: int
+    # Ranks per node index, in node order, when known (a launched job, the nodes' slots):
+    # each node's part is then judged by the replicas' rule (assemble.ranks_of_slots).
+    slots: tuple[int, ...] = ()
 
 
 class CheckpointIncomplete(CheckpointError):

@@ -18,7 +18,7 @@ import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from clusterkit.checkpoints.assemble import Assembly, PartSource, assemble
+from clusterkit.checkpoints.assemble import Assembly, PartSource, Ranks, assemble
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.source import Route
@@ -90,14 +90,15 @@ class ReplicaUse:
 
 
 def plan_replicas(listings: Sequence[NodeListing], tag: str | None, *,
-                  require_markers: bool = True) -> ReplicaUse | None:
+                  require_markers: bool = True, ranks: Ranks | None = None
+                  ) -> ReplicaUse | None:
     """The replicas collect-ckpt uses for ``tag`` (None: the newest that can be
     assembled). None when no node holds any replica: collect as before. Raises
     :class:`CheckpointIncomplete` naming each missing part when a node is unreachable
     and the replicas do not cover it."""
     if not any(ls.replicas for ls in listings if not ls.error):
         return None
-    a = assemble(listings, tag, require_markers=require_markers)
+    a = assemble(listings, tag, require_markers=require_markers, ranks=ranks)
     if not a.complete:
         if any(ls.error for ls in listings):
             found = ([f"{a.label(i)}: {why}" for i, why in sorted(a.missing.items())]

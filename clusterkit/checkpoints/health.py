@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from clusterkit.checkpoints.assemble import assemble, candidate_tags
+from clusterkit.checkpoints.assemble import Ranks, assemble, candidate_tags, ranks_of_map
 from clusterkit.checkpoints.collect import CollectOptions, open_source
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.source import CollectNode
@@ -44,11 +44,15 @@ class TagHealth:
 
 
 def health(listings: Sequence[NodeListing], shown: int = SHOWN_TAGS,
-           expect_nodes: int | None = None) -> list[TagHealth]:
-    """The newest ``shown`` tags' health, newest first (pure)."""
+           expect_nodes: int | None = None, *, markers: bool = True,
+           ranks: Ranks | None = None) -> list[TagHealth]:
+    """The newest ``shown`` tags' health, newest first (pure). ``markers``: whether the
+    job's program writes completion markers (the bundled workload); a user's script's
+    node part counts by the replicas' rule on the node's ``ranks`` (assemble.py)."""
     out: list[TagHealth] = []
-    for tag in candidate_tags(listings)[:shown]:
-        a = assemble(listings, tag, expect_nodes=expect_nodes)
+    for tag in candidate_tags(listings, markers=markers)[:shown]:
+        a = assemble(listings, tag, expect_nodes=expect_nodes, require_markers=markers,
+                     ranks=ranks)
         out.append(TagHealth(tag=tag, nodes=a.num_nodes, own=len(a.own),
                              replicated=len(a.replicated), complete=a.complete,
                              missing={i: f"{a.label(i)}: {why}"
@@ -79,10 +83,12 @@ def list_all(transport: Transport, nodes: Sequence[CollectNode]) -> list[NodeLis
 class JobHealth:
     tags: list[TagHealth]
     unreachable: Mapping[str, str]  # node -> why it could not be listed
+    markers: bool = True
 
     def lines(self) -> list[str]:
         if not self.tags:
-            out = ["checkpoints: none saved yet (no tag with a completion marker or a replica)"]
+            what = "a completion marker" if self.markers else "DeepSpeed's files"
+            out = [f"checkpoints: none saved yet (no tag with {what} or a replica)"]
         else:
             out = ["checkpoints (newest first):"] + [f"  {t.line()}" for t in self.tags]
         out += [f"  {node}: not listed ({why})" for node, why in self.unreachable.items()]
@@ -100,4 +106,14 @@ def job_health(transport: Transport, nodes: Sequence[Any], extra: Mapping[str, A
     if extra.get("storage") != "node-local" or not chosen:
         return None
     listings = list_all(transport, chosen)
-    return JobHealth(health(listings), {ls.node: ls.error for ls in listings if ls.error})
+    markers = job_writes_markers(extra)
+    ranks = ranks_of_map(extra["rank_map"]) if extra.get("rank_map") else None
+    return JobHealth(health(listings, markers=markers, ranks=ranks),
+                     {ls.node: ls.error for ls in listings if ls.error}, markers)
+
+
+def job_writes_markers(extra: Mapping[str, Any]) -> bool:
+    """Whether a launched job's program writes completion markers: the record says
+    (``markers``, since issue 32: the bundled workload does, a user's script does not);
+    a record from before says nothing: markers, as then."""
+    return bool(extra.get("markers", True))

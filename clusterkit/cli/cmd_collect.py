@@ -102,9 +102,12 @@ def _root(pattern: str | None, host: Host | None, name: str, index: int) -> str:
 
 def resolve_nodes(args: argparse.Namespace) -> tuple[list[Any], list[int], str]:
     """(CollectNodes, slots per node, default DEST) from JOB or inventory + selection."""
+    from clusterkit.checkpoints.health import job_writes_markers
     from clusterkit.checkpoints.source import CollectNode
 
     record = _job_record(args)
+    # A job clusterkit launched knows whether its program writes completion markers.
+    args.job_markers = None if record is None else job_writes_markers(record.extra)
     if record is not None and record.transport == "slurm":
         return _batch_job_nodes(args, record)
     if record is not None:
@@ -385,7 +388,9 @@ def _collect_verb(args: argparse.Namespace) -> int:
 def _without_markers(args: argparse.Namespace, slots: list[int]) -> WithoutMarkers | None:
     from clusterkit.checkpoints.collectplan import WithoutMarkers
 
-    if not args.without_markers:
+    # A launched user's script writes no markers: no flag needed (issue 32).
+    users_script = getattr(args, "job_markers", None) is False
+    if not args.without_markers and not users_script:
         if args.world_size is not None:
             raise CheckpointError("--world-size is for --without-markers (markers record it)",
                                   key="--world-size", hint="add --without-markers or drop it")
@@ -394,7 +399,8 @@ def _without_markers(args: argparse.Namespace, slots: list[int]) -> WithoutMarke
     if world < 1 or (args.world_size is None and not all(slots)):
         raise CheckpointError("the world size of the save is not known", key="--world-size",
                               hint="pass --world-size N (the number of ranks that saved it)")
-    return WithoutMarkers(world_size=world)
+    return WithoutMarkers(world_size=world,
+                          slots=tuple(slots) if args.world_size is None else ())
 
 
 def _scatter_only(args: argparse.Namespace, nodes: list[Any], slots: list[int], dest: str) -> int:

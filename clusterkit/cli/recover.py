@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clusterkit.checkpoints import layout
-from clusterkit.checkpoints.assemble import Assembly, PartSource, assemble, candidate_tags
+from clusterkit.checkpoints.assemble import (
+    Assembly,
+    PartSource,
+    assemble,
+    candidate_tags,
+    ranks_of_map,
+)
 from clusterkit.checkpoints.collect import CollectOptions, collect, open_source
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.scatter import remote_hashes
@@ -76,12 +82,15 @@ def _list(transport: Transport, nodes: Sequence[CollectNode], staging: str) -> l
         return src.listings(None)
 
 
-def assemble_newest(listings: Sequence[NodeListing], num_nodes: int, markers: bool
-                    ) -> list[Assembly]:
+def assemble_newest(listings: Sequence[NodeListing], num_nodes: int, markers: bool,
+                    old_map: Sequence[Sequence[Any]] = ()) -> list[Assembly]:
     """Every tag that can be assembled from the nodes and the replicas, newest first;
-    when none can, the newest tag's attempt alone (its ``missing`` says why)."""
-    tags = candidate_tags(listings)
-    tried = [assemble(listings, t, expect_nodes=num_nodes, require_markers=markers) for t in tags]
+    when none can, the newest tag's attempt alone (its ``missing`` says why). A user's
+    script (no ``markers``): each own part by the replicas' rule on its ``old_map`` ranks."""
+    tags = candidate_tags(listings, markers=markers)
+    ranks = ranks_of_map(old_map) if old_map else None
+    tried = [assemble(listings, t, expect_nodes=num_nodes, require_markers=markers, ranks=ranks)
+             for t in tags]
     complete = [a for a in tried if a.complete]
     return complete or tried[:1]
 
@@ -133,7 +142,7 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
                                   hint="fix those nodes, or leave them out (--replace OLD=NEW "
                                        "or fewer nodes)")
             return  # the gate names an unreachable node of the plan, as for any launch
-        tried = assemble_newest(listings, len(old_map), plan.options.uses_workload)
+        tried = assemble_newest(listings, len(old_map), plan.options.uses_workload, old_map)
         if not tried:
             return  # nothing saved yet: a fresh start is what the job would do anyway
         if not tried[0].complete:
@@ -188,7 +197,7 @@ def restore_replacements(transport: Transport, plan: JobPlan, swaps: Sequence[Re
         raise LaunchError(f"cannot restore {_names(swaps)}: nodes of the job cannot be listed "
                           f"({'; '.join(down)})", key="--replace",
                           hint="fix those nodes, or replace them too (--replace OLD=NEW)")
-    tried = assemble_newest(listings, len(plan.nodes), plan.options.uses_workload)
+    tried = assemble_newest(listings, len(plan.nodes), plan.options.uses_workload, old_map)
     return _restore_parts(transport, plan, tried, swaps, staging, say)
 
 

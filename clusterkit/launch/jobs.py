@@ -27,6 +27,7 @@ from clusterkit.launch.orchestrator import JobSpec
 from clusterkit.node.contract import with_job_id
 from clusterkit.remote.base import SSHTarget
 from clusterkit.slurm.steps import site_args
+from clusterkit.spec.job import WORKLOAD_MODULE
 
 SBATCH_SCRIPT = "sbatch.sh"  # what `clusterkit sbatch` writes into a job dir
 SLURM_ID_FILE = "slurm_job_id"
@@ -75,7 +76,8 @@ class JobRecord:
             first = plan["nodes"][0]
             extra = {"ckpt_dir": str(first["ckpt_dir"]), "storage": str(plan["storage"]),
                      "slots": [len(n["slots"]) for n in plan["nodes"]],
-                     "python": str(first["python"]), "slurm_site": list(site_args(script))}
+                     "python": str(first["python"]), "slurm_site": list(site_args(script)),
+                     "markers": plan.get("program", [])[:2] == ["-m", WORKLOAD_MODULE]}
             job_id, backend = str(plan["job_id"]), str(plan["backend"])
         except FileNotFoundError as exc:
             missing = Path(str(exc.filename)).name

@@ -307,6 +307,8 @@ def _record(job: JobSpec, plan: JobPlan, attempt: int) -> JobRecord:
                     "ckpt_dir": plan.nodes[0].ckpt_dir,
                     "slots": [n.nproc for n in plan.nodes], "storage": plan.storage,
                     "rank_map": rank_map(plan),
+                    # status/collect-ckpt judge a user's script's saves without markers
+                    "markers": plan.options.uses_workload,
                     # `clusterkit status` names the launcher the user chose (issue 25).
                     "launcher": launcher_name(plan.backend,
                                               any(t.native is not None for t in job.tasks))}

@@ -73,6 +73,22 @@ def missing_rank_files(names: Sequence[str], ranks: Sequence[int]) -> list[str]:
     return missing
 
 
+def part_problem(names: Sequence[str], ranks: Sequence[int], cut_short: Sequence[str] = ()
+                 ) -> str | None:
+    """The no-marker rule on what one listing of a node's tag dir shows: None when it
+    holds every file DeepSpeed owes ``ranks`` and none is cut short (``cut_short``: the
+    ``.pt`` files without their zip end record), else what is wrong. The one rule for a
+    user's checkpoint: this watcher (which adds what only it sees: nothing open, sizes
+    stable), ``status``, ``collect-ckpt`` and the restore onto a spare
+    (checkpoints/assemble.py) all ask it."""
+    missing = missing_rank_files(names, ranks)
+    if missing:
+        return "missing " + ", ".join(missing[:3])
+    if cut_short:
+        return "not a whole zip: " + ", ".join(sorted(cut_short)[:3])
+    return None
+
+
 def open_in(tag_dir: str, job_id: str) -> list[int]:
     """Pids of this job's processes that hold a file under ``tag_dir`` open."""
     prefix = os.path.realpath(tag_dir) + os.sep
@@ -138,15 +154,14 @@ class CompletionWatch:
         now = time.monotonic() if now is None else now
         tag_dir = os.path.join(self.ckpt_dir, tag)
         files = tag_files(tag_dir)
-        missing = missing_rank_files(list(files), self.ranks)
+        missing = part_problem(list(files), self.ranks)
         if missing:
             self._seen.pop(tag, None)
-            return "missing " + ", ".join(missing[:3])
+            return missing
         first, snap = self._seen.get(tag, (now, {}))
         if snap != files:
             self._seen[tag] = (now, files)
             return "changed since the last poll"
         if now - first < STABLE_S:
             return "unchanged for less than %.0f s" % STABLE_S  # noqa: UP031
-        broken = broken_zips(tag_dir, files)
-        return "not a whole zip: " + ", ".join(broken[:3]) if broken else None
+        return part_problem(list(files), self.ranks, broken_zips(tag_dir, files))
