@@ -285,7 +285,7 @@ class FoldingSink:
         self.inner.node_done(node, code)
 
     def phase(self, name: str, detail: str = "") -> None:
-        if name == "tearing down":
+        if name == ConsolePhase.TEARING_DOWN:  # what the launchers print now is teardown
             with self._lock:
                 self.folder.tear_down()
         self.inner.phase(name, detail)
