@@ -420,3 +420,50 @@ def test_a_saves_replicas_are_one_line_and_a_failed_copy_shows_at_once() -> None
         "each copy in /j/nodes/<node>/launcher.log)"]
     assert copy(0, "node3") == []  # a second copy (--replicas 2): the line was said
     assert ledger.replicated("step8") == 3 and ledger.replicated("step16") == 0
+
+
+def test_a_two_node_accelerate_teardown_from_the_testbed_is_one_line() -> None:
+    """tests/fixtures/launcher_teardown/testbed_accelerate_node{1,2}_launcher.log: what the
+    launchers printed, in the order the console got it; node2's failure report before the
+    stop is shown, the 82 lines after it are one line."""
+    logs = {n: (FIXTURES / f"testbed_accelerate_{n}_launcher.log").read_text().splitlines()
+            for n in ("node1", "node2")}
+    cause = next(i for i, ln in enumerate(logs["node2"]) if "failed (exitcode: -9)" in ln) + 1
+    buf = io.StringIO()
+    sink = FoldingSink(PlainSink(buf), LineFolder(window_s=0.2, world_size=4, nodes=2),
+                       tick_s=0.05, launcher_logs="/j/nodes/<node>/launcher.log")
+    for text in logs["node1"][:2]:
+        sink.line("node1", None, text)
+    for text in logs["node2"][:cause]:
+        sink.line("node2", None, text)
+    sink.info("node2 rank 3 failed (killed by SIGKILL): stopping the job on every node")
+    sink.phase("tearing down")
+    for node, lines in (("node1", logs["node1"][2:]), ("node2", logs["node2"][cause:])):
+        for text in lines:
+            sink.line(node, None, text)
+    sink.end_attempt()
+    sink.close()
+    shown = buf.getvalue().splitlines()
+    want = ["[node[1-2]] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator",
+            "[node[1-2]] [W socket.cpp:207] [c10d] The hostname of the client socket",
+            "[node2] W1127 02:24:55.089000 441 site-packages/torch/distributed/elastic/"
+            "multiprocessing/api.py:1028] Sending process 444 closing signal SIGTERM",
+            "[node2] E1127 02:24:55.284000 441 site-packages/torch/distributed/elastic/"
+            "multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 445)",
+            "[clusterkit] node2 rank 3 failed (killed by SIGKILL): stopping the job",
+            "[node[1-2]] teardown: the launchers on 2 nodes printed 82 lines while they were "
+            "stopped (not shown; each node's log has them: /j/nodes/<node>/launcher.log)"]
+    assert len(shown) == len(want) and all(map(str.startswith, shown, want)), shown
+
+
+def test_deepspeeds_runner_prints_nothing_when_stopped() -> None:
+    """tests/fixtures/launcher_teardown/testbed_deepspeed_node1_launcher.log: the runner
+    on node1 (pdsh to both nodes) SIGTERMed after node2's rank died: its log ends with
+    the ranks' start; there is no teardown text, so no teardown line."""
+    lines = (FIXTURES / "testbed_deepspeed_node1_launcher.log").read_text().splitlines()
+    assert "spawned with command" in lines[-1]
+    f = LineFolder(window_s=0.0, nodes=2)
+    for text in lines:
+        f.feed_node("node1", text, now=0.0)
+    f.tear_down()
+    assert f.teardown("/j/nodes/<node>/launcher.log") is None
