@@ -25,6 +25,11 @@ import pytest
 from clusterkit.launch.console import PlainSink, Progress
 from clusterkit.launch.orchestrator import JobSpec, NodeTask, Orchestrator, exit_status
 from clusterkit.node import agent as agent_mod
+from clusterkit.node import protocol
+from clusterkit.node.agent_env import omp_threads
+from clusterkit.node.agent_output import RankLogTail
+from clusterkit.node.agent_procs import job_processes, job_status, rank_pids_of, sweep
+from clusterkit.node.agent_state import State
 from clusterkit.node.protocol import AgentSpec
 from clusterkit.node.ship import agent_command
 from clusterkit.remote.base import SSHTarget
@@ -128,7 +133,7 @@ def test_killed_rank_tears_down_every_node_but_not_other_jobs(
     assert failure is not None and failure.node == "v1" and failure.rank == 1
     assert "v1 rank 1 failed (exit code 137)" in text
     assert any("step 2/600" in line for line in failure.tail)
-    assert agent_mod.job_processes("die-job") == {}
+    assert job_processes("die-job") == {}
     assert all(p.poll() is None for p in bystanders)
 
 
@@ -138,12 +143,12 @@ def test_stubborn_rank_is_killed_after_the_grace_period(tmp_path: Path, fake: Pa
     orch = Orchestrator(job, LocalTransport(), PlainSink(io.StringIO()))
     thread = threading.Thread(target=lambda: holder.update(out=orch.run(install_signals=False)))
     thread.start()
-    _wait_for(lambda: len(agent_mod.job_processes("stubborn-job")) == 2)
+    _wait_for(lambda: len(job_processes("stubborn-job")) == 2)
     orch._on_signal(signal.SIGINT, None)  # what Ctrl-C does
     thread.join(15)
     assert not thread.is_alive()
     assert holder["out"].exit_code == 130  # type: ignore[attr-defined]
-    assert agent_mod.job_processes("stubborn-job") == {}
+    assert job_processes("stubborn-job") == {}
 
 
 def test_usr1_reaches_every_rank(tmp_path: Path, fake: Path) -> None:
@@ -174,19 +179,19 @@ def test_agent_tears_down_on_stdin_eof_including_workers_in_other_sessions(
     for line in proc.stdout:
         if "step 1/600" in line:
             break
-    assert len(agent_mod.job_processes("eof-job")) == 2  # the rank and its orphan worker
+    assert len(job_processes("eof-job")) == 2  # the rank and its orphan worker
     proc.stdin.close()  # what a dropped SSH connection looks like to the agent
     rest = proc.stdout.read()
     assert proc.wait(10) == 143  # the fake rank died of SIGTERM
     assert '"reason": "stdin-eof"' in rest
-    assert agent_mod.job_processes("eof-job") == {}
+    assert job_processes("eof-job") == {}
 
 
 def test_stop_mode_kills_only_the_named_job(bystanders: list[subprocess.Popen[bytes]]) -> None:
     env = dict(os.environ, CLUSTERKIT_JOB_ID="stop-me")
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
                               start_new_session=True)
-    _wait_for(lambda: victim.pid in agent_mod.job_processes("stop-me"))
+    _wait_for(lambda: victim.pid in job_processes("stop-me"))
     cmd = agent_command(sys.executable, ["--stop", "stop-me", "--grace", "1"])
     res = subprocess.run(cmd.argv, input=cmd.stdin, capture_output=True, timeout=20)
     assert json.loads(res.stdout) == {"signalled": 1, "killed": 0, "left": 0}
@@ -194,47 +199,69 @@ def test_stop_mode_kills_only_the_named_job(bystanders: list[subprocess.Popen[by
     assert all(p.poll() is None for p in bystanders)
 
 
-def test_agent_classifies_torchrun_and_pdsh_lines() -> None:
+def _lines_out(spec: AgentSpec, tmp_path: Path, *lines: str) -> tuple[agent_mod.Agent, list[object]]:
+    """The messages an agent sends for its launcher's output ``lines``."""
     out = io.StringIO()
-    spec = agent_mod.Spec(job_id="j", node="node1", job_dir="/nonexistent",
-                          rank_offsets={"node1": 0, "node5": 8})
-    a = agent_mod.Agent(spec, out)
-    assert a._classify("[default1]:step 3") == ("node1", 1, "step 3")
+    a = agent_mod.Agent(dataclasses.replace(spec, job_dir=str(tmp_path)), out)
+    a.prepare()
+    for text in lines:
+        a.output.handle_line(text)
+    return a, [protocol.decode(ln) for ln in out.getvalue().splitlines()]
+
+
+def test_agent_classifies_torchrun_and_pdsh_lines(tmp_path: Path) -> None:
+    spec = AgentSpec(job_id="j", node="node1", job_dir="", rank_offsets={"node1": 0, "node5": 8})
     # torchrun printed a half-written line in two parts, the header twice (a summary: cut JSON)
-    assert a._classify('[default0]:{"a": 1, [default0]:"b": 2}') == ("node1", 0, '{"a": 1, "b": 2}')
-    assert a._classify("plain launcher line") == ("node1", None, "plain launcher line")
-    spec.prefix = "pdsh"
-    assert a._classify("node5: hello") == ("node5", None, "hello")
-    assert a._classify("node5: [default1]:x") == ("node5", 1, "x")
-    assert a._classify("unknown: x") == ("node1", None, "unknown: x")
+    _, msgs = _lines_out(spec, tmp_path, "[default1]:step 3", '[default0]:{"a": 1, [default0]:"b": 2}',
+                         "plain launcher line")
+    assert msgs == [protocol.Line("node1", 1, "step 3"), protocol.Line("node1", 0, '{"a": 1, "b": 2}'),
+                    protocol.Line("node1", None, "plain launcher line")]
+    pdsh = dataclasses.replace(spec, prefix="pdsh")
+    _, msgs = _lines_out(pdsh, tmp_path, "node5: hello", "node5: [default1]:x", "unknown: x")
+    assert msgs == [protocol.Line("node5", None, "hello"), protocol.Line("node5", 1, "x"),
+                    protocol.Line("node1", None, "unknown: x")]
 
 
-def test_agent_names_the_failed_rank_from_launcher_reports() -> None:
-    out = io.StringIO()
-    spec = agent_mod.Spec(job_id="j", node="node1", job_dir="/x", rank_offsets={"node1": 0, "node5": 8})
-    a = agent_mod.Agent(spec, out)
-    a._watch_failure("node1", "E1121 api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 20825) of binary")
-    ev = json.loads(out.getvalue().split("@ck:E ", 1)[1])
-    assert (ev["ev"], ev["rank"], ev["code"]) == ("rank-failed", 1, -9)
-    out2 = io.StringIO()
-    b = agent_mod.Agent(spec, out2)
-    b._watch_failure("node5", "['/usr/bin/python', '-u', 'x.py', '--local_rank=1'] "
-                              "exits with return code = -9")
-    ev = json.loads(out2.getvalue().split("@ck:E ", 1)[1])
-    assert (ev["failed_node"], ev["rank"], ev["code"]) == ("node5", 9, -9)
-    out3 = io.StringIO()
-    c = agent_mod.Agent(spec, out3)
-    c._watch_failure("node1", "pdsh@node1: node5: ssh exited with exit code 1")
-    assert c.stop_reason == "pdsh-node-failed"
-    assert '"failed_node": "node5"' in out3.getvalue()
+def test_agent_names_the_failed_rank_from_launcher_reports(tmp_path: Path) -> None:
+    spec = AgentSpec(job_id="j", node="node1", job_dir="", rank_offsets={"node1": 0, "node5": 8})
+    _, msgs = _lines_out(spec, tmp_path, "E1121 api.py:1002] failed (exitcode: -9) local_rank: 1 "
+                                         "(pid: 20825) of binary")
+    failed = [m for m in msgs if isinstance(m, protocol.RankFailed)]
+    assert [(f.rank, f.code) for f in failed] == [(1, -9)]
+    _, msgs = _lines_out(dataclasses.replace(spec, prefix="pdsh"), tmp_path,
+                         "node5: ['/usr/bin/python', '-u', 'x.py', '--local_rank=1'] "
+                         "exits with return code = -9")
+    failed = [m for m in msgs if isinstance(m, protocol.RankFailed)]
+    assert [(f.failed_node, f.rank, f.code) for f in failed] == [("node5", 9, -9)]
+    c, msgs = _lines_out(spec, tmp_path, "pdsh@node1: node5: ssh exited with exit code 1")
+    assert c.stop_reason == "pdsh-node-failed" and c.state is State.STOPPING
+    assert [m.failed_node for m in msgs if isinstance(m, protocol.RankFailed)] == ["node5"]
 
 
 def test_a_go_after_a_stop_starts_nothing(tmp_path: Path) -> None:
     """Issue 30: TERM while the agent holds, then a late GO: the stop wins."""
-    spec = agent_mod.Spec(job_id="j", node="node1", job_dir=str(tmp_path), hold=True)
+    spec = AgentSpec(job_id="go-after-stop", node="node1", job_dir=str(tmp_path), hold=True)
     a = agent_mod.Agent(spec, io.StringIO())
     a.read_control(io.StringIO("TERM\nGO\n"))
-    assert a.hold_for_go() is False
+    assert a.hold_for_go() is False and a.state is State.STOPPING and a.stop_reason == "term"
+    out = io.StringIO()
+    b = agent_mod.Agent(spec, out)  # the whole run: held, stopped, nothing started
+    threading.Thread(target=b.read_control, args=(io.StringIO("TERM\nGO\n"),)).start()
+    assert b.run() == 0 and b.state is State.EXITED and b.child is None and not b.ranks
+    exit_msg = protocol.decode(out.getvalue().splitlines()[-1])
+    assert isinstance(exit_msg, protocol.Exit) and exit_msg.held
+    b.request_stop("late")  # after the exit: nothing moves
+    assert b.state is State.EXITED and b.stop_reason == "term"
+
+
+def test_the_agents_moves(tmp_path: Path) -> None:
+    """GO moves a holding agent to running; a stop moves it to stopping, keeps the first
+    reason, and nothing moves it back."""
+    a = agent_mod.Agent(AgentSpec(job_id="moves-job", node="n", job_dir=str(tmp_path),
+                                  hold=True), io.StringIO())
+    assert a.state is State.HOLDING
+    a.read_control(io.StringIO("GO\nTERM\nGO\n"))  # EOF last: one more stop request
+    assert a.state is State.STOPPING and a.stop_reason == "term"
 
 
 def test_progress_parses_the_workload_line() -> None:
@@ -290,7 +317,7 @@ def test_native_mode_starts_each_rank_with_torchruns_environment(tmp_path: Path)
     assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
     assert ("[v1 r3] RANK=3 LOCAL_RANK=1 WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 "
             "MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 "
-            f"OMP_NUM_THREADS={agent_mod.omp_threads(2)}") in text  # CPUs / 2 ranks
+            f"OMP_NUM_THREADS={omp_threads(2)}") in text  # CPUs / 2 ranks
     assert "[v0 r0] elastic False" in text
 
 
@@ -307,7 +334,7 @@ def test_per_node_launcher_gets_the_thread_rule_unless_the_inventory_sets_it(
     ))
     outcome, text = _run(job)
     assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
-    assert f"omp {agent_mod.omp_threads(2)}" in text and "omp 7" in text, text
+    assert f"omp {omp_threads(2)}" in text and "omp 7" in text, text
 
 
 def test_native_mode_killed_rank_stops_the_job_and_is_named(
@@ -320,7 +347,7 @@ def test_native_mode_killed_rank_stops_the_job_and_is_named(
     assert outcome.exit_code == 137, text  # type: ignore[attr-defined]
     failure = outcome.failure  # type: ignore[attr-defined]
     assert (failure.node, failure.rank, failure.local_rank) == ("v1", 3, 1), text
-    assert agent_mod.job_processes("native-die") == {}
+    assert job_processes("native-die") == {}
     assert all(p.poll() is None for p in bystanders)
 
 
@@ -337,7 +364,7 @@ def test_native_mode_forwards_usr1_to_the_ranks(tmp_path: Path, fake: Path) -> N
 
 
 def test_rank_log_tail_reads_deepspeeds_per_rank_files_as_lines(tmp_path: Path) -> None:
-    tail = agent_mod.RankLogTail(str(tmp_path))
+    tail = RankLogTail(str(tmp_path))
     assert tail.poll() == []
     f = tmp_path / "20261121120000_rank5.log"
     f.write_text("one\ntw")
@@ -352,15 +379,15 @@ def test_rank_log_tail_reads_deepspeeds_per_rank_files_as_lines(tmp_path: Path) 
 
 def test_agent_labels_deepspeed_rank_files_of_its_own_node_only(tmp_path: Path) -> None:
     out = io.StringIO()
-    spec = agent_mod.Spec(job_id="j", node="node2", job_dir=str(tmp_path),
-                          rank_offsets={"node1": 0, "node2": 2, "node3": 4},
-                          rank_log_dir=str(tmp_path / "logs"))
+    spec = AgentSpec(job_id="j", node="node2", job_dir=str(tmp_path),
+                     rank_offsets={"node1": 0, "node2": 2, "node3": 4},
+                     rank_log_dir=str(tmp_path / "logs"))
     (tmp_path / "logs").mkdir()
     for r in range(6):  # a shared job dir: every node's files in one directory
         (tmp_path / "logs" / f"1_rank{r}.log").write_text(f"hello from {r}\n")
     a = agent_mod.Agent(spec, out)
-    a.node_dir = str(tmp_path)
-    a._tail_done.set()
+    a.prepare()
+    a.output.tail_done.set()  # the ranks are gone: read what is there, then stop
     a.tail_rank_logs()
     lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("@ck:L ")]
     assert lines == ["@ck:L node2 0 hello from 2", "@ck:L node2 1 hello from 3"]
@@ -408,7 +435,7 @@ def test_folded_gate_failure_starts_nothing_anywhere(tmp_path: Path, fake: Path)
     gate = outcome.gate  # type: ignore[attr-defined]
     assert gate is not None and list(gate.problems) == ["v1"], gate
     assert "ready" not in text and "step 1/600" not in text  # v0 never started its rank
-    assert agent_mod.job_processes("gate-bad") == {}
+    assert job_processes("gate-bad") == {}
 
 
 def test_folded_gate_names_a_script_missing_on_a_node(tmp_path: Path, fake: Path) -> None:
@@ -427,7 +454,7 @@ def test_folded_gate_names_a_script_missing_on_a_node(tmp_path: Path, fake: Path
               "workdir, relative to your current directory: --sync . for all of it; or use a "
               "shared workdir)"}
     assert gate.facts["v0"]["missing"] == []
-    assert "step 1/600" not in text and agent_mod.job_processes("gate-script") == {}
+    assert "step 1/600" not in text and job_processes("gate-script") == {}
 
 
 HELPER_PARENT = textwrap.dedent("""
@@ -454,10 +481,10 @@ def test_status_lists_each_rank_pid_not_its_helpers(tmp_path: Path) -> None:
         (node_dir / "agent.json").write_text(json.dumps(
             {"state": "running", "agent_pid": os.getpid(), "child_pid": launcher.pid,
              "zygote_pid": None, "ranks": {}}))
-        procs = agent_mod.job_processes("pidjob", "n1")
+        procs = job_processes("pidjob", "n1")
         assert len(procs) == 5  # the launcher, 2 ranks, 2 helpers
-        assert agent_mod.rank_pids_of(procs) == {4: ranks[0].pid, 5: ranks[1].pid}
-        info = agent_mod._status("pidjob", str(tmp_path), "n1")
+        assert rank_pids_of(procs) == {4: ranks[0].pid, 5: ranks[1].pid}
+        info = job_status("pidjob", str(tmp_path), "n1")
         assert info["ranks"] == [4, 5] and info["processes"] == 5
         assert info["pids"] == {"4": ranks[0].pid, "5": ranks[1].pid}
         assert info["launcher_pid"] == launcher.pid and info["fork_server_pid"] is None
@@ -465,7 +492,7 @@ def test_status_lists_each_rank_pid_not_its_helpers(tmp_path: Path) -> None:
         for p in (launcher, *ranks):
             p.kill()
             p.wait()
-        agent_mod.sweep("pidjob", "n1", None, 0.5)  # the helpers
+        sweep("pidjob", "n1", None, 0.5)  # the helpers
 
 
 def test_status_text_names_pids_and_the_launcher() -> None:

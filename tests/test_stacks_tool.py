@@ -21,7 +21,7 @@ import pytest
 from clusterkit.launch.stacks import read_stack, summarize
 from clusterkit.node import agent as agent_mod
 from clusterkit.node import agent_hangs
-from clusterkit.node.protocol import EVENT_PREFIX
+from clusterkit.node.protocol import EVENT_PREFIX, AgentSpec
 
 
 def _binary(path: str | None) -> bool:
@@ -65,7 +65,7 @@ def no_spy_elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _agent(tmp_path: Path, python: str) -> agent_mod.Agent:
-    spec = agent_mod.Spec(job_id="spyjob", node="node1", job_dir=str(tmp_path / "job"),
+    spec = AgentSpec(job_id="spyjob", node="node1", job_dir=str(tmp_path / "job"),
                           argv=[python, "-u", "train.py"], rank_offsets={"node1": 0},
                           env={"PATH": os.environ["PATH"]})
     a = agent_mod.Agent(spec, io.StringIO())

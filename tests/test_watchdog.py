@@ -23,7 +23,8 @@ from clusterkit.launch.stacks import read_stack, signature, summarize
 from clusterkit.launch.watchdog import Watchdog, ping_interval, step_of
 from clusterkit.node import agent as agent_mod
 from clusterkit.node import agent_hangs
-from clusterkit.node.protocol import Progress
+from clusterkit.node.agent_procs import job_status
+from clusterkit.node.protocol import AgentSpec, Progress
 from clusterkit.workload import hangs
 
 FAULTHANDLER = """\
@@ -169,7 +170,7 @@ def test_watchdog_limits_and_helpers() -> None:
 
 
 def test_agent_progress_reads_heartbeat_files(tmp_path: Path) -> None:
-    spec = agent_mod.Spec(job_id="j", node="node1", job_dir=str(tmp_path),
+    spec = AgentSpec(job_id="j", node="node1", job_dir=str(tmp_path),
                           rank_offsets={"node1": 0})
     a = agent_mod.Agent(spec, io.StringIO())
     a.prepare()
@@ -182,7 +183,7 @@ def test_agent_progress_reads_heartbeat_files(tmp_path: Path) -> None:
 
 
 def test_agent_dead_man_switch_stops_a_silent_agent(tmp_path: Path) -> None:
-    spec = agent_mod.Spec(job_id="j", node="node1", job_dir=str(tmp_path), keepalive_s=0.2)
+    spec = AgentSpec(job_id="j", node="node1", job_dir=str(tmp_path), keepalive_s=0.2)
     a = agent_mod.Agent(spec, io.StringIO())
     a.check_keepalive()
     assert not a.keepalive_lost
@@ -206,7 +207,7 @@ STUCK = textwrap.dedent("""\
 
 def test_faulthandler_dump_of_a_stopped_rank(tmp_path: Path) -> None:
     """No py-spy: the workload's SIGWINCH handler writes the stacks, even after SIGSTOP."""
-    spec = agent_mod.Spec(job_id="j", node="node1", job_dir=str(tmp_path))
+    spec = AgentSpec(job_id="j", node="node1", job_dir=str(tmp_path))
     a = agent_mod.Agent(spec, io.StringIO())
     a.prepare()
     env = dict(os.environ, RANK="5", CLUSTERKIT_HEARTBEAT_DIR=a.progress_dir)
@@ -276,7 +277,7 @@ def test_user_script_that_hangs_silently_is_caught_by_its_heartbeat(tmp_path: Pa
 
 @pytest.mark.skipif(agent_hangs.py_spy() is None, reason="py-spy is not installed")
 def test_py_spy_reads_a_stopped_rank_without_pausing_it(tmp_path: Path) -> None:
-    spec = agent_mod.Spec(job_id="j", node="node1", job_dir=str(tmp_path))
+    spec = AgentSpec(job_id="j", node="node1", job_dir=str(tmp_path))
     a = agent_mod.Agent(spec, io.StringIO())
     a.prepare()
     proc = subprocess.Popen([sys.executable, "-c", STUCK], stdout=subprocess.PIPE, text=True,
@@ -299,11 +300,11 @@ def test_py_spy_reads_a_stopped_rank_without_pausing_it(tmp_path: Path) -> None:
 def test_status_shows_each_nodes_step_and_last_progress(tmp_path: Path) -> None:
     from clusterkit.cli.cmd_launch import _progress_text
 
-    spec = agent_mod.Spec(job_id="j", node="node1", job_dir=str(tmp_path))
+    spec = AgentSpec(job_id="j", node="node1", job_dir=str(tmp_path))
     a = agent_mod.Agent(spec, io.StringIO())
     a.prepare()
     a.write_state("running", progress={"idle_s": 0.0, "step": 12, "time": time.time() - 7})
-    info = agent_mod._status("j", str(tmp_path), "node1")
+    info = job_status("j", str(tmp_path), "node1")
     assert info["progress"]["step"] == 12 and 6 <= info["progress"]["age_s"] < 30
     text = _progress_text(info["progress"], True)
     assert text.startswith("  step 12, last progress ") and "s ago)" in text

@@ -19,8 +19,8 @@ import pytest
 
 from clusterkit.launch.console import PlainSink
 from clusterkit.launch.orchestrator import JobSpec, NodeTask, Orchestrator, zygote_imports
-from clusterkit.node import agent as agent_mod
 from clusterkit.node import zygote
+from clusterkit.node.agent_procs import job_processes
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.local import LocalTransport
 
@@ -107,7 +107,7 @@ def test_forked_ranks_see_what_exec_ranks_see(tmp_path: Path, preload_json: None
         assert f == e, {k: (f[k], e[k]) for k in f if f[k] != e[k]}
         assert f["argv"] == ["probe.py", "x"] and f["path0"] == str(tmp_path)
         assert f["file"] == str(tmp_path / "probe.py") and f["env"]["RANK"] == str(rank)
-    assert agent_mod.job_processes("zf") == {}
+    assert job_processes("zf") == {}
 
 
 def test_a_failing_forked_rank_is_named_with_its_code_and_its_traceback(
@@ -117,7 +117,7 @@ def test_a_failing_forked_rank_is_named_with_its_code_and_its_traceback(
     assert (outcome.failure.node, outcome.failure.rank) == ("v1", 3), text
     assert 'probe.py", line' in text and "ValueError: boom" in text, text
     assert "<clusterkit.node.zygote>" not in text, text  # the program's frames only
-    assert agent_mod.job_processes("zfail") == {}
+    assert job_processes("zfail") == {}
 
 
 def test_exit_codes_per_rank(tmp_path: Path, preload_json: None) -> None:

@@ -18,6 +18,7 @@ Teardown is job-scoped, by the ``CLUSTERKIT_JOB_ID`` tag, never by command line
 This module is the entry and the core loop; the agent's other concerns live beside
 it, each a module of the ``agent`` program (``node/ship.py`` ``PROGRAMS``):
 
+- ``agent_state``: the agent's state (holding, running, stopping, exited), guarded moves
 - ``agent_procs``: the job's processes found by their tag, signalled, swept; ``--status``
 - ``agent_files``: atomic writes, the job-dir token
 - ``agent_env``: the environment of the launcher and of each native rank
@@ -49,35 +50,30 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from clusterkit.node import agent_env, agent_hangs, protocol, replica_service, zygote
-from clusterkit.node.agent_env import omp_threads
 from clusterkit.node.agent_files import expand, write_atomic
 from clusterkit.node.agent_forkserver import ForkServer
 from clusterkit.node.agent_hangs import PROGRESS_EVERY_S, StackDump
-from clusterkit.node.agent_output import AgentOutput, RankLogTail
+from clusterkit.node.agent_output import AgentOutput
 from clusterkit.node.agent_procs import (
     POLL_S,
     Child,
     job_processes,
+    job_status,
     rank_pids_of,
     signal_group,
     signal_pid,
     sweep,
 )
-from clusterkit.node.agent_procs import job_status as _status
+from clusterkit.node.agent_state import Lifecycle, State
 from clusterkit.node.contract import JobDir
 from clusterkit.node.gatefacts import drop_tokens, gate_facts
 from clusterkit.node.protocol import (
     DEFAULT_GRACE_S,
-    EVENT_PREFIX,
-    LINE_PREFIX,
     AgentSpec,
     Control,
     ProtocolError,
 )
 
-__all__ = ["EVENT_PREFIX", "LINE_PREFIX", "Agent", "RankLogTail", "Spec", "gate_facts",
-           "job_processes", "omp_threads", "rank_pids_of", "sweep"]
-Spec = AgentSpec  # the name the agent has always used
 AGENT_COMM = "ck-agent"
 
 
@@ -97,9 +93,9 @@ class Agent:
         self.child: subprocess.Popen[bytes] | None = None  # the launcher (launcher mode)
         self.ranks: dict[int, Child] = {}  # local rank -> process (native)
         self.rank_codes: dict[int, int] = {}  # local rank -> exit code, in order of exit
-        self.stop_reason: str | None = None
-        self._stop = threading.Event()
-        self._go = threading.Event()
+        self.life = Lifecycle()  # holding, running, stopping, exited (node/agent_state.py)
+        self.stop_reason: str | None = None  # the first stop's reason
+        self._stop = self.life.stopping  # the fork server waits on it too
         self._last_control = time.monotonic()
         self._started = time.monotonic()
         self._started_wall = time.time()
@@ -119,10 +115,6 @@ class Agent:
     def node_dir(self) -> str:
         """This node's directory in the job dir: its log files and ``agent.json``."""
         return self.output.node_dir
-
-    @node_dir.setter
-    def node_dir(self, path: str) -> None:  # one value for both (a test points it elsewhere)
-        self.output.node_dir = path
 
     def start_writer(self) -> None:
         """From now on output goes through a writer thread (the real agent, not tests)."""
@@ -144,22 +136,16 @@ class Agent:
         assert self.spec.rank_log_dir is not None
         self.output.tail_rank_logs(expand(self.spec.rank_log_dir, self.job_dir))
 
-    # The agent's former names of output methods, as tests/test_launch_agent.py uses them.
-    @property
-    def _tail_done(self) -> threading.Event:
-        return self.output.tail_done
-
-    def _classify(self, line: str) -> tuple[str, int | None, str]:
-        return self.output.classify(line)
-
-    def _watch_failure(self, node: str, text: str) -> None:
-        self.output.watch_failure(node, text)
-
     # -------------------------------------------------------------- control
 
+    @property
+    def state(self) -> State:
+        return self.life.state
+
     def request_stop(self, reason: str) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = reason
+        if not self.life.move(State.STOPPING):
+            return  # stopping already (the first reason stays), or exited
+        self.stop_reason = reason
         self._stop.set()
         self.replicas.abort()  # a failure or a stop: copies end at once
 
@@ -182,7 +168,7 @@ class Agent:
                 if cmd == Control.KILL:
                     self.kill_now()
             elif cmd == Control.GO:
-                self._go.set()
+                self.life.move(State.RUNNING)
             elif cmd in (Control.USR1, Control.USR2):
                 n = self.forward(getattr(signal, f"SIG{cmd.value}"))
                 self.send(protocol.Forwarded(self.spec.node, signal=cmd.value, processes=n))
@@ -348,12 +334,12 @@ class Agent:
     # -------------------------------------------------------------- the run
 
     def hold_for_go(self) -> bool:
-        """True once the launcher says GO, False on a stop (it wins over a later GO)."""
-        while not self._go.is_set() and not self._stop.is_set():
-            self._stop.wait(POLL_S / 2)
+        """True once the launcher says GO, False on a stop (a later GO moves nothing)."""
+        while self.state is State.HOLDING:
+            self.life.moved.wait(POLL_S / 2)  # set by the move out of HOLDING
             self.check_keepalive()
         drop_tokens(self.spec.needs)  # every node has looked (gatefacts.token_seen)
-        return not self._stop.is_set()
+        return self.state is State.RUNNING
 
     def run(self) -> int:
         self.prepare()  # while the launcher compares the nodes' facts
@@ -364,9 +350,10 @@ class Agent:
         # after the facts: on a node short of CPUs, its import would delay our report.
         if self.forkserver.wanted():
             self.forkserver.start()
-        if self.spec.hold and not self.hold_for_go():
-            self.forkserver.drop()
+        if not (self.hold_for_go() if self.spec.hold else self.life.move(State.RUNNING)):
+            self.forkserver.drop()  # stopped before the ranks started: nothing to sweep
             self.send(protocol.Exit(self.spec.node, code=0, reason=self.stop_reason, held=True))
+            self.life.move(State.EXITED)
             return 0
         pumps: list[threading.Thread] = []
         tail: threading.Thread | None = None
@@ -434,13 +421,14 @@ class Agent:
                                 left=counts["left"]))
         self.drain()
         self.output.close()
+        self.life.move(State.EXITED)
         return code
 
 
 # ----------------------------------------------------------------- entry points
 
 
-def _read_spec(args: argparse.Namespace) -> Spec:
+def _read_spec(args: argparse.Namespace) -> AgentSpec:
     if args.spec_b64:
         return AgentSpec.from_json(base64.b64decode(args.spec_b64).decode())
     first = sys.stdin.readline()
@@ -470,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(sweep(args.stop, args.node, None, args.grace)), flush=True)
         return 0
     if args.status:
-        print(json.dumps(_status(args.status, args.job_dir, args.node)), flush=True)
+        print(json.dumps(job_status(args.status, args.job_dir, args.node)), flush=True)
         return 0
     try:
         spec = _read_spec(args)
