@@ -114,8 +114,9 @@ def test_path_states(tmp_path: Path) -> None:
 
 
 def test_the_test_override_replaces_facts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(envfacts.TEST_OVERRIDE_ENV, json.dumps({"machine": "aarch64"}))
-    assert envfacts.facts([])["machine"] == "aarch64"
+    monkeypatch.setenv(envfacts.TEST_OVERRIDE_ENV, "machine=aarch64,glibc=2.17")
+    got = envfacts.facts([])
+    assert (got["machine"], got["glibc"]) == ("aarch64", "2.17")
 
 
 def test_unchanged_compares_the_nodes_record() -> None:

@@ -68,8 +68,8 @@ ENV_ZYGOTE_IMPORTS = "CLUSTERKIT_ZYGOTE_IMPORTS"
 # (The probe's CLUSTERKIT_PROBE_CLOCK_OFFSET_S stays in node/probe.py: the probe also runs
 # as one hand-copied file, docs/doctor.md.)
 ENV_DUMP_WEIGHTS = "CLUSTERKIT_DUMP_WEIGHTS"
-# `clusterkit nodes env`'s facts (node/envfacts.py): a JSON object replacing what a test
-# node reports (its machine, glibc), honoured by nothing else (docs/getting-nodes-ready.md).
+# `clusterkit nodes env`'s facts (node/envfacts.py): KEY=VALUE,... replacing what a test
+# node reports (machine=aarch64, glibc=2.17), honoured by nothing else (docs/getting-nodes-ready.md).
 ENV_TEST_ENVFACTS = "CLUSTERKIT_TEST_ENVFACTS"
 
 # Rank 0 of the bundled workload ends with this line + one JSON object; the launcher

@@ -23,7 +23,7 @@ The record lives in ``DIR/.clusterkit/`` (never synced, never deleted):
 and ``env-digest.json`` (the digests and the package fingerprint only), which the
 launch gate reads on every launch: no hashing at launch time (node/gatefacts.py).
 
-Under test only: ``CLUSTERKIT_TEST_ENVFACTS`` (JSON, e.g. ``{"machine": "aarch64"}``)
+Under test only: ``CLUSTERKIT_TEST_ENVFACTS`` (``KEY=VALUE,...``, e.g. ``machine=aarch64``)
 replaces facts this node reports, so a test bed whose nodes all share the host's
 kernel and C library can show a node of another machine (docs/getting-nodes-ready.md).
 """
@@ -352,9 +352,8 @@ def facts(paths: List[str]) -> Dict[str, Any]:  # noqa: UP006
         "os": _os_release(), "python": sys.executable, "driver": _driver(),
         "paths": {p: path_state(p) for p in paths}}
     fake = os.environ.get(TEST_OVERRIDE_ENV)
-    if fake:  # tests only (module docstring)
-        with contextlib.suppress(ValueError):
-            out.update(json.loads(fake))
+    if fake:  # tests only (module docstring): "machine=aarch64,glibc=2.17"
+        out.update(kv.partition("=")[::2] for kv in fake.split(",") if "=" in kv)
     return out
 
 
@@ -376,6 +375,26 @@ def _make_links(directory: str, want: Manifest) -> None:
         os.replace(tmp, path)  # a regular file of the same name is replaced too
 
 
+def _prune(directory: str, want: Manifest) -> None:
+    """Remove empty directories the environment does not hold (what an uninstall leaves,
+    e.g. an emptied ``*.dist-info``, which the fingerprint would still count)."""
+    keep = {os.path.dirname(rel) for rel in want}
+    keep |= {"/".join(d.split("/")[:i]) for d in list(keep) for i in range(1, d.count("/") + 1)}
+    for d, _dirs, _names in os.walk(directory, topdown=False):
+        rel = os.path.relpath(d, directory).replace(os.sep, "/")
+        if rel == "." or rel in keep or any(
+                _skipped(p, p.rsplit("/", 1)[-1], True) for p in _prefixes(rel)):
+            continue
+        with contextlib.suppress(OSError):
+            if not os.listdir(d):  # (a child removed just now is gone from ``dirs`` too)
+                os.rmdir(d)
+
+
+def _prefixes(rel: str) -> List[str]:  # noqa: UP006
+    parts = rel.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
 def compare(want: Manifest, have: Manifest) -> List[str]:  # noqa: UP006
     """The paths whose entries differ (mtimes aside), sorted: missing, extra, changed."""
     def key(e: Entry) -> tuple[Any, ...]:
@@ -394,6 +413,7 @@ def finish(directory: str, want: Manifest, env: Dict[str, Any] | None = None  # 
         # the target passed the refusal check (absent, empty, an environment, ours).
         os.unlink(os.path.join(directory, rel))
         del have[rel]
+    _prune(directory, want)
     bad = compare(want, have)
     if bad:
         return {"v": ENVFACTS_VERSION, "differ": bad[:50], "ndiffer": len(bad)}

@@ -1,0 +1,131 @@
+"""Issue 29 item 2 on the namespace test bed: `clusterkit nodes env` to nodes with an empty prefix.
+
+The environment lives under the test bed's node-local mount point, so every node
+starts without it (the host's copy is the launcher's). The default test replicates a
+small venv (``venv --without-pip --system-site-packages`` + one tiny package; its
+base, this machine's Python with torch, is on the shared filesystem: recorded once,
+seen equal everywhere, not sent);
+a node whose facts say another CPU architecture (``CLUSTERKIT_TEST_ENVFACTS``, read
+only by node/envfacts.py) is refused before any byte reaches it. Then a launch runs
+on it, doctor says identical, a file changed on one node is named by doctor, a
+package added there is refused by the launch gate, and a rerun repairs only that.
+The full environment (torch + deepspeed, ~1.9 GB) is the extended variant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from clusterkit.node.contract import ENV_TEST_ENVFACTS
+from tests.testbed import Testbed
+
+pytestmark = pytest.mark.testbed
+
+PY = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+TRAIN = textwrap.dedent("""
+    import os
+    import ckenvtiny
+    print(f"rank {os.environ['RANK']} imports {ckenvtiny.MSG}", flush=True)
+""")
+
+
+def _cli(*argv: str, cwd: Path, env: dict[str, str],
+         timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "clusterkit", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _inventory(testbed: Testbed, path: Path, nodes: list[str], python: str, work: Path,
+               env: dict[str, dict[str, str]] | None = None) -> Path:
+    data: dict[str, Any] = testbed.inventory_dict(nodes, slots=1, python=python,
+                                                  workdir=str(work))
+    for name, values in (env or {}).items():
+        data["hosts"][name]["env"] = values
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _env_findings(run: subprocess.CompletedProcess[str]) -> dict[str, dict[str, Any]]:
+    report = json.loads(run.stdout)
+    return {f["host"]: f for f in report["findings"] if f["check"] == "env.parity"}
+
+
+def test_env_to_empty_prefixes_then_launch_doctor_gate_and_repair(
+        testbed: Testbed, tmp_path: Path) -> None:
+    nodes = [n.name for n in testbed.ensure(3)]
+    prefix = testbed.local_mountpoint / f"env-{tmp_path.name}"  # node-private on the nodes
+    # Over the base's packages (torch: the launch needs it), the base on the shared disk.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+                    str(prefix)], check=True)
+    tiny = prefix / "lib" / PY / "site-packages" / "ckenvtiny" / "__init__.py"
+    tiny.parent.mkdir(parents=True)
+    tiny.write_text("MSG = 'the launcher env'\n")
+    python = str(prefix / "bin" / "python")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(TRAIN)
+    env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
+    fake = {nodes[2]: {ENV_TEST_ENVFACTS: "machine=aarch64"}}
+    inv3 = _inventory(testbed, tmp_path / "inv3.yaml", nodes, python, work, fake)
+    inv = _inventory(testbed, tmp_path / "inv.yaml", nodes[:2], python, work)
+    for n in nodes:
+        assert testbed.exec(n, ["test", "-e", str(prefix)], timeout=30).returncode != 0
+
+    first = _cli("nodes", "env", "-i", str(inv3), "--python", python, cwd=work, env=env)
+    assert first.returncode == 2, first.stdout + first.stderr
+    assert "node[1-2]: 6 file(s) sent" in first.stdout, first.stdout
+    assert (f"{nodes[2]}: refused: CPU architecture aarch64 here, x86_64 on the launcher"
+            in first.stderr), first.stderr
+    assert testbed.exec(nodes[2], ["test", "-e", str(prefix)], timeout=30).returncode != 0
+    got = testbed.exec(nodes[1], [python, "-c", "import ckenvtiny; print(ckenvtiny.MSG)"],
+                       timeout=60)
+    assert got.stdout == "the launcher env\n", got.stderr
+
+    again = _cli("nodes", "env", "-i", str(inv), "--python", python, cwd=work, env=env)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("  node[1-2]: nothing sent; environment "), again.stdout
+
+    run = _cli("launch", "-i", str(inv), "--job-id", "envcopy", "--nodes", "2",
+               "--gpus-per-node", "1", "train.py", cwd=work, env=env)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    for rank in range(2):
+        assert f"rank {rank} imports the launcher env" in run.stdout, run.stdout[-3000:]
+
+    doctor = _cli("doctor", "-i", str(inv), "--json", cwd=work, env=env)
+    found = _env_findings(doctor)
+    assert {h: f["status"] for h, f in found.items()} == {nodes[0]: "PASS", nodes[1]: "PASS"}
+    assert "identical to the launcher's" in found[nodes[0]]["detail"]
+
+    # Changed on one node: doctor names the node and the file.
+    site = prefix / "lib" / PY / "site-packages"
+    testbed.exec(nodes[1], ["sh", "-c", f"echo \"MSG = 'edited'\" > {tiny}"], timeout=30)
+    found = _env_findings(_cli("doctor", "-i", str(inv), "--json", cwd=work, env=env))
+    assert found[nodes[1]]["status"] == "FAIL" and found[nodes[0]]["status"] == "PASS"
+    assert "site-packages/ckenvtiny/__init__.py" in found[nodes[1]]["detail"]
+    # A package installed there: the launch gate refuses that node (its record, no hashing).
+    testbed.exec(nodes[1], ["sh", "-c", f"mkdir {site}/extra-1.0.dist-info && "
+                            f"touch {site}/extra-1.0.dist-info/METADATA"], timeout=30)
+    refused = _cli("launch", "-i", str(inv), "--job-id", "envcopy2", "--nodes", "2",
+                   "--gpus-per-node", "1", "--dry-run", "train.py", cwd=work, env=env)
+    assert refused.returncode == 2
+    assert (f"{nodes[1]}: environment {prefix} changed on this node since it was replicated"
+            in refused.stdout + refused.stderr), (refused.stdout + refused.stderr)[-2000:]
+
+    repair = _cli("nodes", "env", "-i", str(inv), "--python", python, cwd=work, env=env)
+    assert repair.returncode == 0, repair.stderr
+    assert f"{nodes[0]}: nothing sent" in repair.stdout
+    assert f"{nodes[1]}: 1 file(s) sent" in repair.stdout, repair.stdout
+    assert testbed.exec(nodes[1], ["test", "-e", f"{site}/extra-1.0.dist-info"],
+                        timeout=30).returncode != 0
+    dry = _cli("launch", "-i", str(inv), "--job-id", "envcopy3", "--nodes", "2",
+               "--gpus-per-node", "1", "--dry-run", "train.py", cwd=work, env=env)
+    assert dry.returncode == 0, (dry.stdout + dry.stderr)[-2000:]
