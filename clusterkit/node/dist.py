@@ -136,7 +136,8 @@ class Node:
         self.delete: list[str] = []
         self.need: dict[int, set[int]] = {}
         self.fds: dict[int, int] = {}
-        self.got_bytes = 0
+        self.got_bytes = 0  # verified
+        self.written = 0  # written, verified or not yet (progress)
         self.completed: dict[str, list[Any]] = {}
         self.failed: dict[str, str] = {}
         self.doc: dict[str, Any] | None = None
@@ -328,6 +329,7 @@ class Node:
             self.failed[str(self.entries[fi][store.REL])] = f"cannot write: {exc}"
             return None
         h.update(piece)
+        self.written += len(piece)
         return h
 
     def _fd(self, fi: int) -> int:
@@ -357,8 +359,8 @@ class Node:
             os.ftruncate(fd, size)
             os.fchmod(fd, mode)
             os.utime(fd, ns=(mtime, mtime))
-            if size >= store.READ:  # small files: one syncfs before the manifest instead
-                os.fsync(fd)
+            if size >= store.READ:  # small files are not fsynced (like rsync): a node that
+                os.fsync(fd)  # loses power may need `doctor --sync DIR` and a rerun
             final = store.inside(self.dest, rel)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             if os.path.isdir(final) and not os.path.islink(final):
@@ -374,8 +376,6 @@ class Node:
     def manifest(self) -> str:
         files = dict(self.kept)
         files.update(self.completed)
-        with contextlib.suppress(AttributeError, OSError):
-            os.sync()
         return store.write_manifest(self.dest, files)
 
     def finish(self) -> None:
@@ -408,7 +408,7 @@ class Node:
 
     def ticker(self) -> None:
         while not self.done.wait(PROGRESS_S):
-            self.emit("progress", got=self.got_bytes, seq=self.next_seq)
+            self.emit("progress", got=self.written, seq=self.next_seq)
 
     def control(self) -> None:
         """Control lines on stdin; EOF (the launcher went away) ends the node."""

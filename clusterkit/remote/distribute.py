@@ -58,6 +58,7 @@ DEFAULT_PORT = 29640  # first port each node tries for the chain (16 after it)
 READY_TIMEOUT_S = 600.0  # a node hashing what it already holds may take long
 STALL_S = 90.0  # no word from a node for this long: it is lost
 CHECK_TIMEOUT_S = 600.0
+SLICE = 8 << 20  # one sendfile call: the progress moves at least this often
 
 
 @dataclass(frozen=True)
@@ -360,18 +361,28 @@ class _Run:
                         fh.close()
                     fh, open_fi = open(self.paths[e[store.REL]], "rb"), fi  # noqa: SIM115
                 sock.sendall(header(seq, fi, ci, n, to))
-                sent = sock.sendfile(fh, ci * store.CHUNK, n) if n else 0
-                if sent < n:  # the file shrank: keep the framing, the nodes refuse it
-                    sock.sendall(bytes(n - sent))
-                    self.changed.add(str(e[store.REL]))
-                with self.lock:
-                    self.sent += n
+                self._send_chunk(sock, fh, ci * store.CHUNK, n, str(e[store.REL]))
                 st = os.fstat(fh.fileno())
                 if (st.st_size, st.st_mtime_ns) != (int(e[store.SIZE]), int(e[store.MTIME])):
                     self.changed.add(str(e[store.REL]))
         finally:
             if fh is not None:
                 fh.close()
+
+    def _send_chunk(self, sock: socket.socket, fh: Any, offset: int, n: int, rel: str) -> None:
+        """``n`` bytes of the file from ``offset``, zero-copy, in slices (progress)."""
+        left = n
+        while left:
+            if self.stop.is_set():
+                raise OSError("stopped")
+            want = min(SLICE, left)
+            sent = sock.sendfile(fh, offset + n - left, want)
+            if sent < want:  # the file shrank: keep the framing, the nodes refuse it
+                sock.sendall(bytes(want - sent))
+                self.changed.add(rel)
+            left -= want
+            with self.lock:
+                self.sent += want
 
     # ---------------------------------------------------------------- events
     def _loop(self, started: float) -> None:

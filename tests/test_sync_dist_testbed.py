@@ -1,0 +1,140 @@
+"""clusterkit sync's pipelined chain on the test bed (issue 29): real sshd nodes, node-private
+disks, TCP between the nodes' namespaces.
+
+One sequence on 4 nodes (sharing the set-up keeps it to seconds): the chain delivers
+byte-identical copies; a second run sends nothing; one changed file alone travels; with
+every node's down link shaped to 200 Mbit/s, node2's node program is killed mid-transfer:
+the others complete and verify, the end names node2 and what it lacks, and a rerun sends
+only node2's missing part; a byte flipped in node3's copy: ``doctor --sync`` names node3
+and the file, a rerun repairs only that file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.testbed import Testbed
+
+pytestmark = pytest.mark.testbed
+
+CLI = [sys.executable, "-m", "clusterkit"]
+
+
+def _cli(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def _done(out: str) -> dict[str, Any]:
+    return next(json.loads(x) for x in reversed(out.splitlines()) if x.startswith('{"event": "done"'))
+
+
+def _kill_node_program(tb: Testbed, node: str) -> None:
+    """SIGKILL the dist node program inside ``node`` (found by its bootstrap in ps)."""
+    ps = tb.exec(node, ["ps", "-eo", "pid,args"], timeout=30).stdout
+    pids = [ln.split()[0] for ln in ps.splitlines() if "import linecache" in ln]
+    assert pids, ps
+    tb.exec(node, ["kill", "-9", *pids], timeout=30)
+
+
+def _shape(tb: Testbed, nodes: list[Any], mbit: int | None) -> None:
+    for n in nodes:
+        argv = (["tc", "qdisc", "replace", "dev", n.veth, "root", "tbf", "rate", f"{mbit}mbit",
+                 "burst", "256kb", "latency", "100ms"] if mbit else
+                ["tc", "qdisc", "del", "dev", n.veth, "root"])
+        subprocess.run(argv, capture_output=True, check=mbit is not None, timeout=30)
+
+
+def test_chain_delta_lost_node_and_flipped_byte(testbed: Testbed, tmp_path: Path) -> None:
+    nodes = testbed.ensure(4)[:4]
+    work = testbed.local_mountpoint / f"sd-{tmp_path.name}"
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", [n.name for n in nodes],
+                                  workdir=str(work))
+    proj = tmp_path / "proj"
+    src = proj / "data"
+    (src / "shards").mkdir(parents=True)
+    for i in range(6):  # six 10 MB files: a rerun after a loss sends only the missing ones
+        (src / f"model-{i}.bin").write_bytes(os.urandom(10_000_000))
+    for i in range(20):
+        (src / "shards" / f"s{i:02d}.bin").write_bytes(os.urandom(10_000))
+    env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
+
+    def copy(node: Any) -> Path:
+        return testbed.node_local_path(node, f"{work.name}/data")
+
+    def tree(root: Path) -> dict[str, bytes]:
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+                if p.is_file() and ".clusterkit-sync" not in p.parts}
+
+    first = _cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    res = _done(first.stdout)
+    assert res["ok"] and res["chains"] == [[n.name for n in nodes]]
+    assert res["sent_from_here"] == 60_200_000  # one copy from here, whatever the node count
+    want = tree(src)
+    for n in nodes:
+        assert tree(copy(n)) == want, n.name
+
+    again = _cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
+    assert again.returncode == 0 and _done(again.stdout)["sent_from_here"] == 0
+
+    (src / "shards" / "s07.bin").write_bytes(b"changed")
+    one = _cli(["sync", "data", "-i", str(inv)], proj, env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert one.stdout == "  node[1-4]: 1 file(s) sent (7 bytes, verified), 25 unchanged\n"
+
+    # A node lost mid-transfer: the others complete; a rerun completes only it.
+    for i in range(6):
+        (src / f"model-{i}.bin").write_bytes(os.urandom(10_000_000))
+    _shape(testbed, nodes, 200)
+    try:
+        proc = subprocess.Popen([*CLI, "sync", "data", "-i", str(inv), "--json"], cwd=proj,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            ev = json.loads(raw)
+            if ev["event"] == "progress" and ev["nodes"]["node2"][0] > 15_000_000:
+                _kill_node_program(testbed, "node2")
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        _shape(testbed, nodes, None)
+    assert proc.returncode == 2, err[-2000:]
+    res = _done(out)
+    lost = res["nodes"]["node2"]
+    assert lost["state"] == "lost" and 0 < lost["got_bytes"] < 60_000_000, lost
+    assert [n for n, r in res["nodes"].items() if r["state"] == "done"] == ["node1", "node3", "node4"]
+    for n in (nodes[0], nodes[2], nodes[3]):
+        assert tree(copy(n)) == tree(src), n.name
+    assert "sync incomplete on 1 of 4 node(s): node2" in err
+    rerun = _cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    res = _done(rerun.stdout)
+    assert 0 < res["nodes"]["node2"]["got_bytes"] <= 45_000_000  # what it had stays
+    assert {n: r["got_bytes"] for n, r in res["nodes"].items() if n != "node2"} == \
+        {"node1": 0, "node3": 0, "node4": 0}
+    assert tree(copy(nodes[1])) == tree(src)
+
+    # A byte flipped on node3: doctor names the node and the file; a rerun repairs it alone.
+    flipped = copy(nodes[2]) / "shards" / "s03.bin"
+    data = bytearray(flipped.read_bytes())
+    data[100] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    doc = _cli(["doctor", "-i", str(inv), "--sync", "data"], proj, env)
+    line = next((x for x in doc.stdout.splitlines() if "sync.parity" in x), "")
+    assert "FAIL" in line and "node3" in line and \
+        "data: 1 file(s) differ from what sync put there: shards/s03.bin" in line, doc.stdout[-3000:]
+    fixed = _cli(["sync", "data", "-i", str(inv)], proj, env)
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert "node3: 1 file(s) sent (10,000 bytes, verified), 25 unchanged" in fixed.stdout
+    assert "node[1-2,4]: 0 file(s) sent" in fixed.stdout
+    doc = _cli(["doctor", "-i", str(inv), "--sync", "data", "-v"], proj, env)
+    assert "sync.parity" in doc.stdout and "node[1-4]  data: 26 file(s)" in doc.stdout, \
+        doc.stdout[-3000:]
