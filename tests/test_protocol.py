@@ -69,12 +69,21 @@ def test_defaults_fill_absent_optional_fields() -> None:
     ('@ck:E {"v": 1, "ev": "exit", "node": "n", "code": "1"}', "'code' has type str"),
     ('@ck:E {"v": 1, "ev": "exit", "node": "n", "code": true}', "'code' has type bool"),
     ('@ck:E {"v": 1, "ev": "started", "node": "n", "pid": 1.5}', "'pid' has type float"),
+    ('@ck:E {"v": 1, "ev": "replica", "node": "n", "state": "done"}',
+     "'state' is 'done', not one of complete, failed"),
     ("@ck:E [1]", "not a JSON object"),
     ("@ck:E {", "not JSON"),
 ])
 def test_decoding_is_strict(line: str, why: str) -> None:
     with pytest.raises(ProtocolError, match=why):
         protocol.decode(line)
+
+
+def test_a_replicas_state_is_its_enum_on_both_ends() -> None:
+    line = protocol.encode(protocol.Replica("n", tag="t", state=protocol.CopyState.COMPLETE))
+    assert '"state": "complete"' in line
+    ev = protocol.decode(line)
+    assert isinstance(ev, protocol.Replica) and ev.state is protocol.CopyState.COMPLETE
 
 
 def test_other_lines_are_not_messages() -> None:

@@ -111,7 +111,8 @@ STATES: dict[str, Callable[[], Runtime]] = {
     "finished, replicated": lambda: fed(
         job(), *START,
         *((3.0, Received(n, protocol.Replica(n, tag="global_step20", source=i,
-                                             target=BOTH[1 - i], state="complete")))
+                                             target=BOTH[1 - i],
+                                             state=protocol.CopyState.COMPLETE)))
           for i, n in enumerate(BOTH)),
         (5.0, AgentEnded("v0", 0)), (5.0, AgentEnded("v1", 0))),
     "finished after SIGINT": lambda: fed(job(), *START, (1.0, Signalled(SIGINT)),
@@ -119,8 +120,8 @@ STATES: dict[str, Callable[[], Runtime]] = {
                                          (2.0, AgentEnded("v1", -1, dropped=True))),
 }
 
-FAILED_COPY = protocol.Replica("v0", tag="global_step20", source=0, target="v1", state="failed",
-                               detail="connection refused")
+FAILED_COPY = protocol.Replica("v0", tag="global_step20", source=0, target="v1",
+                               state=protocol.CopyState.FAILED, detail="connection refused")
 NO_TRAINING = ("no sign of training within the start-up allowance of 20 s (2 \u00d7 "
                "--hang-timeout 10): no output or heartbeat from any rank since they started "
                "100 s ago: collecting every rank's Python stacks")

@@ -154,9 +154,19 @@ class AgentSpec:
 # launcher writes after the spec is a :class:`Control` word. :func:`encode` and
 # :func:`decode` are the one codec, both directions.
 
+class CopyState(str, Enum):  # noqa: UP042 (no StrEnum on the node's Python 3.8)
+    """How a checkpoint replica's copy ended (``Replica.state``); a str, so its JSON is
+    its value (write ``.value`` in text: f-strings differ across Pythons)."""
+
+    COMPLETE = "complete"  # received, sha256-verified, renamed into place
+    FAILED = "failed"  # ``detail`` says why; nothing counts
+
+
+_ENUMS: dict[str, type[Enum]] = {"CopyState": CopyState}  # decoded from their values
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "str": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
     "dict": (dict,), "list": (list,), "None": (type(None),), "Any": (object,),
+    **{name: (str,) for name in _ENUMS},
 }
 
 
@@ -287,7 +297,7 @@ class Replica(AgentEvent):
     tag: str = ""
     source: int = 0
     target: str = ""
-    state: str = ""
+    state: CopyState = CopyState.FAILED
     detail: str = ""
     bytes: int = 0
     seconds: float = 0.0
@@ -405,4 +415,12 @@ def _checked(what: str, cls: type, data: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok
                                          and object not in ok):
             raise ProtocolError(f"{what} key {key!r} has type {type(value).__name__}")
+    for f in fields(cls):
+        enum = _ENUMS.get(str(f.type))
+        if enum is not None and f.name in data:
+            try:
+                data[f.name] = enum(data[f.name])
+            except ValueError:
+                raise ProtocolError(f"{what} key {f.name!r} is {data[f.name]!r}, not one of "
+                                    + ", ".join(str(m.value) for m in enum)) from None
     return data

@@ -183,23 +183,25 @@ class ReplicaService:
             # A try that will be retried goes to the node's log only: at a (re)start the
             # peers' servers come up at slightly different times, and "refused, will
             # retry" on the console would alarm for nothing. The last one is an event.
-            self._record(tag, target_node, "failed", detail, 0, time.monotonic() - t0,
+            self._record(tag, target_node, protocol.CopyState.FAILED, detail, 0,
+                         time.monotonic() - t0,
                          event=not again)
             return
         self._tries.pop((tag, target_node), None)
-        self._record(tag, target_node, "complete", "" if sent else protocol.REPLICA_ALREADY_THERE, sent,
+        self._record(tag, target_node, protocol.CopyState.COMPLETE,
+                     "" if sent else protocol.REPLICA_ALREADY_THERE, sent,
                      time.monotonic() - t0)
 
-    def _record(self, tag: str, target: str, state: str, detail: str, nbytes: int,
-                seconds: float, event: bool = True) -> None:
-        self.state.setdefault(tag, {})[target] = state
+    def _record(self, tag: str, target: str, state: protocol.CopyState, detail: str,
+                nbytes: int, seconds: float, event: bool = True) -> None:
+        self.state.setdefault(tag, {})[target] = state.value
         live = set(self.watch.tags())  # the record follows the keep policy too
         self.state = {k: v for k, v in self.state.items() if k in live or k == tag}
         try:
             write_atomic(self.state_path, json.dumps(self.state, sort_keys=True))
         except OSError as exc:
             self.log(f"replica: cannot write {self.state_path}: {exc}")
-        self.log(f"replica: {tag} -> {target}: {state} {detail} ({nbytes} bytes, {seconds:.1f} s)")
+        self.log(f"replica: {tag} -> {target}: {state.value} {detail} ({nbytes} bytes, {seconds:.1f} s)")
         if event:
             self.send(protocol.Replica(self.node, tag=tag, source=self.index, target=target,
                                        state=state, detail=detail, bytes=nbytes,
