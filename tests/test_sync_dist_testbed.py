@@ -138,3 +138,30 @@ def test_chain_delta_lost_node_and_flipped_byte(testbed: Testbed, tmp_path: Path
     doc = _cli(["doctor", "-i", str(inv), "--sync", "data", "-v"], proj, env)
     assert "sync.parity" in doc.stdout and "node[1-4]  data: 26 file(s)" in doc.stdout, \
         doc.stdout[-3000:]
+
+
+def test_nodes_that_cannot_reach_each_other_are_fed_from_here(testbed: Testbed,
+                                                             tmp_path: Path) -> None:
+    """node1 has no route to node2 (a blackhole route in node1's namespace: this kernel
+    has no packet filter): node2 heads a chain of its own, fed from here, and the end
+    says what that costs; every node still gets every byte."""
+    nodes = testbed.ensure(3)[:3]
+    work = testbed.local_mountpoint / f"sd-{tmp_path.name}"
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", [n.name for n in nodes],
+                                  workdir=str(work))
+    proj = tmp_path / "proj"
+    (proj / "data").mkdir(parents=True)
+    (proj / "data" / "w.bin").write_bytes(os.urandom(2_000_000))
+    env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
+    route = ["ip", "route", "add", "blackhole", f"{nodes[1].address}/32"]
+    testbed.exec(nodes[0], route, timeout=30, check=True)
+    try:
+        res = _cli(["sync", "data", "-i", str(inv)], proj, env)
+    finally:
+        testbed.exec(nodes[0], ["ip", "route", "del", "blackhole", f"{nodes[1].address}/32"],
+                     timeout=30)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("  note: node-to-node blocked on port 29640 (node1 -> node2: ")
+    assert "sending 2 copies from here, ~2x size/rate" in res.stdout
+    assert "node[1-3]: 1 file(s) sent (2,000,000 bytes, verified), 0 unchanged" in res.stdout
+    assert "4.0 MB sent from here" in res.stderr
