@@ -56,3 +56,63 @@ def test_extension_roots_follow_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert jitops.extension_roots()[0] == "/x/ext"
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     assert jitops.extension_roots() == [os.path.expanduser("~/.cache/torch_extensions")]
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "stacks"
+
+
+def test_lock_notes_name_the_lock_a_rank_waits_for_and_whose_it_is(tmp_path: Path) -> None:
+    lock = _lock(tmp_path, "deepspeed_shm_comm")
+    # A process whose environment points torch at tmp_path/py311_cpu (as a rank's would).
+    rank = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); "
+                             "time.sleep(60)"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(lock.parent.parent)})
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == "up\n"  # exec'd
+        notes = jitops.lock_notes(rank.pid)
+    finally:
+        rank.kill()
+        rank.wait()
+    assert notes == [f"{jitops.BUILD_LOCK_NOTE}{lock}: {jitops.STALE}"]
+
+
+@pytest.mark.parametrize("fixture", ["filebaton_wait_pyspy.txt",
+                                     "filebaton_wait_faulthandler.txt"])
+def test_the_hang_summary_says_ranks_wait_on_a_build_lock_and_whose(fixture: str) -> None:
+    from clusterkit.launch.stacks import read_stack, summarize
+
+    text = (FIXTURES / fixture).read_text()
+    assert jitops.waits_on_baton(text)
+    stale = text + f"{jitops.BUILD_LOCK_NOTE}/c/py311_cpu/deepspeed_shm_comm/lock: {jitops.STALE}\n"
+    held = text + f"{jitops.BUILD_LOCK_NOTE}/c/py311_cpu/deepspeed_shm_comm/lock: held by pid 77\n"
+    stacks = {0: read_stack(0, "node1", stale), 1: read_stack(1, "node1", stale),
+              2: read_stack(2, "node2", held)}
+    summary = summarize(stacks, 3)
+    lines = "\n".join(summary.lines())
+    assert ("ranks 0-1 (node1): in FileBaton.wait" in lines or "ranks 0-1 (node1): in wait" in lines)
+    assert ("waiting for build lock /c/py311_cpu/deepspeed_shm_comm/lock: no live process "
+            "holds it (stale)") in lines
+    assert "rank 2 (node2)" in lines and "held by pid 77" in lines
+    assert "fix: /c/py311_cpu/deepspeed_shm_comm/lock is a stale JIT build lock" in lines
+    assert "`rm /c/py311_cpu/deepspeed_shm_comm/lock`" in lines
+
+
+def test_an_ordinary_stack_names_no_lock() -> None:
+    from clusterkit.launch.stacks import build_locks
+
+    assert build_locks('  File "/x/main.py", line 3 in _step\n# build lock: /x held by pid 1\n') \
+        == []
+
+
+def test_build_ops_refuses_a_node_with_a_stale_lock_before_building(tmp_path: Path) -> None:
+    lock = _lock(tmp_path / "ext", "fused_adam")
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("schema_version: 1\ncluster: {name: t}\ndefaults: {transport: local, env: "
+                   f"{{TORCH_EXTENSIONS_DIR: {tmp_path / 'ext' / 'py311_cpu'}}}}}\n"
+                   "hosts: {a: {}}\n")
+    res = subprocess.run([sys.executable, "-m", "clusterkit", "nodes", "build-ops", "-i",
+                          str(inv)], capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 2, res.stderr
+    assert f"a: build-ops: stale build lock {lock} (no live process holds it)" in res.stderr
+    assert f"rm {lock} (or --remove-stale-locks)" in res.stderr
+    assert lock.exists()

@@ -44,6 +44,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                      help="a Python 3.8+ that already exists on the nodes, to run the "
                           "copy's node side (default: python3 on the remote PATH)")
     env.set_defaults(func=cmd_env)
+    ops = verbs.add_parser(
+        "build-ops", help="build DeepSpeed's JIT ops once per node, before a job",
+        description="On every selected node, with the inventory's python and env, build the "
+        "DeepSpeed ops a job JIT-builds at start (from --ds-config's optimizer and offload, "
+        "plus --op; default: the bundled workload's), one process per node: ranks that start "
+        "later find them built, so they never race one build and a killed start leaves no "
+        "build lock behind. A stale lock is refused with its path. See "
+        "docs/getting-nodes-ready.md.")
+    add_inventory_option(ops)
+    add_selection_options(ops)
+    ops.add_argument("--ds-config", metavar="FILE", type=nonempty,
+                     help="the job's DeepSpeed config (JSON): its optimizer decides the ops")
+    ops.add_argument("--op", action="append", default=[], metavar="BUILDER",
+                     help="an op builder's class name too, e.g. CPUAdamBuilder (repeatable)")
+    ops.add_argument("--remove-stale-locks", action="store_true",
+                     help="remove build locks no live process on the node holds (check first "
+                          "that no node sharing the directory builds right now)")
+    ops.set_defaults(func=cmd_build_ops)
 
 
 def cmd_install(args: argparse.Namespace) -> int:
@@ -108,6 +126,50 @@ def cmd_env(args: argparse.Namespace) -> int:
             "environment: " + "; ".join(bad),
             hint="fix what the line says (or --exclude NODE) and run it again: nodes that "
                  "already hold it are left alone")
+    return 0
+
+
+def _ds_config(path: str | None) -> dict[str, object] | None:
+    import json
+
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ClusterkitError(f"cannot read it as JSON ({exc})", path=path, key="--ds-config",
+                              hint="give the job's DeepSpeed config file (JSON)") from None
+    if not isinstance(data, dict):
+        raise ClusterkitError("is not a JSON object", path=path, key="--ds-config",
+                              hint="give the job's DeepSpeed config file (JSON)")
+    return data
+
+
+def cmd_build_ops(args: argparse.Namespace) -> int:
+    from clusterkit.hostrange import folded_lines
+    from clusterkit.remote.base import target_for
+    from clusterkit.remote.dispatch import transport_for
+    from clusterkit.remote.jitbuild import OpsNode, build_all, summary
+
+    request = {"ops": list(args.op), "ds_config": _ds_config(args.ds_config),
+               "remove_stale": args.remove_stale_locks}
+    inv = resolve_inventory(args.inventory)
+    chosen = select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                          include=args.include, exclude=args.exclude)
+    nodes = [OpsNode(h.name, target_for(h), h.python or sys.executable, dict(h.env))
+             for h, _ in chosen]
+    print(f"building DeepSpeed's JIT ops on {len(nodes)} node(s)", file=sys.stderr)
+    with transport_for() as transport:
+        results, failed = build_all(transport, nodes, request)
+    order = [n.name for n in nodes]
+    for line in folded_lines(((n, summary(r)) for n, r in results.items()), order):
+        print(f"  {line}")
+    if failed:
+        raise ClusterkitError(
+            f"nodes build-ops: {len(failed)} of {len(nodes)} node(s) failed: "
+            + "; ".join(folded_lines(failed.items(), order)),
+            hint="fix what the line says and run it again (built ops are kept)")
     return 0
 
 

@@ -13,7 +13,9 @@ Two dump formats reach us from the node agents:
           all_reduce (torch/distributed/distributed_c10d.py:2050)
 
 Each rank is reduced to a short *signature*, the innermost frame and the nearest
-frame of the user's own code (``in all_reduce ← _step``). Ranks with the same
+frame of the user's own code (``in all_reduce ← _step``); a rank waiting in torch's
+``FileBaton.wait`` also names the JIT build lock and whose it is (``..., waiting for
+build lock PATH: no live process holds it (stale)``: the agent's lines, node/jitops.py). Ranks with the same
 signature fold into one row (``ranks 0-7,9-13``); rows smaller than the largest
 one are the odd ones out, and a stopped process is always odd.
 """
@@ -25,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from clusterkit.hostrange import fold, fold_numbers
+from clusterkit.node.jitops import BUILD_LOCK_NOTE, STALE, waits_on_baton
 
 _FH_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):")
 _FH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -165,6 +168,11 @@ def summarize(stacks: Mapping[int, RankStack], world_size: int) -> StackSummary:
     for rank in sorted(stacks):
         st = stacks[rank]
         sig = signature(st.frames) if st.frames else no_stack(st.text)
+        locks = build_locks(st.text)
+        if locks:  # waits in FileBaton.wait: whose build (the agent named the locks)
+            sig += ", waiting for build lock " + "; ".join(locks)
+            fixes.update(dict.fromkeys(stale_lock_fix(lk) for lk in locks
+                                       if lk.endswith(STALE)))
         if not st.frames:
             fixes.update(dict.fromkeys(ln.strip() for ln in st.text.splitlines()
                                        if ln.strip().startswith("fix: ")))
@@ -186,3 +194,19 @@ def no_stack(text: str) -> str:
     (the agent says why: no py-spy where it looked, no faulthandler handler)."""
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     return "no Python stack" + (f": {first[:200]}" if first else "")
+
+
+def build_locks(text: str) -> list[str]:
+    """``PATH: held by pid N`` / ``PATH: no live process holds it (stale)`` for a dump that
+    waits in torch's FileBaton.wait: the lines the agent added (node/jitops.lock_notes)."""
+    if not waits_on_baton(text):
+        return []
+    return [ln[len(BUILD_LOCK_NOTE):].strip() for ln in text.splitlines()
+            if ln.startswith(BUILD_LOCK_NOTE)]
+
+
+def stale_lock_fix(lock: str) -> str:
+    path = lock.rpartition(": ")[0]
+    return (f"fix: {path} is a stale JIT build lock (a build killed mid-way): check that no "
+            f"build runs, then `rm {path}`; `clusterkit nodes build-ops` builds the ops once "
+            "per node before a job")

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from clusterkit.node import protocol
+from clusterkit.node import jitops, protocol
 from clusterkit.node.agent_files import write_atomic
 from clusterkit.node.agent_procs import signal_pid
 from clusterkit.node.contract import (
@@ -143,6 +143,8 @@ class StackDump:
             text, tool = self.faulthandler_dump(rank, pid, state), "faulthandler"
         if not text.strip():
             text, tool = no_stack(self.spy_python, spy, spy_error), "none"
+        elif jitops.waits_on_baton(text):  # whose build it waits for (launch/stacks.py)
+            text = text.rstrip("\n") + "\n" + "".join(f"{n}\n" for n in jitops.lock_notes(pid))
         results[str(rank)] = {"pid": pid, "state": state, "tool": tool, "text": text}
 
     def faulthandler_dump(self, rank: int, pid: int, state: str) -> str:

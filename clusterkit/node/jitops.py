@@ -12,7 +12,8 @@ nodes build-ops``) means eight ranks never race one build, and ``doctor`` names 
 lock that no live process holds (:func:`locks`).
 
 ``build``: stdin holds one JSON line ``{"ops": [builder class names], "ds_config":
-{...}}``; the ops are the given ones plus :func:`ops_for_config` of the config. Prints
+{...}, "remove_stale": false}``; the ops are the given ones plus :func:`ops_for_config`
+of the config (none given: the bundled workload's). Prints
 one JSON line: per op, built / not available here / failed (with the last error line).
 ``locks``: prints the build locks found (:func:`locks`).
 """
@@ -88,6 +89,45 @@ def stale(found: List[Dict[str, Any]]) -> List[Dict[str, Any]]:  # noqa: UP006
     return [lk for lk in found if not lk.get("holders")]
 
 
+# ----------------------------------------------------------------------------- hang dumps
+
+# A rank's stack dump ends with one such line per build lock when it waits in
+# FileBaton.wait (node/agent_hangs.py writes them, launch/stacks.py reads them).
+BUILD_LOCK_NOTE = "# build lock: "
+STALE = "no live process holds it (stale)"
+
+
+def waits_on_baton(text: str) -> bool:
+    """The dump shows torch's FileBaton.wait (faulthandler: file_baton.py ... in wait;
+    py-spy: ``wait (torch/utils/file_baton.py:NN)`` or ``FileBaton.wait``)."""
+    return "FileBaton.wait" in text or ("file_baton.py" in text and "wait" in text)
+
+
+def _environ(pid: int, proc: str = "/proc") -> Dict[str, str]:  # noqa: UP006
+    try:
+        with open(os.path.join(proc, str(pid), "environ"), "rb") as fh:
+            raw = fh.read().split(b"\0")
+    except OSError:
+        return {}
+    pairs = (item.decode("utf-8", "replace").partition("=") for item in raw if b"=" in item)
+    return {k: v for k, _, v in pairs}
+
+
+def lock_notes(pid: int) -> List[str]:  # noqa: UP006
+    """The build locks the rank ``pid`` can be waiting for (its TORCH_EXTENSIONS_DIR, else
+    its home's cache) and who holds each: :data:`BUILD_LOCK_NOTE` lines."""
+    env = _environ(pid)
+    home = env.get("HOME") or os.path.expanduser("~")
+    roots = [env["TORCH_EXTENSIONS_DIR"]] if env.get("TORCH_EXTENSIONS_DIR") else [
+        os.path.join(home, ".cache", "torch_extensions")]
+    out = []
+    for lk in locks(roots):
+        pids = [p for p in lk["holders"] if p != pid]
+        who = f"held by pid {', '.join(map(str, pids))}" if pids else STALE
+        out.append(f"{BUILD_LOCK_NOTE}{lk['path']}: {who}")
+    return out
+
+
 # ----------------------------------------------------------------------------- which ops
 
 
@@ -125,7 +165,7 @@ def _stop(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def build(ops: List[str], ds_config: Dict[str, Any]) -> Dict[str, Any]:  # noqa: UP006
+def build(ops: List[str], ds_config: Dict[str, Any] | None) -> Dict[str, Any]:  # noqa: UP006
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _stop)
     import importlib
@@ -134,6 +174,8 @@ def build(ops: List[str], ds_config: Dict[str, Any]) -> Dict[str, Any]:  # noqa:
     # deepspeed's (the other modes and the launcher's imports of this module need none).
     acc = importlib.import_module("deepspeed.accelerator").get_accelerator()
     name = str(getattr(acc, "_name", "") or acc.device_name())
+    if ds_config is None:  # the bundled workload's: AdamW, torch's own on CPU nodes
+        ds_config = {"optimizer": {"type": "AdamW", "params": {"torch_adam": name == "cpu"}}}
     wanted = list(dict.fromkeys([*ops, *ops_for_config(ds_config, name)]))
     results: Dict[str, Any] = {}  # noqa: UP006
     for op in wanted:
@@ -164,7 +206,8 @@ def main(argv: List[str] | None = None) -> int:  # noqa: UP006
             else:
                 for lk in found:
                     os.unlink(lk["path"])
-                out = build(list(req.get("ops") or []), dict(req.get("ds_config") or {}))
+                cfg = req.get("ds_config")
+                out = build(list(req.get("ops") or []), dict(cfg) if cfg is not None else None)
                 out["removed"] = [lk["path"] for lk in found]
         elif mode == "locks":
             out = {"v": JITOPS_VERSION, "locks": locks()}
