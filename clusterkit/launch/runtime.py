@@ -11,8 +11,11 @@ control word, close a channel, print, save the stacks, sweep). It composes the
 two older pure machines, :class:`~clusterkit.launch.teardown.Teardown` and
 :class:`~clusterkit.launch.watchdog.Watchdog`, and repeats neither.
 
-Every transition is a row of the table in docs/architecture.md ("The launch
-runtime") and of tests/test_runtime.py; :attr:`Runtime.stage` names the rows' states.
+:attr:`Runtime.stage` is stored, and every handler reads it before it acts: each
+row of the table in docs/architecture.md ("The launch runtime") is one place here,
+marked ``# row <id>``, and at least one row of tests/test_runtime.py (a test holds
+the three together). The agents' messages are matched exhaustively: a kind added to
+``protocol.AnyEvent`` without its case here fails mypy.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from clusterkit.node.protocol import Control
 
 # The signals the launcher forwards to every node's ranks, as the agents' control words.
 FORWARDED = {signal.SIGUSR1: Control.USR1, signal.SIGUSR2: Control.USR2}
+STAGES = list(Stage)  # in the order an attempt passes them
 REPLICA_TAGS_SHOWN = 3  # the end-of-job replica line names the newest few checkpoints
 
 
@@ -79,7 +83,6 @@ class Runtime:
         self.fork_import = fork_import
         self.stage = Stage.CONNECTING
         self.nodes = {t.node: NodeState(t) for t in job.tasks}
-        self.unstarted: set[str] = set()  # nodes whose agent could not be started
         self.gate = GateState(job.gate_need, now, same_python=job.gate_same_python)
         self.watchdog = Watchdog(job.hang_timeout_s, now)
         self.teardown = teardown.Teardown(job.grace_s)
@@ -123,7 +126,7 @@ class Runtime:
             case _:
                 assert_never(event)  # mypy: every event of runtime_io.Event has a case
         if self.stage is not Stage.FINISHED and self.finished:
-            self.stage = Stage.FINISHED  # row last-ended (or the teardown gave up)
+            self._enter(Stage.FINISHED, now)  # row last-ended (or the teardown gave up)
         return self._out
 
     @property
@@ -133,6 +136,7 @@ class Runtime:
 
     def _enter(self, stage: Stage, now: float) -> None:
         """The stage moves (forward only); the console's phase follows it."""
+        assert STAGES.index(stage) > STAGES.index(self.stage), (self.stage, stage)
         self.stage = stage
         if stage is Stage.RUNNING:
             self.watchdog.begin(now)  # the start-up allowance counts from here
@@ -161,7 +165,6 @@ class Runtime:
     def _spawned(self, ev: Spawned, now: float) -> None:
         if self.stage is not Stage.CONNECTING:
             return
-        self.unstarted = set(ev.failed)
         if self.gate.need is None:
             self._enter(Stage.RUNNING, now)  # row spawned: the agents start their ranks at once
             for node, message in ev.failed.items():  # row start-failed
@@ -417,7 +420,7 @@ class Runtime:
         why = self.watchdog.trip(now)
         if why is None:
             return  # row tick: nothing due
-        self.stage = Stage.COLLECTING  # row watchdog
+        self._enter(Stage.COLLECTING, now)  # row watchdog
         self._say(f"{why}: collecting every rank's Python stacks")
         self._broadcast(Control.DUMP)
 
