@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,14 @@ def test_a_users_own_deepspeed_script_is_replicated_without_markers(
             for rel, entry in manifest["files"].items():
                 if rel != contract.LATEST_FILE:
                     assert entry["sha256"] == _sha(src / rel), (node, rel)
+    # Issue 32 item 4: status counts each node's own part by the same rule, and
+    # collect-ckpt of the launched job needs no --without-markers (its record says).
+    status = subprocess.run([sys.executable, "-m", "clusterkit", "status", job], capture_output=True,
+                            text=True, env=train_env(tmp_path), cwd=tmp_path, timeout=120)
+    assert "    step8: 2/2 nodes, replicated 2/2\n" in status.stdout, status.stdout + status.stderr
+    collected = subprocess.run([sys.executable, "-m", "clusterkit", "collect-ckpt", job, "--to",
+                                str(tmp_path / "dest")], capture_output=True, text=True,
+                               env=train_env(tmp_path), cwd=tmp_path, timeout=180)
+    assert collected.returncode == 0, collected.stdout + collected.stderr
+    assert "note: no completion markers" in collected.stdout, collected.stdout
+    assert (tmp_path / "dest" / "step8" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()

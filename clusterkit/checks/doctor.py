@@ -261,7 +261,7 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *, ssh_client: str | None
                          if listener is not None else [])
         stats["port"] = time.monotonic() - started - t_facts
         tokens = shared_dir_tokens({n.host: (n.target, n.python) for n in plan.nodes},
-                                   plan.ctx.local_dirs, facts, transport)
+                                   plan.ctx.local_dirs, facts, transport, plan.ctx.storage)
     finally:
         if listener is not None:
             listener.close()

@@ -25,12 +25,13 @@ TOKEN_TIMEOUT_S = 20.0
 
 
 def shared_dir_tokens(nodes: Mapping[str, tuple[SSHTarget, str]], local_dirs: Mapping[str, str],
-                      facts: Mapping[str, NodeFacts], transport: Transport
-                      ) -> dict[str, dict[str, object]]:
+                      facts: Mapping[str, NodeFacts], transport: Transport,
+                      storage: str | None = None) -> dict[str, dict[str, object]]:
     """host -> its ``unshared`` fact. ``nodes``: host -> (SSH target, python). Only
-    reachable hosts with a local_dir take part; fewer than two: nothing to compare."""
+    reachable hosts with a local_dir take part; fewer than two: nothing to compare;
+    ``storage`` shared (doctor --storage shared): nothing asked, the rule is skipped."""
     hosts = [h for h in nodes if h in local_dirs and h in facts and facts[h].ok]
-    if len(hosts) < 2:
+    if len(hosts) < 2 or storage == "shared":
         return {}
     run = f"doctor-{os.getpid()}-{time.time_ns()}"
     needs = {h: [need_unshared(local_dirs[h], run, h)] for h in hosts}

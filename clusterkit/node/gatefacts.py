@@ -191,13 +191,16 @@ def token_seen(path: str, run: str, node: str, now: float | None = None) -> dict
     base, tail = _base(path)
     now = time.time() if now is None else now
     mine = token_name(run, node)
-    tmp = os.path.join(base, f".clusterkit-tokentmp.{os.getpid()}")
+    # Named per node too: on a shared dir two nodes' writers may have the same pid.
+    tmp = os.path.join(base, f".clusterkit-tokentmp.{mine[len(TOKEN_PREFIX):]}.{os.getpid()}")
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump({"run": run, "node": node, "tail": tail}, fh)
         os.replace(tmp, os.path.join(base, mine))
         names = os.listdir(base)
     except OSError as exc:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
         return {"error": f"cannot write a token in {base} ({exc.strerror or exc})"}
     seen = []
     for name in names:
