@@ -166,3 +166,11 @@ def test_envfacts_runs_shipped_on_a_bare_python(python: str, tmp_path: Path) -> 
     res = subprocess.run(cmd.argv, input=cmd.stdin, capture_output=True, timeout=60, check=True)
     assert json.loads(res.stdout.decode().splitlines()[-1])["record"]["digest"] == \
         envfacts.digest(want)
+
+
+def test_a_part_the_node_shares_with_the_launcher_is_left_alone() -> None:
+    from clusterkit.remote.envcopy import shared_here
+
+    there = {"paths": {"/opt/env": {"state": "env", "record": {"digest": "d", "token": "t1"}}}}
+    assert shared_here("t1", there, PARTS[0])
+    assert not shared_here("t2", there, PARTS[0]) and not shared_here("", there, PARTS[0])

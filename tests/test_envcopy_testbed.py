@@ -129,3 +129,67 @@ def test_env_to_empty_prefixes_then_launch_doctor_gate_and_repair(
     dry = _cli("launch", "-i", str(inv), "--job-id", "envcopy3", "--nodes", "2",
                "--gpus-per-node", "1", "--dry-run", "train.py", cwd=work, env=env)
     assert dry.returncode == 0, (dry.stdout + dry.stderr)[-2000:]
+
+
+def _plain_clusterkit(prefix: Path) -> None:
+    """The copy's editable clusterkit (a finder pointing at this checkout, which every
+    test-bed node shares with the host) becomes an ordinary installed copy: the copy
+    must hold everything it needs, as on a cluster."""
+    import shutil
+
+    import clusterkit
+
+    site = prefix / "lib" / PY / "site-packages"
+    for p in site.glob("__editable__*clusterkit*"):
+        p.unlink()
+    shutil.copytree(Path(clusterkit.__file__).parent, site / "clusterkit",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for d in site.glob("clusterkit-*.dist-info"):
+        (d / "direct_url.json").unlink(missing_ok=True)
+
+
+@pytest.mark.extended
+def test_the_full_environment_then_the_workload_and_a_users_deepspeed_script(
+        testbed: Testbed, tmp_path: Path) -> None:
+    """This machine's whole Python (torch + deepspeed, ~1.9 GB) copied under the node-local
+    mount point (the launcher's environment, at a path no node has), replicated to two
+    nodes, then the bundled workload and docs/examples/train.py run on it."""
+    import time
+
+    from tests.helpers import train_argv, train_env
+
+    nodes = [n.name for n in testbed.ensure(2)]
+    prefix = testbed.local_mountpoint / f"py-{tmp_path.name}"
+    t0 = time.monotonic()
+    subprocess.run(["cp", "-a", sys.base_prefix, str(prefix)], check=True)
+    _plain_clusterkit(prefix)
+    print(f"copy here: {time.monotonic() - t0:.1f} s (load {os.getloadavg()[0]:.1f})")
+    python = str(prefix / "bin" / PY)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes, slots=1, python=python)
+    env = train_env(tmp_path)
+    for n in nodes:
+        assert testbed.exec(n, ["test", "-e", str(prefix)], timeout=30).returncode != 0
+
+    t0 = time.monotonic()
+    first = _cli("nodes", "env", "-i", str(inv), "--python", python, cwd=tmp_path, env=env,
+                 timeout=1800)
+    print(f"nodes env, first: {time.monotonic() - t0:.1f} s (load {os.getloadavg()[0]:.1f})"
+          f"\n{first.stdout}{first.stderr}")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "node[1-2]: " in first.stdout and "file(s) sent" in first.stdout
+    t0 = time.monotonic()
+    again = _cli("nodes", "env", "-i", str(inv), "--python", python, cwd=tmp_path, env=env)
+    print(f"nodes env, again: {time.monotonic() - t0:.1f} s (load {os.getloadavg()[0]:.1f})")
+    assert again.returncode == 0 and "node[1-2]: nothing sent" in again.stdout, again.stdout
+
+    work = testbed.root / "work"
+    workload = subprocess.run(train_argv(inv, "envfull-workload", "native", 2, 1, "shared", 4, []),
+                              capture_output=True, text=True, env=env, cwd=work, timeout=600)
+    assert workload.returncode == 0, (workload.stdout + workload.stderr)[-4000:]
+    script = Path(__file__).resolve().parents[1] / "docs" / "examples" / "train.py"
+    own = subprocess.run(train_argv(inv, "envfull-own", "native", 2, 1, "node-local", 4, [
+        str(script), "--", "--steps", "4", "--save-every", "100"]),
+        capture_output=True, text=True, env=env, cwd=work, timeout=600)
+    assert own.returncode == 0, (own.stdout + own.stderr)[-4000:]
+    found = _env_findings(_cli("doctor", "-i", str(inv), "--json", cwd=work, env=env))
+    assert {h: f["status"] for h, f in found.items()} == {nodes[0]: "PASS", nodes[1]: "PASS"}

@@ -192,13 +192,17 @@ def group_digests(entries: Manifest) -> Dict[str, str]:  # noqa: UP006
     return {g: digest(m)[:16] for g, m in sorted(groups.items())}
 
 
-def write_record(directory: str, entries: Manifest, env: Dict[str, Any] | None = None  # noqa: UP006
-                 ) -> Dict[str, Any]:  # noqa: UP006
+def write_record(directory: str, entries: Manifest, env: Dict[str, Any] | None = None,  # noqa: UP006
+                 token: str | None = None) -> Dict[str, Any]:  # noqa: UP006
     """Record ``entries`` as ``directory``'s manifest; ``env``: for an environment's prefix,
-    its parts' digests and the combined ``env_digest`` (what the launch gate compares)."""
+    its parts' digests and the combined ``env_digest`` (what the launch gate compares);
+    ``token``: the launcher's, new each run: a node that reads it back shares this very
+    directory with the launcher (a shared filesystem), which is then left alone."""
     small = {"v": ENVFACTS_VERSION, "dir": directory, "digest": digest(entries),
              "files": len(entries), "fingerprint": fingerprint(directory),
              "groups": group_digests(entries)}
+    if token:
+        small["token"] = token
     small.update(env or {})
     _atomic_json(record_path(directory), {"v": ENVFACTS_VERSION, "entries": entries})
     _atomic_json(record_path(directory, DIGEST_FILE), small)

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import json
 import os
+import secrets
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -278,9 +279,11 @@ def node_facts(transport: Transport, node: EnvNode, paths: Sequence[str]) -> dic
                       node.name, "reading the node's facts")
 
 
-def record_source(source: EnvSource) -> tuple[dict[str, str], dict[str, envfacts.Manifest]]:
-    """Hash (or re-read from its record) every part here and record it: path -> digest,
-    and the manifests. The prefix's record carries the parts and the environment's digest."""
+def record_source(source: EnvSource, token: str = ""
+                  ) -> tuple[dict[str, str], dict[str, envfacts.Manifest]]:
+    """Hash (or re-read from its record) every part here and record it (with this run's
+    ``token``): path -> digest, and the manifests. The prefix's record carries the parts
+    and the environment's digest."""
     manifests = {p.path: envfacts.local_manifest(p.path) for p in source.copied}
     digests = {path: envfacts.digest(m) for path, m in manifests.items()}
     env = env_record(source, digests)
@@ -288,8 +291,16 @@ def record_source(source: EnvSource) -> tuple[dict[str, str], dict[str, envfacts
         # A read-only part here: no record, the nodes' records still say what they hold.
         with contextlib.suppress(OSError):
             envfacts.write_record(part.path, manifests[part.path],
-                                  env if part.path == source.prefix else None)
+                                  env if part.path == source.prefix else None, token)
     return digests, manifests
+
+
+def shared_here(token: str, there: Mapping[str, Any], part: Part) -> bool:
+    """The node reads this run's token in the part's record: the part is this machine's
+    own directory there (a shared filesystem). Copying it onto itself could only race
+    the edits of whoever works in it: it is left alone."""
+    rec = ((there.get("paths") or {}).get(part.path) or {}).get("record") or {}
+    return bool(token) and rec.get("token") == token
 
 
 def env_record(source: EnvSource, digests: Mapping[str, str]) -> dict[str, Any]:
@@ -335,7 +346,8 @@ def replicate(transport: Transport, nodes: Sequence[EnvNode], source: EnvSource,
               ) -> dict[str, NodeEnv]:
     """Facts and refusals on every node first (no byte moves to a refused node), then each
     part through ``transfer`` to the nodes whose record differs from ours, verified."""
-    digests, manifests = record_source(source)
+    token = secrets.token_hex(8)
+    digests, manifests = record_source(source, token)
     env = env_record(source, digests)
     results = {n.name: NodeEnv(n.name, digest=env["env_digest"]) for n in nodes}
     paths = [p.path for p in source.parts]
@@ -352,7 +364,8 @@ def replicate(transport: Transport, nodes: Sequence[EnvNode], source: EnvSource,
     # The prefix last: its record (what the gate reads) exists only once all parts do.
     for part in sorted(source.copied, key=lambda p: p.path == source.prefix):
         todo = [n for n in nodes if not results[n.name].error
-                and not unchanged(digests, results[n.name].facts, part)]
+                and not unchanged(digests, results[n.name].facts, part)
+                and not shared_here(token, results[n.name].facts, part)]
         for n in nodes:
             if not results[n.name].error and n not in todo:
                 results[n.name].same_parts += 1
