@@ -110,8 +110,8 @@ class NodeResult:
         if self.state == "failed":
             return f"failed: {self.why}"
         if self.state == "lost":
-            return (f"lost mid-transfer ({self.why}): lacks {self.files_sent} file(s), "
-                    f"{fmt_bytes(self.got_bytes)} of {fmt_bytes(self.need_bytes)} delivered; "
+            return (f"lost mid-transfer ({self.why}): {fmt_bytes(self.got_bytes)} of "
+                    f"{fmt_bytes(self.need_bytes)} in {self.files_sent} file(s) delivered; "
                     "run sync again to complete it")
         parts = [f"{self.files_sent - len(self.failed)} file(s) sent "
                  f"({self.got_bytes:,} bytes, verified)", f"{self.unchanged} unchanged"]
@@ -426,8 +426,11 @@ class _Run:
                 self._lose(self.peers[down], f"{peer.node.name} could not send to it: {ev['why']}")
         elif kind in ("unreachable", "feed-lost"):
             port = peer.port
-            self._lose(peer, f"cannot reach it on port {port} from here: {ev['why']}"
-                       if kind == "unreachable" else f"the stream to it broke: {ev['why']}")
+            if kind == "unreachable":
+                self._lose(peer, f"cannot reach it on port {port} from here: {ev['why']}",
+                           state="failed")
+            else:
+                self._lose(peer, f"the stream to it broke: {ev['why']}")
         elif kind == "exit" and res.state == "sending":
             self._lose(peer, self._exit_why(peer, ev))
 
@@ -445,11 +448,11 @@ class _Run:
                 f"~{copies}x size/rate")
             self._feed(head)
 
-    def _lose(self, peer: _Peer, why: str) -> None:
+    def _lose(self, peer: _Peer, why: str, state: str = "lost") -> None:
         res = peer.result
         if res.state != "sending":
             return
-        res.state, res.why = "lost", why
+        res.state, res.why = state, why
         with self.lock:
             up = self.chains.upstream(peer.index)
             head = self.chains.lose(peer.index)
