@@ -260,8 +260,10 @@ def run_doctor(plan: DoctorPlan, transport: Transport, *, ssh_client: str | None
                                               stats=stats)
                          if listener is not None else [])
         stats["port"] = time.monotonic() - started - t_facts
+        t_storage = time.monotonic()
         tokens = shared_dir_tokens({n.host: (n.target, n.python) for n in plan.nodes},
                                    plan.ctx.local_dirs, facts, transport, plan.ctx.storage)
+        stats["storage"] = time.monotonic() - t_storage
     finally:
         if listener is not None:
             listener.close()
