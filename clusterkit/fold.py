@@ -20,6 +20,15 @@ say a checkpoint saved on the teardown's SIGTERM, is still shown), and
 (``[r1-13] collateral: 13 ranks printed 812 lines after node1 rank 0 failed ...``);
 the failed rank's own lines still show in full.
 
+The nodes' launchers (torchrun's agent, DeepSpeed's runner, ``accelerate launch``)
+print the same lines on every node, differing in a timestamp, a pid or an address:
+:meth:`LineFolder.feed_node` folds them into ``[node[1-4]] text (4 nodes)``
+(:func:`fold_key`). Once the job is torn down (:meth:`LineFolder.tear_down`) what they
+print (torchrun's "Received 15 death signal" and ~30-line SignalException traceback
+per node) is counted, and :meth:`LineFolder.teardown` turns it into one line
+(``[node[1-3]] teardown: the launchers on 3 nodes printed 93 lines ...``). The
+fixtures in tests/fixtures/launcher_teardown are the launchers' real texts.
+
 Pure: no threads, no clock, no I/O. The caller passes ``now`` and prints what
 :meth:`LineFolder.feed` and :meth:`LineFolder.release` return. Two consoles use it:
 ``clusterkit launch`` (:mod:`clusterkit.launch.console`, lines from the node agents)

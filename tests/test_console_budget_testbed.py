@@ -80,20 +80,26 @@ def _replicated(tb: Testbed, job: str, tag: str) -> bool:
 
 
 @pytest.mark.testbed
-def test_the_console_of_a_clean_run_and_of_a_lost_node_fits_its_budget(
+def test_the_console_of_a_clean_run_fits_its_budget(testbed_required: None,
+                                                    tmp_path: Path) -> None:
+    with temporary(3) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+        clean = Console(_argv(inv, "clean"), train_env(tmp_path), tmp_path)
+        assert clean.finish(timeout=300) == 0, clean.text[-4000:]
+    lines = _counted(clean.text)
+    _report("clean run", lines, CLEAN_BUDGET)
+    assert workload_summary(clean.text)["finished"]
+    assert any("checkpoints replicated: " in ln for ln in lines)
+    _folded_groups_name_their_logs(lines)
+    assert len(lines) <= CLEAN_BUDGET, len(lines)
+
+
+@pytest.mark.testbed
+def test_the_console_of_a_lost_node_and_its_restart_fits_its_budget(
         testbed_required: None, tmp_path: Path) -> None:
     with temporary(4) as tb:
         inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
         inv.write_text(inv.read_text() + f"spares: [{SPARE}]\n")
-        clean = Console(_argv(inv, "clean"), train_env(tmp_path), tmp_path)
-        assert clean.finish(timeout=300) == 0, clean.text[-4000:]
-        lines = _counted(clean.text)
-        _report("clean run", lines, CLEAN_BUDGET)
-        assert workload_summary(clean.text)["finished"]
-        assert len(lines) <= CLEAN_BUDGET
-        assert any("checkpoints replicated: " in ln for ln in lines)
-        _folded_groups_name_their_logs(lines)
-
         run = Console(_argv(inv, "lost", "--max-restarts", "1", "--drop-failed-nodes",
                             hold_after=SAVE_EVERY), train_env(tmp_path), tmp_path)
         try:
@@ -104,19 +110,19 @@ def test_the_console_of_a_clean_run_and_of_a_lost_node_fits_its_budget(
         except BaseException:
             run.finish(timeout=1)
             raise
-        lines = _counted(run.text)
-        _report("node-loss run", lines, LOSS_BUDGET)
-        assert code == 0, run.text[-4000:]
-        text = "\n".join(lines)
-        resumed = workload_summary(run.text)["resumed_from"]
-        assert resumed == f"step{SAVE_EVERY}", resumed
-        for needed in (LOST,  # the lost node,
-                       f"{LOST} -> {SPARE}",  # the spare taking its place,
-                       f"of node index 1 ({LOST}) onto {SPARE}",  # what was restored,
-                       "replica on node3",  # ... from where,
-                       "attempt 2 of 2",  # the attempt,
-                       f"resumed from {resumed}",  # the resumed tag,
-                       "checkpoints replicated: ", "finished after 2 attempts"):  # the end
-            assert needed in text, (needed, text)
-        _folded_groups_name_their_logs(lines)
-        assert len(lines) <= LOSS_BUDGET, len(lines)
+    lines = _counted(run.text)
+    _report("node-loss run", lines, LOSS_BUDGET)
+    assert code == 0, run.text[-4000:]
+    text = "\n".join(lines)
+    resumed = workload_summary(run.text)["resumed_from"]
+    assert resumed == f"step{SAVE_EVERY}", resumed
+    for needed in (LOST,  # the lost node,
+                   f"{LOST} -> {SPARE}",  # the spare taking its place,
+                   f"of node index 1 ({LOST}) onto {SPARE}",  # what was restored,
+                   "replica on node3",  # ... from where,
+                   "attempt 2 of 2",  # the attempt,
+                   f"resumed from {resumed}",  # the resumed tag,
+                   "checkpoints replicated: ", "finished after 2 attempts"):  # the end
+        assert needed in text, (needed, text)
+    _folded_groups_name_their_logs(lines)
+    assert len(lines) <= LOSS_BUDGET, len(lines)
