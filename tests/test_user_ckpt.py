@@ -127,3 +127,14 @@ def test_collect_a_launched_user_script_job_needs_no_flag(tmp_path: Path,
     assert "note: no completion markers" in res.stderr
     assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 8
     assert not list((dest / TAG).glob(layout.MARKER_GLOB))
+
+
+@pytest.mark.parametrize(("program", "markers"), [
+    (["-m", "clusterkit.workload", "--steps", "4"], True), (["train.py", "--lr", "1"], False)])
+def test_an_sbatch_record_says_whether_its_program_writes_markers(
+        tmp_path: Path, program: list[str], markers: bool) -> None:
+    (tmp_path / "plan.json").write_text(json.dumps({
+        "job_id": "j", "backend": "torchrun", "storage": "node-local", "program": program,
+        "nodes": [{"ckpt_dir": "/scratch/ck/j", "slots": [0, 1], "python": "python3"}]}))
+    (tmp_path / "sbatch.sh").write_text("#!/bin/bash\n")
+    assert JobRecord.for_sbatch(tmp_path, "1").extra["markers"] is markers
