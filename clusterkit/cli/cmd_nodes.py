@@ -11,6 +11,7 @@ from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
 from clusterkit.errors import ClusterkitError
 from clusterkit.hostfile import select_hosts
+from clusterkit.inventory import Host
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -64,6 +65,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     ops.set_defaults(func=cmd_build_ops)
 
 
+def _selected(args: argparse.Namespace) -> list[tuple[Host, list[int]]]:
+    """The inventory's hosts the selection options chose, in rank order."""
+    inv = resolve_inventory(args.inventory)
+    return list(select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                             include=args.include, exclude=args.exclude))
+
+
 def cmd_install(args: argparse.Namespace) -> int:
     from clusterkit.hostrange import folded_lines
     from clusterkit.remote.base import target_for
@@ -72,9 +80,7 @@ def cmd_install(args: argparse.Namespace) -> int:
 
     if args.wheel:
         check_wheel(Path(args.wheel))  # before any node is asked
-    inv = resolve_inventory(args.inventory)
-    chosen = select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                          include=args.include, exclude=args.exclude)
+    chosen = _selected(args)
     nodes = [InstallNode(h.name, target_for(h), h.python or sys.executable) for h, _ in chosen]
     print(f"installing clusterkit on {len(nodes)} node(s)"
           + (f" from {args.wheel}" if args.wheel else " (wheel built here, offline)"),
@@ -95,9 +101,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     from clusterkit.remote.dispatch import transport_for
     from clusterkit.remote.envcopy import EnvNode, describe_local, distribute_transfer, replicate
 
-    inv = resolve_inventory(args.inventory)
-    chosen = select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                          include=args.include, exclude=args.exclude)
+    chosen = _selected(args)
     source = describe_local(args.python)  # an editable tree that cannot travel: refused here
     nodes = [EnvNode(h.name, target_for(h), args.node_python, h.address, dict(h.env))
              for h, _ in chosen]
@@ -154,9 +158,7 @@ def cmd_build_ops(args: argparse.Namespace) -> int:
 
     request = {"ops": list(args.op), "ds_config": _ds_config(args.ds_config),
                "remove_stale": args.remove_stale_locks}
-    inv = resolve_inventory(args.inventory)
-    chosen = select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                          include=args.include, exclude=args.exclude)
+    chosen = _selected(args)
     nodes = [OpsNode(h.name, target_for(h), h.python or sys.executable, dict(h.env))
              for h, _ in chosen]
     print(f"building DeepSpeed's JIT ops on {len(nodes)} node(s)", file=sys.stderr)

@@ -38,6 +38,7 @@ from clusterkit.node import envfacts
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import CommandResult, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
+from clusterkit.remote.install import node_json
 
 FACTS_TIMEOUT_S = 60.0
 FINISH_TIMEOUT_S = 1800.0  # hashes the environment on the node the first time (GBs)
@@ -259,16 +260,10 @@ def distribute_transfer(transport: Transport, nodes: Sequence[EnvNode], part: Pa
 
 
 def _node_json(res: CommandResult, node: str, what: str) -> dict[str, Any]:
-    line = (res.stdout.strip().splitlines() or [""])[-1]
-    try:
-        data = json.loads(line)
-    except ValueError:
-        data = None
-    if not isinstance(data, dict) or data.get("error"):
-        why = data.get("error") if isinstance(data, dict) else (
-            (res.stderr.strip() or line).splitlines()[-1:] or ["no output"])[0][:300]
-        raise TransportError(f"{what} failed (exit {res.exit_code}): {why}", kind="env",
-                             host=node, hint="is --node-python a Python 3.8+ on the node?")
+    hint = "is --node-python a Python 3.8+ on the node?"
+    data = node_json(res, node, what, "env", hint)
+    if data.get("error"):
+        raise TransportError(f"{what} failed: {data['error']}", kind="env", host=node, hint=hint)
     return data
 
 

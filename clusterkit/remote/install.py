@@ -116,7 +116,11 @@ class Installed:
         return f"{self.outcome} (clusterkit {self.version}, same sources as here)"
 
 
-def _json(res: CommandResult, node: str, what: str) -> dict[str, Any]:
+def node_json(res: CommandResult, node: str, what: str, kind: str = "install",
+              hint: str | None = None) -> dict[str, Any]:
+    """A node program's answer: the JSON object on its last stdout line (nodes env,
+    build-ops and install read theirs so). None there: one error naming the node, with
+    the last line of stderr (a traceback's, a missing interpreter's)."""
     line = (res.stdout.strip().splitlines() or [""])[-1]
     try:
         data = json.loads(line)
@@ -125,20 +129,21 @@ def _json(res: CommandResult, node: str, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         tail = (res.stderr.strip() or res.stdout.strip()).splitlines()[-1:] or ["no output"]
         raise TransportError(f"{what}: no answer (exit {res.exit_code}): {tail[0][:300]}",
-                             kind="install", host=node)
+                             kind=kind, host=node, hint=hint)
     return data
+
 
 
 def install_node(transport: Transport, node: InstallNode, wheel: Path, want: str) -> Installed:
     facts_cmd = node_command(node.python, "gatefacts")
-    facts = _json(transport.run(node.target, facts_cmd.argv, stdin=facts_cmd.stdin,
-                                timeout=FACTS_TIMEOUT_S), node.name, "checking the node")
+    facts = node_json(transport.run(node.target, facts_cmd.argv, stdin=facts_cmd.stdin,
+                                    timeout=FACTS_TIMEOUT_S), node.name, "checking the node")
     if facts.get("clusterkit_digest") == want:
         return Installed("already installed", facts.get("clusterkit"))
     data = wheel.read_bytes()
     cmd = node_command(node.python, "install", [wheel.name, str(len(data))], payload=data)
-    out = _json(transport.run(node.target, cmd.argv, stdin=cmd.stdin, timeout=INSTALL_TIMEOUT_S),
-                node.name, "installing")
+    out = node_json(transport.run(node.target, cmd.argv, stdin=cmd.stdin,
+                                  timeout=INSTALL_TIMEOUT_S), node.name, "installing")
     if out.get("error") or out.get("pip_exit") != 0:
         why = out.get("error") or " / ".join(out.get("pip_tail") or [])
         raise TransportError(f"pip install failed: {why}", kind="install", host=node.name,

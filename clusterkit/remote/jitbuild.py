@@ -20,6 +20,7 @@ from clusterkit.errors import TransportError
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import CommandResult, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
+from clusterkit.remote.install import node_json
 
 BUILD_TIMEOUT_S = 1800.0  # a CUDA op builds for minutes on a busy node
 
@@ -49,12 +50,7 @@ def build_node(transport: Transport, node: OpsNode, request: Mapping[str, Any]) 
                        payload=(json.dumps(dict(request)) + "\n").encode())
     res = transport.run(node.target, cmd.argv, stdin=cmd.stdin, timeout=BUILD_TIMEOUT_S,
                         env=dict(node.env) or None)
-    try:
-        out = json.loads(res.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        tail = (res.stderr.strip() or res.stdout.strip()).splitlines()[-1:] or ["no output"]
-        raise TransportError(f"building ops failed (exit {res.exit_code}): {tail[0][:300]}",
-                             kind="build-ops", host=node.name) from None
+    out = node_json(res, node.name, "building ops", "build-ops")
     if out.get("error"):
         raise TransportError(f"building ops failed: {out['error']}", kind="build-ops",
                              host=node.name, hint="deepspeed must be importable by the "
