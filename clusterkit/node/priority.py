@@ -10,8 +10,8 @@ in the agent's threads (``node/replica.py``) and must take what the ranks leave,
   group of its own, and the ranks run in sessions of their own, so under autogroup
   neither nice nor SCHED_IDLE keeps the copy's session from taking its equal share.
 * **A cpu cgroup** (cgroup v1 ``cpu`` controller, where writable — root, or a delegated
-  hierarchy): the thread moves into ``clusterkit-copy`` (``cpu.shares`` 2, against 1024
-  for a session) created under the thread's own cpu cgroup, so it stays inside a batch
+  hierarchy): the thread moves into ``clusterkit-copy`` (``cpu.shares`` 15, nice 19's
+  weight, against 1024 for a session) created under the thread's own cpu cgroup, so it stays inside a batch
   job's hierarchy. A task in a cgroup other than the root is not autogrouped, so this is
   what works under autogroup. cgroup v2 moves only whole processes outside threaded
   subtrees: not tried.
@@ -34,7 +34,10 @@ import subprocess
 import threading
 
 CGROUP_NAME = "clusterkit-copy"
-CGROUP_SHARES = 2  # the least cgroup v1 accepts; a session's autogroup weighs 1024
+# What nice 19 weighs against nice 0's 1024 (kernel's sched_prio_to_weight): the copy
+# as far below a rank's session as nice 19 would put it without autogroup, and never
+# wholly starved (a replica must still get made on a node whose ranks keep it busy).
+CGROUP_SHARES = 15
 IOPRIO_CLASS_IDLE = 3
 IOPRIO_CLASS_SHIFT = 13
 IOPRIO_WHO_PROCESS = 1  # "process" is a thread id to the kernel: per thread
@@ -143,11 +146,17 @@ def _io_idle(tid: int) -> str:
 
 
 def _io_scheduler(path: str) -> str:
-    """The I/O scheduler of the block device holding ``path`` ('' when unknown)."""
-    try:
-        dev = os.stat(path).st_dev
-    except OSError:
-        return ""
+    """The I/O scheduler of the block device holding ``path`` or its nearest existing
+    parent ('' when unknown)."""
+    while True:
+        try:
+            dev = os.stat(path).st_dev
+            break
+        except OSError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return ""
+            path = parent
     base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
     for queue in (os.path.join(base, "queue"), os.path.join(base, "..", "queue")):
         with contextlib.suppress(OSError):
@@ -156,4 +165,3 @@ def _io_scheduler(path: str) -> str:
             start, end = text.find("["), text.find("]")
             return text[start + 1:end] if 0 <= start < end else text.strip()
     return ""
-
