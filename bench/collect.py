@@ -4,6 +4,7 @@
     python -m bench.collect --sizes large --repeat 5     # only the 7 x 2 x 256 MB case
     python -m bench.collect --ciphers                    # also: ssh ciphers, paramiko SFTP
     python -m bench.collect --prefix ckc                 # an existing test bed (kept)
+    python -m bench.collect --slurm                      # a Slurm bed: ~1 GB, 4 nodes
 
 Two checkpoint sizes, both a synthetic node-local ZeRO-2 layout (DeepSpeed's names,
 completion markers, 2 ranks per node, incompressible bytes — no zeros, no holes):
@@ -29,6 +30,13 @@ load of the runs. The machine is shared: read ratios together with that load (th
 test bed's nodes are namespaces of this machine, so sender and receiver share its CPUs).
 Everything written (shards on the nodes, DEST, a bed made here) is removed at the end,
 also on Ctrl-C or SIGTERM. Needs root.
+
+``--slurm`` (issue 31): a Slurm cluster over the bed's first ``--nodes`` (default 4)
+nodes and the ``slurm1g`` size (4 x (2 x 112 + 32) MB, ~1 GB); the cases are
+``collect ssh`` (OpenSSH sessions), ``collect slurm`` (a one-task allocation per node,
+the bytes on a socket back to this process) and ``collect slurm stdout`` (the same with
+the socket refused, so the bytes ride srun's stdout: the fallback), each with the ratio
+to ``collect ssh`` measured in the same rounds.
 """
 
 from __future__ import annotations
@@ -46,14 +54,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 
-from clusterkit.checkpoints import synthetic
+from clusterkit.checkpoints import session, synthetic
 from clusterkit.checkpoints.collect import CollectOptions, collect
 from clusterkit.checkpoints.source import CollectNode
 from clusterkit.remote.dispatch import DispatchTransport
+from clusterkit.slurm.steps import SlurmPlace
+from tests.slurmbed.cluster import SlurmBed
 from tests.testbed import Testbed
 
 TAG = "global_step1"
-SIZES = {"tiny": (300_000, 100_000), "large": (256 << 20, 64 << 20)}  # shard, model states
+SIZES = {"tiny": (300_000, 100_000), "large": (256 << 20, 64 << 20),  # shard, model states
+         "slurm1g": (112 << 20, 32 << 20)}
 
 
 def _load() -> float:
@@ -108,6 +119,10 @@ class SizeBench:
         return os.path.join(self.work, f"dest-{self.size}")
 
     def cases(self) -> list[Case]:
+        if self.size == "slurm1g":
+            return [Case("collect ssh", self.collector("ssh", fsync=True)),
+                    Case("collect slurm", self.slurm_collector(socket=True)),
+                    Case("collect slurm stdout", self.slurm_collector(socket=False))]
         out = [Case("cp", self.cp), Case("cp+fsync", self.cp_fsync),
                Case("rsync par", self.rsync_par),
                Case("collect", self.collector("ssh", fsync=True)),
@@ -153,6 +168,28 @@ class SizeBench:
         return go
 
 
+    def slurm_collector(self, socket: bool) -> Callable[[], None]:
+        """collect through Slurm (a one-task allocation per node); ``socket`` False:
+        the node's connection back is refused (port 1), so the bytes ride srun's stdout."""
+        cnodes = [CollectNode(n.name, self.tb.ssh_target(n), sys.executable, self.inside,
+                              via=SlurmPlace(n.name)) for n in self.tb.nodes[:self.nodes]]
+
+        def go() -> None:
+            real = session.BackChannel.request
+            if not socket:
+                session.BackChannel.request = lambda self: json.dumps(  # type: ignore[method-assign]
+                    {"op": "socket", "port": 1, "secret": self.secret}).encode() + b"\n"
+            try:
+                with DispatchTransport() as t:
+                    rep = collect(t, cnodes, CollectOptions(dest=self.dest, jobs=self.jobs,
+                                                            method="slurm", fsync=True))
+            finally:
+                session.BackChannel.request = real  # type: ignore[method-assign]
+            assert not rep.failed and rep.skipped == 0
+            assert ("a socket per node" in rep.method) == socket, rep.method
+        return go
+
+
 def time_rounds(sb: SizeBench, rounds: int) -> list[Case]:
     cases = sb.cases()
     for r in range(rounds):
@@ -183,7 +220,8 @@ def summarize(sb: SizeBench, cases: list[Case]) -> dict[str, float]:
               + ")")
     out = {f"{k} MB/s": v for k, v in mbps.items()}
     for name in [c.name for c in cases if c.name.startswith("collect")]:
-        for base in ("rsync par", "cp", "cp+fsync"):
+        for base in [b for b in ("rsync par", "cp", "cp+fsync", "collect ssh")
+                     if b in mbps and b != name]:
             ratio = mbps[name] / mbps[base]
             out[f"{name} / {base}"] = ratio
             print(f"  {name + ' / ' + base:<30} {ratio:6.2f}x  (load {load[name]:.1f} vs "
@@ -252,8 +290,10 @@ def _sigterm(_sig: int, _frame: FrameType | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.collect", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, default=7)
-    p.add_argument("--sizes", default="tiny,large", help="comma list of: " + ", ".join(SIZES))
+    p.add_argument("--nodes", type=int, help="default 7; 4 with --slurm")
+    p.add_argument("--sizes", help="comma list of: " + ", ".join(SIZES)
+                   + " (default tiny,large; slurm1g with --slurm)")
+    p.add_argument("--slurm", action="store_true", help="collect through Slurm vs over SSH")
     p.add_argument("--repeat", "--rounds", type=int, default=3, dest="repeat")
     p.add_argument("--jobs", type=int, default=8)
     p.add_argument("--ciphers", action="store_true", help="also time ssh ciphers and SFTP")
@@ -263,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="/tmp/clusterkit-bench-collect", help="scratch dir for DEST")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    args.nodes = args.nodes or (4 if args.slurm else 7)
+    args.sizes = args.sizes or ("slurm1g" if args.slurm else "tiny,large")
     signal.signal(signal.SIGTERM, _sigterm)
     print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
           f"({os.cpu_count()} CPUs)", flush=True)
@@ -270,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.work, exist_ok=True)
     out: dict[str, dict[str, float]] = {}
     benches: list[SizeBench] = []
+    bed: SlurmBed | None = None
     try:
+        if args.slurm:
+            bed = SlurmBed.start(tb, args.nodes)
+            os.environ["SLURM_CONF"] = str(bed.conf)  # srun finds this cluster
         if args.ciphers:
             out["ciphers"] = bench_ciphers(tb, args.work, args.cipher_mb, args.repeat)
         for size in args.sizes.split(","):
@@ -283,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         for sb in benches:
             sb.cleanup()
         shutil.rmtree(args.work, ignore_errors=True)
+        if bed is not None:
+            bed.stop()
         if not args.prefix:
             tb.down()
     if args.json:
