@@ -204,7 +204,14 @@ def write_record(directory: str, entries: Manifest, env: Dict[str, Any] | None =
     if token:
         small["token"] = token
     small.update(env or {})
-    _atomic_json(record_path(directory), {"v": ENVFACTS_VERSION, "entries": entries})
+    # The big manifest (megabytes for a torch environment) is written again only when an
+    # entry changed, its mtimes included (they key the sha256 cache of the next run).
+    small["stat_digest"] = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()
+                                          ).hexdigest()
+    old = read_digest(directory) or {}
+    if old.get("stat_digest") != small["stat_digest"] or not os.path.isfile(
+            record_path(directory)):
+        _atomic_json(record_path(directory), {"v": ENVFACTS_VERSION, "entries": entries})
     _atomic_json(record_path(directory, DIGEST_FILE), small)
     return small
 

@@ -140,7 +140,8 @@ def describe_local(python: str | None = None, home: str | None = None) -> EnvSou
                 hint=f"install {dist} non-editable (pip install {dist} from a wheel) or move "
                      "its sources to a directory of their own")
         parts.append(Part(src, f"editable source of {dist}"))
-    return EnvSource(prefix, tuple(parts), envfacts.facts([p.path for p in parts]), version)
+    # This machine's own facts: architecture, glibc, OS (its paths are hashed just after).
+    return EnvSource(prefix, tuple(parts), envfacts.facts([]), version)
 
 
 # ----------------------------------------------------------------------------- pure checks
