@@ -245,3 +245,27 @@ def test_launch_sync_refuses_the_nodes_whose_copy_differs_before_anything_starts
     assert "  v1: failed: DistError: " in cap.out and "  v[0,2]: 1 file(s) sent" in cap.out
     assert "sync incomplete on 1 of 3 node(s): v1" in cap.err
     assert "rank ran" not in cap.out + cap.err
+
+
+def test_doctor_sync_rules_name_the_node_the_files_and_the_blocked_hop() -> None:
+    from clusterkit.checks.findings import Status
+    from clusterkit.checks.rules_sync import check_ports, check_sync
+
+    states = {"n1": {"state": "ok", "digest": "d" * 64, "differ": [], "files": 3},
+              "n2": {"state": "differs", "digest": "d" * 64, "differ": ["a", "b", "c", "e"]},
+              "n3": {"state": "other", "digest": "e" * 64, "differ": []},
+              "n4": {"state": "no-manifest"}, "n5": {"state": "unreachable", "why": "auth"}}
+    got = {f.host: (f.status, f.detail) for f in check_sync(states, "models", "d" * 64,
+                                                            ["n1", "n2", "n3", "n4", "n5"])}
+    assert got["n1"] == (Status.PASS, f"models: 3 file(s), digest {'d' * 12} equal to here")
+    assert got["n2"] == (Status.FAIL, "models: 4 file(s) differ from what sync put there: "
+                         "a, b, c (+1 more)")
+    assert got["n3"][0] == Status.FAIL and "another version" in got["n3"][1]
+    assert got["n4"] == (Status.FAIL, "models: not filled by clusterkit sync")
+    assert got["n5"][0] == Status.WARN
+    ok = check_ports({"here -> n1": "", "n1 -> n2": ""}, 29640)
+    assert [f.status for f in ok] == [Status.PASS]
+    bad = check_ports({"here -> n1": "", "n1 -> n2": "port 29640: refused"}, 29640)
+    assert [(f.status, f.host) for f in bad] == [(Status.WARN, "n1")]
+    assert "n1 -> n2 blocked (port 29640: refused)" in bad[0].detail
+    assert bad[0].fix is not None and "29640-29655" in bad[0].fix

@@ -157,6 +157,7 @@ def test_nodes_that_cannot_reach_each_other_are_fed_from_here(testbed: Testbed,
     testbed.exec(nodes[0], route, timeout=30, check=True)
     try:
         res = _cli(["sync", "data", "-i", str(inv)], proj, env)
+        doc = _cli(["doctor", "-i", str(inv), "--sync", "data", "--json"], proj, env)
     finally:
         testbed.exec(nodes[0], ["ip", "route", "del", "blackhole", f"{nodes[1].address}/32"],
                      timeout=30)
@@ -165,3 +166,6 @@ def test_nodes_that_cannot_reach_each_other_are_fed_from_here(testbed: Testbed,
     assert "sending 2 copies from here, ~2x size/rate" in res.stdout
     assert "node[1-3]: 1 file(s) sent (2,000,000 bytes, verified), 0 unchanged" in res.stdout
     assert "4.0 MB sent from here" in res.stderr
+    ports = [f for f in json.loads(doc.stdout)["findings"] if f["check"] == "sync.ports"]
+    assert [(f["status"], f["host"]) for f in ports] == [("WARN", "node1")], ports
+    assert ports[0]["detail"].startswith("node1 -> node2 blocked (port 29640: ")

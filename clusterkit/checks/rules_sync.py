@@ -4,7 +4,9 @@ DIR`` put there, byte for byte, and the same version as this machine?
 ``doctor --sync DIR``: each node's ``DIR`` is checked against the manifest the sync wrote
 there (node/dist_store.check: files whose size or mtime moved are hashed again; a file
 that differs is named), and the manifest's digest against the digest of DIR here
-(:func:`add_sync_parity`). The rule :func:`check_sync` is pure: states in, findings out.
+(:func:`add_sync_parity`); and whether each hop of the sync chain can connect on its
+port (this machine to the first node, each node to the next). The rules
+:func:`check_sync` and :func:`check_ports` are pure: states in, findings out.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from clusterkit.remote.sync import Ignore
 
 CHECK = "sync.parity"
+PORTS_CHECK = "sync.ports"
 SHOWN = 3  # files named per node
 
 
@@ -55,15 +58,35 @@ def check_sync(states: Mapping[str, Mapping[str, Any]], label: str, digest: str,
 
 def add_sync_parity(report: DoctorReport, transport: Transport, nodes: Sequence[DistNode],
                     src: str, ignore: Ignore, *, cache_dir: str | None = None,
-                    deep: bool = False) -> DoctorReport:
+                    deep: bool = False, port: int = 0) -> DoctorReport:
     """``report`` plus one sync.parity finding per node for ``src`` (synced to each
-    node's ``dest``)."""
+    node's ``dest``) and the sync.ports findings (``port``: 0, the default port)."""
     from clusterkit.node.dist_store import entries_digest
-    from clusterkit.remote.distribute import read_manifests
+    from clusterkit.remote.distcheck import probe_ports, read_manifests
+    from clusterkit.remote.distribute import DEFAULT_PORT
     from clusterkit.remote.sync import scan, source_entries
 
     entries, _ = source_entries(scan(src, ignore).files, cache_dir, src)
     digest = entries_digest(entries)
     states = read_manifests(transport, nodes, digest=digest, deep=deep)
     found = check_sync(states, src, digest, [n.name for n in nodes])
+    first = port or DEFAULT_PORT
+    found += check_ports(probe_ports(transport, nodes, first), first)
     return replace(report, findings=(*report.findings, *found))
+
+
+def check_ports(hops: Mapping[str, str], port: int) -> list[Finding]:
+    """``hops``: ``"A -> B"`` -> why it did not connect ("" when it did). A blocked hop is
+    a WARN: sync still works, sending from here to the node after it (one more copy)."""
+    blocked = {hop: why for hop, why in hops.items() if why}
+    if not hops:
+        return []
+    if not blocked:
+        return [Finding(PORTS_CHECK, Status.PASS, "", f"every hop of the sync chain connects "
+                        f"on port {port}+ ({len(hops)} hop(s))")]
+    fix = (f"open TCP {port}-{port + 15} between the nodes (and from here), or pick open ones "
+           "with clusterkit sync --port P")
+    return [Finding(PORTS_CHECK, Status.WARN, hop.split(" -> ")[0] if not hop.startswith("here")
+                    else "", f"{hop} blocked ({why}): clusterkit sync sends from here to the "
+                    f"node after it, one more copy through this machine's link ({len(blocked) + 1}"
+                    "x size/rate in all)", fix) for hop, why in blocked.items()]

@@ -24,7 +24,8 @@ record it still lacks (or its downstream's, when that is earlier) and the stream
 goes on from there. Events: ``progress``, ``blocked`` (the downstream cannot be
 reached: the launcher feeds it itself), ``down-lost``, ``up-lost``, ``error``.
 
-``dist check DEST [--deep]``: one JSON line, :func:`dist_store.check`.
+``dist check DEST [--deep]``: one JSON line, :func:`dist_store.check`. ``dist ports P``:
+doctor's check that the chain's ports are reachable node to node (:func:`ports`).
 
 The wire's handshake (one TCP connection per hop): server ``CKDIST1 <nonce> <index>``;
 client ``<mode> <nonce> <mac>`` with mac = HMAC-SHA256(secret, "c" nonce_s nonce_c
@@ -448,14 +449,50 @@ def serve() -> int:
     return 0
 
 
+def ports(first: int) -> int:
+    """``dist ports P``: listen on the first free port of P..P+15 as ``serve`` would, say
+    ``{"ev": "listening", "port"}``; then for each ``{"op": "connect", "address", "port"}``
+    on stdin, try a TCP connection and say ``{"ev": "reach", "ok", "why"}`` (doctor's
+    check of the ports the chain needs). Ends at EOF on stdin."""
+    node = Node({"dest": ".", "index": 0, "secret": "", "files": [], "port": first})
+    try:
+        srv = node._listen()
+    except DistError as exc:
+        node.emit("error", why=str(exc))
+        return 1
+
+    def drain() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=drain, daemon=True).start()
+    node.emit("listening", port=srv.getsockname()[1])
+    for raw in sys.stdin:
+        msg = json.loads(raw)
+        try:
+            socket.create_connection((str(msg["address"]), int(msg["port"])),
+                                     timeout=CONNECT_TIMEOUT_S).close()
+            node.emit("reach", ok=True, why="")
+        except OSError as exc:
+            node.emit("reach", ok=False, why=str(exc))
+    srv.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["serve"]:
         return serve()
+    if args[:1] == ["ports"] and len(args) == 2:
+        return ports(int(args[1]))
     if args[:1] == ["check"] and len(args) >= 2:
         dest = os.path.expanduser(args[1])
         want = args[args.index("--digest") + 1] if "--digest" in args else None
         print(json.dumps(store.check(dest, want, deep="--deep" in args)))
         return 0
-    print(json.dumps({"ev": "error", "why": "usage: dist serve | dist check DEST [--deep]"}))
+    print(json.dumps({"ev": "error", "why": "usage: dist serve | dist check DEST [--deep] | dist ports P"}))
     return 2

@@ -27,8 +27,8 @@ replication call it)::
   the others complete. Per-node results, never an exception for one node's failure.
 * the per-run secret authenticating every TCP hop goes to each node on stdin only.
 
-``read_manifests(transport, nodes, dest_dir=None, *, digest=None, deep=False)`` reads
-each node's manifest and which files no longer match it (doctor, the launch gate).
+What each node holds afterwards, and whether the chain's ports are open, is
+:mod:`clusterkit.remote.distcheck` (doctor).
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ from clusterkit.remote.sync import Ignore, scan, source_entries
 DEFAULT_PORT = 29640  # first port each node tries for the chain (16 after it)
 READY_TIMEOUT_S = 600.0  # a node hashing what it already holds may take long
 STALL_S = 90.0  # no word from a node for this long: it is lost
-CHECK_TIMEOUT_S = 600.0
 SLICE = 8 << 20  # one sendfile call: the progress moves at least this often
 
 
@@ -483,30 +482,3 @@ class _Run:
                 if p.result.state == "sending":
                     p.result.state, p.result.why = "lost", "interrupted"
 
-
-def read_manifests(transport: Transport, nodes: Sequence[DistNode], dest_dir: str | None = None,
-                   *, digest: str | None = None, deep: bool = False,
-                   env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """Each node's synced directory against its manifest (node/dist_store.check):
-    ``{"state": ok|differs|other|no-manifest|absent|unreachable, "digest", "differ":
-    [files], "files"}``; ``digest``: the source's, to tell ``other`` from ``ok``."""
-    out: dict[str, dict[str, Any]] = {}
-
-    def one(target: SSHTarget) -> Any:
-        node = next(n for n in nodes if n.name == target.name)
-        args = ["check", dest_dir or node.dest] + (["--digest", digest] if digest else []) \
-            + (["--deep"] if deep else [])
-        cmd = node_command(node.python, "dist", args)
-        res = transport.run(target, cmd.argv, stdin=cmd.stdin, timeout=CHECK_TIMEOUT_S, env=env)
-        try:
-            out[target.name] = json.loads(res.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            tail = (res.stderr.strip() or res.stdout.strip())[-300:]
-            out[target.name] = {"state": "unreachable", "why": f"exit {res.exit_code}: {tail}"}
-        return res
-
-    group = fan_out([n.target for n in nodes], one, per_host_budget_s=CHECK_TIMEOUT_S + 60,
-                    max_parallel=64)
-    for r in group.failed:
-        out.setdefault(r.host, {"state": "unreachable", "why": r.reason() or "failed"})
-    return {n.name: out.get(n.name, {"state": "unreachable"}) for n in nodes}
