@@ -532,11 +532,14 @@ def test_script_requeues_only_for_a_save_after_the_stop_request(
 
 def test_script_requeues_a_hung_step_as_max_restarts_allows(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    step = 'echo "no progress for 31 s (--hang-timeout 30)" > "$hang_file"; return 143'
+    step = 'echo "no progress on any rank for 31 s (--hang-timeout 30)" > "$hang_file"; return 143'
     flags = ("--hang-timeout", "30", "--max-restarts", "1")
     r, calls, job_dir = _verdict(tmp_path, capsys, step, *flags)
     assert r.returncode == 124, r.stderr
     assert "scontrol requeue 77" in calls and "restart 1 of --max-restarts 1" in r.stdout
+    # the watchdog got its arguments: --hang-timeout 30 and launch's start-up allowance, 60 s
+    assert ' "$hang_dir" 30 60 "$launch_pid" 2 <<' in (job_dir / "sbatch.sh").read_text()
+    assert "usage: slurmwatch" not in r.stderr, r.stderr
     assert (job_dir / "hang_restarts").read_text().strip() == "1"
     r, calls, _ = _verdict(tmp_path, capsys, step, *flags, restarts=1)
     assert r.returncode == 124 and "scontrol requeue" not in calls

@@ -78,8 +78,9 @@ def test_summary_folds_alike_ranks(tmp_path: Path) -> None:
 
 def test_watch_ends_a_step_without_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """No write under the job's logs for HANG_S: the hang file with the reason, SIGTERM to
-    the step (here a sleep), the lines on both streams. (srun fails here: no Slurm.)"""
+    """No write under the job's logs for the start-up allowance (2 x HANG_S): the hang
+    file with the reason, SIGTERM to the step (here a sleep), the lines on both streams.
+    (srun fails here: no Slurm.)"""
     (tmp_path / "logs").mkdir()
     monkeypatch.setattr(slurmwatch, "POLL_S", 0.2)
     monkeypatch.delenv("CLUSTERKIT_HEARTBEAT_DIR", raising=False)
@@ -92,12 +93,15 @@ def test_watch_ends_a_step_without_progress(tmp_path: Path, monkeypatch: pytest.
         assert time.monotonic() - t0 < 30
     finally:
         step.kill()
+    # silent from the start: the start-up allowance (2 x 1 s) is the limit that applied
     reason = (tmp_path / "hang").read_text()
-    assert reason.startswith("no progress for ") and "(--hang-timeout 1)" in reason
+    assert reason.startswith("no sign of training within the start-up allowance of 2 s "
+                             "(2 \u00d7 --hang-timeout 1)"), reason
     out, err = capsys.readouterr()
     for text in (out, err):
-        assert "clusterkit: no progress on any rank for" in text
-        assert "clusterkit: ending the step: no progress for" in text
+        assert "clusterkit: no sign of training within the start-up allowance" in text
+        assert "collecting every rank's stack into" in text
+        assert "clusterkit: ending the step: no sign of training" in text
 
 
 def test_watch_leaves_a_step_that_progresses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,7 @@ import pytest
 from clusterkit.launch.stacks import read_stack, signature, summarize
 from clusterkit.launch.watchdog import Watchdog, ping_interval, step_of
 from clusterkit.node import agent as agent_mod
-from clusterkit.node import agent_hangs
+from clusterkit.node import agent_hangs, hangrule
 from clusterkit.node.agent_procs import job_status
 from clusterkit.node.protocol import AgentSpec, Progress
 from clusterkit.workload import hangs
@@ -160,10 +160,13 @@ def test_watchdog_table(case: tuple[str, float, list[tuple[Any, ...]]]) -> None:
 def test_watchdog_limits_and_helpers() -> None:
     wd = Watchdog(hang_timeout_s=10.0, started_at=0.0)
     wd.begin(0.0)
-    assert wd.limit(5.0) == 20.0 and wd.limit(20.0) == 10.0  # the allowance, then the limit
+    v = wd.verdict(5.0)  # the allowance (node/hangrule.py), then the limit
+    assert (v.hung, v.limit, v.limit_s) == (False, hangrule.STARTUP, 20.0)
     wd.report(Progress("node1", idle_s=30.0, step=4), now=11.0)
     wd.report(Progress("node2", idle_s=1.0, step=5), now=11.0)
-    assert wd.limit(11.0) == 10.0 and wd.idle(11.0) == 1.0 and wd.last_step() == 5
+    v = wd.verdict(11.0)
+    assert (v.hung, v.limit, v.limit_s, v.idle_s) == (False, hangrule.HANG_TIMEOUT, 10.0, 1.0)
+    assert wd.idle(11.0) == 1.0 and wd.last_step() == 5
     assert step_of("[clusterkit] step 10/30 | loss 4.8") == 10 and step_of("Step: 3") == 3
     assert step_of("steps=5 loaded") is None and step_of("no numbers") is None
     assert ping_interval(60.0) == 5.0 and ping_interval(4.0) == 1.0

@@ -12,7 +12,7 @@ only) does not count as hung while any other rank still progresses.
 
 **The start-up allowance** (the watchdog's word, issue 25): the clock starts when
 the ranks are started (:meth:`Watchdog.begin`: the gate's GO, or the agents'
-start without a gate), and for the first ``STARTUP_FACTOR * hang_timeout_s`` the
+start without a gate), and for the first ``hangrule.STARTUP_FACTOR * hang_timeout_s`` the
 watchdog does not fire: imports, DeepSpeed's op builds and a checkpoint load print
 nothing for long stretches (measured: 30 s of silence on a loaded test bed). The
 allowance ends early at the first sign of training: a heartbeat with a step
@@ -21,27 +21,27 @@ number, or a rank's output line that reads as a step (:func:`step_of`: ``step 10
 silence, and the message says which limit fired (:meth:`Watchdog.check`). A
 script that prints but never reports a step is held to the plain limit once the
 allowance has passed: its output lines are its progress.
+
+The rule itself (allowance, limits, messages) is :func:`clusterkit.node.hangrule.judge`,
+the one the batch script's watchdog (node/slurmwatch.py) applies too; this class
+keeps what launch knows: the agents' reports and the lines the launcher sees.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
+from clusterkit.node import hangrule
+from clusterkit.node.hangrule import STEP_LINE, step_of
 from clusterkit.node.protocol import Progress
 
+# STEP_LINE and step_of are the rule's (console.py and runtime.py read them from here).
+__all__ = ["DUMP_COLLECT_S", "STEP_LINE", "NodeProgress", "Watchdog", "ping_interval", "step_of"]
+
 DUMP_COLLECT_S = 30.0  # how long the launcher waits for every node's stacks
-STARTUP_FACTOR = 2.0  # the start-up allowance, in units of --hang-timeout
-
-# A rank's output line that reports a training step (the console's status line
-# reads the same: "step 10/30 | loss 4.8", "step=10", "Step: 10").
-STEP_LINE = re.compile(r"\bstep[ =:]+(\d+)(?:\s*/\s*(\d+))?", re.IGNORECASE)
-
-
-def step_of(text: str) -> int | None:
-    """The step number a rank's line reports, or None."""
-    m = STEP_LINE.search(text)
-    return int(m.group(1)) if m else None
+# An agent's idle before its ranks printed counts from the agent's own start, so it
+# can come out up to this much below the time since GO: still "silent since the start".
+SINCE_START_SLACK_S = 1.0
 
 
 def ping_interval(keepalive_s: float) -> float:
@@ -109,17 +109,16 @@ class Watchdog:
 
     @property
     def allowance_s(self) -> float:
-        return STARTUP_FACTOR * self.hang_timeout_s
+        return hangrule.allowance(self.hang_timeout_s)
 
-    def in_startup(self, now: float) -> bool:
-        """The start-up allowance still runs: no sign of training, and not over yet."""
-        return self.training_at is None and now - self.started_at < self.allowance_s
-
-    def limit(self, now: float) -> float:
-        """The silence allowed now: the allowance's rest during start-up, else the limit."""
-        if self.in_startup(now):
-            return self.allowance_s
-        return self.hang_timeout_s
+    def verdict(self, now: float) -> hangrule.Verdict:
+        """The rule's answer at ``now`` (node/hangrule.py): the limit that applies and
+        whether it is passed; ask after :meth:`begin`."""
+        idle = self.idle(now)
+        silent = idle >= now - self.started_at - SINCE_START_SLACK_S  # since the ranks started
+        return hangrule.judge(now, self.started_at, None if silent else now - idle,
+                              self.training_at is not None, self.hang_timeout_s,
+                              self.allowance_s)
 
     def trip(self, now: float) -> str | None:
         """:meth:`check`, and when it fires, the watchdog has fired (once: at ``now``)."""
@@ -137,23 +136,10 @@ class Watchdog:
 
     def check(self, now: float) -> str | None:
         """The watchdog's verdict at ``now``: None, or why it fires (the limit applied)."""
-        if self.hang_timeout_s <= 0 or self.fired_at is not None or not self.begun:
+        if self.fired_at is not None or not self.begun:
             return None
-        if self.in_startup(now):
-            return None  # idle <= now - started_at < the allowance: nothing can fire yet
-        idle = self.idle(now)
-        t, allowance = self.hang_timeout_s, self.allowance_s
-        if idle <= t:
-            return None
-        if self.training_at is not None:
-            return f"no progress on any rank for {idle:.0f} s (--hang-timeout {t:g})"
-        startup = (f"the start-up allowance of {allowance:g} s "
-                   f"({STARTUP_FACTOR:g} \u00d7 --hang-timeout {t:g})")
-        if idle >= now - self.started_at - 1.0:  # silent since the ranks started
-            return (f"no sign of training within {startup}: no output or heartbeat from any "
-                    f"rank since they started {idle:.0f} s ago")
-        return (f"no progress on any rank for {idle:.0f} s (--hang-timeout {t:g}; {startup} "
-                "passed with no step line or heartbeat)")
+        verdict = self.verdict(now)
+        return verdict.reason if verdict.hung else None
 
     def last_step(self) -> int | None:
         steps = [p.step for p in self.nodes.values() if p.step is not None]

@@ -62,7 +62,7 @@ PROGRAMS: dict[str, Program] = {
     "jitops": Program(("jitops",), site=True),  # nodes build-ops: imports deepspeed to build
     "install": Program(("contract", "sitepaths", "parity", "dist_store", "envfacts", "gatefacts",
                          "install"), site=True),
-    "slurmwatch": Program(("contract", "slurmwatch")),  # sbatch.sh's progress watchdog (docs/sbatch.md)
+    "slurmwatch": Program(("contract", "hangrule", "slurmwatch")),  # sbatch.sh's watchdog (docs/sbatch.md)
 }
 
 BOOTSTRAP = (

@@ -3,14 +3,18 @@
 Shipped the one way node programs are (:mod:`clusterkit.node.ship`): the batch
 script runs ``python -S -u -c BOOTSTRAP slurmwatch ...`` with the sources on stdin.
 
-``slurmwatch watch JOB_ID JOB_DIR DUMP_DIR HANG_S LAUNCH_PID NODES`` runs beside the
-launch step on the batch host. Progress is any write to the job's output files
-(``<job dir>/logs``: the Slurm files, torchrun's per-rank logs, the deepspeed
+``slurmwatch watch JOB_ID JOB_DIR DUMP_DIR HANG_S ALLOWANCE_S LAUNCH_PID NODES`` runs
+beside the launch step on the batch host. Progress is any write to the job's output
+files (``<job dir>/logs``: the Slurm files, torchrun's per-rank logs, the deepspeed
 variant's per-rank files) or to a rank's heartbeat (``$CLUSTERKIT_HEARTBEAT_DIR``).
-After ``HANG_S`` seconds without any, it collects every rank's stack through
-``srun --overlap`` (this same program, ``stacks``, on every node), prints a folded
-summary naming the stopped or odd rank, writes ``<job dir>/hang`` with the reason and
-ends the step (SIGTERM to its srun, ``LAUNCH_PID``).
+Whether the job hangs is :func:`clusterkit.node.hangrule.judge`, the rule ``launch``'s
+watchdog applies: no firing during the start-up allowance (``ALLOWANCE_S`` from the
+watch's start, which is the ranks' start) until the first sign of training (a heartbeat
+written, or a new log line that reads as a step), then ``HANG_S`` seconds without
+progress. When it fires, it collects every rank's stack through ``srun --overlap``
+(this same program, ``stacks``, on every node), prints a folded summary naming the
+stopped or odd rank, writes ``<job dir>/hang`` with the reason and ends the step
+(SIGTERM to its srun, ``LAUNCH_PID``).
 
 ``slurmwatch stacks JOB_ID DUMP_DIR`` runs on each node: every process of the job
 (``CLUSTERKIT_JOB_ID`` in its environment) that is a rank (``RANK`` set, not a shell)
@@ -33,18 +37,22 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 from clusterkit.node.contract import (
     ENV_HEARTBEAT_DIR,
     ENV_JOB_ID,
     ENV_STACKS,
+    HEARTBEAT_RE,
     STACKS_SUFFIX,
     JobDir,
     encode_bundle,
     rank_file,
 )
+from clusterkit.node.hangrule import STEP_LINE, Verdict, allowance, judge
 
 POLL_S = 2.0
+TAIL_BYTES = 1 << 16  # of a log's new bytes per poll, read for a step line
 STACKS_TIMEOUT_S = 60.0
 FAULTHANDLER_WAIT_S = 3.0
 HANG_FILE = JobDir.HANG  # <job dir>/hang: the reason the watchdog ended the step
@@ -79,26 +87,105 @@ def _alive(pid: int) -> bool:
     return _state_and_comm(pid)[0] not in ("Z", "X")
 
 
+class Scan:
+    """What one poll reads (files only): the newest write under ``dirs`` and whether a
+    sign of training appeared since the last poll (a heartbeat written after ``since``,
+    or a new line in a log under ``logs`` that reads as a step). Logs as they were at
+    the start (a requeued run appends to the same files) are not this run's."""
+
+    def __init__(self, logs: str, heartbeat_dir: str, since: float) -> None:
+        self.logs, self.heartbeat_dir, self.since = logs, heartbeat_dir, since
+        self.dirs = [d for d in (logs, heartbeat_dir) if d]
+        self.offsets = {path: size for path, size in self._logs()}
+
+    def _logs(self) -> list[tuple[str, int]]:
+        found = []
+        for root, _dirs, files in os.walk(self.logs) if self.logs else ():
+            for name in files:
+                with contextlib.suppress(OSError):
+                    found.append((os.path.join(root, name),
+                                  os.stat(os.path.join(root, name)).st_size))
+        return found
+
+    def __call__(self, training_seen: bool) -> tuple[float, bool]:
+        newest = newest_write(self.dirs)
+        if training_seen:
+            return newest, True  # nothing more to look for
+        return newest, self._heartbeat() or self._step_line()
+
+    def _heartbeat(self) -> bool:
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.heartbeat_dir):
+                with contextlib.suppress(OSError):
+                    if HEARTBEAT_RE.match(name) and os.stat(
+                            os.path.join(self.heartbeat_dir, name)).st_mtime > self.since:
+                        return True
+        return False
+
+    def _step_line(self) -> bool:
+        seen = False
+        for path, size in self._logs():
+            start = self.offsets.get(path, 0)
+            if size <= start:
+                continue
+            with contextlib.suppress(OSError), open(path, "rb") as fh:
+                at = max(start, size - TAIL_BYTES)
+                fh.seek(at)
+                chunk = fh.read(size - at)
+                # up to the last whole line: a line still being written is read next time
+                end = chunk.rfind(b"\n") + 1
+                self.offsets[path] = at + end if end else start
+                seen = seen or STEP_LINE.search(chunk[:end].decode("utf-8", "replace")) is not None
+        return seen
+
+
+class Watch:
+    """The watch's state, no I/O: the ranks' start, the newest progress since, whether
+    training was seen; :meth:`poll` asks the one rule (node/hangrule.py)."""
+
+    def __init__(self, started_at: float, hang_s: float, allowance_s: float) -> None:
+        self.started_at, self.hang_s, self.allowance_s = started_at, hang_s, allowance_s
+        self.last: float | None = None  # newest progress after the start (None: none yet)
+        self.training = False
+
+    def poll(self, now: float, newest_write: float, training: bool) -> Verdict:
+        if newest_write > self.started_at:  # older writes are an earlier run's
+            self.last = max(self.last or 0.0, newest_write)
+        self.training = self.training or training
+        return judge(now, self.started_at, self.last, self.training, self.hang_s,
+                     self.allowance_s)
+
+
+def run_watch(state: Watch, scan: Callable[[bool], tuple[float, bool]],
+              alive: Callable[[], bool], clock: Callable[[], float] = time.time,
+              sleep: Callable[[float], None] = time.sleep) -> Verdict | None:
+    """Poll until the step ends (None) or the rule says it hangs (its verdict). The
+    clock is the files' (wall clock): progress is their modification times."""
+    while alive():
+        sleep(POLL_S)
+        newest, training = scan(state.training)
+        verdict = state.poll(clock(), newest, training)
+        if verdict.hung:
+            return verdict
+    return None
+
+
 def watch(job_id: str, job_dir: str, dump_dir: str, hang_s: float, launch_pid: int,
-          nodes: int) -> int:
-    dirs = [JobDir(job_dir).logs(), os.environ.get(ENV_HEARTBEAT_DIR, "")]
-    dirs = [d for d in dirs if d]
+          nodes: int, allowance_s: float | None = None) -> int:
+    """Started right after the launch step: its start is the ranks' start."""
+    started = time.time()
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # scancel --full --signal=USR1 reaches us too
-    last = time.time()
-    while _alive(launch_pid):
-        time.sleep(POLL_S)
-        last = max(last, newest_write(dirs))
-        idle = time.time() - last
-        if idle >= hang_s:
-            _hang(job_id, job_dir, dump_dir, hang_s, idle, launch_pid, nodes)
-            return 0
+    state = Watch(started, hang_s, allowance(hang_s) if allowance_s is None else allowance_s)
+    scan = Scan(JobDir(job_dir).logs(), os.environ.get(ENV_HEARTBEAT_DIR, ""), started)
+    verdict = run_watch(state, scan, lambda: _alive(launch_pid))
+    if verdict is not None:
+        _hang(job_id, job_dir, dump_dir, verdict.reason, launch_pid, nodes)
     return 0
 
 
-def _hang(job_id: str, job_dir: str, dump_dir: str, hang_s: float, idle: float,
-          launch_pid: int, nodes: int) -> None:
-    _say(f"clusterkit: no progress on any rank for {idle:.0f} s (--hang-timeout {hang_s:g}): "
-         f"collecting every rank's stack into {dump_dir}")
+def _hang(job_id: str, job_dir: str, dump_dir: str, why: str, launch_pid: int,
+          nodes: int) -> None:
+    _say(f"clusterkit: {why}: collecting every rank's stack into {dump_dir}")
     os.makedirs(dump_dir, exist_ok=True)
     with open("/proc/self/cmdline", "rb") as fh:  # this program as it was started: the same
         words = [w.decode() for w in fh.read().split(b"\0") if w]  # python -S -u -c BOOTSTRAP
@@ -113,8 +200,7 @@ def _hang(job_id: str, job_dir: str, dump_dir: str, hang_s: float, idle: float,
     lines, culprit = summary(dump_dir)
     for line in lines:
         _say(line)
-    reason = (f"no progress for {idle:.0f} s (--hang-timeout {hang_s:g})"
-              + (f"; {culprit}" if culprit else ""))
+    reason = why + (f"; {culprit}" if culprit else "")
     if not _alive(launch_pid):  # it ended by itself meanwhile: its own status stands
         _say("clusterkit: the step ended while its stacks were collected")
         return
@@ -294,13 +380,14 @@ def stacks(job_id: str, dump_dir: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["watch"] and len(argv) == 7:
-        job_id, job_dir, dump_dir, hang, pid, nodes = argv[1:]
-        return watch(job_id, job_dir, dump_dir, float(hang), int(pid), int(nodes))
+    if argv[:1] == ["watch"] and len(argv) == 8:
+        job_id, job_dir, dump_dir, hang, allow, pid, nodes = argv[1:]
+        return watch(job_id, job_dir, dump_dir, float(hang), int(pid), int(nodes),
+                     allowance_s=float(allow))
     if argv[:1] == ["stacks"] and len(argv) == 3:
         return stacks(argv[1], argv[2])
-    sys.stderr.write("usage: slurmwatch watch JOB_ID JOB_DIR DUMP_DIR HANG_S LAUNCH_PID NODES "
-                     "| stacks JOB_ID DUMP_DIR\n")
+    sys.stderr.write("usage: slurmwatch watch JOB_ID JOB_DIR DUMP_DIR HANG_S ALLOWANCE_S "
+                     "LAUNCH_PID NODES | stacks JOB_ID DUMP_DIR\n")
     return 2
 
 

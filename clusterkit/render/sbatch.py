@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from clusterkit.contract import ENV_CKPT_DIR, ENV_STOP_FILE, JobDir, exits_dir
 from clusterkit.errors import RenderError
 from clusterkit.launchers import BACKENDS
-from clusterkit.node import ship
+from clusterkit.node import hangrule, ship
 from clusterkit.node.contract import ENV_HEARTBEAT_DIR
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
@@ -228,7 +228,8 @@ def _watchdog_context(plan: JobPlan) -> dict[str, object]:
     bundle = cmd.stdin.decode("utf-8")
     if WATCHDOG_EOF in bundle:
         raise RenderError(f"the watchdog's sources contain {WATCHDOG_EOF}")
-    return {"hang_timeout": f"{hang:g}", "watchdog_cmd": shlex.join(cmd.argv),
+    return {"hang_timeout": f"{hang:g}", "startup_allowance": f"{hangrule.allowance(hang):g}",
+            "watchdog_cmd": shlex.join(cmd.argv),
             "watchdog_bundle": bundle.rstrip("\n"), "watchdog_eof": WATCHDOG_EOF,
             "progress_dir": f"{node.job_dir}/{PROGRESS_SUBDIR}",
             "max_restarts": plan.options.max_restarts}
