@@ -116,6 +116,19 @@ def _sync(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str,
     return cap.out, cap.err
 
 
+def _sync_from(proj: Path, capsys: pytest.CaptureFixture[str]) -> tuple[str, str]:
+    """``sync code`` run from ``proj`` (another directory holding ``code``)."""
+    inv = str(proj.parent / "inv.yaml")
+    cwd = os.getcwd()
+    os.chdir(proj)
+    try:
+        assert main(["sync", "code", "-i", inv]) == 0
+    finally:
+        os.chdir(cwd)
+    cap = capsys.readouterr()
+    return cap.out, cap.err
+
+
 def _project(tmp_path: Path) -> Path:
     src = tmp_path / "proj" / "code"
     (src / "pkg").mkdir(parents=True)
@@ -150,6 +163,9 @@ def test_chain_of_local_nodes_delivers_verifies_and_then_sends_nothing(
     done = json.loads(out.splitlines()[-1])
     assert done["ok"] and done["sent_from_here"] == 0 and done["chains"] == [["v0", "v1", "v2"]]
     assert {n: r["got_bytes"] for n, r in done["nodes"].items()} == {"v0": 0, "v1": 0, "v2": 0}
+    # A synced copy can be synced on: its own state directory stays behind.
+    out, _ = _sync_from(tmp_path / "w0", capsys)
+    assert out == "  v[0-2]: 0 file(s) sent (0 bytes, verified), 5 unchanged\n"
     # One file changed here: only it travels.
     (src / "pkg" / "a.py").write_text("A = 2\n")
     out, _ = _sync(tmp_path, capsys)

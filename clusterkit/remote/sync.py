@@ -124,8 +124,8 @@ def scan(src: str, ignore: Ignore) -> Scan:
         rel_dir = "" if rel_dir == "." else rel_dir + "/"
         keep = []
         for x in sorted(dirs):
-            if ignore.ignored(rel_dir + x, True):
-                continue
+            if ignore.ignored(rel_dir + x, True) or rel_dir + x == dist_store.STATE_DIR:
+                continue  # (a synced copy's own state never travels on)
             if os.path.islink(os.path.join(d, x)):
                 out.links.append(rel_dir + x)
             else:
