@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from clusterkit.checkpoints import synthetic
+from clusterkit.checkpoints.session import BackChannel
 from clusterkit.errors import LaunchError
 from clusterkit.launch.jobs import JobRecord, Registry
+from clusterkit.node.ckstream import SOCKET_GREETING, connect_back, socket_proof
 from clusterkit.slurm import SlurmClient
 from clusterkit.slurm.steps import SlurmPlace, job_places, site_args, srun_hint
 
@@ -232,6 +236,46 @@ def test_a_node_that_cannot_connect_back_sends_through_srun_and_says_so(tmp_path
     assert len(list((d / "checkpoints" / TAG).glob("*_optim_states.pt"))) == 4
     assert "every file sha256-checked" in res.stdout
     assert "via slurm (node[1-2]: srun's stdout, slower: gaierror: " in res.stdout, res.stdout
+
+
+def test_the_back_channel_takes_only_a_node_that_proves_the_secret() -> None:
+    back = BackChannel(20.0)
+    try:
+        stranger = socket.create_connection(("127.0.0.1", back.port), timeout=5)
+        stranger.sendall(SOCKET_GREETING + b" " + socket_proof("not the secret", b"node",
+                                                               back.port) + b"\n")
+        assert stranger.recv(200) == b""  # closed, no proof given away
+        node = socket.create_connection(("127.0.0.1", back.port), timeout=5)
+        node.sendall(SOCKET_GREETING + b" " + socket_proof(back.secret, b"node", back.port) + b"\n")
+        assert node.recv(200).strip() == socket_proof(back.secret, b"collector", back.port)
+        assert back.done.wait(5) and back.sock is not None
+        with pytest.raises(OSError):  # one node per channel: the listener is closed
+            socket.create_connection(("127.0.0.1", back.port), timeout=2)
+        stranger.close()
+        node.close()
+    finally:
+        back.close()
+
+
+def test_the_node_sends_nothing_to_a_collector_without_the_secret(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = socket.create_server(("127.0.0.1", 0))
+    port = fake.getsockname()[1]
+
+    def impostor() -> None:
+        conn, _ = fake.accept()
+        conn.recv(200)
+        conn.sendall(socket_proof("a guess", b"collector", port) + b"\n")
+        conn.close()
+
+    threading.Thread(target=impostor, daemon=True).start()
+    monkeypatch.setenv("SLURM_SRUN_COMM_HOST", "127.0.0.1")
+    with pytest.raises(ValueError, match="did not prove the run's secret"):
+        connect_back({"port": port, "secret": "s" * 64})
+    fake.close()
+    monkeypatch.delenv("SLURM_SRUN_COMM_HOST")
+    with pytest.raises(ValueError, match="SLURM_SRUN_COMM_HOST is not set"):
+        connect_back({"port": port, "secret": "s" * 64})
 
 
 def test_slurm_refusal_is_one_clear_line(tmp_path: Path) -> None:
