@@ -3,7 +3,7 @@ disks, TCP between the nodes' namespaces.
 
 One sequence on 4 nodes (sharing the set-up keeps it to seconds): the chain delivers
 byte-identical copies; a second run sends nothing; one changed file alone travels; with
-every node's down link shaped to 200 Mbit/s, node2's node program is killed mid-transfer:
+every node's down link shaped to 100 Mbit/s, node2's node program is killed mid-transfer:
 the others complete and verify, the end names node2 and what it lacks, and a rerun sends
 only node2's missing part; a byte flipped in node3's copy: ``doctor --sync`` names node3
 and the file, a rerun repairs only that file.
@@ -93,7 +93,7 @@ def test_chain_delta_lost_node_and_flipped_byte(testbed: Testbed, tmp_path: Path
     # A node lost mid-transfer: the others complete; a rerun completes only it.
     for i in range(6):
         (src / f"model-{i}.bin").write_bytes(os.urandom(10_000_000))
-    _shape(testbed, nodes, 200)
+    _shape(testbed, nodes, 100)
     try:
         proc = subprocess.Popen([*CLI, "sync", "data", "-i", str(inv), "--json"], cwd=proj,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
