@@ -42,8 +42,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.hostrange import fold, fold_numbers
+from clusterkit.node.contract import SUMMARY_PREFIX
 
 # Leading timestamps differ per rank and say nothing the console's order does not.
 _STAMP = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\]?\s*")

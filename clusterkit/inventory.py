@@ -22,9 +22,9 @@ from typing import Any
 
 import yaml
 
-from clusterkit.contract import ENV_CKPT_DIR, ENV_JOB_DIR
 from clusterkit.errors import InventoryError, RenderError
 from clusterkit.hostrange import HostRangeError, expand
+from clusterkit.node.contract import ENV_CKPT_DIR, ENV_JOB_DIR
 from clusterkit.shellsafe import check_env_value, ssh_config_value
 
 SCHEMA_VERSION = 1

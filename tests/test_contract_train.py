@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.contract import CONTRACT_NAMES, DEEPSPEED_CONFIG_ARG
+from clusterkit.node.contract import CONTRACT_NAMES, DEEPSPEED_CONFIG_ARG
 from tests.helpers import rank_pid, train_env, workload_summary
 from tests.render_cases import plan_for
 from tests.testbed.core import Testbed

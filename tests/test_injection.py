@@ -24,11 +24,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from clusterkit.contract import exits_dir
 from clusterkit.errors import ClusterkitError, InventoryError
 from clusterkit.inventory import CheckpointStorage, Host, Inventory, parse_inventory
 from clusterkit.launchers import plan_backends
 from clusterkit.launchers.argv import ranks_under_recorder
+from clusterkit.node.contract import exits_dir
 from clusterkit.plan import plan_job
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import JobOptions, LaunchPlan

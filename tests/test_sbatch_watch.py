@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.fold import parse_ranks
+from clusterkit.node.contract import SUMMARY_PREFIX
 from clusterkit.slurm import SlurmClient
 from clusterkit.slurm.ranklines import (
     SRUN_PIECE_BYTES,

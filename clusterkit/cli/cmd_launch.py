@@ -30,10 +30,10 @@ from clusterkit.cli.jobflags import (
     job_options,
     run_options,
 )
-from clusterkit.contract import SUMMARY_FILE, SUMMARY_PREFIX, JobDir
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import folded_lines
 from clusterkit.launchers import BACKENDS
+from clusterkit.node.contract import SUMMARY_PREFIX, JobDir
 from clusterkit.node.protocol import DEFAULT_GRACE_S
 from clusterkit.units import duration_type
 
@@ -288,7 +288,7 @@ def _save_summary(registry: Any, result: Any) -> None:
 
     summary = result.outcomes[-1].summary
     if summary is not None:
-        path = registry.path(result.plan.job_id).parent / SUMMARY_FILE
+        path = registry.path(result.plan.job_id).parent / JobDir.SUMMARY
         atomic_write_text(path, json.dumps(summary, sort_keys=True, indent=1) + "\n")
 
 

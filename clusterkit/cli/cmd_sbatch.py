@@ -32,10 +32,10 @@ from clusterkit.cli.common import (
     resolve_inventory,
 )
 from clusterkit.cli.jobflags import SCRIPT_OPTION, launcher_given
-from clusterkit.contract import ENV_STOP_FILE, LOG_SUBDIR, JobDir
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.launchers import BACKENDS
+from clusterkit.node.contract import ENV_STOP_FILE, JobDir
 from clusterkit.plan import plan_job
 from clusterkit.render.artifacts import render_all, summary
 from clusterkit.render.sbatch import DEFAULT_SIGNAL_LEAD_S, SlurmSite
@@ -244,7 +244,7 @@ def _write_job_dir(plan: LaunchPlan) -> Path:
     write_artifacts(plan, plan.job_dir)
     # Slurm opens --output/--error before the script runs: a missing directory fails
     # the job at launch (JobLaunchFailure), so it must exist before sbatch.
-    Path(plan.job_dir, LOG_SUBDIR).mkdir(parents=True, exist_ok=True)
+    Path(plan.job_dir, JobDir.LOGS).mkdir(parents=True, exist_ok=True)
     return Path(plan.job_dir) / SCRIPT
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import signal
 from typing import Any, assert_never
 
-from clusterkit.contract import SUMMARY_PREFIX
 from clusterkit.hostrange import folded_lines
 from clusterkit.launch import teardown
 from clusterkit.launch.jobspec import JobSpec
@@ -58,7 +57,7 @@ from clusterkit.launch.runtime_state import GateState, NodeState, Stage
 from clusterkit.launch.stacks import RankStack, StackSummary, read_stack, summarize
 from clusterkit.launch.watchdog import DUMP_COLLECT_S, Watchdog, ping_interval, step_of
 from clusterkit.node import protocol
-from clusterkit.node.contract import JobDir, with_job_id
+from clusterkit.node.contract import SUMMARY_PREFIX, JobDir, with_job_id
 from clusterkit.node.protocol import Control
 
 # The signals the launcher forwards to every node's ranks, as the agents' control words.

@@ -19,7 +19,6 @@ from typing import Any
 
 import yaml
 
-from clusterkit.contract import JobDir, exits_dir
 from clusterkit.launchers.argv import (
     IGNORE_USR1,
     launcher_program,
@@ -28,6 +27,7 @@ from clusterkit.launchers.argv import (
     uniform,
 )
 from clusterkit.launchers.base import Backend
+from clusterkit.node.contract import JobDir, exits_dir
 from clusterkit.spec.job import JobPlan, NodeCommand, launcher_log_dir
 
 ACCELERATE = ("-m", "accelerate.commands.launch")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import shlex
 
-from clusterkit.contract import ENV_JOB_ID, JobDir, exits_dir
 from clusterkit.launchers.argv import launcher_program, pdsh_ssh_args, srun_rank_argv, uniform
 from clusterkit.launchers.base import Backend
+from clusterkit.node.contract import ENV_JOB_ID, JobDir, exits_dir
 from clusterkit.shellsafe import bare_word, ds_user_arg
 from clusterkit.spec.job import JobPlan, NodeCommand, rank_log_dir
 

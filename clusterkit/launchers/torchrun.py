@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shlex
 
-from clusterkit.contract import exits_dir
 from clusterkit.launchers.argv import (
     ADDR_WORD,
     PORT_WORD,
@@ -24,6 +23,7 @@ from clusterkit.launchers.argv import (
     without_path,
 )
 from clusterkit.launchers.base import Backend
+from clusterkit.node.contract import exits_dir
 from clusterkit.shellsafe import NODE_RANK_PLACEHOLDER, pdsh_remote
 from clusterkit.spec.job import JobPlan, NodeCommand, NodePlan, launcher_log_dir
 

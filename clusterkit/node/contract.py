@@ -1,13 +1,15 @@
 """The node contract: every name the launcher, the node agent and the ranks agree on.
 
 One module, standard library only (Python >= 3.8 on the node), so the node programs
-ship it (``node/ship.py``'s ``PROGRAMS``) and every other layer imports it
-(``clusterkit.contract`` re-exports it for the layers above the node code). What
-lives here, each spelled once (``tests/test_contract_names.py`` fails on a second
-spelling anywhere in ``clusterkit/`` or ``templates/``):
+ship it (``node/ship.py``'s ``PROGRAMS``) and every other layer imports it from here
+(no module re-exports it: one door per name). What lives here, each spelled once
+(``tests/test_contract_names.py`` fails on a second spelling anywhere in ``clusterkit/``
+or ``templates/``):
 
 * every ``CLUSTERKIT_*`` environment name that crosses a process boundary (launcher
   -> agent -> ranks, batch script -> ranks), and the summary line's prefix;
+* the user-script contract: one node's view of it (:class:`Contract`), the storage
+  kinds and DeepSpeed's config argument;
 * the placeholder tokens the launcher writes and something else expands;
 * the job-dir layout, as one class (:class:`JobDir`): where logs, rank logs,
   heartbeats, stacks, the run dir, the summary, exits and the stop file live;
@@ -27,6 +29,7 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 # -- The user-script contract: what every rank of a job finds in its environment, whatever
 # the backend, besides RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
@@ -221,6 +224,41 @@ def node_log_name(rank: int | str | None) -> str:
 
 def exits_dir(job_dir: str) -> str:
     return JobDir(job_dir).exits
+
+
+# -- One node's view of the user-script contract (docs/launch.md, "Your own training
+# script"): the plan builds one per node and puts its variables into the node's env.
+# DeepSpeed's own convention (deepspeed.add_config_arguments): the script reads its config
+# path from this argument. `--deepspeed-config-arg` appends it to the script's arguments.
+DEEPSPEED_CONFIG_ARG = "--deepspeed_config"
+STORAGE_KINDS: tuple[str, ...] = ("shared", "node-local")
+
+
+@dataclass(frozen=True)
+class Contract:
+    """One node's view of the job, as its ranks see it."""
+
+    job_id: str
+    job_dir: str  # this node's job dir (absolute)
+    ckpt_dir: str  # this job's checkpoint dir on this node (absolute)
+    storage: str  # "shared" or "node-local"
+
+    @property
+    def ds_config(self) -> str:
+        return JobDir(self.job_dir).ds_config
+
+    def env(self) -> dict[str, str]:
+        """The contract's variables, in their documented order."""
+        if self.storage not in STORAGE_KINDS:
+            # The plan resolves "auto" before it builds a node; anything else is a bug.
+            raise ValueError(f"storage must be one of {STORAGE_KINDS}, got {self.storage!r}")
+        return {ENV_JOB_ID: self.job_id, ENV_JOB_DIR: self.job_dir,
+                ENV_DS_CONFIG: self.ds_config, ENV_CKPT_DIR: self.ckpt_dir,
+                ENV_STORAGE: self.storage}
+
+    def deepspeed_args(self) -> tuple[str, ...]:
+        """``--deepspeed_config PATH``: what DeepSpeed scripts expect after their own args."""
+        return (DEEPSPEED_CONFIG_ARG, self.ds_config)
 
 
 # -- Checkpoint completion markers: each node writes ``clusterkit-complete.node<N>.json``

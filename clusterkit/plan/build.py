@@ -10,12 +10,12 @@ import re
 from pathlib import PurePosixPath
 
 from clusterkit.backend_timeouts import timeout_env
-from clusterkit.contract import DEEPSPEED_CONFIG_ARG, ENV_DS_CONFIG, Contract, JobDir
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import select_hosts
 from clusterkit.hostrange import fold, folded_lines
 from clusterkit.inventory import Host, Inventory, replicas_problem
 from clusterkit.launchers import BACKENDS, plan_backends
+from clusterkit.node.contract import DEEPSPEED_CONFIG_ARG, ENV_DS_CONFIG, Contract, JobDir
 from clusterkit.plan.env import build_env
 from clusterkit.plan.ifaces import added_env, apply_picks
 from clusterkit.spec.job import (
@@ -146,7 +146,7 @@ def _node_plans(inventory: Inventory, o: JobOptions,
         workdir = _abs_path(host.workdir or facts.cwd, "workdir", host.name)
         job_dir = f"{workdir}/{JOBS_SUBDIR}/{o.job_id}"
         ckpt_dir = _ckpt_dir(host, storage, o, inventory.path)
-        # The user-script contract (clusterkit/contract.py) rides in the node env, so every
+        # The user-script contract (node/contract.py, Contract) rides in the node env, so every
         # backend delivers it: agent, torchrun, .deepspeed_env, accelerate, sbatch exports.
         contract = Contract(job_id=o.job_id, job_dir=job_dir, ckpt_dir=ckpt_dir, storage=storage)
         env = build_env(python=python, environ=facts.environ, host_env=host.env,

@@ -15,11 +15,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
-from clusterkit.contract import JobDir
 from clusterkit.errors import RenderError
 from clusterkit.hostfile import render_hostfile
 from clusterkit.hostrange import folded_lines
 from clusterkit.launchers import BACKENDS
+from clusterkit.node.contract import JobDir
 from clusterkit.render.dsenv import render_deepspeed_env
 from clusterkit.render.sbatch import SlurmSite, render_sbatch
 from clusterkit.render.ssh_config import render_ssh_config

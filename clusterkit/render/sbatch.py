@@ -21,11 +21,10 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clusterkit.contract import ENV_CKPT_DIR, ENV_STOP_FILE, JobDir, exits_dir
 from clusterkit.errors import RenderError
 from clusterkit.launchers import BACKENDS
 from clusterkit.node import hangrule, ship
-from clusterkit.node.contract import ENV_HEARTBEAT_DIR
+from clusterkit.node.contract import ENV_CKPT_DIR, ENV_HEARTBEAT_DIR, ENV_STOP_FILE, JobDir, exits_dir
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
 

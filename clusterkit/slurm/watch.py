@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from clusterkit.contract import LOG_SUBDIR, RUN_SUBDIR, SUMMARY_FILE, SUMMARY_PREFIX
 from clusterkit.fold import Folded, LineFolder, fold_key, rank_label
 from clusterkit.hostrange import HostRangeError, expand_list
+from clusterkit.node.contract import SUMMARY_PREFIX, JobDir
 from clusterkit.slurm.client import SlurmClient
 from clusterkit.slurm.jobinfo import JobInfo
 from clusterkit.slurm.ranklines import (
@@ -212,9 +212,9 @@ def summary_file(info: JobInfo) -> str | None:
     """Where the bundled workload saved its summary: ``<job dir>/run/summary.json``,
     the job dir being the parent of clusterkit's ``<job dir>/logs/`` output files."""
     logs = os.path.dirname(info.stdout) if info.stdout else ""
-    if os.path.basename(logs) != LOG_SUBDIR:
+    if os.path.basename(logs) != JobDir.LOGS:
         return None  # not a script clusterkit wrote
-    return os.path.join(os.path.dirname(logs), RUN_SUBDIR, SUMMARY_FILE)
+    return os.path.join(os.path.dirname(logs), JobDir.RUN, JobDir.SUMMARY)
 
 
 def _saved_summary(info: JobInfo, watch_started: float) -> str | None:

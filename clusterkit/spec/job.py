@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from clusterkit.contract import ENV_DS_CONFIG, JobDir
 from clusterkit.inventory import Host
-from clusterkit.node.contract import ENV_HEARTBEAT
+from clusterkit.node.contract import ENV_DS_CONFIG, ENV_HEARTBEAT, JobDir
 from clusterkit.node.protocol import DEFAULT_GRACE_S
 from clusterkit.spec.zero import (
     DEFAULT_LR,

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 from clusterkit.backend_timeouts import pg_timeout_from_env
 from clusterkit.checkpoints import layout
-from clusterkit.contract import SUMMARY_FILE, SUMMARY_PREFIX
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import atomic_write_text, read_json_object
+from clusterkit.node.contract import SUMMARY_PREFIX, JobDir
 from clusterkit.spec.batch import shrink_batch
 from clusterkit.spec.zero import Offload, Precision, ZeroSpec, build_ds_config, resolve_precision
 from clusterkit.workload import hangs
@@ -254,7 +254,7 @@ def _run(args: WorkloadArgs, rank: int, local_rank: int, world: int,
     if rank == 0:
         # The file is the summary to read back: a console line can arrive cut (srun
         # --label splits long lines at its message boundaries; torchrun's tee at a read).
-        atomic_write_text(os.path.join(run_dir, SUMMARY_FILE),
+        atomic_write_text(os.path.join(run_dir, JobDir.SUMMARY),
                           json.dumps(summary, sort_keys=True, indent=1) + "\n")
         print(SUMMARY_PREFIX + json.dumps(summary, sort_keys=True), flush=True)
     return EXIT_TERM if stop_code == 2 else EXIT_OK
