@@ -149,6 +149,115 @@ def copy_cpu(mb: int) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
+_PINNED_SERVER = """
+import os, sys
+sys.path.insert(0, {repo!r})
+os.sched_setaffinity(0, {{{cpu}}})
+from clusterkit.node import priority
+from clusterkit.node.replica import ReplicaServer
+if not {lower!r}:
+    priority.lower_this_thread = lambda path="": "off"
+srv = ReplicaServer({job!r}, 1, "n1", {dest!r}, sys.stdin.readline().strip(),
+                    address="127.0.0.1", sources=[0])
+print(srv.start(), flush=True)
+sys.stdin.readline()
+"""
+
+_RANK = """
+import os, sys, time, select
+os.sched_setaffinity(0, {{{cpu}}})
+n, t0 = 0, time.monotonic()
+while not select.select([sys.stdin], [], [], 0)[0]:
+    for _ in range(20000):
+        n += 1
+print(n / (time.monotonic() - t0), flush=True)
+"""
+
+
+def beside_rank(mb: int, rounds: int) -> int:
+    """A busy "rank" (a session of its own) and one push of ``mb`` MB, all pinned to one
+    CPU: the rank's work rate while the copy runs over its rate alone, with the copy at
+    the priority node/priority.py gives it and without (interleaved rounds)."""
+    from clusterkit.node import priority
+    from clusterkit.node.replica import push
+
+    cpu = max(os.sched_getaffinity(0))
+    work = Path(tempfile.mkdtemp(prefix="bench-beside-rank-"))
+    real = priority.lower_this_thread
+    out: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    try:
+        src = work / "src" / "step1"
+        src.mkdir(parents=True)
+        (src / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(os.urandom(mb << 20))
+
+        def rank_rate(seconds: float | None, during: Any = None) -> float:
+            proc = subprocess.Popen([sys.executable, "-c", _RANK.format(cpu=cpu)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+            assert proc.stdin is not None and proc.stdout is not None
+            if during is None:
+                time.sleep(seconds or 0.0)
+            else:
+                during()
+            proc.stdin.write("stop\n")
+            proc.stdin.flush()
+            return float(proc.stdout.readline())
+
+        for r in range(rounds):
+            for lower in ((True, False) if r % 2 == 0 else (False, True)):
+                job = f"bench-beside-{os.getpid()}-{r}-{int(lower)}"
+                secret = secrets.token_hex(16)
+                server = subprocess.Popen([sys.executable, "-c", _PINNED_SERVER.format(
+                    repo=str(REPO), cpu=cpu, lower=lower, job=job, dest=str(work / job))],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                assert server.stdin is not None and server.stdout is not None
+                server.stdin.write(secret + "\n")
+                server.stdin.flush()
+                server.stdout.readline()
+                took: list[float] = []
+
+                def copy(lower: bool = lower, job: str = job, secret: str = secret,
+                         took: list[float] = took) -> None:
+                    def send() -> None:
+                        os.sched_setaffinity(0, {cpu})  # this thread only
+                        if not lower:
+                            priority.lower_this_thread = lambda path="": "off"
+                        from clusterkit.node.replica import low_priority
+                        low_priority(lambda _m: None, str(work))
+                        t0 = time.monotonic()
+                        push(str(work / "src"), "step1", {"node": "n1", "index": 1,
+                                                         "address": "127.0.0.1"},
+                             job_id=job, source=0, source_host="n0", secret=secret,
+                             tags=["step1"])
+                        took.append(time.monotonic() - t0)
+
+                    t = threading.Thread(target=send)
+                    t.start()
+                    t.join()
+                    priority.lower_this_thread = real
+
+                alone = rank_rate(3.0)
+                during = rank_rate(None, copy)
+                server.stdin.write("done\n")
+                server.stdin.flush()
+                server.wait(30)
+                out[lower].append((during / alone, took[0]))
+                print(f"round {r} copy {'at low priority' if lower else 'at normal priority'}:"
+                      f" the rank's rate during the copy {during / alone:.2f} of its rate alone;"
+                      f" the {mb} MB copy took {took[0]:.1f} s (load {os.getloadavg()[0]:.1f})",
+                      flush=True)
+    finally:
+        priority.lower_this_thread = real
+        shutil.rmtree(work, ignore_errors=True)
+    for lower in (True, False):
+        rates = [x for x, _ in out[lower]]
+        print(f"{'low' if lower else 'normal'} priority: the rank kept "
+              f"{statistics.mean(rates):.2f} of its rate (runs "
+              + ", ".join(f"{x:.2f}" for x in rates) + "); copy "
+              + ", ".join(f"{t:.1f} s" for _, t in out[lower]))
+    return 0
+
+
 def _sha256_cpu(src: Path) -> float:
     """CPU seconds of one sha256 pass over the files (read from the page cache)."""
     c0 = time.process_time()
@@ -242,12 +351,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb-per-rank", type=int, default=128)
     p.add_argument("--copy-cpu", type=int, metavar="MB",
                    help="only the CPU per GiB of one push of MB on loopback")
+    p.add_argument("--beside-rank", type=int, metavar="MB",
+                   help="only: a busy rank's rate while a push of MB shares its CPU, "
+                        "copy at low vs normal priority (--rounds rounds)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--prefix", help="use this existing test bed (else a new one, torn down)")
     ns = p.parse_args(argv)
     if ns.copy_cpu:
         return copy_cpu(ns.copy_cpu)
+    if ns.beside_rank:
+        return beside_rank(ns.beside_rank, ns.rounds)
     us = ns.user_script
     ns.nodes = ns.nodes or (4 if us else 3)
     ns.ranks = ns.ranks or (2 if us else 1)
