@@ -8,7 +8,8 @@ sources, then one JSON spec line, then control lines):
    (``[rel, size, mtime_ns, mode, sha256, [chunk sha256]]`` per file, node/dist_store.py);
 2. the node works out what it lacks (files it holds with the same sha256 are kept,
    a partial file's verified chunks too), listens on a TCP port and says
-   ``{"ev": "ready", "port", "need", "need_bytes", "extra", "managed"}`` on stdout;
+   ``{"ev": "ready", "port", "need", "need_bytes", "extra", "managed", "addr"}`` on stdout
+   (``addr``: its address as the SSH session reached it, "" without SSH);
 3. the launcher answers ``{"op": "go", "down": {"node", "address", "port"} | null,
    "delete": [rel]}``: the next node of the chain (or none) and what to delete;
 4. an upstream (the launcher or the previous node) connects and streams **records**:
@@ -438,9 +439,12 @@ def serve() -> int:
     except (OSError, ValueError, DistError) as exc:
         node.emit("error", why=f"{type(exc).__name__}: {exc}")
         return 1
+    # Its address as the SSH client reached it: ssh_config aliases are the launcher's names.
+    seen = os.environ.get("SSH_CONNECTION", "").split()
     node.emit("ready", port=srv.getsockname()[1], need_bytes=node.need_bytes(),
               need=[[fi, sorted(cs)] for fi, cs in sorted(node.need.items())],
-              extra=node.extras(), managed=node.doc is not None)
+              extra=node.extras(), managed=node.doc is not None,
+              addr=seen[2] if len(seen) == 4 else "")
     for fn, args in ((node.accept_loop, (srv,)), (node.ticker, ()), (node.control, ())):
         threading.Thread(target=fn, args=args, daemon=True).start()
     node.done.wait()
@@ -450,10 +454,8 @@ def serve() -> int:
 
 
 def ports(first: int) -> int:
-    """``dist ports P``: listen on the first free port of P..P+15 as ``serve`` would, say
-    ``{"ev": "listening", "port"}``; then for each ``{"op": "connect", "address", "port"}``
-    on stdin, try a TCP connection and say ``{"ev": "reach", "ok", "why"}`` (doctor's
-    check of the ports the chain needs). Ends at EOF on stdin."""
+    """``dist ports P``: listen as ``serve`` would (``{"ev": "listening", "port"}``), then try
+    each ``{"op": "connect", "address", "port"}`` (``{"ev": "reach", "ok", "why"}``)."""
     node = Node({"dest": ".", "index": 0, "secret": "", "files": [], "port": first})
     try:
         srv = node._listen()

@@ -158,6 +158,7 @@ class _Peer:
     last_word: float = field(default_factory=time.monotonic)
     tail: list[str] = field(default_factory=list)
     delete: list[str] = field(default_factory=list)
+    addr: str = ""  # the node's address as its SSH session reached it (the chain's)
 
 
 def distribute(transport: Transport, nodes: Sequence[DistNode], src_dir: str,
@@ -288,6 +289,7 @@ class _Run:
     def _ready(self, peer: _Peer, ev: dict[str, Any]) -> None:
         res = peer.result
         peer.port = int(ev["port"])
+        peer.addr = str(ev.get("addr") or "")
         peer.need = {int(fi): [int(c) for c in cs] for fi, cs in ev["need"]}
         res.need_bytes = int(ev["need_bytes"])
         res.files_sent = len(peer.need)
@@ -312,7 +314,7 @@ class _Run:
         if i is None:
             return None
         p = self.peers[i]
-        return {"node": p.node.name, "address": p.node.address, "port": p.port}
+        return {"node": p.node.name, "address": p.addr or p.node.address, "port": p.port}
 
     # ---------------------------------------------------------------- feeding
     def _feed(self, head: int) -> None:
@@ -324,7 +326,7 @@ class _Run:
     def _feeder(self, head: int) -> None:
         peer = self.peers[head]
         try:
-            sock, start = dial(peer.node.address, peer.port, self.secret)
+            sock, start = self._dial(peer)
         except (OSError, ValueError) as exc:
             self.events.put((head, {"ev": "unreachable", "why": str(exc)}))
             return
@@ -340,6 +342,16 @@ class _Run:
             self.events.put((head, {"ev": "feed-lost", "why": str(exc)}))
         finally:
             sock.close()
+
+    def _dial(self, peer: _Peer) -> tuple[socket.socket, int]:
+        """The inventory's address first (this machine's name for the node), then the
+        one the node's SSH session came in on."""
+        try:
+            return dial(peer.node.address, peer.port, self.secret)
+        except (OSError, ValueError):
+            if not peer.addr or peer.addr == peer.node.address:
+                raise
+        return dial(peer.addr, peer.port, self.secret)
 
     def _stream(self, sock: socket.socket, head: int, start: int) -> None:
         fh: Any = None
