@@ -8,6 +8,7 @@ import pytest
 
 from clusterkit.checkpoints import layout
 from clusterkit.errors import CheckpointError
+from clusterkit.node.contract import marker_name, parse_marker_name
 
 
 @pytest.mark.parametrize(("name", "expected"), [
@@ -45,9 +46,9 @@ def test_rank_files_per_stage() -> None:
 
 
 def test_marker_and_tag_names() -> None:
-    assert layout.marker_name(3) == "clusterkit-complete.node3.json"
-    assert layout.parse_marker_name("clusterkit-complete.node12.json") == 12
-    assert layout.parse_marker_name("clusterkit-complete.node.json") is None
+    assert marker_name(3) == "clusterkit-complete.node3.json"
+    assert parse_marker_name("clusterkit-complete.node12.json") == 12
+    assert parse_marker_name("clusterkit-complete.node.json") is None
     assert layout.parse_step_tag(layout.step_tag(40)) == 40
     assert layout.parse_step_tag("best") is None
 

@@ -24,6 +24,7 @@ from clusterkit.checkpoints.session import collect_ssh_argv
 from clusterkit.checkpoints.source import CollectNode, list_nodes
 from clusterkit.checkpoints.transfer import PART_SUFFIX, Hashed
 from clusterkit.errors import CheckpointError
+from clusterkit.node.contract import MARKER_PREFIX, marker_name
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
 
@@ -86,7 +87,7 @@ def test_duplicate_shard_is_reported(tmp_path: Path, transport: DispatchTranspor
 def test_missing_marker_latest_disagreement_and_truncation(tmp_path: Path,
                                                           transport: DispatchTransport) -> None:
     nodes = _make(tmp_path)
-    os.unlink(Path(nodes[2].root, TAG, layout.marker_name(2)))
+    os.unlink(Path(nodes[2].root, TAG, marker_name(2)))
     shard = synthetic.shard_paths(nodes[1].root)[0]
     with open(shard, "r+b") as fh:
         fh.truncate(10)
@@ -164,7 +165,7 @@ def test_collect_local_nodes_then_rerun_skips(tmp_path: Path, transport: Dispatc
     assert not report.failed and report.skipped == 0
     names = sorted(os.listdir(dest / TAG))
     assert len([n for n in names if n.endswith("_optim_states.pt")]) == 8
-    assert len([n for n in names if n.startswith(layout.MARKER_PREFIX)]) == 4
+    assert len([n for n in names if n.startswith(MARKER_PREFIX)]) == 4
     assert (dest / "latest").read_text() == TAG and (dest / "zero_to_fp32.py").is_file()
     ms = (dest / TAG / "mp_rank_00_model_states.pt").read_bytes()
     assert ms.endswith(b"rank0!!!")  # node1's (global rank 0) copy won
@@ -312,7 +313,7 @@ def test_scatter_same_split_and_resplit(tmp_path: Path, transport: DispatchTrans
     assert report.remapped
     for index, n in enumerate(fresh):
         tag_dir = Path(n.root, TAG)
-        marker = json.loads((tag_dir / layout.marker_name(index)).read_text())
+        marker = json.loads((tag_dir / marker_name(index)).read_text())
         assert [r["global_rank"] for r in marker["ranks"]] == [index]
         assert marker["num_nodes"] == 8
         assert (tag_dir / layout.optim_states_name(index, bf16=False)).is_file()
@@ -407,7 +408,7 @@ def _user_save(tmp: Path, n: int = 4, stage: int = 2, bf16: bool = False) -> lis
     nodes = _make(tmp, n=n, stage=stage)
     for index, node in enumerate(nodes):
         tag_dir = Path(node.root, TAG)
-        os.unlink(tag_dir / layout.marker_name(index))
+        os.unlink(tag_dir / marker_name(index))
         if bf16:
             for shard in tag_dir.glob("zero_pp_rank_*_optim_states.pt"):
                 shard.rename(shard.with_name("bf16_" + shard.name))
@@ -467,7 +468,7 @@ def test_cli_without_markers_collects_a_user_save(tmp_path: Path) -> None:
     roots = [str(tmp_path / f"node{i}" / "ckpt") for i in (1, 2, 3)]
     synthetic.write_node_local(roots, shard_bytes=2048, model_bytes=512)
     for i, root in enumerate(roots):
-        os.unlink(Path(root, TAG, layout.marker_name(i)))
+        os.unlink(Path(root, TAG, marker_name(i)))
     dest = tmp_path / "dest"
     refused = _run_cli("-i", str(inv), "--to", str(dest))
     assert refused.returncode == 2 and "pass --without-markers" in refused.stderr
@@ -500,7 +501,7 @@ def test_cli_without_markers_collects_a_user_save(tmp_path: Path) -> None:
     assert back.returncode == 0, back.stderr
     for i, ranks in ((1, [0, 1, 2]), (2, [3, 4, 5])):
         tag_dir = fresh / f"node{i}" / "ckpt" / TAG
-        marker = json.loads((tag_dir / layout.marker_name(i - 1)).read_text())
+        marker = json.loads((tag_dir / marker_name(i - 1)).read_text())
         assert [r["global_rank"] for r in marker["ranks"]] == ranks
         assert (tag_dir / "mp_rank_00_model_states.pt").is_file()
     again = _run_cli("-i", str(inv2), "--to", str(fresh / "dest2"), "--json")

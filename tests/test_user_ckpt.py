@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.checkpoints import layout, synthetic
+from clusterkit.checkpoints import synthetic
 from clusterkit.checkpoints.assemble import assemble, ranks_of_map, ranks_of_slots
 from clusterkit.checkpoints.health import health, list_all
 from clusterkit.checkpoints.source import CollectNode
 from clusterkit.launch.jobs import JobRecord, NodeRecord, Registry
 from clusterkit.node import contract
+from clusterkit.node.contract import MARKER_GLOB
 from clusterkit.node.replica_done import part_problem
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
@@ -126,7 +127,7 @@ def test_collect_a_launched_user_script_job_needs_no_flag(tmp_path: Path,
     assert report["collect"]["world_size"] == 8 and report["copied_bytes"] > 0
     assert "note: no completion markers" in res.stderr
     assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 8
-    assert not list((dest / TAG).glob(layout.MARKER_GLOB))
+    assert not list((dest / TAG).glob(MARKER_GLOB))
 
 
 @pytest.mark.parametrize(("program", "markers"), [

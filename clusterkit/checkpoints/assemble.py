@@ -42,9 +42,12 @@ from clusterkit.checkpoints import layout
 from clusterkit.checkpoints.listing import FileInfo, NodeListing, ReplicaCopy
 from clusterkit.errors import CheckpointError
 from clusterkit.node.contract import (
+    LATEST_FILE,
+    RECOVERY_SCRIPTS,
     REPLICA_MANIFEST,
     REPLICA_SCHEMA,
     REPLICA_SCHEMA_VERSION,
+    marker_name,
     replica_dir,
 )
 from clusterkit.node.replica_done import part_problem
@@ -309,14 +312,14 @@ def _own_part(ls: NodeListing | None, index: int, tag: str, require_markers: boo
     part = {posixpath.join(tag, rel): info.size for rel, info in files.items()}
     if index == 0:  # 'latest' only while it names this tag (as a replica holds it)
         part.update({name: info.size for name, info in ls.top.items()
-                     if name in layout.RECOVERY_SCRIPTS
-                     or (name == layout.LATEST_FILE and ls.latest == tag)})
+                     if name in RECOVERY_SCRIPTS
+                     or (name == LATEST_FILE and ls.latest == tag)})
     source = PartSource(index=index, node=ls.node, host=ls.node, root=ls.root,
                         replica=False, files=part)
     torn = [rel for rel, info in files.items() if info.whole is False]
     if torn:
         return None, f"{posixpath.join(tag, torn[0])} is cut short"
-    text = ls.markers.get(tag, {}).get(layout.marker_name(index))
+    text = ls.markers.get(tag, {}).get(marker_name(index))
     if text is None and not require_markers and files:
         why = part_problem(list(files), ranks) if ranks is not None else None
         return (None, f"{tag}: {why}") if why else (source, "")

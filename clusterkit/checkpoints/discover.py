@@ -36,6 +36,7 @@ from clusterkit.checkpoints.collectplan import (
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.errors import CheckpointError
 from clusterkit.hostrange import fold, folded_lines
+from clusterkit.node.contract import MARKER_GLOB, RECOVERY_SCRIPTS, parse_marker_name
 from clusterkit.node.gatefacts import SHARED_FIX, shared_line
 
 
@@ -152,7 +153,7 @@ def _read_markers(listings: Sequence[NodeListing], tag: str
     for ls in listings:
         texts = ls.markers.get(tag, {})
         if not texts:
-            problems.append(f"{ls.node}: no completion marker ({layout.MARKER_GLOB}) in {tag}: "
+            problems.append(f"{ls.node}: no completion marker ({MARKER_GLOB}) in {tag}: "
                             "the save did not finish on this node")
             continue
         for name, text in sorted(texts.items()):
@@ -168,7 +169,7 @@ def _read_markers(listings: Sequence[NodeListing], tag: str
             except ValueError as exc:
                 problems.append(f"{path}: unreadable completion marker ({exc})")
                 continue
-            if layout.parse_marker_name(name) != marker.node_index or marker.tag != tag:
+            if parse_marker_name(name) != marker.node_index or marker.tag != tag:
                 problems.append(f"{path}: marker names node {marker.node_index} / tag {marker.tag}")
                 continue
             found.setdefault(ls.node, []).append(marker)
@@ -355,7 +356,7 @@ def _gather_files(listings: Sequence[NodeListing], tag: str) -> dict[str, tuple[
     for ls in listings:
         for name, info in ls.top.items():
             # 'latest' is not copied: DEST gets its own, naming the collected tag.
-            if name in layout.RECOVERY_SCRIPTS:
+            if name in RECOVERY_SCRIPTS:
                 out.setdefault(name, []).append(SourceFile(ls.node, name, info.size, info.mtime))
         for rel, info in (ls.tags.get(tag) or {}).items():
             if _is_temp(rel):

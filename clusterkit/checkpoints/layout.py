@@ -40,19 +40,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from clusterkit.errors import CheckpointError
-from clusterkit.node.contract import LATEST_FILE as LATEST_FILE
-from clusterkit.node.contract import MARKER_GLOB as MARKER_GLOB
-from clusterkit.node.contract import MARKER_PREFIX as MARKER_PREFIX
-from clusterkit.node.contract import MARKER_SUFFIX as MARKER_SUFFIX
 from clusterkit.node.contract import MODEL_STATES_RE, OPTIM_STATES_RE, ZERO3_MODEL_STATES_RE
-from clusterkit.node.contract import RECOVERY_SCRIPTS as RECOVERY_SCRIPTS
-from clusterkit.node.contract import marker_name as marker_name
-from clusterkit.node.contract import parse_marker_name as parse_marker_name
 
 MARKER_SCHEMA = "clusterkit.checkpoint-complete"
 MARKER_SCHEMA_VERSION = 1
 # The completion-marker rule (MARKER_*, marker_name, parse_marker_name) is the node
-# contract's (node/contract.py), imported above and read as layout.* by its callers.
+# contract's (node/contract.py): callers import it from there, not through this module.
 # DeepSpeed's file names (LATEST_FILE, RECOVERY_SCRIPTS, the shard regexes) are the node
 # contract's too: the replica agents judge a tag dir with them on the node.
 ACCELERATE_DS_SUBDIR = "pytorch_model"

@@ -16,6 +16,7 @@ from clusterkit.checkpoints.source import Route
 from clusterkit.checkpoints.transfer import Wanted
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text
+from clusterkit.node.contract import LATEST_FILE
 
 MANIFEST = "clusterkit-collect.json"
 MANIFEST_SCHEMA = "clusterkit.collected-checkpoint"
@@ -73,7 +74,7 @@ def read_manifest(dest: str, tag: str) -> dict[str, Any]:
 
 def latest_tag_at(dest: str) -> str | None:
     try:
-        with open(os.path.join(dest, layout.LATEST_FILE), encoding="utf-8") as fh:
+        with open(os.path.join(dest, LATEST_FILE), encoding="utf-8") as fh:
             return fh.read().strip() or None
     except OSError:
         return None
@@ -86,4 +87,4 @@ def write_latest(dest: str, tag: str) -> None:
         cur, new = layout.parse_step_tag(current), layout.parse_step_tag(tag)
         if cur is not None and new is not None and cur > new:
             return
-    atomic_write_text(os.path.join(dest, layout.LATEST_FILE), tag)
+    atomic_write_text(os.path.join(dest, LATEST_FILE), tag)

@@ -30,6 +30,7 @@ from clusterkit.checkpoints.manifest import read_manifest
 from clusterkit.checkpoints.source import CollectNode
 from clusterkit.checkpoints.transfer import hash_command, parse_hashes
 from clusterkit.errors import CheckpointError
+from clusterkit.node.contract import LATEST_FILE, RECOVERY_SCRIPTS, marker_name
 from clusterkit.remote.base import Transport
 
 HASH_TIMEOUT_S = 3600.0
@@ -80,7 +81,7 @@ def plan_scatter(manifest: Mapping[str, Any], targets: Sequence[ScatterTarget]) 
         for r, files in n["rank_files"].items():
             rank_files[int(r)] = list(files)
     old_markers = _old_markers(manifest)
-    scripts = [f for f in manifest["files"] if f in layout.RECOVERY_SCRIPTS]
+    scripts = [f for f in manifest["files"] if f in RECOVERY_SCRIPTS]
     pushes: list[NodePush] = []
     first = 0
     for index, t in enumerate(targets):
@@ -181,7 +182,7 @@ def _push_node(transport: Transport, dest: str, manifest: Mapping[str, Any], nod
     tag = str(manifest["tag"])
     # The old marker first: an interrupted scatter must not leave a stale "complete".
     transport.run(node.target, ["rm", "-f", "--", posixpath.join(
-        node.root, tag, layout.marker_name(push.node_index))], timeout=60.0)
+        node.root, tag, marker_name(push.node_index))], timeout=60.0)
     for f in todo:
         transport.put(node.target, os.path.join(dest, f), posixpath.join(node.root, f))
     after = remote_hashes(transport, node, push.files) if todo else have
@@ -189,8 +190,8 @@ def _push_node(transport: Transport, dest: str, manifest: Mapping[str, Any], nod
     if bad:
         raise CheckpointError(f"sha256 mismatch after upload: {', '.join(bad[:4])}",
                               host=node.name)
-    _put_text(transport, node, posixpath.join(node.root, layout.LATEST_FILE), tag)
-    _put_text(transport, node, posixpath.join(node.root, tag, layout.marker_name(push.node_index)),
+    _put_text(transport, node, posixpath.join(node.root, LATEST_FILE), tag)
+    _put_text(transport, node, posixpath.join(node.root, tag, marker_name(push.node_index)),
               json.dumps(push.marker, indent=1) + "\n")
     return len(todo), len(push.files) - len(todo)
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from clusterkit.checkpoints import layout
 from clusterkit.node import contract
+from clusterkit.node.contract import LATEST_FILE, RECOVERY_SCRIPTS, marker_name
 
 SCRIPT_TEXT = "# stand-in for DeepSpeed's zero_to_fp32.py\n"
 
@@ -88,10 +89,10 @@ def write_node_local(roots: Sequence[str], *, ranks_per_node: int = 2, zero_stag
                                          files=layout.rank_files(zero_stage, r, "fp32"))
                         for r in ranks),
             node_files=files, created_unix=time.time())
-        _write(os.path.join(tag_dir, layout.marker_name(index)),
+        _write(os.path.join(tag_dir, marker_name(index)),
                json.dumps(marker.to_json_dict(), indent=1).encode())
         if index == 0:
-            _write(os.path.join(root, layout.LATEST_FILE), tag.encode())
+            _write(os.path.join(root, LATEST_FILE), tag.encode())
             _write(os.path.join(root, "zero_to_fp32.py"), SCRIPT_TEXT.encode())
     return total
 
@@ -112,7 +113,7 @@ def write_replica(root: str, holder_root: str, source: int, tag: str = "global_s
     dest = contract.replica_dir(holder_root, source, tag)
     rels = [os.path.relpath(os.path.join(d, n), root)
             for d, _, names in os.walk(os.path.join(root, tag)) for n in names]
-    rels += [n for n in (layout.LATEST_FILE, *layout.RECOVERY_SCRIPTS)
+    rels += [n for n in (LATEST_FILE, *RECOVERY_SCRIPTS)
              if source == 0 and os.path.isfile(os.path.join(root, n))]
     files: dict[str, dict[str, object]] = {}
     for rel in sorted(rels):

@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from clusterkit.checkpoints import layout
 from clusterkit.checkpoints.assemble import (
     Assembly,
     PartSource,
@@ -50,6 +49,7 @@ from clusterkit.launch.run import (
     replacements,
     resume_arg,
 )
+from clusterkit.node.contract import LATEST_FILE, parse_marker_name
 from clusterkit.remote.base import Transport, target_for
 from clusterkit.spec.job import JobPlan, NodePlan
 
@@ -369,7 +369,7 @@ def _push(transport: Transport, spare: CollectNode, local_root: str,
 def _goes_last(rel: str) -> bool:
     """What makes a checkpoint look complete on its node: written after the rest."""
     name = posixpath.basename(rel)
-    return (rel == layout.LATEST_FILE or layout.parse_marker_name(name) is not None
+    return (rel == LATEST_FILE or parse_marker_name(name) is not None
             or name == UNIVERSAL_MARKER)
 
 

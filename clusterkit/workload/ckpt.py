@@ -27,6 +27,7 @@ import torch.distributed as dist
 from clusterkit.checkpoints import layout, universal
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import read_json_object
+from clusterkit.node.contract import marker_name, parse_marker_name
 from clusterkit.workload.engines import TrainEngine
 
 EXIT_CHECKPOINT_ERROR = 3
@@ -109,7 +110,7 @@ def _list_files(tag_dir: str) -> dict[str, int]:
     found: dict[str, int] = {}
     for root, _, names in os.walk(tag_dir):
         for name in names:
-            if layout.parse_marker_name(name) is not None or name.endswith(".tmp"):
+            if parse_marker_name(name) is not None or name.endswith(".tmp"):
                 continue
             full = os.path.join(root, name)
             found[os.path.relpath(full, tag_dir)] = os.path.getsize(full)
@@ -130,7 +131,7 @@ def save(ctx: CkptContext, engine: TrainEngine, tag: str, *, save_16bit: bool) -
     """Save ``tag`` and, once every rank is done, write one marker per node."""
     me = ctx.topo.me
     tag_dir = os.path.join(ctx.ckpt_dir, tag)
-    marker = os.path.join(tag_dir, layout.marker_name(me.node_index))
+    marker = os.path.join(tag_dir, marker_name(me.node_index))
     if me.local_rank == 0 and os.path.exists(marker):
         os.remove(marker)  # re-saving a tag: it is incomplete until re-marked
     dist.barrier()
@@ -165,7 +166,7 @@ def _write_marker(ctx: CkptContext, engine: TrainEngine, tag: str,
         precision=ctx.precision, storage=ctx.storage, world_size=ctx.topo.world_size,
         num_nodes=ctx.topo.num_nodes, node_index=me.node_index, host=me.host,
         ranks=entries, node_files=_list_files(tag_dir), created_unix=time.time())
-    _write_json_atomic(os.path.join(tag_dir, layout.marker_name(me.node_index)),
+    _write_json_atomic(os.path.join(tag_dir, marker_name(me.node_index)),
                        marker.to_json_dict())
 
 
@@ -211,7 +212,7 @@ def _scan(ckpt_dir: str) -> Scan:
 def _scan_tag(tag: str, tag_dir: str) -> ScanEntry | None:
     found = []
     for name in os.listdir(tag_dir):
-        if layout.parse_marker_name(name) is None:
+        if parse_marker_name(name) is None:
             continue
         try:
             found.append(_read_marker(os.path.join(tag_dir, name)))
@@ -235,7 +236,7 @@ def _verify_own(ctx: CkptContext, tag: str) -> list[str]:
     me = ctx.topo.me
     tag_dir = os.path.join(ctx.ckpt_dir, tag)
     where = ctx.topo.where(me.global_rank)
-    marker_path = os.path.join(tag_dir, layout.marker_name(me.node_index))
+    marker_path = os.path.join(tag_dir, marker_name(me.node_index))
     if not os.path.isdir(tag_dir):
         return [f"{where}: no checkpoint directory {tag_dir}"]
     if universal.is_universal_dir(tag_dir):
@@ -321,7 +322,7 @@ def choose_and_verify(ctx: CkptContext, resume: str) -> Resume | None:
         marker = universal.read_universal_marker(tag_dir)
         return Resume(str(tag), marker.step, marker)
     return Resume(str(tag), _read_marker(os.path.join(
-        tag_dir, layout.marker_name(ctx.topo.me.node_index))).step)
+        tag_dir, marker_name(ctx.topo.me.node_index))).step)
 
 
 # (tag or None, warning or None, (refusal, refused tag) or None): rank 0's decision.
