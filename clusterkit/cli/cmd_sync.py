@@ -87,6 +87,7 @@ def run_sync(src: str, hosts: Sequence[Host], *, delete: bool = False,
     (also ``launch --sync``). Raises (exit 2) unless every node holds the source's digest."""
     from clusterkit.remote.dispatch import transport_for
     from clusterkit.remote.distribute import DEFAULT_PORT, DistOptions, distribute
+    from clusterkit.remote.openssh import with_openssh
     from clusterkit.remote.sync import load_ignore
 
     check_source(src)
@@ -105,7 +106,9 @@ def run_sync(src: str, hosts: Sequence[Host], *, delete: bool = False,
     opts = DistOptions(delete=delete, ignore=ignore, port=DEFAULT_PORT if port is None else port,
                        cache_dir=str(clusterkit_home() / "sync-cache"), on_progress=show)
     with transport_for() as transport:
-        result = distribute(transport, nodes, src, options=opts)
+        # The sessions over the system ssh where there is one: its handshakes run in C, in
+        # parallel processes (paramiko's hold the GIL here, as doctor measured).
+        result = distribute(with_openssh(transport), nodes, src, options=opts)
     show.close()
     report(result, [n.name for n in nodes], as_json)
     return result
