@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 
 from clusterkit.launch.console import PlainSink, Progress
-from clusterkit.launch.orchestrator import JobSpec, NodeTask, Orchestrator, exit_status
+from clusterkit.launch.jobspec import JobSpec, NodeTask
+from clusterkit.launch.orchestrator import Orchestrator
+from clusterkit.launch.outcome import exit_status
 from clusterkit.node import agent as agent_mod
 from clusterkit.node import protocol
 from clusterkit.node.agent_env import omp_threads

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from clusterkit.fold import LineFolder
 from clusterkit.launch.console import PHASES, FoldingSink, PlainSink
-from clusterkit.launch.orchestrator import JobSpec, NodeTask, Orchestrator
+from clusterkit.launch.jobspec import JobSpec, NodeTask
+from clusterkit.launch.orchestrator import Orchestrator
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.local import LocalTransport
 

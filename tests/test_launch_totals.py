@@ -14,7 +14,7 @@ import pytest
 from clusterkit.launch import run as run_mod
 from clusterkit.launch.console import PlainSink
 from clusterkit.launch.jobs import Registry
-from clusterkit.launch.orchestrator import JobOutcome
+from clusterkit.launch.outcome import JobOutcome
 from clusterkit.launch.run import LaunchSettings, launch
 from clusterkit.spec.job import JobOptions
 from tests.render_cases import plan_for

@@ -9,7 +9,7 @@ import pytest
 from clusterkit.cli.jobflags import flag_name, run_fields, run_options
 from clusterkit.cli.main import build_parser
 from clusterkit.launch.fromplan import job_from_plan
-from clusterkit.launch.orchestrator import JobSpec
+from clusterkit.launch.jobspec import JobSpec
 from clusterkit.launch.run import LaunchSettings
 from clusterkit.node.protocol import DEFAULT_GRACE_S, AgentSpec
 from clusterkit.spec.job import DEFAULT_HANG_TIMEOUT_S, DEFAULT_KEEPALIVE_S, RunOptions

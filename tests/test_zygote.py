@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from clusterkit.launch.console import PlainSink
-from clusterkit.launch.orchestrator import JobSpec, NodeTask, Orchestrator, zygote_imports
+from clusterkit.launch.jobspec import JobSpec, NodeTask, zygote_imports
+from clusterkit.launch.orchestrator import Orchestrator
 from clusterkit.node import zygote
 from clusterkit.node.agent_procs import job_processes
 from clusterkit.remote.base import SSHTarget

@@ -248,7 +248,7 @@ def _stopped_where(out: Any) -> str:
 
 
 def _print_summary(result: Any) -> None:
-    from clusterkit.launch.orchestrator import describe_failure
+    from clusterkit.launch.outcome import describe_failure
 
     out = result.outcomes[-1]
     plan = result.plan

@@ -14,7 +14,7 @@ from typing import Any
 
 from clusterkit.errors import LaunchError
 from clusterkit.launch.gate import node_needs
-from clusterkit.launch.orchestrator import JobSpec, NodeTask
+from clusterkit.launch.jobspec import JobSpec, NodeTask
 from clusterkit.launchers import BACKENDS
 from clusterkit.node.protocol import DEFAULT_GRACE_S
 from clusterkit.remote.base import target_for as target_for  # the one host -> target function

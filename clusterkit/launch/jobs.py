@@ -23,7 +23,7 @@ from typing import Any
 
 from clusterkit.errors import LaunchError
 from clusterkit.fsutil import atomic_write_text
-from clusterkit.launch.orchestrator import JobSpec
+from clusterkit.launch.jobspec import JobSpec
 from clusterkit.node.contract import with_job_id
 from clusterkit.remote.base import SSHTarget
 from clusterkit.slurm.steps import site_args

@@ -2,8 +2,9 @@
 
 Split out of the orchestrator (issue 23 item 1) so that the launch runtime
 (:mod:`clusterkit.launch.runtime`, pure) and the I/O loop that drives it
-(:mod:`clusterkit.launch.orchestrator`, which re-exports these names) read one
-definition. :meth:`JobSpec.agent_spec` is the one place a task becomes the
+(:mod:`clusterkit.launch.orchestrator`) read one definition, and the job's
+builders (``fromplan``, ``jobs``) import it from here, not from the I/O loop.
+:meth:`JobSpec.agent_spec` is the one place a task becomes the
 :class:`~clusterkit.node.protocol.AgentSpec` its node's agent gets.
 """
 

@@ -31,16 +31,8 @@ from typing import Any
 from clusterkit.errors import TransportError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.launch.console import Sink
-from clusterkit.launch.jobspec import (
-    WORKLOAD_IMPORTS,
-    ZYGOTE_ENV,
-    ZYGOTE_IMPORTS,
-    ZYGOTE_IMPORTS_ENV,
-    JobSpec,
-    NodeTask,
-    zygote_imports,
-)
-from clusterkit.launch.outcome import JobOutcome, RankFailure, describe_failure, exit_status
+from clusterkit.launch.jobspec import JobSpec, NodeTask, zygote_imports
+from clusterkit.launch.outcome import JobOutcome
 from clusterkit.launch.runtime import Runtime
 from clusterkit.launch.runtime_io import (
     Action,
@@ -68,11 +60,7 @@ from clusterkit.launch.runtime_state import Stage
 from clusterkit.node.ship import NodeCommand, agent_command
 from clusterkit.remote.base import RemoteProcess, Transport
 
-__all__ = [
-    "WORKLOAD_IMPORTS", "ZYGOTE_ENV", "ZYGOTE_IMPORTS", "ZYGOTE_IMPORTS_ENV", "JobOutcome",
-    "JobSpec", "NodeTask", "Orchestrator", "RankFailure", "agent_control", "describe_failure",
-    "exit_status", "zygote_imports",
-]
+__all__ = ["Orchestrator", "agent_control"]
 
 TICK_S = 0.1  # the longest the loop waits for an input before it feeds a Tick
 

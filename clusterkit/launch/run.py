@@ -26,7 +26,9 @@ from clusterkit.launch.console import Sink
 from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.gate import gate_error, gate_nodes, run_gate
 from clusterkit.launch.jobs import JobRecord, Registry
-from clusterkit.launch.orchestrator import JobOutcome, JobSpec, Orchestrator, describe_failure
+from clusterkit.launch.jobspec import JobSpec
+from clusterkit.launch.orchestrator import Orchestrator
+from clusterkit.launch.outcome import JobOutcome, describe_failure
 from clusterkit.launchers import BACKENDS, launcher_name
 from clusterkit.node.contract import JobDir
 from clusterkit.remote.base import Transport
