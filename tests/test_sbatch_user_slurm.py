@@ -206,6 +206,28 @@ def test_a_script_that_ignores_the_stop_is_not_requeued(slurm: SlurmBed) -> None
     assert wait_slurm_finished(slurm, slurm_id) == "COMPLETED"
 
 
+# ~2 min of real Slurm, most of it a silent start on purpose: the rule itself is tested
+# without Slurm (test_hangrule.py, the watch with a fake clock).
+@pytest.mark.extended
+def test_a_silent_start_within_the_allowance_is_not_a_hang(slurm: SlurmBed) -> None:
+    """Issue 31 item 5: ranks silent at start-up for longer than --hang-timeout (a sleep
+    standing in for DeepSpeed building fused_adam) are not ended as hung: the start-up
+    allowance, 2 x --hang-timeout as launch's, holds until the first step line. It counts
+    from the launch step's start: here torchrun, the imports and deepspeed.initialize took
+    ~31 s before the silence began (load 10), so the silence + that must fit in 150 s."""
+    job, hang, silent = "user-slowstart", 75, 80
+    r = _sbatch(slurm, job, "torchrun", ["usertrain.py", "--steps", "3", "--silent-start",
+                                         str(silent)], "--hang-timeout", str(hang))
+    slurm_id = _slurm_id(r)
+    state = wait_slurm_finished(slurm, slurm_id, timeout=400)
+    out = _log(slurm, job, slurm_id)
+    assert state == "COMPLETED", out[-3000:]
+    assert f"silent start: {silent} s" in out and "step 3 loss" in out, out[-3000:]
+    assert "clusterkit: no progress" not in out and "no sign of training" not in out
+    assert not (slurm_job_dir(slurm, job) / "hang").exists()
+    assert_slurm_nodes_clean(slurm)
+
+
 def test_a_stopped_rank_is_named_and_ends_the_step(slurm: SlurmBed) -> None:
     """One rank SIGSTOPped mid-run: within --hang-timeout + 30 s the watchdog prints a
     folded stack summary naming that rank, and the step ends with that reason."""

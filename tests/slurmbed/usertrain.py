@@ -74,6 +74,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--ignore-stop", action="store_true")
     p.add_argument("--hold-after", type=int, default=0)
+    p.add_argument("--silent-start", type=float, default=0.0)  # a long op build, printing nothing
     p.add_argument("--local_rank", type=int, default=-1)
     args = p.parse_args()
     check_env()
@@ -85,6 +86,10 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=os.environ["CLUSTERKIT_DS_CONFIG"])
+    if args.silent_start:
+        if rank == 0:
+            print(f"silent start: {args.silent_start:g} s", flush=True)
+        time.sleep(args.silent_start)
     ckpt = Path(os.environ["CLUSTERKIT_CKPT_DIR"])
     stop_file = Path(os.environ["CLUSTERKIT_STOP_FILE"])
     start, resume = 0, newest_complete(ckpt)
