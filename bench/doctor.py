@@ -172,7 +172,7 @@ def node_costs(tb: Testbed, peers: int, workdir: Path) -> None:
 
 _NODE_COSTS = '''
 import os, resource, statistics, subprocess, sys
-from clusterkit.checks.doctor import plan_doctor
+from clusterkit.checks.doctor_plan import plan_doctor
 from clusterkit.checks.invoke import probe_source
 from clusterkit.inventory import load_inventory
 hosts = list(load_inventory(sys.argv[1]).hosts)

@@ -15,9 +15,9 @@ import pytest
 from clusterkit.checks.bandwidth import analyze, bandwidth_findings, busbw_allreduce
 from clusterkit.checks.doctor import (
     _facts_of,
-    plan_doctor,
     run_doctor,
 )
+from clusterkit.checks.doctor_plan import plan_doctor
 from clusterkit.checks.facts import NodeFacts
 from clusterkit.checks.findings import Finding, Status
 from clusterkit.checks.fixenv import merge_env_file, recommended_env

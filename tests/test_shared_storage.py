@@ -179,7 +179,8 @@ def test_doctor_warns_fails_for_node_local_and_skips_for_shared() -> None:
 def test_doctor_finds_a_local_dir_two_local_nodes_share(tmp_path: Path) -> None:
     """Two virtual nodes with one checkpoint.local_dir, a third with its own; the phase
     leaves no token behind."""
-    from clusterkit.checks.doctor import plan_doctor, run_doctor
+    from clusterkit.checks.doctor import run_doctor
+    from clusterkit.checks.doctor_plan import plan_doctor
     from clusterkit.inventory import local_inventory
     from clusterkit.remote.dispatch import DispatchTransport
 

@@ -90,7 +90,8 @@ def test_fold_by_text_keeps_rank_order() -> None:
 
 def test_doctor_prints_seven_identical_unreachable_nodes_as_one_row() -> None:
     """The issue's cluster: an inventory listing only node[1-7] that nobody can resolve."""
-    from clusterkit.checks.doctor import plan_doctor, run_doctor
+    from clusterkit.checks.doctor import run_doctor
+    from clusterkit.checks.doctor_plan import plan_doctor
     from clusterkit.inventory import Host
 
     hosts = tuple(Host(name=n, address=n, python="/usr/bin/python3") for n in NODES)

@@ -1,7 +1,8 @@
 """``clusterkit doctor`` orchestration: plan → one SSH session per node → facts → rules → report.
 
-:func:`plan_doctor` is pure (inventory hosts and the launching machine's facts in,
-a :class:`DoctorPlan` out). :func:`run_doctor` executes it over a transport:
+:func:`~clusterkit.checks.doctor_plan.plan_doctor` is pure (inventory hosts and the
+launching machine's facts in, a :class:`DoctorPlan` out; ``checks/doctor_plan.py``).
+:func:`run_doctor` executes it over a transport:
 
 1. every selected node runs the probe (``<python> - facts``, probe on stdin) in
    parallel, each on its own SSH connection; a node that cannot be reached
@@ -24,10 +25,11 @@ import concurrent.futures as cf
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from clusterkit.checks.doctor_plan import DoctorPlan
 from clusterkit.checks.doctor_port import Listener, master_port_findings, probe_budget
 from clusterkit.checks.doctor_storage import shared_dir_tokens
 from clusterkit.checks.facts import NodeFacts, from_probe_json, unreachable
@@ -40,116 +42,30 @@ from clusterkit.checks.findings import (
     worst,
 )
 from clusterkit.checks.invoke import (
-    FACTS_TIMEOUT_S,
     ProbeOutputError,
-    facts_argv,
     parse_probe_stdout,
     probe_source,
 )
 from clusterkit.checks.rules import (
     DoctorContext,
-    one_machine,
     run_rules,
 )
 from clusterkit.checks.rules_env import env_parity
 from clusterkit.checks.rules_storage import check_shared_dirs
 from clusterkit.errors import TransportError
 from clusterkit.hostrange import fold
-from clusterkit.inventory import Host
 from clusterkit.remote.base import (
-    DEFAULT_CONNECT_TIMEOUT_S,
     CommandResult,
     SSHTarget,
     Transport,
-    target_for,
 )
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.remote.fanout import fan_out
 from clusterkit.remote.openssh import with_openssh
 
-DEFAULT_MASTER_PORT = 29500
-# Probes connect to the master's listener at the end of their run; the listener is
-# started at the same time, so a probe that is first retries "refused" this long.
-# 8 s was too short under load: at 128 nodes (load ~120) the master's login took longer,
-# 14 probes gave up, and asking them again (a second SSH round) cost 10.5 s.
-MASTER_WAIT_S = 15.0
 SLOW_STARTUP_S = 5.0  # remote start-up (shell + interpreter) above this is worth a warning
 # A remote shell that cannot exec the interpreter exits 126/127 before the probe runs.
 _NO_INTERPRETER = (126, 127)
-
-
-# ----------------------------------------------------------------------------- plan (pure)
-
-
-@dataclass(frozen=True)
-class NodeProbe:
-    """What runs on one node: the facts probe argv and the env the launch will give it."""
-
-    host: str
-    target: SSHTarget
-    address: str
-    python: str
-    argv: tuple[str, ...]
-    env: Mapping[str, str] = field(default_factory=dict, hash=False)
-
-
-@dataclass(frozen=True)
-class DoctorPlan:
-    nodes: tuple[NodeProbe, ...]
-    ctx: DoctorContext
-    master_port: int | None = DEFAULT_MASTER_PORT
-    probe_timeout_s: float = FACTS_TIMEOUT_S
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
-    max_parallel: int = 128
-
-    @property
-    def master(self) -> NodeProbe | None:
-        return self.nodes[0] if self.nodes else None
-
-
-def plan_doctor(
-    hosts: Sequence[Host],
-    *,
-    head_python: str,
-    head_cwd: str,
-    head_tools: Mapping[str, str | None],
-    backend: str = "torchrun",
-    master_port: int | None = DEFAULT_MASTER_PORT,
-    checkpoint_bytes: int | None = None,
-    replicas: int = 0,
-    storage: str | None = None,
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
-    accept_new_host_keys: bool = False,
-    max_parallel: int = 128,
-) -> DoctorPlan:
-    """The probes for ``hosts`` (rank order). Host fields left unset fall back to the
-    launching machine's interpreter and cwd, exactly as the launch does."""
-    peers = [h.address for h in hosts]
-    master = f"{hosts[0].address}:{master_port}" if hosts and master_port else None
-    nodes = []
-    for h in hosts:
-        python = h.python or head_python
-        ckpt = [d for d in (h.checkpoint.local_dir, h.checkpoint.shared_dir) if d]
-        argv = facts_argv(python, workdir=h.workdir or head_cwd, ckpt_dirs=ckpt, peers=peers,
-                          master=master, master_wait=MASTER_WAIT_S)
-        nodes.append(NodeProbe(h.name, target_for(h, accept_new_host_keys=accept_new_host_keys),
-                               h.address, python, tuple(argv), dict(h.env)))
-    # The rules know the DeepSpeed runner as "deepspeed"; torchrun/accelerate start one
-    # launcher per node with that node's interpreter ("ssh" semantics).
-    ctx = DoctorContext(
-        hosts=tuple(h.name for h in hosts),
-        slots={h.name: h.slots for h in hosts},
-        gpus={h.name: h.gpus for h in hosts},
-        backend=backend if backend == "deepspeed" else "ssh",
-        head_tools=dict(head_tools),
-        head_python=None,  # clusterkit launch never runs the launcher's own interpreter remotely
-        checkpoint_bytes=checkpoint_bytes, replicas=replicas,
-        local_dirs={h.name: h.checkpoint.local_dir for h in hosts if h.checkpoint.local_dir},
-        storage=storage,
-        one_machine=one_machine((h.transport, h.address) for h in hosts),
-    )
-    return DoctorPlan(tuple(nodes), ctx, master_port, connect_timeout_s=connect_timeout_s,
-                      max_parallel=max_parallel)
 
 
 # ----------------------------------------------------------------------------- report

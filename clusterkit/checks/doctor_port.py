@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from clusterkit.checks.doctor_plan import DoctorPlan, NodeProbe
 from clusterkit.checks.facts import NodeFacts
 from clusterkit.checks.findings import (
     Finding,
@@ -30,9 +31,6 @@ from clusterkit.checks.rules import (
 from clusterkit.errors import TransportError
 from clusterkit.remote.base import CommandResult, RemoteProcess, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
-
-if TYPE_CHECKING:
-    from clusterkit.checks.doctor import DoctorPlan, NodeProbe
 
 CONNECT_TIMEOUT_S = 3.0  # one TCP connect to the master port
 LISTEN_SECONDS = 120.0  # upper bound; the listener ends when doctor closes its channel

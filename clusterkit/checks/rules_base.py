@@ -21,6 +21,7 @@ from typing import TypeVar
 from clusterkit.checks.facts import NodeFacts
 from clusterkit.checks.findings import Finding, Status
 from clusterkit.hostrange import fold
+from clusterkit.launchers.base import DoctorMode
 from clusterkit.node.parity import holders as holders_of
 from clusterkit.node.parity import majority
 
@@ -34,7 +35,9 @@ class DoctorContext:
     hosts: tuple[str, ...]  # inventory order = rank order
     slots: Mapping[str, int] = field(default_factory=dict)
     gpus: Mapping[str, int] = field(default_factory=dict)  # GPUs the inventory declares
-    backend: str = "pdsh"  # pdsh | ssh | torchrun | slurm | accelerate
+    # How doctor judges the nodes for the launcher (the registry's Backend.doctor); a word
+    # ("pdsh", "deepspeed", "ssh") is taken as its DoctorMode.
+    backend: DoctorMode = DoctorMode.HEAD_PDSH
     head_tools: Mapping[str, str | None] = field(default_factory=dict)  # which() on the head
     head_python: str | None = None  # sys.executable of the launcher (pdsh reuses it)
     checkpoint_bytes: int | None = None  # estimated size of one checkpoint on a node
@@ -51,6 +54,9 @@ class DoctorContext:
     # addresses): the ranks talk over loopback, so how names resolve for *other*
     # machines cannot matter and those checks only inform (see one_machine()).
     one_machine: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", DoctorMode(self.backend))
 
 
 Rule = Callable[[Mapping[str, NodeFacts], DoctorContext], list[Finding]]

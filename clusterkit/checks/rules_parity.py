@@ -16,12 +16,12 @@ from clusterkit.checks.rules_base import (
     python_of,
 )
 from clusterkit.hostrange import fold
-from clusterkit.launchers import BACKENDS
+from clusterkit.launchers.base import DoctorMode
 from clusterkit.node.parity import MUST, PACKAGES, SHOULD, majority
 
 # Doctor modes whose launcher runs its own sys.executable on every node: DeepSpeed's
-# runner from the launching machine ("pdsh") or from node 0 (the registry's "deepspeed").
-SAME_PYTHON_BACKENDS = ("pdsh", *sorted({b.doctor for b in BACKENDS.values() if b.same_python}))
+# runner from the launching machine or from node 0 (DoctorMode.same_python).
+SAME_PYTHON_BACKENDS = tuple(m for m in DoctorMode if m.same_python)
 
 
 # ----------------------------------------------------------------------------- environment parity
@@ -29,7 +29,7 @@ SAME_PYTHON_BACKENDS = ("pdsh", *sorted({b.doctor for b in BACKENDS.values() if 
 
 def check_interpreter(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Finding]:
     values = {f.host: f.python_executable or "?" for f in ok_nodes(facts)}
-    bad = Status.FAIL if ctx.backend in SAME_PYTHON_BACKENDS else Status.WARN
+    bad = Status.FAIL if ctx.backend.same_python else Status.WARN
     why = (" (the DeepSpeed runner starts its own sys.executable on every node)"
            if bad is Status.FAIL else "")
     out = parity("python.path", "interpreter", values, ctx, bad,

@@ -69,17 +69,18 @@ def check_cuda(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Findi
 def check_pdsh(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Finding]:
     """pdsh is needed where DeepSpeed's runner runs.
 
-    backend ``pdsh``: the runner runs on the launching machine (``deepspeed --hostfile``
-    by hand). backend ``deepspeed`` (clusterkit launch): the runner runs on the first
-    selected node and reaches the others through pdsh from there.
+    ``DoctorMode.HEAD_PDSH``: the runner runs on the launching machine (``deepspeed
+    --hostfile`` by hand). ``FIRST_NODE_PDSH`` (``clusterkit launch --launcher
+    deepspeed``): the runner runs on the first selected node and reaches the others
+    through pdsh from there. The mode is the registry's (``Backend.doctor``).
     """
     fix = "apt-get install pdsh (or yum install pdsh), or use --backend torchrun"
-    if ctx.backend == "pdsh":
+    if ctx.backend.runner_on_head:
         if ctx.head_tools.get("pdsh"):
             return [Finding("pdsh", Status.PASS, "", "pdsh found on the launching machine")]
         return [Finding("pdsh", Status.FAIL, "", "pdsh not found on the launching machine "
                         "(the DeepSpeed runner needs it)", fix)]
-    if ctx.backend != "deepspeed" or not ctx.hosts:
+    if not ctx.backend.runner_on_first_node or not ctx.hosts:
         return []
     runner = facts.get(ctx.hosts[0])
     if runner is None or not runner.ok:

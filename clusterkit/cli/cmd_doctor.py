@@ -110,7 +110,8 @@ def _replicas(args: argparse.Namespace, hosts: list[Host]) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from clusterkit.checks.doctor import fanout_transport, plan_doctor, run_doctor
+    from clusterkit.checks.doctor import fanout_transport, run_doctor
+    from clusterkit.checks.doctor_plan import plan_doctor
     from clusterkit.hostfile import select_hosts
 
     if args.bandwidth_size is not None and not args.bandwidth:  # would be ignored silently
@@ -124,7 +125,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     plan = plan_doctor(
         [h for h, _slots in chosen], head_python=sys.executable, head_cwd=os.getcwd(),
         head_tools={t: shutil.which(t) for t in HEAD_TOOLS},
-        backend=BACKENDS[args.backend].doctor, master_port=_master_port(args, inv.name),
+        backend=args.backend, master_port=_master_port(args, inv.name),
         checkpoint_bytes=args.ckpt_size or None, replicas=_replicas(args, [h for h, _ in chosen]),
         storage=args.storage,
         connect_timeout_s=args.connect_timeout, accept_new_host_keys=args.accept_new_host_keys,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from clusterkit.spec.job import JobPlan, NodeCommand
 
@@ -18,6 +19,36 @@ CommandBuilder = Callable[[JobPlan, "str | None"], tuple[NodeCommand, ...]]
 SbatchLine = Callable[[JobPlan, str], tuple[str, str]]
 # plan -> files this launcher reads from the job dir (name -> text)
 FileBuilder = Callable[[JobPlan], dict[str, str]]
+
+
+class DoctorMode(StrEnum):
+    """How ``clusterkit doctor`` judges the nodes for a launcher (:attr:`Backend.doctor`).
+
+    The values are the words doctor's rules have always used ("pdsh", "deepspeed",
+    "ssh"); code compares members, never the words."""
+
+    # DeepSpeed's runner on the launching machine reaches the nodes over pdsh (a rendered
+    # job run by hand: ``deepspeed --hostfile``); the rules' default.
+    HEAD_PDSH = "pdsh"
+    # DeepSpeed's runner on the first selected node reaches the others over pdsh and runs
+    # its own interpreter path everywhere (``clusterkit launch --launcher deepspeed``).
+    FIRST_NODE_PDSH = "deepspeed"
+    # One launcher per node, each with its host's own ``python:``.
+    PER_NODE = "ssh"
+
+    @property
+    def same_python(self) -> bool:
+        """The runner starts its own interpreter path on every node, so every node needs
+        that very path (doctor FAILs a node whose path differs; per node: a WARN)."""
+        return self is not DoctorMode.PER_NODE
+
+    @property
+    def runner_on_head(self) -> bool:
+        return self is DoctorMode.HEAD_PDSH
+
+    @property
+    def runner_on_first_node(self) -> bool:
+        return self is DoctorMode.FIRST_NODE_PDSH
 
 
 @dataclass(frozen=True)
@@ -53,16 +84,16 @@ class Backend:
     rank_log_files: bool = False
     # Modules the pre-launch gate imports on every node.
     gate_needs: tuple[str, ...] = ("torch",)
-    # Doctor semantics: "deepspeed" = DeepSpeed's runner on node 0 reaches the others over
-    # pdsh and runs its own interpreter path everywhere; "ssh" = one launcher per node.
-    doctor: str = "ssh"
+    # How doctor judges the nodes for it (checks/doctor_plan.py puts it into the rules'
+    # context; checks/rules_toolchain.py and rules_parity.py read it).
+    doctor: DoctorMode = DoctorMode.PER_NODE
 
     @property
     def same_python(self) -> bool:
         """The launcher starts its own interpreter path on every node (DeepSpeed's runner
         over pdsh), so every node needs that very path: the gate refuses a node whose
-        path differs and doctor FAILs it. One launcher per node ("ssh") runs each host's
-        own ``python:``; there only the versions must agree (doctor WARNs on paths)."""
-        return self.doctor != "ssh"
+        path differs and doctor FAILs it. One launcher per node runs each host's own
+        ``python:``; there only the versions must agree (doctor WARNs on paths)."""
+        return self.doctor.same_python
     # The bundled workload's --engine under this backend.
     engine: str = "deepspeed"

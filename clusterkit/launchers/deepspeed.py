@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 
 from clusterkit.launchers.argv import launcher_program, pdsh_ssh_args, srun_rank_argv, uniform
-from clusterkit.launchers.base import Backend
+from clusterkit.launchers.base import Backend, DoctorMode
 from clusterkit.node.contract import ENV_JOB_ID, JobDir, exits_dir
 from clusterkit.shellsafe import bare_word, ds_user_arg
 from clusterkit.spec.job import JobPlan, NodeCommand, rank_log_dir
@@ -60,4 +60,4 @@ BACKEND = Backend(
     plan_backend="deepspeed", command_sets=("deepspeed",), sbatch_plan="deepspeed",
     builders=(("deepspeed", deepspeed_command),), sbatch_line=sbatch_line,
     slurm_task_per_rank=True, output_prefix="pdsh", rank_log_files=True,
-    gate_needs=("torch", "deepspeed"), doctor="deepspeed")
+    gate_needs=("torch", "deepspeed"), doctor=DoctorMode.FIRST_NODE_PDSH)
