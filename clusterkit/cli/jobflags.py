@@ -20,7 +20,7 @@ from datetime import datetime
 from typing import Any
 
 from clusterkit.cli.argparser import nonempty
-from clusterkit.cli.safety import NotForThisVerb
+from clusterkit.cli.safety import SCRIPT_DESTS, NotForThisVerb
 from clusterkit.errors import ClusterkitError
 from clusterkit.inventory import _ADDRESS as ADDRESS  # the inventory's own address rule
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER, launchers_help
@@ -186,6 +186,7 @@ def add_program(p: argparse.ArgumentParser) -> None:
     before SCRIPT; after it they are refused (cli/safety.py) unless they follow ``--``,
     which passes the rest to the program verbatim."""
     g = p.add_argument_group("the program (default: the bundled workload)")
+    p.set_defaults(**{SCRIPT_DESTS: script_dests()})  # what safety lets through after SCRIPT
     g.add_argument("--module", "-m", dest="module", metavar="MODULE",
                    help="run python -m MODULE; the words after it are its arguments")
     # Deprecated spelling of SCRIPT (render and sbatch took it): same meaning, no warning.

@@ -35,6 +35,9 @@ OWN_FLAGS = "_own_flags"  # namespace attribute set by install(): ((flag, dest),
 # Namespace attribute a verb sets: first program words that are its own actions, whose
 # words it parses itself (`clusterkit sbatch status JOBID --watch`).
 PROGRAM_ACTIONS = "_program_actions"
+# Namespace attribute set by jobflags.add_program() on a verb with a program: the dests
+# whose flags after SCRIPT are the script's own words (jobflags.script_dests()).
+SCRIPT_DESTS = "_script_dests"
 # DeepSpeed / torchrun spelling -> clusterkit flag with the same meaning.
 ALIASES: dict[str, str] = {
     "--num_nodes": "--nodes", "--num-nodes": "--nodes",
@@ -174,17 +177,15 @@ def check_args(args: argparse.Namespace) -> None:
         return  # the verb's own action form, not a program
     if isinstance(words, list):
         # with -m MODULE or --script PATH every word is an argument of the program
-        args.program = split_program(words, control_flags(getattr(args, OWN_FLAGS, ())),
-                                     module=getattr(args, "module", None)
+        control = control_flags(getattr(args, OWN_FLAGS, ()), getattr(args, SCRIPT_DESTS, ()))
+        args.program = split_program(words, control, module=getattr(args, "module", None)
                                      or getattr(args, "script_option", None))
 
 
-def control_flags(own: Sequence[tuple[str, str]]) -> frozenset[str]:
+def control_flags(own: Sequence[tuple[str, str]], passing: Collection[str]) -> frozenset[str]:
     """The verb's flags that are refused after SCRIPT: all of its own (short and long,
-    aliases included) except those whose job field a script commonly has too."""
-    from clusterkit.cli.jobflags import script_dests  # only verbs with a program get here
-
-    passing = script_dests()
+    aliases included) except those whose job field a script commonly has too
+    (``passing``: the verb's :data:`SCRIPT_DESTS`, set where its program is added)."""
     return frozenset(flag for flag, dest in own if dest not in passing)
 
 
