@@ -149,6 +149,7 @@ def _plain_clusterkit(prefix: Path) -> None:
 
 
 @pytest.mark.extended
+@pytest.mark.timeout(1800)  # 1.9 GB copied here, to 2 nodes, hashed 3 times: minutes
 def test_the_full_environment_then_the_workload_and_a_users_deepspeed_script(
         testbed: Testbed, tmp_path: Path) -> None:
     """This machine's whole Python (torch + deepspeed, ~1.9 GB) copied under the node-local
@@ -165,7 +166,11 @@ def test_the_full_environment_then_the_workload_and_a_users_deepspeed_script(
     _plain_clusterkit(prefix)
     print(f"copy here: {time.monotonic() - t0:.1f} s (load {os.getloadavg()[0]:.1f})")
     python = str(prefix / "bin" / PY)
-    inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes, slots=1, python=python)
+    # JIT builds on each node's own disk: the copy's torch headers live at another path
+    # than this machine's, so its ops build anew (in the shared ~/.cache they would
+    # replace this machine's own build, which every other test here uses).
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes, slots=1, python=python, env={
+        "TORCH_EXTENSIONS_DIR": str(testbed.local_mountpoint / f"ext-{tmp_path.name}")})
     env = train_env(tmp_path)
     for n in nodes:
         assert testbed.exec(n, ["test", "-e", str(prefix)], timeout=30).returncode != 0
@@ -181,6 +186,13 @@ def test_the_full_environment_then_the_workload_and_a_users_deepspeed_script(
     again = _cli("nodes", "env", "-i", str(inv), "--python", python, cwd=tmp_path, env=env)
     print(f"nodes env, again: {time.monotonic() - t0:.1f} s (load {os.getloadavg()[0]:.1f})")
     assert again.returncode == 0 and "node[1-2]: nothing sent" in again.stdout, again.stdout
+
+    # DeepSpeed's ops built once per node before any rank: the launches below build nothing.
+    t0 = time.monotonic()
+    ops = _cli("nodes", "build-ops", "-i", str(inv), cwd=tmp_path, env=env, timeout=1200)
+    print(f"nodes build-ops: {time.monotonic() - t0:.1f} s (load {os.getloadavg()[0]:.1f})"
+          f"\n{ops.stdout}{ops.stderr}")
+    assert ops.returncode == 0 and "node[1-2]: cpu: ShareMemCommBuilder built" in ops.stdout
 
     work = testbed.root / "work"
     workload = subprocess.run(train_argv(inv, "envfull-workload", "native", 2, 1, "shared", 4, []),

@@ -95,11 +95,13 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
+    from clusterkit.cli.cmd_sync import _Shower
     from clusterkit.cli.common import clusterkit_home
     from clusterkit.hostrange import folded_lines
     from clusterkit.remote.base import target_for
     from clusterkit.remote.dispatch import transport_for
     from clusterkit.remote.envcopy import EnvNode, describe_local, distribute_transfer, replicate
+    from clusterkit.remote.openssh import with_openssh
 
     chosen = _selected(args)
     source = describe_local(args.python)  # an editable tree that cannot travel: refused here
@@ -111,9 +113,11 @@ def cmd_env(args: argparse.Namespace) -> int:
         how = "" if part.copy else " (the OS's: checked, not copied)"
         print(f"  {part.role}: {part.path}{how}", file=sys.stderr)
     cache = str(clusterkit_home() / "sync-cache")
+    show = _Shower(False)  # clusterkit sync's progress line, for each part that travels
     with transport_for() as transport:
-        results = replicate(transport, nodes, source, transfer=lambda t, ns, part:
-                            distribute_transfer(t, ns, part, cache_dir=cache))
+        results = replicate(with_openssh(transport), nodes, source, transfer=lambda t, ns, part:
+                            distribute_transfer(t, ns, part, cache_dir=cache, on_progress=show))
+    show.close()
     order = [n.name for n in nodes]
     good = {n: r for n, r in results.items() if not r.error}
     for line in folded_lines(((n, r.summary()) for n, r in good.items()), order):
