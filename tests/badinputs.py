@@ -226,6 +226,8 @@ def _cases_other_verbs() -> Iterator[Case]:
     yield Case(("sync", "code", "--exclude-from", "/missing"))
     yield Case(("sync", "code", "--exclude-from", "adir"))
     yield Case(("sync", "frob"))
+    yield Case(("sync", "adir", "--dest", "../../etc"))  # outside the workdir
+    yield Case(("sync", "adir", "--port", "x"))
     yield Case(("nodes", "install", "--wheel", "/missing.whl"))
     yield Case(("nodes", "install", "--wheel", "notawheel.whl"))
     yield Case(("nodes", "install", "--wheel", "adir"))
