@@ -60,8 +60,9 @@ def test_progress_folds_nodes_in_the_same_state() -> None:
     assert node_lines(views) == ["node[1-6]: 9.1/14.0 GB", "node7: lost at 3.0/14.0 GB"]
     line = progress_line(views, 100.0, 9_100_000_000)
     assert line.startswith("sync 65% 9.1/14.0 GB at 91.0 MB/s, ETA 0m53s: node[1-6]")
-    done = [NodeView("a1", 0, 0, "done"), NodeView("a2", 5, 5, "done")]
-    assert node_lines(done) == ["a1: up to date", "a2: done"]
+    done = [NodeView("a1", 0, 0, "done"), NodeView("a2", 5, 5, "done"),
+            NodeView("a3", 0, 0, "sending")]
+    assert node_lines(done) == ["a[1,3]: up to date", "a2: done"]
 
 
 # ----------------------------------------------------------------------------- the store

@@ -119,9 +119,9 @@ class NodeView:
     def text(self) -> str:
         if self.state in ("lost", "failed"):
             return f"{self.state} at {fmt_pair(self.got, self.need)}"
-        if self.state == "done":
-            return "done" if self.need else "up to date"
-        return fmt_pair(self.got, self.need)
+        if not self.need:
+            return "up to date"
+        return "done" if self.state == "done" else fmt_pair(self.got, self.need)
 
 
 def node_lines(views: Sequence[NodeView]) -> list[str]:
