@@ -20,13 +20,10 @@ sources, then one JSON spec line, then control lines):
 5. the END record: the node writes its manifest, deletes what ``go`` listed, says
    ``{"ev": "done", "digest", "got", "failed"}`` and exits.
 
-A new upstream may replace a lost one at any time: the node answers it the first
-record it still lacks (or its downstream's, when that is earlier) and the stream
-goes on from there. Events: ``progress``, ``blocked`` (the downstream cannot be
-reached: the launcher feeds it itself), ``down-lost``, ``up-lost``, ``error``.
-
-``dist check DEST [--deep]``: one JSON line, :func:`dist_store.check`. ``dist ports P``:
-doctor's check that the chain's ports are reachable node to node (:func:`ports`).
+A new upstream may replace a lost one at any time: the node answers it the first record
+it (or its downstream) still lacks. Events: ``progress``, ``blocked`` (the downstream is
+unreachable: the launcher feeds it), ``down-lost``, ``up-lost``, ``error``. ``dist check
+DEST [--deep]``: :func:`dist_store.check`; ``dist ports P``: doctor's port check.
 
 The wire's handshake (one TCP connection per hop): server ``CKDIST1 <nonce> <index>``;
 client ``<mode> <nonce> <mac>`` with mac = HMAC-SHA256(secret, "c" nonce_s nonce_c
@@ -392,6 +389,9 @@ class Node:
             with contextlib.suppress(OSError):
                 os.unlink(path)
                 deleted.append(rel)
+        for fd in self.fds.values():  # files that failed a chunk: kept for the next run
+            os.close(fd)
+        self.fds.clear()
         digest = self.manifest()
         self._sweep()
         lacking = sorted(str(self.entries[fi][store.REL]) for fi, cs in self.need.items() if cs)
