@@ -1,9 +1,12 @@
-"""Atomic file writes: nothing a user owns is ever half-written or appended to."""
+"""Atomic file writes: nothing a user owns is ever half-written or appended to (a file:
+:func:`atomic_write_text`; a directory built beside its place: :func:`replace_dir`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,17 @@ class _suppress_oserror:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
         return isinstance(exc, OSError)
+
+
+def replace_dir(tmp: str, final: str) -> None:
+    """Swap the finished directory ``tmp`` in as ``final`` (the previous ``final``, if
+    any, is moved aside first and removed after): readers see the old or the new one."""
+    old = f"{final}.old-{os.getpid()}"
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    with contextlib.suppress(OSError):
+        shutil.rmtree(old)
 
 
 def check_writable(path: str, key: str, *, directory: bool = False) -> None:

@@ -29,7 +29,7 @@ from clusterkit.shellsafe import check_env_value, ssh_config_value
 
 SCHEMA_VERSION = 1
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_ADDRESS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:%-]*")
+ADDRESS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:%-]*")
 TRANSPORTS = ("ssh", "local")
 
 LOOPBACK = "127.0.0.1"  # the default address of a local-transport host
@@ -466,7 +466,7 @@ def _hosts_for_entry(
         return [_make_host(n, None, merged) for n in names]
     addresses = _expand_or_fail(ctx, address, line, "address")
     for a in addresses:
-        if not _ADDRESS.fullmatch(a):
+        if not ADDRESS.fullmatch(a):
             ctx.fail(line, f"address {a!r} is not a host name or IP address",
                      "use a name, an IPv4/IPv6 address or an ~/.ssh/config alias")
     if len(addresses) == 1 and len(names) > 1 and address == addresses[0]:

@@ -9,7 +9,6 @@ tensors match a bundled preset, loaded strictly into ``clusterkit.workload``'s G
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clusterkit.errors import CheckpointError
+from clusterkit.fsutil import replace_dir
 from clusterkit.units import parse_size
 
 FORMATS = ("fp32", "safetensors")
@@ -60,7 +60,7 @@ def consolidate(dest: str, tag: str, fmt: str = "fp32", *, max_shard_size: int |
         state = load_state_dict_dir(tmp)
         # The caller (cli) knows the models; checkpoints sit below the workload layer.
         check = model_check(state) if model_check is not None else NOT_CHECKED
-        _replace_dir(tmp, final)
+        replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -161,12 +161,3 @@ def _unique_tensors(state: Mapping[str, Any]) -> list[Any]:
             seen.add(key)
             out.append(t)
     return out
-
-
-def _replace_dir(tmp: str, final: str) -> None:
-    old = f"{final}.old-{os.getpid()}"
-    if os.path.exists(final):
-        os.replace(final, old)
-    os.replace(tmp, final)
-    with contextlib.suppress(OSError):
-        shutil.rmtree(old)

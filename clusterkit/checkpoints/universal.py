@@ -47,10 +47,13 @@ from typing import Any
 
 from clusterkit.checkpoints import discover, layout
 from clusterkit.checkpoints.collectplan import CollectPlan, WithoutMarkers
-from clusterkit.checkpoints.consolidate import _replace_dir  # the one swap-in of a directory
 from clusterkit.checkpoints.listing import parse_listing
 from clusterkit.errors import CheckpointError
-from clusterkit.fsutil import atomic_write_text, read_json_object
+from clusterkit.fsutil import (
+    atomic_write_text,
+    read_json_object,
+    replace_dir,  # the one swap-in of a directory
+)
 from clusterkit.node import listing as node_listing
 
 UNIVERSAL_SUFFIX = "_universal"
@@ -183,7 +186,7 @@ def convert_to_universal(root: str, tag: str, *, workers: int = 1,
         marker = _marker(plan, tag, out, source)
         atomic_write_text(os.path.join(out, UNIVERSAL_MARKER),
                           json.dumps(marker.to_json_dict(), indent=1) + "\n")
-        _replace_dir(out, final)
+        replace_dir(out, final)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return Universal(out_dir=final, tag=name, marker=marker, seconds=time.monotonic() - t0)

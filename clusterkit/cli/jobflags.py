@@ -22,7 +22,7 @@ from typing import Any
 from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.safety import SCRIPT_DESTS, NotForThisVerb
 from clusterkit.errors import ClusterkitError
-from clusterkit.inventory import _ADDRESS as ADDRESS  # the inventory's own address rule
+from clusterkit.inventory import ADDRESS  # the inventory's own address rule
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER, launchers_help
 from clusterkit.spec.job import JOB_ID, JobOptions, LaunchFacts, RunOptions, default_job_id
 from clusterkit.units import duration_type

@@ -54,7 +54,7 @@ def package_digest(directory: str) -> str:
     return h.hexdigest()
 
 
-def _clusterkit(version: Callable[[str], str | None] = _version) -> dict[str, Any]:
+def clusterkit_facts(version: Callable[[str], str | None] = _version) -> dict[str, Any]:
     """Version and digest of an importable clusterkit, found without importing it.
 
     ``version``: how to read a distribution's version (the probe passes a cheaper one).
@@ -288,7 +288,7 @@ def gate_facts(needs: Sequence[str] = ()) -> dict[str, Any]:
     sitepaths.add()  # shipped under -S: the package directories, as ranks will see them
     facts: dict[str, Any] = {"python": sys.executable, "version": sys.version.split()[0]}
     facts.update({name: _version(name) for name in PACKAGES})
-    facts.update(_clusterkit())
+    facts.update(clusterkit_facts())
     facts["env"] = envfacts.env_state(sys.prefix)  # its record of `nodes env`: no hashing
     facts["missing"] = [p for p in needs if p.startswith("/") and not os.path.isfile(p)]
     checks: dict[str, tuple[str, Callable[[str], str | None]]] = {

@@ -39,11 +39,11 @@ def _stat(path: str) -> list[Any]:
     s = os.stat(path)
     entry: list[Any] = [s.st_size, s.st_mtime]
     if path.endswith(".pt"):
-        entry.append(_whole_zip(path, s.st_size))
+        entry.append(whole_zip(path, s.st_size))
     return entry
 
 
-def _whole_zip(path: str, size: int) -> bool | None:
+def whole_zip(path: str, size: int) -> bool | None:
     """True/False for a zip archive that does/does not end with its end record; None when
     the file is not a zip (torch's legacy format) or unreadable: nothing to say then."""
     try:

@@ -265,13 +265,13 @@ def section_clusterkit() -> JSON:
     From the shipped gatefacts module; a probe copied by hand has none: empty.
     """
     try:
-        from clusterkit.node.gatefacts import _clusterkit
+        from clusterkit.node.gatefacts import clusterkit_facts
     except ImportError:
         return {}
     # The version from the dist-info directory name (as `packages`): importing
     # importlib.metadata for it cost ~50 ms of the probe's CPU.
     dists = _distributions()
-    found = _clusterkit(lambda name: dists[name][0] if name in dists else None)
+    found = clusterkit_facts(lambda name: dists[name][0] if name in dists else None)
     return {"version": found["clusterkit"], "digest": found["clusterkit_digest"]}
 
 

@@ -31,7 +31,7 @@ from clusterkit.node.contract import (
     ZERO3_MODEL_STATES_RE,
     marker_name,
 )
-from clusterkit.node.listing import _whole_zip
+from clusterkit.node.listing import whole_zip as _whole_zip
 
 if TYPE_CHECKING:  # a runtime alias would need typing.Dict on Python 3.8
     Snapshot = dict[str, tuple[int, int]]  # rel path -> (size, mtime_ns)
