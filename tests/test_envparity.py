@@ -12,7 +12,8 @@ from typing import Any
 from clusterkit.checks.facts import from_probe_json
 from clusterkit.checks.findings import Status
 from clusterkit.checks.invoke import facts_argv, parse_probe_stdout, probe_source
-from clusterkit.checks.rules import ALL_RULES, DoctorContext
+from clusterkit.checks.rules import ALL_RULES
+from clusterkit.checks.rules_base import DoctorContext
 from clusterkit.checks.rules_env import check_jit_locks, env_parity
 from clusterkit.launch.gate import judge
 from clusterkit.node import envfacts
@@ -103,3 +104,14 @@ def test_record_json_is_small_and_sorted(tmp_path: Path) -> None:
     envfacts.write_record(str(tmp_path), envfacts.local_manifest(str(tmp_path)))
     small = json.loads((tmp_path / ".clusterkit" / envfacts.DIGEST_FILE).read_text())
     assert set(small) >= {"digest", "fingerprint", "groups", "files"}
+
+
+def test_a_record_without_an_environment_digest_is_not_judged(tmp_path: Path) -> None:
+    """A venv's base or an editable tree gets a record too (the cache of its sha256s):
+    jobs whose interpreter is that base are not judged by it (it was never replicated
+    as an environment), nor does doctor stat it on every run."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text("x")
+    envfacts.write_record(str(tmp_path), envfacts.local_manifest(str(tmp_path)))
+    assert envfacts.env_state(str(tmp_path), changes=True) == {
+        "prefix": str(tmp_path), "digest": None}

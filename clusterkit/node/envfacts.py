@@ -233,9 +233,11 @@ def env_state(prefix: str, *, changes: bool = False) -> Dict[str, Any]:  # noqa:
     whose size, mtime or link target differ from the record (a stat of every file)."""
     prefix = os.path.realpath(prefix)
     rec = read_digest(prefix)
-    if rec is None:
+    if rec is None or not rec.get("env_digest"):
+        # Never replicated as an environment (a base or a source tree of another one
+        # has a record too, but no environment's digest): nothing to judge.
         return {"prefix": prefix, "digest": None}
-    out = {"prefix": prefix, "digest": rec.get("env_digest") or rec.get("digest"),
+    out = {"prefix": prefix, "digest": rec["env_digest"],
            "stale": fingerprint(prefix) != rec.get("fingerprint"),
            "groups": rec.get("groups") or {}}
     if changes:
