@@ -26,7 +26,7 @@ from clusterkit.checks.facts import NodeFacts, StorageFacts
 from clusterkit.checks.findings import Finding, Status
 from clusterkit.checks.gpu_topology import GpuInfo
 from clusterkit.checks.infiniband import IBPort
-from clusterkit.checks.rules import DoctorContext, GiB
+from clusterkit.checks.rules_base import DoctorContext, GiB
 from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.jobs import Registry
 from clusterkit.launch.run import _record
@@ -304,6 +304,17 @@ def rank_pid(job: str, rank: int) -> int | None:
         if want <= env and any(x.startswith(b"LOCAL_RANK=") for x in env):
             return int(name)
     return None
+
+
+def replica_manifests(tb: Testbed, ring: Sequence[str], job: str, tag: str,
+                      local: str = "ckpt") -> list[Path]:
+    """Host paths of every node's copy manifest of ``tag`` (K = 1) on its ring successor,
+    under the node-local dir's ``local`` (the inventory's ``checkpoint.local_dir``)."""
+    from clusterkit.node.contract import REPLICA_MANIFEST
+
+    return [tb.node_local_path(ring[(i + 1) % len(ring)],
+                               f"{local}/{job}.replicas/node{i}/{tag}/{REPLICA_MANIFEST}")
+            for i in range(len(ring))]
 
 
 def assert_trained(run: Run, steps: int, world: int) -> None:

@@ -10,28 +10,16 @@ from clusterkit.checks.facts import StorageFacts, unreachable
 from clusterkit.checks.findings import Finding, Status, group_findings, worst
 from clusterkit.checks.gpu_topology import parse_topo_matrix
 from clusterkit.checks.infiniband import IBPort
-from clusterkit.checks.rules import (
-    GiB,
-    check_clock,
-    check_cuda,
-    check_freeze,
-    check_gpus,
-    check_interfaces,
-    check_interpreter,
-    check_limits,
-    check_master_port,
-    check_nccl_env,
-    check_ninja,
-    check_own_name,
-    check_pdsh,
-    check_peer_names,
-    check_probe,
-    check_storage,
-    check_topology,
-    check_versions,
-    ifname_selected,
-    run_rules,
-)
+from clusterkit.checks.netpick import ifname_selected
+from clusterkit.checks.rules import run_rules
+from clusterkit.checks.rules_base import GiB
+from clusterkit.checks.rules_gpu import check_gpus, check_topology
+from clusterkit.checks.rules_host import check_clock, check_limits, check_storage
+from clusterkit.checks.rules_names import check_own_name, check_peer_names
+from clusterkit.checks.rules_nccl import check_interfaces, check_nccl_env
+from clusterkit.checks.rules_parity import check_freeze, check_interpreter, check_versions
+from clusterkit.checks.rules_ssh import check_master_port, check_probe
+from clusterkit.checks.rules_toolchain import check_cuda, check_ninja, check_pdsh
 from tests.helpers import ADDR, CTX, H100, HOSTS, PY, cluster, node, only_node7
 
 
@@ -268,7 +256,7 @@ def test_peer_name_on_loopback_warns() -> None:
 
 
 def test_one_machine_is_local_transport_or_loopback() -> None:
-    from clusterkit.checks.rules import one_machine
+    from clusterkit.checks.rules_base import one_machine
 
     assert one_machine([("local", "127.0.0.1"), ("local", "127.0.0.1")])
     assert one_machine([("ssh", "127.0.0.1"), ("ssh", "localhost"), ("ssh", "::1")])

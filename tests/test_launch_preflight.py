@@ -122,7 +122,8 @@ def test_gate_and_doctor_give_one_verdict(versions: dict[str, str], odd: str) ->
     of the one table the gate reads (a mismatch there refuses / FAILs)."""
     from clusterkit.checks.facts import NodeFacts
     from clusterkit.checks.findings import Status
-    from clusterkit.checks.rules import DoctorContext, check_versions
+    from clusterkit.checks.rules_base import DoctorContext
+    from clusterkit.checks.rules_parity import check_versions
     from clusterkit.hostrange import fold
     from clusterkit.node.gatefacts import PACKAGES
     from clusterkit.node.parity import MUST, packages

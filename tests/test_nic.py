@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from clusterkit.checks.findings import Status
-from clusterkit.checks.rules import check_interfaces, gloo_pick, nccl_pick
+from clusterkit.checks.netpick import gloo_pick, nccl_pick
+from clusterkit.checks.rules_nccl import check_interfaces
 from tests.helpers import ADDR, CTX, HOSTS, cluster, node, only_node7
 
 BRIDGE = ("172.18.0.1",)  # docker's user-defined network: the same address on every node

@@ -46,10 +46,8 @@ from clusterkit.checks.invoke import (
     parse_probe_stdout,
     probe_source,
 )
-from clusterkit.checks.rules import (
-    DoctorContext,
-    run_rules,
-)
+from clusterkit.checks.rules import run_rules
+from clusterkit.checks.rules_base import DoctorContext
 from clusterkit.checks.rules_env import env_parity
 from clusterkit.checks.rules_storage import check_shared_dirs
 from clusterkit.errors import TransportError

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from clusterkit.checks.invoke import FACTS_TIMEOUT_S, facts_argv
-from clusterkit.checks.rules import DoctorContext, one_machine
+from clusterkit.checks.rules_base import DoctorContext, one_machine
 from clusterkit.inventory import Host
 from clusterkit.launchers import backend as backend_of
 from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S, SSHTarget, target_for

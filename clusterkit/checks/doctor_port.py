@@ -25,9 +25,7 @@ from clusterkit.checks.invoke import (
     parse_probe_stdout,
     probe_source,
 )
-from clusterkit.checks.rules import (
-    check_master_port,
-)
+from clusterkit.checks.rules_ssh import check_master_port
 from clusterkit.errors import TransportError
 from clusterkit.remote.base import CommandResult, RemoteProcess, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out

@@ -7,9 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from clusterkit.checks.facts import NodeFacts
-from clusterkit.checks.rules import (
-    VIRTUAL_IFACE_PREFIXES,
-)
+from clusterkit.checks.rules_names import VIRTUAL_IFACE_PREFIXES
 from clusterkit.node.parity import majority
 from clusterkit.plan.ifaces import cluster_env
 
