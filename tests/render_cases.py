@@ -6,7 +6,7 @@ from pathlib import Path
 
 from clusterkit.inventory import Inventory, load_inventory, local_inventory
 from clusterkit.launchers import plan_backends
-from clusterkit.plan import plan_job
+from clusterkit.plan.build import plan_job
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import JobOptions, LaunchFacts, LaunchPlan
 

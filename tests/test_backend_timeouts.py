@@ -93,7 +93,7 @@ def test_launch_hang_timeout_reaches_the_plan_env() -> None:
     args = build_parser().parse_args(["launch", "--job-id", "ht", "--hang-timeout", "60"])
     options = cmd_launch._options(args, "local")
     assert options.hang_timeout_s == 60.0
-    from clusterkit.plan import plan_job
+    from clusterkit.plan.build import plan_job
     from clusterkit.render.artifacts import render_all
     from tests.render_cases import FACTS, inventory
 

@@ -24,7 +24,7 @@ from clusterkit.checkpoints.session import BackChannel
 from clusterkit.errors import LaunchError
 from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.node.ckstream import SOCKET_GREETING, connect_back, socket_proof
-from clusterkit.slurm import SlurmClient
+from clusterkit.slurm.client import SlurmClient
 from clusterkit.slurm.steps import SlurmPlace, job_places, site_args, srun_hint
 
 TAG = "global_step1"

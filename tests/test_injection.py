@@ -29,7 +29,7 @@ from clusterkit.inventory import CheckpointStorage, Host, Inventory, parse_inven
 from clusterkit.launchers import plan_backends
 from clusterkit.launchers.argv import ranks_under_recorder
 from clusterkit.node.contract import exits_dir
-from clusterkit.plan import plan_job
+from clusterkit.plan.build import plan_job
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import JobOptions, LaunchPlan
 from tests.render_cases import FACTS

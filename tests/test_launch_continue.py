@@ -66,7 +66,7 @@ def test_the_dry_run_refuses_a_job_id_that_is_still_running(
     """Issue 25: the dry run makes the launch's checks, this one included."""
     from clusterkit.cli.main import main
     from clusterkit.inventory import local_inventory
-    from clusterkit.plan import plan_job
+    from clusterkit.plan.build import plan_job
     from clusterkit.render.artifacts import render_all
     from clusterkit.spec.job import JobOptions
     from tests.render_cases import FACTS

@@ -145,7 +145,7 @@ def test_gate_and_doctor_give_one_verdict(versions: dict[str, str], odd: str) ->
 
 def test_node_needs_script_ckpt_master() -> None:
     from clusterkit.inventory import local_inventory
-    from clusterkit.plan import plan_job
+    from clusterkit.plan.build import plan_job
     from clusterkit.spec.job import JobOptions
     from tests.render_cases import FACTS
 

@@ -16,7 +16,7 @@ from clusterkit import launchers
 from clusterkit.cli.main import build_parser, main
 from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launchers.base import Backend
-from clusterkit.plan import plan_job
+from clusterkit.plan.build import plan_job
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import JobOptions, JobPlan, NodeCommand
 from tests.render_cases import FACTS, ROOT, inventory, plan_for

@@ -15,7 +15,7 @@ from clusterkit.checks.netpick import (
     save_picks,
 )
 from clusterkit.inventory import Inventory
-from clusterkit.plan import plan_job
+from clusterkit.plan.build import plan_job
 from clusterkit.plan.ifaces import KEYS, apply_picks
 from clusterkit.render.artifacts import plan_json, render_all, summary
 from clusterkit.spec.job import JobOptions

@@ -66,7 +66,7 @@ def test_errors_name_the_cause(kwargs: dict[str, object], error: type[Clusterkit
 
 
 def _plan_with_job(job: str) -> object:
-    from clusterkit.plan import plan_job
+    from clusterkit.plan.build import plan_job
     from clusterkit.spec.job import JobOptions
     from tests.render_cases import FACTS, inventory
 
@@ -144,7 +144,7 @@ hosts:
 
 def _mixed_plan(**kw: Any) -> JobPlan:
     from clusterkit.inventory import parse_inventory
-    from clusterkit.plan import plan_job
+    from clusterkit.plan.build import plan_job
     from clusterkit.spec.job import JobOptions
     from tests.render_cases import FACTS
 
@@ -192,7 +192,7 @@ def test_plan_warns_on_ranks_without_a_gpu_and_strict_refuses() -> None:
     assert _mixed_plan(include="c1").warnings == ()  # a CPU job
     # hosts with the same case fold into one line (32 CPU hosts asked for GPUs: one line)
     from clusterkit.inventory import parse_inventory
-    from clusterkit.plan import plan_job
+    from clusterkit.plan.build import plan_job
     from clusterkit.spec.job import JobOptions
     from tests.render_cases import FACTS
 
@@ -207,7 +207,7 @@ def test_embedded_default_gives_no_gpu_warning() -> None:
     """`clusterkit launch --nodes 2 --gpus-per-node 2` on the virtual nodes (the README's
     first command): CPU ranks by design, nothing to warn about."""
     from clusterkit.inventory import local_inventory
-    from clusterkit.plan import plan_job
+    from clusterkit.plan.build import plan_job
     from clusterkit.spec.job import JobOptions
     from tests.render_cases import FACTS
 
@@ -246,7 +246,7 @@ def test_a_script_that_takes_deepspeed_config_the_deepspeed_way_is_warned(
     import dataclasses
 
     from clusterkit.inventory import local_inventory
-    from clusterkit.plan import plan_job
+    from clusterkit.plan.build import plan_job
     from clusterkit.spec.job import JobOptions
     from tests.render_cases import FACTS
 

@@ -37,7 +37,7 @@ from clusterkit.node.contract import (
     marker_name,
     replica_dir,
 )
-from clusterkit.plan import plan_job
+from clusterkit.plan.build import plan_job
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import JobOptions, JobPlan, LaunchFacts

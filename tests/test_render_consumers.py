@@ -173,7 +173,7 @@ def test_ssh_reads_the_ssh_config(inv: str, tmp_path: Path) -> None:
 def test_pdsh_node_rank_follows_hostfile_order(tmp_path: Path) -> None:
     """pdsh's %n (what DeepSpeed's runner and our fan-out use) is the -w order, not sorted."""
     from clusterkit.inventory import parse_inventory
-    from clusterkit.plan import plan_job
+    from clusterkit.plan.build import plan_job
     from clusterkit.render.artifacts import render_all
     from clusterkit.spec.job import JobOptions
     from tests.render_cases import FACTS

@@ -11,7 +11,7 @@ import pytest
 from clusterkit.errors import RenderError
 from clusterkit.inventory import parse_inventory
 from clusterkit.launch.fromplan import job_from_plan
-from clusterkit.plan import plan_job
+from clusterkit.plan.build import plan_job
 from clusterkit.render.artifacts import render_all, summary
 from clusterkit.spec.job import JobOptions, LaunchPlan
 from tests.render_cases import FACTS, plan_for

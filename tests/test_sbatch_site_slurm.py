@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.slurm import SlurmClient
+from clusterkit.slurm.client import SlurmClient
 from tests.slurmbed import SlurmBed
 
 pytestmark = [pytest.mark.slurm, pytest.mark.testbed]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.slurm import JobInfo, SlurmClient, SlurmError
-from clusterkit.slurm.jobinfo import SlurmParseError, parse_sinfo_cpus
+from clusterkit.slurm.client import SlurmClient, SlurmError
+from clusterkit.slurm.jobinfo import JobInfo, SlurmParseError, parse_sinfo_cpus
 from clusterkit.slurm.watch import watch
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.cli.main import main
-from clusterkit.slurm import SlurmClient, SlurmError
+from clusterkit.slurm.client import SlurmClient, SlurmError
 from clusterkit.slurm.ranklines import LabelJoiner
 from tests.helpers import IN_PROGRESS, assert_slurm_nodes_clean, slurm_job_dir, wait_slurm_finished
 from tests.slurmbed import SlurmBed

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from clusterkit.cli.main import main
-from clusterkit.slurm import JobInfo, SlurmClient, SlurmError, parse_job, parse_parsable
-from clusterkit.slurm.jobinfo import SlurmParseError
+from clusterkit.slurm.client import SlurmClient, SlurmError
+from clusterkit.slurm.jobinfo import JobInfo, SlurmParseError, parse_job, parse_parsable
 from clusterkit.slurm.watch import watch
 
 # A real `scontrol show job -o` record from the Slurm test bed (22.05), trimmed.

@@ -18,7 +18,7 @@ import pytest
 
 from clusterkit.fold import parse_ranks
 from clusterkit.node.contract import SUMMARY_PREFIX
-from clusterkit.slurm import SlurmClient
+from clusterkit.slurm.client import SlurmClient
 from clusterkit.slurm.ranklines import (
     SRUN_PIECE_BYTES,
     JobShape,

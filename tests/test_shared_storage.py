@@ -131,7 +131,7 @@ def test_judge_refuses_each_sharing_node_with_one_folded_line() -> None:
 
 def test_node_needs_ask_for_tokens_on_node_local_with_several_nodes() -> None:
     from clusterkit.inventory import local_inventory
-    from clusterkit.plan import plan_job
+    from clusterkit.plan.build import plan_job
     from clusterkit.spec.job import JobOptions
     from tests.render_cases import FACTS
 

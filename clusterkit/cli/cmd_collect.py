@@ -175,7 +175,7 @@ def _batch_job_nodes(args: argparse.Namespace, record: JobRecord
     with --via ssh/sftp, over SSH by node name."""
     from clusterkit.checkpoints.source import CollectNode
     from clusterkit.hostrange import fold
-    from clusterkit.slurm import SlurmClient
+    from clusterkit.slurm.client import SlurmClient
     from clusterkit.slurm.steps import job_places
 
     extra = record.extra

@@ -98,7 +98,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from clusterkit.launch.console import make_sink
     from clusterkit.launch.jobs import Registry
     from clusterkit.launch.run import LaunchSettings, launch
-    from clusterkit.plan import plan_job
+    from clusterkit.plan.build import plan_job
     from clusterkit.remote.dispatch import transport_for
 
     inventory = resolve_inventory(args.inventory)

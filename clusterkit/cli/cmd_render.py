@@ -17,7 +17,7 @@ from clusterkit.cli.common import (
 from clusterkit.cli.jobflags import add_job_flags, add_program, default_job_id_now
 from clusterkit.errors import RenderError
 from clusterkit.fsutil import atomic_write_text, check_writable
-from clusterkit.plan import plan_job
+from clusterkit.plan.build import plan_job
 from clusterkit.render.artifacts import dry_run_text, render_all, summary
 from clusterkit.spec.job import JobOptions, LaunchPlan
 

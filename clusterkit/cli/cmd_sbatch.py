@@ -36,10 +36,11 @@ from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.launchers import BACKENDS
 from clusterkit.node.contract import ENV_STOP_FILE, JobDir
-from clusterkit.plan import plan_job
+from clusterkit.plan.build import plan_job
 from clusterkit.render.artifacts import render_all, summary
 from clusterkit.render.sbatch import DEFAULT_SIGNAL_LEAD_S, SlurmSite
-from clusterkit.slurm import JobInfo, SlurmClient
+from clusterkit.slurm.client import SlurmClient
+from clusterkit.slurm.jobinfo import JobInfo
 from clusterkit.slurm.watch import watch
 from clusterkit.spec.job import JobOptions, JobPlan, LaunchPlan
 from clusterkit.units import duration_type

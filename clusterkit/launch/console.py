@@ -23,7 +23,7 @@ from typing import IO, TYPE_CHECKING, Protocol
 
 from clusterkit.fold import FOLD_WINDOW_S, Folded, LineFolder
 from clusterkit.launch.runtime_io import ConsolePhase
-from clusterkit.launch.watchdog import STEP_LINE
+from clusterkit.node.hangrule import STEP_LINE
 
 if TYPE_CHECKING:
     from rich.text import Text

@@ -55,9 +55,10 @@ from clusterkit.launch.runtime_io import (
 )
 from clusterkit.launch.runtime_state import GateState, NodeState, Stage
 from clusterkit.launch.stacks import RankStack, StackSummary, read_stack, summarize
-from clusterkit.launch.watchdog import DUMP_COLLECT_S, Watchdog, ping_interval, step_of
+from clusterkit.launch.watchdog import DUMP_COLLECT_S, Watchdog, ping_interval
 from clusterkit.node import protocol
 from clusterkit.node.contract import SUMMARY_PREFIX, JobDir, with_job_id
+from clusterkit.node.hangrule import step_of
 from clusterkit.node.protocol import Control
 
 # The signals the launcher forwards to every node's ranks, as the agents' control words.

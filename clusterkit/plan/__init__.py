@@ -1,4 +1,5 @@
-"""Launch planning: ``plan_job(inventory, options, facts) -> JobPlan`` (pure).
+"""Launch planning: ``plan_job(inventory, options, facts) -> JobPlan`` (pure), in
+:mod:`clusterkit.plan.build` (import it from there: this package re-exports nothing).
 
 A plan is a value: hosts and ranks, the rendezvous address and port, each node's
 environment, storage, the ZeRO spec and ds_config, the programs, the warnings.
@@ -6,9 +7,3 @@ environment, storage, the ZeRO spec and ds_config, the programs, the warnings.
 (a ``LaunchPlan``); ``clusterkit launch`` executes ``launch_commands`` of that.
 The value types live one layer down, in :mod:`clusterkit.spec`.
 """
-
-from __future__ import annotations
-
-from clusterkit.plan.build import plan_job
-
-__all__ = ["plan_job"]

@@ -6,8 +6,3 @@ parsing ``sbatch --parsable`` and ``scontrol show job -o`` output is pure
 output file until the job ends. No sacct: it needs slurmdbd, which many clusters
 (and our test bed) do not run.
 """
-
-from clusterkit.slurm.client import SlurmClient, SlurmError
-from clusterkit.slurm.jobinfo import JobInfo, parse_job, parse_parsable
-
-__all__ = ["JobInfo", "SlurmClient", "SlurmError", "parse_job", "parse_parsable"]
