@@ -174,3 +174,13 @@ def test_a_part_the_node_shares_with_the_launcher_is_left_alone() -> None:
     there = {"paths": {"/opt/env": {"state": "env", "record": {"digest": "d", "token": "t1"}}}}
     assert shared_here("t1", there, PARTS[0])
     assert not shared_here("t2", there, PARTS[0]) and not shared_here("", there, PARTS[0])
+
+
+def test_drivers_are_not_the_environment_but_said_when_they_differ() -> None:
+    from clusterkit.cli.cmd_nodes import driver_note
+
+    order = ["n1", "n2", "n3"]
+    assert driver_note({"n1": "535.1", "n2": "535.1", "n3": None}, order) is None
+    note = driver_note({"n1": "535.1", "n2": "535.1", "n3": "550.5"}, order)
+    assert note is not None and note.startswith("GPU drivers differ (535.1 on n[1-2], 550.5 on n3)")
+    assert "not copied" in note
