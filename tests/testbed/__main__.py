@@ -38,7 +38,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         tb = Testbed.load(args.prefix)  # grow an existing one
     else:
         tb = Testbed.create(args.prefix, persistent=True, mask_bashrc=args.mask_bashrc,
-                            auto_down=False)
+                            auto_down=False, user=args.user)
     try:
         tb.ensure(args.nodes)
         tb.write_inventory(tb.inventory_path, slots=args.slots)
@@ -57,6 +57,13 @@ def cmd_up(args: argparse.Namespace) -> int:
           f"pdsh -R ssh -w {nodes[0].name[:-len(str(nodes[0].index))]}"
           f"[{nodes[0].index}-{nodes[-1].index}] hostname")
     print(f"               python -m tests.testbed exec {last} -- ssh {first} hostname")
+    if tb.user is not None:
+        u = tb.user
+        user_inv = tb.write_inventory(u.home / "inventory.yaml", slots=args.slots, as_user=True)
+        print(f"  user       : {u.name} (uid {u.uid}) on every node, home {u.home}")
+        print(f"  its inventory: {user_inv}")
+        print(f"  as the user: unshare --mount --propagation private -- /bin/bash "
+              f"tests/testbed/as_user.sh {tb.root} {u.name} ssh {first} id")
     print(f"  tear down  : python -m tests.testbed down --prefix {tb.prefix}")
     return 0
 
@@ -109,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("nodes", type=int, help=f"number of nodes (1-{MAX_NODES})")
     up.add_argument("--prefix", help="test bed name (default: tb<K>)")
     up.add_argument("--slots", type=int, default=2, help="slots per node in the inventory")
+    up.add_argument("--user", metavar="NAME", default=None,
+                    help="also an unprivileged user NAME on every node (docs/testbed.md)")
     up.add_argument("--mask-bashrc", action="store_true",
                     help="hide root's ~/.bashrc inside nodes (saves ~90 ms per ssh command)")
     up.set_defaults(func=cmd_up)

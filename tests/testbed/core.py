@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import yaml
 
 from clusterkit.remote.base import SSHTarget
-from tests.testbed import sshfiles
+from tests.testbed import sshfiles, users
 from tests.testbed.sysutil import (
     NODE_ENV,
     TestbedError,
@@ -114,6 +114,8 @@ class _State:
     name_prefix: str = "node"
     nodes: list[TestNode] = field(default_factory=list)
     destroyed: list[str] = field(default_factory=list)  # nodes lost for good (destroy())
+    user: str = ""  # the bed's unprivileged user (tests/testbed/users.py), if any
+    user_uid: int = 0
 
     @staticmethod
     def load(path: Path) -> _State:
@@ -165,12 +167,14 @@ class Testbed:
     @classmethod
     def create(cls, prefix: str | None = None, *, persistent: bool = False,
                mask_bashrc: bool = False, name_prefix: str = "node",
-               auto_down: bool = True) -> Testbed:
+               auto_down: bool = True, user: str | None = None) -> Testbed:
         """Allocate a prefix + /24 and create the bridge and files (no nodes yet).
 
         ``persistent`` test beds (the CLI's) outlive this process; others are swept
         by the next ``create`` once their owner process is gone. ``auto_down``
         registers atexit + SIGTERM/SIGHUP handlers that tear the test bed down.
+        ``user``: an unprivileged user of that name on every node (tests/testbed/users.py;
+        ``write_inventory(as_user=True)``, ``user_argv``).
         """
         reason = unavailable_reason()
         if reason:
@@ -179,6 +183,9 @@ class Testbed:
         with flock(GLOBAL_LOCK):
             # The saved state reserves prefix and subnet; the rest needs no global lock.
             state = _allocate(prefix, persistent, mask_bashrc, name_prefix)
+            if user:
+                state.user, state.user_uid = user, users.pick_ids(user)[0]
+                state.save()
         tb = cls(state)
         try:
             tb._prepare_host()
@@ -217,6 +224,10 @@ class Testbed:
         write_atomic(root / "etc" / "hosts", sshfiles.etc_hosts_header())
         write_atomic(root / "etc" / "resolv.conf", sshfiles.RESOLV_CONF)
         write_atomic(root / "etc" / "empty", "")
+        if self.user is not None:
+            users.write_etc(self.user, root / "etc")
+            (root / "home").mkdir()
+            users.prepare_host(self.user, sshfiles.new_ed25519(f"{self.user.name}@cktb"))
         self._write_ssh_client_files()
         bridge = self.bridge
         ip_batch([f"link add {bridge} type bridge",
@@ -264,6 +275,32 @@ class Testbed:
     @property
     def nodes(self) -> list[TestNode]:
         return list(self._state.nodes)
+
+    @property
+    def user(self) -> users.BedUser | None:
+        """The bed's unprivileged user (``create(user=...)``), or None."""
+        s = self._state
+        return users.BedUser(s.user, s.user_uid, s.user_uid, s.root) if s.user else None
+
+    def _the_user(self) -> users.BedUser:
+        if self.user is None:
+            raise TestbedError(f"test bed {self.prefix} has no user",
+                               hint="Testbed.create(user=NAME) / up --user NAME")
+        return self.user
+
+    def user_argv(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run on this host as the bed's user: in a private mount namespace that
+        sees the bed's passwd/group/shadow and an opened /root (tests/testbed/as_user.sh).
+        Give it ``user_env()``; the command's cwd must be one the user may enter."""
+        u = self._the_user()
+        return ["unshare", "--mount", "--propagation", "private", "--", "/bin/bash",
+                str(users.AS_USER), str(self.root), u.name, *argv]
+
+    def user_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """``base`` (default: this environment) with the user's HOME, USER, LOGNAME."""
+        u = self._the_user()
+        return {**(os.environ if base is None else base), "HOME": str(u.home),
+                "USER": u.name, "LOGNAME": u.name}
 
     @property
     def ssh_config(self) -> Path:
@@ -390,7 +427,10 @@ class Testbed:
         write_atomic(d / "ssh_host_ed25519_key", key.private_openssh, 0o600)
         write_atomic(d / "ssh_host_ed25519_key.pub", key.public_openssh + "\n")
         write_atomic(d / "sshd_config", sshfiles.sshd_config(
-            d / "ssh_host_ed25519_key", self.root / "ssh" / "authorized_keys"))
+            d / "ssh_host_ed25519_key", self.root / "ssh" / "authorized_keys",
+            users_own_keys=self.user is not None))
+        if self.user is not None:
+            users.prepare_node(self.user, d)
         return sshfiles.HostEntry(node.name, node.address, key.public_openssh)
 
     def _host_entries(self) -> list[sshfiles.HostEntry]:
@@ -405,9 +445,14 @@ class Testbed:
         text = sshfiles.known_hosts(entries)
         write_atomic(self.root / "ssh" / "known_hosts", text)
         write_atomic(self.root / "nodessh" / "known_hosts", text)
-        write_atomic(self.ssh_config, sshfiles.host_ssh_config(
-            self.root, entries, f"{self._state.name_prefix}*",
-            f"{SUBNET_BASE}.{self._state.octet}.*"))
+        globs = (f"{self._state.name_prefix}*", f"{SUBNET_BASE}.{self._state.octet}.*")
+        write_atomic(self.ssh_config, sshfiles.host_ssh_config(self.root, entries, *globs))
+        if self.user is not None:
+            u = self.user
+            users.write_client_files(
+                u, [self.root / "nodes" / n.name for n in self._state.nodes], text,
+                sshfiles.host_ssh_config(self.root, entries, *globs, ssh_dir=u.ssh_dir,
+                                         user=u.name))
 
     def _launch(self, node: TestNode) -> subprocess.Popen[bytes]:
         log = open(self.root / "nodes" / node.name / "node.log", "ab")  # noqa: SIM115
@@ -560,8 +605,16 @@ class Testbed:
             time.sleep(0.02)
 
     # ------------------------------------------------------------ clusterkit glue
-    def ssh_target(self, node: TestNode | str) -> SSHTarget:
+    def ssh_target(self, node: TestNode | str, *, as_user: bool = False) -> SSHTarget:
+        """root's target, or with ``as_user`` the bed's user's (its files are the user's:
+        use it from a process running as the user, ``user_argv``)."""
         n = self.node(node)
+        if as_user:
+            u = self._the_user()
+            return SSHTarget(name=n.name, address=n.address, user=u.name, port=22,
+                             identity_file=str(u.ssh_dir / "id_ed25519"),
+                             config_file=str(u.ssh_dir / "config"),
+                             known_hosts_file=str(u.ssh_dir / "known_hosts"))
         return SSHTarget(name=n.name, address=n.address, user="root", port=22,
                          identity_file=str(self.identity_file),
                          config_file=str(self.ssh_config),
@@ -576,7 +629,11 @@ class Testbed:
         return want or sys.executable
 
     def inventory_dict(self, nodes: Sequence[TestNode | str] | None = None, slots: int = 2,
-                       **defaults_overrides: Any) -> dict[str, Any]:
+                       *, as_user: bool = False, **defaults_overrides: Any) -> dict[str, Any]:
+        """``as_user``: log in as the bed's user, with its workdir and checkpoint dirs."""
+        if as_user:
+            defaults_overrides = _merge(users.inventory_overrides(self._the_user()),
+                                        defaults_overrides)
         chosen = [self.node(n) for n in nodes] if nodes is not None else self.nodes
         defaults: dict[str, Any] = {
             "transport": "ssh",
@@ -600,11 +657,11 @@ class Testbed:
 
     def write_inventory(self, path: str | os.PathLike[str],
                         nodes: Sequence[TestNode | str] | None = None, slots: int = 2,
-                        **defaults_overrides: Any) -> Path:
+                        *, as_user: bool = False, **defaults_overrides: Any) -> Path:
         """Write a clusterkit inventory (docs/inventory.md) for ``nodes`` (default: all)."""
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
-        data = self.inventory_dict(nodes, slots, **defaults_overrides)
+        data = self.inventory_dict(nodes, slots, as_user=as_user, **defaults_overrides)
         write_atomic(out, "# clusterkit test bed inventory (tests/testbed)\n"
                      + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
         return out

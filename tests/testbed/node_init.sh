@@ -31,6 +31,14 @@ mount --bind "$root/etc/hosts" /etc/hosts
 mkdir -p "$(dirname "$resolv")"
 [ -e "$resolv" ] || : >"$resolv"
 mount --bind "$root/etc/resolv.conf" "$resolv"
+# A bed with an unprivileged user (tests/testbed/users.py): /root opened, the bed's
+# passwd/group/shadow, and the node's private home on $root/home.
+if [ -f "$root/etc/passwd" ]; then
+    . "$(dirname "$0")/open_root.sh"
+    open_root "$node/root-orig"
+    bind_etc "$root"
+    mount --bind "$node/home" "$root/home"
+fi
 mount --bind "$root/nodessh" /root/.ssh
 if [ "$mask_bashrc" = 1 ] && [ -f /root/.bashrc ]; then
     mount --bind "$root/etc/empty" /root/.bashrc

@@ -40,14 +40,16 @@ def new_ed25519(comment: str) -> KeyPair:
     return KeyPair(private, f"{public} {comment}")
 
 
-def sshd_config(host_key: Path, authorized_keys: Path) -> str:
+def sshd_config(host_key: Path, authorized_keys: Path, users_own_keys: bool = False) -> str:
+    """``users_own_keys``: also each user's ``~/.ssh/authorized_keys`` (a bed with a user)."""
+    keys = f"{authorized_keys} .ssh/authorized_keys" if users_own_keys else str(authorized_keys)
     return "\n".join([
         "# clusterkit test bed node sshd (runs as `sshd -D -e -f` this file)",
         "Port 22",
         "ListenAddress 0.0.0.0",
         f"HostKey {host_key}",
         "PidFile /run/sshd.pid",  # /run is the node's private tmpfs
-        f"AuthorizedKeysFile {authorized_keys}",
+        f"AuthorizedKeysFile {keys}",
         "PubkeyAuthentication yes",
         "PasswordAuthentication no",
         "KbdInteractiveAuthentication no",
@@ -67,25 +69,28 @@ def sshd_config(host_key: Path, authorized_keys: Path) -> str:
 
 
 def host_ssh_config(
-    root: Path, hosts: Sequence[HostEntry], name_glob: str, subnet_glob: str
+    root: Path, hosts: Sequence[HostEntry], name_glob: str, subnet_glob: str,
+    ssh_dir: Path | None = None, user: str = "root",
 ) -> str:
-    """``<root>/ssh/config`` for the host: node names map to bridge addresses."""
+    """``<root>/ssh/config`` for the host: node names map to bridge addresses (``ssh_dir``
+    and ``user``: the same for the bed's unprivileged user, tests/testbed/users.py)."""
     lines = ["# clusterkit test bed: use with `ssh -F <this file> node1`", ""]
     for h in hosts:
         lines += [f"Host {h.name}", f"  HostName {h.address}", ""]
-    lines += [f"Host {name_glob} {subnet_glob}", *_common_client_options(root / "ssh"), ""]
+    lines += [f"Host {name_glob} {subnet_glob}",
+              *_common_client_options(ssh_dir or root / "ssh", user), ""]
     return "\n".join(lines)
 
 
-def node_ssh_config() -> str:
-    """``/root/.ssh/config`` inside nodes: names resolve through the node's /etc/hosts."""
+def node_ssh_config(user: str = "root") -> str:
+    """``~/.ssh/config`` inside nodes: names resolve through the node's /etc/hosts."""
     return "\n".join(["# clusterkit test bed (inside nodes)", "Host *",
-                      *_common_client_options(Path("~/.ssh")), ""])
+                      *_common_client_options(Path("~/.ssh"), user), ""])
 
 
-def _common_client_options(ssh_dir: Path) -> list[str]:
+def _common_client_options(ssh_dir: Path, user: str = "root") -> list[str]:
     return [
-        "  User root",
+        f"  User {user}",
         "  Port 22",
         f"  IdentityFile {ssh_dir}/id_ed25519",
         "  IdentitiesOnly yes",

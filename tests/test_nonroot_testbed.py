@@ -1,0 +1,164 @@
+"""Issue 31 item 7 (launch): replication, spare restore and reshard as a user who is not root.
+
+The test bed's unprivileged user (``temporary(n, user=...)``, tests/testbed/users.py) logs
+in on every node with its own key, home and node-local directory, and the launcher runs
+as that user too (``Testbed.user_argv``: ``setpriv`` in a private mount namespace), so
+neither end of clusterkit has root. Bundled workload, 3 nodes x 1 rank, ZeRO-2,
+node-local checkpoints, ``--replicas 1``; node4 is the spare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    Console,
+    Run,
+    assert_trained,
+    rank_pid,
+    replica_manifests,
+    train_argv,
+    train_env,
+    workload_summary,
+)
+from tests.testbed import Testbed, temporary
+
+USER = "ckuser"
+RING = ("node1", "node2", "node3")
+LOST, SPARE = "node2", "node4"  # node index 1; its ring successor node3 holds its copy
+STEPS, SAVE_EVERY = 32, 16
+TAG = f"global_step{SAVE_EVERY}"
+
+
+def _argv(tb: Testbed, inv: Path, job: str, *extra: str, nodes: int = 3) -> list[str]:
+    """``clusterkit launch`` of the bundled workload, run as the bed's user."""
+    return tb.user_argv(train_argv(
+        inv, job, "native", nodes, 1, "node-local", STEPS,
+        ["--zero-stage", "2", "--save-every", str(SAVE_EVERY), "--replicas", "1", *extra]))
+
+
+def _console(tb: Testbed, argv: Sequence[str]) -> Console:
+    assert tb.user is not None
+    home = tb.user.home
+    return Console(argv, tb.user_env(train_env(home)), home)
+
+
+def _run(tb: Testbed, argv: Sequence[str], timeout: float = 600) -> Run:
+    run = _console(tb, argv)
+    code = run.finish(timeout=timeout)
+    return Run(code, run.text, workload_summary(run.text) if code == 0 else {})
+
+
+def _local(tb: Testbed) -> str:
+    """The user's node-local checkpoint dir, relative to the node-local mount point."""
+    assert tb.user is not None
+    return f"{tb.user.name}/ckpt"
+
+
+def _owned_by_user(tb: Testbed, paths: Sequence[Path]) -> None:
+    assert tb.user is not None
+    owners = {p: p.stat().st_uid for p in paths}
+    assert set(owners.values()) == {tb.user.uid}, owners
+
+
+@contextlib.contextmanager
+def _bed(nodes: int, spare: bool) -> Iterator[tuple[Testbed, Path]]:
+    with temporary(nodes, user=USER) as tb:
+        assert tb.user is not None
+        inv = tb.write_inventory(tb.user.home / "inv.yaml", slots=1, as_user=True)
+        if spare:
+            inv.write_text(inv.read_text() + f"spares: [{SPARE}]\n")
+        yield tb, inv
+
+
+def _stop_ranks(job: str, world: int, sig: signal.Signals) -> None:
+    """SIGSTOP/SIGCONT the job's ranks (host pids): a stopped job cannot pass its next
+    save while the test waits for the copies and destroys a node."""
+    for rank in range(world):
+        pid = rank_pid(job, rank)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+
+def _lose_node2_after_the_replicated_save(tb: Testbed, run: Console, job: str) -> None:
+    """Wait for ``TAG``'s save and every node's copy of it, then destroy node2."""
+    run.wait_for(lambda: f"checkpoint {TAG} complete" in run.text, 400, TAG)
+    _stop_ranks(job, len(RING), signal.SIGSTOP)
+    try:
+        manifests = replica_manifests(tb, RING, job, TAG, _local(tb))
+        run.wait_for(lambda: all(m.exists() for m in manifests), 120, f"replicas of {TAG}")
+        _owned_by_user(tb, manifests)
+        assert f"checkpoint global_step{2 * SAVE_EVERY} complete" not in run.text
+        tb.destroy(LOST)
+    finally:
+        _stop_ranks(job, len(RING), signal.SIGCONT)
+
+
+@pytest.mark.testbed
+def test_as_a_user_replicas_and_a_lost_node_continued_on_the_spare(
+        testbed_required: None) -> None:
+    """(a) the uninterrupted run replicates its saves, every file the user's; (b) node2
+    destroyed after the step-16 copies, ``--max-restarts 1 --drop-failed-nodes``: the
+    launcher restores node2's part onto the spare from node3 and ends on (a)'s loss."""
+    with _bed(4, spare=True) as (tb, inv):
+        ref = _run(tb, _argv(tb, inv, "ref"))
+        assert_trained(ref, STEPS, 3)
+        manifests = [m for tag in (TAG, f"global_step{STEPS}")
+                     for m in replica_manifests(tb, RING, "ref", tag, _local(tb))]
+        assert all(m.exists() for m in manifests), [str(m) for m in manifests if not m.exists()]
+        _owned_by_user(tb, manifests)
+        files = [p for n in RING for p in tb.node_local_path(n, _local(tb)).rglob("*")]
+        _owned_by_user(tb, files)
+        assert "checkpoints replicated: " in ref.text, ref.text[-3000:]
+
+        run = _console(tb, _argv(tb, inv, "auto", "--max-restarts", "1", "--drop-failed-nodes"))
+        try:
+            _lose_node2_after_the_replicated_save(tb, run, "auto")
+            code = run.finish(timeout=600)
+        except BaseException:
+            run.finish(timeout=1)
+            raise
+        assert code == 0, run.text[-4000:]
+        assert f"restored {TAG} of node index 1 ({LOST}) onto {SPARE}" in run.text, \
+            run.text[-4000:]
+        summary = workload_summary(run.text)
+        assert summary["resumed_from"] == TAG and summary["world_size"] == 3, summary
+        assert summary["final_loss"] == ref.summary["final_loss"], (summary, ref.summary)
+        restored = list(tb.node_local_path(SPARE, f"{_local(tb)}/auto/{TAG}").rglob("*"))
+        assert restored, "nothing restored on the spare"
+        _owned_by_user(tb, restored)
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
+def test_as_a_user_without_a_spare_the_job_reshards_onto_two_nodes(
+        testbed_required: None) -> None:
+    """(c) node2 destroyed after the step-16 copies, no spare: relaunched with
+    ``--exclude node2``, the job gathers, converts to a universal checkpoint, pushes it
+    to the 2 nodes left and finishes, all as the user."""
+    with _bed(3, spare=False) as (tb, inv):
+        run = _console(tb, _argv(tb, inv, "shrink"))
+        try:
+            _lose_node2_after_the_replicated_save(tb, run, "shrink")
+            code = run.finish(timeout=300)
+        except BaseException:
+            run.finish(timeout=1)
+            raise
+        assert code != 0, run.text[-3000:]
+        argv = tb.user_argv(train_argv(
+            inv, "shrink", "native", 2, 1, "node-local", STEPS,
+            ["--zero-stage", "2", "--save-every", str(SAVE_EVERY), "--replicas", "1"]))
+        argv[argv.index("--nodes"):argv.index("--nodes") + 2] = ["--exclude", LOST]
+        again = _run(tb, argv)
+        assert again.code == 0, again.text[-5000:]
+        for step in ("1/3 gathering it here", "2/3 converting it", "3/3 pushing"):
+            assert step in again.text, again.text[-5000:]
+        assert again.summary["resumed_from"] == f"{TAG}_universal", again.summary
+        assert again.summary["world_size"] == 2 and again.summary["finished"], again.summary
