@@ -195,7 +195,8 @@ def private_imports(root: Path = ROOT) -> list[str]:
         out += [f"{path.relative_to(root.parent)}:{node.lineno}: {ast.unparse(node)}"
                 for node in ast.walk(tree)
                 if isinstance(node, ast.Attribute) and private(node.attr)
-                and isinstance(node.value, ast.Name) and node.value.id in modules]
+                and ((isinstance(node.value, ast.Name) and node.value.id in modules)
+                     or ast.unparse(node.value).startswith(f"{root.name}."))]
     return sorted(out)
 
 
@@ -218,9 +219,10 @@ def test_the_private_import_check_sees_both_spellings(tmp_path: Path) -> None:
     root.mkdir()
     (root / "a.py").write_text("_X = 1\ndef _f():\n    return _X\n")
     (root / "b.py").write_text("from clusterkit.a import _X, __doc__\nfrom clusterkit import a\n"
-                               "def g():\n    return a._f(), a.__name__\n")
+                               "import clusterkit.a\n"
+                               "def g():\n    return a._f(), a.__name__, clusterkit.a._X\n")
     assert private_imports(root) == ["clusterkit/b.py:1: from clusterkit.a import _X",
-                                     "clusterkit/b.py:4: a._f"]
+                                     "clusterkit/b.py:5: a._f", "clusterkit/b.py:5: clusterkit.a._X"]
 
 
 def _assigns_all(stmt: ast.stmt) -> bool:
