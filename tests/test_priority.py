@@ -99,11 +99,11 @@ def test_an_unprivileged_user_gets_what_it_may_without_an_error(tmp_path: Path) 
     """As nobody: SCHED_IDLE and the idle I/O class are allowed, the cgroup is not."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run a check as nobody")
-    code = ("import threading,os,sys;sys.path.insert(0,%r);"
+    code = (f"import threading,os,sys;sys.path.insert(0,{str(REPO)!r});"
             "from clusterkit.node import priority as p;r={};"
             "t=threading.Thread(target=lambda:r.update(w=p.lower_this_thread(),"
             "s=os.sched_getscheduler(0)));t.start();t.join();"
-            "print(r['s']==os.SCHED_IDLE);print(r['w'])") % str(REPO)
+            "print(r['s']==os.SCHED_IDLE);print(r['w'])")
     python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
     done = subprocess.run([python, "-S", "-c", code], capture_output=True, text=True,
                           user="nobody", cwd="/", timeout=60, check=False)
