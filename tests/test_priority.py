@@ -85,7 +85,7 @@ def test_every_step_refused_gives_a_line_not_an_error(monkeypatch: pytest.Monkey
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
     monkeypatch.setattr(os, "setpriority", refuse)
     monkeypatch.setattr(priority, "SYS_IOPRIO_SET", {})
-    monkeypatch.setattr(priority.shutil, "which", lambda _n: None)
+    monkeypatch.setattr(shutil, "which", lambda *_a, **_k: None)
     monkeypatch.setattr(priority, "cpu_cgroup_dir", lambda _t: str(tmp_path / "no" / "such"))
     (tmp_path / "no").write_text("a file where the cgroup dir would go")
     res, _ = _in_thread(lambda: priority.lower_this_thread())
