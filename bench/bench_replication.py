@@ -305,13 +305,13 @@ def _run(tb: Testbed, work: Path, inv: Path, job: str, ns: argparse.Namespace,
     copies = sum(1 for ln in text.splitlines() if "sha256 verified" in ln)
     if ns.user_script:
         steps = user_script_steps(text)
-        copies, copy_s, prio = _copies(tb, job)
+        copies, copy_s, prio, per_gib = _copies(tb, job)
         for node in tb.ensure(ns.nodes):
             shutil.rmtree(tb.node_local_path(node, "ckpt"), ignore_errors=True)
         return {"job": job, "replicas": replicas, "step_s": statistics.mean(steps),
                 "median_s": statistics.median(steps), "load": load, "load_end": _load(),
                 "wall_s": time.monotonic() - t0, "copies": copies, "copy_s": copy_s,
-                "priority": prio, "cpu_s_per_step": None}
+                "priority": prio, "cpu_s_per_gib": per_gib, "cpu_s_per_step": None}
     line = [ln for ln in text.splitlines() if ln.startswith(SUMMARY_PREFIX)][-1]
     summary = json.loads(line[len(SUMMARY_PREFIX):])
     step_s = ns.nodes / summary["samples_per_s"]  # micro 1 x accum 1 x world
@@ -322,21 +322,31 @@ def _run(tb: Testbed, work: Path, inv: Path, job: str, ns: argparse.Namespace,
             "cpu_s_per_step": summary.get("cpu_s_per_step")}
 
 
-COPY_LINE = re.compile(r"replica: (\S+) -> (\S+): complete .*\((\d+) bytes, ([\d.]+) s\)")
+COPY_LINE = re.compile(r"replica: \S+ -> \S+: complete .*\((\d+) bytes, ([\d.]+) s, "
+                       r"([\d.]+) CPU s\)")
+RECV_LINE = re.compile(r"replica: received \S+ of node index \d+: (\d+) bytes in [\d.]+ s, "
+                       r"([\d.]+) CPU s")
 
 
-def _copies(tb: Testbed, job: str) -> tuple[int, float | None, str]:
+def _copies(tb: Testbed, job: str) -> tuple[int, float | None, str, dict[str, float | None]]:
     """From the nodes' launcher.log: the copies made (bytes sent), their mean seconds,
-    and the priority line the agents wrote."""
+    the priority line the agents wrote, and the copy threads' CPU s per GiB at each end."""
     secs, prio = [], ""
+    ends = {"send": [0, 0.0], "receive": [0, 0.0]}  # bytes, CPU s
     for log in (tb.root / "work" / ".clusterkit" / "jobs" / job / "nodes").glob("*/launcher.log"):
         for line in log.read_text(errors="replace").splitlines():
-            m = COPY_LINE.search(line)
-            if m and int(m.group(3)) > 0:
-                secs.append(float(m.group(4)))
+            m, r = COPY_LINE.search(line), RECV_LINE.search(line)
+            if m and int(m.group(1)) > 0:
+                secs.append(float(m.group(2)))
+                ends["send"][0] += int(m.group(1))
+                ends["send"][1] += float(m.group(3))
+            elif r:
+                ends["receive"][0] += int(r.group(1))
+                ends["receive"][1] += float(r.group(2))
             elif "copies run at low priority" in line:
                 prio = line[line.index("copies run"):]
-    return len(secs), (statistics.mean(secs) if secs else None), prio
+    per_gib = {k: (round(cpu / (n / GIB), 2) if n else None) for k, (n, cpu) in ends.items()}
+    return len(secs), (statistics.mean(secs) if secs else None), prio, per_gib
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
                        if run["cpu_s_per_step"] is not None else
                        f"median {run['median_s'] * 1000:.1f} ms, load at end {run['load_end']:.1f}"
                        + (f", copies took {run['copy_s']:.1f} s on average"
+                          if run.get("copy_s") else "")
+                       + (f", copy CPU s per GiB: send {run['cpu_s_per_gib']['send']}, "
+                          f"receive {run['cpu_s_per_gib']['receive']}"
                           if run.get("copy_s") else ""))
                 print(f"round {r} replicas={replicas}: step {run['step_s'] * 1000:.1f} ms "
                       f"(load {run['load']:.1f}), {cpu}, {run['copies']} copies, "

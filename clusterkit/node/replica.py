@@ -267,6 +267,7 @@ class ReplicaServer:
             self._busy.add((source, tag))
         partial = os.path.join(replica_source_dir(self.ckpt_dir, source),
                                f"{REPLICA_PARTIAL_PREFIX}{tag}-{nonce}")
+        t0, c0 = time.monotonic(), time.thread_time()
         try:
             os.makedirs(partial)
             conn.send(b"OK\n")
@@ -283,6 +284,9 @@ class ReplicaServer:
             self._commit(partial, final, manifest)
             self._prune(source, tag, head.get("tags"))
             conn.send(b"OK\n")
+            self.log(f"replica: received {tag} of node index {source}: "
+                     f"{sum(size for _, size in files)} bytes in {time.monotonic() - t0:.1f} s, "
+                     f"{time.thread_time() - c0:.2f} CPU s")
         finally:
             shutil.rmtree(partial, ignore_errors=True)
             with self._lock:

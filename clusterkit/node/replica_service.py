@@ -170,7 +170,7 @@ class ReplicaService:
 
     def _copy(self, tag: str, target_node: str) -> None:
         target = next(t for t in self.targets if t["node"] == target_node)
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.thread_time()
         tries = self._tries.get((tag, target_node), (0, 0.0))[0] + 1
         try:
             sent = push(self.ckpt_dir, tag, target, job_id=self.job_id, source=self.index,
@@ -190,10 +190,10 @@ class ReplicaService:
         self._tries.pop((tag, target_node), None)
         self._record(tag, target_node, protocol.CopyState.COMPLETE,
                      "" if sent else protocol.REPLICA_ALREADY_THERE, sent,
-                     time.monotonic() - t0)
+                     time.monotonic() - t0, cpu=time.thread_time() - c0)
 
     def _record(self, tag: str, target: str, state: protocol.CopyState, detail: str,
-                nbytes: int, seconds: float, event: bool = True) -> None:
+                nbytes: int, seconds: float, event: bool = True, cpu: float = 0.0) -> None:
         self.state.setdefault(tag, {})[target] = state.value
         live = set(self.watch.tags())  # the record follows the keep policy too
         self.state = {k: v for k, v in self.state.items() if k in live or k == tag}
@@ -201,7 +201,8 @@ class ReplicaService:
             write_atomic(self.state_path, json.dumps(self.state, sort_keys=True))
         except OSError as exc:
             self.log(f"replica: cannot write {self.state_path}: {exc}")
-        self.log(f"replica: {tag} -> {target}: {state.value} {detail} ({nbytes} bytes, {seconds:.1f} s)")
+        self.log(f"replica: {tag} -> {target}: {state.value} {detail} ({nbytes} bytes, {seconds:.1f} s, "
+                 f"{cpu:.2f} CPU s)")
         if event:
             self.send(protocol.Replica(self.node, tag=tag, source=self.index, target=target,
                                        state=state, detail=detail, bytes=nbytes,
