@@ -21,13 +21,13 @@ from clusterkit.checks.doctor_plan import plan_doctor
 from clusterkit.checks.facts import NodeFacts
 from clusterkit.checks.findings import Finding, Status
 from clusterkit.checks.fixenv import merge_env_file, recommended_env
-from clusterkit.cli.cmd_doctor import parse_size
 from clusterkit.cli.main import main
 from clusterkit.errors import ClusterkitError, TransportError
 from clusterkit.inventory import Host, local_inventory
 from clusterkit.node.bw_worker import round_robin
 from clusterkit.remote.base import CommandResult
 from clusterkit.remote.dispatch import DispatchTransport
+from clusterkit.units import parse_size
 
 HOSTS = tuple(Host(name=f"node{i}", address=f"10.0.0.{i}", slots=2, python="/venv/bin/python")
               for i in range(1, 4))

@@ -338,3 +338,48 @@ def test_the_backend_name_check(tmp_path: Path) -> None:
     assert backend_name_comparisons(root) == [
         "clusterkit/checks/y.py:1: ctx.backend != 'deepspeed'",
         "clusterkit/checks/y.py:2: args.launcher in ('torchrun', 'native')"]
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """Names a module defines at its top level (an ``if``/``try`` there included):
+    functions, classes and assignments; not what it imports."""
+    out: set[str] = set()
+    for stmt in tree.body:
+        for node in ast.walk(stmt) if isinstance(stmt, (ast.If, ast.Try)) else [stmt]:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                out |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return out
+
+
+def imports_through(root: Path = ROOT, *others: Path) -> list[str]:
+    """``from clusterkit.x import name`` (in clusterkit, or in ``others``: tests, bench)
+    where ``name`` is neither a module of ``x`` nor defined by ``x``: the name has another
+    door, its defining module."""
+    mods = _modules(root)
+    defined = {m: _defined(ast.parse(p.read_text(encoding="utf-8"))) for m, p in mods.items()}
+    out = []
+    for base in (root, *others):
+        for path in sorted(base.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in mods:
+                    out += [f"{path.relative_to(base.parent)}:{node.lineno}: {a.name} "
+                            f"through {node.module}" for a in node.names
+                            if f"{node.module}.{a.name}" not in mods
+                            and a.name not in defined[node.module]]
+    return out
+
+
+def test_every_name_is_imported_from_its_defining_module() -> None:
+    assert imports_through(ROOT, TESTS, ROOT.parent / "bench") == []
+
+
+def test_the_defining_module_check(tmp_path: Path) -> None:
+    root = tmp_path / "clusterkit"
+    (root / "p").mkdir(parents=True)
+    (root / "p" / "__init__.py").write_text("from clusterkit.p.m import f\n")
+    (root / "p" / "m.py").write_text("def f(): ...\nif True:\n    G = 1\n")
+    (root / "q.py").write_text("from clusterkit.p import m, f\nfrom clusterkit.p.m import f, G\n")
+    assert imports_through(root) == ["clusterkit/q.py:1: f through clusterkit.p"]

@@ -25,10 +25,9 @@ from clusterkit.node.replica import (
     ReplicaError,
     ReplicaServer,
     push,
-    read_manifest,
-    safe_rel,
     say_bye,
 )
+from clusterkit.node.replica_area import read_manifest, safe_rel
 from clusterkit.node.replica_done import CompletionWatch, missing_rank_files
 from clusterkit.node.replica_service import ReplicaService
 

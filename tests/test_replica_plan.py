@@ -115,7 +115,8 @@ def test_doctor_counts_the_replicas_a_node_local_dir_holds() -> None:
     from dataclasses import replace
 
     from clusterkit.checks.facts import StorageFacts
-    from clusterkit.checks.rules_base import GiB, Status
+    from clusterkit.checks.findings import Status
+    from clusterkit.checks.rules_base import GiB
     from clusterkit.checks.rules_host import check_storage
     from tests.helpers import CTX, HOSTS, cluster, only_node7
 

@@ -24,8 +24,7 @@ from clusterkit.inventory import replicas_problem
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER
 from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S
 from clusterkit.spec.ports import master_port
-from clusterkit.units import duration_type, size_type
-from clusterkit.units import parse_size as parse_size  # the one size rule (docs/units.md)
+from clusterkit.units import duration_type, parse_size, size_type  # the one size rule
 
 if TYPE_CHECKING:
     from clusterkit.checks.doctor import DoctorReport
