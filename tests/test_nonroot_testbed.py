@@ -36,11 +36,16 @@ STEPS, SAVE_EVERY = 32, 16
 TAG = f"global_step{SAVE_EVERY}"
 
 
-def _argv(tb: Testbed, inv: Path, job: str, *extra: str, nodes: int = 3) -> list[str]:
-    """``clusterkit launch`` of the bundled workload, run as the bed's user."""
-    return tb.user_argv(train_argv(
-        inv, job, "native", nodes, 1, "node-local", STEPS,
-        ["--zero-stage", "2", "--save-every", str(SAVE_EVERY), "--replicas", "1", *extra]))
+def _argv(tb: Testbed, inv: Path, job: str, *extra: str, exclude: str = "") -> list[str]:
+    """``clusterkit launch`` of the bundled workload on 3 nodes (``exclude``: on the
+    inventory's nodes but that one), run as the bed's user."""
+    argv = train_argv(inv, job, "native", 3, 1, "node-local", STEPS,
+                      ["--zero-stage", "2", "--save-every", str(SAVE_EVERY), "--replicas", "1",
+                       *extra])
+    if exclude:  # no --nodes/--gpus-per-node with --exclude (the CLI refuses the mix)
+        at = argv.index("--nodes")
+        argv[at:at + 4] = ["--exclude", exclude]
+    return tb.user_argv(argv)
 
 
 def _console(tb: Testbed, argv: Sequence[str]) -> Console:
@@ -87,6 +92,18 @@ def _stop_ranks(job: str, world: int, sig: signal.Signals) -> None:
                 os.kill(pid, sig)
 
 
+def _run_losing_node2(tb: Testbed, argv: Sequence[str], job: str, timeout: float) -> Console:
+    """Run ``argv`` through node2's loss after ``TAG``'s copies; the finished console."""
+    run = _console(tb, argv)
+    try:
+        _lose_node2_after_the_replicated_save(tb, run, job)
+        run.finish(timeout=timeout)
+    except BaseException:
+        run.finish(timeout=1)
+        raise
+    return run
+
+
 def _lose_node2_after_the_replicated_save(tb: Testbed, run: Console, job: str) -> None:
     """Wait for ``TAG``'s save and every node's copy of it, then destroy node2."""
     run.wait_for(lambda: f"checkpoint {TAG} complete" in run.text, 400, TAG)
@@ -118,14 +135,9 @@ def test_as_a_user_replicas_and_a_lost_node_continued_on_the_spare(
         _owned_by_user(tb, files)
         assert "checkpoints replicated: " in ref.text, ref.text[-3000:]
 
-        run = _console(tb, _argv(tb, inv, "auto", "--max-restarts", "1", "--drop-failed-nodes"))
-        try:
-            _lose_node2_after_the_replicated_save(tb, run, "auto")
-            code = run.finish(timeout=600)
-        except BaseException:
-            run.finish(timeout=1)
-            raise
-        assert code == 0, run.text[-4000:]
+        run = _run_losing_node2(tb, _argv(tb, inv, "auto", "--max-restarts", "1",
+                                          "--drop-failed-nodes"), "auto", 600)
+        assert run.proc.returncode == 0, run.text[-4000:]
         assert f"restored {TAG} of node index 1 ({LOST}) onto {SPARE}" in run.text, \
             run.text[-4000:]
         summary = workload_summary(run.text)
@@ -144,19 +156,9 @@ def test_as_a_user_without_a_spare_the_job_reshards_onto_two_nodes(
     ``--exclude node2``, the job gathers, converts to a universal checkpoint, pushes it
     to the 2 nodes left and finishes, all as the user."""
     with _bed(3, spare=False) as (tb, inv):
-        run = _console(tb, _argv(tb, inv, "shrink"))
-        try:
-            _lose_node2_after_the_replicated_save(tb, run, "shrink")
-            code = run.finish(timeout=300)
-        except BaseException:
-            run.finish(timeout=1)
-            raise
-        assert code != 0, run.text[-3000:]
-        argv = tb.user_argv(train_argv(
-            inv, "shrink", "native", 2, 1, "node-local", STEPS,
-            ["--zero-stage", "2", "--save-every", str(SAVE_EVERY), "--replicas", "1"]))
-        argv[argv.index("--nodes"):argv.index("--nodes") + 2] = ["--exclude", LOST]
-        again = _run(tb, argv)
+        run = _run_losing_node2(tb, _argv(tb, inv, "shrink"), "shrink", 300)
+        assert run.proc.returncode != 0, run.text[-3000:]
+        again = _run(tb, _argv(tb, inv, "shrink", exclude=LOST))
         assert again.code == 0, again.text[-5000:]
         for step in ("1/3 gathering it here", "2/3 converting it", "3/3 pushing"):
             assert step in again.text, again.text[-5000:]
