@@ -286,3 +286,56 @@ def test_doctor_sync_rules_name_the_node_the_files_and_the_blocked_hop() -> None
     assert [(f.status, f.host) for f in bad] == [(Status.WARN, "n1")]
     assert "n1 -> n2 blocked (port 29640: refused)" in bad[0].detail
     assert bad[0].fix is not None and "29640-29655" in bad[0].fix
+
+
+def test_feed_route_falls_back_to_ssh_once_per_node_and_keeps_tcp_otherwise() -> None:
+    from clusterkit.remote.distplan import FeedRoutes
+
+    routes = FeedRoutes()
+    assert routes.decide(0, "node1", 29640, None) == ("tcp", None)
+    route, note = routes.decide(0, "node1", 29640, "timed out")
+    assert route == "ssh"
+    assert note == ("node1: port 29640 unreachable from here (timed out): feeding it over SSH "
+                    "(slower: SSH's cipher on this machine's CPU)")
+    # its SSH stream broke too: no route left, and no second note
+    assert routes.decide(0, "node1", 29640, "refused") == ("failed", None)
+    # another head the launcher must feed (a blocked hop split the chain): its own note
+    assert routes.decide(2, "node3", 29641, "refused")[0] == "ssh"
+
+
+def test_a_head_whose_port_is_unreachable_is_fed_over_its_ssh_session(tmp_path: Path) -> None:
+    """The launcher cannot reach v0's port (an address that refuses): v0 gets the records on
+    its stdin, v1 and v2 still get theirs node to node over TCP; the same verification, a
+    rerun sends nothing, a lost file alone travels again."""
+    from clusterkit.remote.base import SSHTarget
+    from clusterkit.remote.distribute import DistNode, distribute
+    from clusterkit.remote.local import LocalTransport
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "big.bin").write_bytes(os.urandom(9_000_000))
+    for k in range(5):
+        (src / "sub" / f"f{k}.txt").write_text(f"file {k}\n" * 100)
+    addr = ["192.0.2.1", "127.0.0.1", "127.0.0.1"]  # TEST-NET-1: never this machine's
+    nodes = [DistNode(f"v{i}", SSHTarget(f"v{i}", "127.0.0.1", local=True), sys.executable,
+                      addr[i], str(tmp_path / f"d{i}")) for i in range(3)]
+    notes: list[str] = []
+    from clusterkit.remote.distribute import DistOptions
+
+    res = distribute(LocalTransport(), nodes, str(src), options=DistOptions(on_note=notes.append))
+    assert res.ok, res.nodes
+    assert [n for n in res.notes if "over SSH" in n] == notes and len(notes) == 1
+    assert notes[0].startswith("v0: port ") and "unreachable from here" in notes[0]
+    assert res.chains == [["v0", "v1", "v2"]]  # node to node stays one TCP chain
+    assert res.sent_bytes == res.total_bytes  # one copy from here, over SSH
+    for i in range(3):
+        d = tmp_path / f"d{i}"
+        assert (d / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
+        assert (d / "sub" / "f3.txt").read_text() == (src / "sub" / "f3.txt").read_text()
+    again = distribute(LocalTransport(), nodes, str(src))
+    assert again.ok and again.sent_bytes == 0
+    # v0 lost one file: only that travels, over SSH again
+    (tmp_path / "d0" / "big.bin").unlink()
+    third = distribute(LocalTransport(), nodes, str(src))
+    assert third.ok and third.nodes["v0"].got_bytes == 9_000_000
+    assert third.nodes["v1"].got_bytes == 0 and third.sent_bytes == 9_000_000

@@ -25,7 +25,8 @@ from clusterkit.inventory import Host
 if TYPE_CHECKING:
     from clusterkit.checks.doctor import DoctorReport
     from clusterkit.remote.base import Transport
-    from clusterkit.remote.distribute import DistNode, DistributeResult, Progress
+    from clusterkit.remote.distribute import DistNode
+    from clusterkit.remote.disttypes import DistributeResult, Progress
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -104,13 +105,14 @@ def run_sync(src: str, hosts: Sequence[Host], *, delete: bool = False,
         print(f"sync {src} -> {where} on {len(nodes)} node(s)", file=sys.stderr)
     show = _Shower(as_json)
     opts = DistOptions(delete=delete, ignore=ignore, port=DEFAULT_PORT if port is None else port,
-                       cache_dir=str(clusterkit_home() / "sync-cache"), on_progress=show)
+                       cache_dir=str(clusterkit_home() / "sync-cache"), on_progress=show,
+                       on_note=show.note)
     with transport_for() as transport:
         # The sessions over the system ssh where there is one: its handshakes run in C, in
         # parallel processes (paramiko's hold the GIL here, as doctor measured).
         result = distribute(with_openssh(transport), nodes, src, options=opts)
     show.close()
-    report(result, [n.name for n in nodes], as_json)
+    report(result, [n.name for n in nodes], as_json, shown=show.shown)
     return result
 
 
@@ -131,6 +133,16 @@ class _Shower:
         self.tty = sys.stderr.isatty()
         self.last = 0.0
         self.width = 0
+        self.shown: list[str] = []  # notes said as they happened (not again at the end)
+
+    def note(self, text: str) -> None:
+        """A note as it happens (e.g. a node fed over SSH): said once, on stderr."""
+        if self.as_json:
+            return
+        self.close()
+        self.width = 0
+        print(f"  note: {text}", file=sys.stderr, flush=True)
+        self.shown.append(text)
 
     def __call__(self, p: Progress) -> None:
         from clusterkit.remote.distplan import progress_line
@@ -155,7 +167,8 @@ class _Shower:
             sys.stderr.flush()
 
 
-def report(result: DistributeResult, order: Sequence[str], as_json: bool) -> None:
+def report(result: DistributeResult, order: Sequence[str], as_json: bool,
+           shown: Sequence[str] = ()) -> None:
     """The end: one folded line per outcome (or one JSON object); exit 2 unless all is well."""
     from clusterkit.hostrange import fold, folded_lines
     from clusterkit.remote.distplan import fmt_bytes
@@ -170,7 +183,8 @@ def report(result: DistributeResult, order: Sequence[str], as_json: bool) -> Non
                           "nodes": {n: vars(r) for n, r in result.nodes.items()}}), flush=True)
     else:
         for note in result.notes:
-            print(f"  note: {note}")
+            if note not in shown:
+                print(f"  note: {note}")
         for line in folded_lines(((n, r.summary()) for n, r in result.nodes.items()), order):
             print(f"  {line}")
         if result.links:

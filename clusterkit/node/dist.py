@@ -20,15 +20,13 @@ sources, then one JSON spec line, then control lines):
 5. the END record: the node writes its manifest, deletes what ``go`` listed, says
    ``{"ev": "done", "digest", "got", "failed"}`` and exits.
 
-A new upstream may replace a lost one at any time: the node answers it the first record
-it (or its downstream) still lacks. Events: ``progress``, ``blocked`` (the downstream is
-unreachable: the launcher feeds it), ``down-lost``, ``up-lost``, ``error``. ``dist check
+The wire (the TCP handshake, and the SSH session's stdin as the upstream where the
+launcher cannot reach the port): node/dist_wire.py. A new upstream may replace a lost
+one at any time: the node answers it the first record it (or its downstream) still lacks.
+Events: ``progress``, ``blocked`` (the downstream is unreachable: the launcher feeds it),
+``down-lost``, ``up-lost``, ``feed-from``, ``error``. ``dist check
 DEST [--deep]``: :func:`dist_store.check`; ``dist ports P``: doctor's port check.
 
-The wire's handshake (one TCP connection per hop): server ``CKDIST1 <nonce> <index>``;
-client ``<mode> <nonce> <mac>`` with mac = HMAC-SHA256(secret, "c" nonce_s nonce_c
-mode), mode ``feed`` or ``probe``; server ``<mac'> <next seq>`` with mac' =
-HMAC(secret, "s" nonce_c nonce_s). Either side that cannot verify closes at once.
 Standard library only, Python >= 3.8 on the node.
 """
 
@@ -48,71 +46,22 @@ import time
 from typing import Any
 
 from clusterkit.node import dist_store as store
-
-GREETING = b"CKDIST1"
-HDR = struct.Struct("!IIIIH")  # seq, file index, chunk index, length, number of targets
-END = 0xFFFFFFFF
-CONNECT_TIMEOUT_S = 5.0
-IO_TIMEOUT_S = 60.0
-PROGRESS_S = 0.5
-PORT_TRIES = 16
-
-
-class DistError(Exception):
-    """A hop that failed (said in an event's ``why``)."""
-
-
-def _mac(secret: bytes, *parts: bytes) -> str:
-    return hmac.new(secret, b"\0".join(parts), hashlib.sha256).hexdigest()
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        got = sock.recv(n - len(buf))
-        if not got:
-            raise DistError("connection closed")
-        buf += got
-    return bytes(buf)
-
-
-def _line(sock: socket.socket, limit: int = 4096) -> bytes:
-    buf = bytearray()
-    while not buf.endswith(b"\n"):
-        got = sock.recv(1)
-        if not got or len(buf) > limit:
-            raise DistError("connection closed during the handshake")
-        buf += got
-    return bytes(buf[:-1])
-
-
-def dial(address: str, port: int, secret: str, mode: str = "feed",
-         timeout: float = CONNECT_TIMEOUT_S) -> tuple[socket.socket, int]:
-    """Connect to a node's listener and authenticate both ways; the socket and the first
-    record seq the node wants."""
-    key = secret.encode()
-    sock = socket.create_connection((address, port), timeout=timeout)
-    try:
-        word, nonce_s, _index = _line(sock).split(b" ")
-        if word != GREETING:
-            raise DistError("not a clusterkit sync listener")
-        nonce_c = secrets.token_hex(16).encode()
-        sock.sendall(b"%s %s %s\n" % (mode.encode(), nonce_c,
-                                      _mac(key, b"c", nonce_s, nonce_c, mode.encode()).encode()))
-        their, seq = _line(sock).split(b" ")
-        if not hmac.compare_digest(their.decode(), _mac(key, b"s", nonce_c, nonce_s)):
-            raise DistError("the listener does not hold this run's secret")
-        sock.settimeout(IO_TIMEOUT_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock, int(seq)
-    except (OSError, ValueError, DistError):
-        sock.close()
-        raise
-
-
-def header(seq: int, fi: int, ci: int, length: int, to: Any) -> bytes:
-    to = list(to)
-    return HDR.pack(seq, fi, ci, length, len(to)) + struct.pack(f"!{len(to)}H", *to)
+from clusterkit.node.dist_wire import (
+    CONNECT_TIMEOUT_S,
+    CTRL,
+    END,
+    GREETING,
+    HDR,
+    IO_TIMEOUT_S,
+    PORT_TRIES,
+    PROGRESS_S,
+    DistError,
+    StdinUp,
+    dial,
+    mac,
+    read_line,
+    recv_exact,
+)
 
 
 class Node:
@@ -129,7 +78,7 @@ class Node:
         self.done = threading.Event()
         self.go = threading.Event()  # the launcher's go (the downstream) came
         self.next_seq = 0
-        self.up: socket.socket | None = None
+        self.up: Any = None  # a socket, or StdinUp
         self.down: socket.socket | None = None
         self.down_addr: dict[str, Any] | None = None
         self.delete: list[str] = []
@@ -221,10 +170,10 @@ class Node:
             sock.settimeout(CONNECT_TIMEOUT_S)
             nonce_s = secrets.token_hex(16).encode()
             sock.sendall(b"%s %s %d\n" % (GREETING, nonce_s, self.index))
-            mode, nonce_c, their = _line(sock).split(b" ")
-            if not hmac.compare_digest(their.decode(), _mac(self.secret, b"c", nonce_s, nonce_c, mode)):
+            mode, nonce_c, their = read_line(sock).split(b" ")
+            if not hmac.compare_digest(their.decode(), mac(self.secret, b"c", nonce_s, nonce_c, mode)):
                 raise DistError("authentication failed")
-            mine = _mac(self.secret, b"s", nonce_c, nonce_s).encode()
+            mine = mac(self.secret, b"s", nonce_c, nonce_s).encode()
             if mode == b"probe":
                 sock.sendall(b"%s %d\n" % (mine, self.next_seq))
                 sock.close()
@@ -280,19 +229,23 @@ class Node:
                 d.close()
             self.emit(ev, why=why)
 
-    def relay(self, up: socket.socket, start: int) -> None:
+    def relay(self, up: Any, start: int) -> None:
         buf = bytearray(store.READ)
         mv = memoryview(buf)
         while True:
             seq, fi, ci, n, nto = HDR.unpack(recv_exact(up, HDR.size))
             raw_to = recv_exact(up, 2 * nto)
             to = struct.unpack(f"!{nto}H", raw_to)
-            fwd = self.down is not None and (fi == END or (to and max(to) > self.index))
+            fwd = self.down is not None and (fi == END or (fi != CTRL and to and max(to) > self.index))
             if fwd:
                 self._forward(HDR.pack(seq, fi, ci, n, nto) + raw_to)
             if fi == END:
                 self.finish()
                 return
+            if fi == CTRL:  # a launcher message inside a stdin feed
+                if self.op(json.loads(recv_exact(up, n))) == "stop":
+                    raise DistError("stopped by the launcher")
+                continue
             write = self.index in to and seq >= self.next_seq and ci in self.need.get(fi, ())
             h = hashlib.sha256() if write else None
             fd = self._fd(fi) if write else -1
@@ -414,15 +367,9 @@ class Node:
 
     def control(self) -> None:
         """Control lines on stdin; EOF (the launcher went away) ends the node."""
-        for raw in sys.stdin:
-            msg = json.loads(raw)
-            if msg.get("op") == "go":
-                self.down_addr = msg.get("down")
-                self.delete = [r for r in msg.get("delete", []) if store.safe_rel(r)]
-                self.go.set()
-            elif msg.get("op") == "cut":  # the downstream is lost: stop feeding it
-                self._drop_down("cut", "the launcher re-formed the chain")
-            elif msg.get("op") == "stop":
+        for raw in sys.stdin.buffer:
+            op = self.op(json.loads(raw))
+            if op == "stop" or (op == "feed" and not self.feed_stdin()):
                 break
         if not self.done.is_set():
             with contextlib.suppress(OSError, ValueError):
@@ -430,9 +377,38 @@ class Node:
             self.emit("stopped", got=self.got_bytes)
             self.done.set()
 
+    def op(self, msg: dict[str, Any]) -> str:
+        """One launcher message (a control line, or a CTRL record of a stdin feed)."""
+        if msg.get("op") == "go":
+            self.down_addr = msg.get("down")
+            self.delete = [r for r in msg.get("delete", []) if store.safe_rel(r)]
+            self.go.set()
+        elif msg.get("op") == "cut":  # the downstream is lost: stop feeding it
+            self._drop_down("cut", "the launcher re-formed the chain")
+        return str(msg.get("op") or "")
+
+    def feed_stdin(self) -> bool:
+        """The launcher cannot reach our port: its records come on stdin (node/dist_wire.py),
+        written, verified and forwarded as from a TCP upstream. False: the stream ended early."""
+        up = StdinUp(sys.stdin.buffer)
+        old, self.up = self.up, up
+        if old is not None:  # a lost TCP upstream still connected
+            with contextlib.suppress(OSError):
+                old.shutdown(socket.SHUT_RDWR)
+        try:
+            with self.relay_lock:
+                start = min(self.next_seq, self._downstream())
+                self.emit("feed-from", seq=start)
+                self.relay(up, start)
+            return True
+        except (OSError, ValueError, DistError) as exc:
+            if not self.done.is_set():
+                self.emit("up-lost", why=str(exc), seq=self.next_seq)
+            return False
+
 
 def serve() -> int:
-    spec = json.loads(sys.stdin.readline())
+    spec = json.loads(sys.stdin.buffer.readline())
     node = Node(spec)
     try:
         srv = node.prepare(bool(spec.get("delete")))
@@ -473,7 +449,7 @@ def ports(first: int) -> int:
 
     threading.Thread(target=drain, daemon=True).start()
     node.emit("listening", port=srv.getsockname()[1])
-    for raw in sys.stdin:
+    for raw in sys.stdin.buffer:
         msg = json.loads(raw)
         try:
             socket.create_connection((str(msg["address"]), int(msg["port"])),

@@ -56,7 +56,7 @@ PROGRAMS: dict[str, Program] = {
     "ckstream": Program(("contract", "listing", "hashing", "ckstream")),
     "gatefacts": Program(("contract", "sitepaths", "parity", "dist_store", "envfacts",
                           "gatefacts")),
-    "dist": Program(("dist_store", "dist")),  # clusterkit sync: one node of the chain
+    "dist": Program(("dist_store", "dist_wire", "dist")),  # clusterkit sync: one node of the chain
     # nodes env: facts, verify, record (remote/envcopy.py)
     "envfacts": Program(("contract", "dist_store", "envfacts")),
     "jitops": Program(("jitops",), site=True),  # nodes build-ops: imports deepspeed to build

@@ -148,3 +148,27 @@ def progress_line(views: Sequence[NodeView], elapsed_s: float, sent: int) -> str
     rate = fmt_bytes(sent / elapsed_s) + "/s" if elapsed_s > 0 else "-"
     return (f"sync {pct}% {fmt_pair(got, need)} at {rate}{eta_txt}: "
             + "; ".join(node_lines(views)))
+
+
+SSH_COST = "slower: SSH's cipher on this machine's CPU"
+
+
+@dataclass
+class FeedRoutes:
+    """How the launcher feeds a node it must feed itself (a chain's head): over TCP to the
+    node's port, or, where that port cannot be reached from here at all (a firewall that
+    lets only SSH in), over the node's SSH session (its stdin). Node-to-node hops stay TCP."""
+
+    over_ssh: dict[int, str] = field(default_factory=dict)  # node -> why its port failed
+
+    def decide(self, node: int, name: str, port: int, dial_error: str | None
+               ) -> tuple[str, str | None]:
+        """``("tcp" | "ssh" | "failed", the console note or None)``: the note comes once per
+        node; a node already fed over SSH whose stream broke has no route left."""
+        if dial_error is None:
+            return "tcp", None
+        if node in self.over_ssh:
+            return "failed", None
+        self.over_ssh[node] = dial_error
+        return "ssh", (f"{name}: port {port} unreachable from here ({dial_error}): feeding it "
+                       f"over SSH ({SSH_COST})")

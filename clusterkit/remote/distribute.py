@@ -47,17 +47,17 @@ from typing import Any
 
 from clusterkit.errors import TransportError
 from clusterkit.node import dist_store as store
-from clusterkit.node.dist import END, dial, header
+from clusterkit.node.dist_wire import END, DistError, dial, header
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
-from clusterkit.remote.distplan import Chains, NodeView, fmt_bytes, records
+from clusterkit.remote.distplan import Chains, FeedRoutes, NodeView, records
+from clusterkit.remote.distssh import StdinOut
+from clusterkit.remote.disttypes import DistributeResult, NodeResult, Progress
 from clusterkit.remote.fanout import fan_out
 from clusterkit.remote.sync import Ignore, scan, source_entries
 
 DEFAULT_PORT = 29640  # first port each node tries for the chain (16 after it)
 READY_TIMEOUT_S = 600.0  # a node hashing what it already holds may take long
-STALL_S = 90.0  # no word from a node for this long: it is lost
-SLICE = 8 << 20  # one sendfile call: the progress moves at least this often
 
 
 @dataclass(frozen=True)
@@ -70,81 +70,20 @@ class DistNode:
 
 
 @dataclass(frozen=True)
-class Progress:
-    views: tuple[NodeView, ...]
-    elapsed_s: float
-    sent: int  # bytes sent from this machine so far
-
-
-@dataclass(frozen=True)
 class DistOptions:
     delete: bool = False  # remove node files the source lacks (only in a synced dir)
     ignore: Ignore = field(default_factory=Ignore)  # not sent, neither extra nor deleted
     port: int = DEFAULT_PORT  # 0: any free port
     cache_dir: str | None = None  # the source's (path, size, mtime_ns) -> sha256 cache
     on_progress: Callable[[Progress], None] | None = None
+    on_note: Callable[[str], None] | None = None  # a note as it happens (also in notes)
     progress_every_s: float = 1.0
     env: Mapping[str, str] | None = None  # the node program's environment
     ready_timeout_s: float = READY_TIMEOUT_S
 
 
-@dataclass
-class NodeResult:
-    node: str
-    state: str = "starting"  # -> "done", "lost" or "failed"
-    need_bytes: int = 0
-    got_bytes: int = 0
-    files_sent: int = 0
-    unchanged: int = 0
-    deleted: list[str] = field(default_factory=list)
-    extra: list[str] = field(default_factory=list)  # only on the node, kept (no delete)
-    digest: str | None = None
-    failed: dict[str, str] = field(default_factory=dict)  # file -> why
-    lacking: list[str] = field(default_factory=list)
-    lacking_count: int = 0
-    why: str = ""
-
-    def summary(self) -> str:
-        """One line without the node's name (equal lines fold into node ranges)."""
-        if self.state == "failed":
-            return f"failed: {self.why}"
-        if self.state == "lost":
-            return (f"lost mid-transfer ({self.why}): {fmt_bytes(self.got_bytes)} of "
-                    f"{fmt_bytes(self.need_bytes)} in {self.files_sent} file(s) delivered; "
-                    "run sync again to complete it")
-        parts = [f"{self.files_sent - len(self.failed)} file(s) sent "
-                 f"({self.got_bytes:,} bytes, verified)", f"{self.unchanged} unchanged"]
-        if self.failed:
-            first = sorted(self.failed)[0]
-            parts.append(f"{len(self.failed)} failed ({first}: {self.failed[first]})")
-        if self.deleted:
-            parts.append(f"{len(self.deleted)} deleted")
-        if self.extra:
-            parts.append(f"{len(self.extra)} extra file(s) kept (--delete removes them)")
-        return ", ".join(parts)
-
-
-@dataclass
-class DistributeResult:
-    digest: str  # the source's (node/dist_store.tree_digest)
-    files: int
-    total_bytes: int
-    nodes: dict[str, NodeResult]  # in the nodes' order
-    sent_bytes: int = 0  # bytes this machine sent
-    hashed_bytes: int = 0  # bytes hashed here (the cache spares the rest)
-    seconds: float = 0.0
-    chains: list[list[str]] = field(default_factory=list)  # as first planned
-    notes: list[str] = field(default_factory=list)
-    changed: list[str] = field(default_factory=list)  # source files changed while read
-    links: list[str] = field(default_factory=list)  # symbolic links not copied
-
-    def node_ok(self, name: str) -> bool:
-        r = self.nodes[name]
-        return r.state == "done" and not r.failed and r.digest == self.digest
-
-    @property
-    def ok(self) -> bool:
-        return not self.changed and all(self.node_ok(n) for n in self.nodes)
+STALL_S = 90.0  # no word from a node for this long: it is lost
+SLICE = 8 << 20  # one sendfile call: the progress moves at least this often
 
 
 @dataclass
@@ -159,6 +98,9 @@ class _Peer:
     tail: list[str] = field(default_factory=list)
     delete: list[str] = field(default_factory=list)
     addr: str = ""  # the node's address as its SSH session reached it (the chain's)
+    out: StdinOut | None = None  # its stdin: control lines, or records (distssh.py)
+    fed: threading.Event = field(default_factory=threading.Event)  # its feed-from came
+    feed_from: int = 0
 
 
 def distribute(transport: Transport, nodes: Sequence[DistNode], src_dir: str,
@@ -192,6 +134,7 @@ class _Run:
         self.peers: dict[int, _Peer] = {}
         self.lock = threading.Lock()
         self.chains = Chains()
+        self.routes = FeedRoutes()
         self.recs: list[tuple[int, int, tuple[int, ...]]] = []
         self.stop = threading.Event()
         self.sent = 0
@@ -212,7 +155,7 @@ class _Run:
         except TransportError as exc:
             res.state, res.why = "failed", f"{exc.kind}: {exc.message}"
             return
-        peer = self.peers[i] = _Peer(i, node, proc, res)
+        peer = self.peers[i] = _Peer(i, node, proc, res, out=StdinOut(proc))
         threading.Thread(target=self._read, args=(peer,), daemon=True,
                          name=f"clusterkit-dist-{node.name}").start()
 
@@ -232,8 +175,14 @@ class _Run:
         self.events.put((peer.index, {"ev": "exit", "rc": rc}))
 
     def _say(self, i: int, msg: dict[str, Any]) -> None:
-        with contextlib.suppress(TransportError):
-            self.peers[i].proc.write_stdin((json.dumps(msg) + "\n").encode())
+        out = self.peers[i].out
+        if out is not None:
+            out.say(msg)
+
+    def _note(self, text: str) -> None:
+        self.result.notes.append(text)
+        if self.opts.on_note:
+            self.opts.on_note(text)
 
     # ---------------------------------------------------------------- the run
     def run(self) -> None:
@@ -327,8 +276,14 @@ class _Run:
         peer = self.peers[head]
         try:
             sock, start = self._dial(peer)
-        except (OSError, ValueError) as exc:
-            self.events.put((head, {"ev": "unreachable", "why": str(exc)}))
+        except (OSError, ValueError, DistError) as exc:
+            route, note = self.routes.decide(head, peer.node.name, peer.port, str(exc))
+            if route == "ssh":
+                if note:
+                    self._note(note)
+                self._feed_over_ssh(peer)
+            else:
+                self.events.put((head, {"ev": "unreachable", "why": str(exc)}))
             return
         self.socks.append(sock)
         try:
@@ -343,6 +298,24 @@ class _Run:
         finally:
             sock.close()
 
+    def _feed_over_ssh(self, peer: _Peer) -> None:
+        """The same records, verified and resumed the same way, on the node's stdin."""
+        out = peer.out
+        assert out is not None
+        try:
+            peer.fed.clear()
+            out.start_feed()
+            deadline = time.monotonic() + 120.0  # the node dials its downstream first
+            while not peer.fed.wait(0.5):
+                if (self.stop.is_set() or peer.result.state != "sending"
+                        or time.monotonic() > deadline):
+                    raise OSError("the node did not take the feed over SSH")
+            self._stream(out, peer.index, peer.feed_from, out.record)
+            out.end_feed(header(len(self.recs), END, 0, 0, ()))
+        except (OSError, TransportError) as exc:
+            out.mode = "broken"
+            self.events.put((peer.index, {"ev": "feed-lost", "why": f"over SSH: {exc}"}))
+
     def _dial(self, peer: _Peer) -> tuple[socket.socket, int]:
         """The inventory's address first (this machine's name for the node), then the
         one the node's SSH session came in on."""
@@ -353,7 +326,8 @@ class _Run:
                 raise
         return dial(peer.addr, peer.port, self.secret)
 
-    def _stream(self, sock: socket.socket, head: int, start: int) -> None:
+    def _stream(self, sock: Any, head: int, start: int,
+                record: Callable[[], Any] = contextlib.nullcontext) -> None:
         fh: Any = None
         open_fi = -1
         try:
@@ -371,8 +345,9 @@ class _Run:
                     if fh is not None:
                         fh.close()
                     fh, open_fi = open(self.paths[e[store.REL]], "rb"), fi  # noqa: SIM115
-                sock.sendall(header(seq, fi, ci, n, to))
-                self._send_chunk(sock, fh, ci * store.CHUNK, n, str(e[store.REL]))
+                with record():
+                    sock.sendall(header(seq, fi, ci, n, to))
+                    self._send_chunk(sock, fh, ci * store.CHUNK, n, str(e[store.REL]))
                 st = os.fstat(fh.fileno())
                 if (st.st_size, st.st_mtime_ns) != (int(e[store.SIZE]), int(e[store.MTIME])):
                     self.changed.add(str(e[store.REL]))
@@ -380,7 +355,7 @@ class _Run:
             if fh is not None:
                 fh.close()
 
-    def _send_chunk(self, sock: socket.socket, fh: Any, offset: int, n: int, rel: str) -> None:
+    def _send_chunk(self, sock: Any, fh: Any, offset: int, n: int, rel: str) -> None:
         """``n`` bytes of the file from ``offset``, zero-copy, in slices (progress)."""
         left = n
         while left:
@@ -428,6 +403,9 @@ class _Run:
             res.failed = {str(k): str(v) for k, v in dict(ev.get("failed", {})).items()}
             res.lacking, res.lacking_count = list(ev["lacking"]), int(ev["lacking_count"])
             res.deleted = list(ev.get("deleted", []))
+        elif kind == "feed-from":
+            peer.feed_from = int(ev["seq"])
+            peer.fed.set()
         elif kind == "blocked":
             self._blocked(peer, ev)
         elif kind == "down-lost":
@@ -453,7 +431,7 @@ class _Run:
             head = self.chains.split_before(target.index)
             copies = len(self.chains.chains)
         if head is not None:
-            self.result.notes.append(
+            self._note(
                 f"node-to-node blocked on port {ev['port']} ({peer.node.name} -> "
                 f"{target.node.name}: {ev['why']}): sending {copies} copies from here, "
                 f"~{copies}x size/rate")
