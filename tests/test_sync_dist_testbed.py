@@ -169,3 +169,46 @@ def test_nodes_that_cannot_reach_each_other_are_fed_from_here(testbed: Testbed,
     ports = [f for f in json.loads(doc.stdout)["findings"] if f["check"] == "sync.ports"]
     assert [(f["status"], f["host"]) for f in ports] == [("WARN", "node1")], ports
     assert ports[0]["detail"].startswith("node1 -> node2 blocked (port 29640: ")
+
+
+def test_a_node_whose_port_this_machine_cannot_reach_is_fed_over_ssh(testbed: Testbed,
+                                                                     tmp_path: Path) -> None:
+    """Only SSH gets from here to node1 (a policy route in node1's namespace drops its
+    answers from the dist ports to this machine: this kernel has no packet filter): node1
+    is fed over its SSH session, node1 -> node2 -> node3 stay TCP, the console says so
+    once with the cost, every copy is byte-identical, and a rerun sends nothing."""
+    nodes = testbed.ensure(3)[:3]
+    work = testbed.local_mountpoint / f"sd-{tmp_path.name}"
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", [n.name for n in nodes],
+                                  workdir=str(work))
+    proj = tmp_path / "proj"
+    (proj / "data" / "sub").mkdir(parents=True)
+    (proj / "data" / "w.bin").write_bytes(os.urandom(3_000_000))
+    for i in range(10):
+        (proj / "data" / "sub" / f"f{i}.txt").write_text(f"{i}\n" * 1000)
+    env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
+    rule = ["to", f"{testbed.bridge_address}/32", "ipproto", "tcp", "sport", "29640-29655",
+            "lookup", "29640", "priority", "100"]
+    testbed.exec(nodes[0], ["ip", "route", "add", "blackhole", f"{testbed.bridge_address}/32",
+                            "table", "29640"], timeout=30, check=True)
+    testbed.exec(nodes[0], ["ip", "rule", "add", *rule], timeout=30, check=True)
+    try:
+        res = _cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
+        again = _cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
+    finally:
+        testbed.exec(nodes[0], ["ip", "rule", "del", *rule], timeout=30)
+        testbed.exec(nodes[0], ["ip", "route", "flush", "table", "29640"], timeout=30)
+    assert res.returncode == 0, res.stderr[-2000:] + res.stdout[-2000:]
+    done = _done(res.stdout)
+    assert done["ok"] and done["chains"] == [["node1", "node2", "node3"]], done
+    assert len(done["notes"]) == 1, done["notes"]
+    assert done["notes"][0].startswith("node1: port 2964") and \
+        done["notes"][0].endswith("feeding it over SSH (slower: SSH's cipher on this machine's CPU)")
+    src = proj / "data"
+    want = {p.relative_to(src).as_posix(): p.read_bytes() for p in src.rglob("*") if p.is_file()}
+    for n in nodes:
+        copy = testbed.node_local_path(n, f"{work.name}/data")
+        got = {p.relative_to(copy).as_posix(): p.read_bytes() for p in copy.rglob("*")
+               if p.is_file() and ".clusterkit-sync" not in p.parts}
+        assert got == want, n.name
+    assert again.returncode == 0 and _done(again.stdout)["sent_from_here"] == 0
