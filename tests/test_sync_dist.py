@@ -339,3 +339,32 @@ def test_a_head_whose_port_is_unreachable_is_fed_over_its_ssh_session(tmp_path: 
     third = distribute(LocalTransport(), nodes, str(src))
     assert third.ok and third.nodes["v0"].got_bytes == 9_000_000
     assert third.nodes["v1"].got_bytes == 0 and third.sent_bytes == 9_000_000
+
+
+def test_launch_sync_puts_dir_on_the_nodes_again_before_a_restart(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first attempt's ranks each delete a file of their synced copy and fail; the
+    restart syncs DIR again before its ranks start (only that file travels, the digest is
+    re-checked), so the second attempt finds the file back."""
+    proj = tmp_path / "proj"
+    (proj / "code").mkdir(parents=True)
+    (proj / "code" / "data.txt").write_text("the data\n")
+    (proj / "code" / "train.py").write_text(
+        "import os, sys\n"
+        "here = os.path.dirname(os.path.abspath(__file__))\n"
+        "mark = os.path.join(here, '..', 'attempted')\n"
+        "if not os.path.exists(mark):\n"
+        "    open(mark, 'w').close()\n"
+        "    os.unlink(os.path.join(here, 'data.txt'))\n"
+        "    sys.exit(3)\n"
+        "print('data back:', open(os.path.join(here, 'data.txt')).read().strip(), flush=True)\n")
+    inv = _inventory(tmp_path, 2)
+    monkeypatch.chdir(proj)
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
+    assert main(["launch", "-i", str(inv), "--sync", "code", "--nodes", "2", "--gpus-per-node",
+                 "1", "--job-id", "sync-restart", "--max-restarts", "1", "code/train.py"]) == 0
+    cap = capsys.readouterr()
+    assert "v[0-1]: 2 file(s) sent" in cap.out  # the first start
+    assert "v[0-1]: 1 file(s) sent (9 bytes, verified), 1 unchanged" in cap.out  # the restart
+    assert "[r0-1] data back: the data" in cap.out, cap.out[-3000:]
+    assert "9 B sent from here" in cap.err  # one copy, node to node after it

@@ -130,17 +130,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
     _check_here(args, first)  # what the dry run checks here, before anything starts
     settings = LaunchSettings(run=run_options(args), relaunches=args.max_restarts,
                               native=BACKENDS[args.launcher].native)
-    if args.sync:  # the code to every node's workdir before anything starts there
-        from clusterkit.cli.cmd_sync import run_sync
-
-        run_sync(args.sync, [n.host for n in first.nodes])
+    sync = _syncer(args.sync)
+    if sync is not None:  # the code to every node's workdir before anything starts there
+        sync(first)
     sink = make_sink(len(first.nodes), quiet_ranks=args.quiet, world_size=first.world_size,
                      ranks=args.ranks, launcher_logs=_launcher_logs(first))
     registry = Registry(clusterkit_home())
     with transport_for() as transport:
         try:
             result = launch(options, planner, transport, registry, settings, sink,
-                            decisions=first, prepare=_preparer(registry, transport, sink))
+                            decisions=first, prepare=_preparer(registry, transport, sink),
+                            sync=sync)
         finally:
             sink.close()
     _print_summary(result)
@@ -152,6 +152,20 @@ def _launcher_logs(plan: Any) -> str:
     """Where each node's launcher lines are kept, for the console's folded teardown line."""
     dirs = {n.job_dir for n in plan.nodes}
     return JobDir(dirs.pop() if len(dirs) == 1 else "<job dir>").node_log("<node>")
+
+
+def _syncer(sync_dir: str | None) -> Any:
+    """``--sync DIR`` to a plan's nodes, at the first start and before each restart (a
+    spare that took a dropped node's place gets DIR; the others are sent nothing when
+    they hold it): raises unless every node then holds DIR's digest."""
+    if sync_dir is None:
+        return None
+    from clusterkit.cli.cmd_sync import run_sync
+
+    def sync(plan: Any) -> None:
+        run_sync(sync_dir, [n.host for n in plan.nodes])
+
+    return sync
 
 
 def _preparer(registry: Any, transport: Any, sink: Any) -> Any:

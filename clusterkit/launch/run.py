@@ -41,6 +41,10 @@ Planner = Callable[[JobOptions], JobPlan]
 # checkpoint can be assembled, restore replaced nodes' parts onto their spares, or
 # reshard for fewer nodes (cli/recover.py). Gets the plan and the job's record.
 Preparer = Callable[[JobPlan, JobRecord], None]
+# Before a restart's ranks start: ``launch --sync DIR`` puts DIR on the attempt's nodes
+# (a spare in a dropped node's place included; only what is missing travels) and
+# refuses (raises) unless every node then holds DIR's digest (cli/cmd_launch.py).
+Syncer = Callable[[JobPlan], None]
 
 
 @dataclass(frozen=True)
@@ -319,9 +323,10 @@ def _record(job: JobSpec, plan: JobPlan, attempt: int) -> JobRecord:
 
 def launch(options: JobOptions, planner: Planner, transport: Transport, registry: Registry,
            settings: LaunchSettings, sink: Sink, decisions: JobPlan | None = None,
-           prepare: Preparer | None = None) -> LaunchResult:
+           prepare: Preparer | None = None, sync: Syncer | None = None) -> LaunchResult:
     """``decisions``: the plan of ``options`` when the caller has made it already;
-    ``prepare``: readies a continued node-local job's checkpoint (cli/recover.py)."""
+    ``prepare``: readies a continued node-local job's checkpoint (cli/recover.py);
+    ``sync``: run before each restart (the caller syncs before the first start)."""
     started = time.monotonic()
     decisions = decisions or planner(options)
     prior = registry.find(decisions.job_id)
@@ -340,6 +345,8 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
     outcomes: list[JobOutcome] = []
     stamp = stamp_now()
     for attempt in range(settings.relaunches + 1):
+        if attempt and sync is not None:
+            sync(decisions)  # this attempt's nodes: a spare gets DIR, the digest re-checked
         plan = render_all(decisions, run_id=run_id(stamp, attempt))
         job = job_from_plan(plan, attempt=attempt, native=settings.native, run=settings.run,
                             gate_need=need, hang_timeout_s=options.hang_timeout_s)
