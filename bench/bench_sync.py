@@ -163,7 +163,7 @@ def line(name: str, res: dict[str, Any], nbytes: int, mbit: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--nodes", type=int, default=7)
     p.add_argument("--rate", type=int, default=400, help="Mbit/s on every link")
     p.add_argument("--total-mib", type=int, default=1024)

@@ -51,7 +51,7 @@ def save(ckpt: str, step: int, rank: int, local_rank: int, payload: bytes) -> No
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--mb-per-rank", type=int, default=128)
