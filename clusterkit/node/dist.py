@@ -133,17 +133,20 @@ class Node:
         return [int(e[store.SIZE]), mtime, mode, str(e[store.SHA])]
 
     def _listen(self) -> socket.socket:
-        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         why = ""
         for port in ([0] if not self.port else range(self.port, self.port + self.ports)):
+            # A fresh socket per port: with SO_REUSEADDR, bind() can succeed where another
+            # node program on this host listens and listen() then fails; the socket stays
+            # bound and every later bind() on it fails with EINVAL.
+            srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 srv.bind(("0.0.0.0", port))
                 srv.listen(8)
                 return srv
             except OSError as exc:
+                srv.close()
                 why = f"port {port}: {exc}"
-        srv.close()
         raise DistError(f"cannot listen ({why})")
 
     def need_bytes(self) -> int:
