@@ -214,3 +214,48 @@ def test_a_node_whose_port_this_machine_cannot_reach_is_fed_over_ssh(testbed: Te
                if p.is_file() and ".clusterkit-sync" not in p.parts}
         assert got == want, n.name
     assert again.returncode == 0 and _done(again.stdout)["sent_from_here"] == 0
+
+
+@pytest.mark.extended
+def test_a_spare_that_takes_a_lost_nodes_place_gets_the_synced_dir(testbed_required: None,
+                                                                   tmp_path: Path) -> None:
+    """launch --sync data --max-restarts 1 --drop-failed-nodes, 3 nodes + `spares: [node4]`,
+    node-private workdirs: node3 destroyed once the step-4 save is replicated; before the
+    restart's ranks start, data goes to node4 (which never had it) and node1-2 are sent
+    nothing; the restarted job ends, and node4's copy is byte-identical."""
+    from clusterkit.node.contract import REPLICA_MANIFEST
+    from tests.helpers import Console, train_env
+    from tests.testbed import temporary
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "tokens.bin").write_bytes(os.urandom(1_000_000))
+    (data / "meta.json").write_text('{"v": 1}\n')
+    with temporary(4) as tb:
+        work = tb.local_mountpoint / "w"
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1, workdir=str(work))
+        inv.write_text(inv.read_text() + "spares: [node4]\n")
+        argv = [*CLI, "launch", "-i", str(inv), "--job-id", "sp", "--nodes", "3",
+                "--storage", "node-local", "--steps", "120", "--save-every", "4",
+                "--replicas", "1", "--grace", "2", "--skip-checks", "--sync", "data",
+                "--max-restarts", "1", "--drop-failed-nodes"]
+        run = Console(argv, train_env(tmp_path), tmp_path)
+        replica = tb.node_local_path(
+            "node1", f"ckpt/sp.replicas/node2/global_step4/{REPLICA_MANIFEST}")
+        try:
+            run.wait_for(replica.exists, 600, "node3's step-4 replica on node1")
+            tb.destroy("node3")
+            code = run.finish(timeout=600)
+        except BaseException:
+            run.finish(timeout=1)
+            raise
+        text = run.text
+        assert code == 0, text[-4000:]
+        restart = text[text.index("restarting (attempt 2 of 2)"):]
+        assert "node4: 2 file(s) sent (1,000,009 bytes, verified), 0 unchanged" in restart, \
+            restart[:3000]
+        assert "node[1-2]: 0 file(s) sent (0 bytes, verified), 2 unchanged" in restart
+        copy = tb.node_local_path("node4", "w/data")
+        assert (copy / "tokens.bin").read_bytes() == (data / "tokens.bin").read_bytes()
+        print("\n".join(ln for ln in text.splitlines() if "[clusterkit]" in ln
+                        or "sent" in ln)[-3000:])
