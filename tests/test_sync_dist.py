@@ -286,6 +286,10 @@ def test_doctor_sync_rules_name_the_node_the_files_and_the_blocked_hop() -> None
     assert [(f.status, f.host) for f in bad] == [(Status.WARN, "n1")]
     assert "n1 -> n2 blocked (port 29640: refused)" in bad[0].detail
     assert bad[0].fix is not None and "29640-29655" in bad[0].fix
+    ssh = check_ports({"here -> n1": "timed out", "n1 -> n2": ""}, 29640)
+    assert [(f.status, f.host) for f in ssh] == [(Status.WARN, "n1")]
+    assert ssh[0].detail == ("here -> n1 blocked (timed out): clusterkit sync feeds n1 over its "
+                             "SSH session instead (slower: SSH's cipher on this machine's CPU)")
 
 
 def test_feed_route_falls_back_to_ssh_once_per_node_and_keeps_tcp_otherwise() -> None:

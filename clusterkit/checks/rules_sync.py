@@ -84,9 +84,15 @@ def check_ports(hops: Mapping[str, str], port: int) -> list[Finding]:
     if not blocked:
         return [Finding(PORTS_CHECK, Status.PASS, "", f"every hop of the sync chain connects "
                         f"on port {port}+ ({len(hops)} hop(s))")]
+    from clusterkit.remote.distplan import SSH_COST
+
     fix = (f"open TCP {port}-{port + 15} between the nodes (and from here), or pick open ones "
            "with clusterkit sync --port P")
-    return [Finding(PORTS_CHECK, Status.WARN, hop.split(" -> ")[0] if not hop.startswith("here")
-                    else "", f"{hop} blocked ({why}): clusterkit sync sends from here to the "
-                    f"node after it, one more copy through this machine's link ({len(blocked) + 1}"
-                    "x size/rate in all)", fix) for hop, why in blocked.items()]
+    copies = len([h for h in blocked if not h.startswith("here ")]) + 1
+    return [Finding(PORTS_CHECK, Status.WARN, hop.split(" -> ")[1], f"{hop} blocked ({why}): "
+                    f"clusterkit sync feeds {hop.split(' -> ')[1]} over its SSH session instead "
+                    f"({SSH_COST})", fix) if hop.startswith("here ") else
+            Finding(PORTS_CHECK, Status.WARN, hop.split(" -> ")[0], f"{hop} blocked ({why}): "
+                    "clusterkit sync sends from here to the node after it, one more copy "
+                    f"through this machine's link ({copies}x size/rate in all)", fix)
+            for hop, why in blocked.items()]
