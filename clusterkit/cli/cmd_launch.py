@@ -96,6 +96,7 @@ def _options(args: argparse.Namespace, cluster: str) -> Any:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from clusterkit.launch.console import make_sink
+    from clusterkit.launch.gate import ops_step
     from clusterkit.launch.jobs import Registry
     from clusterkit.launch.run import LaunchSettings, launch
     from clusterkit.plan.build import plan_job
@@ -130,8 +131,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     _check_here(args, first)  # what the dry run checks here, before anything starts
     settings = LaunchSettings(run=run_options(args), relaunches=args.max_restarts,
                               native=BACKENDS[args.launcher].native)
-    sync = _syncer(args.sync)
-    if sync is not None:  # the code to every node's workdir before anything starts there
+    # The code to every node's workdir, then the JIT ops built where missing, before
+    # anything starts there (and again before each restart: a spare gets both).
+    sync = _syncer(args.sync, ops_step(args.build_ops, lambda t: print(f"[clusterkit] {t}")))
+    if sync is not None:
         sync(first)
     sink = make_sink(len(first.nodes), quiet_ranks=args.quiet, world_size=first.world_size,
                      ranks=args.ranks, launcher_logs=_launcher_logs(first))
@@ -154,16 +157,18 @@ def _launcher_logs(plan: Any) -> str:
     return JobDir(dirs.pop() if len(dirs) == 1 else "<job dir>").node_log("<node>")
 
 
-def _syncer(sync_dir: str | None) -> Any:
+def _syncer(sync_dir: str | None, then: Any = None) -> Any:
     """``--sync DIR`` to a plan's nodes, at the first start and before each restart (a
     spare that took a dropped node's place gets DIR; the others are sent nothing when
     they hold it): raises unless every node then holds DIR's digest."""
     if sync_dir is None:
-        return None
+        return then
     from clusterkit.cli.cmd_sync import run_sync
 
     def sync(plan: Any) -> None:
         run_sync(sync_dir, [n.host for n in plan.nodes])
+        if then is not None:  # the JIT ops (launch/gate.py ops_step)
+            then(plan)
 
     return sync
 
@@ -194,7 +199,7 @@ def _dry_run_checks(args: argparse.Namespace, plan: Any) -> None:
     then the gate the agents run on every node (interpreter and package parity, the
     script, the checkpoint dir created and written, the master address and port), run
     on its own. Raises the launch's own refusal; prints what passed."""
-    from clusterkit.launch.gate import gate_error, gate_nodes, run_gate
+    from clusterkit.launch.gate import gate_error, gate_nodes, ready_job_ops, run_gate
     from clusterkit.launch.jobs import Registry
     from clusterkit.launch.run import check_continue, gate_needs
     from clusterkit.remote.dispatch import transport_for
@@ -213,6 +218,9 @@ def _dry_run_checks(args: argparse.Namespace, plan: Any) -> None:
         with transport_for() as transport:
             prepare_continue(transport, plan, prior, str(registry.path(plan.job_id).parent),
                              print, dry_run=True)
+    if args.build_ops:  # what the launch would build, and its refusals (stale locks)
+        with transport_for() as transport:
+            ready_job_ops(transport, plan, print, build=False)
     if args.skip_checks:
         print("pre-launch checks on the nodes: skipped (--skip-checks)")
         return

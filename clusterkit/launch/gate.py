@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import fold, folded_lines
+from clusterkit.launchers import BACKENDS
 from clusterkit.node.envfacts import env_problems
 from clusterkit.node.gatefacts import (
     NEED_UNSHARED,
@@ -33,9 +34,12 @@ from clusterkit.node.gatefacts import (
     shared_line,
     shared_verdict,
 )
+from clusterkit.node.jitops import ops_for_config
 from clusterkit.node.parity import holders, majority
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import SSHTarget, Transport, target_for
+from clusterkit.remote.dispatch import transport_for
+from clusterkit.remote.jitbuild import OpsNode, ready_ops
 from clusterkit.spec.job import JobPlan, NodePlan
 
 GATE_TIMEOUT_S = 20.0
@@ -280,3 +284,52 @@ def gate_error(result: GateResult) -> LaunchError:
         hint="fix the node (or pass --exclude NODE); `clusterkit doctor` explains more; "
              "--skip-checks skips this gate",
     )
+
+
+# ----------------------------------------------------------------------------- JIT ops
+
+
+def job_ops(plan: JobPlan) -> dict[str, list[str]]:
+    """Node -> the op builders its ranks JIT-build at start (node/jitops.ops_for_config of
+    the job's ds_config on the node's accelerator: DS_ACCELERATOR, else cuda with GPUs);
+    empty when the job runs no DeepSpeed that clusterkit knows of (a user's script under
+    torchrun without --deepspeed-config-arg)."""
+    o = plan.options
+    imports = BACKENDS[plan.backend].gate_needs  # the packages every rank imports
+    if not (o.uses_workload or o.deepspeed_config_arg or "deepspeed" in imports):
+        return {}
+    return {n.name: ops_for_config(dict(plan.ds_config), n.env.get("DS_ACCELERATOR") or (
+        "cuda" if n.host.gpus > 0 else "cpu")) for n in plan.nodes}
+
+
+def ops_step(build_ops: bool, info: Callable[[str], None], *,
+             build: bool = True) -> Callable[[JobPlan], None] | None:
+    """:func:`ready_job_ops` as one step before a start (None: --no-build-ops)."""
+    if not build_ops:
+        return None
+
+    def ready(plan: JobPlan) -> None:
+        with transport_for() as transport:
+            ready_job_ops(transport, plan, info, build=build)
+
+    return ready
+
+
+def ready_job_ops(transport: Transport, plan: JobPlan, info: Callable[[str], None], *,
+                  build: bool = True) -> None:
+    """Before the agents start: the ops every node's ranks would JIT-build, built there
+    first, once per node (``build`` False: the dry run, which only says what it would
+    build). Raises one :class:`LaunchError` for the nodes refused (a stale build lock, a
+    failed build), each with its path and fix."""
+    ops = job_ops(plan)
+    if not any(ops.values()):
+        return
+    nodes = [OpsNode(n.name, target_for(n.host), n.python, dict(n.env)) for n in plan.nodes]
+    report = ready_ops(transport, nodes, ops, build=build)
+    info(report.line(dry_run=not build))
+    if report.refused:
+        rows = folded_lines(report.refused.items(), report.order)
+        raise LaunchError(f"JIT ops not ready on {len(report.refused)} node(s): "
+                          + "; ".join(rows),
+                          hint="--no-build-ops skips this step (ops carried with the "
+                               "environment)")

@@ -16,11 +16,16 @@ lock that no live process holds (:func:`locks`).
 of the config (none given: the bundled workload's). Prints
 one JSON line: per op, built / not available here / failed (with the last error line).
 ``locks``: prints the build locks found (:func:`locks`).
+``check``: stdin ``{"ops": [builder class names]}``; prints, per op, whether it is built
+where this node's ranks will load it (:func:`check`), and the stale locks: no deepspeed or
+torch import, so ``clusterkit launch`` asks it of every node before each start.
 """
 
 from __future__ import annotations
 
+import ast
 import glob
+import importlib.util
 import json
 import os
 import signal
@@ -41,6 +46,96 @@ def extension_roots() -> List[str]:  # noqa: UP006
         roots.append(os.environ["TORCH_EXTENSIONS_DIR"])
     roots.append(os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions"))
     return roots
+
+
+# Builder class -> the extension's name (its build dir and ``<name>.so``), the ``NAME`` of
+# deepspeed/ops/op_builder; an op not listed here is always handed to ``build``.
+OP_NAMES = {SHM_COMM: "deepspeed_shm_comm", "CPUAdamBuilder": "cpu_adam",
+            "FusedAdamBuilder": "fused_adam", "CPULionBuilder": "cpu_lion",
+            "FusedLionBuilder": "fused_lion", "CPUAdagradBuilder": "cpu_adagrad",
+            "AsyncIOBuilder": "async_io"}
+
+
+def _package_dir(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)  # finds the package without importing it
+    locs = list(spec.submodule_search_locations or []) if spec else []
+    return locs[0] if locs else None
+
+
+def _assigned(path: str) -> Dict[str, Any]:  # noqa: UP006
+    """The literal top-level assignments of a generated module (torch/version.py,
+    deepspeed/git_version_info_installed.py), read without importing it."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    out: Dict[str, Any] = {}  # noqa: UP006
+    for node in tree.body:
+        target: ast.expr
+        value: ast.expr | None
+        if isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and value is not None:
+            try:
+                out[target.id] = ast.literal_eval(value)
+            except ValueError:
+                continue
+    return out
+
+
+def build_root(torch_dir: str) -> str:
+    """The directory torch builds each extension in (``<root>/<name>/``), as
+    torch.utils.cpp_extension._get_build_directory decides it: ``$TORCH_EXTENSIONS_DIR``
+    as is, else ``$XDG_CACHE_HOME`` (``~/.cache``) ``/torch_extensions/py<XY>_<acc>``."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR") is not None:
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    version = _assigned(os.path.join(torch_dir, "version.py"))
+    acc = (f"rocm{version['hip'].replace('.', '')}" if version.get("hip")
+           else f"cu{version['cuda'].replace('.', '')}" if version.get("cuda") else "cpu")
+    cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    py = f"py{sys.version_info[0]}{sys.version_info[1]}{getattr(sys, 'abiflags', '')}"
+    return os.path.join(os.path.realpath(os.path.join(cache, "torch_extensions")),
+                        f"{py}_{acc}")
+
+
+def op_state(root: str, name: str, torch_dir: str) -> str:
+    """``built``: ``<root>/<name>/<name>.so`` is there, no build lock beside it, and its
+    build.ninja compiled against this torch (else the ranks' ninja rebuilds it under the
+    lock); ``missing`` otherwise; ``building``: a lock is there."""
+    d = os.path.join(root, name)
+    if os.path.exists(os.path.join(d, "lock")):
+        return "building"
+    if not os.path.isfile(os.path.join(d, name + ".so")):
+        return "missing"
+    try:
+        with open(os.path.join(d, "build.ninja"), encoding="utf-8", errors="replace") as fh:
+            ninja = fh.read()
+    except OSError:
+        return "missing"
+    return "built" if os.path.join(torch_dir, "include") + " " in ninja else "missing"
+
+
+def check(ops: List[str]) -> Dict[str, Any]:  # noqa: UP006
+    """Which of ``ops`` this node's ranks would have to build (``missing``), from files
+    alone: a prebuilt op (DS_BUILD_OPS, deepspeed's installed_ops) counts as built."""
+    torch_dir, ds_dir = _package_dir("torch"), _package_dir("deepspeed")
+    if torch_dir is None or ds_dir is None:
+        return {"v": JITOPS_VERSION, "deepspeed": False, "ops": {}, "stale": []}
+    root = build_root(torch_dir)
+    installed = _assigned(os.path.join(ds_dir, "git_version_info_installed.py"))
+    prebuilt = installed.get("installed_ops") or {}
+    states = {}
+    for op in ops:
+        name = OP_NAMES.get(op)
+        states[op] = ("missing" if name is None else "built" if prebuilt.get(name)
+                      else op_state(root, name, torch_dir))
+    return {"v": JITOPS_VERSION, "deepspeed": True, "root": root, "ops": states,
+            "stale": stale(locks([root, *extension_roots()]))}
 
 
 def holders(path: str, proc: str = "/proc") -> List[int]:  # noqa: UP006
@@ -209,6 +304,9 @@ def main(argv: List[str] | None = None) -> int:  # noqa: UP006
                 cfg = req.get("ds_config")
                 out = build(list(req.get("ops") or []), dict(cfg) if cfg is not None else None)
                 out["removed"] = [lk["path"] for lk in found]
+        elif mode == "check":
+            req = json.loads(sys.stdin.buffer.readline().decode("utf-8") or "{}")
+            out = check([str(op) for op in req.get("ops") or []])
         elif mode == "locks":
             out = {"v": JITOPS_VERSION, "locks": locks()}
         else:

@@ -88,6 +88,10 @@ class RunOptions:
     end in ``_s``); ``launch.run`` reads the record (tests/test_jobflags.py)."""
 
     skip_checks: bool = flag(False, "skip the pre-launch gate", group="running", kind="switch")
+    build_ops: bool = flag(
+        True, "do not build the DeepSpeed JIT ops the job needs on the nodes that miss them "
+        "before its ranks start (ops carried with the environment; docs/launch.md)",
+        name="--no-build-ops", group="running", kind="negate")
     grace_s: float = flag(DEFAULT_GRACE_S, "seconds between SIGTERM and SIGKILL on teardown",
                           name="--grace", metavar="S", group="running")
     keepalive_s: float = flag(
