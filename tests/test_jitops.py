@@ -116,3 +116,104 @@ def test_build_ops_refuses_a_node_with_a_stale_lock_before_building(tmp_path: Pa
     assert f"a: build-ops: stale build lock {lock} (no live process holds it)" in res.stderr
     assert f"rm {lock} (or --remove-stale-locks)" in res.stderr
     assert lock.exists()
+
+
+# ----------------------------------------------------------------------------- at launch
+
+TORCH_DIR = jitops._package_dir("torch")
+SHM = "deepspeed_shm_comm"
+
+
+def _built(ext: Path, name: str = SHM, torch_dir: str | None = TORCH_DIR) -> Path:
+    """What torch leaves after building ``name``: its .so and the build.ninja naming the
+    torch it compiled against (-isystem <torch>/include)."""
+    d = ext / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{name}.so").write_bytes(b"\x7fELF")
+    (d / "build.ninja").write_text(f"cflags = -isystem {torch_dir}/include -isystem x\n")
+    return d
+
+
+def test_check_says_which_ops_a_nodes_ranks_would_build(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    ext = tmp_path / "ext"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+    ops = [jitops.SHM_COMM, "CPUAdamBuilder", "SomeOtherBuilder"]
+    out = jitops.check(ops)
+    assert out["deepspeed"] and out["root"] == str(ext) and out["stale"] == []
+    assert out["ops"] == dict.fromkeys(ops, "missing")
+    _built(ext)
+    _built(ext, "cpu_adam", torch_dir="/another/env/torch")  # ninja would rebuild it
+    assert jitops.check(ops)["ops"] == {jitops.SHM_COMM: "built", "CPUAdamBuilder": "missing",
+                                        "SomeOtherBuilder": "missing"}
+    lock = ext / SHM / "lock"
+    lock.write_bytes(b"")  # a build killed half-way
+    out = jitops.check(ops)
+    assert out["ops"][jitops.SHM_COMM] == "building"
+    assert [lk["path"] for lk in out["stale"]] == [str(lock)]
+
+
+def test_build_root_is_torchs_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import cpp_extension
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert TORCH_DIR is not None
+    want = os.path.dirname(cpp_extension._get_build_directory("probe", False))
+    assert jitops.build_root(TORCH_DIR) == want  # .../torch_extensions/py311_cpu here
+
+
+def test_which_nodes_build_and_the_console_line() -> None:
+    from clusterkit.remote.jitbuild import OpsReport, missing
+
+    assert missing({"deepspeed": False, "ops": {}}) == []  # the gate names a missing package
+    assert missing({"deepspeed": True, "ops": {"A": "built", "B": "missing", "C": "building"}}) \
+        == ["B", "C"]
+    nodes = [f"node{i}" for i in range(1, 8)]
+    report = OpsReport(nodes, needed={n: [jitops.SHM_COMM] for n in nodes[:4]},
+                       seconds={"node1": 31.0, "node2": 37.6, "node3": 35.0, "node4": 36.0})
+    assert report.line() == ("DeepSpeed's JIT ops: deepspeed_shm_comm built on node[1-4] "
+                             "(38 s); already built on node[5-7]")
+    assert report.line(dry_run=True) == ("DeepSpeed's JIT ops: deepspeed_shm_comm would be "
+                                         "built on node[1-4]; already built on node[5-7]")
+    report.needed["node6"] = [jitops.SHM_COMM, "CPUAdamBuilder"]
+    report.refused["node7"] = "stale build lock ..."
+    report.seconds["node6"] = 80.2
+    assert report.line() == ("DeepSpeed's JIT ops: deepspeed_shm_comm built on node[1-4] "
+                             "(38 s); deepspeed_shm_comm, cpu_adam built on node6 (80 s); "
+                             "already built on node5")
+
+
+def test_launch_dry_run_says_what_it_would_build_and_refuses_a_stale_lock(
+        tmp_path: Path) -> None:
+    """Local transport (two virtual nodes on this machine), each with its own
+    TORCH_EXTENSIONS_DIR: a empty, b holding a build of this torch."""
+    _built(tmp_path / "b")
+    inv = tmp_path / "inv.yaml"
+    hosts = "".join(f"  {h}: {{env: {{TORCH_EXTENSIONS_DIR: {tmp_path / h}}}, checkpoint: "
+                    f"{{local_dir: {tmp_path / 'ck' / h}}}}}\n" for h in "ab")
+    inv.write_text("schema_version: 1\ncluster: {name: t}\ndefaults: {transport: local, "
+                   "gpus: 0}\nhosts:\n" + hosts)
+    env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
+
+    def dry(*more: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "clusterkit", "launch", "-i", str(inv),
+                               "--dry-run", "--job-id", "j", *more, "--steps", "1"],
+                              capture_output=True, text=True, timeout=120, check=False,
+                              env=env, cwd=tmp_path)
+
+    res = dry()
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert ("DeepSpeed's JIT ops: deepspeed_shm_comm would be built on a; already built on b"
+            in res.stdout.splitlines())
+    assert not (tmp_path / "a" / SHM).exists()  # a dry run builds nothing
+    lock = tmp_path / "b" / SHM / "lock"
+    lock.write_bytes(b"")
+    res = dry()
+    assert res.returncode == 2
+    assert (f"JIT ops not ready on 1 node(s): b: build-ops: stale build lock {lock} (no live "
+            "process holds it): every DeepSpeed start there would wait on it — check that no "
+            f"build runs, then rm {lock} (or `clusterkit nodes build-ops "
+            "--remove-stale-locks`)") in res.stderr.strip().splitlines()[-1]
+    res = dry("--no-build-ops")
+    assert res.returncode == 0 and "JIT ops" not in res.stdout, res.stderr[-2000:]

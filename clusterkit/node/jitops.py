@@ -135,7 +135,7 @@ def check(ops: List[str]) -> Dict[str, Any]:  # noqa: UP006
         states[op] = ("missing" if name is None else "built" if prebuilt.get(name)
                       else op_state(root, name, torch_dir))
     return {"v": JITOPS_VERSION, "deepspeed": True, "root": root, "ops": states,
-            "stale": stale(locks([root, *extension_roots()]))}
+            "stale": stale(locks([root]))}  # the locks its ranks would wait on
 
 
 def holders(path: str, proc: str = "/proc") -> List[int]:  # noqa: UP006
