@@ -326,7 +326,8 @@ def ready_job_ops(transport: Transport, plan: JobPlan, info: Callable[[str], Non
         return
     nodes = [OpsNode(n.name, target_for(n.host), n.python, dict(n.env)) for n in plan.nodes]
     report = ready_ops(transport, nodes, ops, build=build)
-    info(report.line(dry_run=not build))
+    if report.needed or not build:  # a launch with every op in place says nothing
+        info(report.line(dry_run=not build))
     if report.refused:
         rows = folded_lines(report.refused.items(), report.order)
         raise LaunchError(f"JIT ops not ready on {len(report.refused)} node(s): "
