@@ -141,6 +141,7 @@ def test_check_says_which_ops_a_nodes_ranks_would_build(tmp_path: Path,
     ops = [jitops.SHM_COMM, "CPUAdamBuilder", "SomeOtherBuilder"]
     out = jitops.check(ops)
     assert out["deepspeed"] and out["root"] == str(ext) and out["stale"] == []
+    assert jitops.job_roots() == [str(ext)]  # build's stale-lock scope too
     assert out["ops"] == dict.fromkeys(ops, "missing")
     _built(ext)
     _built(ext, "cpu_adam", torch_dir="/another/env/torch")  # ninja would rebuild it

@@ -103,6 +103,13 @@ def build_root(torch_dir: str) -> str:
                         f"{py}_{acc}")
 
 
+def job_roots() -> List[str]:  # noqa: UP006
+    """Where this process's DeepSpeed would build (and wait on a lock): torch's build
+    dir for it; without torch, every root (:func:`extension_roots`)."""
+    torch_dir = _package_dir("torch")
+    return [build_root(torch_dir)] if torch_dir else extension_roots()
+
+
 def op_state(root: str, name: str, torch_dir: str) -> str:
     """``built``: ``<root>/<name>/<name>.so`` is there, no build lock beside it, and its
     build.ninja compiled against this torch (else the ranks' ninja rebuilds it under the
@@ -295,7 +302,9 @@ def main(argv: List[str] | None = None) -> int:  # noqa: UP006
     try:
         if mode == "build":
             req = json.loads(sys.stdin.buffer.readline().decode("utf-8") or "{}")
-            found = stale(locks())
+            # Only the locks this node's ranks would wait on: one of another Python's
+            # build dir, or held by a process another PID namespace hides, is not ours.
+            found = stale(locks(job_roots()))
             if found and not req.get("remove_stale"):
                 out = {"v": JITOPS_VERSION, "stale": found}
             else:
