@@ -35,13 +35,17 @@ def test_same_id_continues_and_says_where_the_checkpoints_are(tmp_path: Path) ->
 
 def test_node_local_refuses_a_changed_rank_to_node_mapping(tmp_path: Path) -> None:
     registry = recorded_failed_job(tmp_path, nodes=2, gpus_per_node=2, script="train.py")
-    plan = plan_for("a800-7x2", "torchrun", nodes=4, gpus_per_node=1, script="train.py")
+    plan = plan_for("a800-7x2", "torchrun", nodes=4, gpus_per_node=1,
+                    script_args=("--resume", "never"))
     assert plan.storage == "node-local"
     with pytest.raises(LaunchError) as err:
         check_continue(plan, registry.find(plan.job_id))
     # The bundled workload (--resume auto) is resharded instead (issue 22, tests/test_recover.py).
     workload = plan_for("a800-7x2", "torchrun", nodes=4, gpus_per_node=1)
     assert "resharded first" in (check_continue(workload, registry.find(plan.job_id)) or "")
+    # So is a user's script (issue 31: its newest checkpoint converted for it).
+    user = plan_for("a800-7x2", "torchrun", nodes=4, gpus_per_node=1, script="train.py")
+    assert "resharded first" in (check_continue(user, registry.find(plan.job_id)) or "")
     assert "different rank->node mapping" in str(err.value)
     assert "collect-ckpt --scatter" in (err.value.hint or "")
     # Shared storage: any mapping may resume (the workload checks the world size itself).

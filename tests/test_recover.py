@@ -105,12 +105,14 @@ def test_a_replaced_node_with_the_same_slots_may_continue(tmp_path: Path) -> Non
     assert "restored there first" in note
     assert continue_swaps(plan, prior) == [Replacement(5, "node6", "node7")]
     # Another node set: the bundled workload (--resume auto) is resharded; a user's
-    # program (or an explicit --resume) is refused, and the refusal names --replace.
+    # program too (its newest checkpoint converted for it, issue 31); an explicit --resume
+    # is refused, and the refusal names --replace.
     other = plan_for("a800-7x2", "torchrun", exclude="node6")
     assert is_reshard(other, prior) and "resharded first" in (check_continue(other, prior) or "")
-    for mine in (plan_for("a800-7x2", "torchrun", exclude="node6", script="train.py"),
-                 plan_for("a800-7x2", "torchrun", exclude="node6",
-                          script_args=("--resume", "never"))):
+    user = plan_for("a800-7x2", "torchrun", exclude="node6", script="train.py")
+    assert is_reshard(user, prior) and "resharded first" in (check_continue(user, prior) or "")
+    for mine in (plan_for("a800-7x2", "torchrun", exclude="node6",
+                          script_args=("--resume", "never")),):
         assert not is_reshard(mine, prior)
         with pytest.raises(LaunchError) as err:
             check_continue(mine, prior)
@@ -122,7 +124,7 @@ def test_a_replaced_node_with_the_same_slots_may_continue(tmp_path: Path) -> Non
 def test_a_replacement_that_changes_the_ranks_is_refused(tmp_path: Path) -> None:
     registry = recorded_failed_job(tmp_path, nodes=6, script="train.py")
     plan = plan_for("a800-7x2", "torchrun", nodes=6, gpus_per_node=1, replace=("node6=node7",),
-                    script="train.py")
+                    script_args=("--resume", "never"))
     assert replacements(registry.find(plan.job_id).extra["rank_map"], plan) is None  # type: ignore[union-attr]
     with pytest.raises(LaunchError, match="different rank->node mapping"):
         check_continue(plan, registry.find(plan.job_id))

@@ -30,6 +30,13 @@ source tag, its step and samples consumed, the world size, ZeRO stage, micro bat
 grad accumulation and global batch it was saved with, engine, precision, DeepSpeed's
 version, ``ds_subdir``, and ``files`` (every file of the directory but the marker, relpath -> size)
 so that a copy can be checked without reading it.
+
+A user's own script (issue 31; docs/lost-a-node.md, "A user's script on fewer nodes"):
+``convert_to_universal(..., without_markers=WithoutMarkers(...))`` judges its save by
+DeepSpeed's own file set, and :func:`user_resume` is what its next attempt runs with:
+the rendered ds_config with ``checkpoint.load_universal`` on and the batch of
+:func:`clusterkit.spec.batch.shrink_batch`, and the tag it must load
+(``CLUSTERKIT_RESUME_TAG``, node/contract.py).
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ from clusterkit.fsutil import (
     replace_dir,  # the one swap-in of a directory
 )
 from clusterkit.node import listing as node_listing
+from clusterkit.node.contract import ENV_RESUME_TAG
+from clusterkit.spec.batch import BatchPlan, shrink_batch
 
 UNIVERSAL_SUFFIX = "_universal"
 UNIVERSAL_MARKER = "clusterkit-universal.json"
@@ -163,11 +172,12 @@ def convert_to_universal(root: str, tag: str, *, workers: int = 1,
     t0 = time.monotonic()
     root = os.path.abspath(root)
     plan = verify_source(root, tag, without_markers)
-    if plan.zero_stage == 0:
+    source = os.path.join(root, tag, plan.ds_subdir) if plan.ds_subdir else os.path.join(root, tag)
+    saved = _saved(source, plan)
+    if saved.zero_stage == 0:
         raise CheckpointError(f"{tag} was saved with ZeRO stage 0: it has no optimizer shards "
                               "for DeepSpeed's universal converter", path=os.path.join(root, tag),
                               hint="resume it on its own world size, or train with ZeRO 1-3")
-    source = os.path.join(root, tag, plan.ds_subdir) if plan.ds_subdir else os.path.join(root, tag)
     name = universal_tag(tag)
     final = os.path.join(root, name)
     # The converter writes `latest_universal` beside its output dir: give it a parent of
@@ -183,7 +193,7 @@ def convert_to_universal(root: str, tag: str, *, workers: int = 1,
                        workers, timeout_s)
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(out, "latest_universal"))
-        marker = _marker(plan, tag, out, source)
+        marker = _marker(plan, saved, tag, out)
         atomic_write_text(os.path.join(out, UNIVERSAL_MARKER),
                           json.dumps(marker.to_json_dict(), indent=1) + "\n")
         replace_dir(out, final)
@@ -227,27 +237,33 @@ class _Saved:
     grad_accum: int
     global_samples: int
     version: str
+    zero_stage: int  # clusterkit's marker's, else (a user's save) the saved ds_config's
 
 
 def _saved(source: str, plan: CollectPlan) -> _Saved:
     import torch
 
-    name = layout.model_states_name(plan.zero_stage or 0, 0)
-    state = torch.load(os.path.join(source, name), map_location="cpu", weights_only=False)
+    # A user's save has no clusterkit marker naming its stage: its model states file does.
+    stages = [plan.zero_stage] if plan.zero_stage is not None else [3, 2]
+    names = [layout.model_states_name(stage, 0) for stage in stages]
+    path = next((os.path.join(source, n) for n in names if os.path.isfile(os.path.join(source, n))),
+                os.path.join(source, names[-1]))
+    state = torch.load(path, map_location="cpu", weights_only=False)
     cfg = state.get("ds_config") or {}
     try:
         micro = int(cfg["train_micro_batch_size_per_gpu"])
         ga = int(cfg.get("gradient_accumulation_steps", 1))
+        stage = plan.zero_stage if plan.zero_stage is not None else \
+            int((cfg.get("zero_optimization") or {}).get("stage", 0))
     except (KeyError, TypeError, ValueError):
         raise CheckpointError("the model states hold no ds_config with an integer "
-                              "train_micro_batch_size_per_gpu", path=os.path.join(source, name),
+                              "train_micro_batch_size_per_gpu", path=path,
                               hint="save with a DeepSpeed that records its config") from None
     return _Saved(micro, ga, int(state.get("global_samples") or 0),
-                  str(state.get("ds_version", "unknown")))
+                  str(state.get("ds_version", "unknown")), int(stage))
 
 
-def _marker(plan: CollectPlan, tag: str, out: str, source: str) -> UniversalMarker:
-    saved = _saved(source, plan)
+def _marker(plan: CollectPlan, saved: _Saved, tag: str, out: str) -> UniversalMarker:
     files = {}
     for base, _, names in os.walk(out):
         for n in names:
@@ -255,8 +271,38 @@ def _marker(plan: CollectPlan, tag: str, out: str, source: str) -> UniversalMark
             files[os.path.relpath(full, out)] = os.path.getsize(full)
     return UniversalMarker(
         source_tag=tag, step=int(plan.step or 0), global_samples=saved.global_samples,
-        world_size=plan.world_size, zero_stage=int(plan.zero_stage or 0),
+        world_size=plan.world_size, zero_stage=saved.zero_stage,
         micro_batch=saved.micro, grad_accum=saved.grad_accum,
         global_batch=saved.micro * saved.grad_accum * plan.world_size, engine=plan.engine,
         precision=plan.precision, deepspeed_version=saved.version, files=files,
         created_unix=time.time(), ds_subdir=plan.ds_subdir)
+
+
+@dataclass(frozen=True)
+class UserResume:
+    """A user's script's attempt after a conversion: the tag it loads, its ds_config."""
+
+    tag: str  # <tag>_universal, what CLUSTERKIT_RESUME_TAG names
+    ds_config: Mapping[str, Any]
+    batch: BatchPlan
+    lines: tuple[str, ...]  # what changes, for the console
+
+
+def user_resume(ds_config: Mapping[str, Any], marker: UniversalMarker, new_world: int
+                ) -> UserResume:
+    """The rendered ds_config of a user's script resumed from ``<source>_universal`` on
+    ``new_world`` ranks (pure): ``checkpoint.load_universal`` on (DeepSpeed reads it at
+    ``initialize``), the batch split by spec/batch.py's policy from the one it saved with."""
+    plan = shrink_batch(marker.world_size, marker.micro_batch, marker.grad_accum, new_world)
+    cfg = dict(ds_config)
+    cfg["checkpoint"] = {**dict(cfg.get("checkpoint") or {}), "load_universal": True}
+    cfg["train_micro_batch_size_per_gpu"] = plan.micro
+    cfg["gradient_accumulation_steps"] = plan.grad_accum
+    cfg["train_batch_size"] = plan.global_batch
+    tag = universal_tag(marker.source_tag)
+    lines = (f"world size {marker.world_size} -> {new_world}: your script loads {tag} "
+             f"(${ENV_RESUME_TAG}) with checkpoint.load_universal on, this attempt only",
+             f"batch: {plan.note}",
+             "data order: your script owns it; with fewer ranks each rank's share of every "
+             "step changes unless the script splits its data by the global sample index")
+    return UserResume(tag, cfg, plan, lines)

@@ -179,9 +179,9 @@ def _preparer(registry: Any, transport: Any, sink: Any) -> Any:
     the job record."""
     from clusterkit.cli.recover import prepare_continue
 
-    def prepare(plan: Any, prior: Any) -> None:
-        prepare_continue(transport, plan, prior, str(registry.path(plan.job_id).parent),
-                         sink.info)
+    def prepare(plan: Any, prior: Any) -> Any:  # the next attempt's plan, or None
+        return prepare_continue(transport, plan, prior, str(registry.path(plan.job_id).parent),
+                                sink.info)
 
     return prepare
 

@@ -35,11 +35,17 @@ from clusterkit.checkpoints.assemble import (
     ranks_of_map,
 )
 from clusterkit.checkpoints.collect import CollectOptions, collect, open_source
+from clusterkit.checkpoints.collectplan import WithoutMarkers
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.scatter import remote_hashes
 from clusterkit.checkpoints.source import CollectNode
 from clusterkit.checkpoints.transfer import NullProgress, Wanted, sha256_file
-from clusterkit.checkpoints.universal import UNIVERSAL_MARKER, convert_to_universal
+from clusterkit.checkpoints.universal import (
+    UNIVERSAL_MARKER,
+    Universal,
+    convert_to_universal,
+    user_resume,
+)
 from clusterkit.errors import CheckpointError, LaunchError
 from clusterkit.launch.jobs import JobRecord
 from clusterkit.launch.run import (
@@ -49,7 +55,7 @@ from clusterkit.launch.run import (
     replacements,
     resume_arg,
 )
-from clusterkit.node.contract import LATEST_FILE, parse_marker_name
+from clusterkit.node.contract import ENV_RESUME_TAG, LATEST_FILE, parse_marker_name
 from clusterkit.remote.base import Transport, target_for
 from clusterkit.spec.job import JobPlan, NodePlan
 
@@ -111,7 +117,7 @@ class Restore:
 
 
 def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home: str,
-                     say: Say, *, dry_run: bool = False) -> None:
+                     say: Say, *, dry_run: bool = False) -> JobPlan | None:
     """Before a continued node-local job starts (``launch.run.launch``'s ``prepare``):
 
     * the newest checkpoint it can resume from is assembled from the nodes and their
@@ -125,11 +131,14 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
 
     ``dry_run``: the same listing, assembly and refusal; what would be restored or
     resharded is said, nothing is copied.
+
+    Returns the next attempt's plan when it alone differs: a user's script resharded
+    (its ds_config with ``load_universal``, ``CLUSTERKIT_RESUME_TAG``); else None.
     """
     old_map = prior.extra["rank_map"]
     resume = resume_arg(plan)
     if resume not in (None, "auto"):  # an explicit tag or `never`: the workload's own checks
-        return
+        return None
     swaps = continue_swaps(plan, prior)
     reshard = is_reshard(plan, prior)
     with staging_dir(os.path.join(home, "restore")) as staging:
@@ -141,22 +150,23 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
                                   f"cannot be listed ({'; '.join(down)})", key="--job-id",
                                   hint="fix those nodes, or leave them out (--replace OLD=NEW "
                                        "or fewer nodes)")
-            return  # the gate names an unreachable node of the plan, as for any launch
+            return None  # the gate names an unreachable node of the plan, as for any launch
         tried = assemble_newest(listings, len(old_map), plan.options.uses_workload, old_map)
         if not tried:
-            return  # nothing saved yet: a fresh start is what the job would do anyway
+            return None  # nothing saved yet: a fresh start is what the job would do anyway
         if not tried[0].complete:
             if resume == "auto" or swaps or reshard:
                 raise LaunchError(f"cannot continue job {plan.job_id}: {tried[0].describe()}",
                                   key="--job-id", hint=REFUSAL_HINT)
-            return
+            return None
         lost = [] if reshard else _parts_to_restore(plan, tried[0], swaps)
         if dry_run:
             _say_plan(tried[0], lost, reshard, plan, say)
         elif reshard:
-            _reshard(transport, plan, prior, tried[0], home, say)
+            return _reshard(transport, plan, prior, old_map, tried[0], home, say)
         elif lost:
             _restore_parts(transport, plan, tried, lost, staging, say)
+    return None
 
 
 def _say_plan(a: Assembly, lost: Sequence[Replacement], reshard: bool, plan: JobPlan,
@@ -215,22 +225,28 @@ def _restore_parts(transport: Transport, plan: JobPlan, tried: Sequence[Assembly
 # ------------------------------------------------------------------ resharding
 
 
-def _reshard(transport: Transport, plan: JobPlan, prior: JobRecord, a: Assembly, home: str,
-             say: Say) -> None:
+def _reshard(transport: Transport, plan: JobPlan, prior: JobRecord,
+             old_map: Sequence[Sequence[Any]], a: Assembly, home: str, say: Say) -> JobPlan | None:
     """Gather ``a.tag`` here (collect-ckpt, replicas standing in for lost nodes), convert
     it to DeepSpeed's universal checkpoint and push that to every node of the new plan,
-    marker last; the bundled workload then resumes from it on the new world size."""
+    marker last; the bundled workload then resumes from it on the new world size, a
+    user's script from the plan returned (:func:`_user_plan`)."""
     assert a.tag is not None
     old_nodes = _recorded_nodes(prior)
+    # A user's script: its save judged by DeepSpeed's own file set (no clusterkit markers).
+    # (old_map rows: [node, first rank, ranks])
+    bare = None if plan.options.uses_workload else WithoutMarkers(
+        sum(int(row[2]) for row in old_map), tuple(int(row[2]) for row in old_map))
     with staging_dir(os.path.join(home, "reshard")) as dest:
         say(f"resharding {a.tag} ({len(old_nodes)} nodes) for {len(plan.nodes)} nodes, "
             f"{plan.world_size} ranks: 1/3 gathering it here ({a.describe()})")
-        report = collect(transport, old_nodes, CollectOptions(dest=dest, tag=a.tag))
+        report = collect(transport, old_nodes, CollectOptions(dest=dest, tag=a.tag,
+                                                              without_markers=bare))
         say(f"gathered {a.tag}: {len(report.plan.files)} files, "
             f"{report.bytes_copied / 1e6:.1f} MB, sha256 verified")
         say("2/3 converting it to DeepSpeed's universal checkpoint "
             "(deepspeed.checkpoint.ds_to_universal) ...")
-        u = convert_to_universal(dest, a.tag)
+        u = _convert(dest, a.tag, bare, plan)
         say(f"converted to {u.tag} in {u.seconds:.1f} s (saved by {u.marker.world_size} ranks, "
             f"ZeRO-{u.marker.zero_stage}, step {u.marker.step})")
         files = _local_files(dest, u.tag)
@@ -239,7 +255,37 @@ def _reshard(transport: Transport, plan: JobPlan, prior: JobRecord, a: Assembly,
         targets = [collect_node(n, n.ckpt_dir) for n in plan.nodes]
         with cf.ThreadPoolExecutor(max_workers=min(8, len(targets))) as pool:
             list(pool.map(lambda t: _push(transport, t, dest, files), targets))
-    say(f"every node holds {u.tag}: the workload resumes from it on {plan.world_size} ranks")
+    if bare is None:
+        say(f"every node holds {u.tag}: the workload resumes from it on {plan.world_size} ranks")
+        return None
+    return _user_plan(plan, u, say)
+
+
+def _convert(dest: str, tag: str, bare: WithoutMarkers | None, plan: JobPlan) -> Universal:
+    """The conversion; a user's checkpoint that cannot be converted is refused in one line."""
+    if bare is None:
+        return convert_to_universal(dest, tag)
+    try:
+        return convert_to_universal(dest, tag, without_markers=bare)
+    except CheckpointError as exc:
+        raise LaunchError(f"cannot relaunch job {plan.job_id} on {len(plan.nodes)} nodes: its "
+                          f"checkpoint {tag} cannot be converted to DeepSpeed's universal "
+                          f"checkpoint: {exc.message}", key="--job-id",
+                          hint="a DeepSpeed ZeRO 1-3 checkpoint saved with "
+                               "engine.save_checkpoint converts; else relaunch on the same "
+                               "nodes (--replace OLD=NEW for a lost one; docs/lost-a-node.md)"
+                          ) from None
+
+
+def _user_plan(plan: JobPlan, u: Universal, say: Say) -> JobPlan:
+    """A user's script's next attempt: the ds_config with ``checkpoint.load_universal`` and
+    spec/batch.py's batch, ``CLUSTERKIT_RESUME_TAG`` naming the tag it must load."""
+    r = user_resume(plan.ds_config, u.marker, plan.world_size)
+    for line in r.lines:
+        say(line)
+    nodes = tuple(dataclasses.replace(n, env={**n.env, ENV_RESUME_TAG: r.tag})
+                  for n in plan.nodes)
+    return dataclasses.replace(plan, ds_config=r.ds_config, nodes=nodes)
 
 
 def _recorded_nodes(prior: JobRecord) -> list[CollectNode]:

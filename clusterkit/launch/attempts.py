@@ -5,7 +5,9 @@ makes between two attempts: stop, refuse, restart the same plan, or (with
 ``--drop-failed-nodes``) find the nodes that fail the gate now and restart without
 them: on free spares (node-local checkpoints: the same node index and ranks, the
 part restored there), else on fewer nodes (shared checkpoints; node-local ones are
-resharded when the bundled workload resumes by itself), else refused. ``run.py``
+resharded when the bundled workload resumes by itself, or for a user's script, whose
+newest complete checkpoint is converted for it: the conversion refuses what it cannot
+convert), else refused. ``run.py``
 performs each step (the gate round, the planner) and asks again with what it
 learned in ``state``. The table is docs/architecture.md's "The attempt table", tested
 row by row in tests/test_attempts.py.
@@ -27,7 +29,7 @@ class Next(Enum):
     TRY_SPARES = "try-spares"  # plan with each failing node replaced by a spare
     SPARES = "spares"  # restart on that plan (its parts restored onto the spares)
     FEWER = "fewer"  # restart on the other nodes
-    REFUSE = "refuse"  # node-local, no spare, a program that cannot be resharded
+    REFUSE = "refuse"  # node-local, no spare, the workload with an explicit --resume
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ class RestartRules:
     relaunches: int = 0  # --max-restarts
     drop_failed_nodes: bool = False
     node_local: bool = False  # checkpoints tied to the rank->node mapping
-    resumes_itself: bool = False  # the bundled workload with --resume auto
+    # the bundled workload with --resume auto, or a user's script (launch/run.py reshardable)
+    resumes_itself: bool = False
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,9 @@ Planner = Callable[[JobOptions], JobPlan]
 # Before the agents start, when a node-local job is continued: check that its newest
 # checkpoint can be assembled, restore replaced nodes' parts onto their spares, or
 # reshard for fewer nodes (cli/recover.py). Gets the plan and the job's record.
-Preparer = Callable[[JobPlan, JobRecord], None]
+# Returns the next attempt's plan when that attempt alone differs (a user's script
+# resumed from a universal checkpoint: its ds_config and resume tag), else None.
+Preparer = Callable[[JobPlan, JobRecord], "JobPlan | None"]
 # Before a restart's ranks start: ``launch --sync DIR`` puts DIR on the attempt's nodes
 # (a spare in a dropped node's place included; only what is missing travels) and
 # refuses (raises) unless every node then holds DIR's digest (cli/cmd_launch.py).
@@ -122,7 +124,7 @@ def restart_plan(options: JobOptions, plan: JobPlan, planner: Planner, sink: Sin
     performed until one says which plan runs; ``check`` finds the nodes that fail the
     gate now. A node-local job's dropped nodes go to free spares (``--replace BAD``:
     same node index and ranks), else to fewer nodes when the bundled workload resumes
-    by itself (resharded); anything else is refused."""
+    by itself or for a user's script (resharded); anything else is refused."""
     spared, new, why = options, plan, ""
     while True:
         step = decide(end, rules, state)
@@ -159,9 +161,9 @@ def restart_plan(options: JobOptions, plan: JobPlan, planner: Planner, sink: Sin
                     f"cannot drop {', '.join(state.bad or ())}: node-local checkpoints resume "
                     "only on the same rank->node mapping, and no spare can take their place "
                     f"({why})",
-                    hint="name spares in the inventory (`spares: [...]`) for a user's program; "
-                         "the bundled workload with --resume auto is resharded onto fewer "
-                         "nodes instead")
+                    hint="name spares in the inventory (`spares: [...]`); with --resume auto "
+                         "(or a user's script) the checkpoint is resharded onto fewer nodes "
+                         "instead")
             case Next.STOP | Next.REFUSE_GATE:
                 raise AssertionError(f"launch() stops before a restart: {step}")
             case _:
@@ -173,7 +175,7 @@ def restart_rules(settings: LaunchSettings, plan: JobPlan) -> RestartRules:
     return RestartRules(relaunches=settings.relaunches,
                         drop_failed_nodes=settings.run.drop_failed_nodes,
                         node_local=plan.storage == "node-local",
-                        resumes_itself=resume_arg(plan) == "auto")
+                        resumes_itself=reshardable(plan))
 
 
 def rank_map(plan: JobPlan) -> list[list[Any]]:
@@ -231,6 +233,13 @@ def resume_arg(plan: JobPlan) -> str | None:
     return "auto"
 
 
+def reshardable(plan: JobPlan) -> bool:
+    """Its newest checkpoint can be resharded for fewer nodes: the bundled workload with
+    ``--resume auto``, or a user's script (converted for it; it loads the tag named by
+    ``CLUSTERKIT_RESUME_TAG``; an explicit ``--resume`` of the workload is its own)."""
+    return resume_arg(plan) in ("auto", None)
+
+
 def is_reshard(plan: JobPlan, prior: JobRecord | None) -> bool:
     """Continuing a node-local job of the bundled workload on another rank->node mapping
     that is not a ``--replace`` (fewer nodes after a loss, ``--exclude``, ``--nodes``):
@@ -238,7 +247,7 @@ def is_reshard(plan: JobPlan, prior: JobRecord | None) -> bool:
     on any world size (cli/recover.py), when the workload resumes by itself (auto)."""
     old_map = None if prior is None else prior.extra.get("rank_map")
     return (plan.storage == "node-local" and old_map is not None and old_map != rank_map(plan)
-            and replacements(old_map, plan) is None and resume_arg(plan) == "auto")
+            and replacements(old_map, plan) is None and reshardable(plan))
 
 
 def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
@@ -333,12 +342,13 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
     note = check_continue(decisions, prior)
     if note:
         sink.info(note)
+    once: JobPlan | None = None
     if prior is not None and decisions.storage == "node-local" and "rank_map" in prior.extra:
         if prepare is None and (continue_swaps(decisions, prior) or is_reshard(decisions, prior)):
             raise LaunchError("cannot restore or reshard node-local checkpoints from here",
                               key="--replace")
         if prepare is not None:
-            prepare(decisions, prior)
+            once = prepare(decisions, prior)
     # The gate runs inside the agents (facts reported, nothing started until GO): no
     # separate round of SSH commands before the launch.
     need = None if settings.run.skip_checks else gate_needs(decisions)
@@ -347,7 +357,10 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
     for attempt in range(settings.relaunches + 1):
         if attempt and sync is not None:
             sync(decisions)  # this attempt's nodes: a spare gets DIR, the digest re-checked
-        plan = render_all(decisions, run_id=run_id(stamp, attempt))
+        # `once`: this attempt's plan alone (a user's script resumed from a universal
+        # checkpoint); a restart on the same nodes runs the plan itself again.
+        plan = render_all(once or decisions, run_id=run_id(stamp, attempt))
+        once = None
         job = job_from_plan(plan, attempt=attempt, native=settings.native, run=settings.run,
                             gate_need=need, hang_timeout_s=options.hang_timeout_s)
         record = _record(job, plan, attempt)
@@ -374,7 +387,7 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
             if prepare is None:
                 raise LaunchError("cannot restore or reshard node-local checkpoints from here",
                                   key="--drop-failed-nodes")
-            prepare(decisions, record)  # this attempt's record: the mapping it saved with
+            once = prepare(decisions, record)  # this attempt's record: its saved mapping
         sink.info(f"restarting (attempt {attempt + 2} of {settings.relaunches + 1}): "
                   + resume_note(options.uses_workload, decisions.storage))
     raise AssertionError("unreachable")

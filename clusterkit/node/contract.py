@@ -42,6 +42,9 @@ CONTRACT_NAMES = (ENV_JOB_ID, ENV_JOB_DIR, ENV_DS_CONFIG, ENV_CKPT_DIR, ENV_STOR
 # sbatch: the file that appears when the job is asked to stop (time limit, preemption,
 # `clusterkit sbatch cancel JOB --signal USR1 --batch`); the ranks also get SIGUSR1.
 ENV_STOP_FILE = "CLUSTERKIT_STOP_FILE"
+# A user's script relaunched on fewer nodes (docs/lost-a-node.md): the tag it must load,
+# set for that attempt only (its newest complete checkpoint converted: <tag>_universal).
+ENV_RESUME_TAG = "CLUSTERKIT_RESUME_TAG"
 # Seconds a user script should pass to init_process_group(timeout=...) (issue 14).
 ENV_PG_TIMEOUT_S = "CLUSTERKIT_PG_TIMEOUT_S"
 

@@ -14,6 +14,12 @@ rendered ds_config.json: ZeRO stage, batch sizes, optimizer, precision),
 ``CLUSTERKIT_CKPT_DIR`` (this job's checkpoint dir on this node) and
 ``CLUSTERKIT_STORAGE``. Only the standard DeepSpeed API is used, so the
 same script runs on GPUs (DeepSpeed picks the accelerator) and on CPU (gloo).
+
+Relaunched on fewer nodes (docs/lost-a-node.md, "A user's script on fewer nodes"),
+clusterkit converts the newest complete checkpoint to DeepSpeed's universal checkpoint
+``<tag>_universal``, turns on ``checkpoint.load_universal`` in the ds_config and names
+that tag in ``CLUSTERKIT_RESUME_TAG`` for that attempt: the script loads the tag named
+there when it is set, else its own newest checkpoint that every rank finished.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     # without it the contract's variable names the same file.
     p.add_argument("--deepspeed_config", default=os.environ.get("CLUSTERKIT_DS_CONFIG"))
     p.add_argument("--local_rank", type=int, default=-1)  # DeepSpeed's launcher appends it
+    p.add_argument("--dump-loaded-weights", default="",
+                   help="after a resume, rank 0 saves the fp32 master weights here (tests)")
     return p.parse_args()
 
 
@@ -58,19 +66,36 @@ def batch(step: int, micro: int, rank: int, size: int) -> tuple[torch.Tensor, to
     return x, y
 
 
-def newest_complete(ckpt_dir: Path) -> int:
-    """The newest step every rank finished saving (-1: none), agreed by all ranks.
+def newest_complete(ckpt_dir: Path) -> str | None:
+    """The tag to resume from (None: a fresh start), the same on every rank.
 
-    With node-local storage each node sees only its own directory (and DeepSpeed's
-    ``latest`` exists on node 0 only), so each rank looks for completion markers on
-    its node and the ranks take the maximum: a marker is written only after a
-    barrier that follows the save, so any marker proves every rank's files exist.
+    ``CLUSTERKIT_RESUME_TAG`` when clusterkit sets it (a relaunch on fewer nodes: the
+    universal checkpoint it converted). Else the newest step that *every* rank finished
+    saving: with node-local storage each node sees only its own directory (and
+    DeepSpeed's ``latest`` exists on node 0 only), so each rank lists the steps with its
+    own completion marker on its node and the ranks keep the steps they all have. (The
+    maximum over ranks would pick a save that a node lost with its disk never had.)
     """
-    steps = [int(d.name.removeprefix("step")) for d in ckpt_dir.glob("step*")
-             if d.name.removeprefix("step").isdigit() and any(d.glob("complete.rank*"))]
-    found = torch.tensor([max(steps, default=-1)], dtype=torch.long)
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return int(found.item())
+    named = os.environ.get("CLUSTERKIT_RESUME_TAG")
+    if named:
+        return named
+    mine = {int(d.name.removeprefix("step")) for d in ckpt_dir.glob("step*")
+            if d.name.removeprefix("step").isdigit()
+            and (d / DONE.format(rank=dist.get_rank())).is_file()}
+    every: list[set[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    common = set.intersection(*(s or set() for s in every))
+    return f"step{max(common)}" if common else None
+
+
+def dump_fp32(engine: deepspeed.DeepSpeedEngine, path: str) -> None:
+    """The fp32 master weights as DeepSpeed holds them (every rank takes part)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    state = {name: safe_get_full_fp32_param(p).detach().cpu().clone()
+             for name, p in engine.module.named_parameters()}
+    if dist.get_rank() == 0:
+        torch.save(state, path)
 
 
 def save(engine: deepspeed.DeepSpeedEngine, ckpt_dir: Path, step: int) -> None:
@@ -96,12 +121,15 @@ def main() -> None:
                                            config=args.deepspeed_config)
     start = 0
     resume = newest_complete(ckpt_dir)
-    if resume >= 0:
+    if resume is not None:
         # An explicit tag: with node-local storage `latest` is not on every node.
-        _, client = engine.load_checkpoint(str(ckpt_dir), tag=f"step{resume}")
+        _, client = engine.load_checkpoint(str(ckpt_dir), tag=resume)
         start = int(client["step"])
         if rank == 0:
-            print(f"resumed from step{resume}", flush=True)
+            print(f"resumed from {resume} at step {start} on {dist.get_world_size()} ranks",
+                  flush=True)
+        if args.dump_loaded_weights:
+            dump_fp32(engine, args.dump_loaded_weights)
 
     size = engine.train_micro_batch_size_per_gpu()
     dtype = next(engine.parameters()).dtype  # bf16/fp16 when the ds_config says so
@@ -127,7 +155,7 @@ def main() -> None:
         # Optional: clusterkit launch prints this line as the job's summary.
         print("CLUSTERKIT_SUMMARY " + json.dumps({
             "final_loss": mean, "steps": args.steps,
-            "resumed_from": f"step{resume}" if resume >= 0 else None,
+            "resumed_from": resume,
             "steps_run": args.steps - start, "world_size": dist.get_world_size(),
             "job_id": os.environ.get("CLUSTERKIT_JOB_ID"),
             "storage": os.environ.get("CLUSTERKIT_STORAGE"), "finished": True}), flush=True)
