@@ -113,7 +113,8 @@ def test_user_script_4_to_2_ranks_through_universal(tmp_path: Path) -> None:
     conv = universal.convert_to_universal(str(root), "step3", without_markers=WithoutMarkers(4, (4,)))
     m = conv.marker
     assert conv.tag == "step3_universal"
-    assert (m.world_size, m.zero_stage, m.micro_batch, m.grad_accum, m.global_batch) == (4, 2, 2, 1, 8)
+    assert (m.step, m.world_size, m.zero_stage, m.micro_batch, m.grad_accum, m.global_batch,
+            m.global_samples) == (3, 4, 2, 2, 1, 8, 24)
     r = universal.user_resume(ds4, m, 2)
     assert r.ds_config["checkpoint"]["load_universal"] is True
     assert "global batch 8 kept (micro 2, grad accum 1 -> micro 2, grad accum 2)" in r.lines[1]

@@ -238,6 +238,7 @@ class _Saved:
     global_samples: int
     version: str
     zero_stage: int  # clusterkit's marker's, else (a user's save) the saved ds_config's
+    global_steps: int  # DeepSpeed's step counter (a user's tag names no step clusterkit reads)
 
 
 def _saved(source: str, plan: CollectPlan) -> _Saved:
@@ -260,7 +261,8 @@ def _saved(source: str, plan: CollectPlan) -> _Saved:
                               "train_micro_batch_size_per_gpu", path=path,
                               hint="save with a DeepSpeed that records its config") from None
     return _Saved(micro, ga, int(state.get("global_samples") or 0),
-                  str(state.get("ds_version", "unknown")), int(stage))
+                  str(state.get("ds_version", "unknown")), int(stage),
+                  int(state.get("global_steps") or 0))
 
 
 def _marker(plan: CollectPlan, saved: _Saved, tag: str, out: str) -> UniversalMarker:
@@ -270,7 +272,8 @@ def _marker(plan: CollectPlan, saved: _Saved, tag: str, out: str) -> UniversalMa
             full = os.path.join(base, n)
             files[os.path.relpath(full, out)] = os.path.getsize(full)
     return UniversalMarker(
-        source_tag=tag, step=int(plan.step or 0), global_samples=saved.global_samples,
+        source_tag=tag, step=int(plan.step if plan.step is not None else saved.global_steps),
+        global_samples=saved.global_samples,
         world_size=plan.world_size, zero_stage=saved.zero_stage,
         micro_batch=saved.micro, grad_accum=saved.grad_accum,
         global_batch=saved.micro * saved.grad_accum * plan.world_size, engine=plan.engine,
