@@ -23,6 +23,7 @@ from clusterkit.errors import CheckpointError
 from clusterkit.node import contract
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
+from clusterkit.spec.jobrecord import JobCheckpoints
 
 TAG = "global_step20"
 
@@ -226,7 +227,8 @@ def test_status_job_shows_replica_health(tmp_path: Path, monkeypatch: pytest.Mon
     record = JobRecord(job_id="ck-repl-1", backend="torchrun", created=0.0, launcher_pid=0,
                        nodes=[NodeRecord(n.name, sys.executable, str(tmp_path / "jobdir"),
                                          n.target) for n in nodes])
-    record.extra = {"ckpt_dirs": {n.name: n.root for n in nodes}, "storage": "node-local"}
+    record.ckpt = JobCheckpoints(storage=contract.StorageKind.NODE_LOCAL,
+                                 dirs={n.name: n.root for n in nodes})
     Registry(home).save(record)
     monkeypatch.setenv("CLUSTERKIT_HOME", str(home))
     assert main(["status", "ck-repl-1"]) == 0

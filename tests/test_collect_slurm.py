@@ -126,8 +126,8 @@ def test_registry_finds_a_batch_job_by_either_id(tmp_path: Path) -> None:
     for key in ("nl-job", "101", "102"):
         r = reg.resolve(key)
         assert (r.job_id, r.transport, r.slurm_job_ids) == ("nl-job", "slurm", ["101", "102"])
-    assert r.job_dir == str(d) and r.extra["ckpt_dir"].endswith("ckpt/nl-job")
-    assert r.extra["slots"] == [2, 2] and r.extra["slurm_site"][0] == "--partition=gpu"
+    assert r.job_dir == str(d) and str(r.ckpt.dir).endswith("ckpt/nl-job")
+    assert r.ckpt.slots == [2, 2] and r.slurm_site[0] == "--partition=gpu"
     assert r.state == "submitted" and not r.launcher_alive and r.nodes == []
     with pytest.raises(LaunchError, match="nor the Slurm id"):
         reg.resolve("999")

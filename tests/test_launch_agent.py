@@ -498,17 +498,17 @@ def test_status_lists_each_rank_pid_not_its_helpers(tmp_path: Path) -> None:
 
 
 def test_status_text_names_pids_and_the_launcher() -> None:
-    from types import SimpleNamespace
-
-    from clusterkit.cli.cmd_launch import _launcher, _ranks_text
+    from clusterkit.cli.cmd_launch import _ranks_text
+    from clusterkit.launch.jobs import JobRecord
 
     assert _ranks_text({"ranks": [0, 1], "pids": {"0": 51, "1": 52}, "fork_server_pid": 50,
                         "launcher_pid": None}) == "ranks 0,1 (pids 51,52)  fork server pid 50"
     assert _ranks_text({"ranks": [2], "pids": {"2": 9}, "launcher_pid": 7}) == \
         "ranks 2 (pids 9)  launcher pid 7"
     assert _ranks_text({"ranks": []}) == "ranks -"  # an older agent's answer: no pids
-    assert _launcher(SimpleNamespace(extra={"launcher": "native"}, backend="torchrun")) == "native"
-    assert _launcher(SimpleNamespace(extra={}, backend="torchrun")) == "torchrun"
+    record = JobRecord(job_id="j", backend="torchrun", nodes=[], created=0.0, launcher_pid=0)
+    assert dataclasses.replace(record, launcher="native").launcher_shown == "native"
+    assert record.launcher_shown == "torchrun"  # a record from before issue 25
 
 
 def test_the_recorded_launcher_is_the_one_chosen() -> None:

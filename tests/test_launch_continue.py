@@ -26,8 +26,8 @@ def test_same_id_continues_and_says_where_the_checkpoints_are(tmp_path: Path) ->
     plan = plan_for("a800-7x2", "torchrun", nodes=2, gpus_per_node=2)
     record = registry.find(plan.job_id)
     assert record is not None
-    assert record.extra["ckpt_dirs"] == {"node1": "/scratch/ckpt/golden-a800-7x2",
-                                         "node2": "/scratch/ckpt/golden-a800-7x2"}
+    assert record.ckpt.dirs == {"node1": "/scratch/ckpt/golden-a800-7x2",
+                                "node2": "/scratch/ckpt/golden-a800-7x2"}
     note = check_continue(plan, record)
     assert note is not None and "continuing job golden-a800-7x2 (failed before)" in note
     assert "/scratch/ckpt/golden-a800-7x2" in note and "newest complete checkpoint" in note

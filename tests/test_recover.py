@@ -125,7 +125,7 @@ def test_a_replacement_that_changes_the_ranks_is_refused(tmp_path: Path) -> None
     registry = recorded_failed_job(tmp_path, nodes=6, script="train.py")
     plan = plan_for("a800-7x2", "torchrun", nodes=6, gpus_per_node=1, replace=("node6=node7",),
                     script_args=("--resume", "never"))
-    assert replacements(registry.find(plan.job_id).extra["rank_map"], plan) is None  # type: ignore[union-attr]
+    assert replacements(registry.find(plan.job_id).ckpt.rank_map or [], plan) is None  # type: ignore[union-attr]
     with pytest.raises(LaunchError, match="different rank->node mapping"):
         check_continue(plan, registry.find(plan.job_id))
 

@@ -28,6 +28,7 @@ from clusterkit.node.contract import MARKER_GLOB
 from clusterkit.node.replica_done import part_problem
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
+from clusterkit.spec.jobrecord import JobCheckpoints
 
 TAG = "step60"  # a user's own tag name
 
@@ -89,9 +90,10 @@ def _record(tmp: Path, nodes: list[CollectNode], extra: dict[str, object]) -> st
                        state="succeeded",
                        nodes=[NodeRecord(n.name, sys.executable, str(tmp / "jobdir"), n.target)
                               for n in nodes])
-    record.extra = {"ckpt_dirs": {n.name: n.root for n in nodes}, "storage": "node-local",
-                    "slots": [2] * len(nodes),
-                    "rank_map": [[n.name, 2 * i, 2] for i, n in enumerate(nodes)], **extra}
+    record.ckpt = JobCheckpoints.from_dict({
+        "dirs": {n.name: n.root for n in nodes}, "storage": "node-local",
+        "slots": [2] * len(nodes),
+        "rank_map": [[n.name, 2 * i, 2] for i, n in enumerate(nodes)], **extra})
     Registry(home).save(record)
     return str(home)
 
@@ -138,4 +140,4 @@ def test_an_sbatch_record_says_whether_its_program_writes_markers(
         "job_id": "j", "backend": "torchrun", "storage": "node-local", "program": program,
         "nodes": [{"ckpt_dir": "/scratch/ck/j", "slots": [0, 1], "python": "python3"}]}))
     (tmp_path / "sbatch.sh").write_text("#!/bin/bash\n")
-    assert JobRecord.for_sbatch(tmp_path, "1").extra["markers"] is markers
+    assert JobRecord.for_sbatch(tmp_path, "1").ckpt.markers is markers

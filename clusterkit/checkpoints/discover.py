@@ -122,7 +122,7 @@ def verify(listings: Sequence[NodeListing], requested_tag: str = "latest",
 
 def shared_dir(listings: Sequence[NodeListing], tag: str) -> CheckpointIncomplete | None:
     """Several nodes list the very same files of ``tag`` (names, sizes, mtimes), per-rank
-    shards included: their "node-local" dir is one shared directory (issue 32). One line
+    shards included: their node-local dir is one shared directory (issue 32). One line
     instead of a "must exist exactly once" per shard."""
     groups: dict[frozenset[tuple[str, int, float]], list[NodeListing]] = {}
     for ls in listings:

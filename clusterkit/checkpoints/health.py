@@ -18,6 +18,7 @@ from clusterkit.checkpoints.collect import CollectOptions, open_source
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.source import CollectNode
 from clusterkit.remote.base import Transport
+from clusterkit.spec.jobrecord import JobCheckpoints
 
 SHOWN_TAGS = 3  # the newest few: older ones are pruned by the keep policy anyway
 
@@ -60,13 +61,12 @@ def health(listings: Sequence[NodeListing], shown: int = SHOWN_TAGS,
     return out
 
 
-def job_nodes(nodes: Sequence[Any], extra: Mapping[str, Any]) -> list[CollectNode]:
+def job_nodes(nodes: Sequence[Any], ckpt: JobCheckpoints) -> list[CollectNode]:
     """A launched job's nodes (``JobRecord.nodes``: node, target, python) with the
     checkpoint dirs its record names; empty when it names none."""
-    dirs = extra.get("ckpt_dirs") or {}
     out = []
     for n in nodes:
-        root = dirs.get(n.node) or extra.get("ckpt_dir")
+        root = ckpt.dir_of(n.node)
         if not root:
             return []
         out.append(CollectNode(n.node, n.target, n.python, str(root)))
@@ -98,22 +98,14 @@ class JobHealth:
         return {"tags": [t.to_json() for t in self.tags], "unreachable": dict(self.unreachable)}
 
 
-def job_health(transport: Transport, nodes: Sequence[Any], extra: Mapping[str, Any]
+def job_health(transport: Transport, nodes: Sequence[Any], ckpt: JobCheckpoints
                ) -> JobHealth | None:
     """A launched job's replica health; None when it is not node-local or its record
     names no checkpoint dir (nothing to replicate, or nothing known)."""
-    chosen = job_nodes(nodes, extra)
-    if extra.get("storage") != "node-local" or not chosen:
+    chosen = job_nodes(nodes, ckpt)
+    if not ckpt.node_local or not chosen:
         return None
     listings = list_all(transport, chosen)
-    markers = job_writes_markers(extra)
-    ranks = ranks_of_map(extra["rank_map"]) if extra.get("rank_map") else None
-    return JobHealth(health(listings, markers=markers, ranks=ranks),
-                     {ls.node: ls.error for ls in listings if ls.error}, markers)
-
-
-def job_writes_markers(extra: Mapping[str, Any]) -> bool:
-    """Whether a launched job's program writes completion markers: the record says
-    (``markers``, since issue 32: the bundled workload does, a user's script does not);
-    a record from before says nothing: markers, as then."""
-    return bool(extra.get("markers", True))
+    ranks = ranks_of_map(ckpt.rank_map) if ckpt.rank_map else None
+    return JobHealth(health(listings, markers=ckpt.markers, ranks=ranks),
+                     {ls.node: ls.error for ls in listings if ls.error}, ckpt.markers)

@@ -141,7 +141,7 @@ class CompletionMarker:
     ds_subdir: str  # "" (native) or "pytorch_model" (accelerate)
     zero_stage: int
     precision: str
-    storage: str  # "shared" | "node-local"
+    storage: str  # a StorageKind value
     world_size: int
     num_nodes: int
     node_index: int

@@ -30,7 +30,7 @@ from clusterkit.checkpoints.manifest import read_manifest
 from clusterkit.checkpoints.source import CollectNode
 from clusterkit.checkpoints.transfer import hash_command, parse_hashes
 from clusterkit.errors import CheckpointError
-from clusterkit.node.contract import LATEST_FILE, RECOVERY_SCRIPTS, marker_name
+from clusterkit.node.contract import LATEST_FILE, RECOVERY_SCRIPTS, StorageKind, marker_name
 from clusterkit.remote.base import Transport
 
 HASH_TIMEOUT_S = 3600.0
@@ -118,7 +118,7 @@ def _marker_for(manifest: Mapping[str, Any], old: Mapping[str, Any] | None, t: S
     marker = layout.CompletionMarker(
         tag=tag, step=int(manifest["step"] or 0), engine=str(manifest["engine"]),
         ds_subdir=str(manifest["ds_subdir"]), zero_stage=int(manifest["zero_stage"] or 0),
-        precision=str(manifest["precision"]), storage="node-local",
+        precision=str(manifest["precision"]), storage=StorageKind.NODE_LOCAL.value,
         world_size=int(manifest["world_size"]), num_nodes=0, node_index=index, host=host,
         ranks=tuple(layout.RankEntry(global_rank=r, local_rank=i, host=host,
                                      files=tuple(rank_files.get(r, ())))

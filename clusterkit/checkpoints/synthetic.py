@@ -83,7 +83,8 @@ def write_node_local(roots: Sequence[str], *, ranks_per_node: int = 2, zero_stag
         total += sum(files.values())
         marker = layout.CompletionMarker(
             tag=tag, step=step, engine="deepspeed", ds_subdir="", zero_stage=zero_stage,
-            precision="fp32", storage="node-local", world_size=world, num_nodes=num_nodes,
+            precision="fp32", storage=contract.StorageKind.NODE_LOCAL.value, world_size=world,
+            num_nodes=num_nodes,
             node_index=index, host=host,
             ranks=tuple(layout.RankEntry(global_rank=r, local_rank=r - ranks[0], host=host,
                                          files=layout.rank_files(zero_stage, r, "fp32"))

@@ -1,4 +1,4 @@
-"""Doctor's shared-storage rule (issue 32): a "node-local" checkpoint dir one filesystem
+"""Doctor's shared-storage rule (issue 32): a node-local checkpoint dir one filesystem
 for several nodes (a home directory on NFS is the common case).
 
 The facts come from :mod:`clusterkit.checks.doctor_storage` (each node writes a token into
@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from clusterkit.checks.findings import Finding, Status
 from clusterkit.checks.rules_base import DoctorContext
 from clusterkit.hostrange import fold
+from clusterkit.node.contract import StorageKind
 from clusterkit.node.gatefacts import SHARED_FIX, shared_line, shared_verdict
 
 CHECK = "storage.node-local"
@@ -26,7 +27,7 @@ def check_shared_dirs(tokens: Mapping[str, Mapping[str, object]], ctx: DoctorCon
     {dir: {"error": why}}); hosts not probed (unreachable, no local_dir) are absent."""
     if ctx.storage == "shared":
         return []
-    bad = Status.FAIL if ctx.storage == "node-local" else Status.WARN
+    bad = Status.FAIL if ctx.storage == StorageKind.NODE_LOCAL else Status.WARN
     shared = {h: shared_line(path, fold(group)) for path, group in shared_verdict(
         {h: {"unshared": t} for h, t in tokens.items()}, ctx.hosts) for h in group}
     out = []

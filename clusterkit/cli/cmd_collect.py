@@ -102,20 +102,18 @@ def _root(pattern: str | None, host: Host | None, name: str, index: int) -> str:
 
 def resolve_nodes(args: argparse.Namespace) -> tuple[list[Any], list[int], str]:
     """(CollectNodes, slots per node, default DEST) from JOB or inventory + selection."""
-    from clusterkit.checkpoints.health import job_writes_markers
     from clusterkit.checkpoints.source import CollectNode
 
     record = _job_record(args)
     # A job clusterkit launched knows whether its program writes completion markers.
-    args.job_markers = None if record is None else job_writes_markers(record.extra)
+    args.job_markers = None if record is None else record.ckpt.markers
     if record is not None and record.transport == "slurm":
         return _batch_job_nodes(args, record)
     if record is not None:
         inv = None
         nodes = []
         for index, n in enumerate(record.nodes):
-            dirs = record.extra.get("ckpt_dirs") or {}
-            pattern = args.dir or dirs.get(n.node) or record.extra.get("ckpt_dir")
+            pattern = args.dir or record.ckpt.dir_of(n.node)
             host = None
             if not pattern:
                 inv = inv or resolve_inventory(args.inventory)
@@ -128,7 +126,7 @@ def resolve_nodes(args: argparse.Namespace) -> tuple[list[Any], list[int], str]:
                 host = inv.host(n.node)
             nodes.append(CollectNode(n.node, n.target, n.python, _root(pattern, host, n.node, index),
                                      via=_allocation(args, n.node)))
-        slots = [int(s) for s in record.extra.get("slots", [])] or [0] * len(nodes)
+        slots = list(record.ckpt.slots) or [0] * len(nodes)
         return nodes, slots, str(clusterkit_home() / "jobs" / args.job / "checkpoints")
     from clusterkit.hostfile import select_hosts
 
@@ -178,17 +176,17 @@ def _batch_job_nodes(args: argparse.Namespace, record: JobRecord
     from clusterkit.slurm.client import SlurmClient
     from clusterkit.slurm.steps import job_places
 
-    extra = record.extra
-    if extra.get("storage") != "node-local" and not args.dir:
+    ckpt = record.ckpt
+    if not ckpt.node_local and not args.dir:
         raise CheckpointError(
             f"job {record.job_id} saved its checkpoints to shared storage: they are in one "
-            "place already, nothing to gather", path=str(extra.get("ckpt_dir")),
+            "place already, nothing to gather", path=str(ckpt.dir),
             hint="read them there (<dir>/zero_to_fp32.py consolidates), or pass --dir")
     slurm_id = record.slurm_job_id
     job = job_places(SlurmClient(), slurm_id, _first_nodes(record), _site(record),
                      wait_s=args.slurm_wait, job_name=f"ck-collect-{record.job_id}")
-    root = args.dir or str(extra["ckpt_dir"])
-    python = str(extra.get("python") or "python3")
+    root = args.dir or str(ckpt.dir)
+    python = record.python or "python3"
     over_ssh = args.via in ("ssh", "sftp")
     nodes = [CollectNode(p.node, SSHTarget(name=p.node, address=p.node), python,
                          _root(root, None, p.node, i), via=None if over_ssh else p)
@@ -198,7 +196,7 @@ def _batch_job_nodes(args: argparse.Namespace, record: JobRecord
               else f"a one-task allocation on each node (waits up to {args.slurm_wait} s)"))
     print(f"job {record.job_id} (Slurm job {slurm_id or '?'}, {job.state}): collecting "
           f"{root} from {fold(p.node for p in job.places)} {how}")
-    slots = [int(s) for s in extra.get("slots", [])]
+    slots = list(ckpt.slots)
     slots = slots if len(slots) == len(nodes) else [slots[0] if slots else 0] * len(nodes)
     home = record.job_dir or str(clusterkit_home() / "jobs" / record.job_id)
     return nodes, slots, os.path.join(home, "checkpoints")
@@ -216,7 +214,7 @@ def _site(record: JobRecord) -> tuple[str, ...]:
             return site_args((Path(record.job_dir) / SBATCH_SCRIPT).read_text(encoding="utf-8"))
         except OSError:
             pass
-    return tuple(record.extra.get("slurm_site", ()))
+    return tuple(record.slurm_site)
 
 
 def _first_nodes(record: JobRecord) -> str | None:

@@ -22,6 +22,7 @@ from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import check_writable
 from clusterkit.inventory import replicas_problem
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER
+from clusterkit.node.contract import StorageKind
 from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S
 from clusterkit.spec.ports import master_port
 from clusterkit.units import duration_type, parse_size, size_type  # the one size rule
@@ -62,7 +63,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="checkpoint replicas each node-local dir also holds (--ckpt-size "
                         "counts 1+K there); default: the inventory's checkpoint.replicas, "
                         "else 1 where the job would be node-local (docs/lost-a-node.md)")
-    p.add_argument("--storage", choices=("node-local", "shared"), default=None,
+    p.add_argument("--storage", choices=(StorageKind.NODE_LOCAL.value, StorageKind.SHARED.value),
+                   default=None,
                    help="the job's checkpoint storage, as `clusterkit launch --storage`: "
                         "node-local FAILs a checkpoint.local_dir that several nodes share "
                         "(default: WARN), shared skips that check")

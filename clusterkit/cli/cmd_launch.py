@@ -34,7 +34,8 @@ from clusterkit.errors import LaunchError
 from clusterkit.hostrange import folded_lines
 from clusterkit.launchers import BACKENDS
 from clusterkit.node.contract import SUMMARY_PREFIX, JobDir
-from clusterkit.node.protocol import DEFAULT_GRACE_S
+from clusterkit.node.protocol import DEFAULT_GRACE_S, ProtocolError, StopReply
+from clusterkit.spec.jobrecord import JobState
 from clusterkit.units import duration_type
 
 
@@ -211,7 +212,7 @@ def _dry_run_checks(args: argparse.Namespace, plan: Any) -> None:
     note = check_continue(plan, prior)
     if note:
         print(note)
-    if prior is not None and plan.storage == "node-local" and "rank_map" in prior.extra:
+    if prior is not None and plan.node_local and prior.ckpt.rank_map is not None:
         from clusterkit.cli.recover import prepare_continue
 
         # The launch's checkpoint check: assembled from the nodes and replicas, or refused.
@@ -333,11 +334,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         if not records:
             print("no jobs launched from this machine")
         for r in records:
-            state = r.state if r.state != "running" or r.launcher_alive else "running? (launcher gone)"
+            state = r.state_shown
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created))
             where = (f"slurm {r.slurm_job_ids[-1] if r.slurm_job_ids else '?':>5}"
                      if r.transport == "slurm" else f"{len(r.nodes):>3} nodes")
-            print(f"{r.job_id:<36} {_launcher(r):<11} {where}  {when}  {state}"
+            print(f"{r.job_id:<36} {r.launcher_shown:<11} {where}  {when}  {state}"
                   + (f"  exit {r.exit_code}" if r.exit_code is not None else "")
                   + (f"  ({r.failure})" if r.failure else ""))
         return 0
@@ -347,13 +348,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     per_node = _node_status(record)
     ckpts = _checkpoint_health(record)
     if args.json:
-        print(json.dumps({"job": json.loads(record.to_json()), "launcher": _launcher(record),
+        print(json.dumps({"job": json.loads(record.to_json()), "launcher": record.launcher_shown,
                           "nodes": per_node,
                           "checkpoints": ckpts.to_json() if ckpts else None}, indent=1))
         return 0
-    print(f"{record.job_id}: {record.state}" + (f" (exit {record.exit_code})"
-                                                if record.exit_code is not None else "")
-          + f"  launcher {_launcher(record)}")
+    print(f"{record.job_id}: {record.state.value}" + (f" (exit {record.exit_code})"
+                                                      if record.exit_code is not None else "")
+          + f"  launcher {record.launcher_shown}")
     rows: list[tuple[str, str]] = []  # nodes with the same state share one line
     for node, info in per_node.items():
         if "error" in info:
@@ -375,7 +376,7 @@ def _checkpoint_health(record: Any) -> Any:
     from clusterkit.remote.dispatch import transport_for
 
     with transport_for() as transport:
-        return job_health(transport, record.nodes, record.extra)
+        return job_health(transport, record.nodes, record.ckpt)
 
 
 def _slurm_command(record: Any, action: str) -> str:
@@ -388,19 +389,13 @@ def _slurm_record_status(record: Any, as_json: bool) -> int:
     look, instead of 'submitted' on 0 nodes (its agents are Slurm's steps, not ours)."""
     ids = ",".join(record.slurm_job_ids) or "?"
     if as_json:
-        print(json.dumps({"job": json.loads(record.to_json()), "launcher": _launcher(record),
+        print(json.dumps({"job": json.loads(record.to_json()), "launcher": record.launcher_shown,
                           "slurm_job_ids": record.slurm_job_ids}, indent=1))
         return 0
     print(f"{record.job_id}: Slurm job {ids} (submitted by clusterkit sbatch; job dir "
-          f"{record.job_dir})  launcher {_launcher(record)}")
+          f"{record.job_dir})  launcher {record.launcher_shown}")
     print(f"  its state and output: {_slurm_command(record, 'status')} [--watch]")
     return 0
-
-
-def _launcher(record: Any) -> str:
-    """The ``--launcher`` the job was started with (records before issue 25: the plan's)."""
-    name = record.extra.get("launcher")
-    return name if isinstance(name, str) and name else str(record.backend)
 
 
 def _ranks_text(info: dict[str, Any]) -> str:
@@ -478,18 +473,22 @@ def cmd_stop(args: argparse.Namespace) -> int:
                                     stdin=next(iter(cmds.values())).stdin if cmds else None)
     rows: list[tuple[str, str]] = []  # nodes that fared the same share one line
     for r in results:
-        info = _last_json(r)
-        if "error" in info:
+        info = _last_json(r)  # `agent --stop`'s reply (node/protocol.py), or an error
+        try:
+            reply = None if "error" in info else StopReply.from_dict(info)
+        except ProtocolError as exc:
+            reply, info = None, {"error": str(exc)}
+        if reply is None:
             failed += 1
             rows.append((r.host, f"could not stop: {info['error']}"))
         else:
-            rows.append((r.host, f"signalled {info['signalled']}, killed {info['killed']}, "
-                                 f"left {info['left']}"))
-            failed += bool(info["left"])
+            rows.append((r.host, f"signalled {reply.signalled}, killed {reply.killed}, "
+                                 f"left {reply.left}"))
+            failed += bool(reply.left)
     for line in folded_lines(rows, [n.node for n in record.nodes]):
         print(f"  {line}")
-    if record.state == "running" and not record.launcher_alive:
-        record.state = "stopped"
+    if record.state is JobState.RUNNING and not record.launcher_alive:
+        record.state = JobState.STOPPED
         registry.save(record)
     if failed:
         raise LaunchError(f"could not stop job {record.job_id} on {failed} node(s)",

@@ -35,7 +35,7 @@ from clusterkit.cli.jobflags import SCRIPT_OPTION, launcher_given
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.launchers import BACKENDS
-from clusterkit.node.contract import ENV_STOP_FILE, JobDir
+from clusterkit.node.contract import ENV_STOP_FILE, JobDir, StorageKind
 from clusterkit.plan.build import plan_job
 from clusterkit.render.artifacts import render_all, summary
 from clusterkit.render.sbatch import DEFAULT_SIGNAL_LEAD_S, SlurmSite
@@ -263,7 +263,7 @@ def _report(args: argparse.Namespace, text: str, slurm_id: str | None, plan: Lau
 
 def _pinned_nodes(plan: LaunchPlan) -> list[str]:
     """A node-local job submitted again goes where its shards are: the first run's nodes."""
-    if plan.storage != "node-local":
+    if plan.storage != StorageKind.NODE_LOCAL:
         return []
     try:
         first = (Path(plan.job_dir) / NODES_FILE).read_text().strip()

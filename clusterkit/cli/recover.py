@@ -135,7 +135,7 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
     Returns the next attempt's plan when it alone differs: a user's script resharded
     (its ds_config with ``load_universal``, ``CLUSTERKIT_RESUME_TAG``); else None.
     """
-    old_map = prior.extra["rank_map"]
+    old_map = prior.ckpt.rank_map or []  # the caller continues a record that has one
     resume = resume_arg(plan)
     if resume not in (None, "auto"):  # an explicit tag or `never`: the workload's own checks
         return None
@@ -291,13 +291,11 @@ def _user_plan(plan: JobPlan, u: Universal, say: Say) -> JobPlan:
 def _recorded_nodes(prior: JobRecord) -> list[CollectNode]:
     """The job's nodes as recorded, in node-index order (a lost one included: collect
     takes its part from a replica)."""
-    dirs = prior.extra.get("ckpt_dirs") or {}
     by_name = {n.node: n for n in prior.nodes}
     out = []
-    for row in prior.extra["rank_map"]:
-        n = by_name[str(row[0])]
-        out.append(CollectNode(n.node, n.target, n.python,
-                               str(dirs.get(n.node) or prior.extra.get("ckpt_dir"))))
+    for span in prior.ckpt.rank_map or ():
+        n = by_name[span.node]
+        out.append(CollectNode(n.node, n.target, n.python, str(prior.ckpt.dir_of(n.node))))
     return out
 
 

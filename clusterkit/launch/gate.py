@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import fold, folded_lines
 from clusterkit.launchers import BACKENDS
+from clusterkit.node.contract import StorageKind
 from clusterkit.node.envfacts import env_problems
 from clusterkit.node.gatefacts import (
     NEED_UNSHARED,
@@ -89,7 +90,7 @@ def node_needs(plan: JobPlan, node: NodePlan, *, synced: bool = False) -> tuple[
         z.offload_optimizer, z.offload_param) else ()
     # node-local on several nodes: the checkpoint dir must be each node's own (issue 32)
     own = (need_unshared(node.ckpt_dir, plan.job_id, node.name),) if (
-        plan.storage == "node-local" and len(plan.nodes) > 1) else ()
+        plan.storage == StorageKind.NODE_LOCAL and len(plan.nodes) > 1) else ()
     return (*files, need_dir(node.job_dir, "job dir"), need_dir(node.ckpt_dir), *nvme,
             need_resolve(plan.master_addr), *master, *own)
 
@@ -220,7 +221,7 @@ def _need_problems(f: dict[str, object]) -> list[str]:
 
 
 def shared_dirs(facts: dict[str, dict[str, object]], order: Sequence[str]) -> dict[str, str]:
-    """node -> why its "node-local" checkpoint dir is not its own (gatefacts.token_seen):
+    """node -> why its node-local checkpoint dir is not its own (gatefacts.token_seen):
     one text per group of nodes sharing a dir, so they fold."""
     out: dict[str, str] = {}
     for path, group in shared_verdict(facts, order):

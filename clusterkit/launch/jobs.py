@@ -10,6 +10,11 @@ job ids it was submitted as, its job dir, the checkpoint root, slots and site
 options. Its nodes are Slurm's choice, known once it runs (``slurm_nodes`` in the job
 dir, or ``scontrol``), so ``nodes`` stays empty; ``collect-ckpt`` finds the record by
 clusterkit's id or by any of its Slurm ids (:meth:`Registry.resolve`).
+
+Every field is typed (``spec/jobrecord.py``: the state, the checkpoints' storage, dirs,
+slots and rank map). Records written before that kept the checkpoint facts, the launcher
+and a batch job's interpreter/site options in one ``extra`` dict: :meth:`JobRecord.from_dict`
+reads them into the fields (the next save writes the new form).
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from typing import Any
 from clusterkit.errors import LaunchError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.launch.jobspec import JobSpec
-from clusterkit.node.contract import with_job_id
+from clusterkit.node.contract import StorageKind, with_job_id
 from clusterkit.remote.base import SSHTarget
 from clusterkit.slurm.steps import site_args
 from clusterkit.spec.job import WORKLOAD_MODULE
+from clusterkit.spec.jobrecord import JobCheckpoints, JobState
 
 SBATCH_SCRIPT = "sbatch.sh"  # what `clusterkit sbatch` writes into a job dir
 SLURM_ID_FILE = "slurm_job_id"
@@ -49,14 +55,20 @@ class JobRecord:
     nodes: list[NodeRecord]
     created: float
     launcher_pid: int
-    state: str = "running"  # running | succeeded | failed | interrupted
+    state: JobState = JobState.RUNNING
     exit_code: int | None = None
     attempts: int = 1
     failure: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
     transport: str = "ssh"  # ssh: launch's agents; slurm: a batch job (nodes via srun)
     slurm_job_ids: list[str] = field(default_factory=list)  # oldest first
     job_dir: str | None = None  # a batch job's dir (plan.json, sbatch.sh, logs)
+    ckpt: JobCheckpoints = field(default_factory=JobCheckpoints)
+    launcher: str | None = None  # the --launcher chosen (issue 25); None: the backend's
+    python: str | None = None  # a batch job's interpreter (its nodes are Slurm's choice)
+    slurm_site: list[str] = field(default_factory=list)  # a batch job's site options
+
+    def __post_init__(self) -> None:
+        self.state = JobState(self.state)  # a caller's plain value ("running") too
 
     @classmethod
     def for_job(cls, job: JobSpec, backend: str) -> JobRecord:
@@ -74,10 +86,10 @@ class JobRecord:
             plan = json.loads((d / PLAN_FILE).read_text(encoding="utf-8"))
             script = (d / SBATCH_SCRIPT).read_text(encoding="utf-8")
             first = plan["nodes"][0]
-            extra = {"ckpt_dir": str(first["ckpt_dir"]), "storage": str(plan["storage"]),
-                     "slots": [len(n["slots"]) for n in plan["nodes"]],
-                     "python": str(first["python"]), "slurm_site": list(site_args(script)),
-                     "markers": plan.get("program", [])[:2] == ["-m", WORKLOAD_MODULE]}
+            ckpt = JobCheckpoints(storage=StorageKind(plan["storage"]),
+                                  dir=str(first["ckpt_dir"]),
+                                  slots=[len(n["slots"]) for n in plan["nodes"]],
+                                  markers=plan.get("program", [])[:2] == ["-m", WORKLOAD_MODULE])
             job_id, backend = str(plan["job_id"]), str(plan["backend"])
         except FileNotFoundError as exc:
             missing = Path(str(exc.filename)).name
@@ -89,8 +101,9 @@ class JobRecord:
         if slurm_job_id is None:
             slurm_job_id = _read_word(d / SLURM_ID_FILE)
         return cls(job_id=job_id, backend=backend, nodes=[], created=time.time(),
-                   launcher_pid=os.getpid(), state="submitted", extra=extra, transport="slurm",
-                   slurm_job_ids=[slurm_job_id] if slurm_job_id else [], job_dir=str(d))
+                   launcher_pid=os.getpid(), state=JobState.SUBMITTED, transport="slurm",
+                   slurm_job_ids=[slurm_job_id] if slurm_job_id else [], job_dir=str(d),
+                   ckpt=ckpt, python=str(first["python"]), slurm_site=list(site_args(script)))
 
     @property
     def slurm_job_id(self) -> str | None:
@@ -102,14 +115,37 @@ class JobRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobRecord:
+        """A record as saved; one from before the typed fields (``extra``) too."""
         nodes = [NodeRecord(n["node"], n["python"], n["job_dir"], SSHTarget(**n["target"]))
                  for n in data["nodes"]]
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "nodes"}
-        return cls(nodes=nodes, **known)
+        # A record from before the typed fields: its one dict of them (same values).
+        legacy = data.get("extra") or {}
+        if not isinstance(legacy, dict):
+            raise TypeError("extra is not an object")
+        old = {**legacy, **data}
+        typed = {"ckpt", "state", "nodes", "launcher", "python", "slurm_site"}
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k not in typed}
+        return cls(nodes=nodes, **known, state=JobState(data.get("state", JobState.RUNNING)),
+                   ckpt=JobCheckpoints.from_dict(data.get("ckpt", legacy)),
+                   launcher=str(old["launcher"]) if old.get("launcher") else None,
+                   python=str(old["python"]) if old.get("python") else None,
+                   slurm_site=[str(a) for a in old.get("slurm_site") or ()])
+
+    @property
+    def launcher_shown(self) -> str:
+        """The ``--launcher`` the job was started with (records before issue 25: the backend)."""
+        return self.launcher or self.backend
+
+    @property
+    def state_shown(self) -> str:
+        """The state as `clusterkit status` lists it: a running job's launcher may be gone."""
+        if self.state is JobState.RUNNING and not self.launcher_alive:
+            return "running? (launcher gone)"
+        return self.state.value
 
     @property
     def launcher_alive(self) -> bool:
-        return self.state == "running" and os.path.exists(f"/proc/{self.launcher_pid}")
+        return self.state is JobState.RUNNING and os.path.exists(f"/proc/{self.launcher_pid}")
 
 
 class Registry:
@@ -133,7 +169,13 @@ class Registry:
                               hint=("known jobs: " + ", ".join(known)) if known
                               else "no jobs were launched from this machine") from None
         except (ValueError, KeyError, TypeError) as exc:
-            raise LaunchError(f"unreadable job record ({exc})", path=str(path)) from None
+            why = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise LaunchError(
+                f"unreadable job record ({why})", path=str(path),
+                hint=f"written by another clusterkit version, or damaged: move {path.parent} "
+                     "aside to go on (the nodes and their checkpoints are untouched: "
+                     "`clusterkit collect-ckpt -i INVENTORY --dir CKPT_DIR` gathers them), "
+                     "or read it with the clusterkit that wrote it") from None
 
     def resolve(self, job: str) -> JobRecord:
         """``job`` as clusterkit's job id, else as a Slurm job id of a recorded batch job

@@ -53,10 +53,10 @@ from clusterkit.launch.runtime_io import (
     Spawned,
     Starting,
     Tick,
-    parse_json,
     read_line,
 )
 from clusterkit.launch.runtime_state import Stage
+from clusterkit.node.protocol import ProtocolError, StopReply
 from clusterkit.node.ship import NodeCommand, agent_command
 from clusterkit.remote.base import RemoteProcess, Transport
 
@@ -252,9 +252,12 @@ class Orchestrator:
         left: dict[str, int] = {}
         for r in results:
             if r.ok and r.result is not None:
-                counts = parse_json(r.result.stdout.strip().splitlines()[-1]) or {}
-                if counts.get("left"):
-                    left[r.host] = int(counts["left"])
+                try:
+                    reply = StopReply.from_json(r.result.stdout.strip().splitlines()[-1])
+                except (ProtocolError, IndexError):
+                    reply = StopReply()  # no reply line: nothing known to be left
+                if reply.left:
+                    left[r.host] = reply.left
             else:
                 self._unconfirmed.append(r.host)
                 self.sink.info(f"{r.host}: could not verify the teardown: "

@@ -30,10 +30,11 @@ from clusterkit.launch.jobspec import JobSpec
 from clusterkit.launch.orchestrator import Orchestrator
 from clusterkit.launch.outcome import JobOutcome, describe_failure
 from clusterkit.launchers import BACKENDS, launcher_name
-from clusterkit.node.contract import JobDir
+from clusterkit.node.contract import JobDir, StorageKind
 from clusterkit.remote.base import Transport
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, JobPlan, LaunchPlan, RunOptions
+from clusterkit.spec.jobrecord import JobCheckpoints, JobState, RankMap, RankSpan
 
 # JobOptions -> the decisions; made again only when a restart drops nodes.
 Planner = Callable[[JobOptions], JobPlan]
@@ -174,13 +175,13 @@ def restart_rules(settings: LaunchSettings, plan: JobPlan) -> RestartRules:
     """What the attempt table reads of the launch's options and this plan."""
     return RestartRules(relaunches=settings.relaunches,
                         drop_failed_nodes=settings.run.drop_failed_nodes,
-                        node_local=plan.storage == "node-local",
+                        node_local=plan.storage == StorageKind.NODE_LOCAL,
                         resumes_itself=reshardable(plan))
 
 
-def rank_map(plan: JobPlan) -> list[list[Any]]:
-    """``[[node, first_rank, nproc], ...]``: what node-local checkpoints are tied to."""
-    return [[n.name, n.first_rank, n.nproc] for n in plan.nodes]
+def rank_map(plan: JobPlan) -> RankMap:
+    """``[(node, first_rank, nproc), ...]``: what node-local checkpoints are tied to."""
+    return [RankSpan(n.name, n.first_rank, n.nproc) for n in plan.nodes]
 
 
 @dataclass(frozen=True)
@@ -214,8 +215,8 @@ def replacements(old_map: Sequence[Sequence[Any]], plan: JobPlan) -> list[Replac
 def continue_swaps(plan: JobPlan, prior: JobRecord | None) -> list[Replacement]:
     """The nodes whose node-local checkpoint part must be restored onto their spare
     before this launch continues ``prior`` (empty: nothing to restore)."""
-    old_map = None if prior is None else prior.extra.get("rank_map")
-    if plan.storage != "node-local" or old_map is None or old_map == rank_map(plan):
+    old_map = None if prior is None else prior.ckpt.rank_map
+    if plan.storage != StorageKind.NODE_LOCAL or old_map is None or old_map == rank_map(plan):
         return []
     return replacements(old_map, plan) or []
 
@@ -245,8 +246,8 @@ def is_reshard(plan: JobPlan, prior: JobRecord | None) -> bool:
     that is not a ``--replace`` (fewer nodes after a loss, ``--exclude``, ``--nodes``):
     its newest checkpoint is converted to DeepSpeed's universal checkpoint, which loads
     on any world size (cli/recover.py), when the workload resumes by itself (auto)."""
-    old_map = None if prior is None else prior.extra.get("rank_map")
-    return (plan.storage == "node-local" and old_map is not None and old_map != rank_map(plan)
+    old_map = None if prior is None else prior.ckpt.rank_map
+    return (plan.storage == StorageKind.NODE_LOCAL and old_map is not None and old_map != rank_map(plan)
             and replacements(old_map, plan) is None and reshardable(plan))
 
 
@@ -266,9 +267,9 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
         raise LaunchError(f"job {plan.job_id} is still running (launcher pid {prior.launcher_pid})",
                           key="--job-id", hint=f"`clusterkit stop {plan.job_id}` first, or pick "
                                                "another --job-id")
-    old_map = prior.extra.get("rank_map")
+    old_map = prior.ckpt.rank_map
     swaps = None if old_map is None else replacements(old_map, plan)
-    if plan.storage == "node-local" and old_map is not None and old_map != rank_map(plan) \
+    if plan.storage == StorageKind.NODE_LOCAL and old_map is not None and old_map != rank_map(plan) \
             and swaps is None and not is_reshard(plan, prior):
         raise LaunchError(
             f"cannot continue job {plan.job_id} on a different rank->node mapping: its "
@@ -287,12 +288,12 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
     where = dirs[0] if len(dirs) == 1 else f"{len(dirs)} dirs"
     moved = "".join(f"; node index {s.index} runs on {s.new} instead of {s.old}"
                     + (" (its checkpoint part restored there first)"
-                       if plan.storage == "node-local" else "")
+                       if plan.storage == StorageKind.NODE_LOCAL else "")
                     for s in swaps or ())
     if old_map is not None and is_reshard(plan, prior):
         moved = (f"; on {len(plan.nodes)} nodes, {plan.world_size} ranks (was "
                  f"{_map_text(old_map)}): the newest checkpoint is resharded first")
-    return (f"continuing job {plan.job_id} ({prior.state} before): checkpoints in {where} "
+    return (f"continuing job {plan.job_id} ({prior.state.value} before): checkpoints in {where} "
             f"({plan.storage}){moved}; "
             + resume_note(plan.program[:2] == ("-m", WORKLOAD_MODULE), plan.storage))
 
@@ -301,7 +302,7 @@ def resume_note(workload: bool, storage: str) -> str:
     """Who resumes a continued or restarted job, and the node-local trap for a user's program."""
     if workload:
         return "the workload resumes from its newest complete checkpoint"
-    if storage == "node-local":
+    if storage == StorageKind.NODE_LOCAL:
         # Seen as a user: load_checkpoint(tag=None) resumed node 0 only, the others
         # started fresh, and DeepSpeed failed on "tag name ... not consistent".
         return ("your program must resume by itself: DeepSpeed's `latest` is on rank 0's node "
@@ -310,23 +311,22 @@ def resume_note(workload: bool, storage: str) -> str:
     return "your program must resume by itself"
 
 
-def _map_text(m: list[list[Any]]) -> str:
+def _map_text(m: RankMap) -> str:
     return ", ".join(f"{node}:r{first}-{first + n - 1}" for node, first, n in m)
 
 
 def _record(job: JobSpec, plan: JobPlan, attempt: int) -> JobRecord:
     record = JobRecord.for_job(job, plan.backend)
     record.attempts = attempt + 1
-    # collect-ckpt reads ckpt_dirs/slots; check_continue reads rank_map/storage.
-    record.extra = {"ckpt_dirs": {n.name: n.ckpt_dir for n in plan.nodes},
-                    "ckpt_dir": plan.nodes[0].ckpt_dir,
-                    "slots": [n.nproc for n in plan.nodes], "storage": plan.storage,
-                    "rank_map": rank_map(plan),
-                    # status/collect-ckpt judge a user's script's saves without markers
-                    "markers": plan.options.uses_workload,
-                    # `clusterkit status` names the launcher the user chose (issue 25).
-                    "launcher": launcher_name(plan.backend,
-                                              any(t.native is not None for t in job.tasks))}
+    # collect-ckpt reads dirs/slots; check_continue reads rank_map/storage; status and
+    # collect-ckpt judge a user's script's saves without markers.
+    record.ckpt = JobCheckpoints(storage=StorageKind(plan.storage),
+                                 dir=plan.nodes[0].ckpt_dir,
+                                 dirs={n.name: n.ckpt_dir for n in plan.nodes},
+                                 slots=[n.nproc for n in plan.nodes], rank_map=rank_map(plan),
+                                 markers=plan.options.uses_workload)
+    # `clusterkit status` names the launcher the user chose (issue 25).
+    record.launcher = launcher_name(plan.backend, any(t.native is not None for t in job.tasks))
     return record
 
 
@@ -343,7 +343,8 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
     if note:
         sink.info(note)
     once: JobPlan | None = None
-    if prior is not None and decisions.storage == "node-local" and "rank_map" in prior.extra:
+    if prior is not None and decisions.storage == StorageKind.NODE_LOCAL \
+            and prior.ckpt.rank_map is not None:
         if prepare is None and (continue_swaps(decisions, prior) or is_reshard(decisions, prior)):
             raise LaunchError("cannot restore or reshard node-local checkpoints from here",
                               key="--replace")
@@ -372,7 +373,7 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
                          exit_code=outcome.exit_code, interrupted=outcome.interrupted)
         step = decide(end, restart_rules(settings, decisions), RestartState(attempt))
         if step is Next.REFUSE_GATE and outcome.gate is not None:
-            record.state, record.exit_code = "not-started", 2
+            record.state, record.exit_code = JobState.NOT_STARTED, 2
             registry.save(record)
             raise gate_error(outcome.gate)
         outcomes.append(outcome)
@@ -383,7 +384,7 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         before = decisions
         decisions, options = _prepare_restart(options, decisions, planner, transport, settings,
                                               sink, end, attempt)
-        if decisions is not before and decisions.storage == "node-local":
+        if decisions is not before and decisions.storage == StorageKind.NODE_LOCAL:
             if prepare is None:
                 raise LaunchError("cannot restore or reshard node-local checkpoints from here",
                                   key="--drop-failed-nodes")
@@ -404,8 +405,8 @@ def _prepare_restart(options: JobOptions, plan: JobPlan, planner: Planner, trans
 
 def _finish_record(registry: Registry, record: JobRecord, outcome: JobOutcome) -> None:
     record.exit_code = outcome.exit_code
-    record.state = ("interrupted" if outcome.interrupted
-                    else "succeeded" if outcome.exit_code == 0 else "failed")
+    record.state = (JobState.INTERRUPTED if outcome.interrupted
+                    else JobState.SUCCEEDED if outcome.exit_code == 0 else JobState.FAILED)
     if outcome.failure is not None:
         record.failure = f"{outcome.failure.where()}: {describe_failure(outcome.failure)}"
     registry.save(record)

@@ -455,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S)
     args = p.parse_args(argv)
     if args.stop:
-        print(json.dumps(sweep(args.stop, args.node, None, args.grace)), flush=True)
+        print(protocol.StopReply(**sweep(args.stop, args.node, None, args.grace)).to_json(),
+              flush=True)
         return 0
     if args.status:
         print(json.dumps(job_status(args.status, args.job_dir, args.node)), flush=True)

@@ -30,6 +30,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 
 # -- The user-script contract: what every rank of a job finds in its environment, whatever
 # the backend, besides RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
@@ -234,7 +235,18 @@ def exits_dir(job_dir: str) -> str:
 # DeepSpeed's own convention (deepspeed.add_config_arguments): the script reads its config
 # path from this argument. `--deepspeed-config-arg` appends it to the script's arguments.
 DEEPSPEED_CONFIG_ARG = "--deepspeed_config"
-STORAGE_KINDS: tuple[str, ...] = ("shared", "node-local")
+
+
+class StorageKind(str, Enum):  # noqa: UP042 (no StrEnum on the node's Python 3.8)
+    """Where a job's checkpoints live: the one spelling of each kind. A str, so JSON,
+    YAML, env values and CLI choices keep the same text (``.value`` in f-strings:
+    their format differs across Pythons)."""
+
+    SHARED = "shared"  # one directory every node sees
+    NODE_LOCAL = "node-local"  # each node's own disk: shards stay where their ranks ran
+
+
+STORAGE_KINDS: tuple[str, ...] = tuple(k.value for k in StorageKind)
 
 
 @dataclass(frozen=True)
@@ -244,7 +256,7 @@ class Contract:
     job_id: str
     job_dir: str  # this node's job dir (absolute)
     ckpt_dir: str  # this job's checkpoint dir on this node (absolute)
-    storage: str  # "shared" or "node-local"
+    storage: str  # a StorageKind value
 
     @property
     def ds_config(self) -> str:

@@ -308,6 +308,34 @@ class Replica(AgentEvent):
 REPLICA_ALREADY_THERE = "already there"
 
 
+@dataclass(frozen=True)
+class StopReply:
+    """``agent --stop``'s answer, one JSON line on stdout: what the sweep of the job's
+    processes on that node did (``clusterkit stop``, the launcher's teardown check)."""
+
+    signalled: int = 0  # SIGTERMed
+    killed: int = 0  # SIGKILLed after the grace
+    left: int = 0  # still there at the end: the stop did not finish on this node
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> StopReply:
+        """Strict: a line that is not this reply raises :class:`ProtocolError`."""
+        try:
+            raw = json.loads(line)
+        except ValueError as exc:
+            raise ProtocolError(f"stop reply is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ProtocolError("stop reply is not a JSON object")
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> StopReply:
+        return cls(**_checked("stop reply", cls, dict(raw)))
+
+
 # Every event kind as one type: the launcher matches it with assert_never
 # (launch/runtime.py), so a kind added here without a case there fails mypy.
 AnyEvent = Union[Facts, Started, RankFailed, Forwarded, Teardown, Exit, Error,  # noqa: UP007

@@ -15,7 +15,13 @@ from clusterkit.hostfile import select_hosts
 from clusterkit.hostrange import fold, folded_lines
 from clusterkit.inventory import Host, Inventory, replicas_problem
 from clusterkit.launchers import BACKENDS, plan_backends
-from clusterkit.node.contract import DEEPSPEED_CONFIG_ARG, ENV_DS_CONFIG, Contract, JobDir
+from clusterkit.node.contract import (
+    DEEPSPEED_CONFIG_ARG,
+    ENV_DS_CONFIG,
+    Contract,
+    JobDir,
+    StorageKind,
+)
 from clusterkit.plan.env import build_env
 from clusterkit.plan.ifaces import added_env, apply_picks
 from clusterkit.spec.job import (
@@ -87,7 +93,7 @@ def _storage(hosts: list[Host], o: JobOptions, inv_path: str | None) -> str:
     if all(h.checkpoint.shared_dir for h in hosts):
         return "shared"
     if all(h.checkpoint.local_dir for h in hosts):
-        return "node-local"
+        return StorageKind.NODE_LOCAL.value
     raise RenderError("no checkpoint directory is configured for every selected host",
                       path=inv_path, key="checkpoint",
                       hint="add checkpoint: {shared_dir: ...} or {local_dir: ...} under defaults "
@@ -106,7 +112,7 @@ def _ckpt_root(host: Host, storage: str, o: JobOptions, inv_path: str | None) ->
     key = "shared_dir" if storage == "shared" else "local_dir"
     value = getattr(host.checkpoint, key)
     if not value:
-        other = "node-local" if storage == "shared" else "shared"
+        other = StorageKind.NODE_LOCAL.value if storage == "shared" else "shared"
         raise RenderError(f"--storage {storage} but checkpoint.{key} is not set for this host",
                           host=host.name, path=inv_path, key=f"checkpoint.{key}",
                           hint=f"set checkpoint.{key} in the inventory, pass --ckpt-dir, "
@@ -183,7 +189,7 @@ def _zero_spec(o: JobOptions, nodes: tuple[NodePlan, ...], world: int, storage: 
         precision=precision,
         micro_batch=o.micro_batch, grad_accum=o.grad_accum, world_size=world, clip=o.clip,
         lr=o.lr, warmup_steps=o.warmup_steps, total_steps=o.steps,
-        torch_adam=not on_gpu, node_local_checkpoints=storage == "node-local",
+        torch_adam=not on_gpu, node_local_checkpoints=storage == StorageKind.NODE_LOCAL,
         gather_16bit_on_save=o.save_16bit, csv_monitor_dir=f"{run_dir}/monitor",
         tensorboard_dir=f"{run_dir}/tensorboard" if o.tensorboard else None,
         monitor_job_name=o.job_id)
@@ -236,7 +242,7 @@ def _replica_count(o: JobOptions, nodes: tuple[NodePlan, ...], storage: str) -> 
                               "backend does not run", key="--replicas",
                               hint="use clusterkit launch, or drop --replicas")
         return 0
-    if storage != "node-local":
+    if storage != StorageKind.NODE_LOCAL:
         return 0
     return 1 if asked is None else asked
 
@@ -249,8 +255,8 @@ def _placement(o: JobOptions, nodes: tuple[NodePlan, ...],
     copy). The default K (1) places silently what it can; a K the user asked for warns."""
     k = _replica_count(o, nodes, storage)
     asked = o.replicas is not None or nodes[0].host.checkpoint.replicas is not None
-    if o.replicas and (storage != "node-local" or len(nodes) < 2):
-        why = f"{storage} storage" if storage != "node-local" else "one node"
+    if o.replicas and (storage != StorageKind.NODE_LOCAL or len(nodes) < 2):
+        why = f"{storage} storage" if storage != StorageKind.NODE_LOCAL else "one node"
         return (), (f"--replicas {o.replicas}: no checkpoint replicas with {why} (they copy "
                     "node-local checkpoints to other nodes)",)
     if k == 0 or len(nodes) < 2:

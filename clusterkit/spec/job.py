@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from clusterkit.inventory import Host
-from clusterkit.node.contract import ENV_DS_CONFIG, ENV_HEARTBEAT, JobDir
+from clusterkit.node.contract import ENV_DS_CONFIG, ENV_HEARTBEAT, STORAGE_KINDS, JobDir, StorageKind
 from clusterkit.node.protocol import DEFAULT_GRACE_S
 from clusterkit.spec.zero import (
     DEFAULT_LR,
@@ -31,7 +31,7 @@ from clusterkit.spec.zero import (
     ZeroSpec,
 )
 
-STORAGE_CHOICES: tuple[str, ...] = ("auto", "shared", "node-local")
+STORAGE_CHOICES: tuple[str, ...] = ("auto", *STORAGE_KINDS)
 RDZV_CHOICES: tuple[str, ...] = ("auto", "static", "c10d")
 # DeepSpeed's runner's own --launcher values (how it reaches the other nodes).
 DS_LAUNCHERS: tuple[str, ...] = ("pdsh", "openmpi", "slurm")
@@ -355,7 +355,7 @@ class JobPlan:
 
     @property
     def node_local(self) -> bool:
-        return self.storage == "node-local"
+        return self.storage == StorageKind.NODE_LOCAL
 
     @property
     def job_dir(self) -> str:

@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clusterkit.node.contract import ENV_DUMP_WEIGHTS
+from clusterkit.node.contract import ENV_DUMP_WEIGHTS, STORAGE_KINDS, StorageKind
 from clusterkit.spec import job as spec_job
 from clusterkit.spec import zero as spec
 from clusterkit.workload.presets import PRESETS
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ckpt-dir", default=None,
                    help="checkpoint root (default RUN_DIR/checkpoints); {node} and {host} "
                         "expand to the node index and host name")
-    c.add_argument("--storage", choices=("shared", "node-local"), default="shared")
+    c.add_argument("--storage", choices=STORAGE_KINDS, default=StorageKind.SHARED.value)
     c.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: off)")
     c.add_argument("--no-final-save", dest="save_final", action="store_false",
                    help="skip the checkpoint at the end (benchmarks)")

@@ -22,7 +22,7 @@ from clusterkit.backend_timeouts import pg_timeout_from_env
 from clusterkit.checkpoints import layout
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import atomic_write_text, read_json_object
-from clusterkit.node.contract import SUMMARY_PREFIX, JobDir
+from clusterkit.node.contract import SUMMARY_PREFIX, JobDir, StorageKind
 from clusterkit.spec.batch import shrink_batch
 from clusterkit.spec.zero import Offload, Precision, ZeroSpec, build_ds_config, resolve_precision
 from clusterkit.workload import hangs
@@ -205,7 +205,8 @@ def _run(args: WorkloadArgs, rank: int, local_rank: int, world: int,
         os.makedirs(run_dir, exist_ok=True)
     requested: str = resolve_precision(args.precision, on_gpu,  # the one rule (spec.zero)
                                        "the ranks here (no CUDA device)")
-    cfg = _ds_config(args, requested, world, on_gpu, run_dir, args.storage == "node-local")
+    cfg = _ds_config(args, requested, world, on_gpu, run_dir,
+                     args.storage == StorageKind.NODE_LOCAL)
     precision = _precision_of(cfg)
     zero_stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
     adapter = AccelerateAdapter if args.engine == "accelerate" else DeepSpeedAdapter
