@@ -104,13 +104,7 @@ class AgentSpec:
 
     @classmethod
     def from_json(cls, text: str) -> AgentSpec:
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise ProtocolError(f"agent spec is not JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ProtocolError("agent spec is not a JSON object")
-        return cls.from_dict(data)
+        return cls.from_dict(_json_object("agent spec", text))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AgentSpec:
@@ -323,13 +317,7 @@ class StopReply:
     @classmethod
     def from_json(cls, line: str) -> StopReply:
         """Strict: a line that is not this reply raises :class:`ProtocolError`."""
-        try:
-            raw = json.loads(line)
-        except ValueError as exc:
-            raise ProtocolError(f"stop reply is not JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ProtocolError("stop reply is not a JSON object")
-        return cls.from_dict(raw)
+        return cls.from_dict(_json_object("stop reply", line))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> StopReply:
@@ -415,12 +403,7 @@ def decode(line: str) -> Line | AnyEvent | None:
 def decode_event(line: str) -> AnyEvent:
     """Parse one ``@ck:E`` line (with or without the prefix), strictly."""
     text = line[len(EVENT_PREFIX):] if line.startswith(EVENT_PREFIX) else line
-    try:
-        raw = json.loads(text)
-    except ValueError as exc:
-        raise ProtocolError(f"agent event is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ProtocolError("agent event is not a JSON object")
+    raw = _json_object("agent event", text)
     if raw.get("v") != SCHEMA_VERSION:
         raise _version_error("an agent event", raw.get("v"))
     ev = raw.pop("ev", None)
@@ -430,6 +413,16 @@ def decode_event(line: str) -> AnyEvent:
         raise ProtocolError(f"agent event {ev!r} (node {raw.get('node')!r}) is not one this "
                             "side knows")
     return cast(AnyEvent, cls(**_checked(f"agent event {ev!r}", cls, raw)))
+
+
+def _json_object(what: str, text: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ProtocolError(f"{what} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{what} is not a JSON object")
+    return data
 
 
 def _checked(what: str, cls: type, data: dict[str, Any]) -> dict[str, Any]:
