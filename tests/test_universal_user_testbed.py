@@ -83,3 +83,45 @@ def test_a_users_script_goes_on_on_three_nodes(testbed_required: None, tmp_path:
             assert torch.equal(tensor, want[name]), name
         print("\n".join(ln for ln in again.text.splitlines()
                         if "[clusterkit]" in ln and "r0]" not in ln)[-3000:])
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
+def test_a_users_script_goes_on_on_three_nodes_on_its_own(testbed_required: None,
+                                                          tmp_path: Path) -> None:
+    """--max-restarts 1 --drop-failed-nodes, no spare: node3 destroyed while the script
+    trains, after its step400 part is replicated; the launcher's own restart drops node3,
+    reshards step400 and the script goes on from step400_universal on 3 ranks."""
+    from clusterkit.node.contract import REPLICA_MANIFEST
+    from tests.helpers import Console
+
+    job, tag = "uauto", "step400"  # ~35 ms a step on the bed's 2 cores: ~14 s between saves
+    with temporary(4) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+        argv = _launch(inv, job, 1200, "--nodes", "4", "--max-restarts", "1",
+                       "--drop-failed-nodes")
+        argv[argv.index("--save-every") + 1] = "400"
+        run = Console(argv, train_env(tmp_path), tmp_path)
+        replica = tb.node_local_path("node4", f"ckpt/{job}.replicas/node2/{tag}/{REPLICA_MANIFEST}")
+        try:
+            run.wait_for(lambda: f"checkpoint {tag} complete" in run.text, 600, tag)
+            run.wait_for(replica.exists, 120, f"node3's replica of {tag}")
+            assert "checkpoint step800 complete" not in run.text, "too fast: node3 lost too late"
+            tb.destroy(LOST)
+            code = run.finish(timeout=900)
+        except BaseException:
+            run.finish(timeout=1)
+            raise
+        text = run.text
+        assert code == 0, text[-5000:]
+        for line in (f"no spare for {LOST}", "going on with fewer nodes",
+                     f"resharding {tag} (4 nodes) for 3 nodes, 3 ranks",
+                     "node index 2 from its replica on node4",
+                     f"world size 4 -> 3: your script loads {tag}_universal",
+                     "restarting (attempt 2 of 2)"):
+            assert line in text, (line, text[-5000:])
+        s = workload_summary(text)
+        assert (s["resumed_from"], s["world_size"], s["steps_run"], s["finished"]) == \
+            (f"{tag}_universal", 3, 800, True), s
+        print("\n".join(ln for ln in text.splitlines() if "[clusterkit]" in ln and "r0]" not in ln)
+              [-3000:])
