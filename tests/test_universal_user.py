@@ -131,3 +131,16 @@ def test_user_script_4_to_2_ranks_through_universal(tmp_path: Path) -> None:
     assert (s["resumed_from"], s["world_size"], s["steps_run"], s["finished"]) == \
         ("step3_universal", 2, 3, True)
     assert math.isfinite(s["final_loss"])
+
+
+def test_the_dry_run_says_what_a_users_script_gets() -> None:
+    from clusterkit.cli.recover import _say_plan
+
+    said: list[str] = []
+    a = cast(Any, SimpleNamespace(tag="step8", describe=lambda: "checkpoint step8: 4/4 node parts"))
+    plan = cast(Any, SimpleNamespace(nodes=(1, 2, 3), world_size=3,
+                                     options=SimpleNamespace(uses_workload=False)))
+    _say_plan(a, [], True, plan, said.append)
+    assert said[1].startswith("the launch would reshard step8 for 3 nodes, 3 ranks")
+    assert said[2] == (f"then your script runs once with checkpoint.load_universal on and "
+                       f"${ENV_RESUME_TAG}=step8_universal (docs/lost-a-node.md)")

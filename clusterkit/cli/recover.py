@@ -42,6 +42,7 @@ from clusterkit.checkpoints.source import CollectNode
 from clusterkit.checkpoints.transfer import NullProgress, Wanted, sha256_file
 from clusterkit.checkpoints.universal import (
     UNIVERSAL_MARKER,
+    UNIVERSAL_SUFFIX,
     Universal,
     convert_to_universal,
     user_resume,
@@ -176,6 +177,9 @@ def _say_plan(a: Assembly, lost: Sequence[Replacement], reshard: bool, plan: Job
     if reshard:
         say(f"the launch would reshard {a.tag} for {len(plan.nodes)} nodes, {plan.world_size} "
             "ranks (gather here, convert to DeepSpeed's universal checkpoint, push to every node)")
+        if not plan.options.uses_workload:
+            say(f"then your script runs once with checkpoint.load_universal on and "
+                f"${ENV_RESUME_TAG}={a.tag}{UNIVERSAL_SUFFIX} (docs/lost-a-node.md)")
     for s in lost:
         part = a.sources.get(s.index)
         where = f"its replica on {part.host}" if part is not None and part.replica else "its copy"
