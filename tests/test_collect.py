@@ -507,3 +507,25 @@ def test_cli_without_markers_collects_a_user_save(tmp_path: Path) -> None:
     again = _run_cli("-i", str(inv2), "--to", str(fresh / "dest2"), "--json")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["collect"]["world_size"] == 6
+
+
+@pytest.mark.slow
+def test_a_shared_storage_job_on_the_embedded_default_collects(tmp_path: Path) -> None:
+    """README step 6 on the embedded default: a job that saved to shared storage is one
+    directory seen by every node; collect reads it once (from the first node), and
+    --include picks the one node to read it from. Before, every node listed the same
+    shards and collect refused ("... exists on local1 and local2")."""
+    env = {**os.environ, "CLUSTERKIT_HOME": str(tmp_path / "home")}
+    run = subprocess.run(
+        [sys.executable, "-m", "clusterkit.cli.main", "launch", "--nodes", "2",
+         "--gpus-per-node", "1", "--steps", "2", "--storage", "shared"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    job = next((tmp_path / "home" / "jobs").iterdir()).name
+    for i, extra in enumerate(([], ["--include", "local2"])):
+        out = subprocess.run(
+            [sys.executable, "-m", "clusterkit.cli.main", "collect-ckpt", job,
+             "--to", str(tmp_path / f"out{i}"), *extra],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert (tmp_path / f"out{i}" / "global_step2" / "mp_rank_00_model_states.pt").is_file()

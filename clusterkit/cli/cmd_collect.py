@@ -127,6 +127,12 @@ def resolve_nodes(args: argparse.Namespace) -> tuple[list[Any], list[int], str]:
             nodes.append(CollectNode(n.node, n.target, n.python, _root(pattern, host, n.node, index),
                                      via=_allocation(args, n.node)))
         slots = list(record.ckpt.slots) or [0] * len(nodes)
+        if args.include or args.exclude:
+            nodes, slots = _select_job_nodes(args, nodes, slots)
+        elif not record.ckpt.node_local and not args.dir:
+            # Shared storage: every node wrote into the one directory, so the whole
+            # checkpoint is read from the first node (each file once), all ranks its own.
+            nodes, slots = nodes[:1], [sum(slots)]
         return nodes, slots, str(clusterkit_home() / "jobs" / args.job / "checkpoints")
     from clusterkit.hostfile import select_hosts
 
@@ -147,6 +153,21 @@ def _allocation(args: argparse.Namespace, node: str) -> Any:
 
 
 # ------------------------------------------------------------------ Slurm jobs
+
+
+def _select_job_nodes(args: argparse.Namespace, nodes: list[Any], slots: list[int]
+                      ) -> tuple[list[Any], list[int]]:
+    """--include/--exclude over a job's own nodes (DeepSpeed's rules, by node name). One
+    node kept out of several reads the whole checkpoint from it: the way to collect a
+    "node-local" dir that was one shared directory (discover.shared_dir's hint)."""
+    from clusterkit.hostfile import filter_resources
+
+    pool = {n.name: list(range(s)) for n, s in zip(nodes, slots, strict=True)}
+    kept = filter_resources(pool, args.include or "", args.exclude or "")
+    chosen = [(n, s) for n, s in zip(nodes, slots, strict=True) if n.name in kept]
+    if len(chosen) == 1 < len(nodes):
+        return [chosen[0][0]], [sum(slots)]
+    return [n for n, _ in chosen], [s for _, s in chosen]
 
 
 def _job_record(args: argparse.Namespace) -> JobRecord | None:
