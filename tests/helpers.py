@@ -281,6 +281,23 @@ def workload_summary(text: str) -> dict[str, Any]:
     return value
 
 
+def snapshot_tag(tb: Testbed, nodes: Sequence[str], job: str, tag: str, dest: Path) -> Path:
+    """Every node's files of ``tag`` (node-local ``ckpt/<job>/<tag>``) gathered on the host
+    (file copies, no clusterkit code), to consolidate what a node lost later held: the
+    first node's first, so the model states file shared by ZeRO 0-2 is rank 0's, as
+    collect-ckpt picks it."""
+    import shutil
+
+    for name in nodes:
+        src = tb.node_local_path(name, f"ckpt/{job}/{tag}")
+        for f in sorted(src.rglob("*")):
+            target = dest / tag / f.relative_to(src)
+            if f.is_file() and not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, target)
+    return dest
+
+
 def train(tb: Testbed, tmp_path: Path, job: str, backend: str, n: int, g: int, storage: str,
            steps: int, extra: Sequence[str] = (), timeout: float = 300) -> Run:
     inv = tb.write_inventory(tmp_path / f"{job}.yaml", nodes=[x.name for x in tb.ensure(n)], slots=g)

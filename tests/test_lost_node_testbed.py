@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.node.contract import REPLICA_MANIFEST
-from tests.helpers import Console, Run, assert_trained, train_env, workload_summary
+from tests.helpers import Console, Run, assert_trained, snapshot_tag, train_env, workload_summary
 from tests.testbed import Testbed, temporary
 
 STEP_LINE = re.compile(r"step (\d+)/\d+ \| loss")
@@ -174,20 +173,6 @@ def test_the_issue_scenario_with_a_spare(testbed_required: None, tmp_path: Path)
 # ------------------------------------------------------------------ without a spare: fewer nodes
 
 
-def _snapshot(tb: Testbed, job: str, tag: str, dest: Path) -> Path:
-    """Every node's files of ``tag`` gathered on the host before the loss (file copies, no
-    clusterkit code): node1's first, so the model states file shared by ZeRO 0-2 is rank
-    0's, as collect-ckpt picks it."""
-    for name in RING:
-        src = tb.node_local_path(name, f"ckpt/{job}/{tag}")
-        for f in sorted(src.rglob("*")):
-            target = dest / tag / f.relative_to(src)
-            if f.is_file() and not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, target)
-    return dest
-
-
 def _shrink_case(tmp: Path, shape: Shape) -> None:
     import torch
 
@@ -197,7 +182,7 @@ def _shrink_case(tmp: Path, shape: Shape) -> None:
         inv = tb.write_inventory(tmp / "inv.yaml", slots=2)
         before = tmp / "before"
         _lose_node6_mid_run(tb, inv, tmp, "shrink", shape,
-                            before_loss=lambda: _snapshot(tb, "shrink", shape.tag, before))
+                            before_loss=lambda: snapshot_tag(tb, RING, "shrink", shape.tag, before))
         loaded = tb.shared_dir / "loaded-weights.pt"
         again = _train_to_end(_argv(inv, "shrink", shape, "--", "--dump-loaded-weights",
                                     str(loaded), select=("--exclude", LOST)), tmp)

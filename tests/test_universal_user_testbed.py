@@ -7,15 +7,14 @@ load equal the consolidated step4 weights, and the job finishes."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, Run, train_env, workload_summary
-from tests.testbed import Testbed, temporary
+from tests.helpers import REPO, Run, snapshot_tag, train_env, workload_summary
+from tests.testbed import temporary
 
 TRAIN = REPO / "docs" / "examples" / "train.py"
 NODES = ("node1", "node2", "node3", "node4")
@@ -38,19 +37,6 @@ def _run(argv: list[str], tmp: Path) -> Run:
     return Run(proc.returncode, text, workload_summary(text) if proc.returncode == 0 else {})
 
 
-def _snapshot(tb: Testbed, job: str, dest: Path) -> Path:
-    """Every node's files of TAG copied to the host before the loss (node1's first: rank
-    0's model states file, as collect-ckpt picks it)."""
-    for name in NODES:
-        src = tb.node_local_path(name, f"ckpt/{job}/{TAG}")
-        for f in sorted(src.rglob("*")):
-            target = dest / TAG / f.relative_to(src)
-            if f.is_file() and not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, target)
-    return dest
-
-
 @pytest.mark.testbed
 @pytest.mark.extended
 def test_a_users_script_goes_on_on_three_nodes(testbed_required: None, tmp_path: Path) -> None:
@@ -62,7 +48,7 @@ def test_a_users_script_goes_on_on_three_nodes(testbed_required: None, tmp_path:
         inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
         first = _run(_launch(inv, "ushrink", 8, "--nodes", "4"), tmp_path)
         assert first.code == 0 and first.summary["world_size"] == 4, first.text[-4000:]
-        before = _snapshot(tb, "ushrink", tmp_path / "before")
+        before = snapshot_tag(tb, NODES, "ushrink", TAG, tmp_path / "before")
         tb.destroy(LOST)
         loaded = tb.shared_dir / "user-loaded-weights.pt"
         again = _run(_launch(inv, "ushrink", 12, "--exclude", LOST,
