@@ -10,7 +10,7 @@ import pytest
 
 from clusterkit.errors import LaunchError
 from clusterkit.launch.attempts import AttemptEnd, Next, RestartRules, RestartState, decide
-from clusterkit.launch.run import restart_plan
+from clusterkit.launch.run import reshardable, restart_plan
 from clusterkit.spec.job import JobOptions, JobPlan
 
 FAILED = AttemptEnd(exit_code=1)
@@ -81,7 +81,8 @@ def _restart(opts: JobOptions, spares: tuple[str, ...], rules: RestartRules,
 
 def test_restart_plan_performs_the_rows() -> None:
     """--drop-failed-nodes (issue 22): shared: the others; node-local: a free spare (same
-    node index and ranks), else fewer nodes (resharded), a user's program refused."""
+    node index and ranks), else fewer nodes (resharded: the workload with --resume auto,
+    or a user's program), the workload with an explicit --resume refused."""
     shared = JobOptions(job_id="j", backend="torchrun", nodes=3, gpus_per_node=2)
     first, new, o, said = _restart(shared, (), DROP, ["node2"])
     assert [n.name for n in new.nodes] == ["node1", "node3"] and o.include == "node1:0,1@node3:0,1"
@@ -97,6 +98,9 @@ def test_restart_plan_performs_the_rows() -> None:
     first, new, o, said = _restart(local, (), resharded, ["node2"])
     assert [n.name for n in new.nodes] == ["node1", "node3"] and o.include == "node1:0,1@node3:0,1"
     assert "going on with fewer nodes" in said[-1]
-    user = dataclasses.replace(local, script="train.py")
+    explicit = dataclasses.replace(local, script_args=("--resume", "global_step8"))
     with pytest.raises(LaunchError, match="no spare can take their place"):
-        _restart(user, (), LOCAL, ["node2"])
+        _restart(explicit, (), LOCAL, ["node2"])
+    # What restart_rules reads: a user's program is resharded (issue 31), --resume TAG not.
+    assert reshardable(_planner(())(dataclasses.replace(local, script="train.py")))
+    assert not reshardable(_planner(())(explicit))
