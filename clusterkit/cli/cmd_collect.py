@@ -159,7 +159,7 @@ def _select_job_nodes(args: argparse.Namespace, nodes: list[Any], slots: list[in
                       ) -> tuple[list[Any], list[int]]:
     """--include/--exclude over a job's own nodes (DeepSpeed's rules, by node name). One
     node kept out of several reads the whole checkpoint from it: the way to collect a
-    "node-local" dir that was one shared directory (discover.shared_dir's hint)."""
+    node-local dir that was one shared directory (discover.shared_dir's hint)."""
     from clusterkit.hostfile import filter_resources
 
     pool = {n.name: list(range(s)) for n, s in zip(nodes, slots, strict=True)}
