@@ -201,11 +201,7 @@ def private_imports(root: Path = ROOT) -> list[str]:
 
 
 # Each entry: a line private_imports() reports, and why it may stay. Keep it empty.
-ALLOWED_PRIVATE_IMPORTS: dict[str, str] = {
-    "clusterkit/cli/cmd_nodes.py:98: from clusterkit.cli.cmd_sync import _Shower":
-        "issue 30 item 5: cmd_sync.py/cmd_nodes.py were another helper's files while this "
-        "test was written; rename _Shower to a public name (or move it) and drop this entry",
-}
+ALLOWED_PRIVATE_IMPORTS: dict[str, str] = {}
 
 
 def test_no_module_imports_another_modules_private_names() -> None:
@@ -266,12 +262,7 @@ def reexports(root: Path = ROOT) -> list[str]:
 
 
 # Each entry: a line reexports() reports, and why it may stay. Keep it empty.
-ALLOWED_REEXPORTS: dict[str, str] = {
-    "clusterkit/launch/watchdog.py:35: STEP_LINE": "issue 30 item 5: watchdog.py was another "
-    "helper's file while this test was written; nothing imports these through it any more: "
-    "drop them from its import and __all__ and drop this entry",
-    "clusterkit/launch/watchdog.py:35: step_of": "as STEP_LINE",
-}
+ALLOWED_REEXPORTS: dict[str, str] = {}
 
 
 def test_no_module_re_exports_names() -> None:

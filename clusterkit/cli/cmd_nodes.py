@@ -95,7 +95,7 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from clusterkit.cli.cmd_sync import _Shower
+    from clusterkit.cli.cmd_sync import Shower
     from clusterkit.cli.common import clusterkit_home
     from clusterkit.hostrange import folded_lines
     from clusterkit.remote.base import target_for
@@ -113,7 +113,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         how = "" if part.copy else " (the OS's: checked, not copied)"
         print(f"  {part.role}: {part.path}{how}", file=sys.stderr)
     cache = str(clusterkit_home() / "sync-cache")
-    show = _Shower(False)  # clusterkit sync's progress line, for each part that travels
+    show = Shower(False)  # clusterkit sync's progress line, for each part that travels
     with transport_for() as transport:
         results = replicate(with_openssh(transport), nodes, source, transfer=lambda t, ns, part:
                             distribute_transfer(t, ns, part, cache_dir=cache, on_progress=show))

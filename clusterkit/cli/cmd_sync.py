@@ -103,7 +103,7 @@ def run_sync(src: str, hosts: Sequence[Host], *, delete: bool = False,
     where = dests.pop() if len(dests) == 1 else "each workdir"
     if not as_json:
         print(f"sync {src} -> {where} on {len(nodes)} node(s)", file=sys.stderr)
-    show = _Shower(as_json)
+    show = Shower(as_json)
     opts = DistOptions(delete=delete, ignore=ignore, port=DEFAULT_PORT if port is None else port,
                        cache_dir=str(clusterkit_home() / "sync-cache"), on_progress=show,
                        on_note=show.note)
@@ -125,7 +125,7 @@ def dist_nodes(src: str, hosts: Sequence[Host], cwd: str, dest: str | None = Non
                      destination(src, h, cwd, dest)) for h in hosts]
 
 
-class _Shower:
+class Shower:
     """Progress on stderr: one line rewritten in place on a terminal, else every 10 s."""
 
     def __init__(self, as_json: bool) -> None:

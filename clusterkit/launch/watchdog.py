@@ -16,7 +16,7 @@ start without a gate), and for the first ``hangrule.STARTUP_FACTOR * hang_timeou
 watchdog does not fire: imports, DeepSpeed's op builds and a checkpoint load print
 nothing for long stretches (measured: 30 s of silence on a loaded test bed). The
 allowance ends early at the first sign of training: a heartbeat with a step
-number, or a rank's output line that reads as a step (:func:`step_of`: ``step 10``,
+number, or a rank's output line that reads as a step (:func:`hangrule.step_of`: ``step 10``,
 ``step=10``, ``Step: 10/30``). After it, the limit is ``hang_timeout_s`` of
 silence, and the message says which limit fired (:meth:`Watchdog.check`). A
 script that prints but never reports a step is held to the plain limit once the
@@ -32,11 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from clusterkit.node import hangrule
-from clusterkit.node.hangrule import STEP_LINE, step_of
 from clusterkit.node.protocol import Progress
 
-# STEP_LINE and step_of are the rule's (console.py and runtime.py read them from here).
-__all__ = ["DUMP_COLLECT_S", "STEP_LINE", "NodeProgress", "Watchdog", "ping_interval", "step_of"]
+__all__ = ["DUMP_COLLECT_S", "NodeProgress", "Watchdog", "ping_interval"]
 
 DUMP_COLLECT_S = 30.0  # how long the launcher waits for every node's stacks
 # An agent's idle before its ranks printed counts from the agent's own start, so it
