@@ -24,7 +24,7 @@ def _launch() -> argparse.ArgumentParser:
 
 
 def test_the_runtime_flags_are_the_records_fields() -> None:
-    assert RUN_FLAGS == ["--skip-checks", "--grace", "--keepalive-timeout",
+    assert RUN_FLAGS == ["--skip-checks", "--no-build-ops", "--grace", "--keepalive-timeout",
                          "--drop-failed-nodes"]
 
 
