@@ -9,12 +9,11 @@ in the agent's threads (``node/replica.py``) and must take what the ranks leave,
   task *of the same scheduling group* only: Linux's autogroup puts each session in a
   group of its own, and the ranks run in sessions of their own, so under autogroup
   neither nice nor SCHED_IDLE keeps the copy's session from taking its equal share.
-* **A cpu cgroup** (cgroup v1 ``cpu`` controller, where writable — root, or a delegated
-  hierarchy): the thread moves into ``clusterkit-copy`` (``cpu.shares`` 15, nice 19's
-  weight, against 1024 for a session) created under the thread's own cpu cgroup, so it stays inside a batch
-  job's hierarchy. A task in a cgroup other than the root is not autogrouped, so this is
-  what works under autogroup. cgroup v2 moves only whole processes outside threaded
-  subtrees: not tried.
+* No cpu cgroup. Moving the copy thread into a cgroup v1 group with ``cpu.shares`` 15
+  did take it below the ranks' sessions, but starved it for seconds while it held the
+  agent's shared state (its output to the launcher): on the test bed's CPU-bound ranks
+  jobs then lost ranks to SIGKILL right after a save (the full suite's 7x2 and lost-node
+  runs). Removed until the copy shares nothing with the agent's control path.
 * **I/O class idle** (``ioprio_set`` through ctypes, else ``ionice -c3``): the disk
   serves the copy when nobody else asks; honoured by the bfq (and old cfq) schedulers
   only — the line says which scheduler the checkpoint's disk has.
@@ -33,11 +32,6 @@ import shutil
 import subprocess
 import threading
 
-CGROUP_NAME = "clusterkit-copy"
-# What nice 19 weighs against nice 0's 1024 (kernel's sched_prio_to_weight): the copy
-# as far below a rank's session as nice 19 would put it without autogroup, and never
-# wholly starved (a replica must still get made on a node whose ranks keep it busy).
-CGROUP_SHARES = 15
 IOPRIO_CLASS_IDLE = 3
 IOPRIO_CLASS_SHIFT = 13
 IOPRIO_WHO_PROCESS = 1  # "process" is a thread id to the kernel: per thread
@@ -50,7 +44,7 @@ def lower_this_thread(path: str = "") -> str:
     """CPU and I/O priority of the calling thread as low as allowed; what applied, in
     words. ``path``: a file or dir on the disk the thread will use (for the line)."""
     tid = threading.get_native_id()
-    parts = [_cpu_policy(tid), _cpu_cgroup(tid), _io_idle(tid)]
+    parts = [_cpu_policy(tid), _io_idle(tid)]
     sched = _io_scheduler(path) if path else ""
     if sched:
         parts[-1] += f" (the disk's scheduler: {sched}"\
@@ -69,58 +63,6 @@ def _cpu_policy(tid: int) -> str:
         return "CPU: nice 19 (SCHED_IDLE refused)"
     except (AttributeError, OSError):
         return "CPU: normal (neither SCHED_IDLE nor nice allowed)"
-
-
-def cpu_cgroup_dir(tid: int) -> str | None:
-    """Where the thread's cgroup v1 cpu controller is mounted, joined with its cgroup
-    path: the parent of ``clusterkit-copy``. None without a v1 cpu hierarchy."""
-    mount = None
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8") as fh:
-        for line in fh:
-            left, _, right = line.partition(" - ")
-            fields = right.split()
-            if len(fields) >= 3 and fields[0] == "cgroup" \
-                        and "cpu" in fields[2].split(","):
-                mount = left.split()[4]
-                break
-    if mount is None:
-        return None
-    try:
-        with open(f"/proc/self/task/{tid}/cgroup", encoding="utf-8") as fh:
-            for line in fh:
-                _, controllers, path = line.rstrip("\n").split(":", 2)
-                if "cpu" in controllers.split(","):
-                    if os.path.basename(path) == CGROUP_NAME:  # in it already
-                        path = os.path.dirname(path)
-                    return os.path.join(mount, path.lstrip("/"))
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def _cpu_cgroup(tid: int) -> str:
-    parent = cpu_cgroup_dir(tid)
-    if parent is None:
-        return ""
-    group = os.path.join(parent, CGROUP_NAME)
-    try:
-        os.makedirs(group, exist_ok=True)
-        with open(os.path.join(group, "cpu.shares"), "w", encoding="ascii") as fh:
-            fh.write(str(CGROUP_SHARES))
-        with open(os.path.join(group, "tasks"), "w", encoding="ascii") as fh:
-            fh.write(str(tid))
-    except OSError as exc:
-        return f"no cpu cgroup ({group}: {exc.strerror or exc})"
-    return f"cpu cgroup {group} (cpu.shares {CGROUP_SHARES})"
-
-
-def release_cgroup() -> None:
-    """Remove this node's ``clusterkit-copy`` cgroup once no thread is in it (another
-    agent's threads keep it: the kernel refuses, and that is fine)."""
-    parent = cpu_cgroup_dir(threading.get_native_id())
-    if parent is not None:
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.join(parent, CGROUP_NAME))
 
 
 def _io_idle(tid: int) -> str:

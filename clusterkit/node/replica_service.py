@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from clusterkit.node import priority, protocol
+from clusterkit.node import protocol
 from clusterkit.node.agent_files import write_atomic
 from clusterkit.node.contract import JobDir
 from clusterkit.node.replica import (
@@ -100,7 +100,6 @@ class ReplicaService:
         self._stop.set()
         self._idle.set()  # a finish() waiting on the pushes returns now
         self.server.stop()
-        priority.release_cgroup()  # refused while a copy thread is still in it
 
     def end(self, ok: bool) -> None:
         """The agent's end: :meth:`finish` after the ranks exited 0, else :meth:`abort`."""
@@ -127,7 +126,6 @@ class ReplicaService:
             missing = sorted(self.server.sources - self.server.byes)
             self.log(f"replica: no BYE from node index(es) {missing} after {sources_s:g} s")
         self.server.stop()
-        priority.release_cgroup()
         self.log(f"replica: finished in {time.monotonic() - t0:.1f} s")
 
     # ---------------------------------------------------------------- the loop
