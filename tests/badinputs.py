@@ -228,6 +228,10 @@ def _cases_other_verbs() -> Iterator[Case]:
     yield Case(("sync", "frob"))
     yield Case(("sync", "adir", "--dest", "../../etc"))  # outside the workdir
     yield Case(("sync", "adir", "--port", "x"))
+    yield Case(("sync", "adir", "--port", "-1"))
+    yield Case(("sync", "adir", "--port", "65530"))  # its 16 tries would pass 65535
+    yield Case(("sync", ""))
+    yield Case(("nodes", "build-ops", "--op", ""))
     yield Case(("nodes", "install", "--wheel", "/missing.whl"))
     yield Case(("nodes", "install", "--wheel", "notawheel.whl"))
     yield Case(("nodes", "install", "--wheel", "adir"))

@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "chunk verified on arrival and each file renamed into place when complete; a cut "
         "short run resumes. Files matching DIR/.clusterkitignore (gitignore-style) and "
         ".git/ stay here. See docs/sync.md.")
-    p.add_argument("dir", nargs="?", default=".", metavar="DIR")
+    p.add_argument("dir", nargs="?", default=".", metavar="DIR", type=nonempty)
     add_inventory_option(p)
     add_selection_options(p)
     p.add_argument("--delete", action="store_true",
