@@ -54,11 +54,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 
-from clusterkit.checkpoints import session, synthetic
-from clusterkit.checkpoints.collect import CollectOptions, collect
-from clusterkit.checkpoints.source import CollectNode
+from clusterkit.checkpoints.collect.verb import CollectOptions, collect
+from clusterkit.checkpoints.sources import session
+from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.slurm.steps import SlurmPlace
+from tests import synthetic_ckpt as synthetic
 from tests.slurmbed.cluster import SlurmBed
 from tests.testbed import Testbed
 

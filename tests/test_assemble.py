@@ -1,4 +1,4 @@
-"""checkpoints/assemble.py: which copy of each node's part of a checkpoint is used, from
+"""checkpoints/replicas/assemble.py: which copy of each node's part of a checkpoint is used, from
 listings of synthetic node-local checkpoints with replica areas (issue 22)."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import json
 import os
 from pathlib import Path
 
-from clusterkit.checkpoints import synthetic
-from clusterkit.checkpoints.assemble import assemble, to_json
 from clusterkit.checkpoints.listing import NodeListing, parse_listing
+from clusterkit.checkpoints.replicas.assemble import assemble, to_json
 from clusterkit.node import contract
 from clusterkit.node.listing import listing
+from tests import synthetic_ckpt as synthetic
 
 TAG = "global_step20"
 
@@ -159,8 +159,8 @@ def test_node0s_own_latest_counts_only_while_it_names_the_tag(tmp_path: Path) ->
 def test_tags_order_by_their_step_number_then_by_age() -> None:
     """A user's tags (step8, step16) are newest by number, not by name; tags that name no
     step follow the newest file mtime."""
-    from clusterkit.checkpoints.assemble import candidate_tags
     from clusterkit.checkpoints.listing import FileInfo
+    from clusterkit.checkpoints.replicas.assemble import candidate_tags
 
     def listing(tags: dict[str, float]) -> NodeListing:
         return NodeListing(node="n1", index=0, root="/ck", exists=True,

@@ -13,20 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.checkpoints import layout, synthetic
-from clusterkit.checkpoints.choose import choose_sources
-from clusterkit.checkpoints.collect import CollectOptions, collect
+from clusterkit.checkpoints import layout
+from clusterkit.checkpoints.collect.choose import choose_sources
+from clusterkit.checkpoints.collect.discover import verify
+from clusterkit.checkpoints.collect.manifest import MANIFEST, read_manifest
+from clusterkit.checkpoints.collect.scatter import ScatterTarget, plan_scatter, scatter
+from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete, WithoutMarkers
-from clusterkit.checkpoints.discover import verify
-from clusterkit.checkpoints.manifest import MANIFEST, read_manifest
-from clusterkit.checkpoints.scatter import ScatterTarget, plan_scatter, scatter
-from clusterkit.checkpoints.session import collect_ssh_argv
-from clusterkit.checkpoints.source import CollectNode, list_nodes
-from clusterkit.checkpoints.transfer import PART_SUFFIX, Hashed
+from clusterkit.checkpoints.sources.base import CollectNode, list_nodes
+from clusterkit.checkpoints.sources.session import collect_ssh_argv
+from clusterkit.checkpoints.sources.transfer import PART_SUFFIX, Hashed
 from clusterkit.errors import CheckpointError
 from clusterkit.node.contract import MARKER_PREFIX, marker_name
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
+from tests import synthetic_ckpt as synthetic
 
 TAG = "global_step1"
 

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.checkpoints import synthetic
-from clusterkit.checkpoints.collect import CollectOptions, collect
+from clusterkit.checkpoints.collect.manifest import read_manifest
+from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete
-from clusterkit.checkpoints.manifest import read_manifest
-from clusterkit.checkpoints.source import CollectNode
+from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.errors import CheckpointError
 from clusterkit.node import contract
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.spec.jobrecord import JobCheckpoints
+from tests import synthetic_ckpt as synthetic
 
 TAG = "global_step20"
 
@@ -194,7 +194,7 @@ def test_cli_json_names_the_parts_from_replicas(tmp_path: Path) -> None:
 
 
 def test_health_per_tag_newest_first(tmp_path: Path, transport: DispatchTransport) -> None:
-    from clusterkit.checkpoints.health import health, list_all
+    from clusterkit.checkpoints.replicas.health import health, list_all
 
     nodes = _make(tmp_path)
     roots = [n.root for n in nodes]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.checkpoints import synthetic
-from clusterkit.checkpoints.manifest import MANIFEST
+from clusterkit.checkpoints.collect.manifest import MANIFEST
+from tests import synthetic_ckpt as synthetic
 from tests.testbed import Testbed
 
 NODES = 7

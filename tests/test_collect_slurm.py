@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.checkpoints import synthetic
-from clusterkit.checkpoints.session import BackChannel
+from clusterkit.checkpoints.sources.session import BackChannel
 from clusterkit.errors import LaunchError
 from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.node.ckstream import SOCKET_GREETING, connect_back, socket_proof
 from clusterkit.slurm.client import SlurmClient
 from clusterkit.slurm.steps import SlurmPlace, job_places, site_args, srun_hint
+from tests import synthetic_ckpt as synthetic
 
 TAG = "global_step1"
 SCRIPT = """#!/bin/bash
@@ -319,7 +319,7 @@ def test_via_slurm_on_inventory_hosts(tmp_path: Path) -> None:
 def test_a_slurm_session_is_terminated_before_killed(tmp_path: Path, trap: str, code: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """srun killed with SIGKILL cannot give its allocation back: TERM first, KILL later."""
-    from clusterkit.checkpoints import session
+    from clusterkit.checkpoints.sources import session
     from clusterkit.remote.base import SSHTarget
 
     b = tmp_path / "bin"

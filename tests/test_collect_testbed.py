@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.checkpoints import synthetic
-from clusterkit.checkpoints.collect import CollectOptions, collect
-from clusterkit.checkpoints.manifest import MANIFEST
-from clusterkit.checkpoints.source import CollectNode
-from clusterkit.checkpoints.transfer import PART_SUFFIX
+from clusterkit.checkpoints.collect.manifest import MANIFEST
+from clusterkit.checkpoints.collect.verb import CollectOptions, collect
+from clusterkit.checkpoints.sources.base import CollectNode
+from clusterkit.checkpoints.sources.transfer import PART_SUFFIX
 from clusterkit.errors import CheckpointError
 from clusterkit.remote.dispatch import DispatchTransport
+from tests import synthetic_ckpt as synthetic
 from tests.helpers import SHARED_7X2_STEPS, Launched, assert_trained, train
 from tests.testbed import Testbed
 
@@ -193,7 +193,7 @@ def _assert_collected_exact(testbed: Testbed, tmp_path: Path, launched: Launched
                             ranks: int) -> None:
     import torch
 
-    from clusterkit.checkpoints.consolidate import load_state_dict_dir
+    from clusterkit.checkpoints.convert.consolidate import load_state_dict_dir
 
     assert launched.run.code == 0, launched.run.text[-3000:]
     assert launched.storage == "node-local"

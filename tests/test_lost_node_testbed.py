@@ -176,7 +176,7 @@ def test_the_issue_scenario_with_a_spare(testbed_required: None, tmp_path: Path)
 def _shrink_case(tmp: Path, shape: Shape) -> None:
     import torch
 
-    from clusterkit.checkpoints.consolidate import consolidate, load_state_dict_dir
+    from clusterkit.checkpoints.convert.consolidate import consolidate, load_state_dict_dir
 
     with temporary(7) as tb:
         inv = tb.write_inventory(tmp / "inv.yaml", slots=2)

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clusterkit.checkpoints import synthetic
-from clusterkit.checkpoints.universal import verify_source
+from clusterkit.checkpoints.convert.universal import verify_source
 from clusterkit.cli.recover import prepare_continue, restore_replacements
 from clusterkit.errors import CheckpointError, InventoryError, LaunchError, SelectionError
 from clusterkit.hostfile import apply_replace, parse_replace, select, select_hosts
@@ -41,6 +40,7 @@ from clusterkit.plan.build import plan_job
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import JobOptions, JobPlan, LaunchFacts
+from tests import synthetic_ckpt as synthetic
 from tests.helpers import recorded_failed_job
 from tests.render_cases import plan_for
 

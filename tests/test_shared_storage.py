@@ -2,7 +2,7 @@
 
 The token logic (node/gatefacts.py: token_seen, drop_tokens, shared_groups) on this
 machine's filesystem, the gate's verdict from the nodes' facts (launch/gate.py), doctor's
-finding (checks/rules_storage.py) and collect-ckpt's one line (checkpoints/discover.py).
+finding (checks/rules_storage.py) and collect-ckpt's one line (checkpoints/collect/discover.py).
 The test bed runs the same over SSH (tests/test_shared_storage_testbed.py).
 """
 
@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.checkpoints import synthetic
-from clusterkit.checkpoints.collect import CollectOptions, collect
+from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete, WithoutMarkers
-from clusterkit.checkpoints.source import CollectNode
+from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.checks.findings import Status
 from clusterkit.checks.rules_base import DoctorContext
 from clusterkit.checks.rules_storage import check_shared_dirs
@@ -35,6 +34,7 @@ from clusterkit.node.gatefacts import (
 )
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
+from tests import synthetic_ckpt as synthetic
 
 
 def _tokens(d: Path) -> list[str]:

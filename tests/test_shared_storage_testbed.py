@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clusterkit.checkpoints import synthetic
 from clusterkit.hostrange import fold
+from tests import synthetic_ckpt as synthetic
 from tests.testbed import Testbed
 
 pytestmark = pytest.mark.testbed

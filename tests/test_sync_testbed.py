@@ -77,7 +77,7 @@ def test_sync_then_launch_on_nodes_without_clusterkit_or_shared_dir(
 def test_doctor_and_collect_on_nodes_without_clusterkit(testbed: Testbed, tmp_path: Path) -> None:
     import json
 
-    from clusterkit.checkpoints import synthetic
+    from tests import synthetic_ckpt as synthetic
 
     nodes = testbed.ensure(7)
     python = testbed.python_without_clusterkit()

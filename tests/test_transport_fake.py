@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
+from clusterkit.checkpoints.collect.discover import verify
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete
-from clusterkit.checkpoints.discover import verify
-from clusterkit.checkpoints.source import CollectNode, list_nodes
+from clusterkit.checkpoints.sources.base import CollectNode, list_nodes
 from clusterkit.hostrange import fold_by_text
 from clusterkit.launch.gate import GateNode, gate_error, run_gate
 from clusterkit.node.ship import bundle

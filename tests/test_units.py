@@ -121,7 +121,7 @@ def test_doctor_and_collect_read_sizes_by_the_same_rule() -> None:
 
 def test_consolidate_hands_deepspeed_the_byte_count(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from clusterkit.checkpoints import consolidate as mod
+    from clusterkit.checkpoints.convert import consolidate as mod
     from clusterkit.errors import CheckpointError
 
     seen: list[int] = []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.checkpoints import universal
+from clusterkit.checkpoints.convert import universal
 from clusterkit.errors import CheckpointError
 from clusterkit.spec.batch import shrink_batch
 from tests.helpers import torchrun_workload, workload_summary
@@ -184,7 +184,7 @@ def test_shrink_4_to_2_ranks_through_universal(tmp_path: Path, engine: str, stag
                                                ) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("deepspeed")
-    from clusterkit.checkpoints.consolidate import consolidate, load_state_dict_dir
+    from clusterkit.checkpoints.convert.consolidate import consolidate, load_state_dict_dir
     from clusterkit.checkpoints.layout import ACCELERATE_DS_SUBDIR
 
     z = ["--zero-stage", str(stage), "--engine", engine]

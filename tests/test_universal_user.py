@@ -16,8 +16,8 @@ from typing import Any, cast
 
 import pytest
 
-from clusterkit.checkpoints import universal
 from clusterkit.checkpoints.collectplan import WithoutMarkers
+from clusterkit.checkpoints.convert import universal
 from clusterkit.errors import LaunchError
 from clusterkit.launch.run import reshardable
 from clusterkit.node.contract import ENV_CKPT_DIR, ENV_DS_CONFIG, ENV_RESUME_TAG
@@ -101,7 +101,7 @@ def _train(tmp_path: Path, nproc: int, ds_config: dict[str, Any], args: list[str
 def test_user_script_4_to_2_ranks_through_universal(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("deepspeed")
-    from clusterkit.checkpoints.consolidate import consolidate, load_state_dict_dir
+    from clusterkit.checkpoints.convert.consolidate import consolidate, load_state_dict_dir
 
     ds4 = build_ds_config(ZeroSpec(stage=2, precision="fp32", micro_batch=2, grad_accum=1,
                                    world_size=4, warmup_steps=2, total_steps=6, torch_adam=True))

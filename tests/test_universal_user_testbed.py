@@ -42,7 +42,7 @@ def _run(argv: list[str], tmp: Path) -> Run:
 def test_a_users_script_goes_on_on_three_nodes(testbed_required: None, tmp_path: Path) -> None:
     import torch
 
-    from clusterkit.checkpoints.consolidate import consolidate, load_state_dict_dir
+    from clusterkit.checkpoints.convert.consolidate import consolidate, load_state_dict_dir
 
     with temporary(4) as tb:
         inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)

@@ -3,7 +3,7 @@
 A user's DeepSpeed script writes no completion markers. The replicas decide when its
 save is complete on a node by node/replica_done.part_problem (every file DeepSpeed owes
 the node's ranks, none cut short); ``status``, ``collect-ckpt`` and the restore onto a
-spare ask the same function (checkpoints/assemble.py). A job clusterkit launched records
+spare ask the same function (checkpoints/replicas/assemble.py). A job clusterkit launched records
 whether its program writes markers, so ``status`` counts each node's own part and
 ``collect-ckpt JOB`` needs no ``--without-markers``.
 """
@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.checkpoints import synthetic
-from clusterkit.checkpoints.assemble import assemble, ranks_of_map, ranks_of_slots
-from clusterkit.checkpoints.health import health, list_all
-from clusterkit.checkpoints.source import CollectNode
+from clusterkit.checkpoints.replicas.assemble import assemble, ranks_of_map, ranks_of_slots
+from clusterkit.checkpoints.replicas.health import health, list_all
+from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.launch.jobs import JobRecord, NodeRecord, Registry
 from clusterkit.node import contract
 from clusterkit.node.contract import MARKER_GLOB
@@ -29,6 +28,7 @@ from clusterkit.node.replica_done import part_problem
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.spec.jobrecord import JobCheckpoints
+from tests import synthetic_ckpt as synthetic
 
 TAG = "step60"  # a user's own tag name
 

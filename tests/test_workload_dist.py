@@ -215,7 +215,7 @@ def test_resume_is_bit_exact(tmp_path: Path, reference: dict[int, Reference], en
 def _consolidates_to_the_live_weights(root: Path, tag: str, live: Path) -> None:
     """accelerate's save_state puts DeepSpeed's files in <tag>/pytorch_model/: the
     consolidation (collect-ckpt --consolidate) finds them there and equals the live model."""
-    from clusterkit.checkpoints.consolidate import consolidate, load_state_dict_dir
+    from clusterkit.checkpoints.convert.consolidate import consolidate, load_state_dict_dir
 
     out = consolidate(str(root), tag, ds_subdir="pytorch_model", out_dir=str(root / "fp32"))
     got, want = load_state_dict_dir(out.out_dir), _load(live)

@@ -1,6 +1,6 @@
 """What collect-ckpt decided about a checkpoint before copying anything: the
 :class:`CollectPlan` (which files exist where, which copies must agree) that
-:func:`clusterkit.checkpoints.discover.verify` returns, or the
+:func:`clusterkit.checkpoints.collect.discover.verify` returns, or the
 :class:`CheckpointIncomplete` it raises; :class:`WithoutMarkers`, the option to verify
 a user script's save without clusterkit's completion markers."""
 

@@ -1,6 +1,6 @@
 """One node's checkpoint root as the node program :mod:`clusterkit.node.listing` reports
 it: the command that asks for it and the parse of its JSON into a :class:`NodeListing`.
-:mod:`clusterkit.checkpoints.discover` verifies the listings of every node."""
+:mod:`clusterkit.checkpoints.collect.discover` verifies the listings of every node."""
 
 from __future__ import annotations
 

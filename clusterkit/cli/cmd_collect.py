@@ -102,7 +102,7 @@ def _root(pattern: str | None, host: Host | None, name: str, index: int) -> str:
 
 def resolve_nodes(args: argparse.Namespace) -> tuple[list[Any], list[int], str]:
     """(CollectNodes, slots per node, default DEST) from JOB or inventory + selection."""
-    from clusterkit.checkpoints.source import CollectNode
+    from clusterkit.checkpoints.sources.base import CollectNode
 
     record = _job_record(args)
     # A job clusterkit launched knows whether its program writes completion markers.
@@ -192,7 +192,7 @@ def _batch_job_nodes(args: argparse.Namespace, record: JobRecord
                      ) -> tuple[list[Any], list[int], str]:
     """A `clusterkit sbatch` job: its Slurm nodes, reached through Slurm (default) or,
     with --via ssh/sftp, over SSH by node name."""
-    from clusterkit.checkpoints.source import CollectNode
+    from clusterkit.checkpoints.sources.base import CollectNode
     from clusterkit.hostrange import fold
     from clusterkit.slurm.client import SlurmClient
     from clusterkit.slurm.steps import job_places
@@ -351,7 +351,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 
 def _collect_verb(args: argparse.Namespace) -> int:
-    from clusterkit.checkpoints.collect import CollectOptions, collect
+    from clusterkit.checkpoints.collect.verb import CollectOptions, collect
     from clusterkit.checkpoints.collectplan import CheckpointIncomplete, describe
     from clusterkit.remote.dispatch import transport_for
 
@@ -423,7 +423,7 @@ def _without_markers(args: argparse.Namespace, slots: list[int]) -> WithoutMarke
 
 
 def _scatter_only(args: argparse.Namespace, nodes: list[Any], slots: list[int], dest: str) -> int:
-    from clusterkit.checkpoints.manifest import latest_tag_at
+    from clusterkit.checkpoints.collect.manifest import latest_tag_at
     from clusterkit.remote.dispatch import transport_for
 
     tag = args.tag if args.tag != "latest" else latest_tag_at(dest)
@@ -469,7 +469,7 @@ def _print_report(report: Any, dest: str) -> None:
 
 
 def _consolidate(dest: str, tag: str, ds_subdir: str, args: argparse.Namespace) -> dict[str, Any]:
-    from clusterkit.checkpoints.consolidate import consolidate
+    from clusterkit.checkpoints.convert.consolidate import consolidate
     from clusterkit.workload.verify import check_against_workload
 
     t0 = time.monotonic()
@@ -483,7 +483,7 @@ def _consolidate(dest: str, tag: str, ds_subdir: str, args: argparse.Namespace) 
 
 def _scatter(transport: Any, nodes: list[Any], slots: list[int], dest: str, tag: str,
              args: argparse.Namespace) -> dict[str, Any]:
-    from clusterkit.checkpoints.scatter import ScatterTarget, scatter
+    from clusterkit.checkpoints.collect.scatter import ScatterTarget, scatter
 
     if not all(slots):
         raise CheckpointError("--scatter needs the slots of each node", key="--scatter",

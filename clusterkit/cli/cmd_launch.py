@@ -371,8 +371,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_health(record: Any) -> Any:
-    """A node-local job's replica health per checkpoint (checkpoints/health.py)."""
-    from clusterkit.checkpoints.health import job_health
+    """A node-local job's replica health per checkpoint (checkpoints/replicas/health.py)."""
+    from clusterkit.checkpoints.replicas.health import job_health
     from clusterkit.remote.dispatch import transport_for
 
     with transport_for() as transport:

@@ -27,26 +27,27 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from clusterkit.checkpoints.assemble import (
-    Assembly,
-    PartSource,
-    assemble,
-    candidate_tags,
-    ranks_of_map,
-)
-from clusterkit.checkpoints.collect import CollectOptions, collect, open_source
+from clusterkit.checkpoints.collect.scatter import remote_hashes
+from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import WithoutMarkers
-from clusterkit.checkpoints.listing import NodeListing
-from clusterkit.checkpoints.scatter import remote_hashes
-from clusterkit.checkpoints.source import CollectNode
-from clusterkit.checkpoints.transfer import NullProgress, Wanted, sha256_file
-from clusterkit.checkpoints.universal import (
+from clusterkit.checkpoints.convert.universal import (
     UNIVERSAL_MARKER,
     UNIVERSAL_SUFFIX,
     Universal,
     convert_to_universal,
     user_resume,
 )
+from clusterkit.checkpoints.listing import NodeListing
+from clusterkit.checkpoints.replicas.assemble import (
+    Assembly,
+    PartSource,
+    assemble,
+    candidate_tags,
+    ranks_of_map,
+)
+from clusterkit.checkpoints.sources.base import CollectNode
+from clusterkit.checkpoints.sources.factory import open_source
+from clusterkit.checkpoints.sources.transfer import NullProgress, Wanted, sha256_file
 from clusterkit.errors import CheckpointError, LaunchError
 from clusterkit.launch.jobs import JobRecord
 from clusterkit.launch.run import (
@@ -85,7 +86,7 @@ def list_parts(transport: Transport, plan: JobPlan, old_map: Sequence[Sequence[A
 def _list(transport: Transport, nodes: Sequence[CollectNode], staging: str) -> list[NodeListing]:
     if not nodes:
         return []
-    with open_source(transport, nodes, CollectOptions(dest=staging, jobs=len(nodes))) as src:
+    with open_source(transport, nodes, dest=staging, jobs=len(nodes)) as src:
         return src.listings(None)
 
 
@@ -122,7 +123,7 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
     """Before a continued node-local job starts (``launch.run.launch``'s ``prepare``):
 
     * the newest checkpoint it can resume from is assembled from the nodes and their
-      replicas (``checkpoints/assemble.py``); when a save exists but none can be
+      replicas (``checkpoints/replicas/assemble.py``); when a save exists but none can be
       assembled, a bundled-workload job with ``--resume auto`` (and any ``--replace``
       or reshard) is refused before anything starts, naming what is missing;
     * ``--replace``d node indexes, and any node index whose own copy is gone from its
@@ -385,7 +386,7 @@ def _pull(transport: Transport, holder: CollectNode, files: Mapping[str, tuple[i
     (the source's) as the holder reads it and as it arrives here, so a copy corrupted on
     the holder's disk is caught and never used."""
     wanted = [Wanted(holder.name, rel, size, digest) for rel, (size, digest) in files.items()]
-    with open_source(transport, [holder], CollectOptions(dest=staging, jobs=1)) as src:
+    with open_source(transport, [holder], dest=staging, jobs=1) as src:
         results, _, problems = src.copy(wanted, {}, NullProgress())
     failed = results.get(holder.name)
     bad = dict(failed.failed) if failed is not None else {}

@@ -22,7 +22,7 @@ exactly ``size`` raw bytes. Requests (``id`` is echoed in the answer):
   secret comes on stdin only, never on argv or in the environment.
 * ``{"op": "bye"}`` or end of stdin: exit.
 
-Parsed by :mod:`clusterkit.checkpoints.session`. Standard library only (Python >= 3.8).
+Parsed by :mod:`clusterkit.checkpoints.sources.session`. Standard library only (Python >= 3.8).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``hashing ROOT JSON_LIST [THREADS]`` prints one JSON line
 ``{"v": 1, "files": {rel: [size, mtime, sha256]}, "errors": {rel: why}}``, with
 size and mtime taken on the open file. Parsed by
-:func:`clusterkit.checkpoints.transfer.parse_hashes`.
+:func:`clusterkit.checkpoints.sources.transfer.parse_hashes`.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def part_problem(names: Sequence[str], ranks: Sequence[int], cut_short: Sequence
     ``.pt`` files without their zip end record), else what is wrong. The one rule for a
     user's checkpoint: this watcher (which adds what only it sees: nothing open, sizes
     stable), ``status``, ``collect-ckpt`` and the restore onto a spare
-    (checkpoints/assemble.py) all ask it."""
+    (checkpoints/replicas/assemble.py) all ask it."""
     missing = missing_rank_files(names, ranks)
     if missing:
         return "missing " + ", ".join(missing[:3])

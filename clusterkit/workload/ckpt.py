@@ -7,7 +7,7 @@ its own node's completion marker and its own files, and the verdict is gathered 
 either all ranks load or all ranks stop with one error naming host and rank.
 
 The choice is made before the engine is built: a universal checkpoint
-(``<tag>_universal/`` with clusterkit's marker, checkpoints/universal.py) needs
+(``<tag>_universal/`` with clusterkit's marker, checkpoints/convert/universal.py) needs
 ``checkpoint.load_universal`` in the ds_config and, after a shrink, another batch
 split (spec/batch.py), both read by ``deepspeed.initialize``. A normal checkpoint saved
 by another world size is refused here, before DeepSpeed would fail on it.
@@ -24,7 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from clusterkit.checkpoints import layout, universal
+from clusterkit.checkpoints import layout
+from clusterkit.checkpoints.convert import universal
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import read_json_object
 from clusterkit.node.contract import marker_name, parse_marker_name
@@ -395,7 +396,7 @@ def _other_world(entry: ScanEntry, world_size: int) -> tuple[str, str] | None:
 
 def _convert_hint(ctx: CkptContext, tag: str) -> str:
     """The conversion, spelled out: in place on shared storage; gathered first otherwise."""
-    call = (f"python3 -c 'from clusterkit.checkpoints.universal import convert_to_universal; "
+    call = (f"python3 -c 'from clusterkit.checkpoints.convert.universal import convert_to_universal; "
             f"convert_to_universal(\"%s\", \"{tag}\")'")
     out = universal.universal_tag(tag)
     if ctx.storage == "shared":

@@ -1,5 +1,5 @@
 """Does a consolidated state dict load into the bundled GPT? (torch; cli passes it to
-:func:`clusterkit.checkpoints.consolidate.consolidate` as its ``model_check``)."""
+:func:`clusterkit.checkpoints.convert.consolidate.consolidate` as its ``model_check``)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """collect-ckpt's use of replicas (issue 22): which node parts it reads from a replica,
 and what the files it reads must hash to. Pure: listings in, a :class:`ReplicaUse` out.
 
-The :class:`~clusterkit.checkpoints.assemble.Assembly` of the tag decides, per node
+The :class:`~clusterkit.checkpoints.replicas.assemble.Assembly` of the tag decides, per node
 index, the copy to read. A part read from a replica becomes a stand-in listing of its
 node (the node's name and index, the replica's files and markers), so
-:func:`clusterkit.checkpoints.discover.verify` checks the checkpoint as it would with
-every node up; a :class:`~clusterkit.checkpoints.source.Route` tells the source which
+:func:`clusterkit.checkpoints.collect.discover.verify` checks the checkpoint as it would with
+every node up; a :class:`~clusterkit.checkpoints.sources.base.Route` tells the source which
 session reads those files, under which dir. Every file with a manifest's sha256 (a
 replica's, or a node's own copy of which a complete replica exists) must arrive with
 that digest: a replica corrupted on disk, or a primary file changed since the save, is
@@ -18,10 +18,10 @@ import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from clusterkit.checkpoints.assemble import Assembly, PartSource, Ranks, assemble
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete
 from clusterkit.checkpoints.listing import NodeListing
-from clusterkit.checkpoints.source import Route
+from clusterkit.checkpoints.replicas.assemble import Assembly, PartSource, Ranks, assemble
+from clusterkit.checkpoints.sources.base import Route
 
 REPLICA_DAMAGED = "differs from its manifest (corrupted on disk)"
 

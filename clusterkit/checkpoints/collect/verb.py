@@ -1,15 +1,15 @@
 """collect-ckpt, the verb: list -> verify -> pick one copy per file -> copy, hashed on both ends.
 
-The bytes come from one :class:`~clusterkit.checkpoints.source.Source`, chosen by
-``--via``: one ``ckstream`` session per node (:mod:`clusterkit.checkpoints.stream_source`:
-ssh, local or slurm) or the transport's SFTP (:mod:`clusterkit.checkpoints.sftp_source`).
+The bytes come from one :class:`~clusterkit.checkpoints.sources.base.Source`, chosen by
+``--via``: one ``ckstream`` session per node (:mod:`clusterkit.checkpoints.sources.stream`:
+ssh, local or slurm) or the transport's SFTP (:mod:`clusterkit.checkpoints.sources.sftp`).
 Nothing is copied until every node has been listed and the checkpoint is known to be
-complete and consistent (:func:`clusterkit.checkpoints.discover.verify`); no file takes
+complete and consistent (:func:`clusterkit.checkpoints.collect.discover.verify`); no file takes
 its final name before the sha256 its node computed while reading it equals the one
 computed here while writing it. DEST then looks like a shared-storage checkpoint root:
 ``latest``, ``zero_to_fp32.py`` and ``<tag>/`` holding every shard, every node's
 completion marker and ``clusterkit-collect.json``
-(:mod:`clusterkit.checkpoints.manifest`, what ``--scatter`` uses).
+(:mod:`clusterkit.checkpoints.collect.manifest`, what ``--scatter`` uses).
 """
 
 from __future__ import annotations
@@ -21,24 +21,24 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from clusterkit.checkpoints.assemble import ranks_of_slots
-from clusterkit.checkpoints.choose import choose_sources, copy_notes, pick_sources
-from clusterkit.checkpoints.collectplan import CheckpointIncomplete, CollectPlan, WithoutMarkers
-from clusterkit.checkpoints.discover import choose_tag, shared_dir, verify
-from clusterkit.checkpoints.fromreplicas import (
+from clusterkit.checkpoints.collect.choose import choose_sources, copy_notes, pick_sources
+from clusterkit.checkpoints.collect.discover import choose_tag, shared_dir, verify
+from clusterkit.checkpoints.collect.fromreplicas import (
     REPLICA_DAMAGED,
     ReplicaUse,
     next_route,
     plan_replicas,
     stand_ins,
 )
+from clusterkit.checkpoints.collect.manifest import write_latest, write_manifest
+from clusterkit.checkpoints.collect.prune import prune_sources
+from clusterkit.checkpoints.collectplan import CheckpointIncomplete, CollectPlan, WithoutMarkers
 from clusterkit.checkpoints.listing import NodeListing
-from clusterkit.checkpoints.manifest import write_latest, write_manifest
-from clusterkit.checkpoints.prune import prune_sources
-from clusterkit.checkpoints.sftp_source import SftpSource
-from clusterkit.checkpoints.source import CollectNode, Source
-from clusterkit.checkpoints.stream_source import StreamSource
-from clusterkit.checkpoints.transfer import (
+from clusterkit.checkpoints.replicas.assemble import ranks_of_slots
+from clusterkit.checkpoints.sources.base import CollectNode, Source
+from clusterkit.checkpoints.sources.factory import open_source
+from clusterkit.checkpoints.sources.stream import StreamSource
+from clusterkit.checkpoints.sources.transfer import (
     DestState,
     Hashed,
     NodeResult,
@@ -46,7 +46,6 @@ from clusterkit.checkpoints.transfer import (
     ProgressSink,
     Wanted,
     clean_parts,
-    have_ssh_binary,
 )
 from clusterkit.errors import CheckpointError
 from clusterkit.remote.base import Transport
@@ -90,31 +89,6 @@ class CollectReport:
         return sum(len(r.skipped) for r in self.results.values())
 
 
-def resolve_method(method: str, nodes: Sequence[CollectNode] = ()) -> str:
-    if method == "slurm" and not all(n.via is not None for n in nodes):
-        raise CheckpointError("--via slurm needs every node's Slurm place", key="--via",
-                              hint="collect a Slurm job (JOB or its job dir), or drop --via slurm")
-    if method == "auto" and nodes and all(n.via is not None for n in nodes):
-        return "slurm"
-    if method == "auto":
-        return "ssh" if have_ssh_binary() else "sftp"
-    if method == "ssh" and not have_ssh_binary():
-        raise CheckpointError("--via ssh needs the OpenSSH 'ssh' program on PATH",
-                              hint="install openssh-client, or use --via sftp")
-    return method
-
-
-def open_source(transport: Transport, nodes: Sequence[CollectNode], options: CollectOptions,
-                on_start: Callable[[subprocess.Popen[bytes]], None] | None = None) -> Source:
-    """The data path ``--via`` names (``auto``: a session per node where ``ssh`` exists)."""
-    method = resolve_method(options.method, nodes)
-    if method == "sftp":
-        return SftpSource(transport, nodes, dest=options.dest, jobs=options.jobs,
-                          fsync=options.fsync)
-    return StreamSource(method, transport, nodes, dest=options.dest, jobs=options.jobs,
-                        fsync=options.fsync, on_start=on_start)
-
-
 def collect(transport: Transport, nodes: Sequence[CollectNode], options: CollectOptions,
             sink: ProgressSink | None = None,
             after_hash: Callable[[CollectPlan], None] | None = None,
@@ -127,7 +101,8 @@ def collect(transport: Transport, nodes: Sequence[CollectNode], options: Collect
     happen in that order; ``on_start`` gets each node's session process as its
     stream starts; ``on_plan`` the verified plan before anything is copied."""
     sink = sink or NullProgress()
-    source = open_source(transport, nodes, options, on_start)
+    source = open_source(transport, nodes, method=options.method, dest=options.dest,
+                         jobs=options.jobs, fsync=options.fsync, on_start=on_start)
     t0 = time.monotonic()
     with source:
         plan, use = _verified(source, source.listings(_tag_arg(options.tag)), options)
@@ -174,7 +149,7 @@ def _verified(source: Source, listings: list[NodeListing], options: CollectOptio
               ) -> tuple[CollectPlan, ReplicaUse | None]:
     """The plan, with the parts that come from replicas when the nodes hold any: a node
     that is unreachable, or whose copy is missing or incomplete, is stood in for by a
-    complete replica (:mod:`clusterkit.checkpoints.fromreplicas`)."""
+    complete replica (:mod:`clusterkit.checkpoints.collect.fromreplicas`)."""
     tag = _tag_arg(options.tag)
     chosen = tag or choose_tag(listings, options.tag, markers=False)[0]
     shared = shared_dir(listings, chosen) if chosen else None

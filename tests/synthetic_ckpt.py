@@ -2,7 +2,7 @@
 
 For tests and ``bench/collect.py``: the tiny workload's shards are a few hundred KB,
 while the copy path needs realistic sizes. The layout is what DeepSpeed 0.19 writes
-with ``use_node_local_storage`` (see :mod:`clusterkit.checkpoints.discover`): node 0
+with ``use_node_local_storage`` (see :mod:`clusterkit.checkpoints.collect.discover`): node 0
 has ``latest`` and the recovery scripts; every node has its own model states (ZeRO
 0-2; node 0's copy differs, like the real one) or its ranks' ZeRO-3 model states,
 its ranks' optimizer shards, and its completion marker.

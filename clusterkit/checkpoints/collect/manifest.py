@@ -12,8 +12,8 @@ from typing import Any
 
 from clusterkit.checkpoints import layout
 from clusterkit.checkpoints.collectplan import CollectPlan
-from clusterkit.checkpoints.source import Route
-from clusterkit.checkpoints.transfer import Wanted
+from clusterkit.checkpoints.sources.base import Route
+from clusterkit.checkpoints.sources.transfer import Wanted
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.node.contract import LATEST_FILE

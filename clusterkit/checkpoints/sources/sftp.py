@@ -14,7 +14,7 @@ from types import TracebackType
 
 from clusterkit.checkpoints.collectplan import CollectPlan
 from clusterkit.checkpoints.listing import NodeListing
-from clusterkit.checkpoints.source import (
+from clusterkit.checkpoints.sources.base import (
     CollectNode,
     NodeHashes,
     Route,
@@ -23,7 +23,7 @@ from clusterkit.checkpoints.source import (
     shared_stdin,
     todo,
 )
-from clusterkit.checkpoints.transfer import (
+from clusterkit.checkpoints.sources.transfer import (
     HASH_TIMEOUT_S,
     DestState,
     NodeResult,
@@ -39,7 +39,7 @@ from clusterkit.remote.base import Transport
 
 
 class SftpSource:
-    """The :class:`~clusterkit.checkpoints.source.Source` over the transport alone."""
+    """The :class:`~clusterkit.checkpoints.sources.base.Source` over the transport alone."""
 
     method = "sftp"
     hashes_inline = False

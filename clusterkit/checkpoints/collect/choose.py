@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from clusterkit.checkpoints.collectplan import CollectPlan
-from clusterkit.checkpoints.transfer import Hashed, Wanted
+from clusterkit.checkpoints.sources.transfer import Hashed, Wanted
 
 
 def pick_sources(plan: CollectPlan) -> list[Wanted]:

@@ -2,11 +2,11 @@
 
 A :class:`Source` lists every node, hashes chosen files on their nodes and copies
 the chosen copy of each file to DEST. Two implement it:
-:class:`~clusterkit.checkpoints.stream_source.StreamSource` (one ``ckstream`` session
+:class:`~clusterkit.checkpoints.sources.stream.StreamSource` (one ``ckstream`` session
 per node, carried by OpenSSH, a local child or ``srun``: methods ``ssh`` and ``slurm``)
-and :class:`~clusterkit.checkpoints.sftp_source.SftpSource` (the transport's
+and :class:`~clusterkit.checkpoints.sources.sftp.SftpSource` (the transport's
 ``run_all`` and paramiko SFTP: method ``sftp``). The verb
-(:mod:`clusterkit.checkpoints.collect`) speaks only this interface.
+(:mod:`clusterkit.checkpoints.collect.verb`) speaks only this interface.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Protocol
 
 from clusterkit.checkpoints.collectplan import CollectPlan
 from clusterkit.checkpoints.listing import NodeListing, listing_command, parse_listing
-from clusterkit.checkpoints.transfer import DestState, Hashed, NodeResult, ProgressSink, Wanted
+from clusterkit.checkpoints.sources.transfer import DestState, Hashed, NodeResult, ProgressSink, Wanted
 from clusterkit.node.ship import NodeCommand
 from clusterkit.remote.base import SSHTarget, Transport
 from clusterkit.slurm.steps import SlurmPlace
@@ -44,7 +44,7 @@ class CollectNode:
 @dataclass(frozen=True)
 class Route:
     """A node's files read elsewhere: on ``holder``'s session, under ``base`` (its
-    replica of the node's part, :mod:`clusterkit.checkpoints.fromreplicas`)."""
+    replica of the node's part, :mod:`clusterkit.checkpoints.collect.fromreplicas`)."""
 
     holder: str
     base: str

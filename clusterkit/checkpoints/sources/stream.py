@@ -1,9 +1,9 @@
 """collect-ckpt's main data path: one ``ckstream`` session per node for the whole verb.
 
-Each node's :class:`~clusterkit.checkpoints.session.NodeSession` (OpenSSH ``ssh``, a
+Each node's :class:`~clusterkit.checkpoints.sources.session.NodeSession` (OpenSSH ``ssh``, a
 local child, or one ``srun`` task for a node reached through Slurm) lists, hashes and
 streams; files are hashed on the node as they are sent, so a first run reads each
-file once (:mod:`clusterkit.checkpoints.transfer` receives and verifies them).
+file once (:mod:`clusterkit.checkpoints.sources.transfer` receives and verifies them).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from types import TracebackType
 
 from clusterkit.checkpoints.collectplan import CollectPlan
 from clusterkit.checkpoints.listing import NodeListing, parse_listing
-from clusterkit.checkpoints.session import NodeSession, SessionError
-from clusterkit.checkpoints.source import (
+from clusterkit.checkpoints.sources.base import (
     LIST_TIMEOUT_S,
     CollectNode,
     NodeHashes,
@@ -29,7 +28,8 @@ from clusterkit.checkpoints.source import (
     list_nodes,
     todo,
 )
-from clusterkit.checkpoints.transfer import (
+from clusterkit.checkpoints.sources.session import NodeSession, SessionError
+from clusterkit.checkpoints.sources.transfer import (
     HASH_TIMEOUT_S,
     DestState,
     Hashed,
@@ -71,7 +71,7 @@ def open_sessions(nodes: Sequence[CollectNode], failed: dict[str, str]
 
 
 class StreamSource:
-    """The :class:`~clusterkit.checkpoints.source.Source` over one session per node.
+    """The :class:`~clusterkit.checkpoints.sources.base.Source` over one session per node.
     ``transport`` only re-asks the nodes whose session failed (see ``_explain``)."""
 
     hashes_inline = True

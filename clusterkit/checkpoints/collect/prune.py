@@ -8,7 +8,7 @@ import posixpath
 from collections.abc import Mapping, Sequence
 
 from clusterkit.checkpoints.collectplan import CollectPlan
-from clusterkit.checkpoints.source import LIST_TIMEOUT_S, CollectNode
+from clusterkit.checkpoints.sources.base import LIST_TIMEOUT_S, CollectNode
 from clusterkit.remote.base import Transport
 from clusterkit.slurm.steps import run_step
 

@@ -1,7 +1,7 @@
 """Move verified bytes from nodes to DEST: hashed as read on the node, checked on arrival.
 
 Data path (chosen by measurement, see docs/collect-ckpt.md): one session per node
-(:mod:`clusterkit.checkpoints.session`, one OpenSSH ``ssh`` running the node program
+(:mod:`clusterkit.checkpoints.sources.session`, one OpenSSH ``ssh`` running the node program
 :mod:`clusterkit.node.ckstream`) lists, hashes and streams. The node reads each file
 once, hashing it as it sends; we hash what arrives as we write it. A file is renamed
 into place only when both digests, the size and the listing's mtime agree (or, when
@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
-from clusterkit.checkpoints.session import NodeSession, SessionError
+from clusterkit.checkpoints.sources.session import NodeSession, SessionError
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.node.ship import NodeCommand, node_command

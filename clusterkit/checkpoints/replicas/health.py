@@ -2,7 +2,7 @@
 
 "global_step40: 7/7 nodes, replicated 7/7": how many node parts of the tag are on their
 own node, and how many have at least one complete replica on another node
-(:func:`clusterkit.checkpoints.assemble.assemble` decides both). The listings come
+(:func:`clusterkit.checkpoints.replicas.assemble.assemble` decides both). The listings come
 through collect-ckpt's own sessions (one ``ckstream`` session per node, each request
 with its timeout); an unreachable node is reported, never fatal.
 """
@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from clusterkit.checkpoints.assemble import Ranks, assemble, candidate_tags, ranks_of_map
-from clusterkit.checkpoints.collect import CollectOptions, open_source
 from clusterkit.checkpoints.listing import NodeListing
-from clusterkit.checkpoints.source import CollectNode
+from clusterkit.checkpoints.replicas.assemble import Ranks, assemble, candidate_tags, ranks_of_map
+from clusterkit.checkpoints.sources.base import CollectNode
+from clusterkit.checkpoints.sources.factory import open_source
 from clusterkit.remote.base import Transport
 from clusterkit.spec.jobrecord import JobCheckpoints
 
@@ -75,7 +75,7 @@ def job_nodes(nodes: Sequence[Any], ckpt: JobCheckpoints) -> list[CollectNode]:
 
 def list_all(transport: Transport, nodes: Sequence[CollectNode]) -> list[NodeListing]:
     """Every node's listing (replica areas included) over collect-ckpt's sessions."""
-    with open_source(transport, nodes, CollectOptions(dest="")) as source:
+    with open_source(transport, nodes, dest="") as source:
         return source.listings(None)
 
 

@@ -9,7 +9,7 @@ Ranks are assigned in selection order (node k gets the next ``slots`` ranks), th
 same rule the launcher uses. The same world size on a different node split (7 x 2 ->
 14 x 1) is supported: ZeRO shards are per data-parallel rank, so each rank only needs
 its own file. A different world size is refused: DeepSpeed can only re-shard through
-a universal checkpoint (``checkpoints/universal.py``: DeepSpeed's ``ds_to_universal``,
+a universal checkpoint (``checkpoints/convert/universal.py``: DeepSpeed's ``ds_to_universal``,
 loaded with ``checkpoint.load_universal``), which every node then holds whole.
 """
 
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clusterkit.checkpoints import layout
-from clusterkit.checkpoints.manifest import read_manifest
-from clusterkit.checkpoints.source import CollectNode
-from clusterkit.checkpoints.transfer import hash_command, parse_hashes
+from clusterkit.checkpoints.collect.manifest import read_manifest
+from clusterkit.checkpoints.sources.base import CollectNode
+from clusterkit.checkpoints.sources.transfer import hash_command, parse_hashes
 from clusterkit.errors import CheckpointError
 from clusterkit.node.contract import LATEST_FILE, RECOVERY_SCRIPTS, StorageKind, marker_name
 from clusterkit.remote.base import Transport
@@ -72,7 +72,7 @@ def plan_scatter(manifest: Mapping[str, Any], targets: Sequence[ScatterTarget]) 
             f"{new_world} slots; ZeRO shards cannot be re-split by copying",
             key="--scatter",
             hint=f"select nodes with {world} slots in total, or convert it with "
-                 "clusterkit.checkpoints.universal.convert_to_universal and copy "
+                 "clusterkit.checkpoints.convert.universal.convert_to_universal and copy "
                  "<tag>_universal/ to every node: the bundled workload resumes it on any "
                  "world size (docs/workload.md)")
     tag, sub = str(manifest["tag"]), str(manifest["ds_subdir"])

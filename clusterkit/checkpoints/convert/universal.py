@@ -52,7 +52,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from clusterkit.checkpoints import discover, layout
+from clusterkit.checkpoints import layout
+from clusterkit.checkpoints.collect import discover
 from clusterkit.checkpoints.collectplan import CollectPlan, WithoutMarkers
 from clusterkit.checkpoints.listing import parse_listing
 from clusterkit.errors import CheckpointError
