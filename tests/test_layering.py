@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("remote", "slurm"),
     ("checks", "launch", "checkpoints"),
     ("workload",),
+    ("jobs",),  # a job as a whole: recovery, resolution, collect-ckpt end to end
     ("cli",),
     ("__main__",),
 )

@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from clusterkit.checkpoints.convert.universal import verify_source
-from clusterkit.cli.recover import prepare_continue, restore_replacements
 from clusterkit.errors import CheckpointError, InventoryError, LaunchError, SelectionError
 from clusterkit.hostfile import apply_replace, parse_replace, select, select_hosts
 from clusterkit.inventory import parse_inventory
+from clusterkit.jobs.recover import prepare_continue, restore_replacements
 from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.jobs import JobRecord
 from clusterkit.launch.run import (

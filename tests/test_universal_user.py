@@ -65,7 +65,7 @@ def test_a_user_script_is_reshardable_the_workload_only_with_resume_auto() -> No
 
 
 def test_a_checkpoint_that_cannot_be_converted_is_refused_in_one_line(tmp_path: Path) -> None:
-    from clusterkit.cli.recover import _convert
+    from clusterkit.jobs.recover import _convert
 
     tag = tmp_path / "step9"
     tag.mkdir()
@@ -134,7 +134,7 @@ def test_user_script_4_to_2_ranks_through_universal(tmp_path: Path) -> None:
 
 
 def test_the_dry_run_says_what_a_users_script_gets() -> None:
-    from clusterkit.cli.recover import _say_plan
+    from clusterkit.jobs.recover import _say_plan
 
     said: list[str] = []
     a = cast(Any, SimpleNamespace(tag="step8", describe=lambda: "checkpoint step8: 4/4 node parts"))

@@ -178,7 +178,7 @@ def _preparer(registry: Any, transport: Any, sink: Any) -> Any:
     """Readies a continued node-local job's checkpoint before its agents start (spare
     restore, reshard, the refusal: docs/lost-a-node.md), through a staging dir beside
     the job record."""
-    from clusterkit.cli.recover import prepare_continue
+    from clusterkit.jobs.recover import prepare_continue
 
     def prepare(plan: Any, prior: Any) -> Any:  # the next attempt's plan, or None
         return prepare_continue(transport, plan, prior, str(registry.path(plan.job_id).parent),
@@ -213,7 +213,7 @@ def _dry_run_checks(args: argparse.Namespace, plan: Any) -> None:
     if note:
         print(note)
     if prior is not None and plan.node_local and prior.ckpt.rank_map is not None:
-        from clusterkit.cli.recover import prepare_continue
+        from clusterkit.jobs.recover import prepare_continue
 
         # The launch's checkpoint check: assembled from the nodes and replicas, or refused.
         with transport_for() as transport:

@@ -6,7 +6,7 @@ checkpoint (its default ``--resume auto``). ``--drop-failed-nodes`` re-runs the
 gate and plans without the nodes that now fail it. With node-local checkpoints,
 whose shards resume only on the same rank→node mapping, a dropped node's place goes
 to a free spare of the inventory (its part restored there from a replica), else the
-bundled workload is resharded onto the remaining nodes (``cli/recover.py`` does both,
+bundled workload is resharded onto the remaining nodes (``jobs/recover.py`` does both,
 through ``prepare``, as for a relaunch by hand); a user's program without a spare is
 refused.
 """
@@ -40,7 +40,7 @@ from clusterkit.spec.jobrecord import JobCheckpoints, JobState, RankMap, RankSpa
 Planner = Callable[[JobOptions], JobPlan]
 # Before the agents start, when a node-local job is continued: check that its newest
 # checkpoint can be assembled, restore replaced nodes' parts onto their spares, or
-# reshard for fewer nodes (cli/recover.py). Gets the plan and the job's record.
+# reshard for fewer nodes (jobs/recover.py). Gets the plan and the job's record.
 # Returns the next attempt's plan when that attempt alone differs (a user's script
 # resumed from a universal checkpoint: its ds_config and resume tag), else None.
 Preparer = Callable[[JobPlan, JobRecord], "JobPlan | None"]
@@ -245,7 +245,7 @@ def is_reshard(plan: JobPlan, prior: JobRecord | None) -> bool:
     """Continuing a node-local job of the bundled workload on another rank->node mapping
     that is not a ``--replace`` (fewer nodes after a loss, ``--exclude``, ``--nodes``):
     its newest checkpoint is converted to DeepSpeed's universal checkpoint, which loads
-    on any world size (cli/recover.py), when the workload resumes by itself (auto)."""
+    on any world size (jobs/recover.py), when the workload resumes by itself (auto)."""
     old_map = None if prior is None else prior.ckpt.rank_map
     return (plan.storage == StorageKind.NODE_LOCAL and old_map is not None and old_map != rank_map(plan)
             and replacements(old_map, plan) is None and reshardable(plan))
@@ -259,7 +259,7 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
     Node-local shards resume only on the same rank->node mapping: a changed one is
     refused here, never silently turned into a fresh start, except a ``--replace``d
     node (same node index, ranks and slots on a spare), whose part is restored onto
-    the spare from its replica before the start (cli/recover.py).
+    the spare from its replica before the start (jobs/recover.py).
     """
     if prior is None:
         return None
@@ -334,7 +334,7 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
            settings: LaunchSettings, sink: Sink, decisions: JobPlan | None = None,
            prepare: Preparer | None = None, sync: Syncer | None = None) -> LaunchResult:
     """``decisions``: the plan of ``options`` when the caller has made it already;
-    ``prepare``: readies a continued node-local job's checkpoint (cli/recover.py);
+    ``prepare``: readies a continued node-local job's checkpoint (jobs/recover.py);
     ``sync``: run before each restart (the caller syncs before the first start)."""
     started = time.monotonic()
     decisions = decisions or planner(options)

@@ -162,7 +162,7 @@ def scatter(transport: Transport, dest: str, tag: str, targets: Sequence[Scatter
 def remote_hashes(transport: Transport, node: CollectNode, files: Sequence[str]
                   ) -> dict[str, str]:
     """relpath -> sha256 of ``files`` under ``node.root``, hashed on the node (absent: not
-    there); the check after an upload (here and in cli/recover.py's restore)."""
+    there); the check after an upload (here and in jobs/recover.py's restore)."""
     cmd = hash_command(node.python, node.root, list(files))
     res = transport.run(node.target, cmd.argv, timeout=HASH_TIMEOUT_S, stdin=cmd.stdin)
     if not res.ok:

@@ -10,7 +10,7 @@ source's own), then pushed to node8's checkpoint dir and hashed there again; the
 completion marker goes last. The rank->node mapping is node6's with one name
 changed, so the resume is exact.
 
-Lives in ``cli`` because it joins ``launch`` (the plan, the job record) and
+Lives in ``jobs`` because it joins ``launch`` (the plan, the job record) and
 ``checkpoints`` (the data path), two packages of one layer that may not import each
 other (tests/test_layering.py).
 """
