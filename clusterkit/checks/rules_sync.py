@@ -61,13 +61,11 @@ def add_sync_parity(report: DoctorReport, transport: Transport, nodes: Sequence[
                     deep: bool = False, port: int = 0) -> DoctorReport:
     """``report`` plus one sync.parity finding per node for ``src`` (synced to each
     node's ``dest``) and the sync.ports findings (``port``: 0, the default port)."""
-    from clusterkit.node.dist_store import entries_digest
     from clusterkit.remote.distcheck import probe_ports, read_manifests
     from clusterkit.remote.distribute import DEFAULT_PORT
-    from clusterkit.remote.sync import scan, source_entries
+    from clusterkit.remote.sync import source_digest
 
-    entries, _ = source_entries(scan(src, ignore).files, cache_dir, src)
-    digest = entries_digest(entries)
+    digest = source_digest(src, ignore, cache_dir)
     states = read_manifests(transport, nodes, digest=digest, deep=deep)
     found = check_sync(states, src, digest, [n.name for n in nodes])
     first = port or DEFAULT_PORT

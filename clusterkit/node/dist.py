@@ -5,7 +5,8 @@ sources, then one JSON spec line, then control lines):
 
 1. the spec names the destination, this node's index, the per-run secret (it lives
    only on stdin and in memory: never argv, env or a file) and the source's manifest
-   (``[rel, size, mtime_ns, mode, sha256, [chunk sha256]]`` per file, node/dist_store.py);
+   (``[rel, size, mtime_ns, mode, sha256, [chunk sha256]]`` per file, node/dist_store.py)
+   and its links (``[rel, target]``; none: links are left alone);
 2. the node works out what it lacks (files it holds with the same sha256 are kept,
    a partial file's verified chunks too), listens on a TCP port and says
    ``{"ev": "ready", "port", "need", "need_bytes", "extra", "managed", "addr"}`` on stdout
@@ -17,7 +18,8 @@ sources, then one JSON spec line, then control lines):
    node indexes + the bytes. The node writes a record it needs (each chunk checked
    against the source's sha256, the file renamed into place once complete) and at
    once passes every record a later node needs to its downstream, piece by piece;
-5. the END record: the node writes its manifest, deletes what ``go`` listed, says
+5. the END record: the node deletes what ``go`` listed, makes the links it lacks
+   (temp name + rename), writes its manifest, says
    ``{"ev": "done", "digest", "got", "failed"}`` and exits.
 
 The wire (the TCP handshake, and the SSH session's stdin as the upstream where the
@@ -72,6 +74,11 @@ class Node:
         self.index = int(spec["index"])
         self.secret = str(spec["secret"]).encode()
         self.entries: list[list[Any]] = spec["files"]
+        self.links: list[list[Any]] | None = spec.get("links")  # None: leave links alone
+        self.links_held: dict[str, str] = {}
+        self.links_todo: dict[str, str] = {}
+        self.links_made: dict[str, str] = {}
+        self.links_failed: dict[str, str] = {}  # (also in failed)
         self.port, self.ports = int(spec.get("port") or 0), int(spec.get("ports") or PORT_TRIES)
         self.out_lock = threading.Lock()
         self.relay_lock = threading.Lock()
@@ -108,6 +115,11 @@ class Node:
                             f"({store.MANIFEST}): sync did not fill it; sync once without "
                             "--delete first")
         os.makedirs(os.path.join(self.dest, store.PARTIAL_DIR), exist_ok=True)
+        if self.links is not None:
+            self.links_held, self.links_todo, refused = store.plan_links(
+                self.dest, self.links, [str(x[0]) for x in self.entries + self.links])
+            self.failed.update(refused)
+            self.links_failed.update(refused)
         seen_sha: set[str] = set()
         for fi, e in enumerate(self.entries):
             rel, size, sha = str(e[store.REL]), int(e[store.SIZE]), str(e[store.SHA])
@@ -156,8 +168,8 @@ class Node:
     def extras(self) -> list[str]:
         if not os.path.isdir(self.dest):
             return []
-        wanted = {str(e[store.REL]) for e in self.entries}
-        return [r for r in store.walk(self.dest) if r not in wanted]
+        wanted = {str(e[0]) for e in self.entries + (self.links or [])}
+        return [r for r in store.walk(self.dest, self.links is not None) if r not in wanted]
 
     # -------------------------------------------------------------- the wire
     def accept_loop(self, srv: socket.socket) -> None:
@@ -331,7 +343,8 @@ class Node:
     def manifest(self) -> str:
         files = dict(self.kept)
         files.update(self.completed)
-        return store.write_manifest(self.dest, files)
+        links = None if self.links is None else {**self.links_held, **self.links_made}
+        return store.write_manifest(self.dest, files, links)
 
     def finish(self) -> None:
         if self.down is not None:
@@ -345,6 +358,9 @@ class Node:
             with contextlib.suppress(OSError):
                 os.unlink(path)
                 deleted.append(rel)
+        self.links_made, failed = store.make_links(self.dest, self.links_todo)
+        self.links_failed.update(failed)
+        self.failed.update(failed)
         for fd in self.fds.values():  # files that failed a chunk: kept for the next run
             os.close(fd)
         self.fds.clear()
@@ -352,7 +368,8 @@ class Node:
         self._sweep()
         lacking = sorted(str(self.entries[fi][store.REL]) for fi, cs in self.need.items() if cs)
         self.emit("done", digest=digest, got=self.got_bytes, failed=self.failed,
-                  lacking=lacking[:20], lacking_count=len(lacking), deleted=deleted)
+                  lacking=lacking[:20], lacking_count=len(lacking), deleted=deleted,
+                  links=len(self.links_made), links_failed=len(self.links_failed))
         self.done.set()
 
     def _sweep(self) -> None:

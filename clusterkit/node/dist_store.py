@@ -18,13 +18,22 @@ it on arrival. A file of one chunk: its chunk sha256 is the file's sha256.
 The **digest** of a directory (:func:`tree_digest`) is the sha256 of its sorted
 ``(path, size, sha256)`` rows: equal digests, equal contents (mode and mtime are not
 part of it). The launcher computes it from the source, each node from its manifest.
+
+**Symbolic links** that stay inside the directory travel as links (``[rel, target]``,
+the target relative and, read from the link's own directory, inside the destination:
+:func:`safe_link`). Each is a digest row ``(rel, -1, "l:" + target)`` (a tree without
+links keeps the digest it had), a ``links`` map in the manifest, and is made on the
+node under a temp name and renamed into place (:func:`place_link`). A node asked no
+``links`` (``nodes env``, whose links node/envfacts.py makes) leaves links alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import posixpath
 import stat
 from typing import Any
 
@@ -55,9 +64,17 @@ def tree_digest(rows: Any) -> str:
     return h.hexdigest()
 
 
-def entries_digest(entries: Any) -> str:
-    """The digest of a source manifest (its entries, as the launcher sends them)."""
-    return tree_digest((e[REL], e[SIZE], e[SHA]) for e in entries)
+LINK_SIZE = -1  # a link's digest row: (rel, LINK_SIZE, "l:" + target); no file has it
+
+
+def link_rows(links: Any) -> list[tuple[str, int, str]]:
+    """``links``: ``(rel, target)`` pairs (or a ``{rel: target}`` map's items)."""
+    return [(str(rel), LINK_SIZE, "l:" + str(target)) for rel, target in links]
+
+
+def entries_digest(entries: Any, links: Any = ()) -> str:
+    """The digest of a source manifest (its entries and links, as the launcher sends them)."""
+    return tree_digest([(e[REL], e[SIZE], e[SHA]) for e in entries] + link_rows(links))
 
 
 def safe_rel(rel: Any) -> bool:
@@ -66,6 +83,16 @@ def safe_rel(rel: Any) -> bool:
         return False
     parts = rel.split("/")
     return not any(p in ("", ".", "..") for p in parts) and parts[0] != STATE_DIR
+
+
+def safe_link(rel: Any, target: Any) -> bool:
+    """A link a node may make: a safe ``rel`` and a relative target that, read from the
+    link's directory, stays inside the destination and out of the state dir."""
+    if not safe_rel(rel) or not isinstance(target, str) or not target \
+            or target.startswith("/") or "\0" in target:
+        return False
+    lex = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
+    return lex != ".." and not lex.startswith("../") and lex.split("/")[0] != STATE_DIR
 
 
 def inside(dest: str, rel: str) -> str:
@@ -110,15 +137,19 @@ def read_manifest(dest: str) -> dict[str, Any] | None:
     return doc
 
 
-def write_manifest(dest: str, files: dict[str, list[Any]]) -> str:
+def write_manifest(dest: str, files: dict[str, list[Any]],
+                   links: dict[str, str] | None = None) -> str:
     """Write the manifest atomically (temp + fsync + rename); its digest."""
-    digest = tree_digest((rel, f[0], f[3]) for rel, f in files.items())
+    digest = tree_digest([(rel, f[0], f[3]) for rel, f in files.items()]
+                         + link_rows((links or {}).items()))
     state = os.path.join(dest, STATE_DIR)
     os.makedirs(state, exist_ok=True)
     tmp = os.path.join(state, f"manifest.json.{os.getpid()}.tmp")
+    doc: dict[str, Any] = {"v": MANIFEST_VERSION, "digest": digest, "files": files}
+    if links:
+        doc["links"] = links
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump({"v": MANIFEST_VERSION, "digest": digest, "files": files}, fh,
-                  sort_keys=True)
+        json.dump(doc, fh, sort_keys=True)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, os.path.join(dest, MANIFEST))
@@ -181,17 +212,95 @@ def verified_chunks(path: str, entry: list[Any]) -> set[int]:
     return out
 
 
-def walk(dest: str) -> list[str]:
-    """Regular files under ``dest`` (relative, sorted), the state dir left out."""
+def walk(dest: str, links: bool = False) -> list[str]:
+    """Regular files under ``dest`` (relative, sorted), the state dir left out; with
+    ``links``, symbolic links too (a link to a directory is listed, not walked)."""
     out = []
     for d, dirs, names in os.walk(dest):
         rel_dir = os.path.relpath(d, dest)
         rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
         dirs[:] = sorted(x for x in dirs if rel_dir + x != STATE_DIR)
+        if links:
+            out += [rel_dir + x for x in dirs if os.path.islink(os.path.join(d, x))]
         for n in sorted(names):
-            if stat_key(os.path.join(d, n)) is not None:
+            p = os.path.join(d, n)
+            if stat_key(p) is not None or (links and os.path.islink(p)):
                 out.append(rel_dir + n)
-    return out
+    return sorted(out)
+
+
+# ----------------------------------------------------------------------------- links
+def link_held(dest: str, rel: str, target: str) -> bool:
+    path = os.path.join(dest, rel)
+    return os.path.islink(path) and os.readlink(path) == target
+
+
+def place_link(path: str, target: str) -> None:
+    """``path`` made a symbolic link to ``target`` atomically: created under a temp name
+    beside it and renamed over whatever file or link is there (a reader sees the old
+    one or the new one, never none). Also node/envfacts.py's."""
+    name = hashlib.sha256(os.path.basename(path).encode("utf-8", "surrogateescape"))
+    tmp = os.path.join(os.path.dirname(path), f".ck-link-tmp.{os.getpid()}.{name.hexdigest()[:16]}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def plan_links(dest: str, links: list[list[Any]], rels: Any
+               ) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """What a node does with the source's links: (held: already right, todo: to make at
+    the end, refused: rel -> why). First, a link on the node where the source now has a
+    directory (an ancestor of one of ``rels``, the source's files and links) is removed,
+    so nothing is written through it into another directory."""
+    parents = {"/".join(r.split("/")[:i]) for r in rels for i in range(1, r.count("/") + 1)}
+    for d in sorted(parents):
+        if os.path.islink(os.path.join(dest, d)):
+            os.unlink(os.path.join(dest, d))
+    held_: dict[str, str] = {}
+    todo: dict[str, str] = {}
+    refused: dict[str, str] = {}
+    for rel, target in ((str(e[0]), e[1]) for e in links):
+        if not safe_link(rel, target):
+            refused[rel] = f"refusing a link that leads outside the destination: {target!r}"
+        elif link_held(dest, rel, str(target)):
+            held_[rel] = str(target)
+        else:
+            todo[rel] = str(target)
+    return held_, todo, refused
+
+
+def make_link(dest: str, rel: str, target: str) -> None:
+    """One link into place. A directory where it goes is replaced only when it holds no
+    file (``--delete`` removed the files the source lacks); else ValueError."""
+    path = inside(dest, rel)
+    if os.path.isdir(path) and not os.path.islink(path):
+        for d, _dirs, _names in os.walk(path, topdown=False):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        if os.path.isdir(path):
+            raise ValueError(f"{rel} is a directory on this node that holds files the source "
+                             "lacks (sync --delete removes them)")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    place_link(path, target)
+
+
+def make_links(dest: str, todo: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Every link of ``todo`` made: (made, failed: rel -> why); one failure fails only it."""
+    made: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    for rel, target in sorted(todo.items()):
+        try:
+            make_link(dest, rel, target)
+            made[rel] = target
+        except (OSError, ValueError) as exc:
+            failed[rel] = f"cannot make the link: {exc}"
+    return made, failed
 
 
 def check(dest: str, source_digest: str | None = None, deep: bool = False) -> dict[str, Any]:
@@ -206,7 +315,11 @@ def check(dest: str, source_digest: str | None = None, deep: bool = False) -> di
     for rel, rec in sorted(doc["files"].items()):
         if not held(dest, None if deep else doc, rel, int(rec[0]), str(rec[3])):
             differ.append(rel)
+    links = doc.get("links")
+    links = links if isinstance(links, dict) else {}
+    differ += [rel for rel, target in sorted(links.items()) if not link_held(dest, rel, target)]
     digest = str(doc.get("digest"))
     state = "differs" if differ else (
         "ok" if source_digest in (None, digest) else "other")
-    return {"state": state, "digest": digest, "differ": differ, "files": len(doc["files"])}
+    return {"state": state, "digest": digest, "differ": sorted(differ),
+            "files": len(doc["files"]), "links": len(links)}

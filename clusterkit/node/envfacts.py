@@ -39,6 +39,7 @@ from typing import Any, Dict, List  # noqa: UP035 - runs on Python 3.8 nodes
 
 from clusterkit.node.contract import ENV_TEST_ENVFACTS
 from clusterkit.node.dist_store import STATE_DIR as SYNC_STATE_DIR
+from clusterkit.node.dist_store import place_link
 
 ENVFACTS_VERSION = 1
 RECORD_DIR = ".clusterkit"
@@ -381,11 +382,7 @@ def _make_links(directory: str, want: Manifest) -> None:
         if os.path.islink(path) and os.readlink(path) == e[1]:
             continue
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = os.path.join(os.path.dirname(path), f".ck-link-tmp.{os.getpid()}.{os.path.basename(path)}")
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        os.symlink(e[1], tmp)
-        os.replace(tmp, path)  # a regular file of the same name is replaced too
+        place_link(path, e[1])  # a regular file of the same name is replaced too
 
 
 def _prune(directory: str, want: Manifest) -> None:

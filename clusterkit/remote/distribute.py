@@ -10,8 +10,11 @@ replication call it)::
   other nodes reach it at, its destination directory); ``dest_dir``, when given, is
   the destination on every node instead (e.g. an environment's absolute path).
 * what travels: every regular file under ``src_dir`` that ``options.ignore`` does not
-  exclude (default: nothing is excluded); symbolic links are not copied
-  (``DistributeResult.links`` lists them).
+  exclude (default: nothing is excluded), and its symbolic links (remote/sync.scan):
+  one that resolves inside ``src_dir`` is made on each node as a link, one that leads
+  outside is followed (its target's bytes travel, a note says so), a dangling one or a
+  loop is not copied (``DistributeResult.links`` lists them). ``options.links=False``
+  leaves every link alone (``nodes env``, which makes its links itself).
 * how: each node runs the node program ``dist`` (node/dist.py, over the transport);
   it says what it lacks (a file it holds with the same sha256 is kept; a partial
   file's verified 64 MiB chunks too), the launcher plans one chain in the nodes'
@@ -54,7 +57,7 @@ from clusterkit.remote.distplan import Chains, FeedRoutes, NodeView, records
 from clusterkit.remote.distssh import StdinOut
 from clusterkit.remote.disttypes import DistributeResult, NodeResult, Progress
 from clusterkit.remote.fanout import fan_out
-from clusterkit.remote.sync import Ignore, scan, source_entries
+from clusterkit.remote.sync import Ignore, followed_note, scan, source_entries
 
 DEFAULT_PORT = 29640  # first port each node tries for the chain (16 after it)
 READY_TIMEOUT_S = 600.0  # a node hashing what it already holds may take long
@@ -78,6 +81,7 @@ class DistOptions:
     on_progress: Callable[[Progress], None] | None = None
     on_note: Callable[[str], None] | None = None  # a note as it happens (also in notes)
     progress_every_s: float = 1.0
+    links: bool = True  # symbolic links travel (docs/sync.md); False: left alone
     env: Mapping[str, str] | None = None  # the node program's environment
     ready_timeout_s: float = READY_TIMEOUT_S
 
@@ -108,16 +112,21 @@ def distribute(transport: Transport, nodes: Sequence[DistNode], src_dir: str,
                ) -> DistributeResult:
     """Put ``src_dir`` on every node (module docstring); per-node results."""
     opts = options or DistOptions()
-    found = scan(src_dir, opts.ignore)
+    found = scan(src_dir, opts.ignore, opts.links)
     entries, hashed = source_entries(found.files, opts.cache_dir, src_dir)
     paths = {e[store.REL]: found.files[e[store.REL]].path for e in entries}
+    links = [[rel, text] for rel, text in sorted(found.symlinks.items())]
     result = DistributeResult(
-        digest=store.entries_digest(entries),
+        digest=store.entries_digest(entries, links),
         files=len(entries), total_bytes=sum(int(e[store.SIZE]) for e in entries),
         nodes={n.name: NodeResult(n.name) for n in nodes}, hashed_bytes=hashed,
-        links=list(found.links))
+        links=list(found.links), symlinks=len(links))
+    run = _Run(transport, nodes, dest_dir, entries, paths, opts, result,
+               links if opts.links else None)
+    if found.followed:
+        run.note(followed_note(src_dir, found))
     if nodes:
-        _Run(transport, nodes, dest_dir, entries, paths, opts, result).run()
+        run.run()
     return result
 
 
@@ -126,7 +135,7 @@ class _Run:
 
     def __init__(self, transport: Transport, nodes: Sequence[DistNode], dest_dir: str | None,
                  entries: list[list[Any]], paths: dict[str, str], opts: DistOptions,
-                 result: DistributeResult) -> None:
+                 result: DistributeResult, links: list[list[str]] | None = None) -> None:
         self.transport, self.nodes, self.dest_dir = transport, nodes, dest_dir
         self.entries, self.paths, self.opts, self.result = entries, paths, opts, result
         self.secret = secrets.token_hex(32)
@@ -141,12 +150,13 @@ class _Run:
         self.feeders: dict[int, threading.Thread] = {}
         self.socks: list[socket.socket] = []
         self.changed: set[str] = set()
+        self.links = links  # [rel, target] the nodes make; None: they leave links alone
 
     # ---------------------------------------------------------------- sessions
     def _start(self, i: int, node: DistNode) -> None:
         dest = self.dest_dir or node.dest
         spec = {"dest": dest, "index": i, "secret": self.secret, "files": self.entries,
-                "port": self.opts.port, "delete": self.opts.delete}
+                "links": self.links, "port": self.opts.port, "delete": self.opts.delete}
         cmd = node_command(node.python, "dist", ["serve"])
         res = self.result.nodes[node.name]
         try:
@@ -179,7 +189,7 @@ class _Run:
         if out is not None:
             out.say(msg)
 
-    def _note(self, text: str) -> None:
+    def note(self, text: str) -> None:
         self.result.notes.append(text)
         if self.opts.on_note:
             self.opts.on_note(text)
@@ -280,7 +290,7 @@ class _Run:
             route, note = self.routes.decide(head, peer.node.name, peer.port, str(exc))
             if route == "ssh":
                 if note:
-                    self._note(note)
+                    self.note(note)
                 self._feed_over_ssh(peer)
             else:
                 self.events.put((head, {"ev": "unreachable", "why": str(exc)}))
@@ -403,6 +413,8 @@ class _Run:
             res.failed = {str(k): str(v) for k, v in dict(ev.get("failed", {})).items()}
             res.lacking, res.lacking_count = list(ev["lacking"]), int(ev["lacking_count"])
             res.deleted = list(ev.get("deleted", []))
+            res.links_made = int(ev.get("links", 0))
+            res.links_failed = int(ev.get("links_failed", 0))
         elif kind == "feed-from":
             peer.feed_from = int(ev["seq"])
             peer.fed.set()
@@ -431,7 +443,7 @@ class _Run:
             head = self.chains.split_before(target.index)
             copies = len(self.chains.chains)
         if head is not None:
-            self._note(
+            self.note(
                 f"node-to-node blocked on port {ev['port']} ({peer.node.name} -> "
                 f"{target.node.name}: {ev['why']}): sending {copies} copies from here, "
                 f"~{copies}x size/rate")

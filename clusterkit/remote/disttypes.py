@@ -29,6 +29,8 @@ class NodeResult:
     failed: dict[str, str] = field(default_factory=dict)  # file -> why
     lacking: list[str] = field(default_factory=list)
     lacking_count: int = 0
+    links_made: int = 0  # symbolic links made or repointed (the others were right)
+    links_failed: int = 0  # of ``failed``, how many are links
     why: str = ""
 
     def summary(self) -> str:
@@ -39,8 +41,10 @@ class NodeResult:
             return (f"lost mid-transfer ({self.why}): {fmt_bytes(self.got_bytes)} of "
                     f"{fmt_bytes(self.need_bytes)} in {self.files_sent} file(s) delivered; "
                     "run sync again to complete it")
-        parts = [f"{self.files_sent - len(self.failed)} file(s) sent "
+        parts = [f"{self.files_sent - len(self.failed) + self.links_failed} file(s) sent "
                  f"({self.got_bytes:,} bytes, verified)", f"{self.unchanged} unchanged"]
+        if self.links_made:
+            parts.append(f"{self.links_made} link(s) made")
         if self.failed:
             first = sorted(self.failed)[0]
             parts.append(f"{len(self.failed)} failed ({first}: {self.failed[first]})")
@@ -63,7 +67,8 @@ class DistributeResult:
     chains: list[list[str]] = field(default_factory=list)  # as first planned
     notes: list[str] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)  # source files changed while read
-    links: list[str] = field(default_factory=list)  # symbolic links not copied
+    links: list[str] = field(default_factory=list)  # symbolic links not copied (dangling, loop)
+    symlinks: int = 0  # symbolic links carried as links (they stay inside the directory)
 
     def node_ok(self, name: str) -> bool:
         r = self.nodes[name]

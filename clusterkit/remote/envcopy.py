@@ -246,8 +246,10 @@ def distribute_transfer(transport: Transport, nodes: Sequence[EnvNode], part: Pa
     from clusterkit.remote.distribute import DistNode, DistOptions, distribute
     from clusterkit.remote.sync import Ignore
 
+    # links=False: the engine leaves links alone; envfacts finish makes the environment's
+    # own, as written (an absolute bin/python -> /usr/bin/python3.11 included).
     opts = DistOptions(delete=True, ignore=Ignore.parse("\n".join(envfacts.SKIPPED)),
-                       cache_dir=cache_dir, on_progress=on_progress)
+                       cache_dir=cache_dir, on_progress=on_progress, links=False)
     res = distribute(transport, [DistNode(n.name, n.target, n.python, n.address, part.path)
                                  for n in nodes], part.path, part.path, options=opts)
     out = {}

@@ -2,8 +2,11 @@
 
 * :class:`Ignore` / :func:`load_ignore`: ``.clusterkitignore`` (gitignore-style) plus
   what never travels (``.git/``, bytecode, launch's job dirs, checkpoint dirs);
-* :func:`manifest`: every regular file under the source that is not ignored (symbolic
-  links are not followed and not copied: :func:`manifest` counts them);
+* :func:`scan`: every regular file under the source that is not ignored, and its
+  symbolic links (docs/sync.md, "Symbolic links"): a link that resolves inside the
+  source travels as a link (:func:`link_text`); one that leads outside is followed and
+  what it points at travels as files (rsync's ``--copy-unsafe-links``); a dangling
+  link or a loop is listed, not copied;
 * :func:`source_entries`: each file's sha256 and its 64 MiB chunks' (node/dist_store.py),
   from a cache on this machine keyed by (path, size, mtime_ns), so a second run with
   nothing changed hashes nothing.
@@ -18,6 +21,7 @@ import hashlib
 import json
 import os
 import posixpath
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,40 +113,140 @@ class LocalFile:
 
 @dataclass
 class Scan:
-    """What :func:`scan` found: the files, and the symbolic links it left out."""
+    """What :func:`scan` found: the files, the links kept as links (rel -> the link text
+    the nodes make), the links followed out of the source (rel -> where they lead: what
+    is there travels as files) and the links not copied (dangling, a loop)."""
 
     files: dict[str, LocalFile] = field(default_factory=dict)
     links: list[str] = field(default_factory=list)
+    symlinks: dict[str, str] = field(default_factory=dict)
+    followed: dict[str, str] = field(default_factory=dict)
 
 
-def scan(src: str, ignore: Ignore) -> Scan:
-    """Every regular file under ``src`` that is not ignored, by POSIX relative path;
-    symbolic links are neither followed nor copied (a loop cannot trap the walk)."""
+def scan(src: str, ignore: Ignore, links: bool = True) -> Scan:
+    """Every regular file under ``src`` that is not ignored, by POSIX relative path, and
+    its symbolic links (module docstring); a link to a directory inside ``src`` is kept
+    as a link, never walked, and a followed one is walked only where it does not lead
+    back into a directory being walked, so no loop traps the walk. ``links=False``:
+    every link is listed in ``links`` and nothing more (``nodes env``)."""
     out = Scan()
-    for d, dirs, names in os.walk(src):
-        rel_dir = os.path.relpath(d, src).replace(os.sep, "/")
-        rel_dir = "" if rel_dir == "." else rel_dir + "/"
-        keep = []
-        for x in sorted(dirs):
-            if ignore.ignored(rel_dir + x, True) or rel_dir + x == dist_store.STATE_DIR:
-                continue  # (a synced copy's own state never travels on)
-            if os.path.islink(os.path.join(d, x)):
-                out.links.append(rel_dir + x)
-            else:
-                keep.append(x)
-        dirs[:] = keep
-        for n in sorted(names):
-            p = os.path.join(d, n)
-            if ignore.ignored(rel_dir + n, False):
-                continue
-            if os.path.islink(p):
-                out.links.append(rel_dir + n)
-                continue
-            st = os.lstat(p)
-            if os.path.isfile(p):
-                out.files[rel_dir + n] = LocalFile(st.st_size, st.st_mtime_ns,
-                                                   st.st_mode & 0o7777, p)
+    root = os.path.realpath(src)
+    _Walk(src, root, ignore, links, out).dir(src, "", (root,), False)
     return out
+
+
+@dataclass
+class _Walk:
+    src: str
+    root: str  # realpath of src
+    ignore: Ignore
+    carry: bool
+    out: Scan
+
+    def dir(self, path: str, rel_dir: str, ancestors: tuple[str, ...], outside: bool) -> None:
+        try:
+            names = sorted(os.listdir(path))
+        except OSError:
+            return  # (as os.walk: an unreadable directory is left out)
+        for n in names:
+            rel, p = rel_dir + n, os.path.join(path, n)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                self.link(p, rel, ancestors, outside)
+            elif stat.S_ISDIR(st.st_mode):
+                if self.ignore.ignored(rel, True) or rel == dist_store.STATE_DIR:
+                    continue
+                real = os.path.realpath(p)
+                if real in ancestors:  # (a followed link's tree that holds it again)
+                    self.out.links.append(rel)
+                else:
+                    self.dir(p, rel + "/", (*ancestors, real), outside)
+            elif stat.S_ISREG(st.st_mode) and not self.ignore.ignored(rel, False):
+                self.out.files[rel] = LocalFile(st.st_size, st.st_mtime_ns,
+                                                st.st_mode & 0o7777, p)
+
+    def link(self, p: str, rel: str, ancestors: tuple[str, ...], outside: bool) -> None:
+        is_dir = os.path.isdir(p)
+        if self.ignore.ignored(rel, is_dir):
+            return
+        if not self.carry or not os.path.exists(p):  # (a dangling link, or a loop)
+            self.out.links.append(rel)
+            return
+        real = os.path.realpath(p)
+        if not outside and _within(real, self.root):
+            text = link_text(rel, os.readlink(p), os.path.abspath(self.src), self.root, real)
+            if text is None:
+                self.out.links.append(rel)
+            else:
+                self.out.symlinks[rel] = text
+            return
+        if is_dir and real in ancestors:
+            self.out.links.append(rel)  # leads back into a directory being walked
+            return
+        if not outside:
+            self.out.followed[rel] = real
+        if is_dir:
+            self.dir(p, rel + "/", (*ancestors, real), True)
+            return
+        st = os.stat(p)
+        if stat.S_ISREG(st.st_mode):
+            self.out.files[rel] = LocalFile(st.st_size, st.st_mtime_ns, st.st_mode & 0o7777, real)
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def link_text(rel: str, target: str, src_abs: str, root: str, real: str) -> str | None:
+    """The link text the nodes make for the link ``rel`` (text ``target``) that resolves
+    to ``real`` inside the source (realpath ``root``; ``src_abs`` as given): ``target``
+    itself when it is relative and, read as text, leads there without leaving the
+    source; else (an absolute path into the source, a detour through ``..`` outside it
+    or through another link) the relative path from the link's directory to ``real``,
+    so it points at the same thing under any destination. None: it leads into the
+    sync's own state (not copied)."""
+    rel_real = os.path.relpath(real, root).replace(os.sep, "/")
+    if rel_real.split("/")[0] == dist_store.STATE_DIR:
+        return None
+    base = posixpath.dirname(rel) or "."
+    lex: str | None = None
+    if not target.startswith("/"):
+        lex = posixpath.normpath(posixpath.join(base, target))
+    else:
+        for prefix in (src_abs, root):
+            if _within(target, prefix):
+                lex = posixpath.normpath(target[len(prefix):].lstrip("/") or ".")
+                break
+    if lex is not None and lex != ".." and not lex.startswith("../") \
+            and os.path.realpath(os.path.join(root, lex)) == real:
+        return target if not target.startswith("/") else posixpath.relpath(lex, base)
+    return posixpath.relpath(rel_real, base)
+
+
+def followed_note(src: str, found: Scan) -> str:
+    """The note for the links that lead outside ``src``: what they cost (their targets
+    travel as files) and how to leave one out."""
+    from clusterkit.remote.distplan import fmt_bytes
+
+    out = found.followed
+    size = sum(f.size for rel, f in found.files.items()
+               if any(rel == k or rel.startswith(k + "/") for k in out))
+    shown = ", ".join(f"{k} -> {v}" for k, v in sorted(out.items())[:3])
+    more = f" (+{len(out) - 3} more)" if len(out) > 3 else ""
+    return (f"{len(out)} link(s) lead outside {src}: copied as what they point at "
+            f"({fmt_bytes(size)}): {shown}{more}; to leave one out, list it in "
+            f"{os.path.join(src, IGNORE_FILE)}")
+
+
+def source_digest(src: str, ignore: Ignore, cache_dir: str | None) -> str:
+    """The digest of ``src`` as ``clusterkit sync`` sends it: files and kept links
+    (``doctor --sync`` compares the nodes' with it)."""
+    found = scan(src, ignore)
+    entries, _ = source_entries(found.files, cache_dir, src)
+    return dist_store.entries_digest(entries, found.symlinks.items())
 
 
 def manifest(src: str, ignore: Ignore) -> dict[str, LocalFile]:
