@@ -42,6 +42,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from clusterkit.errors import ClusterkitError
 from clusterkit.hostrange import fold, fold_numbers
 from clusterkit.node.contract import SUMMARY_PREFIX
 
@@ -151,6 +152,16 @@ def parse_ranks(spec: str) -> frozenset[int] | None:
             raise ValueError(f"bad rank range {part!r}: {first} > {last}")
         out.update(range(first, last + 1))
     return frozenset(out)
+
+
+def check_ranks(ranks: frozenset[int] | None, world_size: int) -> None:
+    """``--ranks`` against the job's size, once it is known (the parser cannot know it):
+    a selection naming no rank of the job would show nothing, silently."""
+    beyond = sorted(r for r in ranks or () if r >= world_size)
+    if beyond:
+        raise ClusterkitError(f"rank {beyond[0]} is not in this job: it has ranks 0-"
+                              f"{world_size - 1}", key="--ranks",
+                              hint=f"choose ranks below {world_size}, or all")
 
 
 class LineFolder:

@@ -87,11 +87,12 @@ def test_plan_renders_them_on_every_node_and_the_inventory_wins() -> None:
 
 def test_launch_hang_timeout_reaches_the_plan_env() -> None:
     """`launch --hang-timeout 60`: the planned ranks get the matching backend timeouts."""
-    from clusterkit.cli import cmd_launch
+    from clusterkit.cli.cmd_launch import launch_job_options
     from clusterkit.cli.main import build_parser
+    from clusterkit.jobs.launch import launch_options
 
     args = build_parser().parse_args(["launch", "--job-id", "ht", "--hang-timeout", "60"])
-    options = cmd_launch._options(args, "local")
+    options = launch_options(launch_job_options(args), "local", launcher=args.launcher)
     assert options.hang_timeout_s == 60.0
     from clusterkit.plan.build import plan_job
     from clusterkit.render.artifacts import render_all

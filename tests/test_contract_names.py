@@ -23,8 +23,8 @@ CK_NAME = re.compile(r"@?CLUSTERKIT_[A-Z0-9_]+@?")
 # and render words replaced before a command leaves the launcher: each in its one module.
 LOCAL_NAMES = {
     "CLUSTERKIT_DEBUG": "clusterkit/cli/main.py",
-    "CLUSTERKIT_HOME": "clusterkit/cli/common.py",
-    "CLUSTERKIT_INVENTORY": "clusterkit/cli/common.py",
+    "CLUSTERKIT_HOME": "clusterkit/jobs/here.py",
+    "CLUSTERKIT_INVENTORY": "clusterkit/jobs/here.py",
     "CLUSTERKIT_SSH_CLIENT": "clusterkit/remote/openssh.py",
     "CLUSTERKIT_SLURMWATCH_EOF": "clusterkit/render/sbatch.py",  # a here-doc's end word
     "@CLUSTERKIT_MASTER_ADDR@": "clusterkit/launchers/argv.py",

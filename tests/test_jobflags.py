@@ -97,13 +97,16 @@ def test_unknown_model_fails_at_parse_time() -> None:
 
 
 def test_doctor_tests_the_port_launch_uses() -> None:
-    from clusterkit.cli.cmd_doctor import _master_port
+    from clusterkit.jobs.doctor import doctor_master_port
     from clusterkit.spec.ports import master_port
 
-    doctor = _verb("doctor")
-    assert _master_port(doctor.parse_args(["--job-id", "run7"]), "c") == master_port("run7")
-    assert _master_port(doctor.parse_args([]), "c") == master_port("c")
-    assert _master_port(doctor.parse_args(["--master-port", "0"]), "c") is None
+    def port(argv: list[str]) -> int | None:
+        ns = _verb("doctor").parse_args(argv)
+        return doctor_master_port(ns.master_port, ns.job_id, "c")
+
+    assert port(["--job-id", "run7"]) == master_port("run7")
+    assert port([]) == master_port("c")
+    assert port(["--master-port", "0"]) is None
 
 
 def test_model_names_are_the_workload_presets() -> None:
@@ -114,8 +117,12 @@ def test_model_names_are_the_workload_presets() -> None:
 
 
 def test_the_same_flags_make_the_same_job_in_every_verb() -> None:
-    from clusterkit.cli.cmd_launch import _options
+    from clusterkit.cli.cmd_launch import launch_job_options
     from clusterkit.cli.cmd_render import job_options as render_options
+    from clusterkit.jobs.launch import launch_options
+
+    def _options(ns: argparse.Namespace, cluster: str) -> JobOptions:  # as api.launch takes it
+        return launch_options(launch_job_options(ns), cluster, launcher=ns.launcher)
 
     argv = ["--job-id", "j", "--zero-stage", "3", "--offload-optimizer", "cpu", "--micro-batch",
             "2", "--storage", "node-local", "--precision", "bf16", "--set-env", "A=1",

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -498,8 +499,12 @@ def test_status_lists_each_rank_pid_not_its_helpers(tmp_path: Path) -> None:
 
 
 def test_status_text_names_pids_and_the_launcher() -> None:
-    from clusterkit.cli.cmd_launch import _ranks_text
+    from clusterkit.cli.cmd_status import ranks_text
+    from clusterkit.jobs.status import NodeStatus
     from clusterkit.launch.jobs import JobRecord
+
+    def _ranks_text(answer: dict[str, Any]) -> str:  # an agent's `--status` answer, shown
+        return ranks_text(NodeStatus.from_answer("n1", answer))
 
     assert _ranks_text({"ranks": [0, 1], "pids": {"0": 51, "1": 52}, "fork_server_pid": 50,
                         "launcher_pid": None}) == "ranks 0,1 (pids 51,52)  fork server pid 50"

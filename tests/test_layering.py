@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("checks", "launch", "checkpoints"),
     ("workload",),
     ("jobs",),  # a job as a whole: recovery, resolution, collect-ckpt end to end
+    ("api",),  # the Python API (clusterkit/api.py): what the CLI verbs call
     ("cli",),
     ("__main__",),
 )

@@ -302,7 +302,8 @@ def test_py_spy_reads_a_stopped_rank_without_pausing_it(tmp_path: Path) -> None:
 
 
 def test_status_shows_each_nodes_step_and_last_progress(tmp_path: Path) -> None:
-    from clusterkit.cli.cmd_launch import _progress_text
+    from clusterkit.cli.cmd_status import progress_text
+    from clusterkit.jobs.status import NodeStatus
 
     spec = AgentSpec(job_id="j", node="node1", job_dir=str(tmp_path))
     a = agent_mod.Agent(spec, io.StringIO())
@@ -310,6 +311,7 @@ def test_status_shows_each_nodes_step_and_last_progress(tmp_path: Path) -> None:
     a.write_state("running", progress={"idle_s": 0.0, "step": 12, "time": time.time() - 7})
     info = job_status("j", str(tmp_path), "node1")
     assert info["progress"]["step"] == 12 and 6 <= info["progress"]["age_s"] < 30
-    text = _progress_text(info["progress"], True)
+    node = NodeStatus.from_answer("node1", {**info, "agent_alive": True})
+    text = progress_text(node)
     assert text.startswith("  step 12, last progress ") and "s ago)" in text
-    assert _progress_text(info["progress"], False) == ""
+    assert progress_text(NodeStatus.from_answer("node1", {**info, "agent_alive": False})) == ""

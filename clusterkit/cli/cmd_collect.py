@@ -17,12 +17,12 @@ from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.common import (
     add_inventory_option,
     add_selection_options,
-    clusterkit_home,
     resolve_inventory,
 )
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import check_writable
 from clusterkit.inventory import Host
+from clusterkit.jobs.here import clusterkit_home
 from clusterkit.remote.base import SSHTarget, target_for
 from clusterkit.slurm.steps import ALLOC_WAIT_S
 from clusterkit.units import duration_type, size_type

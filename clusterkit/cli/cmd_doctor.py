@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,26 +13,24 @@ from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.common import (
     add_inventory_option,
     add_selection_options,
-    clusterkit_home,
     resolve_inventory,
 )
 from clusterkit.cli.jobflags import job_id_type
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import check_writable
-from clusterkit.inventory import replicas_problem
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER
 from clusterkit.node.contract import StorageKind
 from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S
-from clusterkit.spec.ports import master_port
 from clusterkit.units import duration_type, parse_size, size_type  # the one size rule
 
 if TYPE_CHECKING:
     from clusterkit.checks.doctor import DoctorReport
     from clusterkit.inventory import Host
+    from clusterkit.jobs.doctor import DoctorResult, ExtraCheck
+    from clusterkit.remote.base import Transport
 
-# The checks are imported when doctor runs, not when the parser is built: every
-# clusterkit command builds the whole parser.
-HEAD_TOOLS = ("pdsh", "ninja", "ssh")
+# The checks (clusterkit.api -> jobs/doctor.py) are imported when doctor runs, not when
+# the parser is built: `clusterkit --help` builds every verb's parser.
 BANDWIDTH_SIZE = "4M"  # --bandwidth's message size unless --bandwidth-size says otherwise
 _STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
 
@@ -91,61 +88,25 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=cmd_doctor)
 
 
-def _master_port(args: argparse.Namespace, cluster: str) -> int | None:
-    """The port to test: --master-port, else the one launch derives from the job id."""
-    if args.master_port is not None:
-        return args.master_port or None
-    return master_port(args.job_id or cluster)
-
-
-def _replicas(args: argparse.Namespace, hosts: list[Host]) -> int:
-    """K as launch would take it: --replicas, the inventory's, else 1 when storage would
-    be node-local (storage auto: not every host has checkpoint.shared_dir)."""
-    if args.replicas is not None:
-        if why := replicas_problem(args.replicas):
-            raise ClusterkitError(why, key="--replicas")
-        return int(args.replicas)
-    if hosts and hosts[0].checkpoint.replicas is not None:
-        return hosts[0].checkpoint.replicas
-    return 1 if len(hosts) > 1 and not all(h.checkpoint.shared_dir for h in hosts) else 0
-
-
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from clusterkit.checks.doctor import fanout_transport, run_doctor
-    from clusterkit.checks.doctor_plan import plan_doctor
-    from clusterkit.hostfile import select_hosts
+    from clusterkit import api
 
     if args.bandwidth_size is not None and not args.bandwidth:  # would be ignored silently
         raise ClusterkitError("only goes with --bandwidth", key="--bandwidth-size",
                               hint="add --bandwidth to measure, or drop --bandwidth-size")
     if args.fix_env:
         check_writable(args.fix_env, "--fix-env")  # before the checks run, not after
-    inv = resolve_inventory(args.inventory)
-    chosen = select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                          include=args.include, exclude=args.exclude)
-    plan = plan_doctor(
-        [h for h, _slots in chosen], head_python=sys.executable, head_cwd=os.getcwd(),
-        head_tools={t: shutil.which(t) for t in HEAD_TOOLS},
-        backend=args.backend, master_port=_master_port(args, inv.name),
-        checkpoint_bytes=args.ckpt_size or None, replicas=_replicas(args, [h for h, _ in chosen]),
+    done = api.doctor(
+        resolve_inventory(args.inventory), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        include=args.include, exclude=args.exclude, launcher=args.backend, job_id=args.job_id,
+        master_port=args.master_port, ckpt_bytes=args.ckpt_size, replicas=args.replicas,
         storage=args.storage,
+        bandwidth=(args.bandwidth_size or parse_size(BANDWIDTH_SIZE)) if args.bandwidth else None,
         connect_timeout_s=args.connect_timeout, accept_new_host_keys=args.accept_new_host_keys,
-    )
-    from clusterkit.remote.dispatch import transport_for
-
-    with transport_for(connect_timeout=args.connect_timeout) as transport:
-        fast, client = fanout_transport(plan, transport)
-        report = run_doctor(plan, fast, ssh_client=client)
-        if args.sync:
-            from clusterkit.cli.cmd_sync import doctor_sync_parity
-
-            report = doctor_sync_parity(report, transport, args.sync, [h for h, _ in chosen])
-        if args.bandwidth:
-            from clusterkit.checks.bandwidth import add_bandwidth
-
-            report = add_bandwidth(report, transport,
-                                   nbytes=args.bandwidth_size or parse_size(BANDWIDTH_SIZE))
-    _remember_ifaces(inv.name, report, quiet=args.json)
+        extra=(_sync_parity(args.sync),) if args.sync else ())
+    report = done.report
+    if done.ifaces and not args.json:
+        _say_ifaces(done)
     if args.json:
         print(json.dumps(report.to_json(strict=args.strict), indent=2))
     else:
@@ -155,16 +116,23 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return report.exit_code(strict=args.strict)
 
 
-def _remember_ifaces(cluster: str, report: DoctorReport, *, quiet: bool) -> None:
-    """Keep each node's peer interface for launch/render/sbatch (docs/doctor.md, issue 14)."""
-    from clusterkit.checks.netpick import picks_path, remember_picks
+def _sync_parity(src: str) -> ExtraCheck:
+    """``--sync DIR``: one sync.parity finding per node (cli/cmd_sync.py)."""
+    from clusterkit.cli.cmd_sync import doctor_sync_parity
+
+    def check(report: DoctorReport, transport: Transport, hosts: Sequence[Host]) -> DoctorReport:
+        return doctor_sync_parity(report, transport, src, hosts)
+
+    return check
+
+
+def _say_ifaces(done: DoctorResult) -> None:
+    """Each node's peer interface is kept for launch/render/sbatch (docs/doctor.md, issue 14)."""
     from clusterkit.plan.ifaces import cluster_env
 
-    picks = remember_picks(clusterkit_home(), cluster, report.facts)
-    if picks and not quiet:
-        env = " ".join(f"{k}={v}" for k, v in cluster_env(picks).items())
-        print(f"clusterkit: launch/render/sbatch will set {env} unless the inventory sets them "
-              f"({picks_path(clusterkit_home(), cluster)})", file=sys.stderr)
+    env = " ".join(f"{k}={v}" for k, v in cluster_env(done.ifaces).items())
+    print(f"clusterkit: launch/render/sbatch will set {env} unless the inventory sets them "
+          f"({done.ifaces_file})", file=sys.stderr)
 
 
 def print_report(report: DoctorReport, *, verbose: bool, strict: bool) -> None:

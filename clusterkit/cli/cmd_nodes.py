@@ -96,8 +96,8 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 def cmd_env(args: argparse.Namespace) -> int:
     from clusterkit.cli.cmd_sync import Shower
-    from clusterkit.cli.common import clusterkit_home
     from clusterkit.hostrange import folded_lines
+    from clusterkit.jobs.here import clusterkit_home
     from clusterkit.remote.base import target_for
     from clusterkit.remote.dispatch import transport_for
     from clusterkit.remote.envcopy import EnvNode, describe_local, distribute_transfer, replicate

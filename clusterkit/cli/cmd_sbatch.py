@@ -27,12 +27,12 @@ from clusterkit.cli.common import (
     add_inventory_option,
     add_ranks_option,
     add_selection_options,
-    check_ranks,
     job_facts,
     resolve_inventory,
 )
 from clusterkit.cli.jobflags import SCRIPT_OPTION, launcher_given
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
+from clusterkit.fold import check_ranks
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.launchers import BACKENDS
 from clusterkit.node.contract import ENV_STOP_FILE, JobDir, StorageKind
@@ -231,7 +231,7 @@ def _submit(client: SlurmClient, plan: LaunchPlan, path: Path, template_dir: str
 def _register(job_dir: str, slurm_id: str) -> None:
     """The job in the local registry (launch/jobs.py): collect-ckpt finds it by
     clusterkit's id or Slurm's. The job is submitted already: a failure only warns."""
-    from clusterkit.cli.common import clusterkit_home
+    from clusterkit.jobs.here import clusterkit_home
     from clusterkit.launch.jobs import Registry
 
     try:

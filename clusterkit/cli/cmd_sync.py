@@ -15,12 +15,12 @@ from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.common import (
     add_inventory_option,
     add_selection_options,
-    clusterkit_home,
     resolve_inventory,
 )
 from clusterkit.errors import ClusterkitError
 from clusterkit.hostfile import select_hosts
 from clusterkit.inventory import Host
+from clusterkit.jobs.here import clusterkit_home
 
 if TYPE_CHECKING:
     from clusterkit.checks.doctor import DoctorReport

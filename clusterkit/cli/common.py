@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
-from dataclasses import replace
 from pathlib import Path
 
 from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.safety import HostfilePath, node_spec_hint
-from clusterkit.errors import ClusterkitError, InventoryError
+from clusterkit.errors import InventoryError
 from clusterkit.fold import parse_ranks
-from clusterkit.inventory import Inventory, load_inventory, local_inventory, parse_inventory
+from clusterkit.inventory import Inventory, parse_inventory
+from clusterkit.jobs.here import ENV_INVENTORY, find_inventory, inventory_path, launch_facts
 from clusterkit.spec.job import LaunchFacts
-
-ENV_INVENTORY = "CLUSTERKIT_INVENTORY"
 
 
 def add_inventory_option(parser: argparse.ArgumentParser) -> None:
@@ -48,49 +45,24 @@ def _rank_selection(text: str) -> frozenset[int] | None:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def check_ranks(ranks: frozenset[int] | None, world_size: int) -> None:
-    """``--ranks`` against the job's size, once it is known (the parser cannot know it):
-    a selection naming no rank of the job would show nothing, silently."""
-    beyond = sorted(r for r in ranks or () if r >= world_size)
-    if beyond:
-        raise ClusterkitError(f"rank {beyond[0]} is not in this job: it has ranks 0-"
-                              f"{world_size - 1}", key="--ranks",
-                              hint=f"choose ranks below {world_size}, or all")
-
-
-def clusterkit_home() -> Path:
-    """Where the embedded default keeps its virtual nodes' disks and job dirs."""
-    env = os.environ.get("CLUSTERKIT_HOME")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "clusterkit"
-
-
 def job_facts(args: argparse.Namespace, inventory: Inventory) -> LaunchFacts:
-    """The facts launch/render/sbatch plan with: the launching machine's
-    (``jobflags.launch_facts``) and the interface the last ``clusterkit doctor`` saved
-    for each node (checks/netpick.py), which the plan turns into NCCL_SOCKET_IFNAME==IF
-    and GLOO_SOCKET_IFNAME=IF where neither the inventory nor this shell sets them
-    (plan/ifaces.py; plan.json and the dry run show what it set)."""
-    from clusterkit.checks.netpick import saved_picks
-    from clusterkit.cli.jobflags import launch_facts
+    """The facts launch/render/sbatch plan with (``jobs.here.launch_facts``: this
+    machine's, and the interface the last ``clusterkit doctor`` saved for each node)."""
+    from clusterkit.cli.jobflags import program
 
-    return replace(launch_facts(args),
-                   doctor_ifaces=saved_picks(clusterkit_home(), inventory.name))
+    return launch_facts(cluster=inventory.name, script=program(args)["script"],
+                        master_addr=args.master_addr)
 
 
 def resolve_inventory(path: str | None) -> Inventory:
-    candidate = path or os.environ.get(ENV_INVENTORY)
-    if not candidate and Path("clusterkit.yaml").is_file():
-        candidate = "clusterkit.yaml"
+    """``-i``/``--hostfile``, else the chain of ``jobs.here.inventory_path``; a missing
+    file that looks like a node spec says so (``-i node1,node2``)."""
+    candidate = inventory_path(path)
     if isinstance(candidate, HostfilePath):  # --hostfile: DeepSpeed's host list
         return _from_hostfile(candidate)
-    if candidate:
-        if not Path(candidate).exists() and (hint := node_spec_hint(candidate)):
-            raise InventoryError("inventory file not found", path=candidate, key="-i",
-                                 hint=hint)
-        return load_inventory(candidate)
-    return local_inventory(str(clusterkit_home() / "local"))
+    if candidate and not Path(candidate).exists() and (hint := node_spec_hint(candidate)):
+        raise InventoryError("inventory file not found", path=candidate, key="-i", hint=hint)
+    return find_inventory(candidate)
 
 
 def _from_hostfile(path: str) -> Inventory:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
-import os
-import sys
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -24,7 +22,7 @@ from clusterkit.cli.safety import SCRIPT_DESTS, NotForThisVerb
 from clusterkit.errors import ClusterkitError
 from clusterkit.inventory import ADDRESS  # the inventory's own address rule
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER, launchers_help
-from clusterkit.spec.job import JOB_ID, JobOptions, LaunchFacts, RunOptions, default_job_id
+from clusterkit.spec.job import JOB_ID, JobOptions, RunOptions, default_job_id
 from clusterkit.units import duration_type
 
 # Flags that are not JobOptions fields one to one (the verb maps them).
@@ -211,25 +209,6 @@ def program(args: argparse.Namespace) -> dict[str, Any]:
     if args.module or script or not words or (lead and words[0].startswith("-")):
         return {"script": script, "module": args.module, "script_args": tuple(words)}
     return {"script": words[0], "module": None, "script_args": tuple(words[1:])}
-
-
-def launch_facts(args: argparse.Namespace) -> LaunchFacts:
-    """The only place the launching machine is looked at (the plan never probes)."""
-    cwd = os.getcwd()
-    return LaunchFacts(python=sys.executable, cwd=cwd, environ=dict(os.environ),
-                       master_addr=args.master_addr,
-                       script_text=_read_script(program(args)["script"], cwd))
-
-
-def _read_script(script: str | None, cwd: str) -> str | None:
-    """The script's first MiB, if it is here (with a node-only path it is not)."""
-    if script is None:
-        return None
-    try:
-        with open(os.path.join(cwd, script), encoding="utf-8", errors="replace") as fh:
-            return fh.read(1 << 20)
-    except OSError:
-        return None
 
 
 def job_options(args: argparse.Namespace, *, job_id: str) -> JobOptions:
