@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -148,15 +149,18 @@ def test_making_links_on_a_node(tmp_path: Path) -> None:
     d = tmp_path / "d"
     (d / "old").mkdir(parents=True)
     (d / "old" / "x").write_text("x")
-    os.symlink("old", d / "was-link")  # the source now has a directory here
+    os.symlink("old", d / "was-link")  # sync made it; the source now has a directory here
+    os.symlink("old", d / "users")  # someone made it on the node: written through
     (d / "file").write_text("a file where a link goes")
     os.symlink("stale", d / "right")
     os.symlink("b", d / "ok")
     (d / "emptied" / "sub").mkdir(parents=True)
     links = [["ok", "b"], ["right", "b"], ["file", "b"], ["emptied", "b"], ["old", "b"],
              ["new/dir/l", "../../b"], ["bad", "../../out"]]
-    held, todo, refused = store.plan_links(str(d), links, ["was-link/f", "ok", "new/dir/l"])
+    held, todo, refused = store.plan_links(str(d), links, ["was-link/f", "users/f", "ok",
+                                                           "new/dir/l"], {"was-link": "old"})
     assert not os.path.lexists(d / "was-link") and (d / "old" / "x").exists()
+    assert os.readlink(d / "users") == "old"
     assert held == {"ok": "b"} and set(refused) == {"bad"}
     made, failed = store.make_links(str(d), todo)
     assert set(made) == {"right", "file", "emptied", "new/dir/l"}
@@ -164,6 +168,36 @@ def test_making_links_on_a_node(tmp_path: Path) -> None:
     for rel in made:
         assert os.readlink(d / rel) == todo[rel]
     assert not [n for n in os.listdir(d) if n.startswith(".ck-link-tmp")]
+
+
+def test_a_directory_link_made_by_sync_gives_way_to_a_directory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
+    hub = tmp_path / "proj" / "hub"
+    (hub / "rev1").mkdir(parents=True)
+    (hub / "rev1" / "f").write_text("1")
+    os.symlink("rev1", hub / "main")
+    _inventory(tmp_path, 1)
+    _sync(tmp_path, capsys)
+    assert os.readlink(tmp_path / "w0" / "hub" / "main") == "rev1"
+    os.unlink(hub / "main")
+    (hub / "main").mkdir()
+    (hub / "main" / "f").write_text("2")
+    out, _ = _sync(tmp_path, capsys)
+    assert "v0: 1 file(s) sent (1 bytes, verified), 1 unchanged" in out
+    node = tmp_path / "w0" / "hub"
+    assert not (node / "main").is_symlink() and (node / "main" / "f").read_text() == "2"
+    assert (node / "rev1" / "f").read_text() == "1"
+    # Back to a link: the directory holds a file the source lacks; --delete clears it.
+    shutil.rmtree(hub / "main")
+    os.symlink("rev1", hub / "main")
+    out, _ = _sync(tmp_path, capsys, code=2)
+    assert "v0: 0 file(s) sent (0 bytes, verified), 1 unchanged, 1 failed (main: cannot make " \
+        "the link: main is a directory on this node that holds files the source lacks (sync " \
+        "--delete removes them)), 1 extra file(s) kept" in out, out
+    out, _ = _sync(tmp_path, capsys, "--delete")
+    assert "v0: 0 file(s) sent (0 bytes, verified), 1 unchanged, 1 link(s) made, 1 deleted" in out
+    assert os.readlink(node / "main") == "rev1"
 
 
 # ----------------------------------------------------------------------------- local nodes

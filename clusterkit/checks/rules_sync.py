@@ -51,8 +51,9 @@ def check_sync(states: Mapping[str, Mapping[str, Any]], label: str, digest: str,
             out.append(Finding(CHECK, Status.FAIL, host, f"{label}: another version (digest "
                                f"{str(st.get('digest'))[:12]}, here {digest[:12]})", fix))
         else:
+            links = f"{st.get('links')} link(s), " if st.get("links") else ""
             out.append(Finding(CHECK, Status.PASS, host, f"{label}: {st.get('files')} file(s), "
-                               f"digest {digest[:12]} equal to here"))
+                               f"{links}digest {digest[:12]} equal to here"))
     return out
 
 

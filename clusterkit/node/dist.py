@@ -117,7 +117,8 @@ class Node:
         os.makedirs(os.path.join(self.dest, store.PARTIAL_DIR), exist_ok=True)
         if self.links is not None:
             self.links_held, self.links_todo, refused = store.plan_links(
-                self.dest, self.links, [str(x[0]) for x in self.entries + self.links])
+                self.dest, self.links, [str(x[0]) for x in self.entries + self.links],
+                (self.doc or {}).get("links") or {})
             self.failed.update(refused)
             self.links_failed.update(refused)
         seen_sha: set[str] = set()

@@ -252,14 +252,16 @@ def place_link(path: str, target: str) -> None:
         raise
 
 
-def plan_links(dest: str, links: list[list[Any]], rels: Any
+def plan_links(dest: str, links: list[list[Any]], rels: Any, ours: Any = ()
                ) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
     """What a node does with the source's links: (held: already right, todo: to make at
-    the end, refused: rel -> why). First, a link on the node where the source now has a
-    directory (an ancestor of one of ``rels``, the source's files and links) is removed,
-    so nothing is written through it into another directory."""
+    the end, refused: rel -> why). First, a link an earlier sync made (``ours``: its
+    manifest's) where the source now has a directory (an ancestor of one of ``rels``,
+    the source's files and links) is removed, so nothing is written through it into
+    another directory. A link someone made on the node stays: writing through it is
+    what they made it for (a directory on a bigger disk)."""
     parents = {"/".join(r.split("/")[:i]) for r in rels for i in range(1, r.count("/") + 1)}
-    for d in sorted(parents):
+    for d in sorted(parents & set(ours)):
         if os.path.islink(os.path.join(dest, d)):
             os.unlink(os.path.join(dest, d))
     held_: dict[str, str] = {}
