@@ -3,7 +3,7 @@
 Built by the launch runtime (:meth:`clusterkit.launch.runtime.Runtime.outcome`) from its
 state plus what only the I/O loop knows (the time taken, the out-of-band sweep);
 read by ``launch.run`` (the job record, relaunches) and ``cli/cmd_launch.py`` (the
-last lines), each importing it from here.
+summary lines), each importing it from here.
 """
 
 from __future__ import annotations

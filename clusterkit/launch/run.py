@@ -46,7 +46,7 @@ Planner = Callable[[JobOptions], JobPlan]
 Preparer = Callable[[JobPlan, JobRecord], "JobPlan | None"]
 # Before a restart's ranks start: ``launch --sync DIR`` puts DIR on the attempt's nodes
 # (a spare in a dropped node's place included; only what is missing travels) and
-# refuses (raises) unless every node then holds DIR's digest (cli/cmd_launch.py).
+# refuses (raises) unless every node then holds DIR's digest (jobs/launch.py: ``Sync``).
 Syncer = Callable[[JobPlan], None]
 
 
