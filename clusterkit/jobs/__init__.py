@@ -6,5 +6,9 @@
 parsing and printing and the Python API calls the same code:
 
 * ``recover``: readying a continued node-local job's checkpoint before its agents start
-  (spare restore from replicas, reshard, the refusal; docs/lost-a-node.md).
+  (spare restore from replicas, reshard, the refusal; docs/lost-a-node.md);
+* ``resolve``: a job id or job dir to its record, its nodes (``CollectNode``: SSH target
+  or Slurm place) and their checkpoint dirs; without a job, the inventory's hosts;
+* ``collect``: collect-ckpt end to end (``collect_job``: collect, consolidate, scatter,
+  prune) with a typed result.
 """
