@@ -16,6 +16,7 @@ import pytest
 from clusterkit.cli.main import main
 from clusterkit.node import dist_store as store
 from clusterkit.remote.sync import Ignore, link_text, scan
+from tests.test_sync_dist import _inventory
 
 SHA_CFG = "a" * 40
 SHA_W = "b" * 40
@@ -201,12 +202,6 @@ def test_a_directory_link_made_by_sync_gives_way_to_a_directory(
 
 
 # ----------------------------------------------------------------------------- local nodes
-def _inventory(tmp_path: Path, n: int = 3) -> None:
-    lines = ["schema_version: 1", "defaults:", "  transport: local", "  slots: 1", "hosts:"]
-    lines += [f"  v{i}: {{workdir: {tmp_path / f'w{i}'}}}" for i in range(n)]
-    (tmp_path / "inv.yaml").write_text("\n".join(lines) + "\n")
-
-
 def _sync(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str,
           code: int = 0) -> tuple[str, str]:
     cwd = os.getcwd()

@@ -113,6 +113,9 @@ def distribute(transport: Transport, nodes: Sequence[DistNode], src_dir: str,
     """Put ``src_dir`` on every node (module docstring); per-node results."""
     opts = options or DistOptions()
     found = scan(src_dir, opts.ignore, opts.links)
+    notes = [followed_note(src_dir, found)] if found.followed else []
+    if notes and opts.on_note:  # before hashing what the links lead to: it may be big
+        opts.on_note(notes[0])
     entries, hashed = source_entries(found.files, opts.cache_dir, src_dir)
     paths = {e[store.REL]: found.files[e[store.REL]].path for e in entries}
     links = [[rel, text] for rel, text in sorted(found.symlinks.items())]
@@ -120,13 +123,10 @@ def distribute(transport: Transport, nodes: Sequence[DistNode], src_dir: str,
         digest=store.entries_digest(entries, links),
         files=len(entries), total_bytes=sum(int(e[store.SIZE]) for e in entries),
         nodes={n.name: NodeResult(n.name) for n in nodes}, hashed_bytes=hashed,
-        links=list(found.links), symlinks=len(links))
-    run = _Run(transport, nodes, dest_dir, entries, paths, opts, result,
-               links if opts.links else None)
-    if found.followed:
-        run.note(followed_note(src_dir, found))
+        links=list(found.links), symlinks=len(links), notes=notes)
     if nodes:
-        run.run()
+        _Run(transport, nodes, dest_dir, entries, paths, opts, result,
+             links if opts.links else None).run()
     return result
 
 
@@ -189,7 +189,7 @@ class _Run:
         if out is not None:
             out.say(msg)
 
-    def note(self, text: str) -> None:
+    def _note(self, text: str) -> None:
         self.result.notes.append(text)
         if self.opts.on_note:
             self.opts.on_note(text)
@@ -290,7 +290,7 @@ class _Run:
             route, note = self.routes.decide(head, peer.node.name, peer.port, str(exc))
             if route == "ssh":
                 if note:
-                    self.note(note)
+                    self._note(note)
                 self._feed_over_ssh(peer)
             else:
                 self.events.put((head, {"ev": "unreachable", "why": str(exc)}))
@@ -443,7 +443,7 @@ class _Run:
             head = self.chains.split_before(target.index)
             copies = len(self.chains.chains)
         if head is not None:
-            self.note(
+            self._note(
                 f"node-to-node blocked on port {ev['port']} ({peer.node.name} -> "
                 f"{target.node.name}: {ev['why']}): sending {copies} copies from here, "
                 f"~{copies}x size/rate")
