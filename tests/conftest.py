@@ -78,19 +78,42 @@ def _private_clusterkit_home(tmp_path_factory: pytest.TempPathFactory) -> Iterat
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     order = {g: i for i, g in enumerate(dict.fromkeys(XDIST_GROUPS.values()))}
-    rank: dict[str, int] = {}
+    groups: dict[str, int] = {}
     for item in items:
         names = getattr(item, "fixturenames", ())
         group = next((g for fixture, g in XDIST_GROUPS.items() if fixture in names), None)
         if group is not None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group))
-        rank[item.nodeid] = order.get(group, len(order)) if group else len(order)
+        if group is not None:
+            groups[item.nodeid] = order[group]
         if item.get_closest_marker("extended") is not None and not EXTENDED:
             item.add_marker(pytest.mark.skip(reason=f"extended variant: {EXTENDED_ENV}=1 runs it"))
     if hasattr(config, "workerinput"):
-        # In an xdist worker: the long groups first (the scheduler hands out work in
-        # collection order), so neither worker ends the run with a long group alone.
-        items.sort(key=lambda item: rank[item.nodeid])
+        # In an xdist worker: the longest work first (the scheduler hands out the rest in
+        # collection order, one test at a time), so the run ends on short tests that fill
+        # both workers, never on one worker alone with a long test or group.
+        cost = _module_cost(items)
+        items.sort(key=lambda item: (groups.get(item.nodeid, len(order)), cost[_module(item)]))
+
+
+# Ungrouped tests, longest first: modules with a `slow` test (DeepSpeed training, tens of
+# seconds), then Slurm and test bed modules (seconds to a minute each), then the rest
+# (milliseconds). Whole modules, in collection order within each: a module fixture
+# (test_doctor_testbed's `bed`) is set up once per worker that runs its tests.
+COST_MARKERS = ("slow", "slurm", "testbed")
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def _module_cost(items: list[pytest.Item]) -> dict[str, int]:
+    cost: dict[str, int] = {}
+    for item in items:
+        mine = next((i for i, m in enumerate(COST_MARKERS)
+                     if item.get_closest_marker(m) is not None), len(COST_MARKERS))
+        cost[_module(item)] = min(mine, cost.get(_module(item), mine))
+    return cost
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

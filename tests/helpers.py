@@ -273,6 +273,26 @@ class Console:
         return code
 
 
+Wait = tuple[Callable[[], bool], float, str]  # (condition, seconds, what: for the failure)
+
+
+def lose_node_mid_run(tb: Testbed, run: Console, node: str, waits: Sequence[Wait], timeout: float,
+                      before_loss: Callable[[], object] | None = None) -> int:
+    """Wait on ``run`` for each of ``waits`` in turn (a save, its copies on the ring),
+    call ``before_loss``, destroy ``node`` while the job runs, and wait up to ``timeout``
+    s for the launcher to end: its exit code. On any failure the launcher is stopped too."""
+    try:
+        for cond, limit, what in waits:
+            run.wait_for(cond, limit, what)
+        if before_loss is not None:
+            before_loss()
+        tb.destroy(node)
+        return run.finish(timeout=timeout)
+    except BaseException:
+        run.finish(timeout=1)
+        raise
+
+
 def workload_summary(text: str) -> dict[str, Any]:
     lines = [ln for ln in text.splitlines() if ln.startswith("CLUSTERKIT_SUMMARY ")]
     assert lines, text[-4000:]

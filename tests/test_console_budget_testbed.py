@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.node.contract import REPLICA_MANIFEST
-from tests.helpers import Console, train_env, workload_summary
+from tests.helpers import Console, lose_node_mid_run, train_env, workload_summary
 from tests.testbed import Testbed, temporary
 
 USER_SCRIPT = Path(__file__).with_name("slurmbed") / "usertrain.py"
@@ -80,6 +80,7 @@ def _replicated(tb: Testbed, job: str, tag: str) -> bool:
 
 
 @pytest.mark.testbed
+@pytest.mark.slow
 def test_the_console_of_a_clean_run_fits_its_budget(testbed_required: None,
                                                     tmp_path: Path) -> None:
     with temporary(3) as tb:
@@ -95,6 +96,7 @@ def test_the_console_of_a_clean_run_fits_its_budget(testbed_required: None,
 
 
 @pytest.mark.testbed
+@pytest.mark.slow
 def test_the_console_of_a_lost_node_and_its_restart_fits_its_budget(
         testbed_required: None, tmp_path: Path) -> None:
     with temporary(4) as tb:
@@ -102,14 +104,9 @@ def test_the_console_of_a_lost_node_and_its_restart_fits_its_budget(
         inv.write_text(inv.read_text() + f"spares: [{SPARE}]\n")
         run = Console(_argv(inv, "lost", "--max-restarts", "1", "--drop-failed-nodes",
                             hold_after=SAVE_EVERY), train_env(tmp_path), tmp_path)
-        try:
-            run.wait_for(lambda: f"saved step{SAVE_EVERY}" in run.text, 300, "the first save")
-            run.wait_for(lambda: _replicated(tb, "lost", f"step{SAVE_EVERY}"), 120, "its replicas")
-            tb.destroy(LOST)
-            code = run.finish(timeout=400)
-        except BaseException:
-            run.finish(timeout=1)
-            raise
+        code = lose_node_mid_run(tb, run, LOST, [
+            (lambda: f"saved step{SAVE_EVERY}" in run.text, 300, "the first save"),
+            (lambda: _replicated(tb, "lost", f"step{SAVE_EVERY}"), 120, "its replicas")], 400)
     lines = _counted(run.text)
     _report("node-loss run", lines, LOSS_BUDGET)
     assert code == 0, run.text[-4000:]

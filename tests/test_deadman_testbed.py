@@ -88,6 +88,7 @@ def _partition_case(testbed: Testbed, tmp_path: Path, *, nodes: int, ranks: int,
         assert not job_pids(testbed, name, job), (name, text[-3000:])
 
 
+@pytest.mark.slow  # ~30 s: the keepalive, then the launcher's connect timeouts on the cut node
 def test_cut_node_tears_down_its_own_ranks(testbed: Testbed, tmp_path: Path) -> None:
     _partition_case(testbed, tmp_path, nodes=3, ranks=1, cut="node3")
 

@@ -339,6 +339,7 @@ def test_dead_address_is_reported_within_the_connect_timeout(bed: Bed) -> None:
     assert elapsed < 30
 
 
+@pytest.mark.slow  # ~30 s: a 10 s login, probes given up and asked again
 def test_slow_login_shell_on_the_master(bed: Bed) -> None:
     """The master's listener starts late: probes give up on it, doctor asks them again."""
     node = bed.node(1)

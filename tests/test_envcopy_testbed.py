@@ -59,6 +59,7 @@ def _env_findings(run: subprocess.CompletedProcess[str]) -> dict[str, dict[str, 
     return {f["host"]: f for f in report["findings"] if f["check"] == "env.parity"}
 
 
+@pytest.mark.slow  # ~30 s: a whole environment copied, then a launch
 def test_env_to_empty_prefixes_then_launch_doctor_gate_and_repair(
         testbed: Testbed, tmp_path: Path) -> None:
     nodes = [n.name for n in testbed.ensure(3)]

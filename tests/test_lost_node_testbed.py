@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 
 from clusterkit.node.contract import REPLICA_MANIFEST
-from tests.helpers import Console, Run, assert_trained, snapshot_tag, train_env, workload_summary
+from tests.helpers import (
+    Console,
+    Run,
+    Wait,
+    assert_trained,
+    lose_node_mid_run,
+    snapshot_tag,
+    train_env,
+    workload_summary,
+)
 from tests.testbed import Testbed, temporary
 
 STEP_LINE = re.compile(r"step (\d+)/\d+ \| loss")
@@ -97,12 +106,13 @@ def _replica_manifest(tb: Testbed, job: str, index: int, tag: str) -> Path:
     return tb.node_local_path(holder, f"ckpt/{job}.replicas/node{index}/{tag}/{REPLICA_MANIFEST}")
 
 
-def _saved_and_replicated(run: Console, tb: Testbed, job: str, saved: str, tag: str) -> None:
-    """Wait for the console's ``saved`` line, then for every node's copy of ``tag`` (its
-    manifest) on the node's ring successor."""
-    run.wait_for(lambda: saved in run.text, 600, saved)
-    run.wait_for(lambda: all(_replica_manifest(tb, job, i, tag).exists()
-                             for i in range(len(RING))), 120, f"replicas of {tag}")
+def _saved_and_replicated(run: Console, tb: Testbed, job: str, saved: str, tag: str
+                          ) -> list[Wait]:
+    """What to wait for: the console's ``saved`` line, then every node's copy of ``tag``
+    (its manifest) on the node's ring successor."""
+    return [(lambda: saved in run.text, 600, saved),
+            (lambda: all(_replica_manifest(tb, job, i, tag).exists() for i in range(len(RING))),
+             120, f"replicas of {tag}")]
 
 
 def _lose_node6_mid_run(tb: Testbed, inv: Path, tmp: Path, job: str, shape: Shape,
@@ -110,19 +120,19 @@ def _lose_node6_mid_run(tb: Testbed, inv: Path, tmp: Path, job: str, shape: Shap
     """Run job until ``shape.tag`` is complete and every node's copy of it sits on its ring
     successor, then destroy node6 while the job runs; return the console text."""
     run = Console(_argv(inv, job, shape), train_env(tmp), tmp)
-    try:
-        _saved_and_replicated(run, tb, job, f"checkpoint {shape.tag} complete", shape.tag)
+    at_loss: list[int] = []
+
+    def just_before() -> None:
         assert f"checkpoint {shape.next_tag} complete" not in run.text, \
             "the next save completed before node6 was lost: the scenario needs a slower run"
         if before_loss is not None:
             before_loss()
-        step_at_loss = max((int(m.group(1)) for m in STEP_LINE.finditer(run.text)), default=0)
+        at_loss.append(max((int(m.group(1)) for m in STEP_LINE.finditer(run.text)), default=0))
         assert f"checkpoint {shape.next_tag} complete" not in run.text
-        tb.destroy(LOST)
-        code = run.finish(timeout=180)
-    except BaseException:
-        run.finish(timeout=1)
-        raise
+
+    saved = _saved_and_replicated(run, tb, job, f"checkpoint {shape.tag} complete", shape.tag)
+    code = lose_node_mid_run(tb, run, LOST, saved, 180, just_before)
+    step_at_loss = at_loss[0]
     assert code != 0, run.text[-3000:]
     print(f"node6 destroyed at step ~{step_at_loss} (after {shape.tag} was replicated); "
           f"the launcher exited {code}:")
@@ -156,10 +166,17 @@ def _spare_case(tmp: Path, shape: Shape) -> None:
 
 
 @pytest.mark.testbed
+@pytest.mark.slow
+@pytest.mark.extended
 def test_a_lost_node_is_replaced_by_a_spare_and_the_resume_is_exact(
         testbed_required: None, tmp_path: Path) -> None:
     """ZeRO-2, 7 x 2, --replicas 1: node6 destroyed after the step-8 save was replicated;
-    --replace node6=node8 restores its part from node7 and ends on the reference's loss."""
+    --replace node6=node8 restores its part from node7 and ends on the reference's loss.
+
+    Extended (two minutes of the 2-core suite): by default the same loss, copy, restore
+    onto the spare and exact resume are run by tests/test_nonroot_testbed.py (3 x 1, the
+    launcher's own restart, as a user), and --replace's plan, continue rule and restore
+    by tests/test_recover.py."""
     _spare_case(tmp_path, SMALL)
 
 
@@ -247,14 +264,12 @@ def test_a_users_own_script_gets_replicas_and_the_spare(testbed_required: None,
         ref = _train_to_end(_user_argv(inv, "uref", shape), tmp_path)
         assert ref.code == 0 and ref.summary["finished"], ref.text[-4000:]
         run = Console(_user_argv(inv, "user", shape), train_env(tmp_path), tmp_path)
-        try:
-            _saved_and_replicated(run, tb, "user", f"saved {tag}", tag)
+
+        def not_finished() -> None:
             assert f"saved step{shape.steps}" not in run.text
-            tb.destroy(LOST)
-            code = run.finish(timeout=180)
-        except BaseException:
-            run.finish(timeout=1)
-            raise
+
+        saved = _saved_and_replicated(run, tb, "user", f"saved {tag}", tag)
+        code = lose_node_mid_run(tb, run, LOST, saved, 180, not_finished)
         assert code != 0, run.text[-3000:]
         again = _train_to_end(_user_argv(inv, "user", shape, "--replace", f"{LOST}={SPARE}"),
                               tmp_path)
@@ -282,13 +297,8 @@ def test_a_running_job_survives_a_lost_node_on_its_own(testbed_required: None,
         assert_trained(ref, shape.steps, 14)
         run = Console(_argv(inv, "auto", shape, "--max-restarts", "1", "--drop-failed-nodes"),
                       train_env(tmp_path), tmp_path)
-        try:
-            _saved_and_replicated(run, tb, "auto", f"checkpoint {shape.tag} complete", shape.tag)
-            tb.destroy(LOST)
-            code = run.finish(timeout=900)
-        except BaseException:
-            run.finish(timeout=1)
-            raise
+        saved = _saved_and_replicated(run, tb, "auto", f"checkpoint {shape.tag} complete", shape.tag)
+        code = lose_node_mid_run(tb, run, LOST, saved, 900)
         text = run.text
         assert code == 0, text[-4000:]
         assert f"restored {shape.tag} of node index 5 ({LOST}) onto {SPARE}" in text, text[-4000:]

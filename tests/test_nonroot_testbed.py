@@ -119,6 +119,7 @@ def _lose_node2_after_the_replicated_save(tb: Testbed, run: Console, job: str) -
 
 
 @pytest.mark.testbed
+@pytest.mark.slow
 def test_as_a_user_replicas_and_a_lost_node_continued_on_the_spare(
         testbed_required: None) -> None:
     """(a) the uninterrupted run replicates its saves, every file the user's; (b) node2

@@ -52,6 +52,7 @@ def _shape(tb: Testbed, nodes: list[Any], mbit: int | None) -> None:
         subprocess.run(argv, capture_output=True, check=mbit is not None, timeout=30)
 
 
+@pytest.mark.slow  # ~30 s
 def test_chain_delta_lost_node_and_flipped_byte(testbed: Testbed, tmp_path: Path) -> None:
     nodes = testbed.ensure(4)[:4]
     work = testbed.local_mountpoint / f"sd-{tmp_path.name}"
@@ -224,7 +225,7 @@ def test_a_spare_that_takes_a_lost_nodes_place_gets_the_synced_dir(testbed_requi
     restart's ranks start, data goes to node4 (which never had it) and node1-2 are sent
     nothing; the restarted job ends, and node4's copy is byte-identical."""
     from clusterkit.node.contract import REPLICA_MANIFEST
-    from tests.helpers import Console, train_env
+    from tests.helpers import Console, lose_node_mid_run, train_env
     from tests.testbed import temporary
 
     data = tmp_path / "data"
@@ -242,13 +243,8 @@ def test_a_spare_that_takes_a_lost_nodes_place_gets_the_synced_dir(testbed_requi
         run = Console(argv, train_env(tmp_path), tmp_path)
         replica = tb.node_local_path(
             "node1", f"ckpt/sp.replicas/node2/global_step4/{REPLICA_MANIFEST}")
-        try:
-            run.wait_for(replica.exists, 600, "node3's step-4 replica on node1")
-            tb.destroy("node3")
-            code = run.finish(timeout=600)
-        except BaseException:
-            run.finish(timeout=1)
-            raise
+        code = lose_node_mid_run(tb, run, "node3", [(replica.exists, 600,
+                                                     "node3's step-4 replica on node1")], 600)
         text = run.text
         assert code == 0, text[-4000:]
         restart = text[text.index("restarting (attempt 2 of 2)"):]

@@ -79,7 +79,7 @@ def test_a_users_script_goes_on_on_three_nodes_on_its_own(testbed_required: None
     trains, after its step400 part is replicated; the launcher's own restart drops node3,
     reshards step400 and the script goes on from step400_universal on 3 ranks."""
     from clusterkit.node.contract import REPLICA_MANIFEST
-    from tests.helpers import Console
+    from tests.helpers import Console, lose_node_mid_run
 
     job, tag = "uauto", "step400"  # ~35 ms a step on the bed's 2 cores: ~14 s between saves
     with temporary(4) as tb:
@@ -89,15 +89,13 @@ def test_a_users_script_goes_on_on_three_nodes_on_its_own(testbed_required: None
         argv[argv.index("--save-every") + 1] = "400"
         run = Console(argv, train_env(tmp_path), tmp_path)
         replica = tb.node_local_path("node4", f"ckpt/{job}.replicas/node2/{tag}/{REPLICA_MANIFEST}")
-        try:
-            run.wait_for(lambda: f"checkpoint {tag} complete" in run.text, 600, tag)
-            run.wait_for(replica.exists, 120, f"node3's replica of {tag}")
+
+        def in_time() -> None:
             assert "checkpoint step800 complete" not in run.text, "too fast: node3 lost too late"
-            tb.destroy(LOST)
-            code = run.finish(timeout=900)
-        except BaseException:
-            run.finish(timeout=1)
-            raise
+
+        code = lose_node_mid_run(tb, run, LOST, [
+            (lambda: f"checkpoint {tag} complete" in run.text, 600, tag),
+            (replica.exists, 120, f"node3's replica of {tag}")], 900, in_time)
         text = run.text
         assert code == 0, text[-5000:]
         for line in (f"no spare for {LOST}", "going on with fewer nodes",
