@@ -15,9 +15,11 @@ from __future__ import annotations
 from typing import overload
 
 from clusterkit.inventory import Inventory
+from clusterkit.jobs.collect import CollectHooks, CollectRequest, CollectResult, collect_job
 from clusterkit.jobs.doctor import DoctorResult, ExtraCheck, run_checks
 from clusterkit.jobs.here import clusterkit_home, find_inventory
 from clusterkit.jobs.launch import Sync, plan_launch, run_launch
+from clusterkit.jobs.resolve import NodeChoice
 from clusterkit.jobs.status import JobStatus, job_status, list_jobs
 from clusterkit.jobs.stop import StopResult, stop_job
 from clusterkit.launch.jobs import JobRecord
@@ -104,3 +106,23 @@ def doctor(inventory: str | Inventory | None = None, *, nodes: int | None = None
                       storage=storage, bandwidth_bytes=bandwidth,
                       connect_timeout_s=connect_timeout_s,
                       accept_new_host_keys=accept_new_host_keys, extra=extra)
+
+
+def collect(request: CollectRequest | str, *, inventory: str | Inventory | None = None,
+            hooks: CollectHooks | None = None) -> CollectResult:
+    """Gather a checkpoint from the nodes into one directory, as ``clusterkit collect-ckpt``.
+
+    ``request``: a job id (its newest checkpoint, into the job's ``checkpoints`` dir), or
+    a :class:`clusterkit.jobs.collect.CollectRequest` (which nodes: ``where``, a
+    :class:`clusterkit.jobs.resolve.NodeChoice`; ``dest``, ``tag``, ``consolidate``, ...).
+    ``inventory`` is read only for nodes no job records. Returns the
+    :class:`clusterkit.jobs.collect.CollectResult` (``dest``, ``tag``, ``report``);
+    raises :class:`~clusterkit.checkpoints.collectplan.CheckpointIncomplete` (nothing
+    copied; its ``problems``) or :class:`~clusterkit.errors.CheckpointError`."""
+    if isinstance(request, str):
+        request = CollectRequest(where=NodeChoice(job=request))
+    if isinstance(inventory, Inventory):
+        return collect_job(request, home=clusterkit_home(), inventory=inventory, hooks=hooks)
+    path = inventory  # read when a node needs it: a job's own nodes do not
+    return collect_job(request, home=clusterkit_home(), inventory=lambda: find_inventory(path),
+                       hooks=hooks)
