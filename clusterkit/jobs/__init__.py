@@ -10,5 +10,13 @@ parsing and printing and the Python API calls the same code:
 * ``resolve``: a job id or job dir to its record, its nodes (``CollectNode``: SSH target
   or Slurm place) and their checkpoint dirs; without a job, the inventory's hosts;
 * ``collect``: collect-ckpt end to end (``collect_job``: collect, consolidate, scatter,
-  prune) with a typed result.
+  prune) with a typed result;
+* ``launch``: one launch from this machine (``plan_launch``, ``run_launch``, the dry
+  run's checks, the summary kept beside the job record);
+* ``status``, ``stop``: a launched job's nodes asked (``JobStatus``, ``NodeStatus``) and
+  stopped (``StopResult``);
+* ``doctor``: a doctor run (which nodes, port, replicas, the interfaces kept);
+* ``here``: this machine: the clusterkit home, the inventory chain, the launch facts.
+
+``clusterkit/api.py`` (docs/api.md) is the Python API over these.
 """
