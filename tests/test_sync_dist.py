@@ -16,6 +16,7 @@ import pytest
 from clusterkit.cli.main import main
 from clusterkit.node import dist_store as store
 from clusterkit.remote.distplan import Chains, NodeView, node_lines, progress_line, records
+from tests.synchelpers import local_inventory
 
 
 # ----------------------------------------------------------------------------- chains
@@ -96,15 +97,6 @@ def test_paths_that_would_escape_the_destination_are_refused(rel: str) -> None:
 
 
 # ----------------------------------------------------------------------------- local nodes
-def _inventory(tmp_path: Path, n: int = 3) -> Path:
-    lines = ["schema_version: 1", "defaults:", "  transport: local", "  slots: 1",
-             f"  checkpoint: {{shared_dir: {tmp_path / 'ckpt'}}}", "hosts:"]
-    lines += [f"  v{i}: {{workdir: {tmp_path / f'w{i}'}}}" for i in range(n)]
-    inv = tmp_path / "inv.yaml"
-    inv.write_text("\n".join(lines) + "\n")
-    return inv
-
-
 def _sync(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str,
           code: int = 0) -> tuple[str, str]:
     cwd = os.getcwd()
@@ -151,7 +143,7 @@ def test_chain_of_local_nodes_delivers_verifies_and_then_sends_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
     src = _project(tmp_path)
-    _inventory(tmp_path)
+    local_inventory(tmp_path)
     out, _ = _sync(tmp_path, capsys)
     assert out == "  v[0-2]: 5 file(s) sent (3,000,016 bytes, verified), 0 unchanged\n"
     for i in range(3):
@@ -177,7 +169,7 @@ def test_bad_inputs_are_one_line_and_leave_nothing_half_written(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
     src = _project(tmp_path)
-    _inventory(tmp_path)
+    local_inventory(tmp_path)
     # A destination that is a file on one node: that node fails, the others complete.
     (tmp_path / "w1").mkdir()
     (tmp_path / "w1" / "code").write_text("not a dir\n")
@@ -251,7 +243,7 @@ def test_launch_sync_refuses_the_nodes_whose_copy_differs_before_anything_starts
     proj = tmp_path / "proj"
     (proj / "code").mkdir(parents=True)
     (proj / "code" / "train.py").write_text("print('rank ran', flush=True)\n")
-    inv = _inventory(tmp_path)
+    inv = local_inventory(tmp_path)
     (tmp_path / "w1").mkdir()
     (tmp_path / "w1" / "code").write_text("a file where the directory goes\n")
     monkeypatch.chdir(proj)
@@ -362,7 +354,7 @@ def test_launch_sync_puts_dir_on_the_nodes_again_before_a_restart(
         "    os.unlink(os.path.join(here, 'data.txt'))\n"
         "    sys.exit(3)\n"
         "print('data back:', open(os.path.join(here, 'data.txt')).read().strip(), flush=True)\n")
-    inv = _inventory(tmp_path, 2)
+    inv = local_inventory(tmp_path, 2)
     monkeypatch.chdir(proj)
     monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
     assert main(["launch", "-i", str(inv), "--sync", "code", "--nodes", "2", "--gpus-per-node",

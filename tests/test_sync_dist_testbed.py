@@ -14,27 +14,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.synchelpers import CLI, done_event, run_cli
 from tests.testbed import Testbed
 
 pytestmark = pytest.mark.testbed
-
-CLI = [sys.executable, "-m", "clusterkit"]
-
-
-def _cli(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-
-
-def _done(out: str) -> dict[str, Any]:
-    return next(json.loads(x) for x in reversed(out.splitlines()) if x.startswith('{"event": "done"'))
-
 
 def _kill_node_program(tb: Testbed, node: str) -> None:
     """SIGKILL the dist node program inside ``node`` (found by its bootstrap in ps)."""
@@ -74,20 +62,20 @@ def test_chain_delta_lost_node_and_flipped_byte(testbed: Testbed, tmp_path: Path
         return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
                 if p.is_file() and ".clusterkit-sync" not in p.parts}
 
-    first = _cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
+    first = run_cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
     assert first.returncode == 0, first.stderr[-2000:]
-    res = _done(first.stdout)
+    res = done_event(first.stdout)
     assert res["ok"] and res["chains"] == [[n.name for n in nodes]]
     assert res["sent_from_here"] == 60_200_000  # one copy from here, whatever the node count
     want = tree(src)
     for n in nodes:
         assert tree(copy(n)) == want, n.name
 
-    again = _cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
-    assert again.returncode == 0 and _done(again.stdout)["sent_from_here"] == 0
+    again = run_cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
+    assert again.returncode == 0 and done_event(again.stdout)["sent_from_here"] == 0
 
     (src / "shards" / "s07.bin").write_bytes(b"changed")
-    one = _cli(["sync", "data", "-i", str(inv)], proj, env)
+    one = run_cli(["sync", "data", "-i", str(inv)], proj, env)
     assert one.returncode == 0, one.stderr[-2000:]
     assert one.stdout == "  node[1-4]: 1 file(s) sent (7 bytes, verified), 25 unchanged\n"
 
@@ -108,16 +96,16 @@ def test_chain_delta_lost_node_and_flipped_byte(testbed: Testbed, tmp_path: Path
     finally:
         _shape(testbed, nodes, None)
     assert proc.returncode == 2, err[-2000:]
-    res = _done(out)
+    res = done_event(out)
     lost = res["nodes"]["node2"]
     assert lost["state"] == "lost" and 0 < lost["got_bytes"] < 60_000_000, lost
     assert [n for n, r in res["nodes"].items() if r["state"] == "done"] == ["node1", "node3", "node4"]
     for n in (nodes[0], nodes[2], nodes[3]):
         assert tree(copy(n)) == tree(src), n.name
     assert "sync incomplete on 1 of 4 node(s): node2" in err
-    rerun = _cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
+    rerun = run_cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    res = _done(rerun.stdout)
+    res = done_event(rerun.stdout)
     assert 0 < res["nodes"]["node2"]["got_bytes"] <= 45_000_000  # what it had stays
     assert {n: r["got_bytes"] for n, r in res["nodes"].items() if n != "node2"} == \
         {"node1": 0, "node3": 0, "node4": 0}
@@ -128,15 +116,15 @@ def test_chain_delta_lost_node_and_flipped_byte(testbed: Testbed, tmp_path: Path
     data = bytearray(flipped.read_bytes())
     data[100] ^= 0xFF
     flipped.write_bytes(bytes(data))
-    doc = _cli(["doctor", "-i", str(inv), "--sync", "data"], proj, env)
+    doc = run_cli(["doctor", "-i", str(inv), "--sync", "data"], proj, env)
     line = next((x for x in doc.stdout.splitlines() if "sync.parity" in x), "")
     assert "FAIL" in line and "node3" in line and \
         "data: 1 file(s) differ from what sync put there: shards/s03.bin" in line, doc.stdout[-3000:]
-    fixed = _cli(["sync", "data", "-i", str(inv)], proj, env)
+    fixed = run_cli(["sync", "data", "-i", str(inv)], proj, env)
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert "node3: 1 file(s) sent (10,000 bytes, verified), 25 unchanged" in fixed.stdout
     assert "node[1-2,4]: 0 file(s) sent" in fixed.stdout
-    doc = _cli(["doctor", "-i", str(inv), "--sync", "data", "-v"], proj, env)
+    doc = run_cli(["doctor", "-i", str(inv), "--sync", "data", "-v"], proj, env)
     assert "sync.parity" in doc.stdout and "node[1-4]  data: 26 file(s)" in doc.stdout, \
         doc.stdout[-3000:]
 
@@ -157,8 +145,8 @@ def test_nodes_that_cannot_reach_each_other_are_fed_from_here(testbed: Testbed,
     route = ["ip", "route", "add", "blackhole", f"{nodes[1].address}/32"]
     testbed.exec(nodes[0], route, timeout=30, check=True)
     try:
-        res = _cli(["sync", "data", "-i", str(inv)], proj, env)
-        doc = _cli(["doctor", "-i", str(inv), "--sync", "data", "--json"], proj, env)
+        res = run_cli(["sync", "data", "-i", str(inv)], proj, env)
+        doc = run_cli(["doctor", "-i", str(inv), "--sync", "data", "--json"], proj, env)
     finally:
         testbed.exec(nodes[0], ["ip", "route", "del", "blackhole", f"{nodes[1].address}/32"],
                      timeout=30)
@@ -196,13 +184,13 @@ def test_a_node_whose_port_this_machine_cannot_reach_is_fed_over_ssh(testbed: Te
                             "table", "29640"], timeout=30, check=True)
     testbed.exec(nodes[0], ["ip", "rule", "add", *rule], timeout=30, check=True)
     try:
-        res = _cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
-        again = _cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
+        res = run_cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
+        again = run_cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
     finally:
         testbed.exec(nodes[0], ["ip", "rule", "del", *rule], timeout=30)
         testbed.exec(nodes[0], ["ip", "route", "flush", "table", "29640"], timeout=30)
     assert res.returncode == 0, res.stderr[-2000:] + res.stdout[-2000:]
-    done = _done(res.stdout)
+    done = done_event(res.stdout)
     assert done["ok"] and done["chains"] == [["node1", "node2", "node3"]], done
     assert len(done["notes"]) == 1, done["notes"]
     assert done["notes"][0].startswith("node1: port 2964") and \
@@ -214,7 +202,7 @@ def test_a_node_whose_port_this_machine_cannot_reach_is_fed_over_ssh(testbed: Te
         got = {p.relative_to(copy).as_posix(): p.read_bytes() for p in copy.rglob("*")
                if p.is_file() and ".clusterkit-sync" not in p.parts}
         assert got == want, n.name
-    assert again.returncode == 0 and _done(again.stdout)["sent_from_here"] == 0
+    assert again.returncode == 0 and done_event(again.stdout)["sent_from_here"] == 0
 
 
 @pytest.mark.extended

@@ -16,34 +16,7 @@ import pytest
 from clusterkit.cli.main import main
 from clusterkit.node import dist_store as store
 from clusterkit.remote.sync import Ignore, link_text, scan
-from tests.test_sync_dist import _inventory
-
-SHA_CFG = "a" * 40
-SHA_W = "b" * 40
-
-
-def hf_tree(root: Path, outside: Path) -> Path:
-    """A hub cache as huggingface_hub lays it out, plus a link out of it (a file and a
-    directory), a dangling one and an absolute one into it: ``root/hub``."""
-    repo = root / "hub" / "models--org--tiny"
-    (repo / "blobs").mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "snapshots" / "rev1").mkdir(parents=True)
-    (repo / "blobs" / SHA_CFG).write_text('{"hidden_size": 8}\n')
-    (repo / "blobs" / SHA_W).write_bytes(os.urandom(3000))
-    (repo / "refs" / "main").write_text("rev1")
-    snap = repo / "snapshots" / "rev1"
-    os.symlink(f"../../blobs/{SHA_CFG}", snap / "config.json")
-    os.symlink(f"../../blobs/{SHA_W}", snap / "model.safetensors")
-    os.symlink(str(repo / "blobs" / SHA_CFG), snap / "abs.json")  # absolute, inside
-    os.symlink("rev1", repo / "snapshots" / "latest")  # a directory, inside
-    (outside / "dir").mkdir(parents=True)
-    (outside / "tokenizer.json").write_text("{}\n")
-    (outside / "dir" / "a.txt").write_text("a\n")
-    os.symlink(str(outside / "tokenizer.json"), root / "hub" / "tokenizer.json")
-    os.symlink(str(outside / "dir"), root / "hub" / "extra")
-    os.symlink("../nowhere", root / "hub" / "dangling")
-    return root / "hub"
+from tests.synchelpers import SHA_CFG, SHA_W, hf_tree, local_inventory
 
 
 # ----------------------------------------------------------------------------- the scan
@@ -70,6 +43,10 @@ def test_scan_keeps_inside_links_follows_outside_ones_and_lists_dangling(tmp_pat
                                  f"{snap}/rev1/config.json", f"{snap}/rev1/model.safetensors",
                                  "tokenizer.json"]
     assert not old.symlinks and not old.followed and "extra/a.txt" not in old.files
+    # The snapshot directory itself as DIR: its blob links lead out of it, plain files travel.
+    rev1 = scan(str(hub / snap / "rev1"), Ignore())
+    assert sorted(rev1.files) == ["abs.json", "config.json", "model.safetensors"]
+    assert not rev1.symlinks and len(rev1.followed) == 3
     # An ignored link is neither kept, followed nor listed.
     assert "tokenizer.json" not in scan(str(hub), Ignore.parse("tokenizer.json")).followed
 
@@ -178,7 +155,7 @@ def test_a_directory_link_made_by_sync_gives_way_to_a_directory(
     (hub / "rev1").mkdir(parents=True)
     (hub / "rev1" / "f").write_text("1")
     os.symlink("rev1", hub / "main")
-    _inventory(tmp_path, 1)
+    local_inventory(tmp_path, 1)
     _sync(tmp_path, capsys)
     assert os.readlink(tmp_path / "w0" / "hub" / "main") == "rev1"
     os.unlink(hub / "main")
@@ -218,7 +195,7 @@ def test_a_hub_cache_reaches_local_nodes_with_its_links(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
     hub = hf_tree(tmp_path / "proj", tmp_path / "outside")
-    _inventory(tmp_path)
+    local_inventory(tmp_path)
     out, err = _sync(tmp_path, capsys)
     assert "v[0-2]: 5 file(s) sent (3,028 bytes, verified), 0 unchanged, 4 link(s) made" in out
     assert "note: 1 symbolic link(s) not copied: dangling" in out

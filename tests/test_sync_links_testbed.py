@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_sync_dist_testbed import _cli, _done
-from tests.test_sync_links import SHA_CFG, SHA_W, hf_tree
+from tests.synchelpers import SHA_CFG, SHA_W, done_event, hf_tree, run_cli
 from tests.testbed import Testbed
 
 pytestmark = pytest.mark.testbed
@@ -30,9 +29,9 @@ def test_a_hub_cache_with_its_links_on_three_nodes(testbed: Testbed, tmp_path: P
     env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
     snap = "models--org--tiny/snapshots/rev1"
 
-    first = _cli(["sync", "hub", "-i", str(inv), "--json"], proj, env)
+    first = run_cli(["sync", "hub", "-i", str(inv), "--json"], proj, env)
     assert first.returncode == 0, first.stderr[-2000:]
-    res = _done(first.stdout)
+    res = done_event(first.stdout)
     assert res["ok"] and res["links"] == ["dangling"], res
     assert {n: r["links_made"] for n, r in res["nodes"].items()} == \
         {"node1": 4, "node2": 4, "node3": 4}
@@ -49,23 +48,23 @@ def test_a_hub_cache_with_its_links_on_three_nodes(testbed: Testbed, tmp_path: P
         assert (copy / "extra" / "a.txt").read_text() == "a\n"
         assert not os.path.lexists(copy / "dangling")
 
-    again = _cli(["sync", "hub", "-i", str(inv), "--json"], proj, env)
+    again = run_cli(["sync", "hub", "-i", str(inv), "--json"], proj, env)
     assert again.returncode == 0, again.stderr[-2000:]
-    res = _done(again.stdout)
+    res = done_event(again.stdout)
     assert res["sent_from_here"] == 0 and all(r["links_made"] == 0 and r["got_bytes"] == 0
                                               for r in res["nodes"].values()), res
-    doc = _cli(["doctor", "-i", str(inv), "--sync", "hub", "-v"], proj, env)
+    doc = run_cli(["doctor", "-i", str(inv), "--sync", "hub", "-v"], proj, env)
     assert "node[1-3]  hub: 5 file(s), 4 link(s), digest" in doc.stdout, doc.stdout[-3000:]
 
     # node2's config.json repointed: doctor names node2 and the link; a rerun puts it back.
     moved = testbed.node_local_path(nodes[1], f"{work.name}/hub") / snap / "config.json"
     moved.unlink()
     moved.symlink_to(f"../../blobs/{SHA_W}")
-    doc = _cli(["doctor", "-i", str(inv), "--sync", "hub"], proj, env)
+    doc = run_cli(["doctor", "-i", str(inv), "--sync", "hub"], proj, env)
     line = next((x for x in doc.stdout.splitlines() if "sync.parity" in x), "")
     assert "FAIL" in line and "node2" in line and "hub: 1 file(s) differ" in line, doc.stdout
     assert f"{snap}/config.json" in doc.stdout  # (the table may wrap the name)
-    fixed = _cli(["sync", "hub", "-i", str(inv)], proj, env)
+    fixed = run_cli(["sync", "hub", "-i", str(inv)], proj, env)
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert "node2: 0 file(s) sent (0 bytes, verified), 5 unchanged, 1 link(s) made" in fixed.stdout
     assert "node[1,3]: 0 file(s) sent (0 bytes, verified), 5 unchanged" in fixed.stdout
