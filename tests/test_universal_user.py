@@ -65,14 +65,14 @@ def test_a_user_script_is_reshardable_the_workload_only_with_resume_auto() -> No
 
 
 def test_a_checkpoint_that_cannot_be_converted_is_refused_in_one_line(tmp_path: Path) -> None:
-    from clusterkit.jobs.recover import _convert
+    from clusterkit.jobs.reshard import convert_checkpoint
 
     tag = tmp_path / "step9"
     tag.mkdir()
     (tag / "model.pt").write_bytes(b"not DeepSpeed's")  # e.g. a plain torch.save
     plan = cast(Any, SimpleNamespace(job_id="j", nodes=(1, 2)))
     with pytest.raises(LaunchError) as err:
-        _convert(str(tmp_path), "step9", WithoutMarkers(4), plan)
+        convert_checkpoint(str(tmp_path), "step9", WithoutMarkers(4), plan)
     text = err.value.message
     assert text.startswith("cannot relaunch job j on 2 nodes: its checkpoint step9 cannot be "
                            "converted to DeepSpeed's universal checkpoint: "), text
@@ -134,13 +134,13 @@ def test_user_script_4_to_2_ranks_through_universal(tmp_path: Path) -> None:
 
 
 def test_the_dry_run_says_what_a_users_script_gets() -> None:
-    from clusterkit.jobs.recover import _say_plan
+    from clusterkit.jobs.recover import say_plan
 
     said: list[str] = []
     a = cast(Any, SimpleNamespace(tag="step8", describe=lambda: "checkpoint step8: 4/4 node parts"))
     plan = cast(Any, SimpleNamespace(nodes=(1, 2, 3), world_size=3,
                                      options=SimpleNamespace(uses_workload=False)))
-    _say_plan(a, [], True, plan, said.append)
+    say_plan(a, [], True, plan, said.append)
     assert said[1].startswith("the launch would reshard step8 for 3 nodes, 3 ranks")
     assert said[2] == (f"then your script runs once with checkpoint.load_universal on and "
                        f"${ENV_RESUME_TAG}=step8_universal (docs/lost-a-node.md)")

@@ -47,7 +47,7 @@ class CollectRequest:
     errors name those flags."""
 
     where: NodeChoice = field(default_factory=NodeChoice)
-    dest: str | None = None  # --to; default: the job's checkpoints dir, else ./checkpoints-collected
+    dest: str | None = None  # --to; default: the job's checkpoints dir, or DEFAULT_DEST
     tag: str = "latest"
     without_markers: bool = False  # a user's own save: DeepSpeed's file set, not markers
     world_size: int | None = None  # with without_markers: the ranks that saved it

@@ -219,6 +219,17 @@ def first_nodes(record: JobRecord) -> str | None:
         return None
 
 
+def recorded_nodes(prior: JobRecord) -> list[CollectNode]:
+    """The job's nodes as recorded, in node-index order (a lost one included: collect
+    takes its part from a replica)."""
+    by_name = {n.node: n for n in prior.nodes}
+    out = []
+    for span in prior.ckpt.rank_map or ():
+        n = by_name[span.node]
+        out.append(CollectNode(n.node, n.target, n.python, str(prior.ckpt.dir_of(n.node))))
+    return out
+
+
 def _allocation(choice: NodeChoice, node: str) -> SlurmPlace | None:
     """``via="slurm"`` on inventory hosts: an allocation on each (host name = Slurm node)."""
     return SlurmPlace(node, wait_s=choice.slurm_wait) if choice.via == "slurm" else None
