@@ -274,7 +274,7 @@ def test_submit_json_and_node_local_resubmit_pins_nodes(
     fake = _fake_client(monkeypatch, [("102\n", "", 0)])
     assert main(args) == 0
     assert fake.calls[0][0][:3] == ["sbatch", "--parsable", "--nodelist=n[1-2]"]
-    assert "first run" in capsys.readouterr().err
+    assert "are on n[1-2]: submitting with --nodelist=n[1-2]" in capsys.readouterr().err
 
 
 def test_user_template_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -295,7 +295,11 @@ def test_user_template_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 STUBS = """
-scontrol() { printf '%s\\n' n1; }
+scontrol() {
+    if [ "$2" = hostnames ]; then
+        case "$3" in 'n[1-2]') printf 'n1\\nn2\\n' ;; 'n[3-4]') printf 'n3\\nn4\\n' ;; *) echo "$3" ;; esac
+    else printf '%s\\n' n1; fi
+}
 getent() { printf '10.0.0.1 STREAM n1\\n'; }
 """
 
@@ -309,7 +313,8 @@ def _run_script(tmp_path: Path, capsys: pytest.CaptureFixture[str], srun_body: s
     script = (tmp_path / "work/.clusterkit/jobs/run1/sbatch.sh").read_text()
     env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": nodelist,
            "SLURM_CPUS_PER_TASK": "4"}
-    return subprocess.run(["bash", "-c", STUBS + f"srun() {{ {srun_body}; }}\n" + script],
+    # On stdin: the script (with its node programs' sources) is longer than one argument may be.
+    return subprocess.run(["bash", "-s"], input=STUBS + f"srun() {{ {srun_body}; }}\n" + script,
                           capture_output=True, text=True, env=env, timeout=30, check=False)
 
 
@@ -417,7 +422,7 @@ def test_status_exit_code_is_the_outcome(capsys: pytest.CaptureFixture[str],
 
 
 def test_failure_hint_names_only_files_that_exist(tmp_path: Path) -> None:
-    from clusterkit.cli.cmd_sbatch import output_hint
+    from clusterkit.slurm.jobinfo import output_hint
 
     out = tmp_path / "slurm-2.out"
     info = parse_job(SHOW_JOB.replace("/tmp/t1/logs/slurm-7.out", str(out))
@@ -496,7 +501,7 @@ def _verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str], step: str, *fla
            "SLURM_CPUS_PER_TASK": "4", "SLURM_RESTART_COUNT": str(restarts),
            "CALLS": str(calls)}
     body = f"launch_step() {{ {step}; }}\n"
-    r = subprocess.run(["bash", "-c", VERDICT_STUBS + body + (job_dir / "sbatch.sh").read_text()],
+    r = subprocess.run(["bash", "-s"], input=VERDICT_STUBS + body + (job_dir / "sbatch.sh").read_text(),
                        capture_output=True, text=True, env=env, timeout=60, check=False)
     return r, calls.read_text(), job_dir
 

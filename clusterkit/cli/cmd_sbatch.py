@@ -14,8 +14,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -35,20 +33,18 @@ from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fold import check_ranks
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.launchers import BACKENDS
-from clusterkit.node.contract import ENV_STOP_FILE, JobDir, StorageKind
-from clusterkit.plan.build import plan_job
-from clusterkit.render.artifacts import render_all, summary
+from clusterkit.node.contract import ENV_STOP_FILE, JobDir
+from clusterkit.render.artifacts import summary
 from clusterkit.render.sbatch import DEFAULT_SIGNAL_LEAD_S, SlurmSite
+from clusterkit.slurm import submit as slurm_submit
 from clusterkit.slurm.client import SlurmClient
-from clusterkit.slurm.jobinfo import JobInfo
+from clusterkit.slurm.jobinfo import output_hint, status_line
 from clusterkit.slurm.watch import watch
-from clusterkit.spec.job import JobOptions, JobPlan, LaunchPlan
+from clusterkit.spec.job import LaunchPlan
 from clusterkit.units import duration_type
 
 ACTIONS = ("status", "cancel")
-SCRIPT = "sbatch.sh"
 EXIT_JOB_FAILED = 1
-NODES_FILE = JobDir.SLURM_NODES  # the first run's SLURM_JOB_NODELIST (node-local jobs; the script writes it)
 ACTION_USAGE = {
     "status": ("clusterkit sbatch status JOBID [--watch [--ranks R]] [--poll S] [--slurm-timeout S]",
                "One line from `scontrol show job JOBID`: state, exit code, nodes, output file. "
@@ -176,16 +172,16 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
                           key="--watch")
     # The dry run asks Slurm for the --cpus-per-task default too: it prints the script
     # that --write-only/--submit would write, byte for byte.
-    plan = build_sbatch_plan(args, client)
+    plan, replicas = build_sbatch_plan(args, client)
     check_ranks(args.ranks, plan.world_size)
-    script = plan.artifacts[SCRIPT]
+    script = plan.artifacts[slurm_submit.SCRIPT]
     if args.template_dir is not None:
-        _bash_syntax(script, args.template_dir)
+        slurm_submit.bash_syntax(script, args.template_dir)
     sys.stderr.write(summary(plan))
     if args.dry_run:
         if args.json:
-            print(json.dumps({"slurm_job_id": None, "job_id": plan.job_id,
-                              "job_dir": plan.job_dir, "script": str(Path(plan.job_dir) / SCRIPT),
+            print(json.dumps({"slurm_job_id": None, "job_id": plan.job_id, "job_dir": plan.job_dir,
+                              "script": str(Path(plan.job_dir) / slurm_submit.SCRIPT),
                               "dry_run": True, "script_text": script}))
         else:
             sys.stdout.write(script)
@@ -200,7 +196,8 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         _report(args, f"wrote {path} (submit with: sbatch {path}, or rerun with --submit)",
                 None, plan, path)
         return 0
-    job_id = _submit(client, plan, path, args.template_dir, remove_on_refusal=created)
+    job_id = slurm_submit.submit(client, plan, path, args.template_dir, replicas=replicas,
+                    remove_on_refusal=created)
     atomic_write_text(Path(plan.job_dir) / "slurm_job_id", job_id + "\n")
     _register(plan.job_dir, job_id)
     _report(args, f"submitted Slurm job {job_id} (clusterkit job {plan.job_id}); script {path}",
@@ -210,22 +207,6 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
             print(f"follow it with: clusterkit sbatch status {job_id} --watch")
         return 0
     return _watch(client, job_id, args, sys.stderr if args.json else sys.stdout)
-
-
-def _submit(client: SlurmClient, plan: LaunchPlan, path: Path, template_dir: str | None, *,
-            remove_on_refusal: bool) -> str:
-    """sbatch (after --test-only for a site template); a refused job's directory, made by
-    this command, is removed again: nothing is left of a submission that never was."""
-    extra = _pinned_nodes(plan)
-    try:
-        if template_dir is not None:
-            print(f"clusterkit: sbatch --test-only: {client.test_only(path, extra)}",
-                  file=sys.stderr)
-        return client.submit(path, extra)
-    except ClusterkitError:
-        if remove_on_refusal:
-            shutil.rmtree(plan.job_dir, ignore_errors=True)
-        raise
 
 
 def _register(job_dir: str, slurm_id: str) -> None:
@@ -243,48 +224,21 @@ def _register(job_dir: str, slurm_id: str) -> None:
 
 def _write_job_dir(plan: LaunchPlan) -> Path:
     write_artifacts(plan, plan.job_dir)
+    slurm_submit.write_node_program(plan)
     # Slurm opens --output/--error before the script runs: a missing directory fails
     # the job at launch (JobLaunchFailure), so it must exist before sbatch.
     Path(plan.job_dir, JobDir.LOGS).mkdir(parents=True, exist_ok=True)
-    return Path(plan.job_dir) / SCRIPT
+    return Path(plan.job_dir) / slurm_submit.SCRIPT
 
 
 def _report(args: argparse.Namespace, text: str, slurm_id: str | None, plan: LaunchPlan,
             path: Path) -> None:
+    print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
     if not args.json:
-        print(text)
-        sys.stdout.flush()
         return
-    print(text, file=sys.stderr)
     print(json.dumps({"slurm_job_id": slurm_id, "job_id": plan.job_id, "job_dir": plan.job_dir,
                       "script": str(path)}))
     sys.stdout.flush()
-
-
-def _pinned_nodes(plan: LaunchPlan) -> list[str]:
-    """A node-local job submitted again goes where its shards are: the first run's nodes."""
-    if plan.storage != StorageKind.NODE_LOCAL:
-        return []
-    try:
-        first = (Path(plan.job_dir) / NODES_FILE).read_text().strip()
-    except OSError:
-        return []
-    if not first:
-        return []
-    print(f"clusterkit: node-local checkpoints of job {plan.job_id} are on {first} (first run): "
-          f"submitting with --nodelist={first}", file=sys.stderr)
-    return [f"--nodelist={first}"]
-
-
-def _bash_syntax(script: str, template_dir: str) -> None:
-    """A site template must still be a bash script: `bash -n` on the rendered text."""
-    proc = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True,
-                          timeout=30, check=False)
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        raise RenderError(f"the rendered script is not valid bash: {lines[0] if lines else ''}",
-                          path=f"{template_dir}/sbatch.sh.j2", key="--template-dir",
-                          hint="line numbers refer to the rendered script (--dry-run prints it)")
 
 
 def site_options(args: argparse.Namespace) -> SlurmSite:
@@ -293,67 +247,22 @@ def site_options(args: argparse.Namespace) -> SlurmSite:
                      extra_lines=tuple(args.sbatch_arg), template_dir=args.template_dir)
 
 
-def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = None) -> LaunchPlan:
-    """The plan, its batch script rendered with the site flags. ``client``: ask Slurm
-    for the nodes' CPUs when --cpus-per-task is not given (None: do not ask)."""
+def build_sbatch_plan(args: argparse.Namespace, client: SlurmClient | None = None
+                      ) -> tuple[LaunchPlan, int]:
+    """The plan, its batch script rendered with the site flags, and its replica count.
+    ``client``: ask Slurm for the nodes' CPUs when --cpus-per-task is not given (None:
+    do not ask)."""
     inv = resolve_inventory(args.inventory)
-    options = _absolute_script(job_options(args, inv.name), os.getcwd())
-    # --launcher X submits the batch script of X's Slurm variant (the registry's sbatch_plan).
+    options = slurm_submit.absolute_script(job_options(args, inv.name), os.getcwd())
     if launcher_given(args) and BACKENDS[args.launcher].native:
         # Not a silent torchrun: native's agents fork the ranks, which Slurm's srun does here.
         raise RenderError(f"{args.launcher} is clusterkit launch's own (its agents "
                           "start the ranks); a Slurm batch script starts them with srun",
                           key="--launcher", hint="leave --launcher out (torchrun under srun), "
                           "or pick torchrun, accelerate or deepspeed")
-    if options.replicas:  # issue 22: copied by launch's node agents, which sbatch has not
-        raise RenderError(f"--replicas {options.replicas}: checkpoint replicas are copied by "
-                          "clusterkit launch's node agents; a Slurm batch job runs none",
-                          key="--replicas", hint="drop --replicas (sbatch jobs are not "
-                          "replicated, docs/sbatch.md), or run the job with clusterkit launch")
-    options = dataclasses.replace(options, backend=BACKENDS[args.launcher].sbatch_plan,
-                                  replicas=0)
-    plan = plan_job(inv, options, job_facts(args, inv))  # + doctor's interface pick
-    site = site_options(args)
-    rendered = render_all(plan, site=site, require=(SCRIPT,))  # every refusal before Slurm
-    if options.cpus_per_task is None and client is not None:
-        cpus = _default_cpus(client, plan)
-        if cpus is not None:
-            plan = dataclasses.replace(plan, options=dataclasses.replace(options,
-                                                                         cpus_per_task=cpus))
-            rendered = render_all(plan, site=site, require=(SCRIPT,))
-    return rendered
-
-
-def _absolute_script(options: JobOptions, cwd: str) -> JobOptions:
-    """The script as an absolute path, checked here before anything is written or
-    submitted: the ranks run in the workdir, where a path relative to the user's cwd
-    names nothing (the job failed 12 s after submitting). A path that is not a file
-    here is refused; so is one that only exists relative to the workdir elsewhere."""
-    script = options.script
-    if script is None:
-        return options
-    path = os.path.normpath(os.path.join(cwd, os.path.expanduser(script)))
-    if not os.path.isfile(path):
-        what = "is a directory" if os.path.isdir(path) else "does not exist"
-        raise LaunchError(f"script {script} {what} ({path})", key="SCRIPT", path=path,
-                          hint="give the path of your training script, relative to this "
-                               "directory or absolute, on the filesystem the nodes share")
-    return dataclasses.replace(options, script=path)
-
-
-def _default_cpus(client: SlurmClient, plan: JobPlan) -> int | None:
-    """--cpus-per-task default: a node's CPUs (sinfo, the partition's smallest node)
-    shared by the Slurm tasks on it; None when Slurm cannot say (documented)."""
-    try:
-        cpus = client.node_cpus(plan.options.partition)
-    except ClusterkitError as exc:
-        print(f"clusterkit: warning: no --cpus-per-task default ({exc.one_line()})",
-              file=sys.stderr)
-        return None
-    if cpus is None or cpus <= 0:
-        return None
-    tasks = plan.nodes[0].nproc if BACKENDS[plan.backend].slurm_task_per_rank else 1
-    return max(1, cpus // tasks)
+    # --launcher X submits the batch script of X's Slurm variant (the registry's sbatch_plan).
+    options = dataclasses.replace(options, backend=BACKENDS[args.launcher].sbatch_plan)
+    return slurm_submit.sbatch_plan(inv, options, job_facts(args, inv), site_options(args), client)
 
 
 def _action(client: SlurmClient, action: str, job_id: str, args: argparse.Namespace) -> int:
@@ -367,15 +276,10 @@ def _action(client: SlurmClient, action: str, job_id: str, args: argparse.Namesp
     if args.watch:
         return _watch(client, job_id, args)
     info = client.show(job_id)
-    print(_status_line(info))
+    print(status_line(info))
     # The exit status is the job's outcome, as for --watch: 0 while it is pending or
     # running and once it COMPLETED, 1 for any other end (FAILED, CANCELLED, TIMEOUT, ...).
     return EXIT_JOB_FAILED if info.finished and not info.succeeded else 0
-
-
-def _status_line(info: JobInfo) -> str:
-    where = f" on {info.nodes}" if info.nodes and info.nodes != "(null)" else ""
-    return f"job {info.job_id} ({info.name}): {info.describe()}{where}; output {info.stdout}"
 
 
 def _watch(client: SlurmClient, job_id: str, args: argparse.Namespace,
@@ -393,16 +297,3 @@ def _watch(client: SlurmClient, job_id: str, args: argparse.Namespace,
         return 0
     raise SlurmJobFailed(f"Slurm job {job_id} ended {info.describe()}",
                          hint=output_hint(info), exit_code=EXIT_JOB_FAILED)
-
-
-def output_hint(info: JobInfo) -> str:
-    """Where to read more: the job's output files that exist here, never a name that does
-    not (a relative StdOut, a file on a node's own disk)."""
-    paths = [p for p in dict.fromkeys((info.stdout, info.stderr)) if p]
-    found = [p for p in paths if os.path.isfile(p)]
-    if found:
-        return "see " + " and ".join(found)
-    if paths:
-        return (f"its output ({', '.join(paths)}) is not on this machine: look on "
-                f"{info.fields.get('BatchHost') or 'the batch host'}")
-    return "Slurm names no output file for it"

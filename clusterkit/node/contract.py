@@ -145,7 +145,9 @@ class JobDir:
     HANGS = "hangs"  # sbatch: hangs/<slurm id>.<run>/: the watchdog's stacks
     STACKS = "stacks"  # stacks/a<attempt>/rank<R>.txt: the agent's stacks; a launch record's too
     NODES = "nodes"  # nodes/<node>/: one agent's logs, progress and state
-    SLURM_NODES = "slurm_nodes"  # sbatch: the first run's SLURM_JOB_NODELIST (node-local jobs)
+    SLURM_NODES = "slurm_nodes"  # sbatch: the node list a node-local job's checkpoint is on
+    SLURM_RUNS = "slurm-runs"  # sbatch: slurm-runs/<slurm id>.<run>/: a node-local run's hosts, plan
+    SLURM_PROGRAM = "slurmreplica.bundle"  # sbatch, node-local: node/slurmreplica.py's sources
     AGENT_STATE = "agent.json"
     REPLICA_STATE = "replicas.json"  # nodes/<node>/replicas.json: the agent's copies (issue 22)
     LAUNCHER_LOG = "launcher.log"

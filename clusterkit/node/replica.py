@@ -47,15 +47,18 @@ from clusterkit.node import priority
 from clusterkit.node.contract import (
     LATEST_FILE,
     RECOVERY_SCRIPTS,
-    REPLICA_MANIFEST,
     REPLICA_PARTIAL_PREFIX,
-    REPLICA_SCHEMA,
-    REPLICA_SCHEMA_VERSION,
     replica_dir,
     replica_ports,
     replica_source_dir,
 )
-from clusterkit.node.replica_area import fsync_dir, read_manifest, safe_rel, sweep_partials
+from clusterkit.node.replica_area import (
+    commit_copy,
+    new_manifest,
+    read_manifest,
+    safe_rel,
+    sweep_partials,
+)
 
 GREETING = b"CKREP1"
 CHUNK = 1 << 20  # modest buffers: sequential I/O that leaves the ranks the disk
@@ -275,13 +278,10 @@ class ReplicaServer:
             mtimes = _source_mtimes(head)
             _, trailer = _read_signed(conn, self.secret, nonce.encode(), head_mac.encode())
             self._check(trailer, got)
-            manifest = {"schema": REPLICA_SCHEMA, "version": REPLICA_SCHEMA_VERSION,
-                        "job_id": self.job_id, "tag": tag, "source": source,
-                        "source_host": str(head.get("source_host", "")), "holder": self.node,
-                        "files": {rel: {"size": size, "sha256": got[rel], "mtime": mtimes.get(rel)}
-                                  for rel, size in files},
-                        "completed": time.time()}
-            self._commit(partial, final, manifest)
+            manifest = new_manifest(self.job_id, tag, source, str(head.get("source_host", "")),
+                                    self.node, {rel: (size, got[rel], mtimes.get(rel))
+                                                for rel, size in files})
+            commit_copy(partial, final, manifest)
             self._prune(source, tag, head.get("tags"))
             conn.send(b"OK\n")
             self.log(f"replica: received {tag} of node index {source}: "
@@ -332,25 +332,6 @@ class ReplicaServer:
         bad = [rel for rel, digest in got.items() if sent.get(rel) != digest]
         if bad:
             raise ReplicaError("sha256 mismatch (corrupted in transit): " + ", ".join(bad[:3]))
-
-    @staticmethod
-    def _commit(partial: str, final: str, manifest: dict[str, Any]) -> None:
-        """Manifest last, then the rename; an older copy of the tag is moved aside to a
-        partial name (never read) first and removed after."""
-        with open(os.path.join(partial, REPLICA_MANIFEST), "w", encoding="utf-8") as fh:
-            json.dump(manifest, fh, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        for d, _, _ in os.walk(partial):
-            fsync_dir(d)
-        old = None
-        if os.path.exists(final):
-            old = partial + "-old"
-            os.rename(final, old)
-        os.rename(partial, final)
-        fsync_dir(os.path.dirname(final))
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
     def _prune(self, source: int, keep: str, tags: Any) -> None:
         """The source's keep policy: its copies whose tags are gone from the source."""

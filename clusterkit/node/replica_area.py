@@ -1,8 +1,8 @@
 """The replica area on disk (part of the node agent, issue 22; layout in node/contract.py).
 
-What a receiving agent may write there (:func:`safe_rel`), how a copy's manifest is read
-(a copy without a readable manifest does not count), and the sweep of copies a killed
-agent left half-written. Standard library only, Python >= 3.8 on the node.
+What a receiving agent may write there (:func:`safe_rel`), how a copy's manifest is made
+and read (a copy without a readable manifest does not count), how a copy is committed,
+and the sweep of copies a killed agent left half-written. Standard library only, Python >= 3.8 on the node.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import contextlib
 import json
 import os
 import shutil
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from clusterkit.node.contract import (
@@ -67,3 +69,34 @@ def sweep_partials(ckpt_dir: str) -> list[str]:
                 shutil.rmtree(os.path.join(d, name), ignore_errors=True)
                 gone.append(os.path.join(d, name))
     return gone
+
+
+def new_manifest(job_id: str, tag: str, source: int, source_host: str, holder: str,
+                 files: Mapping[str, tuple[int, str, float | None]]) -> dict[str, Any]:
+    """A replica manifest (schema ``clusterkit.replica``): ``files`` rel -> (size, sha256,
+    the source's mtime)."""
+    return {"schema": REPLICA_SCHEMA, "version": REPLICA_SCHEMA_VERSION, "job_id": job_id,
+            "tag": tag, "source": source, "source_host": source_host, "holder": holder,
+            "files": {rel: {"size": size, "sha256": sha, "mtime": mtime}
+                      for rel, (size, sha, mtime) in files.items()},
+            "completed": time.time()}
+
+
+def commit_copy(partial: str, final: str, manifest: dict[str, Any]) -> None:
+    """A copy in ``partial`` becomes the replica ``final``: manifest last, then the
+    rename (the server's commit, and a Slurm restore's: node/slurmrestore.py); an older
+    copy of the tag is moved aside to a partial name (never read) first and removed after."""
+    with open(os.path.join(partial, REPLICA_MANIFEST), "w", encoding="utf-8") as fh:
+        json.dump(manifest, fh, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    for d, _, _ in os.walk(partial):
+        fsync_dir(d)
+    old = None
+    if os.path.exists(final):
+        old = partial + "-old"
+        os.rename(final, old)
+    os.rename(partial, final)
+    fsync_dir(os.path.dirname(final))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -63,6 +63,11 @@ PROGRAMS: dict[str, Program] = {
     "install": Program(("contract", "sitepaths", "parity", "dist_store", "envfacts", "gatefacts",
                          "install"), site=True),
     "slurmwatch": Program(("contract", "hangrule", "slurmwatch")),  # sbatch.sh's watchdog (docs/sbatch.md)
+    # sbatch.sh's checkpoint replicas and a run on other nodes (docs/sbatch.md): launch's
+    # replication service, started by the batch script.
+    "slurmreplica": Program(("contract", "protocol", "agent_files", "agent_procs", "listing",
+                             "replica_done", "replica_area", "priority", "replica",
+                             "replica_service", "slurmrestore", "slurmreplica")),
 }
 
 BOOTSTRAP = (

@@ -13,6 +13,7 @@ launch line comes from the plan backend's registry entry (``Backend.sbatch_line`
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from dataclasses import dataclass
@@ -77,6 +78,9 @@ class SlurmSite:
     signal_lead_s: int = DEFAULT_SIGNAL_LEAD_S
     extra_lines: tuple[str, ...] = ()
     template_dir: str | None = None
+    # Checkpoint replicas of a node-local job (issue 31): K copies of each node's part,
+    # made by node/slurmreplica.py steps the script starts (launch's replication service).
+    replicas: int = 0
 
 
 @cache
@@ -204,6 +208,7 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
         "node_local_dirs": [node.ckpt_dir] if plan.node_local else [],
         "exits_dir": exits_dir(node.job_dir),
         **_watchdog_context(plan),
+        **_replica_context(plan, site),
         "stop_file": JobDir(node.job_dir).stop_file,
         "env": ENV_NAMES,
         "layout": JobDir,
@@ -232,6 +237,21 @@ def _watchdog_context(plan: JobPlan) -> dict[str, object]:
             "watchdog_bundle": bundle.rstrip("\n"), "watchdog_eof": WATCHDOG_EOF,
             "progress_dir": f"{node.job_dir}/{PROGRESS_SUBDIR}",
             "max_restarts": plan.options.max_restarts}
+
+
+def _replica_context(plan: JobPlan, site: SlurmSite) -> dict[str, object]:
+    """A node-local job's node program (node/slurmreplica.py; its sources are the job
+    file ``JobDir.SLURM_PROGRAM``): replicas while it runs (``replicas`` > 0), its parts
+    moved before the ranks start on another node set."""
+    node = plan.nodes[0]
+    k = site.replicas if plan.node_local and len(plan.nodes) > 1 else 0
+    if not plan.node_local:
+        return {"replicas": 0, "replica_cmd": "", "replica_conf": ""}
+    conf = {"job_id": plan.job_id, "job_dir": node.job_dir, "ckpt_dir": node.ckpt_dir,
+            "rpn": node.nproc, "markers": plan.options.uses_workload, "replicas": k}
+    return {"replicas": k,
+            "replica_cmd": shlex.join(ship.node_command(node.python, "slurmreplica").argv),
+            "replica_conf": json.dumps(conf, sort_keys=True, separators=(",", ":"))}
 
 
 def _render(template_dir: str | None, context: dict[str, object]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Mapping
@@ -122,3 +123,22 @@ def parse_sinfo_cpus(stdout: str) -> int | None:
             raise SlurmParseError(f"sinfo -o %c printed {line!r}, not a CPU count", key="sinfo")
         counts.append(int(m.group(1)))
     return min(counts) if counts else None
+
+
+def status_line(info: JobInfo) -> str:
+    """`clusterkit sbatch status JOBID`'s line: state, exit code, nodes, output file."""
+    where = f" on {info.nodes}" if info.nodes and info.nodes != "(null)" else ""
+    return f"job {info.job_id} ({info.name}): {info.describe()}{where}; output {info.stdout}"
+
+
+def output_hint(info: JobInfo) -> str:
+    """Where to read more: the job's output files that exist here, never a name that does
+    not (a relative StdOut, a file on a node's own disk)."""
+    paths = [p for p in dict.fromkeys((info.stdout, info.stderr)) if p]
+    found = [p for p in paths if os.path.isfile(p)]
+    if found:
+        return "see " + " and ".join(found)
+    if paths:
+        return (f"its output ({', '.join(paths)}) is not on this machine: look on "
+                f"{info.fields.get('BatchHost') or 'the batch host'}")
+    return "Slurm names no output file for it"

@@ -198,12 +198,7 @@ _UNAVAILABLE = ("down", "drain", "fail", "unk", "future", "inval", "power", "mai
 def check_available(client: SlurmClient, nodes: Sequence[str]) -> None:
     """Refuse at once, naming them, when Slurm has nodes down or drained (best effort:
     a site whose sinfo cannot answer leaves it to srun)."""
-    try:
-        states = client.node_states(nodes)
-    except SlurmError:
-        return
-    bad = {n: states[n] for n in nodes if n in states and (
-        states[n][0].endswith("*") or any(w in states[n][0] for w in _UNAVAILABLE))}
+    bad = unavailable(client, nodes)
     if not bad:
         return
     what = "; ".join(f"{n} {state}" + (f" (reason: {why})" if why and why != "none" else "")
@@ -214,6 +209,17 @@ def check_available(client: SlurmClient, nodes: Sequence[str]) -> None:
                      hint=f"bring the node back (`scontrol update NodeName={first} "
                           "State=RESUME`, an admin's call once it is healthy), then run "
                           "collect-ckpt again")
+
+
+def unavailable(client: SlurmClient, nodes: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """node -> (sinfo state, reason) of the nodes Slurm has down, drained or not
+    responding; empty when all are usable or sinfo cannot answer (best effort)."""
+    try:
+        states = client.node_states(nodes)
+    except SlurmError:
+        return {}
+    return {n: states[n] for n in nodes if n in states and (
+        states[n][0].endswith("*") or any(w in states[n][0] for w in _UNAVAILABLE))}
 
 
 def _names(nodelist: str) -> list[str]:

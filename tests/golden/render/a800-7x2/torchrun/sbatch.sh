@@ -82,21 +82,57 @@ if [ -n "$unseen" ]; then
     exit 2
 fi
 
-# Node-local checkpoints stay on the nodes of the first run: a requeued or resubmitted
-# run must get the same nodes (rank -> node fixed) or stop; never a silent fresh start.
+# Node-local checkpoints: node index i is the i-th node of the allocation. A run on
+# other nodes than the checkpoint's (a node lost for good, or Slurm's choice) gets each
+# node index's part moved there first (node/slurmreplica.py: from a replica or the
+# part's own copy, each file's sha256 checked); when the newest checkpoint cannot be
+# assembled from this run's nodes, it stops (exit 3): never a silent fresh start.
 nodes_file=$job_dir/slurm_nodes
-if [ -s "$nodes_file" ]; then
-    first_nodes=$(cat "$nodes_file")
-    if [ "$first_nodes" != "$SLURM_JOB_NODELIST" ]; then
-        echo "clusterkit: job golden-a800-7x2 keeps node-local checkpoints on $first_nodes, but this run got $SLURM_JOB_NODELIST: not starting fresh. Submit again on $first_nodes (clusterkit sbatch --submit pins them), or gather and move the shards: clusterkit collect-ckpt --scatter, then remove $nodes_file" >&2
-        exit 3
-    fi
-elif ! { printf '%s\n' "$SLURM_JOB_NODELIST" > "$nodes_file.$SLURM_JOB_ID" \
-         && mv -f -- "$nodes_file.$SLURM_JOB_ID" "$nodes_file"; } 2>/dev/null; then
-    echo "clusterkit: warning: cannot write $nodes_file; a requeued run is not pinned to these nodes" >&2
-fi
+rdir=$job_dir/slurm-runs/$SLURM_JOB_ID.$(( ${SLURM_RESTART_COUNT:-0} + 1 ))
+mkdir -p -- "$rdir"
+rm -f -- "$rdir/end" "$rdir/plan.json"
+scontrol show hostnames "$SLURM_JOB_NODELIST" > "$rdir/hosts"
+# node/slurmreplica.py's sources, written with the job's files by clusterkit sbatch.
+bundle=$job_dir/slurmreplica.bundle
+# The run's replica secret: this file only (mode 0600), never argv, env or a log.
+( umask 077; od -An -vtx1 -N32 /dev/urandom | tr -d ' \n' > "$rdir/secret" )
+trap 'rm -f -- "$rdir/secret"' EXIT
+replica_conf='{"ckpt_dir":"/scratch/ckpt/golden-a800-7x2","job_dir":"/srv/train/.clusterkit/jobs/golden-a800-7x2","job_id":"golden-a800-7x2","markers":true,"replicas":0,"rpn":2}'
+replica=(/opt/conda/envs/train/bin/python -S -u -c 'import linecache,sys,types
+r=sys.stdin.buffer
+h=r.readline().split()
+if h[:2]!=[b'"'"'clusterkit-node'"'"',b'"'"'1'"'"']:sys.exit('"'"'clusterkit node bootstrap: expected a clusterkit-node 1 header on stdin, got %r'"'"'%h[:2])
+for p in ('"'"'clusterkit'"'"','"'"'clusterkit.node'"'"'):
+ m=types.ModuleType(p);m.__path__=[];sys.modules[p]=m
+for e in h[2:]:
+ n,z=e.decode().split('"'"':'"'"');s=r.read(int(z))
+ if len(s)!=int(z):sys.exit('"'"'clusterkit node bootstrap: stdin ended inside '"'"'+n)
+ f='"'"'clusterkit.node.'"'"'+n;m=types.ModuleType(f);m.__file__='"'"'<'"'"'+f+'"'"'>'"'"'
+ t=s.decode('"'"'utf-8'"'"');linecache.cache[m.__file__]=(len(t),None,t.splitlines(True),m.__file__)
+ sys.modules[f]=m;setattr(sys.modules['"'"'clusterkit.node'"'"'],n,m)
+ exec(compile(t,m.__file__,'"'"'exec'"'"'),m.__dict__)
+sys.argv=['"'"'clusterkit.node.'"'"'+sys.argv[1]]+sys.argv[2:]
+sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))
+' slurmreplica)  # python -S -u -c BOOTSTRAP slurmreplica (node/ship.py)
+node_program() {  # node/slurmreplica.py VERB on every node, one task each
+    srun --nodes=7 --ntasks=7 --ntasks-per-node=1 --input=all --chdir=/ \
+        --kill-on-bad-exit=1 "${replica[@]}" "$1" "$replica_conf" "$rdir" < "$bundle"
+}
 # Every node needs its own directory.
 srun --nodes=7 --ntasks-per-node=1 mkdir -p -- /scratch/ckpt/golden-a800-7x2
+first_nodes=$(cat "$nodes_file" 2>/dev/null || true)
+if [ -n "$first_nodes" ] && [ "$first_nodes" != "$SLURM_JOB_NODELIST" ]; then
+    scontrol show hostnames "$first_nodes" > "$rdir/old_hosts"
+    node_program list || { both "clusterkit: listing the checkpoint parts on this run's nodes failed (see the .err file)"; exit 2; }
+    "${replica[@]}" plan "$replica_conf" "$rdir" < "$bundle" || exit 3
+    if [ -s "$rdir/plan.json" ]; then
+        node_program restore || { both "clusterkit: moving the checkpoint parts failed (see the .err file): not starting"; exit 3; }
+    fi
+fi
+if [ "$first_nodes" != "$SLURM_JOB_NODELIST" ] && ! { printf '%s\n' "$SLURM_JOB_NODELIST" > "$nodes_file.$SLURM_JOB_ID" \
+         && mv -f -- "$nodes_file.$SLURM_JOB_ID" "$nodes_file"; } 2>/dev/null; then
+    echo "clusterkit: warning: cannot write $nodes_file; a requeued run does not know where its checkpoint is" >&2
+fi
 
 # Per-run state in the job dir: each rank that exits non-zero records how in $exits
 # (the first one is the step's cause); $CLUSTERKIT_STOP_FILE appears when the job is

@@ -1,0 +1,333 @@
+"""A node-local Slurm job on another node set: its checkpoint's parts moved first (issue 31).
+
+Part of node program ``slurmreplica`` (``node/ship.py``; docs/sbatch.md, "Node-local
+checkpoints across requeue"). A requeued (or resubmitted) node-local job may get other
+nodes than those its checkpoint lives on: a node was lost for good, or Slurm picked
+others. Node index i is the i-th node of the allocation (``SLURM_NODEID``, what the
+launch line gives torchrun), so before the ranks start node i must hold part i of the
+newest checkpoint that can be assembled. The batch script runs, in order:
+
+1. ``list`` on every node (a step): the node's listing (``node/listing.py``, the one
+   collect-ckpt reads, replica area included) into ``RUN_DIR/list/<node>.json``;
+2. ``plan`` on the batch host: the newest tag every node index has a source of (its
+   own copy on some node of this run, or a complete replica, manifest present), and
+   for each node that lacks its part, where it comes from; ``RUN_DIR/plan.json`` and
+   the decision lines in the job's log. Exit 3 with one line naming the missing node
+   parts when no tag can be assembled from this run's nodes;
+3. ``restore`` on every node (a step): a node whose own copy of the tag is another
+   node index's part moves it into its replica area (a manifest with each file's
+   sha256: a verified replica from then on); a part another node holds is pushed over
+   the replica wire (``node/replica.py``: authenticated, every file's sha256 checked on
+   arrival, manifest last, atomic); a node holding its part as a replica promotes it
+   into its checkpoint dir after checking every file against the manifest (a
+   directory rename: the tag dir and its marker appear at once; ``latest`` after it).
+
+Standard library only, Python >= 3.8 on the node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from typing import Any
+
+from clusterkit.node.contract import (
+    LATEST_FILE,
+    REPLICA_PARTIAL_PREFIX,
+    parse_marker_name,
+    replica_dir,
+    replica_source_dir,
+)
+from clusterkit.node.listing import listing
+from clusterkit.node.replica import ReplicaError, ReplicaServer, push
+from clusterkit.node.replica_area import commit_copy, new_manifest, read_manifest
+from clusterkit.node.replica_done import part_problem
+
+CANNOT_ASSEMBLE = 3  # the batch script's exit code for "not starting fresh"
+RECEIVE_WAIT_S = 600.0  # a node waiting for its part: the holders push within this
+PUSH_TRIES_S = 120.0  # a holder retries while the target's server comes up
+_RANK_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_")
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
+
+
+def say(text: str, err: bool = False) -> None:
+    stream = sys.stderr if err else sys.stdout
+    stream.write(f"clusterkit: {text}\n")
+    stream.flush()
+
+
+# ------------------------------------------------------------------ 1. list
+
+
+def write_listing(ckpt_dir: str, run_dir: str, host: str) -> int:
+    out = os.path.join(run_dir, "list", f"{host}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump(listing(ckpt_dir, None), fh)
+    os.replace(out + ".tmp", out)
+    return 0
+
+
+# ------------------------------------------------------------------ 2. plan (pure)
+
+
+def own_index(files: dict[str, Any], marks: dict[str, str], markers: bool, rpn: int) -> int | None:
+    """Which node index's complete part one node's own tag dir holds; None if none.
+    The bundled workload: its completion marker names it. A user's script: the ranks of
+    its DeepSpeed files, complete by the replicas' rule (``replica_done.part_problem``)."""
+    if markers:
+        found = [i for rel in marks for i in [parse_marker_name(os.path.basename(rel))]
+                 if i is not None]
+        return found[0] if len(found) == 1 else None
+    ranks = sorted({int(m.group(1)) for rel in files for m in [_RANK_RE.search(rel)] if m})
+    if not ranks or rpn <= 0:
+        return None
+    index = ranks[0] // rpn
+    cut = [rel for rel, st in files.items() if len(st) > 2 and st[2] is False]
+    names = list(files)
+    return index if part_problem(names, range(index * rpn, (index + 1) * rpn), cut) is None \
+        else None
+
+
+def replica_ok(copy: Any, markers: bool, index: int) -> bool:
+    """A complete replica copy: its manifest parses and names files present at their sizes."""
+    if not copy or not copy.get("manifest"):
+        return False
+    try:
+        files = json.loads(copy["manifest"])["files"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    have = copy.get("files", {})
+    if any(rel not in have or have[rel][0] != f.get("size") for rel, f in files.items()):
+        return False
+    return not markers or any(parse_marker_name(os.path.basename(rel)) == index for rel in files)
+
+
+def sources(listings: dict[str, Any], tag: str, markers: bool, rpn: int
+            ) -> dict[int, list[tuple[str, str]]]:
+    """node index -> [(host, "own" | "replica")] holding that part of ``tag``."""
+    out: dict[int, list[tuple[str, str]]] = {}
+    for host, ls in listings.items():
+        files = (ls.get("tags") or {}).get(tag)
+        if files:
+            i = own_index(files, (ls.get("markers") or {}).get(tag) or {}, markers, rpn)
+            if i is not None:
+                out.setdefault(i, []).append((host, "own"))
+        for key, entry in (ls.get("replicas") or {}).items():
+            if replica_ok((entry.get("tags") or {}).get(tag), markers, int(key)):
+                out.setdefault(int(key), []).append((host, "replica"))
+    return out
+
+
+def candidate_tags(listings: dict[str, Any]) -> list[str]:
+    """Every tag some node has a copy or a replica of, newest first (the step a tag names,
+    then its newest file)."""
+    newest: dict[str, float] = {}
+    for ls in listings.values():
+        for tag, files in (ls.get("tags") or {}).items():
+            newest[tag] = max([newest.get(tag, 0.0), *(f[1] for f in (files or {}).values())])
+        for entry in (ls.get("replicas") or {}).values():
+            for tag, copy in (entry.get("tags") or {}).items():
+                if copy and copy.get("manifest"):
+                    newest.setdefault(tag, 0.0)
+
+    def step(tag: str) -> int:
+        m = _TRAILING_NUMBER.search(tag)
+        return int(m.group(1)) if m else -1
+    return sorted(newest, key=lambda t: (step(t), newest[t], t), reverse=True)
+
+
+def decide(listings: dict[str, Any], hosts: list[str], old_hosts: list[str], markers: bool,
+           rpn: int) -> dict[str, Any]:
+    """The plan: ``{"tag", "actions": {host: {...}}, "lines": [...]}`` or, when no tag can
+    be assembled, ``{"missing": line}``; ``{"tag": None}`` when nothing was saved."""
+    tags = [t for t in candidate_tags(listings) if sources(listings, t, markers, rpn)]
+    if not tags:
+        return {"tag": None}
+    label = {i: f"node index {i}" + (f" (was {old_hosts[i]})" if i < len(old_hosts) else "")
+             for i in range(len(hosts))}
+    for tag in tags:
+        src = sources(listings, tag, markers, rpn)
+        if all(src.get(i) for i in range(len(hosts))):
+            return _moves(tag, src, hosts, label, listings, markers, rpn)
+    src = sources(listings, tags[0], markers, rpn)
+    gone = [label[i] for i in range(len(hosts)) if not src.get(i)]
+    return {"missing": f"checkpoint {tags[0]} cannot be assembled from this run's nodes: "
+                       + ", ".join(gone) + ": no copy on any node of this run and no replica "
+                       "of it there"}
+
+
+def _moves(tag: str, src: dict[int, list[tuple[str, str]]], hosts: list[str],
+           label: dict[int, str], listings: dict[str, Any], markers: bool, rpn: int
+           ) -> dict[str, Any]:
+    actions: dict[str, dict[str, Any]] = {
+        h: {"index": i, "aside": _asides(listings.get(h) or {}, tag, i, markers, rpn),
+            "get": "have", "push": []} for i, h in enumerate(hosts)}
+    lines = []
+    for i, host in enumerate(hosts):
+        mine = dict(src[i])
+        if mine.get(host) == "own":
+            continue
+        if mine.get(host) == "replica":
+            actions[host]["get"] = "promote"
+            lines.append(f"{label[i]} -> {host}: from its replica on {host}")
+            continue
+        # Another node pushes it: a verified replica first, else that part's own copy.
+        holder = sorted(mine.items(), key=lambda kv: (kv[1] != "replica", hosts.index(kv[0])))[0]
+        actions[host]["get"] = "receive"
+        actions[holder[0]]["push"].append({"part": i, "to": host, "kind": holder[1]})
+        what = "replica" if holder[1] == "replica" else "own copy"
+        lines.append(f"{label[i]} -> {host}: from its {what} on {holder[0]}")
+    moved = [f"{h}: its own {t} (node index {j}'s part) kept as a replica of it"
+             for h, a in actions.items() for t, j in a["aside"] if j >= 0]
+    return {"tag": tag, "actions": actions, "lines": lines + moved}
+
+
+def _asides(ls: dict[str, Any], tag: str, index: int, markers: bool, rpn: int
+            ) -> list[list[Any]]:
+    """[tag, part] of this node's own tag dirs that hold another node index's part (they
+    become replicas of that part: a later save of ``index`` must not land beside them);
+    ``tag`` itself with part -1 when it holds no complete part (removed)."""
+    out: list[list[Any]] = []
+    for t, files in (ls.get("tags") or {}).items():
+        if not files:
+            continue
+        j = own_index(files, (ls.get("markers") or {}).get(t) or {}, markers, rpn)
+        if j is not None and j != index:
+            out.append([t, j])
+        elif j is None and t == tag:
+            out.append([t, -1])
+    return out
+
+
+# ------------------------------------------------------------------ 3. restore (one node)
+
+
+def sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for piece in iter(lambda: fh.read(1 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def aside(ckpt_dir: str, tag: str, part: int, job_id: str, host: str) -> None:
+    """This node's own copy of ``tag`` is node index ``part``'s: into the replica area as a
+    verified copy of that part (each file's sha256 in its manifest), or away (-1: no
+    complete part)."""
+    own = os.path.join(ckpt_dir, tag)
+    if part < 0 or read_manifest(replica_dir(ckpt_dir, part, tag)) is not None:
+        shutil.rmtree(own, ignore_errors=True)  # nothing complete, or a copy exists already
+        return
+    partial = os.path.join(replica_source_dir(ckpt_dir, part),
+                           f"{REPLICA_PARTIAL_PREFIX}{tag}-aside")
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    os.rename(own, os.path.join(partial, tag))
+    latest = os.path.join(ckpt_dir, LATEST_FILE)
+    if part == 0 and os.path.isfile(latest):
+        shutil.copy2(latest, os.path.join(partial, LATEST_FILE))
+    files = {}
+    for d, dirs, names in os.walk(partial):
+        dirs.sort()
+        for n in sorted(names):
+            p = os.path.join(d, n)
+            rel = os.path.relpath(p, partial)
+            files[rel] = (os.path.getsize(p), sha256_of(p), os.path.getmtime(p))
+    commit_copy(partial, replica_dir(ckpt_dir, part, tag),
+                new_manifest(job_id, tag, part, host, host, files))
+
+
+def promote(ckpt_dir: str, tag: str, index: int) -> tuple[int, int]:
+    """The replica of node index ``index``'s part becomes this node's own copy: every file
+    checked against the manifest, then the tag dir renamed into place (it appears whole,
+    marker included) and ``latest`` after it. (files, bytes)."""
+    root = replica_dir(ckpt_dir, index, tag)
+    manifest = read_manifest(root)
+    if manifest is None:
+        raise ReplicaError(f"no complete replica of {tag} of node index {index} here")
+    bad = [rel for rel, f in manifest["files"].items()
+           if sha256_of(os.path.join(root, rel)) != f["sha256"]]
+    if bad:
+        raise ReplicaError(f"sha256 differs from the replica manifest's: {', '.join(bad[:3])}")
+    os.makedirs(ckpt_dir, exist_ok=True)
+    dest = os.path.join(ckpt_dir, tag)
+    if os.path.exists(dest):
+        shutil.rmtree(dest)
+    os.rename(os.path.join(root, tag), dest)
+    for rel in manifest["files"]:
+        if "/" not in rel and os.path.isfile(os.path.join(root, rel)):  # latest, the scripts
+            os.replace(os.path.join(root, rel), os.path.join(ckpt_dir, rel))
+    shutil.rmtree(root, ignore_errors=True)
+    return len(manifest["files"]), sum(int(f["size"]) for f in manifest["files"].values())
+
+
+def restore(plan: dict[str, Any], me: str, ckpt_dir: str, job_id: str, secret: str,
+            addresses: dict[str, str]) -> int:
+    """This node's part of ``plan``: aside, receive (a server), push, promote."""
+    act = plan["actions"].get(me)
+    if act is None:
+        return 0
+    tag, index = plan["tag"], int(act["index"])
+    for t, part in act["aside"]:
+        aside(ckpt_dir, str(t), int(part), job_id, me)
+    server = None
+    if act["get"] == "receive":
+        server = ReplicaServer(job_id, index, me, ckpt_dir, secret, address=addresses[me])
+        server.start()
+    try:
+        failed = [why for p in act["push"] for why in [_push_one(p, plan, me, ckpt_dir, job_id,
+                                                                 secret, addresses)] if why]
+        for why in failed:
+            say(why, err=True)
+        if server is not None and not _wait_manifest(replica_dir(ckpt_dir, index, tag)):
+            say(f"{me}: node index {index}'s part of {tag} did not arrive within "
+                f"{RECEIVE_WAIT_S:g} s", err=True)
+            return 1
+    finally:
+        if server is not None:
+            server.stop()
+    if act["get"] in ("receive", "promote"):
+        try:
+            n, size = promote(ckpt_dir, tag, index)
+        except (ReplicaError, OSError) as exc:
+            say(f"{me}: cannot take node index {index}'s part of {tag}: {exc}", err=True)
+            return 1
+        say(f"restored {tag}'s node index {index} part onto {me}: {n} files, {size / 1e6:.1f} MB, "
+            "each file's sha256 equal to its replica manifest's")
+    return 1 if failed else 0
+
+
+def _push_one(p: dict[str, Any], plan: dict[str, Any], me: str, ckpt_dir: str, job_id: str,
+              secret: str, addresses: dict[str, str]) -> str | None:
+    tag, part, to = plan["tag"], int(p["part"]), str(p["to"])
+    # An own copy that this node moved aside a moment ago is read from its replica area.
+    root = replica_dir(ckpt_dir, part, tag)
+    if p["kind"] == "own" and read_manifest(root) is None:
+        root = ckpt_dir
+    target = {"node": to, "index": part, "address": addresses[to]}
+    end, why = time.monotonic() + PUSH_TRIES_S, ""
+    while time.monotonic() < end:
+        try:
+            push(root, tag, target, job_id=job_id, source=part, source_host=me, secret=secret,
+                 tags=[tag], stop=threading.Event())
+            return None
+        except (ReplicaError, OSError) as exc:
+            why = str(exc)
+            time.sleep(1.0)
+    return f"{me}: could not send node index {part}'s part of {tag} to {to}: {why}"
+
+
+def _wait_manifest(root: str) -> bool:
+    end = time.monotonic() + RECEIVE_WAIT_S
+    while time.monotonic() < end:
+        if read_manifest(root) is not None:
+            return True
+        time.sleep(0.5)
+    return False

@@ -1,0 +1,105 @@
+"""A node-local `clusterkit sbatch` job with `--replicas 1` survives a node lost for good
+(issue 31 items 1 and 2), on a real Slurm of its own (tests/slurmbed, 5 nodes with
+node-private scratch): 4 x 2 ranks, the bundled workload, ZeRO-2. Once node index 2's
+part of a save is replicated on its ring successor, node3 is destroyed (its processes
+killed, slurmd with them, its scratch removed) and set DOWN; Slurm requeues the job,
+which runs on the other 4 nodes: the parts are moved before the ranks start (node
+index 2's from its replica), and the job ends with the uninterrupted run's final loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clusterkit.node.contract import REPLICA_MANIFEST
+from tests.slurmbed import SlurmBed
+from tests.testbed import temporary
+
+pytestmark = [pytest.mark.slurm, pytest.mark.testbed, pytest.mark.slow]
+
+WORKLOAD = ("--precision", "fp32", "--model", "tiny", "--zero-stage", "2")
+IN_PROGRESS = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING")
+STEPS, SAVE_EVERY = 40, 4
+LOST = "node3"
+
+
+def _sbatch(bed: SlurmBed, inv: Path, job: str, *extra: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "clusterkit", "sbatch", "-i", str(inv),
+                        "--nodes", "4", "--storage", "node-local",
+                        "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--job-id", job,
+                        *WORKLOAD, "--partition", "debug", *extra, "--submit",
+                        "--", "--log-every", "1"],
+                       capture_output=True, text=True, env=bed.env, timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"submitted Slurm job (\d+)", r.stdout)
+    assert m, r.stdout
+    return m.group(1)
+
+
+def _wait_end(bed: SlurmBed, slurm_id: str, timeout: float) -> str:
+    end = time.monotonic() + timeout
+    while (state := bed.job_state(slurm_id)) in IN_PROGRESS or state.startswith("REQUEUE"):
+        assert time.monotonic() < end, f"job {slurm_id} still {state}"
+        time.sleep(1)
+    return state
+
+
+def _out(bed: SlurmBed, job: str, slurm_id: str, kind: str = "out") -> str:
+    path = bed.tb.root / "work" / ".clusterkit" / "jobs" / job / "logs" / f"slurm-{slurm_id}.{kind}"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _summary(bed: SlurmBed, job: str) -> dict[str, object]:
+    """The workload's run/summary.json (the last run's; srun --label may cut the line)."""
+    path = bed.tb.root / "work" / ".clusterkit" / "jobs" / job / "run" / "summary.json"
+    return dict(json.loads(path.read_text()))
+
+
+def test_a_lost_node_costs_a_restore_not_the_run(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    with temporary(5) as tb:
+        bed = SlurmBed.start(tb, 5)
+        try:
+            inv = tb.write_inventory(tmp_path / "inv.yaml", slots=2, gpus=0)
+            ref_id = _sbatch(bed, inv, "ref")
+            assert _wait_end(bed, ref_id, 600) == "COMPLETED", _out(bed, "ref", ref_id)[-3000:]
+            ref = _summary(bed, "ref")
+            t_ref = time.monotonic() - t0
+
+            slurm_id = _sbatch(bed, inv, "lost", "--replicas", "1")
+            # node index 2 (node3)'s first save, replicated on node4 (its ring successor).
+            manifest = tb.node_local_path("node4", f"ckpt/lost.replicas/node2/global_step{SAVE_EVERY}/"
+                                                    f"{REPLICA_MANIFEST}")
+            end = time.monotonic() + 600
+            while not manifest.exists():
+                assert time.monotonic() < end and bed.job_state(slurm_id) in IN_PROGRESS, \
+                    _out(bed, "lost", slurm_id)[-3000:]
+                time.sleep(0.3)
+            tb.destroy(LOST)  # every process of node3 (slurmd too), its scratch
+            bed.client(["scontrol", "update", f"NodeName={LOST}", "State=DOWN",
+                        "Reason=lost-for-good"])
+            state = _wait_end(bed, slurm_id, 900)
+            out, err = _out(bed, "lost", slurm_id), _out(bed, "lost", slurm_id, "err")
+            assert state == "COMPLETED", (out[-4000:], err[-3000:])
+            got = _summary(bed, "lost")
+        finally:
+            bed.stop()
+    runs = re.findall(r"^===== clusterkit: job lost slurm=\d+ run \d+ on (\S+)", out, re.M)
+    assert runs[0] == "node[1-4]" and runs[-1] == "node[1-2,4-5]", runs
+    assert "node index 2 (was node3) -> node4: from its replica on node4" in out, out[-4000:]
+    assert re.search(r"restored global_step\d+'s node index 2 part onto node4", out), out[-4000:]
+    assert str(got["resumed_from"]).startswith("global_step"), got
+    assert got["world_size"] == 8
+    assert got["final_loss"] == ref["final_loss"], (got, ref)
+    print(f"reference run {t_ref:.0f} s; lost-node run to COMPLETED {time.monotonic() - t0 - t_ref:.0f} s "
+          f"(load {os.getloadavg()[0]:.1f}); resumed from {got['resumed_from']}")
+    print("\n".join(ln for ln in out.splitlines() if ln.startswith("clusterkit: ")
+                    and "step" not in ln[:20])[:3000])
