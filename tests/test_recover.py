@@ -1,5 +1,6 @@
 """Issue 22: --replace OLD=NEW (hostfile.apply_replace), the continue rule for a replaced
-node (launch/run.check_continue) and the restore of a lost node's part (launch/recover.py)."""
+node (launch/run.check_continue) and the restore of a lost node's part (jobs/recover.py,
+jobs/restore.py)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,9 @@
 parsing and printing and the Python API calls the same code:
 
 * ``recover``: readying a continued node-local job's checkpoint before its agents start
-  (spare restore from replicas, reshard, the refusal; docs/lost-a-node.md);
+  (docs/lost-a-node.md): the decision and the refusal; ``restore`` copies a node index's
+  part from a verified replica onto its node, ``reshard`` gathers, converts and pushes
+  the checkpoint for another rank->node mapping;
 * ``resolve``: a job id or job dir to its record, its nodes (``CollectNode``: SSH target
   or Slurm place) and their checkpoint dirs; without a job, the inventory's hosts;
 * ``collect``: collect-ckpt end to end (``collect_job``: collect, consolidate, scatter,
