@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete, CollectPlan
 from clusterkit.errors import CheckpointError, LaunchError
-from clusterkit.inventory import Inventory
+from clusterkit.inventory import Inventory, parse_inventory
 from clusterkit.jobs.collect import CollectHooks, CollectRequest, CollectResult, collect_job
 from clusterkit.jobs.resolve import NodeChoice, find_job, resolve_nodes
 from clusterkit.launch.jobs import JobRecord, NodeRecord, Registry
@@ -124,3 +125,34 @@ def test_a_user_script_s_job_is_judged_without_markers(tmp_path: Path) -> None:
     result = collect_job(CollectRequest(NodeChoice(job=JOB)), home=home,
                          inventory=_no_inventory)
     assert result.report is not None and result.report.plan.world_size == 4
+
+
+def test_inventory_nodes_collected_then_scattered_back(tmp_path: Path) -> None:
+    """No job: the inventory's hosts (loaded only now); the scatter's result is typed too."""
+    def inventory(root: Path, n: int) -> Inventory:
+        hosts = {f"node{i}": {"address": "127.0.0.1",
+                              "checkpoint": {"local_dir": f"{root}/node{i}/ckpt"}}
+                 for i in range(1, n + 1)}
+        return parse_inventory(yaml.safe_dump(
+            {"schema_version": 1, "hosts": hosts,
+             "defaults": {"transport": "local", "slots": 2, "python": sys.executable}}),
+            str(root / "inv.yaml"))
+
+    synthetic.write_node_local([str(tmp_path / f"node{i}" / "ckpt") for i in (1, 2)],
+                               shard_bytes=1024, model_bytes=256)
+    dest = tmp_path / "dest"
+    loaded: list[int] = []
+
+    def load() -> Inventory:
+        loaded.append(1)
+        return inventory(tmp_path, 2)
+
+    got = collect_job(CollectRequest(dest=str(dest)), home=tmp_path / "home", inventory=load)
+    assert loaded == [1] and got.nodes.record is None and got.dest == str(dest)
+    fresh = tmp_path / "fresh"
+    back = collect_job(CollectRequest(dest=str(dest), scatter=True), home=tmp_path / "home",
+                       inventory=inventory(fresh, 2))
+    assert back.scattered is not None and back.report is None and back.tag == TAG
+    assert back.to_json() == {"scatter": {"nodes": {"node1": [0, 1], "node2": [2, 3]},
+                                          "remapped": False}}
+    assert (fresh / "node2" / "ckpt" / TAG / marker_name(1)).is_file()
