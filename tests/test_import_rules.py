@@ -11,6 +11,8 @@ import ast
 import contextlib
 from pathlib import Path
 
+import pytest
+
 import clusterkit
 
 ROOT = Path(clusterkit.__file__).parent
@@ -363,6 +365,7 @@ def imports_through(root: Path = ROOT, *others: Path) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # ~15-35 s: every module's imports resolved
 def test_every_name_is_imported_from_its_defining_module() -> None:
     assert imports_through(ROOT, TESTS, ROOT.parent / "bench") == []
 

@@ -177,6 +177,7 @@ def _no_leftover() -> Any:
     assert not os.path.exists(PWNED), "a payload was executed"
 
 
+@pytest.mark.slow  # ~20-90 s: hypothesis renders every backend many times
 @settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(backend=st.sampled_from(BACKENDS), args=st.lists(text, max_size=3),

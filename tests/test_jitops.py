@@ -185,6 +185,7 @@ def test_which_nodes_build_and_the_console_line() -> None:
                              "already built on node5")
 
 
+@pytest.mark.slow  # ~15-35 s
 def test_launch_dry_run_says_what_it_would_build_and_refuses_a_stale_lock(
         tmp_path: Path) -> None:
     """Local transport (two virtual nodes on this machine), each with its own

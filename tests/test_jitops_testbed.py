@@ -44,6 +44,7 @@ def _cli(*argv: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProc
                           capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow  # ~30-70 s: ops built on the nodes, then a launch
 def test_launch_builds_missing_ops_first_and_refuses_a_stale_lock(
         testbed: Testbed, tmp_path: Path) -> None:
     a, b = (n.name for n in testbed.ensure(2)[:2])

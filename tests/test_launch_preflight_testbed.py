@@ -29,6 +29,7 @@ def _error_line(res: subprocess.CompletedProcess[str]) -> str:
     return res.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # ~20-35 s
 def test_dry_run_checks_every_node_and_the_launch_refuses_the_same(
         testbed: Testbed, tmp_path: Path) -> None:
     nodes = [n.name for n in testbed.ensure(2)]

@@ -24,6 +24,7 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow  # ~25-50 s: a training run with replicas
 def test_each_nodes_checkpoints_are_copied_to_its_ring_successor(
         testbed: Testbed, tmp_path: Path) -> None:
     job = "replica-3x1"

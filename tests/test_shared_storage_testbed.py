@@ -37,6 +37,7 @@ def _tokens(testbed: Testbed, node: str, path: str) -> str:
     return res.stdout.strip()
 
 
+@pytest.mark.slow  # ~20-40 s
 def test_a_shared_local_dir_is_named_by_doctor_the_gate_and_collect(
         testbed: Testbed, tmp_path: Path) -> None:
     nodes = [n.name for n in testbed.ensure(3)]

@@ -34,6 +34,7 @@ TRAIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~20-45 s a launcher: DeepSpeed ranks
 @pytest.mark.parametrize("launcher", ["native", "torchrun"])
 def test_ps_shows_train_py_for_every_rank_and_status_lists_their_pids(
         testbed: Testbed, tmp_path: Path, launcher: str) -> None:
