@@ -41,6 +41,7 @@ from clusterkit.plan.build import plan_job
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import JobOptions, JobPlan, LaunchFacts
+from clusterkit.spec.jobrecord import JobState, rank_spans
 from tests import synthetic_ckpt as synthetic
 from tests.helpers import recorded_failed_job
 from tests.render_cases import plan_for
@@ -175,7 +176,7 @@ def transport() -> Iterator[DispatchTransport]:
         yield t
 
 
-OLD_MAP = [["node1", 0, 2], ["node2", 2, 2], ["node3", 4, 2]]
+OLD_MAP = rank_spans([["node1", 0, 2], ["node2", 2, 2], ["node3", 4, 2]])
 
 
 def _lost_node2(tmp: Path) -> tuple[JobPlan, list[Path], Path]:
@@ -254,7 +255,7 @@ def test_without_any_replica_the_launch_is_refused(tmp_path: Path,
 
 def _prior(plan: JobPlan) -> JobRecord:
     record = _record(job_from_plan(render_all(plan, run_id="r0")), plan, 0)
-    record.state = "failed"
+    record.state = JobState.FAILED
     return record
 
 

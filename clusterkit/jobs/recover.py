@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from typing import Any
 
 from clusterkit.checkpoints.convert.universal import UNIVERSAL_SUFFIX
 from clusterkit.checkpoints.listing import NodeListing
@@ -56,6 +55,7 @@ from clusterkit.launch.run import (
 from clusterkit.node.contract import ENV_RESUME_TAG
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
+from clusterkit.spec.jobrecord import RankMap
 
 
 def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home: str,
@@ -77,7 +77,7 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
     Returns the next attempt's plan when it alone differs: a user's script resharded
     (its ds_config with ``load_universal``, ``CLUSTERKIT_RESUME_TAG``); else None.
     """
-    old_map = prior.ckpt.rank_map or []  # the caller continues a record that has one
+    old_map: RankMap = prior.ckpt.rank_map or []  # the caller continues a record that has one
     resume = resume_arg(plan)
     if resume not in (None, "auto"):  # an explicit tag or `never`: the workload's own checks
         return None
@@ -98,7 +98,7 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
     return None
 
 
-def _resumable(plan: JobPlan, listings: Sequence[NodeListing], old_map: Sequence[Sequence[Any]],
+def _resumable(plan: JobPlan, listings: Sequence[NodeListing], old_map: RankMap,
                resume: str | None, *, must: bool) -> list[Assembly] | None:
     """What can be assembled, newest first, the first complete; None: the launch goes on
     with nothing to ready (nothing saved yet, or it resumes by its own rules). Raises
@@ -154,7 +154,7 @@ def _parts_to_restore(plan: JobPlan, a: Assembly, swaps: Sequence[Replacement]
 
 
 def restore_replacements(transport: Transport, plan: JobPlan, swaps: Sequence[Replacement],
-                         old_map: Sequence[Sequence[Any]], staging: str, say: Say
+                         old_map: RankMap, staging: str, say: Say
                          ) -> list[Restore]:
     """Put each replaced node index's part of the newest checkpoint that can be assembled
     onto its spare. Raise LaunchError naming what is missing and the options."""
@@ -168,12 +168,12 @@ def restore_replacements(transport: Transport, plan: JobPlan, swaps: Sequence[Re
     return restore_parts(transport, plan, tried, swaps, staging, say)
 
 
-def list_parts(transport: Transport, plan: JobPlan, old_map: Sequence[Sequence[Any]],
+def list_parts(transport: Transport, plan: JobPlan, old_map: RankMap,
                staging: str) -> list[NodeListing]:
     """The listing of every node of ``plan`` that held (or now takes) a node index of the
     job's rank->node mapping ``old_map``, its replica area included, with ``index`` = that
     node index: what :func:`assemble` reads. One collect-ckpt session per node."""
-    index_of = {str(row[0]): i for i, row in enumerate(old_map)}
+    index_of = {span.node: i for i, span in enumerate(old_map)}
     index_of.update({s.new: s.index for s in replacements(old_map, plan) or ()})
     nodes = [n for n in plan.nodes if n.name in index_of]
     found = _list(transport, [collect_node(n, n.ckpt_dir) for n in nodes], staging)
@@ -188,7 +188,7 @@ def _list(transport: Transport, nodes: Sequence[CollectNode], staging: str) -> l
 
 
 def assemble_newest(listings: Sequence[NodeListing], num_nodes: int, markers: bool,
-                    old_map: Sequence[Sequence[Any]] = ()) -> list[Assembly]:
+                    old_map: RankMap | None = None) -> list[Assembly]:
     """Every tag that can be assembled from the nodes and the replicas, newest first;
     when none can, the newest tag's attempt alone (its ``missing`` says why). A user's
     script (no ``markers``): each own part by the replicas' rule on its ``old_map`` ranks."""

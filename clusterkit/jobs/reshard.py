@@ -14,8 +14,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import os
-from collections.abc import Sequence
-from typing import Any
 
 from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import WithoutMarkers
@@ -33,10 +31,11 @@ from clusterkit.launch.jobs import JobRecord
 from clusterkit.node.contract import ENV_RESUME_TAG
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
+from clusterkit.spec.jobrecord import RankMap
 
 
 def reshard(transport: Transport, plan: JobPlan, prior: JobRecord,
-             old_map: Sequence[Sequence[Any]], a: Assembly, home: str, say: Say) -> JobPlan | None:
+             old_map: RankMap, a: Assembly, home: str, say: Say) -> JobPlan | None:
     """Gather ``a.tag`` here (collect-ckpt, replicas standing in for lost nodes), convert
     it to DeepSpeed's universal checkpoint and push that to every node of the new plan,
     marker last; the bundled workload then resumes from it on the new world size, a
@@ -44,9 +43,8 @@ def reshard(transport: Transport, plan: JobPlan, prior: JobRecord,
     assert a.tag is not None
     old_nodes = recorded_nodes(prior)
     # A user's script: its save judged by DeepSpeed's own file set (no clusterkit markers).
-    # (old_map rows: [node, first rank, ranks])
     bare = None if plan.options.uses_workload else WithoutMarkers(
-        sum(int(row[2]) for row in old_map), tuple(int(row[2]) for row in old_map))
+        sum(span.nproc for span in old_map), tuple(span.nproc for span in old_map))
     with staging_dir(os.path.join(home, "reshard")) as dest:
         say(f"resharding {a.tag} ({len(old_nodes)} nodes) for {len(plan.nodes)} nodes, "
             f"{plan.world_size} ranks: 1/3 gathering it here ({a.describe()})")
