@@ -21,14 +21,16 @@ import pytest
 
 from clusterkit.node.contract import REPLICA_MANIFEST
 from tests.slurmbed import SlurmBed
+from tests.slurmbed.cluster import slurm_unavailable_reason
 from tests.testbed import temporary
 
 pytestmark = [pytest.mark.slurm, pytest.mark.testbed, pytest.mark.slow]
 
 WORKLOAD = ("--precision", "fp32", "--model", "tiny", "--zero-stage", "2")
 IN_PROGRESS = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING")
-STEPS, SAVE_EVERY = 40, 4
+STEPS, SAVE_EVERY = 16, 4  # node3 is lost once step 4 is replicated: 12 steps to go
 LOST = "node3"
+EXTENDED = os.environ.get("CLUSTERKIT_EXTENDED") == "1"  # + the 3-node reshard (~2 min)
 
 
 def _sbatch(bed: SlurmBed, inv: Path, job: str, *extra: str) -> str:
@@ -63,7 +65,34 @@ def _summary(bed: SlurmBed, job: str) -> dict[str, object]:
     return dict(json.loads(path.read_text()))
 
 
-def test_a_lost_node_costs_a_restore_not_the_run(tmp_path: Path) -> None:
+def _reshard_on_3_nodes(bed: SlurmBed, inv: Path) -> None:
+    """The same job resubmitted on 3 nodes, no spare: its newest checkpoint (4 nodes) is
+    gathered in the job dir, converted to DeepSpeed's universal checkpoint, copied to the
+    3 nodes, and the workload resumes from it on 6 ranks and finishes."""
+    r = subprocess.run([sys.executable, "-m", "clusterkit", "sbatch", "-i", str(inv), "--nodes", "3",
+                        "--storage", "node-local", "--steps", str(STEPS + 4), "--save-every",
+                        str(SAVE_EVERY), "--job-id", "lost", *WORKLOAD, "--partition", "debug",
+                        "--replicas", "1", "--submit", "--", "--log-every", "1"],
+                       capture_output=True, text=True, env=bed.env, timeout=120, check=False)
+    assert r.returncode == 0 and "submitting on any 3 free nodes" in r.stderr, r.stdout + r.stderr
+    slurm_id = re.search(r"submitted Slurm job (\d+)", r.stdout).group(1)  # type: ignore[union-attr]
+    state = _wait_end(bed, slurm_id, 900)
+    out = _out(bed, "lost", slurm_id)
+    err = _out(bed, "lost", slurm_id, "err")
+    if state != "COMPLETED":
+        print(out[-3000:], "\n".join(ln for ln in err.splitlines() if "clusterkit" in ln
+                                      or "Error" in ln)[-3000:])
+    assert state == "COMPLETED"
+    assert f"resharding global_step{STEPS}" in out and "converted to " in out, out[-4000:]
+    got = _summary(bed, "lost")
+    assert got["resumed_from"] == f"global_step{STEPS}_universal" and got["world_size"] == 6, got
+    print("\n".join(ln for ln in out.splitlines() if ln.startswith("clusterkit: "))[:3000])
+
+
+def test_a_lost_node_costs_a_restore_not_the_run(testbed_required: None, tmp_path: Path) -> None:
+    reason = slurm_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
     t0 = time.monotonic()
     with temporary(5) as tb:
         bed = SlurmBed.start(tb, 5)
@@ -90,6 +119,19 @@ def test_a_lost_node_costs_a_restore_not_the_run(tmp_path: Path) -> None:
             out, err = _out(bed, "lost", slurm_id), _out(bed, "lost", slurm_id, "err")
             assert state == "COMPLETED", (out[-4000:], err[-3000:])
             got = _summary(bed, "lost")
+            # sbatch status: the checkpoints' replica health, listed through Slurm.
+            status = subprocess.run([sys.executable, "-m", "clusterkit", "sbatch", "status", slurm_id],
+                                    capture_output=True, text=True, env=bed.env, timeout=180,
+                                    check=False)
+            assert f"global_step{STEPS}: 4/4 nodes, replicated 4/4" in status.stdout, \
+                status.stdout + status.stderr
+            status = subprocess.run([sys.executable, "-m", "clusterkit", "status", "lost"],
+                                    capture_output=True, text=True, env=bed.env, timeout=180,
+                                    check=False)
+            assert f"global_step{STEPS}: 4/4 nodes, replicated 4/4" in status.stdout, \
+                status.stdout + status.stderr
+            if EXTENDED:
+                _reshard_on_3_nodes(bed, inv)
         finally:
             bed.stop()
     runs = re.findall(r"^===== clusterkit: job lost slurm=\d+ run \d+ on (\S+)", out, re.M)

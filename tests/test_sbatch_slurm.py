@@ -287,6 +287,7 @@ def test_test_only_accepts_site_flags(slurm: SlurmBed, capsys: pytest.CaptureFix
 
 
 @pytest.mark.slow
+@ALL_VARIANTS  # node-local requeue -> resume -> both runs' logs: test_sbatch_replica_slurm.py
 def test_node_local_requeue_stays_on_its_nodes_and_keeps_both_logs(slurm: SlurmBed) -> None:
     """USR1 to the batch script of a node-local job: checkpoint, requeue pinned to the same
     nodes, resume; the output file holds both runs. Then the same script forced onto

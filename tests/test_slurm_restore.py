@@ -17,6 +17,7 @@ from pathlib import Path
 
 from clusterkit.node import slurmrestore
 from clusterkit.node.contract import REPLICA_MANIFEST, marker_name, replica_dir
+from clusterkit.node.listing import listing
 from clusterkit.node.replica import ReplicaServer, push
 from clusterkit.node.slurmreplica import ring
 
@@ -60,7 +61,7 @@ def test_a_lost_node_s_part_is_moved_from_its_replica(tmp_path: Path) -> None:
               for i in range(4)}
     # node C lost for good: its disk with it.
     new = ["A", "B", "D", "E"]
-    listings = {h: slurmrestore.listing(str(roots[h]), None) for h in new}
+    listings = {h: listing(str(roots[h]), None) for h in new}
     plan = slurmrestore.decide(listings, new, old, True, RPN)
     assert plan["tag"] == TAG, plan
     assert plan["lines"][:2] == ["node index 2 (was C) -> D: from its replica on D",
@@ -83,7 +84,7 @@ def test_a_lost_node_s_part_is_moved_from_its_replica(tmp_path: Path) -> None:
     # D's own part (node index 3's) is kept as a verified replica of it.
     assert (Path(replica_dir(str(roots["D"]), 3, TAG)) / REPLICA_MANIFEST).is_file()
     # A second decision on the same nodes: every part in place.
-    again = {h: slurmrestore.listing(str(roots[h]), None) for h in new}
+    again = {h: listing(str(roots[h]), None) for h in new}
     assert slurmrestore.decide(again, new, new, True, RPN)["lines"] == []
 
 
@@ -93,8 +94,39 @@ def test_a_part_on_no_node_of_the_run_is_named(tmp_path: Path) -> None:
     for i, h in enumerate(old):
         _save(roots[h], i)  # no replicas
     new = ["A", "B", "D", "E"]
-    plan = slurmrestore.decide({h: slurmrestore.listing(str(roots[h]), None) for h in new},
+    plan = slurmrestore.decide({h: listing(str(roots[h]), None) for h in new},
                                new, old, True, RPN)
     assert plan["missing"] == (f"checkpoint {TAG} cannot be assembled from this run's nodes: "
                                "node index 2 (was C): no copy on any node of this run and no "
                                "replica of it there"), plan
+
+
+def test_fewer_nodes_gather_every_part_for_the_universal_conversion(tmp_path: Path) -> None:
+    old = ["A", "B", "C", "D"]
+    roots = {h: tmp_path / h / "ckpt" for h in old}
+    for i, h in enumerate(old):
+        _save(roots[h], i)
+    _replicate(roots, old)
+    new = ["A", "B", "D"]  # C lost, no spare: 3 nodes
+    plan = slurmrestore.decide({h: listing(str(roots[h]), None) for h in new},
+                               new, old, True, RPN)
+    assert plan["reshard"] and plan["tag"] == TAG
+    assert plan["lines"] == ["node index 0 (was A): from its own copy on A",
+                             "node index 1 (was B): from its own copy on B",
+                             "node index 2 (was C): from its replica on D",
+                             "node index 3 (was D): from its own copy on D"], plan["lines"]
+    dest = tmp_path / "gather"
+    assert all(slurmrestore.gather(plan, h, str(roots[h]), str(dest)) == 0 for h in new)
+    names = sorted(p.name for p in (dest / TAG).iterdir())
+    assert names == sorted({*(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(8)),
+                            "mp_rank_00_model_states.pt", *(marker_name(i) for i in range(4))})
+    assert (dest / "latest").read_text() == TAG
+    # The script converts dest/TAG; spread copies the result into each node's dir, whole.
+    (dest / f"{TAG}_universal").mkdir()
+    (dest / f"{TAG}_universal" / "marker.json").write_text("{}")
+    assert slurmrestore.spread(str(dest / f"{TAG}_universal"), str(roots["D"])) == 0
+    assert (roots["D"] / f"{TAG}_universal" / "marker.json").read_text() == "{}"
+    # A user's script (no markers) on fewer nodes is refused in one line.
+    bare = slurmrestore.decide({h: listing(str(roots[h]), None) for h in new},
+                               new, old, False, RPN)
+    assert "not resharded for 3 under clusterkit sbatch" in bare["missing"], bare

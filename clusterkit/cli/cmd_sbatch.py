@@ -32,6 +32,8 @@ from clusterkit.cli.jobflags import SCRIPT_OPTION, launcher_given
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fold import check_ranks
 from clusterkit.fsutil import atomic_write_text
+from clusterkit.jobs.here import clusterkit_home
+from clusterkit.jobs.sbatch_health import slurm_job_health_lines
 from clusterkit.launchers import BACKENDS
 from clusterkit.node.contract import ENV_STOP_FILE, JobDir
 from clusterkit.render.artifacts import summary
@@ -212,7 +214,6 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
 def _register(job_dir: str, slurm_id: str) -> None:
     """The job in the local registry (launch/jobs.py): collect-ckpt finds it by
     clusterkit's id or Slurm's. The job is submitted already: a failure only warns."""
-    from clusterkit.jobs.here import clusterkit_home
     from clusterkit.launch.jobs import Registry
 
     try:
@@ -276,9 +277,9 @@ def _action(client: SlurmClient, action: str, job_id: str, args: argparse.Namesp
     if args.watch:
         return _watch(client, job_id, args)
     info = client.show(job_id)
-    print(status_line(info))
-    # The exit status is the job's outcome, as for --watch: 0 while it is pending or
-    # running and once it COMPLETED, 1 for any other end (FAILED, CANCELLED, TIMEOUT, ...).
+    for line in [status_line(info), *slurm_job_health_lines(clusterkit_home(), job_id)]:
+        print(line)  # a node-local job's checkpoints and their replicas, as `clusterkit status`
+    # The job's outcome, as for --watch: 0 pending, running or COMPLETED; 1 any other end.
     return EXIT_JOB_FAILED if info.finished and not info.succeeded else 0
 
 

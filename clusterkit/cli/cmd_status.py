@@ -34,6 +34,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status.to_json(), indent=1))
     elif status.slurm:
         _print_batch_job(status.record)
+        for line in status.checkpoints.lines() if status.checkpoints else ():
+            print(f"  {line}")
     else:
         _print_job(status)
     return 0

@@ -80,6 +80,7 @@ class JobStatus:
                                "launcher": self.record.launcher_shown}
         if self.slurm:
             out["slurm_job_ids"] = self.record.slurm_job_ids
+            out["checkpoints"] = self.checkpoints.to_json() if self.checkpoints else None
             return out
         out["nodes"] = {n.node: dict(n.answer) for n in self.nodes}
         out["checkpoints"] = self.checkpoints.to_json() if self.checkpoints else None
@@ -95,8 +96,10 @@ def job_status(home: Path, job: str) -> JobStatus:
     """Job ``job``'s record, each node's processes and its checkpoints' replica health.
     Raises :class:`~clusterkit.errors.LaunchError` for a job the registry does not know."""
     record = Registry(home).load(job)
-    if record.transport == "slurm":
-        return JobStatus(record)
+    if record.transport == "slurm":  # its nodes are Slurm's; its checkpoints listed through Slurm
+        from clusterkit.jobs.sbatch_health import batch_job_health
+
+        return JobStatus(record, (), batch_job_health(record, home))
     with transport_for() as transport:
         nodes = node_status(transport, record)
         health = job_health(transport, record.nodes, record.ckpt)

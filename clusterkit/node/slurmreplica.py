@@ -11,7 +11,10 @@ the script writes once per run, given to every task with ``srun --input=all``):
   ``launcher.log``), for this node's index in the allocation. It ends when the script
   writes ``RUN_DIR/end``: ``ok`` (the ranks exited 0: push what is due, BYE, wait for
   the sources, bounded) or anything else (stop at once);
-* ``list``, ``plan``, ``restore``: a run on another node set (``node/slurmrestore.py``).
+* ``list``, ``plan``, ``restore``: a run on another node set (``node/slurmrestore.py``);
+  on another number of nodes (the bundled workload) ``gather`` every part into the
+  shared ``RUN_DIR/gather``, where the script converts it to DeepSpeed's universal
+  checkpoint (checkpoints/convert/universal.py), and ``spread`` the result to every node.
 
 ``CONF`` is one JSON word: ``job_id``, ``job_dir``, ``ckpt_dir``, ``rpn`` (ranks per
 node), ``markers`` (the program writes completion markers), ``replicas`` (K). The
@@ -40,6 +43,10 @@ from clusterkit.node.contract import JobDir
 from clusterkit.node.replica_service import ReplicaService
 
 END_FILE = "end"
+RESHARD_FILE = "reshard"  # the tag to reshard (written by plan): gather, convert, spread
+GATHER_DIR = "gather"
+UNIVERSAL_FILE = "universal"  # the converted tag's name (the script writes it)
+VERBS = ("serve", "list", "plan", "restore", "gather", "spread")
 END_OK = "ok"
 POLL_S = 1.0
 FINISH_PUSH_S = 240.0  # the end of a job: outstanding pushes, then the sources' BYE
@@ -136,8 +143,8 @@ def main(argv: list[str]) -> int:
     # The script's USR1 (time limit, preemption) goes to every step of the job: the
     # ranks save; this program keeps copying (their save is what it copies next).
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    if len(argv) != 3 or argv[0] not in ("serve", "list", "plan", "restore"):
-        sys.stderr.write("usage: slurmreplica serve|list|plan|restore CONF RUN_DIR\n")
+    if len(argv) != 3 or argv[0] not in VERBS:
+        sys.stderr.write(f"usage: slurmreplica {'|'.join(VERBS)} CONF RUN_DIR\n")
         return 2
     verb, conf, run_dir = argv[0], json.loads(argv[1]), argv[2]
     me = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
@@ -147,8 +154,15 @@ def main(argv: list[str]) -> int:
         return slurmrestore.write_listing(conf["ckpt_dir"], run_dir, me)
     if verb == "plan":
         return plan(conf, run_dir)
+    if verb == "spread":
+        with open(os.path.join(run_dir, UNIVERSAL_FILE), encoding="utf-8") as fh:
+            name = fh.read().strip()
+        return slurmrestore.spread(os.path.join(run_dir, GATHER_DIR, name), conf["ckpt_dir"])
     with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as fh:
         the_plan = json.load(fh)
+    if verb == "gather":
+        return slurmrestore.gather(the_plan, me, conf["ckpt_dir"],
+                                   os.path.join(run_dir, GATHER_DIR))
     with open(os.path.join(run_dir, "secret"), encoding="utf-8") as fh:
         secret = fh.read().strip()
     hosts = read_lines(os.path.join(run_dir, "hosts"))
@@ -196,8 +210,16 @@ def plan(conf: dict[str, Any], run_dir: str) -> int:
         slurmrestore.say(f"job {job}: this run got {now} (was {was}); every node holds its "
                          f"part of {p['tag']} already")
         return 0
-    slurmrestore.say(f"job {job}: this run got {now}, not the checkpoint's nodes {was}: "
-                     f"moving the parts of {p['tag']} before the ranks start")
+    if p.get("reshard"):
+        slurmrestore.say(f"job {job}: this run got {len(hosts)} nodes, {now}; the checkpoint "
+                         f"was saved on {len(old)}, {was}: resharding {p['tag']} (gathered in "
+                         "the job dir, converted to DeepSpeed's universal checkpoint, copied to "
+                         "every node) before the ranks start")
+        with open(os.path.join(run_dir, RESHARD_FILE), "w", encoding="utf-8") as fh:
+            fh.write(p["tag"] + "\n")
+    else:
+        slurmrestore.say(f"job {job}: this run got {now}, not the checkpoint's nodes {was}: "
+                         f"moving the parts of {p['tag']} before the ranks start")
     for line in p["lines"]:
         slurmrestore.say("  " + line)
     with open(os.path.join(run_dir, "plan.json.tmp"), "w", encoding="utf-8") as fh:

@@ -39,13 +39,14 @@ from typing import Any
 
 from clusterkit.node.contract import (
     LATEST_FILE,
+    MODEL_STATES_RE,
     REPLICA_PARTIAL_PREFIX,
     parse_marker_name,
     replica_dir,
     replica_source_dir,
 )
 from clusterkit.node.listing import listing
-from clusterkit.node.replica import ReplicaError, ReplicaServer, push
+from clusterkit.node.replica import ReplicaError, ReplicaServer, push, push_files
 from clusterkit.node.replica_area import commit_copy, new_manifest, read_manifest
 from clusterkit.node.replica_done import part_problem
 
@@ -150,14 +151,23 @@ def decide(listings: dict[str, Any], hosts: list[str], old_hosts: list[str], mar
     tags = [t for t in candidate_tags(listings) if sources(listings, t, markers, rpn)]
     if not tags:
         return {"tag": None}
+    parts = len(old_hosts) if old_hosts else len(hosts)
     label = {i: f"node index {i}" + (f" (was {old_hosts[i]})" if i < len(old_hosts) else "")
-             for i in range(len(hosts))}
+             for i in range(max(parts, len(hosts)))}
+    if parts != len(hosts) and not markers:
+        return {"missing": f"a checkpoint saved on {parts} nodes is not resharded for {len(hosts)} "
+                           "under clusterkit sbatch for a script of your own (clusterkit launch "
+                           "does it: docs/lost-a-node.md); submit on "
+                           f"{parts} nodes"}
     for tag in tags:
         src = sources(listings, tag, markers, rpn)
-        if all(src.get(i) for i in range(len(hosts))):
-            return _moves(tag, src, hosts, label, listings, markers, rpn)
+        if not all(src.get(i) for i in range(parts)):
+            continue
+        if parts != len(hosts):
+            return _gathers(tag, src, hosts, label, parts)
+        return _moves(tag, src, hosts, label, listings, markers, rpn)
     src = sources(listings, tags[0], markers, rpn)
-    gone = [label[i] for i in range(len(hosts)) if not src.get(i)]
+    gone = [label[i] for i in range(parts) if not src.get(i)]
     return {"missing": f"checkpoint {tags[0]} cannot be assembled from this run's nodes: "
                        + ", ".join(gone) + ": no copy on any node of this run and no replica "
                        "of it there"}
@@ -187,6 +197,20 @@ def _moves(tag: str, src: dict[int, list[tuple[str, str]]], hosts: list[str],
     moved = [f"{h}: its own {t} (node index {j}'s part) kept as a replica of it"
              for h, a in actions.items() for t, j in a["aside"] if j >= 0]
     return {"tag": tag, "actions": actions, "lines": lines + moved}
+
+
+def _gathers(tag: str, src: dict[int, list[tuple[str, str]]], hosts: list[str],
+             label: dict[int, str], parts: int) -> dict[str, Any]:
+    """Another number of nodes (the bundled workload): every part of ``tag`` is copied into
+    the shared run dir by a node holding it (its own copy first), converted there to
+    DeepSpeed's universal checkpoint, and that is copied to every node."""
+    actions: dict[str, dict[str, Any]] = {h: {"gather": []} for h in hosts}
+    lines = []
+    for i in range(parts):
+        host, kind = sorted(src[i], key=lambda hk: (hk[1] != "own", hosts.index(hk[0])))[0]
+        actions[host]["gather"].append([i, kind])
+        lines.append(f"{label[i]}: from its {'own copy' if kind == 'own' else 'replica'} on {host}")
+    return {"tag": tag, "reshard": True, "actions": actions, "lines": lines}
 
 
 def _asides(ls: dict[str, Any], tag: str, index: int, markers: bool, rpn: int
@@ -302,6 +326,45 @@ def restore(plan: dict[str, Any], me: str, ckpt_dir: str, job_id: str, secret: s
         say(f"restored {tag}'s node index {index} part onto {me}: {n} files, {size / 1e6:.1f} MB, "
             "each file's sha256 equal to its replica manifest's")
     return 1 if failed else 0
+
+
+def gather(plan: dict[str, Any], me: str, ckpt_dir: str, dest: str) -> int:
+    """This node's parts of a reshard plan into ``dest`` (the shared run dir): ``<tag>/...``
+    and node 0's ``latest``; a replica's files checked against its manifest. The ZeRO 0-2
+    model states file is node 0's (as collect-ckpt takes it: checkpoints/collect/discover.py)."""
+    tag = plan["tag"]
+    for part, kind in (plan["actions"].get(me) or {}).get("gather", []):
+        root = ckpt_dir if kind == "own" else replica_dir(ckpt_dir, int(part), tag)
+        manifest = read_manifest(root) if kind != "own" else None
+        for rel in push_files(root, tag, int(part)):
+            if int(part) != 0 and MODEL_STATES_RE.match(os.path.basename(rel)):
+                continue  # ZeRO 0-2: every node wrote one; node 0's alone has shared_params
+            out = os.path.join(dest, rel)
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            tmp = f"{out}.{me}.part"  # nodes write the same model-states file name
+            shutil.copyfile(os.path.join(root, rel), tmp)
+            if manifest is not None and sha256_of(tmp) != manifest["files"][rel]["sha256"]:
+                os.remove(tmp)
+                say(f"{me}: {rel} of node index {part}'s replica differs from its manifest",
+                    err=True)
+                return 1
+            os.replace(tmp, out)
+        say(f"gathered {tag}'s node index {part} part from {me}")
+    return 0
+
+
+def spread(tag_dir: str, ckpt_dir: str) -> int:
+    """The converted universal checkpoint into this node's checkpoint dir: copied beside
+    it, then renamed into place (it appears whole, its marker with it)."""
+    name = os.path.basename(tag_dir.rstrip("/"))
+    final, tmp = os.path.join(ckpt_dir, name), os.path.join(ckpt_dir, f".{name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(ckpt_dir, exist_ok=True)
+    shutil.copytree(tag_dir, tmp)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    return 0
 
 
 def _push_one(p: dict[str, Any], plan: dict[str, Any], me: str, ckpt_dir: str, job_id: str,

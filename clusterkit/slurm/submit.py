@@ -149,9 +149,15 @@ def pinned_nodes(client: SlurmClient, plan: JobPlan, replicas: int) -> list[str]
     if not first:
         return []
     try:
-        bad = unavailable(client, expand_list(first)) if replicas else {}
+        recorded = expand_list(first)
     except HostRangeError:
-        bad = {}
+        recorded = []
+    if recorded and len(recorded) != len(plan.nodes):
+        print(f"clusterkit: node-local checkpoints of job {plan.job_id} are on {first}, "
+              f"{len(recorded)} nodes: submitting on any {len(plan.nodes)} free nodes (the "
+              "batch script reshards the checkpoint before the ranks start)", file=sys.stderr)
+        return []
+    bad = unavailable(client, recorded) if replicas else {}
     if bad:
         what = ", ".join(f"{n} {state}" for n, (state, _) in bad.items())
         print(f"clusterkit: node-local checkpoints of job {plan.job_id} are on {first}, but "

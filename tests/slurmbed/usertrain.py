@@ -45,11 +45,16 @@ def check_env() -> None:
 
 
 def newest_complete(ckpt: Path) -> int:
-    steps = [int(d.name[4:]) for d in ckpt.glob("step*")
-             if d.name[4:].isdigit() and any(d.glob("complete.rank*"))]
-    found = torch.tensor([max(steps, default=-1)], dtype=torch.long)
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return int(found.item())
+    """The newest step every rank finished saving (-1: none), the same on every rank:
+    each rank lists the steps with its own completion mark (with node-local storage a
+    node sees only its own directory), and the ranks keep the steps they all have. The
+    maximum over ranks would pick a save that a node lost with its disk never had."""
+    mine = {int(d.name[4:]) for d in ckpt.glob("step*")
+            if d.name[4:].isdigit() and (d / f"complete.rank{dist.get_rank()}").is_file()}
+    every: list[set[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    common = set.intersection(*(s or set() for s in every))
+    return max(common, default=-1)
 
 
 def hold_for_stop(stop_file: Path, limit_s: float = 300.0) -> None:

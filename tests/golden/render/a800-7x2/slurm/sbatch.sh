@@ -90,11 +90,12 @@ fi
 nodes_file=$job_dir/slurm_nodes
 rdir=$job_dir/slurm-runs/$SLURM_JOB_ID.$(( ${SLURM_RESTART_COUNT:-0} + 1 ))
 mkdir -p -- "$rdir"
-rm -f -- "$rdir/end" "$rdir/plan.json"
+rm -f -- "$rdir/end" "$rdir/plan.json" "$rdir/reshard" "$rdir/universal"
 scontrol show hostnames "$SLURM_JOB_NODELIST" > "$rdir/hosts"
 # node/slurmreplica.py's sources, written with the job's files by clusterkit sbatch.
 bundle=$job_dir/slurmreplica.bundle
 # The run's replica secret: this file only (mode 0600), never argv, env or a log.
+rm -f -- "$job_dir/slurm-runs"/*/secret  # a run Slurm killed left its own
 ( umask 077; od -An -vtx1 -N32 /dev/urandom | tr -d ' \n' > "$rdir/secret" )
 trap 'rm -f -- "$rdir/secret"' EXIT
 replica_conf='{"ckpt_dir":"/scratch/ckpt/golden-a800-7x2","job_dir":"/srv/train/.clusterkit/jobs/golden-a800-7x2","job_id":"golden-a800-7x2","markers":true,"replicas":0,"rpn":2}'
@@ -125,7 +126,26 @@ if [ -n "$first_nodes" ] && [ "$first_nodes" != "$SLURM_JOB_NODELIST" ]; then
     scontrol show hostnames "$first_nodes" > "$rdir/old_hosts"
     node_program list || { both "clusterkit: listing the checkpoint parts on this run's nodes failed (see the .err file)"; exit 2; }
     "${replica[@]}" plan "$replica_conf" "$rdir" < "$bundle" || exit 3
-    if [ -s "$rdir/plan.json" ]; then
+    if [ -s "$rdir/reshard" ]; then
+        # Another number of nodes (the bundled workload): gather every part here, convert
+        # it with DeepSpeed's own converter (checkpoints/convert/universal.py), copy the
+        # universal checkpoint to every node; the workload's --resume auto loads it.
+        node_program gather || { both "clusterkit: gathering the checkpoint parts failed (see the .err file): not starting"; exit 3; }
+        "${replica[0]}" -c 'import sys
+from clusterkit.checkpoints.convert.universal import convert_to_universal
+try:
+    u = convert_to_universal(sys.argv[1], sys.argv[2])
+except Exception as exc:
+    why = getattr(exc, "message", None) or repr(exc)
+    sys.exit(f"clusterkit: cannot convert {sys.argv[2]}: {why}")
+open(sys.argv[3], "w").write(u.tag + "\n")
+print(f"clusterkit: converted to {u.tag} in {u.seconds:.1f} s (saved by {u.marker.world_size} ranks, ZeRO-{u.marker.zero_stage}, step {u.marker.step})")' \
+            "$rdir/gather" "$(cat "$rdir/reshard")" "$rdir/universal" \
+            || { both "clusterkit: converting the checkpoint to DeepSpeed's universal checkpoint failed (the line above says why): not starting"; exit 3; }
+        node_program spread || { both "clusterkit: copying the universal checkpoint to the nodes failed (see the .err file): not starting"; exit 3; }
+        rm -rf -- "$rdir/gather"
+        echo "clusterkit: every node holds $(cat "$rdir/universal"): the workload resumes from it on 14 ranks"
+    elif [ -s "$rdir/plan.json" ]; then
         node_program restore || { both "clusterkit: moving the checkpoint parts failed (see the .err file): not starting"; exit 3; }
     fi
 fi
