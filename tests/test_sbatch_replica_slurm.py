@@ -145,3 +145,62 @@ def test_a_lost_node_costs_a_restore_not_the_run(testbed_required: None, tmp_pat
           f"(load {os.getloadavg()[0]:.1f}); resumed from {got['resumed_from']}")
     print("\n".join(ln for ln in out.splitlines() if ln.startswith("clusterkit: ")
                     and "step" not in ln[:20])[:3000])
+
+
+TRAIN = Path(__file__).resolve().parent.parent / "docs" / "examples" / "train.py"
+
+
+@pytest.mark.extended
+def test_a_user_script_survives_a_lost_node_and_goes_on_on_fewer(testbed_required: None,
+                                                                  tmp_path: Path) -> None:
+    """The same with a user's own script (docs/examples/train.py, no markers), 4 x 1:
+    node3 lost after its step4 part is replicated; Slurm's requeue restores it onto node5
+    and the job finishes; submitted again on 3 nodes, its newest checkpoint is resharded
+    and the script loads $CLUSTERKIT_RESUME_TAG with load_universal on, and finishes."""
+    reason = slurm_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+    def submit(bed: SlurmBed, inv: Path, nodes: int, steps: int, *extra: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "clusterkit", "sbatch", "-i", str(inv),
+                            "--nodes", str(nodes), "--storage", "node-local", "--zero-stage", "2",
+                            "--job-id", "user", "--partition", "debug", "--replicas", "1",
+                            *extra, "--submit", str(TRAIN), "--steps", str(steps),
+                            "--save-every", "4"],
+                           capture_output=True, text=True, env=bed.env, timeout=120, check=False)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return re.search(r"submitted Slurm job (\d+)", r.stdout).group(1)  # type: ignore[union-attr]
+
+    with temporary(5) as tb:
+        bed = SlurmBed.start(tb, 5)
+        try:
+            inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1, gpus=0)
+            slurm_id = submit(bed, inv, 4, 16)
+            manifest = tb.node_local_path("node4", f"ckpt/user.replicas/node2/step4/{REPLICA_MANIFEST}")
+            end = time.monotonic() + 600
+            while not manifest.exists():
+                assert time.monotonic() < end and bed.job_state(slurm_id) in IN_PROGRESS, \
+                    _out(bed, "user", slurm_id)[-3000:]
+                time.sleep(0.3)
+            tb.destroy(LOST)
+            bed.client(["scontrol", "update", f"NodeName={LOST}", "State=DOWN", "Reason=lost"])
+            state = _wait_end(bed, slurm_id, 900)
+            out = _out(bed, "user", slurm_id)
+            assert state == "COMPLETED", (out[-3000:], _out(bed, "user", slurm_id, "err")[-3000:])
+            assert "node index 2 (was node3) -> node4: from its replica on node4" in out, out[-3000:]
+            again = submit(bed, inv, 3, 20)
+            state = _wait_end(bed, again, 900)
+            out = _out(bed, "user", again)
+            err = _out(bed, "user", again, "err")
+            if state != "COMPLETED":
+                print(out[-3000:], "\n".join(ln for ln in err.splitlines() if "clusterkit" in ln
+                                              or "Error" in ln)[-3000:])
+            assert state == "COMPLETED"
+            # The newest tag every old node index has a copy of on node[1-2,4] (node5, index
+            # 3, is not among them): step16 when its index-3 part was replicated on node1.
+            assert re.search(r"resumed from step1[26]_universal at step 1[26] on 3 ranks", out), \
+                out[-3000:]
+            assert "world size 4 -> 3" in out, out[-3000:]
+            print("\n".join(ln for ln in out.splitlines() if ln.startswith("clusterkit: "))[:3000])
+        finally:
+            bed.stop()

@@ -154,17 +154,13 @@ def decide(listings: dict[str, Any], hosts: list[str], old_hosts: list[str], mar
     parts = len(old_hosts) if old_hosts else len(hosts)
     label = {i: f"node index {i}" + (f" (was {old_hosts[i]})" if i < len(old_hosts) else "")
              for i in range(max(parts, len(hosts)))}
-    if parts != len(hosts) and not markers:
-        return {"missing": f"a checkpoint saved on {parts} nodes is not resharded for {len(hosts)} "
-                           "under clusterkit sbatch for a script of your own (clusterkit launch "
-                           "does it: docs/lost-a-node.md); submit on "
-                           f"{parts} nodes"}
     for tag in tags:
         src = sources(listings, tag, markers, rpn)
         if not all(src.get(i) for i in range(parts)):
             continue
         if parts != len(hosts):
-            return _gathers(tag, src, hosts, label, parts)
+            return {**_gathers(tag, src, hosts, label, parts),
+                    "world": _world(listings, tag) or parts * rpn}
         return _moves(tag, src, hosts, label, listings, markers, rpn)
     src = sources(listings, tags[0], markers, rpn)
     gone = [label[i] for i in range(parts) if not src.get(i)]
@@ -201,7 +197,7 @@ def _moves(tag: str, src: dict[int, list[tuple[str, str]]], hosts: list[str],
 
 def _gathers(tag: str, src: dict[int, list[tuple[str, str]]], hosts: list[str],
              label: dict[int, str], parts: int) -> dict[str, Any]:
-    """Another number of nodes (the bundled workload): every part of ``tag`` is copied into
+    """Another number of nodes: every part of ``tag`` is copied into
     the shared run dir by a node holding it (its own copy first), converted there to
     DeepSpeed's universal checkpoint, and that is copied to every node."""
     actions: dict[str, dict[str, Any]] = {h: {"gather": []} for h in hosts}
@@ -211,6 +207,17 @@ def _gathers(tag: str, src: dict[int, list[tuple[str, str]]], hosts: list[str],
         actions[host]["gather"].append([i, kind])
         lines.append(f"{label[i]}: from its {'own copy' if kind == 'own' else 'replica'} on {host}")
     return {"tag": tag, "reshard": True, "actions": actions, "lines": lines}
+
+
+def _world(listings: dict[str, Any], tag: str) -> int:
+    """The world size that saved ``tag``: its highest rank file anywhere, plus one."""
+    names: list[str] = []
+    for ls in listings.values():
+        names += list((ls.get("tags") or {}).get(tag) or {})
+        for entry in (ls.get("replicas") or {}).values():
+            names += list((((entry.get("tags") or {}).get(tag)) or {}).get("files", {}))
+    ranks = [int(m.group(1)) for n in names for m in [_RANK_RE.search(n)] if m]
+    return max(ranks) + 1 if ranks else 0
 
 
 def _asides(ls: dict[str, Any], tag: str, index: int, markers: bool, rpn: int

@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING
 from clusterkit.errors import RenderError
 from clusterkit.launchers import BACKENDS
 from clusterkit.node import hangrule, ship
-from clusterkit.node.contract import ENV_CKPT_DIR, ENV_HEARTBEAT_DIR, ENV_STOP_FILE, JobDir, exits_dir
+from clusterkit.node.contract import (
+    ENV_CKPT_DIR,
+    ENV_HEARTBEAT_DIR,
+    ENV_RESUME_TAG,
+    ENV_STOP_FILE,
+    JobDir,
+    exits_dir,
+)
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
 
@@ -36,7 +43,8 @@ TEMPLATE = "sbatch.sh.j2"
 WATCHDOG_EOF = "CLUSTERKIT_SLURMWATCH_EOF"
 PROGRESS_SUBDIR = JobDir.PROGRESS  # <job dir>/progress: $CLUSTERKIT_HEARTBEAT_DIR under sbatch
 # The contract's names the script spells (`{{ env.stop_file }}`, `{{ layout.HANG }}`).
-ENV_NAMES = {"stop_file": ENV_STOP_FILE, "heartbeat_dir": ENV_HEARTBEAT_DIR, "ckpt_dir": ENV_CKPT_DIR}
+ENV_NAMES = {"stop_file": ENV_STOP_FILE, "heartbeat_dir": ENV_HEARTBEAT_DIR, "ckpt_dir": ENV_CKPT_DIR,
+             "resume_tag": ENV_RESUME_TAG}
 # spec.ports' range (20000-32767, below Linux's ephemeral range 32768-60999): what a
 # site template that derives its own port needs; the bundled one uses the plan's port.
 SLURM_PORT_BASE = PORT_BASE
@@ -246,10 +254,10 @@ def _replica_context(plan: JobPlan, site: SlurmSite) -> dict[str, object]:
     node = plan.nodes[0]
     k = site.replicas if plan.node_local and len(plan.nodes) > 1 else 0
     if not plan.node_local:
-        return {"replicas": 0, "replica_cmd": "", "replica_conf": ""}
+        return {"replicas": 0, "replica_cmd": "", "replica_conf": "", "markers": False}
     conf = {"job_id": plan.job_id, "job_dir": node.job_dir, "ckpt_dir": node.ckpt_dir,
             "rpn": node.nproc, "markers": plan.options.uses_workload, "replicas": k}
-    return {"replicas": k,
+    return {"replicas": k, "markers": plan.options.uses_workload,
             "replica_cmd": shlex.join(ship.node_command(node.python, "slurmreplica").argv),
             "replica_conf": json.dumps(conf, sort_keys=True, separators=(",", ":"))}
 

@@ -97,7 +97,11 @@ bundle=$job_dir/slurmreplica.bundle
 # The run's replica secret: this file only (mode 0600), never argv, env or a log.
 rm -f -- "$job_dir/slurm-runs"/*/secret  # a run Slurm killed left its own
 ( umask 077; od -An -vtx1 -N32 /dev/urandom | tr -d ' \n' > "$rdir/secret" )
-trap 'rm -f -- "$rdir/secret"' EXIT
+# A user's script resharded last run had this run's ds_config: the plain one back.
+ds_cfg=/srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json
+ds_plain=$ds_cfg.plain
+if [ -f "$ds_plain" ]; then mv -f -- "$ds_plain" "$ds_cfg"; fi
+trap 'rm -f -- "$rdir/secret"; if [ -f "$ds_plain" ]; then mv -f -- "$ds_plain" "$ds_cfg"; fi' EXIT
 replica_conf='{"ckpt_dir":"/scratch/ckpt/golden-a800-7x2","job_dir":"/srv/train/.clusterkit/jobs/golden-a800-7x2","job_id":"golden-a800-7x2","markers":true,"replicas":0,"rpn":2}'
 replica=(/opt/conda/envs/train/bin/python -S -u -c 'import linecache,sys,types
 r=sys.stdin.buffer
@@ -127,24 +131,19 @@ if [ -n "$first_nodes" ] && [ "$first_nodes" != "$SLURM_JOB_NODELIST" ]; then
     node_program list || { both "clusterkit: listing the checkpoint parts on this run's nodes failed (see the .err file)"; exit 2; }
     "${replica[@]}" plan "$replica_conf" "$rdir" < "$bundle" || exit 3
     if [ -s "$rdir/reshard" ]; then
-        # Another number of nodes (the bundled workload): gather every part here, convert
-        # it with DeepSpeed's own converter (checkpoints/convert/universal.py), copy the
-        # universal checkpoint to every node; the workload's --resume auto loads it.
+        # Another number of nodes: gather every part here, convert it with DeepSpeed's own
+        # converter (jobs/slurm_reshard.py), copy the universal checkpoint to every node;
+        # the workload's --resume auto loads it, a user's script the tag exported below
+        # (with the ds_config of this run: load_universal, the batch for this world size).
         node_program gather || { both "clusterkit: gathering the checkpoint parts failed (see the .err file): not starting"; exit 3; }
-        "${replica[0]}" -c 'import sys
-from clusterkit.checkpoints.convert.universal import convert_to_universal
-try:
-    u = convert_to_universal(sys.argv[1], sys.argv[2])
-except Exception as exc:
-    why = getattr(exc, "message", None) or repr(exc)
-    sys.exit(f"clusterkit: cannot convert {sys.argv[2]}: {why}")
-open(sys.argv[3], "w").write(u.tag + "\n")
-print(f"clusterkit: converted to {u.tag} in {u.seconds:.1f} s (saved by {u.marker.world_size} ranks, ZeRO-{u.marker.zero_stage}, step {u.marker.step})")' \
-            "$rdir/gather" "$(cat "$rdir/reshard")" "$rdir/universal" \
+        "${replica[0]}" -m clusterkit.jobs.slurm_reshard "$rdir" "$ds_cfg" 14 1 \
             || { both "clusterkit: converting the checkpoint to DeepSpeed's universal checkpoint failed (the line above says why): not starting"; exit 3; }
         node_program spread || { both "clusterkit: copying the universal checkpoint to the nodes failed (see the .err file): not starting"; exit 3; }
         rm -rf -- "$rdir/gather"
-        echo "clusterkit: every node holds $(cat "$rdir/universal"): the workload resumes from it on 14 ranks"
+        echo "clusterkit: every node holds $(cat "$rdir/universal"): resuming from it on 14 ranks"
+        if [ -s "$rdir/resume_tag" ]; then
+            export CLUSTERKIT_RESUME_TAG="$(cat "$rdir/resume_tag")"
+        fi
     elif [ -s "$rdir/plan.json" ]; then
         node_program restore || { both "clusterkit: moving the checkpoint parts failed (see the .err file): not starting"; exit 3; }
     fi
