@@ -30,6 +30,8 @@ from clusterkit.checks.rules_base import DoctorContext, GiB
 from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.jobs import Registry
 from clusterkit.launch.run import _record
+from clusterkit.launchers.base import DoctorMode
+from clusterkit.spec.jobrecord import JobState
 from tests.render_cases import plan_for
 
 if TYPE_CHECKING:
@@ -70,7 +72,7 @@ def node(host: str) -> NodeFacts:
 
 
 CTX = DoctorContext(hosts=HOSTS, slots={h: 2 for h in HOSTS}, gpus={h: 2 for h in HOSTS},
-                    backend="pdsh", head_tools={"pdsh": "/usr/bin/pdsh"}, head_python=PY,
+                    backend=DoctorMode.HEAD_PDSH, head_tools={"pdsh": "/usr/bin/pdsh"}, head_python=PY,
                     checkpoint_bytes=100 * GiB)
 
 
@@ -457,6 +459,6 @@ def recorded_failed_job(tmp_path: Path, **kw: object) -> Registry:
     plan = plan_for("a800-7x2", "torchrun", **kw)
     registry = Registry(tmp_path)
     record = _record(job_from_plan(plan), plan, 0)
-    record.state = "failed"
+    record.state = JobState.FAILED
     registry.save(record)
     return registry
