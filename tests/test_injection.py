@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
+import tempfile
 from typing import Any
 
 import pytest
@@ -137,7 +139,13 @@ def _sbatch_runs_as_intended(plan: LaunchPlan) -> None:
                      f"getent() {{ printf '%s STREAM x\\n' {plan.master_addr}; }}\n"
                      "echo() { :; }\n")
     env = {"PATH": os.environ["PATH"], "SLURM_JOB_NODELIST": "x", "SLURM_JOB_ID": "4242"}
-    records = _run_bash(stubs + plan.artifacts["sbatch.sh"], env)
+    script = plan.artifacts["sbatch.sh"]
+    with tempfile.TemporaryDirectory() as scratch:
+        # A node-local job's script keeps its run files (hosts, the replica secret) in
+        # the job dir: here a scratch dir, made for real, so nothing lands in the plan's.
+        script = re.sub(r"(?m)^job_dir=.*$", lambda _: f"job_dir={shlex.quote(scratch)}", script, count=1)
+        stubs = stubs.replace("mkdir() {", 'mkdir() { command mkdir "$@"; ', 1)
+        records = _run_bash(stubs + script, env)
     # The batch script keeps the site's PATH (prefixed, exported) instead of the plan's
     # PATH= word, and runs each rank under the exit recorder (the first failing rank's
     # code is the job's, docs/sbatch.md); every other word, the port included, must match.
