@@ -142,9 +142,10 @@ def _sbatch_runs_as_intended(plan: LaunchPlan) -> None:
     script = plan.artifacts["sbatch.sh"]
     with tempfile.TemporaryDirectory() as scratch:
         # A node-local job's script keeps its run files (hosts, the replica secret) in
-        # the job dir: here a scratch dir, made for real, so nothing lands in the plan's.
+        # the job dir: here a scratch dir (only its mkdirs are real), so nothing lands in the plan's.
         script = re.sub(r"(?m)^job_dir=.*$", lambda _: f"job_dir={shlex.quote(scratch)}", script, count=1)
-        stubs = stubs.replace("mkdir() {", 'mkdir() { command mkdir "$@"; ', 1)
+        made = f'for d; do case $d in {shlex.quote(scratch)}/*) command mkdir -p -- "$d";; esac; done; '
+        stubs = stubs.replace("mkdir() {", "mkdir() { " + made, 1)
         records = _run_bash(stubs + script, env)
     # The batch script keeps the site's PATH (prefixed, exported) instead of the plan's
     # PATH= word, and runs each rank under the exit recorder (the first failing rank's
