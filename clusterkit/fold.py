@@ -52,6 +52,9 @@ _STAMP = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\]?\s*")
 # torch.distributed.elastic's Python log lines, with the process id after the time:
 # "W1127 02:09:04.960000 14511 site-packages/torch/.../api.py:753] ..." -> "[W site-pa...".
 _GLOG_STAMP = re.compile(r"^\[?([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ (?:\d+ )?")
+# One torch log record's whole header (level, time, pid, file:line): the lines of a
+# multi-line record (a traceback logged by torch.distributed.elastic) all carry it.
+_GLOG_RECORD = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ (?:\d+ )?\S+:\d+\]")
 # What else differs between nodes' copies of one line: an address (and its port), a port,
 # a process id ("Sending process 226 closing signal SIGTERM" on every node).
 _VARYING: tuple[tuple[re.Pattern[str], str], ...] = (
@@ -188,6 +191,7 @@ class LineFolder:
         self.tearing = False  # the job is being stopped: launcher lines are teardown output
         self._node_groups: dict[str, list[_Group]] = {}  # key -> launcher-line groups waiting
         self._teardown: dict[str, int] = {}  # node -> launcher lines held back since then
+        self._record: dict[str, str] = {}  # node -> header of its launcher's last log record
 
     def feed(self, node: str, rank: int, text: str, now: float) -> list[Folded]:
         if text.startswith(SUMMARY_PREFIX):
@@ -219,6 +223,12 @@ class LineFolder:
         if self.tearing:
             self._teardown[node] = self._teardown.get(node, 0) + 1
             return self.release(now)
+        if self._continues_record(node, text):
+            # The rest of one multi-line record (torchrun's "Error waiting on exit
+            # barrier" and its traceback, at a clean end): its first line is shown, the
+            # rest is in the node's launcher.log.
+            self.suppressed += 1
+            return self.release(now)
         key = fold_key(text)
         noise = is_noise(key)
         if not key or (noise and key in self._noise_shown):  # an empty line: the log has it
@@ -234,6 +244,15 @@ class LineFolder:
             self._queue.append(group)
         group.hosts.append(node)
         return self.release(now)
+
+    def _continues_record(self, node: str, text: str) -> bool:
+        m = _GLOG_RECORD.match(text)
+        if m is None:
+            self._record.pop(node, None)
+            return False
+        header, previous = m.group(0), self._record.get(node)
+        self._record[node] = header
+        return header == previous
 
     def tear_down(self) -> None:
         """The job is being stopped: from now on what the launchers print (torchrun's

@@ -467,3 +467,27 @@ def test_deepspeeds_runner_prints_nothing_when_stopped() -> None:
         f.feed_node("node1", text, now=0.0)
     f.tear_down()
     assert f.teardown("/j/nodes/<node>/launcher.log") is None
+
+
+# A clean 3 x 1 torchrun run's end (whole-suite run, 2026-11-27): one node's elastic
+# agent logged a failed exit barrier as one record of several lines, all with its header.
+_BARRIER = "E1127 07:11:56.570000 128 site-packages/torch/distributed/elastic/agent/server/api.py:1008] "
+EXIT_BARRIER = [_BARRIER + t for t in (
+    "Error waiting on exit barrier. Elapsed: 0.019173860549926758 seconds",
+    "Traceback (most recent call last):",
+    '  File "/usr/lib/python3/site-packages/torch/distributed/elastic/agent/server/api.py", '
+    "line 994, in _exit_barrier",
+    "    store_util.barrier(",
+    "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely "
+    "closed. Did the remote server shutdown or crash?")]
+
+
+def test_a_launcher_log_record_of_several_lines_shows_its_first_line() -> None:
+    f = LineFolder(window_s=1.0, nodes=3)
+    out = [item for i, line in enumerate(EXIT_BARRIER)
+           for item in f.feed_node("node3", line, now=0.01 * i)]
+    out += f.feed_node("node3", "W1127 07:11:57.100000 128 torch/x.py:5] another record", now=0.2)
+    out += f.release(5.0, final=True)
+    assert _texts(out) == ["[node3] " + EXIT_BARRIER[0],
+                           "[node3] W1127 07:11:57.100000 128 torch/x.py:5] another record"]
+    assert f.suppressed == 4
