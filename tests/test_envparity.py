@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,8 @@ def test_doctor_finds_a_stale_build_lock_with_the_real_probe(tmp_path: Path) -> 
     lock = tmp_path / "ext" / "fused_adam" / "lock"
     lock.parent.mkdir(parents=True)
     lock.write_bytes(b"")
+    old = time.time() - 3600  # a killed build's, an hour ago (a young one is waited for)
+    os.utime(lock, (old, old))
     argv = facts_argv(sys.executable)
     res = subprocess.run(argv, input=probe_source(), capture_output=True, timeout=120,
                          env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")},

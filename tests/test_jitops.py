@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -29,8 +31,16 @@ def test_ops_for_the_bundled_workloads_configs() -> None:
 def _lock(root: Path, op: str = "fused_adam") -> Path:
     d = root / "py311_cpu" / op
     d.mkdir(parents=True)
-    (d / "lock").write_bytes(b"")
-    return d / "lock"
+    return _killed_build_lock(d / "lock")
+
+
+def _killed_build_lock(lock: Path) -> Path:
+    """A lock a killed build left an hour ago (a younger one may be another node's load:
+    jitops.settled waits for it to go)."""
+    lock.write_bytes(b"")
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    return lock
 
 
 def test_a_lock_nobody_holds_is_stale_one_held_open_is_not(tmp_path: Path) -> None:
@@ -59,6 +69,24 @@ def test_extension_roots_follow_torch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 FIXTURES = Path(__file__).parent / "fixtures" / "stacks"
+
+
+def test_a_young_lock_that_goes_away_is_another_nodes_load_not_a_stale_lock(
+        tmp_path: Path) -> None:
+    """A rank on a node sharing the directory holds the lock where no /proc here shows
+    it, for the second ninja takes: settled() waits for it; an old one it does not."""
+    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_bytes(b"")
+    gone = threading.Timer(1.0, lock.unlink)
+    gone.start()
+    t0 = time.monotonic()
+    assert jitops.settled([str(tmp_path)]) == []
+    assert 0.9 < time.monotonic() - t0 < jitops.SETTLE_S
+    old = _killed_build_lock(lock)
+    t0 = time.monotonic()
+    assert [lk["path"] for lk in jitops.stale(jitops.settled([str(tmp_path)]))] == [str(old)]
+    assert time.monotonic() - t0 < 1.0
 
 
 def test_lock_notes_name_the_lock_a_rank_waits_for_and_whose_it_is(tmp_path: Path) -> None:
@@ -147,8 +175,7 @@ def test_check_says_which_ops_a_nodes_ranks_would_build(tmp_path: Path,
     _built(ext, "cpu_adam", torch_dir="/another/env/torch")  # ninja would rebuild it
     assert jitops.check(ops)["ops"] == {jitops.SHM_COMM: "built", "CPUAdamBuilder": "missing",
                                         "SomeOtherBuilder": "missing"}
-    lock = ext / SHM / "lock"
-    lock.write_bytes(b"")  # a build killed half-way
+    lock = _killed_build_lock(ext / SHM / "lock")  # a build killed half-way
     out = jitops.check(ops)
     assert out["ops"][jitops.SHM_COMM] == "building"
     assert [lk["path"] for lk in out["stale"]] == [str(lock)]
@@ -209,8 +236,7 @@ def test_launch_dry_run_says_what_it_would_build_and_refuses_a_stale_lock(
     assert ("DeepSpeed's JIT ops: deepspeed_shm_comm would be built on a; already built on b"
             in res.stdout.splitlines())
     assert not (tmp_path / "a" / SHM).exists()  # a dry run builds nothing
-    lock = tmp_path / "b" / SHM / "lock"
-    lock.write_bytes(b"")
+    lock = _killed_build_lock(tmp_path / "b" / SHM / "lock")
     res = dry()
     assert res.returncode == 2
     assert (f"JIT ops not ready on 1 node(s): b: build-ops: stale build lock {lock} (no live "

@@ -76,7 +76,7 @@ def test_launch_builds_missing_ops_first_and_refuses_a_stale_lock(
 
         # A build killed half-way on node A: the launch refuses it before any rank starts.
         lock = f"{ext}/{SHM}/lock"
-        testbed.exec(a, ["touch", lock], check=True)
+        testbed.exec(a, ["touch", "-d", "1 hour ago", lock], check=True)  # a killed build's
         res = _cli(*base, "--job-id", "jit2", cwd=tmp_path, env=env)
         assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
         line = res.stderr.strip().splitlines()[-1]

@@ -142,7 +142,7 @@ def check(ops: List[str]) -> Dict[str, Any]:  # noqa: UP006
         states[op] = ("missing" if name is None else "built" if prebuilt.get(name)
                       else op_state(root, name, torch_dir))
     return {"v": JITOPS_VERSION, "deepspeed": True, "root": root, "ops": states,
-            "stale": stale(locks([root]))}  # the locks its ranks would wait on
+            "stale": stale(settled([root]))}  # the locks its ranks would wait on
 
 
 def holders(path: str, proc: str = "/proc") -> List[int]:  # noqa: UP006
@@ -189,6 +189,27 @@ def locks(roots: List[str] | None = None, now: float | None = None  # noqa: UP00
 
 def stale(found: List[Dict[str, Any]]) -> List[Dict[str, Any]]:  # noqa: UP006
     return [lk for lk in found if not lk.get("holders")]
+
+
+# Every rank that loads an op, built or not, takes the op's lock for as long as ninja
+# takes to find nothing to do (a second or two). A rank on another node or in another
+# PID namespace that shares this directory (an NFS home) holds it where we cannot see
+# it, so a young lock without a holder we can see is given this long to go away.
+SETTLE_S = 8.0
+YOUNG_S = 120.0
+
+
+def settled(roots: List[str] | None = None, wait_s: float = SETTLE_S,  # noqa: UP006
+            poll_s: float = 0.25) -> List[Dict[str, Any]]:  # noqa: UP006
+    """:func:`locks`, after waiting up to ``wait_s`` while a young lock no process here
+    holds is still there: one that goes is another node's load, not a stale lock."""
+    deadline = time.monotonic() + wait_s
+    found = locks(roots)
+    while (any(not lk["holders"] and lk["age_s"] < YOUNG_S for lk in found)
+           and time.monotonic() < deadline):
+        time.sleep(poll_s)
+        found = locks(roots)
+    return found
 
 
 # ----------------------------------------------------------------------------- hang dumps
@@ -304,7 +325,7 @@ def main(argv: List[str] | None = None) -> int:  # noqa: UP006
             req = json.loads(sys.stdin.buffer.readline().decode("utf-8") or "{}")
             # Only the locks this node's ranks would wait on: one of another Python's
             # build dir, or held by a process another PID namespace hides, is not ours.
-            found = stale(locks(job_roots()))
+            found = stale(settled(job_roots()))
             if found and not req.get("remove_stale"):
                 out = {"v": JITOPS_VERSION, "stale": found}
             else:

@@ -343,7 +343,7 @@ def section_envstate() -> JSON:
         from clusterkit.node import envfacts, jitops
     except ImportError:
         return {}
-    return {"env": envfacts.env_state(sys.prefix, changes=True), "jit_locks": jitops.locks()}
+    return {"env": envfacts.env_state(sys.prefix, changes=True), "jit_locks": jitops.settled()}
 
 
 def section_tools() -> JSON:
