@@ -303,15 +303,17 @@ def workload_summary(text: str) -> dict[str, Any]:
     return value
 
 
-def snapshot_tag(tb: Testbed, nodes: Sequence[str], job: str, tag: str, dest: Path) -> Path:
-    """Every node's files of ``tag`` (node-local ``ckpt/<job>/<tag>``) gathered on the host
+def snapshot_tag(tb: Testbed, nodes: Sequence[str], job: str, tag: str, dest: Path,
+                 local: str = "ckpt") -> Path:
+    """Every node's files of ``tag`` (node-local ``<local>/<job>/<tag>``; ``local``: the
+    inventory's ``checkpoint.local_dir`` under the node-local dir) gathered on the host
     (file copies, no clusterkit code), to consolidate what a node lost later held: the
     first node's first, so the model states file shared by ZeRO 0-2 is rank 0's, as
     collect-ckpt picks it."""
     import shutil
 
     for name in nodes:
-        src = tb.node_local_path(name, f"ckpt/{job}/{tag}")
+        src = tb.node_local_path(name, f"{local}/{job}/{tag}")
         for f in sorted(src.rglob("*")):
             target = dest / tag / f.relative_to(src)
             if f.is_file() and not target.exists():

@@ -19,6 +19,12 @@ Settings that matter (measured): proctrack/linuxproc + task/none (no cgroup
 plugin), config_overrides (declared CPUs/GRES, not the host's), GRES files that
 are character devices (file-less ``Count=`` makes nodes INVAL), and a slurmd per
 network namespace (``slurmd -N`` on one host breaks name resolution).
+
+On a test bed with an unprivileged user (``temporary(n, user=NAME)``,
+tests/testbed/users.py) jobs run as that user: submit with :meth:`SlurmBed.user_client`
+or ``tb.user_argv`` + :attr:`SlurmBed.user_env`. Every slurmd already sees the bed's
+passwd/group (the nodes bind them); slurmctld, on the host, runs in a private mount
+namespace with the same binds, so the controller resolves the user as a site's does.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from clusterkit.errors import ClusterkitError
-from tests.testbed import Testbed, TestNode
+from tests.testbed import Testbed, TestNode, users
 
 DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged")
 CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "sinfo", "squeue")
@@ -50,6 +56,8 @@ GPU_TYPE = "tbgpu"
 FEATURE = "cktb"
 # Processes a node runs by itself; anything else inside its PID namespace belongs to a job.
 NODE_BASELINE = ("sshd", "slurmd")
+# Binds the bed's passwd/group/shadow over /etc's (tests/testbed/open_root.sh's bind_etc).
+OPEN_ROOT = users.AS_USER.with_name("open_root.sh")
 
 
 class SlurmBedError(ClusterkitError):
@@ -168,12 +176,29 @@ class SlurmBed:
         """Environment for Slurm clients (sbatch, scontrol, ...) talking to this cluster."""
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
+    @property
+    def user_env(self) -> dict[str, str]:
+        """:attr:`env` for a process run as the bed's user (``tb.user_argv``): its HOME,
+        USER, LOGNAME, and its own clusterkit registry (the test session's CLUSTERKIT_HOME
+        is root's). sbatch exports it to the job, so the batch script has them too."""
+        env = self.tb.user_env(self.env)
+        return {**env, "CLUSTERKIT_HOME": str(Path(env["HOME"]) / ".cache" / "clusterkit")}
+
+    def _with_bed_etc(self, argv: list[str]) -> list[str]:
+        """``argv`` in a private mount namespace that sees the bed's passwd/group (a
+        bed with a user), else as it is. Same pid: terminate() reaches the daemon."""
+        if self.tb.user is None:
+            return argv
+        return ["unshare", "--mount", "--propagation", "private", "--", "/bin/bash", "-c",
+                '. "$0"; bind_etc "$1"; shift 2; exec "$@"', str(OPEN_ROOT), str(self.tb.root),
+                "--", *argv]
+
     def _write_files(self) -> None:
         if self.root.exists():
             raise SlurmBedError("a Slurm test bed already runs on this test bed", path=str(self.root))
         for sub in ("munge", "state", "log", "dev", *(f"spool/{n.name}" for n in self.nodes)):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        self.root.chmod(0o755)
+        self.root.chmod(0o755)  # a user's sbatch/srun read slurm.conf and use munge's socket
         (self.root / "munge").chmod(0o755)  # munged refuses group/other-writable dirs
         key = self.root / "munge" / "munge.key"
         fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -270,7 +295,10 @@ class SlurmBed:
                    self.root / "munge" / "munged.log")
 
     def _start_slurmctld(self, timeout: float) -> None:
-        self._spawn_host(["/usr/sbin/slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld.out")
+        # The controller looks the job's uid up: without the bed's passwd a user's job
+        # never ran (measured: back to PENDING, reason BeginTime, after a minute).
+        self._spawn_host(self._with_bed_etc(["/usr/sbin/slurmctld", "-D", "-i", "-f", str(self.conf)]),
+                         "slurmctld.out")
         self._wait(lambda: self.client(["scontrol", "ping"], check=False).returncode == 0
                    and "UP" in self.client(["scontrol", "ping"], check=False).stdout,
                    timeout, "slurmctld did not answer `scontrol ping`",
@@ -331,6 +359,23 @@ class SlurmBed:
                               env={**self.env, **(env or {})}, check=False)
         if check and proc.returncode != 0:
             raise SlurmBedError(f"`{' '.join(argv)}` failed (exit {proc.returncode}): "
+                                f"{(proc.stderr or proc.stdout).strip()}")
+        return proc
+
+    def user_client(self, argv: Sequence[str], *, check: bool = True,
+                    timeout: float = CLIENT_TIMEOUT,
+                    env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """:meth:`client` run as the bed's user (``tb.user_argv``), from its home: a Slurm
+        client, or ``clusterkit`` itself (``[sys.executable, "-m", "clusterkit", ...]``)."""
+        user = self.tb.user
+        if user is None:
+            raise SlurmBedError("this Slurm bed's test bed has no user",
+                                hint="temporary(n, user=NAME) / Testbed.create(user=NAME)")
+        proc = subprocess.run(self.tb.user_argv(argv), capture_output=True, text=True,
+                              timeout=timeout, env={**self.user_env, **(env or {})},
+                              cwd=user.home, check=False)
+        if check and proc.returncode != 0:
+            raise SlurmBedError(f"`{' '.join(argv)}` as {user.name} failed (exit {proc.returncode}): "
                                 f"{(proc.stderr or proc.stdout).strip()}")
         return proc
 
