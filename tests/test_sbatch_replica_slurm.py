@@ -109,6 +109,31 @@ def _summary(bed: SlurmBed, job: str) -> dict[str, object]:
     return dict(json.loads((_job_dir(bed.tb, job) / "run" / "summary.json").read_text()))
 
 
+def _completed(bed: SlurmBed, job: str, slurm_id: str) -> str:
+    """Wait for the job's end, assert it COMPLETED (its log's tails and the clusterkit/Error
+    lines of its stderr printed if not); its output."""
+    state = _wait_end(bed, slurm_id, 900)
+    out = _out(bed, job, slurm_id)
+    if state != "COMPLETED":
+        err = _out(bed, job, slurm_id, "err")
+        print(out[-3000:], "\n".join(ln for ln in err.splitlines() if "clusterkit" in ln
+                                      or "Error" in ln)[-3000:])
+    assert state == "COMPLETED", state
+    return out
+
+
+def _lose_node3_once(bed: SlurmBed, job: str, slurm_id: str, manifest: Path) -> None:
+    """Once ``manifest`` (a replica of node3's part) exists, node3 is lost for good: every
+    process of it killed (slurmd too), its scratch removed, the node set DOWN."""
+    end = time.monotonic() + 600
+    while not manifest.exists():
+        assert time.monotonic() < end and bed.job_state(slurm_id) in IN_PROGRESS, \
+            _out(bed, job, slurm_id)[-3000:]
+        time.sleep(0.3)
+    bed.tb.destroy(LOST)
+    bed.client(["scontrol", "update", f"NodeName={LOST}", "State=DOWN", "Reason=lost-for-good"])
+
+
 def _reshard_on_3_nodes(bed: SlurmBed, inv: Path, tmp_path: Path) -> None:
     """The same job resubmitted on 3 nodes, no spare: its newest checkpoint (4 nodes) is
     gathered in the job dir, converted to DeepSpeed's universal checkpoint, copied to the
@@ -130,14 +155,7 @@ def _reshard_on_3_nodes(bed: SlurmBed, inv: Path, tmp_path: Path) -> None:
                     *WORKLOAD, "--partition", "debug", "--replicas", "1", "--submit",
                     "--", "--log-every", "1", "--dump-loaded-weights", str(loaded))
     assert "submitting on any 3 free nodes" in r.stderr, r.stdout + r.stderr
-    slurm_id = _submitted(r)
-    state = _wait_end(bed, slurm_id, 900)
-    out = _out(bed, "lost", slurm_id)
-    err = _out(bed, "lost", slurm_id, "err")
-    if state != "COMPLETED":
-        print(out[-3000:], "\n".join(ln for ln in err.splitlines() if "clusterkit" in ln
-                                      or "Error" in ln)[-3000:])
-    assert state == "COMPLETED"
+    out = _completed(bed, "lost", _submitted(r))
     assert f"resharding global_step{STEPS}" in out and "converted to " in out, out[-4000:]
     got = _summary(bed, "lost")
     assert got["resumed_from"] == f"{tag}_universal" and got["world_size"] == 6, got
@@ -155,26 +173,15 @@ def test_a_lost_node_costs_a_restore_not_the_run(testbed_required: None, tmp_pat
     t0 = time.monotonic()
     with _user_bed(tmp_path, slots=2) as (bed, inv):
         tb = bed.tb
-        ref_id = _sbatch(bed, inv, "ref")
-        assert _wait_end(bed, ref_id, 600) == "COMPLETED", _out(bed, "ref", ref_id)[-3000:]
+        _completed(bed, "ref", _sbatch(bed, inv, "ref"))
         ref = _summary(bed, "ref")
         t_ref = time.monotonic() - t0
 
         slurm_id = _sbatch(bed, inv, "lost", "--replicas", "1")
         # node index 2 (node3)'s first save, replicated on node4 (its ring successor).
-        manifest = tb.node_local_path("node4", f"{LOCAL}/lost.replicas/node2/global_step{SAVE_EVERY}/"
-                                                f"{REPLICA_MANIFEST}")
-        end = time.monotonic() + 600
-        while not manifest.exists():
-            assert time.monotonic() < end and bed.job_state(slurm_id) in IN_PROGRESS, \
-                _out(bed, "lost", slurm_id)[-3000:]
-            time.sleep(0.3)
-        tb.destroy(LOST)  # every process of node3 (slurmd too), its scratch
-        bed.client(["scontrol", "update", f"NodeName={LOST}", "State=DOWN",
-                    "Reason=lost-for-good"])
-        state = _wait_end(bed, slurm_id, 900)
-        out, err = _out(bed, "lost", slurm_id), _out(bed, "lost", slurm_id, "err")
-        assert state == "COMPLETED", (out[-4000:], err[-3000:])
+        _lose_node3_once(bed, "lost", slurm_id, tb.node_local_path(
+            "node4", f"{LOCAL}/lost.replicas/node2/global_step{SAVE_EVERY}/{REPLICA_MANIFEST}"))
+        out = _completed(bed, "lost", slurm_id)
         got = _summary(bed, "lost")
         # What the job wrote is the user's: checkpoints, the restored part, copies, logs.
         _owned_by_user(tb, [*(p for n in ("node1", "node2", "node4", "node5")
@@ -209,9 +216,11 @@ TRAIN = Path(__file__).resolve().parent.parent / "docs" / "examples" / "train.py
 def test_a_user_script_survives_a_lost_node_and_goes_on_on_fewer(testbed_required: None,
                                                                   tmp_path: Path) -> None:
     """The same with a user's own script (docs/examples/train.py, no markers), 4 x 1:
-    node3 lost after its step4 part is replicated; Slurm's requeue restores it onto node5
-    and the job finishes; submitted again on 3 nodes, its newest checkpoint is resharded
-    and the script loads $CLUSTERKIT_RESUME_TAG with load_universal on, and finishes."""
+    node3 lost after its step4 part is replicated; Slurm's requeue restores it onto node4
+    (its replica's holder) and the job finishes; submitted again on 3 nodes, its newest
+    checkpoint is resharded and the script loads $CLUSTERKIT_RESUME_TAG with load_universal
+    on, and finishes."""
+
     def submit(bed: SlurmBed, inv: Path, nodes: int, steps: int, *extra: str) -> str:
         return _submitted(_clusterkit(bed, "sbatch", "-i", str(inv), "--nodes", str(nodes),
                                       "--storage", "node-local", "--zero-stage", "2",
@@ -220,28 +229,12 @@ def test_a_user_script_survives_a_lost_node_and_goes_on_on_fewer(testbed_require
                                       "--save-every", "4"))
 
     with _user_bed(tmp_path, slots=1) as (bed, inv):
-        tb = bed.tb
         slurm_id = submit(bed, inv, 4, 16)
-        manifest = tb.node_local_path("node4", f"{LOCAL}/user.replicas/node2/step4/{REPLICA_MANIFEST}")
-        end = time.monotonic() + 600
-        while not manifest.exists():
-            assert time.monotonic() < end and bed.job_state(slurm_id) in IN_PROGRESS, \
-                _out(bed, "user", slurm_id)[-3000:]
-            time.sleep(0.3)
-        tb.destroy(LOST)
-        bed.client(["scontrol", "update", f"NodeName={LOST}", "State=DOWN", "Reason=lost"])
-        state = _wait_end(bed, slurm_id, 900)
-        out = _out(bed, "user", slurm_id)
-        assert state == "COMPLETED", (out[-3000:], _out(bed, "user", slurm_id, "err")[-3000:])
+        _lose_node3_once(bed, "user", slurm_id, bed.tb.node_local_path(
+            "node4", f"{LOCAL}/user.replicas/node2/step4/{REPLICA_MANIFEST}"))
+        out = _completed(bed, "user", slurm_id)
         assert "node index 2 (was node3) -> node4: from its replica on node4" in out, out[-3000:]
-        again = submit(bed, inv, 3, 20)
-        state = _wait_end(bed, again, 900)
-        out = _out(bed, "user", again)
-        err = _out(bed, "user", again, "err")
-        if state != "COMPLETED":
-            print(out[-3000:], "\n".join(ln for ln in err.splitlines() if "clusterkit" in ln
-                                          or "Error" in ln)[-3000:])
-        assert state == "COMPLETED"
+        out = _completed(bed, "user", submit(bed, inv, 3, 20))
         # train.py saves every 4 steps but not at its last (16): step12 is the newest.
         assert "resumed from step12_universal at step 12 on 3 ranks" in out, out[-3000:]
         assert "world size 4 -> 3" in out, out[-3000:]
