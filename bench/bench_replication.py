@@ -155,12 +155,33 @@ sys.path.insert(0, {repo!r})
 os.sched_setaffinity(0, {{{cpu}}})
 from clusterkit.node import priority
 from clusterkit.node.replica import ReplicaServer
-if not {lower!r}:
+if {lower!r}:
+    priority.lower_this_session()  # as node/replica_proc.py's copy process does
+else:
     priority.lower_this_thread = lambda path="": "off"
 srv = ReplicaServer({job!r}, 1, "n1", {dest!r}, sys.stdin.readline().strip(),
                     address="127.0.0.1", sources=[0])
 print(srv.start(), flush=True)
 sys.stdin.readline()
+"""
+
+# One push from a process of its own (a session of its own, as the agent's copy process).
+_PINNED_SENDER = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+os.sched_setaffinity(0, {{{cpu}}})
+from clusterkit.node import priority
+from clusterkit.node.replica import low_priority, push
+if {lower!r}:
+    priority.lower_this_session()
+else:
+    priority.lower_this_thread = lambda path="": "off"
+low_priority(lambda _m: None, {work!r})
+secret = sys.stdin.readline().strip()
+t0 = time.monotonic()
+push({src!r}, "step1", {{"node": "n1", "index": 1, "address": "127.0.0.1"}}, job_id={job!r},
+     source=0, source_host="n0", secret=secret, tags=["step1"])
+print(time.monotonic() - t0, flush=True)
 """
 
 _RANK = """
@@ -175,15 +196,13 @@ print(n / (time.monotonic() - t0), flush=True)
 
 
 def beside_rank(mb: int, rounds: int) -> int:
-    """A busy "rank" (a session of its own) and one push of ``mb`` MB, all pinned to one
-    CPU: the rank's work rate while the copy runs over its rate alone, with the copy at
-    the priority node/priority.py gives it and without (interleaved rounds)."""
-    from clusterkit.node import priority
-    from clusterkit.node.replica import push
-
+    """A busy "rank" (a session of its own) and one push of ``mb`` MB, sender and server
+    each a process in a session of its own as the agent's copy process is, all pinned to
+    one CPU: the rank's work rate while the copy runs over its rate alone, with the copy
+    at the priority node/priority.py gives it (autogroup nice 19, SCHED_IDLE, idle I/O)
+    and without (interleaved rounds)."""
     cpu = max(os.sched_getaffinity(0))
     work = Path(tempfile.mkdtemp(prefix="bench-beside-rank-"))
-    real = priority.lower_this_thread
     out: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     try:
         src = work / "src" / "step1"
@@ -209,7 +228,8 @@ def beside_rank(mb: int, rounds: int) -> int:
                 secret = secrets.token_hex(16)
                 server = subprocess.Popen([sys.executable, "-c", _PINNED_SERVER.format(
                     repo=str(REPO), cpu=cpu, lower=lower, job=job, dest=str(work / job))],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                    start_new_session=True)
                 assert server.stdin is not None and server.stdout is not None
                 server.stdin.write(secret + "\n")
                 server.stdin.flush()
@@ -218,23 +238,14 @@ def beside_rank(mb: int, rounds: int) -> int:
 
                 def copy(lower: bool = lower, job: str = job, secret: str = secret,
                          took: list[float] = took) -> None:
-                    def send() -> None:
-                        os.sched_setaffinity(0, {cpu})  # this thread only
-                        if not lower:
-                            priority.lower_this_thread = lambda path="": "off"
-                        from clusterkit.node.replica import low_priority
-                        low_priority(lambda _m: None, str(work))
-                        t0 = time.monotonic()
-                        push(str(work / "src"), "step1", {"node": "n1", "index": 1,
-                                                         "address": "127.0.0.1"},
-                             job_id=job, source=0, source_host="n0", secret=secret,
-                             tags=["step1"])
-                        took.append(time.monotonic() - t0)
-
-                    t = threading.Thread(target=send)
-                    t.start()
-                    t.join()
-                    priority.lower_this_thread = real
+                    sender = subprocess.Popen(
+                        [sys.executable, "-c", _PINNED_SENDER.format(
+                            repo=str(REPO), cpu=cpu, lower=lower, work=str(work),
+                            src=str(work / "src"), job=job)],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                        start_new_session=True)
+                    out_, _ = sender.communicate(secret + "\n", timeout=600)
+                    took.append(float(out_))
 
                 alone = rank_rate(3.0)
                 during = rank_rate(None, copy)
@@ -247,7 +258,6 @@ def beside_rank(mb: int, rounds: int) -> int:
                       f" the {mb} MB copy took {took[0]:.1f} s (load {os.getloadavg()[0]:.1f})",
                       flush=True)
     finally:
-        priority.lower_this_thread = real
         shutil.rmtree(work, ignore_errors=True)
     for lower in (True, False):
         rates = [x for x, _ in out[lower]]
@@ -331,7 +341,7 @@ RECV_LINE = re.compile(r"replica: received \S+ of node index \d+: (\d+) bytes in
 def _copies(tb: Testbed, job: str) -> tuple[int, float | None, str, dict[str, float | None]]:
     """From the nodes' launcher.log: the copies made (bytes sent), their mean seconds,
     the priority line the agents wrote, and the copy threads' CPU s per GiB at each end."""
-    secs, prio = [], ""
+    secs, prio, session = [], "", ""
     ends = {"send": [0, 0.0], "receive": [0, 0.0]}  # bytes, CPU s
     for log in (tb.root / "work" / ".clusterkit" / "jobs" / job / "nodes").glob("*/launcher.log"):
         for line in log.read_text(errors="replace").splitlines():
@@ -344,7 +354,9 @@ def _copies(tb: Testbed, job: str) -> tuple[int, float | None, str, dict[str, fl
                 ends["receive"][0] += int(r.group(1))
                 ends["receive"][1] += float(r.group(2))
             elif "copies run at low priority" in line:
-                prio = line[line.index("copies run"):]
+                prio = line[line.index("copies run"):] + (f" ({session})" if session else "")
+            elif "copy process runs in a session of its own" in line:
+                session = line[line.index("session of its own: ") + 20:]
     per_gib = {k: (round(cpu / (n / GIB), 2) if n else None) for k, (n, cpu) in ends.items()}
     return len(secs), (statistics.mean(secs) if secs else None), prio, per_gib
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import (
+    CKPT_DONE,
     Console,
     Run,
     assert_trained,
@@ -32,7 +34,7 @@ from tests.testbed import Testbed, temporary
 USER = "ckuser"
 RING = ("node1", "node2", "node3")
 LOST, SPARE = "node2", "node4"  # node index 1; its ring successor node3 holds its copy
-STEPS, SAVE_EVERY = 32, 16
+STEPS, SAVE_EVERY = 48, 16  # three saves: the loss comes after the first or the second
 TAG = f"global_step{SAVE_EVERY}"
 
 
@@ -92,30 +94,39 @@ def _stop_ranks(job: str, world: int, sig: signal.Signals) -> None:
                 os.kill(pid, sig)
 
 
-def _run_losing_node2(tb: Testbed, argv: Sequence[str], job: str, timeout: float) -> Console:
-    """Run ``argv`` through node2's loss after ``TAG``'s copies; the finished console."""
+def _run_losing_node2(tb: Testbed, argv: Sequence[str], job: str,
+                      timeout: float) -> tuple[Console, str]:
+    """Run ``argv`` through node2's loss after a save's copies; the finished console and
+    the tag of that save."""
     run = _console(tb, argv)
     try:
-        _lose_node2_after_the_replicated_save(tb, run, job)
+        tag = _lose_node2_after_the_replicated_save(tb, run, job)
         run.finish(timeout=timeout)
     except BaseException:
         run.finish(timeout=1)
         raise
-    return run
+    return run, tag
 
 
-def _lose_node2_after_the_replicated_save(tb: Testbed, run: Console, job: str) -> None:
-    """Wait for ``TAG``'s save and every node's copy of it, then destroy node2."""
+def _lose_node2_after_the_replicated_save(tb: Testbed, run: Console, job: str) -> str:
+    """Wait for ``TAG``'s save, stop the ranks, wait for every node's copy of the newest
+    complete save, then destroy node2; that save's tag. The tiny model runs 16 steps in
+    about a second, so the ranks may pass the next save before the stop lands (the
+    copies, below the ranks, no longer slow them): the newest complete save is the one
+    the job must resume from."""
     run.wait_for(lambda: f"checkpoint {TAG} complete" in run.text, 400, TAG)
     _stop_ranks(job, len(RING), signal.SIGSTOP)
     try:
-        manifests = replica_manifests(tb, RING, job, TAG, _local(tb))
-        run.wait_for(lambda: all(m.exists() for m in manifests), 120, f"replicas of {TAG}")
+        time.sleep(1.0)  # lines already on their way reach the console
+        tag = str(CKPT_DONE.findall(run.text)[-1])
+        assert tag != f"global_step{STEPS}", f"the job ended before the loss:\n{run.text[-3000:]}"
+        manifests = replica_manifests(tb, RING, job, tag, _local(tb))
+        run.wait_for(lambda: all(m.exists() for m in manifests), 120, f"replicas of {tag}")
         _owned_by_user(tb, manifests)
-        assert f"checkpoint global_step{2 * SAVE_EVERY} complete" not in run.text
         tb.destroy(LOST)
     finally:
         _stop_ranks(job, len(RING), signal.SIGCONT)
+    return tag
 
 
 @pytest.mark.testbed
@@ -136,15 +147,15 @@ def test_as_a_user_replicas_and_a_lost_node_continued_on_the_spare(
         _owned_by_user(tb, files)
         assert "checkpoints replicated: " in ref.text, ref.text[-3000:]
 
-        run = _run_losing_node2(tb, _argv(tb, inv, "auto", "--max-restarts", "1",
-                                          "--drop-failed-nodes"), "auto", 600)
+        run, tag = _run_losing_node2(tb, _argv(tb, inv, "auto", "--max-restarts", "1",
+                                               "--drop-failed-nodes"), "auto", 600)
         assert run.proc.returncode == 0, run.text[-4000:]
-        assert f"restored {TAG} of node index 1 ({LOST}) onto {SPARE}" in run.text, \
+        assert f"restored {tag} of node index 1 ({LOST}) onto {SPARE}" in run.text, \
             run.text[-4000:]
         summary = workload_summary(run.text)
-        assert summary["resumed_from"] == TAG and summary["world_size"] == 3, summary
+        assert summary["resumed_from"] == tag and summary["world_size"] == 3, summary
         assert summary["final_loss"] == ref.summary["final_loss"], (summary, ref.summary)
-        restored = list(tb.node_local_path(SPARE, f"{_local(tb)}/auto/{TAG}").rglob("*"))
+        restored = list(tb.node_local_path(SPARE, f"{_local(tb)}/auto/{tag}").rglob("*"))
         assert restored, "nothing restored on the spare"
         _owned_by_user(tb, restored)
 
@@ -157,11 +168,11 @@ def test_as_a_user_without_a_spare_the_job_reshards_onto_two_nodes(
     ``--exclude node2``, the job gathers, converts to a universal checkpoint, pushes it
     to the 2 nodes left and finishes, all as the user."""
     with _bed(3, spare=False) as (tb, inv):
-        run = _run_losing_node2(tb, _argv(tb, inv, "shrink"), "shrink", 300)
+        run, tag = _run_losing_node2(tb, _argv(tb, inv, "shrink"), "shrink", 300)
         assert run.proc.returncode != 0, run.text[-3000:]
         again = _run(tb, _argv(tb, inv, "shrink", exclude=LOST))
         assert again.code == 0, again.text[-5000:]
         for step in ("1/3 gathering it here", "2/3 converting it", "3/3 pushing"):
             assert step in again.text, again.text[-5000:]
-        assert again.summary["resumed_from"] == f"{TAG}_universal", again.summary
+        assert again.summary["resumed_from"] == f"{tag}_universal", again.summary
         assert again.summary["world_size"] == 2 and again.summary["finished"], again.summary

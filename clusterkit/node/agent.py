@@ -25,7 +25,8 @@ it, each a module of the ``agent`` program (``node/ship.py`` ``PROGRAMS``):
 - ``agent_output``: rank labels, log files, the writer thread, failure reports
 - ``agent_forkserver``: the fork server's client (native mode)
 - ``agent_hangs``: progress (heartbeats) and stack dumps for the hang watchdog
-- ``replica_service`` (with ``replica``, ``replica_done``): checkpoint replicas, agent to agent
+- ``replica_proc`` (with ``replica_service``, ``replica``, ``replica_done``): checkpoint replicas,
+  agent to agent, copied by a child process in a session of its own
 
 The agent's exit code is the launcher's (128+N when a signal N ended it).
 Other modes, used by ``clusterkit stop`` / ``status`` through ``run_all``:
@@ -49,7 +50,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from clusterkit.node import agent_env, agent_hangs, protocol, replica_service, zygote
+from clusterkit.node import agent_env, agent_hangs, protocol, replica_proc, zygote
 from clusterkit.node.agent_files import expand, write_atomic
 from clusterkit.node.agent_forkserver import ForkServer
 from clusterkit.node.agent_hangs import PROGRESS_EVERY_S, StackDump
@@ -107,7 +108,7 @@ class Agent:
         self.stacks = StackDump(self.job_dir, self.progress_dir, spec.node, spec.attempt,
                                 self.output.send)
         # Checkpoint replicas (issue 22): a service that does nothing when they are off.
-        self.replicas = replica_service.for_agent(spec, self.job_dir, self.output)
+        self.replicas = replica_proc.for_agent(spec, self.job_dir, self.output)
 
     # -------------------------------------------------------------- output (agent_output)
 

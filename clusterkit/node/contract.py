@@ -373,6 +373,31 @@ BUNDLE_MAGIC = "clusterkit-node"
 BUNDLE_VERSION = 1
 
 
+# The node bootstrap (``python -c BOOTSTRAP <program> <args>``): the header and the
+# sources on stdin, each registered as ``clusterkit.node.<module>``, then
+# ``<program>.main(args)``. The launcher starts every node program so (node/ship.py); the
+# agent starts its copy process so (node/replica_proc.py), handing on its own sources.
+BOOTSTRAP = (
+    "import linecache,sys,types\n"
+    "r=sys.stdin.buffer\n"
+    "h=r.readline().split()\n"
+    f"if h[:2]!=[b'{BUNDLE_MAGIC}',b'{BUNDLE_VERSION}']:"
+    f"sys.exit('clusterkit node bootstrap: expected a {BUNDLE_MAGIC} {BUNDLE_VERSION} header "
+    "on stdin, got %r'%h[:2])\n"
+    "for p in ('clusterkit','clusterkit.node'):\n"
+    " m=types.ModuleType(p);m.__path__=[];sys.modules[p]=m\n"
+    "for e in h[2:]:\n"
+    " n,z=e.decode().split(':');s=r.read(int(z))\n"
+    " if len(s)!=int(z):sys.exit('clusterkit node bootstrap: stdin ended inside '+n)\n"
+    " f='clusterkit.node.'+n;m=types.ModuleType(f);m.__file__='<'+f+'>'\n"
+    " t=s.decode('utf-8');linecache.cache[m.__file__]=(len(t),None,t.splitlines(True),m.__file__)\n"
+    " sys.modules[f]=m;setattr(sys.modules['clusterkit.node'],n,m)\n"
+    " exec(compile(t,m.__file__,'exec'),m.__dict__)\n"
+    "sys.argv=['clusterkit.node.'+sys.argv[1]]+sys.argv[2:]\n"
+    "sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))\n"
+)
+
+
 def encode_bundle(modules: list[tuple[str, bytes]]) -> bytes:
     """``clusterkit-node 1 name:len ...\\n`` and the sources, dependencies first."""
     header = " ".join([BUNDLE_MAGIC, str(BUNDLE_VERSION),

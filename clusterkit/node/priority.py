@@ -9,6 +9,11 @@ in the agent's threads (``node/replica.py``) and must take what the ranks leave,
   task *of the same scheduling group* only: Linux's autogroup puts each session in a
   group of its own, and the ranks run in sessions of their own, so under autogroup
   neither nice nor SCHED_IDLE keeps the copy's session from taking its equal share.
+* **Session** (:func:`lower_this_session`, for a process that leads a session of its
+  own: ``node/replica_proc.py``'s copy process, ``slurmreplica serve``): its autogroup at
+  nice 19, which ranks the whole session below the ranks' sessions (measured here: a
+  busy loop beside another on one CPU got 0.01 CPU-s of 0.5). Allowed without
+  privileges (a higher nice only).
 * No cpu cgroup. Moving the copy thread into a cgroup v1 group with ``cpu.shares`` 15
   did take it below the ranks' sessions, but starved it for seconds while it held the
   agent's shared state (its output to the launcher): on the test bed's CPU-bound ranks
@@ -50,6 +55,23 @@ def lower_this_thread(path: str = "") -> str:
         parts[-1] += f" (the disk's scheduler: {sched}"\
                      + ("" if sched in ("bfq", "cfq") else ", which ignores I/O classes") + ")"
     return "; ".join(p for p in parts if p)
+
+
+def lower_this_session(proc: str = "/proc") -> str:
+    """This process's session (its autogroup) at nice 19, when it leads a session of its
+    own: under autogroup the one thing, short of a cgroup, that puts its CPU below other
+    sessions' (the ranks'). What applied, in words; "" where nothing did."""
+    try:
+        if os.getsid(0) != os.getpid():
+            return ""  # the session is shared: lowering it would lower its other members
+        with open(os.path.join(proc, "sys/kernel/sched_autogroup_enabled"), encoding="ascii") as fh:
+            if fh.read().strip() != "1":
+                return ""
+        with open(os.path.join(proc, "self/autogroup"), "w", encoding="ascii") as fh:
+            fh.write("19")
+        return "CPU: autogroup nice 19"
+    except OSError:
+        return ""
 
 
 def _cpu_policy(tid: int) -> str:

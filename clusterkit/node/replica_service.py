@@ -27,7 +27,6 @@ from typing import Any
 
 from clusterkit.node import protocol
 from clusterkit.node.agent_files import write_atomic
-from clusterkit.node.contract import JobDir
 from clusterkit.node.replica import (
     ReplicaError,
     ReplicaServer,
@@ -218,13 +217,3 @@ class NoReplicas:
 
     def end(self, ok: bool) -> None:
         pass
-
-
-def for_agent(spec: protocol.AgentSpec, job_dir: str, output: Any) -> ReplicaService | NoReplicas:
-    """The agent's service from its spec (``output``: its AgentOutput, for the events
-    and the lines in its ``launcher.log``)."""
-    if spec.replica is None:
-        return NoReplicas()
-    return ReplicaService(spec.replica, spec.job_id, spec.node,
-                          JobDir(job_dir).replica_state(spec.node), output.send,
-                          lambda m: output.log(JobDir.LAUNCHER_LOG, m))

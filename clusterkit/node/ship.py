@@ -25,7 +25,7 @@ from functools import cache
 from importlib import resources
 
 from clusterkit.node import protocol
-from clusterkit.node.contract import BUNDLE_MAGIC, BUNDLE_VERSION, encode_bundle
+from clusterkit.node.contract import BOOTSTRAP, BUNDLE_MAGIC, encode_bundle
 
 MAGIC = BUNDLE_MAGIC  # the header every node program is started with (node/contract.py)
 
@@ -47,7 +47,7 @@ PROGRAMS: dict[str, Program] = {
                       "gatefacts", "zygote", "agent_files", "agent_state",
                       "agent_procs", "jitops", "agent_hangs", "agent_env", "agent_output",
                       "agent_forkserver", "listing", "replica_done", "replica_area", "priority", "replica",
-                      "replica_service", "agent"), site=True),
+                      "replica_service", "replica_proc", "agent"), site=True),
     "probe": Program(("contract", "sitepaths", "parity", "dist_store", "envfacts", "jitops",
                       "gatefacts", "probe")),
     "bw_worker": Program(("bw_worker",), site=True),  # imports torch
@@ -70,25 +70,6 @@ PROGRAMS: dict[str, Program] = {
                              "replica_service", "slurmrestore", "slurmreplica")),
 }
 
-BOOTSTRAP = (
-    "import linecache,sys,types\n"
-    "r=sys.stdin.buffer\n"
-    "h=r.readline().split()\n"
-    f"if h[:2]!=[b'{MAGIC}',b'{BUNDLE_VERSION}']:"
-    f"sys.exit('clusterkit node bootstrap: expected a {MAGIC} {BUNDLE_VERSION} header "
-    "on stdin, got %r'%h[:2])\n"
-    "for p in ('clusterkit','clusterkit.node'):\n"
-    " m=types.ModuleType(p);m.__path__=[];sys.modules[p]=m\n"
-    "for e in h[2:]:\n"
-    " n,z=e.decode().split(':');s=r.read(int(z))\n"
-    " if len(s)!=int(z):sys.exit('clusterkit node bootstrap: stdin ended inside '+n)\n"
-    " f='clusterkit.node.'+n;m=types.ModuleType(f);m.__file__='<'+f+'>'\n"
-    " t=s.decode('utf-8');linecache.cache[m.__file__]=(len(t),None,t.splitlines(True),m.__file__)\n"
-    " sys.modules[f]=m;setattr(sys.modules['clusterkit.node'],n,m)\n"
-    " exec(compile(t,m.__file__,'exec'),m.__dict__)\n"
-    "sys.argv=['clusterkit.node.'+sys.argv[1]]+sys.argv[2:]\n"
-    "sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))\n"
-)
 
 
 @dataclass(frozen=True)

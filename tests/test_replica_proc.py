@@ -1,0 +1,136 @@
+"""The agent's checkpoint copies in a child process of their own (node/replica_proc.py):
+a session of its own at autogroup nice 19, the service's events and log lines forwarded,
+finish and abort, and a child that outlives its agent ends by itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clusterkit.node import contract, priority, protocol
+from clusterkit.node.replica_area import read_manifest
+from clusterkit.node.replica_proc import ReplicaProcess, child_bundle
+
+SECRET = "p" * 64
+_ENABLED = Path("/proc/sys/kernel/sched_autogroup_enabled")
+AUTOGROUP = _ENABLED.exists() and _ENABLED.read_text().strip() == "1"
+
+
+def _checkpoint(root: Path, tag: str, rank: int) -> None:
+    """One node's ZeRO-2 tag dir: whole zip archives, as torch.save writes them."""
+    for name in ("mp_rank_00_model_states.pt", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"):
+        (root / tag).mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(root / tag / name, "w") as z:
+            z.writestr("data.pkl", os.urandom(1000))
+
+
+def _pair(tmp_path: Path, events: list[Any], logs: list[str]) -> tuple[str, list[ReplicaProcess]]:
+    job = f"job-replica-proc-{os.getpid()}-{secrets.token_hex(3)}"
+    procs = []
+    for i in (0, 1):
+        other = 1 - i
+        ckpt = tmp_path / f"n{i}" / "ckpt"
+        ckpt.mkdir(parents=True)
+        cfg = {"index": i, "address": "127.0.0.1", "ckpt_dir": str(ckpt), "ranks": [i],
+               "markers": True, "sources": [other], "secret": SECRET,
+               "targets": [{"node": f"n{other}", "index": other, "address": "127.0.0.1"}]}
+        procs.append(ReplicaProcess(cfg, job, f"n{i}", str(tmp_path / f"n{i}.json"),
+                                    events.append, logs.append))
+    return job, procs
+
+
+def _wait(cond: Any, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def test_two_child_processes_replicate_each_other_and_finish(tmp_path: Path) -> None:
+    events: list[Any] = []
+    logs: list[str] = []
+    _, procs = _pair(tmp_path, events, logs)
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            assert p.proc is not None
+            pid = p.proc.pid
+            assert os.getsid(pid) == pid  # a session, hence an autogroup, of its own
+            if AUTOGROUP:
+                _wait(lambda pid=pid: Path(f"/proc/{pid}/autogroup").read_text().endswith(
+                    "nice 19\n"))
+        for i in (0, 1):
+            ckpt = tmp_path / f"n{i}" / "ckpt"
+            _checkpoint(ckpt, "global_step5", i)
+            (ckpt / "global_step5" / contract.marker_name(i)).write_text("{}")
+        ends = [threading.Thread(target=p.end, args=(True,)) for p in procs]
+        for t in ends:
+            t.start()
+        for t in ends:
+            t.join(60)
+    finally:
+        for p in procs:
+            p.abort()
+    copies = sorted((e.source, e.target, e.state) for e in events
+                    if isinstance(e, protocol.Replica))
+    assert copies == [(0, "n1", "complete"), (1, "n0", "complete")], (events, logs)
+    assert not [e for e in events if isinstance(e, protocol.Error)], events
+    for i in (0, 1):
+        held = contract.replica_dir(str(tmp_path / f"n{1 - i}" / "ckpt"), i, "global_step5")
+        assert read_manifest(held) is not None
+        assert json.loads((tmp_path / f"n{i}.json").read_text()) == \
+            {"global_step5": {f"n{1 - i}": "complete"}}
+    assert any("session of its own: CPU: autogroup nice 19" in m for m in logs) or not AUTOGROUP, logs
+    assert any(m.startswith("replica: finished in") for m in logs), logs
+    assert all(p.proc is not None and p.proc.returncode == 0 for p in procs)
+
+
+def test_abort_returns_at_once_and_the_child_ends(tmp_path: Path) -> None:
+    events: list[Any] = []
+    logs: list[str] = []
+    _, procs = _pair(tmp_path, events, logs)
+    p = procs[0]
+    p.start()
+    assert p.proc is not None
+    _wait(lambda: any("serving on port" in m for m in logs))
+    t0 = time.monotonic()
+    p.abort()
+    assert time.monotonic() - t0 < 0.5
+    p.end(True)  # after an abort: only the (short) wait
+    assert p.proc.returncode is not None
+    assert not [e for e in events if isinstance(e, protocol.Error)], events
+
+
+def test_a_child_whose_agent_died_ends_by_itself(tmp_path: Path) -> None:
+    """The agent killed: the child's stdin ends, which is an abort."""
+    logs: list[str] = []
+    _, procs = _pair(tmp_path, [], logs)
+    p = procs[0]
+    p.start()
+    assert p.proc is not None and p.proc.stdin is not None
+    _wait(lambda: any("serving on port" in m for m in logs))
+    p.proc.stdin.close()
+    assert p.proc.wait(15) == 0
+
+
+def test_the_child_gets_the_sources_this_process_runs(tmp_path: Path) -> None:
+    head = child_bundle().split(b"\n", 1)[0].decode().split()
+    assert head[:2] == [contract.BUNDLE_MAGIC, str(contract.BUNDLE_VERSION)]
+    assert [e.split(":")[0] for e in head[2:]][-1] == "replica_proc"
+
+
+@pytest.mark.skipif(not AUTOGROUP or os.getsid(0) == os.getpid(),
+                    reason="no autogroup, or this process leads its session")
+def test_a_process_that_shares_its_session_leaves_the_autogroup_alone() -> None:
+    before = Path("/proc/self/autogroup").read_text()
+    assert priority.lower_this_session() == ""
+    assert Path("/proc/self/autogroup").read_text() == before
