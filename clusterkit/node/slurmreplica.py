@@ -38,7 +38,7 @@ import sys
 import time
 from typing import Any
 
-from clusterkit.node import slurmrestore
+from clusterkit.node import priority, slurmrestore
 from clusterkit.node.contract import JobDir
 from clusterkit.node.replica_service import ReplicaService
 
@@ -119,6 +119,9 @@ def serve(conf: dict[str, Any], run_dir: str) -> int:
         secret = fh.read().strip()
     addresses = [address_of(h) for h in hosts]
     log = _Log(conf["job_dir"], me)
+    words = priority.lower_this_session()  # below the ranks, if it leads a session
+    if words:
+        log(f"replica: the copy process runs in a session of its own: {words}")
     svc = ReplicaService(replica_config(conf, hosts, addresses, me, secret), conf["job_id"], me,
                          JobDir(conf["job_dir"]).replica_state(me), log.event, log)
     stopping: list[int] = []
