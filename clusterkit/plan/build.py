@@ -70,7 +70,7 @@ def _check_options(o: JobOptions) -> None:
         if value < minimum:
             raise RenderError(f"{key} must be >= {minimum}, got {value}", key=key)
     if o.replicas is not None and (why := replicas_problem(o.replicas)):
-        raise RenderError(f"--replicas {why}", key="--replicas")
+        raise RenderError(why, key="--replicas")
     if o.hang_timeout_s < 0:
         raise RenderError(f"must be >= 0 (0: off), got {o.hang_timeout_s:g}",
                           key="--hang-timeout")

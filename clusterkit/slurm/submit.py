@@ -59,7 +59,7 @@ def sbatch_plan(inv: Inventory, options: JobOptions, facts: LaunchFacts, site: S
     asked = options.replicas if options.replicas is not None else \
         inv.hosts[0].checkpoint.replicas if inv.hosts else None
     if asked is not None and (why := replicas_problem(asked)):
-        raise RenderError(f"--replicas {why}", key="--replicas")
+        raise RenderError(why, key="--replicas")
     options = dataclasses.replace(options, replicas=None)
     plan = plan_job(inv, options, facts)  # + doctor's interface pick
     site = dataclasses.replace(site, replicas=replica_count(plan, asked))
