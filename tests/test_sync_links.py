@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from clusterkit.checks.rules_sync import check_sync
 from clusterkit.cli.main import main
 from clusterkit.node import dist_store as store
 from clusterkit.remote.sync import Ignore, link_text, scan
@@ -119,7 +120,10 @@ def test_links_in_the_digest_and_the_manifest(tmp_path: Path) -> None:
     os.unlink(d / "l")
     os.symlink("elsewhere", d / "l")  # repointed on the node: named
     assert store.check(str(d), digest) == {"state": "differs", "digest": digest,
-                                           "differ": ["l"], "files": 1, "links": 1}
+                                           "differ": ["l"], "links_differ": 1, "files": 1,
+                                           "links": 1}
+    (finding,) = check_sync({"n1": store.check(str(d), digest)}, "d", digest, ["n1"])
+    assert finding.detail == "d: 1 link(s) differ from what sync put there: l"
     assert store.walk(str(d)) == ["f"] and store.walk(str(d), links=True) == ["f", "l"]
 
 

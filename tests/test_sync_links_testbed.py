@@ -62,7 +62,7 @@ def test_a_hub_cache_with_its_links_on_three_nodes(testbed: Testbed, tmp_path: P
     moved.symlink_to(f"../../blobs/{SHA_W}")
     doc = run_cli(["doctor", "-i", str(inv), "--sync", "hub"], proj, env)
     line = next((x for x in doc.stdout.splitlines() if "sync.parity" in x), "")
-    assert "FAIL" in line and "node2" in line and "hub: 1 file(s) differ" in line, doc.stdout
+    assert "FAIL" in line and "node2" in line and "hub: 1 link(s) differ" in line, doc.stdout
     assert f"{snap}/config.json" in doc.stdout  # (the table may wrap the name)
     fixed = run_cli(["sync", "hub", "-i", str(inv)], proj, env)
     assert fixed.returncode == 0, fixed.stderr[-2000:]

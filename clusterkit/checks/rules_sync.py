@@ -39,8 +39,12 @@ def check_sync(states: Mapping[str, Mapping[str, Any]], label: str, digest: str,
         if state == "differs":
             names = ", ".join(differ[:SHOWN]) + (f" (+{len(differ) - SHOWN} more)"
                                                  if len(differ) > SHOWN else "")
-            out.append(Finding(CHECK, Status.FAIL, host, f"{label}: {len(differ)} file(s) "
-                               f"differ from what sync put there: {names}", fix))
+            n_links = int(st.get("links_differ") or 0)
+            what = " and ".join(w for w in (
+                f"{len(differ) - n_links} file(s)" if len(differ) > n_links else "",
+                f"{n_links} link(s)" if n_links else "") if w)
+            out.append(Finding(CHECK, Status.FAIL, host, f"{label}: {what} differ from what "
+                               f"sync put there: {names}", fix))
         elif state in ("absent", "no-manifest"):
             what = "absent" if state == "absent" else "not filled by clusterkit sync"
             out.append(Finding(CHECK, Status.FAIL, host, f"{label}: {what}", fix))

@@ -319,9 +319,10 @@ def check(dest: str, source_digest: str | None = None, deep: bool = False) -> di
             differ.append(rel)
     links = doc.get("links")
     links = links if isinstance(links, dict) else {}
-    differ += [rel for rel, target in sorted(links.items()) if not link_held(dest, rel, target)]
+    bad_links = [rel for rel, target in sorted(links.items()) if not link_held(dest, rel, target)]
+    differ += bad_links
     digest = str(doc.get("digest"))
     state = "differs" if differ else (
         "ok" if source_digest in (None, digest) else "other")
     return {"state": state, "digest": digest, "differ": sorted(differ),
-            "files": len(doc["files"]), "links": len(links)}
+            "links_differ": len(bad_links), "files": len(doc["files"]), "links": len(links)}
