@@ -32,6 +32,7 @@ from clusterkit.launch.outcome import JobOutcome, describe_failure
 from clusterkit.launchers import BACKENDS, launcher_name
 from clusterkit.node.contract import JobDir, StorageKind
 from clusterkit.remote.base import Transport
+from clusterkit.remote.unanswered import NoRedial
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, JobPlan, LaunchPlan, RunOptions
 from clusterkit.spec.jobrecord import JobCheckpoints, JobState, RankMap, RankSpan
@@ -368,7 +369,13 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         registry.save(record)
         # The watchdog's stack dumps also land beside the job record (issue 14).
         stacks = str(registry.path(plan.job_id).parent / JobDir.STACKS)
-        outcome = Orchestrator(job, transport, sink, stacks_dir=stacks).run()
+        # One memory of the nodes that did not answer for this attempt and the recovery
+        # after it (remote/unanswered.py): a node lost mid-run costs the sweep, the gate
+        # round and its token round one connect timeout, not three. Per attempt, not per
+        # launch: each attempt starts with none, so its agents' start dials every node,
+        # one that came back since (a healed partition) included.
+        dials = NoRedial(transport)
+        outcome = Orchestrator(job, dials, sink, stacks_dir=stacks).run()
         end = AttemptEnd(gate_refused=outcome.gate is not None and not outcome.gate.ok,
                          exit_code=outcome.exit_code, interrupted=outcome.interrupted)
         step = decide(end, restart_rules(settings, decisions), RestartState(attempt))
@@ -382,7 +389,7 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
             return LaunchResult(outcome.exit_code, outcomes, plan,
                                 elapsed_s=time.monotonic() - started)
         before = decisions
-        decisions, options = _prepare_restart(options, decisions, planner, transport, settings,
+        decisions, options = _prepare_restart(options, decisions, planner, dials, settings,
                                               sink, end, attempt)
         if decisions is not before and decisions.storage == StorageKind.NODE_LOCAL:
             if prepare is None:

@@ -55,6 +55,12 @@ def run_all(
                    max_parallel=max_parallel)
 
 
+class DeadlineError(TransportError):
+    """A host's worker had no result within the fan-out's overall deadline (``kind``
+    ``timeout``, as before): it may have connected and hung in its command, so this is
+    not "the host did not answer" (remote/unanswered.py does not remember it)."""
+
+
 def as_transport_error(exc: Exception, host: str) -> TransportError:
     if isinstance(exc, TransportError):
         return exc
@@ -93,7 +99,7 @@ def _collect(target: SSHTarget, future: cf.Future[CommandResult], deadline_s: fl
         future.cancel()
         return HostResult(
             host=target.name,
-            error=TransportError(
+            error=DeadlineError(
                 f"no result within the overall deadline of {deadline_s:.0f}s",
                 kind="timeout",
                 host=target.name,
