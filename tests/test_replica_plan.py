@@ -78,11 +78,11 @@ def test_the_inventory_default() -> None:
 
 
 def test_negative_and_sbatch_only_backends_are_refused() -> None:
-    with pytest.raises(RenderError, match="^--replicas: must be >= 0, got -1$") as neg:
+    with pytest.raises(RenderError, match=r"^--replicas: must be >= 0, got -1$") as neg:
         plan_for("a800-7x2", "torchrun", replicas=-1)
     assert neg.value.key == "--replicas"
     # One bound for the flag and the inventory's checkpoint.replicas (inventory.MAX_REPLICAS).
-    with pytest.raises(RenderError, match="^--replicas: must be <= 16, got 17$"):
+    with pytest.raises(RenderError, match=r"^--replicas: must be <= 16, got 17$"):
         plan_for("a800-7x2", "torchrun", replicas=17)
     with pytest.raises(RenderError, match="node agents") as err:
         plan_for("a800-7x2", "slurm", replicas=1)
