@@ -488,8 +488,9 @@ srun() {
 
 
 def _verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str], step: str, *flags: str,
-             restarts: int = 0) -> tuple[subprocess.CompletedProcess[str], str, Path]:
-    """Run the written sbatch.sh with ``step`` as the launch step's body (bash)."""
+             restarts: int = 0, stubs: str = "") -> tuple[subprocess.CompletedProcess[str], str, Path]:
+    """Run the written sbatch.sh with ``step`` as the launch step's body (bash);
+    ``stubs``: shell functions that replace VERDICT_STUBS' own."""
     inv = _inventory(tmp_path, gpus=0)
     assert main(["sbatch", "-i", str(inv), "--job-id", "v1", "--storage", "shared",
                  "--cpus-per-task", "2", "--write-only", *flags]) == 0
@@ -501,7 +502,8 @@ def _verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str], step: str, *fla
            "SLURM_CPUS_PER_TASK": "4", "SLURM_RESTART_COUNT": str(restarts),
            "CALLS": str(calls)}
     body = f"launch_step() {{ {step}; }}\n"
-    r = subprocess.run(["bash", "-s"], input=VERDICT_STUBS + body + (job_dir / "sbatch.sh").read_text(),
+    script = VERDICT_STUBS + stubs + body + (job_dir / "sbatch.sh").read_text()
+    r = subprocess.run(["bash", "-s"], input=script,
                        capture_output=True, text=True, env=env, timeout=60, check=False)
     return r, calls.read_text(), job_dir
 
@@ -533,6 +535,23 @@ def test_script_requeues_only_for_a_save_after_the_stop_request(
     for text in (r.stdout, r.stderr):
         assert "stop requested, but nothing was saved in" in text and "not requeueing job 77" in text
     assert (job_dir / "stop").is_file()  # what the ranks could poll
+
+
+def test_a_step_that_ends_while_the_usr1_trap_runs_keeps_its_own_status(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The trap cuts the script's `wait` short (128 + USR1 = 138); when the step saves and
+    exits 0 while the trap still runs (a slow scancel, a loaded machine), its status is 0,
+    not the 138 of the cut-short wait: the job is requeued (a whole-suite run on the Slurm
+    bed once said 'the step failed (exit 138): not requeueing')."""
+    ckpt = tmp_path / "ckpt/v1"
+    # The signal comes once the script waits on the step (as Slurm's does, mid-run).
+    step = (f'sleep 1; kill -USR1 $$; while [ ! -e "$CLUSTERKIT_STOP_FILE" ]; do sleep 0.05; '
+            f'done; sleep 1.1; mkdir -p {ckpt}/step4; echo x > {ckpt}/step4/done; return 0')
+    slow = 'scancel() { echo "scancel $*" >> "$CALLS"; sleep 3; }\n'
+    r, calls, _ = _verdict(tmp_path, capsys, step, stubs=slow)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "exit 138" not in r.stdout + r.stderr
+    assert "scontrol requeue 77" in calls and "requeueing job 77" in r.stdout
 
 
 def test_script_requeues_a_hung_step_as_max_restarts_allows(

@@ -186,6 +186,11 @@ while :; do
     wait "$launch_pid" && status=0 || status=$?
     kill -0 "$launch_pid" 2>/dev/null || break
 done
+# The step may have ended while a trap ran (USR1 above), after the trap cut its `wait`
+# short with 128+N: wait once more for its own status (bash keeps an ended job's
+# status); 127 there means none was kept, and the status above stands.
+wait "$launch_pid" 2>/dev/null && again=0 || again=$?
+[ "$again" = 127 ] || status=$again
 requeue() {
     # Pinned to these nodes (their disks hold the shards): held while the node list is
     # set, so it cannot start elsewhere first. Slurm TERMs this script once the job is
