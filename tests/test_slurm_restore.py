@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from clusterkit.node import slurmrestore
 from clusterkit.node.contract import REPLICA_MANIFEST, marker_name, replica_dir
@@ -22,9 +26,19 @@ from clusterkit.node.replica import ReplicaServer, push
 from clusterkit.node.slurmreplica import ring
 
 TAG = "global_step4"
-JOB = "restore-test"
+JOB = "restore-test"  # each test gets its own (_own_job_id)
 SECRET = "s" * 64
 RPN = 2
+
+
+@pytest.fixture(autouse=True)
+def _own_job_id() -> Iterator[None]:
+    """A job id, hence replica ports, per test: the servers of this file's other test on
+    another xdist worker (or their sockets in TIME_WAIT) never answer for this one (a
+    whole-suite run got "global_step4 of node index 0 is being received already")."""
+    global JOB
+    JOB = f"restore-test-{os.getpid()}-{secrets.token_hex(3)}"
+    yield
 
 
 def _save(root: Path, index: int) -> None:
