@@ -6,14 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from clusterkit.node.replica import (
 from clusterkit.node.replica_area import read_manifest, safe_rel
 from clusterkit.node.replica_done import CompletionWatch, missing_rank_files
 from clusterkit.node.replica_service import ReplicaService
+from tests.replicahelpers import fresh_job_id, ring_pair, zero2_tag
 
 SECRET = "s" * 64
 JOB = "job-replica-test"
@@ -40,23 +39,8 @@ def _own_job_id() -> Iterator[None]:
     """A job id (hence replica ports) per test: servers of parallel tests (xdist) or
     lingering sockets of earlier ones never answer for this one."""
     global JOB
-    JOB = f"job-replica-{os.getpid()}-{secrets.token_hex(3)}"
+    JOB = fresh_job_id("job-replica")
     yield
-
-
-def _zip(path: Path, payload: bytes) -> None:
-    """A whole zip archive, as torch.save writes (a .pt file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("data.pkl", payload)
-
-
-def _checkpoint(root: Path, tag: str, ranks: list[int], size: int = 300_000) -> None:
-    """A ZeRO-2 tag dir of one node (its ranks' optimizer shards, the model states)."""
-    d = root / tag
-    _zip(d / "mp_rank_00_model_states.pt", os.urandom(size))
-    for r in ranks:
-        _zip(d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", os.urandom(size))
 
 
 @pytest.fixture
@@ -86,7 +70,7 @@ def _sha(p: Path) -> str:
 
 def test_a_copy_completes_and_verifies(tmp_path: Path, server: ReplicaServer) -> None:
     src = tmp_path / "src" / "ckpt"
-    _checkpoint(src, "global_step10", [0, 1])
+    zero2_tag(src, "global_step10", [0, 1])
     (src / "latest").write_text("global_step10")
     (src / "zero_to_fp32.py").write_text("# script")
     old = time.time() - 10  # saved a while ago (a copy newer than its files is "the same")
@@ -109,7 +93,7 @@ def test_a_copy_completes_and_verifies(tmp_path: Path, server: ReplicaServer) ->
 
 def test_a_wrong_secret_is_refused(tmp_path: Path, server: ReplicaServer) -> None:
     src = tmp_path / "src" / "ckpt"
-    _checkpoint(src, "global_step10", [0])
+    zero2_tag(src, "global_step10", [0])
     with pytest.raises(ReplicaError, match="authentication"):
         _push(src, "global_step10", secret="t" * 64)
     with pytest.raises(ReplicaError, match="authentication"):
@@ -120,7 +104,7 @@ def test_a_wrong_secret_is_refused(tmp_path: Path, server: ReplicaServer) -> Non
 
 def test_another_jobs_server_is_not_spoken_to(tmp_path: Path, server: ReplicaServer) -> None:
     src = tmp_path / "src" / "ckpt"
-    _checkpoint(src, "global_step10", [0])
+    zero2_tag(src, "global_step10", [0])
     with pytest.raises(ReplicaError, match="no replica server"):
         _push(src, "global_step10", job_id="another-job")
 
@@ -128,7 +112,7 @@ def test_another_jobs_server_is_not_spoken_to(tmp_path: Path, server: ReplicaSer
 def test_a_byte_flipped_on_the_wire_is_detected_and_nothing_renamed(
         tmp_path: Path, server: ReplicaServer) -> None:
     src = tmp_path / "src" / "ckpt"
-    _checkpoint(src, "global_step10", [0])
+    zero2_tag(src, "global_step10", [0])
     flipped = []
 
     def flip(block: bytes) -> bytes:
@@ -146,13 +130,13 @@ def test_a_byte_flipped_on_the_wire_is_detected_and_nothing_renamed(
 def test_pruning_follows_the_source(tmp_path: Path, server: ReplicaServer) -> None:
     src = tmp_path / "src" / "ckpt"
     for tag in ("global_step10", "global_step20"):
-        _checkpoint(src, tag, [0], size=1000)
+        zero2_tag(src, tag, [0], size=1000)
         _push(src, tag)
     area = Path(contract.replica_source_dir(server.ckpt_dir, 0))
     assert sorted(p.name for p in area.iterdir()) == ["global_step10", "global_step20"]
     # The source's keep policy removed step 10: the next push prunes its copy.
     shutil.rmtree(src / "global_step10")
-    _checkpoint(src, "global_step30", [0], size=1000)
+    zero2_tag(src, "global_step30", [0], size=1000)
     _push(src, "global_step30")
     assert sorted(p.name for p in area.iterdir()) == ["global_step20", "global_step30"]
 
@@ -182,7 +166,7 @@ def test_a_client_killed_mid_copy_leaves_nothing_counted(tmp_path: Path) -> None
     srv = ReplicaServer(JOB, 1, "node2", str(holder), SECRET, address="127.0.0.1")
     srv.start()
     src = tmp_path / "src" / "ckpt"
-    _checkpoint(src, "global_step10", [0, 1], size=4 << 20)
+    zero2_tag(src, "global_step10", [0, 1], size=4 << 20)
     proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, str(src), JOB])
     area = Path(contract.replica_source_dir(str(holder), 0))
     deadline = time.monotonic() + 20
@@ -234,7 +218,7 @@ def test_missing_rank_files_infers_the_stage() -> None:
 
 
 def test_completion_with_markers(tmp_path: Path) -> None:
-    _checkpoint(tmp_path, "global_step10", [2])
+    zero2_tag(tmp_path, "global_step10", [2])
     w = CompletionWatch(str(tmp_path), 1, [2], JOB, markers=True)
     assert not w.complete("global_step10")
     (tmp_path / "global_step10" / contract.marker_name(0)).write_text("{}")
@@ -244,7 +228,7 @@ def test_completion_with_markers(tmp_path: Path) -> None:
 
 
 def test_completion_without_markers(tmp_path: Path) -> None:
-    _checkpoint(tmp_path, "mytag", [2, 3])
+    zero2_tag(tmp_path, "mytag", [2, 3])
     w = CompletionWatch(str(tmp_path), 1, [2, 3], JOB, markers=False)
     assert w.why_not("mytag", now=100.0) == "changed since the last poll"
     assert "less than" in (w.why_not("mytag", now=101.0) or "")
@@ -259,7 +243,7 @@ def test_completion_without_markers(tmp_path: Path) -> None:
 
 
 def test_a_truncated_zip_is_not_complete(tmp_path: Path) -> None:
-    _checkpoint(tmp_path, "mytag", [0])
+    zero2_tag(tmp_path, "mytag", [0])
     shard = tmp_path / "mytag" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     shard.write_bytes(shard.read_bytes()[:-30])  # the end record cut off
     w = CompletionWatch(str(tmp_path), 0, [0], JOB, markers=False)
@@ -268,7 +252,7 @@ def test_a_truncated_zip_is_not_complete(tmp_path: Path) -> None:
 
 
 def test_a_file_open_by_a_job_process_is_not_complete(tmp_path: Path) -> None:
-    _checkpoint(tmp_path, "mytag", [0])
+    zero2_tag(tmp_path, "mytag", [0])
     w = CompletionWatch(str(tmp_path), 0, [0], JOB, markers=False)
     w.why_not("mytag", now=0.0)
     holder = subprocess.Popen(
@@ -289,21 +273,14 @@ def test_two_services_replicate_each_other_and_finish(tmp_path: Path) -> None:
     """The agent's service: a marker-complete tag is pushed to the ring successor, the
     event and replicas.json say so, finish() says BYE both ways."""
     events: list[Any] = []
-    services = []
-    for i in (0, 1):
-        other = 1 - i
-        ckpt = tmp_path / f"n{i}" / "ckpt"
-        ckpt.mkdir(parents=True)
-        cfg = {"index": i, "address": "127.0.0.1", "ckpt_dir": str(ckpt), "ranks": [i],
-               "markers": True, "sources": [other], "secret": SECRET,
-               "targets": [{"node": f"n{other}", "index": other, "address": "127.0.0.1"}]}
-        services.append(ReplicaService(cfg, JOB, f"n{i}", str(tmp_path / f"n{i}.json"),
-                                       events.append, lambda m: None))
+    services = [ReplicaService(cfg, JOB, f"n{i}", str(tmp_path / f"n{i}.json"), events.append,
+                               lambda m: None)
+                for i, cfg in enumerate(ring_pair(tmp_path, SECRET))]
     for svc in services:
         svc.start()
     for i in (0, 1):
         ckpt = tmp_path / f"n{i}" / "ckpt"
-        _checkpoint(ckpt, "global_step5", [i], size=1000)
+        zero2_tag(ckpt, "global_step5", [i], size=1000)
         (ckpt / "global_step5" / contract.marker_name(i)).write_text("{}")
     ends = [threading.Thread(target=svc.end, args=(True,)) for svc in services]
     for t in ends:

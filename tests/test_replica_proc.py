@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import threading
 import time
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -18,33 +16,18 @@ import pytest
 from clusterkit.node import contract, priority, protocol
 from clusterkit.node.replica_area import read_manifest
 from clusterkit.node.replica_proc import ReplicaProcess, child_bundle
+from tests.replicahelpers import fresh_job_id, ring_pair, zero2_tag
 
 SECRET = "p" * 64
 _ENABLED = Path("/proc/sys/kernel/sched_autogroup_enabled")
 AUTOGROUP = _ENABLED.exists() and _ENABLED.read_text().strip() == "1"
 
 
-def _checkpoint(root: Path, tag: str, rank: int) -> None:
-    """One node's ZeRO-2 tag dir: whole zip archives, as torch.save writes them."""
-    for name in ("mp_rank_00_model_states.pt", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"):
-        (root / tag).mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(root / tag / name, "w") as z:
-            z.writestr("data.pkl", os.urandom(1000))
-
-
 def _pair(tmp_path: Path, events: list[Any], logs: list[str]) -> tuple[str, list[ReplicaProcess]]:
-    job = f"job-replica-proc-{os.getpid()}-{secrets.token_hex(3)}"
-    procs = []
-    for i in (0, 1):
-        other = 1 - i
-        ckpt = tmp_path / f"n{i}" / "ckpt"
-        ckpt.mkdir(parents=True)
-        cfg = {"index": i, "address": "127.0.0.1", "ckpt_dir": str(ckpt), "ranks": [i],
-               "markers": True, "sources": [other], "secret": SECRET,
-               "targets": [{"node": f"n{other}", "index": other, "address": "127.0.0.1"}]}
-        procs.append(ReplicaProcess(cfg, job, f"n{i}", str(tmp_path / f"n{i}.json"),
-                                    events.append, logs.append))
-    return job, procs
+    job = fresh_job_id("job-replica-proc")
+    return job, [ReplicaProcess(cfg, job, f"n{i}", str(tmp_path / f"n{i}.json"), events.append,
+                                logs.append)
+                 for i, cfg in enumerate(ring_pair(tmp_path, SECRET))]
 
 
 def _wait(cond: Any, timeout: float = 30.0) -> None:
@@ -70,7 +53,7 @@ def test_two_child_processes_replicate_each_other_and_finish(tmp_path: Path) -> 
                     "nice 19\n"))
         for i in (0, 1):
             ckpt = tmp_path / f"n{i}" / "ckpt"
-            _checkpoint(ckpt, "global_step5", i)
+            zero2_tag(ckpt, "global_step5", [i], size=1000)
             (ckpt / "global_step5" / contract.marker_name(i)).write_text("{}")
         ends = [threading.Thread(target=p.end, args=(True,)) for p in procs]
         for t in ends:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from clusterkit.node.contract import REPLICA_MANIFEST, marker_name, replica_dir
 from clusterkit.node.listing import listing
 from clusterkit.node.replica import ReplicaServer, push
 from clusterkit.node.slurmreplica import ring
+from tests.replicahelpers import fresh_job_id
 
 TAG = "global_step4"
 JOB = "restore-test"  # each test gets its own (_own_job_id)
@@ -37,7 +37,7 @@ def _own_job_id() -> Iterator[None]:
     another xdist worker (or their sockets in TIME_WAIT) never answer for this one (a
     whole-suite run got "global_step4 of node index 0 is being received already")."""
     global JOB
-    JOB = f"restore-test-{os.getpid()}-{secrets.token_hex(3)}"
+    JOB = fresh_job_id("restore-test")
     yield
 
 
