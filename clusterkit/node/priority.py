@@ -1,8 +1,9 @@
 """Put the calling thread's CPU and disk use below the ranks' (checkpoint replicas, issue 31).
 
 Part of the node agent (node program ``agent``, ``node/ship.py``): the replica copy runs
-in the agent's threads (``node/replica.py``) and must take what the ranks leave, no more.
-:func:`lower_this_thread` applies, to the calling thread only, each of:
+in threads of the agent's copy process (``node/replica_proc.py``, ``node/replica.py``) and
+must take what the ranks leave, no more. :func:`lower_this_session` lowers that process's
+session; :func:`lower_this_thread` applies, to the calling thread only, each of:
 
 * **CPU policy** ``SCHED_IDLE`` (``os.sched_setscheduler`` on the thread's native id;
   allowed without privileges), else nice 19. This ranks the copy below every normal

@@ -1,6 +1,7 @@
 """The agent's replication service: watch, push, record, and the end of a job (issue 22).
 
-Part of the node agent (node program ``agent``, ``node/ship.py``). Built from
+Part of the node agent (node program ``agent``, ``node/ship.py``), run in the agent's
+copy process (``node/replica_proc.py``; under Slurm by ``slurmreplica serve``). Built from
 ``AgentSpec.replica`` (:data:`REPLICA_KEYS`; the launcher's ``launch/fromplan.py``
 fills it). It runs this node's :class:`~clusterkit.node.replica.ReplicaServer` and one
 low-priority thread that polls the checkpoint dir (``node/replica_done.py``'s
