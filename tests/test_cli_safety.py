@@ -254,3 +254,19 @@ def test_a_real_launch_hands_the_script_all_its_words(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     for rank in (0, 1):
         assert f"ARGV {rank} {' '.join(words)}" in proc.stdout, proc.stdout
+
+
+def test_a_job_registry_that_cannot_be_written_is_one_line_before_anything_starts(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CLUSTERKIT_HOME (or ~/.cache) the user cannot write, e.g. HOME still root's after
+    su: one line naming the record and the fix, exit 2, not an internal error."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "file" / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", "--nodes", "1", "--gpus-per-node", "1", "--steps", "1",
+                 "--job-id", "j"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"clusterkit: error: {tmp_path}/file/home/jobs/j/job.json: cannot write the "
+                   f"job record (Not a directory) — make {tmp_path}/file/home/jobs writable for "
+                   "you, or set CLUSTERKIT_HOME to a directory you can write")

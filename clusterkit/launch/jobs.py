@@ -156,8 +156,15 @@ class Registry:
         return self.root / job_id / "job.json"
 
     def save(self, record: JobRecord) -> None:
-        self.path(record.job_id).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.path(record.job_id), record.to_json() + "\n")
+        path = self.path(record.job_id)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, record.to_json() + "\n")
+        except OSError as exc:  # e.g. HOME still root's after su/sudo: one line, not a traceback
+            raise LaunchError(
+                f"cannot write the job record ({exc.strerror or exc})", path=str(path),
+                hint=f"make {self.root} writable for you, or set CLUSTERKIT_HOME to a "
+                     "directory you can write") from None
 
     def load(self, job_id: str) -> JobRecord:
         path = self.path(job_id)
