@@ -269,4 +269,5 @@ def test_a_job_registry_that_cannot_be_written_is_one_line_before_anything_start
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == (f"clusterkit: error: {tmp_path}/file/home/jobs/j/job.json: cannot write the "
                    f"job record (Not a directory) — make {tmp_path}/file/home/jobs writable for "
-                   "you, or set CLUSTERKIT_HOME to a directory you can write")
+                   "you, or point the clusterkit home at a directory you can write "
+                   "(docs/launch.md, the error table)")

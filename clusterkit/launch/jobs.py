@@ -163,8 +163,8 @@ class Registry:
         except OSError as exc:  # e.g. HOME still root's after su/sudo: one line, not a traceback
             raise LaunchError(
                 f"cannot write the job record ({exc.strerror or exc})", path=str(path),
-                hint=f"make {self.root} writable for you, or set CLUSTERKIT_HOME to a "
-                     "directory you can write") from None
+                hint=f"make {self.root} writable for you, or point the clusterkit home at a "
+                     "directory you can write (docs/launch.md, the error table)") from None
 
     def load(self, job_id: str) -> JobRecord:
         path = self.path(job_id)
