@@ -364,3 +364,13 @@ def test_a_retried_failure_is_logged_only_the_last_one_is_an_event(tmp_path: Pat
     have = protocol.Replica("n0", tag="global_step5", source=0, target="n1", state="complete",
                             detail=protocol.REPLICA_ALREADY_THERE)
     assert "already there" in replica_line(have) and "copied" not in replica_line(have)
+
+
+def test_the_watch_lists_tags_oldest_first_by_the_step_they_name(tmp_path: Path) -> None:
+    """global_step100 after global_step20, mystep12 after mystep4 (a sort by name puts
+    them first, and the pusher, oldest first, then copied the newest save first)."""
+    for tag in ("global_step100", "global_step20", "mystep12", "mystep4", ".hidden"):
+        (tmp_path / tag).mkdir()
+    watch = CompletionWatch(str(tmp_path), 0, [0], JOB, True)
+    assert watch.tags() == ["mystep4", "mystep12", "global_step20", "global_step100"]
+    assert [contract.tag_step(t) for t in watch.tags()] == [4, 12, 20, 100]

@@ -278,6 +278,17 @@ class Contract:
         return (DEEPSPEED_CONFIG_ARG, self.ds_config)
 
 
+# -- The step a checkpoint tag names, to order tags oldest to newest: DeepSpeed's
+# ``global_step<N>`` and a user's ``step8`` or ``ckpt_0016`` alike, by their trailing
+# number (step16 after step8, which a sort by name gets wrong); -1 for none.
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
+
+
+def tag_step(tag: str) -> int:
+    m = _TRAILING_NUMBER.search(tag)
+    return int(m.group(1)) if m else -1
+
+
 # -- Checkpoint completion markers: each node writes ``clusterkit-complete.node<N>.json``
 # into the tag dir once every rank of it saved; a checkpoint is complete when the markers
 # of nodes 0 .. num_nodes-1 all exist (docs/collect-ckpt.md).

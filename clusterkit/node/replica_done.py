@@ -30,6 +30,7 @@ from clusterkit.node.contract import (
     OPTIM_STATES_RE,
     ZERO3_MODEL_STATES_RE,
     marker_name,
+    tag_step,
 )
 from clusterkit.node.listing import whole_zip as _whole_zip
 
@@ -133,13 +134,15 @@ class CompletionWatch:
         self._seen: dict[str, tuple[float, Snapshot]] = {}
 
     def tags(self) -> list[str]:
-        """The tag dirs in the checkpoint dir now (hidden names left out)."""
+        """The tag dirs in the checkpoint dir now (hidden names left out), oldest first
+        (by the step each names: global_step100 after global_step20)."""
         try:
             names = os.listdir(self.ckpt_dir)
         except OSError:
             return []
-        return sorted(n for n in names if not n.startswith(".")
-                      and os.path.isdir(os.path.join(self.ckpt_dir, n)))
+        return sorted((n for n in names if not n.startswith(".")
+                       and os.path.isdir(os.path.join(self.ckpt_dir, n))),
+                      key=lambda n: (tag_step(n), n))
 
     def complete(self, tag: str, now: float | None = None) -> bool:
         """Whether ``tag`` is finished on this node (call it every poll)."""

@@ -44,6 +44,7 @@ from clusterkit.node.contract import (
     parse_marker_name,
     replica_dir,
     replica_source_dir,
+    tag_step,
 )
 from clusterkit.node.listing import listing
 from clusterkit.node.replica import ReplicaError, ReplicaServer, push, push_files
@@ -54,7 +55,6 @@ CANNOT_ASSEMBLE = 3  # the batch script's exit code for "not starting fresh"
 RECEIVE_WAIT_S = 600.0  # a node waiting for its part: the holders push within this
 PUSH_TRIES_S = 120.0  # a holder retries while the target's server comes up
 _RANK_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_")
-_TRAILING_NUMBER = re.compile(r"(\d+)$")
 
 
 def say(text: str, err: bool = False) -> None:
@@ -137,11 +137,7 @@ def candidate_tags(listings: dict[str, Any]) -> list[str]:
             for tag, copy in (entry.get("tags") or {}).items():
                 if copy and copy.get("manifest"):
                     newest.setdefault(tag, 0.0)
-
-    def step(tag: str) -> int:
-        m = _TRAILING_NUMBER.search(tag)
-        return int(m.group(1)) if m else -1
-    return sorted(newest, key=lambda t: (step(t), newest[t], t), reverse=True)
+    return sorted(newest, key=lambda t: (tag_step(t), newest[t], t), reverse=True)
 
 
 def decide(listings: dict[str, Any], hosts: list[str], old_hosts: list[str], markers: bool,

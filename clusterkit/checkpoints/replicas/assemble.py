@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import posixpath
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +48,7 @@ from clusterkit.node.contract import (
     REPLICA_SCHEMA_VERSION,
     marker_name,
     replica_dir,
+    tag_step,
 )
 from clusterkit.node.replica_done import part_problem
 
@@ -196,19 +196,9 @@ def candidate_tags(listings: Sequence[NodeListing], *, markers: bool = True) -> 
         tags.update(c.tag for r in ls.replicas.values() for c in r.copies.values()
                     if c is not None and c.manifest is not None)
     newest = _newest_mtimes(listings)
-    return sorted(tags, key=lambda t: (_step(t), newest.get(t, 0.0), t), reverse=True)
+    return sorted(tags, key=lambda t: (tag_step(t), newest.get(t, 0.0), t), reverse=True)
 
 
-_TRAILING_NUMBER = re.compile(r"(\d+)$")
-
-
-def _step(tag: str) -> int:
-    """The step a tag names: DeepSpeed's ``global_step<N>``, else a trailing number (a
-    user's ``step8``, ``ckpt_0016``: numerically, so step16 is newer than step8); -1."""
-    step = layout.parse_step_tag(tag)
-    if step is None and (m := _TRAILING_NUMBER.search(tag)):
-        step = int(m.group(1))
-    return -1 if step is None else step
 
 
 def _newest_mtimes(listings: Sequence[NodeListing]) -> dict[str, float]:
