@@ -257,12 +257,13 @@ class Console:
     def text(self) -> str:
         return "".join(self.lines)
 
-    def wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+    def wait_for(self, cond: Callable[[], bool], timeout: float, what: str,
+                 poll: float = 0.1) -> None:
         deadline = time.monotonic() + timeout
         while not cond():
             assert self.proc.poll() is None, f"launcher ended before {what}:\n{self.text[-4000:]}"
             assert time.monotonic() < deadline, f"no {what} in {timeout:.0f} s:\n{self.text[-4000:]}"
-            time.sleep(0.1)
+            time.sleep(poll)
 
     def finish(self, timeout: float) -> int:
         try:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from clusterkit.node.contract import marker_name, tag_step
 from tests.helpers import (
-    CKPT_DONE,
     Console,
     Run,
     assert_trained,
@@ -84,14 +84,62 @@ def _bed(nodes: int, spare: bool) -> Iterator[tuple[Testbed, Path]]:
         yield tb, inv
 
 
-def _stop_ranks(job: str, world: int, sig: signal.Signals) -> None:
-    """SIGSTOP/SIGCONT the job's ranks (host pids): a stopped job cannot pass its next
-    save while the test waits for the copies and destroys a node."""
-    for rank in range(world):
-        pid = rank_pid(job, rank)
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+def _rank_pids(run: Console, job: str, world: int) -> list[int]:
+    """Every rank's host pid, once all have started."""
+    found: dict[int, int] = {}
+
+    def all_found() -> bool:
+        for rank in range(world):
+            pid = found.get(rank) or rank_pid(job, rank)
+            if pid is not None:
+                found[rank] = pid
+        return len(found) == world
+
+    run.wait_for(all_found, 400, f"every rank of {world} in /proc")
+    return [found[r] for r in range(world)]
+
+
+def _signal(pids: Sequence[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _stopped(pids: Sequence[int], timeout: float = 10.0) -> None:
+    """Wait until every pid is in the stopped state ('T'); fails if one ended first (the
+    job ran past the save the test stops it at)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {}
+        for pid in pids:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                states[pid] = stat.rsplit(")", 1)[1].split()[0]
+            except OSError:
+                pytest.fail(f"rank pid {pid} ended before it was stopped: the job ran past "
+                            f"{TAG} while the test stopped it")
+        if all(s in ("T", "t") for s in states.values()):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"ranks not stopped after SIGSTOP: {states}")
+        time.sleep(0.05)
+
+
+def _node_dir(tb: Testbed, node: str, job: str) -> Path:
+    return tb.node_local_path(node, f"{_local(tb)}/{job}")
+
+
+def _complete_on_disk(tb: Testbed, job: str, tag: str) -> bool:
+    """Every node's completion marker of ``tag`` is in its node-local tag dir."""
+    return all((_node_dir(tb, node, job) / tag / marker_name(i)).is_file()
+               for i, node in enumerate(RING))
+
+
+def _newest_complete_on_disk(tb: Testbed, job: str) -> str:
+    tags = {p.name for p in _node_dir(tb, RING[0], job).glob("global_step*")}
+    done = [t for t in tags if _complete_on_disk(tb, job, t)]
+    assert done, f"no complete checkpoint of {job} on disk"
+    return max(done, key=tag_step)
 
 
 def _run_losing_node2(tb: Testbed, argv: Sequence[str], job: str,
@@ -109,23 +157,26 @@ def _run_losing_node2(tb: Testbed, argv: Sequence[str], job: str,
 
 
 def _lose_node2_after_the_replicated_save(tb: Testbed, run: Console, job: str) -> str:
-    """Wait for ``TAG``'s save, stop the ranks, wait for every node's copy of the newest
-    complete save, then destroy node2; that save's tag. The tiny model runs 16 steps in
-    about a second, so the ranks may pass the next save before the stop lands (the
-    copies, below the ranks, no longer slow them): the newest complete save is the one
-    the job must resume from."""
-    run.wait_for(lambda: f"checkpoint {TAG} complete" in run.text, 400, TAG)
-    _stop_ranks(job, len(RING), signal.SIGSTOP)
+    """Stop the ranks as soon as ``TAG``'s save is complete on disk, wait for every node's
+    copy of the newest complete save, then destroy node2; that save's tag.
+
+    The tiny model runs 16 steps in about a second and the console's lines come late on a
+    loaded machine (they pass through each node's agent and SSH), so the test watches the
+    completion markers on the nodes' disks, not the console, and checks that each rank is
+    stopped: the newest complete save on disk is the one the job must resume from."""
+    pids = _rank_pids(run, job, len(RING))
+    run.wait_for(lambda: _complete_on_disk(tb, job, TAG), 400, f"{TAG} on disk", poll=0.02)
+    _signal(pids, signal.SIGSTOP)
     try:
-        time.sleep(1.0)  # lines already on their way reach the console
-        tag = str(CKPT_DONE.findall(run.text)[-1])
+        _stopped(pids)
+        tag = _newest_complete_on_disk(tb, job)
         assert tag != f"global_step{STEPS}", f"the job ended before the loss:\n{run.text[-3000:]}"
         manifests = replica_manifests(tb, RING, job, tag, _local(tb))
         run.wait_for(lambda: all(m.exists() for m in manifests), 120, f"replicas of {tag}")
         _owned_by_user(tb, manifests)
         tb.destroy(LOST)
     finally:
-        _stop_ranks(job, len(RING), signal.SIGCONT)
+        _signal(pids, signal.SIGCONT)
     return tag
 
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,14 @@ PROBE = textwrap.dedent("""
                    "parent": open(f"/proc/{os.getppid()}/cmdline").read(),
                    "cmdline": open("/proc/self/cmdline").read(),
                    "comm": open("/proc/self/comm").read().strip(),
-                   "gc_frozen": gc.get_freeze_count() > 0},
+                   "gc_frozen": gc.get_freeze_count() > 0,
+                   # what a scan of /proc sees (agent_procs.rank_pids_of, a user's tools)
+                   "proc_env": [e.split("=")[0] for e in
+                                open("/proc/self/environ").read().split(chr(0))
+                                if e.startswith(("RANK=", "LOCAL_RANK="))],
+                   "parent_env": [e.split("=")[0] for e in
+                                  open(f"/proc/{os.getppid()}/environ").read().split(chr(0))
+                                  if e.startswith(("RANK=", "LOCAL_RANK="))]},
                   fh)
     if os.environ.get("FAIL_RANK") == os.environ["RANK"]:
         def deep():
@@ -60,11 +70,12 @@ def _job(tmp_path: Path, job_id: str, env: dict[str, str], nproc: int = 2) -> Jo
     return JobSpec(job_id=job_id, tasks=tasks, grace_s=1.0)
 
 
-def _run(tmp_path: Path, job_id: str, **env: str) -> tuple[Any, str, dict[int, dict[str, Any]]]:
+def _run(tmp_path: Path, job_id: str, nproc: int = 2,
+         **env: str) -> tuple[Any, str, dict[int, dict[str, Any]]]:
     (tmp_path / "probe.py").write_text(PROBE)
     (tmp_path / "out" / job_id).mkdir(parents=True)
     out = io.StringIO()
-    outcome = Orchestrator(_job(tmp_path, job_id, {"TAG": job_id, **env}), LocalTransport(),
+    outcome = Orchestrator(_job(tmp_path, job_id, {"TAG": job_id, **env}, nproc), LocalTransport(),
                            PlainSink(out)).run(install_signals=False)
     found = {}
     for f in (tmp_path / "out" / job_id).iterdir():
@@ -96,6 +107,9 @@ def test_forked_ranks_see_what_exec_ranks_see(tmp_path: Path, preload_json: None
         assert f.pop("forked") and not e.pop("forked")
         # The preloaded objects are frozen before the fork (pre-fork server recipe).
         assert f.pop("gc_frozen") and not e.pop("gc_frozen")
+        # Both show RANK + LOCAL_RANK in /proc/<pid>/environ; the fork server does not.
+        assert sorted(f.pop("proc_env")) == sorted(e.pop("proc_env")) == ["LOCAL_RANK", "RANK"]
+        assert f.pop("parent_env") == e.pop("parent_env") == []
         # ps shows each forked rank as the command an exec'd rank runs, and its rank
         # (issue 25); the zygote's own title names no program, its comm is its own.
         assert e.pop("cmdline") == f"{sys.executable}\0-u\0probe.py\0x\0"
@@ -109,6 +123,82 @@ def test_forked_ranks_see_what_exec_ranks_see(tmp_path: Path, preload_json: None
         assert f["argv"] == ["probe.py", "x"] and f["path0"] == str(tmp_path)
         assert f["file"] == str(tmp_path / "probe.py") and f["env"]["RANK"] == str(rank)
     assert job_processes("zf") == {}
+
+
+def test_with_one_rank_per_node_only_the_rank_shows_its_rank_in_proc(
+        tmp_path: Path, preload_json: None) -> None:
+    """Seen on the test bed (1 rank per node): every rank variable was "common" to the
+    node's one rank, so the fork server's own environ showed RANK + LOCAL_RANK, and a
+    scan for the rank's pid (agent_procs.rank_pids_of, a test's SIGSTOP) found the fork
+    server instead of the rank."""
+    outcome, text, found = _run(tmp_path, "zone", nproc=1)
+    assert outcome.exit_code == 0 and sorted(found) == [0, 1], text
+    for data in found.values():
+        assert data["forked"], data
+        assert sorted(data["proc_env"]) == ["LOCAL_RANK", "RANK"], data["proc_env"]
+        assert data["parent_env"] == [], data["parent_env"]
+
+
+USR1_PROBE = textwrap.dedent("""
+    # (uses torch: the agent's fork server applies)
+    import json, os, signal, time
+    got = []
+    signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+    parent = open(f"/proc/{os.getppid()}/cmdline").read()
+    print("waiting", "forked" if "fork server" in parent else "exec", flush=True)
+    deadline = time.monotonic() + 20
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("got USR1" if got else "no USR1", flush=True)
+""")
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_usr1_reaches_a_forked_rank_alone_on_its_node(tmp_path: Path, preload_json: None) -> None:
+    """The agent forwards a preemption's USR1 to the processes that show RANK in
+    /proc/<pid>/environ: with one rank per node that was the fork server too, whose
+    default action for USR1 is to die (its ranks with it). Now only the rank gets it, and
+    the fork server ignores USR1/USR2 whoever sends them (Slurm signals a whole step)."""
+    (tmp_path / "probe.py").write_text(USR1_PROBE)
+    out = io.StringIO()
+    orch = Orchestrator(_job(tmp_path, "zusr1", {}, nproc=1), LocalTransport(), PlainSink(out))
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(orch.run(install_signals=False)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while out.getvalue().count("waiting forked") < 2:
+        assert time.monotonic() < deadline and thread.is_alive(), out.getvalue()
+        time.sleep(0.05)
+    servers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit()
+               and _cmdline(pid).startswith("[clusterkit fork server job zusr1 ")]
+    assert len(servers) == 2, servers
+    for pid in servers:  # as Slurm's --signal does: every process of the step
+        os.kill(pid, signal.SIGUSR1)
+    orch._on_signal(signal.SIGUSR1, None)
+    thread.join(30)
+    text = out.getvalue()
+    assert result and result[0].exit_code == 0, text
+    assert "[v0 r0] got USR1" in text and "[v1 r1] got USR1" in text, text
+    assert job_processes("zusr1") == {}
+
+
+def test_rank_own_is_what_differs_between_a_nodes_ranks() -> None:
+    """agent_env.RANK_OWN (kept out of the fork server's environment) is exactly what
+    rank_env gives each rank of a node differently."""
+    from clusterkit.node.agent_env import RANK_OWN, rank_env
+    from clusterkit.node.protocol import AgentSpec
+
+    spec = AgentSpec(job_id="j", node="n", job_dir="/j", argv=["python", "x.py"], local_ranks=2,
+                     native={"nproc": 2, "first_rank": 4, "world_size": 8, "node_rank": 2,
+                             "nnodes": 4, "master_addr": "a", "master_port": 1})
+    a, b = rank_env(spec, "/j", "/p", 0), rank_env(spec, "/j", "/p", 1)
+    assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == RANK_OWN
 
 
 def test_a_failing_forked_rank_is_named_with_its_code_and_its_traceback(

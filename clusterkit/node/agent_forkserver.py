@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from clusterkit.node import zygote
+from clusterkit.node.agent_env import RANK_OWN
 from clusterkit.node.agent_files import expand
 from clusterkit.node.agent_output import AgentOutput
 from clusterkit.node.agent_procs import POLL_S, Child, signal_group
@@ -124,7 +125,8 @@ class ForkServer:
         argv, cwd = self._argv(), self._cwd()
         nproc = int(n["nproc"])
         envs = [self.rank_env(lr) for lr in range(nproc)]
-        common = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs[1:])}
+        common = {k: v for k, v in envs[0].items()
+                  if k not in RANK_OWN and all(e.get(k) == v for e in envs[1:])}
         common[zygote.SLOT] = "." * zygote.SLOT_BYTES  # becomes each rank's own variables
         source = "".join(linecache.getlines(zygote.__file__ or ""))
         if not source:

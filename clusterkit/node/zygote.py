@@ -507,6 +507,10 @@ def _serve(pids: dict[int, int], status_fd: int, grace_s: float, stdin: Any) -> 
     stop = _Stop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _f: stop.set(signal.Signals(signum).name))
+    # A preemption notice is for the ranks; Slurm's --signal reaches every process of
+    # the step, this one too, whose default action for USR1 is to die (ranks with it).
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
 
     def watch_stdin() -> None:  # forked ranks exist already: a thread is safe now
         while stdin.readline():
