@@ -31,6 +31,7 @@ class SSHProcess:
         self._code: int | None = None
         self._finished = threading.Event()
         self.dropped = False  # True when the connection, not the command, ended it
+        self._terminated = False  # terminate() called: we ended it, whatever it answers
         self._reader = threading.Thread(target=self._read, name=f"clusterkit-ssh-{host}", daemon=True)
         self._reader.start()
 
@@ -52,7 +53,7 @@ class SSHProcess:
 
     def _finish(self) -> None:
         chan = self._chan
-        if chan.exit_status_ready() and chan.exit_status != -1:
+        if chan.exit_status_ready() and chan.exit_status != -1 and not self._terminated:
             self._code = chan.exit_status
         else:
             self._code = -1
@@ -82,7 +83,12 @@ class SSHProcess:
         quietly(self._chan.shutdown_write)
 
     def terminate(self) -> None:
-        """Ask sshd to SIGTERM the command (RFC 4254 "signal"), then close the channel."""
+        """Ask sshd to SIGTERM the command (RFC 4254 "signal"), then close the channel.
+
+        The code is then -1, as for a dropped channel: sshd may refuse the signal, and
+        the command, its stdin closed with the channel, may still answer a status of its
+        own first (``cat`` exits 0 on that EOF), or not, depending on timing."""
+        self._terminated = True
         send_signal(self._chan, "TERM")
         quietly(self._chan.close)
 
