@@ -530,3 +530,31 @@ def test_a_shared_storage_job_on_the_embedded_default_collects(tmp_path: Path) -
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         assert (tmp_path / f"out{i}" / "global_step2" / "mp_rank_00_model_states.pt").is_file()
+
+
+def test_latest_without_a_latest_file_is_the_highest_step_not_the_last_name() -> None:
+    """A user's own tags (step4, step8, step12; no DeepSpeed 'latest' file) order by their
+    step, as everywhere else (node/contract.tag_step): step12, not step8 (a sort by name)."""
+    from clusterkit.checkpoints.collect.discover import choose_tag
+    from clusterkit.checkpoints.listing import NodeListing
+
+    tags = ("step4", "step8", "step12")
+    listings = [NodeListing(node=f"n{i}", index=i, root="/ckpt", exists=True,
+                            tags={t: {} for t in tags}, markers={t: {"x": "y"} for t in tags})
+                for i in range(2)]
+    assert choose_tag(listings, "latest") == ("step12", [])
+
+
+def test_collecting_an_older_user_tag_keeps_latest_on_the_newer(tmp_path: Path) -> None:
+    """DEST/latest names the newest collected step, for a user's tags too (step12 is
+    newer than step8, which a by-name or global_step-only rule got wrong)."""
+    from clusterkit.checkpoints.collect.manifest import latest_tag_at, write_latest
+
+    for tag in ("step12", "step8"):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / MANIFEST).write_text("{}")
+    write_latest(str(tmp_path), "step12")
+    write_latest(str(tmp_path), "step8")
+    assert latest_tag_at(str(tmp_path)) == "step12"
+    write_latest(str(tmp_path), "global_step20")  # by step, whatever the prefix
+    assert latest_tag_at(str(tmp_path)) == "global_step20"

@@ -36,13 +36,8 @@ from clusterkit.checkpoints.collectplan import (
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.errors import CheckpointError
 from clusterkit.hostrange import fold, folded_lines
-from clusterkit.node.contract import MARKER_GLOB, RECOVERY_SCRIPTS, parse_marker_name
+from clusterkit.node.contract import MARKER_GLOB, RECOVERY_SCRIPTS, parse_marker_name, tag_step
 from clusterkit.node.gatefacts import SHARED_FIX, shared_line
-
-
-def _step(tag: str) -> int:
-    step = layout.parse_step_tag(tag)
-    return step if step is not None else -1
 
 
 def choose_tag(listings: Sequence[NodeListing], requested: str, *, markers: bool = True
@@ -66,7 +61,7 @@ def choose_tag(listings: Sequence[NodeListing], requested: str, *, markers: bool
         what = "completion markers" if markers else "DeepSpeed checkpoint files"
         return None, [f"no node has a 'latest' file and no tag has {what} on every node; "
                       "pass --tag"]
-    return max(common, key=lambda t: (_step(t), t)), []
+    return max(common, key=lambda t: (tag_step(t), t)), []
 
 
 def _nothing_there(missing: Sequence[NodeListing]) -> CheckpointError:
@@ -99,7 +94,8 @@ def verify(listings: Sequence[NodeListing], requested_tag: str = "latest",
         raise CheckpointIncomplete(None, problems)
     for ls in listings:
         if ls.tags.get(tag) is None:
-            have = sorted((t for t, f in ls.tags.items() if f is not None), key=_step)
+            have = sorted((t for t, f in ls.tags.items() if f is not None),
+                          key=lambda t: (tag_step(t), t))
             problems.append(f"{ls.node}: no {tag} directory under {ls.root}"
                             + (f" (it has {', '.join(have[-3:])})" if have else ""))
     if problems:

@@ -10,13 +10,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from clusterkit.checkpoints import layout
 from clusterkit.checkpoints.collectplan import CollectPlan
 from clusterkit.checkpoints.sources.base import Route
 from clusterkit.checkpoints.sources.transfer import Wanted
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text
-from clusterkit.node.contract import LATEST_FILE
+from clusterkit.node.contract import LATEST_FILE, tag_step
 
 MANIFEST = "clusterkit-collect.json"
 MANIFEST_SCHEMA = "clusterkit.collected-checkpoint"
@@ -84,7 +83,7 @@ def write_latest(dest: str, tag: str) -> None:
     """Point DEST/latest at ``tag`` unless it already names a newer collected step."""
     current = latest_tag_at(dest)
     if current and current != tag and os.path.isfile(os.path.join(dest, current, MANIFEST)):
-        cur, new = layout.parse_step_tag(current), layout.parse_step_tag(tag)
-        if cur is not None and new is not None and cur > new:
+        cur, new = tag_step(current), tag_step(tag)
+        if cur >= 0 and new >= 0 and cur > new:
             return
     atomic_write_text(os.path.join(dest, LATEST_FILE), tag)
