@@ -55,6 +55,12 @@ _GLOG_STAMP = re.compile(r"^\[?([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ (?:\d+ )?")
 # One torch log record's whole header (level, time, pid, file:line): the lines of a
 # multi-line record (a traceback logged by torch.distributed.elastic) all carry it.
 _GLOG_RECORD = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ (?:\d+ )?\S+:\d+\]")
+# torch's C++ exception backtrace, printed under a glog line of a launcher (torchrun's
+# store client when the master's agent has gone at a clean end: "Exception raised from
+# recvBytes at ... (most recent call first):", "frame #3: <unknown function> + 0x...",
+# "<omitting python frames>"): not shown, the node's launcher.log has it.
+_CPP_BACKTRACE = re.compile(r"^(?:Exception raised from \S.* \(most recent call first\):$"
+                            r"|frame #\d+: |<omitting python frames>$)")
 # What else differs between nodes' copies of one line: an address (and its port), a port,
 # a process id ("Sending process 226 closing signal SIGTERM" on every node).
 _VARYING: tuple[tuple[re.Pattern[str], str], ...] = (
@@ -222,6 +228,9 @@ class LineFolder:
         once the job is being torn down (:meth:`tear_down`) it is counted, not shown."""
         if self.tearing:
             self._teardown[node] = self._teardown.get(node, 0) + 1
+            return self.release(now)
+        if _CPP_BACKTRACE.match(text):
+            self.suppressed += 1
             return self.release(now)
         if self._continues_record(node, text):
             # The rest of one multi-line record (torchrun's "Error waiting on exit

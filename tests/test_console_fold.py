@@ -491,3 +491,16 @@ def test_a_launcher_log_record_of_several_lines_shows_its_first_line() -> None:
     assert _texts(out) == ["[node3] " + EXIT_BARRIER[0],
                            "[node3] W1127 07:11:57.100000 128 torch/x.py:5] another record"]
     assert f.suppressed == 4
+
+
+def test_a_launchers_cpp_backtrace_shows_its_glog_line_only() -> None:
+    """tests/fixtures/launcher_teardown/torchrun_exit_barrier.txt: node2's torchrun agent
+    at the end of a clean 3 x 1 run on a loaded machine (node1's agent, the store's
+    host, had exited): a store client's C++ backtrace (15 lines) and the exit-barrier
+    record. The console shows the two headline lines; the log has the rest."""
+    lines = (FIXTURES / "torchrun_exit_barrier.txt").read_text().splitlines()
+    f = LineFolder(window_s=1.0, nodes=3)
+    out = [item for i, line in enumerate(lines) for item in f.feed_node("node2", line, now=0.01 * i)]
+    out += f.release(5.0, final=True)
+    assert _texts(out) == ["[node2] " + lines[0], "[node2] " + lines[-1]]
+    assert f.suppressed == len(lines) - 2
