@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from clusterkit.node.agent_hangs import proc_state
 from clusterkit.node.contract import marker_name, tag_step
 from tests.helpers import (
     Console,
@@ -110,12 +111,9 @@ def _stopped(pids: Sequence[int], timeout: float = 10.0) -> None:
     job ran past the save the test stops it at)."""
     deadline = time.monotonic() + timeout
     while True:
-        states = {}
-        for pid in pids:
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                states[pid] = stat.rsplit(")", 1)[1].split()[0]
-            except OSError:
+        states = {pid: proc_state(pid) for pid in pids}
+        for pid, state in states.items():
+            if state in ("?", "Z", "X"):
                 pytest.fail(f"rank pid {pid} ended before it was stopped: the job ran past "
                             f"{TAG} while the test stopped it")
         if all(s in ("T", "t") for s in states.values()):

@@ -188,17 +188,26 @@ def test_usr1_reaches_a_forked_rank_alone_on_its_node(tmp_path: Path, preload_js
     assert job_processes("zusr1") == {}
 
 
-def test_rank_own_is_what_differs_between_a_nodes_ranks() -> None:
-    """agent_env.RANK_OWN (kept out of the fork server's environment) is exactly what
-    rank_env gives each rank of a node differently."""
-    from clusterkit.node.agent_env import RANK_OWN, rank_env
+def test_the_fork_servers_env_leaves_out_what_names_a_rank() -> None:
+    """agent_forkserver.server_env keeps out of the fork server's environment exactly
+    what rank_env gives each rank on its own, on a one-rank node too."""
+    from clusterkit.node.agent_env import rank_env
+    from clusterkit.node.agent_forkserver import server_env
+    from clusterkit.node.contract import ENV_HEARTBEAT, ENV_STACKS
     from clusterkit.node.protocol import AgentSpec
 
-    spec = AgentSpec(job_id="j", node="n", job_dir="/j", argv=["python", "x.py"], local_ranks=2,
-                     native={"nproc": 2, "first_rank": 4, "world_size": 8, "node_rank": 2,
-                             "nnodes": 4, "master_addr": "a", "master_port": 1})
-    a, b = rank_env(spec, "/j", "/p", 0), rank_env(spec, "/j", "/p", 1)
-    assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == RANK_OWN
+    for nproc in (1, 2):
+        spec = AgentSpec(job_id="j", node="n", job_dir="/j", argv=["python", "x.py"],
+                         local_ranks=nproc,
+                         native={"nproc": nproc, "first_rank": 4, "world_size": 8,
+                                 "node_rank": 2, "nnodes": 4, "master_addr": "a",
+                                 "master_port": 1})
+
+        def env(lr: int, spec: AgentSpec = spec) -> dict[str, str]:
+            return rank_env(spec, "/j", "/p", lr)
+
+        left_out = set(env(0)) - set(server_env(env, nproc))
+        assert left_out == {"RANK", "LOCAL_RANK", "ROLE_RANK", ENV_HEARTBEAT, ENV_STACKS}
 
 
 def test_a_failing_forked_rank_is_named_with_its_code_and_its_traceback(

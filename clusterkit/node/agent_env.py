@@ -57,14 +57,6 @@ def child_env(spec: AgentSpec, job_dir: str, progress_dir: str) -> dict[str, str
     return env
 
 
-# The variables that name one rank (rank_env sets them): never in the fork server's
-# environment. With one rank on a node every variable is common to "all" its ranks, and a
-# fork server showing RANK + LOCAL_RANK in /proc/<pid>/environ reads as that rank to
-# every scan that finds ranks so (agent_procs.rank_pids_of, a user's tools): a signal
-# meant for the rank (a stack dump, a stop) would reach the fork server instead.
-RANK_OWN = frozenset({"RANK", "LOCAL_RANK", "ROLE_RANK", ENV_HEARTBEAT, ENV_STACKS})
-
-
 def rank_env(spec: AgentSpec, job_dir: str, progress_dir: str, local_rank: int) -> dict[str, str]:
     """What torchrun gives a worker, minus its TORCHELASTIC_* agent variables."""
     n = spec.native or {}

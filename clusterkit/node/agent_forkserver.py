@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 from clusterkit.node import zygote
-from clusterkit.node.agent_env import RANK_OWN
 from clusterkit.node.agent_files import expand
 from clusterkit.node.agent_output import AgentOutput
 from clusterkit.node.agent_procs import POLL_S, Child, signal_group
@@ -68,6 +67,17 @@ def rank_title(spec: AgentSpec, job_dir: str, local_rank: int) -> str:
     return zygote.rank_title([expand(a, job_dir) for a in spec.argv],
                              int(n["first_rank"]) + local_rank, int(n["world_size"]),
                              spec.job_id)
+
+
+def server_env(rank_env: Callable[[int], dict[str, str]], nproc: int) -> dict[str, str]:
+    """The fork server's environment: what the node's ranks all have alike.
+
+    A one-rank node is compared with a second rank's environment too (``rank_env`` is
+    pure; that rank never runs): else RANK and LOCAL_RANK would count as common and
+    /proc/<pid>/environ would show the fork server as the rank to every scan that finds
+    ranks so (agent_procs.rank_pids_of, the agent's USR1 forwarding, a user's tools)."""
+    envs = [rank_env(lr) for lr in range(max(nproc, 2))]
+    return {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs[1:])}
 
 
 class ForkServer:
@@ -124,9 +134,7 @@ class ForkServer:
         n = self.spec.native or {}
         argv, cwd = self._argv(), self._cwd()
         nproc = int(n["nproc"])
-        envs = [self.rank_env(lr) for lr in range(nproc)]
-        common = {k: v for k, v in envs[0].items()
-                  if k not in RANK_OWN and all(e.get(k) == v for e in envs[1:])}
+        common = server_env(self.rank_env, nproc)
         common[zygote.SLOT] = "." * zygote.SLOT_BYTES  # becomes each rank's own variables
         source = "".join(linecache.getlines(zygote.__file__ or ""))
         if not source:

@@ -84,6 +84,6 @@ def write_latest(dest: str, tag: str) -> None:
     current = latest_tag_at(dest)
     if current and current != tag and os.path.isfile(os.path.join(dest, current, MANIFEST)):
         cur, new = tag_step(current), tag_step(tag)
-        if cur >= 0 and new >= 0 and cur > new:
+        if new >= 0 and cur > new:  # a tag naming no step (-1) is written
             return
     atomic_write_text(os.path.join(dest, LATEST_FILE), tag)

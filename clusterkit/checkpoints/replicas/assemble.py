@@ -199,8 +199,6 @@ def candidate_tags(listings: Sequence[NodeListing], *, markers: bool = True) -> 
     return sorted(tags, key=lambda t: (tag_step(t), newest.get(t, 0.0), t), reverse=True)
 
 
-
-
 def _newest_mtimes(listings: Sequence[NodeListing]) -> dict[str, float]:
     """tag -> the newest mtime of its files anywhere (own copies and replicas): the order
     of tags that name no step."""
