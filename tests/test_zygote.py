@@ -27,6 +27,7 @@ from clusterkit.node import zygote
 from clusterkit.node.agent_procs import job_processes
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.local import LocalTransport
+from tests.testbed.sysutil import pids_mentioning
 
 PROBE = textwrap.dedent("""
     # (uses torch: the agent's fork server applies)
@@ -153,13 +154,6 @@ USR1_PROBE = textwrap.dedent("""
 """)
 
 
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
-    except OSError:
-        return ""
-
-
 def test_usr1_reaches_a_forked_rank_alone_on_its_node(tmp_path: Path, preload_json: None) -> None:
     """The agent forwards a preemption's USR1 to the processes that show RANK in
     /proc/<pid>/environ: with one rank per node that was the fork server too, whose
@@ -175,8 +169,7 @@ def test_usr1_reaches_a_forked_rank_alone_on_its_node(tmp_path: Path, preload_js
     while out.getvalue().count("waiting forked") < 2:
         assert time.monotonic() < deadline and thread.is_alive(), out.getvalue()
         time.sleep(0.05)
-    servers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit()
-               and _cmdline(pid).startswith("[clusterkit fork server job zusr1 ")]
+    servers = pids_mentioning("[clusterkit fork server job zusr1 ")
     assert len(servers) == 2, servers
     for pid in servers:  # as Slurm's --signal does: every process of the step
         os.kill(pid, signal.SIGUSR1)
