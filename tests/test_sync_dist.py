@@ -364,3 +364,21 @@ def test_launch_sync_puts_dir_on_the_nodes_again_before_a_restart(
     assert "v[0-1]: 1 file(s) sent (9 bytes, verified), 1 unchanged" in cap.out  # the restart
     assert "[r0-1] data back: the data" in cap.out, cap.out[-3000:]
     assert "9 B sent from here" in cap.err  # one copy, node to node after it
+
+
+def test_a_node_sweeps_only_its_own_stale_partials(tmp_path: Path) -> None:
+    """Partial files carry the receiving host: on a DEST that several nodes share, one
+    node's sweep leaves the others' partials alone (and still removes its own stale ones
+    and those from before names carried the host)."""
+    from clusterkit.node.dist import Node
+
+    part = tmp_path / store.PARTIAL_DIR
+    part.mkdir(parents=True)
+    names = {"mine": store.partial_name("a" * 64), "old": "b" * 64,
+             "other": "c" * 64 + ".some-other-host"}
+    for name in names.values():
+        (part / name).write_bytes(b"x")
+    node = Node({"dest": str(tmp_path), "index": 0, "secret": "s", "files": []})
+    node._sweep()
+    assert os.listdir(part) == [names["other"]]
+    assert store.partial_path(str(tmp_path), "a" * 64) == str(part / names["mine"])

@@ -245,3 +245,30 @@ def test_a_spare_that_takes_a_lost_nodes_place_gets_the_synced_dir(testbed_requi
         assert (copy / "tokens.bin").read_bytes() == (data / "tokens.bin").read_bytes()
         print("\n".join(ln for ln in text.splitlines() if "[clusterkit]" in ln
                         or "sent" in ln)[-3000:])
+
+
+def test_nodes_whose_workdir_is_one_directory_each_place_their_copy(testbed: Testbed,
+                                                                     tmp_path: Path) -> None:
+    """Seen as a user: a workdir that every node sees (the bed's shared dir, as an NFS
+    home on a real cluster) but the inventory does not call shared. Every node received
+    each file into the same partial/<sha>, the first rename took it and the others
+    failed ("No such file or directory": `sync incomplete on 1 of 3 node(s)`). Now each
+    host's partial is its own and every node places the file (the same bytes)."""
+    nodes = testbed.ensure(3)[:3]
+    work = testbed.shared_dir / f"sw-{tmp_path.name}"
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", [n.name for n in nodes],
+                                  workdir=str(work))
+    proj = tmp_path / "proj"
+    (proj / "data").mkdir(parents=True)
+    for i in range(8):
+        (proj / "data" / f"f{i}.bin").write_bytes(os.urandom(2_000_000))
+    env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
+    for _ in range(2):  # the race is the rename's: twice over fresh files
+        res = run_cli(["sync", "data", "-i", str(inv), "--json"], proj, env)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        assert done_event(res.stdout)["ok"]
+        for f in (proj / "data").iterdir():
+            assert (work / "data" / f.name).read_bytes() == f.read_bytes()
+        for i in range(8):
+            (proj / "data" / f"f{i}.bin").write_bytes(os.urandom(2_000_000))
+    assert os.listdir(work / "data" / ".clusterkit-sync" / "partial") == []

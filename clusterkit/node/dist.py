@@ -374,11 +374,12 @@ class Node:
         self.done.set()
 
     def _sweep(self) -> None:
-        """Partial files no source file needs any more."""
-        wanted = {str(e[store.SHA]) for fi, e in enumerate(self.entries) if self.need.get(fi)}
+        """This host's partial files that no source file needs any more."""
+        wanted = {store.partial_name(str(e[store.SHA])) for fi, e in enumerate(self.entries)
+                  if self.need.get(fi)}
         part = os.path.join(self.dest, store.PARTIAL_DIR)
         for name in os.listdir(part) if os.path.isdir(part) else []:
-            if name not in wanted:
+            if name not in wanted and store.own_partial(name):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(part, name))
 

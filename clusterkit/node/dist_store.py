@@ -8,8 +8,9 @@ only, Python >= 3.8 on the node.
 Layout under a synced directory ``DEST``::
 
     DEST/.clusterkit-sync/manifest.json   what this node holds (written last, atomically)
-    DEST/.clusterkit-sync/partial/<sha>   a file being received, by its sha256 (kept
-                                          across runs: its verified chunks are reused)
+    DEST/.clusterkit-sync/partial/<sha>.<host>   a file being received, by its sha256
+                                          and the receiving host (kept across runs: its
+                                          verified chunks are reused)
 
 A file is one or more **chunks** of :data:`CHUNK` bytes (the last one shorter); the
 source's manifest gives each chunk's sha256, and a receiver checks every chunk against
@@ -34,6 +35,7 @@ import hashlib
 import json
 import os
 import posixpath
+import socket
 import stat
 from typing import Any
 
@@ -180,8 +182,24 @@ def held(dest: str, doc: dict[str, Any] | None, rel: str, size: int, sha: str,
     return rehash and hash_file(path)[0] == sha
 
 
+# The receiving host in a partial file's name: nodes whose DEST is one directory (a
+# workdir on NFS that the inventory does not call shared) then never write, rename or
+# sweep each other's partials (all of them received the same file into partial/<sha>,
+# and every rename but the first failed: "No such file or directory").
+HOST = socket.gethostname()
+
+
+def partial_name(sha: str) -> str:
+    return f"{sha}.{HOST}"
+
+
 def partial_path(dest: str, sha: str) -> str:
-    return os.path.join(dest, PARTIAL_DIR, sha)
+    return os.path.join(dest, PARTIAL_DIR, partial_name(sha))
+
+
+def own_partial(name: str) -> bool:
+    """A partial file of this host's (or one from before names carried the host)."""
+    return name.endswith("." + HOST) or "." not in name
 
 
 def verified_chunks(path: str, entry: list[Any]) -> set[int]:
