@@ -391,7 +391,7 @@ SHARED_7X2: dict[str, tuple[str, str, int]] = {
 
 @dataclass
 class Launched:
-    """One launched job shared by several tests (session fixtures in tests/conftest.py)."""
+    """One launched job shared by several tests of a module (a module fixture)."""
 
     run: Run
     wall: float
@@ -465,3 +465,30 @@ def recorded_failed_job(tmp_path: Path, **kw: object) -> Registry:
     record.state = JobState.FAILED
     registry.save(record)
     return registry
+
+
+def assert_collected_exact(testbed: Testbed, tmp_path: Path, launched: Launched, nodes: int,
+                            ranks: int) -> None:
+    """A node-local run's newest checkpoint collected from its nodes and consolidated to
+    fp32 equals, tensor by tensor, the weights its live model dumped."""
+    import torch
+
+    from clusterkit.checkpoints.convert.consolidate import load_state_dict_dir
+
+    assert launched.run.code == 0, launched.run.text[-3000:]
+    assert launched.storage == "node-local"
+    assert launched.weights is not None and launched.weights.is_file(), launched.run.text[-3000:]
+    tag = f"global_step{SHARED_7X2_STEPS}"
+    ckpt = f"{testbed.local_mountpoint}/ckpt/{launched.job}"  # checkpoint.local_dir/<job>
+    dest = tmp_path / "dest"
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", testbed.nodes[:nodes], slots=2)
+    res = subprocess.run([sys.executable, "-m", "clusterkit", "collect-ckpt", "-i", str(inv),
+                          "--dir", ckpt, "--to", str(dest), "--consolidate", "fp32"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(list((dest / tag).glob("*_optim_states.pt"))) == ranks
+    assert "loads strictly into clusterkit.workload GPT(tiny)" in res.stdout
+    live = torch.load(launched.weights, map_location="cpu")
+    got = load_state_dict_dir(str(dest / f"{tag}-fp32"))
+    assert set(live) <= set(got)
+    assert max(float((got[k].detach() - v.detach()).abs().max()) for k, v in live.items()) == 0.0

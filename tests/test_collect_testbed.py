@@ -1,13 +1,11 @@
 """collect-ckpt against 7 namespace nodes over real SSH (docs/testbed.md).
 
 Synthetic checkpoints (random bytes in DeepSpeed's node-local layout) cover the
-refusals, the checksum path and a kill mid-transfer; the slow tests collect the
-bundled workload's node-local checkpoints and check that the consolidated weights
-equal the live model's exactly: ZeRO-2 from the native 7 x 2 run (launched once per
-session by the ``launched_7x2`` fixture, shared with test_launch_train.py) and ZeRO-3
-from a DeepSpeed-runner run at 2 x 2 (4 ranks). The DeepSpeed runner's 7 x 2 ZeRO-3
-run (14 ranks, ~2-3 minutes of the 2-core suite with its collect) is the extended
-variant of the latter.
+refusals, the checksum path and a kill mid-transfer; the slow test collects the
+bundled workload's node-local ZeRO-3 checkpoints from a DeepSpeed-runner run at 2 x 2
+(4 ranks) and checks that the consolidated weights equal the live model's exactly.
+The native 7 x 2 ZeRO-2 run (and the DeepSpeed runner's 7 x 2 ZeRO-3, extended) is
+collected the same way by test_launch_train.py, whose module fixture launches it.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,7 +27,7 @@ from clusterkit.checkpoints.sources.transfer import PART_SUFFIX
 from clusterkit.errors import CheckpointError
 from clusterkit.remote.dispatch import DispatchTransport
 from tests import synthetic_ckpt as synthetic
-from tests.helpers import SHARED_7X2_STEPS, Launched, assert_trained, train
+from tests.helpers import SHARED_7X2_STEPS, Launched, assert_collected_exact, assert_trained, train
 from tests.testbed import Testbed
 
 NODES = 7
@@ -162,21 +159,6 @@ def test_scatter_back_to_fresh_dirs(testbed: Testbed, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("key", "stage"), [
-    ("native", 2),
-    # ZeRO-3 collect + consolidate runs by default at 2 x 2 (the next test)
-    pytest.param("deepspeed", 3, marks=pytest.mark.extended)])
-def test_workload_7x2_collect_and_consolidate_exact(
-        testbed: Testbed, tmp_path: Path, launched_7x2: Callable[[str], Launched], key: str,
-        stage: int) -> None:
-    """The node-local 7 x 2 run that test_launch_train.py's backend test launched (session
-    fixture; native = ZeRO-2, deepspeed = ZeRO-3, weights dumped by the live model)."""
-    launched = launched_7x2(key)
-    assert launched.zero_stage == stage
-    _assert_collected_exact(testbed, tmp_path, launched, nodes=7, ranks=14)
-
-
-@pytest.mark.slow
 def test_deepspeed_zero3_2x2_collect_and_consolidate_exact(testbed: Testbed,
                                                            tmp_path: Path) -> None:
     """ZeRO-3 under DeepSpeed's runner (pdsh), node-local, 2 nodes x 2 ranks: the weights
@@ -186,27 +168,6 @@ def test_deepspeed_zero3_2x2_collect_and_consolidate_exact(testbed: Testbed,
                 ["--zero-stage", "3", "--set-env", f"CLUSTERKIT_DUMP_WEIGHTS={weights}"])
     assert_trained(run, SHARED_7X2_STEPS, 4)
     launched = Launched(run, 0.0, job, "node-local", 3, weights)
-    _assert_collected_exact(testbed, tmp_path, launched, nodes=2, ranks=4)
+    assert_collected_exact(testbed, tmp_path, launched, nodes=2, ranks=4)
 
 
-def _assert_collected_exact(testbed: Testbed, tmp_path: Path, launched: Launched, nodes: int,
-                            ranks: int) -> None:
-    import torch
-
-    from clusterkit.checkpoints.convert.consolidate import load_state_dict_dir
-
-    assert launched.run.code == 0, launched.run.text[-3000:]
-    assert launched.storage == "node-local"
-    assert launched.weights is not None and launched.weights.is_file(), launched.run.text[-3000:]
-    tag = f"global_step{SHARED_7X2_STEPS}"
-    ckpt = f"{testbed.local_mountpoint}/ckpt/{launched.job}"  # checkpoint.local_dir/<job>
-    dest = tmp_path / "dest"
-    res = _cli("-i", _inventory(testbed, tmp_path, nodes), "--dir", ckpt, "--to", str(dest),
-               "--consolidate", "fp32", timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert len(list((dest / tag).glob("*_optim_states.pt"))) == ranks
-    assert "loads strictly into clusterkit.workload GPT(tiny)" in res.stdout
-    live = torch.load(launched.weights, map_location="cpu")
-    got = load_state_dict_dir(str(dest / f"{tag}-fp32"))
-    assert set(live) <= set(got)
-    assert max(float((got[k].detach() - v.detach()).abs().max()) for k, v in live.items()) == 0.0

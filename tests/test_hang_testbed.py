@@ -8,7 +8,7 @@ the summary names node2 rank 3, the launcher's job dir holds a dump of all 4 ran
 nothing of the first attempt is left on any node, and the restarted job resumes. In
 that second attempt rank 3 is SIGKILLed after its first save: the failure is named,
 the third attempt resumes from the newest complete checkpoint, and the job ends on
-exactly the uninterrupted run's loss (the session's ``reference_2x2`` run). One job
+exactly the uninterrupted run's loss (this module's ``reference_2x2`` run). One job
 for both failures: each 2x2 run costs a minute of the suite. The stacks come from
 py-spy where it is installed beside the nodes' Python (ptrace as root inside the
 node's namespaces works), else from the workload's faulthandler.
@@ -29,6 +29,7 @@ from tests.helpers import (
     REF_STEPS,
     Run,
     assert_trained,
+    launch_reference,
     rank_pid,
     train,
     train_argv,
@@ -39,7 +40,13 @@ from tests.testbed.core import Testbed
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
-STEPS = REF_STEPS  # the 2x2 case compares with the session's reference_2x2 run
+STEPS = REF_STEPS  # the 2x2 case compares with the module's reference_2x2 run
+
+
+@pytest.fixture(scope="module")
+def reference_2x2(testbed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The uninterrupted 2 x 2 torchrun/shared run of tests/helpers.REF_STEPS steps."""
+    return launch_reference(testbed, tmp_path_factory.mktemp("reference-2x2"))
 # The test acts on a rank's lines some steps after they were printed: up to 20 steps
 # on a quiet machine (25 tiny steps a second), and once under load the SIGSTOP meant
 # for the step-20 save landed in the step-40 one. So the stop follows the first save

@@ -115,7 +115,7 @@ class Reference:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Reference]:
     """Uninterrupted 6-step runs (ZeRO-2 and ZeRO-3), final fp32 weights dumped; their
     losses are also stages 2 and 3 of the loss-trajectory test (xdist: one worker runs
-    every test of this fixture, tests/conftest.py XDIST_GROUPS)."""
+    every test of this module, `--dist loadfile`)."""
     out: dict[int, Reference] = {}
     for stage in (2, 3):
         cwd = tmp_path_factory.mktemp(f"ref{stage}")
