@@ -2,7 +2,7 @@
 
 The environment lives under the test bed's node-local mount point, so every node
 starts without it (the host's copy is the launcher's). The default test replicates a
-small venv (``venv --without-pip --system-site-packages`` + one tiny package; its
+small venv (over this interpreter's packages, tests/venvs.py, + one tiny package; its
 base, this machine's Python with torch, is on the shared filesystem: recorded once,
 seen equal everywhere, not sent);
 a node whose facts say another CPU architecture (``CLUSTERKIT_TEST_ENVFACTS``, read
@@ -27,6 +27,7 @@ import yaml
 
 from clusterkit.node.contract import ENV_TEST_ENVFACTS
 from tests.testbed import Testbed
+from tests.venvs import venv_over_this_python
 
 pytestmark = pytest.mark.testbed
 
@@ -65,8 +66,7 @@ def test_env_to_empty_prefixes_then_launch_doctor_gate_and_repair(
     nodes = [n.name for n in testbed.ensure(3)]
     prefix = testbed.local_mountpoint / f"env-{tmp_path.name}"  # node-private on the nodes
     # Over the base's packages (torch: the launch needs it), the base on the shared disk.
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
-                    str(prefix)], check=True)
+    venv_over_this_python(prefix)
     tiny = prefix / "lib" / PY / "site-packages" / "ckenvtiny" / "__init__.py"
     tiny.parent.mkdir(parents=True)
     tiny.write_text("MSG = 'the launcher env'\n")

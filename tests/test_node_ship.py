@@ -19,6 +19,7 @@ import pytest
 from clusterkit.node import protocol, ship
 from clusterkit.node.protocol import AgentSpec, ProtocolError
 from tests.testbed.core import NO_CLUSTERKIT
+from tests.venvs import venv_over_this_python
 
 NODE_DIR = Path(ship.__file__).parent
 PYTHONS = [p for p in ("/root/.pyenv/versions/3.8.18/bin/python3.8", sys.executable)
@@ -63,8 +64,7 @@ def test_programs_under_dash_S_see_the_packages_a_normal_start_sees(system_site:
                                                                      tmp_path: Path) -> None:
     """The probe runs with ``-S``: same sys.prefix and packages, no .pth code run."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv),
-                    *(["--system-site-packages"] if system_site else [])], check=True)
+    venv_over_this_python(venv, system_site=system_site)
     site_dir = next(venv.glob("lib/python3*/site-packages"))
     (site_dir / "inside-1.2.dist-info").mkdir()
     (tmp_path / "extra" / "viapth-3.4.dist-info").mkdir(parents=True)

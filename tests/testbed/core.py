@@ -55,6 +55,7 @@ from tests.testbed.sysutil import (
     tail,
     write_atomic,
 )
+from tests.venvs import venv_over_this_python
 
 BASE_DIR = Path("/tmp")
 ROOT_PREFIX = "cktb-"
@@ -341,8 +342,7 @@ class Testbed:
             return str(python)
         with flock(self.root / ".venv.lock"):
             if not python.exists():
-                run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                     str(venv)], timeout=120)
+                venv_over_this_python(venv)
                 site_dir = next((venv / "lib").glob("python3*/site-packages"))
                 write_atomic(site_dir / "sitecustomize.py", NO_CLUSTERKIT)
         return str(python)
