@@ -164,6 +164,10 @@ def test_the_full_environment_then_the_workload_and_a_users_deepspeed_script(
     prefix = testbed.local_mountpoint / f"py-{tmp_path.name}"
     t0 = time.monotonic()
     subprocess.run(["cp", "-a", sys.base_prefix, str(prefix)], check=True)
+    if sys.prefix != sys.base_prefix:  # a venv: its packages join the copy's own
+        own = next(Path(sys.prefix).glob(f"lib/{PY}/site-packages"))
+        subprocess.run(["cp", "-a", f"{own}/.", str(prefix / "lib" / PY / "site-packages")],
+                       check=True)
     _plain_clusterkit(prefix)
     print(f"copy here: {time.monotonic() - t0:.1f} s (load {os.getloadavg()[0]:.1f})")
     python = str(prefix / "bin" / PY)

@@ -18,9 +18,12 @@ def test_exactly_two_setup_commands_and_ci_runs_the_second() -> None:
     commands = _setup_commands()
     assert len(commands) == 2, commands
     assert all("\n" not in c for c in commands), "each set-up command is one line"
-    test_command = commands[1]
+    first_command, test_command = commands
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_command in ci, f"CI must run the README's test command {test_command!r}"
+    # CI is a newcomer: a venv of its own, then both commands as the README gives them.
+    assert "python3 -m venv" in ci and "/bin/activate" in ci, ci
+    assert ci.index("/bin/activate") < ci.index(first_command) < ci.index(test_command), ci
     # One line for root without sudo (containers, CI) and for a user with sudo: the
     # script escalates itself, so the README must not prefix it with sudo.
     assert not test_command.startswith("sudo"), test_command
