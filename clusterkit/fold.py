@@ -29,6 +29,19 @@ per node) is counted, and :meth:`LineFolder.teardown` turns it into one line
 (``[node[1-3]] teardown: the launchers on 3 nodes printed 93 lines ...``). The
 fixtures in tests/fixtures/launcher_teardown are the launchers' real texts.
 
+Library-driven programs (Hugging Face's Trainer, accelerate) print more: tqdm progress
+bars (carriage-return updates; torchrun's tee glues a bar to the next line), a settings
+dump on every rank (``TrainingArguments(`` and 100 ``key=value,`` lines), and the same
+library warning on every rank and at every save. A bar is shown when it enters a new
+quarter (:data:`PROGRESS_STEPS`), the same bar state once per job; a dump is one line
+(:data:`DUMP_MIN_LINES`); a library warning, or a library INFO record repeated word for
+word, is shown once per job (:data:`LIBRARY_ONCE`). tests/fixtures/hf_trainer_console
+holds a real HF Trainer console that tests/test_console_library.py replays.
+
+One file because: the folder is one state machine over every rank's lines (its groups,
+the collateral, the teardown, the dumps and bars) whose parts all read and write the
+same queue; apart, they would share its private state.
+
 Pure: no threads, no clock, no I/O. The caller passes ``now`` and prints what
 :meth:`LineFolder.feed` and :meth:`LineFolder.release` return. Two consoles use it:
 ``clusterkit launch`` (:mod:`clusterkit.launch.console`, lines from the node agents)
@@ -46,8 +59,13 @@ from clusterkit.errors import ClusterkitError
 from clusterkit.hostrange import fold, fold_numbers
 from clusterkit.node.contract import SUMMARY_PREFIX
 
-# Leading timestamps differ per rank and say nothing the console's order does not.
-_STAMP = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\]?\s*")
+# Leading timestamps differ per rank and say nothing the console's order does not
+# (also run_clm.py's "11/28/2026 15:04:01 - " and torch's "[rank1]:" before a line).
+_STAMP = re.compile(r"^(?:\[rank\d+\]:)?(?:\[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\]?\s*"
+                    r"|\d\d/\d\d/\d{4} \d\d:\d\d:\d\d - )?")
+# transformers' explicit format puts its time after the record's source:
+# "[WARNING|logging.py:340] 2026-11-28 15:04:01,457 >> text" -> "[WARNING|logging.py:340] >> text".
+_HF_STAMP = re.compile(r"^(\[[A-Z]+\|[^\]]+\]) \d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ >>")
 # torch's C++ (glog) lines: "[W1123 12:50:40.891008724 Utils.hpp:137] ..." -> "[W Utils.hpp:137] ...";
 # torch.distributed.elastic's Python log lines, with the process id after the time:
 # "W1127 02:09:04.960000 14511 site-packages/torch/.../api.py:753] ..." -> "[W site-pa...".
@@ -93,10 +111,52 @@ NOISE: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
 ))
 
 
+# --- library output (module docstring) ---
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # tqdm's cursor-up between nested bars
+# A tqdm bar: "desc:  40%|████      | 4/10 [00:01<00:02,  2.50it/s]" (its timing part,
+# then what torchrun's tee glued after it: the next line).
+_BAR = re.compile(r"^(?P<desc>[^|]*?)\s*(?P<pct>\d{1,3})%\|[^|]*\|\s*(?P<n>\d+)/(?P<total>\d+)"
+                  r"(?P<timing>\s*\[[^\]]*\])?")
+PROGRESS_STEPS = 4  # a bar is shown as it enters each quarter: 0, 25, 50, 75, 100 %
+# A settings dump: a line ending in "Name(" or "Name {" (or "= {", "{"), then settings
+# lines ("key=value,", '"key": value,', "  key ..... value") up to its closing bracket.
+_DUMP_START = re.compile(r"(?:\w\(|\w \{|= \{|^\{)$")
+_SETTING = re.compile(r"""^\s*(?:["']?[\w.\-/ ]+["']?\s*(?:[=:]|\.{3,})|[)}\]]+,?$)""")
+_OPENS = re.compile(r"[({\[]$")
+_CLOSES = re.compile(r"^\s*[)}\]]")
+DUMP_MIN_LINES = 3  # settings lines: a dump this long or longer is one line
+DUMP_MAX_LINES = 2000  # a dump never closed: shown as one line once this long
+# Library records shown once per job: a warning (transformers', DeepSpeed's, Python's,
+# torch's C++ "[W ...]"), and an INFO record repeated word for word (each evaluation's
+# "***** Running Evaluation *****" block).
+LIBRARY_WARNING = re.compile(r"^\[WARNING\||^\[WARNING\] |\b[A-Z]\w*Warning: |^\[W ")
+LIBRARY_INFO = re.compile(r"^\[INFO\|")
+# ... except the events a user follows, shown each time: a save, a resume.
+LIBRARY_EVENT = re.compile(r">> (?:Saving model checkpoint|Continuing training|Loading model)")
+_DIGITS = re.compile(r"\d+")
+_CLEARED = re.compile(r"^ {20,}")  # tqdm clears its bar with spaces before the next line
+
+
+def library_pieces(text: str) -> list[str]:
+    """One output line as the lines a terminal would show: carriage-return updates apart,
+    a progress bar apart from what is glued after it, cursor codes and blank lines out."""
+    out: list[str] = []
+    for segment in _ANSI.sub("", text).split("\r"):
+        segment = _CLEARED.sub("", segment)
+        while segment.strip():
+            m = _BAR.match(segment)
+            if m is None or m.end() == len(segment.rstrip()):
+                out.append(segment.rstrip())
+                break
+            out.append(segment[:m.end()].rstrip())
+            segment = segment[m.end():]
+    return out
+
+
 def fold_key(text: str) -> str:
     """What makes two ranks' (or nodes') lines "the same": the text without its leading
     timestamp, with ``<addr>``, ``<pid>``, ``<port>`` for what differs between them."""
-    key = _GLOG_STAMP.sub(r"[\1 ", _STAMP.sub("", text.rstrip()))
+    key = _GLOG_STAMP.sub(r"[\1 ", _HF_STAMP.sub(r"\1 >>", _STAMP.sub("", text.rstrip())))
     for regex, repl in _VARYING:
         key = regex.sub(repl, key)
     return key
@@ -144,6 +204,17 @@ class _Group:
     @property
     def said(self) -> int:
         return len(self.hosts) if self.hosts else len(self.members)
+
+
+@dataclass
+class _Dump:
+    """A settings dump a rank is printing: held back until its closing bracket."""
+
+    node: str
+    header: str
+    since: float
+    lines: list[str] = field(default_factory=list)
+    depth: int = 1  # brackets open (the header's own)
 
 
 def parse_ranks(spec: str) -> frozenset[int] | None:
@@ -198,20 +269,90 @@ class LineFolder:
         self._node_groups: dict[str, list[_Group]] = {}  # key -> launcher-line groups waiting
         self._teardown: dict[str, int] = {}  # node -> launcher lines held back since then
         self._record: dict[str, str] = {}  # node -> header of its launcher's last log record
+        self._bars: set[tuple[str, str, int]] = set()  # (desc, total, quarter) shown already
+        self._dumps: dict[int, _Dump] = {}  # rank -> the settings dump it is printing
+        self._once: set[str] = set()  # library warnings and INFO records shown already
+        self._skip: set[int] = set()  # ranks whose next line ends a record not shown
 
     def feed(self, node: str, rank: int, text: str, now: float) -> list[Folded]:
         if text.startswith(SUMMARY_PREFIX):
             return self.release(now)  # the launcher prints the job's summary once
         if self.ranks is not None and rank not in self.ranks:
             return self.release(now)
-        if self._is_collateral(rank, text):
-            self._hold_back(rank, node, 1)
-            return self.release(now)
-        key = fold_key(text)
+        for piece in library_pieces(text):
+            if self._is_collateral(rank, piece):
+                self._hold_back(rank, node, 1)
+            elif not self._in_dump(node, rank, piece, now):
+                self._feed_one(node, rank, piece, now)
+            else:
+                self._skip.discard(rank)
+        return self.release(now)
+
+    def _in_dump(self, node: str, rank: int, text: str, now: float) -> bool:
+        """Whether ``text`` is (now) part of a settings dump of ``rank``, held back."""
+        dump = self._dumps.get(rank)
+        body = _STAMP.sub("", text.rstrip())
+        if dump is None:
+            if not _DUMP_START.search(body):
+                return False
+            self._dumps[rank] = _Dump(node, text.rstrip(), now)
+            return True
+        if not _SETTING.match(body):  # the dump ended without its bracket
+            self._end_dump(rank, now)
+            return False
+        dump.lines.append(text.rstrip())
+        dump.depth += bool(_OPENS.search(body)) - bool(_CLOSES.match(body))
+        if dump.depth <= 0 or len(dump.lines) >= DUMP_MAX_LINES:
+            self._end_dump(rank, now)
+        return True
+
+    def _end_dump(self, rank: int, now: float) -> None:
+        """A finished dump: one line when long, else its lines as they were."""
+        dump = self._dumps.pop(rank)
+        if len(dump.lines) < DUMP_MIN_LINES:
+            for line in (dump.header, *dump.lines):
+                self._feed_one(dump.node, rank, line, now)
+            return
+        closer = dump.lines[-1].strip() if dump.depth <= 0 else ""
+        text = (f"{dump.header} ... {closer} ({len(dump.lines)} lines of settings, not shown; "
+                "the rank's log has them)")
+        self._feed_one(dump.node, rank, text, now)  # when ranks' dumps end: they fold
+
+    def _feed_one(self, node: str, rank: int, text: str, now: float) -> None:
+        """One line of a rank (collateral and dumps dealt with) into its group."""
+        bar = _BAR.match(text)
+        key = fold_key(text if bar is None or bar.group("timing") is None
+                       else text[:bar.start("timing")])
+        if bar is not None:  # shown as it enters a new quarter, each state once per job
+            state = (bar.group("desc"), bar.group("total"),
+                     min(int(bar.group("pct")), 100) * PROGRESS_STEPS // 100)
+            if state in self._bars:
+                self.suppressed += 1
+                return
+            self._bars.add(state)
+        elif rank in self._skip and not text.startswith("["):
+            self._skip.discard(rank)
+            self.suppressed += 1  # the message of a record shown once (on its own line)
+            return
+        elif LIBRARY_WARNING.search(key) or (LIBRARY_INFO.match(key)
+                                             and not LIBRARY_EVENT.search(key)):
+            head, sep, said = key.partition(">>")  # the numbers said vary, not the source
+            once = head + sep + _DIGITS.sub("N", said)
+            waiting = self._open.get(key)
+            if once in self._once and (waiting is None or rank in waiting.members):
+                self.suppressed += 1
+                if key.endswith(">>"):
+                    self._skip.add(rank)
+                return
+            self._once.add(once)
+        self._skip.discard(rank)
+        self._group(node, rank, text, key, now)
+
+    def _group(self, node: str, rank: int, text: str, key: str, now: float) -> None:
         noise = is_noise(key)
         if noise and key in self._noise_shown:
             self.suppressed += 1
-            return self.release(now)
+            return
         group = self._open.get(key)
         if group is None or rank in group.members:
             # A rank repeating its own line starts a new group: its lines stay in order.
@@ -220,7 +361,6 @@ class LineFolder:
             self._queue.append(group)
         group.members[rank] = node
         group.arrived[rank] = now
-        return self.release(now)
 
     def feed_node(self, node: str, text: str, now: float) -> list[Folded]:
         """A line of a node's launcher (torchrun's agent, DeepSpeed's runner, accelerate):
@@ -351,6 +491,8 @@ class LineFolder:
 
     def release(self, now: float, final: bool = False) -> list[Folded]:
         out: list[Folded] = []
+        for rank in list(self._dumps) if final else ():  # the run ended inside a dump
+            self._end_dump(rank, now)
         while self._queue and (final or self._ready(self._queue[0], now)):
             group = self._queue.pop(0)
             if group.noise and group.key in self._noise_shown:  # its twin went first

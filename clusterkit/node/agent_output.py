@@ -41,6 +41,19 @@ _PDSH_FAIL = re.compile(r"^pdsh@\S+: (\S+): \S+ exited with exit code (\d+)")
 _RANK_LOG = re.compile(r"_rank(\d+)\.log$")
 
 
+def tee_parts(line: str) -> list[str]:
+    """torchrun's tee glues a rank's line that ends without a newline (a tqdm progress
+    bar's carriage-return update) to the next line it reads, often another rank's:
+    ``[default0]: 10%|...| 6/60 [...][default1]:text`` is two lines, each with its label."""
+    m = _TORCHRUN_LINE.match(line)
+    if m is None:
+        return [line]
+    label = re.compile(re.escape(line[:m.start(1)]) + r"\d+\]:")
+    cuts = [c.start() for c in label.finditer(line)]
+    ends = [*cuts[1:], len(line)]
+    return [line[cuts[i]:ends[i]] for i in range(len(cuts))]
+
+
 class RankLogTail:
     """Follow ``<dir>/*_rank<R>.log`` (DeepSpeed's per-rank logs) as complete lines."""
 
@@ -158,6 +171,10 @@ class AgentOutput:
             fh.close()
 
     def handle_line(self, line: str) -> None:
+        for part in tee_parts(line):
+            self._handle_part(part)
+
+    def _handle_part(self, line: str) -> None:
         node, lrank, text = self.classify(line)
         offset = self.spec.rank_offsets.get(node)
         if lrank is not None and offset is not None:

@@ -1,0 +1,123 @@
+"""The console of a library-driven run (issue 38 item 5): a real Hugging Face Trainer
+run's output (tests/fixtures/hf_trainer_console, SOURCES says how it was recorded),
+replayed through the node agent's line split and the folder, fits its budget.
+
+The budget, :data:`HF_BUDGET`: 60 lines besides the loss lines for this run (2 ranks,
+60 steps, 3 saves, 3 evaluations; 458 lines unfolded), about one screen. What it holds:
+the start-up (each rank's "Process rank" line, the settings dump as one line, the
+library warnings once, Trainer's 9-line "Running training" header: about 25 lines),
+each save ("Saving model checkpoint to ...", once the files it wrote: 1 to 5 lines),
+the progress bar's quarters (5) and the end (the metrics tables, 14 lines). Every loss
+line stays whole, on its own line, as the program printed it.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+from clusterkit.fold import FOLD_WINDOW_S, LineFolder, library_pieces
+from clusterkit.node.agent_output import AgentOutput, RankLogTail, tee_parts
+from clusterkit.node.protocol import AgentSpec
+
+FIX = Path(__file__).parent / "fixtures" / "hf_trainer_console"
+HF_BUDGET = 60
+PACE_S = 0.005  # between two recorded lines in the replay (the run printed ~450 in 2-3 s)
+LOSS_LINE = re.compile(r"\{'(?:loss|eval_loss|train_runtime)'|\b(?:train|eval)_loss\s+=")
+
+
+def _folded(lines: list[tuple[str, int | None, str]]) -> list[str]:
+    folder = LineFolder(FOLD_WINDOW_S, world_size=2, nodes=1)
+    shown, now = [], 0.0
+    for node, rank, text in lines:
+        now += PACE_S
+        items = (folder.feed_node(node, text, now) if rank is None
+                 else folder.feed(node, rank, text, now))
+        shown += [i.render() for i in items]
+    return shown + [i.render() for i in folder.release(now + 10, final=True)]
+
+
+def _tee_lines() -> list[tuple[str, int | None, str]]:
+    """torchrun_tee.txt as the agent labels it (node1: ranks 0 and 1)."""
+    out = AgentOutput(AgentSpec(job_id="j", node="node1", job_dir="",
+                                rank_offsets={"node1": 0}), "", io.StringIO(), lambda why: None)
+    raw = (FIX / "torchrun_tee.txt").read_text(encoding="utf-8").splitlines()
+    return [out.classify(part) for line in raw for part in tee_parts(line)]
+
+
+def _loss_lines(text: str) -> list[str]:
+    return [m.group(0) for m in re.finditer(r"\{'(?:loss|eval_loss)'[^}]*\}", text)]
+
+
+def _check(shown: list[str], recorded: str) -> None:
+    other = [ln for ln in shown if not LOSS_LINE.search(ln)]
+    print(f"{len(shown)} lines, {len(other)} besides the loss lines (budget {HF_BUDGET})")
+    assert len(other) <= HF_BUDGET, "\n".join(other)
+    # every loss dict the program printed is one whole line of its own
+    losses = [ln.split("] ", 1)[1] for ln in shown if "{'loss'" in ln or "{'eval_loss'" in ln]
+    assert losses == _loss_lines(recorded)
+    assert sum("lines of settings, not shown" in ln for ln in shown) >= 1
+    assert not any("%|" in ln and "{'" in ln for ln in shown)  # no bar glued to a line
+
+
+def test_an_hf_trainer_console_through_torchruns_tee_fits_its_budget() -> None:
+    lines = _tee_lines()
+    assert len((FIX / "torchrun_tee.txt").read_text().splitlines()) == 458
+    shown = _folded(lines)
+    _check(shown, (FIX / "torchrun_tee.txt").read_text(encoding="utf-8"))
+    dump = [ln for ln in shown if "TrainingArguments(" in ln]
+    assert len(dump) == 1 and dump[0].startswith("[node1 r0-1] "), dump  # both ranks' dumps
+
+
+def test_an_hf_trainer_console_from_each_ranks_own_output_fits_its_budget(tmp_path: Path) -> None:
+    """The ranks' own bytes (tqdm's carriage returns inside a line), as the agent reads a
+    rank's pipe or DeepSpeed's per-rank log; the two ranks' lines interleaved."""
+    recorded = ""
+    for r in (0, 1):
+        data = b"".join((FIX / f"rank{r}.{s}.raw").read_bytes() for s in ("stdout", "stderr"))
+        (tmp_path / f"run_rank{r}.log").write_bytes(data)
+        recorded += data.decode("utf-8")
+    tail = RankLogTail(str(tmp_path))
+    per_rank: dict[int, list[str]] = {0: [], 1: []}
+    for rank, text in tail.poll(final=True):
+        per_rank[rank].append(text)
+    tail.close()
+    assert any("\r" in t for t in per_rank[0])  # the carriage-return updates are there
+    lines = [("node1", r, per_rank[r][i]) for i in range(max(map(len, per_rank.values())))
+             for r in (0, 1) if i < len(per_rank[r])]
+    _check(_folded(lines), recorded)
+
+
+def test_library_pieces() -> None:
+    bar = " 10%|█         | 6/60 [00:00<00:01, 32.34it/s]"
+    assert library_pieces(bar + "{'loss': '3.0'}") == [bar, "{'loss': '3.0'}"]
+    assert library_pieces("\r  0%|   | 0/2 [00:00<?, ?it/s]\x1b[A\r" + " " * 40 + "\r") == [
+        "  0%|   | 0/2 [00:00<?, ?it/s]"]
+    assert library_pieces(" " * 46 + "[INFO|trainer.py:4149] >> Saving") == [
+        "[INFO|trainer.py:4149] >> Saving"]
+    assert library_pieces("plain text") == ["plain text"]
+
+
+def test_tee_parts_split_a_line_glued_to_another_ranks() -> None:
+    assert tee_parts("[default0]:  0%| | 0/60 [00:00<?, ?it/s][default1]:[WARNING|x] y") == [
+        "[default0]:  0%| | 0/60 [00:00<?, ?it/s]", "[default1]:[WARNING|x] y"]
+    assert tee_parts("[default0]:[rank0]:[W1128 reducer.cpp:1529] w") == [
+        "[default0]:[rank0]:[W1128 reducer.cpp:1529] w"]
+    assert tee_parts("node3: text") == ["node3: text"]
+
+
+def test_a_progress_bar_shows_each_quarter_once_and_a_dump_is_one_line() -> None:
+    f = LineFolder(window_s=0.0, world_size=1)
+    out = []
+    for n in range(0, 61, 3):
+        out += f.feed("n1", 0, f"{100 * n // 60:3d}%|#| {n}/60 [00:00<00:00, 9it/s]", now=n)
+    assert [i.text.split("|")[0].strip() for i in out] == ["0%", "25%", "50%", "75%", "100%"]
+    lines = ["Args(", "a=1,", "b=2,", "c=3,", ")", "after"]
+    out = [i.text for t, ln in enumerate(lines) for i in f.feed("n1", 0, ln, now=100 + t)]
+    out += [i.text for i in f.release(200, final=True)]
+    assert out == ["Args( ... ) (4 lines of settings, not shown; the rank's log has them)",
+                   "after"]
+    short = ["Cfg {", '"x": 1', "}"]  # under DUMP_MIN_LINES: shown as it is
+    out = [i.text for t, ln in enumerate(short) for i in f.feed("n1", 0, ln, now=300 + t)]
+    assert out + [i.text for i in f.release(400, final=True)] == short
