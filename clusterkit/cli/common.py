@@ -50,8 +50,9 @@ def job_facts(args: argparse.Namespace, inventory: Inventory) -> LaunchFacts:
     machine's, and the interface the last ``clusterkit doctor`` saved for each node)."""
     from clusterkit.cli.jobflags import program
 
-    return launch_facts(cluster=inventory.name, script=program(args)["script"],
-                        master_addr=args.master_addr)
+    words = program(args)
+    return launch_facts(cluster=inventory.name, script=words["script"],
+                        master_addr=args.master_addr, args=words["script_args"])
 
 
 def resolve_inventory(path: str | None) -> Inventory:

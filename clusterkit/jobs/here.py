@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from clusterkit.inventory import Inventory, load_inventory, local_inventory
 from clusterkit.spec.job import LaunchFacts
+from clusterkit.spec.programs import PROFILES
 
 ENV_HOME = "CLUSTERKIT_HOME"
 ENV_INVENTORY = "CLUSTERKIT_INVENTORY"
@@ -47,18 +49,38 @@ def find_inventory(path: str | None = None) -> Inventory:
 
 
 def launch_facts(*, cluster: str, script: str | None = None,
-                 master_addr: str | None = None) -> LaunchFacts:
+                 master_addr: str | None = None, args: Sequence[str] = ()) -> LaunchFacts:
     """The only look at the launching machine (the plan never probes): its Python, cwd
     and environment, ``master_addr``, the user's script as it is here (its first MiB,
     when the path exists here), and the interface the last ``clusterkit doctor`` saved
     for each node of ``cluster`` (checks/netpick.py), which the plan turns into
-    NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME where nothing else sets them."""
+    NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME where nothing else sets them; and the
+    DeepSpeed config files the program's ``args`` name (``--deepspeed FILE``,
+    ``--deepspeed_config FILE``), as they are here: on node-local storage the plan
+    derives a copy with what node-local needs (spec/programs.py)."""
     from clusterkit.checks.netpick import saved_picks
 
     cwd = os.getcwd()
     return LaunchFacts(python=sys.executable, cwd=cwd, environ=dict(os.environ),
                        master_addr=master_addr, script_text=_read_script(script, cwd),
-                       doctor_ifaces=saved_picks(clusterkit_home(), cluster))
+                       doctor_ifaces=saved_picks(clusterkit_home(), cluster),
+                       program_files=_config_files(args, cwd))
+
+
+def _config_files(args: Sequence[str], cwd: str) -> dict[str, str]:
+    """path as the args give it -> its text, for each DeepSpeed config file the program's
+    arguments name and this machine can read (the profiles' ``config_args``)."""
+    flags = {f for p in PROFILES.values() for f in p.config_args}
+    out: dict[str, str] = {}
+    for i, word in enumerate(args):
+        name, eq, value = word.partition("=")
+        if name not in flags:
+            continue
+        path = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        text = _read_script(path, cwd) if path and not path.startswith("-") else None
+        if text is not None:
+            out[path] = text
+    return out
 
 
 def _read_script(script: str | None, cwd: str) -> str | None:

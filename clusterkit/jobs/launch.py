@@ -125,7 +125,8 @@ def plan_launch(options: JobOptions, inventory: Inventory, *, run: RunOptions,
     """The first plan of a launch; each plan warning shown once (``--strict`` made them
     errors already), also when a restart that drops nodes plans again."""
     check_values(options, run)
-    facts = launch_facts(cluster=inventory.name, script=options.script, master_addr=master_addr)
+    facts = launch_facts(cluster=inventory.name, script=options.script, master_addr=master_addr,
+                         args=options.script_args)
     job = launch_options(options, inventory.name, launcher=launcher)
     shown: set[str] = set()
 
@@ -215,6 +216,8 @@ def dry_run_checks(plan: JobPlan, *, run: RunOptions, sync_dir: str | None = Non
     script, the checkpoint dir created and written, the master address and port), run
     on its own. Raises the launch's own refusal; says what passed."""
     synced = check_here(plan, sync_dir, gate=not run.skip_checks)
+    if plan.profile is not None and not plan.options.uses_workload:
+        say(plan.profile.line())  # which profile, and why (issue 38, docs/programs.md)
     # A --job-id still running, or a node-local job on another rank->node mapping.
     registry = Registry(clusterkit_home())
     prior = registry.find(plan.job_id)

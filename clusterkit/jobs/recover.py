@@ -52,10 +52,11 @@ from clusterkit.launch.run import (
     replacements,
     resume_arg,
 )
-from clusterkit.node.contract import ENV_RESUME_TAG
+from clusterkit.node.contract import ASIDE_SUFFIX, ENV_RESUME_TAG, LATEST_FILE
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
 from clusterkit.spec.jobrecord import RankMap
+from clusterkit.spec.programs import DIR_FIELD, restart_problem, with_resume
 
 
 def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home: str,
@@ -88,14 +89,76 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
         tried = _resumable(plan, listings, old_map, resume, must=bool(swaps) or resharding)
         if tried is None:
             return None
+        newer = newer_tags(listings, tried[0], plan.options.uses_workload)
         lost = [] if resharding else _parts_to_restore(plan, tried[0], swaps)
         if dry_run:
             say_plan(tried[0], lost, resharding, plan, say)
-        elif resharding:
-            return reshard(transport, plan, prior, old_map, tried[0], home, say)
-        elif lost:
+            resume_plan(plan, tried[0], newer, say)
+            return None
+        if resharding:
+            # The converted tag is what a reshard resumes (CLUSTERKIT_RESUME_TAG).
+            new = reshard(transport, plan, prior, old_map, tried[0], home, say)
+            moved = aside(new or plan, newer, say)
+            return new if moved is (new or plan) else moved
+        if lost:
             restore_parts(transport, plan, tried, lost, staging, say)
-    return None
+    return resume_plan(plan, tried[0], newer, say)
+
+
+def newer_tags(listings: Sequence[NodeListing], a: Assembly, markers: bool) -> list[str]:
+    """The tags newer than the one a restart resumes from: saved, but not assemblable
+    on this node set (``assemble_newest`` takes the newest that is)."""
+    tags = candidate_tags(listings, markers=markers)
+    return tags[:tags.index(a.tag)] if a.tag in tags else []
+
+
+def aside(plan: JobPlan, newer: Sequence[str], say: Say) -> JobPlan:
+    """A program that picks the newest checkpoint on disk by itself must not find one it
+    cannot load: the newer tags are moved aside on every node (renamed, kept) before
+    its ranks start (node/agent_files.ready_checkpoints). ``plan`` itself when not."""
+    choice = plan.profile
+    if not newer or plan.options.uses_workload or choice is None \
+            or not choice.profile.resumes_itself:
+        return plan
+    say(f"moving {', '.join(newer)} aside on every node ({newer[0]} cannot be assembled on "
+        f"these nodes; {choice.name} would pick the newest it finds): renamed "
+        f"<tag>{ASIDE_SUFFIX}, kept")
+    return dataclasses.replace(plan, set_aside=tuple(newer))
+
+
+def resume_plan(plan: JobPlan, a: Assembly, newer: Sequence[str], say: Say) -> JobPlan | None:
+    """The next attempt of a user's program resumes from ``a`` (the newest checkpoint
+    complete on every node): its profile's resume argument on every node's program
+    (spec/programs.py), DeepSpeed's ``latest`` pointed at it where that is how the
+    program picks, newer tags moved aside where it picks by itself; refused in one line
+    when the program has no known way to resume (it would begin at step 0)."""
+    choice = plan.profile
+    if plan.options.uses_workload or choice is None or a.tag is None:
+        return None
+    problem = restart_problem(choice, a.tag, plan.nodes[0].ckpt_dir, plan.job_id)
+    if problem is not None:
+        raise LaunchError(problem, key="--resume-arg")
+    if not choice.resume:
+        start = plan
+        if choice.profile.top_latest:
+            say(f"{choice.name}: every node's {LATEST_FILE} names {a.tag} (the newest "
+                "checkpoint complete on every node)")
+            plan = dataclasses.replace(plan, resume_from=a.tag)
+        plan = aside(plan, newer, say)
+        return None if plan is start else plan
+    programs = tuple(resumed_program(prog, choice.resume, f"{n.ckpt_dir}/{a.tag}")
+                     for prog, n in zip(plan.programs, plan.nodes, strict=True))
+    say(f"{choice.name}: resuming from {a.tag}, the newest checkpoint complete on every node "
+        f"({' '.join(w.replace(DIR_FIELD, plan.nodes[0].ckpt_dir + '/' + a.tag) for w in choice.resume)})")
+    return dataclasses.replace(plan, programs=programs, resume_from=a.tag)
+
+
+def resumed_program(program: Sequence[str], template: Sequence[str], ckpt: str
+                    ) -> tuple[str, ...]:
+    """One node's interpreter arguments (``script ARGS`` or ``-m module ARGS``) with the
+    resume argument for ``ckpt``."""
+    head = 2 if program[:1] == ("-m",) or list(program[:1]) == ["-m"] else 1
+    return (*program[:head], *with_resume(template, program[head:], ckpt))
 
 
 def _resumable(plan: JobPlan, listings: Sequence[NodeListing], old_map: RankMap,

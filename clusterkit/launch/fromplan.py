@@ -8,6 +8,7 @@ node (it kills by ``CLUSTERKIT_JOB_ID``, never by command line).
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import replace
 from typing import Any
@@ -16,9 +17,10 @@ from clusterkit.errors import LaunchError
 from clusterkit.launch.gate import node_needs
 from clusterkit.launch.jobspec import JobSpec, NodeTask
 from clusterkit.launchers import BACKENDS
+from clusterkit.node.contract import JobDir, StorageKind
 from clusterkit.node.protocol import DEFAULT_GRACE_S
 from clusterkit.remote.base import target_for as target_for  # the one host -> target function
-from clusterkit.spec.job import LaunchPlan, NodeCommand, NodePlan, RunOptions
+from clusterkit.spec.job import JobPlan, LaunchPlan, NodeCommand, NodePlan, RunOptions
 
 
 def _native_task(plan: LaunchPlan, node: NodePlan, cmd: NodeCommand) -> NodeTask:
@@ -58,6 +60,22 @@ def replica_spec(plan: LaunchPlan, index: int, secret: str,
             "sources": list(sources), "secret": secret}
 
 
+def checkpoint_prep(plan: JobPlan, node: NodePlan) -> str:
+    """What ``node``'s agent does to its checkpoint dir before the ranks start
+    (node/agent_files.ready_checkpoints): create it; on a restart or relaunch, move the
+    tags that cannot be assembled aside, point DeepSpeed's ``latest`` at the resume tag
+    (a program that picks its tag by ``latest``), and write the ``latest`` that DeepSpeed
+    leaves on global rank 0's node only inside each tag dir (HF's checkpoint-N/)."""
+    prof = plan.profile.profile if plan.profile is not None else None
+    node_local = plan.storage == StorageKind.NODE_LOCAL
+    doc: dict[str, Any] = {
+        "ckpt_dir": node.ckpt_dir, "aside": list(plan.set_aside),
+        "latest": plan.resume_from if prof is not None and prof.top_latest and node_local
+        else None,
+        "nested_latest": bool(prof is not None and prof.nested_latest and node_local)}
+    return json.dumps(doc, sort_keys=True) + "\n"
+
+
 def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, native: bool = False,
                   run: RunOptions | None = None, gate_need: tuple[str, ...] | None = None,
                   hang_timeout_s: float = 0.0, replica_secret: str | None = None) -> JobSpec:
@@ -75,22 +93,23 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, native: bool = False,
         raise LaunchError(f"clusterkit launch does not run the {plan.backend!r} backend",
                           key="--launcher", hint="use `clusterkit sbatch` for Slurm")
     by_host: dict[str | None, NodeCommand] = {c.host: c for c in plan.launch_commands}
-    files = dict(plan.artifacts)
+    files = {**plan.artifacts, **plan.program_files}
     secret = replica_secret or secrets.token_hex(32)
     ending = frozenset(n.node_rank for n in plan.nodes if n.name in by_host)
     tasks = []
     for node in plan.nodes:
         cmd = by_host.get(node.name)
         replica = replica_spec(plan, node.node_rank, secret, ending)
+        own = {**files, JobDir.ckpt_prep(node.name): checkpoint_prep(plan, node)}
         if native and cmd is not None:
-            tasks.append(replace(_native_task(plan, node, cmd), replica=replica))
+            tasks.append(replace(_native_task(plan, node, cmd), replica=replica, files=own))
             continue
         # No command: a pdsh peer whose ranks DeepSpeed's runner starts; its agent watches.
         argv, env, cwd = ((), {}, None) if cmd is None else \
             (cmd.argv, dict(cmd.env), cmd.cwd)
         tasks.append(NodeTask(
             node=node.name, target=target_for(node.host), python=node.python, argv=argv,
-            rank_offset=node.first_rank, nprocs=node.nproc, env=env, files=files, cwd=cwd,
+            rank_offset=node.first_rank, nprocs=node.nproc, env=env, files=own, cwd=cwd,
             prefix=BACKENDS[plan.backend].output_prefix, job_dir=node.job_dir,
             rank_log_dir=plan.rank_log_dir, needs=node_needs(plan, node), replica=replica,
         ))

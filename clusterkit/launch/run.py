@@ -296,13 +296,27 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
                  f"{_map_text(old_map)}): the newest checkpoint is resharded first")
     return (f"continuing job {plan.job_id} ({prior.state.value} before): checkpoints in {where} "
             f"({plan.storage}){moved}; "
-            + resume_note(plan.program[:2] == ("-m", WORKLOAD_MODULE), plan.storage))
+            + resume_note(plan.program[:2] == ("-m", WORKLOAD_MODULE), plan.storage, plan))
 
 
-def resume_note(workload: bool, storage: str) -> str:
+def needs_ready(plan: JobPlan) -> bool:
+    """A restart on the same nodes of a node-local job is readied first (jobs/recover.py)
+    when its program's profile is told where to resume, picks by DeepSpeed's ``latest``,
+    or has no known way to resume (the step-0 rule): spec/programs.py."""
+    prof = plan.profile
+    return (plan.storage == StorageKind.NODE_LOCAL and prof is not None
+            and not plan.options.uses_workload
+            and bool(prof.resume or prof.profile.top_latest or not prof.profile.resumes_itself))
+
+
+def resume_note(workload: bool, storage: str, plan: JobPlan | None = None) -> str:
     """Who resumes a continued or restarted job, and the node-local trap for a user's program."""
     if workload:
         return "the workload resumes from its newest complete checkpoint"
+    prof = None if plan is None else plan.profile
+    if prof is not None and prof.resume and storage == StorageKind.NODE_LOCAL:
+        return (f"clusterkit resumes it from the newest checkpoint complete on every node "
+                f"({' '.join(prof.resume)})")
     if storage == StorageKind.NODE_LOCAL:
         # Seen as a user: load_checkpoint(tag=None) resumed node 0 only, the others
         # started fresh, and DeepSpeed failed on "tag name ... not consistent".
@@ -339,6 +353,8 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
     ``sync``: run before each restart (the caller syncs before the first start)."""
     started = time.monotonic()
     decisions = decisions or planner(options)
+    if decisions.profile is not None and not decisions.options.uses_workload:
+        sink.info(decisions.profile.line())  # how it saves and resumes, and why (issue 38)
     prior = registry.find(decisions.job_id)
     note = check_continue(decisions, prior)
     if note:
@@ -396,8 +412,10 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
                 raise LaunchError("cannot restore or reshard node-local checkpoints from here",
                                   key="--drop-failed-nodes")
             once = prepare(decisions, record)  # this attempt's record: its saved mapping
+        elif prepare is not None and needs_ready(decisions):
+            once = prepare(decisions, record)  # its resume argument, `latest`, the step-0 rule
         sink.info(f"restarting (attempt {attempt + 2} of {settings.relaunches + 1}): "
-                  + resume_note(options.uses_workload, decisions.storage))
+                  + resume_note(options.uses_workload, decisions.storage, decisions))
     raise AssertionError("unreachable")
 
 

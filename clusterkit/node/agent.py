@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from clusterkit.node import agent_env, agent_hangs, protocol, replica_proc, zygote
-from clusterkit.node.agent_files import expand, write_atomic
+from clusterkit.node.agent_files import expand, ready_checkpoints, write_atomic
 from clusterkit.node.agent_forkserver import ForkServer
 from clusterkit.node.agent_hangs import PROGRESS_EVERY_S, StackDump
 from clusterkit.node.agent_output import AgentOutput
@@ -197,6 +197,10 @@ class Agent:
             if "/" in name or name.startswith("."):
                 raise ValueError(f"bad job file name {name!r}")
             write_atomic(os.path.join(self.job_dir, name), expand(content, self.job_dir))
+        prep = self.spec.files.get(JobDir.ckpt_prep(self.spec.node))
+        if prep is not None:  # the checkpoint dir exists and is whole before any rank starts
+            for said in ready_checkpoints(prep):
+                self.output.send(protocol.Line(self.spec.node, None, f"[clusterkit] {said}"))
 
     def child_env(self) -> dict[str, str]:
         return agent_env.child_env(self.spec, self.job_dir, self.progress_dir)

@@ -148,9 +148,17 @@ class JobDir:
     SLURM_NODES = "slurm_nodes"  # sbatch: the node list a node-local job's checkpoint is on
     SLURM_RUNS = "slurm-runs"  # sbatch: slurm-runs/<slurm id>.<run>/: a node-local run's hosts, plan
     SLURM_PROGRAM = "slurmreplica.bundle"  # sbatch, node-local: node/slurmreplica.py's sources
+    JITOPS_PROGRAM = "jitops.bundle"  # sbatch: node/jitops.py's sources (the JIT ops step)
     AGENT_STATE = "agent.json"
     REPLICA_STATE = "replicas.json"  # nodes/<node>/replicas.json: the agent's copies (issue 22)
     LAUNCHER_LOG = "launcher.log"
+    CKPT_PREP = "checkpoint-prep"  # checkpoint-prep.<node>.json: ready the node's ckpt dir
+
+    @classmethod
+    def ckpt_prep(cls, node: str) -> str:
+        """The job file that tells ``node``'s agent how to ready its checkpoint dir before
+        the ranks start (issue 38): a name in the job dir, one per node."""
+        return f"{cls.CKPT_PREP}.{node}.json"
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -319,6 +327,9 @@ def looks_like_marker(name: str) -> bool:
 # scripts (global rank 0 only), the ZeRO 0-2 model states, ZeRO-3's per-rank model
 # states and the per-rank optimizer shards.
 LATEST_FILE = "latest"
+# A checkpoint that cannot be assembled on a restart's node set, kept beside the others
+# under a name no program takes for a tag (issue 38): <tag>.set-aside[N].
+ASIDE_SUFFIX = ".set-aside"
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 MODEL_STATES_RE = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
 ZERO3_MODEL_STATES_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt$")

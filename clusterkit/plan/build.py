@@ -24,6 +24,7 @@ from clusterkit.node.contract import (
 )
 from clusterkit.plan.env import build_env
 from clusterkit.plan.ifaces import added_env, apply_picks
+from clusterkit.plan.profile import profile_programs
 from clusterkit.spec.job import (
     DS_LAUNCHERS,
     JOB_ID,
@@ -303,16 +304,18 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> J
     added = added_env(given, inventory)
     world = sum(n.nproc for n in nodes)
     replica_targets, replica_warnings = _placement(options, nodes, storage)
+    # The program's profile (issue 38): what node-local storage adds to its arguments.
+    prof = profile_programs(options, facts, storage, [(n.job_dir, n.ckpt_dir) for n in nodes],
+                            lambda o, jd, cd: _program(o, jd, cd, storage))
     warnings = _gpu_warnings(options, nodes) + _script_warnings(options, facts.script_text) \
-        + replica_warnings
+        + replica_warnings + prof.warnings
     _strict(options, warnings, inventory.path)
     zero = _zero_spec(options, nodes, world, storage)
     return JobPlan(options=options, cluster=inventory.name, nodes=nodes, world_size=world,
                    master_addr=facts.master_addr or nodes[0].host.address,
                    master_port=master_port(options.job_id), storage=storage, zero=zero,
                    ds_config=build_ds_config(zero),
-                   programs=tuple(_program(options, n.job_dir, n.ckpt_dir, storage)
-                                  for n in nodes),
+                   programs=prof.programs, profile=prof.choice, program_files=prof.files,
                    warnings=warnings,
                    doctor_ifaces={n.name: added[n.name] for n in nodes if n.name in added},
                    replica_targets=replica_targets)

@@ -19,6 +19,7 @@ from typing import Any
 from clusterkit.inventory import Host
 from clusterkit.node.contract import ENV_DS_CONFIG, ENV_HEARTBEAT, STORAGE_KINDS, JobDir, StorageKind
 from clusterkit.node.protocol import DEFAULT_GRACE_S
+from clusterkit.spec.programs import PROGRAM_CHOICES, ProgramChoice
 from clusterkit.spec.zero import (
     DEFAULT_LR,
     DEFAULT_MICRO_BATCH,
@@ -164,6 +165,16 @@ class JobOptions:
         "order; default: the inventory's checkpoint.replicas, else 1 with node-local "
         "storage; 0: off; clusterkit launch only)", metavar="K",
         group="checkpoints and environment")
+    # How the program saves and resumes (issue 38, docs/programs.md): detected from its
+    # arguments and source unless named; --resume-arg serves any other program.
+    program_profile: str | None = flag(
+        None, "how your program saves and resumes (default: detected from its arguments "
+        "and source; docs/programs.md)", name="--program", choices=PROGRAM_CHOICES,
+        metavar="NAME", group="checkpoints and environment")
+    resume_arg: str | None = flag(
+        None, "the argument that resumes your program from a checkpoint dir, {dir} standing "
+        "for it (e.g. '--resume_from_checkpoint {dir}'): added on every restart and relaunch",
+        metavar="TEMPLATE", group="checkpoints and environment")
     # environment
     env_allowlist: tuple[str, ...] = flag(
         (), "also pass this variable (or glob) from your environment (repeatable)",
@@ -233,6 +244,9 @@ class LaunchFacts:
     # peer; checks/netpick.py): the plan sets NCCL/GLOO_SOCKET_IFNAME from it
     # (plan/ifaces.py) where neither the inventory nor the shell sets them.
     doctor_ifaces: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # The DeepSpeed config files the program's arguments name, as the launching machine
+    # has them (path as written -> text): the plan derives a node-local copy (issue 38).
+    program_files: Mapping[str, str] = field(default_factory=dict, hash=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -338,6 +352,15 @@ class JobPlan:
     # Checkpoint replicas (issue 22): per node (same order as ``nodes``), the node indexes
     # that hold copies of its node-local checkpoints. Empty: no replication.
     replica_targets: tuple[tuple[int, ...], ...] = ()
+    # The program's profile (spec/programs.py: how it saves and resumes, and why), and
+    # the files derived for it in the job dir (a user's DeepSpeed config made node-local).
+    profile: ProgramChoice | None = None
+    program_files: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # One attempt's checkpoint (issue 38, set by jobs/recover.py for a restart or a
+    # relaunch): the tag it resumes from (the newest complete on every node, in the
+    # programs' resume argument) and the newer tags moved aside on its nodes.
+    resume_from: str | None = None
+    set_aside: tuple[str, ...] = ()
 
     @property
     def job_id(self) -> str:

@@ -1,0 +1,122 @@
+"""What a job's program profile decides in the plan (issue 38), pure.
+
+``plan_job`` asks :func:`profile_programs` once: the profile (spec/programs.py), each
+node's program with what node-local storage needs added (HF's ``--save_on_each_node``;
+a user's DeepSpeed config pointed at a derived copy with
+``checkpoint.use_node_local_storage``), the derived files, and the warnings. A program
+whose saves cannot be made complete on every node is said so in one warning with the
+fix, and an explicit ``--replicas`` is refused for it: a replica of one node's part in
+three protects nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from clusterkit.errors import RenderError
+from clusterkit.node.contract import StorageKind
+from clusterkit.spec.job import JobOptions, LaunchFacts
+from clusterkit.spec.programs import (
+    DERIVED_DS_CONFIG,
+    HF,
+    ProgramChoice,
+    config_arg,
+    detect,
+    node_local_args,
+    node_local_config,
+    save_problem,
+)
+
+
+@dataclass(frozen=True)
+class Profiled:
+    """The profile's part of a plan."""
+
+    choice: ProgramChoice
+    programs: tuple[tuple[str, ...], ...]
+    files: Mapping[str, str]
+    warnings: tuple[str, ...]
+
+
+def choose(o: JobOptions, facts: LaunchFacts) -> ProgramChoice:
+    return detect(workload=o.uses_workload, args=o.script_args, script_text=facts.script_text,
+                  program=o.program_profile, resume_arg=o.resume_arg)
+
+
+def profile_programs(o: JobOptions, facts: LaunchFacts, storage: str,
+                     nodes: Sequence[tuple[str, str]],
+                     program: Callable[[JobOptions, str, str], tuple[str, ...]]
+                     ) -> Profiled:
+    """``nodes``: each node's (job dir, checkpoint dir); ``program``: the plan's own
+    program builder (options, job dir, checkpoint dir) -> the interpreter arguments."""
+    choice = choose(o, facts)
+    plain = tuple(program(o, jd, cd) for jd, cd in nodes)
+    if o.uses_workload or storage != StorageKind.NODE_LOCAL:
+        return Profiled(choice, plain, {}, ())
+    warnings: list[str] = []
+    files: dict[str, str] = {}
+    derived = _derived_config(choice, o, facts, warnings)
+    if derived is not None:
+        files[DERIVED_DS_CONFIG] = derived
+    programs = tuple(
+        program(dataclasses.replace(o, script_args=node_local_args(
+            choice.profile, o.script_args,
+            config_path=f"{jd}/{DERIVED_DS_CONFIG}" if derived is not None else None)), jd, cd)
+        for jd, cd in nodes)
+    if len(nodes) > 1:
+        warnings += _completeness(choice, o, facts)
+        warnings += _output_dir(choice, o, [cd for _, cd in nodes])
+    return Profiled(choice, programs, files, tuple(warnings))
+
+
+def _derived_config(choice: ProgramChoice, o: JobOptions, facts: LaunchFacts,
+                    warnings: list[str]) -> str | None:
+    """The user's DeepSpeed config with ``use_node_local_storage`` on, when it lacks it;
+    None when there is none, it has it already, or it is not readable here (warned)."""
+    where = config_arg(choice.profile, o.script_args)
+    if where is None:
+        return None
+    path = where[1]
+    text = facts.program_files.get(path)
+    if text is None:
+        warnings.append(f"{path} is not readable here, so clusterkit cannot make it node-local: "
+                        "add \"checkpoint\": {\"use_node_local_storage\": true} to it, or every "
+                        "node but rank 0's lacks the model states (docs/programs.md)")
+        return None
+    try:
+        ckpt = json.loads(text).get("checkpoint") or {}
+        if isinstance(ckpt, dict) and ckpt.get("use_node_local_storage") is True:
+            return None
+    except (ValueError, AttributeError):
+        pass  # node_local_config says what is wrong with it
+    return node_local_config(text, path)
+
+
+def _completeness(choice: ProgramChoice, o: JobOptions, facts: LaunchFacts) -> list[str]:
+    why = save_problem(choice, facts.script_text)
+    if why is None:
+        return []
+    if o.replicas:
+        raise RenderError(f"--replicas {o.replicas}: this program's checkpoints are not complete "
+                          f"on every node ({why})", key="--replicas",
+                          hint="make its saves per node as said, or drop --replicas "
+                               "(docs/programs.md)")
+    return [f"{choice.name}: checkpoints are not complete on every node: {why}"]
+
+
+def _output_dir(choice: ProgramChoice, o: JobOptions, ckpt_dirs: Sequence[str]) -> list[str]:
+    """HF saves under --output_dir: elsewhere than the job's checkpoint dir, replicas,
+    restarts and collect-ckpt never see its checkpoints."""
+    if choice.name != HF:
+        return []
+    args = list(o.script_args)
+    out = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--output_dir"),
+               next((a.split("=", 1)[1] for a in args if a.startswith("--output_dir=")), None))
+    if out is None or out.rstrip("/") in {c.rstrip("/") for c in ckpt_dirs}:
+        return []
+    return [f"--output_dir {out} is not the job's checkpoint dir ({ckpt_dirs[0]}): replicas, "
+            "restarts' resume and collect-ckpt only see checkpoints saved there; pass "
+            f"--output_dir {ckpt_dirs[0]}"]

@@ -1,0 +1,289 @@
+"""Program profiles: how a training program saves and resumes (issue 38), pure.
+
+The one table of profiles (:data:`PROFILES`) and the decisions read from it: which
+profile a program is (:func:`detect`: ``--program`` first, then ``--resume-arg``, then
+the program's arguments and its source as the launching machine has it, gathered by
+``jobs/here.py``: nothing here probes), what the profile's checkpoint layout on disk
+looks like (:func:`from_layout`), the resume argument a restart adds
+(:func:`with_resume`), what node-local storage adds to the program's arguments and to
+its DeepSpeed config (:func:`node_local_args`, :func:`node_local_config`), and the
+step-0 rule (:func:`restart_problem`). docs/programs.md is the user's account.
+
+clusterkit never edits the user's files: a DeepSpeed config of the user's is copied,
+with what node-local needs added, into the job dir (:data:`DERIVED_DS_CONFIG`), and
+the program's argument is pointed at the copy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from clusterkit.errors import RenderError
+from clusterkit.node.contract import ENV_CKPT_DIR, ENV_RESUME_TAG, LATEST_FILE
+
+# The derived copy of a user's DeepSpeed config, in the job dir (node-local additions).
+DERIVED_DS_CONFIG = "ds_config.program.json"
+DIR_FIELD = "{dir}"  # the checkpoint directory in a resume template
+
+HF = "hf-trainer"
+ACCELERATE = "accelerate"
+DEEPSPEED = "deepspeed"
+SNAPSHOT = "torch-snapshot"
+CONTRACT = "clusterkit"
+CUSTOM = "custom"
+UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How one kind of program saves and resumes."""
+
+    name: str
+    title: str
+    layout: str  # what it writes under the checkpoint dir (the dry run, docs/programs.md)
+    # The argument that resumes it from one checkpoint dir ({dir}); empty: it resumes by
+    # itself (or cannot be told to).
+    resume: tuple[str, ...] = ()
+    resumes_itself: bool = False  # it finds its checkpoint on disk by itself
+    # Its flag for "every node writes its own copy" (node-local storage), when it has one.
+    save_each_node_arg: str | None = None
+    # Its arguments that name a DeepSpeed config file.
+    config_args: tuple[str, ...] = ()
+    # DeepSpeed's `latest` sits inside each tag dir (HF's checkpoint-N/latest), written on
+    # global rank 0 only: the agents write it on every node before the ranks start.
+    nested_latest: bool = False
+    # DeepSpeed's top-level `latest` is how it picks its tag: the agents point it at the
+    # newest checkpoint complete on every node.
+    top_latest: bool = False
+    # Why its saves are not complete on every node, and the fix (empty: they are, with
+    # what clusterkit adds).
+    incomplete: str = ""
+
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (
+    Profile(HF, "Hugging Face Trainer",
+            "checkpoint-N/ (trainer_state.json, DeepSpeed's global_stepN/ and latest inside)",
+            resume=("--resume_from_checkpoint", DIR_FIELD),
+            save_each_node_arg="--save_on_each_node", config_args=("--deepspeed",),
+            nested_latest=True),
+    Profile(ACCELERATE, "accelerate save_state/load_state",
+            "one folder per save_state call (DeepSpeed's tag inside, random_states_R.pkl)",
+            resumes_itself=True,
+            incomplete="accelerate writes its own files (scheduler, sampler, custom objects) "
+                       "on the main process only: pass ProjectConfiguration(save_on_each_node"
+                       "=True) to Accelerator(...), and checkpoint: {use_node_local_storage: "
+                       "true} in its DeepSpeed config, or use --storage shared"),
+    Profile(DEEPSPEED, "DeepSpeed engine (save_checkpoint/load_checkpoint)",
+            "one dir per tag and a `latest` file naming the newest",
+            resumes_itself=True, config_args=("--deepspeed_config",), top_latest=True),
+    Profile(SNAPSHOT, "torch snapshot file",
+            "one snapshot file saved by rank 0",
+            resumes_itself=True,
+            incomplete="rank 0 saves the snapshot on its own node only: save it on every "
+                       "node's local rank 0 (LOCAL_RANK == 0), or use --storage shared"),
+    Profile(CONTRACT, "clusterkit's contract",
+            f"tags under ${ENV_CKPT_DIR}, loaded by an explicit tag (${ENV_RESUME_TAG})",
+            resumes_itself=True, config_args=("--deepspeed_config",)),
+    Profile(CUSTOM, "your --resume-arg", "your program's own", config_args=("--deepspeed",
+                                                                            "--deepspeed_config")),
+    Profile(UNKNOWN, "not recognised", "not known", config_args=("--deepspeed_config",)),
+)}
+PROGRAM_CHOICES: tuple[str, ...] = tuple(n for n in PROFILES if n not in (CUSTOM, UNKNOWN))
+
+
+@dataclass(frozen=True)
+class ProgramChoice:
+    """The profile a job's program was given, why, and its resume template."""
+
+    profile: Profile
+    why: str
+    resume: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.profile.name
+
+    def line(self) -> str:
+        """``program profile: hf-trainer (its source builds transformers' Trainer)``."""
+        how = f"; resumes with {' '.join(self.resume)}" if self.resume else (
+            "; resumes by itself" if self.profile.resumes_itself else "; no way to resume known")
+        return f"program profile: {self.name} ({self.why}){how}"
+
+
+# What a program's source shows, first match wins (the contract before DeepSpeed: a
+# contract script calls save_checkpoint too; a Trainer script is HF's whatever it reads).
+_SOURCE_RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
+    (HF, re.compile(r"\bTrainingArguments\b|Trainer\("),
+     "its source builds transformers' Trainer"),
+    (CONTRACT, re.compile(re.escape(ENV_CKPT_DIR) + "|" + re.escape(ENV_RESUME_TAG)),
+     f"its source reads ${ENV_CKPT_DIR}"),
+    (ACCELERATE, re.compile(r"\.save_state\("), "its source calls accelerate's save_state"),
+    (DEEPSPEED, re.compile(r"\.save_checkpoint\("), "its source calls DeepSpeed's save_checkpoint"),
+    (SNAPSHOT, re.compile(r"torch\.save\("), "its source saves with torch.save"),
+)
+
+
+def _words(args: Sequence[str]) -> set[str]:
+    return {a.split("=", 1)[0] for a in args if a.startswith("-")}
+
+
+def detect(*, workload: bool, args: Sequence[str], script_text: str | None,
+           program: str | None = None, resume_arg: str | None = None) -> ProgramChoice:
+    """The profile of a job's program (see the module doc for the order)."""
+    template = parse_template(resume_arg) if resume_arg else ()
+    if program is not None:
+        if program not in PROFILES:
+            raise RenderError(f"--program {program!r} is not a known profile", key="--program",
+                              hint=f"one of {', '.join(PROGRAM_CHOICES)}, or --resume-arg "
+                                   "TEMPLATE for any other program (docs/programs.md)")
+        prof = PROFILES[program]
+        return ProgramChoice(prof, f"--program {program}", template or prof.resume)
+    if workload:
+        return ProgramChoice(PROFILES[CONTRACT], "the bundled workload")
+    if template:
+        return ProgramChoice(PROFILES[CUSTOM], f"--resume-arg {resume_arg!r}", template)
+    name, why = _from_program(args, script_text)
+    return ProgramChoice(PROFILES[name], why, PROFILES[name].resume)
+
+
+def _from_program(args: Sequence[str], text: str | None) -> tuple[str, str]:
+    words = _words(args)
+    if text is not None:
+        for name, pattern, why in _SOURCE_RULES:
+            if pattern.search(text):
+                return name, why
+    if {"--output_dir", "--deepspeed"} <= words or "--resume_from_checkpoint" in words:
+        return HF, "HF Trainer's --output_dir/--deepspeed in its arguments"
+    if text is None:
+        # A node-only path or a module: the launch behaves as before issue 38.
+        return CONTRACT, "its source is not readable here: taken to follow clusterkit's contract"
+    return UNKNOWN, "nothing in its arguments or source says how it saves"
+
+
+def from_layout(names: Iterable[str]) -> str | None:
+    """The profile a checkpoint dir's layout shows (relative paths of its files), or None."""
+    paths = [n.replace("\\", "/") for n in names]
+    tops = {p.split("/", 1)[0] for p in paths if "/" in p}
+    if any(re.fullmatch(r"checkpoint-\d+", t) and f"{t}/trainer_state.json" in paths
+           for t in tops):
+        return HF
+    if any(p.split("/")[-1].startswith("random_states_") for p in paths):
+        return ACCELERATE
+    if LATEST_FILE in paths and tops:
+        return DEEPSPEED
+    if any("/" not in p and p.endswith((".pt", ".pth")) for p in paths) and not tops:
+        return SNAPSHOT
+    return None
+
+
+def parse_template(text: str) -> tuple[str, ...]:
+    """``--resume_from_checkpoint {dir}`` -> its words; refused without ``{dir}``."""
+    words = tuple(text.split())
+    if not words or not any(DIR_FIELD in w for w in words):
+        raise RenderError(f"--resume-arg {text!r} does not name the checkpoint as {DIR_FIELD}",
+                          key="--resume-arg",
+                          hint="e.g. --resume-arg '--resume_from_checkpoint {dir}'")
+    return words
+
+
+def _strip_flag(args: Sequence[str], flag: str) -> list[str]:
+    """``args`` without ``flag VALUE`` / ``flag=VALUE`` (the value: the next word unless it
+    is a flag itself)."""
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = i + 1 < len(args) and not args[i + 1].startswith("--")
+            continue
+        if a.startswith(flag + "="):
+            continue
+        out.append(a)
+    return out
+
+
+def with_resume(template: Sequence[str], args: Sequence[str], ckpt: str) -> tuple[str, ...]:
+    """``args`` resuming from ``ckpt``: the template's words with ``{dir}`` filled in,
+    replacing what the arguments said for the template's flag before (a relaunch's own
+    ``--resume_from_checkpoint`` of an older checkpoint, say)."""
+    if not template:
+        return tuple(args)
+    rest = list(args)
+    if template[0].startswith("-"):
+        rest = _strip_flag(rest, template[0].split("=", 1)[0])
+    return (*rest, *(w.replace(DIR_FIELD, ckpt) for w in template))
+
+
+def config_arg(profile: Profile, args: Sequence[str]) -> tuple[int, str] | None:
+    """Where ``args`` name a DeepSpeed config file by one of the profile's flags: the
+    index of the path word and the path (``--deepspeed ds.json`` or ``--deepspeed=ds.json``:
+    the index of that word, the path after ``=``)."""
+    for i, a in enumerate(args):
+        for flag in profile.config_args:
+            if a == flag and i + 1 < len(args) and not args[i + 1].startswith("-"):
+                return i + 1, args[i + 1]
+            if a.startswith(flag + "="):
+                return i, a.split("=", 1)[1]
+    return None
+
+
+def node_local_args(profile: Profile, args: Sequence[str], *, config_path: str | None
+                    ) -> tuple[str, ...]:
+    """The program's arguments on node-local storage: its save-on-each-node flag added
+    when missing, and its DeepSpeed config argument pointed at ``config_path`` (the
+    derived copy) when given."""
+    out = list(args)
+    where = config_arg(profile, out)
+    if config_path is not None and where is not None:
+        i, _ = where
+        out[i] = config_path if out[i] == where[1] else out[i].split("=", 1)[0] + "=" + config_path
+    flag = profile.save_each_node_arg
+    if flag is not None and flag not in _words(out):
+        out.append(flag)
+    return tuple(out)
+
+
+def node_local_config(text: str, source: str) -> str:
+    """The user's DeepSpeed config (JSON text) with ``checkpoint.use_node_local_storage``
+    on (every node then writes its model states: a part complete per node); everything
+    else as the user wrote it, ``"auto"`` values included."""
+    try:
+        doc: Any = json.loads(text)
+    except ValueError as exc:
+        raise RenderError(f"{source} is not JSON ({exc})", path=source, key="--deepspeed",
+                          hint="give a DeepSpeed config file (JSON)") from None
+    if not isinstance(doc, dict):
+        raise RenderError(f"{source} is not a JSON object", path=source, key="--deepspeed")
+    ckpt = doc.get("checkpoint")
+    doc["checkpoint"] = {**(ckpt if isinstance(ckpt, dict) else {}),
+                         "use_node_local_storage": True}
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def save_problem(choice: ProgramChoice, script_text: str | None) -> str | None:
+    """Why this program's saves are not complete on every node (node-local storage), with
+    the fix; None when they are (or clusterkit makes them so)."""
+    why = choice.profile.incomplete
+    if not why or (script_text is not None and "save_on_each_node=True" in script_text
+                   and "use_node_local_storage" in script_text):
+        return None
+    return why
+
+
+def restart_problem(choice: ProgramChoice, tag: str, where: str, job_id: str) -> str | None:
+    """The step-0 rule: a restart or relaunch of a program that can neither be told where
+    to resume nor finds its checkpoint itself would begin at step 0 while ``tag`` (in
+    ``where``) is complete on every node. One line naming the checkpoint and the fix;
+    None when it resumes."""
+    if choice.resume or choice.profile.resumes_itself:
+        return None
+    return (f"job {job_id} would restart at step 0: checkpoint {tag} in {where} is complete "
+            f"on every node, but this program ({choice.why}) is not known to resume from it "
+            f"-- relaunch with --resume-arg 'FLAG {DIR_FIELD}' (its own resume flag) or "
+            f"--program NAME ({', '.join(PROGRAM_CHOICES)})")

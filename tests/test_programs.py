@@ -1,0 +1,334 @@
+"""Program profiles (issue 38, docs/programs.md): the pure decisions as tables first
+(detection, the layout on disk, the resume argument, what node-local adds, the step-0
+rule), then the plan's, the agent's and the restart's use of them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from clusterkit.checkpoints.replicas.assemble import Assembly
+from clusterkit.errors import LaunchError, RenderError
+from clusterkit.jobs.recover import resume_plan, resumed_program
+from clusterkit.launch.fromplan import checkpoint_prep, job_from_plan
+from clusterkit.launch.run import needs_ready
+from clusterkit.node.agent_files import ready_checkpoints
+from clusterkit.node.contract import ASIDE_SUFFIX, JobDir
+from clusterkit.plan.build import plan_job
+from clusterkit.render.artifacts import render_all
+from clusterkit.spec.job import JobOptions, JobPlan
+from clusterkit.spec.programs import (
+    ACCELERATE,
+    CONTRACT,
+    CUSTOM,
+    DEEPSPEED,
+    DERIVED_DS_CONFIG,
+    HF,
+    PROFILES,
+    SNAPSHOT,
+    UNKNOWN,
+    detect,
+    from_layout,
+    node_local_args,
+    node_local_config,
+    restart_problem,
+    with_resume,
+)
+from tests.render_cases import FACTS, inventory
+
+HF_SRC = "from transformers import Trainer, TrainingArguments\ntrainer = Trainer(model=m)\n"
+ACC_SRC = "from accelerate import Accelerator\nacc = Accelerator()\nacc.save_state(d)\n"
+DS_SRC = "import deepspeed\nengine.save_checkpoint(d, tag=t)\nengine.load_checkpoint(d)\n"
+SNAP_SRC = "import torch\nif rank == 0:\n    torch.save(snapshot, path)\n"
+CONTRACT_SRC = "d = os.environ['CLUSTERKIT_CKPT_DIR']\nengine.save_checkpoint(d, tag=t)\n"
+
+# (id, args, source, --program, --resume-arg, workload) -> profile
+DETECT = [
+    ("workload", (), None, None, None, True, CONTRACT),
+    ("hf-source", ("--output_dir", "/o"), HF_SRC, None, None, False, HF),
+    ("hf-args-only", ("--output_dir", "/o", "--deepspeed", "ds.json"), "print(1)\n", None,
+     None, False, HF),
+    ("hf-no-source", ("--output_dir", "/o", "--deepspeed", "ds.json"), None, None, None, False,
+     HF),
+    ("accelerate", (), ACC_SRC, None, None, False, ACCELERATE),
+    ("deepspeed", (), DS_SRC, None, None, False, DEEPSPEED),
+    ("snapshot", (), SNAP_SRC, None, None, False, SNAPSHOT),
+    ("contract-before-deepspeed", (), CONTRACT_SRC, None, None, False, CONTRACT),
+    ("unknown", ("--epochs", "3"), "print('hello')\n", None, None, False, UNKNOWN),
+    ("not-readable", (), None, None, None, False, CONTRACT),
+    ("resume-arg", (), "print(1)\n", None, "--resume {dir}", False, CUSTOM),
+    ("program-wins", ("--output_dir", "/o"), HF_SRC, "deepspeed", None, False, DEEPSPEED),
+]
+
+
+@pytest.mark.parametrize(("row", "args", "text", "program", "resume", "workload", "want"),
+                         DETECT, ids=[r[0] for r in DETECT])
+def test_detect(row: str, args: tuple[str, ...], text: str | None, program: str | None,
+                resume: str | None, workload: bool, want: str) -> None:
+    choice = detect(workload=workload, args=args, script_text=text, program=program,
+                    resume_arg=resume)
+    assert choice.name == want
+    assert choice.why and choice.name in choice.line() and choice.why in choice.line()
+
+
+def test_detect_says_why_and_how_it_resumes() -> None:
+    line = detect(workload=False, args=(), script_text=HF_SRC).line()
+    assert line == ("program profile: hf-trainer (its source builds transformers' Trainer); "
+                    "resumes with --resume_from_checkpoint {dir}")
+    assert detect(workload=False, args=(), script_text="x\n").line().endswith(
+        "no way to resume known")
+    # --program with --resume-arg: that profile, resumed by the template
+    c = detect(workload=False, args=(), script_text=None, program="torch-snapshot",
+               resume_arg="--snapshot {dir}/snap.pt")
+    assert (c.name, c.resume) == (SNAPSHOT, ("--snapshot", "{dir}/snap.pt"))
+
+
+def test_bad_program_and_template_are_one_line_errors() -> None:
+    with pytest.raises(RenderError, match="not a known profile"):
+        detect(workload=False, args=(), script_text=None, program="megatron")
+    with pytest.raises(RenderError, match=r"does not name the checkpoint as \{dir\}"):
+        detect(workload=False, args=(), script_text=None, resume_arg="--resume")
+
+
+LAYOUT = [
+    ("hf", ["checkpoint-10/trainer_state.json", "checkpoint-10/global_step10/mp_rank_00_"
+            "model_states.pt", "checkpoint-10/latest"], HF),
+    ("accelerate", ["step_4/random_states_0.pkl", "step_4/pytorch_model/mp_rank_00_model_"
+                    "states.pt"], ACCELERATE),
+    ("deepspeed", ["latest", "global_step8/mp_rank_00_model_states.pt"], DEEPSPEED),
+    ("snapshot", ["snapshot.pt"], SNAPSHOT),
+    ("contract", ["step8/mp_rank_00_model_states.pt", "step8/complete.rank0"], None),
+    ("empty", [], None),
+]
+
+
+@pytest.mark.parametrize(("row", "names", "want"), LAYOUT, ids=[r[0] for r in LAYOUT])
+def test_layout(row: str, names: list[str], want: str | None) -> None:
+    assert from_layout(names) == want
+
+
+RESUME = [
+    ("append", ("--output_dir", "/o"), ("--output_dir", "/o", "--resume_from_checkpoint",
+                                        "/ck/j/checkpoint-20")),
+    ("replace-older", ("--resume_from_checkpoint", "/ck/j/checkpoint-10", "--bf16"),
+     ("--bf16", "--resume_from_checkpoint", "/ck/j/checkpoint-20")),
+    ("replace-eq", ("--resume_from_checkpoint=/x", "--bf16"),
+     ("--bf16", "--resume_from_checkpoint", "/ck/j/checkpoint-20")),
+    ("replace-bare", ("--resume_from_checkpoint", "--bf16"),
+     ("--bf16", "--resume_from_checkpoint", "/ck/j/checkpoint-20")),
+]
+
+
+@pytest.mark.parametrize(("row", "args", "want"), RESUME, ids=[r[0] for r in RESUME])
+def test_resume_argument(row: str, args: tuple[str, ...], want: tuple[str, ...]) -> None:
+    assert with_resume(PROFILES[HF].resume, args, "/ck/j/checkpoint-20") == want
+
+
+def test_resumed_program_keeps_the_script_or_module_head() -> None:
+    tmpl = ("--resume", "{dir}")
+    assert resumed_program(("t.py", "-x"), tmpl, "/c/s4") == ("t.py", "-x", "--resume", "/c/s4")
+    assert resumed_program(("-m", "pkg.t", "-x"), tmpl, "/c/s4") == (
+        "-m", "pkg.t", "-x", "--resume", "/c/s4")
+
+
+def test_node_local_args_and_config() -> None:
+    hf = PROFILES[HF]
+    assert node_local_args(hf, ("--deepspeed", "ds.json", "--save_on_each_node"),
+                           config_path="/j/d.json") == ("--deepspeed", "/j/d.json",
+                                                        "--save_on_each_node")
+    assert node_local_args(hf, ("--deepspeed=ds.json",), config_path=None) == (
+        "--deepspeed=ds.json", "--save_on_each_node")
+    assert node_local_args(hf, ("--deepspeed=ds.json",), config_path="/j/d.json") == (
+        "--deepspeed=/j/d.json", "--save_on_each_node")
+    assert node_local_args(PROFILES[DEEPSPEED], ("--deepspeed_config", "c.json"),
+                           config_path="/j/d.json") == ("--deepspeed_config", "/j/d.json")
+    text = json.dumps({"zero_optimization": {"stage": 2}, "train_batch_size": "auto",
+                       "checkpoint": {"tag_validation": "WARN"}})
+    doc = json.loads(node_local_config(text, "ds.json"))
+    assert doc == {"zero_optimization": {"stage": 2}, "train_batch_size": "auto",
+                   "checkpoint": {"tag_validation": "WARN", "use_node_local_storage": True}}
+    with pytest.raises(RenderError, match=r"ds\.json is not JSON"):
+        node_local_config("{", "ds.json")
+
+
+STEP0 = [  # profile -> refused at a restart while a complete checkpoint exists
+    (HF, False), (ACCELERATE, False), (DEEPSPEED, False), (SNAPSHOT, False),
+    (CONTRACT, False), (UNKNOWN, True),
+]
+
+
+@pytest.mark.parametrize(("name", "refused"), STEP0, ids=[r[0] for r in STEP0])
+def test_the_step0_rule(name: str, refused: bool) -> None:
+    choice = detect(workload=False, args=(), script_text=None, program=None
+                    if name == UNKNOWN else name)
+    if name == UNKNOWN:
+        choice = detect(workload=False, args=(), script_text="print(1)\n")
+    line = restart_problem(choice, "step40", "/scratch/ckpt/j", "j")
+    assert (line is not None) is refused
+    if line is not None:
+        assert "\n" not in line and "step40" in line and "--resume-arg" in line \
+            and "--program" in line
+    custom = detect(workload=False, args=(), script_text="x\n", resume_arg="--from {dir}")
+    assert restart_problem(custom, "step40", "/c", "j") is None
+
+
+# ---------------------------------------------------------------- the plan
+
+def _plan(script_text: str | None, args: tuple[str, ...], *, storage: str = "node-local",
+          files: dict[str, str] | None = None, **kw: object) -> JobPlan:
+    o = JobOptions(job_id="j", script="train.py", script_args=args, storage=storage,
+                   ckpt_dir="/scratch/ckpt", nodes=3, gpus_per_node=1, **kw)  # type: ignore[arg-type]
+    facts = dataclasses.replace(FACTS, script_text=script_text, program_files=files or {})
+    return plan_job(inventory("a800-7x2"), o, facts)
+
+
+def test_hf_on_node_local_saves_on_each_node_with_a_derived_config() -> None:
+    user = json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": "auto"},
+                       "train_micro_batch_size_per_gpu": "auto"})
+    plan = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
+                 files={"ds.json": user})
+    assert plan.profile is not None and plan.profile.name == HF
+    for prog, node in zip(plan.programs, plan.nodes, strict=True):
+        assert prog == ("train.py", "--output_dir", "/scratch/ckpt/j", "--deepspeed",
+                        f"{node.job_dir}/{DERIVED_DS_CONFIG}", "--save_on_each_node")
+    derived = json.loads(plan.program_files[DERIVED_DS_CONFIG])
+    assert derived["checkpoint"] == {"use_node_local_storage": True}
+    assert derived["zero_optimization"]["overlap_comm"] == "auto"  # the rest as written
+    assert plan.warnings == ()
+    # the agents write the derived copy into every node's job dir
+    job = job_from_plan(render_all(plan, run_id="r-a0"))
+    assert all(t.files[DERIVED_DS_CONFIG] == plan.program_files[DERIVED_DS_CONFIG]
+               for t in job.tasks)
+
+
+def test_hf_elsewhere_is_left_alone_or_warned() -> None:
+    shared = _plan(HF_SRC, ("--output_dir", "/o", "--deepspeed", "ds.json"), storage="shared",
+                   files={"ds.json": "{}"})
+    assert shared.program == ("train.py", "--output_dir", "/o", "--deepspeed", "ds.json")
+    assert shared.program_files == {}
+    already = json.dumps({"checkpoint": {"use_node_local_storage": True}})
+    plan = _plan(HF_SRC, ("--output_dir", "/o", "--deepspeed", "ds.json"),
+                 files={"ds.json": already})
+    assert plan.program[-3:] == ("--deepspeed", "ds.json", "--save_on_each_node")
+    assert any("--output_dir /o is not the job's checkpoint dir" in w for w in plan.warnings)
+    unread = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"))
+    assert [w for w in unread.warnings if "ds.json is not readable here" in w]
+
+
+def test_a_save_on_one_node_only_is_said_and_refuses_replicas() -> None:
+    plan = _plan(SNAP_SRC, ())
+    assert [w for w in plan.warnings if w.startswith("torch-snapshot: checkpoints are not "
+                                                     "complete on every node")]
+    with pytest.raises(RenderError, match="--replicas 1: this program's checkpoints are not "
+                                          "complete on every node"):
+        _plan(SNAP_SRC, (), replicas=1)
+
+
+def test_program_flags_reach_the_profile() -> None:
+    plan = _plan("print(1)\n", (), resume_arg="--from {dir}")
+    assert plan.profile is not None and plan.profile.name == CUSTOM
+    plan = _plan(HF_SRC, (), program_profile="deepspeed")
+    assert plan.profile is not None and plan.profile.name == DEEPSPEED
+
+
+# ---------------------------------------------------------------- the agents' part
+
+def test_checkpoint_prep_per_node() -> None:
+    plan = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j"))
+    job = job_from_plan(render_all(plan, run_id="r-a0"))
+    for task, node in zip(job.tasks, plan.nodes, strict=True):
+        prep = json.loads(task.files[JobDir.ckpt_prep(node.name)])
+        assert prep == {"ckpt_dir": node.ckpt_dir, "aside": [], "latest": None,
+                        "nested_latest": True}
+        assert not [n for n in task.files if n.startswith(JobDir.CKPT_PREP)
+                    and n != JobDir.ckpt_prep(node.name)]
+    ds = dataclasses.replace(_plan(DS_SRC, ()), resume_from="global_step8",
+                             set_aside=("global_step12",))
+    prep = json.loads(checkpoint_prep(ds, ds.nodes[1]))
+    assert (prep["latest"], prep["aside"], prep["nested_latest"]) == (
+        "global_step8", ["global_step12"], False)
+
+
+def test_ready_checkpoints_on_a_node(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt" / "j"
+    prep = {"ckpt_dir": str(ckpt), "aside": [], "latest": None, "nested_latest": True}
+    assert ready_checkpoints(json.dumps(prep)) == []
+    assert ckpt.is_dir()  # the program's save finds its directory
+    inner = ckpt / "checkpoint-20" / "global_step20"
+    inner.mkdir(parents=True)
+    (inner / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (ckpt / "checkpoint-20" / "trainer_state.json").write_text("{}")
+    (ckpt / "checkpoint-30").mkdir()  # a save cut short: nothing DeepSpeed's in it
+    assert ready_checkpoints(json.dumps(prep)) == ["checkpoint-20/latest -> global_step20"]
+    assert (ckpt / "checkpoint-20" / "latest").read_text() == "global_step20"
+    assert not (ckpt / "checkpoint-30" / "latest").exists()
+    assert ready_checkpoints(json.dumps(prep)) == []  # once
+    # DeepSpeed's own layout: `latest` at the top, newer tags moved aside, kept
+    for tag in ("global_step8", "global_step12"):
+        (ckpt / tag).mkdir()
+    prep = {"ckpt_dir": str(ckpt), "aside": ["global_step12", "gone"], "latest": "global_step8",
+            "nested_latest": False}
+    said = ready_checkpoints(json.dumps(prep))
+    assert said == [f"moved global_step12 aside to global_step12{ASIDE_SUFFIX} (it cannot be "
+                    "assembled on this node set)", "latest -> global_step8"]
+    assert (ckpt / f"global_step12{ASIDE_SUFFIX}").is_dir()
+    assert (ckpt / "latest").read_text() == "global_step8"
+    (ckpt / "global_step12").mkdir()
+    ready_checkpoints(json.dumps(prep))
+    assert (ckpt / f"global_step12{ASIDE_SUFFIX}2").is_dir()  # never overwritten
+
+
+# ---------------------------------------------------------------- restarts
+
+def _assembly(tag: str) -> Assembly:
+    return Assembly(tag=tag, names={}, sources={}, candidates={}, missing={})
+
+
+def test_a_restart_resumes_hf_from_the_newest_complete_checkpoint() -> None:
+    plan = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--resume_from_checkpoint",
+                          "/scratch/ckpt/j/checkpoint-10"))
+    said: list[str] = []
+    new = resume_plan(plan, _assembly("checkpoint-20"), ["checkpoint-30"], said.append)
+    assert new is not None and new.resume_from == "checkpoint-20"
+    assert new.set_aside == ()  # told where to resume: nothing newer is in its way
+    for prog, node in zip(new.programs, new.nodes, strict=True):
+        assert prog[-2:] == ("--resume_from_checkpoint", f"{node.ckpt_dir}/checkpoint-20")
+        assert prog.count("--resume_from_checkpoint") == 1
+    assert said == ["hf-trainer: resuming from checkpoint-20, the newest checkpoint complete on "
+                    "every node (--resume_from_checkpoint /scratch/ckpt/j/checkpoint-20)"]
+
+
+def test_a_program_that_picks_by_itself_gets_latest_and_newer_tags_aside() -> None:
+    plan = _plan(DS_SRC, ())
+    new = resume_plan(plan, _assembly("global_step8"), ["global_step12"], lambda s: None)
+    assert new is not None
+    assert (new.resume_from, new.set_aside, new.programs) == (
+        "global_step8", ("global_step12",), plan.programs)
+    snap = _plan(CONTRACT_SRC, ())
+    assert resume_plan(snap, _assembly("step8"), [], lambda s: None) is None
+
+
+def test_an_unknown_program_is_refused_rather_than_restarted_at_step0() -> None:
+    plan = _plan("print('hello')\n", ())
+    with pytest.raises(LaunchError) as exc:
+        resume_plan(plan, _assembly("step40"), [], lambda s: None)
+    assert "would restart at step 0: checkpoint step40 in /scratch/ckpt/j" in exc.value.message
+    ok = _plan("print('hello')\n", (), resume_arg="--from {dir}")
+    new = resume_plan(ok, _assembly("step40"), [], lambda s: None)
+    assert new is not None and new.program[-2:] == ("--from", "/scratch/ckpt/j/step40")
+
+
+NEEDS = [  # profile -> a restart on the same nodes is readied first (node-local)
+    (HF_SRC, None, True), (DS_SRC, None, True), ("print(1)\n", None, True),
+    ("print(1)\n", "--from {dir}", True), (SNAP_SRC, None, False), (CONTRACT_SRC, None, False),
+    (ACC_SRC, None, False),
+]
+
+
+@pytest.mark.parametrize(("text", "resume", "want"), NEEDS)
+def test_which_restarts_are_readied(text: str, resume: str | None, want: bool) -> None:
+    assert needs_ready(_plan(text, (), resume_arg=resume)) is want
+    assert needs_ready(_plan(text, (), resume_arg=resume, storage="shared")) is False
