@@ -26,7 +26,8 @@ from clusterkit.node.replica import (
     say_bye,
 )
 from clusterkit.node.replica_area import read_manifest, safe_rel
-from clusterkit.node.replica_done import CompletionWatch, missing_rank_files
+from clusterkit.node.replica_done import CompletionWatch
+from clusterkit.node.replica_rules import missing_rank_files
 from clusterkit.node.replica_service import ReplicaService
 from tests.replicahelpers import fresh_job_id, ring_pair, zero2_tag
 

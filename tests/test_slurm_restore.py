@@ -22,7 +22,7 @@ from clusterkit.node import slurmrestore
 from clusterkit.node.contract import REPLICA_MANIFEST, marker_name, replica_dir
 from clusterkit.node.listing import listing
 from clusterkit.node.replica import ReplicaServer, push
-from clusterkit.node.slurmreplica import ring
+from clusterkit.node.replica_rules import ring
 from tests.replicahelpers import fresh_job_id
 
 TAG = "global_step4"
@@ -47,14 +47,22 @@ def _save(root: Path, index: int) -> None:
     for r in range(index * RPN, (index + 1) * RPN):
         (d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(os.urandom(1000) + bytes([r]))
     (d / "mp_rank_00_model_states.pt").write_bytes(b"model" * 100)
-    (d / marker_name(index)).write_text(json.dumps({"node_index": index}))
+    _mark(d, index, 4)
     if index == 0:
         (root / "latest").write_text(TAG)
 
 
+def _mark(d: Path, index: int, nodes: int) -> None:
+    """The completion marker as the bundled workload writes it last (the keys the copy
+    rule reads: node/replica_rules.read_marker): every file of the tag dir and its size."""
+    files = {p.name: p.stat().st_size for p in d.iterdir()}
+    (d / marker_name(index)).write_text(json.dumps(
+        {"tag": d.name, "node_index": index, "num_nodes": nodes, "node_files": files}))
+
+
 def _replicate(roots: dict[str, Path], hosts: list[str]) -> None:
     for i, h in enumerate(hosts):
-        j = ring(i, [str(n) for n in range(len(hosts))], 1)[0]
+        j = ring(i, [(h,) for h in hosts], 1)[0]
         server = ReplicaServer(JOB, j, hosts[j], str(roots[hosts[j]]), SECRET, address="127.0.0.1")
         server.start()
         try:

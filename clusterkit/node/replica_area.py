@@ -24,6 +24,7 @@ from clusterkit.node.contract import (
     REPLICA_SCHEMA_VERSION,
     replica_area,
 )
+from clusterkit.node.replica_rules import parse_replica_manifest
 
 
 def safe_rel(rel: Any, tag: str) -> bool:
@@ -50,12 +51,12 @@ def read_manifest(path: str) -> dict[str, Any] | None:
     """A replica dir's manifest, or None when absent or unreadable (the copy counts not)."""
     try:
         with open(os.path.join(path, REPLICA_MANIFEST), encoding="utf-8") as fh:
-            doc = json.load(fh)
+            text = fh.read()
+        parse_replica_manifest(text)  # the one manifest rule (node/replica_rules.py)
+        doc = json.loads(text)
     except (OSError, ValueError):
         return None
-    ok = isinstance(doc, dict) and doc.get("schema") == REPLICA_SCHEMA \
-        and doc.get("version") == REPLICA_SCHEMA_VERSION and isinstance(doc.get("files"), dict)
-    return doc if ok else None
+    return doc if isinstance(doc, dict) else None
 
 
 def sweep_partials(ckpt_dir: str) -> list[str]:

@@ -6,7 +6,8 @@ agent polls its checkpoint dir every ~1.5 s (``listdir`` + ``stat``, cheap) and 
 
 * the bundled workload (``markers``): this node's completion marker
   ``clusterkit-complete.node<N>.json`` exists (written after the save's barrier);
-* a user's own DeepSpeed script (no markers): the tag dir holds, for every global rank
+* a user's own DeepSpeed script (no markers): by node/replica_rules.part_problem, the
+  tag dir holds, for every global rank
   on this node, its files (ZeRO stage inferred from the names present: per-rank
   optimizer shards if any shard exists; ZeRO-3's per-rank model states if any exists,
   else ``mp_rank_00_model_states.pt``), every ``.pt`` is a whole zip archive, no process
@@ -25,14 +26,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from clusterkit.node.agent_procs import job_processes
-from clusterkit.node.contract import (
-    MODEL_STATES_RE,
-    OPTIM_STATES_RE,
-    ZERO3_MODEL_STATES_RE,
-    marker_name,
-    tag_step,
-)
+from clusterkit.node.contract import marker_name
 from clusterkit.node.listing import whole_zip as _whole_zip
+from clusterkit.node.replica_rules import oldest_first, part_problem
 
 if TYPE_CHECKING:  # a runtime alias would need typing.Dict on Python 3.8
     Snapshot = dict[str, tuple[int, int]]  # rel path -> (size, mtime_ns)
@@ -54,40 +50,6 @@ def tag_files(tag_dir: str) -> Snapshot:
             if os.path.isfile(p):
                 out[os.path.relpath(p, tag_dir)] = (s.st_size, s.st_mtime_ns)
     return out
-
-
-def missing_rank_files(names: Sequence[str], ranks: Sequence[int]) -> list[str]:
-    """What DeepSpeed still owes this node's ``ranks`` in a tag dir holding ``names``
-    (base names); an empty list when nothing is missing. A dir with no DeepSpeed file
-    at all owes the ZeRO 0-2 model states (it is not a checkpoint yet)."""
-    base = {os.path.basename(n) for n in names}
-    optim = {int(m.group(2)): n for n in base for m in [OPTIM_STATES_RE.match(n)] if m}
-    zero3 = {int(m.group(1)) for n in base for m in [ZERO3_MODEL_STATES_RE.match(n)] if m}
-    model = any(MODEL_STATES_RE.match(n) for n in base)
-    missing = []
-    if zero3:
-        missing += [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in ranks if r not in zero3]
-    elif not model:
-        missing.append("mp_rank_00_model_states.pt")
-    if optim:
-        missing += [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in ranks if r not in optim]
-    return missing
-
-
-def part_problem(names: Sequence[str], ranks: Sequence[int], cut_short: Sequence[str] = ()
-                 ) -> str | None:
-    """The no-marker rule on what one listing of a node's tag dir shows: None when it
-    holds every file DeepSpeed owes ``ranks`` and none is cut short (``cut_short``: the
-    ``.pt`` files without their zip end record), else what is wrong. The one rule for a
-    user's checkpoint: this watcher (which adds what only it sees: nothing open, sizes
-    stable), ``status``, ``collect-ckpt`` and the restore onto a spare
-    (checkpoints/replicas/assemble.py) all ask it."""
-    missing = missing_rank_files(names, ranks)
-    if missing:
-        return "missing " + ", ".join(missing[:3])
-    if cut_short:
-        return "not a whole zip: " + ", ".join(sorted(cut_short)[:3])
-    return None
 
 
 def open_in(tag_dir: str, job_id: str) -> list[int]:
@@ -140,9 +102,8 @@ class CompletionWatch:
             names = os.listdir(self.ckpt_dir)
         except OSError:
             return []
-        return sorted((n for n in names if not n.startswith(".")
-                       and os.path.isdir(os.path.join(self.ckpt_dir, n))),
-                      key=lambda n: (tag_step(n), n))
+        return oldest_first(n for n in names if not n.startswith(".")
+                            and os.path.isdir(os.path.join(self.ckpt_dir, n)))
 
     def complete(self, tag: str, now: float | None = None) -> bool:
         """Whether ``tag`` is finished on this node (call it every poll)."""

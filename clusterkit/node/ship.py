@@ -46,7 +46,8 @@ PROGRAMS: dict[str, Program] = {
     "agent": Program(("contract", "protocol", "sitepaths", "parity", "dist_store", "envfacts",
                       "gatefacts", "zygote", "agent_files", "agent_state",
                       "agent_procs", "jitops", "agent_hangs", "agent_env", "agent_output",
-                      "agent_forkserver", "listing", "replica_done", "replica_area", "priority", "replica",
+                      "agent_forkserver", "listing", "replica_rules", "replica_done",
+                      "replica_area", "priority", "replica",
                       "replica_service", "replica_proc", "agent"), site=True),
     "probe": Program(("contract", "sitepaths", "parity", "dist_store", "envfacts", "jitops",
                       "gatefacts", "probe")),
@@ -66,7 +67,7 @@ PROGRAMS: dict[str, Program] = {
     # sbatch.sh's checkpoint replicas and a run on other nodes (docs/sbatch.md): launch's
     # replication service, started by the batch script.
     "slurmreplica": Program(("contract", "protocol", "agent_files", "agent_procs", "listing",
-                             "replica_done", "replica_area", "priority", "replica",
+                             "replica_rules", "replica_done", "replica_area", "priority", "replica",
                              "replica_service", "slurmrestore", "slurmreplica")),
 }
 

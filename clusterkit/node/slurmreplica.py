@@ -22,8 +22,9 @@ run's hosts are ``RUN_DIR/hosts`` (node index order, one per line: ``scontrol sh
 hostnames``), the per-run secret is ``RUN_DIR/secret`` (mode 0600, made by the script,
 removed when it ends: never on a command line, in an environment or in a log).
 
-Placement is ``plan/build.py``'s rule on the allocation: node i's copies go to the next
-K nodes in node order, as a ring, skipping a node with the same address.
+Placement is node/replica_rules.ring, the rule ``plan/build.py`` places a launch's copies
+by, on the allocation: node i's copies go to the next K nodes in node order, as a ring,
+skipping a node with the same host name or address.
 
 Standard library only, Python >= 3.8 on the node.
 """
@@ -40,6 +41,7 @@ from typing import Any
 
 from clusterkit.node import priority, slurmrestore
 from clusterkit.node.contract import JobDir
+from clusterkit.node.replica_rules import ring, ring_sources
 from clusterkit.node.replica_service import ReplicaService
 
 END_FILE = "end"
@@ -63,28 +65,15 @@ def address_of(host: str) -> str:
     return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
 
 
-def ring(index: int, addresses: list[str], k: int) -> list[int]:
-    """The next ``k`` node indexes after ``index``, in order, as a ring, skipping any with
-    ``index``'s address or one already chosen (one lost machine never takes a part and
-    its copy)."""
-    out: list[int] = []
-    seen = {addresses[index]}
-    for step in range(1, len(addresses)):
-        j = (index + step) % len(addresses)
-        if len(out) < k and addresses[j] not in seen:
-            out.append(j)
-            seen.add(addresses[j])
-    return out
-
-
 def replica_config(conf: dict[str, Any], hosts: list[str], addresses: list[str], me: str,
                    secret: str) -> dict[str, Any]:
     """``AgentSpec.replica`` (node/replica_service.py's REPLICA_KEYS) for node ``me``."""
     index = hosts.index(me)
     k, rpn = int(conf["replicas"]), int(conf["rpn"])
+    identities = [(hosts[i], addresses[i]) for i in range(len(hosts))]
     targets = [{"node": hosts[j], "index": j, "address": addresses[j]}
-               for j in ring(index, addresses, k)]
-    sources = [i for i in range(len(hosts)) if index in ring(i, addresses, k)]
+               for j in ring(index, identities, k)]
+    sources = ring_sources(index, identities, k)
     return {"index": index, "address": addresses[index], "ckpt_dir": conf["ckpt_dir"],
             "ranks": list(range(index * rpn, (index + 1) * rpn)),
             "markers": bool(conf["markers"]), "targets": targets, "sources": sources,

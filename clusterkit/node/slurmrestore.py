@@ -30,31 +30,36 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from clusterkit.node.contract import (
     LATEST_FILE,
     MODEL_STATES_RE,
     REPLICA_PARTIAL_PREFIX,
-    parse_marker_name,
     replica_dir,
     replica_source_dir,
-    tag_step,
 )
 from clusterkit.node.listing import listing
 from clusterkit.node.replica import ReplicaError, ReplicaServer, push, push_files
 from clusterkit.node.replica_area import commit_copy, new_manifest, read_manifest
-from clusterkit.node.replica_done import part_problem
+from clusterkit.node.replica_rules import (
+    Copy,
+    Holding,
+    file_ranks,
+    held_index,
+    own_problem,
+    part_sources,
+)
+from clusterkit.node.replica_rules import candidate_tags as rule_tags
 
 CANNOT_ASSEMBLE = 3  # the batch script's exit code for "not starting fresh"
 RECEIVE_WAIT_S = 600.0  # a node waiting for its part: the holders push within this
 PUSH_TRIES_S = 120.0  # a holder retries while the target's server comes up
-_RANK_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_")
 
 
 def say(text: str, err: bool = False) -> None:
@@ -78,87 +83,111 @@ def write_listing(ckpt_dir: str, run_dir: str, host: str) -> int:
 # ------------------------------------------------------------------ 2. plan (pure)
 
 
-def own_index(files: dict[str, Any], marks: dict[str, str], markers: bool, rpn: int) -> int | None:
-    """Which node index's complete part one node's own tag dir holds; None if none.
-    The bundled workload: its completion marker names it. A user's script: the ranks of
-    its DeepSpeed files, complete by the replicas' rule (``replica_done.part_problem``)."""
-    if markers:
-        found = [i for rel in marks for i in [parse_marker_name(os.path.basename(rel))]
-                 if i is not None]
-        return found[0] if len(found) == 1 else None
-    ranks = sorted({int(m.group(1)) for rel in files for m in [_RANK_RE.search(rel)] if m})
-    if not ranks or rpn <= 0:
-        return None
-    index = ranks[0] // rpn
-    cut = [rel for rel, st in files.items() if len(st) > 2 and st[2] is False]
-    names = list(files)
-    return index if part_problem(names, range(index * rpn, (index + 1) * rpn), cut) is None \
-        else None
+@dataclass(frozen=True)
+class Saved:
+    """The run whose checkpoint is asked about: its ``hosts`` in node index order (a
+    host's own tag dir holds its index's part unless its files say otherwise), whether it
+    writes completion ``markers``, its ranks per node ``rpn``."""
+
+    hosts: tuple[str, ...]
+    markers: bool
+    rpn: int
+
+    @property
+    def ranks(self) -> dict[int, range] | None:
+        """node index -> its global ranks (None: not known)."""
+        if self.rpn <= 0:
+            return None
+        return {i: range(i * self.rpn, (i + 1) * self.rpn) for i in range(len(self.hosts))}
+
+    def position(self, host: str) -> int | None:
+        return self.hosts.index(host) if host in self.hosts else None
 
 
-def replica_ok(copy: Any, markers: bool, index: int) -> bool:
-    """A complete replica copy: its manifest parses and names files present at their sizes."""
-    if not copy or not copy.get("manifest"):
-        return False
-    try:
-        files = json.loads(copy["manifest"])["files"]
-    except (ValueError, KeyError, TypeError):
-        return False
-    have = copy.get("files", {})
-    if any(rel not in have or have[rel][0] != f.get("size") for rel, f in files.items()):
-        return False
-    return not markers or any(parse_marker_name(os.path.basename(rel)) == index for rel in files)
+def _stat(st: list[Any]) -> tuple[int, float, bool | None]:
+    """A listed file ``[size, mtime(, whole)]`` (node/listing.py) as the rules read it."""
+    return int(st[0]), float(st[1]), (None if len(st) < 3 or st[2] is None else bool(st[2]))
 
 
-def sources(listings: dict[str, Any], tag: str, markers: bool, rpn: int
-            ) -> dict[int, list[tuple[str, str]]]:
-    """node index -> [(host, "own" | "replica")] holding that part of ``tag``."""
-    out: dict[int, list[tuple[str, str]]] = {}
-    for host, ls in listings.items():
-        files = (ls.get("tags") or {}).get(tag)
-        if files:
-            i = own_index(files, (ls.get("markers") or {}).get(tag) or {}, markers, rpn)
-            if i is not None:
-                out.setdefault(i, []).append((host, "own"))
-        for key, entry in (ls.get("replicas") or {}).items():
-            if replica_ok((entry.get("tags") or {}).get(tag), markers, int(key)):
-                out.setdefault(int(key), []).append((host, "replica"))
+def _copy(files: dict[str, Any], marks: dict[str, str] | None = None,
+          manifest: str | None = None) -> Copy:
+    return Copy(files={rel: _stat(st) for rel, st in files.items()}, markers=marks or {},
+                manifest=manifest)
+
+
+def _own(ls: dict[str, Any], tag: str) -> Copy | None:
+    files = (ls.get("tags") or {}).get(tag)
+    return None if files is None else _copy(files, (ls.get("markers") or {}).get(tag))
+
+
+def _replicas(ls: dict[str, Any], tag: str) -> dict[int, Copy]:
+    out = {}
+    for key, entry in (ls.get("replicas") or {}).items():
+        c = (entry.get("tags") or {}).get(tag)
+        if c is not None:
+            out[int(key)] = _copy(c.get("files") or {}, c.get("markers"), c.get("manifest"))
     return out
 
 
-def candidate_tags(listings: dict[str, Any]) -> list[str]:
-    """Every tag some node has a copy or a replica of, newest first (the step a tag names,
-    then its newest file)."""
-    newest: dict[str, float] = {}
-    for ls in listings.values():
-        for tag, files in (ls.get("tags") or {}).items():
-            newest[tag] = max([newest.get(tag, 0.0), *(f[1] for f in (files or {}).values())])
-        for entry in (ls.get("replicas") or {}).values():
-            for tag, copy in (entry.get("tags") or {}).items():
-                if copy and copy.get("manifest"):
-                    newest.setdefault(tag, 0.0)
-    return sorted(newest, key=lambda t: (tag_step(t), newest[t], t), reverse=True)
+def holdings(listings: dict[str, Any], tag: str, saved: Saved) -> list[Holding]:
+    """What each listed host holds of ``tag``, as the rules (node/replica_rules.py) read it."""
+    return [Holding(host=h, position=saved.position(h), own=_own(ls, tag),
+                    copies=_replicas(ls, tag)) for h, ls in listings.items()]
+
+
+def own_index(ls: dict[str, Any], tag: str, host: str, saved: Saved) -> int | None:
+    """Which node index's complete part ``host``'s own ``tag`` dir holds; None if none
+    (the rules' ``held_index`` and ``own_problem``)."""
+    own = _own(ls, tag)
+    if own is None:
+        return None
+    ranks = saved.ranks
+    i = held_index(own, saved.position(host), saved.markers, ranks)
+    if i is None or own_problem(own, i, tag, saved.markers, None if ranks is None else ranks.get(i)):
+        return None
+    return i
+
+
+def sources(listings: dict[str, Any], tag: str, saved: Saved
+            ) -> dict[int, list[tuple[str, str]]]:
+    """node index -> [(host, "own" | "replica")] holding a usable copy of that part of
+    ``tag`` (node/replica_rules.part_sources)."""
+    found, _ = part_sources(holdings(listings, tag, saved), tag, len(saved.hosts),
+                            saved.markers, saved.ranks)
+    return {i: [(s.host, s.kind) for s in src] for i, src in found.items() if src}
+
+
+def candidate_tags(listings: dict[str, Any], markers: bool) -> list[str]:
+    """Every tag some node has a copy or a replica of, newest first
+    (node/replica_rules.candidate_tags)."""
+    own = [(t, _copy(files, (ls.get("markers") or {}).get(t)))
+           for ls in listings.values() for t, files in (ls.get("tags") or {}).items() if files]
+    copies = [(t, _copy(c.get("files") or {}, c.get("markers"), c.get("manifest")))
+              for ls in listings.values() for entry in (ls.get("replicas") or {}).values()
+              for t, c in (entry.get("tags") or {}).items() if c]
+    return rule_tags(own, copies, markers)
 
 
 def decide(listings: dict[str, Any], hosts: list[str], old_hosts: list[str], markers: bool,
            rpn: int) -> dict[str, Any]:
     """The plan: ``{"tag", "actions": {host: {...}}, "lines": [...]}`` or, when no tag can
     be assembled, ``{"missing": line}``; ``{"tag": None}`` when nothing was saved."""
-    tags = [t for t in candidate_tags(listings) if sources(listings, t, markers, rpn)]
+    saved = Saved(tuple(old_hosts or hosts), markers, rpn)
+    tags = [t for t in candidate_tags(listings, markers) if sources(listings, t, saved)]
     if not tags:
         return {"tag": None}
-    parts = len(old_hosts) if old_hosts else len(hosts)
+    parts = len(saved.hosts)
     label = {i: f"node index {i}" + (f" (was {old_hosts[i]})" if i < len(old_hosts) else "")
              for i in range(max(parts, len(hosts)))}
     for tag in tags:
-        src = sources(listings, tag, markers, rpn)
+        src = sources(listings, tag, saved)
         if not all(src.get(i) for i in range(parts)):
             continue
         if parts != len(hosts):
             return {**_gathers(tag, src, hosts, label, parts),
                     "world": _world(listings, tag) or parts * rpn}
-        return _moves(tag, src, hosts, label, listings, markers, rpn)
-    src = sources(listings, tags[0], markers, rpn)
+        return _moves(tag, src, hosts, label, listings, saved)
+    src = sources(listings, tags[0], saved)
     gone = [label[i] for i in range(parts) if not src.get(i)]
     return {"missing": f"checkpoint {tags[0]} cannot be assembled from this run's nodes: "
                        + ", ".join(gone) + ": no copy on any node of this run and no replica "
@@ -166,10 +195,9 @@ def decide(listings: dict[str, Any], hosts: list[str], old_hosts: list[str], mar
 
 
 def _moves(tag: str, src: dict[int, list[tuple[str, str]]], hosts: list[str],
-           label: dict[int, str], listings: dict[str, Any], markers: bool, rpn: int
-           ) -> dict[str, Any]:
+           label: dict[int, str], listings: dict[str, Any], saved: Saved) -> dict[str, Any]:
     actions: dict[str, dict[str, Any]] = {
-        h: {"index": i, "aside": _asides(listings.get(h) or {}, tag, i, markers, rpn),
+        h: {"index": i, "aside": _asides(listings.get(h) or {}, h, tag, i, saved),
             "get": "have", "push": []} for i, h in enumerate(hosts)}
     lines = []
     for i, host in enumerate(hosts):
@@ -212,11 +240,10 @@ def _world(listings: dict[str, Any], tag: str) -> int:
         names += list((ls.get("tags") or {}).get(tag) or {})
         for entry in (ls.get("replicas") or {}).values():
             names += list((((entry.get("tags") or {}).get(tag)) or {}).get("files", {}))
-    ranks = [int(m.group(1)) for n in names for m in [_RANK_RE.search(n)] if m]
-    return max(ranks) + 1 if ranks else 0
+    return max(file_ranks(names), default=-1) + 1
 
 
-def _asides(ls: dict[str, Any], tag: str, index: int, markers: bool, rpn: int
+def _asides(ls: dict[str, Any], host: str, tag: str, index: int, saved: Saved
             ) -> list[list[Any]]:
     """[tag, part] of this node's own tag dirs that hold another node index's part (they
     become replicas of that part: a later save of ``index`` must not land beside them);
@@ -225,7 +252,7 @@ def _asides(ls: dict[str, Any], tag: str, index: int, markers: bool, rpn: int
     for t, files in (ls.get("tags") or {}).items():
         if not files:
             continue
-        j = own_index(files, (ls.get("markers") or {}).get(t) or {}, markers, rpn)
+        j = own_index(ls, t, host, saved)
         if j is not None and j != index:
             out.append([t, j])
         elif j is None and t == tag:

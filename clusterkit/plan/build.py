@@ -22,6 +22,7 @@ from clusterkit.node.contract import (
     JobDir,
     StorageKind,
 )
+from clusterkit.node.replica_rules import ring
 from clusterkit.plan.env import build_env
 from clusterkit.plan.ifaces import added_env, apply_picks
 from clusterkit.plan.profile import profile_programs
@@ -253,7 +254,8 @@ def _placement(o: JobOptions, nodes: tuple[NodePlan, ...],
     """Where each node's checkpoint copies go, and the warnings: node i's to the next K
     nodes in plan order (a ring), skipping a node on the same host name or address as i
     or as a target already chosen (one lost machine must not take a checkpoint and its
-    copy). The default K (1) places silently what it can; a K the user asked for warns."""
+    copy): ``node/replica_rules.ring``, the rule a Slurm job's nodes place theirs by. The
+    default K (1) places silently what it can; a K the user asked for warns."""
     k = _replica_count(o, nodes, storage)
     asked = o.replicas is not None or nodes[0].host.checkpoint.replicas is not None
     if o.replicas and (storage != StorageKind.NODE_LOCAL or len(nodes) < 2):
@@ -264,16 +266,9 @@ def _placement(o: JobOptions, nodes: tuple[NodePlan, ...],
         return (), ()
     targets: list[tuple[int, ...]] = []
     short: list[tuple[str, str]] = []
+    identities = [(n.host.name, n.host.address) for n in nodes]
     for i, node in enumerate(nodes):
-        taken = {node.host.name, node.host.address}
-        chosen: list[int] = []
-        for step in range(1, len(nodes)):
-            j = (i + step) % len(nodes)
-            cand = nodes[j].host
-            if len(chosen) == k or cand.name in taken or cand.address in taken:
-                continue
-            chosen.append(j)
-            taken |= {cand.name, cand.address}
+        chosen = ring(i, identities, k)  # the one placement rule (node/replica_rules.py)
         targets.append(tuple(chosen))
         if len(chosen) < k and asked:
             short.append((node.name, f"{len(chosen)} of {k} checkpoint replicas placed (the "
