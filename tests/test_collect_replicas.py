@@ -238,7 +238,7 @@ def test_status_job_shows_replica_health(tmp_path: Path, monkeypatch: pytest.Mon
     assert main(["status", "ck-repl-1", "--json"]) == 0
     tags = json.loads(capsys.readouterr().out)["checkpoints"]["tags"]
     assert tags == [{"tag": TAG, "nodes": 3, "own": 3, "replicated": 3, "complete": True,
-                     "missing": {}}]
+                     "missing": {}, "collectable": True, "problems": []}]
 
 
 def test_dry_run_names_a_corrupted_replica_and_copies_nothing(

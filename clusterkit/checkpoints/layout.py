@@ -40,7 +40,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from clusterkit.errors import CheckpointError
-from clusterkit.node.contract import MODEL_STATES_RE, OPTIM_STATES_RE, ZERO3_MODEL_STATES_RE
+from clusterkit.node.contract import (
+    MODEL_STATES_RE,
+    OPTIM_STATES_RE,
+    ZERO3_MODEL_STATES_RE,
+    tag_step,
+)
 
 MARKER_SCHEMA = "clusterkit.checkpoint-complete"
 MARKER_SCHEMA_VERSION = 1
@@ -56,7 +61,6 @@ ShardKind = Literal["model_states", "zero3_model_states", "optim_states"]
 _MODEL_RE = MODEL_STATES_RE
 _ZERO3_MODEL_RE = ZERO3_MODEL_STATES_RE
 _OPTIM_RE = OPTIM_STATES_RE
-_STEP_TAG_RE = re.compile(r"^global_step(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -113,8 +117,10 @@ def step_tag(step: int) -> str:
 
 
 def parse_step_tag(tag: str) -> int | None:
-    m = _STEP_TAG_RE.match(tag)
-    return int(m.group(1)) if m else None
+    """The step a tag names (``global_step40``, HF's ``checkpoint-30``, a user's
+    ``step_12``): node/contract.tag_step, the one rule; None for a tag without a number."""
+    step = tag_step(tag)
+    return step if step >= 0 else None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 A job launched from this machine has a record in the registry (``<home>/jobs``); its
 nodes answer ``agent --status`` (node/agent_procs.py ``job_status``) with the job's
 processes there, and a node-local job's checkpoints are listed for replica health
-(checkpoints/replicas/health.py). A batch job's nodes are Slurm's: its status is its
+(checkpoints/replicas/health.py), with collect-ckpt's answer for each
+(checkpoints/collect/tags.py). A batch job's nodes are Slurm's: its status is its
 record and the Slurm job ids.
 """
 
@@ -15,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clusterkit.checkpoints.replicas.health import JobHealth, job_health
+from clusterkit.checkpoints.collect.tags import answers
+from clusterkit.checkpoints.collectplan import WithoutMarkers
+from clusterkit.checkpoints.replicas.health import JobHealth, TagHealth, job_nodes, list_all
 from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.orchestrator import agent_control
 from clusterkit.remote.base import Transport
@@ -102,8 +105,23 @@ def job_status(home: Path, job: str) -> JobStatus:
         return JobStatus(record, (), batch_job_health(record, home))
     with transport_for() as transport:
         nodes = node_status(transport, record)
-        health = job_health(transport, record.nodes, record.ckpt)
+        health = checkpoint_answers(transport, record)
     return JobStatus(record, tuple(nodes), health)
+
+
+def checkpoint_answers(transport: Transport, record: JobRecord) -> JobHealth | None:
+    """A node-local job's newest tags, each with its replica health and collect-ckpt's
+    answer (checkpoints/collect/tags.py: the one rule); None when it is not node-local
+    or its record names no checkpoint dir."""
+    ckpt = record.ckpt
+    chosen = job_nodes(record.nodes, ckpt)
+    if not ckpt.node_local or not chosen:
+        return None
+    listings = list_all(transport, chosen)
+    slots = tuple(int(n) for _, _, n in ckpt.rank_map) if ckpt.rank_map else tuple(ckpt.slots)
+    wm = None if ckpt.markers else WithoutMarkers(world_size=sum(slots), slots=slots)
+    tags: list[TagHealth] = list(answers(listings, without_markers=wm))
+    return JobHealth(tags, {ls.node: ls.error for ls in listings if ls.error}, ckpt.markers)
 
 
 def node_status(transport: Transport, record: JobRecord) -> list[NodeStatus]:

@@ -4,10 +4,23 @@ reason: identical copies balance the load, differing ones go to global rank 0's.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Mapping, Sequence
 
+from clusterkit.checkpoints import layout
 from clusterkit.checkpoints.collectplan import CollectPlan
 from clusterkit.checkpoints.sources.transfer import Hashed, Wanted
+
+
+def why_kept(rel: str) -> str:
+    """Why global rank 0's copy of a file the nodes hold different copies of is the one:
+    DeepSpeed's model states (only rank 0's carries the tied weights), or any other file
+    each node's program wrote for itself (HF's ``training_args.bin`` pickles per-process
+    settings, ``trainer_state.json`` the writer's own times)."""
+    if layout.parse_shard_name(posixpath.basename(rel)) is not None:
+        return "global rank 0 writes the complete model states"
+    return ("each node's program wrote its own copy; global rank 0's is the one a "
+            "single-node save holds")
 
 
 def pick_sources(plan: CollectPlan) -> list[Wanted]:
@@ -39,7 +52,7 @@ def copy_notes(plan: CollectPlan, picks: Sequence[Wanted],
                             f"{plan.canonical_node} (global rank 0) has no copy")
         elif others:
             notes.append(f"{w.relpath}: the copies on {', '.join(others)} differ from {w.node}'s; "
-                         f"kept {w.node}'s (global rank 0 writes the complete model states)")
+                         f"kept {w.node}'s ({why_kept(w.relpath)})")
     return notes, problems
 
 
@@ -77,7 +90,7 @@ def choose_sources(plan: CollectPlan, hashes: Mapping[tuple[str, str], Hashed]
                       if h is not None and c.node != src.node
                       and h.sha256 != hashes[(src.node, rel)].sha256]
             notes.append(f"{rel}: the copies on {', '.join(others)} differ from {src.node}'s; "
-                         f"kept {src.node}'s (global rank 0 writes the complete model states)")
+                         f"kept {src.node}'s ({why_kept(rel)})")
         h = hashes[(src.node, rel)]
         load[src.node] = load.get(src.node, 0) + h.size
         wanted.append(Wanted(node=src.node, relpath=rel, size=h.size, sha256=h.sha256))

@@ -32,6 +32,7 @@ from clusterkit.checkpoints.collect.fromreplicas import (
 )
 from clusterkit.checkpoints.collect.manifest import write_latest, write_manifest
 from clusterkit.checkpoints.collect.prune import prune_sources
+from clusterkit.checkpoints.collect.tags import newest_collectable
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete, CollectPlan, WithoutMarkers
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.replicas.assemble import ranks_of_slots
@@ -155,17 +156,22 @@ def _verified(source: Source, listings: list[NodeListing], options: CollectOptio
     shared = shared_dir(listings, chosen) if chosen else None
     if shared is not None:  # one line, not the replicas' or the shards' view of it
         raise shared
-    if tag is None:  # 'latest' as the reachable nodes say, else the newest assemblable
+    wm = options.without_markers
+    said = {ls.latest for ls in listings if not ls.error and ls.latest}
+    if tag is None and len(said) < 2:  # the newest collectable tag, status's answer (tags.py);
+        # nodes whose 'latest' files disagree hold two runs' saves: refused below
+        found = newest_collectable(listings, without_markers=wm)
+        tag = found.tag if found is not None else None
+    if tag is None:  # none: 'latest' as the reachable nodes say, and verify() says why
         tag = choose_tag([ls for ls in listings if not ls.error], options.tag,
-                         markers=options.without_markers is None)[0]
+                         markers=wm is None)[0]
     # Every node answered but 'latest' is unclear: verify() says why, as without replicas.
     unclear = tag is None and not any(ls.error for ls in listings)
-    wm = options.without_markers
     use = None if unclear else plan_replicas(
         listings, tag, require_markers=wm is None,
         ranks=ranks_of_slots(wm.slots) if wm is not None and wm.slots else None)
     if use is None:
-        return verify(listings, options.tag, options.without_markers), None
+        return verify(listings, tag or options.tag, wm), None
     if use.routes and not isinstance(source, StreamSource):
         raise CheckpointError("completing a checkpoint from replicas needs one session per "
                               "node; --via sftp cannot read them", key="--via",
