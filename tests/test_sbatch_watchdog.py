@@ -71,7 +71,7 @@ def test_summary_folds_alike_ranks(tmp_path: Path) -> None:
             f"# rank {rank} node node{1 + rank // 2} state {'T' if stopped else 'S'} "
             f"tool faulthandler pid 1\n{body}")
     lines, culprit = slurmwatch.summary(str(tmp_path))
-    assert lines[0] == "  ranks 0-2 (node1,node2): in all_reduce \u2190 main"
+    assert lines[0] == "  ranks 0-2 (node1 0-1, node2 2): in all_reduce \u2190 main"
     assert lines[1].startswith("  rank 3 (node2, stopped): in wait") and "odd one out" in lines[1]
     assert culprit == "rank 3 on node2 is stopped (SIGSTOP?)"
 

@@ -63,25 +63,40 @@ def env_parity(facts: Mapping[str, NodeFacts],
 
 
 def check_jit_locks(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Finding]:
-    """A JIT build's ``lock`` that no live process holds: every DeepSpeed start on the
-    node that needs this op waits in FileBaton.wait forever."""
+    """A JIT build's ``lock`` that no build holds: every DeepSpeed start on the node that
+    needs this op waits in FileBaton.wait forever. Each lock's state is the node's own
+    judgement (node/jitops.locks, node/buildowner.judge): ``held`` by a process there,
+    ``building`` on the node its owner record names (a node sharing the directory), ``dead``
+    (the record proves its builder gone), ``unknown`` (no holder, no record)."""
     out = []
     for f in ok_nodes(facts):
-        stale = [lk for lk in f.jit_locks if not lk.get("holders")]
-        held = [lk for lk in f.jit_locks if lk.get("holders")]
-        for lk in stale:
+        for lk in f.jit_locks:
             path, age = str(lk.get("path")), float(lk.get("age_s") or 0)
-            out.append(Finding(
-                "jit.lock", Status.FAIL, f.host,
-                f"stale DeepSpeed/torch build lock {path} ({age / 60:.0f} min old, no live "
-                "process here holds it): every rank that builds this op waits in "
-                "FileBaton.wait forever",
-                f"check that no build runs (here or on a node sharing this directory: "
-                f"`fuser {path}`, `ps aux | grep ninja`), then `rm {path}`; "
-                "`clusterkit nodes build-ops` builds the ops once per node before a job"))
-        for lk in held:
-            pids = ", ".join(str(p) for p in lk.get("holders") or [])
-            out.append(Finding("jit.lock", Status.PASS, f.host,
-                               f"build lock {lk.get('path')} held by pid {pids} (a build runs)"))
+            state = str(lk.get("state") or ("held" if lk.get("holders") else "unknown"))
+            if state == "held":
+                pids = ", ".join(str(p) for p in lk.get("holders") or [])
+                out.append(Finding("jit.lock", Status.PASS, f.host,
+                                   f"build lock {path} held by pid {pids} (a build runs)"))
+            elif state == "building":
+                out.append(Finding("jit.lock", Status.PASS, f.host,
+                                   f"build lock {path}: {lk.get('why')} (a build runs; "
+                                   "starts here wait for it)"))
+            elif state == "dead":
+                out.append(Finding(
+                    "jit.lock", Status.FAIL, f.host,
+                    f"stale DeepSpeed/torch build lock {path} ({age / 60:.0f} min old): "
+                    f"{lk.get('why')}",
+                    "the next `clusterkit launch`, `sbatch` job or `clusterkit nodes build-ops` "
+                    f"removes it by itself (its record proves it dead); or `rm {path}`"))
+            else:
+                out.append(Finding(
+                    "jit.lock", Status.FAIL, f.host,
+                    f"stale DeepSpeed/torch build lock {path} ({age / 60:.0f} min old, no live "
+                    "process here holds it and no builder recorded it): every rank that "
+                    "builds this op waits in FileBaton.wait forever",
+                    f"check that no build runs (here or on a node sharing this directory: "
+                    f"`fuser {path}`, `ps aux | grep ninja`), then `rm {path}` (or "
+                    "`clusterkit nodes build-ops --remove-stale-locks`); builds made by "
+                    "`clusterkit nodes build-ops`, `launch` and `sbatch` record their node"))
     return out
 

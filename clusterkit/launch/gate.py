@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import fold, folded_lines
-from clusterkit.launchers import BACKENDS
 from clusterkit.node.contract import StorageKind
 from clusterkit.node.envfacts import env_problems
 from clusterkit.node.gatefacts import (
@@ -35,12 +34,12 @@ from clusterkit.node.gatefacts import (
     shared_line,
     shared_verdict,
 )
-from clusterkit.node.jitops import ops_for_config
 from clusterkit.node.parity import holders, majority
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import SSHTarget, Transport, target_for
 from clusterkit.remote.dispatch import transport_for
 from clusterkit.remote.jitbuild import OpsNode, ready_ops
+from clusterkit.render.jobops import job_ops
 from clusterkit.spec.job import JobPlan, NodePlan
 
 GATE_TIMEOUT_S = 20.0
@@ -288,19 +287,6 @@ def gate_error(result: GateResult) -> LaunchError:
 
 
 # ----------------------------------------------------------------------------- JIT ops
-
-
-def job_ops(plan: JobPlan) -> dict[str, list[str]]:
-    """Node -> the op builders its ranks JIT-build at start (node/jitops.ops_for_config of
-    the job's ds_config on the node's accelerator: DS_ACCELERATOR, else cuda with GPUs);
-    empty when the job runs no DeepSpeed that clusterkit knows of (a user's script under
-    torchrun without --deepspeed-config-arg)."""
-    o = plan.options
-    imports = BACKENDS[plan.backend].gate_needs  # the packages every rank imports
-    if not (o.uses_workload or o.deepspeed_config_arg or "deepspeed" in imports):
-        return {}
-    return {n.name: ops_for_config(dict(plan.ds_config), n.env.get("DS_ACCELERATOR") or (
-        "cuda" if n.host.gpus > 0 else "cpu")) for n in plan.nodes}
 
 
 def ops_step(build_ops: bool, info: Callable[[str], None], *,

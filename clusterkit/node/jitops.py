@@ -24,6 +24,7 @@ torch import, so ``clusterkit launch`` asks it of every node before each start.
 from __future__ import annotations
 
 import ast
+import contextlib
 import glob
 import importlib.util
 import json
@@ -32,6 +33,8 @@ import signal
 import sys
 import time
 from typing import Any, Dict, List  # noqa: UP035 - runs on Python 3.8 nodes
+
+from clusterkit.node.buildowner import LIVE, OWNER_SUFFIX, Owner, here, judge, owner_of
 
 JITOPS_VERSION = 1
 # Built by DeepSpeed's CPU accelerator at every deepspeed.init_distributed (comm/torch.py).
@@ -141,8 +144,12 @@ def check(ops: List[str]) -> Dict[str, Any]:  # noqa: UP006
         name = OP_NAMES.get(op)
         states[op] = ("missing" if name is None else "built" if prebuilt.get(name)
                       else op_state(root, name, torch_dir))
+    found = settled([root])  # the locks its ranks would wait on
+    # A dead one (its record proves it) is not a refusal: the op reads "building", so
+    # the launch's build step runs there and removes it; a live one's build is waited for.
     return {"v": JITOPS_VERSION, "deepspeed": True, "root": root, "ops": states,
-            "stale": stale(settled([root]))}  # the locks its ranks would wait on
+            "stale": [lk for lk in stale(found) if lk not in dead(found)],
+            "live": [lk for lk in found if lk["state"] in LIVE]}
 
 
 def holders(path: str, proc: str = "/proc") -> List[int]:  # noqa: UP006
@@ -167,11 +174,10 @@ def holders(path: str, proc: str = "/proc") -> List[int]:  # noqa: UP006
 
 def locks(roots: List[str] | None = None, now: float | None = None  # noqa: UP006
           ) -> List[Dict[str, Any]]:  # noqa: UP006
-    """Every ``lock`` file of a JIT build under the roots: path, age, holders (pids that
-    have it open; none: stale, unless a process on another node sharing this directory
-    builds right now)."""
+    """Every ``lock`` file of a JIT build under the roots: path, age, holders (pids here
+    that have it open), and :func:`judge`'s state and why (owner: the record's host)."""
     now = time.time() if now is None else now
-    seen, out = set(), []
+    seen, out, me = set(), [], here()
     for root in roots if roots is not None else extension_roots():
         for path in sorted(glob.glob(os.path.join(root, "*", "lock"))
                            + glob.glob(os.path.join(root, "*", "*", "lock"))):
@@ -183,33 +189,79 @@ def locks(roots: List[str] | None = None, now: float | None = None  # noqa: UP00
                 age = now - os.stat(real).st_mtime
             except OSError:
                 continue
-            out.append({"path": real, "age_s": round(age, 1), "holders": holders(real)})
+            pids = holders(real)
+            owner, owner_age = owner_of(real, now)
+            out.append({"path": real, "age_s": round(age, 1), "holders": pids,
+                        **judge(pids, owner, owner_age, me)})
     return out
 
 
 def stale(found: List[Dict[str, Any]]) -> List[Dict[str, Any]]:  # noqa: UP006
-    return [lk for lk in found if not lk.get("holders")]
+    """The locks no build holds as far as we can tell (``dead`` or ``unknown``)."""
+    return [lk for lk in found if lk.get("state", "held" if lk.get("holders") else "unknown")
+            not in LIVE]
+
+
+def dead(found: List[Dict[str, Any]]) -> List[Dict[str, Any]]:  # noqa: UP006
+    """The locks a record proves abandoned: a start removes these by itself."""
+    return [lk for lk in found if lk.get("state") == "dead"]
+
+
+def remove(lk: Dict[str, Any]) -> bool:  # noqa: UP006
+    """Remove a lock judged not live, and its record; not when the file was replaced
+    since it was judged (another builder's new lock: its age is younger)."""
+    path = str(lk["path"])
+    try:
+        if time.time() - os.stat(path).st_mtime < float(lk.get("age_s") or 0) - 1.0:
+            return False
+        os.unlink(path)
+    except OSError:
+        return False
+    with contextlib.suppress(OSError):
+        os.unlink(path + OWNER_SUFFIX)
+    return True
 
 
 # Every rank that loads an op, built or not, takes the op's lock for as long as ninja
 # takes to find nothing to do (a second or two). A rank on another node or in another
 # PID namespace that shares this directory (an NFS home) holds it where we cannot see
-# it, so a young lock without a holder we can see is given this long to go away.
+# it, so a young lock without a holder we can see (nor a record) is given this long to go.
 SETTLE_S = 8.0
 YOUNG_S = 120.0
 
 
 def settled(roots: List[str] | None = None, wait_s: float = SETTLE_S,  # noqa: UP006
             poll_s: float = 0.25) -> List[Dict[str, Any]]:  # noqa: UP006
-    """:func:`locks`, after waiting up to ``wait_s`` while a young lock no process here
-    holds is still there: one that goes is another node's load, not a stale lock."""
+    """:func:`locks`, after waiting up to ``wait_s`` while a young lock nobody is known to
+    hold is still there: one that goes is another node's load, not a stale lock."""
     deadline = time.monotonic() + wait_s
     found = locks(roots)
-    while (any(not lk["holders"] and lk["age_s"] < YOUNG_S for lk in found)
+    while (any(lk["state"] == "unknown" and lk["age_s"] < YOUNG_S for lk in found)
            and time.monotonic() < deadline):
         time.sleep(poll_s)
         found = locks(roots)
     return found
+
+
+def wait_live(lock: str, wait_s: float,
+              poll_s: float = 1.0) -> Dict[str, Any] | None:  # noqa: UP006
+    """Wait while a build holds ``lock`` (here or on a node sharing the directory); then
+    remove it if its record proves it dead. Returns the lock still live at the deadline."""
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        found = [lk for lk in locks([os.path.dirname(os.path.dirname(lock))])
+                 if lk["path"] == os.path.realpath(lock)]
+        if not found:
+            return None
+        if found[0]["state"] == "dead":
+            remove(found[0])
+            return None
+        if found[0]["state"] not in LIVE or time.monotonic() >= deadline:
+            return found[0] if found[0]["state"] in LIVE else None
+        if not said:  # on the node's stderr: the batch script's .err file, build-ops' log
+            sys.stderr.write(f"jitops: {lock}: {found[0]['why']}: waiting for it\n")
+            said = True
+        time.sleep(poll_s)
 
 
 # ----------------------------------------------------------------------------- hang dumps
@@ -236,17 +288,23 @@ def _environ(pid: int, proc: str = "/proc") -> Dict[str, str]:  # noqa: UP006
     return {k: v for k, _, v in pairs}
 
 
+def roots_of(env: Dict[str, str]) -> List[str]:  # noqa: UP006
+    """Where a process with environment ``env`` builds and waits on locks: its
+    TORCH_EXTENSIONS_DIR, else its home's cache."""
+    if env.get("TORCH_EXTENSIONS_DIR"):
+        return [env["TORCH_EXTENSIONS_DIR"]]
+    home = env.get("HOME") or os.path.expanduser("~")
+    return [os.path.join(home, ".cache", "torch_extensions")]
+
+
 def lock_notes(pid: int) -> List[str]:  # noqa: UP006
     """The build locks the rank ``pid`` can be waiting for (its TORCH_EXTENSIONS_DIR, else
     its home's cache) and who holds each: :data:`BUILD_LOCK_NOTE` lines."""
-    env = _environ(pid)
-    home = env.get("HOME") or os.path.expanduser("~")
-    roots = [env["TORCH_EXTENSIONS_DIR"]] if env.get("TORCH_EXTENSIONS_DIR") else [
-        os.path.join(home, ".cache", "torch_extensions")]
     out = []
-    for lk in locks(roots):
+    for lk in locks(roots_of(_environ(pid))):
         pids = [p for p in lk["holders"] if p != pid]
-        who = f"held by pid {', '.join(map(str, pids))}" if pids else STALE
+        who = (f"held by pid {', '.join(map(str, pids))}" if pids
+               else str(lk["why"]) if lk["state"] == "building" else STALE)
         out.append(f"{BUILD_LOCK_NOTE}{lk['path']}: {who}")
     return out
 
@@ -288,6 +346,9 @@ def _stop(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+WAIT_LIVE_S = 1500.0  # another node's build of an op (within build-ops' 1800 s)
+
+
 def build(ops: List[str], ds_config: Dict[str, Any] | None) -> Dict[str, Any]:  # noqa: UP006
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _stop)
@@ -300,6 +361,8 @@ def build(ops: List[str], ds_config: Dict[str, Any] | None) -> Dict[str, Any]:  
     if ds_config is None:  # the bundled workload's: AdamW, torch's own on CPU nodes
         ds_config = {"optimizer": {"type": "AdamW", "params": {"torch_adam": name == "cpu"}}}
     wanted = list(dict.fromkeys([*ops, *ops_for_config(ds_config, name)]))
+    torch_dir = _package_dir("torch")
+    root = build_root(torch_dir) if torch_dir else extension_roots()[0]
     results: Dict[str, Any] = {}  # noqa: UP006
     for op in wanted:
         t0 = time.monotonic()
@@ -308,8 +371,19 @@ def build(ops: List[str], ds_config: Dict[str, Any] | None) -> Dict[str, Any]:  
             if builder is None or not builder.is_compatible(verbose=False):
                 results[op] = {"state": "not available", "why": f"not built on {name}"}
                 continue
-            builder.load(verbose=False)
-            results[op] = {"state": "built", "name": builder.absolute_name(),
+            lock = os.path.join(root, str(builder.name), "lock")
+            # A build of this op on a node sharing the directory: wait for it (a dead
+            # one's lock is removed), then load: ninja finds it built.
+            busy = wait_live(lock, WAIT_LIVE_S)
+            if busy is not None:
+                results[op] = {"state": "failed", "why": f"{lock}: {busy['why']} for over "
+                                                          f"{WAIT_LIVE_S:.0f} s"}
+                continue
+            was = op_state(root, str(builder.name), torch_dir) if torch_dir else "missing"
+            os.makedirs(os.path.dirname(lock), exist_ok=True)
+            with Owner(lock):
+                builder.load(verbose=False)
+            results[op] = {"state": "built", "name": builder.absolute_name(), "was": was,
                            "seconds": round(time.monotonic() - t0, 1)}
         except Exception as exc:  # a failed op is data; the next op still builds
             tail = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
@@ -317,23 +391,85 @@ def build(ops: List[str], ds_config: Dict[str, Any] | None) -> Dict[str, Any]:  
     return {"v": JITOPS_VERSION, "accelerator": name, "ops": results}
 
 
+def build_request(req: Dict[str, Any]) -> Dict[str, Any]:  # noqa: UP006
+    """``build``'s answer to one request, stale locks first. Only the locks this node's
+    ranks would wait on count: one of another Python's build dir, or one held by a
+    process another PID namespace hides, is not ours. A lock whose owner record proves its
+    builder gone is removed by itself; one nobody recorded only with ``remove_stale``; a
+    live one never (the op's build waits for it: :func:`wait_live`)."""
+    found = stale(settled(job_roots()))
+    unproven = [lk for lk in found if lk not in dead(found)]
+    if unproven and not req.get("remove_stale"):
+        return {"v": JITOPS_VERSION, "stale": unproven}
+    gone = [lk for lk in found if remove(lk)]
+    cfg = req.get("ds_config")
+    out = build(list(req.get("ops") or []), dict(cfg) if cfg is not None else None)
+    out["removed"] = [f"{lk['path']} ({lk['why']})" for lk in gone]
+    return out
+
+
+def describe(out: Dict[str, Any]) -> str:  # noqa: UP006
+    """One line for a node's ``build`` answer without the node's name (equal lines fold):
+    ``cpu: fused_adam built (51 s)``; ``nodes build-ops`` and the batch script print it."""
+    parts = []
+    for op, r in (out.get("ops") or {}).items():
+        state, name = r.get("state"), OP_NAMES.get(op, op)
+        if state == "built":
+            took = f" ({r.get('seconds', 0):.0f} s)" if r.get("was") != "built" else ""
+            parts.append(f"{name} {'already built' if not took else 'built'}{took}")
+        else:
+            parts.append(f"{name} {state} ({r.get('why')})")
+    removed = out.get("removed") or []
+    if removed:
+        parts.append(f"removed {len(removed)} stale lock(s): {', '.join(removed)}")
+    return f"{out.get('accelerator')}: " + ("; ".join(parts) or "no op to build")
+
+
+def batch(req: Dict[str, Any], node: str) -> int:  # noqa: UP006
+    """The batch script's build step on one node (docs/sbatch.md, "JIT ops"): one line
+    for the job's output, exit 0 (ready), 2 (a stale lock: its path and the fix) or
+    1 (a failed build)."""
+    ops = [str(op) for op in req.get("ops") or []]
+    try:
+        # Files first (no deepspeed import, a tenth of a second): a job whose ops are
+        # built and unlocked starts at once; deepspeed is imported only to build.
+        pre = check(ops)
+        if pre["deepspeed"] and not pre["stale"] and not pre["live"] and all(
+                state == "built" for state in pre["ops"].values()):
+            out: Dict[str, Any] = {  # noqa: UP006
+                "accelerator": os.environ.get("DS_ACCELERATOR", "?"),
+                "ops": {op: {"state": "built", "was": "built"} for op in ops}}
+        else:
+            out = build_request(req)
+    except (OSError, ValueError, ImportError) as exc:
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    head = f"clusterkit: DeepSpeed's JIT ops on {node}: "
+    if out.get("error"):
+        line, code = f"{head}failed: {out['error']} (deepspeed must be importable by the job's python)", 1
+    elif out.get("stale"):
+        paths = " ".join(str(lk["path"]) for lk in out["stale"])
+        line, code = (f"{head}stale build lock {paths} (no live process there holds it and no "
+                      "builder recorded it): every DeepSpeed start would wait on it; check "
+                      f"that no build runs on {node} or a node sharing the directory "
+                      f"(`fuser {paths}`, `ps aux | grep ninja`), then `rm {paths}` (or "
+                      "`clusterkit nodes build-ops --remove-stale-locks`)"), 2
+    else:
+        failed = [op for op, r in (out.get("ops") or {}).items() if r.get("state") == "failed"]
+        line, code = head + describe(out), 1 if failed else 0
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    return code
+
+
 def main(argv: List[str] | None = None) -> int:  # noqa: UP006
     args = list(sys.argv[1:] if argv is None else argv)
     mode = args[0] if args else ""
     try:
         if mode == "build":
+            out = build_request(json.loads(sys.stdin.buffer.readline().decode("utf-8") or "{}"))
+        elif mode == "batch":  # NODE: the node's name as the batch script's step gives it
             req = json.loads(sys.stdin.buffer.readline().decode("utf-8") or "{}")
-            # Only the locks this node's ranks would wait on: one of another Python's
-            # build dir, or held by a process another PID namespace hides, is not ours.
-            found = stale(settled(job_roots()))
-            if found and not req.get("remove_stale"):
-                out = {"v": JITOPS_VERSION, "stale": found}
-            else:
-                for lk in found:
-                    os.unlink(lk["path"])
-                cfg = req.get("ds_config")
-                out = build(list(req.get("ops") or []), dict(cfg) if cfg is not None else None)
-                out["removed"] = [lk["path"] for lk in found]
+            return batch(req, args[1] if len(args) > 1 else here()["host"])
         elif mode == "check":
             req = json.loads(sys.stdin.buffer.readline().decode("utf-8") or "{}")
             out = check([str(op) for op in req.get("ops") or []])

@@ -39,6 +39,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from clusterkit.node.buildowner import LIVE
 from clusterkit.node.contract import (
     ENV_HEARTBEAT_DIR,
     ENV_JOB_ID,
@@ -50,10 +51,12 @@ from clusterkit.node.contract import (
     rank_file,
 )
 from clusterkit.node.hangrule import STEP_LINE, Verdict, allowance, judge
+from clusterkit.node.jitops import locks, roots_of
 
 POLL_S = 2.0
 TAIL_BYTES = 1 << 16  # of a log's new bytes per poll, read for a step line
 STACKS_TIMEOUT_S = 60.0
+BUILD_TAG = "clusterkit-build "  # a line of ``builds``: one op build running on a node
 FAULTHANDLER_WAIT_S = 3.0
 HANG_FILE = JobDir.HANG  # <job dir>/hang: the reason the watchdog ended the step
 _SHELLS = ("sh", "bash", "dash")
@@ -158,13 +161,29 @@ class Watch:
 
 def run_watch(state: Watch, scan: Callable[[bool], tuple[float, bool]],
               alive: Callable[[], bool], clock: Callable[[], float] = time.time,
-              sleep: Callable[[float], None] = time.sleep) -> Verdict | None:
+              sleep: Callable[[float], None] = time.sleep,
+              building: Callable[[], list[str]] = list) -> Verdict | None:
     """Poll until the step ends (None) or the rule says it hangs (its verdict). The
-    clock is the files' (wall clock): progress is their modification times."""
+    clock is the files' (wall clock): progress is their modification times.
+
+    Before the first sign of training, a verdict is first checked against ``building``
+    (the DeepSpeed/torch op builds running for the job's ranks, one line each): a build
+    in progress is progress, said once per build, so the start-up allowance never ends a
+    build (a CUDA op compiles for minutes on a loaded node, printing nothing)."""
+    said: set[str] = set()
     while alive():
         sleep(POLL_S)
         newest, training = scan(state.training)
         verdict = state.poll(clock(), newest, training)
+        if verdict.hung and not state.training:
+            builds = building()
+            if builds:
+                for line in builds:
+                    if line not in said:
+                        _say(f"clusterkit: {line}: the watchdog waits for the build")
+                        said.add(line)
+                state.last = clock()
+                continue
         if verdict.hung:
             return verdict
     return None
@@ -177,26 +196,44 @@ def watch(job_id: str, job_dir: str, dump_dir: str, hang_s: float, launch_pid: i
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # scancel --full --signal=USR1 reaches us too
     state = Watch(started, hang_s, allowance(hang_s) if allowance_s is None else allowance_s)
     scan = Scan(JobDir(job_dir).logs(), os.environ.get(ENV_HEARTBEAT_DIR, ""), started)
-    verdict = run_watch(state, scan, lambda: _alive(launch_pid))
+    verdict = run_watch(state, scan, lambda: _alive(launch_pid),
+                        building=lambda: _on_every_node(["builds", job_id], nodes, BUILD_TAG,
+                                                        timeout=30.0))
     if verdict is not None:
         _hang(job_id, job_dir, dump_dir, verdict.reason, launch_pid, nodes)
     return 0
+
+
+def _me() -> list[str]:
+    """This program as it was started (python -S -u -c BOOTSTRAP slurmwatch): the same
+    command runs it on every node."""
+    with open("/proc/self/cmdline", "rb") as fh:
+        words = [w.decode() for w in fh.read().split(b"\0") if w]
+    return words[:words.index("slurmwatch") + 1] if "slurmwatch" in words else words
+
+
+def _on_every_node(args: list[str], nodes: int, tag: str = "",
+                   timeout: float = STACKS_TIMEOUT_S) -> list[str]:
+    """``slurmwatch ARGS`` on every node of the job (an overlapping step, one task per
+    node, this program's bundle on stdin); the output lines starting with ``tag``."""
+    argv = ["srun", "--overlap", f"--nodes={nodes}", f"--ntasks={nodes}",
+            "--ntasks-per-node=1", "--input=all", *_me(), *args]
+    try:
+        proc = subprocess.run(argv, input=_bundle(), capture_output=True,
+                              timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        if not tag:
+            _say(f"clusterkit: stack collection did not finish: {exc}")
+        return []
+    text = proc.stdout.decode("utf-8", "replace")
+    return [ln[len(tag):].strip() for ln in text.splitlines() if tag and ln.startswith(tag)]
 
 
 def _hang(job_id: str, job_dir: str, dump_dir: str, why: str, launch_pid: int,
           nodes: int) -> None:
     _say(f"clusterkit: {why}: collecting every rank's stack into {dump_dir}")
     os.makedirs(dump_dir, exist_ok=True)
-    with open("/proc/self/cmdline", "rb") as fh:  # this program as it was started: the same
-        words = [w.decode() for w in fh.read().split(b"\0") if w]  # python -S -u -c BOOTSTRAP
-    me = words[:words.index("slurmwatch") + 1] if "slurmwatch" in words else words
-    argv = ["srun", "--overlap", f"--nodes={nodes}", f"--ntasks={nodes}",
-            "--ntasks-per-node=1", "--input=all", *me, "stacks", job_id, dump_dir]
-    try:
-        subprocess.run(argv, input=_bundle(), stdout=subprocess.DEVNULL,
-                       timeout=STACKS_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        _say(f"clusterkit: stack collection did not finish: {exc}")
+    _on_every_node(["stacks", job_id, dump_dir], nodes)
     lines, culprit = summary(dump_dir)
     for line in lines:
         _say(line)
@@ -268,7 +305,7 @@ def summary(dump_dir: str) -> tuple[list[str], str]:
     lines, culprit = [], ""
     for (sig, stopped), members in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1])):
         ranks = sorted(r for r, _ in members)
-        where = ",".join(sorted({n for _, n in members}))
+        where = _where(members)
         odd = stopped or (len(groups) > 1 and len(members) < biggest)
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranges(ranks)}"
         lines.append(f"  {who} ({where}{', stopped' if stopped else ''}): {sig}"
@@ -278,6 +315,18 @@ def summary(dump_dir: str) -> tuple[list[str], str]:
     if not lines:
         lines.append("  no stack came back (no rank process found on any node)")
     return lines, culprit
+
+
+def _where(members: list[tuple[int, str]]) -> str:
+    """The nodes of a group of ranks, each with its own ranks when there are several:
+    ``node2`` or ``node1 0-1, node2 2-3, node4 7``."""
+    by_node: dict[str, list[int]] = {}
+    for rank, node in sorted(members):
+        by_node.setdefault(node, []).append(rank)
+    if len(by_node) == 1:
+        return next(iter(by_node))
+    return ", ".join(f"{node} {_ranges(r)}" for node, r in
+                     sorted(by_node.items(), key=lambda kv: kv[1][0]))
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -313,14 +362,30 @@ def _state_and_comm(pid: int) -> tuple[str, str]:
     return stat[stat.rfind(")") + 2:].split(" ", 1)[0], comm
 
 
+NODE_NAME = "SLURMD_NODENAME"  # Slurm's name of the node a task runs on (srun(1))
+
+
+def node_name(env: dict[str, str] | None = None) -> str:
+    """The node as Slurm names it (``SLURMD_NODENAME`` of the task, the name in the job's
+    node list), else the host name."""
+    env = dict(os.environ) if env is None else env
+    return env.get(NODE_NAME) or socket.gethostname()
+
+
 def ranks_of(job_id: str) -> dict[int, int]:
-    """rank -> pid of this node's ranks of the job (the rank itself, not its shell)."""
+    """rank -> pid of this node's ranks of the job (the rank itself, not its shell). A
+    process whose Slurm node is another one is not this node's, even where this /proc
+    shows it (a PID namespace shared between nodes: containers, a test bed): each rank
+    is dumped by its own node, under its own node's name."""
     found: dict[int, int] = {}
+    here = os.environ.get(NODE_NAME)
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         env = _environ(int(entry))
         if env.get(ENV_JOB_ID) != job_id or not env.get("RANK", "").isdigit():
+            continue
+        if here and env.get(NODE_NAME, here) != here:
             continue
         _state, comm = _state_and_comm(int(entry))
         if comm in _SHELLS or comm == "srun":
@@ -365,17 +430,40 @@ def _faulthandler(pid: int, rank: int, env: dict[str, str]) -> str:
 
 
 def stacks(job_id: str, dump_dir: str) -> int:
-    node = socket.gethostname()
     os.makedirs(dump_dir, exist_ok=True)
     for rank, pid in sorted(ranks_of(job_id).items()):
         state, _comm = _state_and_comm(pid)
+        env = _environ(pid)
         text = _py_spy(pid)
         tool = "py-spy"
         if text is None:
-            text, tool = _faulthandler(pid, rank, _environ(pid)), "faulthandler"
-        with open(os.path.join(dump_dir, f"rank{rank}.txt"), "w", encoding="utf-8") as fh:
-            fh.write(f"# rank {rank} node {node} state {state or '?'} tool {tool} pid {pid}\n")
+            text, tool = _faulthandler(pid, rank, env), "faulthandler"
+        # "x": a rank another node already dumped stays that node's (never overwritten).
+        with contextlib.suppress(FileExistsError), \
+                open(os.path.join(dump_dir, f"rank{rank}.txt"), "x", encoding="utf-8") as fh:
+            fh.write(f"# rank {rank} node {node_name(env)} state {state or '?'} tool {tool} "
+                     f"pid {pid}\n")
             fh.write(text)
+    return 0
+
+
+def builds(job_id: str) -> int:
+    """One :data:`BUILD_TAG` line per op build running where this node's ranks build
+    (their extension dirs): a lock a process here holds, or one whose owner record says
+    a build on a node sharing the directory runs (node/jitops.locks)."""
+    ranks = ranks_of(job_id)
+    by_pid = {pid: rank for rank, pid in ranks.items()}
+    roots = sorted({root for pid in ranks.values() for root in roots_of(_environ(pid))})
+    node = node_name()
+    for lk in locks(roots):
+        if lk["state"] not in LIVE:
+            continue
+        who = [f"rank {by_pid[p]}" for p in lk["holders"] if p in by_pid]
+        op = os.path.basename(os.path.dirname(lk["path"]))
+        by = f"by {', '.join(who)} " if who else ""
+        sys.stdout.write(f"{BUILD_TAG}DeepSpeed/torch op {op} is being built {by}on {node} "
+                         f"({lk['why']}; {lk['path']})\n")
+    sys.stdout.flush()
     return 0
 
 
@@ -386,8 +474,10 @@ def main(argv: list[str]) -> int:
                      allowance_s=float(allow))
     if argv[:1] == ["stacks"] and len(argv) == 3:
         return stacks(argv[1], argv[2])
+    if argv[:1] == ["builds"] and len(argv) == 2:
+        return builds(argv[1])
     sys.stderr.write("usage: slurmwatch watch JOB_ID JOB_DIR DUMP_DIR HANG_S ALLOWANCE_S "
-                     "LAUNCH_PID NODES | stacks JOB_ID DUMP_DIR\n")
+                     "LAUNCH_PID NODES | stacks JOB_ID DUMP_DIR | builds JOB_ID\n")
     return 2
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from clusterkit.errors import TransportError
 from clusterkit.hostrange import fold
-from clusterkit.node.jitops import OP_NAMES
+from clusterkit.node.jitops import OP_NAMES, describe
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import CommandResult, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
@@ -42,15 +42,9 @@ class OpsNode:
 
 
 def summary(out: Mapping[str, Any]) -> str:
-    """One line per node without its name (equal lines fold)."""
-    parts = []
-    for op, r in (out.get("ops") or {}).items():
-        state = r.get("state")
-        parts.append(f"{op} built" if state == "built" else f"{op} {state} ({r.get('why')})")
-    removed = out.get("removed") or []
-    if removed:
-        parts.append(f"removed {len(removed)} stale lock(s): {', '.join(removed)}")
-    return f"{out.get('accelerator')}: " + ("; ".join(parts) or "no op to build")
+    """One line per node without its name (equal lines fold): node/jitops.describe, the
+    line the batch script's build step prints too."""
+    return describe(dict(out))
 
 
 def _stale_error(node: str, stale: Sequence[Mapping[str, Any]], also: str) -> TransportError:

@@ -33,6 +33,7 @@ from clusterkit.node.contract import (
     JobDir,
     exits_dir,
 )
+from clusterkit.render.jobops import accelerator, job_ops
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
 
@@ -216,6 +217,7 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
         "node_local_dirs": [node.ckpt_dir] if plan.node_local else [],
         "exits_dir": exits_dir(node.job_dir),
         **_watchdog_context(plan),
+        **_ops_context(plan),
         **_replica_context(plan, site),
         "stop_file": JobDir(node.job_dir).stop_file,
         "env": ENV_NAMES,
@@ -245,6 +247,21 @@ def _watchdog_context(plan: JobPlan) -> dict[str, object]:
             "watchdog_bundle": bundle.rstrip("\n"), "watchdog_eof": WATCHDOG_EOF,
             "progress_dir": f"{node.job_dir}/{PROGRESS_SUBDIR}",
             "max_restarts": plan.options.max_restarts}
+
+
+def _ops_context(plan: JobPlan) -> dict[str, object]:
+    """DeepSpeed's JIT ops the ranks would build at start (render/jobops.py, the rule
+    ``launch`` builds by), built by one task per node before the launch step: the node
+    program ``jitops batch``, its sources the job file ``JobDir.JITOPS_PROGRAM``
+    (slurm/submit.write_node_program) and the request line after them on stdin."""
+    node = plan.nodes[0]
+    ops = sorted({op for node_ops in job_ops(plan).values() for op in node_ops})
+    if not ops:
+        return {"ops": "", "ops_cmd": "", "ops_request": "", "ops_accelerator": ""}
+    return {"ops": " ".join(ops),
+            "ops_cmd": shlex.join(ship.node_command(node.python, "jitops", ["batch"]).argv),
+            "ops_request": json.dumps({"ops": ops, "ds_config": {}}, sort_keys=True),
+            "ops_accelerator": accelerator(node)}
 
 
 def _replica_context(plan: JobPlan, site: SlurmSite) -> dict[str, object]:

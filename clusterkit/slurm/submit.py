@@ -24,6 +24,7 @@ from clusterkit.node import ship
 from clusterkit.node.contract import JobDir
 from clusterkit.plan.build import plan_job
 from clusterkit.render.artifacts import render_all
+from clusterkit.render.jobops import job_ops
 from clusterkit.render.sbatch import SlurmSite
 from clusterkit.slurm.client import SlurmClient
 from clusterkit.slurm.steps import unavailable
@@ -129,11 +130,15 @@ def submit(client: SlurmClient, plan: JobPlan, path: Path, template_dir: str | N
 
 
 def write_node_program(plan: JobPlan) -> None:
-    """A node-local job's node program (node/slurmreplica.py), a job file beside
-    ds_config.json: the batch script gives it to each ``slurmreplica`` task on stdin."""
+    """The node programs the batch script runs, job files beside ds_config.json, each
+    given to its tasks on stdin: a node-local job's node/slurmreplica.py, and
+    node/jitops.py when the ranks would JIT-build ops (the build step before them)."""
     if plan.node_local:
         atomic_write_text(Path(plan.job_dir) / JobDir.SLURM_PROGRAM,
                           ship.bundle("slurmreplica").decode("utf-8"))
+    if any(job_ops(plan).values()):
+        atomic_write_text(Path(plan.job_dir) / JobDir.JITOPS_PROGRAM,
+                          ship.bundle("jitops").decode("utf-8"))
 
 
 def pinned_nodes(client: SlurmClient, plan: JobPlan, replicas: int) -> list[str]:

@@ -83,6 +83,40 @@ if [ -n "$unseen" ]; then
     exit 2
 fi
 
+# DeepSpeed's JIT ops the ranks would build at start (FusedAdamBuilder; docs/sbatch.md,
+# "JIT ops"): built here, one task per node, before the ranks start and before the hang
+# watchdog's clock, so no rank races a build and a build of minutes is no silent start.
+# A lock a killed build left is removed when its owner record proves it dead; one that
+# nothing proves dead stops the job here, the node's line naming the lock and the fix.
+ops_bundle=$job_dir/jitops.bundle  # node/jitops.py's sources (clusterkit sbatch)
+jitops=(/home/train/venv/bin/python -u -c 'import linecache,sys,types
+r=sys.stdin.buffer
+h=r.readline().split()
+if h[:2]!=[b'"'"'clusterkit-node'"'"',b'"'"'1'"'"']:sys.exit('"'"'clusterkit node bootstrap: expected a clusterkit-node 1 header on stdin, got %r'"'"'%h[:2])
+for p in ('"'"'clusterkit'"'"','"'"'clusterkit.node'"'"'):
+ m=types.ModuleType(p);m.__path__=[];sys.modules[p]=m
+for e in h[2:]:
+ n,z=e.decode().split('"'"':'"'"');s=r.read(int(z))
+ if len(s)!=int(z):sys.exit('"'"'clusterkit node bootstrap: stdin ended inside '"'"'+n)
+ f='"'"'clusterkit.node.'"'"'+n;m=types.ModuleType(f);m.__file__='"'"'<'"'"'+f+'"'"'>'"'"'
+ t=s.decode('"'"'utf-8'"'"');linecache.cache[m.__file__]=(len(t),None,t.splitlines(True),m.__file__)
+ sys.modules[f]=m;setattr(sys.modules['"'"'clusterkit.node'"'"'],n,m)
+ exec(compile(t,m.__file__,'"'"'exec'"'"'),m.__dict__)
+sys.argv=['"'"'clusterkit.node.'"'"'+sys.argv[1]]+sys.argv[2:]
+sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))
+' jitops batch)  # python -u -c BOOTSTRAP jitops batch (node/ship.py)
+if [ -r "$ops_bundle" ]; then
+    # stdin: the sources, then the request line; each task names its node (Slurm's name).
+    DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} srun --nodes=2 --ntasks=2 \
+        --ntasks-per-node=1 --gpus-per-node=8 --input=all --chdir=/ \
+        sh -c 'exec "$@" "$SLURMD_NODENAME"' sh "${jitops[@]}" \
+        < <(cat -- "$ops_bundle"; printf '%s\n' '{"ds_config": {}, "ops": ["FusedAdamBuilder"]}') || {
+        both "clusterkit: DeepSpeed's JIT ops are not ready on every node (each node's line above says why): not starting"
+        exit 2
+    }
+else
+    echo "clusterkit: $ops_bundle is missing (clusterkit sbatch writes it): the ranks build their DeepSpeed ops themselves" >&2
+fi
 # Per-run state in the job dir: each rank that exits non-zero records how in $exits
 # (the first one is the step's cause); $CLUSTERKIT_STOP_FILE appears when the job is
 # asked to stop. A requeued run starts with neither.
