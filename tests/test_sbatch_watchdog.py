@@ -113,3 +113,121 @@ def test_watch_leaves_a_step_that_progresses(tmp_path: Path, monkeypatch: pytest
     assert slurmwatch.watch("nojob", str(tmp_path), str(tmp_path / "hangs"), 1.5, step.pid,
                             1) == 0
     assert step.wait(timeout=10) == 0 and not (tmp_path / "hang").exists()
+
+
+# --- issue 37: a build in progress holds the start-up allowance; each rank on its node ---
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+def test_a_build_in_progress_is_never_ended_by_the_start_up_allowance(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Silent ranks, hang 10 s (allowance 20 s): while a node reports a build the verdict
+    waits (said once per build); once the build is over and nothing moves, it fires."""
+    clock = _Clock()
+    state = slurmwatch.Watch(clock.t, 10.0, 20.0)
+    asked: list[float] = []
+
+    def building() -> list[str]:
+        asked.append(clock.t)
+        return (["DeepSpeed/torch op fused_adam is being built by rank 3 on node2 (...)"]
+                if clock.t < 1100 else [])
+
+    verdict = slurmwatch.run_watch(state, lambda seen: (0.0, False), lambda: True,
+                                   clock=clock, sleep=clock.sleep, building=building)
+    assert verdict is not None and verdict.hung and clock.t > 1100
+    assert asked[0] >= 1020  # asked only when the rule would fire: not every poll
+    assert len(asked) < 15
+    out = capsys.readouterr().out
+    assert out.count("op fused_adam is being built by rank 3 on node2") == 1
+    assert "the watchdog waits for the build" in out
+    # After training was seen a verdict is a hang, build or not.
+    state = slurmwatch.Watch(clock.t, 10.0, 20.0)
+    verdict = slurmwatch.run_watch(state, lambda seen: (clock.t if clock.t < 1200 else 0.0,
+                                                        True), lambda: True, clock=clock,
+                                   sleep=clock.sleep, building=lambda: ["x"])
+    assert verdict is not None and verdict.hung
+
+
+RANK = ("import os, sys, time\n"
+        "lock = os.environ.get('HOLD')\n"
+        "fd = os.open(lock, os.O_CREAT | os.O_WRONLY) if lock else None\n"
+        "print('up', flush=True)\n"
+        "time.sleep(60)\n")
+
+
+def _rank(job: str, rank: int, node: str, **env: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", RANK], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "CLUSTERKIT_JOB_ID": job, "RANK": str(rank),
+                                 "SLURMD_NODENAME": node, **env})
+    assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+    return proc
+
+
+def test_each_rank_is_dumped_by_its_own_node_under_its_node_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two 'nodes' whose /proc both show every rank (one PID namespace): each stacks run
+    dumps only the ranks Slurm started on its node, named as Slurm names it."""
+    job = f"nodes-{os.getpid()}"
+    procs = [_rank(job, r, f"node{1 + r // 2}") for r in range(4)]
+    try:
+        dump = tmp_path / "dump"
+        for node in ("node1", "node2"):
+            monkeypatch.setenv("SLURMD_NODENAME", node)
+            assert set(slurmwatch.ranks_of(job)) == ({0, 1} if node == "node1" else {2, 3})
+            assert slurmwatch.stacks(job, str(dump)) == 0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    heads = {int(f.stem[4:]): f.read_text().split("\n", 1)[0] for f in dump.glob("rank*.txt")}
+    assert {r: h.split()[4] for r, h in heads.items()} == {0: "node1", 1: "node1", 2: "node2",
+                                                            3: "node2"}
+    lines, _ = slurmwatch.summary(str(dump))
+    assert lines[0].startswith("  ranks 0-3 (node1 0-1, node2 2-3): "), lines
+
+
+def test_the_summary_maps_eight_ranks_to_their_four_nodes(tmp_path: Path) -> None:
+    """The dump files as four nodes write them (two ranks each; rank 6 elsewhere in its
+    stack): every node named with its own ranks, not one node for seven ranks."""
+    for rank in range(8):
+        frame = "wait" if rank != 6 else "communicate"
+        (tmp_path / f"rank{rank}.txt").write_text(
+            f"# rank {rank} node node{1 + rank // 2} state S tool py-spy pid {100 + rank}\n"
+            f"Thread 1 (idle): \"MainThread\"\n    {frame} (torch/utils/file_baton.py:42)\n"
+            "    load (deepspeed/ops/op_builder/builder.py:1)\n    main (train.py:9)\n")
+    lines, culprit = slurmwatch.summary(str(tmp_path))
+    assert lines[0] == ("  ranks 0-5,7 (node1 0-1, node2 2-3, node3 4-5, node4 7): "
+                        "in wait \u2190 load")
+    assert lines[1].startswith("  rank 6 (node4): in communicate") and "odd one out" in lines[1]
+    assert culprit == "rank 6 on node4 differs"
+
+
+def test_builds_names_the_rank_that_holds_a_build_lock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    job = f"builds-{os.getpid()}"
+    ext = tmp_path / "ext"
+    (ext / "fused_adam").mkdir(parents=True)
+    lock = ext / "fused_adam" / "lock"
+    monkeypatch.setenv("SLURMD_NODENAME", "node2")
+    idle = _rank(job, 2, "node2", TORCH_EXTENSIONS_DIR=str(ext))
+    builder = _rank(job, 3, "node2", TORCH_EXTENSIONS_DIR=str(ext), HOLD=str(lock))
+    try:
+        assert slurmwatch.builds(job) == 0
+    finally:
+        for p in (idle, builder):
+            p.kill()
+            p.wait()
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"{slurmwatch.BUILD_TAG}DeepSpeed/torch op fused_adam is being built by "
+                   f"rank 3 on node2 (held by pid {builder.pid}; {lock})"], out
+    assert slurmwatch.builds(job) == 0 and capsys.readouterr().out == ""  # lock left: not live
