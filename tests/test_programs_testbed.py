@@ -1,0 +1,141 @@
+"""Issue 38 on the test bed: a Hugging Face Trainer program (tests/programs/hf_trainer.py,
+run_clm.py-style, unmodified in what clusterkit touches) on 3 nodes x 1 rank, node-local
+/scratch, ZeRO-2 with an all-"auto" ds_config of the user's, --replicas 1, a spare.
+
+* kill -9 of one rank after checkpoint-10 with --max-restarts 1: clusterkit detected the
+  profile, made every node's save complete (derived ds_config with
+  use_node_local_storage, --save_on_each_node, checkpoint-10/latest on every node), and
+  the restart resumed from checkpoint-10 with --resume_from_checkpoint: the job ends on
+  the uninterrupted run's step-20 loss.
+* an unknown program (no profile, no --resume-arg) that saved a complete checkpoint is
+  refused at its restart in one line naming the checkpoint and the fix, exit non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, free_port, train_env, workload_env
+from tests.testbed import temporary
+
+HF = REPO / "tests" / "programs" / "hf_trainer.py"
+DS_AUTO = {
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True},
+    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+}
+FINAL = re.compile(r"final loss at step (\d+): ([0-9.]+)")
+STEPS = 20
+RESUMED = re.compile(r"(Resuming training from checkpoint with epoch \d+ and|Continuing training "
+                     r"from) global step 10\b")
+
+
+def _hf_args(out: str, ds: Path, *extra: str) -> list[str]:
+    return ["--output_dir", out, "--deepspeed", str(ds), "--use_cpu", "--max_steps", str(STEPS),
+            "--save_steps", "10", "--logging_steps", "5", "--per_device_train_batch_size", "4",
+            "--report_to", "none", "--learning_rate", "1e-3", "--disable_tqdm", "True",
+            "--seed", "7", *extra]
+
+
+def _reference(tmp: Path, ds: Path) -> str:
+    """The uninterrupted run, 3 CPU ranks on this machine (same world size and data)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--log-dir={tmp}/tr", "--nnodes",
+            "1", "--nproc-per-node", "3", "--master_addr", "127.0.0.1", "--master_port",
+            str(free_port()), str(HF), *_hf_args(str(tmp / "ref-out"), ds)]
+    proc = subprocess.run(argv, cwd=tmp, env=workload_env(), capture_output=True, text=True,
+                          timeout=600)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-3000:]
+    found = FINAL.findall(text)
+    assert found and int(found[-1][0]) == STEPS, text[-3000:]
+    return found[-1][1]
+
+
+def _launch(inv: Path, job: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
+            "--nodes", "3", "--storage", "node-local", "--replicas", "1", "--grace", "2",
+            "--skip-checks", *args]
+    return subprocess.run(argv, cwd=tmp, env=train_env(tmp), capture_output=True, text=True,
+                          timeout=900)
+
+
+@pytest.mark.testbed
+def test_hf_trainer_killed_rank_resumes_from_the_newest_complete_checkpoint(
+        testbed_required: None, tmp_path: Path) -> None:
+    ds = tmp_path / "ds_config_z2.json"
+    ds.write_text(json.dumps(DS_AUTO, indent=1))
+    with temporary(4) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+        inv.write_text(inv.read_text() + "spares: [node4]\n")
+        out = str(tb.local_mountpoint / "ckpt" / "hfkill")
+        marker = tb.shared_dir / "hfkill-crashed"
+        run = _launch(inv, "hfkill", tmp_path, "--max-restarts", "1", str(HF),
+                      *_hf_args(out, ds, "--crash_at_step", "15", "--crash_rank", "1",
+                                "--crash_once", str(marker)))
+        text = run.stdout + run.stderr
+        assert run.returncode == 0, text[-5000:]
+        assert marker.exists(), text[-3000:]  # the rank was killed
+        assert "program profile: hf-trainer (its source builds transformers' Trainer)" in text
+        assert "hf-trainer: resuming from checkpoint-10, the newest checkpoint complete on " \
+               "every node" in text, text[-5000:]
+        assert "checkpoint-10/latest -> global_step10" in text, text[-5000:]
+        # HF's own word that it resumed (transformers 5.24; older ones: "Continuing ...")
+        assert RESUMED.search(text), text[-5000:]
+        # the user's file is untouched; the program read the derived copy
+        assert json.loads(ds.read_text()) == DS_AUTO
+        got = FINAL.findall(text)
+        assert got and int(got[-1][0]) == STEPS, text[-3000:]
+        # every node's checkpoint-20 is complete: DeepSpeed's model states and latest
+        for node in ("node1", "node2", "node3"):
+            res = tb.exec(node, ["ls", f"{out}/checkpoint-20", f"{out}/checkpoint-20/global_step20"])
+            assert "mp_rank_00_model_states.pt" in res.stdout, (node, res.stdout)
+            assert "trainer_state.json" in res.stdout, (node, res.stdout)
+    assert got[-1][1] == _reference(tmp_path, ds)
+
+
+UNKNOWN = """\
+import os, sys, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+d = os.path.join(sys.argv[1], "step4")
+os.makedirs(d, exist_ok=True)
+write = getattr(torch, "save")  # a program clusterkit has no profile for
+write({"w": 1}, os.path.join(d, "mp_rank_00_model_states.pt"))
+dist.barrier()
+time.sleep(3)  # the replica watcher sees it finished (sizes stable)
+if os.environ["RANK"] == "1" and not os.path.exists(sys.argv[2]):
+    open(sys.argv[2], "w").close()
+    os.kill(os.getpid(), 9)
+dist.barrier()
+"""
+
+
+@pytest.mark.testbed
+def test_an_unknown_program_is_not_restarted_at_step0(testbed_required: None,
+                                                        tmp_path: Path) -> None:
+    with temporary(2) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+        script = tmp_path / "mine.py"
+        script.write_text(UNKNOWN)
+        out = str(tb.local_mountpoint / "ckpt" / "unk")
+        argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", "unk",
+                "--nodes", "2", "--storage", "node-local", "--replicas", "0", "--grace", "2",
+                "--skip-checks", "--max-restarts", "1", str(script), out,
+                str(tb.shared_dir / "unk-crashed")]
+        run = subprocess.run(argv, cwd=tmp_path, env=train_env(tmp_path), capture_output=True,
+                             text=True, timeout=600)
+        text = run.stdout + run.stderr
+        assert run.returncode != 0, text[-3000:]
+        assert "program profile: unknown" in text, text[-3000:]
+        line = [ln for ln in text.splitlines() if "would restart at step 0" in ln]
+        assert len(line) == 1 and "checkpoint step4" in line[0] and "--resume-arg" in line[0], \
+            text[-3000:]
+        assert "finished" not in text.lower().split("would restart at step 0")[-1]
