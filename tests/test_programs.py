@@ -43,7 +43,9 @@ HF_SRC = "from transformers import Trainer, TrainingArguments\ntrainer = Trainer
 ACC_SRC = "from accelerate import Accelerator\nacc = Accelerator()\nacc.save_state(d)\n"
 DS_SRC = "import deepspeed\nengine.save_checkpoint(d, tag=t)\nengine.load_checkpoint(d)\n"
 SNAP_SRC = "import torch\nif rank == 0:\n    torch.save(snapshot, path)\n"
-CONTRACT_SRC = "d = os.environ['CLUSTERKIT_CKPT_DIR']\nengine.save_checkpoint(d, tag=t)\n"
+CONTRACT_SRC = ("d = os.environ['CLUSTERKIT_CKPT_DIR']\ntag = os.environ.get('CLUSTERKIT_RESUME_TAG')"
+                "\nengine.save_checkpoint(d, tag=t)\n")
+OWN_SRC = "d = os.environ['CLUSTERKIT_CKPT_DIR']\nopen(d + '/state.bin', 'wb')\n"
 
 # (id, args, source, --program, --resume-arg, workload) -> profile
 DETECT = [
@@ -57,6 +59,8 @@ DETECT = [
     ("deepspeed", (), DS_SRC, None, None, False, DEEPSPEED),
     ("snapshot", (), SNAP_SRC, None, None, False, SNAPSHOT),
     ("contract-before-deepspeed", (), CONTRACT_SRC, None, None, False, CONTRACT),
+    ("deepspeed-in-ckpt-dir", (), DS_SRC + OWN_SRC, None, None, False, DEEPSPEED),
+    ("own-saves-in-ckpt-dir", (), OWN_SRC, None, None, False, CONTRACT),
     ("unknown", ("--epochs", "3"), "print('hello')\n", None, None, False, UNKNOWN),
     ("not-readable", (), None, None, None, False, CONTRACT),
     ("resume-arg", (), "print(1)\n", None, "--resume {dir}", False, CUSTOM),
@@ -323,7 +327,7 @@ def test_an_unknown_program_is_refused_rather_than_restarted_at_step0() -> None:
 
 NEEDS = [  # profile -> a restart on the same nodes is readied first (node-local)
     (HF_SRC, None, True), (DS_SRC, None, True), ("print(1)\n", None, True),
-    ("print(1)\n", "--from {dir}", True), (SNAP_SRC, None, False), (CONTRACT_SRC, None, False),
+    ("print(1)\n", "--from {dir}", True), (SNAP_SRC, None, True), (CONTRACT_SRC, None, False),
     (ACC_SRC, None, False),
 ]
 

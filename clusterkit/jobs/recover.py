@@ -44,6 +44,7 @@ from clusterkit.jobs.restore import (
     staging_dir,
     swap_names,
 )
+from clusterkit.jobs.spread import spread_files
 from clusterkit.launch.jobs import JobRecord
 from clusterkit.launch.run import (
     Replacement,
@@ -85,6 +86,8 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
     swaps = continue_swaps(plan, prior)
     resharding = is_reshard(plan, prior)
     with staging_dir(os.path.join(home, "restore")) as staging:
+        if plan.profile is not None and plan.profile.profile.one_writer and not dry_run:
+            spread_files(transport, plan, staging, say)  # a snapshot: on every node first
         listings = list_parts(transport, plan, old_map, staging)
         tried = _resumable(plan, listings, old_map, resume, must=bool(swaps) or resharding)
         if tried is None:

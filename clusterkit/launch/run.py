@@ -302,11 +302,13 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
 def needs_ready(plan: JobPlan) -> bool:
     """A restart on the same nodes of a node-local job is readied first (jobs/recover.py)
     when its program's profile is told where to resume, picks by DeepSpeed's ``latest``,
-    or has no known way to resume (the step-0 rule): spec/programs.py."""
+    writes a file on one rank only (copied to every node), or has no known way to resume
+    (the step-0 rule): spec/programs.py."""
     prof = plan.profile
     return (plan.storage == StorageKind.NODE_LOCAL and prof is not None
             and not plan.options.uses_workload
-            and bool(prof.resume or prof.profile.top_latest or not prof.profile.resumes_itself))
+            and bool(prof.resume or prof.profile.top_latest or prof.profile.one_writer
+                     or not prof.profile.resumes_itself))
 
 
 def resume_note(workload: bool, storage: str, plan: JobPlan | None = None) -> str:
@@ -405,15 +407,19 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
             return LaunchResult(outcome.exit_code, outcomes, plan,
                                 elapsed_s=time.monotonic() - started)
         before = decisions
-        decisions, options = _prepare_restart(options, decisions, planner, dials, settings,
-                                              sink, end, attempt)
-        if decisions is not before and decisions.storage == StorageKind.NODE_LOCAL:
-            if prepare is None:
-                raise LaunchError("cannot restore or reshard node-local checkpoints from here",
-                                  key="--drop-failed-nodes")
-            once = prepare(decisions, record)  # this attempt's record: its saved mapping
-        elif prepare is not None and needs_ready(decisions):
-            once = prepare(decisions, record)  # its resume argument, `latest`, the step-0 rule
+        try:
+            decisions, options = _prepare_restart(options, decisions, planner, dials, settings,
+                                                  sink, end, attempt)
+            if decisions is not before and decisions.storage == StorageKind.NODE_LOCAL:
+                if prepare is None:
+                    raise LaunchError("cannot restore or reshard node-local checkpoints from "
+                                      "here", key="--drop-failed-nodes")
+                once = prepare(decisions, record)  # this attempt's record: its saved mapping
+            elif prepare is not None and needs_ready(decisions):
+                once = prepare(decisions, record)  # its resume argument, `latest`, the step-0 rule
+        except ClusterkitError as exc:  # the restart refused: status says what the launch exits
+            record_refusal(registry, record, exc)
+            raise
         sink.info(f"restarting (attempt {attempt + 2} of {settings.relaunches + 1}): "
                   + resume_note(options.uses_workload, decisions.storage, decisions))
     raise AssertionError("unreachable")
@@ -426,6 +432,17 @@ def _prepare_restart(options: JobOptions, plan: JobPlan, planner: Planner, trans
     return restart_plan(options, plan, planner, sink, end, restart_rules(settings, plan),
                         RestartState(attempt),
                         check=lambda: sorted(check_nodes(transport, plan, sink)))
+
+
+def record_refusal(registry: Registry, record: JobRecord, exc: ClusterkitError) -> None:
+    """A restart clusterkit refused ends the launch with the refusal's exit code (2, README
+    "Exit codes"), not the failed attempt's: the record says the same (issue 38: status
+    said exit 129 where the launch exited 2)."""
+    record.exit_code = exc.exit_code
+    record.state = JobState.FAILED
+    record.failure = "; ".join([*filter(None, [record.failure]),
+                                f"restart refused: {exc.one_line()}"])
+    registry.save(record)
 
 
 def _finish_record(registry: Registry, record: JobRecord, outcome: JobOutcome) -> None:

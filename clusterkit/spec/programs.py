@@ -62,6 +62,9 @@ class Profile:
     # Why its saves are not complete on every node, and the fix (empty: they are, with
     # what clusterkit adds).
     incomplete: str = ""
+    # It writes files at the top of the checkpoint dir on one rank only (a snapshot) and
+    # every rank reads them: copied from the writer to every node before a restart.
+    one_writer: bool = False
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
@@ -82,7 +85,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             resumes_itself=True, config_args=("--deepspeed_config",), top_latest=True),
     Profile(SNAPSHOT, "torch snapshot file",
             "one snapshot file saved by rank 0",
-            resumes_itself=True,
+            resumes_itself=True, one_writer=True,
             incomplete="rank 0 saves the snapshot on its own node only: save it on every "
                        "node's local rank 0 (LOCAL_RANK == 0), or use --storage shared"),
     Profile(CONTRACT, "clusterkit's contract",
@@ -114,16 +117,18 @@ class ProgramChoice:
         return f"program profile: {self.name} ({self.why}){how}"
 
 
-# What a program's source shows, first match wins (the contract before DeepSpeed: a
-# contract script calls save_checkpoint too; a Trainer script is HF's whatever it reads).
+# What a program's source shows, first match wins: a Trainer script is HF's whatever else
+# it does; the contract's resume tag before DeepSpeed (a contract script calls
+# save_checkpoint too); a script that only saves into $CLUSTERKIT_CKPT_DIR by its own
+# means is taken to follow the contract.
 _SOURCE_RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     (HF, re.compile(r"\bTrainingArguments\b|Trainer\("),
      "its source builds transformers' Trainer"),
-    (CONTRACT, re.compile(re.escape(ENV_CKPT_DIR) + "|" + re.escape(ENV_RESUME_TAG)),
-     f"its source reads ${ENV_CKPT_DIR}"),
+    (CONTRACT, re.compile(re.escape(ENV_RESUME_TAG)), f"its source reads ${ENV_RESUME_TAG}"),
     (ACCELERATE, re.compile(r"\.save_state\("), "its source calls accelerate's save_state"),
     (DEEPSPEED, re.compile(r"\.save_checkpoint\("), "its source calls DeepSpeed's save_checkpoint"),
     (SNAPSHOT, re.compile(r"torch\.save\("), "its source saves with torch.save"),
+    (CONTRACT, re.compile(re.escape(ENV_CKPT_DIR)), f"its source reads ${ENV_CKPT_DIR}"),
 )
 
 
