@@ -118,6 +118,7 @@ class Inventory:
             "name": self.name,
             "path": self.path,
             "hosts": [asdict(h) | {"env": dict(h.env), "labels": dict(h.labels)} for h in self.hosts],
+            "spares": list(self.spares),  # hosts never selected: launch --replace's
         }
 
 

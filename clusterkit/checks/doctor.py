@@ -111,12 +111,18 @@ class DoctorReport:
         n = len(self.hosts)
         where = fold(sorted({f.host for f in fails + warns if f.host},
                             key=self.hosts.index)) or "cluster-wide"
+        spares = self.plan.ctx.spares
+        spare = f"; spare{'s' * (len(spares) > 1)} {fold(spares)} checked too" if spares else ""
         if not fails and not warns:
-            return f"PASS: all {n} nodes ready ({fold(self.hosts)})"
+            return f"PASS: all {n} nodes ready ({fold(self.hosts)}{spare})"
         head = "FAIL" if fails else ("WARN (--strict)" if strict else "PASS with warnings")
         counts = ", ".join(p for p in (_plural(len(fails), "failure"),
                                        _plural(len(warns), "warning")) if p)
-        return f"{head}: {counts} on {where}; {len(clean)} of {n} nodes clean"
+        bad = [h for h in spares if any(f.host == h for f in fails)]
+        if bad:  # launch --replace would run a lost node's ranks there, and fail its gate
+            spare = (f"; spare{'s' * (len(bad) > 1)} {fold(bad)} would fail the launch's "
+                     "gate: no spare until fixed")
+        return f"{head}: {counts} on {where}; {len(clean)} of {n} nodes clean{spare}"
 
     def to_json(self, *, strict: bool = False) -> dict[str, Any]:
         return {

@@ -66,6 +66,7 @@ def plan_doctor(
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     accept_new_host_keys: bool = False,
     max_parallel: int = 128,
+    spares: Sequence[str] = (),
 ) -> DoctorPlan:
     """The probes for ``hosts`` (rank order), judged for the launcher ``backend`` (a name
     of the backend registry). Host fields left unset fall back to the launching machine's
@@ -93,6 +94,7 @@ def plan_doctor(
         local_dirs={h.name: h.checkpoint.local_dir for h in hosts if h.checkpoint.local_dir},
         storage=storage,
         one_machine=one_machine((h.transport, h.address) for h in hosts),
+        spares=tuple(spares),
     )
     return DoctorPlan(tuple(nodes), ctx, master_port, connect_timeout_s=connect_timeout_s,
                       max_parallel=max_parallel)

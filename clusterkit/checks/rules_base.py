@@ -54,6 +54,9 @@ class DoctorContext:
     # addresses): the ranks talk over loopback, so how names resolve for *other*
     # machines cannot matter and those checks only inform (see one_machine()).
     one_machine: bool = False
+    # The inventory's spares among ``hosts`` (not selected; checked because launch
+    # --replace runs a lost node's ranks there: a spare that fails is no spare).
+    spares: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", DoctorMode(self.backend))

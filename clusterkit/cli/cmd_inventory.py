@@ -51,8 +51,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _summary(inv: Inventory) -> str:
-    slots = sum(h.slots for h in inv.hosts)
-    return f"{inv.name}: {len(inv.hosts)} hosts ({fold(inv.names())}), {slots} slots"
+    slots = sum(h.slots for h in inv.hosts if h.name not in inv.spares)
+    spares = (f" + spare{'s' * (len(inv.spares) > 1)} {fold(inv.spares)} (never selected)"
+              if inv.spares else "")
+    return f"{inv.name}: {len(inv.hosts)} hosts ({fold(inv.names())}), {slots} slots{spares}"
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -71,7 +73,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         dirs = (("local", h.checkpoint.local_dir), ("shared", h.checkpoint.shared_dir))
         ckpt = ", ".join(f"{k}={v}" for k, v in dirs if v)
         gpus = f"{h.gpus}× {h.gpu_model}" if h.gpus and h.gpu_model else str(h.gpus)
-        table.add_row(h.name, h.address, via, str(h.slots), gpus, h.python or "(launcher's)",
+        # a spare is never selected: launch --replace runs a lost host's ranks on it
+        name = f"{h.name} (spare)" if h.name in inv.spares else h.name
+        table.add_row(name, h.address, via, str(h.slots), gpus, h.python or "(launcher's)",
                       h.workdir or "(launcher's cwd)", ckpt or "-")
     # Piped output is read by people in logs: do not squeeze it to 80 columns.
     Console(width=None if sys.stdout.isatty() else 200).print(table)

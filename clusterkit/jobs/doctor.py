@@ -66,6 +66,13 @@ def doctor_replicas(replicas: int | None, hosts: Sequence[Host]) -> int:
     return 1 if len(hosts) > 1 and not all(h.checkpoint.shared_dir for h in hosts) else 0
 
 
+def spare_hosts(inventory: Inventory, selected: Sequence[Host]) -> list[Host]:
+    """The inventory's spares outside the selection: doctor checks them with the job's
+    nodes, since ``launch --replace`` runs a lost node's ranks there (docs/doctor.md)."""
+    chosen = {h.name for h in selected}
+    return [inventory.host(name) for name in inventory.spares if name not in chosen]
+
+
 def run_checks(inventory: Inventory, *, nodes: int | None = None,
                gpus_per_node: int | None = None, include: str = "", exclude: str = "",
                launcher: str = DEFAULT_LAUNCHER, job_id: str | None = None,
@@ -80,15 +87,18 @@ def run_checks(inventory: Inventory, *, nodes: int | None = None,
     if launcher not in BACKENDS:
         raise ClusterkitError(f"unknown launcher {launcher!r}", key="--launcher",
                               hint=f"one of {', '.join(BACKENDS)}")
-    hosts = [h for h, _slots in select_hosts(inventory, nodes=nodes, gpus_per_node=gpus_per_node,
-                                             include=include, exclude=exclude)]
+    selected = [h for h, _slots in select_hosts(inventory, nodes=nodes,
+                                                gpus_per_node=gpus_per_node,
+                                                include=include, exclude=exclude)]
+    spares = spare_hosts(inventory, selected)
+    hosts = selected + spares  # after the selection: its first node stays the master
     plan = plan_doctor(
         hosts, head_python=sys.executable, head_cwd=os.getcwd(),
         head_tools={t: shutil.which(t) for t in HEAD_TOOLS},
         backend=launcher, master_port=doctor_master_port(master_port, job_id, inventory.name),
-        checkpoint_bytes=ckpt_bytes or None, replicas=doctor_replicas(replicas, hosts),
+        checkpoint_bytes=ckpt_bytes or None, replicas=doctor_replicas(replicas, selected),
         storage=storage, connect_timeout_s=connect_timeout_s,
-        accept_new_host_keys=accept_new_host_keys,
+        accept_new_host_keys=accept_new_host_keys, spares=[h.name for h in spares],
     )
     with transport_for(connect_timeout=connect_timeout_s) as transport:
         fast, client = fanout_transport(plan, transport)

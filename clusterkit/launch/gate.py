@@ -192,10 +192,7 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
         missing = f.get("missing")
         if isinstance(missing, list) and missing:
             # Seen as a user: without this, every rank died of Python's "can't open file".
-            problems.setdefault(node, f"{', '.join(map(str, missing))} is not on this node "
-                                      "(--sync DIR copies DIR to the same path under the workdir, "
-                                      "relative to your current directory: --sync . for all "
-                                      "of it; or use a shared workdir)")
+            problems.setdefault(node, missing_problem([str(m) for m in missing]))
         for why in _need_problems(f):
             problems.setdefault(node, why)
     for node, why in shared_dirs(facts, order).items():
@@ -205,6 +202,20 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
     keys = PARITY_KEYS if same_python else tuple(k for k in PARITY_KEYS if k != "python")
     problems.update(_parity(facts, order, keys))
     return GateResult(facts=facts, problems=problems)
+
+
+def missing_problem(paths: Sequence[str],
+                    exists_here: Callable[[str], bool] = os.path.exists) -> str:
+    """A node lacks files the ranks open (the user's script). Those that are not on the
+    launching host either exist nowhere (a typo in the path: --sync cannot help); the
+    others were never copied to the node."""
+    nowhere = [p for p in paths if not exists_here(p)]
+    if nowhere:
+        return (f"{', '.join(nowhere)} does not exist, on this node nor here on the launching "
+                "host: check the script's path (a relative one is taken from the workdir)")
+    return (f"{', '.join(paths)} is not on this node (--sync DIR copies DIR to the same path "
+            "under the workdir, relative to your current directory: --sync . for all of it; "
+            "or use a shared workdir)")
 
 
 def _need_problems(f: dict[str, object]) -> list[str]:
