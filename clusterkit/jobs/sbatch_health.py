@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clusterkit.checkpoints.replicas.health import JobHealth, health, list_all
+from clusterkit.checkpoints.collect.tags import answers
+from clusterkit.checkpoints.collectplan import WithoutMarkers
+from clusterkit.checkpoints.replicas.health import JobHealth, TagHealth, health, list_all
 from clusterkit.errors import ClusterkitError
 from clusterkit.jobs.resolve import NodeChoice, batch_job_nodes
 from clusterkit.launch.jobs import JobRecord, Registry
@@ -29,9 +31,15 @@ def batch_job_health(record: JobRecord, home: Path) -> JobHealth | None:
         return JobHealth([], {"nodes": exc.one_line()}, record.ckpt.markers)
     with transport_for() as transport:  # unused by Slurm places; the factory takes one
         listings = list_all(transport, resolved.nodes)
-    return JobHealth(health(listings, expect_nodes=len(resolved.nodes),
-                            markers=record.ckpt.markers),
-                     {ls.node: ls.error for ls in listings if ls.error}, record.ckpt.markers)
+    slots = tuple(resolved.slots)
+    tags: list[TagHealth]
+    if record.ckpt.markers or all(slots):  # collect-ckpt's answer too (checkpoints/collect/tags.py)
+        wm = None if record.ckpt.markers else WithoutMarkers(world_size=sum(slots), slots=slots)
+        tags = list(answers(listings, expect_nodes=len(resolved.nodes), without_markers=wm))
+    else:  # a user's script on nodes of unknown slots: the replicas' view alone
+        tags = health(listings, expect_nodes=len(resolved.nodes), markers=False)
+    return JobHealth(tags, {ls.node: ls.error for ls in listings if ls.error},
+                     record.ckpt.markers)
 
 
 def slurm_job_health_lines(home: Path, slurm_job_id: str) -> list[str]:
