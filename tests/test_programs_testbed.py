@@ -139,3 +139,50 @@ def test_an_unknown_program_is_not_restarted_at_step0(testbed_required: None,
         assert len(line) == 1 and "checkpoint step4" in line[0] and "--resume-arg" in line[0], \
             text[-3000:]
         assert "finished" not in text.lower().split("would restart at step 0")[-1]
+
+
+DDP = REPO / "tests" / "programs" / "ddp_snapshot.py"
+EPOCH_LOSS = re.compile(r"epoch (\d+) loss ([0-9.]+)")
+EPOCHS = 8
+
+
+def _ddp_reference(tmp: Path) -> dict[int, str]:
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--log-dir={tmp}/trd", "--nnodes",
+            "1", "--nproc-per-node", "3", "--master_addr", "127.0.0.1", "--master_port",
+            str(free_port()), str(DDP), str(EPOCHS), "2", "--snapshot_path",
+            str(tmp / "ref-snapshot.pt")]
+    proc = subprocess.run(argv, cwd=tmp, env=workload_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return {int(e): loss for e, loss in EPOCH_LOSS.findall(proc.stdout + proc.stderr)}
+
+
+@pytest.mark.testbed
+def test_ddp_snapshot_killed_rank_resumes_on_every_node(testbed_required: None,
+                                                         tmp_path: Path) -> None:
+    """pytorch/examples multinode.py (CPU): rank 0 saves snapshot.pt on node1 only; rank 1
+    is killed after the epoch-4 snapshot; before the restart clusterkit copies snapshot.pt
+    to node2 and node3, so every rank resumes at epoch 5 and the job ends on the
+    uninterrupted run's losses."""
+    with temporary(3) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+        snap = str(tb.local_mountpoint / "ckpt" / "ddpkill" / "snapshot.pt")
+        marker = tb.shared_dir / "ddpkill-crashed"
+        argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id",
+                "ddpkill", "--nodes", "3", "--storage", "node-local", "--grace", "2",
+                "--skip-checks", "--max-restarts", "1", str(DDP), str(EPOCHS), "2",
+                "--snapshot_path", snap, "--crash_at_epoch", "5", "--crash_rank", "1",
+                "--crash_once", str(marker)]
+        run = subprocess.run(argv, cwd=tmp_path, env=train_env(tmp_path), capture_output=True,
+                             text=True, timeout=600)
+        text = run.stdout + run.stderr
+        assert run.returncode == 0, text[-5000:]
+        assert marker.exists(), text[-3000:]
+        assert "program profile: torch-snapshot" in text, text[-3000:]
+        assert "snapshot.pt: written by node1 only; copied to node[2-3] (sha256 verified)" \
+            in text, text[-5000:]
+        resumed = [ln for ln in text.splitlines() if "Resuming training from snapshot at Epoch 5"
+                   in ln]
+        assert resumed and "r0-2]" in resumed[0], text[-5000:]  # every rank, folded
+    got = {int(e): loss for e, loss in EPOCH_LOSS.findall(text)}
+    assert got[EPOCHS - 1] == _ddp_reference(tmp_path)[EPOCHS - 1], got

@@ -122,7 +122,9 @@ class ProgramChoice:
 # save_checkpoint too); a script that only saves into $CLUSTERKIT_CKPT_DIR by its own
 # means is taken to follow the contract.
 _SOURCE_RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
-    (HF, re.compile(r"\bTrainingArguments\b|Trainer\("),
+    # transformers' arguments, not the name Trainer: pytorch's DDP tutorial has a class
+    # Trainer of its own.
+    (HF, re.compile(r"TrainingArguments\b|from transformers import[^\n]*\bTrainer\b"),
      "its source builds transformers' Trainer"),
     (CONTRACT, re.compile(re.escape(ENV_RESUME_TAG)), f"its source reads ${ENV_RESUME_TAG}"),
     (ACCELERATE, re.compile(r"\.save_state\("), "its source calls accelerate's save_state"),

@@ -1,6 +1,7 @@
 """pytorch/examples' distributed/ddp-tutorial-series/multinode.py, patched only to run on
 CPU (gloo instead of nccl, no device ids) and to be repeatable (a seeded dataset, the
-epoch's mean loss printed by rank 0), plus a kill-once test hook (issue 38).
+epoch's mean loss printed by rank 0, a snapshot's epoch count that includes the epoch
+saved), plus a kill-once test hook (issue 38).
 
 As in the tutorial: rank 0 saves ``snapshot.pt`` every ``save_every`` epochs; on start
 every rank loads the snapshot if the file exists. On node-local storage only rank 0's
@@ -78,7 +79,9 @@ class Trainer:
             print(f"epoch {epoch} loss {sum(losses) / len(losses):.8f}")
 
     def _save_snapshot(self, epoch):
-        snapshot = {"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch}
+        # patched: the epochs run include this one (the tutorial stores `epoch` and runs
+        # it twice after a resume, so no resumed run could end on the uninterrupted loss)
+        snapshot = {"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch + 1}
         torch.save(snapshot, self.snapshot_path)
         print(f"Epoch {epoch} | Training snapshot saved at {self.snapshot_path}")
 
