@@ -142,3 +142,32 @@ def write_ring_replicas(roots: Sequence[str], tag: str = "global_step1", *, repl
             write_replica(root, roots[holder], source, tag,
                           source_host=hosts[source] if hosts else None,
                           holder=hosts[holder] if hosts else None)
+
+
+def write_hf_save(roots: Sequence[str], step: int, *, model_everywhere: bool = True) -> str:
+    """An HF Trainer + DeepSpeed save as each node holds it (issue 38): ``checkpoint-N/``
+    with DeepSpeed's ``global_stepN/`` inside and ``latest`` in the tag, HF's own
+    ``trainer_state.json`` beside it (differing per node), no completion markers, nothing
+    at the root. Without ``model_everywhere`` (a ds_config without use_node_local_storage)
+    the model states are on node 0 only. 2 ranks a node, ZeRO-2. Returns the tag."""
+    tag = f"checkpoint-{step}"
+    write_node_local(roots, zero_stage=2, shard_bytes=2048, model_bytes=512, tag=tag)
+    for index, root in enumerate(roots):
+        tag_dir = os.path.join(root, tag)
+        inner = os.path.join(tag_dir, f"global_step{step}")
+        os.makedirs(inner)
+        for name in sorted(os.listdir(tag_dir)):
+            if not name.endswith(".pt"):
+                continue
+            if model_everywhere or index == 0 or "optim" in name:
+                os.rename(os.path.join(tag_dir, name), os.path.join(inner, name))
+            else:
+                os.unlink(os.path.join(tag_dir, name))
+        os.unlink(os.path.join(tag_dir, marker_name(index)))
+        _write(os.path.join(tag_dir, LATEST_FILE), f"global_step{step}".encode())
+        _write(os.path.join(tag_dir, "trainer_state.json"),
+               json.dumps({"global_step": step, "node": index}).encode())
+        for name in (LATEST_FILE, *RECOVERY_SCRIPTS):  # HF keeps these inside the tag
+            if os.path.exists(os.path.join(root, name)):
+                os.unlink(os.path.join(root, name))
+    return tag

@@ -8,7 +8,6 @@ tests/test_collect_replicas.py); the checkpoints are synthetic (tests/synthetic_
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import sys
@@ -23,7 +22,6 @@ from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import WithoutMarkers
 from clusterkit.checkpoints.replicas.health import list_all
 from clusterkit.checkpoints.sources.base import CollectNode
-from clusterkit.node import contract
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
 from tests import synthetic_ckpt as synthetic
@@ -42,29 +40,8 @@ def _nodes(tmp: Path, n: int = 3) -> list[CollectNode]:
 
 
 def _hf_save(nodes: list[CollectNode], step: int, *, model_everywhere: bool = True) -> str:
-    """An HF Trainer + DeepSpeed save as each node holds it: ``checkpoint-N/`` with
-    DeepSpeed's ``global_stepN/`` inside, HF's own files beside it (``trainer_state.json``
-    differing per node), ``latest`` inside the tag, no completion markers. Without
-    ``model_everywhere`` (no use_node_local_storage) the model states are on node 0 only."""
-    tag = f"checkpoint-{step}"
-    roots = [n.root for n in nodes]
-    synthetic.write_node_local(roots, zero_stage=2, shard_bytes=2048, model_bytes=512, tag=tag)
-    for index, root in enumerate(roots):
-        tag_dir = os.path.join(root, tag)
-        inner = os.path.join(tag_dir, f"global_step{step}")
-        os.makedirs(inner)
-        for pt in glob.glob(os.path.join(tag_dir, "*.pt")):
-            if model_everywhere or index == 0 or "optim" in pt:
-                shutil.move(pt, inner)
-            else:
-                os.unlink(pt)
-        os.unlink(os.path.join(tag_dir, contract.marker_name(index)))
-        Path(tag_dir, "latest").write_text(f"global_step{step}")
-        Path(tag_dir, "trainer_state.json").write_text(f'{{"global_step": {step}, "n": {index}}}')
-        for name in (contract.LATEST_FILE, "zero_to_fp32.py"):  # HF keeps these in the tag
-            if os.path.exists(os.path.join(root, name)):
-                os.unlink(os.path.join(root, name))
-    return tag
+    return synthetic.write_hf_save([n.root for n in nodes], step,
+                                   model_everywhere=model_everywhere)
 
 
 WM = WithoutMarkers(world_size=6, slots=(2, 2, 2))
