@@ -23,12 +23,12 @@ from clusterkit.checkpoints.convert.universal import (
     user_resume,
 )
 from clusterkit.checkpoints.replicas.assemble import Assembly
-from clusterkit.checkpoints.sources.transfer import sha256_file
 from clusterkit.errors import CheckpointError, LaunchError
 from clusterkit.jobs.resolve import recorded_nodes
 from clusterkit.jobs.restore import Say, collect_node, push_files, staging_dir
 from clusterkit.launch.jobs import JobRecord
 from clusterkit.node.contract import ENV_RESUME_TAG
+from clusterkit.node.hashing import sha256_file
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
 from clusterkit.spec.jobrecord import RankMap

@@ -47,7 +47,7 @@ SOCKET_TIMEOUT_S = 10.0  # connect and proofs; then the collector's stall watchd
 def socket_proof(secret: str, who: bytes, port: int) -> bytes:
     """What each end of the data socket sends to show it holds the per-run secret:
     ``who`` is b"node" or b"collector" (so neither proof can be echoed back)."""
-    return hmac.new(secret.encode(), who + b" %d" % port, hashlib.sha256).hexdigest().encode()
+    return hashing.mac(secret.encode(), who, b"%d" % port).encode()
 
 
 def connect_back(req: dict[str, Any]) -> socket.socket:

@@ -60,10 +60,10 @@ from clusterkit.node.dist_wire import (
     DistError,
     StdinUp,
     dial,
-    mac,
     read_line,
     recv_exact,
 )
+from clusterkit.node.hashing import mac
 
 
 class Node:

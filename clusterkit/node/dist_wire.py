@@ -17,12 +17,13 @@ Standard library only, Python >= 3.8 on the node.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
 import socket
 import struct
 from typing import Any
+
+from clusterkit.node.hashing import mac
 
 GREETING = b"CKDIST1"
 HDR = struct.Struct("!IIIIH")  # seq, file index, chunk index, length, number of targets
@@ -36,10 +37,6 @@ PORT_TRIES = 16
 
 class DistError(Exception):
     """A hop that failed (said in an event's ``why``)."""
-
-
-def mac(secret: bytes, *parts: bytes) -> str:
-    return hmac.new(secret, b"\0".join(parts), hashlib.sha256).hexdigest()
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

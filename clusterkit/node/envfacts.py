@@ -40,6 +40,7 @@ from typing import Any, Dict, List  # noqa: UP035 - runs on Python 3.8 nodes
 from clusterkit.node.contract import ENV_TEST_ENVFACTS
 from clusterkit.node.dist_store import STATE_DIR as SYNC_STATE_DIR
 from clusterkit.node.dist_store import place_link
+from clusterkit.node.hashing import sha256_file
 
 ENVFACTS_VERSION = 1
 RECORD_DIR = ".clusterkit"
@@ -58,14 +59,6 @@ SKIPPED = (*(f"{d}/" for d in SKIP_DIRS), *(f"*{x}" for x in SKIP_SUFFIXES),
 
 Entry = List[Any]  # noqa: UP006 - ["f", size, mode, sha256, mtime] | ["l", target]
 Manifest = Dict[str, Entry]  # noqa: UP006
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def record_path(directory: str, name: str = MANIFEST_FILE) -> str:
@@ -123,7 +116,7 @@ def manifest(directory: str, cache: Manifest | None = None) -> Manifest:
                 old = cache.get(rel)
                 same = (old and old[0] == "f" and old[1] == st.st_size
                         and abs(float(old[4]) - st.st_mtime) < 1e-6)
-                sha = old[3] if same and old else _sha256(p)
+                sha = old[3] if same and old else sha256_file(p)
                 out[rel] = ["f", st.st_size, st.st_mode & 0o7777, sha, st.st_mtime]
     return out
 

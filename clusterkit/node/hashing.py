@@ -1,5 +1,10 @@
 """Node program: sha256 of files under a root, several at once (hashlib releases the GIL).
 
+Also the one sha256-of-a-file helper (:func:`sha256_file`) and the one HMAC helper
+(:func:`mac`) of clusterkit: the node modules (the replica wire, the sync chain, the
+environment records, the Slurm restore) and the launcher (collect's receiver, the local
+transport, the reshard) call these, never a copy (issue 36).
+
 ``hashing ROOT JSON_LIST [THREADS]`` prints one JSON line
 ``{"v": 1, "files": {rel: [size, mtime, sha256]}, "errors": {rel: why}}``, with
 size and mtime taken on the open file. Parsed by
@@ -9,6 +14,7 @@ size and mtime taken on the open file. Parsed by
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import sys
@@ -17,6 +23,21 @@ from typing import Any
 
 HASH_VERSION = 1
 CHUNK = 1 << 20
+
+
+def sha256_file(path: str) -> str:
+    """The sha256 of a file's content, read in CHUNK pieces (OSError when unreadable)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(CHUNK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def mac(secret: bytes, *parts: bytes) -> str:
+    """HMAC-SHA256 of ``parts`` joined by NUL bytes (hex): what both ends of an
+    authenticated node-to-node exchange compute (the replica wire, the sync chain)."""
+    return hmac.new(secret, b"\0".join(parts), hashlib.sha256).hexdigest()
 
 
 def hash_files(root: str, rels: list[str], threads: int = 4) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from clusterkit.node.contract import (
     replica_ports,
     replica_source_dir,
 )
+from clusterkit.node.hashing import mac
 from clusterkit.node.replica_area import (
     commit_copy,
     new_manifest,
@@ -69,10 +70,6 @@ IO_TIMEOUT_S = 60.0  # no byte for this long: the peer is gone
 
 class ReplicaError(Exception):
     """A push that did not complete (said in the Replica event's ``detail``)."""
-
-
-def mac(secret: bytes, *parts: bytes) -> str:
-    return hmac.new(secret, b"".join(parts), hashlib.sha256).hexdigest()
 
 
 _said: set[str] = set()

@@ -45,9 +45,9 @@ from clusterkit.node.replica_service import (
 
 # The child's node modules, dependencies first (node/ship.py's "replica_proc" program
 # is this list; the agent ships every one of them, so it can hand them on).
-MODULES = ("contract", "protocol", "agent_files", "agent_procs", "listing", "replica_rules",
-           "replica_done", "replica_area", "priority", "replica", "replica_service",
-           "replica_proc")
+MODULES = ("contract", "hashing", "protocol", "agent_files", "agent_procs", "listing",
+           "replica_rules", "replica_done", "replica_area", "priority", "replica",
+           "replica_service", "replica_proc")
 FINISH = "finish"
 ABORT = "abort"
 ABORT_GRACE_S = 5.0  # after "abort", how long the child may take before it is killed

@@ -27,7 +27,6 @@ Standard library only, Python >= 3.8 on the node.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -44,6 +43,7 @@ from clusterkit.node.contract import (
     replica_dir,
     replica_source_dir,
 )
+from clusterkit.node.hashing import sha256_file
 from clusterkit.node.listing import listing
 from clusterkit.node.replica import ReplicaError, ReplicaServer, push, push_files
 from clusterkit.node.replica_area import commit_copy, new_manifest, read_manifest
@@ -263,14 +263,6 @@ def _asides(ls: dict[str, Any], host: str, tag: str, index: int, saved: Saved
 # ------------------------------------------------------------------ 3. restore (one node)
 
 
-def sha256_of(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for piece in iter(lambda: fh.read(1 << 20), b""):
-            h.update(piece)
-    return h.hexdigest()
-
-
 def aside(ckpt_dir: str, tag: str, part: int, job_id: str, host: str) -> None:
     """This node's own copy of ``tag`` is node index ``part``'s: into the replica area as a
     verified copy of that part (each file's sha256 in its manifest), or away (-1: no
@@ -293,7 +285,7 @@ def aside(ckpt_dir: str, tag: str, part: int, job_id: str, host: str) -> None:
         for n in sorted(names):
             p = os.path.join(d, n)
             rel = os.path.relpath(p, partial)
-            files[rel] = (os.path.getsize(p), sha256_of(p), os.path.getmtime(p))
+            files[rel] = (os.path.getsize(p), sha256_file(p), os.path.getmtime(p))
     commit_copy(partial, replica_dir(ckpt_dir, part, tag),
                 new_manifest(job_id, tag, part, host, host, files))
 
@@ -307,7 +299,7 @@ def promote(ckpt_dir: str, tag: str, index: int) -> tuple[int, int]:
     if manifest is None:
         raise ReplicaError(f"no complete replica of {tag} of node index {index} here")
     bad = [rel for rel, f in manifest["files"].items()
-           if sha256_of(os.path.join(root, rel)) != f["sha256"]]
+           if sha256_file(os.path.join(root, rel)) != f["sha256"]]
     if bad:
         raise ReplicaError(f"sha256 differs from the replica manifest's: {', '.join(bad[:3])}")
     os.makedirs(ckpt_dir, exist_ok=True)
@@ -373,7 +365,7 @@ def gather(plan: dict[str, Any], me: str, ckpt_dir: str, dest: str) -> int:
             os.makedirs(os.path.dirname(out), exist_ok=True)
             tmp = f"{out}.{me}.part"  # nodes write the same model-states file name
             shutil.copyfile(os.path.join(root, rel), tmp)
-            if manifest is not None and sha256_of(tmp) != manifest["files"][rel]["sha256"]:
+            if manifest is not None and sha256_file(tmp) != manifest["files"][rel]["sha256"]:
                 os.remove(tmp)
                 say(f"{me}: {rel} of node index {part}'s replica differs from its manifest",
                     err=True)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, TypeVar
 
 from clusterkit.errors import TransportError
+from clusterkit.node.hashing import sha256_file
 from clusterkit.remote.base import (
     DEFAULT_COMMAND_TIMEOUT_S,
     DEFAULT_MAX_PARALLEL,
@@ -183,16 +184,7 @@ class LocalTransport:
         _file_op(target, path, "mkdir", lambda: os.makedirs(path, exist_ok=True))
 
     def sha256(self, target: SSHTarget, path: str, *, timeout: float = 600.0) -> str:
-        import hashlib  # only here: the one local-only helper that hashes
-
-        def digest() -> str:
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            return h.hexdigest()
-
-        return _file_op(target, path, "sha256", digest)
+        return _file_op(target, path, "sha256", lambda: sha256_file(path))
 
     def close(self) -> None:
         """Nothing to close; present for the Transport protocol."""

@@ -34,6 +34,7 @@ from typing import IO, Any, Protocol
 from clusterkit.checkpoints.sources.session import NodeSession, SessionError
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text
+from clusterkit.node.hashing import sha256_file
 from clusterkit.node.ship import NodeCommand, node_command
 from clusterkit.remote.base import SSHTarget, Transport
 
@@ -173,14 +174,6 @@ class DestState:
         text = json.dumps({"v": 1, "files": self.files}, indent=0, sort_keys=True)
         atomic_write_text(self.path, text + "\n")
         self._dirty, self._written = False, time.monotonic()
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def part_path(final: str) -> str:
