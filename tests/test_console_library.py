@@ -121,3 +121,15 @@ def test_a_progress_bar_shows_each_quarter_once_and_a_dump_is_one_line() -> None
     short = ["Cfg {", '"x": 1', "}"]  # under DUMP_MIN_LINES: shown as it is
     out = [i.text for t, ln in enumerate(short) for i in f.feed("n1", 0, ln, now=300 + t)]
     assert out + [i.text for i in f.release(400, final=True)] == short
+
+
+def test_the_status_line_reads_an_hf_trainers_loss_and_bar() -> None:
+    from clusterkit.launch.console import Progress
+
+    p = Progress()
+    assert p.update("{'loss': '2.869', 'grad_norm': '1.239', 'learning_rate': '0.00085'}")
+    assert p.loss == "2.869"
+    assert p.update(" 25%|██▌       | 15/60 [00:00<00:00, 68.51it/s]") and p.step == "15/60"
+    assert not Progress().update("{'eval_loss': '2.343'}")  # not the training loss
+    q = Progress()
+    assert q.update("[clusterkit] step 10/30 | loss 4.8") and (q.step, q.loss) == ("10/30", "4.8")

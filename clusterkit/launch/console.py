@@ -28,7 +28,10 @@ from clusterkit.node.hangrule import STEP_LINE
 if TYPE_CHECKING:
     from rich.text import Text
 
-_LOSS = re.compile(r"\bloss[ =:]+([0-9.]+(?:e[-+]?\d+)?)", re.IGNORECASE)
+# "loss 4.8", "loss=4.8", and HF Trainer's logged dict "{'loss': '2.65', ...}"
+_LOSS = re.compile(r"""\bloss['"]?[ =:]+['"]?([0-9.]+(?:e[-+]?\d+)?)""", re.IGNORECASE)
+# a tqdm bar's "| 15/60 [": the step of a program that prints no step lines (HF Trainer)
+_BAR_STEP = re.compile(r"\|\s*(\d+)/(\d+) \[")
 _TOKS = re.compile(r"([0-9][0-9,.]*[kMG]?)\s*tok(?:ens)?/s", re.IGNORECASE)
 
 
@@ -70,7 +73,8 @@ class Progress:
 
     def update(self, text: str) -> bool:
         changed = False
-        for regex, attr in ((STEP_LINE, "step"), (_LOSS, "loss"), (_TOKS, "toks")):
+        for regex, attr in ((STEP_LINE, "step"), (_BAR_STEP, "step"), (_LOSS, "loss"),
+                            (_TOKS, "toks")):
             m = regex.search(text)
             if m:
                 value = m.group(1)
