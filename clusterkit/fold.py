@@ -35,7 +35,8 @@ dump on every rank (``TrainingArguments(`` and 100 ``key=value,`` lines), and th
 library warning on every rank and at every save. A bar is shown when it enters a new
 quarter (:data:`PROGRESS_STEPS`), the same bar state once per job; a dump is one line
 (:data:`DUMP_MIN_LINES`); a library warning, or a library INFO record repeated word for
-word, is shown once per job (:data:`LIBRARY_ONCE`). tests/fixtures/hf_trainer_console
+word, is shown once per job (:data:`LIBRARY_WARNING`, :data:`LIBRARY_INFO`; a save and a
+resume, :data:`LIBRARY_EVENT`, every time). tests/fixtures/hf_trainer_console
 holds a real HF Trainer console that tests/test_console_library.py replays.
 
 One file because: the folder is one state machine over every rank's lines (its groups,
