@@ -87,7 +87,7 @@ def test_doctor_checks_the_spares_after_the_selection() -> None:
     inv = parse_inventory(INV, "inv.yaml")
     chosen = [inv.host("node1"), inv.host("node2")]
     assert [h.name for h in spare_hosts(inv, chosen)] == ["node4"]
-    assert spare_hosts(inv, [inv.host("node4")]) == []  # named with --include: a node now
+    assert spare_hosts(inv, [inv.host("node4")]) == []  # among the hosts already: not twice
 
 
 def _report(findings: list[Finding]) -> DoctorReport:
