@@ -155,21 +155,27 @@ def check(ops: List[str]) -> Dict[str, Any]:  # noqa: UP006
 def holders(path: str, proc: str = "/proc") -> List[int]:  # noqa: UP006
     """The pids with ``path`` open (fuser's answer, from ``/proc/<pid>/fd``). Only
     processes this user may see and, in a PID namespace, only that namespace's."""
-    want = os.path.realpath(path)
-    out = []
-    for fd_dir in glob.glob(os.path.join(proc, "[0-9]*", "fd")):
+    return holders_of([path], proc)[os.path.realpath(path)]
+
+
+def holders_of(paths: List[str], proc: str = "/proc") -> Dict[str, List[int]]:  # noqa: UP006
+    """:func:`holders` of several files in one walk of ``/proc`` (each real path -> pids)."""
+    want: Dict[str, List[int]] = {os.path.realpath(p): [] for p in paths}  # noqa: UP006
+    for fd_dir in glob.glob(os.path.join(proc, "[0-9]*", "fd")) if want else []:
         try:
             names = os.listdir(fd_dir)
         except OSError:
             continue
+        pid, seen = int(fd_dir.split(os.sep)[-2]), set()
         for fd in names:
             try:
-                if os.readlink(os.path.join(fd_dir, fd)) == want:
-                    out.append(int(fd_dir.split(os.sep)[-2]))
-                    break
+                target = os.readlink(os.path.join(fd_dir, fd))
             except OSError:
                 continue
-    return sorted(out)
+            if target in want and target not in seen:
+                want[target].append(pid)
+                seen.add(target)
+    return {path: sorted(pids) for path, pids in want.items()}
 
 
 def locks(roots: List[str] | None = None, now: float | None = None  # noqa: UP006
@@ -177,22 +183,22 @@ def locks(roots: List[str] | None = None, now: float | None = None  # noqa: UP00
     """Every ``lock`` file of a JIT build under the roots: path, age, holders (pids here
     that have it open), and :func:`judge`'s state and why (owner: the record's host)."""
     now = time.time() if now is None else now
-    seen, out, me = set(), [], here()
+    found: Dict[str, float] = {}  # noqa: UP006 - real path -> age
     for root in roots if roots is not None else extension_roots():
         for path in sorted(glob.glob(os.path.join(root, "*", "lock"))
                            + glob.glob(os.path.join(root, "*", "*", "lock"))):
             real = os.path.realpath(path)
-            if real in seen or not os.path.isfile(real):
+            if real in found or not os.path.isfile(real):
                 continue
-            seen.add(real)
             try:
-                age = now - os.stat(real).st_mtime
+                found[real] = now - os.stat(real).st_mtime
             except OSError:
                 continue
-            pids = holders(real)
-            owner, owner_age = owner_of(real, now)
-            out.append({"path": real, "age_s": round(age, 1), "holders": pids,
-                        **judge(pids, owner, owner_age, me)})
+    pids, me, out = holders_of(list(found)), here(), []
+    for real, age in found.items():
+        owner, owner_age = owner_of(real, now)
+        out.append({"path": real, "age_s": round(age, 1), "holders": pids[real],
+                    **judge(pids[real], owner, owner_age, me)})
     return out
 
 
