@@ -10,8 +10,8 @@ newest checkpoint that can be assembled. The batch script runs, in order:
 1. ``list`` on every node (a step): the node's listing (``node/listing.py``, the one
    collect-ckpt reads, replica area included) into ``RUN_DIR/list/<node>.json``;
 2. ``plan`` on the batch host: the newest tag every node index has a source of (its
-   own copy on some node of this run, or a complete replica, manifest present), and
-   for each node that lacks its part, where it comes from; ``RUN_DIR/plan.json`` and
+   own copy on some node of this run, or a complete replica), and for each node that
+   lacks its part, where it comes from; ``RUN_DIR/plan.json`` and
    the decision lines in the job's log. Exit 3 with one line naming the missing node
    parts when no tag can be assembled from this run's nodes;
 3. ``restore`` on every node (a step): a node whose own copy of the tag is another
@@ -21,6 +21,10 @@ newest checkpoint that can be assembled. The batch script runs, in order:
    arrival, manifest last, atomic); a node holding its part as a replica promotes it
    into its checkpoint dir after checking every file against the manifest (a
    directory rename: the tag dir and its marker appear at once; ``latest`` after it).
+
+Which copy counts, the tag order and which sources serve which node index are the
+replica rules (node/replica_rules.py), the ones the launcher's assemble.py asks: this
+module turns the listings' JSON into the rules' values and the answers into moves.
 
 Standard library only, Python >= 3.8 on the node.
 """
