@@ -22,11 +22,13 @@ from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import JobOptions, JobPlan
 from clusterkit.spec.programs import (
     ACCELERATE,
+    ACCELERATE_CONFIG_ENV,
     CONTRACT,
     CUSTOM,
     DEEPSPEED,
     DERIVED_DS_CONFIG,
     HF,
+    LIBRARY_DS_CONFIG,
     PROFILES,
     SNAPSHOT,
     UNKNOWN,
@@ -331,7 +333,7 @@ def test_an_unknown_program_is_refused_rather_than_restarted_at_step0() -> None:
 NEEDS = [  # profile -> a restart on the same nodes is readied first (node-local)
     (HF_SRC, None, True), (DS_SRC, None, True), ("print(1)\n", None, True),
     ("print(1)\n", "--from {dir}", True), (SNAP_SRC, None, True), (CONTRACT_SRC, None, False),
-    (ACC_SRC, None, False),
+    (ACC_SRC, None, True),
 ]
 
 
@@ -339,3 +341,19 @@ NEEDS = [  # profile -> a restart on the same nodes is readied first (node-local
 def test_which_restarts_are_readied(text: str, resume: str | None, want: bool) -> None:
     assert needs_ready(_plan(text, (), resume_arg=resume)) is want
     assert needs_ready(_plan(text, (), resume_arg=resume, storage="shared")) is False
+
+
+def test_accelerate_gets_a_node_local_library_config() -> None:
+    plan = _plan(ACC_SRC, ())
+    for n in plan.nodes:
+        assert n.env[ACCELERATE_CONFIG_ENV] == f"{n.job_dir}/{DERIVED_DS_CONFIG}"
+    assert json.loads(plan.program_files[DERIVED_DS_CONFIG]) == LIBRARY_DS_CONFIG
+    assert plan.warnings == ()
+    sched = _plan(ACC_SRC + "sched = get_scheduler('linear', opt)\n", ())
+    assert [w for w in sched.warnings if w.startswith("accelerate: checkpoints are not complete")]
+    assert _plan(ACC_SRC + "sched = 1\nProjectConfiguration(save_on_each_node=True)\n",
+                 ()).warnings == ()
+    own = _plan(ACC_SRC + "DeepSpeedPlugin(hf_ds_config='ds.json')\n", ())
+    assert ACCELERATE_CONFIG_ENV not in own.nodes[0].env and own.program_files == {}
+    shared = _plan(ACC_SRC, (), storage="shared")
+    assert ACCELERATE_CONFIG_ENV not in shared.nodes[0].env

@@ -121,7 +121,7 @@ def aside(plan: JobPlan, newer: Sequence[str], say: Say) -> JobPlan:
     its ranks start (node/agent_files.ready_checkpoints). ``plan`` itself when not."""
     choice = plan.profile
     if not newer or plan.options.uses_workload or choice is None \
-            or not choice.profile.resumes_itself:
+            or not choice.profile.picks_newest:
         return plan
     say(f"moving {', '.join(newer)} aside on every node ({newer[0]} cannot be assembled on "
         f"these nodes; {choice.name} would pick the newest it finds): renamed "

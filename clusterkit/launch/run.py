@@ -36,6 +36,7 @@ from clusterkit.remote.unanswered import NoRedial
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, JobPlan, LaunchPlan, RunOptions
 from clusterkit.spec.jobrecord import JobCheckpoints, JobState, RankMap, RankSpan
+from clusterkit.spec.programs import CONTRACT
 
 # JobOptions -> the decisions; made again only when a restart drops nodes.
 Planner = Callable[[JobOptions], JobPlan]
@@ -302,12 +303,17 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
 def needs_ready(plan: JobPlan) -> bool:
     """A restart on the same nodes of a node-local job is readied first (jobs/recover.py)
     when its program's profile is told where to resume, picks by DeepSpeed's ``latest``,
-    writes a file on one rank only (copied to every node), or has no known way to resume
+    writes a file on one rank only (copied to every node), picks the newest checkpoint it
+    finds (newer unassemblable ones moved aside), or has no known way to resume
     (the step-0 rule): spec/programs.py."""
     prof = plan.profile
+    # The contract's scripts take the newest tag every rank has by their own rule: on the
+    # same nodes nothing is in their way (on fewer nodes the reshard readies them).
+    own_rule = prof is not None and prof.name == CONTRACT
     return (plan.storage == StorageKind.NODE_LOCAL and prof is not None
             and not plan.options.uses_workload
             and bool(prof.resume or prof.profile.top_latest or prof.profile.one_writer
+                     or (prof.profile.picks_newest and not own_rule)
                      or not prof.profile.resumes_itself))
 
 

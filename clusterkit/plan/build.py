@@ -6,6 +6,7 @@ into files and command lines.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import PurePosixPath
 
@@ -302,6 +303,9 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> J
     # The program's profile (issue 38): what node-local storage adds to its arguments.
     prof = profile_programs(options, facts, storage, [(n.job_dir, n.ckpt_dir) for n in nodes],
                             lambda o, jd, cd: _program(o, jd, cd, storage))
+    if prof.env:  # its library pointed at a node-local DeepSpeed config
+        nodes = tuple(dataclasses.replace(n, env={**n.env, **e})
+                      for n, e in zip(nodes, prof.env, strict=True))
     warnings = _gpu_warnings(options, nodes) + _script_warnings(options, facts.script_text) \
         + replica_warnings + prof.warnings
     _strict(options, warnings, inventory.path)

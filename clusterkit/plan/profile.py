@@ -22,9 +22,11 @@ from clusterkit.spec.job import JobOptions, LaunchFacts
 from clusterkit.spec.programs import (
     DERIVED_DS_CONFIG,
     HF,
+    LIBRARY_DS_CONFIG,
     ProgramChoice,
     config_arg,
     detect,
+    library_config_env,
     node_local_args,
     node_local_config,
     save_problem,
@@ -39,6 +41,7 @@ class Profiled:
     programs: tuple[tuple[str, ...], ...]
     files: Mapping[str, str]
     warnings: tuple[str, ...]
+    env: tuple[Mapping[str, str], ...] = ()  # per node: added to its environment
 
 
 def choose(o: JobOptions, facts: LaunchFacts) -> ProgramChoice:
@@ -59,8 +62,14 @@ def profile_programs(o: JobOptions, facts: LaunchFacts, storage: str,
     warnings: list[str] = []
     files: dict[str, str] = {}
     derived = _derived_config(choice, o, facts, warnings)
+    env = tuple(library_config_env(choice, facts.script_text, f"{jd}/{DERIVED_DS_CONFIG}")
+                for jd, _ in nodes)
     if derived is not None:
         files[DERIVED_DS_CONFIG] = derived
+    elif any(env):  # the library's own config, node-local (accelerate's DeepSpeedPlugin)
+        files[DERIVED_DS_CONFIG] = json.dumps(LIBRARY_DS_CONFIG, indent=2) + "\n"
+    else:
+        env = ()
     programs = tuple(
         program(dataclasses.replace(o, script_args=node_local_args(
             choice.profile, o.script_args,
@@ -69,7 +78,7 @@ def profile_programs(o: JobOptions, facts: LaunchFacts, storage: str,
     if len(nodes) > 1:
         warnings += _completeness(choice, o, facts)
         warnings += _output_dir(choice, o, [cd for _, cd in nodes])
-    return Profiled(choice, programs, files, tuple(warnings))
+    return Profiled(choice, programs, files, tuple(warnings), env)
 
 
 def _derived_config(choice: ProgramChoice, o: JobOptions, facts: LaunchFacts,

@@ -28,6 +28,15 @@ from clusterkit.node.contract import ENV_CKPT_DIR, ENV_RESUME_TAG, LATEST_FILE
 # The derived copy of a user's DeepSpeed config, in the job dir (node-local additions).
 DERIVED_DS_CONFIG = "ds_config.program.json"
 DIR_FIELD = "{dir}"  # the checkpoint directory in a resume template
+# accelerate's DeepSpeedPlugin reads its config from this file when the script gives none.
+ACCELERATE_CONFIG_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
+# What a library that builds its DeepSpeed config from its own arguments gets on node-local
+# storage: every value its arguments fill left "auto", and node-local checkpoints.
+LIBRARY_DS_CONFIG = {
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": "auto"},
+    "checkpoint": {"use_node_local_storage": True},
+}
 
 HF = "hf-trainer"
 ACCELERATE = "accelerate"
@@ -65,6 +74,14 @@ class Profile:
     # It writes files at the top of the checkpoint dir on one rank only (a snapshot) and
     # every rank reads them: copied from the writer to every node before a restart.
     one_writer: bool = False
+    # It loads the newest checkpoint it finds by itself: before a restart, newer ones that
+    # cannot be assembled are moved aside.
+    picks_newest: bool = False
+    # The variable its library reads a DeepSpeed config file from when the program names
+    # none (accelerate's DeepSpeedPlugin): set to a node-local config on node-local storage.
+    config_env: str | None = None
+    # `incomplete` applies only when the source shows one of these (empty: always).
+    incomplete_if: tuple[str, ...] = ()
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
@@ -75,22 +92,23 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             nested_latest=True),
     Profile(ACCELERATE, "accelerate save_state/load_state",
             "one folder per save_state call (DeepSpeed's tag inside, random_states_R.pkl)",
-            resumes_itself=True,
-            incomplete="accelerate writes its own files (scheduler, sampler, custom objects) "
-                       "on the main process only: pass ProjectConfiguration(save_on_each_node"
-                       "=True) to Accelerator(...), and checkpoint: {use_node_local_storage: "
-                       "true} in its DeepSpeed config, or use --storage shared"),
+            resumes_itself=True, picks_newest=True, config_env=ACCELERATE_CONFIG_ENV,
+            incomplete="accelerate writes its scheduler and registered objects on the main "
+                       "process only: pass ProjectConfiguration(save_on_each_node=True) to "
+                       "Accelerator(...), or use --storage shared",
+            incomplete_if=("scheduler", "register_for_checkpointing")),
     Profile(DEEPSPEED, "DeepSpeed engine (save_checkpoint/load_checkpoint)",
             "one dir per tag and a `latest` file naming the newest",
-            resumes_itself=True, config_args=("--deepspeed_config",), top_latest=True),
+            resumes_itself=True, picks_newest=True, config_args=("--deepspeed_config",),
+            top_latest=True),
     Profile(SNAPSHOT, "torch snapshot file",
             "one snapshot file saved by rank 0",
-            resumes_itself=True, one_writer=True,
+            resumes_itself=True, picks_newest=True, one_writer=True,
             incomplete="rank 0 saves the snapshot on its own node only: save it on every "
                        "node's local rank 0 (LOCAL_RANK == 0), or use --storage shared"),
     Profile(CONTRACT, "clusterkit's contract",
             f"tags under ${ENV_CKPT_DIR}, loaded by an explicit tag (${ENV_RESUME_TAG})",
-            resumes_itself=True, config_args=("--deepspeed_config",)),
+            resumes_itself=True, picks_newest=True, config_args=("--deepspeed_config",)),
     Profile(CUSTOM, "your --resume-arg", "your program's own", config_args=("--deepspeed",
                                                                             "--deepspeed_config")),
     Profile(UNKNOWN, "not recognised", "not known", config_args=("--deepspeed_config",)),
@@ -276,11 +294,25 @@ def node_local_config(text: str, source: str) -> str:
 def save_problem(choice: ProgramChoice, script_text: str | None) -> str | None:
     """Why this program's saves are not complete on every node (node-local storage), with
     the fix; None when they are (or clusterkit makes them so)."""
-    why = choice.profile.incomplete
-    if not why or (script_text is not None and "save_on_each_node=True" in script_text
-                   and "use_node_local_storage" in script_text):
+    prof = choice.profile
+    if not prof.incomplete or (script_text is not None and "save_on_each_node=True" in script_text):
         return None
-    return why
+    if prof.incomplete_if and not (script_text is not None
+                                   and any(w in script_text for w in prof.incomplete_if)):
+        return None
+    return prof.incomplete
+
+
+def library_config_env(choice: ProgramChoice, script_text: str | None, config_path: str
+                       ) -> dict[str, str]:
+    """The environment that points the program's library at a node-local DeepSpeed config
+    (:data:`LIBRARY_DS_CONFIG` at ``config_path``), when the profile has such a variable
+    and the script gives its library no config of its own."""
+    var = choice.profile.config_env
+    if var is None or (script_text is not None and ("hf_ds_config" in script_text
+                                                    or "config_file" in script_text)):
+        return {}
+    return {var: config_path}
 
 
 def restart_problem(choice: ProgramChoice, tag: str, where: str, job_id: str) -> str | None:
