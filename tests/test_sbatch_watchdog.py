@@ -219,6 +219,10 @@ def test_builds_names_the_rank_that_holds_a_build_lock(
     (ext / "fused_adam").mkdir(parents=True)
     lock = ext / "fused_adam" / "lock"
     monkeypatch.setenv("SLURMD_NODENAME", "node2")
+    elsewhere = ext / "cpu_adam" / "lock"  # a build on node3, sharing the directory
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"")
+    (ext / "cpu_adam" / "lock.owner").write_text("node3 77 12345 boot3 pid:[3]\n")
     idle = _rank(job, 2, "node2", TORCH_EXTENSIONS_DIR=str(ext))
     builder = _rank(job, 3, "node2", TORCH_EXTENSIONS_DIR=str(ext), HOLD=str(lock))
     try:
@@ -228,6 +232,8 @@ def test_builds_names_the_rank_that_holds_a_build_lock(
             p.kill()
             p.wait()
     out = capsys.readouterr().out.splitlines()
-    assert out == [f"{slurmwatch.BUILD_TAG}DeepSpeed/torch op fused_adam is being built by "
-                   f"rank 3 on node2 (held by pid {builder.pid}; {lock})"], out
-    assert slurmwatch.builds(job) == 0 and capsys.readouterr().out == ""  # lock left: not live
+    assert out == [f"{slurmwatch.BUILD_TAG}DeepSpeed/torch op cpu_adam is being built on node3 "
+                   f"(its owner record, seen from node2; {elsewhere})",
+                   f"{slurmwatch.BUILD_TAG}DeepSpeed/torch op fused_adam is being built by "
+                   f"rank 3 on node2 (pid {builder.pid}; {lock})"], out
+    assert slurmwatch.builds(job) == 0 and capsys.readouterr().out == ""  # no rank: no dirs

@@ -458,11 +458,16 @@ def builds(job_id: str) -> int:
     for lk in locks(roots):
         if lk["state"] not in LIVE:
             continue
+        # The same words at every ask while the build runs: the watch says each once.
         who = [f"rank {by_pid[p]}" for p in lk["holders"] if p in by_pid]
         op = os.path.basename(os.path.dirname(lk["path"]))
-        by = f"by {', '.join(who)} " if who else ""
-        sys.stdout.write(f"{BUILD_TAG}DeepSpeed/torch op {op} is being built {by}on {node} "
-                         f"({lk['why']}; {lk['path']})\n")
+        if lk["holders"]:
+            pids = ", ".join(map(str, lk["holders"]))
+            where = (f"by {', '.join(who)} " if who else "") + f"on {node} (pid {pids}"
+        else:
+            where = f"on {lk.get('host')} (its owner record, seen from {node}"
+        sys.stdout.write(f"{BUILD_TAG}DeepSpeed/torch op {op} is being built {where}; "
+                         f"{lk['path']})\n")
     sys.stdout.flush()
     return 0
 
