@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, free_port, train_env, workload_env
+from tests.helpers import REPO, Console, free_port, lose_node_mid_run, train_env, workload_env
 from tests.testbed import temporary
 
 HF = REPO / "tests" / "programs" / "hf_trainer.py"
@@ -186,3 +186,34 @@ def test_ddp_snapshot_killed_rank_resumes_on_every_node(testbed_required: None,
         assert resumed and "r0-2]" in resumed[0], text[-5000:]  # every rank, folded
     got = {int(e): loss for e, loss in EPOCH_LOSS.findall(text)}
     assert got[EPOCHS - 1] == _ddp_reference(tmp_path)[EPOCHS - 1], got
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
+def test_hf_trainer_node_lost_goes_on_on_the_spare(testbed_required: None,
+                                                    tmp_path: Path) -> None:
+    """node2 destroyed after checkpoint-10 is replicated, --max-restarts 1
+    --drop-failed-nodes and a spare: node2's part restored onto node4 from its replica,
+    checkpoint-N/latest written there, HF resumed with --resume_from_checkpoint; the job
+    ends on the uninterrupted run's step-20 loss."""
+    ds = tmp_path / "ds_config_z2.json"
+    ds.write_text(json.dumps(DS_AUTO, indent=1))
+    with temporary(4) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+        inv.write_text(inv.read_text() + "spares: [node4]\n")
+        out = str(tb.local_mountpoint / "ckpt" / "hflost")
+        argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id",
+                "hflost", "--nodes", "3", "--storage", "node-local", "--replicas", "1",
+                "--grace", "2", "--skip-checks", "--max-restarts", "1", "--drop-failed-nodes",
+                str(HF), *_hf_args(out, ds, "--step_sleep", "1.5")]
+        run = Console(argv, train_env(tmp_path), tmp_path)
+        replicated = "replicas checkpoint-10: 3/3"
+        code = lose_node_mid_run(tb, run, "node2", [(lambda: replicated in run.text, 600,
+                                                     replicated)], 900)
+        text = run.text
+        assert code == 0, text[-5000:]
+        assert "node index 1 (node2)" in text and "node4" in text, text[-5000:]
+        assert re.search(r"hf-trainer: resuming from checkpoint-(10|20)", text), text[-5000:]
+        got = FINAL.findall(text)
+        assert got and int(got[-1][0]) == STEPS, text[-3000:]
+    assert got[-1][1] == _reference(tmp_path, ds)

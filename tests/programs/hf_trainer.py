@@ -9,7 +9,8 @@ an uninterrupted one's), a word-level tokenizer and a text made here.
 
 Test hook (``TestArguments``): ``--crash_at_step N --crash_rank R --crash_once FILE``
 kills global rank R with SIGKILL at the end of step N, once (FILE, on storage every node
-sees, says it happened): a ``kill -9`` of one rank at a known step, without a race.
+sees, says it happened): a ``kill -9`` of one rank at a known step, without a race;
+``--step_sleep S`` makes each step S seconds slower (time to destroy a node mid-run).
 Rank 0 ends with ``final loss at step S: L`` (the last logged training loss).
 """
 
@@ -17,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +61,7 @@ class TestArguments:
     crash_at_step: int = field(default=0, metadata={"help": "test hook: SIGKILL at this step"})
     crash_rank: int = field(default=1, metadata={"help": "test hook: the rank killed"})
     crash_once: str | None = field(default=None, metadata={"help": "test hook: marker"})
+    step_sleep: float = field(default=0.0, metadata={"help": "test hook: seconds per step"})
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -81,6 +84,8 @@ class CrashOnce(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         t = self.test
+        if t.step_sleep:
+            time.sleep(t.step_sleep)  # a slow step: time to lose a node mid-run
         if (t.crash_at_step and state.global_step == t.crash_at_step and self.rank == t.crash_rank
                 and t.crash_once and not os.path.exists(t.crash_once)):
             with open(t.crash_once, "w") as fh:
