@@ -7,14 +7,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from clusterkit.checkpoints.replicas.assemble import Assembly
 from clusterkit.errors import LaunchError, RenderError
+from clusterkit.fold import Folded
 from clusterkit.jobs.recover import resume_plan, resumed_program
 from clusterkit.launch.fromplan import checkpoint_prep, job_from_plan
-from clusterkit.launch.run import needs_ready
+from clusterkit.launch.run import needs_ready, resume_watch
 from clusterkit.node.agent_files import ready_checkpoints
 from clusterkit.node.contract import ASIDE_SUFFIX, JobDir
 from clusterkit.plan.build import plan_job
@@ -32,6 +34,7 @@ from clusterkit.spec.programs import (
     PROFILES,
     SNAPSHOT,
     UNKNOWN,
+    began_fresh_line,
     detect,
     from_layout,
     node_local_args,
@@ -263,7 +266,8 @@ def test_checkpoint_prep_per_node() -> None:
 
 def test_ready_checkpoints_on_a_node(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt" / "j"
-    prep = {"ckpt_dir": str(ckpt), "aside": [], "latest": None, "nested_latest": True}
+    prep: dict[str, object] = {"ckpt_dir": str(ckpt), "aside": [], "latest": None,
+                               "nested_latest": True}
     assert ready_checkpoints(json.dumps(prep)) == []
     assert ckpt.is_dir()  # the program's save finds its directory
     inner = ckpt / "checkpoint-20" / "global_step20"
@@ -357,3 +361,46 @@ def test_accelerate_gets_a_node_local_library_config() -> None:
     assert ACCELERATE_CONFIG_ENV not in own.nodes[0].env and own.program_files == {}
     shared = _plan(ACC_SRC, (), storage="shared")
     assert ACCELERATE_CONFIG_ENV not in shared.nodes[0].env
+
+
+class _Said:
+    def __init__(self) -> None:
+        self.got: list[str] = []
+
+    def line(self, node: str, rank: int | None, text: str, *, agent: bool = False) -> None:
+        self.got.append(text)
+
+    def show(self, item: Folded) -> None:
+        self.got.append(item.text)
+
+
+WATCH = [  # rank lines of a resumed HF attempt -> began at step 0?
+    ("resumed", ["***** Running training *****", "  Resuming training from checkpoint with "
+                 "epoch 0 and global step 10", "{'loss': '2.791', 'epoch': '1.3'}"], False),
+    ("older-wording", ["  Continuing training from global step 10", "{'loss': '2.7'}"], False),
+    ("fresh", ["***** Running training *****", "{'loss': '3.091', 'epoch': '0.45'}",
+               "Resuming training from checkpoint"], True),
+    ("nothing-yet", ["***** Running training *****"], False),
+]
+
+
+@pytest.mark.parametrize(("row", "lines", "fresh"), WATCH, ids=[r[0] for r in WATCH])
+def test_a_resumed_attempt_that_began_at_step0_is_seen(row: str, lines: list[str],
+                                                       fresh: bool) -> None:
+    plan = dataclasses.replace(_plan(HF_SRC, ()), resume_from="checkpoint-10")
+    inner = _Said()
+    watch = resume_watch(plan, inner)  # type: ignore[arg-type]  # a sink's two methods
+    assert watch is not None
+    for i, text in enumerate(lines):
+        if i % 2:
+            watch.show(Folded("[r0-2]", text, ("n1", "n2", "n3"), (0, 1, 2)))
+        else:
+            watch.line("n1", 0, text)
+    watch.line("n1", None, "{'loss': 'a launcher line is no rank line'}")
+    assert watch.began_fresh is fresh
+    assert inner.got[:len(lines)] == lines  # everything passed on unchanged
+    sink: Any = inner
+    assert resume_watch(_plan(HF_SRC, ()), sink) is None  # not told where to resume
+    assert resume_watch(dataclasses.replace(_plan(DS_SRC, ()), resume_from="s8"), sink) is None
+    line = began_fresh_line("checkpoint-10", "j")
+    assert "checkpoint-10" in line and "--resume-arg" in line and "\n" not in line

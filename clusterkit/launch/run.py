@@ -29,6 +29,7 @@ from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.jobspec import JobSpec
 from clusterkit.launch.orchestrator import Orchestrator
 from clusterkit.launch.outcome import JobOutcome, describe_failure
+from clusterkit.launch.resumewatch import ResumeWatch
 from clusterkit.launchers import BACKENDS, launcher_name
 from clusterkit.node.contract import JobDir, StorageKind
 from clusterkit.remote.base import Transport
@@ -36,7 +37,7 @@ from clusterkit.remote.unanswered import NoRedial
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, JobPlan, LaunchPlan, RunOptions
 from clusterkit.spec.jobrecord import JobCheckpoints, JobState, RankMap, RankSpan
-from clusterkit.spec.programs import CONTRACT
+from clusterkit.spec.programs import CONTRACT, began_fresh_line
 
 # JobOptions -> the decisions; made again only when a restart drops nodes.
 Planner = Callable[[JobOptions], JobPlan]
@@ -300,6 +301,14 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
             + resume_note(plan.program[:2] == ("-m", WORKLOAD_MODULE), plan.storage, plan))
 
 
+def resume_watch(plan: JobPlan, sink: Sink) -> ResumeWatch | None:
+    """A watch on an attempt told where to resume whose library logs that it did."""
+    prof = plan.profile
+    if plan.resume_from is None or prof is None or not prof.profile.resumed_marker:
+        return None
+    return ResumeWatch(sink, prof.profile)
+
+
 def needs_ready(plan: JobPlan) -> bool:
     """A restart on the same nodes of a node-local job is readied first (jobs/recover.py)
     when its program's profile is told where to resume, picks by DeepSpeed's ``latest``,
@@ -399,7 +408,14 @@ def launch(options: JobOptions, planner: Planner, transport: Transport, registry
         # launch: each attempt starts with none, so its agents' start dials every node,
         # one that came back since (a healed partition) included.
         dials = NoRedial(transport)
-        outcome = Orchestrator(job, dials, sink, stacks_dir=stacks).run()
+        watch = resume_watch(plan, sink)
+        outcome = Orchestrator(job, dials, watch or sink, stacks_dir=stacks).run()
+        if watch is not None and watch.began_fresh and plan.resume_from is not None:
+            # Told where to resume, it started over: never "finished" (issue 38).
+            record.state, record.exit_code = JobState.FAILED, outcome.exit_code or 1
+            record.failure = began_fresh_line(plan.resume_from, plan.job_id)
+            registry.save(record)
+            raise LaunchError(record.failure, key="--resume-arg")
         end = AttemptEnd(gate_refused=outcome.gate is not None and not outcome.gate.ok,
                          exit_code=outcome.exit_code, interrupted=outcome.interrupted)
         step = decide(end, restart_rules(settings, decisions), RestartState(attempt))

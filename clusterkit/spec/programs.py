@@ -82,6 +82,10 @@ class Profile:
     config_env: str | None = None
     # `incomplete` applies only when the source shows one of these (empty: always).
     incomplete_if: tuple[str, ...] = ()
+    # What its library logs when it resumed, and its first progress line (regexes; empty:
+    # it logs neither): a resumed attempt whose progress comes first began at step 0.
+    resumed_marker: str = ""
+    progress_marker: str = ""
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
@@ -89,7 +93,9 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             "checkpoint-N/ (trainer_state.json, DeepSpeed's global_stepN/ and latest inside)",
             resume=("--resume_from_checkpoint", DIR_FIELD),
             save_each_node_arg="--save_on_each_node", config_args=("--deepspeed",),
-            nested_latest=True),
+            nested_latest=True,
+            resumed_marker=r"Resuming training from checkpoint|Continuing training from",
+            progress_marker=r"\{'loss': "),
     Profile(ACCELERATE, "accelerate save_state/load_state",
             "one folder per save_state call (DeepSpeed's tag inside, random_states_R.pkl)",
             resumes_itself=True, picks_newest=True, config_env=ACCELERATE_CONFIG_ENV,
@@ -326,3 +332,11 @@ def restart_problem(choice: ProgramChoice, tag: str, where: str, job_id: str) ->
             f"on every node, but this program ({choice.why}) is not known to resume from it "
             f"-- relaunch with --resume-arg 'FLAG {DIR_FIELD}' (its own resume flag) or "
             f"--program NAME ({', '.join(PROGRAM_CHOICES)})")
+
+
+def began_fresh_line(tag: str, job_id: str) -> str:
+    """The one line when a resumed attempt's output shows it began at step 0 anyway."""
+    return (f"job {job_id}: the restarted program began at step 0 although checkpoint {tag} "
+            f"was complete on every node and passed to it (it logged progress before any "
+            f"resume) -- check its resume flag: relaunch with --resume-arg 'FLAG {DIR_FIELD}' "
+            "or --program NAME (docs/programs.md)")
