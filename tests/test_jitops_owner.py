@@ -191,6 +191,14 @@ def test_the_batch_step_line_stale_refusal_and_built_fast_path(
     assert jitops.batch({"ops": [jitops.SHM_COMM]}, "node7") == 0
     assert capsys.readouterr().out == ("clusterkit: DeepSpeed's JIT ops on node7: cpu: "
                                        "deepspeed_shm_comm already built\n")
+    # The plan guessed cuda (inventory gpus: 2); this node's torch finds none (fake GPUs):
+    # it readies what its own accelerator builds, not a kernel it cannot build.
+    monkeypatch.delenv("DS_ACCELERATOR")
+    monkeypatch.setattr(jitops, "accelerator_here", lambda torch_dir=None: "cpu")
+    assert jitops.batch({"ops": ["FusedAdamBuilder"], "accelerator": "cuda"}, "node7") == 0
+    assert capsys.readouterr().out == ("clusterkit: DeepSpeed's JIT ops on node7: cpu: "
+                                       "deepspeed_shm_comm already built (planned for cuda; "
+                                       "this node's accelerator is cpu)\n")
 
 
 def _facts(locks: list[dict[str, Any]]) -> dict[str, NodeFacts]:

@@ -431,11 +431,33 @@ def describe(out: Dict[str, Any]) -> str:  # noqa: UP006
     return f"{out.get('accelerator')}: " + ("; ".join(parts) or "no op to build")
 
 
+def accelerator_here(torch_dir: str | None = None) -> str:
+    """DeepSpeed's accelerator on this node as its ranks will find it, without importing
+    torch: ``DS_ACCELERATOR``, else ``cuda`` when torch is a CUDA/ROCm build and a GPU
+    device is there, else ``cpu`` ("" without torch)."""
+    if os.environ.get("DS_ACCELERATOR"):
+        return os.environ["DS_ACCELERATOR"]
+    torch_dir = torch_dir or _package_dir("torch")
+    if torch_dir is None:
+        return ""
+    version = _assigned(os.path.join(torch_dir, "version.py"))
+    gpu = glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd")
+    return "cuda" if (version.get("cuda") or version.get("hip")) and gpu else "cpu"
+
+
 def batch(req: Dict[str, Any], node: str) -> int:  # noqa: UP006
     """The batch script's build step on one node (docs/sbatch.md, "JIT ops"): one line
     for the job's output, exit 0 (ready), 2 (a stale lock: its path and the fix) or
     1 (a failed build)."""
     ops = [str(op) for op in req.get("ops") or []]
+    planned, here_acc, note = str(req.get("accelerator") or ""), accelerator_here(), ""
+    if planned and here_acc and here_acc != planned:
+        # The plan guessed from the inventory (gpus: N -> cuda); the ranks' DeepSpeed will
+        # find this node's own (fake GPUs in a test cluster, a CPU-only torch): build what
+        # that one builds at every start, not the guessed kernels it cannot build.
+        ops = ops_for_config({}, here_acc)
+        req = {**req, "ops": ops}
+        note = f" (planned for {planned}; this node's accelerator is {here_acc})"
     try:
         # Files first (no deepspeed import, a tenth of a second): a job whose ops are
         # built and unlocked starts at once; deepspeed is imported only to build.
@@ -443,7 +465,7 @@ def batch(req: Dict[str, Any], node: str) -> int:  # noqa: UP006
         if pre["deepspeed"] and not pre["stale"] and not pre["live"] and all(
                 state == "built" for state in pre["ops"].values()):
             out: Dict[str, Any] = {  # noqa: UP006
-                "accelerator": os.environ.get("DS_ACCELERATOR", "?"),
+                "accelerator": here_acc or "?",
                 "ops": {op: {"state": "built", "was": "built"} for op in ops}}
         else:
             out = build_request(req)
@@ -461,7 +483,7 @@ def batch(req: Dict[str, Any], node: str) -> int:  # noqa: UP006
                       "`clusterkit nodes build-ops --remove-stale-locks`)"), 2
     else:
         failed = [op for op, r in (out.get("ops") or {}).items() if r.get("state") == "failed"]
-        line, code = head + describe(out), 1 if failed else 0
+        line, code = head + describe(out) + note, 1 if failed else 0
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
     return code

@@ -257,11 +257,12 @@ def _ops_context(plan: JobPlan) -> dict[str, object]:
     node = plan.nodes[0]
     ops = sorted({op for node_ops in job_ops(plan).values() for op in node_ops})
     if not ops:
-        return {"ops": "", "ops_cmd": "", "ops_request": "", "ops_accelerator": ""}
+        return {"ops": "", "ops_cmd": "", "ops_request": ""}
+    # The accelerator the plan assumed: a node whose own differs builds its own ops instead.
+    request = {"ops": ops, "ds_config": {}, "accelerator": accelerator(node)}
     return {"ops": " ".join(ops),
             "ops_cmd": shlex.join(ship.node_command(node.python, "jitops", ["batch"]).argv),
-            "ops_request": json.dumps({"ops": ops, "ds_config": {}}, sort_keys=True),
-            "ops_accelerator": accelerator(node)}
+            "ops_request": json.dumps(request, sort_keys=True)}
 
 
 def _replica_context(plan: JobPlan, site: SlurmSite) -> dict[str, object]:

@@ -176,11 +176,12 @@ sys.argv=['"'"'clusterkit.node.'"'"'+sys.argv[1]]+sys.argv[2:]
 sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))
 ' jitops batch)  # python -u -c BOOTSTRAP jitops batch (node/ship.py)
 if [ -r "$ops_bundle" ]; then
-    # stdin: the sources, then the request line; each task names its node (Slurm's name).
-    DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} srun --nodes=7 --ntasks=7 \
+    # stdin: the sources, then the request line; each task names its node (Slurm's name)
+    # and has the job's GPUs, so DeepSpeed finds the accelerator the ranks will find.
+    srun --nodes=7 --ntasks=7 \
         --ntasks-per-node=1 --gpus-per-node=2 --input=all --chdir=/ \
         sh -c 'exec "$@" "$SLURMD_NODENAME"' sh "${jitops[@]}" \
-        < <(cat -- "$ops_bundle"; printf '%s\n' '{"ds_config": {}, "ops": ["FusedAdamBuilder"]}') || {
+        < <(cat -- "$ops_bundle"; printf '%s\n' '{"accelerator": "cuda", "ds_config": {}, "ops": ["FusedAdamBuilder"]}') || {
         both "clusterkit: DeepSpeed's JIT ops are not ready on every node (each node's line above says why): not starting"
         exit 2
     }

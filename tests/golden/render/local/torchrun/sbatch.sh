@@ -100,11 +100,12 @@ sys.argv=['"'"'clusterkit.node.'"'"'+sys.argv[1]]+sys.argv[2:]
 sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))
 ' jitops batch)  # python -u -c BOOTSTRAP jitops batch (node/ship.py)
 if [ -r "$ops_bundle" ]; then
-    # stdin: the sources, then the request line; each task names its node (Slurm's name).
-    DS_ACCELERATOR=${DS_ACCELERATOR:-cpu} srun --nodes=4 --ntasks=4 \
+    # stdin: the sources, then the request line; each task names its node (Slurm's name)
+    # and has the job's GPUs, so DeepSpeed finds the accelerator the ranks will find.
+    srun --nodes=4 --ntasks=4 \
         --ntasks-per-node=1 --input=all --chdir=/ \
         sh -c 'exec "$@" "$SLURMD_NODENAME"' sh "${jitops[@]}" \
-        < <(cat -- "$ops_bundle"; printf '%s\n' '{"ds_config": {}, "ops": ["ShareMemCommBuilder"]}') || {
+        < <(cat -- "$ops_bundle"; printf '%s\n' '{"accelerator": "cpu", "ds_config": {}, "ops": ["ShareMemCommBuilder"]}') || {
         both "clusterkit: DeepSpeed's JIT ops are not ready on every node (each node's line above says why): not starting"
         exit 2
     }
