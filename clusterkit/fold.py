@@ -135,6 +135,11 @@ LIBRARY_INFO = re.compile(r"^\[INFO\|")
 # ... except the events a user follows, shown each time: a save, a resume.
 LIBRARY_EVENT = re.compile(r">> (?:Saving model checkpoint|Continuing training|Loading model)")
 _DIGITS = re.compile(r"\d+")
+# What follows a record shown once and is part of it: an HF record's message on the next
+# line (its ">>" ends the first), Python's warning source line ("  warnings.warn(").
+_RECORD_REST = re.compile(r"^(?!\[)")
+_PY_WARNING = re.compile(r":\d+: [A-Z]\w*Warning: ")
+_SOURCE_LINE = re.compile(r"^\s+\S")
 _CLEARED = re.compile(r"^ {20,}")  # tqdm clears its bar with spaces before the next line
 
 
@@ -273,7 +278,9 @@ class LineFolder:
         self._bars: set[tuple[str, str, int]] = set()  # (desc, total, quarter) shown already
         self._dumps: dict[int, _Dump] = {}  # rank -> the settings dump it is printing
         self._once: set[str] = set()  # library warnings and INFO records shown already
-        self._skip: set[int] = set()  # ranks whose next line ends a record not shown
+        # rank -> the rest of a record not shown, its next line: HF's message after
+        # ">>" (any line not a record), or Python's warning source line (indented)
+        self._skip: dict[int, re.Pattern[str]] = {}
 
     def feed(self, node: str, rank: int, text: str, now: float) -> list[Folded]:
         if text.startswith(SUMMARY_PREFIX):
@@ -281,12 +288,13 @@ class LineFolder:
         if self.ranks is not None and rank not in self.ranks:
             return self.release(now)
         for piece in library_pieces(text):
+            rest = self._skip.pop(rank, None)
             if self._is_collateral(rank, piece):
                 self._hold_back(rank, node, 1)
+            elif rest is not None and rest.match(piece):
+                self.suppressed += 1  # the rest of a record shown once (on its own line)
             elif not self._in_dump(node, rank, piece, now):
                 self._feed_one(node, rank, piece, now)
-            else:
-                self._skip.discard(rank)
         return self.release(now)
 
     def _in_dump(self, node: str, rank: int, text: str, now: float) -> bool:
@@ -331,10 +339,6 @@ class LineFolder:
                 self.suppressed += 1
                 return
             self._bars.add(state)
-        elif rank in self._skip and not text.startswith("["):
-            self._skip.discard(rank)
-            self.suppressed += 1  # the message of a record shown once (on its own line)
-            return
         elif LIBRARY_WARNING.search(key) or (LIBRARY_INFO.match(key)
                                              and not LIBRARY_EVENT.search(key)):
             head, sep, said = key.partition(">>")  # the numbers said vary, not the source
@@ -343,10 +347,11 @@ class LineFolder:
             if once in self._once and (waiting is None or rank in waiting.members):
                 self.suppressed += 1
                 if key.endswith(">>"):
-                    self._skip.add(rank)
+                    self._skip[rank] = _RECORD_REST
+                elif _PY_WARNING.search(key):
+                    self._skip[rank] = _SOURCE_LINE
                 return
             self._once.add(once)
-        self._skip.discard(rank)
         self._group(node, rank, text, key, now)
 
     def _group(self, node: str, rank: int, text: str, key: str, now: float) -> None:

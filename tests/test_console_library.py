@@ -133,3 +133,15 @@ def test_the_status_line_reads_an_hf_trainers_loss_and_bar() -> None:
     assert not Progress().update("{'eval_loss': '2.343'}")  # not the training loss
     q = Progress()
     assert q.update("[clusterkit] step 10/30 | loss 4.8") and (q.step, q.loss) == ("10/30", "4.8")
+
+
+def test_a_python_warning_shown_once_takes_its_source_line_along() -> None:
+    warn = "/venv/lib/x.py:12: UserWarning: TypedStorage is deprecated"
+    f = LineFolder(window_s=0.5, world_size=2)
+    out = []
+    for now, (rank, text) in enumerate([(0, warn), (0, "  warnings.warn("), (0, "step 1"),
+                                        (1, warn), (1, "  warnings.warn("), (1, "step 1")]):
+        out += f.feed("n1", rank, text, now=float(now))
+    out += f.release(100.0, final=True)
+    assert [i.render() for i in out] == [
+        f"[n1 r0] {warn}", "[n1 r0]   warnings.warn(", "[n1 r0] step 1", "[n1 r1] step 1"]
