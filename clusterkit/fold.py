@@ -140,7 +140,16 @@ _DIGITS = re.compile(r"\d+")
 _RECORD_REST = re.compile(r"^(?!\[)")
 _PY_WARNING = re.compile(r":\d+: [A-Z]\w*Warning: ")
 _SOURCE_LINE = re.compile(r"^\s+\S")
+# transformers' record whose message starts with a line break ("[INFO|trainer.py:2957]
+# 2026-... >> " then "***** Running Evaluation *****"): shown as one line
+_HF_EMPTY = re.compile(r"^\[[A-Z]+\|[^\]]+\][^>]*>>\s*$")
 _CLEARED = re.compile(r"^ {20,}")  # tqdm clears its bar with spaces before the next line
+
+
+def _empty_record(text: str) -> bool:
+    """A launcher's log record line with no message after its header."""
+    m = _GLOG_RECORD.match(text)
+    return m is not None and not text[m.end():].strip()
 
 
 def library_pieces(text: str) -> list[str]:
@@ -281,6 +290,7 @@ class LineFolder:
         # rank -> the rest of a record not shown, its next line: HF's message after
         # ">>" (any line not a record), or Python's warning source line (indented)
         self._skip: dict[int, re.Pattern[str]] = {}
+        self._heads: dict[int, tuple[str, str]] = {}  # rank -> (node, an HF record's first line)
 
     def feed(self, node: str, rank: int, text: str, now: float) -> list[Folded]:
         if text.startswith(SUMMARY_PREFIX):
@@ -289,13 +299,24 @@ class LineFolder:
             return self.release(now)
         for piece in library_pieces(text):
             rest = self._skip.pop(rank, None)
+            head = self._heads.pop(rank, None)
+            if head is not None and _RECORD_REST.match(piece):
+                piece = f"{head[1]} {piece.strip()}"  # the record's source and its message
+            elif head is not None:
+                self._route(head[0], rank, head[1], now)
             if self._is_collateral(rank, piece):
                 self._hold_back(rank, node, 1)
             elif rest is not None and rest.match(piece):
                 self.suppressed += 1  # the rest of a record shown once (on its own line)
-            elif not self._in_dump(node, rank, piece, now):
-                self._feed_one(node, rank, piece, now)
+            elif _HF_EMPTY.match(piece):  # its message is on the next line: one line for both
+                self._heads[rank] = (node, piece)
+            else:
+                self._route(node, rank, piece, now)
         return self.release(now)
+
+    def _route(self, node: str, rank: int, text: str, now: float) -> None:
+        if not self._in_dump(node, rank, text, now):
+            self._feed_one(node, rank, text, now)
 
     def _in_dump(self, node: str, rank: int, text: str, now: float) -> bool:
         """Whether ``text`` is (now) part of a settings dump of ``rank``, held back."""
@@ -378,10 +399,11 @@ class LineFolder:
         if _CPP_BACKTRACE.match(text):
             self.suppressed += 1
             return self.release(now)
-        if self._continues_record(node, text):
+        if self._continues_record(node, text) or _empty_record(text):
             # The rest of one multi-line record (torchrun's "Error waiting on exit
             # barrier" and its traceback, at a clean end): its first line is shown, the
-            # rest is in the node's launcher.log.
+            # rest is in the node's launcher.log. A record whose first line says nothing
+            # (torchrun's OMP_NUM_THREADS banner) is not shown at all.
             self.suppressed += 1
             return self.release(now)
         key = fold_key(text)
@@ -497,6 +519,9 @@ class LineFolder:
 
     def release(self, now: float, final: bool = False) -> list[Folded]:
         out: list[Folded] = []
+        for rank, (node, head) in list(self._heads.items()) if final else ():
+            del self._heads[rank]
+            self._route(node, rank, head, now)
         for rank in list(self._dumps) if final else ():  # the run ended inside a dump
             self._end_dump(rank, now)
         while self._queue and (final or self._ready(self._queue[0], now)):

@@ -145,3 +145,25 @@ def test_a_python_warning_shown_once_takes_its_source_line_along() -> None:
     out += f.release(100.0, final=True)
     assert [i.render() for i in out] == [
         f"[n1 r0] {warn}", "[n1 r0]   warnings.warn(", "[n1 r0] step 1", "[n1 r1] step 1"]
+
+
+def test_an_hf_record_whose_message_is_on_the_next_line_is_one_line() -> None:
+    f = LineFolder(window_s=0.0, world_size=1)
+    out = f.feed("n1", 0, "[INFO|trainer.py:2957] 2026-11-28 15:04:02,939 >> ", now=0.0)
+    out += f.feed("n1", 0, "***** Running Evaluation *****", now=0.1)
+    out += f.feed("n1", 0, "[INFO|trainer.py:2003] 2026-11-28 15:04:03,514 >> ", now=0.2)
+    out += f.release(1.0, final=True)  # the run ended: the record's first line alone
+    assert [i.text for i in out] == [
+        "[INFO|trainer.py:2957] 2026-11-28 15:04:02,939 >> ***** Running Evaluation *****",
+        "[INFO|trainer.py:2003] 2026-11-28 15:04:03,514 >>"]
+
+
+def test_a_launcher_record_that_says_nothing_is_not_shown() -> None:
+    """torchrun's OMP_NUM_THREADS banner: an empty record line, then its continuation."""
+    f = LineFolder(window_s=0.0, nodes=1)
+    banner = ["W1128 15:04:25.700000 6490 torch/distributed/run.py:874] ",
+              "W1128 15:04:25.700000 6490 torch/distributed/run.py:874] *****",
+              "W1128 15:04:25.700000 6490 torch/distributed/run.py:874] Setting OMP_NUM_THREADS "
+              "environment variable for each process to be 1 in default"]
+    out = [i for ln in banner for i in f.feed_node("node1", ln, now=0.0)]
+    assert out + f.release(1.0, final=True) == [] and f.suppressed == 3
