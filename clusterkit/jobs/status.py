@@ -18,7 +18,13 @@ from typing import Any
 
 from clusterkit.checkpoints.collect.tags import answers
 from clusterkit.checkpoints.collectplan import WithoutMarkers
-from clusterkit.checkpoints.replicas.health import JobHealth, TagHealth, job_nodes, list_all
+from clusterkit.checkpoints.replicas.health import (
+    JobHealth,
+    TagHealth,
+    health,
+    job_nodes,
+    list_all,
+)
 from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.orchestrator import agent_control
 from clusterkit.remote.base import Transport
@@ -119,8 +125,12 @@ def checkpoint_answers(transport: Transport, record: JobRecord) -> JobHealth | N
         return None
     listings = list_all(transport, chosen)
     slots = tuple(int(n) for _, _, n in ckpt.rank_map) if ckpt.rank_map else tuple(ckpt.slots)
-    wm = None if ckpt.markers else WithoutMarkers(world_size=sum(slots), slots=slots)
-    tags: list[TagHealth] = list(answers(listings, without_markers=wm))
+    tags: list[TagHealth]
+    if ckpt.markers or (slots and all(slots)):
+        wm = None if ckpt.markers else WithoutMarkers(world_size=sum(slots), slots=slots)
+        tags = list(answers(listings, without_markers=wm))
+    else:  # a user's script whose ranks per node the record does not say: replicas' view
+        tags = health(listings, markers=False)
     return JobHealth(tags, {ls.node: ls.error for ls in listings if ls.error}, ckpt.markers)
 
 
