@@ -60,3 +60,41 @@ def test_a_job_whose_ops_are_not_built_completes_and_the_next_finds_them_built(
     assert_slurm_nodes_clean(slurm)
     print(f"first job {first:.0f} s (the op built in {took} s, --hang-timeout 20), "
           f"second {second:.0f} s")
+
+
+USERTRAIN = Path(__file__).resolve().parent / "slurmbed" / "usertrain.py"
+
+
+def test_ranks_building_an_op_themselves_are_waited_for_not_ended(
+        slurm: SlurmBed, tmp_path: Path) -> None:
+    """A user's torchrun script whose DeepSpeed config clusterkit does not know (no
+    --deepspeed-config-arg): its ranks build deepspeed_shm_comm at init themselves (an
+    empty shared TORCH_EXTENSIONS_DIR), silent for longer than the 40 s start-up allowance
+    of --hang-timeout 20. The watchdog sees the build (a rank holds the lock) and waits:
+    the job completes."""
+    folder = slurm.tb.root / f"rankbuild-{tmp_path.name}"
+    folder.mkdir()
+    (folder / "usertrain.py").write_bytes(USERTRAIN.read_bytes())
+    ext = slurm.tb.root / f"ext-{tmp_path.name}"
+    inv = slurm.tb.write_inventory(tmp_path / "inv.yaml", nodes=slurm.nodes[:2], slots=2,
+                                   gpus=0, env={"TORCH_EXTENSIONS_DIR": str(ext)})
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "clusterkit", "sbatch", "-i", str(inv), "--nodes", "2",
+         "--launcher", "torchrun", "--storage", "shared", "--steps", "3", "--job-id",
+         f"rankbuild-{tmp_path.name[-8:]}", "--hang-timeout", "20", "--submit", "--watch",
+         "--poll", "0.5", "usertrain.py", "--steps", "3"],
+        capture_output=True, text=True, env=slurm.env, cwd=folder, timeout=900, check=False)
+    wall = time.monotonic() - t0
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "DeepSpeed's JIT ops on" not in out  # clusterkit did not know: the ranks built it
+    waited = re.findall(r"clusterkit: DeepSpeed/torch op deepspeed_shm_comm is being built "
+                        r"by rank (\d+) on (node\d) \(pid \d+; [^)]*\): the watchdog waits for "
+                        r"the build", out)
+    assert waited, out[-4000:]
+    assert "no sign of training" not in out and "clusterkit: no progress" not in out
+    assert "step 3 loss" in out
+    assert not list(ext.rglob("lock"))
+    assert_slurm_nodes_clean(slurm)
+    print(f"ranks built the op themselves, the watchdog waited ({waited[0]}); job {wall:.0f} s")

@@ -237,3 +237,23 @@ def test_builds_names_the_rank_that_holds_a_build_lock(
                    f"{slurmwatch.BUILD_TAG}DeepSpeed/torch op fused_adam is being built by "
                    f"rank 3 on node2 (pid {builder.pid}; {lock})"], out
     assert slurmwatch.builds(job) == 0 and capsys.readouterr().out == ""  # no rank: no dirs
+
+
+def test_a_nodes_answer_is_read_through_sruns_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch script exports SLURM_LABELIO=1: the builds step's lines come back as
+    '0: clusterkit-build ...' (the first Slurm bed run missed every one of them)."""
+    seen: list[list[str]] = []
+
+    def fake_run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[bytes]:
+        seen.append(argv)
+        return subprocess.CompletedProcess(argv, 0, b"0: clusterkit-build op a on node1\n"
+                                                    b"1: something else\n"
+                                                    b" 10: clusterkit-build op b on node11\n",
+                                           b"")
+
+    monkeypatch.setattr(slurmwatch.subprocess, "run", fake_run)
+    got = slurmwatch._on_every_node(["builds", "j"], 11, slurmwatch.BUILD_TAG)
+    assert got == ["op a on node1", "op b on node11"]
+    assert seen[0][:6] == ["srun", "--overlap", "--nodes=11", "--ntasks=11",
+                           "--ntasks-per-node=1", "--input=all"]
+    assert seen[0][-2:] == ["builds", "j"]

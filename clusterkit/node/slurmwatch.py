@@ -60,6 +60,7 @@ BUILD_TAG = "clusterkit-build "  # a line of ``builds``: one op build running on
 FAULTHANDLER_WAIT_S = 3.0
 HANG_FILE = JobDir.HANG  # <job dir>/hang: the reason the watchdog ended the step
 _SHELLS = ("sh", "bash", "dash")
+_LABEL = re.compile(r"^ *\d+: ")  # srun --label's task number
 _FRAME = re.compile(r'^\s+(?:File "[^"]*", line \d+ in (?P<fh>\S+)|(?P<spy>\S+) \([^)]*\))')
 
 
@@ -225,8 +226,10 @@ def _on_every_node(args: list[str], nodes: int, tag: str = "",
         if not tag:
             _say(f"clusterkit: stack collection did not finish: {exc}")
         return []
-    text = proc.stdout.decode("utf-8", "replace")
-    return [ln[len(tag):].strip() for ln in text.splitlines() if tag and ln.startswith(tag)]
+    # The script exports SLURM_LABELIO=1 (srun --label): each line comes as "0: text".
+    lines = (_LABEL.sub("", ln, count=1) for ln in proc.stdout.decode("utf-8", "replace")
+             .splitlines())
+    return [ln[len(tag):].strip() for ln in lines if tag and ln.startswith(tag)]
 
 
 def _hang(job_id: str, job_dir: str, dump_dir: str, why: str, launch_pid: int,
