@@ -148,7 +148,7 @@ def test_build_ops_refuses_a_node_with_a_stale_lock_before_building(tmp_path: Pa
 
 # ----------------------------------------------------------------------------- at launch
 
-TORCH_DIR = jitops._package_dir("torch")
+TORCH_DIR = jitops.package_dir("torch")
 SHM = "deepspeed_shm_comm"
 
 

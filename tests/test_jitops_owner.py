@@ -20,7 +20,7 @@ from clusterkit.checks.facts import NodeFacts
 from clusterkit.checks.findings import Status
 from clusterkit.checks.rules_base import DoctorContext
 from clusterkit.checks.rules_env import check_jit_locks
-from clusterkit.node import buildowner, jitops
+from clusterkit.node import buildowner, jitbatch, jitops
 
 ME = {"host": "node1", "boot": "b1", "pidns": "pid:[1]"}
 
@@ -177,25 +177,25 @@ def test_the_batch_step_line_stale_refusal_and_built_fast_path(
     lock.parent.mkdir(parents=True)
     lock.write_bytes(b"")
     os.utime(lock, (time.time() - 3600, time.time() - 3600))
-    assert jitops.batch({"ops": [jitops.SHM_COMM]}, "node7") == 2
+    assert jitbatch.batch({"ops": [jitops.SHM_COMM]}, "node7") == 2
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"clusterkit: DeepSpeed's JIT ops on node7: stale build lock {lock} "
                            "(no live process there holds it and no builder recorded it)")
     assert f"then `rm {lock}`" in line and "--remove-stale-locks" in line
     lock.unlink()
-    torch_dir = jitops._package_dir("torch")
+    torch_dir = jitops.package_dir("torch")
     d = lock.parent
     (d / "deepspeed_shm_comm.so").write_bytes(b"\x7fELF")
     (d / "build.ninja").write_text(f"cflags = -isystem {torch_dir}/include -isystem x\n")
     monkeypatch.setattr(jitops, "build", lambda *a: pytest.fail("built an op already built"))
-    assert jitops.batch({"ops": [jitops.SHM_COMM]}, "node7") == 0
+    assert jitbatch.batch({"ops": [jitops.SHM_COMM]}, "node7") == 0
     assert capsys.readouterr().out == ("clusterkit: DeepSpeed's JIT ops on node7: cpu: "
                                        "deepspeed_shm_comm already built\n")
     # The plan guessed cuda (inventory gpus: 2); this node's torch finds none (fake GPUs):
     # it readies what its own accelerator builds, not a kernel it cannot build.
     monkeypatch.delenv("DS_ACCELERATOR")
-    monkeypatch.setattr(jitops, "accelerator_here", lambda torch_dir=None: "cpu")
-    assert jitops.batch({"ops": ["FusedAdamBuilder"], "accelerator": "cuda"}, "node7") == 0
+    monkeypatch.setattr(jitbatch, "accelerator_here", lambda torch_dir=None: "cpu")
+    assert jitbatch.batch({"ops": ["FusedAdamBuilder"], "accelerator": "cuda"}, "node7") == 0
     assert capsys.readouterr().out == ("clusterkit: DeepSpeed's JIT ops on node7: cpu: "
                                        "deepspeed_shm_comm already built (planned for cuda; "
                                        "this node's accelerator is cpu)\n")

@@ -28,7 +28,7 @@ SHM = "deepspeed_shm_comm"
 
 def _built_here() -> Path:
     """A build of the op on this machine (torch's default build dir), made if missing."""
-    torch_dir = jitops._package_dir("torch")
+    torch_dir = jitops.package_dir("torch")
     assert torch_dir is not None
     src = Path(jitops.build_root(torch_dir)) / SHM
     if not (src / f"{SHM}.so").is_file():

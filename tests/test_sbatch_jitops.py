@@ -79,7 +79,7 @@ def test_the_ops_step_stops_the_job_at_a_stale_lock_and_starts_it_when_built(
     lock.unlink()
     (lock.parent / "deepspeed_shm_comm.so").write_bytes(b"\x7fELF")
     (lock.parent / "build.ninja").write_text(
-        f"cflags = -isystem {jitops._package_dir('torch')}/include -isystem x\n")
+        f"cflags = -isystem {jitops.package_dir('torch')}/include -isystem x\n")
     t0 = time.monotonic()
     r = _run(script)
     assert r.returncode == 0, r.stdout + r.stderr

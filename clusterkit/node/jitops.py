@@ -59,13 +59,13 @@ OP_NAMES = {SHM_COMM: "deepspeed_shm_comm", "CPUAdamBuilder": "cpu_adam",
             "AsyncIOBuilder": "async_io"}
 
 
-def _package_dir(name: str) -> str | None:
+def package_dir(name: str) -> str | None:
     spec = importlib.util.find_spec(name)  # finds the package without importing it
     locs = list(spec.submodule_search_locations or []) if spec else []
     return locs[0] if locs else None
 
 
-def _assigned(path: str) -> Dict[str, Any]:  # noqa: UP006
+def assigned(path: str) -> Dict[str, Any]:  # noqa: UP006
     """The literal top-level assignments of a generated module (torch/version.py,
     deepspeed/git_version_info_installed.py), read without importing it."""
     try:
@@ -97,7 +97,7 @@ def build_root(torch_dir: str) -> str:
     as is, else ``$XDG_CACHE_HOME`` (``~/.cache``) ``/torch_extensions/py<XY>_<acc>``."""
     if os.environ.get("TORCH_EXTENSIONS_DIR") is not None:
         return os.environ["TORCH_EXTENSIONS_DIR"]
-    version = _assigned(os.path.join(torch_dir, "version.py"))
+    version = assigned(os.path.join(torch_dir, "version.py"))
     acc = (f"rocm{version['hip'].replace('.', '')}" if version.get("hip")
            else f"cu{version['cuda'].replace('.', '')}" if version.get("cuda") else "cpu")
     cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
@@ -109,7 +109,7 @@ def build_root(torch_dir: str) -> str:
 def job_roots() -> List[str]:  # noqa: UP006
     """Where this process's DeepSpeed would build (and wait on a lock): torch's build
     dir for it; without torch, every root (:func:`extension_roots`)."""
-    torch_dir = _package_dir("torch")
+    torch_dir = package_dir("torch")
     return [build_root(torch_dir)] if torch_dir else extension_roots()
 
 
@@ -133,11 +133,11 @@ def op_state(root: str, name: str, torch_dir: str) -> str:
 def check(ops: List[str]) -> Dict[str, Any]:  # noqa: UP006
     """Which of ``ops`` this node's ranks would have to build (``missing``), from files
     alone: a prebuilt op (DS_BUILD_OPS, deepspeed's installed_ops) counts as built."""
-    torch_dir, ds_dir = _package_dir("torch"), _package_dir("deepspeed")
+    torch_dir, ds_dir = package_dir("torch"), package_dir("deepspeed")
     if torch_dir is None or ds_dir is None:
         return {"v": JITOPS_VERSION, "deepspeed": False, "ops": {}, "stale": []}
     root = build_root(torch_dir)
-    installed = _assigned(os.path.join(ds_dir, "git_version_info_installed.py"))
+    installed = assigned(os.path.join(ds_dir, "git_version_info_installed.py"))
     prebuilt = installed.get("installed_ops") or {}
     states = {}
     for op in ops:
@@ -367,7 +367,7 @@ def build(ops: List[str], ds_config: Dict[str, Any] | None) -> Dict[str, Any]:  
     if ds_config is None:  # the bundled workload's: AdamW, torch's own on CPU nodes
         ds_config = {"optimizer": {"type": "AdamW", "params": {"torch_adam": name == "cpu"}}}
     wanted = list(dict.fromkeys([*ops, *ops_for_config(ds_config, name)]))
-    torch_dir = _package_dir("torch")
+    torch_dir = package_dir("torch")
     root = build_root(torch_dir) if torch_dir else extension_roots()[0]
     results: Dict[str, Any] = {}  # noqa: UP006
     for op in wanted:
@@ -431,73 +431,12 @@ def describe(out: Dict[str, Any]) -> str:  # noqa: UP006
     return f"{out.get('accelerator')}: " + ("; ".join(parts) or "no op to build")
 
 
-def accelerator_here(torch_dir: str | None = None) -> str:
-    """DeepSpeed's accelerator on this node as its ranks will find it, without importing
-    torch: ``DS_ACCELERATOR``, else ``cuda`` when torch is a CUDA/ROCm build and a GPU
-    device is there, else ``cpu`` ("" without torch)."""
-    if os.environ.get("DS_ACCELERATOR"):
-        return os.environ["DS_ACCELERATOR"]
-    torch_dir = torch_dir or _package_dir("torch")
-    if torch_dir is None:
-        return ""
-    version = _assigned(os.path.join(torch_dir, "version.py"))
-    gpu = glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd")
-    return "cuda" if (version.get("cuda") or version.get("hip")) and gpu else "cpu"
-
-
-def batch(req: Dict[str, Any], node: str) -> int:  # noqa: UP006
-    """The batch script's build step on one node (docs/sbatch.md, "JIT ops"): one line
-    for the job's output, exit 0 (ready), 2 (a stale lock: its path and the fix) or
-    1 (a failed build)."""
-    ops = [str(op) for op in req.get("ops") or []]
-    planned, here_acc, note = str(req.get("accelerator") or ""), accelerator_here(), ""
-    if planned and here_acc and here_acc != planned:
-        # The plan guessed from the inventory (gpus: N -> cuda); the ranks' DeepSpeed will
-        # find this node's own (fake GPUs in a test cluster, a CPU-only torch): build what
-        # that one builds at every start, not the guessed kernels it cannot build.
-        ops = ops_for_config({}, here_acc)
-        req = {**req, "ops": ops}
-        note = f" (planned for {planned}; this node's accelerator is {here_acc})"
-    try:
-        # Files first (no deepspeed import, a tenth of a second): a job whose ops are
-        # built and unlocked starts at once; deepspeed is imported only to build.
-        pre = check(ops)
-        if pre["deepspeed"] and not pre["stale"] and not pre["live"] and all(
-                state == "built" for state in pre["ops"].values()):
-            out: Dict[str, Any] = {  # noqa: UP006
-                "accelerator": here_acc or "?",
-                "ops": {op: {"state": "built", "was": "built"} for op in ops}}
-        else:
-            out = build_request(req)
-    except (OSError, ValueError, ImportError) as exc:
-        out = {"error": f"{type(exc).__name__}: {exc}"}
-    head = f"clusterkit: DeepSpeed's JIT ops on {node}: "
-    if out.get("error"):
-        line, code = f"{head}failed: {out['error']} (deepspeed must be importable by the job's python)", 1
-    elif out.get("stale"):
-        paths = " ".join(str(lk["path"]) for lk in out["stale"])
-        line, code = (f"{head}stale build lock {paths} (no live process there holds it and no "
-                      "builder recorded it): every DeepSpeed start would wait on it; check "
-                      f"that no build runs on {node} or a node sharing the directory "
-                      f"(`fuser {paths}`, `ps aux | grep ninja`), then `rm {paths}` (or "
-                      "`clusterkit nodes build-ops --remove-stale-locks`)"), 2
-    else:
-        failed = [op for op, r in (out.get("ops") or {}).items() if r.get("state") == "failed"]
-        line, code = head + describe(out) + note, 1 if failed else 0
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-    return code
-
-
 def main(argv: List[str] | None = None) -> int:  # noqa: UP006
     args = list(sys.argv[1:] if argv is None else argv)
     mode = args[0] if args else ""
     try:
         if mode == "build":
             out = build_request(json.loads(sys.stdin.buffer.readline().decode("utf-8") or "{}"))
-        elif mode == "batch":  # NODE: the node's name as the batch script's step gives it
-            req = json.loads(sys.stdin.buffer.readline().decode("utf-8") or "{}")
-            return batch(req, args[1] if len(args) > 1 else here()["host"])
         elif mode == "check":
             req = json.loads(sys.stdin.buffer.readline().decode("utf-8") or "{}")
             out = check([str(op) for op in req.get("ops") or []])

@@ -63,6 +63,8 @@ PROGRAMS: dict[str, Program] = {
     # nodes env: facts, verify, record (remote/envcopy.py)
     "envfacts": Program(("contract", "dist_store", "hashing", "envfacts")),
     "jitops": Program(("buildowner", "jitops"), site=True),  # nodes build-ops: imports deepspeed to build
+    # sbatch.sh's JIT ops step, one task per node (docs/sbatch.md, "JIT ops")
+    "jitbatch": Program(("buildowner", "jitops", "jitbatch"), site=True),
     "install": Program(("contract", "sitepaths", "parity", "dist_store", "hashing", "envfacts", "gatefacts",
                          "install"), site=True),
     # sbatch.sh's watchdog (docs/sbatch.md); jitops: which op builds run at start-up

@@ -252,7 +252,7 @@ def _watchdog_context(plan: JobPlan) -> dict[str, object]:
 def _ops_context(plan: JobPlan) -> dict[str, object]:
     """DeepSpeed's JIT ops the ranks would build at start (render/jobops.py, the rule
     ``launch`` builds by), built by one task per node before the launch step: the node
-    program ``jitops batch``, its sources the job file ``JobDir.JITOPS_PROGRAM``
+    program ``jitbatch`` (node/jitbatch.py), its sources the job file ``JobDir.JITOPS_PROGRAM``
     (slurm/submit.write_node_program) and the request line after them on stdin."""
     node = plan.nodes[0]
     ops = sorted({op for node_ops in job_ops(plan).values() for op in node_ops})
@@ -261,7 +261,7 @@ def _ops_context(plan: JobPlan) -> dict[str, object]:
     # The accelerator the plan assumed: a node whose own differs builds its own ops instead.
     request = {"ops": ops, "ds_config": {}, "accelerator": accelerator(node)}
     return {"ops": " ".join(ops),
-            "ops_cmd": shlex.join(ship.node_command(node.python, "jitops", ["batch"]).argv),
+            "ops_cmd": shlex.join(ship.node_command(node.python, "jitbatch").argv),
             "ops_request": json.dumps(request, sort_keys=True)}
 
 

@@ -132,13 +132,13 @@ def submit(client: SlurmClient, plan: JobPlan, path: Path, template_dir: str | N
 def write_node_program(plan: JobPlan) -> None:
     """The node programs the batch script runs, job files beside ds_config.json, each
     given to its tasks on stdin: a node-local job's node/slurmreplica.py, and
-    node/jitops.py when the ranks would JIT-build ops (the build step before them)."""
+    node/jitbatch.py when the ranks would JIT-build ops (the build step before them)."""
     if plan.node_local:
         atomic_write_text(Path(plan.job_dir) / JobDir.SLURM_PROGRAM,
                           ship.bundle("slurmreplica").decode("utf-8"))
     if any(job_ops(plan).values()):
         atomic_write_text(Path(plan.job_dir) / JobDir.JITOPS_PROGRAM,
-                          ship.bundle("jitops").decode("utf-8"))
+                          ship.bundle("jitbatch").decode("utf-8"))
 
 
 def pinned_nodes(client: SlurmClient, plan: JobPlan, replicas: int) -> list[str]:

@@ -158,8 +158,8 @@ fi
 # watchdog's clock, so no rank races a build and a build of minutes is no silent start.
 # A lock a killed build left is removed when its owner record proves it dead; one that
 # nothing proves dead stops the job here, the node's line naming the lock and the fix.
-ops_bundle=$job_dir/jitops.bundle  # node/jitops.py's sources (clusterkit sbatch)
-jitops=(/opt/conda/envs/train/bin/python -u -c 'import linecache,sys,types
+ops_bundle=$job_dir/jitops.bundle  # node/jitbatch.py's sources (clusterkit sbatch)
+jitbatch=(/opt/conda/envs/train/bin/python -u -c 'import linecache,sys,types
 r=sys.stdin.buffer
 h=r.readline().split()
 if h[:2]!=[b'"'"'clusterkit-node'"'"',b'"'"'1'"'"']:sys.exit('"'"'clusterkit node bootstrap: expected a clusterkit-node 1 header on stdin, got %r'"'"'%h[:2])
@@ -174,13 +174,13 @@ for e in h[2:]:
  exec(compile(t,m.__file__,'"'"'exec'"'"'),m.__dict__)
 sys.argv=['"'"'clusterkit.node.'"'"'+sys.argv[1]]+sys.argv[2:]
 sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))
-' jitops batch)  # python -u -c BOOTSTRAP jitops batch (node/ship.py)
+' jitbatch)  # python -u -c BOOTSTRAP jitbatch (node/ship.py)
 if [ -r "$ops_bundle" ]; then
     # stdin: the sources, then the request line; each task names its node (Slurm's name)
     # and has the job's GPUs, so DeepSpeed finds the accelerator the ranks will find.
     srun --nodes=7 --ntasks=7 \
         --ntasks-per-node=1 --gpus-per-node=2 --input=all --chdir=/ \
-        sh -c 'exec "$@" "$SLURMD_NODENAME"' sh "${jitops[@]}" \
+        sh -c 'exec "$@" "$SLURMD_NODENAME"' sh "${jitbatch[@]}" \
         < <(cat -- "$ops_bundle"; printf '%s\n' '{"accelerator": "cuda", "ds_config": {}, "ops": ["FusedAdamBuilder"]}') || {
         both "clusterkit: DeepSpeed's JIT ops are not ready on every node (each node's line above says why): not starting"
         exit 2
