@@ -34,6 +34,7 @@ from clusterkit.launch.gate import (
     run_gate,
 )
 from clusterkit.launch.jobs import JobRecord, Registry
+from clusterkit.launch.recording import recording
 from clusterkit.launch.run import (
     LaunchResult,
     LaunchSettings,
@@ -156,8 +157,8 @@ def run_launch(request: LaunchRequest, *, run: RunOptions, sync: Sync | None = N
     before = _steps(sync.put if sync else None, ops_step(run.build_ops, say_launch))
     if before is not None:
         before(first)
-    sink = make_sink(len(first.nodes), quiet_ranks=quiet, world_size=first.world_size,
-                     ranks=ranks, launcher_logs=launcher_logs(first))
+    sink = recording(make_sink(len(first.nodes), quiet_ranks=quiet, world_size=first.world_size,
+                               ranks=ranks, launcher_logs=launcher_logs(first)))
     registry = Registry(clusterkit_home())
     with transport_for() as transport:
         try:

@@ -33,6 +33,7 @@ from clusterkit.fsutil import atomic_write_text
 from clusterkit.launch.console import Sink
 from clusterkit.launch.jobspec import JobSpec, NodeTask, zygote_imports
 from clusterkit.launch.outcome import JobOutcome
+from clusterkit.launch.recording import recorder
 from clusterkit.launch.runtime import Runtime
 from clusterkit.launch.runtime_io import (
     Action,
@@ -60,7 +61,7 @@ from clusterkit.node.protocol import ProtocolError, StopReply
 from clusterkit.node.ship import NodeCommand, agent_command
 from clusterkit.remote.base import RemoteProcess, Transport
 
-__all__ = ["Orchestrator", "agent_control"]
+__all__ = ["Orchestrator", "agent_control", "show"]
 
 TICK_S = 0.1  # the longest the loop waits for an input before it feeds a Tick
 
@@ -79,6 +80,9 @@ class Orchestrator:
         self.start_timeout_s = start_timeout_s
         imports = next((m for m in map(zygote_imports, job.tasks) if m), [])
         self.runtime = Runtime(job, time.monotonic(), fork_import=imports[0] if imports else "")
+        self._rec = recorder()  # CLUSTERKIT_RECORD_AGENTS: the inputs on file (launch/recording.py)
+        if self._rec is not None:
+            self._rec.attempt(job, imports[0] if imports else "")
         self._procs: dict[str, RemoteProcess] = {}
         self._q: queue.Queue[Event] = queue.Queue()
         self._lock = threading.Lock()
@@ -99,10 +103,14 @@ class Orchestrator:
             for sig, handler in restore.items():
                 signal.signal(sig, handler)
             self.sink.end_attempt()  # the collateral line, once every rank line is in
+            if self._rec is not None:
+                self._rec.end_attempt()
         leftovers = self._verify_gone(self._sweep)
         return self.runtime.outcome(time.monotonic() - started, leftovers, self._unconfirmed)
 
     def _feed(self, event: Event) -> None:
+        if self._rec is not None:
+            self._rec.event(event)
         for action in self.runtime.on(event, time.monotonic()):
             self._perform(action)
 
@@ -186,19 +194,7 @@ class Orchestrator:
             self._show(action)
 
     def _show(self, action: Info | Show | Phase | NodeUp | NodeDone | FailedFirst) -> None:
-        """The console's part of the actions."""
-        if isinstance(action, Info):
-            self.sink.info(action.text)
-        elif isinstance(action, Show):
-            self.sink.line(action.node, action.rank, action.text, agent=action.agent)
-        elif isinstance(action, Phase):
-            self.sink.phase(action.name, action.detail)
-        elif isinstance(action, NodeUp):
-            self.sink.node_up(action.node)
-        elif isinstance(action, NodeDone):
-            self.sink.node_done(action.node, action.code)
-        else:
-            self.sink.failed_first(action.rank, action.where, action.logs)
+        show(self.sink, action)
 
     def _report_stacks(self, action: ReportStacks) -> None:
         saved = self._save_stacks(action)
@@ -266,3 +262,19 @@ class Orchestrator:
                                   f"{self.job.keepalive_s:g} s of losing the launcher)"
                                   if self.job.keepalive_s > 0 else ""))
         return left
+
+
+def show(sink: Sink, action: Info | Show | Phase | NodeUp | NodeDone | FailedFirst) -> None:
+    """The console's part of the actions (also a recorded launch's replay: launch/recording.py)."""
+    if isinstance(action, Info):
+        sink.info(action.text)
+    elif isinstance(action, Show):
+        sink.line(action.node, action.rank, action.text, agent=action.agent)
+    elif isinstance(action, Phase):
+        sink.phase(action.name, action.detail)
+    elif isinstance(action, NodeUp):
+        sink.node_up(action.node)
+    elif isinstance(action, NodeDone):
+        sink.node_done(action.node, action.code)
+    else:
+        sink.failed_first(action.rank, action.where, action.logs)

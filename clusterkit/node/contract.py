@@ -78,6 +78,9 @@ ENV_DUMP_WEIGHTS = "CLUSTERKIT_DUMP_WEIGHTS"
 # `clusterkit nodes env`'s facts (node/envfacts.py): KEY=VALUE,... replacing what a test
 # node reports (machine=aarch64, glibc=2.17), honoured by nothing else (docs/getting-nodes-ready.md).
 ENV_TEST_ENVFACTS = "CLUSTERKIT_TEST_ENVFACTS"
+# The launcher's agent streams appended to this file (launch/recording.py): read on the
+# launching machine only, by the tests that replay a real launch's console.
+ENV_RECORD_AGENTS = "CLUSTERKIT_RECORD_AGENTS"
 
 # Rank 0 of the bundled workload ends with this line + one JSON object; the launcher
 # reads it from the rank lines, prints it once and saves it (docs/launch.md).
