@@ -1,0 +1,160 @@
+"""Step time of a Hugging Face Trainer run under ``clusterkit launch`` against the same run
+started by DeepSpeed's runner with a hostfile (issue 38).
+
+    python -m bench.bench_hf_trainer                   # 2 nodes x 1 rank, 2 rounds
+    python -m bench.bench_hf_trainer --nodes 3 --rounds 4 --steps 60
+    python -m bench.bench_hf_trainer --prefix tb1      # an existing test bed (kept)
+
+The program is tests/programs/hf_trainer.py (run_clm.py-style: ``HfArgumentParser``,
+``TrainingArguments``, ``Trainer``; a GPT-2 built from a config, data made locally) with
+the usual all-``"auto"`` ZeRO-2 ds_config, no saves, on the test bed (tests/testbed:
+network namespaces with sshd). The two sides, in interleaved rounds (clusterkit, runner;
+then runner, clusterkit; ...) so a change in the machine's load hits both alike:
+
+* **clusterkit**: ``clusterkit launch -i INV --nodes N --storage shared`` (the default
+  launcher: the node agents start the ranks), run here;
+* **runner** (the baseline): what a user types on the first node without clusterkit,
+  ``deepspeed --hostfile HOSTFILE --master_addr ADDR --master_port PORT PROGRAM ARGS``
+  (DeepSpeed's runner, pdsh to every node, ``deepspeed.launcher.launch`` there), run on
+  node1 of the test bed, which reaches the others by name over ssh.
+
+Both give each rank ``OMP_NUM_THREADS=1`` (clusterkit: ``--set-env``; the runner: the
+``.deepspeed_env`` file in its working directory, which it reads). The step time of a run
+is Trainer's own ``train_runtime`` divided by the steps (the training loop only: model
+and process-group start-up are left out), printed by rank 0 in its metrics. Each run
+prints its step time with the 1-minute load average at its start; the end prints each
+side's mean, and the ratio runner / clusterkit (1.0: the same speed; 0.98: clusterkit's
+steps take ~2 % longer) with the mean load of each side. A ratio measured under load is
+not a result: read it with the load. Needs root; everything written is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.testbed import Testbed
+
+REPO = Path(__file__).resolve().parents[1]
+PROGRAM = REPO / "tests" / "programs" / "hf_trainer.py"
+# Trainer's metrics dict (transformers 5 prints its values as strings).
+RUNTIME = re.compile(r"'train_runtime': '?([0-9.]+)'?")
+DS_CONFIG = {  # the all-"auto" ZeRO-2 config of HF's docs
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "zero_optimization": {"stage": 2},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+}
+
+
+def program_args(ns: argparse.Namespace, out: Path, ds: Path) -> list[str]:
+    return ["--output_dir", str(out), "--deepspeed", str(ds), "--use_cpu",
+            "--max_steps", str(ns.steps), "--save_strategy", "no", "--logging_steps",
+            str(ns.steps), "--per_device_train_batch_size", "4", "--report_to", "none",
+            "--disable_tqdm", "True", "--seed", "7", "--n_embd", str(ns.n_embd),
+            "--n_layer", str(ns.n_layer)]
+
+
+def step_s(text: str, steps: int, side: str) -> float:
+    found = RUNTIME.findall(text)
+    if not found:
+        sys.exit(f"{side}: no train_runtime in the run's output:\n{text[-3000:]}")
+    return float(found[-1]) / steps
+
+
+def run_clusterkit(work: Path, inv: Path, job: str, ns: argparse.Namespace, ds: Path
+                   ) -> str:
+    argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
+            "--nodes", str(ns.nodes), "--storage", "shared", "--skip-checks", "--grace", "2",
+            "--set-env", "OMP_NUM_THREADS=1", str(PROGRAM),
+            *program_args(ns, work / f"out-{job}", ds)]
+    env = dict(os.environ, CLUSTERKIT_HOME=str(work / "home"), PYTHONUNBUFFERED="1")
+    res = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True,
+                         timeout=ns.timeout, check=False)
+    if res.returncode != 0:
+        sys.exit(f"clusterkit launch exited {res.returncode}:\n{(res.stdout + res.stderr)[-3000:]}")
+    return res.stdout
+
+
+def run_runner(tb: Testbed, work: Path, nodes: list[str], job: str, port: int,
+               ns: argparse.Namespace, ds: Path) -> str:
+    hostfile = work / "hostfile"
+    hostfile.write_text("".join(f"{n} slots=1\n" for n in nodes))
+    (work / ".deepspeed_env").write_text("OMP_NUM_THREADS=1\n")
+    master = tb.node(nodes[0]).address
+    script = (f"cd {work} && PYTHONUNBUFFERED=1 {sys.executable} -u -m deepspeed.launcher.runner "
+              f"--hostfile {hostfile} --master_addr {master} --master_port {port} "
+              f"{PROGRAM} " + " ".join(program_args(ns, work / f"out-{job}", ds)))
+    res = tb.exec(nodes[0], ["bash", "-c", script], timeout=ns.timeout)
+    if res.returncode != 0:
+        sys.exit(f"deepspeed runner exited {res.returncode}:\n{(res.stdout + res.stderr)[-3000:]}")
+    return str(res.stdout)
+
+
+def one(side: str, tb: Testbed, work: Path, inv: Path, nodes: list[str], r: int,
+        ns: argparse.Namespace, ds: Path) -> dict[str, Any]:
+    job = f"hfb-{os.getpid()}-{r}-{side}"
+    load, t0 = os.getloadavg()[0], time.monotonic()
+    if side == "clusterkit":
+        text = run_clusterkit(work, inv, job, ns, ds)
+    else:
+        text = run_runner(tb, work, nodes, job, 29500 + r, ns, ds)
+    shutil.rmtree(work / f"out-{job}", ignore_errors=True)
+    return {"side": side, "step_s": step_s(text, ns.steps, side), "load": load,
+            "wall_s": time.monotonic() - t0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_hf_trainer", allow_abbrev=False)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--prefix", help="use this existing test bed (else a new one, torn down)")
+    ns = p.parse_args(argv)
+    tb = Testbed.load(ns.prefix) if ns.prefix else Testbed.create()
+    # On the test bed's shared disk: the runner's working directory must exist on every
+    # node (it cds there), as the user's would on a shared filesystem.
+    work = Path(tempfile.mkdtemp(prefix="bench-hf-", dir=tb.shared_dir))
+    work.chmod(0o755)
+    runs: list[dict[str, Any]] = []
+    try:
+        nodes = [n.name for n in tb.ensure(ns.nodes)]
+        inv = tb.write_inventory(work / "inv.yaml", nodes=nodes, slots=1)
+        ds = work / "ds_config.json"
+        ds.write_text(json.dumps(DS_CONFIG, indent=2))
+        for r in range(ns.rounds):
+            for side in (("clusterkit", "runner") if r % 2 == 0 else ("runner", "clusterkit")):
+                run = one(side, tb, work, inv, nodes, r, ns, ds)
+                runs.append(run)
+                print(f"round {r} {side}: step {run['step_s'] * 1000:.1f} ms "
+                      f"(load {run['load']:.1f}), {run['wall_s']:.0f} s wall", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if not ns.prefix:
+            tb.down()
+    means = {s: statistics.mean(x["step_s"] for x in runs if x["side"] == s)
+             for s in ("clusterkit", "runner")}
+    loads = {s: statistics.mean(x["load"] for x in runs if x["side"] == s)
+             for s in ("clusterkit", "runner")}
+    print(f"clusterkit {means['clusterkit'] * 1000:.1f} ms/step (load {loads['clusterkit']:.1f}), "
+          f"runner {means['runner'] * 1000:.1f} ms/step (load {loads['runner']:.1f}): "
+          f"runner / clusterkit = {means['runner'] / means['clusterkit']:.3f}x "
+          f"over {ns.rounds} round(s), {ns.nodes} nodes x 1 rank, {ns.steps} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
