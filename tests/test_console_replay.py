@@ -30,11 +30,26 @@ import pytest
 from clusterkit.fold import FOLD_WINDOW_S, LineFolder
 from clusterkit.launch import console
 from clusterkit.launch.console import FoldingSink, PlainSink
+from clusterkit.launch.jobspec import JobSpec, NodeTask
 from clusterkit.launch.orchestrator import show
 from clusterkit.launch.outcome import JobOutcome
-from clusterkit.launch.recording import Record, read_records, replay
-from clusterkit.launch.runtime_io import FailedFirst, Info, NodeDone, NodeUp, Phase, Show
-from clusterkit.node.contract import JobDir
+from clusterkit.launch.recording import Record, read_records, recorder, replay
+from clusterkit.launch.runtime_io import (
+    AgentEnded,
+    Drained,
+    FailedFirst,
+    Info,
+    NodeDone,
+    NodeUp,
+    Phase,
+    Show,
+    Spawned,
+    Starting,
+    Tick,
+    read_line,
+)
+from clusterkit.node.contract import ENV_RECORD_AGENTS, JobDir
+from clusterkit.remote.base import SSHTarget
 from tests.console_budget import (
     CLEAN_BUDGET,
     LOSS_BUDGET,
@@ -114,3 +129,29 @@ def test_the_replayed_console_of_a_lost_node_and_its_restart_fits_its_budget(
         assert needed in text, (needed, text)
     folded_groups_name_their_logs(lines)
     assert len(lines) + VERB_LINES <= LOSS_BUDGET, len(lines)
+
+
+def test_a_recording_replays_the_inputs_it_recorded(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the I/O loop records is what the replay feeds: each input once, in order, the
+    ticks between them made again, the lines said between attempts as they were."""
+    path = tmp_path / "rec.jsonl"
+    monkeypatch.setenv(ENV_RECORD_AGENTS, str(path))
+    rec = recorder()
+    assert rec is not None and rec.path == str(path)
+    task = NodeTask(node="n1", target=SSHTarget("n1", "n1"), python="python3",
+                    argv=("train.py",), rank_offset=0, nprocs=1)
+    inputs = [Starting(), Spawned(), read_line("n1", "@ck:L n1 0 step 1 loss 0.5"),
+              read_line("n1", "Traceback (most recent call last):"),
+              AgentEnded("n1", 0), Drained()]
+    rec.info("before the attempt")
+    rec.attempt(JobSpec(job_id="j", tasks=(task,)), "")
+    for event in [*inputs[:3], Tick(), *inputs[3:]]:
+        rec.event(event)
+    rec.info("inside: not recorded (the runtime says it again)")
+    rec.end_attempt()
+    steps = list(replay(read_records(path)))
+    assert steps[0].info == "before the attempt" and steps[-1].end_attempt
+    assert [s.event for s in steps if s.event is not None and not isinstance(s.event, Tick)
+            ] == inputs
+    assert not any(s.info and "inside" in s.info for s in steps)

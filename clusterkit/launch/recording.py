@@ -82,7 +82,7 @@ class Recorder:
             self.write({"ev": "info", "text": text})
 
 
-_RECORDER: list[Recorder] = []  # one per launcher process, made on first use
+_RECORDER: list[Recorder] = []  # one per launcher process and file, made on first use
 
 
 def recorder() -> Recorder | None:
@@ -90,8 +90,8 @@ def recorder() -> Recorder | None:
     path = os.environ.get(ENV_RECORD_AGENTS, "")
     if not path:
         return None
-    if not _RECORDER:
-        _RECORDER.append(Recorder(path))
+    if not _RECORDER or _RECORDER[0].path != path:
+        _RECORDER[:] = [Recorder(path)]
     return _RECORDER[0]
 
 
