@@ -22,6 +22,16 @@ CHILD = ("import time\n"
          "train_step()\n")
 
 
+@pytest.fixture(autouse=True)
+def _usr1_restored():  # type: ignore[no-untyped-def]
+    """slurmwatch.watch ignores SIGUSR1 (scancel --signal=USR1 reaches it too): in this
+    process that is inherited by every later child, and a batch script run by a later
+    test (tests/test_sbatch_units.py) could then not trap it and hung."""
+    before = signal.getsignal(signal.SIGUSR1)
+    yield
+    signal.signal(signal.SIGUSR1, before)
+
+
 @pytest.fixture
 def ranks(tmp_path: Path):  # type: ignore[no-untyped-def]
     procs = []
