@@ -48,8 +48,14 @@ def tee_parts(line: str) -> list[str]:
     m = _TORCHRUN_LINE.match(line)
     if m is None:
         return [line]
-    label = re.compile(re.escape(line[:m.start(1)]) + r"\d+\]:")
-    cuts = [c.start() for c in label.finditer(line)]
+    label = re.compile(re.escape(line[:m.start(1)]) + r"(\d+)\]:")
+    # Only another rank's label starts a new line: the same rank's header again is
+    # torchrun's half-written line read in two parts (classify() joins those).
+    cuts, rank = [0], m.group(1)
+    for c in label.finditer(line, m.end(1)):
+        if c.group(1) != rank:
+            cuts.append(c.start())
+            rank = c.group(1)
     ends = [*cuts[1:], len(line)]
     return [line[cuts[i]:ends[i]] for i in range(len(cuts))]
 
