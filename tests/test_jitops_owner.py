@@ -219,3 +219,21 @@ def test_doctor_says_building_on_the_other_node_rather_than_stale() -> None:
     (f,) = check_jit_locks(_facts([{**base, "state": "unknown", "why": "..."}]), ctx)
     assert f.status is Status.FAIL and "no builder recorded it" in f.detail
     assert "--remove-stale-locks" in f.fix
+
+
+def test_a_lock_another_node_removes_while_it_is_judged_is_not_reported_stale(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two nodes prove one dead lock at once: one removes lock and record between the
+    other's listing and its reading of the record. That one must not see a lock without a
+    record ('unknown', refused): on the Slurm bed node1's job stopped so once."""
+    lock = tmp_path / "ext" / "fused_adam" / "lock"
+    _record_elsewhere(lock, buildowner.OWNER_TTL_S + 60)
+    real_owner_of = jitops.owner_of
+
+    def removed_meanwhile(path: str, now: float) -> tuple[dict[str, Any] | None, float]:
+        os.unlink(path)
+        os.unlink(path + buildowner.OWNER_SUFFIX)
+        return real_owner_of(path, now)
+
+    monkeypatch.setattr(jitops, "owner_of", removed_meanwhile)
+    assert jitops.locks([str(tmp_path / "ext")]) == []

@@ -10,6 +10,7 @@ Extended (CLUSTERKIT_EXTENDED=1): the build alone is a minute or more on 2 cores
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -50,16 +51,27 @@ def test_a_job_whose_ops_are_not_built_completes_and_the_next_finds_them_built(
     took = max(int(s or 0) for _, _, s in built)
     assert "no sign of training" not in out and "clusterkit: no progress" not in out
     assert "step 3/3" in out
+    # A build killed on node2 (SIGKILL, a lost node) left its lock and owner record,
+    # not refreshed for two minutes: the next job proves it dead and removes it itself.
+    lock = ext / SHM / "lock"
+    lock.write_bytes(b"")
+    owner = Path(f"{lock}.owner")
+    owner.write_text("node2 4242 12345 oldboot pid:[4026532000]\n")
+    then = time.time() - 120
+    os.utime(owner, (then, then))
+    os.utime(lock, (then, then))
     t0 = time.monotonic()
     again = _job(slurm, inv, "jit-again")
     second = time.monotonic() - t0
-    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
-    assert len(re.findall(rf"DeepSpeed's JIT ops on node\d: cpu: {SHM} already built",
-                          again.stdout + again.stderr)) == 2
+    text = again.stdout + again.stderr
+    assert again.returncode == 0, text[-4000:]
+    assert len(re.findall(rf"DeepSpeed's JIT ops on node\d: cpu: {SHM} already built", text)) == 2
+    assert re.search(rf"removed 1 stale lock\(s\): {lock} \(its builder on node2 \(pid 4242\) "
+                     r"stopped refreshing its record \d+ s ago\)", text), text[-4000:]
     assert not list(ext.rglob("lock")) and not list(ext.rglob("lock.owner"))
     assert_slurm_nodes_clean(slurm)
     print(f"first job {first:.0f} s (the op built in {took} s, --hang-timeout 20), "
-          f"second {second:.0f} s")
+          f"second {second:.0f} s (a dead lock removed first)")
 
 
 USERTRAIN = Path(__file__).resolve().parent / "slurmbed" / "usertrain.py"

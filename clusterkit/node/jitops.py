@@ -197,6 +197,8 @@ def locks(roots: List[str] | None = None, now: float | None = None  # noqa: UP00
     pids, me, out = holders_of(list(found)), here(), []
     for real, age in found.items():
         owner, owner_age = owner_of(real, now)
+        if owner is None and not os.path.exists(real):
+            continue  # removed meanwhile (a node sharing the directory proved it dead)
         out.append({"path": real, "age_s": round(age, 1), "holders": pids[real],
                     **judge(pids[real], owner, owner_age, me)})
     return out
