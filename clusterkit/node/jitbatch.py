@@ -79,7 +79,7 @@ def batch(req: Dict[str, Any], node: str) -> int:  # noqa: UP006
                       "`clusterkit nodes build-ops --remove-stale-locks`)"), 2
     else:
         failed = [op for op, r in (out.get("ops") or {}).items() if r.get("state") == "failed"]
-        line, code = head + describe(out) + note, 1 if failed else 0
+        line, code = head + describe(out, timed=True) + note, 1 if failed else 0
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
     return code

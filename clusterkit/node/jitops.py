@@ -416,17 +416,22 @@ def build_request(req: Dict[str, Any]) -> Dict[str, Any]:  # noqa: UP006
     return out
 
 
-def describe(out: Dict[str, Any]) -> str:  # noqa: UP006
-    """One line for a node's ``build`` answer without the node's name (equal lines fold):
-    ``cpu: fused_adam built (51 s)``; ``nodes build-ops`` and the batch script print it."""
+def describe(out: Dict[str, Any], timed: bool = False) -> str:  # noqa: UP006
+    """One line for a node's ``build`` answer without the node's name. ``nodes build-ops``
+    prints it untimed, so equal nodes fold (``cpu: ShareMemCommBuilder built``); the
+    batch script's step, one line per node, timed (``cpu: deepspeed_shm_comm built (51
+    s)``, ``... already built``)."""
     parts = []
     for op, r in (out.get("ops") or {}).items():
-        state, name = r.get("state"), OP_NAMES.get(op, op)
-        if state == "built":
-            took = f" ({r.get('seconds', 0):.0f} s)" if r.get("was") != "built" else ""
-            parts.append(f"{name} {'already built' if not took else 'built'}{took}")
+        state = r.get("state")
+        if state == "built" and not timed:
+            parts.append(f"{op} built")
+        elif state == "built":
+            was = r.get("was") == "built"
+            parts.append(f"{OP_NAMES.get(op, op)} " + ("already built" if was else
+                                                       f"built ({r.get('seconds', 0):.0f} s)"))
         else:
-            parts.append(f"{name} {state} ({r.get('why')})")
+            parts.append(f"{OP_NAMES.get(op, op) if timed else op} {state} ({r.get('why')})")
     removed = out.get("removed") or []
     if removed:
         parts.append(f"removed {len(removed)} stale lock(s): {', '.join(removed)}")
