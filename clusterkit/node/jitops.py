@@ -113,12 +113,13 @@ def job_roots() -> List[str]:  # noqa: UP006
     return [build_root(torch_dir)] if torch_dir else extension_roots()
 
 
-def op_state(root: str, name: str, torch_dir: str) -> str:
+def op_state(root: str, name: str, torch_dir: str, lock: bool = True) -> str:
     """``built``: ``<root>/<name>/<name>.so`` is there, no build lock beside it, and its
     build.ninja compiled against this torch (else the ranks' ninja rebuilds it under the
-    lock); ``missing`` otherwise; ``building``: a lock is there."""
+    lock); ``missing`` otherwise; ``building``: a lock is there (``lock`` False: the
+    files alone, whoever holds the lock for a moment)."""
     d = os.path.join(root, name)
-    if os.path.exists(os.path.join(d, "lock")):
+    if lock and os.path.exists(os.path.join(d, "lock")):
         return "building"
     if not os.path.isfile(os.path.join(d, name + ".so")):
         return "missing"
@@ -387,7 +388,10 @@ def build(ops: List[str], ds_config: Dict[str, Any] | None) -> Dict[str, Any]:  
                 results[op] = {"state": "failed", "why": f"{lock}: {busy['why']} for over "
                                                           f"{WAIT_LIVE_S:.0f} s"}
                 continue
-            was = op_state(root, str(builder.name), torch_dir) if torch_dir else "missing"
+            # Built before this load? The files say; a lock there now may be another
+            # node's load of the same built op (a second), not a build.
+            was = op_state(root, str(builder.name), torch_dir, lock=False) if torch_dir \
+                else "missing"
             os.makedirs(os.path.dirname(lock), exist_ok=True)
             with Owner(lock):
                 builder.load(verbose=False)
