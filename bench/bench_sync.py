@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{size * 8 / (ns.rate * 1e6):.1f} s; {os.cpu_count()} CPUs", flush=True)
         # The source's hashes, once (the cache a second run uses); the cold cost printed.
         t0 = time.monotonic()
-        from clusterkit.remote.sync import Ignore, scan, source_entries
+        from clusterkit.sync.source import Ignore, scan, source_entries
 
         source_entries(scan(str(proj / "data"), Ignore()).files,
                        str(work / "home" / "sync-cache"), str(proj / "data"))

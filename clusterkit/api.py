@@ -1,4 +1,4 @@
-"""clusterkit from Python: launch, status, stop, doctor and collect (docs/api.md).
+"""clusterkit from Python: launch, status, stop, doctor, collect and sync (docs/api.md).
 
 The CLI verbs call these same functions, so a job launched from a notebook lands in
 the same registry, prints the same console and refuses the same inputs as
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import overload
 
+from clusterkit.hostfile import select_hosts
 from clusterkit.inventory import Inventory
 from clusterkit.jobs.collect import CollectHooks, CollectRequest, CollectResult, collect_job
 from clusterkit.jobs.doctor import DoctorResult, ExtraCheck, run_checks
@@ -22,12 +23,14 @@ from clusterkit.jobs.launch import Sync, plan_launch, run_launch
 from clusterkit.jobs.resolve import NodeChoice
 from clusterkit.jobs.status import JobStatus, job_status, list_jobs
 from clusterkit.jobs.stop import StopResult, stop_job
+from clusterkit.jobs.sync import SyncHooks, sync_hosts
 from clusterkit.launch.jobs import JobRecord
 from clusterkit.launch.run import LaunchResult
 from clusterkit.launchers import DEFAULT_LAUNCHER
 from clusterkit.node.protocol import DEFAULT_GRACE_S
 from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S
 from clusterkit.spec.job import JobOptions, RunOptions
+from clusterkit.sync.types import SyncResult
 
 
 def _inventory(inventory: str | Inventory | None) -> Inventory:
@@ -126,3 +129,23 @@ def collect(request: CollectRequest | str, *, inventory: str | Inventory | None 
     path = inventory  # read when a node needs it: a job's own nodes do not
     return collect_job(request, home=clusterkit_home(), inventory=lambda: find_inventory(path),
                        hooks=hooks)
+
+
+def sync(src: str = ".", *, inventory: str | Inventory | None = None,
+         nodes: int | None = None, gpus_per_node: int | None = None, include: str = "",
+         exclude: str = "", delete: bool = False, exclude_from: str | None = None,
+         dest: str | None = None, port: int | None = None,
+         hooks: SyncHooks | None = None) -> SyncResult:
+    """Copy directory ``src`` to the same path under every selected node's workdir, as
+    ``clusterkit sync`` (same selection words as ``JobOptions``; ``delete``,
+    ``exclude_from``, ``dest``, ``port`` are the verb's flags). ``hooks`` (a
+    :class:`clusterkit.jobs.sync.SyncHooks`) hears the start, the progress and the notes.
+
+    Returns the :class:`clusterkit.sync.types.SyncResult`: ``ok`` when every node holds
+    the source's ``digest``, ``nodes`` the per-node results. A node that could not be
+    completed is a result (``ok`` false), not an exception; bad input (no such
+    directory, ``--dest`` outside the workdir) raises."""
+    chosen = select_hosts(_inventory(inventory), nodes=nodes, gpus_per_node=gpus_per_node,
+                          include=include, exclude=exclude)
+    return sync_hosts(src, [h for h, _ in chosen], delete=delete, exclude_from=exclude_from,
+                      dest=dest, port=port, hooks=hooks)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.cli.main import main
-from clusterkit.remote.sync import Ignore, manifest
+from clusterkit.sync.source import Ignore, manifest
 
 
 def _inventory(tmp_path: Path, **defaults: str) -> Path:

@@ -15,7 +15,7 @@ import pytest
 
 from clusterkit.cli.main import main
 from clusterkit.node import dist_store as store
-from clusterkit.remote.distplan import Chains, NodeView, node_lines, progress_line, records
+from clusterkit.sync.plan import Chains, NodeView, node_lines, progress_line, records
 from tests.synchelpers import local_inventory
 
 
@@ -208,17 +208,17 @@ def test_bad_inputs_are_one_line_and_leave_nothing_half_written(
 def test_a_file_that_changes_while_it_is_sent_is_refused_by_every_node(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from clusterkit.remote.base import SSHTarget
-    from clusterkit.remote.distribute import DistNode, distribute
     from clusterkit.remote.local import LocalTransport
+    from clusterkit.sync.engine import SyncNode, sync_dir
 
     src = tmp_path / "src"
     src.mkdir()
     big = src / "big.bin"
     big.write_bytes(os.urandom(40_000_000))
     (src / "ok.txt").write_text("fine\n")
-    nodes = [DistNode(f"v{i}", SSHTarget(f"v{i}", "127.0.0.1", local=True), sys.executable,
+    nodes = [SyncNode(f"v{i}", SSHTarget(f"v{i}", "127.0.0.1", local=True), sys.executable,
                       "127.0.0.1", str(tmp_path / f"d{i}")) for i in range(2)]
-    from clusterkit.remote import distribute as engine
+    from clusterkit.sync import engine
 
     plan_records = engine.records
 
@@ -229,7 +229,7 @@ def test_a_file_that_changes_while_it_is_sent_is_refused_by_every_node(
         return plan_records(needs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(engine, "records", change_then_plan)
-    res = distribute(LocalTransport(), nodes, str(src))
+    res = sync_dir(LocalTransport(), nodes, str(src))
     assert res.changed == ["big.bin"] and not res.ok
     for i in range(2):
         d = tmp_path / f"d{i}"
@@ -285,7 +285,7 @@ def test_doctor_sync_rules_name_the_node_the_files_and_the_blocked_hop() -> None
 
 
 def test_feed_route_falls_back_to_ssh_once_per_node_and_keeps_tcp_otherwise() -> None:
-    from clusterkit.remote.distplan import FeedRoutes
+    from clusterkit.sync.plan import FeedRoutes
 
     routes = FeedRoutes()
     assert routes.decide(0, "node1", 29640, None) == ("tcp", None)
@@ -304,8 +304,8 @@ def test_a_head_whose_port_is_unreachable_is_fed_over_its_ssh_session(tmp_path: 
     its stdin, v1 and v2 still get theirs node to node over TCP; the same verification, a
     rerun sends nothing, a lost file alone travels again."""
     from clusterkit.remote.base import SSHTarget
-    from clusterkit.remote.distribute import DistNode, distribute
     from clusterkit.remote.local import LocalTransport
+    from clusterkit.sync.engine import SyncNode, sync_dir
 
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
@@ -313,12 +313,12 @@ def test_a_head_whose_port_is_unreachable_is_fed_over_its_ssh_session(tmp_path: 
     for k in range(5):
         (src / "sub" / f"f{k}.txt").write_text(f"file {k}\n" * 100)
     addr = ["192.0.2.1", "127.0.0.1", "127.0.0.1"]  # TEST-NET-1: never this machine's
-    nodes = [DistNode(f"v{i}", SSHTarget(f"v{i}", "127.0.0.1", local=True), sys.executable,
+    nodes = [SyncNode(f"v{i}", SSHTarget(f"v{i}", "127.0.0.1", local=True), sys.executable,
                       addr[i], str(tmp_path / f"d{i}")) for i in range(3)]
     notes: list[str] = []
-    from clusterkit.remote.distribute import DistOptions
+    from clusterkit.sync.engine import SyncOptions
 
-    res = distribute(LocalTransport(), nodes, str(src), options=DistOptions(on_note=notes.append))
+    res = sync_dir(LocalTransport(), nodes, str(src), options=SyncOptions(on_note=notes.append))
     assert res.ok, res.nodes
     assert [n for n in res.notes if "over SSH" in n] == notes and len(notes) == 1
     assert notes[0].startswith("v0: port ") and "unreachable from here" in notes[0]
@@ -328,11 +328,11 @@ def test_a_head_whose_port_is_unreachable_is_fed_over_its_ssh_session(tmp_path: 
         d = tmp_path / f"d{i}"
         assert (d / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
         assert (d / "sub" / "f3.txt").read_text() == (src / "sub" / "f3.txt").read_text()
-    again = distribute(LocalTransport(), nodes, str(src))
+    again = sync_dir(LocalTransport(), nodes, str(src))
     assert again.ok and again.sent_bytes == 0
     # v0 lost one file: only that travels, over SSH again
     (tmp_path / "d0" / "big.bin").unlink()
-    third = distribute(LocalTransport(), nodes, str(src))
+    third = sync_dir(LocalTransport(), nodes, str(src))
     assert third.ok and third.nodes["v0"].got_bytes == 9_000_000
     assert third.nodes["v1"].got_bytes == 0 and third.sent_bytes == 9_000_000
 

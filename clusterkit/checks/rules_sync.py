@@ -20,8 +20,8 @@ from clusterkit.checks.findings import Finding, Status
 if TYPE_CHECKING:
     from clusterkit.checks.doctor import DoctorReport
     from clusterkit.remote.base import Transport
-    from clusterkit.remote.distribute import DistNode
-    from clusterkit.remote.sync import Ignore
+    from clusterkit.sync.engine import SyncNode
+    from clusterkit.sync.source import Ignore
 
 CHECK = "sync.parity"
 PORTS_CHECK = "sync.ports"
@@ -61,14 +61,14 @@ def check_sync(states: Mapping[str, Mapping[str, Any]], label: str, digest: str,
     return out
 
 
-def add_sync_parity(report: DoctorReport, transport: Transport, nodes: Sequence[DistNode],
+def add_sync_parity(report: DoctorReport, transport: Transport, nodes: Sequence[SyncNode],
                     src: str, ignore: Ignore, *, cache_dir: str | None = None,
                     deep: bool = False, port: int = 0) -> DoctorReport:
     """``report`` plus one sync.parity finding per node for ``src`` (synced to each
     node's ``dest``) and the sync.ports findings (``port``: 0, the default port)."""
-    from clusterkit.remote.distcheck import probe_ports, read_manifests
-    from clusterkit.remote.distribute import DEFAULT_PORT
-    from clusterkit.remote.sync import source_digest
+    from clusterkit.sync.check import probe_ports, read_manifests
+    from clusterkit.sync.engine import DEFAULT_PORT
+    from clusterkit.sync.source import source_digest
 
     digest = source_digest(src, ignore, cache_dir)
     states = read_manifests(transport, nodes, digest=digest, deep=deep)
@@ -87,7 +87,7 @@ def check_ports(hops: Mapping[str, str], port: int) -> list[Finding]:
     if not blocked:
         return [Finding(PORTS_CHECK, Status.PASS, "", f"every hop of the sync chain connects "
                         f"on port {port}+ ({len(hops)} hop(s))")]
-    from clusterkit.remote.distplan import SSH_COST
+    from clusterkit.sync.plan import SSH_COST
 
     fix = (f"open TCP {port}-{port + 15} between the nodes (and from here), or pick open ones "
            "with clusterkit sync --port P")

@@ -117,8 +117,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _sync_parity(src: str) -> ExtraCheck:
-    """``--sync DIR``: one sync.parity finding per node (cli/cmd_sync.py)."""
-    from clusterkit.cli.cmd_sync import doctor_sync_parity
+    """``--sync DIR``: one sync.parity finding per node (jobs/sync.py)."""
+    from clusterkit.jobs.sync import doctor_sync_parity
 
     def check(report: DoctorReport, transport: Transport, hosts: Sequence[Host]) -> DoctorReport:
         return doctor_sync_parity(report, transport, src, hosts)

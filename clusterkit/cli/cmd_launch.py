@@ -84,12 +84,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _put(sync_dir: str) -> Callable[[JobPlan], None]:
-    """``--sync DIR`` to a plan's nodes (cli/cmd_sync.py prints its progress); raises
-    unless every node then holds DIR's digest."""
-    from clusterkit.cli.cmd_sync import run_sync
+    """``--sync DIR`` to a plan's nodes (shown as ``clusterkit sync`` shows it,
+    cli/syncshow.py); raises unless every node then holds DIR's digest."""
+    from clusterkit.cli.syncshow import sync_and_show
 
     def put(plan: JobPlan) -> None:
-        run_sync(sync_dir, [n.host for n in plan.nodes])
+        sync_and_show(sync_dir, [n.host for n in plan.nodes])
 
     return put
 

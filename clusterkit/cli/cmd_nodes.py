@@ -95,7 +95,7 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from clusterkit.cli.cmd_sync import Shower
+    from clusterkit.cli.syncshow import Shower
     from clusterkit.hostrange import folded_lines
     from clusterkit.jobs.here import clusterkit_home
     from clusterkit.remote.base import target_for

@@ -30,7 +30,7 @@ from clusterkit.spec.ports import master_port as job_master_port
 
 HEAD_TOOLS = ("pdsh", "ninja", "ssh")
 # A check of the caller's run on the same connections, after the doctor's own round
-# (``doctor --sync DIR``: the sync parity, cli/cmd_sync.py): the report, the transport and
+# (``doctor --sync DIR``: the sync parity, jobs/sync.py): the report, the transport and
 # the selected hosts in, the report with its findings added out.
 ExtraCheck = Callable[[DoctorReport, Transport, Sequence[Host]], DoctorReport]
 

@@ -1,6 +1,6 @@
 """Node program ``dist``: one node of a pipelined distribution chain (``clusterkit sync``).
 
-``dist serve`` (started over SSH by ``clusterkit.remote.distribute``; stdin: the
+``dist serve`` (started over SSH by ``clusterkit.sync.engine``; stdin: the
 sources, then one JSON spec line, then control lines):
 
 1. the spec names the destination, this node's index, the per-run secret (it lives

@@ -241,17 +241,17 @@ def distribute_transfer(transport: Transport, nodes: Sequence[EnvNode], part: Pa
                         cache_dir: str | None = None,
                         on_progress: Callable[[Any], None] | None = None
                         ) -> dict[str, tuple[str, int, int]]:
-    """The part through ``clusterkit sync``'s engine (remote/distribute.py): one chain of
+    """The part through ``clusterkit sync``'s engine (sync/engine.py): one chain of
     the nodes, delta by sha256, each file verified on arrival."""
-    from clusterkit.remote.distribute import DistNode, DistOptions, distribute
-    from clusterkit.remote.sync import Ignore
+    from clusterkit.sync.engine import SyncNode, SyncOptions, sync_dir
+    from clusterkit.sync.source import Ignore
 
     # links=False: the engine leaves links alone; envfacts finish makes the environment's
     # own, as written (an absolute bin/python -> /usr/bin/python3.11 included).
-    opts = DistOptions(delete=True, ignore=Ignore.parse("\n".join(envfacts.SKIPPED)),
+    opts = SyncOptions(delete=True, ignore=Ignore.parse("\n".join(envfacts.SKIPPED)),
                        cache_dir=cache_dir, on_progress=on_progress, links=False)
-    res = distribute(transport, [DistNode(n.name, n.target, n.python, n.address, part.path)
-                                 for n in nodes], part.path, part.path, options=opts)
+    res = sync_dir(transport, [SyncNode(n.name, n.target, n.python, n.address, part.path)
+                               for n in nodes], part.path, part.path, options=opts)
     out = {}
     for n in nodes:
         r = res.nodes[n.name]

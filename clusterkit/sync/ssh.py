@@ -56,7 +56,7 @@ class StdinOut:
             self.proc.write_stdin(end_record)
             self.mode = "lines"
 
-    # the socket calls the launcher's record stream makes (distribute._Run._stream)
+    # the socket calls the launcher's record stream makes (engine._Run._stream)
     def sendall(self, data: bytes) -> None:
         self._write(bytes(data))
 

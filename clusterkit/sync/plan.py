@@ -1,4 +1,4 @@
-"""The pure decisions of a distribution (``clusterkit.remote.distribute``): no I/O.
+"""The pure decisions of a sync (``clusterkit.sync.engine``): no I/O.
 
 * :class:`Chains`: the selected nodes as pipelined chains in inventory order; the
   launcher feeds each chain's head, every node forwards to the next. One chain when

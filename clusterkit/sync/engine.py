@@ -3,27 +3,27 @@
 The entry point (stable; ``clusterkit sync``, ``launch --sync`` and the environment
 replication call it)::
 
-    distribute(transport, nodes, src_dir, dest_dir=None, *, options=DistOptions())
-        -> DistributeResult
+    sync_dir(transport, nodes, src_dir, dest_dir=None, *, options=SyncOptions())
+        -> SyncResult
 
-* ``nodes``: :class:`DistNode` (name, SSH target, the node's Python, the address the
+* ``nodes``: :class:`SyncNode` (name, SSH target, the node's Python, the address the
   other nodes reach it at, its destination directory); ``dest_dir``, when given, is
   the destination on every node instead (e.g. an environment's absolute path).
 * what travels: every regular file under ``src_dir`` that ``options.ignore`` does not
-  exclude (default: nothing is excluded), and its symbolic links (remote/sync.scan):
+  exclude (default: nothing is excluded), and its symbolic links (sync/source.scan):
   one that resolves inside ``src_dir`` is made on each node as a link, one that leads
   outside is followed (its target's bytes travel, a note says so), a dangling one or a
-  loop is not copied (``DistributeResult.links`` lists them). ``options.links=False``
+  loop is not copied (``SyncResult.links`` lists them). ``options.links=False``
   leaves every link alone (``nodes env``, which makes its links itself).
 * how: each node runs the node program ``dist`` (node/dist.py, over the transport);
   it says what it lacks (a file it holds with the same sha256 is kept; a partial
   file's verified 64 MiB chunks too), the launcher plans one chain in the nodes'
-  order (distplan.Chains), streams every record some node lacks to the first node
+  order (plan.Chains), streams every record some node lacks to the first node
   over TCP, and each node writes what it lacks and forwards the rest at once, so S
   bytes reach N nodes in about S/R. Each chunk is checked against this side's
   sha256 on arrival, each file renamed into place only when complete, and each node
   writes its manifest last (node/dist_store.py): its digest equals
-  :attr:`DistributeResult.digest` exactly when the node holds every file.
+  :attr:`SyncResult.digest` exactly when the node holds every file.
 * a hop that cannot connect (a blocked port) splits the chain: the launcher feeds
   the next node itself (``notes`` says so, with the cost); a node lost mid-transfer
   is cut out and the launcher re-feeds the nodes after it from where each stopped;
@@ -31,7 +31,7 @@ replication call it)::
 * the per-run secret authenticating every TCP hop goes to each node on stdin only.
 
 What each node holds afterwards, and whether the chain's ports are open, is
-:mod:`clusterkit.remote.distcheck` (doctor).
+:mod:`clusterkit.sync.check` (doctor).
 """
 
 from __future__ import annotations
@@ -53,27 +53,27 @@ from clusterkit.node import dist_store as store
 from clusterkit.node.dist_wire import END, DistError, dial, header
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
-from clusterkit.remote.distplan import Chains, FeedRoutes, NodeView, records
-from clusterkit.remote.distssh import StdinOut
-from clusterkit.remote.disttypes import DistributeResult, NodeResult, Progress
 from clusterkit.remote.fanout import fan_out
-from clusterkit.remote.sync import Ignore, followed_note, scan, source_entries
+from clusterkit.sync.plan import Chains, FeedRoutes, NodeView, records
+from clusterkit.sync.source import Ignore, followed_note, scan, source_entries
+from clusterkit.sync.ssh import StdinOut
+from clusterkit.sync.types import NodeResult, Progress, SyncResult
 
 DEFAULT_PORT = 29640  # first port each node tries for the chain (16 after it)
 READY_TIMEOUT_S = 600.0  # a node hashing what it already holds may take long
 
 
 @dataclass(frozen=True)
-class DistNode:
+class SyncNode:
     name: str
     target: SSHTarget
     python: str
     address: str  # where the other nodes and this machine reach it over TCP
-    dest: str = ""  # absolute directory on the node (or distribute's dest_dir)
+    dest: str = ""  # absolute directory on the node (or sync_dir's dest_dir)
 
 
 @dataclass(frozen=True)
-class DistOptions:
+class SyncOptions:
     delete: bool = False  # remove node files the source lacks (only in a synced dir)
     ignore: Ignore = field(default_factory=Ignore)  # not sent, neither extra nor deleted
     port: int = DEFAULT_PORT  # 0: any free port
@@ -93,7 +93,7 @@ SLICE = 8 << 20  # one sendfile call: the progress moves at least this often
 @dataclass
 class _Peer:
     index: int
-    node: DistNode
+    node: SyncNode
     proc: RemoteProcess
     result: NodeResult
     port: int = 0
@@ -102,16 +102,16 @@ class _Peer:
     tail: list[str] = field(default_factory=list)
     delete: list[str] = field(default_factory=list)
     addr: str = ""  # the node's address as its SSH session reached it (the chain's)
-    out: StdinOut | None = None  # its stdin: control lines, or records (distssh.py)
+    out: StdinOut | None = None  # its stdin: control lines, or records (sync/ssh.py)
     fed: threading.Event = field(default_factory=threading.Event)  # its feed-from came
     feed_from: int = 0
 
 
-def distribute(transport: Transport, nodes: Sequence[DistNode], src_dir: str,
-               dest_dir: str | None = None, *, options: DistOptions | None = None
-               ) -> DistributeResult:
+def sync_dir(transport: Transport, nodes: Sequence[SyncNode], src_dir: str,
+             dest_dir: str | None = None, *, options: SyncOptions | None = None
+             ) -> SyncResult:
     """Put ``src_dir`` on every node (module docstring); per-node results."""
-    opts = options or DistOptions()
+    opts = options or SyncOptions()
     found = scan(src_dir, opts.ignore, opts.links)
     notes = [followed_note(src_dir, found)] if found.followed else []
     if notes and opts.on_note:  # before hashing what the links lead to: it may be big
@@ -119,7 +119,7 @@ def distribute(transport: Transport, nodes: Sequence[DistNode], src_dir: str,
     entries, hashed = source_entries(found.files, opts.cache_dir, src_dir)
     paths = {e[store.REL]: found.files[e[store.REL]].path for e in entries}
     links = [[rel, text] for rel, text in sorted(found.symlinks.items())]
-    result = DistributeResult(
+    result = SyncResult(
         digest=store.entries_digest(entries, links),
         files=len(entries), total_bytes=sum(int(e[store.SIZE]) for e in entries),
         nodes={n.name: NodeResult(n.name) for n in nodes}, hashed_bytes=hashed,
@@ -131,11 +131,11 @@ def distribute(transport: Transport, nodes: Sequence[DistNode], src_dir: str,
 
 
 class _Run:
-    """One distribution: the sessions, the feeders, the event loop."""
+    """One sync: the sessions, the feeders, the event loop."""
 
-    def __init__(self, transport: Transport, nodes: Sequence[DistNode], dest_dir: str | None,
-                 entries: list[list[Any]], paths: dict[str, str], opts: DistOptions,
-                 result: DistributeResult, links: list[list[str]] | None = None) -> None:
+    def __init__(self, transport: Transport, nodes: Sequence[SyncNode], dest_dir: str | None,
+                 entries: list[list[Any]], paths: dict[str, str], opts: SyncOptions,
+                 result: SyncResult, links: list[list[str]] | None = None) -> None:
         self.transport, self.nodes, self.dest_dir = transport, nodes, dest_dir
         self.entries, self.paths, self.opts, self.result = entries, paths, opts, result
         self.secret = secrets.token_hex(32)
@@ -153,7 +153,7 @@ class _Run:
         self.links = links  # [rel, target] the nodes make; None: they leave links alone
 
     # ---------------------------------------------------------------- sessions
-    def _start(self, i: int, node: DistNode) -> None:
+    def _start(self, i: int, node: SyncNode) -> None:
         dest = self.dest_dir or node.dest
         spec = {"dest": dest, "index": i, "secret": self.secret, "files": self.entries,
                 "links": self.links, "port": self.opts.port, "delete": self.opts.delete}

@@ -1,11 +1,11 @@
-"""The results of a distribution (``clusterkit.remote.distribute``): per node, overall,
+"""The results of a sync (``clusterkit.sync.engine``): per node, overall,
 and the progress it reports while it runs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from clusterkit.remote.distplan import NodeView, fmt_bytes
+from clusterkit.sync.plan import NodeView, fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class NodeResult:
 
 
 @dataclass
-class DistributeResult:
+class SyncResult:
     digest: str  # the source's (node/dist_store.tree_digest)
     files: int
     total_bytes: int

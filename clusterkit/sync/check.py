@@ -20,14 +20,14 @@ from typing import Any
 from clusterkit.errors import TransportError
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
-from clusterkit.remote.distribute import DEFAULT_PORT, DistNode
 from clusterkit.remote.fanout import fan_out
+from clusterkit.sync.engine import DEFAULT_PORT, SyncNode
 
 CHECK_TIMEOUT_S = 600.0
 PORTS_TIMEOUT_S = 30.0  # a node's answer while probing the ports
 
 
-def read_manifests(transport: Transport, nodes: Sequence[DistNode], dest_dir: str | None = None,
+def read_manifests(transport: Transport, nodes: Sequence[SyncNode], dest_dir: str | None = None,
                    *, digest: str | None = None, deep: bool = False,
                    env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Each node's synced directory against its manifest (node/dist_store.check):
@@ -55,7 +55,7 @@ def read_manifests(transport: Transport, nodes: Sequence[DistNode], dest_dir: st
     return {n.name: out.get(n.name, {"state": "unreachable"}) for n in nodes}
 
 
-def probe_ports(transport: Transport, nodes: Sequence[DistNode], port: int = DEFAULT_PORT, *,
+def probe_ports(transport: Transport, nodes: Sequence[SyncNode], port: int = DEFAULT_PORT, *,
                 env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Can each hop of the chain connect? Every node listens as ``dist serve`` would
     (``dist ports``); this machine connects to the first, each node to the next. Per

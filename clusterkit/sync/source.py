@@ -11,7 +11,7 @@
   from a cache on this machine keyed by (path, size, mtime_ns), so a second run with
   nothing changed hashes nothing.
 
-The transfer itself is :mod:`clusterkit.remote.distribute`.
+The transfer itself is :mod:`clusterkit.sync.engine`.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def link_text(rel: str, target: str, src_abs: str, root: str, real: str) -> str 
 def followed_note(src: str, found: Scan) -> str:
     """The note for the links that lead outside ``src``: what they cost (their targets
     travel as files) and how to leave one out."""
-    from clusterkit.remote.distplan import fmt_bytes
+    from clusterkit.sync.plan import fmt_bytes
 
     out = found.followed
     size = sum(f.size for rel, f in found.files.items()
