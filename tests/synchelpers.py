@@ -1,4 +1,4 @@
-"""Helpers the clusterkit sync tests share (tests/test_sync_dist*.py, tests/test_sync_links*.py):
+"""Helpers the clusterkit sync tests share (tests/test_sync_engine*.py, tests/test_sync_links*.py):
 an inventory of local virtual nodes, the CLI run as a user runs it, and a Hugging Face hub
 cache's shape."""
 

@@ -167,7 +167,7 @@ class _Run:
             return
         peer = self.peers[i] = _Peer(i, node, proc, res, out=StdinOut(proc))
         threading.Thread(target=self._read, args=(peer,), daemon=True,
-                         name=f"clusterkit-dist-{node.name}").start()
+                         name=f"clusterkit-sync-{node.name}").start()
 
     def _read(self, peer: _Peer) -> None:
         for stream, line in peer.proc.lines():
@@ -278,7 +278,7 @@ class _Run:
     # ---------------------------------------------------------------- feeding
     def _feed(self, head: int) -> None:
         t = threading.Thread(target=self._feeder, args=(head,), daemon=True,
-                             name=f"clusterkit-dist-feed-{head}")
+                             name=f"clusterkit-sync-feed-{head}")
         self.feeders[head] = t
         t.start()
 

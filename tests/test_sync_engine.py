@@ -1,7 +1,7 @@
 """clusterkit sync's engine (issue 29): the pure parts as tables, then the node program and
 the whole path on local virtual nodes (real processes and TCP over loopback, no test bed).
 The test-bed runs (real sshd nodes, a node killed mid-transfer, a flipped byte) are in
-tests/test_sync_dist_testbed.py."""
+tests/test_sync_engine_testbed.py."""
 
 from __future__ import annotations
 
