@@ -217,3 +217,29 @@ def test_hf_trainer_node_lost_goes_on_on_the_spare(testbed_required: None,
         got = FINAL.findall(text)
         assert got and int(got[-1][0]) == STEPS, text[-3000:]
     assert got[-1][1] == _reference(tmp_path, ds)
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
+def test_hf_trainer_relaunched_by_hand_resumes(testbed_required: None, tmp_path: Path) -> None:
+    """The killed job (no --max-restarts) relaunched with the same command line: clusterkit
+    adds the resume argument, the user adds nothing; the run ends on the reference loss."""
+    ds = tmp_path / "ds_config_z2.json"
+    ds.write_text(json.dumps(DS_AUTO, indent=1))
+    with temporary(3) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+        out = str(tb.local_mountpoint / "ckpt" / "hfhand")
+        marker = tb.shared_dir / "hfhand-crashed"
+        args = [str(HF), *_hf_args(out, ds, "--crash_at_step", "15", "--crash_rank", "2",
+                                   "--crash_once", str(marker))]
+        first = _launch(inv, "hfhand", tmp_path, *args)
+        assert first.returncode != 0 and marker.exists(), (first.stdout + first.stderr)[-3000:]
+        again = _launch(inv, "hfhand", tmp_path, *args)
+        text = again.stdout + again.stderr
+        assert again.returncode == 0, text[-5000:]
+        assert "continuing job hfhand" in text, text[-3000:]
+        assert "hf-trainer: resuming from checkpoint-10" in text, text[-3000:]
+        assert RESUMED.search(text), text[-3000:]
+        got = FINAL.findall(text)
+        assert got and int(got[-1][0]) == STEPS, text[-3000:]
+    assert got[-1][1] == _reference(tmp_path, ds)
