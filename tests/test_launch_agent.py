@@ -452,12 +452,17 @@ def test_folded_gate_names_a_script_missing_on_a_node(tmp_path: Path, fake: Path
     outcome, text = _run(job)
     assert outcome.exit_code == 2, text  # type: ignore[attr-defined]
     gate = outcome.gate  # type: ignore[attr-defined]
-    # on one machine the script is not here either: a path that exists nowhere (issue 38)
+    # the launching host has it (gate_script_here, the default): never copied to the node
     assert gate is not None and gate.problems == {
-        "v1": f"{gone} does not exist, on this node nor here on the launching host: check "
-              "the script's path (a relative one is taken from the workdir)"}
+        "v1": f"{gone} is not on this node (--sync DIR copies DIR to the same path under the "
+              "workdir, relative to your current directory: --sync . for all of it; or use a "
+              "shared workdir)"}
     assert gate.facts["v0"]["missing"] == []
     assert "step 1/600" not in text and job_processes("gate-script") == {}
+    # ... and when the launching host has no such script either, it exists nowhere (issue 38)
+    outcome, text = _run(dataclasses.replace(job, gate_script_here=False))
+    assert outcome.gate.problems["v1"].startswith(  # type: ignore[attr-defined]
+        f"{gone} does not exist, on this node nor here on the launching host"), text
 
 
 HELPER_PARENT = textwrap.dedent("""

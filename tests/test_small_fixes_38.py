@@ -18,11 +18,12 @@ from clusterkit.cli.main import main
 from clusterkit.errors import CheckpointError
 from clusterkit.inventory import Host, parse_inventory
 from clusterkit.jobs.doctor import spare_hosts
-from clusterkit.launch.gate import missing_problem
+from clusterkit.launch.gate import missing_problem, script_is_here
 from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.outcome import exit_status
 from clusterkit.launch.run import record_refusal
 from clusterkit.spec.jobrecord import JobState
+from tests.render_cases import plan_for
 
 INV = """\
 schema_version: 1
@@ -35,13 +36,17 @@ spares: [node4]
 """
 
 
-def test_a_script_that_exists_nowhere_is_missing_not_unsynced() -> None:
-    here = {"/home/me/proj/train.py"}
-    assert missing_problem(["/home/me/proj/trian.py"], here.__contains__) == (
-        "/home/me/proj/trian.py does not exist, on this node nor here on the launching host: "
+def test_a_script_that_exists_nowhere_is_missing_not_unsynced(tmp_path: Path) -> None:
+    assert missing_problem(["/srv/work/trian.py"], script_here=False) == (
+        "/srv/work/trian.py does not exist, on this node nor here on the launching host: "
         "check the script's path (a relative one is taken from the workdir)")
-    assert missing_problem(["/home/me/proj/train.py"], here.__contains__).startswith(
-        "/home/me/proj/train.py is not on this node (--sync DIR copies DIR")
+    assert missing_problem(["/srv/work/train.py"], script_here=True).startswith(
+        "/srv/work/train.py is not on this node (--sync DIR copies DIR")
+    # The launching host's copy is looked for where the user typed the path, not at the
+    # node's path (the nodes' workdir is another directory: test_sync_testbed).
+    (tmp_path / "train.py").write_text("")
+    plan = plan_for("local", "torchrun", script="train.py")
+    assert script_is_here(plan, str(tmp_path)) and not script_is_here(plan, str(tmp_path / "x"))
 
 
 def test_a_refused_restart_is_the_records_exit_and_status_says_it(

@@ -32,6 +32,7 @@ from clusterkit.launch.gate import (
     ops_step,
     ready_job_ops,
     run_gate,
+    script_is_here,
 )
 from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.recording import recording
@@ -238,7 +239,8 @@ def dry_run_checks(plan: JobPlan, *, run: RunOptions, sync_dir: str | None = Non
         return
     with transport_for() as transport:
         result = run_gate(transport, gate_nodes(plan, synced=synced), need=gate_needs(plan),
-                          same_python=BACKENDS[plan.backend].same_python)
+                          same_python=BACKENDS[plan.backend].same_python,
+                          script_here=script_is_here(plan))
     if not result.ok:
         raise gate_error(result)
     script = "" if plan.options.script is None or synced else f"{plan.options.script}, "

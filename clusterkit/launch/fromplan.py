@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from clusterkit.errors import LaunchError
-from clusterkit.launch.gate import node_needs
+from clusterkit.launch.gate import node_needs, script_is_here
 from clusterkit.launch.jobspec import JobSpec, NodeTask
 from clusterkit.launchers import BACKENDS
 from clusterkit.node.contract import JobDir, StorageKind
@@ -119,4 +119,5 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, native: bool = False,
                    grace_s=run.grace_s if run else DEFAULT_GRACE_S,
                    keepalive_s=run.keepalive_s if run else 0.0, gate_need=gate_need,
                    gate_same_python=BACKENDS[plan.backend].same_python,
+                   gate_script_here=script_is_here(plan),
                    hang_timeout_s=hang_timeout_s)

@@ -140,9 +140,10 @@ def gate_nodes(plan: JobPlan, *, synced: bool = False) -> list[GateNode]:
 
 
 def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[str] = (),
-             same_python: bool = True) -> GateResult:
+             same_python: bool = True, script_here: bool = True) -> GateResult:
     """Probe every node at once; ``need``: packages that must be installed everywhere;
-    ``same_python``: the backend's (``launchers.base.Backend.same_python``)."""
+    ``same_python``: the backend's (``launchers.base.Backend.same_python``);
+    ``script_here``: :func:`script_is_here`."""
     cmds = {n.node: node_command(n.python, "gatefacts", n.needs) for n in nodes}
     results = transport.run_all([n.target for n in nodes], {k: c.argv for k, c in cmds.items()},
                                 timeout=GATE_TIMEOUT_S,
@@ -164,7 +165,8 @@ def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[
             problems[r.host] = f"unexpected output: {r.result.stdout.strip()[:120]!r}"
             continue
     drop_tokens(transport, nodes)
-    return judge(facts, problems, [n.node for n in nodes], need, same_python=same_python)
+    return judge(facts, problems, [n.node for n in nodes], need, same_python=same_python,
+                 script_here=script_here)
 
 
 def drop_tokens(transport: Transport, nodes: Sequence[GateNode]) -> None:
@@ -179,7 +181,8 @@ def drop_tokens(transport: Transport, nodes: Sequence[GateNode]) -> None:
 
 
 def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: Sequence[str],
-          need: Sequence[str] = (), *, same_python: bool = True) -> GateResult:
+          need: Sequence[str] = (), *, same_python: bool = True,
+          script_here: bool = True) -> GateResult:
     """Per-node requirements and parity with the majority (``problems``: already known);
     the interpreter path counts only where the launcher needs one path everywhere
     (``same_python``), as in doctor's ``check_interpreter``."""
@@ -192,7 +195,7 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
         missing = f.get("missing")
         if isinstance(missing, list) and missing:
             # Seen as a user: without this, every rank died of Python's "can't open file".
-            problems.setdefault(node, missing_problem([str(m) for m in missing]))
+            problems.setdefault(node, missing_problem([str(m) for m in missing], script_here))
         for why in _need_problems(f):
             problems.setdefault(node, why)
     for node, why in shared_dirs(facts, order).items():
@@ -204,14 +207,23 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
     return GateResult(facts=facts, problems=problems)
 
 
-def missing_problem(paths: Sequence[str],
-                    exists_here: Callable[[str], bool] = os.path.exists) -> str:
-    """A node lacks files the ranks open (the user's script). Those that are not on the
-    launching host either exist nowhere (a typo in the path: --sync cannot help); the
-    others were never copied to the node."""
-    nowhere = [p for p in paths if not exists_here(p)]
-    if nowhere:
-        return (f"{', '.join(nowhere)} does not exist, on this node nor here on the launching "
+def script_is_here(plan: JobPlan, cwd: str | None = None) -> bool:
+    """Whether the user's script exists on the launching host, where the launch is typed:
+    a relative path from the current directory (the nodes take it from their workdir,
+    which may be another directory: the node's path says nothing about this host)."""
+    script = plan.options.script
+    if not script:
+        return True
+    return os.path.isfile(script if os.path.isabs(script) else
+                          os.path.join(cwd or os.getcwd(), script))
+
+
+def missing_problem(paths: Sequence[str], script_here: bool = True) -> str:
+    """A node lacks files the ranks open (the user's script). When the launching host has
+    no such script either, it exists nowhere (a typo in the path: --sync cannot help);
+    otherwise it was never copied to the node."""
+    if not script_here:
+        return (f"{', '.join(paths)} does not exist, on this node nor here on the launching "
                 "host: check the script's path (a relative one is taken from the workdir)")
     return (f"{', '.join(paths)} is not on this node (--sync DIR copies DIR to the same path "
             "under the workdir, relative to your current directory: --sync . for all of it; "

@@ -78,6 +78,7 @@ class JobSpec:
     # must have; agents report their facts and start nothing until the launcher's GO.
     gate_need: tuple[str, ...] | None = None
     gate_same_python: bool = True  # the backend's Backend.same_python: see gate.judge
+    gate_script_here: bool = True  # gate.script_is_here: how a missing script is named
     # Hangs (issue 14): the agents' dead-man switch (0: off) and the progress
     # watchdog (0: off); see clusterkit.launch.watchdog.
     keepalive_s: float = 0.0

@@ -24,7 +24,7 @@ from clusterkit.hostfile import parse_replace
 from clusterkit.launch.attempts import AttemptEnd, Next, RestartRules, RestartState, decide
 from clusterkit.launch.console import Sink
 from clusterkit.launch.fromplan import job_from_plan
-from clusterkit.launch.gate import gate_error, gate_nodes, run_gate
+from clusterkit.launch.gate import gate_error, gate_nodes, run_gate, script_is_here
 from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.jobspec import JobSpec
 from clusterkit.launch.orchestrator import Orchestrator
@@ -105,7 +105,8 @@ def check_nodes(transport: Transport, plan: JobPlan, sink: Sink) -> dict[str, st
     """The gate; returns node -> problem (empty when every node is fit)."""
     # The agents' gate, on its own: the same needs (script, checkpoint dir, master).
     result = run_gate(transport, gate_nodes(plan), need=gate_needs(plan),
-                      same_python=BACKENDS[plan.backend].same_python)
+                      same_python=BACKENDS[plan.backend].same_python,
+                      script_here=script_is_here(plan))
     for node, why in result.problems.items():
         sink.info(f"{node}: {why}")
     return result.problems

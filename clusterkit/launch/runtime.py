@@ -83,7 +83,8 @@ class Runtime:
         self.fork_import = fork_import
         self.stage = Stage.CONNECTING
         self.nodes = {t.node: NodeState(t) for t in job.tasks}
-        self.gate = GateState(job.gate_need, now, same_python=job.gate_same_python)
+        self.gate = GateState(job.gate_need, now, same_python=job.gate_same_python,
+                              script_here=job.gate_script_here)
         self.watchdog = Watchdog(job.hang_timeout_s, now)
         self.teardown = teardown.Teardown(job.grace_s)
         self.next_ping = 0.0

@@ -64,6 +64,7 @@ class GateState:
     problems: dict[str, str] = field(default_factory=dict)
     result: GateResult | None = None
     same_python: bool = True  # the backend's: see gate.judge
+    script_here: bool = True  # the user's script on the launching host: gate.script_is_here
 
     @property
     def undecided(self) -> bool:
@@ -102,7 +103,7 @@ class GateState:
             return None
         assert self.need is not None
         self.result = judge(self.facts, self.problems, order, self.need,
-                            same_python=self.same_python)
+                            same_python=self.same_python, script_here=self.script_here)
         return self.result
 
     def timed_out(self, now: float, order: list[str]) -> bool:

@@ -197,8 +197,13 @@ class Agent:
             if "/" in name or name.startswith("."):
                 raise ValueError(f"bad job file name {name!r}")
             write_atomic(os.path.join(self.job_dir, name), expand(content, self.job_dir))
+
+    def ready_checkpoint_dir(self) -> None:
+        """The checkpoint dir exists and is whole before any rank starts (issue 38). After
+        the gate's GO, not in prepare(): the gate is what names a dir that cannot be made
+        ("checkpoint dir ... cannot be created in /proc"), here it would end the agent."""
         prep = self.spec.files.get(JobDir.ckpt_prep(self.spec.node))
-        if prep is not None:  # the checkpoint dir exists and is whole before any rank starts
+        if prep is not None:
             for said in ready_checkpoints(prep):
                 self.output.send(protocol.Line(self.spec.node, None, f"[clusterkit] {said}"))
 
@@ -360,6 +365,7 @@ class Agent:
             self.send(protocol.Exit(self.spec.node, code=0, reason=self.stop_reason, held=True))
             self.life.move(State.EXITED)
             return 0
+        self.ready_checkpoint_dir()
         pumps: list[threading.Thread] = []
         tail: threading.Thread | None = None
         if self.spec.rank_log_dir:
