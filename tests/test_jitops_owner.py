@@ -237,3 +237,21 @@ def test_a_lock_another_node_removes_while_it_is_judged_is_not_reported_stale(
 
     monkeypatch.setattr(jitops, "owner_of", removed_meanwhile)
     assert jitops.locks([str(tmp_path / "ext")]) == []
+
+
+def test_a_zombie_builder_is_gone() -> None:
+    """A killed build its parent has not reaped yet still shows /proc/PID/stat (state Z):
+    it holds nothing, so its start time is "" and the lock is dead, not 'building'."""
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert buildowner.start_time(child.pid) != ""
+        child.kill()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # killed, not reaped: a zombie
+            with open(f"/proc/{child.pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        assert buildowner.start_time(child.pid) == ""
+    finally:
+        child.wait()

@@ -37,10 +37,15 @@ def _read(path: str) -> str:
 
 def start_time(pid: int, proc: str = "/proc") -> str:
     """The process's start (clock ticks since boot, /proc/PID/stat field 22): a pid and
-    its start name one process even after the pid is reused. "" when it is gone."""
+    its start name one process even after the pid is reused. "" when it is gone, a zombie
+    included: a killed build whose parent has not reaped it yet (state Z) still shows its
+    stat, and holds nothing (test_jitops_shared_testbed saw it 'building' right after the
+    kill, one run in two)."""
     stat = _read(os.path.join(proc, str(pid), "stat"))
     fields = stat[stat.rfind(")") + 2:].split() if ")" in stat else []
-    return fields[19] if len(fields) > 19 else ""
+    if len(fields) <= 19 or fields[0] in ("Z", "X"):
+        return ""
+    return fields[19]
 
 
 def here() -> Dict[str, str]:  # noqa: UP006
