@@ -187,6 +187,9 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
     the interpreter path counts only where the launcher needs one path everywhere
     (``same_python``), as in doctor's ``check_interpreter``."""
     problems = dict(problems)
+    # A script some node has is not "nowhere", even when the launching host lacks it (a
+    # script put on one node's own disk): the others lack a copy.
+    script_here = script_here or any(f.get("missing") == [] for f in facts.values())
     for node, f in facts.items():
         for pkg in need:
             if not f.get(pkg):
