@@ -33,7 +33,7 @@ BUDGET = 60
 LOSS = re.compile(r"\{'(?:loss|eval_loss|train_runtime)'|\b(?:train|eval)_loss\s+=|"
                   r"final loss at step")
 
-pytestmark = pytest.mark.testbed(nodes=NODES)
+pytestmark = [pytest.mark.testbed(nodes=NODES), pytest.mark.slow]  # ~75 s: a 3-rank HF run
 
 
 def test_an_hf_trainer_runs_console_fits_its_budget(testbed: Testbed, tmp_path: Path) -> None:

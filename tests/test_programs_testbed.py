@@ -67,6 +67,7 @@ def _launch(inv: Path, job: str, tmp: Path, *args: str) -> subprocess.CompletedP
 
 
 @pytest.mark.testbed
+@pytest.mark.slow  # a 3-rank training, killed and restarted (75-115 s)
 def test_hf_trainer_killed_rank_resumes_from_the_newest_complete_checkpoint(
         testbed_required: None, tmp_path: Path) -> None:
     ds = tmp_path / "ds_config_z2.json"
@@ -158,6 +159,7 @@ def _ddp_reference(tmp: Path) -> dict[int, str]:
 
 
 @pytest.mark.testbed
+@pytest.mark.slow  # a 3-rank training, killed and restarted (75-115 s)
 def test_ddp_snapshot_killed_rank_resumes_on_every_node(testbed_required: None,
                                                          tmp_path: Path) -> None:
     """pytorch/examples multinode.py (CPU): rank 0 saves snapshot.pt on node1 only; rank 1
