@@ -7,8 +7,8 @@ started by DeepSpeed's runner with a hostfile (issue 38).
 
 The program is tests/programs/hf_trainer.py (run_clm.py-style: ``HfArgumentParser``,
 ``TrainingArguments``, ``Trainer``; a GPT-2 built from a config, data made locally) with
-the usual all-``"auto"`` ZeRO-2 ds_config, no saves, on the test bed (tests/testbed:
-network namespaces with sshd). The two sides, in interleaved rounds (clusterkit, runner;
+the usual all-``"auto"`` ZeRO-2 ds_config (``tests/helpers.HF_DS_AUTO``), no saves, on
+the test bed (tests/testbed: network namespaces with sshd). The two sides, in interleaved rounds (clusterkit, runner;
 then runner, clusterkit; ...) so a change in the machine's load hits both alike:
 
 * **clusterkit**: ``clusterkit launch -i INV --nodes N --storage shared`` (the default
@@ -43,18 +43,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.helpers import HF_DS_AUTO, HF_TRAINER
 from tests.testbed import Testbed
 
-REPO = Path(__file__).resolve().parents[1]
-PROGRAM = REPO / "tests" / "programs" / "hf_trainer.py"
 # Trainer's metrics dict (transformers 5 prints its values as strings).
 RUNTIME = re.compile(r"'train_runtime': '?([0-9.]+)'?")
-DS_CONFIG = {  # the all-"auto" ZeRO-2 config of HF's docs
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-    "zero_optimization": {"stage": 2},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
-}
 
 
 def program_args(ns: argparse.Namespace, out: Path, ds: Path) -> list[str]:
@@ -76,7 +69,7 @@ def run_clusterkit(work: Path, inv: Path, job: str, ns: argparse.Namespace, ds: 
                    ) -> str:
     argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
             "--nodes", str(ns.nodes), "--storage", "shared", "--skip-checks", "--grace", "2",
-            "--set-env", "OMP_NUM_THREADS=1", str(PROGRAM),
+            "--set-env", "OMP_NUM_THREADS=1", str(HF_TRAINER),
             *program_args(ns, work / f"out-{job}", ds)]
     env = dict(os.environ, CLUSTERKIT_HOME=str(work / "home"), PYTHONUNBUFFERED="1")
     res = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True,
@@ -94,7 +87,7 @@ def run_runner(tb: Testbed, work: Path, nodes: list[str], job: str, port: int,
     master = tb.node(nodes[0]).address
     script = (f"cd {work} && PYTHONUNBUFFERED=1 {sys.executable} -u -m deepspeed.launcher.runner "
               f"--hostfile {hostfile} --master_addr {master} --master_port {port} "
-              f"{PROGRAM} " + " ".join(program_args(ns, work / f"out-{job}", ds)))
+              f"{HF_TRAINER} " + " ".join(program_args(ns, work / f"out-{job}", ds)))
     res = tb.exec(nodes[0], ["bash", "-c", script], timeout=ns.timeout)
     if res.returncode != 0:
         sys.exit(f"deepspeed runner exited {res.returncode}:\n{(res.stdout + res.stderr)[-3000:]}")
@@ -134,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         nodes = [n.name for n in tb.ensure(ns.nodes)]
         inv = tb.write_inventory(work / "inv.yaml", nodes=nodes, slots=1)
         ds = work / "ds_config.json"
-        ds.write_text(json.dumps(DS_CONFIG, indent=2))
+        ds.write_text(json.dumps(HF_DS_AUTO, indent=2))
         for r in range(ns.rounds):
             for side in (("clusterkit", "runner") if r % 2 == 0 else ("runner", "clusterkit")):
                 run = one(side, tb, work, inv, nodes, r, ns, ds)

@@ -178,6 +178,15 @@ LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "CROSS_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
                "SLURM_NODEID", "NODE_RANK")
 REPO = Path(__file__).resolve().parents[1]
+# A user's HF Trainer program (run_clm.py-style, tests/programs/hf_trainer.py) and the
+# all-"auto" ZeRO-2 ds_config of HF's docs that the issue 38 tests and bench give it.
+HF_TRAINER = REPO / "tests" / "programs" / "hf_trainer.py"
+HF_DS_AUTO = {
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True},
+    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+}
 
 
 def free_port() -> int:

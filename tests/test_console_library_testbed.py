@@ -15,17 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, train_env
+from tests.helpers import HF_DS_AUTO, HF_TRAINER, train_env
 from tests.testbed import Testbed
 
 NODES = 3
-HF = REPO / "tests" / "programs" / "hf_trainer.py"
-DS_AUTO = {
-    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-    "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True},
-    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
-}
 # 20 steps, 2 saves, 3 ranks on 3 nodes: the start-up (about 25 lines: the settings dump
 # as one line, the library warnings once), clusterkit's own lines (the agents, the
 # profile, each save's replicas), the bar's quarters, a few lines a save: one screen.
@@ -40,12 +33,12 @@ def test_an_hf_trainer_runs_console_fits_its_budget(testbed: Testbed, tmp_path: 
     testbed.ensure(NODES)
     nodes = testbed.nodes[:NODES]
     ds = tmp_path / "ds_config_z2.json"
-    ds.write_text(json.dumps(DS_AUTO, indent=1))
+    ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
     inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes, slots=1)
     out = str(testbed.local_mountpoint / "ckpt" / "hfconsole")
     argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id",
             "hfconsole", "--nodes", "3", "--storage", "node-local", "--replicas", "1",
-            "--skip-checks", str(HF), "--output_dir", out, "--deepspeed", str(ds),
+            "--skip-checks", str(HF_TRAINER), "--output_dir", out, "--deepspeed", str(ds),
             "--use_cpu", "--max_steps", "20", "--save_steps", "10", "--logging_steps", "5",
             "--per_device_train_batch_size", "4", "--report_to", "none",
             "--learning_rate", "1e-3", "--seed", "7"]

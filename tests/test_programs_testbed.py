@@ -21,16 +21,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, Console, free_port, lose_node_mid_run, train_env, workload_env
+from tests.helpers import (
+    HF_DS_AUTO,
+    HF_TRAINER,
+    REPO,
+    Console,
+    free_port,
+    lose_node_mid_run,
+    train_env,
+    workload_env,
+)
 from tests.testbed import temporary
 
-HF = REPO / "tests" / "programs" / "hf_trainer.py"
-DS_AUTO = {
-    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-    "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True},
-    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
-}
 FINAL = re.compile(r"final loss at step (\d+): ([0-9.]+)")
 STEPS = 20
 RESUMED = re.compile(r"(Resuming training from checkpoint with epoch \d+ and|Continuing training "
@@ -48,7 +50,7 @@ def _reference(tmp: Path, ds: Path) -> str:
     """The uninterrupted run, 3 CPU ranks on this machine (same world size and data)."""
     argv = [sys.executable, "-m", "torch.distributed.run", f"--log-dir={tmp}/tr", "--nnodes",
             "1", "--nproc-per-node", "3", "--master_addr", "127.0.0.1", "--master_port",
-            str(free_port()), str(HF), *_hf_args(str(tmp / "ref-out"), ds)]
+            str(free_port()), str(HF_TRAINER), *_hf_args(str(tmp / "ref-out"), ds)]
     proc = subprocess.run(argv, cwd=tmp, env=workload_env(), capture_output=True, text=True,
                           timeout=600)
     text = proc.stdout + proc.stderr
@@ -71,13 +73,13 @@ def _launch(inv: Path, job: str, tmp: Path, *args: str) -> subprocess.CompletedP
 def test_hf_trainer_killed_rank_resumes_from_the_newest_complete_checkpoint(
         testbed_required: None, tmp_path: Path) -> None:
     ds = tmp_path / "ds_config_z2.json"
-    ds.write_text(json.dumps(DS_AUTO, indent=1))
+    ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
     with temporary(4) as tb:
         inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
         inv.write_text(inv.read_text() + "spares: [node4]\n")
         out = str(tb.local_mountpoint / "ckpt" / "hfkill")
         marker = tb.shared_dir / "hfkill-crashed"
-        run = _launch(inv, "hfkill", tmp_path, "--max-restarts", "1", str(HF),
+        run = _launch(inv, "hfkill", tmp_path, "--max-restarts", "1", str(HF_TRAINER),
                       *_hf_args(out, ds, "--crash_at_step", "15", "--crash_rank", "1",
                                 "--crash_once", str(marker)))
         text = run.stdout + run.stderr
@@ -90,7 +92,7 @@ def test_hf_trainer_killed_rank_resumes_from_the_newest_complete_checkpoint(
         # HF's own word that it resumed (transformers 5.24; older ones: "Continuing ...")
         assert RESUMED.search(text), text[-5000:]
         # the user's file is untouched; the program read the derived copy
-        assert json.loads(ds.read_text()) == DS_AUTO
+        assert json.loads(ds.read_text()) == HF_DS_AUTO
         got = FINAL.findall(text)
         assert got and int(got[-1][0]) == STEPS, text[-3000:]
         # every node's checkpoint-20 is complete: DeepSpeed's model states and latest
@@ -199,7 +201,7 @@ def test_hf_trainer_node_lost_goes_on_on_the_spare(testbed_required: None,
     checkpoint-N/latest written there, HF resumed with --resume_from_checkpoint; the job
     ends on the uninterrupted run's step-20 loss."""
     ds = tmp_path / "ds_config_z2.json"
-    ds.write_text(json.dumps(DS_AUTO, indent=1))
+    ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
     with temporary(4) as tb:
         inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
         inv.write_text(inv.read_text() + "spares: [node4]\n")
@@ -207,7 +209,7 @@ def test_hf_trainer_node_lost_goes_on_on_the_spare(testbed_required: None,
         argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id",
                 "hflost", "--nodes", "3", "--storage", "node-local", "--replicas", "1",
                 "--grace", "2", "--skip-checks", "--max-restarts", "1", "--drop-failed-nodes",
-                str(HF), *_hf_args(out, ds, "--step_sleep", "1.5")]
+                str(HF_TRAINER), *_hf_args(out, ds, "--step_sleep", "1.5")]
         run = Console(argv, train_env(tmp_path), tmp_path)
         replicated = "replicas checkpoint-10: 3/3"
         code = lose_node_mid_run(tb, run, "node2", [(lambda: replicated in run.text, 600,
@@ -227,12 +229,12 @@ def test_hf_trainer_relaunched_by_hand_resumes(testbed_required: None, tmp_path:
     """The killed job (no --max-restarts) relaunched with the same command line: clusterkit
     adds the resume argument, the user adds nothing; the run ends on the reference loss."""
     ds = tmp_path / "ds_config_z2.json"
-    ds.write_text(json.dumps(DS_AUTO, indent=1))
+    ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
     with temporary(3) as tb:
         inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
         out = str(tb.local_mountpoint / "ckpt" / "hfhand")
         marker = tb.shared_dir / "hfhand-crashed"
-        args = [str(HF), *_hf_args(out, ds, "--crash_at_step", "15", "--crash_rank", "2",
+        args = [str(HF_TRAINER), *_hf_args(out, ds, "--crash_at_step", "15", "--crash_rank", "2",
                                    "--crash_once", str(marker))]
         first = _launch(inv, "hfhand", tmp_path, *args)
         assert first.returncode != 0 and marker.exists(), (first.stdout + first.stderr)[-3000:]
