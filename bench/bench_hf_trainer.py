@@ -8,8 +8,9 @@ started by DeepSpeed's runner with a hostfile (issue 38).
 The program is tests/programs/hf_trainer.py (run_clm.py-style: ``HfArgumentParser``,
 ``TrainingArguments``, ``Trainer``; a GPT-2 built from a config, data made locally) with
 the usual all-``"auto"`` ZeRO-2 ds_config (``tests/helpers.HF_DS_AUTO``), no saves, on
-the test bed (tests/testbed: network namespaces with sshd). The two sides, in interleaved rounds (clusterkit, runner;
-then runner, clusterkit; ...) so a change in the machine's load hits both alike:
+the test bed (tests/testbed: network namespaces with sshd). The two sides, in
+interleaved rounds (clusterkit, runner; then runner, clusterkit; ...) so a change in the
+machine's load hits both alike:
 
 * **clusterkit**: ``clusterkit launch -i INV --nodes N --storage shared`` (the default
   launcher: the node agents start the ranks), run here;
