@@ -21,9 +21,10 @@ machine's load hits both alike:
 
 Both give each rank ``OMP_NUM_THREADS=1`` (clusterkit: ``--set-env``; the runner: the
 ``.deepspeed_env`` file in its working directory, which it reads). The step time of a run
-is Trainer's own ``train_runtime`` divided by the steps (the training loop only: model
-and process-group start-up are left out), printed by rank 0 in its metrics. Each run
-prints its step time with the 1-minute load average at its start; the end prints each
+is the median of rank 0's step times (the program's ``--step_times`` hook: step end to
+step end) after the first three steps (process-group and optimizer warm-up, lazy op
+loads: one-time costs that differ between launchers and are not what a step costs).
+Each run prints its step time with the 1-minute load average at its start; the end prints each
 side's mean, and the ratio runner / clusterkit (1.0: the same speed; 0.98: clusterkit's
 steps take ~2 % longer) with the mean load of each side. A ratio measured under load is
 not a result: read it with the load. Needs root; everything written is removed.
@@ -47,23 +48,29 @@ from typing import Any
 from tests.helpers import HF_DS_AUTO, HF_TRAINER
 from tests.testbed import Testbed
 
-# Trainer's metrics dict (transformers 5 prints its values as strings).
-RUNTIME = re.compile(r"'train_runtime': '?([0-9.]+)'?")
+# Rank 0's step times (tests/programs/hf_trainer.py's --step_times bench hook).
+STEP_TIMES = re.compile(r"step times: (\[[^\]]*\])")
+WARMUP = 3  # first steps left out: process-group and optimizer warm-up, lazy op loads
 
 
 def program_args(ns: argparse.Namespace, out: Path, ds: Path) -> list[str]:
     return ["--output_dir", str(out), "--deepspeed", str(ds), "--use_cpu",
             "--max_steps", str(ns.steps), "--save_strategy", "no", "--logging_steps",
             str(ns.steps), "--per_device_train_batch_size", "4", "--report_to", "none",
-            "--disable_tqdm", "True", "--seed", "7", "--n_embd", str(ns.n_embd),
+            "--disable_tqdm", "True", "--seed", "7", "--step_times", "True",
+            "--n_embd", str(ns.n_embd),
             "--n_layer", str(ns.n_layer)]
 
 
-def step_s(text: str, steps: int, side: str) -> float:
-    found = RUNTIME.findall(text)
+def step_s(text: str, side: str) -> float:
+    """The median step time after the warm-up steps."""
+    found = STEP_TIMES.findall(text)
     if not found:
-        sys.exit(f"{side}: no train_runtime in the run's output:\n{text[-3000:]}")
-    return float(found[-1]) / steps
+        sys.exit(f"{side}: no 'step times' line in the run's output:\n{text[-3000:]}")
+    times: list[float] = json.loads(found[-1])[WARMUP:]
+    if not times:
+        sys.exit(f"{side}: no step after the {WARMUP} warm-up steps (raise --steps)")
+    return statistics.median(times)
 
 
 def run_clusterkit(work: Path, inv: Path, job: str, ns: argparse.Namespace, ds: Path
@@ -104,7 +111,7 @@ def one(side: str, tb: Testbed, work: Path, inv: Path, nodes: list[str], r: int,
     else:
         text = run_runner(tb, work, nodes, job, 29500 + r, ns, ds)
     shutil.rmtree(work / f"out-{job}", ignore_errors=True)
-    return {"side": side, "step_s": step_s(text, ns.steps, side), "load": load,
+    return {"side": side, "step_s": step_s(text, side), "load": load,
             "wall_s": time.monotonic() - t0}
 
 

@@ -11,6 +11,7 @@ Test hook (``TestArguments``): ``--crash_at_step N --crash_rank R --crash_once F
 kills global rank R with SIGKILL at the end of step N, once (FILE, on storage every node
 sees, says it happened): a ``kill -9`` of one rank at a known step, without a race;
 ``--step_sleep S`` makes each step S seconds slower (time to destroy a node mid-run).
+Bench hook: ``--step_times True``: rank 0 prints each step's seconds (bench/bench_hf_trainer.py).
 Rank 0 ends with ``final loss at step S: L`` (the last logged training loss).
 """
 
@@ -62,6 +63,8 @@ class TestArguments:
     crash_rank: int = field(default=1, metadata={"help": "test hook: the rank killed"})
     crash_once: str | None = field(default=None, metadata={"help": "test hook: marker"})
     step_sleep: float = field(default=0.0, metadata={"help": "test hook: seconds per step"})
+    step_times: bool = field(default=False, metadata={"help": "bench hook: rank 0 prints "
+                                                      "each step's seconds at the end"})
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -74,6 +77,26 @@ class Blocks(torch.utils.data.Dataset):
     def __getitem__(self, i):
         row = torch.tensor(self.rows[i])
         return {"input_ids": row, "labels": row.clone()}
+
+
+class StepTimes(TrainerCallback):
+    """The bench hook: each training step's wall seconds, step end to step end (the first
+    from the step's begin), printed by rank 0 at the end as ``step times: [...]``."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self.times = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.times and not self.last:
+            self.last = time.perf_counter()
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        self.times.append(now - self.last)
+        self.last = now
+        return control
 
 
 class CrashOnce(TrainerCallback):
@@ -126,6 +149,9 @@ def main():
     trainer = Trainer(model=model, args=training_args,
                       train_dataset=Blocks(ids, data_args.block_size),
                       processing_class=tokenizer, callbacks=[CrashOnce(test_args, rank)])
+    timer = StepTimes()
+    if test_args.step_times:
+        trainer.add_callback(timer)
     # run_clm.py: resume only when told
     checkpoint = None
     if training_args.resume_from_checkpoint is not None:
@@ -136,6 +162,8 @@ def main():
     losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
     if rank == 0 and losses:
         print(f"final loss at step {losses[-1][0]}: {losses[-1][1]}", flush=True)
+    if rank == 0 and test_args.step_times:
+        print(f"step times: {[round(t, 6) for t in timer.times]}", flush=True)
 
 
 if __name__ == "__main__":
