@@ -150,9 +150,12 @@ def main(argv: list[str] | None = None) -> int:
              for s in ("clusterkit", "runner")}
     loads = {s: statistics.mean(x["load"] for x in runs if x["side"] == s)
              for s in ("clusterkit", "runner")}
+    medians = {s: statistics.median(x["step_s"] for x in runs if x["side"] == s)
+               for s in ("clusterkit", "runner")}
     print(f"clusterkit {means['clusterkit'] * 1000:.1f} ms/step (load {loads['clusterkit']:.1f}), "
           f"runner {means['runner'] * 1000:.1f} ms/step (load {loads['runner']:.1f}): "
           f"runner / clusterkit = {means['runner'] / means['clusterkit']:.3f}x "
+          f"(of the rounds' medians {medians['runner'] / medians['clusterkit']:.3f}x) "
           f"over {ns.rounds} round(s), {ns.nodes} nodes x 1 rank, {ns.steps} steps")
     return 0
 
