@@ -103,6 +103,8 @@ def test_bad_program_and_template_are_one_line_errors() -> None:
         detect(workload=False, args=(), script_text=None, program="megatron")
     with pytest.raises(RenderError, match=r"does not name the checkpoint as \{dir\}"):
         detect(workload=False, args=(), script_text=None, resume_arg="--resume")
+    with pytest.raises(RenderError, match=r"\{ckpt\} is not a field \(the only one is \{dir\}"):
+        detect(workload=False, args=(), script_text=None, resume_arg="--from {dir} --x {ckpt}")
 
 
 LAYOUT = [

@@ -218,6 +218,13 @@ def parse_template(text: str) -> tuple[str, ...]:
         raise RenderError(f"--resume-arg {text!r} does not name the checkpoint as {DIR_FIELD}",
                           key="--resume-arg",
                           hint="e.g. --resume-arg '--resume_from_checkpoint {dir}'")
+    # Any other {name} would reach the program literally: a typo of {dir} ({ckpt}, {path}).
+    other = sorted({f for w in words for f in re.findall(r"\{[^{}]*\}", w)} - {DIR_FIELD})
+    if other:
+        raise RenderError(f"--resume-arg {text!r}: {', '.join(other)} is not a field "
+                          f"(the only one is {DIR_FIELD}, the checkpoint directory)",
+                          key="--resume-arg",
+                          hint="e.g. --resume-arg '--resume_from_checkpoint {dir}'")
     return words
 
 
