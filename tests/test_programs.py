@@ -39,6 +39,7 @@ from clusterkit.spec.programs import (
     from_layout,
     node_local_args,
     node_local_config,
+    program_ds_config,
     restart_problem,
     with_resume,
 )
@@ -406,3 +407,19 @@ def test_a_resumed_attempt_that_began_at_step0_is_seen(row: str, lines: list[str
     assert resume_watch(dataclasses.replace(_plan(DS_SRC, ()), resume_from="s8"), sink) is None
     line = began_fresh_line("checkpoint-10", "j")
     assert "checkpoint-10" in line and "--resume-arg" in line and "\n" not in line
+
+
+def test_a_program_with_its_own_optimizer_gets_a_ds_config_without_clusterkits() -> None:
+    """accelerate refuses an optimizer in the config and in the code at once: the job's
+    ds_config.json (what --launcher accelerate hands it) has neither optimizer nor
+    scheduler for HF and accelerate; the rest, batch sizes included, stays."""
+    ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+          "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"},
+          "zero_optimization": {"stage": 2}}
+    for name in (HF, ACCELERATE):
+        got = program_ds_config(PROFILES[name], ds)
+        assert "optimizer" not in got and "scheduler" not in got
+        assert got == {k: v for k, v in ds.items() if k not in ("optimizer", "scheduler")}
+    for name in (DEEPSPEED, CONTRACT, SNAPSHOT, UNKNOWN):
+        assert program_ds_config(PROFILES[name], ds) == ds

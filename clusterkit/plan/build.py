@@ -39,6 +39,7 @@ from clusterkit.spec.job import (
     NodePlan,
 )
 from clusterkit.spec.ports import master_port
+from clusterkit.spec.programs import program_ds_config
 from clusterkit.spec.zero import ZeroSpec, build_ds_config, resolve_precision
 
 MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -313,7 +314,7 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> J
     return JobPlan(options=options, cluster=inventory.name, nodes=nodes, world_size=world,
                    master_addr=facts.master_addr or nodes[0].host.address,
                    master_port=master_port(options.job_id), storage=storage, zero=zero,
-                   ds_config=build_ds_config(zero),
+                   ds_config=program_ds_config(prof.choice.profile, build_ds_config(zero)),
                    programs=prof.programs, profile=prof.choice, program_files=prof.files,
                    warnings=warnings,
                    doctor_ifaces={n.name: added[n.name] for n in nodes if n.name in added},

@@ -82,6 +82,9 @@ class Profile:
     config_env: str | None = None
     # `incomplete` applies only when the source shows one of these (empty: always).
     incomplete_if: tuple[str, ...] = ()
+    # It builds its own optimizer and scheduler (HF's Trainer, accelerate): a DeepSpeed
+    # config clusterkit hands it carries neither (accelerate refuses one in both places).
+    own_optimizer: bool = False
     # What its library logs when it resumed, and its first progress line (regexes; empty:
     # it logs neither): a resumed attempt whose progress comes first began at step 0.
     resumed_marker: str = ""
@@ -93,12 +96,13 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             "checkpoint-N/ (trainer_state.json, DeepSpeed's global_stepN/ and latest inside)",
             resume=("--resume_from_checkpoint", DIR_FIELD),
             save_each_node_arg="--save_on_each_node", config_args=("--deepspeed",),
-            nested_latest=True,
+            nested_latest=True, own_optimizer=True,
             resumed_marker=r"Resuming training from checkpoint|Continuing training from",
             progress_marker=r"\{'loss': "),
     Profile(ACCELERATE, "accelerate save_state/load_state",
             "one folder per save_state call (DeepSpeed's tag inside, random_states_R.pkl)",
             resumes_itself=True, picks_newest=True, config_env=ACCELERATE_CONFIG_ENV,
+            own_optimizer=True,
             incomplete="accelerate writes its scheduler and registered objects on the main "
                        "process only: pass ProjectConfiguration(save_on_each_node=True) to "
                        "Accelerator(...), or use --storage shared",
@@ -314,6 +318,19 @@ def save_problem(choice: ProgramChoice, script_text: str | None) -> str | None:
                                    and any(w in script_text for w in prof.incomplete_if)):
         return None
     return prof.incomplete
+
+
+def program_ds_config(profile: Profile, ds_config: dict[str, Any]) -> dict[str, Any]:
+    """The job's ds_config.json as this program gets it (accelerate's launcher hands it to
+    ``accelerate launch``): without clusterkit's optimizer and scheduler for a program
+    that builds its own (tried as a user: an ordinary accelerate script under --launcher
+    accelerate died of "You cannot specify an optimizer in the config file and in the
+    code at the same time"); unchanged for the others. The batch sizes stay clusterkit's
+    numbers: filled as "auto" by accelerate on CPU they came out for a world of one
+    (DeepSpeed's "train_batch_size ... 4 != 4 * 1 * 2")."""
+    if not profile.own_optimizer:
+        return ds_config
+    return {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
 
 
 def library_config_env(choice: ProgramChoice, script_text: str | None, config_path: str
