@@ -55,6 +55,42 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
+class ForwardingSink:
+    """A :class:`Sink` that passes every call on to ``inner``: the base of the sinks that
+    watch or record what goes by (launch/resumewatch.py, launch/recording.py) and
+    override only what they read."""
+
+    def __init__(self, inner: Sink) -> None:
+        self.inner = inner
+
+    def line(self, node: str, rank: int | None, text: str, *, agent: bool = False) -> None:
+        self.inner.line(node, rank, text, agent=agent)
+
+    def show(self, item: Folded) -> None:
+        self.inner.show(item)
+
+    def info(self, text: str) -> None:
+        self.inner.info(text)
+
+    def node_up(self, node: str) -> None:
+        self.inner.node_up(node)
+
+    def node_done(self, node: str, code: int) -> None:
+        self.inner.node_done(node, code)
+
+    def phase(self, name: str, detail: str = "") -> None:
+        self.inner.phase(name, detail)
+
+    def failed_first(self, rank: int, where: str, logs: str) -> None:
+        self.inner.failed_first(rank, where, logs)
+
+    def end_attempt(self) -> None:
+        self.inner.end_attempt()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 # Where a launch is, in order: the runtime's phases (a str enum; launch/runtime_io.py).
 PHASES = tuple(ConsolePhase)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clusterkit.launch.console import Sink
+from clusterkit.launch.console import ForwardingSink, Sink
 from clusterkit.launch.jobspec import JobSpec, NodeTask
 from clusterkit.launch.runtime import Runtime
 from clusterkit.launch.runtime_io import (
@@ -95,15 +95,13 @@ def recorder() -> Recorder | None:
     return _RECORDER[0]
 
 
-class RecordingSink:
+class RecordingSink(ForwardingSink):
     """A sink that records the ``[clusterkit]`` lines said outside an attempt, then passes
     every call on (the launch's own sink, wrapped where it is made)."""
 
     def __init__(self, inner: Sink, rec: Recorder) -> None:
-        self.inner, self.rec = inner, rec
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        super().__init__(inner)
+        self.rec = rec
 
     def info(self, text: str) -> None:
         self.rec.info(text)

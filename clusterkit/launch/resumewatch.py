@@ -14,16 +14,16 @@ from __future__ import annotations
 import re
 
 from clusterkit.fold import Folded
-from clusterkit.launch.console import Sink
+from clusterkit.launch.console import ForwardingSink, Sink
 from clusterkit.spec.programs import Profile
 
 
-class ResumeWatch:
+class ResumeWatch(ForwardingSink):
     """A :class:`~clusterkit.launch.console.Sink` that forwards everything to ``inner``
     and reads the rank lines for the profile's markers."""
 
     def __init__(self, inner: Sink, profile: Profile) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.resumed = re.compile(profile.resumed_marker)
         self.progress = re.compile(profile.progress_marker)
         self.verdict: bool | None = None  # True: began at step 0; None: not seen yet
@@ -47,24 +47,3 @@ class ResumeWatch:
     def show(self, item: Folded) -> None:
         self._read(item.first_rank, item.text)
         self.inner.show(item)
-
-    def info(self, text: str) -> None:
-        self.inner.info(text)
-
-    def node_up(self, node: str) -> None:
-        self.inner.node_up(node)
-
-    def node_done(self, node: str, code: int) -> None:
-        self.inner.node_done(node, code)
-
-    def phase(self, name: str, detail: str = "") -> None:
-        self.inner.phase(name, detail)
-
-    def failed_first(self, rank: int, where: str, logs: str) -> None:
-        self.inner.failed_first(rank, where, logs)
-
-    def end_attempt(self) -> None:
-        self.inner.end_attempt()
-
-    def close(self) -> None:
-        self.inner.close()
