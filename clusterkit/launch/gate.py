@@ -104,12 +104,12 @@ def check_here(plan: JobPlan, sync: str | None, *, gate: bool = True,
     Returns whether ``--sync`` brings the script to the nodes (a dry run's node gate
     then leaves it out: nothing has been copied yet). Raises :class:`LaunchError`."""
     cwd = cwd or os.getcwd()
+    here = script_path_here(plan, cwd)
     if sync is not None and not os.path.isdir(sync):
         what = "is not a directory" if os.path.exists(sync) else "does not exist"
         raise LaunchError(f"{sync} {what}", key="--sync", hint="pass the directory to copy to "
                           "every node's workdir (--sync . for the current one)")
     script = plan.options.script
-    here = os.path.join(cwd, script) if script else None
     synced = bool(sync and here and os.path.isfile(here)
                   and _inside(here, os.path.join(cwd, sync)))
     if not gate or here is None:
@@ -189,7 +189,7 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
     problems = dict(problems)
     # A script some node has is not "nowhere", even when the launching host lacks it (a
     # script put on one node's own disk): the others lack a copy.
-    script_here = script_here or any(f.get("missing") == [] for f in facts.values())
+    somewhere = script_here or any(f.get("missing") == [] for f in facts.values())
     for node, f in facts.items():
         for pkg in need:
             if not f.get(pkg):
@@ -198,7 +198,7 @@ def judge(facts: dict[str, dict[str, object]], problems: dict[str, str], order: 
         missing = f.get("missing")
         if isinstance(missing, list) and missing:
             # Seen as a user: without this, every rank died of Python's "can't open file".
-            problems.setdefault(node, missing_problem([str(m) for m in missing], script_here))
+            problems.setdefault(node, missing_problem([str(m) for m in missing], somewhere))
         for why in _need_problems(f):
             problems.setdefault(node, why)
     for node, why in shared_dirs(facts, order).items():
@@ -214,11 +214,14 @@ def script_is_here(plan: JobPlan, cwd: str | None = None) -> bool:
     """Whether the user's script exists on the launching host, where the launch is typed:
     a relative path from the current directory (the nodes take it from their workdir,
     which may be another directory: the node's path says nothing about this host)."""
+    here = script_path_here(plan, cwd)
+    return here is None or os.path.isfile(here)
+
+
+def script_path_here(plan: JobPlan, cwd: str | None = None) -> str | None:
+    """The user's script as the launching host sees it (None: a module, no script)."""
     script = plan.options.script
-    if not script:
-        return True
-    return os.path.isfile(script if os.path.isabs(script) else
-                          os.path.join(cwd or os.getcwd(), script))
+    return os.path.join(cwd or os.getcwd(), script) if script else None
 
 
 def missing_problem(paths: Sequence[str], script_here: bool = True) -> str:
