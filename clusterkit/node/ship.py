@@ -69,6 +69,9 @@ PROGRAMS: dict[str, Program] = {
                          "install"), site=True),
     # sbatch.sh's watchdog (docs/sbatch.md); jitops: which op builds run at start-up
     "slurmwatch": Program(("contract", "hangrule", "buildowner", "jitops", "slurmwatch")),
+    # sbatch.sh's end of a run: exit status, requeue, its lines (docs/sbatch.md, "How the
+    # batch job decides"); a heredoc of the script, as the watchdog's.
+    "slurmend": Program(("slurmend",)),
     # sbatch.sh's checkpoint replicas and a run on other nodes (docs/sbatch.md): launch's
     # replication service, started by the batch script.
     "slurmreplica": Program(("contract", "hashing", "protocol", "agent_files", "agent_procs", "listing",

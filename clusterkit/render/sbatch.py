@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 TEMPLATE = "sbatch.sh.j2"
 WATCHDOG_EOF = "CLUSTERKIT_SLURMWATCH_EOF"
+END_EOF = "CK_SLURMEND_EOF"  # the end program's heredoc (node/slurmend.py)
+HANG_RESTARTS = "hang_restarts"  # <job dir>/hang_restarts: this job's hang requeues so far
 PROGRESS_SUBDIR = JobDir.PROGRESS  # <job dir>/progress: $CLUSTERKIT_HEARTBEAT_DIR under sbatch
 # The contract's names the script spells (`{{ env.stop_file }}`, `{{ layout.HANG }}`).
 ENV_NAMES = {"stop_file": ENV_STOP_FILE, "heartbeat_dir": ENV_HEARTBEAT_DIR, "ckpt_dir": ENV_CKPT_DIR,
@@ -219,6 +221,7 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
         **_watchdog_context(plan),
         **_ops_context(plan),
         **_replica_context(plan, site),
+        **_end_context(plan, site, variant, log_dir),
         "stop_file": JobDir(node.job_dir).stop_file,
         "env": ENV_NAMES,
         "layout": JobDir,
@@ -278,6 +281,28 @@ def _replica_context(plan: JobPlan, site: SlurmSite) -> dict[str, object]:
     return {"replicas": k, "markers": plan.options.uses_workload,
             "replica_cmd": shlex.join(ship.node_command(node.python, "slurmreplica").argv),
             "replica_conf": json.dumps(conf, sort_keys=True, separators=(",", ":"))}
+
+
+def _end_context(plan: JobPlan, site: SlurmSite, variant: str, log_dir: str) -> dict[str, object]:
+    """What the end of a run means (node/slurmend.py: exit status, requeue, the lines),
+    started the one way node programs are, its sources a heredoc of the script (as the
+    watchdog's): ``end_conf`` is its CONF word, the job's settings and paths."""
+    node = plan.nodes[0]
+    job = JobDir(node.job_dir)
+    cmd = ship.node_command(node.python, "slurmend")
+    bundle = cmd.stdin.decode("utf-8")
+    if END_EOF in bundle:
+        raise RenderError(f"the end program's sources contain {END_EOF}")
+    conf = {"max_restarts": plan.options.max_restarts, "signal_lead": site.signal_lead_s,
+            "replicas": site.replicas if plan.node_local and len(plan.nodes) > 1 else 0,
+            "node_local": plan.node_local, "log_dir": log_dir, "job_name": f"ck-{plan.job_id}",
+            "per_rank_files": BACKENDS[plan.backend].slurm_task_per_rank,
+            "stop_var": ENV_STOP_FILE, "ckpt_var": ENV_CKPT_DIR, "stop_file": job.stop_file,
+            "exits_dir": exits_dir(node.job_dir),
+            "hang_file": job.hang_file if plan.options.hang_timeout_s > 0 else "",
+            "count_file": f"{node.job_dir}/{HANG_RESTARTS}"}
+    return {"end_cmd": shlex.join(cmd.argv), "end_bundle": bundle.rstrip("\n"), "end_eof": END_EOF,
+            "end_conf": json.dumps(conf, sort_keys=True, separators=(",", ":"))}
 
 
 def _render(template_dir: str | None, context: dict[str, object]) -> str:
