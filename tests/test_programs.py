@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,18 +17,22 @@ import pytest
 from clusterkit.checkpoints.replicas.assemble import Assembly
 from clusterkit.errors import LaunchError, RenderError
 from clusterkit.fold import Folded
+from clusterkit.inventory import load_inventory
 from clusterkit.jobs.recover import resume_plan, resumed_program
 from clusterkit.launch.fromplan import checkpoint_prep, job_from_plan
 from clusterkit.launch.run import needs_ready, resume_watch
+from clusterkit.node import accelerate_cpu
 from clusterkit.node.agent_files import ready_checkpoints
 from clusterkit.node.contract import ASIDE_SUFFIX, JobDir
 from clusterkit.plan.build import plan_job
+from clusterkit.plan.profile import cpu_hook_source
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import JobOptions, JobPlan
 from clusterkit.spec.programs import (
     ACCELERATE,
     ACCELERATE_CONFIG_ENV,
     CONTRACT,
+    CPU_HOOK_FILE,
     CUSTOM,
     DEEPSPEED,
     DERIVED_DS_CONFIG,
@@ -35,6 +42,7 @@ from clusterkit.spec.programs import (
     SNAPSHOT,
     UNKNOWN,
     began_fresh_line,
+    cpu_hook_env,
     detect,
     from_layout,
     node_local_args,
@@ -423,3 +431,137 @@ def test_a_program_with_its_own_optimizer_gets_a_ds_config_without_clusterkits()
         assert got == {k: v for k, v in ds.items() if k not in ("optimizer", "scheduler")}
     for name in (DEEPSPEED, CONTRACT, SNAPSHOT, UNKNOWN):
         assert program_ds_config(PROFILES[name], ds) == ds
+
+
+# ------------------------------------------------- accelerate's process group on CPU ranks
+
+HOOK = [  # (profile, the node's ranks on CPU, its PYTHONPATH) -> the ranks' PYTHONPATH
+    ("accelerate-cpu", ACCELERATE, True, None, "/w/j"),
+    ("keeps-the-nodes-own", ACCELERATE, True, "/opt/lib:/src", "/w/j:/opt/lib:/src"),
+    ("once", ACCELERATE, True, "/w/j:/opt/lib", "/w/j:/opt/lib"),
+    ("gpu-node", ACCELERATE, False, "/opt/lib", None),
+    ("hf-finds-its-own", HF, True, None, None),
+    ("deepspeed", DEEPSPEED, True, None, None),
+]
+
+
+@pytest.mark.parametrize(("row", "name", "cpu", "pythonpath", "want"), HOOK,
+                         ids=[r[0] for r in HOOK])
+def test_which_ranks_get_the_cpu_hook(row: str, name: str, cpu: bool, pythonpath: str | None,
+                                      want: str | None) -> None:
+    got = cpu_hook_env(PROFILES[name], cpu=cpu, job_dir="/w/j", pythonpath=pythonpath)
+    assert got == ({} if want is None else {"PYTHONPATH": want})
+    assert [n for n, p in PROFILES.items() if p.cpu_hook] == [ACCELERATE]
+
+
+def _cpu_plan(tmp: Path, script_text: str, *, storage: str = "node-local",
+              gpus: int = 0) -> JobPlan:
+    inv = tmp / "inv.yaml"
+    inv.write_text(f"""schema_version: 1
+cluster: {{name: c}}
+defaults: {{gpus: {gpus}, slots: 1, workdir: /srv/w,
+           checkpoint: {{local_dir: /scratch/ckpt, shared_dir: /shared/ckpt}},
+           env: {{PYTHONPATH: /opt/site}}}}
+hosts: {{n1: {{address: 10.0.0.1}}, n2: {{address: 10.0.0.2}}, n3: {{address: 10.0.0.3}}}}
+""")
+    o = JobOptions(job_id="j", script="train.py", nodes=3, storage=storage)
+    facts = dataclasses.replace(FACTS, script_text=script_text)
+    return plan_job(load_inventory(inv), o, facts)
+
+
+def test_accelerate_on_cpu_nodes_gets_the_hook_on_every_storage(tmp_path: Path) -> None:
+    """accelerate 1.15 picks no process group on a rank without a GPU (node/accelerate_cpu.py):
+    such ranks get the job dir's sitecustomize.py first on PYTHONPATH, on node-local and
+    shared storage alike, and the profile line says so; GPU nodes and other profiles get
+    nothing."""
+    for storage in ("node-local", "shared"):
+        plan = _cpu_plan(tmp_path, ACC_SRC, storage=storage)
+        for n in plan.nodes:
+            assert n.env["PYTHONPATH"] == f"{n.job_dir}:/opt/site", storage
+        assert plan.program_files[CPU_HOOK_FILE] == cpu_hook_source()
+        assert plan.profile is not None
+        line = plan.profile.line()
+        assert line.startswith("program profile: accelerate (its source calls accelerate's "
+                               "save_state); resumes by itself; on CPU ranks (n[1-3]) ")
+        assert "gloo" in line and "DeepSpeed plugin kept" in line
+    local = _cpu_plan(tmp_path, ACC_SRC)
+    assert ACCELERATE_CONFIG_ENV in local.nodes[0].env  # the node-local config still comes
+    gpu = _cpu_plan(tmp_path, ACC_SRC, gpus=1)
+    assert gpu.nodes[0].env["PYTHONPATH"] == "/opt/site"
+    assert CPU_HOOK_FILE not in gpu.program_files
+    assert gpu.profile is not None and "CPU ranks" not in gpu.profile.line()
+    hf = _cpu_plan(tmp_path, HF_SRC)
+    assert hf.nodes[0].env["PYTHONPATH"] == "/opt/site" and CPU_HOOK_FILE not in hf.program_files
+
+
+class _Kind:
+    NO, MULTI_CPU, MULTI_GPU = "NO", "MULTI_CPU", "MULTI_GPU"
+
+
+def _fake_state(gpu: bool) -> Any:
+    class PartialState:
+        def _prepare_backend(self, cpu: bool = False, sagemaker_dp: bool = False,
+                             backend: str | None = None) -> tuple[str | None, str]:
+            if "LOCAL_RANK" in os.environ and not cpu and gpu:
+                return backend or "nccl", _Kind.MULTI_GPU
+            if cpu and "LOCAL_RANK" in os.environ:
+                return "gloo", _Kind.MULTI_CPU
+            return backend, _Kind.NO
+
+    return type(sys)("fake_state"), PartialState
+
+
+BACKEND = [  # (a GPU, LOCAL_RANK, cpu=, backend=) -> what accelerate's state then picks
+    ("cpu-rank", False, "0", False, None, ("gloo", "MULTI_CPU")),
+    ("gpu-rank", True, "0", False, None, ("nccl", "MULTI_GPU")),
+    ("not-launched", False, None, False, None, (None, "NO")),
+    ("program-said-cpu", False, "0", True, None, ("gloo", "MULTI_CPU")),
+    ("program-named-a-backend", False, "0", False, "gloo", ("gloo", "NO")),
+]
+
+
+@pytest.mark.parametrize(("row", "gpu", "local_rank", "cpu", "backend", "want"), BACKEND,
+                         ids=[r[0] for r in BACKEND])
+def test_the_hook_changes_only_a_launched_cpu_rank_without_a_backend(
+        row: str, gpu: bool, local_rank: str | None, cpu: bool, backend: str | None,
+        want: tuple[str | None, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    module, cls = _fake_state(gpu)
+    module.PartialState, module.DistributedType = cls, _Kind
+    accelerate_cpu.patch(module)
+    accelerate_cpu.patch(module)  # once
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert cls()._prepare_backend(cpu, False, backend) == want
+
+
+PROBE = """import sys
+from accelerate.state import PartialState
+print(PartialState._prepare_backend(None, False))
+import sitecustomize_before
+"""
+
+
+def test_the_shipped_hook_makes_accelerate_pick_gloo(tmp_path: Path) -> None:
+    """The file the ranks get, as Python runs it at start (PYTHONPATH), with the real
+    accelerate: under a launcher on this CPU machine its backend is gloo (MULTI_CPU until
+    its DeepSpeed plugin takes over), without the hook none; a sitecustomize it shadows
+    still runs."""
+    hook, other = tmp_path / "job", tmp_path / "site"
+    hook.mkdir()
+    other.mkdir()
+    (hook / CPU_HOOK_FILE).write_text(cpu_hook_source())
+    (other / "sitecustomize.py").write_text("import sys\nsys.modules['sitecustomize_before'] = "
+                                            "type(sys)('x')\nprint('shadowed one ran')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    runs = {}
+    for name, path in (("hooked", f"{hook}:{other}"), ("bare", str(other))):
+        res = subprocess.run([sys.executable, "-c", PROBE], env={**env, "LOCAL_RANK": "0",
+                                                                  "PYTHONPATH": path},
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs[name] = res.stdout
+    assert "('gloo', <DistributedType.MULTI_CPU: 'MULTI_CPU'>)" in runs["hooked"], runs
+    assert "(None, <DistributedType.NO: 'NO'>)" in runs["bare"], runs
+    assert all("shadowed one ran" in out for out in runs.values()), runs

@@ -112,7 +112,8 @@ def _print_plan(decisions: JobPlan, native: bool) -> None:
             what = f"{task.nprocs} x {what}  (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* set per rank)"
         print(f"  {task.node}: ranks {task.rank_offset}-{task.rank_offset + task.nprocs - 1} "
               f"job dir {task.job_dir}\n    {what}")
-    print("files written to every node's job dir: " + ", ".join(sorted(plan.artifacts)))
+    print("files written to every node's job dir: "
+          + ", ".join(sorted({**plan.artifacts, **plan.program_files})))
     print("each node runs: the clusterkit node agent, sent over SSH to <python> (the command "
           "above as its child)")
 

@@ -26,7 +26,7 @@ from clusterkit.node.contract import (
 from clusterkit.node.replica_rules import ring
 from clusterkit.plan.env import build_env
 from clusterkit.plan.ifaces import added_env, apply_picks
-from clusterkit.plan.profile import profile_programs
+from clusterkit.plan.profile import ProfileNode, profile_programs
 from clusterkit.spec.job import (
     DS_LAUNCHERS,
     JOB_ID,
@@ -302,9 +302,11 @@ def plan_job(inventory: Inventory, options: JobOptions, facts: LaunchFacts) -> J
     world = sum(n.nproc for n in nodes)
     replica_targets, replica_warnings = _placement(options, nodes, storage)
     # The program's profile (issue 38): what node-local storage adds to its arguments.
-    prof = profile_programs(options, facts, storage, [(n.job_dir, n.ckpt_dir) for n in nodes],
+    prof = profile_programs(options, facts, storage,
+                            [ProfileNode(n.name, n.job_dir, n.ckpt_dir, cpu=n.host.gpus == 0,
+                                         pythonpath=n.env.get("PYTHONPATH")) for n in nodes],
                             lambda o, jd, cd: _program(o, jd, cd, storage))
-    if prof.env:  # its library pointed at a node-local DeepSpeed config
+    if prof.env:  # its library pointed at a node-local config, or its CPU hook
         nodes = tuple(dataclasses.replace(n, env={**n.env, **e})
                       for n, e in zip(nodes, prof.env, strict=True))
     warnings = _gpu_warnings(options, nodes) + _script_warnings(options, facts.script_text) \

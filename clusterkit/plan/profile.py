@@ -17,14 +17,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from clusterkit.errors import RenderError
+from clusterkit.node import accelerate_cpu
 from clusterkit.node.contract import StorageKind
 from clusterkit.spec.job import JobOptions, LaunchFacts
 from clusterkit.spec.programs import (
+    CPU_HOOK_FILE,
     DERIVED_DS_CONFIG,
     HF,
     LIBRARY_DS_CONFIG,
     ProgramChoice,
     config_arg,
+    cpu_hook_env,
+    cpu_hook_note,
     detect,
     library_config_env,
     node_local_args,
@@ -49,16 +53,62 @@ def choose(o: JobOptions, facts: LaunchFacts) -> ProgramChoice:
                   program=o.program_profile, resume_arg=o.resume_arg)
 
 
+@dataclass(frozen=True)
+class ProfileNode:
+    """What the profile reads of one node of the plan."""
+
+    name: str
+    job_dir: str
+    ckpt_dir: str
+    cpu: bool  # its ranks run without a GPU (gpus: 0)
+    pythonpath: str | None = None  # its ranks' PYTHONPATH as planned so far
+
+
 def profile_programs(o: JobOptions, facts: LaunchFacts, storage: str,
-                     nodes: Sequence[tuple[str, str]],
+                     nodes: Sequence[ProfileNode],
                      program: Callable[[JobOptions, str, str], tuple[str, ...]]
                      ) -> Profiled:
-    """``nodes``: each node's (job dir, checkpoint dir); ``program``: the plan's own
-    program builder (options, job dir, checkpoint dir) -> the interpreter arguments."""
+    """``program``: the plan's own program builder (options, job dir, checkpoint dir) ->
+    the interpreter arguments."""
     choice = choose(o, facts)
-    plain = tuple(program(o, jd, cd) for jd, cd in nodes)
-    if o.uses_workload or storage != StorageKind.NODE_LOCAL:
-        return Profiled(choice, plain, {}, ())
+    if o.uses_workload:
+        return Profiled(choice, tuple(program(o, n.job_dir, n.ckpt_dir) for n in nodes), {}, ())
+    hooked = _cpu_hook(choice, nodes)
+    if storage != StorageKind.NODE_LOCAL:
+        return dataclasses.replace(hooked, programs=tuple(program(o, n.job_dir, n.ckpt_dir)
+                                                          for n in nodes))
+    local = _node_local(hooked.choice, o, facts, [(n.job_dir, n.ckpt_dir) for n in nodes],
+                        program)
+    env = tuple({**h, **e} for h, e in zip(hooked.env or [{}] * len(nodes),
+                                          local.env or [{}] * len(nodes), strict=True))
+    return dataclasses.replace(local, files={**hooked.files, **local.files},
+                               env=env if any(env) else ())
+
+
+def cpu_hook_source() -> str:
+    """The shipped :data:`CPU_HOOK_FILE`: node/accelerate_cpu.py, installing itself."""
+    with open(accelerate_cpu.__file__, encoding="utf-8") as f:
+        source = f.read()
+    return source + "\n\ninstall(__file__)  # shipped by clusterkit as the job dir's " \
+        f"{CPU_HOOK_FILE}\n"
+
+
+def _cpu_hook(choice: ProgramChoice, nodes: Sequence[ProfileNode]) -> Profiled:
+    """The profile's CPU hook (Profile.cpu_hook), on every storage: the file, each CPU
+    node's PYTHONPATH, and the note on the profile line; nothing when no node needs it."""
+    env = tuple(cpu_hook_env(choice.profile, cpu=n.cpu, job_dir=n.job_dir,
+                             pythonpath=n.pythonpath) for n in nodes)
+    if not any(env):
+        return Profiled(choice, (), {}, ())
+    note = cpu_hook_note(choice.profile, [n.name for n in nodes if n.cpu])
+    return Profiled(dataclasses.replace(choice, note=note), (), {CPU_HOOK_FILE: cpu_hook_source()},
+                    (), env)
+
+
+def _node_local(choice: ProgramChoice, o: JobOptions, facts: LaunchFacts,
+                nodes: Sequence[tuple[str, str]],
+                program: Callable[[JobOptions, str, str], tuple[str, ...]]) -> Profiled:
+    """What node-local storage adds: ``nodes`` are each node's (job dir, checkpoint dir)."""
     warnings: list[str] = []
     files: dict[str, str] = {}
     derived = _derived_config(choice, o, facts, warnings)

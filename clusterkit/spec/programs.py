@@ -23,11 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from clusterkit.errors import RenderError
+from clusterkit.hostrange import fold
 from clusterkit.node.contract import ENV_CKPT_DIR, ENV_RESUME_TAG, LATEST_FILE
 
 # The derived copy of a user's DeepSpeed config, in the job dir (node-local additions).
 DERIVED_DS_CONFIG = "ds_config.program.json"
 DIR_FIELD = "{dir}"  # the checkpoint directory in a resume template
+# The startup hook a profile's CPU ranks get (Profile.cpu_hook), in the job dir: Python
+# imports it at start from the first PYTHONPATH entry that has one.
+CPU_HOOK_FILE = "sitecustomize.py"
 # accelerate's DeepSpeedPlugin reads its config from this file when the script gives none.
 ACCELERATE_CONFIG_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
 # What a library that builds its DeepSpeed config from its own arguments gets on node-local
@@ -89,6 +93,10 @@ class Profile:
     # it logs neither): a resumed attempt whose progress comes first began at step 0.
     resumed_marker: str = ""
     progress_marker: str = ""
+    # Its library picks no process group by itself on ranks without a GPU (accelerate
+    # 1.15: every rank would be process 0 of 1, node/accelerate_cpu.py says why): those
+    # ranks get the job dir's CPU_HOOK_FILE first on their PYTHONPATH.
+    cpu_hook: bool = False
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
@@ -102,7 +110,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile(ACCELERATE, "accelerate save_state/load_state",
             "one folder per save_state call (DeepSpeed's tag inside, random_states_R.pkl)",
             resumes_itself=True, picks_newest=True, config_env=ACCELERATE_CONFIG_ENV,
-            own_optimizer=True,
+            own_optimizer=True, cpu_hook=True,
             incomplete="accelerate writes its scheduler and registered objects on the main "
                        "process only: pass ProjectConfiguration(save_on_each_node=True) to "
                        "Accelerator(...), or use --storage shared",
@@ -133,6 +141,7 @@ class ProgramChoice:
     profile: Profile
     why: str
     resume: tuple[str, ...] = ()
+    note: str = ""  # what the launch adds for it beyond the table's columns (cpu_hook_note)
 
     @property
     def name(self) -> str:
@@ -142,7 +151,8 @@ class ProgramChoice:
         """``program profile: hf-trainer (its source builds transformers' Trainer)``."""
         how = f"; resumes with {' '.join(self.resume)}" if self.resume else (
             "; resumes by itself" if self.profile.resumes_itself else "; no way to resume known")
-        return f"program profile: {self.name} ({self.why}){how}"
+        return f"program profile: {self.name} ({self.why}){how}" + (
+            f"; {self.note}" if self.note else "")
 
 
 # What a program's source shows, first match wins: a Trainer script is HF's whatever else
@@ -364,3 +374,24 @@ def began_fresh_line(tag: str, job_id: str) -> str:
             f"was complete on every node and passed to it (it logged progress before any "
             f"resume) -- check its resume flag: relaunch with --resume-arg 'FLAG {DIR_FIELD}' "
             "or --program NAME (docs/programs.md)")
+
+
+def cpu_hook_env(profile: Profile, *, cpu: bool, job_dir: str, pythonpath: str | None
+                 ) -> dict[str, str]:
+    """The environment of a node's ranks for the profile's CPU hook: the job dir (which
+    holds :data:`CPU_HOOK_FILE`) first on ``PYTHONPATH``, the node's own entries after it;
+    nothing for a node whose ranks have GPUs (accelerate finds its backend there) or a
+    profile without the hook."""
+    if not (profile.cpu_hook and cpu):
+        return {}
+    rest = [p for p in (pythonpath or "").split(":") if p and p != job_dir]
+    return {"PYTHONPATH": ":".join([job_dir, *rest])}
+
+
+def cpu_hook_note(profile: Profile, cpu_nodes: Sequence[str]) -> str:
+    """What the profile line says of the hook (launch, --dry-run); empty without one."""
+    if not (profile.cpu_hook and cpu_nodes):
+        return ""
+    return (f"on CPU ranks ({fold(cpu_nodes)}) accelerate picks no process group by "
+            f"itself: their PYTHONPATH starts with the job dir, whose {CPU_HOOK_FILE} makes "
+            "it pick gloo as with cpu=True, its DeepSpeed plugin kept")
