@@ -85,7 +85,7 @@ class SlurmBedSpec:
     # Short kill wait: `scancel` sends SIGTERM, then SIGKILL after this many seconds.
     kill_wait_s: int = 5
     # Job credential lifetime = the wait before a requeued job may start (see slurm_conf).
-    cred_expire_s: int = 30
+    cred_expire_s: int = 15
 
 
 def _free_port(address: str) -> int:
@@ -229,8 +229,9 @@ class SlurmBed:
             "CredType=cred/munge",
             # cred_expire is also how long a requeued job waits before it may start again
             # (begin time = requeue + cred_expire + 1; default 120 s, which was most of
-            # the node-local requeue test). 30 s still leaves a loaded 2-core machine
-            # time to launch a step with its credential.
+            # the node-local requeue test). 15 s still leaves a loaded 2-core machine
+            # time to launch a step with its credential (30 s before: each requeue in
+            # the suite waited that long).
             f"AuthInfo=socket={self.munge_socket},cred_expire={self.spec.cred_expire_s}",
             "SlurmUser=root",
             "SlurmdUser=root",
