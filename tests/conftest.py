@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests import module_seconds
 from tests.slurmbed.fixtures import slurm, slurm_bed  # noqa: F401  (Slurm test bed fixtures)
 from tests.testbed import Testbed, TestNode, unavailable_reason
 
@@ -60,32 +61,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("extended") is not None and not EXTENDED:
             item.add_marker(pytest.mark.skip(reason=f"extended variant: {EXTENDED_ENV}=1 runs it"))
     if hasattr(config, "workerinput"):
-        # In an xdist worker: the longest modules first (the scheduler hands out modules
-        # in collection order, one at a time), so the run ends on short modules that fill
-        # both workers, never on one worker alone with a long module. A stable sort: a
-        # module's tests keep their order.
+        # In an xdist worker: the longest modules first, by their measured seconds
+        # (tests/module_seconds.py), so the run ends on short modules that fill both
+        # workers, never on one worker alone with a long module. The scheduler keeps
+        # this order only with --no-loadscope-reorder (pyproject addopts): by default
+        # xdist >= 3.6 reorders modules by their number of tests, which put the
+        # one-test trainings (test_nonroot_testbed, test_sbatch_replica_slurm) last.
+        # A stable sort: a module's tests keep their order.
         cost = _module_cost(items)
-        items.sort(key=lambda item: cost[_module(item)])
-
-
-# Longest first: modules with a `slow` test (DeepSpeed training, tens of
-# seconds), then Slurm and test bed modules (seconds to a minute each), then the rest
-# (milliseconds). Whole modules, in collection order within each: a module fixture
-# (test_doctor_testbed's `bed`) is set up once per worker that runs its tests.
-COST_MARKERS = ("slow", "slurm", "testbed")
+        items.sort(key=lambda item: -cost[_module(item)])
 
 
 def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
-def _module_cost(items: list[pytest.Item]) -> dict[str, int]:
-    cost: dict[str, int] = {}
+def _module_cost(items: list[pytest.Item]) -> dict[str, float]:
+    """Seconds per module: measured, or estimated from its costliest marker."""
+    measured = module_seconds.load()
+    markers: dict[str, set[str]] = {}
     for item in items:
-        mine = next((i for i, m in enumerate(COST_MARKERS)
-                     if item.get_closest_marker(m) is not None), len(COST_MARKERS))
-        cost[_module(item)] = min(mine, cost.get(_module(item), mine))
-    return cost
+        markers.setdefault(_module(item), set()).update(m.name for m in item.iter_markers())
+    return {mod: measured.get(mod, module_seconds.estimate(names))
+            for mod, names in markers.items()}
 
 
 def _require_testbed() -> None:
