@@ -4,14 +4,16 @@
 It knows nothing of clusterkit. The batch of step S is a function of S (repeatable), and
 rank 0 prints each step's loss, then ``final loss at step S: L``.
 
-Test hook: ``--crash_at_step N --crash_rank R --crash_once FILE`` SIGKILLs global rank R
-after step N, once (FILE says it happened).
+Test hooks: ``--crash_at_step N --crash_rank R --crash_once FILE`` SIGKILLs global rank R
+after step N, once (FILE says it happened); ``--step_sleep S`` sleeps S seconds after each
+step (time to lose a node mid-run; the numbers do not change).
 """
 
 import argparse
 import os
 import re
 import signal
+import time
 
 import torch
 from accelerate import Accelerator
@@ -32,6 +34,7 @@ def main():
     p.add_argument("--crash_at_step", type=int, default=0)
     p.add_argument("--crash_rank", type=int, default=1)
     p.add_argument("--crash_once", default="")
+    p.add_argument("--step_sleep", type=float, default=0.0)
     args = p.parse_args()
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
     set_seed(0)
@@ -64,6 +67,7 @@ def main():
             open(args.crash_once, "w").close()
             print(f"test hook: killing rank {rank} at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(args.step_sleep)
     accelerator.print(f"final loss at step {args.steps}: {loss_value:.8f}")
     accelerator.end_training()
 
