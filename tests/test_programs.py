@@ -20,7 +20,7 @@ from clusterkit.fold import Folded
 from clusterkit.inventory import load_inventory
 from clusterkit.jobs.recover import resume_plan, resumed_program
 from clusterkit.launch.fromplan import checkpoint_prep, job_from_plan
-from clusterkit.launch.run import needs_ready, resume_watch
+from clusterkit.launch.run import needs_ready, resume_note, resume_watch
 from clusterkit.node import accelerate_cpu
 from clusterkit.node.agent_files import ready_checkpoints
 from clusterkit.node.contract import ASIDE_SUFFIX, JobDir
@@ -356,6 +356,19 @@ NEEDS = [  # profile -> a restart on the same nodes is readied first (node-local
 def test_which_restarts_are_readied(text: str, resume: str | None, want: bool) -> None:
     assert needs_ready(_plan(text, (), resume_arg=resume)) is want
     assert needs_ready(_plan(text, (), resume_arg=resume, storage="shared")) is False
+
+
+def test_a_restart_of_a_profile_clusterkit_readies_says_so() -> None:
+    """Not the node-local trap (DeepSpeed's `latest` on rank 0's node only) for a program
+    whose checkpoint clusterkit readies before the restart."""
+    for text in (ACC_SRC, DS_SRC, SNAP_SRC):
+        plan = _plan(text, ())
+        assert plan.profile is not None and needs_ready(plan)
+        note = resume_note(False, "node-local", plan)
+        assert note == (f"{plan.profile.name} resumes by itself; clusterkit readies the newest "
+                        "checkpoint complete on every node for it first (docs/programs.md)")
+    for text in (CONTRACT_SRC, "print(1)\n"):
+        assert "explicit tag" in resume_note(False, "node-local", _plan(text, ()))
 
 
 def test_accelerate_gets_a_node_local_library_config() -> None:

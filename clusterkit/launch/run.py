@@ -335,6 +335,12 @@ def resume_note(workload: bool, storage: str, plan: JobPlan | None = None) -> st
     if prof is not None and prof.resume and storage == StorageKind.NODE_LOCAL:
         return (f"clusterkit resumes it from the newest checkpoint complete on every node "
                 f"({' '.join(prof.resume)})")
+    if prof is not None and prof.profile.resumes_itself and prof.name != CONTRACT \
+            and storage == StorageKind.NODE_LOCAL:
+        # A profile whose checkpoint clusterkit readies (needs_ready): the trap below is
+        # handled for it (accelerate loads an explicit tag; `latest`, copies, set-asides).
+        return (f"{prof.name} resumes by itself; clusterkit readies the newest checkpoint "
+                "complete on every node for it first (docs/programs.md)")
     if storage == StorageKind.NODE_LOCAL:
         # Seen as a user: load_checkpoint(tag=None) resumed node 0 only, the others
         # started fresh, and DeepSpeed failed on "tag name ... not consistent".
