@@ -24,7 +24,7 @@ from clusterkit.jobs.resolve import NodeChoice
 from clusterkit.jobs.status import JobStatus, job_status, list_jobs
 from clusterkit.jobs.stop import StopResult, stop_job
 from clusterkit.jobs.sync import SyncHooks, sync_hosts
-from clusterkit.launch.jobs import JobRecord
+from clusterkit.launch.registry import JobRecord
 from clusterkit.launch.run import LaunchResult
 from clusterkit.launchers import DEFAULT_LAUNCHER
 from clusterkit.node.protocol import DEFAULT_GRACE_S

@@ -28,7 +28,7 @@ from clusterkit.checks.gpu_topology import GpuInfo
 from clusterkit.checks.infiniband import IBPort
 from clusterkit.checks.rules_base import DoctorContext, GiB
 from clusterkit.launch.fromplan import job_from_plan
-from clusterkit.launch.jobs import Registry
+from clusterkit.launch.registry import Registry
 from clusterkit.launch.run import _record
 from clusterkit.launchers.base import DoctorMode
 from clusterkit.spec.jobrecord import JobState

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.cli.main import build_parser, main
-from clusterkit.launch.jobs import JobRecord, NodeRecord, Registry
+from clusterkit.launch.registry import JobRecord, NodeRecord, Registry
 from clusterkit.remote.base import SSHTarget
 
 

@@ -382,7 +382,7 @@ def test_overlapped_hashing_refuses_a_file_changed_since_listing(
 
 
 def test_cli_job_mode_uses_the_job_record(tmp_path: Path) -> None:
-    from clusterkit.launch.jobs import JobRecord, NodeRecord, Registry
+    from clusterkit.launch.registry import JobRecord, NodeRecord, Registry
 
     home = tmp_path / "home"
     roots = [str(tmp_path / f"node{i}" / "ckpt") for i in (1, 2)]

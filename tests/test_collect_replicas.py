@@ -220,7 +220,7 @@ def test_health_per_tag_newest_first(tmp_path: Path, transport: DispatchTranspor
 def test_status_job_shows_replica_health(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     from clusterkit.cli.main import main
-    from clusterkit.launch.jobs import JobRecord, NodeRecord, Registry
+    from clusterkit.launch.registry import JobRecord, NodeRecord, Registry
 
     nodes = _make(tmp_path, n=3)
     home = tmp_path / "home"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.launch.jobs import JobRecord, NodeRecord, Registry
+from clusterkit.launch.registry import JobRecord, NodeRecord, Registry
 from clusterkit.spec.jobrecord import JobCheckpoints
 from tests import synthetic_ckpt as synthetic
 from tests.testbed import Testbed

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.cli.main import main
-from clusterkit.launch.jobs import JobRecord, Registry
+from clusterkit.launch.registry import JobRecord, Registry
 from clusterkit.node.contract import STORAGE_KINDS, StorageKind
 from clusterkit.node.protocol import ProtocolError, StopReply
 from clusterkit.spec.jobrecord import JobCheckpoints, JobState, RankSpan

@@ -16,7 +16,7 @@ from clusterkit.errors import CheckpointError, LaunchError
 from clusterkit.inventory import Inventory, parse_inventory
 from clusterkit.jobs.collect import CollectHooks, CollectRequest, CollectResult, collect_job
 from clusterkit.jobs.resolve import NodeChoice, find_job, resolve_nodes
-from clusterkit.launch.jobs import JobRecord, NodeRecord, Registry
+from clusterkit.launch.registry import JobRecord, NodeRecord, Registry
 from clusterkit.node.contract import StorageKind, marker_name
 from clusterkit.remote.base import SSHTarget
 from clusterkit.spec.jobrecord import JobCheckpoints

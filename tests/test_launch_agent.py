@@ -510,7 +510,7 @@ def test_status_lists_each_rank_pid_not_its_helpers(tmp_path: Path) -> None:
 def test_status_text_names_pids_and_the_launcher() -> None:
     from clusterkit.cli.cmd_status import ranks_text
     from clusterkit.jobs.status import NodeStatus
-    from clusterkit.launch.jobs import JobRecord
+    from clusterkit.launch.registry import JobRecord
 
     def _ranks_text(answer: dict[str, Any]) -> str:  # an agent's `--status` answer, shown
         return ranks_text(NodeStatus.from_answer("n1", answer))

@@ -10,7 +10,7 @@ import pytest
 
 from clusterkit.errors import LaunchError
 from clusterkit.launch.fromplan import job_from_plan
-from clusterkit.launch.jobs import Registry
+from clusterkit.launch.registry import Registry
 from clusterkit.launch.run import _record, check_continue, resume_note
 from tests.helpers import recorded_failed_job
 from tests.render_cases import plan_for

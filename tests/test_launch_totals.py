@@ -13,8 +13,8 @@ import pytest
 
 from clusterkit.launch import run as run_mod
 from clusterkit.launch.console import PlainSink
-from clusterkit.launch.jobs import Registry
 from clusterkit.launch.outcome import JobOutcome
+from clusterkit.launch.registry import Registry
 from clusterkit.launch.run import LaunchSettings, launch
 from clusterkit.spec.job import JobOptions
 from tests.render_cases import plan_for

@@ -21,7 +21,7 @@ from clusterkit.hostfile import apply_replace, parse_replace, select, select_hos
 from clusterkit.inventory import parse_inventory
 from clusterkit.jobs.recover import prepare_continue, restore_replacements
 from clusterkit.launch.fromplan import job_from_plan
-from clusterkit.launch.jobs import JobRecord
+from clusterkit.launch.registry import JobRecord
 from clusterkit.launch.run import (
     Replacement,
     _record,

@@ -19,8 +19,8 @@ from clusterkit.errors import CheckpointError
 from clusterkit.inventory import Host, parse_inventory
 from clusterkit.jobs.doctor import spare_hosts
 from clusterkit.launch.gate import missing_problem, script_is_here
-from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.outcome import exit_status
+from clusterkit.launch.registry import JobRecord, Registry
 from clusterkit.launch.run import record_refusal
 from clusterkit.spec.jobrecord import JobState
 from tests.render_cases import plan_for

@@ -18,8 +18,8 @@ from clusterkit.errors import TransportError
 from clusterkit.launch import run as run_mod
 from clusterkit.launch.console import PlainSink
 from clusterkit.launch.gate import GateNode, run_gate
-from clusterkit.launch.jobs import Registry
 from clusterkit.launch.outcome import JobOutcome
+from clusterkit.launch.registry import Registry
 from clusterkit.launch.run import LaunchSettings, launch
 from clusterkit.node.gatefacts import need_unshared
 from clusterkit.remote import fanout

@@ -21,7 +21,7 @@ import pytest
 from clusterkit.checkpoints.replicas.assemble import assemble, ranks_of_map, ranks_of_slots
 from clusterkit.checkpoints.replicas.health import health, list_all
 from clusterkit.checkpoints.sources.base import CollectNode
-from clusterkit.launch.jobs import JobRecord, NodeRecord, Registry
+from clusterkit.launch.registry import JobRecord, NodeRecord, Registry
 from clusterkit.node import contract
 from clusterkit.node.contract import MARKER_GLOB
 from clusterkit.node.replica_rules import part_problem

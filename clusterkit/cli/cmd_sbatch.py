@@ -212,9 +212,9 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
 
 
 def _register(job_dir: str, slurm_id: str) -> None:
-    """The job in the local registry (launch/jobs.py): collect-ckpt finds it by
+    """The job in the local registry (launch/registry.py): collect-ckpt finds it by
     clusterkit's id or Slurm's. The job is submitted already: a failure only warns."""
-    from clusterkit.launch.jobs import Registry
+    from clusterkit.launch.registry import Registry
 
     try:
         Registry(clusterkit_home()).record_sbatch(job_dir, slurm_id)

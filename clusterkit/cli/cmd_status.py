@@ -12,7 +12,7 @@ from clusterkit.hostrange import folded_lines
 
 if TYPE_CHECKING:
     from clusterkit.jobs.status import JobStatus, NodeStatus
-    from clusterkit.launch.jobs import JobRecord
+    from clusterkit.launch.registry import JobRecord
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

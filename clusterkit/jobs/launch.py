@@ -34,8 +34,8 @@ from clusterkit.launch.gate import (
     run_gate,
     script_is_here,
 )
-from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.recording import recording
+from clusterkit.launch.registry import JobRecord, Registry
 from clusterkit.launch.run import (
     LaunchResult,
     LaunchSettings,

@@ -45,7 +45,7 @@ from clusterkit.jobs.restore import (
     swap_names,
 )
 from clusterkit.jobs.spread import spread_files
-from clusterkit.launch.jobs import JobRecord
+from clusterkit.launch.registry import JobRecord
 from clusterkit.launch.run import (
     Replacement,
     continue_swaps,

@@ -26,7 +26,7 @@ from clusterkit.checkpoints.replicas.assemble import Assembly
 from clusterkit.errors import CheckpointError, LaunchError
 from clusterkit.jobs.resolve import recorded_nodes
 from clusterkit.jobs.restore import Say, collect_node, push_files, staging_dir
-from clusterkit.launch.jobs import JobRecord
+from clusterkit.launch.registry import JobRecord
 from clusterkit.node.contract import ENV_RESUME_TAG
 from clusterkit.node.hashing import sha256_file
 from clusterkit.remote.base import Transport

@@ -24,7 +24,7 @@ from clusterkit.errors import CheckpointError
 from clusterkit.hostfile import filter_resources, select_hosts
 from clusterkit.hostrange import fold
 from clusterkit.inventory import Host, Inventory
-from clusterkit.launch.jobs import SBATCH_SCRIPT, JobRecord, Registry, is_sbatch_dir
+from clusterkit.launch.registry import SBATCH_SCRIPT, JobRecord, Registry, is_sbatch_dir
 from clusterkit.node.contract import JobDir
 from clusterkit.remote.base import SSHTarget, target_for
 from clusterkit.slurm.client import SlurmClient

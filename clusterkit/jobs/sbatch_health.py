@@ -17,7 +17,7 @@ from clusterkit.checkpoints.collectplan import WithoutMarkers
 from clusterkit.checkpoints.replicas.health import JobHealth, TagHealth, health, list_all
 from clusterkit.errors import ClusterkitError
 from clusterkit.jobs.resolve import NodeChoice, batch_job_nodes
-from clusterkit.launch.jobs import JobRecord, Registry
+from clusterkit.launch.registry import JobRecord, Registry
 from clusterkit.remote.dispatch import transport_for
 
 

@@ -25,8 +25,8 @@ from clusterkit.checkpoints.replicas.health import (
     job_nodes,
     list_all,
 )
-from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.orchestrator import agent_control
+from clusterkit.launch.registry import JobRecord, Registry
 from clusterkit.remote.base import Transport
 from clusterkit.remote.dispatch import transport_for
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from clusterkit.errors import LaunchError
 from clusterkit.jobs.status import last_json
-from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.orchestrator import agent_control
+from clusterkit.launch.registry import JobRecord, Registry
 from clusterkit.node.protocol import DEFAULT_GRACE_S, ProtocolError, StopReply
 from clusterkit.remote.dispatch import transport_for
 from clusterkit.spec.jobrecord import JobState

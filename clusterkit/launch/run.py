@@ -25,10 +25,10 @@ from clusterkit.launch.attempts import AttemptEnd, Next, RestartRules, RestartSt
 from clusterkit.launch.console import Sink
 from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.gate import gate_error, gate_nodes, run_gate, script_is_here
-from clusterkit.launch.jobs import JobRecord, Registry
 from clusterkit.launch.jobspec import JobSpec
 from clusterkit.launch.orchestrator import Orchestrator
 from clusterkit.launch.outcome import JobOutcome, describe_failure
+from clusterkit.launch.registry import JobRecord, Registry
 from clusterkit.launch.resumewatch import ResumeWatch
 from clusterkit.launchers import BACKENDS, launcher_name
 from clusterkit.node.contract import JobDir, StorageKind

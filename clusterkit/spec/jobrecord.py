@@ -1,4 +1,4 @@
-"""The value types of a job record (``launch/jobs.py``'s ``JobRecord``) that verbs above
+"""The value types of a job record (``launch/registry.py``'s ``JobRecord``) that verbs above
 ``launch`` read: its state, and what it says about its checkpoints (status, collect-ckpt
 and recovery, in ``checkpoints/`` and ``cli/``, which do not import ``launch``).
 
