@@ -12,7 +12,7 @@ import pytest
 
 from clusterkit.errors import ClusterkitError
 from clusterkit.node import envfacts
-from clusterkit.remote.envcopy import Part, describe_local, editable_trees, refusal, unchanged
+from clusterkit.provision.envcopy import Part, describe_local, editable_trees, refusal, unchanged
 
 HERE = {"machine": "x86_64", "glibc": "2.35", "os": "ubuntu 22.04",
         "paths": {"/opt/env": {"state": "env"}}}
@@ -169,7 +169,7 @@ def test_envfacts_runs_shipped_on_a_bare_python(python: str, tmp_path: Path) -> 
 
 
 def test_a_part_the_node_shares_with_the_launcher_is_left_alone() -> None:
-    from clusterkit.remote.envcopy import shared_here
+    from clusterkit.provision.envcopy import shared_here
 
     there = {"paths": {"/opt/env": {"state": "env", "record": {"digest": "d", "token": "t1"}}}}
     assert shared_here("t1", there, PARTS[0])

@@ -192,7 +192,7 @@ def test_build_root_is_torchs_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def test_which_nodes_build_and_the_console_line() -> None:
-    from clusterkit.remote.jitbuild import OpsReport, missing
+    from clusterkit.provision.jitbuild import OpsReport, missing
 
     assert missing({"deepspeed": False, "ops": {}}) == []  # the gate names a missing package
     assert missing({"deepspeed": True, "ops": {"A": "built", "B": "missing", "C": "building"}}) \

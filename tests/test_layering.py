@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("plan", "render"),  # siblings: the decisions; the one render of them
     ("remote", "slurm"),
     ("sync",),  # clusterkit sync's engine, above the transport it drives (docs/sync.md)
+    ("provision",),  # node preparation: nodes env (through sync), install, build-ops
     ("checks", "launch", "checkpoints"),
     ("workload",),
     ("jobs",),  # a job as a whole: recovery, resolution, collect-ckpt end to end
@@ -36,10 +37,7 @@ LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 # Imported by name only where a package has no dependency of its own on clusterkit.
 STDLIB_ONLY = ("node",)
 # (module, package it imports against the order): the reason it may stay. To stay empty.
-ALLOWED: dict[tuple[str, str], str] = {
-    ("clusterkit/remote/envcopy.py", "sync"): "provisioning is still in remote/ (issue 36 "
-    "item 4 moves it above sync); nodes env copies an environment through sync's engine",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _package(path: Path, root: Path) -> str:
@@ -126,10 +124,12 @@ def test_the_transport_imports_nothing_above_it() -> None:
     assert above == set()
 
 
-def test_sync_does_not_import_launch() -> None:
-    # The engine serves clusterkit sync, launch --sync and nodes env alike: launch calls it,
-    # never the other way round.
-    assert {(m, dst) for m, dst in _imported("sync") if dst in ("launch", "jobs")} == set()
+def test_sync_and_provisioning_do_not_import_launch() -> None:
+    # The engine serves clusterkit sync, launch --sync and nodes env alike, provisioning
+    # serves nodes env/install/build-ops and the launch gate: launch calls them, never
+    # the other way round.
+    for package in ("sync", "provision"):
+        assert {(m, dst) for m, dst in _imported(package) if dst in ("launch", "jobs")} == set()
 
 
 def test_docs_list_the_same_layers() -> None:

@@ -100,7 +100,7 @@ def test_nodes_install_is_offline_verified_and_idempotent(
     assert main(["nodes", "install", "-i", str(inv)]) == 0  # builds the wheel itself
     assert "v0: installed (clusterkit" in capsys.readouterr().out
     # Idempotence for one wheel (the shared tree may change between two builds here).
-    from clusterkit.remote.install import build_wheel
+    from clusterkit.provision.install import build_wheel
 
     wheel = str(build_wheel(str(tmp_path / "wheel")))
     main(["nodes", "install", "-i", str(inv), "--wheel", wheel])

@@ -113,7 +113,7 @@ def test_nodes_install_over_ssh_then_the_nodes_import_this_clusterkit(
     python = str(venv / "bin" / "python")
     inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes[:3], slots=1, python=python)
     env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
-    from clusterkit.remote.install import build_wheel
+    from clusterkit.provision.install import build_wheel
 
     # One wheel for both runs: the shared tree may change between two builds here.
     (tmp_path / "wheel").mkdir()
@@ -135,7 +135,7 @@ def test_nodes_install_over_ssh_then_the_nodes_import_this_clusterkit(
 
     parity = {f["host"]: f["status"] for f in json.loads(doctor.stdout)["findings"]
               if f["check"] == "version.clusterkit"}
-    from clusterkit.remote.install import local_digest, wheel_digest
+    from clusterkit.provision.install import local_digest, wheel_digest
 
     # PASS unless another engineer changed the shared tree since the wheel was built.
     same = wheel_digest(Path(wheel), str(tmp_path / "unpack")) == local_digest()

@@ -214,7 +214,7 @@ def fanout_transport(plan: DoctorPlan,
 
 
 def _local_digest() -> str:
-    from clusterkit.remote.install import local_digest
+    from clusterkit.provision.install import local_digest
 
     return local_digest()
 
@@ -224,7 +224,7 @@ def clusterkit_parity(facts: Mapping[str, NodeFacts], digest: str | None = None)
 
     WARN, not FAIL: only the bundled workload needs clusterkit on the nodes.
     """
-    from clusterkit.remote.install import local_digest
+    from clusterkit.provision.install import local_digest
 
     want = digest or local_digest()
     out = []

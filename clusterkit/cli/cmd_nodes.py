@@ -74,9 +74,9 @@ def _selected(args: argparse.Namespace) -> list[tuple[Host, list[int]]]:
 
 def cmd_install(args: argparse.Namespace) -> int:
     from clusterkit.hostrange import folded_lines
+    from clusterkit.provision.install import InstallNode, check_wheel, install_all
     from clusterkit.remote.base import target_for
     from clusterkit.remote.dispatch import transport_for
-    from clusterkit.remote.install import InstallNode, check_wheel, install_all
 
     if args.wheel:
         check_wheel(Path(args.wheel))  # before any node is asked
@@ -98,9 +98,9 @@ def cmd_env(args: argparse.Namespace) -> int:
     from clusterkit.cli.syncshow import Shower
     from clusterkit.hostrange import folded_lines
     from clusterkit.jobs.here import clusterkit_home
+    from clusterkit.provision.envcopy import EnvNode, describe_local, distribute_transfer, replicate
     from clusterkit.remote.base import target_for
     from clusterkit.remote.dispatch import transport_for
-    from clusterkit.remote.envcopy import EnvNode, describe_local, distribute_transfer, replicate
     from clusterkit.remote.openssh import with_openssh
 
     chosen = _selected(args)
@@ -156,9 +156,9 @@ def _ds_config(path: str | None) -> dict[str, object] | None:
 
 def cmd_build_ops(args: argparse.Namespace) -> int:
     from clusterkit.hostrange import folded_lines
+    from clusterkit.provision.jitbuild import OpsNode, build_all, summary
     from clusterkit.remote.base import target_for
     from clusterkit.remote.dispatch import transport_for
-    from clusterkit.remote.jitbuild import OpsNode, build_all, summary
 
     request = {"ops": list(args.op), "ds_config": _ds_config(args.ds_config),
                "remove_stale": args.remove_stale_locks}

@@ -36,9 +36,9 @@ from clusterkit.node.gatefacts import (
 )
 from clusterkit.node.parity import holders, majority
 from clusterkit.node.ship import node_command
+from clusterkit.provision.jitbuild import OpsNode, ready_ops
 from clusterkit.remote.base import SSHTarget, Transport, target_for
 from clusterkit.remote.dispatch import transport_for
-from clusterkit.remote.jitbuild import OpsNode, ready_ops
 from clusterkit.render.jobops import job_ops
 from clusterkit.spec.job import JobPlan, NodePlan
 

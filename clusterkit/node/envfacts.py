@@ -53,7 +53,7 @@ CHUNK = 1 << 20
 SKIP_DIRS = ("__pycache__", ".git")
 SKIP_SUFFIXES = (".pyc",)
 TOP_SKIP = (RECORD_DIR, SYNC_STATE_DIR)  # ours and clusterkit sync's state, at the top only
-# The same, as the gitignore-style rules clusterkit sync's engine takes (remote/envcopy.py).
+# The same, as the gitignore-style rules clusterkit sync's engine takes (provision/envcopy.py).
 SKIPPED = (*(f"{d}/" for d in SKIP_DIRS), *(f"*{x}" for x in SKIP_SUFFIXES),
            *(f"/{d}/" for d in TOP_SKIP))
 

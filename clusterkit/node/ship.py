@@ -60,7 +60,7 @@ PROGRAMS: dict[str, Program] = {
     "gatefacts": Program(("contract", "sitepaths", "parity", "dist_store", "hashing", "envfacts",
                           "gatefacts")),
     "dist": Program(("hashing", "dist_store", "dist_wire", "dist")),  # clusterkit sync: one node of the chain
-    # nodes env: facts, verify, record (remote/envcopy.py)
+    # nodes env: facts, verify, record (provision/envcopy.py)
     "envfacts": Program(("contract", "dist_store", "hashing", "envfacts")),
     "jitops": Program(("buildowner", "jitops"), site=True),  # nodes build-ops: imports deepspeed to build
     # sbatch.sh's JIT ops step, one task per node (docs/sbatch.md, "JIT ops")

@@ -25,9 +25,9 @@ from clusterkit.errors import TransportError
 from clusterkit.hostrange import fold
 from clusterkit.node.jitops import OP_NAMES, describe
 from clusterkit.node.ship import node_command
+from clusterkit.provision.install import node_json
 from clusterkit.remote.base import CommandResult, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
-from clusterkit.remote.install import node_json
 
 BUILD_TIMEOUT_S = 1800.0  # a CUDA op builds for minutes on a busy node
 CHECK_TIMEOUT_S = 30.0  # a Python start and a few stat()s

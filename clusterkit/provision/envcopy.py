@@ -36,9 +36,9 @@ from typing import Any
 from clusterkit.errors import ClusterkitError, TransportError
 from clusterkit.node import envfacts
 from clusterkit.node.ship import node_command
+from clusterkit.provision.install import node_json
 from clusterkit.remote.base import CommandResult, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
-from clusterkit.remote.install import node_json
 
 FACTS_TIMEOUT_S = 60.0
 FINISH_TIMEOUT_S = 1800.0  # hashes the environment on the node the first time (GBs)
