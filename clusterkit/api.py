@@ -1,4 +1,5 @@
-"""clusterkit from Python: launch, status, stop, doctor, collect and sync (docs/api.md).
+"""clusterkit from Python: launch, status, stop, doctor, collect, sync and node
+preparation (install_nodes, copy_env, build_ops) (docs/api.md).
 
 The CLI verbs call these same functions, so a job launched from a notebook lands in
 the same registry, prints the same console and refuses the same inputs as
@@ -12,7 +13,9 @@ prints as one line with exit code 2. Each call prints what the verb prints.
 
 from __future__ import annotations
 
-from typing import overload
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, overload
 
 from clusterkit.hostfile import select_hosts
 from clusterkit.inventory import Inventory
@@ -20,6 +23,13 @@ from clusterkit.jobs.collect import CollectHooks, CollectRequest, CollectResult,
 from clusterkit.jobs.doctor import DoctorResult, ExtraCheck, run_checks
 from clusterkit.jobs.here import clusterkit_home, find_inventory
 from clusterkit.jobs.launch import Sync, plan_launch, run_launch
+from clusterkit.jobs.prepare import (
+    BuildOpsResult,
+    InstallResult,
+    build_ops_hosts,
+    copy_env_hosts,
+    install_hosts,
+)
 from clusterkit.jobs.resolve import NodeChoice
 from clusterkit.jobs.status import JobStatus, job_status, list_jobs
 from clusterkit.jobs.stop import StopResult, stop_job
@@ -28,6 +38,7 @@ from clusterkit.launch.registry import JobRecord
 from clusterkit.launch.run import LaunchResult
 from clusterkit.launchers import DEFAULT_LAUNCHER
 from clusterkit.node.protocol import DEFAULT_GRACE_S
+from clusterkit.provision.envcopy import EnvSource, NodeEnv
 from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S
 from clusterkit.spec.job import JobOptions, RunOptions
 from clusterkit.sync.types import SyncResult
@@ -149,3 +160,44 @@ def sync(src: str = ".", *, inventory: str | Inventory | None = None,
                           include=include, exclude=exclude)
     return sync_hosts(src, [h for h, _ in chosen], delete=delete, exclude_from=exclude_from,
                       dest=dest, port=port, hooks=hooks)
+
+
+def install_nodes(inventory: str | Inventory | None = None, *, wheel: str | None = None,
+                  nodes: int | None = None, gpus_per_node: int | None = None,
+                  include: str = "", exclude: str = "",
+                  announce: Callable[[int], None] | None = None) -> InstallResult:
+    """``clusterkit nodes install``: this clusterkit (a wheel built here, offline, or
+    ``wheel``) on every selected node. Per-node results; ``group`` says which failed.
+    ``announce`` hears the number of nodes once the wheel passed its check."""
+    chosen = select_hosts(_inventory(inventory), nodes=nodes, gpus_per_node=gpus_per_node,
+                          include=include, exclude=exclude)
+    return install_hosts([h for h, _ in chosen], Path(wheel) if wheel else None,
+                         announce=announce)
+
+
+def copy_env(inventory: str | Inventory | None = None, *, python: str | None = None,
+             node_python: str = "python3", nodes: int | None = None,
+             gpus_per_node: int | None = None, include: str = "", exclude: str = "",
+             announce: Callable[[EnvSource, int], None] | None = None,
+             on_progress: Callable[[Any], None] | None = None) -> dict[str, NodeEnv]:
+    """``clusterkit nodes env``: this machine's Python environment onto every selected
+    node at the same path (docs/sync.md). Per-node results: a node's ``error`` says why
+    it does not hold the environment."""
+    chosen = select_hosts(_inventory(inventory), nodes=nodes, gpus_per_node=gpus_per_node,
+                          include=include, exclude=exclude)
+    return copy_env_hosts([h for h, _ in chosen], python=python, node_python=node_python,
+                          announce=announce, on_progress=on_progress)
+
+
+def build_ops(inventory: str | Inventory | None = None, *, ops: Sequence[str] = (),
+              ds_config: Mapping[str, object] | None = None, remove_stale_locks: bool = False,
+              nodes: int | None = None, gpus_per_node: int | None = None, include: str = "",
+              exclude: str = "") -> BuildOpsResult:
+    """``clusterkit nodes build-ops``: DeepSpeed's JIT ops (those ``ds_config`` needs, and
+    ``ops``) built on every selected node. Per-node answers; ``failed`` names the nodes
+    that could not and why."""
+    chosen = select_hosts(_inventory(inventory), nodes=nodes, gpus_per_node=gpus_per_node,
+                          include=include, exclude=exclude)
+    request = {"ops": list(ops), "ds_config": dict(ds_config) if ds_config is not None else None,
+               "remove_stale": remove_stale_locks}
+    return build_ops_hosts([h for h, _ in chosen], request)

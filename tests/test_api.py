@@ -104,3 +104,45 @@ def test_each_verb_calls_the_api(argv: list[str], name: str, tmp_path: Path,
     if name == "launch":
         options = calls[0][0][0]
         assert isinstance(options, JobOptions) and options.steps == 2 and options.job_id == ""
+
+
+NODES_INV = """\
+schema_version: 1
+cluster: {name: t}
+hosts:
+  node[1-3]:
+    address: 10.0.0.[1-3]
+    slots: 2
+"""
+
+
+@pytest.mark.parametrize(("argv", "name", "want"), [
+    (["nodes", "install", "--wheel", "w.whl"], "install_nodes", {"wheel": "w.whl"}),
+    (["nodes", "env", "--node-python", "/usr/bin/python3"], "copy_env",
+     {"node_python": "/usr/bin/python3", "python": None}),
+    (["nodes", "build-ops", "--op", "CPUAdamBuilder", "--remove-stale-locks"], "build_ops",
+     {"ops": ["CPUAdamBuilder"], "remove_stale_locks": True, "ds_config": None}),
+])
+def test_node_preparation_verbs_call_the_api(argv: list[str], name: str, want: dict[str, Any],
+                                             tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`clusterkit nodes install|env|build-ops` are printing around api.install_nodes,
+    api.copy_env and api.build_ops: the inventory and the selection words reach them."""
+    monkeypatch.setenv("CLUSTERKIT_DEBUG", "1")
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(NODES_INV)
+    calls: list[dict[str, Any]] = []
+
+    class Called(Exception):
+        pass
+
+    def record(*args: Any, **kwargs: Any) -> None:
+        calls.append(kwargs)
+        raise Called
+
+    monkeypatch.setattr(api, name, record)
+    with pytest.raises(Called):
+        main([*argv, "-i", str(inv), "--nodes", "2"])
+    assert len(calls) == 1
+    assert {k: calls[0][k] for k in want} == want
+    assert calls[0]["nodes"] == 2 and calls[0]["exclude"] == ""

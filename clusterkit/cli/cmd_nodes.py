@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+from typing import Any
 
 from clusterkit.cli.argparser import nonempty
 from clusterkit.cli.common import add_inventory_option, add_selection_options, resolve_inventory
 from clusterkit.errors import ClusterkitError
 from clusterkit.hostfile import select_hosts
-from clusterkit.inventory import Host
+from clusterkit.provision.envcopy import EnvSource
+from clusterkit.provision.jitbuild import summary
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -65,60 +66,50 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     ops.set_defaults(func=cmd_build_ops)
 
 
-def _selected(args: argparse.Namespace) -> list[tuple[Host, list[int]]]:
-    """The inventory's hosts the selection options chose, in rank order."""
-    inv = resolve_inventory(args.inventory)
-    return list(select_hosts(inv, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                             include=args.include, exclude=args.exclude))
+def _selection(args: argparse.Namespace) -> dict[str, Any]:
+    """The inventory and the selection options, as the API takes them."""
+    return {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
+            "include": args.include, "exclude": args.exclude}
 
 
 def cmd_install(args: argparse.Namespace) -> int:
+    from clusterkit.api import install_nodes
     from clusterkit.hostrange import folded_lines
-    from clusterkit.provision.install import InstallNode, check_wheel, install_all
-    from clusterkit.remote.base import target_for
-    from clusterkit.remote.dispatch import transport_for
 
-    if args.wheel:
-        check_wheel(Path(args.wheel))  # before any node is asked
-    chosen = _selected(args)
-    nodes = [InstallNode(h.name, target_for(h), h.python or sys.executable) for h, _ in chosen]
-    print(f"installing clusterkit on {len(nodes)} node(s)"
-          + (f" from {args.wheel}" if args.wheel else " (wheel built here, offline)"),
-          file=sys.stderr)
-    with transport_for() as transport:
-        results, group = install_all(transport, nodes, Path(args.wheel) if args.wheel else None)
-    for line in folded_lines(((n, r.summary()) for n, r in results.items()),
-                             [n.name for n in nodes]):
+    inv = resolve_inventory(args.inventory)
+    chosen = [h.name for h, _ in select_hosts(inv, **_selection(args))]
+
+    def announce(count: int) -> None:
+        print(f"installing clusterkit on {count} node(s)"
+              + (f" from {args.wheel}" if args.wheel else " (wheel built here, offline)"),
+              file=sys.stderr)
+
+    done = install_nodes(inv, wheel=args.wheel, announce=announce, **_selection(args))
+    for line in folded_lines(((n, r.summary()) for n, r in done.nodes.items()), chosen):
         print(f"  {line}")
-    group.raise_on_failure("nodes install")
+    done.group.raise_on_failure("nodes install")
     return 0
 
 
-def cmd_env(args: argparse.Namespace) -> int:
-    from clusterkit.cli.syncshow import Shower
-    from clusterkit.hostrange import folded_lines
-    from clusterkit.jobs.here import clusterkit_home
-    from clusterkit.provision.envcopy import EnvNode, describe_local, distribute_transfer, replicate
-    from clusterkit.remote.base import target_for
-    from clusterkit.remote.dispatch import transport_for
-    from clusterkit.remote.openssh import with_openssh
-
-    chosen = _selected(args)
-    source = describe_local(args.python)  # an editable tree that cannot travel: refused here
-    nodes = [EnvNode(h.name, target_for(h), args.node_python, h.address, dict(h.env))
-             for h, _ in chosen]
+def _announce(source: EnvSource, count: int) -> None:
     print(f"environment {source.prefix} (Python {source.python_version}) -> "
-          f"{len(nodes)} node(s), at the same path:", file=sys.stderr)
+          f"{count} node(s), at the same path:", file=sys.stderr)
     for part in source.parts:
         how = "" if part.copy else " (the OS's: checked, not copied)"
         print(f"  {part.role}: {part.path}{how}", file=sys.stderr)
-    cache = str(clusterkit_home() / "sync-cache")
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from clusterkit.api import copy_env
+    from clusterkit.cli.syncshow import Shower
+    from clusterkit.hostrange import folded_lines
+
+    inv = resolve_inventory(args.inventory)
+    order = [h.name for h, _ in select_hosts(inv, **_selection(args))]
     show = Shower(False)  # clusterkit sync's progress line, for each part that travels
-    with transport_for() as transport:
-        results = replicate(with_openssh(transport), nodes, source, transfer=lambda t, ns, part:
-                            distribute_transfer(t, ns, part, cache_dir=cache, on_progress=show))
+    results = copy_env(inv, python=args.python, node_python=args.node_python,
+                       announce=_announce, on_progress=show, **_selection(args))
     show.close()
-    order = [n.name for n in nodes]
     good = {n: r for n, r in results.items() if not r.error}
     for line in folded_lines(((n, r.summary()) for n, r in good.items()), order):
         print(f"  {line}")
@@ -155,26 +146,21 @@ def _ds_config(path: str | None) -> dict[str, object] | None:
 
 
 def cmd_build_ops(args: argparse.Namespace) -> int:
+    from clusterkit.api import build_ops
     from clusterkit.hostrange import folded_lines
-    from clusterkit.provision.jitbuild import OpsNode, build_all, summary
-    from clusterkit.remote.base import target_for
-    from clusterkit.remote.dispatch import transport_for
 
-    request = {"ops": list(args.op), "ds_config": _ds_config(args.ds_config),
-               "remove_stale": args.remove_stale_locks}
-    chosen = _selected(args)
-    nodes = [OpsNode(h.name, target_for(h), h.python or sys.executable, dict(h.env))
-             for h, _ in chosen]
-    print(f"building DeepSpeed's JIT ops on {len(nodes)} node(s)", file=sys.stderr)
-    with transport_for() as transport:
-        results, failed = build_all(transport, nodes, request)
-    order = [n.name for n in nodes]
-    for line in folded_lines(((n, summary(r)) for n, r in results.items()), order):
+    ds_config = _ds_config(args.ds_config)  # before any node is asked
+    inv = resolve_inventory(args.inventory)
+    order = [h.name for h, _ in select_hosts(inv, **_selection(args))]
+    print(f"building DeepSpeed's JIT ops on {len(order)} node(s)", file=sys.stderr)
+    built = build_ops(inv, ops=args.op, ds_config=ds_config,
+                      remove_stale_locks=args.remove_stale_locks, **_selection(args))
+    for line in folded_lines(((n, summary(r)) for n, r in built.nodes.items()), order):
         print(f"  {line}")
-    if failed:
+    if built.failed:
         raise ClusterkitError(
-            f"nodes build-ops: {len(failed)} of {len(nodes)} node(s) failed: "
-            + "; ".join(folded_lines(failed.items(), order)),
+            f"nodes build-ops: {len(built.failed)} of {len(order)} node(s) failed: "
+            + "; ".join(folded_lines(built.failed.items(), order)),
             hint="fix what the line says and run it again (built ops are kept)")
     return 0
 
