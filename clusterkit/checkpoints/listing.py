@@ -4,12 +4,12 @@ it: the command that asks for it and the parse of its JSON into a :class:`NodeLi
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from clusterkit.node.listing import LISTING_VERSION
+from clusterkit.node.protocol import answer_of
 from clusterkit.node.ship import NodeCommand, node_command
 
 
@@ -73,7 +73,7 @@ class NodeListing:
 def parse_listing(node: str, index: int, root: str, stdout: str) -> NodeListing:
     """Parse the listing script's JSON; a malformed answer becomes ``error``."""
     try:
-        raw = json.loads(stdout.strip().splitlines()[-1] if stdout.strip() else "")
+        raw = answer_of(stdout, "the listing")
         if not isinstance(raw, dict) or raw.get("v") != LISTING_VERSION:
             raise ValueError("unexpected listing format")
         tags: dict[str, dict[str, FileInfo] | None] = {}

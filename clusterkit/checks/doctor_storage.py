@@ -11,13 +11,13 @@ launch's gate does the same, the agents dropping theirs after GO). The verdict i
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Mapping
 
 from clusterkit.checks.facts import NodeFacts
 from clusterkit.node.gatefacts import need_unshared
+from clusterkit.node.protocol import ProtocolError, answer_of
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import SSHTarget, Transport
 
@@ -40,8 +40,8 @@ def shared_dir_tokens(nodes: Mapping[str, tuple[SSHTarget, str]], local_dirs: Ma
         found = _run(transport, nodes, {h: list(n) for h, n in needs.items()})
         for host, stdout in found.items():
             try:
-                seen = json.loads(stdout.strip().splitlines()[-1]).get("unshared")
-            except (ValueError, IndexError, AttributeError):
+                seen = answer_of(stdout).get("unshared")
+            except ProtocolError:
                 continue
             if isinstance(seen, dict):
                 out[host] = seen

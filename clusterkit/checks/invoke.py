@@ -9,10 +9,10 @@ source is read once from the installed package, never from the cwd).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
+from clusterkit.node.protocol import ProtocolError, answer_of
 from clusterkit.node.ship import bundle, node_command
 
 FACTS_TIMEOUT_S = 45.0  # probe's own worst case: 15 s commands + 5 s resolution + slack
@@ -64,15 +64,7 @@ def parse_probe_stdout(stdout: str) -> dict[str, Any]:
     Login banners or a noisy ``.bashrc`` may print before the probe starts; they
     are skipped instead of failing the whole node.
     """
-    for line in reversed(stdout.splitlines()):
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(value, dict):
-            return value
-    tail = stdout.strip().splitlines()[-1:] or ["<empty>"]
-    raise ProbeOutputError(f"no JSON result from the probe (last line: {tail[0][:200]!r})")
+    try:
+        return answer_of(stdout, "the probe")
+    except ProtocolError as exc:
+        raise ProbeOutputError(str(exc)) from None

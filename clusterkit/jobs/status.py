@@ -27,6 +27,7 @@ from clusterkit.checkpoints.replicas.health import (
 )
 from clusterkit.launch.orchestrator import agent_control
 from clusterkit.launch.registry import JobRecord, Registry
+from clusterkit.node.protocol import ProtocolError, answer_of
 from clusterkit.remote.base import Transport
 from clusterkit.remote.dispatch import transport_for
 
@@ -154,9 +155,8 @@ def last_json(r: Any) -> dict[str, Any]:
     if r.error is not None:
         return {"error": r.reason()}
     try:
-        value = json.loads(r.result.stdout.strip().splitlines()[-1])
-        return value if isinstance(value, dict) else {"error": "bad answer"}
-    except (ValueError, IndexError):
+        return answer_of(r.result.stdout)
+    except ProtocolError:
         tail = (r.result.stderr or r.result.stdout).strip().splitlines()[-1:] or ["no output"]
         return {"error": f"exit {r.result.exit_code}: {tail[0]}"}
 

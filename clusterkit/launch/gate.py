@@ -14,7 +14,6 @@ installed on the nodes, only the bundled workload needs it (``need``).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from clusterkit.node.gatefacts import (
     shared_verdict,
 )
 from clusterkit.node.parity import holders, majority
+from clusterkit.node.protocol import ProtocolError, answer_of
 from clusterkit.node.ship import node_command
 from clusterkit.provision.jitbuild import OpsNode, ready_ops
 from clusterkit.remote.base import SSHTarget, Transport, target_for
@@ -160,8 +160,8 @@ def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[
             problems[r.host] = f"interpreter check failed (exit {r.result.exit_code}): {tail[0]}"
             continue
         try:
-            facts[r.host] = json.loads(r.result.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
+            facts[r.host] = answer_of(r.result.stdout)
+        except ProtocolError:
             problems[r.host] = f"unexpected output: {r.result.stdout.strip()[:120]!r}"
             continue
     drop_tokens(transport, nodes)

@@ -249,8 +249,8 @@ class Orchestrator:
         for r in results:
             if r.ok and r.result is not None:
                 try:
-                    reply = StopReply.from_json(r.result.stdout.strip().splitlines()[-1])
-                except (ProtocolError, IndexError):
+                    reply = StopReply.from_stdout(r.result.stdout)
+                except ProtocolError:
                     reply = StopReply()  # no reply line: nothing known to be left
                 if reply.left:
                     left[r.host] = reply.left

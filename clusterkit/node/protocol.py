@@ -320,6 +320,11 @@ class StopReply:
         return cls.from_dict(_json_object("stop reply", line))
 
     @classmethod
+    def from_stdout(cls, stdout: str) -> StopReply:
+        """The reply among ``agent --stop``'s output (:func:`answer_of`)."""
+        return cls.from_dict(answer_of(stdout, "agent --stop"))
+
+    @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> StopReply:
         return cls(**_checked("stop reply", cls, dict(raw)))
 
@@ -413,6 +418,27 @@ def decode_event(line: str) -> AnyEvent:
         raise ProtocolError(f"agent event {ev!r} (node {raw.get('node')!r}) is not one this "
                             "side knows")
     return cast(AnyEvent, cls(**_checked(f"agent event {ev!r}", cls, raw)))
+
+
+def answer_of(stdout: str, what: str = "the node program") -> dict[str, Any]:
+    """A node program's answer: the last line of its stdout that is a JSON object.
+
+    Every node program ends its stdout with its answer, one JSON object line; the
+    launcher reads every program's answer by this one rule. Other lines (a login banner,
+    a noisy ``.bashrc``, a library's print, before or after it) are skipped. None there:
+    :class:`ProtocolError` naming the last line."""
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    tail = stdout.strip().splitlines()[-1:] or ["<empty>"]
+    raise ProtocolError(f"no JSON answer from {what} (last line: {tail[0][:200]!r})")
 
 
 def _json_object(what: str, text: str) -> dict[str, Any]:

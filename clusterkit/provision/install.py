@@ -13,7 +13,6 @@ nothing; after installing, the digest is checked again.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ from typing import Any
 import clusterkit
 from clusterkit.errors import ClusterkitError, TransportError
 from clusterkit.node.gatefacts import package_digest
+from clusterkit.node.protocol import ProtocolError, answer_of
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import CommandResult, GroupResult, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
@@ -118,19 +118,15 @@ class Installed:
 
 def node_json(res: CommandResult, node: str, what: str, kind: str = "install",
               hint: str | None = None) -> dict[str, Any]:
-    """A node program's answer: the JSON object on its last stdout line (nodes env,
-    build-ops and install read theirs so). None there: one error naming the node, with
-    the last line of stderr (a traceback's, a missing interpreter's)."""
-    line = (res.stdout.strip().splitlines() or [""])[-1]
+    """A node program's answer (node/protocol.answer_of; nodes env, build-ops and install
+    read theirs so). None there: one error naming the node, with the last line of stderr
+    (a traceback's, a missing interpreter's)."""
     try:
-        data = json.loads(line)
-    except ValueError:
-        data = None
-    if not isinstance(data, dict):
+        return answer_of(res.stdout, what)
+    except ProtocolError:
         tail = (res.stderr.strip() or res.stdout.strip()).splitlines()[-1:] or ["no output"]
         raise TransportError(f"{what}: no answer (exit {res.exit_code}): {tail[0][:300]}",
-                             kind=kind, host=node, hint=hint)
-    return data
+                             kind=kind, host=node, hint=hint) from None
 
 
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from clusterkit.errors import TransportError
+from clusterkit.node.protocol import ProtocolError, answer_of
 from clusterkit.node.ship import node_command
 from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
@@ -42,8 +43,8 @@ def read_manifests(transport: Transport, nodes: Sequence[SyncNode], dest_dir: st
         cmd = node_command(node.python, "dist", args)
         res = transport.run(target, cmd.argv, stdin=cmd.stdin, timeout=CHECK_TIMEOUT_S, env=env)
         try:
-            out[target.name] = json.loads(res.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
+            out[target.name] = answer_of(res.stdout)
+        except ProtocolError:
             tail = (res.stderr.strip() or res.stdout.strip())[-300:]
             out[target.name] = {"state": "unreachable", "why": f"exit {res.exit_code}: {tail}"}
         return res

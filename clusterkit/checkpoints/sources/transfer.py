@@ -35,6 +35,7 @@ from clusterkit.checkpoints.sources.session import NodeSession, SessionError
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.node.hashing import sha256_file
+from clusterkit.node.protocol import answer_of
 from clusterkit.node.ship import NodeCommand, node_command
 from clusterkit.remote.base import SSHTarget, Transport
 
@@ -62,7 +63,7 @@ def hash_command(python: str, root: str, relpaths: Sequence[str], threads: int =
 
 
 def parse_hashes(stdout: str) -> tuple[dict[str, Hashed], dict[str, str]]:
-    raw = json.loads(stdout.strip().splitlines()[-1])
+    raw = answer_of(stdout, "hashing")
     files = {rel: Hashed(int(v[0]), float(v[1]), str(v[2])) for rel, v in raw["files"].items()}
     return files, {str(k): str(v) for k, v in raw["errors"].items()}
 
