@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from clusterkit.node.contract import ENV_TEST_ENVFACTS
+from tests.helpers import clusterkit_cli
 from tests.testbed import Testbed
 from tests.venvs import venv_over_this_python
 
@@ -38,11 +39,6 @@ TRAIN = textwrap.dedent("""
     print(f"rank {os.environ['RANK']} imports {ckenvtiny.MSG}", flush=True)
 """)
 
-
-def _cli(*argv: str, cwd: Path, env: dict[str, str],
-         timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clusterkit", *argv], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def _inventory(testbed: Testbed, path: Path, nodes: list[str], python: str, work: Path,
@@ -86,7 +82,7 @@ def test_env_to_empty_prefixes_then_launch_doctor_gate_and_repair(
     # tests/venvs.py); its links are made on the node.
     files = sum(1 for p in prefix.rglob("*") if p.is_file() and not p.is_symlink()
                 and "__pycache__" not in p.parts)  # byte code is not sent
-    first = _cli("nodes", "env", "-i", str(inv3), "--python", python, cwd=work, env=env)
+    first = clusterkit_cli("nodes", "env", "-i", str(inv3), "--python", python, cwd=work, env=env)
     assert first.returncode == 2, first.stdout + first.stderr
     assert f"node[1-2]: {files} file(s) sent" in first.stdout, first.stdout
     assert (f"{nodes[2]}: refused: CPU architecture aarch64 here, x86_64 on the launcher"
@@ -96,17 +92,17 @@ def test_env_to_empty_prefixes_then_launch_doctor_gate_and_repair(
                        timeout=60)
     assert got.stdout == "the launcher env\n", got.stderr
 
-    again = _cli("nodes", "env", "-i", str(inv), "--python", python, cwd=work, env=env)
+    again = clusterkit_cli("nodes", "env", "-i", str(inv), "--python", python, cwd=work, env=env)
     assert again.returncode == 0, again.stderr
     assert again.stdout.startswith("  node[1-2]: nothing sent; environment "), again.stdout
 
-    run = _cli("launch", "-i", str(inv), "--job-id", "envcopy", "--nodes", "2",
+    run = clusterkit_cli("launch", "-i", str(inv), "--job-id", "envcopy", "--nodes", "2",
                "--gpus-per-node", "1", "train.py", cwd=work, env=env)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     for rank in range(2):
         assert f"rank {rank} imports the launcher env" in run.stdout, run.stdout[-3000:]
 
-    doctor = _cli("doctor", "-i", str(inv), "--json", cwd=work, env=env)
+    doctor = clusterkit_cli("doctor", "-i", str(inv), "--json", cwd=work, env=env)
     found = _env_findings(doctor)
     assert {h: f["status"] for h, f in found.items()} == {nodes[0]: "PASS", nodes[1]: "PASS"}
     assert "identical to the launcher's" in found[nodes[0]]["detail"]
@@ -114,25 +110,25 @@ def test_env_to_empty_prefixes_then_launch_doctor_gate_and_repair(
     # Changed on one node: doctor names the node and the file.
     site = prefix / "lib" / PY / "site-packages"
     testbed.exec(nodes[1], ["sh", "-c", f"echo \"MSG = 'edited'\" > {tiny}"], timeout=30)
-    found = _env_findings(_cli("doctor", "-i", str(inv), "--json", cwd=work, env=env))
+    found = _env_findings(clusterkit_cli("doctor", "-i", str(inv), "--json", cwd=work, env=env))
     assert found[nodes[1]]["status"] == "FAIL" and found[nodes[0]]["status"] == "PASS"
     assert "site-packages/ckenvtiny/__init__.py" in found[nodes[1]]["detail"]
     # A package installed there: the launch gate refuses that node (its record, no hashing).
     testbed.exec(nodes[1], ["sh", "-c", f"mkdir {site}/extra-1.0.dist-info && "
                             f"touch {site}/extra-1.0.dist-info/METADATA"], timeout=30)
-    refused = _cli("launch", "-i", str(inv), "--job-id", "envcopy2", "--nodes", "2",
+    refused = clusterkit_cli("launch", "-i", str(inv), "--job-id", "envcopy2", "--nodes", "2",
                    "--gpus-per-node", "1", "--dry-run", "train.py", cwd=work, env=env)
     assert refused.returncode == 2
     assert (f"{nodes[1]}: environment {prefix} changed on this node since it was replicated"
             in refused.stdout + refused.stderr), (refused.stdout + refused.stderr)[-2000:]
 
-    repair = _cli("nodes", "env", "-i", str(inv), "--python", python, cwd=work, env=env)
+    repair = clusterkit_cli("nodes", "env", "-i", str(inv), "--python", python, cwd=work, env=env)
     assert repair.returncode == 0, repair.stderr
     assert f"{nodes[0]}: nothing sent" in repair.stdout
     assert f"{nodes[1]}: 1 file(s) sent" in repair.stdout, repair.stdout
     assert testbed.exec(nodes[1], ["test", "-e", f"{site}/extra-1.0.dist-info"],
                         timeout=30).returncode != 0
-    dry = _cli("launch", "-i", str(inv), "--job-id", "envcopy3", "--nodes", "2",
+    dry = clusterkit_cli("launch", "-i", str(inv), "--job-id", "envcopy3", "--nodes", "2",
                "--gpus-per-node", "1", "--dry-run", "train.py", cwd=work, env=env)
     assert dry.returncode == 0, (dry.stdout + dry.stderr)[-2000:]
 
@@ -186,20 +182,20 @@ def test_the_full_environment_then_the_workload_and_a_users_deepspeed_script(
         assert testbed.exec(n, ["test", "-e", str(prefix)], timeout=30).returncode != 0
 
     t0 = time.monotonic()
-    first = _cli("nodes", "env", "-i", str(inv), "--python", python, cwd=tmp_path, env=env,
+    first = clusterkit_cli("nodes", "env", "-i", str(inv), "--python", python, cwd=tmp_path, env=env,
                  timeout=1800)
     print(f"nodes env, first: {time.monotonic() - t0:.1f} s (load {os.getloadavg()[0]:.1f})"
           f"\n{first.stdout}{first.stderr}")
     assert first.returncode == 0, first.stdout + first.stderr
     assert "node[1-2]: " in first.stdout and "file(s) sent" in first.stdout
     t0 = time.monotonic()
-    again = _cli("nodes", "env", "-i", str(inv), "--python", python, cwd=tmp_path, env=env)
+    again = clusterkit_cli("nodes", "env", "-i", str(inv), "--python", python, cwd=tmp_path, env=env)
     print(f"nodes env, again: {time.monotonic() - t0:.1f} s (load {os.getloadavg()[0]:.1f})")
     assert again.returncode == 0 and "node[1-2]: nothing sent" in again.stdout, again.stdout
 
     # DeepSpeed's ops built once per node before any rank: the launches below build nothing.
     t0 = time.monotonic()
-    ops = _cli("nodes", "build-ops", "-i", str(inv), cwd=tmp_path, env=env, timeout=1200)
+    ops = clusterkit_cli("nodes", "build-ops", "-i", str(inv), cwd=tmp_path, env=env, timeout=1200)
     print(f"nodes build-ops: {time.monotonic() - t0:.1f} s (load {os.getloadavg()[0]:.1f})"
           f"\n{ops.stdout}{ops.stderr}")
     assert ops.returncode == 0 and "node[1-2]: cpu: ShareMemCommBuilder built" in ops.stdout
@@ -213,5 +209,5 @@ def test_the_full_environment_then_the_workload_and_a_users_deepspeed_script(
         str(script), "--", "--steps", "4", "--save-every", "100"]),
         capture_output=True, text=True, env=env, cwd=work, timeout=600)
     assert own.returncode == 0, (own.stdout + own.stderr)[-4000:]
-    found = _env_findings(_cli("doctor", "-i", str(inv), "--json", cwd=work, env=env))
+    found = _env_findings(clusterkit_cli("doctor", "-i", str(inv), "--json", cwd=work, env=env))
     assert {h: f["status"] for h, f in found.items()} == {nodes[0]: "PASS", nodes[1]: "PASS"}

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.node import jitops
+from tests.helpers import clusterkit_cli
 from tests.testbed import Testbed
 
 pytestmark = pytest.mark.testbed
@@ -39,10 +40,6 @@ def _built_here() -> Path:
     return src
 
 
-def _cli(*argv: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clusterkit", *argv], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
-
 
 @pytest.mark.slow  # ~30-70 s: ops built on the nodes, then a launch
 def test_launch_builds_missing_ops_first_and_refuses_a_stale_lock(
@@ -62,7 +59,7 @@ def test_launch_builds_missing_ops_first_and_refuses_a_stale_lock(
                                 f"rm -f {ext}/{SHM}/lock"], check=True)
         testbed.exec(b, ["rm", f"{ext}/{SHM}/{SHM}.so"], check=True)
 
-        res = _cli(*base, "--job-id", "jit1", cwd=tmp_path, env=env)
+        res = clusterkit_cli(*base, "--job-id", "jit1", cwd=tmp_path, env=env)
         assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
         lines = res.stdout.splitlines()
         built = [i for i, line in enumerate(lines) if "DeepSpeed's JIT ops:" in line]
@@ -77,7 +74,7 @@ def test_launch_builds_missing_ops_first_and_refuses_a_stale_lock(
         # A build killed half-way on node A: the launch refuses it before any rank starts.
         lock = f"{ext}/{SHM}/lock"
         testbed.exec(a, ["touch", "-d", "1 hour ago", lock], check=True)  # a killed build's
-        res = _cli(*base, "--job-id", "jit2", cwd=tmp_path, env=env)
+        res = clusterkit_cli(*base, "--job-id", "jit2", cwd=tmp_path, env=env)
         assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
         line = res.stderr.strip().splitlines()[-1]
         assert (f"JIT ops not ready on 1 node(s): {a}: build-ops: stale build lock {lock} (no "

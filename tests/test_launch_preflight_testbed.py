@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import clusterkit_cli
 from tests.testbed import Testbed
 
 pytestmark = pytest.mark.testbed
 
-
-def _cli(*argv: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clusterkit", *argv], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
 
 
 def _error_line(res: subprocess.CompletedProcess[str]) -> str:
@@ -44,7 +40,7 @@ def test_dry_run_checks_every_node_and_the_launch_refuses_the_same(
     base = ("launch", "-i", str(inv), "--job-id", "pre", "--storage", "node-local",
             "--ckpt-dir", str(ckpt))
 
-    dry = _cli(*base, "--dry-run", "train.py", cwd=tmp_path, env=env)
+    dry = clusterkit_cli(*base, "--dry-run", "train.py", cwd=tmp_path, env=env)
     assert dry.stdout.startswith("job pre on "), dry.stdout  # the plan, then the refusal
     line = _error_line(dry)
     assert f"pre-launch check failed on 1 node(s): {nodes[1]}: {work}/train.py is not on " \
@@ -56,19 +52,19 @@ def test_dry_run_checks_every_node_and_the_launch_refuses_the_same(
                  check=True)
     want = (f"pre-launch check failed on 1 node(s): {nodes[1]}: checkpoint dir {ckpt}/pre "
             f"cannot be created: {ckpt} is not a directory")
-    dry = _cli(*base, "--dry-run", "train.py", cwd=tmp_path, env=env)
+    dry = clusterkit_cli(*base, "--dry-run", "train.py", cwd=tmp_path, env=env)
     assert want in _error_line(dry), dry.stderr
-    real = _cli(*base, "train.py", cwd=tmp_path, env=env)
+    real = clusterkit_cli(*base, "train.py", cwd=tmp_path, env=env)
     assert want in _error_line(real), real.stderr
     assert "\n1\n" not in real.stdout  # no rank ran
 
     # Fixed: the dry run says what it checked, and the launch runs.
     testbed.exec(nodes[1], ["rm", "-f", str(ckpt)], check=True)
-    dry = _cli(*base, "--dry-run", "train.py", cwd=tmp_path, env=env)
+    dry = clusterkit_cli(*base, "--dry-run", "train.py", cwd=tmp_path, env=env)
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert "pre-launch checks passed on 2 nodes: same Python and packages, train.py, " \
            "job and checkpoint dirs writable" in dry.stdout, dry.stdout
     for node in nodes:  # the probe left nothing behind
         assert testbed.exec(node, ["ls", "-A", str(ckpt)]).returncode != 0
-    real = _cli(*base, "train.py", cwd=tmp_path, env=env)
+    real = clusterkit_cli(*base, "train.py", cwd=tmp_path, env=env)
     assert real.returncode == 0, (real.stdout + real.stderr)[-3000:]

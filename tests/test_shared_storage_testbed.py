@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,14 +19,11 @@ import yaml
 
 from clusterkit.hostrange import fold
 from tests import synthetic_ckpt as synthetic
+from tests.helpers import clusterkit_cli
 from tests.testbed import Testbed
 
 pytestmark = pytest.mark.testbed
 
-
-def _cli(*argv: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clusterkit", *argv], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
 
 
 def _tokens(testbed: Testbed, node: str, path: str) -> str:
@@ -53,7 +48,7 @@ def test_a_shared_local_dir_is_named_by_doctor_the_gate_and_collect(
     scratch = str(testbed.local_mountpoint / "ckpt")
 
     # doctor: WARN by default, FAIL for --storage node-local; node3's own dir passes
-    res = _cli("doctor", "-i", str(inv), "--master-port", "0", "--json", cwd=tmp_path, env=env)
+    res = clusterkit_cli("doctor", "-i", str(inv), "--master-port", "0", "--json", cwd=tmp_path, env=env)
     found = [g for g in json.loads(res.stdout)["groups"] if g["check"] == "storage.node-local"]
     assert [(g["status"], g["hosts"]) for g in found] == [
         ("WARN", nodes[:2]), ("PASS", nodes[2:])], found
@@ -62,7 +57,7 @@ def test_a_shared_local_dir_is_named_by_doctor_the_gate_and_collect(
         "is seen on the others): node-local checkpoints and replicas would collide there")
     assert found[0]["fix"] == ("use --storage shared, or a checkpoint.local_dir (--ckpt-dir) "
                                "on each node's own disk")
-    res = _cli("doctor", "-i", str(inv), "--master-port", "0", "--storage", "node-local",
+    res = clusterkit_cli("doctor", "-i", str(inv), "--master-port", "0", "--storage", "node-local",
                cwd=tmp_path, env=env)
     assert res.returncode == 2
     lines = [ln for ln in res.stdout.splitlines() if "storage.node-local" in ln]
@@ -76,7 +71,7 @@ def test_a_shared_local_dir_is_named_by_doctor_the_gate_and_collect(
     want = (f"pre-launch check failed on 2 node(s): {shared}: checkpoint dir {common}/shck is "
             f"one directory shared by {shared}")
     for extra in (("--dry-run",), ()):
-        res = _cli(*base[:-1], *extra, base[-1], cwd=testbed.root / "work", env=env)
+        res = clusterkit_cli(*base[:-1], *extra, base[-1], cwd=testbed.root / "work", env=env)
         assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
         line = res.stderr.strip().splitlines()[-1]
         assert want in line and "use --storage shared" in line, line
@@ -87,7 +82,7 @@ def test_a_shared_local_dir_is_named_by_doctor_the_gate_and_collect(
     # collect-ckpt: both nodes wrote their part into the one directory
     synthetic.write_node_local([str(common)] * 2, zero_stage=2, shard_bytes=1024,
                                model_bytes=256)
-    res = _cli("collect-ckpt", "-i", str(inv), "--nodes", "2", "--to", str(tmp_path / "dest"),
+    res = clusterkit_cli("collect-ckpt", "-i", str(inv), "--nodes", "2", "--to", str(tmp_path / "dest"),
                cwd=tmp_path, env=env)
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stderr.strip().splitlines() == [
@@ -97,6 +92,6 @@ def test_a_shared_local_dir_is_named_by_doctor_the_gate_and_collect(
         "node-local checkpoints and replicas would collide there — it is in one place already: "
         f"read it there, or collect it from one node (--include {nodes[0]}); for the next job "
         "use --storage shared, or a checkpoint.local_dir (--ckpt-dir) on each node's own disk"]
-    one = _cli("collect-ckpt", "-i", str(inv), "--include", nodes[0], "--to",
+    one = clusterkit_cli("collect-ckpt", "-i", str(inv), "--include", nodes[0], "--to",
                str(tmp_path / "dest"), cwd=tmp_path, env=env)
     assert one.returncode == 0, one.stdout + one.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import clusterkit_cli
 from tests.testbed import Testbed
 
 pytestmark = pytest.mark.testbed
@@ -26,10 +27,6 @@ TRAIN = textwrap.dedent("""
     print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} says {helper.MSG}", flush=True)
 """)
 
-
-def _cli(*argv: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clusterkit", *argv], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
 
 
 def test_sync_then_launch_on_nodes_without_clusterkit_or_shared_dir(
@@ -48,25 +45,25 @@ def test_sync_then_launch_on_nodes_without_clusterkit_or_shared_dir(
     env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
 
     # Not synced yet: the gate names the missing script and the way out; nothing starts.
-    early = _cli("launch", "-i", str(inv), "--job-id", "sync-nocode", "--nodes", "7",
+    early = clusterkit_cli("launch", "-i", str(inv), "--job-id", "sync-nocode", "--nodes", "7",
                  "--gpus-per-node", "1", "code/train.py", cwd=proj, env=env)
     assert early.returncode == 2, (early.stdout + early.stderr)[-3000:]
     assert (f"node[1-7]: {work}/code/train.py is not on this node (--sync DIR copies DIR to "
             "the same path under the workdir") in early.stdout + early.stderr, early.stderr[-3000:]
     assert "can't open file" not in early.stdout + early.stderr
 
-    first = _cli("sync", "code", "-i", str(inv), cwd=proj, env=env)
+    first = clusterkit_cli("sync", "code", "-i", str(inv), cwd=proj, env=env)
     assert first.returncode == 0, first.stderr
     assert "node[1-7]: 2 file(s) sent" in first.stdout, first.stdout
 
-    run = _cli("launch", "-i", str(inv), "--job-id", "sync-e2e", "--nodes", "7",
+    run = clusterkit_cli("launch", "-i", str(inv), "--job-id", "sync-e2e", "--nodes", "7",
                "--gpus-per-node", "1", "code/train.py", cwd=proj, env=env)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     for rank in range(7):
         assert f"rank {rank} of 7 says hello" in run.stdout, run.stdout[-3000:]
 
     (proj / "code" / "helper.py").write_text("MSG = 'changed'\n")
-    second = _cli("sync", "code", "-i", str(inv), cwd=proj, env=env)
+    second = clusterkit_cli("sync", "code", "-i", str(inv), cwd=proj, env=env)
     assert second.returncode == 0, second.stderr
     # The nodes' own __pycache__ (from the run) is ignored, not "extra".
     assert second.stdout == "  node[1-7]: 1 file(s) sent (16 bytes, verified), 1 unchanged\n"
@@ -83,7 +80,7 @@ def test_doctor_and_collect_on_nodes_without_clusterkit(testbed: Testbed, tmp_pa
     python = testbed.python_without_clusterkit()
     inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes, slots=2, python=python)
     env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
-    doctor = _cli("doctor", "-i", str(inv), "--json", "--connect-timeout", "5", cwd=tmp_path,
+    doctor = clusterkit_cli("doctor", "-i", str(inv), "--json", "--connect-timeout", "5", cwd=tmp_path,
                   env=env)
     report = json.loads(doctor.stdout)
     assert not report["unreachable"], doctor.stderr[-2000:]
@@ -98,7 +95,7 @@ def test_doctor_and_collect_on_nodes_without_clusterkit(testbed: Testbed, tmp_pa
     synthetic.write_node_local([str(testbed.node_local_path(n, inside)) for n in nodes],
                                zero_stage=2, shard_bytes=1 << 12, model_bytes=1024,
                                hosts=[n.name for n in nodes])
-    collect = _cli("collect-ckpt", "-i", str(inv), "--dir", inside, "--to",
+    collect = clusterkit_cli("collect-ckpt", "-i", str(inv), "--dir", inside, "--to",
                    str(tmp_path / "dest"), cwd=tmp_path, env=env)
     assert collect.returncode == 0, collect.stderr[-2000:]
     assert len(list((tmp_path / "dest").glob("*/*_optim_states.pt"))) == 14
@@ -118,17 +115,17 @@ def test_nodes_install_over_ssh_then_the_nodes_import_this_clusterkit(
     # One wheel for both runs: the shared tree may change between two builds here.
     (tmp_path / "wheel").mkdir()
     wheel = str(build_wheel(str(tmp_path / "wheel")))
-    first = _cli("nodes", "install", "-i", str(inv), "--wheel", wheel, cwd=tmp_path, env=env)
+    first = clusterkit_cli("nodes", "install", "-i", str(inv), "--wheel", wheel, cwd=tmp_path, env=env)
     assert first.returncode == 0, first.stderr[-2000:]
     # One node per interpreter path installs; the others share its filesystem.
     assert "node1: installed (clusterkit" in first.stdout, first.stdout
     assert "node[2-3]: already installed" in first.stdout, first.stdout
-    again = _cli("nodes", "install", "-i", str(inv), "--wheel", wheel, cwd=tmp_path, env=env)
+    again = clusterkit_cli("nodes", "install", "-i", str(inv), "--wheel", wheel, cwd=tmp_path, env=env)
     assert "node[1-3]: already installed" in again.stdout, again.stdout
     got = testbed.exec(nodes[2].name, [python, "-c", "import clusterkit; print(clusterkit.__file__)"],
                        timeout=60)
     assert got.stdout.startswith(str(venv)), got.stderr
-    doctor = _cli("doctor", "-i", str(inv), "--json", "--connect-timeout", "5", cwd=tmp_path,
+    doctor = clusterkit_cli("doctor", "-i", str(inv), "--json", "--connect-timeout", "5", cwd=tmp_path,
                   env=env)
     assert '"version.clusterkit"' in doctor.stdout
     import json
