@@ -336,9 +336,11 @@ def lose_node_mid_run(tb: Testbed, run: Console, node: str, waits: Sequence[Wait
 
 
 def workload_summary(text: str) -> dict[str, Any]:
-    lines = [ln for ln in text.splitlines() if ln.startswith("CLUSTERKIT_SUMMARY ")]
+    """The bundled workload's last ``CLUSTERKIT_SUMMARY {json}`` line (after any prefix:
+    a batch log's srun label)."""
+    lines = [ln for ln in text.splitlines() if "CLUSTERKIT_SUMMARY " in ln]
     assert lines, text[-4000:]
-    value = json.loads(lines[-1].split(" ", 1)[1])
+    value = json.loads(lines[-1].split("CLUSTERKIT_SUMMARY ", 1)[1])
     assert isinstance(value, dict)
     return value
 

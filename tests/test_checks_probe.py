@@ -23,6 +23,7 @@ from clusterkit.checks.invoke import (
     probe_source,
 )
 from clusterkit.node import probe
+from tests.helpers import free_port
 
 OLD_PYTHONS = [p for p in ("/root/.pyenv/versions/3.7.16/bin/python3.7",
                            "/root/.pyenv/versions/3.8.18/bin/python3.8") if os.path.exists(p)]
@@ -32,11 +33,6 @@ def _run(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess[by
     return subprocess.run(argv, input=probe_source(), capture_output=True, timeout=timeout,
                           check=False)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_facts_are_valid_json_fast_and_never_import_torch(tmp_path: Path) -> None:
@@ -86,7 +82,7 @@ def test_a_broken_section_is_reported_as_data(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_listen_then_connect_counts_the_hello() -> None:
-    port = _free_port()
+    port = free_port()
     listener = subprocess.Popen(listen_argv(sys.executable, port, 3, bind="127.0.0.1"),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
@@ -114,7 +110,7 @@ def test_listen_on_busy_port_and_connect_refused() -> None:
         res = parse_probe_stdout(_run(listen_argv(sys.executable, port, 1, "127.0.0.1")).stdout
                                  .decode())
     assert res["bound"] is False and res["errno"] == 98
-    refused = parse_probe_stdout(_run(connect_argv(sys.executable, "127.0.0.1", _free_port()))
+    refused = parse_probe_stdout(_run(connect_argv(sys.executable, "127.0.0.1", free_port()))
                                  .stdout.decode())
     assert refused["ok"] is False and refused["error_kind"] == "refused"
 

@@ -5,7 +5,6 @@ unreachable node's); its part is read from its replica on the next node."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ from clusterkit.checkpoints.collectplan import CheckpointIncomplete
 from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.errors import CheckpointError
 from clusterkit.node import contract
+from clusterkit.node.hashing import sha256_file
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.spec.jobrecord import JobCheckpoints
@@ -61,16 +61,12 @@ def _flip(path: str) -> None:
         fh.write(bytes([b[0] ^ 0xFF]))
 
 
-def _sha(path: str) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.sha256(fh.read()).hexdigest()
-
 
 def test_a_deleted_node_copy_is_completed_from_its_replica(tmp_path: Path,
                                                            transport: DispatchTransport) -> None:
     nodes = _make(tmp_path)
     own = synthetic.shard_paths(nodes[2].root, TAG)
-    digests = {os.path.basename(p): _sha(p) for p in own}
+    digests = {os.path.basename(p): sha256_file(str(p)) for p in own}
     import shutil
 
     shutil.rmtree(os.path.join(nodes[2].root, TAG))  # node3's copy is gone
@@ -81,7 +77,7 @@ def test_a_deleted_node_copy_is_completed_from_its_replica(tmp_path: Path,
     assert report.replicas.used() == [
         "node index 2 (node3): from its replica on node4 (global_step20, verified)"]
     for name, digest in digests.items():
-        assert _sha(str(dest / TAG / name)) == digest
+        assert sha256_file(str(dest / TAG / name)) == digest
     files = read_manifest(str(dest), TAG)["files"]
     entry = files[f"{TAG}/{sorted(digests)[0]}"]
     assert (entry["source"], entry["replica_on"]) == ("node3", "node4")
@@ -126,12 +122,12 @@ def test_with_two_replicas_the_intact_one_is_used(tmp_path: Path,
     nodes = _make(tmp_path, replicas=2)
     _down(nodes, 2, tmp_path)
     bad = _replica_shard(nodes, 2, 3)
-    good = _sha(_replica_shard(nodes, 2, 0))
+    good = sha256_file(str(_replica_shard(nodes, 2, 0)))
     _flip(bad)
     dest = tmp_path / "dest"
     report = collect(transport, nodes, CollectOptions(dest=str(dest)))
     assert not report.failed
-    assert _sha(str(dest / TAG / os.path.basename(bad))) == good
+    assert sha256_file(str(dest / TAG / os.path.basename(bad))) == good
     assert any("its replica on node4 was refused" in n and "reading its replica on node1" in n
                for n in report.notes), report.notes
     assert report.replicas is not None and report.replicas.used() == [
@@ -142,12 +138,12 @@ def test_a_primary_file_that_differs_from_its_replica_manifest_is_suspect(
         tmp_path: Path, transport: DispatchTransport) -> None:
     nodes = _make(tmp_path)
     victim = synthetic.shard_paths(nodes[1].root, TAG)[0]
-    want = _sha(victim)
+    want = sha256_file(str(victim))
     _flip(victim)  # changed since the save; its replica on node3 is intact
     dest = tmp_path / "dest"
     report = collect(transport, nodes, CollectOptions(dest=str(dest)))
     assert not report.failed
-    assert _sha(str(dest / TAG / os.path.basename(victim))) == want
+    assert sha256_file(str(dest / TAG / os.path.basename(victim))) == want
     assert any("its own copy on node2 was refused" in n and "differs from the sha256 the "
                "manifest of its replica on node3 recorded" in n for n in report.notes), \
         report.notes

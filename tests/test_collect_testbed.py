@@ -10,7 +10,6 @@ collected the same way by test_launch_train.py, whose module fixture launches it
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.checkpoints.sources.transfer import PART_SUFFIX
 from clusterkit.errors import CheckpointError
+from clusterkit.node.hashing import sha256_file
 from clusterkit.remote.dispatch import DispatchTransport
 from tests import synthetic_ckpt as synthetic
 from tests.helpers import SHARED_7X2_STEPS, Launched, assert_collected_exact, assert_trained, train
@@ -56,9 +56,6 @@ def _inventory(tb: Testbed, tmp: Path, nodes: int = NODES) -> str:
     return str(tb.write_inventory(tmp / "inv.yaml", tb.nodes[:nodes], slots=2))
 
 
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
 
 def test_collect_seven_nodes_and_rerun(testbed: Testbed, tmp_path: Path) -> None:
     ckpt = _synth(testbed, "c-ok")
@@ -69,7 +66,7 @@ def test_collect_seven_nodes_and_rerun(testbed: Testbed, tmp_path: Path) -> None
     assert len(shards) == 14
     assert (dest / TAG / MANIFEST).is_file() and (dest / "latest").read_text() == TAG
     src = testbed.node_local_path("node4", f"{ckpt}/{TAG}/zero_pp_rank_7_mp_rank_00_optim_states.pt")
-    assert _sha(dest / TAG / src.name) == _sha(src)
+    assert sha256_file(str(dest / TAG / src.name)) == sha256_file(str(src))
     assert "note: global_step1/mp_rank_00_model_states.pt" in res.stdout
     again = _cli("-i", inv, "--dir", ckpt, "--to", str(dest))
     assert again.returncode == 0 and "0 file(s) copied" in again.stdout, again.stdout
@@ -132,7 +129,8 @@ def test_kill_mid_transfer_then_rerun(testbed: Testbed, tmp_path: Path) -> None:
             continue
         owner = next(n for n in testbed.nodes[:NODES]
                      if testbed.node_local_path(n, f"{ckpt}/{TAG}/{final.name}").exists())
-        assert _sha(final) == _sha(testbed.node_local_path(owner, f"{ckpt}/{TAG}/{final.name}"))
+        held = testbed.node_local_path(owner, f"{ckpt}/{TAG}/{final.name}")
+        assert sha256_file(str(final)) == sha256_file(str(held))
     res = _cli("-i", inv, "--dir", ckpt, "--to", str(dest))
     assert res.returncode == 0, res.stderr
     assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 14

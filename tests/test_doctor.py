@@ -28,6 +28,7 @@ from clusterkit.node.bw_worker import round_robin
 from clusterkit.remote.base import CommandResult
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.units import parse_size
+from tests.helpers import free_port
 
 HOSTS = tuple(Host(name=f"node{i}", address=f"10.0.0.{i}", slots=2, python="/venv/bin/python")
               for i in range(1, 4))
@@ -157,16 +158,11 @@ def test_analyze_reports_failed_ranks() -> None:
 # ----------------------------------------------------------------------------- end to end, local
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def test_run_doctor_on_local_nodes(tmp_path: Path) -> None:
     inv = local_inventory(str(tmp_path), nodes=2)
     plan = plan_doctor(inv.hosts, head_python=sys.executable, head_cwd=str(tmp_path),
-                       head_tools={}, master_port=_free_port())
+                       head_tools={}, master_port=free_port())
     with DispatchTransport() as transport:
         report = run_doctor(plan, transport)
     assert all(f.ok for f in report.facts.values()), report.facts
@@ -180,7 +176,7 @@ def test_cli_json_on_local_inventory(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.chdir(tmp_path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["doctor", "--json", "--nodes", "2", "--master-port", str(_free_port())])
+        code = main(["doctor", "--json", "--nodes", "2", "--master-port", str(free_port())])
     data = json.loads(out.getvalue())
     assert code == data["exit_code"] and data["hosts"] == ["local1", "local2"]
     assert data["unreachable"] == {}
@@ -195,7 +191,7 @@ def test_a_newcomers_first_doctor_passes_on_the_embedded_default(
     monkeypatch.chdir(tmp_path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["doctor", "--json", "--master-port", str(_free_port())])
+        code = main(["doctor", "--json", "--master-port", str(free_port())])
     data = json.loads(out.getvalue())
     failed = [f for f in data["findings"] if f["status"] == "FAIL"]
     assert code == 0 and data["exit_code"] == 0, out.getvalue()[-3000:]
@@ -216,7 +212,7 @@ def test_listener_exits_when_its_reader_goes_away() -> None:
 
     from clusterkit.node import probe
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, probe.__file__, "listen", str(port), "60"],
                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:
@@ -240,7 +236,7 @@ def test_connect_with_retry_waits_for_a_late_listener() -> None:
 
     from clusterkit.node import probe
 
-    port = _free_port()
+    port = free_port()
     srv = socket.socket()
 
     def late() -> None:
@@ -252,7 +248,7 @@ def test_connect_with_retry_waits_for_a_late_listener() -> None:
     try:
         res = probe.connect_with_retry("127.0.0.1", port, 1.0, wait=5.0)
         assert res["ok"] and res["attempts"] > 1
-        closed = probe.connect_with_retry("127.0.0.1", _free_port(), 1.0, wait=0.2)
+        closed = probe.connect_with_retry("127.0.0.1", free_port(), 1.0, wait=0.2)
         assert closed["error_kind"] == "refused"
     finally:
         srv.close()

@@ -3,7 +3,6 @@ on loopback, in threads and temp dirs, and the source's completion rule."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 from clusterkit.node import contract
+from clusterkit.node.hashing import sha256_file
 from clusterkit.node.replica import (
     ReplicaError,
     ReplicaServer,
@@ -65,9 +65,6 @@ def _push(src: Path, tag: str, **kw: Any) -> int:
     return push(str(src), tag, _target(), **args)
 
 
-def _sha(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
-
 
 def test_a_copy_completes_and_verifies(tmp_path: Path, server: ReplicaServer) -> None:
     src = tmp_path / "src" / "ckpt"
@@ -86,7 +83,7 @@ def test_a_copy_completes_and_verifies(tmp_path: Path, server: ReplicaServer) ->
                                "global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt",
                                "latest", "zero_to_fp32.py"}
     for rel, entry in m["files"].items():
-        assert entry["sha256"] == _sha(src / rel) == _sha(final / rel)
+        assert entry["sha256"] == sha256_file(str(src / rel)) == sha256_file(str(final / rel))
     assert sent == sum(e["size"] for e in m["files"].values())
     # Pushed again unchanged: the holder has it, nothing is sent.
     assert _push(src, "global_step10") == 0

@@ -5,7 +5,6 @@ manifest's sha256s are the source files' own."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -14,14 +13,12 @@ from pathlib import Path
 import pytest
 
 from clusterkit.node import contract
+from clusterkit.node.hashing import sha256_file
 from tests.helpers import train, train_argv, train_env
 from tests.testbed.core import Testbed
 
 pytestmark = pytest.mark.testbed
 
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.mark.slow  # ~25-50 s: a training run with replicas
@@ -47,11 +44,11 @@ def test_each_nodes_checkpoints_are_copied_to_its_ring_successor(
             assert (manifest["source"], manifest["holder"], manifest["tag"]) == (i, succ, tag)
             assert any(rel.endswith(contract.marker_name(i)) for rel in manifest["files"])
             for rel, entry in manifest["files"].items():
-                assert entry["sha256"] == _sha(held / rel), (node, rel)
+                assert entry["sha256"] == sha256_file(str(held / rel)), (node, rel)
                 if rel == contract.LATEST_FILE:  # node 0's, as it named this tag
                     assert (held / rel).read_text().strip() == tag
                 else:
-                    assert entry["sha256"] == _sha(src / rel), (node, rel)
+                    assert entry["sha256"] == sha256_file(str(src / rel)), (node, rel)
         # The agent's record (its job dir is under the shared work dir here).
         record = contract.JobDir(str(testbed.root / "work" / ".clusterkit" / "jobs" / job))
         state = json.loads(Path(record.replica_state(node)).read_text())
@@ -89,7 +86,7 @@ def test_a_users_own_deepspeed_script_is_replicated_without_markers(
             assert f"{tag}/zero_pp_rank_{i}_mp_rank_00_optim_states.pt" in manifest["files"]
             for rel, entry in manifest["files"].items():
                 if rel != contract.LATEST_FILE:
-                    assert entry["sha256"] == _sha(src / rel), (node, rel)
+                    assert entry["sha256"] == sha256_file(str(src / rel)), (node, rel)
     # Issue 32 item 4: status counts each node's own part by the same rule, and
     # collect-ckpt of the launched job needs no --without-markers (its record says).
     status = subprocess.run([sys.executable, "-m", "clusterkit", "status", job], capture_output=True,

@@ -6,7 +6,6 @@ Each test is one short job (2 nodes x 1 rank, 3 steps) or no training at all.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.slurm.client import SlurmClient
+from tests.helpers import workload_summary
 from tests.slurmbed import SlurmBed
 
 pytestmark = [pytest.mark.slurm, pytest.mark.testbed]
@@ -105,11 +105,6 @@ def test_node_cpus_from_real_sinfo(slurm: SlurmBed) -> None:
     assert client.node_cpus("debug", [n.name for n in slurm.nodes[:2]]) == cpus
 
 
-def _summary(text: str) -> dict[str, object]:
-    lines = [ln for ln in text.splitlines() if "CLUSTERKIT_SUMMARY " in ln]
-    assert lines, text[-3000:]
-    return dict(json.loads(lines[-1].split("CLUSTERKIT_SUMMARY ", 1)[1]))
-
 
 def _inventory(bed: SlurmBed, slots: int) -> Path:
     return bed.tb.write_inventory(bed.tb.root / f"inventory-site-{slots}.yaml", nodes=bed.nodes,
@@ -175,7 +170,7 @@ def test_node_local_requeue_resumes_on_the_same_nodes_and_keeps_both_logs(slurm:
     assert state == "COMPLETED", out[-3000:]
     runs = _run_nodes(out)
     assert runs == [first, first], runs  # both runs in the file, on the same nodes
-    summary = _summary(out)
+    summary = workload_summary(out)
     assert str(summary["resumed_from"]).startswith("global_step"), summary
 
 

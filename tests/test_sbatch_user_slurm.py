@@ -28,7 +28,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import IN_PROGRESS, assert_slurm_nodes_clean, slurm_job_dir, wait_slurm_finished
+from tests.helpers import (
+    IN_PROGRESS,
+    assert_slurm_nodes_clean,
+    slurm_job_dir,
+    wait_slurm_finished,
+    workload_summary,
+)
 from tests.slurmbed import SlurmBed
 
 pytestmark = [pytest.mark.slurm, pytest.mark.testbed, pytest.mark.slow]
@@ -70,11 +76,6 @@ def _slurm_id(r: subprocess.CompletedProcess[str]) -> str:
     assert m, (r.stdout[-2000:], r.stderr[-2000:])
     return m.group(1)
 
-
-def _summary(text: str) -> dict[str, object]:
-    lines = [ln for ln in text.splitlines() if "CLUSTERKIT_SUMMARY " in ln]
-    assert lines, text[-3000:]
-    return dict(json.loads(lines[-1].split("CLUSTERKIT_SUMMARY ", 1)[1]))
 
 
 def _log(bed: SlurmBed, job: str, slurm_id: str, ext: str = "out") -> str:
@@ -124,7 +125,7 @@ def _assert_contract_run(bed: SlurmBed, job: str, summary: dict[str, object]) ->
 def test_user_script_gets_the_contract_on_every_variant(slurm: SlurmBed, preempted: Preempted,
                                                         launcher: str) -> None:
     assert preempted.state == "COMPLETED", preempted.out[-3000:]
-    summary = _summary(preempted.out.replace("[rank0]:", ""))
+    summary = workload_summary(preempted.out.replace("[rank0]:", ""))
     _assert_contract_run(slurm, preempted.job, summary)
     torchrun_loss = summary["final_loss"]
     job = f"user-{launcher}"
@@ -132,7 +133,7 @@ def test_user_script_gets_the_contract_on_every_variant(slurm: SlurmBed, preempt
     r = _sbatch(slurm, job, launcher, ["usertrain.py", "--steps", str(STEPS)], "--watch",
                 "--poll", "0.5")
     assert r.returncode == 0, (launcher, r.stdout[-3000:], r.stderr[-3000:])
-    summary = _summary(r.stdout)
+    summary = workload_summary(r.stdout)
     _assert_contract_run(slurm, job, summary)
     print(f"{launcher}: COMPLETED in {time.monotonic() - t0:.0f} s, loss {summary['final_loss']}")
     assert summary["final_loss"] == torchrun_loss, (launcher, summary, torchrun_loss)
@@ -187,7 +188,7 @@ def test_preemption_saves_requeues_and_resumes(slurm: SlurmBed, preempted: Preem
     saved = re.search(r"stop requested: saved (step\d+)", out)
     assert saved and f"resumed from {saved.group(1)}" in out, out[-3000:]
     assert saved.group(1) == "step3"  # the run held after step 3 until the request came
-    summary = _summary(out.replace("[rank0]:", ""))
+    summary = workload_summary(out.replace("[rank0]:", ""))
     assert summary["finished"] is True and summary["resumed_from"] == saved.group(1)
     assert_slurm_nodes_clean(slurm)
 

@@ -25,6 +25,7 @@ import pytest
 from clusterkit.errors import TransportError
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.ssh import SSHTransport
+from tests.helpers import free_port
 
 SSHD = "/usr/sbin/sshd"
 
@@ -40,11 +41,6 @@ def _keygen(path: Path) -> None:
         check=True,
     )
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclasses.dataclass
@@ -71,7 +67,7 @@ def _start_sshd(d: Path) -> Sshd:
     for name in ("host", "client", "other"):
         _keygen(d / name)
     (d / "authorized_keys").write_text((d / "client.pub").read_text())
-    port = _free_port()
+    port = free_port()
     (d / "sshd_config").write_text(
         f"ListenAddress 127.0.0.1\nPort {port}\nHostKey {d / 'host'}\n"
         f"AuthorizedKeysFile {d / 'authorized_keys'}\n"
@@ -302,7 +298,7 @@ def test_missing_identity_file_is_named(transport, make_target, tmp_path: Path) 
 
 def test_refused_port(make_target) -> None:
     with SSHTransport(connect_timeout=30) as t:
-        error, elapsed = _error(lambda: t.run(make_target(port=_free_port()), ["true"]))
+        error, elapsed = _error(lambda: t.run(make_target(port=free_port()), ["true"]))
     assert error.kind == "refused"
     assert elapsed < 10
 
@@ -391,12 +387,12 @@ def test_proxyjump_from_ssh_config(transport, make_target, sshd: Sshd, tmp_path:
 
 def test_errors_behind_the_bastion_are_classified(transport, make_target, sshd: Sshd) -> None:
     jump = f"root@127.0.0.1:{sshd.port}"
-    refused, _ = _error(lambda: transport.run(make_target(proxy_jump=jump, port=_free_port()), ["true"]))
+    refused, _ = _error(lambda: transport.run(make_target(proxy_jump=jump, port=free_port()), ["true"]))
     assert refused.kind == "refused"
     unknown, _ = _error(lambda: transport.run(make_target(proxy_jump=jump, address="nope.invalid"), ["true"]))
     assert unknown.kind == "resolve"
     bad_bastion, _ = _error(
-        lambda: transport.run(make_target(proxy_jump=f"root@127.0.0.1:{_free_port()}"), ["true"])
+        lambda: transport.run(make_target(proxy_jump=f"root@127.0.0.1:{free_port()}"), ["true"])
     )
     assert bad_bastion.kind == "refused"
     assert "via jump host" in bad_bastion.message
@@ -408,7 +404,7 @@ def test_errors_behind_the_bastion_are_classified(transport, make_target, sshd: 
 def test_run_all_keeps_order_and_never_stops_at_a_failure(transport, make_target) -> None:
     targets = [
         make_target("a"),
-        make_target("dead", port=_free_port()),
+        make_target("dead", port=free_port()),
         make_target("b"),
         make_target("ghost", address="ghost.invalid"),
         make_target("c"),
