@@ -166,6 +166,32 @@ def test_cli_write_without_submit(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "sbatch " in capsys.readouterr().out
 
 
+ACCELERATE_SCRIPT = """\
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin
+accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+accelerator.save_state("out/step_1")
+"""
+
+
+def test_an_accelerate_script_on_cpu_nodes_gets_its_hook_through_sbatch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The job dir's program files (issue 38: accelerate's CPU hook) are the launch's and
+    the batch job's alike (LaunchPlan.job_files): sitecustomize.py in the job dir, the
+    job dir first on the ranks' PYTHONPATH in the script."""
+    inv = _inventory(tmp_path, gpus=0)
+    script = tmp_path / "train_acc.py"
+    script.write_text(ACCELERATE_SCRIPT)
+    assert main(["sbatch", "-i", str(inv), "--job-id", "acc", str(script)]) == 0
+    job_dir = tmp_path / "work/.clusterkit/jobs/acc"
+    hook = job_dir / "sitecustomize.py"
+    assert hook.is_file() and "install(__file__)" in hook.read_text()
+    text = (job_dir / "sbatch.sh").read_text()
+    assert f"export PYTHONPATH={job_dir}" in text, text[:3000]
+    err = capsys.readouterr().err
+    assert "program profile: accelerate" in err and "sitecustomize.py" in err, err
+
+
 def test_cli_bad_partition_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     inv = _inventory(tmp_path, gpus=0)
     rc = main(["sbatch", "-i", str(inv), "--partition", "a b", "--dry-run"])

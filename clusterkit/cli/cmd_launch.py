@@ -113,7 +113,7 @@ def _print_plan(decisions: JobPlan, native: bool) -> None:
         print(f"  {task.node}: ranks {task.rank_offset}-{task.rank_offset + task.nprocs - 1} "
               f"job dir {task.job_dir}\n    {what}")
     print("files written to every node's job dir: "
-          + ", ".join(sorted({**plan.artifacts, **plan.program_files})))
+          + ", ".join(sorted(plan.job_files)))
     print("each node runs: the clusterkit node agent, sent over SSH to <python> (the command "
           "above as its child)")
 

@@ -58,9 +58,9 @@ def build_plan(args: argparse.Namespace) -> LaunchPlan:
     return render_all(plan_job(inv, job_options(args, inv.name), job_facts(args, inv)))
 
 
-def write_artifacts(plan: LaunchPlan, out: str) -> list[Path]:
+def write_job_files(plan: LaunchPlan, out: str) -> list[Path]:
     written = []
-    for name, text in plan.artifacts.items():
+    for name, text in plan.job_files.items():
         mode = 0o755 if name.endswith(".sh") else 0o644
         try:
             written.append(atomic_write_text(Path(out) / name, text, mode=mode))
@@ -86,7 +86,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             print(f"(dry run: would replace {user_env} with deepspeed_env)", file=sys.stderr)
         return 0
     sys.stdout.write(summary(plan))
-    written = write_artifacts(plan, args.out)
+    written = write_job_files(plan, args.out)
     if args.write_user_deepspeed_env:
         atomic_write_text(user_env, plan.artifacts["deepspeed_env"], mode=0o600)
         print(f"replaced {user_env}", file=sys.stderr)

@@ -20,7 +20,7 @@ from typing import TextIO
 
 from clusterkit.cli import safety
 from clusterkit.cli.argparser import Parser, nonempty
-from clusterkit.cli.cmd_render import add_job_options, job_options, write_artifacts
+from clusterkit.cli.cmd_render import add_job_options, job_options, write_job_files
 from clusterkit.cli.common import (
     add_inventory_option,
     add_ranks_option,
@@ -224,7 +224,7 @@ def _register(job_dir: str, slurm_id: str) -> None:
 
 
 def _write_job_dir(plan: LaunchPlan) -> Path:
-    write_artifacts(plan, plan.job_dir)
+    write_job_files(plan, plan.job_dir)
     slurm_submit.write_node_program(plan)
     # Slurm opens --output/--error before the script runs: a missing directory fails
     # the job at launch (JobLaunchFailure), so it must exist before sbatch.

@@ -93,7 +93,7 @@ def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, native: bool = False,
         raise LaunchError(f"clusterkit launch does not run the {plan.backend!r} backend",
                           key="--launcher", hint="use `clusterkit sbatch` for Slurm")
     by_host: dict[str | None, NodeCommand] = {c.host: c for c in plan.launch_commands}
-    files = {**plan.artifacts, **plan.program_files}
+    files = plan.job_files
     secret = replica_secret or secrets.token_hex(32)
     ending = frozenset(n.node_rank for n in plan.nodes if n.name in by_host)
     tasks = []

@@ -181,6 +181,8 @@ def summary(plan: LaunchPlan) -> str:
                      f"{n.ranks.start}-{n.ranks.stop - 1} slots {','.join(map(str, n.slots))} "
                      f"ckpt {n.ckpt_dir}")
     lines += _iface_lines(plan)
+    if plan.profile is not None and not plan.options.uses_workload:
+        lines.append(f"  {plan.profile.line()}")  # how it saves and resumes (issue 38)
     if plan.replica_targets:
         lines.append("  replicas: " + "; ".join(
             f"{src} -> {', '.join(dst)}" for src, dst in plan.replica_placement().items()))

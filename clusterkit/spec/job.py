@@ -421,3 +421,10 @@ class LaunchPlan(JobPlan):
     def launch_commands(self) -> tuple[NodeCommand, ...]:
         """The commands for the chosen backend: what ``clusterkit launch`` runs."""
         return self.commands[self.chosen[0]]
+
+    @property
+    def job_files(self) -> dict[str, str]:
+        """Every file the job dir holds, name -> text: the rendered artifacts and the
+        program's own files (a derived ds_config, the CPU hook), written by the launch's
+        agents, ``clusterkit sbatch`` and ``render --out`` alike."""
+        return {**self.artifacts, **self.program_files}
