@@ -19,6 +19,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -151,6 +152,10 @@ def _sbatch_runs_as_intended(plan: LaunchPlan) -> None:
         script = re.sub(r"(?m)^job_dir=.*$", lambda _: f"job_dir={shlex.quote(scratch)}", script, count=1)
         made = f'for d; do case $d in {shlex.quote(scratch)}/*) command mkdir -p -- "$d";; esac; done; '
         stubs = stubs.replace("mkdir() {", "mkdir() { " + made, 1)
+        # The batch job's end (node/slurmend.py) runs with this interpreter, not the
+        # plan's (a node's path that need not exist here).
+        script = re.sub(r"(?m)^(slurmend\(\) \{[^\n]*\n\s+)('[^']*'|\S+)",
+                        lambda m: m.group(1) + shlex.quote(sys.executable), script, count=1)
         records = _run_bash(stubs + script, env)
     # The batch script keeps the site's PATH (prefixed, exported) instead of the plan's
     # PATH= word, and runs each rank under the exit recorder (the first failing rank's
