@@ -6,7 +6,10 @@ run_clm.py-style, unmodified in what clusterkit touches) on 3 nodes x 1 rank, no
   profile, made every node's save complete (derived ds_config with
   use_node_local_storage, --save_on_each_node, checkpoint-10/latest on every node), and
   the restart resumed from checkpoint-10 with --resume_from_checkpoint: the job ends on
-  the uninterrupted run's step-20 loss.
+  the uninterrupted run's step-20 loss. Then node2's checkpoint dir wiped:
+  ``collect-ckpt JOB --consolidate fp32`` (no --tag) takes node2's part from its replica
+  and equals DeepSpeed's zero_to_fp32 on a merged copy (issue 38 (d)). Extended: the same
+  kill with ZeRO-3 (HF's "auto" ZeRO-3 config).
 * an unknown program (no profile, no --resume-arg) that saved a complete checkpoint is
   refused at its restart in one line naming the checkpoint and the fix, exit non-zero.
 """
@@ -15,12 +18,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from clusterkit.node import contract
 from tests.helpers import (
     HF_DS_AUTO,
     HF_TRAINER,
@@ -31,10 +37,16 @@ from tests.helpers import (
     reference_run,
     train_env,
 )
-from tests.testbed import temporary
+from tests.testbed import Testbed, temporary
 
 FINAL = re.compile(r"final loss at step (\d+): ([0-9.]+)")
 STEPS = 20
+# HF's ZeRO-3 "auto" ds_config (its docs): stage 3, the 16-bit weights gathered at a save
+HF_DS_AUTO_Z3 = {**HF_DS_AUTO, "zero_optimization": {
+    "stage": 3, "overlap_comm": False, "contiguous_gradients": True,
+    "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+    "stage3_param_persistence_threshold": "auto",
+    "stage3_gather_16bit_weights_on_model_save": True}}
 RESUMED = re.compile(r"(Resuming training from checkpoint with epoch \d+ and|Continuing training "
                      r"from) global step 10\b")
 
@@ -64,40 +76,103 @@ def _launch(inv: Path, job: str, tmp: Path, *args: str) -> subprocess.CompletedP
                           timeout=900)
 
 
+def _killed_rank(tb: Testbed, tmp_path: Path, ds: Path, ds_doc: dict[str, Any], job: str) -> str:
+    """3 x 1 + a spare, --replicas 1: rank 1 killed at step 15 (after checkpoint-10),
+    --max-restarts 2; the restart resumes from checkpoint-10. Returns the output."""
+    inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+    inv.write_text(inv.read_text() + "spares: [node4]\n")
+    out = str(tb.local_mountpoint / "ckpt" / job)
+    marker = tb.shared_dir / f"{job}-crashed"
+    # two restarts: the kill's, and room for torch's exit-time abort (helpers.EXIT_ABORT)
+    run = _launch(inv, job, tmp_path, "--max-restarts", "2", str(HF_TRAINER),
+                  *_hf_args(out, ds, "--crash_at_step", "15", "--crash_rank", "1",
+                            "--crash_once", str(marker)))
+    text = run.stdout + run.stderr
+    assert run.returncode == 0, text[-5000:]
+    assert marker.exists(), text[-3000:]  # the rank was killed
+    assert "program profile: hf-trainer (its source builds transformers' Trainer)" in text
+    assert "hf-trainer: resuming from checkpoint-10, the newest checkpoint complete on " \
+           "every node" in text, text[-5000:]
+    assert "checkpoint-10/latest -> global_step10" in text, text[-5000:]
+    # HF's own word that it resumed (transformers 5.24; older ones: "Continuing ...")
+    assert RESUMED.search(text), text[-5000:]
+    # the user's file is untouched; the program read the derived copy
+    assert json.loads(ds.read_text()) == ds_doc
+    got = FINAL.findall(text)
+    assert got and int(got[-1][0]) == STEPS, text[-3000:]
+    # every node's checkpoint-20 is complete: DeepSpeed's model states and latest
+    for node in ("node1", "node2", "node3"):
+        res = tb.exec(node, ["ls", f"{out}/checkpoint-20", f"{out}/checkpoint-20/global_step20"])
+        assert "model_states.pt" in res.stdout, (node, res.stdout)
+        assert "trainer_state.json" in res.stdout, (node, res.stdout)
+    return text
+
+
 @pytest.mark.testbed
-@pytest.mark.slow  # a 3-rank training, killed and restarted (75-115 s)
+@pytest.mark.slow  # a 3-rank training, killed and restarted, one collect (80-120 s)
 def test_hf_trainer_killed_rank_resumes_from_the_newest_complete_checkpoint(
         testbed_required: None, tmp_path: Path) -> None:
+    """... and then (issue 38 (d)) node2's checkpoint dir wiped: ``collect-ckpt JOB
+    --consolidate fp32`` without --tag picks the newest tag it can assemble, takes node2's
+    part from its replica, and its fp32 weights equal DeepSpeed's ``zero_to_fp32`` on a
+    merged copy of every node's files taken before the wipe."""
     ds = tmp_path / "ds_config_z2.json"
     ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
+    merged = tmp_path / "merged"
     with temporary(4) as tb:
-        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
-        inv.write_text(inv.read_text() + "spares: [node4]\n")
-        out = str(tb.local_mountpoint / "ckpt" / "hfkill")
-        marker = tb.shared_dir / "hfkill-crashed"
-        # two restarts: the kill's, and room for torch's exit-time abort (helpers.EXIT_ABORT)
-        run = _launch(inv, "hfkill", tmp_path, "--max-restarts", "2", str(HF_TRAINER),
-                      *_hf_args(out, ds, "--crash_at_step", "15", "--crash_rank", "1",
-                                "--crash_once", str(marker)))
-        text = run.stdout + run.stderr
-        assert run.returncode == 0, text[-5000:]
-        assert marker.exists(), text[-3000:]  # the rank was killed
-        assert "program profile: hf-trainer (its source builds transformers' Trainer)" in text
-        assert "hf-trainer: resuming from checkpoint-10, the newest checkpoint complete on " \
-               "every node" in text, text[-5000:]
-        assert "checkpoint-10/latest -> global_step10" in text, text[-5000:]
-        # HF's own word that it resumed (transformers 5.24; older ones: "Continuing ...")
-        assert RESUMED.search(text), text[-5000:]
-        # the user's file is untouched; the program read the derived copy
-        assert json.loads(ds.read_text()) == HF_DS_AUTO
-        got = FINAL.findall(text)
-        assert got and int(got[-1][0]) == STEPS, text[-3000:]
-        # every node's checkpoint-20 is complete: DeepSpeed's model states and latest
-        for node in ("node1", "node2", "node3"):
-            res = tb.exec(node, ["ls", f"{out}/checkpoint-20", f"{out}/checkpoint-20/global_step20"])
-            assert "mp_rank_00_model_states.pt" in res.stdout, (node, res.stdout)
-            assert "trainer_state.json" in res.stdout, (node, res.stdout)
+        text = _killed_rank(tb, tmp_path, ds, HF_DS_AUTO, "hfkill")
+        out = tb.local_mountpoint / "ckpt" / "hfkill"
+        # node1 last: its mp_rank_00_model_states.pt is the one to keep. Every node writes
+        # one (use_node_local_storage), but DeepSpeed fills shared_params on global rank 0
+        # only (engine._get_shared_params: `if dist.get_rank() == 0`), so node3's lacks the
+        # tied lm_head.weight -> transformer.wte.weight that zero_to_fp32 restores.
+        for node in ("node3", "node2", "node1"):
+            shutil.copytree(tb.node_local_path(node, out), merged, dirs_exist_ok=True)
+        shutil.rmtree(tb.node_local_path("node2", out))  # node2's disk wiped
+        collect = subprocess.run(
+            [sys.executable, "-m", "clusterkit", "collect-ckpt", "hfkill", "--to",
+             str(tmp_path / "collected"), "--consolidate", "fp32"],
+            cwd=tmp_path, env=train_env(tmp_path), capture_output=True, text=True, timeout=600)
+        said = collect.stdout + collect.stderr
+        assert collect.returncode == 0, said[-5000:]
+        # the newest tag it can assemble: the newest of node2's finished replicas on node3
+        held = tb.node_local_path("node3", f"{out}.replicas") / "node1"
+        newest = max(int(d.name.split("-")[1]) for d in held.glob("checkpoint-*")
+                     if (d / contract.REPLICA_MANIFEST).is_file())
+    picked = re.search(r"checkpoint (checkpoint-(\d+)): step \2,", said)
+    assert picked, said[-3000:]
+    tag, step = picked.group(1), picked.group(2)
+    assert int(step) == newest, said[-3000:]
+    assert f"node index 1 (node2): from its replica on node3 ({tag}, verified)" in said, said
+    assert f"consolidated {tag} -> " in said, said
+    got = FINAL.findall(text)
     assert got[-1][1] == _reference(tmp_path, ds)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from clusterkit.checkpoints.convert.consolidate import load_state_dict_dir
+
+    want = get_fp32_state_dict_from_zero_checkpoint(str(merged / tag), tag=f"global_step{step}")
+    have = load_state_dict_dir(str(tmp_path / "collected" / f"{tag}-fp32"))
+    assert sorted(have) == sorted(want)
+    for name, tensor in want.items():
+        assert have[name].dtype == tensor.dtype and have[name].shape == tensor.shape, name
+        assert float((have[name] - tensor.detach()).abs().max()) == 0.0, name
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
+def test_hf_trainer_zero3_killed_rank_resumes(testbed_required: None, tmp_path: Path) -> None:
+    """The kill test with ZeRO-3 and HF's "auto" ds_config (one model-states file per
+    rank): resumes from checkpoint-10, ends on the uninterrupted ZeRO-3 run's loss."""
+    ds = tmp_path / "ds_config_z3.json"
+    ds.write_text(json.dumps(HF_DS_AUTO_Z3, indent=1))
+    with temporary(4) as tb:
+        text = _killed_rank(tb, tmp_path, ds, HF_DS_AUTO_Z3, "hfz3")
+        out = tb.local_mountpoint / "ckpt" / "hfz3"
+        for index, node in enumerate(("node1", "node2", "node3")):
+            inner = tb.node_local_path(node, out / "checkpoint-20" / "global_step20")
+            assert (inner / f"zero_pp_rank_{index}_mp_rank_00_model_states.pt").is_file(), node
+    assert FINAL.findall(text)[-1][1] == _reference(tmp_path, ds)
 
 
 UNKNOWN = """\
