@@ -156,7 +156,7 @@ def test_hf_trainer_killed_rank_resumes_from_the_newest_complete_checkpoint(
     assert sorted(have) == sorted(want)
     for name, tensor in want.items():
         assert have[name].dtype == tensor.dtype and have[name].shape == tensor.shape, name
-        assert float((have[name] - tensor.detach()).abs().max()) == 0.0, name
+        assert float((have[name].detach() - tensor.detach()).abs().max()) == 0.0, name
 
 
 @pytest.mark.testbed
