@@ -51,7 +51,7 @@ from clusterkit.spec.programs import (
     restart_problem,
     with_resume,
 )
-from tests.render_cases import FACTS, inventory
+from tests.render_cases import FACTS, inventory, plan_for
 
 HF_SRC = "from transformers import Trainer, TrainingArguments\ntrainer = Trainer(model=m)\n"
 ACC_SRC = "from accelerate import Accelerator\nacc = Accelerator()\nacc.save_state(d)\n"
@@ -578,3 +578,36 @@ def test_the_shipped_hook_makes_accelerate_pick_gloo(tmp_path: Path) -> None:
     assert "('gloo', <DistributedType.MULTI_CPU: 'MULTI_CPU'>)" in runs["hooked"], runs
     assert "(None, <DistributedType.NO: 'NO'>)" in runs["bare"], runs
     assert all("shadowed one ran" in out for out in runs.values()), runs
+
+
+# ------------------------------------------------------------------ one writer's file, spread
+
+
+def test_a_snapshot_reaches_a_spare_whose_checkpoint_dir_does_not_exist_yet(
+        tmp_path: Path) -> None:
+    """jobs/spread.py before a restart onto a spare: rank 0's snapshot.pt is on node1
+    only; node3 has an older copy and node4 (the spare) no checkpoint dir at all. Both
+    get node1's file (the spare used to be taken for unreachable and left out: its rank
+    started at epoch 0 while the others resumed)."""
+    from clusterkit.jobs.spread import spread_files, top_files
+    from clusterkit.remote.local import LocalTransport
+
+    plan = plan_for("a800-7x2", "torchrun", nodes=3)
+    hosts = [dataclasses.replace(n.host, transport="local") for n in plan.nodes]
+    nodes = [dataclasses.replace(n, host=h, ckpt_dir=str(tmp_path / name / "ckpt"))
+             for n, h, name in zip(plan.nodes, hosts, ("node1", "node3", "node4"), strict=True)]
+    (tmp_path / "node1" / "ckpt").mkdir(parents=True)
+    (tmp_path / "node3" / "ckpt").mkdir(parents=True)
+    (tmp_path / "node3" / "ckpt" / "snapshot.pt").write_bytes(b"epoch 3")
+    os.utime(tmp_path / "node3" / "ckpt" / "snapshot.pt", (1, 1))
+    (tmp_path / "node1" / "ckpt" / "snapshot.pt").write_bytes(b"epoch 7")
+    transport = LocalTransport()
+    assert top_files(transport, nodes[2]) == []  # reachable, nothing there yet
+    said: list[str] = []
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    spread_files(transport, dataclasses.replace(plan, nodes=tuple(nodes)), str(staging),
+                 said.append)
+    for name in ("node1", "node3", "node4"):
+        assert (tmp_path / name / "ckpt" / "snapshot.pt").read_bytes() == b"epoch 7", name
+    assert len(said) == 1 and "written by" in said[0] and "sha256 verified" in said[0], said

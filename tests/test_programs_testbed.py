@@ -299,6 +299,46 @@ def test_ddp_snapshot_killed_rank_resumes_on_every_node(testbed_required: None,
 
 @pytest.mark.testbed
 @pytest.mark.extended
+def test_ddp_snapshot_node_lost_goes_on_on_the_spare(testbed_required: None,
+                                                     tmp_path: Path) -> None:
+    """Issue 38 (b) for the DDP tutorial: node2 destroyed after the epoch-2 snapshot,
+    --max-restarts --drop-failed-nodes and a spare, no replicas (refused for this
+    profile: the snapshot is on its writer's node only). Before the restart the snapshot
+    is copied from node1 to node3 and the spare node4, every rank resumes from it, and
+    the job ends on the uninterrupted run's last-epoch loss."""
+    with temporary(4) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+        inv.write_text(inv.read_text() + "spares: [node4]\n")
+        snap = str(tb.local_mountpoint / "ckpt" / "ddplost" / "snapshot.pt")
+        argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id",
+                "ddplost", "--nodes", "3", "--storage", "node-local", "--grace", "2",
+                # two restarts: the node's, and room for torch's exit abort (EXIT_ABORT)
+                "--skip-checks", "--max-restarts", "2", "--drop-failed-nodes", str(DDP),
+                str(EPOCHS), "2", "--snapshot_path", snap, "--epoch_sleep", "1.5"]
+        run = Console(argv, train_env(tmp_path), tmp_path)
+        saved = "Epoch 2 | Training snapshot saved"
+        code = lose_node_mid_run(tb, run, "node2", [(lambda: saved in run.text, 600, saved)],
+                                 600)
+        text = run.text
+        assert code == 0, text[-5000:]
+        assert "node4" in text and "program profile: torch-snapshot" in text, text[-5000:]
+        assert re.search(r"snapshot\.pt: written by node1 only; copied to node[^ ]*4",
+                         text), text[-5000:]
+        resumed = [ln for ln in text.splitlines() if "Resuming training from snapshot at Epoch"
+                   in ln]
+        assert resumed and "r0-2]" in resumed[0], text[-5000:]  # every rank, folded
+        # the spare's rank resumed too: it never trained epoch 0 (it did, before jobs/spread
+        # took a node without the checkpoint dir for unreachable)
+        spare_log = (tb.root / "work" / ".clusterkit" / "jobs" / "ddplost" / "nodes" / "node4"
+                     / "rank1.log").read_text()
+        assert "Resuming training from snapshot" in spare_log, spare_log[-3000:]
+        assert "Epoch 0 |" not in spare_log, spare_log[-3000:]
+    got = {int(e): loss for e, loss in EPOCH_LOSS.findall(text)}
+    assert got[EPOCHS - 1] == _ddp_reference(tmp_path)[EPOCHS - 1], (got, text[-8000:])
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
 def test_hf_trainer_node_lost_goes_on_on_the_spare(testbed_required: None,
                                                     tmp_path: Path) -> None:
     """node2 destroyed after checkpoint-10 is replicated, --max-restarts 1

@@ -93,6 +93,27 @@ def test_abort_returns_at_once_and_the_child_ends(tmp_path: Path) -> None:
     assert not [e for e in events if isinstance(e, protocol.Error)], events
 
 
+def test_an_abort_during_the_finish_ends_the_wait_for_a_failed_source(tmp_path: Path) -> None:
+    """This node's ranks ended well (finish), its source's node failed (no BYE ever):
+    the launcher's stop (abort) ends the finish at once, not after FINISH_SOURCES_S."""
+    logs: list[str] = []
+    _, procs = _pair(tmp_path, [], logs)
+    p = procs[0]  # its source, procs[1], never runs
+    p.start()
+    assert p.proc is not None
+    _wait(lambda: any("serving on port" in m for m in logs))
+    ending = threading.Thread(target=p.end, args=(True,), daemon=True)
+    ending.start()
+    _wait(lambda: any("BYE to" in m for m in logs))  # finishing: waiting for its source
+    time.sleep(0.5)
+    assert ending.is_alive() and p.proc.poll() is None
+    t0 = time.monotonic()
+    p.abort()
+    ending.join(15)
+    assert not ending.is_alive() and p.proc.returncode is not None, logs
+    assert time.monotonic() - t0 < 10
+
+
 def test_a_child_whose_agent_died_ends_by_itself(tmp_path: Path) -> None:
     """The agent killed: the child's stdin ends, which is an abort."""
     logs: list[str] = []

@@ -34,11 +34,16 @@ class Copy:
 
 
 def top_files(transport: Transport, node: NodePlan) -> list[str] | None:
-    """The plain files at the top of ``node``'s checkpoint dir; None: not reachable."""
+    """The plain files at the top of ``node``'s checkpoint dir; None: not reachable.
+
+    A reachable node without the dir (a spare taking a lost node's place, a node new to
+    the job) holds none: it is the node that most needs the copy, never one left out."""
     target = target_for(node.host)
     try:
+        if transport.stat(target, node.ckpt_dir) is None:
+            return []
         names = transport.listdir(target, node.ckpt_dir)
-    except Exception:  # each transport has its own error: not reachable, no dir
+    except Exception:  # each transport has its own error: not reachable
         return None
     out = []
     for name in names:

@@ -26,8 +26,10 @@ Standard library only, Python >= 3.8 on the node.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import linecache
+import os
 import subprocess
 import sys
 import threading
@@ -75,7 +77,7 @@ class ReplicaProcess:
         self.conf = {"cfg": cfg, "job_id": job_id, "node": node, "state_path": state_path}
         self.node, self.send, self.log, self.python = node, send, log, python
         self.proc: subprocess.Popen[bytes] | None = None
-        self._said: str | None = None  # finish or abort: said once
+        self._said: str | None = None  # finish, then maybe abort; or abort: the last word
         self._lock = threading.Lock()
         self._readers: list[threading.Thread] = []
 
@@ -123,19 +125,30 @@ class ReplicaProcess:
             self.log(f"replica: the copy process did not end within {bound:g} s; killed")
             self._kill()
             self.proc.wait(10.0)
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
         for t in self._readers:
             t.join(5.0)
 
     def _say(self, word: str) -> bool:
-        """Tell the child ``word`` once (the first of finish/abort wins)."""
+        """Tell the child ``word``: finish or abort once each, abort last.
+
+        An abort after a finish (the launcher stopped the job while this node's ranks had
+        ended well: a rank failed elsewhere) ends the finish's waits: a failed node's
+        copy process never says BYE, and the finish would wait for it for minutes while
+        the launcher's restart ran beside this agent. Stdin stays open until the abort
+        or the child's end: its end is an abort too (the agent died)."""
         with self._lock:
-            if self.proc is None or self._said is not None:
+            if self.proc is None or self._said in (word, ABORT):
                 return False
             self._said = word
             try:
                 assert self.proc.stdin is not None
                 self.proc.stdin.write((word + "\n").encode())
-                self.proc.stdin.close()
+                self.proc.stdin.flush()
+                if word == ABORT:
+                    self.proc.stdin.close()
             except (OSError, ValueError):
                 pass  # the child is gone already
             return True
@@ -194,6 +207,12 @@ class _Out:
                 pass  # the agent is gone; the copies end with the abort that follows
 
 
+def _abort_on_next_word(svc: ReplicaService) -> None:
+    """After "finish": "abort" or the end of stdin (the agent gone) aborts."""
+    if sys.stdin.buffer.readline().decode("utf-8", "replace").strip() in (ABORT, ""):
+        svc.abort()
+
+
 def main(argv: list[str] | None = None) -> int:
     out = _Out()
     words = priority.lower_this_session()
@@ -208,6 +227,17 @@ def main(argv: list[str] | None = None) -> int:
         log(f"replica: the copy process runs in a session of its own: {words}")
     svc.start()
     word = sys.stdin.buffer.readline().decode("utf-8", "replace").strip()  # EOF: ""
-    svc.end(word == FINISH)
+    if word != FINISH:
+        svc.end(False)
+        out.put({"ended": True})
+        return 0
+    # A later abort, or the agent's end, cuts the finish short.
+    threading.Thread(target=_abort_on_next_word, args=(svc,), daemon=True).start()
+    svc.end(True)
     out.put({"ended": True})
-    return 0
+    # That reader still blocks on stdin: leave without the interpreter's shutdown, which
+    # aborts (SIGABRT) when a daemon thread holds stdin's buffer lock. Everything said
+    # went out through flushed writes.
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
+    os._exit(0)

@@ -13,6 +13,7 @@ node has it: clusterkit copies it to every node before a restart (docs/programs.
 
 import os
 import signal
+import time
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,8 @@ def ddp_setup():
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, save_every, snapshot_path, crash):
+    def __init__(self, model, train_data, optimizer, save_every, snapshot_path, crash,
+                 epoch_sleep=0.0):
         self.local_rank = int(os.environ["LOCAL_RANK"])
         self.global_rank = int(os.environ["RANK"])
         self.model = model
@@ -50,6 +52,7 @@ class Trainer:
         self.epochs_run = 0
         self.snapshot_path = snapshot_path
         self.crash = crash
+        self.epoch_sleep = epoch_sleep
         if os.path.exists(snapshot_path):
             print("Loading snapshot")
             self._load_snapshot(snapshot_path)
@@ -90,6 +93,8 @@ class Trainer:
             self._run_epoch(epoch)
             if self.global_rank == 0 and epoch % self.save_every == 0:
                 self._save_snapshot(epoch)
+            if self.epoch_sleep:  # patched: time for a test to lose a node mid-run
+                time.sleep(self.epoch_sleep)
             at, rank, once = self.crash
             if at and epoch == at and self.global_rank == rank and not os.path.exists(once):
                 open(once, "w").close()
@@ -110,11 +115,12 @@ def prepare_dataloader(dataset, batch_size):
                       sampler=DistributedSampler(dataset))
 
 
-def main(save_every, total_epochs, batch_size, snapshot_path, crash):
+def main(save_every, total_epochs, batch_size, snapshot_path, crash, epoch_sleep=0.0):
     ddp_setup()
     dataset, model, optimizer = load_train_objs()
     train_data = prepare_dataloader(dataset, batch_size)
-    trainer = Trainer(model, train_data, optimizer, save_every, snapshot_path, crash)
+    trainer = Trainer(model, train_data, optimizer, save_every, snapshot_path, crash,
+                      epoch_sleep)
     trainer.train(total_epochs)
     destroy_process_group()
 
@@ -130,6 +136,7 @@ if __name__ == "__main__":
     parser.add_argument("--crash_at_epoch", type=int, default=0)
     parser.add_argument("--crash_rank", type=int, default=1)
     parser.add_argument("--crash_once", default="")
+    parser.add_argument("--epoch_sleep", type=float, default=0.0)
     args = parser.parse_args()
     main(args.save_every, args.total_epochs, args.batch_size, args.snapshot_path,
-         (args.crash_at_epoch, args.crash_rank, args.crash_once))
+         (args.crash_at_epoch, args.crash_rank, args.crash_once), args.epoch_sleep)
