@@ -233,9 +233,11 @@ def test_a_silent_start_within_the_allowance_is_not_a_hang(slurm: SlurmBed) -> N
 
 
 def test_a_stopped_rank_is_named_and_ends_the_step(slurm: SlurmBed) -> None:
-    """One rank SIGSTOPped mid-run: within --hang-timeout + 30 s the watchdog prints a
-    folded stack summary naming that rank, and the step ends with that reason."""
-    job, hang = "user-hang", 30
+    """One rank SIGSTOPped mid-run: within --hang-timeout + 15 s the watchdog prints a
+    folded stack summary naming that rank, and the step ends with that reason.
+    --hang-timeout 20, as the issue's own acceptance (30 before issue 37 item 6: 10 s of
+    4 stalled ranks and a held Slurm job fewer)."""
+    job, hang = "user-hang", 20
     r = _sbatch(slurm, job, "torchrun", ["usertrain.py", "--steps", "300", "--step-sleep", "0.5"],
                 "--hang-timeout", str(hang))
     slurm_id = _slurm_id(r)
@@ -257,8 +259,8 @@ def test_a_stopped_rank_is_named_and_ends_the_step(slurm: SlurmBed) -> None:
                                       "clusterkit: the step hung"))))
     detected = re.search(r"clusterkit: no progress on any rank for (\d+) s", out)
     assert detected, out[-3000:]
-    assert time.monotonic() - stopped_at < hang + 30 + 60  # detection + teardown
-    assert int(detected.group(1)) <= hang + 30
+    assert time.monotonic() - stopped_at < hang + 15 + 60  # detection + teardown
+    assert int(detected.group(1)) <= hang + 15
     assert re.search(rf"  rank {victim[1]} \(node2, stopped\): .*odd one out", out), out[-3000:]
     assert "ending the step: no progress on any rank for" in out
     assert f"rank {victim[1]} on node2 is stopped" in out
