@@ -202,8 +202,9 @@ def test_the_step0_rule(name: str, refused: bool) -> None:
 
 def _plan(script_text: str | None, args: tuple[str, ...], *, storage: str = "node-local",
           files: dict[str, str] | None = None, **kw: object) -> JobPlan:
+    kw = {"nodes": 3, **kw}
     o = JobOptions(job_id="j", script="train.py", script_args=args, storage=storage,
-                   ckpt_dir="/scratch/ckpt", nodes=3, gpus_per_node=1, **kw)  # type: ignore[arg-type]
+                   ckpt_dir="/scratch/ckpt", gpus_per_node=1, **kw)  # type: ignore[arg-type]
     facts = dataclasses.replace(FACTS, script_text=script_text, program_files=files or {})
     return plan_job(inventory("a800-7x2"), o, facts)
 
@@ -611,3 +612,34 @@ def test_a_snapshot_reaches_a_spare_whose_checkpoint_dir_does_not_exist_yet(
     for name in ("node1", "node3", "node4"):
         assert (tmp_path / name / "ckpt" / "snapshot.pt").read_bytes() == b"epoch 7", name
     assert len(said) == 1 and "written by" in said[0] and "sha256 verified" in said[0], said
+
+
+def test_an_hf_job_on_fewer_nodes_is_refused_not_started_at_step_0(tmp_path: Path) -> None:
+    """Relaunched on 2 of its 3 nodes (no spare), an HF Trainer job is refused in one
+    line naming its layout: converting its checkpoint to a top-level universal tag (the
+    contract's way) made HF begin at step 0 and save over checkpoint-10 and -20, exit 0
+    (found on the test bed). The contract's script still reshards."""
+    from clusterkit.launch.registry import Registry
+    from clusterkit.launch.run import _record, check_continue, is_reshard
+    from clusterkit.spec.jobrecord import JobState
+
+    def record(plan: JobPlan) -> Registry:
+        registry = Registry(tmp_path / plan.job_id)
+        rec = _record(job_from_plan(render_all(plan)), plan, 0)
+        rec.state = JobState.FAILED
+        registry.save(rec)
+        return registry
+
+    args = ("--output_dir", "/scratch/ckpt/j")
+    prior = record(_plan(HF_SRC, args)).find("j")
+    fewer = _plan(HF_SRC, args, nodes=2)
+    assert not is_reshard(fewer, prior)
+    with pytest.raises(LaunchError) as err:
+        check_continue(fewer, prior)
+    msg = err.value.message
+    assert "cannot continue job j on a different rank->node mapping" in msg
+    assert "this program (hf-trainer) saves checkpoint-N/" in msg and "\n" not in msg
+    assert "--replace OLD=NEW" in (err.value.hint or "")
+    contract = "import os\nos.environ['CLUSTERKIT_RESUME_TAG']\n"
+    prior = record(_plan(contract, ())).find("j")
+    assert is_reshard(_plan(contract, (), nodes=2), prior)

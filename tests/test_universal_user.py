@@ -56,12 +56,21 @@ def test_user_resume_turns_on_load_universal_and_keeps_the_global_batch() -> Non
 
 
 def test_a_user_script_is_reshardable_the_workload_only_with_resume_auto() -> None:
-    def plan(workload: bool, args: tuple[str, ...] = ()) -> Any:
-        return SimpleNamespace(options=SimpleNamespace(uses_workload=workload, script_args=args))
+    from clusterkit.spec.programs import PROFILES, ProgramChoice
+
+    def plan(workload: bool, args: tuple[str, ...] = (), profile: str | None = None) -> Any:
+        prof = None if profile is None else ProgramChoice(PROFILES[profile], "named")
+        return SimpleNamespace(options=SimpleNamespace(uses_workload=workload, script_args=args),
+                               profile=prof)
 
     assert reshardable(plan(False, ("--resume", "step3")))  # a user's own flags are its own
+    assert reshardable(plan(False, (), "clusterkit"))  # loads the tag it is told
     assert reshardable(plan(True)) and reshardable(plan(True, ("--resume", "auto")))
     assert not reshardable(plan(True, ("--resume", "global_step3")))
+    # DeepSpeed's files inside the program's own folders, a snapshot, a program nobody
+    # knows: converted in the wrong place, it would begin at step 0 (issue 38)
+    for name in ("hf-trainer", "accelerate", "torch-snapshot", "deepspeed", "unknown"):
+        assert not reshardable(plan(False, (), name)), name
 
 
 def test_a_checkpoint_that_cannot_be_converted_is_refused_in_one_line(tmp_path: Path) -> None:

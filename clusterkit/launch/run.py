@@ -166,9 +166,9 @@ def restart_plan(options: JobOptions, plan: JobPlan, planner: Planner, sink: Sin
                     f"cannot drop {', '.join(state.bad or ())}: node-local checkpoints resume "
                     "only on the same rank->node mapping, and no spare can take their place "
                     f"({why})",
-                    hint="name spares in the inventory (`spares: [...]`); with --resume auto "
-                         "(or a user's script) the checkpoint is resharded onto fewer nodes "
-                         "instead")
+                    hint="name spares in the inventory (`spares: [...]`); with the bundled "
+                         "workload's --resume auto, or a script of clusterkit's contract, the "
+                         "checkpoint is resharded onto fewer nodes instead (docs/programs.md)")
             case Next.STOP | Next.REFUSE_GATE:
                 raise AssertionError(f"launch() stops before a restart: {step}")
             case _:
@@ -240,9 +240,23 @@ def resume_arg(plan: JobPlan) -> str | None:
 
 def reshardable(plan: JobPlan) -> bool:
     """Its newest checkpoint can be resharded for fewer nodes: the bundled workload with
-    ``--resume auto``, or a user's script (converted for it; it loads the tag named by
-    ``CLUSTERKIT_RESUME_TAG``; an explicit ``--resume`` of the workload is its own)."""
-    return resume_arg(plan) in ("auto", None)
+    ``--resume auto``, or a user's script whose profile reshards (clusterkit's contract:
+    it loads the tag named by ``CLUSTERKIT_RESUME_TAG``); an explicit ``--resume`` of the
+    workload is its own. Not an HF Trainer, accelerate, snapshot or unknown program
+    (spec/programs.Profile.reshards)."""
+    prof = plan.profile
+    own = plan.options.uses_workload or prof is None or prof.profile.reshards
+    return own and resume_arg(plan) in ("auto", None)
+
+
+def _not_resharded(plan: JobPlan) -> str:
+    """Why a program's checkpoint is not converted for another world size ('' if it is)."""
+    prof = plan.profile
+    if plan.options.uses_workload or prof is None or prof.profile.reshards:
+        return ""
+    return (f"; this program ({prof.name}) saves {prof.profile.layout}, which clusterkit "
+            "converts for no other world size (only the bundled workload's and clusterkit's "
+            "contract's DeepSpeed tags)")
 
 
 def is_reshard(plan: JobPlan, prior: JobRecord | None) -> bool:
@@ -278,12 +292,14 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
         raise LaunchError(
             f"cannot continue job {plan.job_id} on a different rank->node mapping: its "
             "node-local checkpoints resume only where each rank saved its shards "
-            f"(was {_map_text(old_map)}, now {_map_text(rank_map(plan))})",
+            f"(was {_map_text(old_map)}, now {_map_text(rank_map(plan))})"
+            + _not_resharded(plan),
             key="--job-id",
             hint="a lost node: run its ranks on a spare with --replace OLD=NEW (its part is "
                  "restored from its replica; docs/lost-a-node.md), or, with the bundled "
-                 "workload and --resume auto, relaunch on fewer nodes (resharded through "
-                 "DeepSpeed's universal checkpoint); or gather the shards with "
+                 "workload and --resume auto or a script of clusterkit's contract, relaunch "
+                 "on fewer nodes (resharded through DeepSpeed's universal checkpoint); or "
+                 "start a new --job-id (this job's checkpoints stay); or gather the shards with "
                  f"`clusterkit collect-ckpt {plan.job_id}`, re-spread them with `clusterkit "
                  f"collect-ckpt --scatter --to DEST --dir {plan.nodes[0].ckpt_dir} ...` for "
                  "the new nodes, then launch again; or launch on the same nodes and "

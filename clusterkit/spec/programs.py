@@ -93,6 +93,13 @@ class Profile:
     # it logs neither): a resumed attempt whose progress comes first began at step 0.
     resumed_marker: str = ""
     progress_marker: str = ""
+    # A save on one world size continues on another (fewer nodes without a spare): its
+    # DeepSpeed tags sit at the top of the checkpoint dir and it loads the tag clusterkit
+    # names ($CLUSTERKIT_RESUME_TAG), so clusterkit converts the newest to DeepSpeed's
+    # universal checkpoint for it (jobs/reshard.py). Any other layout is refused on
+    # another rank->node mapping (launch/run.check_continue): converted in the wrong
+    # place, the program would begin at step 0 and save over its checkpoints.
+    reshards: bool = False
     # Its library picks no process group by itself on ranks without a GPU (accelerate
     # 1.15: every rank would be process 0 of 1, node/accelerate_cpu.py says why): those
     # ranks get the job dir's CPU_HOOK_FILE first on their PYTHONPATH.
@@ -126,7 +133,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                        "node's local rank 0 (LOCAL_RANK == 0), or use --storage shared"),
     Profile(CONTRACT, "clusterkit's contract",
             f"tags under ${ENV_CKPT_DIR}, loaded by an explicit tag (${ENV_RESUME_TAG})",
-            resumes_itself=True, picks_newest=True, config_args=("--deepspeed_config",)),
+            resumes_itself=True, picks_newest=True, config_args=("--deepspeed_config",),
+            reshards=True),
     Profile(CUSTOM, "your --resume-arg", "your program's own", config_args=("--deepspeed",
                                                                             "--deepspeed_config")),
     Profile(UNKNOWN, "not recognised", "not known", config_args=("--deepspeed_config",)),
