@@ -168,12 +168,18 @@ def _saves_begun(tb: Testbed, node: str, job: str) -> int:
     return max(steps, default=0)
 
 
-def _signal_all(bed: SlurmBed, node: str, sig: signal.Signals) -> None:
-    """``sig`` to every job process in ``node`` (ranks, replica service, slurmstepd)."""
-    for _ in range(2):  # twice: a process forked while the first pass ran
-        for pid, _cmd in bed.job_processes(node):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+def _ranks(bed: SlurmBed, node: str) -> list[int]:
+    """The pids of the workload's ranks in ``node`` (not torchrun's agent)."""
+    pids = [pid for pid, cmd in bed.job_processes(node)
+            if "clusterkit.workload" in cmd and "torch.distributed.run" not in cmd]
+    assert pids, bed.job_processes(node)
+    return pids
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _lose_node3_past_its_saves(bed: SlurmBed, job: str, slurm_id: str, manifest: Path) -> int:
@@ -181,8 +187,8 @@ def _lose_node3_past_its_saves(bed: SlurmBed, job: str, slurm_id: str, manifest:
     process of it killed, slurmd too, its scratch removed, the node set DOWN) at a moment
     when the job's output holds at least two steps past the newest save node3 had begun:
     whatever save the requeued run resumes from, the first run logged its next two steps.
-    Checked with node3's job processes stopped (SIGSTOP: the ranks elsewhere wait for it
-    in the next collective, no save can begin there), let go (SIGCONT) if it does not
+    Checked with node3's ranks stopped (SIGSTOP: no save can begin there, and the ranks
+    elsewhere wait for them in the next collective), let go (SIGCONT) if it does not
     hold yet. Returns the step the first run's output had reached."""
     end = time.monotonic() + 600
     out_file = _job_dir(bed.tb, job) / "logs" / f"slurm-{slurm_id}.out"
@@ -193,12 +199,13 @@ def _lose_node3_past_its_saves(bed: SlurmBed, job: str, slurm_id: str, manifest:
         runs = _steps_logged(text)
         logged = max(runs[0], default=0) if runs else 0
         if manifest.exists() and logged >= _saves_begun(bed.tb, LOST, job) + 2:
-            _signal_all(bed, LOST, signal.SIGSTOP)
+            ranks = _ranks(bed, LOST)
+            _signal(ranks, signal.SIGSTOP)
             time.sleep(1)  # the step line rank 0 printed before node3 stopped, written out
             logged = max(_steps_logged(_out(bed, job, slurm_id))[0])
             if logged >= _saves_begun(bed.tb, LOST, job) + 2:
                 break
-            _signal_all(bed, LOST, signal.SIGCONT)
+            _signal(ranks, signal.SIGCONT)
         time.sleep(0.3)
     bed.tb.destroy(LOST)
     bed.client(["scontrol", "update", f"NodeName={LOST}", "State=DOWN", "Reason=lost-for-good"])
