@@ -7,7 +7,7 @@ which runs on the other 4 nodes: the parts are moved before the ranks start (nod
 index 2's from its replica), and the resumed run is the uninterrupted one: no reference
 job (issue 37 item 6: it was ~45 s of 8 ranks on 2 cores, a third of the test), the
 first run itself is the reference. node3 is lost only while the first run has logged
-at least two steps past every save node3 had begun (checked with node3 frozen, so the
+at least two steps past every save node3 had begun (checked with node3's ranks stopped, so the
 check and the loss are one moment); the resumed run's losses for those steps (at least
 two: the second one already needs the restored optimizer and LR state) must equal the
 first run's, float for float (DeepSpeed's CSV monitor in the shared run dir: one header
