@@ -152,6 +152,7 @@ class NodeSession:
         self._deadline = float("inf")
         self._budget = 0.0
         self.killed_why = ""
+        self._write_error = ""
         self._closed = threading.Event()
         self._pipe = self.stdout
         self.back = BackChannel(self.startup_s + 120.0) if via is not None else None
@@ -192,7 +193,9 @@ class NodeSession:
             self.stdin.write(data)
             self.stdin.flush()
         except OSError as exc:  # the process is gone: the reader reports why
-            self.killed_why = self.killed_why or f"cannot write to the session ({exc})"
+            # Its exit status and stderr say why (srun refused, ssh failed); the broken
+            # pipe only when they say nothing (it raced the process's end).
+            self._write_error = self._write_error or f"cannot write to the session ({exc})"
 
     def request(self, op: str, timeout: float, **fields: Any) -> int:
         self._next_id += 1
@@ -252,6 +255,8 @@ class NodeSession:
         self._errf.seek(0)
         err = " ".join(self._errf.read().decode("utf-8", "replace").split())[-300:]
         parts = [self.killed_why] if self.killed_why else []
+        if not err and self._write_error:
+            parts.append(self._write_error)
         parts.append(f"exit {code}" + (f": {err}" if err else ""))
         return "; ".join(parts)
 
