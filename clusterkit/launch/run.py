@@ -244,15 +244,19 @@ def reshardable(plan: JobPlan) -> bool:
     it loads the tag named by ``CLUSTERKIT_RESUME_TAG``); an explicit ``--resume`` of the
     workload is its own. Not an HF Trainer, accelerate, snapshot or unknown program
     (spec/programs.Profile.reshards)."""
+    return _program_reshards(plan) and resume_arg(plan) in ("auto", None)
+
+
+def _program_reshards(plan: JobPlan) -> bool:
+    """The bundled workload, or a program whose profile reshards."""
     prof = plan.profile
-    own = plan.options.uses_workload or prof is None or prof.profile.reshards
-    return own and resume_arg(plan) in ("auto", None)
+    return plan.options.uses_workload or prof is None or prof.profile.reshards
 
 
 def _not_resharded(plan: JobPlan) -> str:
     """Why a program's checkpoint is not converted for another world size ('' if it is)."""
     prof = plan.profile
-    if plan.options.uses_workload or prof is None or prof.profile.reshards:
+    if prof is None or _program_reshards(plan):
         return ""
     return (f"; this program ({prof.name}) saves {prof.profile.layout}, which clusterkit "
             "converts for no other world size (only the bundled workload's and clusterkit's "
