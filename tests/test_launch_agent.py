@@ -155,16 +155,23 @@ def test_stubborn_rank_is_killed_after_the_grace_period(tmp_path: Path, fake: Pa
 
 
 def test_usr1_reaches_every_rank(tmp_path: Path, fake: Path) -> None:
-    # 10 s of steps: room for the signal to reach both ranks on a loaded machine.
-    job = _job(tmp_path, fake, 2, "usr1-job", FAKE_STEPS="100")
+    # 60 s of steps: room for the signal to reach both ranks on a loaded machine; the job
+    # is stopped as soon as both said so (it used to run its 10 s of steps out).
+    job = _job(tmp_path, fake, 2, "usr1-job", FAKE_STEPS="600")
     out = io.StringIO()
     orch = Orchestrator(job, LocalTransport(), PlainSink(out))
     thread = threading.Thread(target=orch.run, kwargs={"install_signals": False})
     thread.start()
-    # Every rank past step 3 (so each has installed its handler), not just the first one.
-    _wait_for(lambda: all(f"[v{r} r{r}] step 3/100" in out.getvalue() for r in (0, 1)))
-    orch._on_signal(signal.SIGUSR1, None)
-    thread.join(40)
+    try:
+        # Every rank past step 3 (so each has installed its handler), not just the first one.
+        _wait_for(lambda: all(f"[v{r} r{r}] step 3/600" in out.getvalue() for r in (0, 1)))
+        orch._on_signal(signal.SIGUSR1, None)
+        _wait_for(lambda: all(f"[v{r} r{r}] rank {r} got USR1" in out.getvalue() for r in (0, 1)),
+                  timeout=40)
+    finally:
+        orch._on_signal(signal.SIGINT, None)  # what Ctrl-C does: the job's teardown
+        thread.join(40)
+    assert not thread.is_alive()
     assert "[v0 r0] rank 0 got USR1" in out.getvalue()
     assert "[v1 r1] rank 1 got USR1" in out.getvalue()
 
