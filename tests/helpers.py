@@ -533,3 +533,119 @@ def assert_collected_exact(testbed: Testbed, tmp_path: Path, launched: Launched,
     got = load_state_dict_dir(str(dest / f"{tag}-fp32"))
     assert set(live) <= set(got)
     assert max(float((got[k].detach() - v.detach()).abs().max()) for k, v in live.items()) == 0.0
+
+
+# ------------------------------------------------------------------ a resume proved inside one job
+
+# No uninterrupted reference run (issue 37 item 6): the failed attempt is the reference
+# for every step it logged after the tag the next attempt resumes from. The job is held
+# (every rank SIGSTOPped) at a moment where the newest save is complete, no newer one is
+# begun, and rank 0 has logged ``past`` steps after it; the next attempt resumes from
+# exactly that save and logs those steps again. The first step after the tag needs the
+# loaded weights, the second also the optimizer and LR state. DeepSpeed's CSV monitor
+# (rank 0, the workload's run dir in the shared job dir) has the losses at full precision.
+
+def monitor_losses(run_dir: Path, per_step: int | None = None) -> list[dict[int, float]]:
+    """The bundled workload's logged losses from DeepSpeed's CSV monitor under ``run_dir``
+    (the workload's --run-dir: ``<job dir>/run`` for a launch): rank 0 writes a header
+    when a run (an attempt) logs its first step, then ``global_samples,loss`` rows
+    (``repr`` of the float: exact). Per run, step -> loss; ``per_step`` is the samples of
+    one optimizer step, by default the first run's first row (a run from step 1 that logs
+    every step: ``--log-every 1``). A row being written (cut short) is left out."""
+    import csv
+
+    files = list((run_dir / "monitor").rglob("Train_Samples_train_loss.csv"))
+    assert len(files) <= 1, files
+    runs: list[list[tuple[int, float]]] = []
+    if files:
+        with files[0].open(newline="") as fh:
+            for row in csv.reader(fh):
+                if row and row[0] == "step":
+                    runs.append([])
+                elif runs and len(row) == 2:
+                    try:
+                        runs[-1].append((int(row[0]), float(row[1])))
+                    except ValueError:
+                        continue
+    if per_step is None:
+        if not runs or not runs[0]:
+            return [{} for _ in runs]
+        per_step = runs[0][0][0]
+    assert per_step > 0, runs[:1]
+    return [{samples // per_step: loss for samples, loss in run} for run in runs]
+
+
+def node_local_saves(tb: Testbed, nodes: Sequence[str], local: str, job: str) -> tuple[int, int]:
+    """A node-local job's (newest step whose save any node has begun: its tag dir exists,
+    newest step whose save every node completed: clusterkit's marker of each node
+    index); 0 for none. ``local``: the inventory's checkpoint.local_dir under the
+    node-local dir (``ckpt`` for root's, ``<user>/ckpt`` for the bed's user's)."""
+    from clusterkit.node.contract import marker_name
+
+    begun: set[int] = set()
+    done: set[int] = set()
+    tags = [{int(d.name.removeprefix("global_step")): d
+             for d in tb.node_local_path(n, f"{local}/{job}").glob("global_step*")
+             if d.name.removeprefix("global_step").isdigit()} for n in nodes]
+    for held in tags:
+        begun |= set(held)
+    for step in set.intersection(*(set(t) for t in tags)) if tags else set():
+        if all((t[step] / marker_name(i)).is_file() for i, t in enumerate(tags)):
+            done.add(step)
+    return max(begun, default=0), max(done, default=0)
+
+
+def stop_ranks(pids: Sequence[int], timeout: float = 10.0) -> None:
+    """SIGSTOP every pid and wait until each is stopped ('T'); fails if one is gone."""
+    from clusterkit.node.agent_hangs import proc_state
+
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {pid: proc_state(pid) for pid in pids}
+        gone = [pid for pid, s in states.items() if s in ("?", "Z", "X")]
+        assert not gone, f"rank pids {gone} ended before they were stopped"
+        if all(s in ("T", "t") for s in states.values()):
+            return
+        assert time.monotonic() < deadline, f"ranks not stopped after SIGSTOP: {states}"
+        time.sleep(0.02)
+
+
+def continue_ranks(pids: Sequence[int]) -> None:
+    import contextlib
+
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def hold_past_save(run: Console, job: str, world: int, saves: Callable[[], tuple[int, int]],
+                   losses: Callable[[], dict[int, float]], after: int = 0, past: int = 2,
+                   timeout: float = 400) -> tuple[int, list[int]]:
+    """Wait until this attempt of ``job`` has completed a save N > ``after``, begun none
+    newer and logged steps N+1..N+``past`` (``saves()``: (newest begun, newest complete);
+    ``losses()``: this attempt's logged step -> loss), and return (N, the pids of ranks
+    0..world-1) with every rank stopped (SIGSTOP): checked while stopped, so the next
+    attempt resumes from N and this one has logged those steps. The caller continues
+    (:func:`continue_ranks`) or kills them. Never returns while the ranks run on."""
+    deadline = time.monotonic() + timeout
+
+    def ready() -> bool:
+        begun, done = saves()
+        logged = losses()
+        return done > after and begun == done and all(done + k in logged
+                                                      for k in range(1, past + 1))
+
+    while True:
+        run.wait_for(ready, max(1.0, deadline - time.monotonic()),
+                     f"{job}: {past} steps logged past a save after step {after}", poll=0.02)
+        pids = [rank_pid(job, r) for r in range(world)]
+        if None in pids:
+            time.sleep(0.1)  # between attempts
+            continue
+        found = [p for p in pids if p is not None]
+        stop_ranks(found)
+        if ready():
+            return saves()[1], found
+        continue_ranks(found)  # a newer save began meanwhile: wait for its steps
