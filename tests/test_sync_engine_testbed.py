@@ -6,7 +6,9 @@ byte-identical copies; a second run sends nothing; one changed file alone travel
 every node's down link shaped to 100 Mbit/s, node2's node program is killed mid-transfer:
 the others complete and verify, the end names node2 and what it lacks, and a rerun sends
 only node2's missing part; a byte flipped in node3's copy: ``doctor --sync`` names node3
-and the file, a rerun repairs only that file.
+and the file, a rerun repairs only that file and every copy is byte-identical again
+(issue 37 item 6: checked on the bytes; a second 4-node ``doctor --sync`` probe cost ~12 s,
+and doctor's passing parity report is tests/test_sync_links_testbed.py's).
 """
 
 from __future__ import annotations
@@ -126,9 +128,11 @@ def test_chain_delta_lost_node_and_flipped_byte(testbed: Testbed, tmp_path: Path
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert "node3: 1 file(s) sent (10,000 bytes, verified), 25 unchanged" in fixed.stdout
     assert "node[1-2,4]: 0 file(s) sent" in fixed.stdout
-    doc = run_cli(["doctor", "-i", str(inv), "--sync", "data", "-v"], proj, env)
-    assert "sync.parity" in doc.stdout and "node[1-4]  data: 26 file(s)" in doc.stdout, \
-        doc.stdout[-3000:]
+    # Repaired: every copy is the source again, byte for byte. (A second `doctor --sync -v`
+    # said so, ~12 s of a 4-node probe; its passing report is checked by
+    # tests/test_sync_links_testbed.py, and parity is these bytes against the same record.)
+    for n in nodes:
+        assert tree(copy(n)) == tree(src), n.name
 
 
 def test_nodes_that_cannot_reach_each_other_are_fed_from_here(testbed: Testbed,
