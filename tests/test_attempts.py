@@ -10,7 +10,8 @@ import pytest
 
 from clusterkit.errors import LaunchError
 from clusterkit.launch.attempts import AttemptEnd, Next, RestartRules, RestartState, decide
-from clusterkit.launch.run import reshardable, restart_plan
+from clusterkit.launch.continuation import reshardable
+from clusterkit.launch.run import restart_plan
 from clusterkit.spec.job import JobOptions, JobPlan
 
 FAILED = AttemptEnd(exit_code=1)

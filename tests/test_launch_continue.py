@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from clusterkit.errors import LaunchError
+from clusterkit.launch.continuation import check_continue, resume_note
 from clusterkit.launch.fromplan import job_from_plan
 from clusterkit.launch.registry import Registry
-from clusterkit.launch.run import _record, check_continue, resume_note
+from clusterkit.launch.run import _record
 from tests.helpers import recorded_failed_job
 from tests.render_cases import plan_for
 

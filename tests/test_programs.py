@@ -19,8 +19,8 @@ from clusterkit.errors import LaunchError, RenderError
 from clusterkit.fold import Folded
 from clusterkit.inventory import load_inventory
 from clusterkit.jobs.recover import resume_plan, resumed_program
+from clusterkit.launch.continuation import needs_ready, resume_note, resume_watch
 from clusterkit.launch.fromplan import checkpoint_prep, job_from_plan
-from clusterkit.launch.run import needs_ready, resume_note, resume_watch
 from clusterkit.node import accelerate_cpu
 from clusterkit.node.agent_files import ready_checkpoints
 from clusterkit.node.contract import ASIDE_SUFFIX, JobDir
@@ -619,8 +619,9 @@ def test_an_hf_job_on_fewer_nodes_is_refused_not_started_at_step_0(tmp_path: Pat
     line naming its layout: converting its checkpoint to a top-level universal tag (the
     contract's way) made HF begin at step 0 and save over checkpoint-10 and -20, exit 0
     (found on the test bed). The contract's script still reshards."""
+    from clusterkit.launch.continuation import check_continue, is_reshard
     from clusterkit.launch.registry import Registry
-    from clusterkit.launch.run import _record, check_continue, is_reshard
+    from clusterkit.launch.run import _record
     from clusterkit.spec.jobrecord import JobState
 
     def record(plan: JobPlan) -> Registry:

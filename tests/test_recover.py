@@ -1,5 +1,5 @@
 """Issue 22: --replace OLD=NEW (hostfile.apply_replace), the continue rule for a replaced
-node (launch/run.check_continue) and the restore of a lost node's part (jobs/recover.py,
+node (launch/continuation.check_continue) and the restore of a lost node's part (jobs/recover.py,
 jobs/restore.py)."""
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from clusterkit.errors import CheckpointError, InventoryError, LaunchError, Sele
 from clusterkit.hostfile import apply_replace, parse_replace, select, select_hosts
 from clusterkit.inventory import parse_inventory
 from clusterkit.jobs.recover import prepare_continue, restore_replacements
-from clusterkit.launch.fromplan import job_from_plan
-from clusterkit.launch.registry import JobRecord
-from clusterkit.launch.run import (
+from clusterkit.launch.continuation import (
     Replacement,
-    _record,
     check_continue,
     continue_swaps,
     is_reshard,
     replacements,
 )
+from clusterkit.launch.fromplan import job_from_plan
+from clusterkit.launch.registry import JobRecord
+from clusterkit.launch.run import _record
 from clusterkit.node.contract import (
     REPLICA_MANIFEST,
     REPLICA_SCHEMA,

@@ -19,7 +19,7 @@ import pytest
 from clusterkit.checkpoints.collectplan import WithoutMarkers
 from clusterkit.checkpoints.convert import universal
 from clusterkit.errors import LaunchError
-from clusterkit.launch.run import reshardable
+from clusterkit.launch.continuation import reshardable
 from clusterkit.node.contract import ENV_CKPT_DIR, ENV_DS_CONFIG, ENV_RESUME_TAG
 from clusterkit.spec.zero import ZeroSpec, build_ds_config
 from tests.helpers import REPO, free_port, workload_env, workload_summary

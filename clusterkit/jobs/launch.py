@@ -25,6 +25,7 @@ from clusterkit.inventory import Inventory
 from clusterkit.jobs.here import clusterkit_home, launch_facts
 from clusterkit.jobs.recover import prepare_continue
 from clusterkit.launch.console import Sink, make_sink
+from clusterkit.launch.continuation import check_continue
 from clusterkit.launch.gate import (
     check_here,
     gate_error,
@@ -36,15 +37,7 @@ from clusterkit.launch.gate import (
 )
 from clusterkit.launch.recording import recording
 from clusterkit.launch.registry import JobRecord, Registry
-from clusterkit.launch.run import (
-    LaunchResult,
-    LaunchSettings,
-    Preparer,
-    Syncer,
-    check_continue,
-    gate_needs,
-    launch,
-)
+from clusterkit.launch.run import LaunchResult, LaunchSettings, Preparer, Syncer, gate_needs, launch
 from clusterkit.launchers import BACKENDS, DEFAULT_LAUNCHER
 from clusterkit.node.contract import JobDir
 from clusterkit.plan.build import plan_job

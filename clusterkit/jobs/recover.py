@@ -45,14 +45,8 @@ from clusterkit.jobs.restore import (
     swap_names,
 )
 from clusterkit.jobs.spread import spread_files
+from clusterkit.launch.continuation import Replacement, continue_swaps, is_reshard, replacements, resume_arg
 from clusterkit.launch.registry import JobRecord
-from clusterkit.launch.run import (
-    Replacement,
-    continue_swaps,
-    is_reshard,
-    replacements,
-    resume_arg,
-)
 from clusterkit.node.contract import ASIDE_SUFFIX, ENV_RESUME_TAG, LATEST_FILE
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan

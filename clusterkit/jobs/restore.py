@@ -26,7 +26,7 @@ from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.checkpoints.sources.factory import open_source
 from clusterkit.checkpoints.sources.transfer import NullProgress, Wanted
 from clusterkit.errors import CheckpointError, LaunchError
-from clusterkit.launch.run import Replacement
+from clusterkit.launch.continuation import Replacement
 from clusterkit.node.contract import LATEST_FILE, parse_marker_name
 from clusterkit.remote.base import Transport, target_for
 from clusterkit.spec.job import JobPlan, NodePlan

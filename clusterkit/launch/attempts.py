@@ -48,7 +48,7 @@ class RestartRules:
     relaunches: int = 0  # --max-restarts
     drop_failed_nodes: bool = False
     node_local: bool = False  # checkpoints tied to the rank->node mapping
-    # the bundled workload with --resume auto, or a user's script (launch/run.py reshardable)
+    # the bundled workload with --resume auto, or a user's script (launch/continuation.py reshardable)
     resumes_itself: bool = False
 
 

@@ -97,7 +97,7 @@ class Profile:
     # DeepSpeed tags sit at the top of the checkpoint dir and it loads the tag clusterkit
     # names ($CLUSTERKIT_RESUME_TAG), so clusterkit converts the newest to DeepSpeed's
     # universal checkpoint for it (jobs/reshard.py). Any other layout is refused on
-    # another rank->node mapping (launch/run.check_continue): converted in the wrong
+    # another rank->node mapping (launch/continuation.check_continue): converted in the wrong
     # place, the program would begin at step 0 and save over its checkpoints.
     reshards: bool = False
     # Its library picks no process group by itself on ranks without a GPU (accelerate

@@ -1,0 +1,214 @@
+"""How a launch continues a recorded job: the rank->node map its node-local
+checkpoints are tied to, the ``--replace``d nodes, whether its newest checkpoint is
+resharded for fewer nodes, and who resumes it.
+
+Pure functions of the plan and the prior record; ``launch/run.py`` (the launch loop)
+and ``jobs/recover.py`` (what is done on the nodes before the start) both read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from clusterkit.errors import LaunchError
+from clusterkit.hostfile import parse_replace
+from clusterkit.launch.console import Sink
+from clusterkit.launch.registry import JobRecord
+from clusterkit.launch.resumewatch import ResumeWatch
+from clusterkit.node.contract import StorageKind
+from clusterkit.spec.job import WORKLOAD_MODULE, JobPlan
+from clusterkit.spec.jobrecord import RankMap, RankSpan
+from clusterkit.spec.programs import CONTRACT
+
+
+def rank_map(plan: JobPlan) -> RankMap:
+    """``[(node, first_rank, nproc), ...]``: what node-local checkpoints are tied to."""
+    return [RankSpan(n.name, n.first_rank, n.nproc) for n in plan.nodes]
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """Node index ``index`` ran on ``old`` and now runs on ``new`` (``--replace``)."""
+
+    index: int
+    old: str
+    new: str
+
+
+def replacements(old_map: Sequence[Sequence[Any]], plan: JobPlan) -> list[Replacement] | None:
+    """The replaced nodes when the new rank->node mapping is the old one with only
+    ``--replace`` names changed (same node index, first rank and ranks); None when the
+    mapping changed otherwise. Pure."""
+    swap = parse_replace(plan.options.replace)
+    if len(old_map) != len(plan.nodes):
+        return None
+    out: list[Replacement] = []
+    for index, (old, node) in enumerate(zip(old_map, plan.nodes, strict=True)):
+        name, first, nproc = old
+        if [first, nproc] != [node.first_rank, node.nproc]:
+            return None
+        if name != node.name:
+            if swap.get(str(name)) not in (node.name, ""):  # "": a spare picked for it
+                return None
+            out.append(Replacement(index, str(name), node.name))
+    return out
+
+
+def continue_swaps(plan: JobPlan, prior: JobRecord | None) -> list[Replacement]:
+    """The nodes whose node-local checkpoint part must be restored onto their spare
+    before this launch continues ``prior`` (empty: nothing to restore)."""
+    old_map = None if prior is None else prior.ckpt.rank_map
+    if plan.storage != StorageKind.NODE_LOCAL or old_map is None or old_map == rank_map(plan):
+        return []
+    return replacements(old_map, plan) or []
+
+
+def resume_arg(plan: JobPlan) -> str | None:
+    """The bundled workload's ``--resume`` (default ``auto``); None for a user's program."""
+    if not plan.options.uses_workload:
+        return None
+    args = list(plan.options.script_args)
+    for i, word in enumerate(args):
+        if word == "--resume" and i + 1 < len(args):
+            return args[i + 1]
+        if word.startswith("--resume="):
+            return word.split("=", 1)[1]
+    return "auto"
+
+
+def reshardable(plan: JobPlan) -> bool:
+    """Its newest checkpoint can be resharded for fewer nodes: the bundled workload with
+    ``--resume auto``, or a user's script whose profile reshards (clusterkit's contract:
+    it loads the tag named by ``CLUSTERKIT_RESUME_TAG``); an explicit ``--resume`` of the
+    workload is its own. Not an HF Trainer, accelerate, snapshot or unknown program
+    (spec/programs.Profile.reshards)."""
+    return _program_reshards(plan) and resume_arg(plan) in ("auto", None)
+
+
+def _program_reshards(plan: JobPlan) -> bool:
+    """The bundled workload, or a program whose profile reshards."""
+    prof = plan.profile
+    return plan.options.uses_workload or prof is None or prof.profile.reshards
+
+
+def _not_resharded(plan: JobPlan) -> str:
+    """Why a program's checkpoint is not converted for another world size ('' if it is)."""
+    prof = plan.profile
+    if prof is None or _program_reshards(plan):
+        return ""
+    return (f"; this program ({prof.name}) saves {prof.profile.layout}, which clusterkit "
+            "converts for no other world size (only the bundled workload's and clusterkit's "
+            "contract's DeepSpeed tags)")
+
+
+def is_reshard(plan: JobPlan, prior: JobRecord | None) -> bool:
+    """Continuing a node-local job of the bundled workload on another rank->node mapping
+    that is not a ``--replace`` (fewer nodes after a loss, ``--exclude``, ``--nodes``):
+    its newest checkpoint is converted to DeepSpeed's universal checkpoint, which loads
+    on any world size (jobs/recover.py), when the workload resumes by itself (auto)."""
+    old_map = None if prior is None else prior.ckpt.rank_map
+    return (plan.storage == StorageKind.NODE_LOCAL and old_map is not None and old_map != rank_map(plan)
+            and replacements(old_map, plan) is None and reshardable(plan))
+
+
+def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
+    """Launching with the id of a recorded job continues it; say how, or refuse.
+
+    The checkpoint dir is ``<root>/<job_id>``, so the same id means the same dir and
+    the workload's ``--resume auto`` picks up the newest complete checkpoint there.
+    Node-local shards resume only on the same rank->node mapping: a changed one is
+    refused here, never silently turned into a fresh start, except a ``--replace``d
+    node (same node index, ranks and slots on a spare), whose part is restored onto
+    the spare from its replica before the start (jobs/recover.py).
+    """
+    if prior is None:
+        return None
+    if prior.launcher_alive:
+        raise LaunchError(f"job {plan.job_id} is still running (launcher pid {prior.launcher_pid})",
+                          key="--job-id", hint=f"`clusterkit stop {plan.job_id}` first, or pick "
+                                               "another --job-id")
+    old_map = prior.ckpt.rank_map
+    swaps = None if old_map is None else replacements(old_map, plan)
+    if plan.storage == StorageKind.NODE_LOCAL and old_map is not None and old_map != rank_map(plan) \
+            and swaps is None and not is_reshard(plan, prior):
+        raise LaunchError(
+            f"cannot continue job {plan.job_id} on a different rank->node mapping: its "
+            "node-local checkpoints resume only where each rank saved its shards "
+            f"(was {_map_text(old_map)}, now {_map_text(rank_map(plan))})"
+            + _not_resharded(plan),
+            key="--job-id",
+            hint="a lost node: run its ranks on a spare with --replace OLD=NEW (its part is "
+                 "restored from its replica; docs/lost-a-node.md), or, with the bundled "
+                 "workload and --resume auto or a script of clusterkit's contract, relaunch "
+                 "on fewer nodes (resharded through DeepSpeed's universal checkpoint); or "
+                 "start a new --job-id (this job's checkpoints stay); or gather the shards with "
+                 f"`clusterkit collect-ckpt {plan.job_id}`, re-spread them with `clusterkit "
+                 f"collect-ckpt --scatter --to DEST --dir {plan.nodes[0].ckpt_dir} ...` for "
+                 "the new nodes, then launch again; or launch on the same nodes and "
+                 "--gpus-per-node")
+    dirs = sorted({n.ckpt_dir for n in plan.nodes})
+    where = dirs[0] if len(dirs) == 1 else f"{len(dirs)} dirs"
+    moved = "".join(f"; node index {s.index} runs on {s.new} instead of {s.old}"
+                    + (" (its checkpoint part restored there first)"
+                       if plan.storage == StorageKind.NODE_LOCAL else "")
+                    for s in swaps or ())
+    if old_map is not None and is_reshard(plan, prior):
+        moved = (f"; on {len(plan.nodes)} nodes, {plan.world_size} ranks (was "
+                 f"{_map_text(old_map)}): the newest checkpoint is resharded first")
+    return (f"continuing job {plan.job_id} ({prior.state.value} before): checkpoints in {where} "
+            f"({plan.storage}){moved}; "
+            + resume_note(plan.program[:2] == ("-m", WORKLOAD_MODULE), plan.storage, plan))
+
+
+def resume_watch(plan: JobPlan, sink: Sink) -> ResumeWatch | None:
+    """A watch on an attempt told where to resume whose library logs that it did."""
+    prof = plan.profile
+    if plan.resume_from is None or prof is None or not prof.profile.resumed_marker:
+        return None
+    return ResumeWatch(sink, prof.profile)
+
+
+def needs_ready(plan: JobPlan) -> bool:
+    """A restart on the same nodes of a node-local job is readied first (jobs/recover.py)
+    when its program's profile is told where to resume, picks by DeepSpeed's ``latest``,
+    writes a file on one rank only (copied to every node), picks the newest checkpoint it
+    finds (newer unassemblable ones moved aside), or has no known way to resume
+    (the step-0 rule): spec/programs.py."""
+    prof = plan.profile
+    # The contract's scripts take the newest tag every rank has by their own rule: on the
+    # same nodes nothing is in their way (on fewer nodes the reshard readies them).
+    own_rule = prof is not None and prof.name == CONTRACT
+    return (plan.storage == StorageKind.NODE_LOCAL and prof is not None
+            and not plan.options.uses_workload
+            and bool(prof.resume or prof.profile.top_latest or prof.profile.one_writer
+                     or (prof.profile.picks_newest and not own_rule)
+                     or not prof.profile.resumes_itself))
+
+
+def resume_note(workload: bool, storage: str, plan: JobPlan | None = None) -> str:
+    """Who resumes a continued or restarted job, and the node-local trap for a user's program."""
+    if workload:
+        return "the workload resumes from its newest complete checkpoint"
+    prof = None if plan is None else plan.profile
+    if prof is not None and prof.resume and storage == StorageKind.NODE_LOCAL:
+        return (f"clusterkit resumes it from the newest checkpoint complete on every node "
+                f"({' '.join(prof.resume)})")
+    if prof is not None and prof.profile.resumes_itself and prof.name != CONTRACT \
+            and storage == StorageKind.NODE_LOCAL:
+        # A profile whose checkpoint clusterkit readies (needs_ready): the trap below is
+        # handled for it (accelerate loads an explicit tag; `latest`, copies, set-asides).
+        return (f"{prof.name} resumes by itself; clusterkit readies the newest checkpoint "
+                "complete on every node for it first (docs/programs.md)")
+    if storage == StorageKind.NODE_LOCAL:
+        # Seen as a user: load_checkpoint(tag=None) resumed node 0 only, the others
+        # started fresh, and DeepSpeed failed on "tag name ... not consistent".
+        return ("your program must resume by itself: DeepSpeed's `latest` is on rank 0's node "
+                "only, so load an explicit tag every rank has (docs/launch.md, "
+                "\"Your own training script\")")
+    return "your program must resume by itself"
+
+
+def _map_text(m: RankMap) -> str:
+    return ", ".join(f"{node}:r{first}-{first + n - 1}" for node, first, n in m)
