@@ -13,8 +13,8 @@ Without root / sshd / ip the test bed tests are skipped with the reason, except
 when the environment variable CI is set: then they fail loudly.
 
 Expensive training runs that several tests check are fixtures of the one module that
-holds those tests (``launched_7x2`` in test_launch_train.py, ``reference_2x2`` in
-test_hang_testbed.py, ``preempted`` in test_sbatch_user_slurm.py): pytest-xdist's
+holds those tests (``launched_7x2`` in test_launch_train.py, ``preempted`` in
+test_sbatch_user_slurm.py): pytest-xdist's
 ``--dist loadfile`` (pyproject addopts) runs a module on one worker, so each runs once.
 Nothing here depends on xdist's private workings (issue 37: xdist 3.8's ``loadgroup``
 renames test ids through a private attribute that pytest 9.2 no longer reads, so its

@@ -412,12 +412,6 @@ def assert_trained(run: Run, steps: int, world: int) -> None:
 
 # ------------------------------------------------------------------ shared runs
 
-# The uninterrupted 2 x 2 reference (torchrun, shared storage) of the restart and hang
-# tests: long enough for a stop after the first save (every 10 steps), a kill after the
-# restarted attempt's first save and a last attempt that resumes mid-run, although the
-# test sees each line up to ~20 steps late (60 steps were too few on a quiet machine:
-# attempt 2 had finished before the kill).
-REF_STEPS = 120
 # Every step of a 14-rank ZeRO-3 run costs ~4 s on this 2-core machine: three steps
 # show training as well as six did.
 SHARED_7X2_STEPS = 3
@@ -440,14 +434,6 @@ class Launched:
     storage: str
     zero_stage: int
     weights: Path | None  # the workload's --dump-weights file (shared dir), if asked for
-
-
-def launch_reference(tb: Testbed, tmp_path: Path) -> Run:
-    t0 = time.monotonic()
-    ref = train(tb, tmp_path, "ref-run", "torchrun", 2, 2, "shared", REF_STEPS)
-    assert_trained(ref, REF_STEPS, 4)
-    print(f"reference run {time.monotonic() - t0:.1f} s")
-    return ref
 
 
 def launch_7x2(tb: Testbed, tmp_path: Path, key: str) -> Launched:
@@ -573,6 +559,23 @@ def monitor_losses(run_dir: Path, per_step: int | None = None) -> list[dict[int,
         per_step = runs[0][0][0]
     assert per_step > 0, runs[:1]
     return [{samples // per_step: loss for samples, loss in run} for run in runs]
+
+
+def attempts_agree(logged: Sequence[tuple[int, str]], repeated: Sequence[int]) -> None:
+    """A job killed and restarted, proved resumed exactly without a reference run:
+    ``logged`` is the (step, loss) lines of the whole console in order; an attempt starts
+    where the step goes back. Two attempts; the second logs every step of ``repeated``
+    (those after its checkpoint that the first had logged before the kill) with the very
+    loss the first logged, and those are the only steps both logged."""
+    runs: list[dict[int, str]] = [{}]
+    for step, loss in logged:
+        if runs[-1] and step <= max(runs[-1]):
+            runs.append({})
+        runs[-1][step] = loss
+    assert len(runs) == 2, logged
+    both = sorted(runs[0].keys() & runs[1].keys())
+    assert both == sorted(repeated), (both, logged)
+    assert all(runs[0][s] == runs[1][s] for s in both), logged
 
 
 def node_local_saves(tb: Testbed, nodes: Sequence[str], local: str, job: str) -> tuple[int, int]:

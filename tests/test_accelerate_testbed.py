@@ -7,8 +7,9 @@ The test bed's nodes have no GPU: accelerate 1.15 alone would make every rank pr
 1 (node/accelerate_cpu.py); clusterkit's hook (Profile.cpu_hook) gives them gloo. Each
 test checks that the world really is 3 (``random_states_R.pkl`` of rank R on R's node).
 
-* kill -9 of rank 1 after step_10 is saved: the restart's ranks load step_10 by
-  themselves and the job ends on the uninterrupted run's step-20 loss.
+* kill -9 of rank 1 at step 15, after step_10 is saved: the restart's ranks load step_10
+  by themselves, log steps 11-15 with the very losses the killed attempt logged for them
+  (restored weights, AdamW state and RNG: no reference run needed) and go on to step 20.
 * node2 destroyed after step_10 is replicated (--drop-failed-nodes, spare node4): node2's
   part restored onto node4, the same end on the spare.
 
@@ -34,7 +35,15 @@ from clusterkit.spec.programs import (
     CPU_HOOK_FILE,
     LIBRARY_DS_CONFIG,
 )
-from tests.helpers import REPO, Console, free_port, lose_node_mid_run, reference_run, train_env
+from tests.helpers import (
+    REPO,
+    Console,
+    attempts_agree,
+    free_port,
+    lose_node_mid_run,
+    reference_run,
+    train_env,
+)
 from tests.testbed import temporary
 
 if TYPE_CHECKING:
@@ -42,6 +51,7 @@ if TYPE_CHECKING:
 
 PROGRAM = REPO / "tests" / "programs" / "accelerate_save_state.py"
 FINAL = re.compile(r"final loss at step (\d+): ([0-9.]+)")
+STEP_LOSS = re.compile(r"\bstep (\d+) loss ([0-9.]+)")
 STEPS = 20
 
 
@@ -84,8 +94,7 @@ PROFILE_LINE = ("program profile: accelerate (its source calls accelerate's save
 
 
 @pytest.mark.testbed
-@pytest.mark.slow  # a 3-rank training, killed and restarted, and the reference: 32-35 s at
-# load ~3 (once 320 s while others' Slurm tests took the load from 1 to 15)
+@pytest.mark.slow  # a 3-rank training, killed and restarted
 def test_accelerate_killed_rank_resumes_from_the_newest_complete_save(
         testbed_required: None, tmp_path: Path) -> None:
     with temporary(4) as tb:
@@ -108,8 +117,8 @@ def test_accelerate_killed_rank_resumes_from_the_newest_complete_save(
         assert "resumed from step_10" in text, text[-5000:]  # the program's own load_state
         got = FINAL.findall(text)
         assert got and int(got[-1][0]) == STEPS, text[-3000:]
+        attempts_agree([(int(s), loss) for s, loss in STEP_LOSS.findall(text)], range(11, 16))
         _world_of_three(tb, out, {"node1": 0, "node2": 1, "node3": 2})
-    assert got[-1][1] == _reference(tmp_path)
 
 
 @pytest.mark.testbed

@@ -8,8 +8,8 @@
 * per-backend acceptance: the torchrun plan (run natively by the agents, the
   default), DeepSpeed's runner over pdsh and accelerate each train to completion
   once at 7 nodes x 2 ranks and once, with the other storage mode, at a smaller
-  shape (torchrun itself, shared, is the restart test's reference run at 2 x 2;
-  deepspeed and accelerate at 2 x 1). Tiny model, few steps. The 7 x 2 runs of
+  shape (torchrun's own agents run a job in tests/test_titles_testbed.py; deepspeed and
+  accelerate at 2 x 1). Tiny model, few steps. The 7 x 2 runs of
   deepspeed and accelerate (~110-170 s each on the 2-core suite) are extended
   variants; by default the 7-node shape runs natively, DeepSpeed's runner at 2 x 1
   (shared, below) and 2 x 2 (node-local ZeRO-3, collected and consolidated in

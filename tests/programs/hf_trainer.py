@@ -10,7 +10,10 @@ an uninterrupted one's), a word-level tokenizer and a text made here.
 Test hook (``TestArguments``): ``--crash_at_step N --crash_rank R --crash_once FILE``
 kills global rank R with SIGKILL at the end of step N, once (FILE, on storage every node
 sees, says it happened): a ``kill -9`` of one rank at a known step, without a race;
-``--step_sleep S`` makes each step S seconds slower (time to destroy a node mid-run).
+``--step_sleep S`` makes each step S seconds slower (time to destroy a node mid-run);
+``--exact_losses True``: rank 0 prints each logged loss in full (``exact loss at step S:
+L``, the float's repr; HF's own console line rounds to 4 digits), so a test compares the
+steps a killed run logged with the same steps after its resume, exactly.
 Bench hook: ``--step_times True``: rank 0 prints each step's seconds (bench/bench_hf_trainer.py).
 Rank 0 ends with ``final loss at step S: L`` (the last logged training loss).
 """
@@ -65,6 +68,8 @@ class TestArguments:
     step_sleep: float = field(default=0.0, metadata={"help": "test hook: seconds per step"})
     step_times: bool = field(default=False, metadata={"help": "bench hook: rank 0 prints "
                                                       "each step's seconds at the end"})
+    exact_losses: bool = field(default=False, metadata={"help": "test hook: rank 0 prints "
+                                                        "each logged loss in full"})
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -96,6 +101,15 @@ class StepTimes(TrainerCallback):
         now = time.perf_counter()
         self.times.append(now - self.last)
         self.last = now
+        return control
+
+
+class ExactLosses(TrainerCallback):
+    """The test hook: each logged training loss in full, by rank 0."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs and "loss" in logs:
+            print(f"exact loss at step {state.global_step}: {logs['loss']!r}", flush=True)
         return control
 
 
@@ -152,6 +166,8 @@ def main():
     timer = StepTimes()
     if test_args.step_times:
         trainer.add_callback(timer)
+    if test_args.exact_losses:
+        trainer.add_callback(ExactLosses())
     # run_clm.py: resume only when told
     checkpoint = None
     if training_args.resume_from_checkpoint is not None:
