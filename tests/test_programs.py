@@ -640,7 +640,89 @@ def test_an_hf_job_on_fewer_nodes_is_refused_not_started_at_step_0(tmp_path: Pat
     msg = err.value.message
     assert "cannot continue job j on a different rank->node mapping" in msg
     assert "this program (hf-trainer) saves checkpoint-N/" in msg and "\n" not in msg
+    assert "a torch snapshot, copied as it is" in msg
     assert "--replace OLD=NEW" in (err.value.hint or "")
     contract = "import os\nos.environ['CLUSTERKIT_RESUME_TAG']\n"
     prior = record(_plan(contract, ())).find("j")
     assert is_reshard(_plan(contract, (), nodes=2), prior)
+    assert "resharded first" in (check_continue(_plan(contract, (), nodes=2), prior) or "")
+
+
+# ------------------------------------------------------------------ on another world size
+
+
+@pytest.mark.parametrize(("name", "want"), [
+    (HF, "refused"), (ACCELERATE, "refused"), (DEEPSPEED, "refused"),
+    (SNAPSHOT, "as-is"), (CONTRACT, "universal"), (CUSTOM, "refused"), (UNKNOWN, "refused"),
+])
+def test_how_each_profile_continues_on_another_world_size(name: str, want: str) -> None:
+    """spec/programs.Profile.other_world, the one answer: clusterkit's contract converted
+    to the universal checkpoint, a torch snapshot (the whole model, from rank 0) as it
+    is, every other layout refused (converted in the wrong place it began at step 0)."""
+    from clusterkit.spec.programs import OtherWorld
+
+    assert PROFILES[name].other_world is OtherWorld(want)
+
+
+def _recorded(tmp_path: Path, plan: JobPlan) -> Any:
+    from clusterkit.launch.registry import Registry
+    from clusterkit.launch.run import _record
+    from clusterkit.spec.jobrecord import JobState
+
+    registry = Registry(tmp_path / "reg" / plan.job_id)
+    rec = _record(job_from_plan(render_all(plan)), plan, 0)
+    rec.state = JobState.FAILED
+    registry.save(rec)
+    return registry.find(plan.job_id)
+
+
+def test_a_snapshot_job_on_fewer_nodes_goes_on_as_it_is(tmp_path: Path) -> None:
+    """A torch-snapshot job relaunched on 2 of its 3 nodes (no spare): continued, nothing
+    converted, the relaunch line says so; the attempt table's reshard row reads it."""
+    from clusterkit.launch.continuation import check_continue, is_reshard, other_world, reshardable
+    from clusterkit.spec.programs import OtherWorld
+
+    args = ("8", "2", "--snapshot_path", "/scratch/ckpt/j/snapshot.pt")
+    prior = _recorded(tmp_path, _plan(SNAP_SRC, args))
+    fewer = _plan(SNAP_SRC, args, nodes=2)
+    assert other_world(fewer) is OtherWorld.AS_IS and reshardable(fewer)
+    assert is_reshard(fewer, prior)
+    note = check_continue(fewer, prior) or ""
+    assert "on 2 nodes, 2 ranks (was node1:r0-0, node2:r1-1, node3:r2-2)" in note, note
+    assert "loads on any world size as it is" in note and "resharded" not in note, note
+    # the same nodes: no reshard at all
+    assert not is_reshard(_plan(SNAP_SRC, args), prior)
+
+
+def test_a_snapshot_job_on_fewer_nodes_gets_the_snapshot_on_every_node(
+        tmp_path: Path) -> None:
+    """jobs/recover.prepare_continue on 2 of 3 nodes: the snapshot (on node1 only) is
+    copied to node3, nothing is gathered or converted (no reshard dir), and the plan
+    runs as it is; the dry run says what it would copy and copies nothing."""
+    from clusterkit.jobs.recover import prepare_continue
+    from clusterkit.remote.local import LocalTransport
+
+    args = ("8", "2")
+    prior = _recorded(tmp_path, _plan(SNAP_SRC, args))
+    o = JobOptions(job_id="j", script="train.py", script_args=args, storage="node-local",
+                   ckpt_dir="/scratch/ckpt", include="node1:0@node3:0")
+    fewer = plan_job(inventory("a800-7x2"), o, dataclasses.replace(FACTS, script_text=SNAP_SRC))
+    nodes = tuple(dataclasses.replace(n, host=dataclasses.replace(n.host, transport="local"),
+                                      ckpt_dir=str(tmp_path / n.name / "ckpt"))
+                  for n in fewer.nodes)
+    fewer = dataclasses.replace(fewer, nodes=nodes)
+    assert [n.name for n in nodes] == ["node1", "node3"]
+    (tmp_path / "node1" / "ckpt").mkdir(parents=True)
+    (tmp_path / "node1" / "ckpt" / "snapshot.pt").write_bytes(b"epoch 5")
+    home = tmp_path / "home"
+    home.mkdir()
+    said: list[str] = []
+    assert prepare_continue(LocalTransport(), fewer, prior, str(home), said.append,
+                            dry_run=True) is None
+    assert not (tmp_path / "node3" / "ckpt" / "snapshot.pt").exists()
+    assert len(said) == 1 and "nothing is converted" in said[0], said
+    said.clear()
+    assert prepare_continue(LocalTransport(), fewer, prior, str(home), said.append) is None
+    assert (tmp_path / "node3" / "ckpt" / "snapshot.pt").read_bytes() == b"epoch 5"
+    assert len(said) == 1 and "copied to node3 (sha256 verified)" in said[0], said
+    assert not (home / "reshard").exists()

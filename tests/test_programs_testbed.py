@@ -402,3 +402,47 @@ def test_hf_trainer_relaunched_by_hand_resumes(testbed_required: None, tmp_path:
         got = FINAL.findall(text)
         assert got and int(got[-1][0]) == STEPS, text[-3000:]
     assert got[-1][1] == _reference(tmp_path, ds)
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
+def test_ddp_snapshot_node_lost_goes_on_with_fewer_nodes(testbed_required: None,
+                                                         tmp_path: Path) -> None:
+    """Issue 38 item 3 for the DDP tutorial with no spare: node2 destroyed after the
+    epoch-2 snapshot, --max-restarts --drop-failed-nodes. The snapshot (the whole model,
+    from rank 0) loads on any world size, so nothing is converted: the restart goes on
+    with node1 and node3 (2 ranks), node1's snapshot.pt copied to node3 first, every rank
+    resumes at the snapshot's epoch, and the job trains to the last epoch and finishes."""
+    with temporary(3) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+        snap = str(tb.local_mountpoint / "ckpt" / "ddpfew" / "snapshot.pt")
+        argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id",
+                "ddpfew", "--nodes", "3", "--storage", "node-local", "--grace", "2",
+                # two restarts: the node's, and room for torch's exit abort (EXIT_ABORT)
+                "--skip-checks", "--max-restarts", "2", "--drop-failed-nodes", str(DDP),
+                str(EPOCHS), "2", "--snapshot_path", snap, "--epoch_sleep", "1.5"]
+        run = Console(argv, train_env(tmp_path), tmp_path)
+        saved = "Epoch 2 | Training snapshot saved"
+        code = lose_node_mid_run(tb, run, "node2", [(lambda: saved in run.text, 600, saved)],
+                                 900)
+        text = run.text
+        assert code == 0, text[-5000:]
+        assert "program profile: torch-snapshot" in text, text[-5000:]
+        assert "no spare for node2" in text and "going on with fewer nodes" in text, \
+            text[-5000:]
+        after = text.split("going on with fewer nodes", 1)[1]
+        assert "snapshot.pt: written by node1 only; copied to node3 (sha256 verified)" \
+            in after, text[-5000:]
+        assert "resharding" not in after, text[-5000:]  # nothing converted
+        resumed = [ln for ln in after.splitlines()
+                   if "Resuming training from snapshot at Epoch" in ln]
+        assert resumed and "r0-1]" in resumed[0], text[-5000:]  # both ranks, folded
+        epoch = int(resumed[0].rsplit("Epoch", 1)[1])
+        assert epoch >= 3, resumed  # the epoch-2 snapshot or a newer one
+        # node3's rank is rank 1 of the new world: it resumed there, never trained epoch 0
+        log = (tb.root / "work" / ".clusterkit" / "jobs" / "ddpfew" / "nodes" / "node3"
+               / "rank1.log").read_text()
+        assert f"Resuming training from snapshot at Epoch {epoch}" in log, log[-3000:]
+        assert "Epoch 0 |" not in log and f"[GPU1] Epoch {epoch} |" in log, log[-3000:]
+    logged = [int(e) for e, _ in EPOCH_LOSS.findall(after)]
+    assert logged and logged[0] == epoch and logged[-1] == EPOCHS - 1, logged

@@ -67,10 +67,12 @@ def test_a_user_script_is_reshardable_the_workload_only_with_resume_auto() -> No
     assert reshardable(plan(False, (), "clusterkit"))  # loads the tag it is told
     assert reshardable(plan(True)) and reshardable(plan(True, ("--resume", "auto")))
     assert not reshardable(plan(True, ("--resume", "global_step3")))
-    # DeepSpeed's files inside the program's own folders, a snapshot, a program nobody
-    # knows: converted in the wrong place, it would begin at step 0 (issue 38)
-    for name in ("hf-trainer", "accelerate", "torch-snapshot", "deepspeed", "unknown"):
+    # DeepSpeed's files inside the program's own folders, a program nobody knows:
+    # converted in the wrong place, it would begin at step 0 (issue 38)
+    for name in ("hf-trainer", "accelerate", "deepspeed", "unknown"):
         assert not reshardable(plan(False, (), name)), name
+    # a snapshot loads on any world size as it is (copied to every node, not converted)
+    assert reshardable(plan(False, (), "torch-snapshot"))
 
 
 def test_a_checkpoint_that_cannot_be_converted_is_refused_in_one_line(tmp_path: Path) -> None:

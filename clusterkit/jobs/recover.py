@@ -45,13 +45,20 @@ from clusterkit.jobs.restore import (
     swap_names,
 )
 from clusterkit.jobs.spread import spread_files
-from clusterkit.launch.continuation import Replacement, continue_swaps, is_reshard, replacements, resume_arg
+from clusterkit.launch.continuation import (
+    Replacement,
+    continue_swaps,
+    is_reshard,
+    other_world,
+    replacements,
+    resume_arg,
+)
 from clusterkit.launch.registry import JobRecord
 from clusterkit.node.contract import ASIDE_SUFFIX, ENV_RESUME_TAG, LATEST_FILE
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
 from clusterkit.spec.jobrecord import RankMap
-from clusterkit.spec.programs import DIR_FIELD, restart_problem, with_resume
+from clusterkit.spec.programs import DIR_FIELD, OtherWorld, restart_problem, with_resume
 
 
 def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home: str,
@@ -65,7 +72,10 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
     * ``--replace``d node indexes, and any node index whose own copy is gone from its
       node, get their part restored from a verified replica;
     * on another rank->node mapping (fewer nodes), the checkpoint is resharded: gathered
-      here, converted to DeepSpeed's universal checkpoint, pushed to every node.
+      here, converted to DeepSpeed's universal checkpoint, pushed to every node; a
+      program whose checkpoint loads on any world size as it is (a torch snapshot,
+      ``OtherWorld.AS_IS``) has its one-writer files put on every node of the new
+      mapping (the spread below) and nothing converted.
 
     ``dry_run``: the same listing, assembly and refusal; what would be restored or
     resharded is said, nothing is copied.
@@ -78,10 +88,19 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
     if resume not in (None, "auto"):  # an explicit tag or `never`: the workload's own checks
         return None
     swaps = continue_swaps(plan, prior)
-    resharding = is_reshard(plan, prior)
+    # Another mapping: converted (the universal checkpoint), or as it is (a snapshot: the
+    # spread below is all it needs).
+    resharding = is_reshard(plan, prior) and other_world(plan) is OtherWorld.UNIVERSAL
     with staging_dir(os.path.join(home, "restore")) as staging:
-        if plan.profile is not None and plan.profile.profile.one_writer and not dry_run:
-            spread_files(transport, plan, staging, say)  # a snapshot: on every node first
+        if plan.profile is not None and plan.profile.profile.one_writer:
+            if dry_run:
+                say_spread(plan, prior, say)
+            else:
+                spread_files(transport, plan, staging, say)  # a snapshot: on every node first
+        if not resharding and is_reshard(plan, prior):
+            # As it is on another mapping: on every node now; the old mapping's parts
+            # (what the assembly below reads) say nothing of the new one.
+            return None
         listings = list_parts(transport, plan, old_map, staging)
         tried = _resumable(plan, listings, old_map, resume, must=bool(swaps) or resharding)
         if tried is None:
@@ -181,6 +200,14 @@ def _resumable(plan: JobPlan, listings: Sequence[NodeListing], old_map: RankMap,
                               key="--job-id", hint=REFUSAL_HINT)
         return None
     return tried
+
+
+def say_spread(plan: JobPlan, prior: JobRecord, say: Say) -> None:
+    """The dry run's account of a one-writer file (a snapshot) before the start."""
+    say("the launch would copy each file at the top of the checkpoint dir (its newest copy, "
+        "sha256 verified) to every node of the plan whose copy is missing or differs"
+        + (f"; on {len(plan.nodes)} nodes, {plan.world_size} ranks, nothing is converted "
+           "(it loads on any world size as it is)" if is_reshard(plan, prior) else ""))
 
 
 def say_plan(a: Assembly, lost: Sequence[Replacement], reshard: bool, plan: JobPlan,

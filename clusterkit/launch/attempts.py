@@ -4,10 +4,11 @@
 makes between two attempts: stop, refuse, restart the same plan, or (with
 ``--drop-failed-nodes``) find the nodes that fail the gate now and restart without
 them: on free spares (node-local checkpoints: the same node index and ranks, the
-part restored there), else on fewer nodes (shared checkpoints; node-local ones are
-resharded when the bundled workload resumes by itself, or for a user's script, whose
-newest complete checkpoint is converted for it: the conversion refuses what it cannot
-convert), else refused. ``run.py``
+part restored there), else on fewer nodes (shared checkpoints; node-local ones when
+their checkpoint continues on another world size, launch/continuation.other_world:
+resharded for the bundled workload with ``--resume auto`` and a script of clusterkit's
+contract, the conversion refusing what it cannot convert; a torch snapshot as it is,
+copied to every node), else refused. ``run.py``
 performs each step (the gate round, the planner) and asks again with what it
 learned in ``state``. The table is docs/architecture.md's "The attempt table", tested
 row by row in tests/test_attempts.py.
@@ -48,7 +49,9 @@ class RestartRules:
     relaunches: int = 0  # --max-restarts
     drop_failed_nodes: bool = False
     node_local: bool = False  # checkpoints tied to the rank->node mapping
-    # the bundled workload with --resume auto, or a user's script (launch/continuation.py reshardable)
+    # its checkpoint continues on fewer nodes: resharded (the bundled workload with
+    # --resume auto, clusterkit's contract) or as it is (a torch snapshot):
+    # launch/continuation.py reshardable, from spec/programs.Profile.other_world
     resumes_itself: bool = False
 
 

@@ -1,6 +1,6 @@
 """How a launch continues a recorded job: the rank->node map its node-local
-checkpoints are tied to, the ``--replace``d nodes, whether its newest checkpoint is
-resharded for fewer nodes, and who resumes it.
+checkpoints are tied to, the ``--replace``d nodes, whether its newest checkpoint goes on
+on fewer nodes (resharded, or as it is: :func:`other_world`), and who resumes it.
 
 Pure functions of the plan and the prior record; ``launch/run.py`` (the launch loop)
 and ``jobs/recover.py`` (what is done on the nodes before the start) both read them.
@@ -20,7 +20,7 @@ from clusterkit.launch.resumewatch import ResumeWatch
 from clusterkit.node.contract import StorageKind
 from clusterkit.spec.job import WORKLOAD_MODULE, JobPlan
 from clusterkit.spec.jobrecord import RankMap, RankSpan
-from clusterkit.spec.programs import CONTRACT
+from clusterkit.spec.programs import CONTRACT, OtherWorld
 
 
 def rank_map(plan: JobPlan) -> RankMap:
@@ -78,36 +78,41 @@ def resume_arg(plan: JobPlan) -> str | None:
     return "auto"
 
 
-def reshardable(plan: JobPlan) -> bool:
-    """Its newest checkpoint can be resharded for fewer nodes: the bundled workload with
-    ``--resume auto``, or a user's script whose profile reshards (clusterkit's contract:
-    it loads the tag named by ``CLUSTERKIT_RESUME_TAG``); an explicit ``--resume`` of the
-    workload is its own. Not an HF Trainer, accelerate, snapshot or unknown program
-    (spec/programs.Profile.reshards)."""
-    return _program_reshards(plan) and resume_arg(plan) in ("auto", None)
-
-
-def _program_reshards(plan: JobPlan) -> bool:
-    """The bundled workload, or a program whose profile reshards."""
+def other_world(plan: JobPlan) -> OtherWorld:
+    """How its newest checkpoint continues on another rank->node mapping (spec/programs.
+    OtherWorld): the bundled workload with ``--resume auto`` is converted to DeepSpeed's
+    universal checkpoint (an explicit ``--resume`` of it is its own: refused); a user's
+    program as its profile says (clusterkit's contract: converted, it loads the tag named
+    by ``CLUSTERKIT_RESUME_TAG``; a torch snapshot: as it is, on every node; HF Trainer,
+    accelerate, DeepSpeed's ``latest``, unknown: refused)."""
     prof = plan.profile
-    return plan.options.uses_workload or prof is None or prof.profile.reshards
+    if plan.options.uses_workload or prof is None:
+        return OtherWorld.UNIVERSAL if resume_arg(plan) in ("auto", None) else OtherWorld.REFUSED
+    return prof.profile.other_world
+
+
+def reshardable(plan: JobPlan) -> bool:
+    """Its newest checkpoint continues on fewer nodes (converted, or as it is): what the
+    attempt table's ``reshard`` row reads (launch/attempts.RestartRules.resumes_itself)."""
+    return other_world(plan) is not OtherWorld.REFUSED
 
 
 def _not_resharded(plan: JobPlan) -> str:
-    """Why a program's checkpoint is not converted for another world size ('' if it is)."""
+    """Why a program's checkpoint does not continue on another world size ('' if it does)."""
     prof = plan.profile
-    if prof is None or _program_reshards(plan):
-        return ""
+    if prof is None or plan.options.uses_workload or reshardable(plan):
+        return ""  # the workload's explicit --resume: its own (the hint says what to do)
     return (f"; this program ({prof.name}) saves {prof.profile.layout}, which clusterkit "
-            "converts for no other world size (only the bundled workload's and clusterkit's "
-            "contract's DeepSpeed tags)")
+            "continues on no other world size (only the bundled workload's and clusterkit's "
+            "contract's DeepSpeed tags, converted, and a torch snapshot, copied as it is)")
 
 
 def is_reshard(plan: JobPlan, prior: JobRecord | None) -> bool:
-    """Continuing a node-local job of the bundled workload on another rank->node mapping
-    that is not a ``--replace`` (fewer nodes after a loss, ``--exclude``, ``--nodes``):
-    its newest checkpoint is converted to DeepSpeed's universal checkpoint, which loads
-    on any world size (jobs/recover.py), when the workload resumes by itself (auto)."""
+    """Continuing a node-local job on another rank->node mapping that is not a
+    ``--replace`` (fewer nodes after a loss, ``--exclude``, ``--nodes``) when its
+    checkpoint continues there (:func:`other_world`): converted to DeepSpeed's universal
+    checkpoint, which loads on any world size, or a snapshot copied to every node as it
+    is (jobs/recover.py)."""
     old_map = None if prior is None else prior.ckpt.rank_map
     return (plan.storage == StorageKind.NODE_LOCAL and old_map is not None and old_map != rank_map(plan)
             and replacements(old_map, plan) is None and reshardable(plan))
@@ -141,8 +146,9 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
             key="--job-id",
             hint="a lost node: run its ranks on a spare with --replace OLD=NEW (its part is "
                  "restored from its replica; docs/lost-a-node.md), or, with the bundled "
-                 "workload and --resume auto or a script of clusterkit's contract, relaunch "
-                 "on fewer nodes (resharded through DeepSpeed's universal checkpoint); or "
+                 "workload and --resume auto or a script of clusterkit's contract (resharded "
+                 "through DeepSpeed's universal checkpoint) or a torch snapshot (copied as "
+                 "it is), relaunch on fewer nodes; or "
                  "start a new --job-id (this job's checkpoints stay); or gather the shards with "
                  f"`clusterkit collect-ckpt {plan.job_id}`, re-spread them with `clusterkit "
                  f"collect-ckpt --scatter --to DEST --dir {plan.nodes[0].ckpt_dir} ...` for "
@@ -156,7 +162,11 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
                     for s in swaps or ())
     if old_map is not None and is_reshard(plan, prior):
         moved = (f"; on {len(plan.nodes)} nodes, {plan.world_size} ranks (was "
-                 f"{_map_text(old_map)}): the newest checkpoint is resharded first")
+                 f"{_map_text(old_map)}): " + (
+                     "the newest checkpoint is resharded first"
+                     if other_world(plan) is OtherWorld.UNIVERSAL else
+                     "its checkpoint loads on any world size as it is: the newest copy is "
+                     "put on every node first"))
     return (f"continuing job {plan.job_id} ({prior.state.value} before): checkpoints in {where} "
             f"({plan.storage}){moved}; "
             + resume_note(plan.program[:2] == ("-m", WORKLOAD_MODULE), plan.storage, plan))

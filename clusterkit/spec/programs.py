@@ -20,6 +20,7 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from clusterkit.errors import RenderError
@@ -49,6 +50,26 @@ SNAPSHOT = "torch-snapshot"
 CONTRACT = "clusterkit"
 CUSTOM = "custom"
 UNKNOWN = "unknown"
+
+
+class OtherWorld(Enum):
+    """How a profile's checkpoint continues on another rank->node mapping that is not a
+    ``--replace`` (fewer nodes without a spare, ``--exclude``, ``--nodes``): the one
+    answer launch/continuation.py (the refusal, the attempt table's ``reshard`` row) and
+    jobs/recover.py (what is done before the start) read."""
+
+    # Refused (launch/continuation.check_continue): DeepSpeed's files sit where clusterkit
+    # converts none (HF's checkpoint-N/global_stepN/, accelerate's folders), or nobody
+    # knows the layout; converted in the wrong place, the program would begin at step 0
+    # and save over its checkpoints.
+    REFUSED = "refused"
+    # Its DeepSpeed tags sit at the top of the checkpoint dir and it loads the tag
+    # clusterkit names ($CLUSTERKIT_RESUME_TAG): the newest is converted to DeepSpeed's
+    # universal checkpoint for it and pushed to every node (jobs/reshard.py).
+    UNIVERSAL = "universal"
+    # World-size independent (a torch snapshot: the whole model from rank 0): loaded as
+    # it is, once it is on every node of the new mapping (jobs/spread.py, newest copy).
+    AS_IS = "as-is"
 
 
 @dataclass(frozen=True)
@@ -93,13 +114,9 @@ class Profile:
     # it logs neither): a resumed attempt whose progress comes first began at step 0.
     resumed_marker: str = ""
     progress_marker: str = ""
-    # A save on one world size continues on another (fewer nodes without a spare): its
-    # DeepSpeed tags sit at the top of the checkpoint dir and it loads the tag clusterkit
-    # names ($CLUSTERKIT_RESUME_TAG), so clusterkit converts the newest to DeepSpeed's
-    # universal checkpoint for it (jobs/reshard.py). Any other layout is refused on
-    # another rank->node mapping (launch/continuation.check_continue): converted in the wrong
-    # place, the program would begin at step 0 and save over its checkpoints.
-    reshards: bool = False
+    # How a save on one world size continues on another (fewer nodes without a spare):
+    # OtherWorld's values say who does what.
+    other_world: OtherWorld = OtherWorld.REFUSED
     # Its library picks no process group by itself on ranks without a GPU (accelerate
     # 1.15: every rank would be process 0 of 1, node/accelerate_cpu.py says why): those
     # ranks get the job dir's CPU_HOOK_FILE first on their PYTHONPATH.
@@ -129,12 +146,13 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile(SNAPSHOT, "torch snapshot file",
             "one snapshot file saved by rank 0",
             resumes_itself=True, picks_newest=True, one_writer=True,
+            other_world=OtherWorld.AS_IS,
             incomplete="rank 0 saves the snapshot on its own node only: save it on every "
                        "node's local rank 0 (LOCAL_RANK == 0), or use --storage shared"),
     Profile(CONTRACT, "clusterkit's contract",
             f"tags under ${ENV_CKPT_DIR}, loaded by an explicit tag (${ENV_RESUME_TAG})",
             resumes_itself=True, picks_newest=True, config_args=("--deepspeed_config",),
-            reshards=True),
+            other_world=OtherWorld.UNIVERSAL),
     Profile(CUSTOM, "your --resume-arg", "your program's own", config_args=("--deepspeed",
                                                                             "--deepspeed_config")),
     Profile(UNKNOWN, "not recognised", "not known", config_args=("--deepspeed_config",)),
