@@ -614,51 +614,47 @@ def test_a_snapshot_reaches_a_spare_whose_checkpoint_dir_does_not_exist_yet(
     assert len(said) == 1 and "written by" in said[0] and "sha256 verified" in said[0], said
 
 
-def test_an_hf_job_on_fewer_nodes_is_refused_not_started_at_step_0(tmp_path: Path) -> None:
-    """Relaunched on 2 of its 3 nodes (no spare), an HF Trainer job is refused in one
+def test_an_accelerate_job_on_fewer_nodes_is_refused_not_started_at_step_0(
+        tmp_path: Path) -> None:
+    """Relaunched on 2 of its 3 nodes (no spare), an accelerate job is refused in one
     line naming its layout: converting its checkpoint to a top-level universal tag (the
-    contract's way) made HF begin at step 0 and save over checkpoint-10 and -20, exit 0
-    (found on the test bed). The contract's script still reshards."""
+    contract's way) made HF's Trainer begin at step 0 and save over checkpoint-10 and
+    -20, exit 0 (found on the test bed); accelerate's folders are not converted yet. The
+    contract's script and HF's Trainer (inside its checkpoint-N) are resharded."""
     from clusterkit.launch.continuation import check_continue, is_reshard
-    from clusterkit.launch.registry import Registry
-    from clusterkit.launch.run import _record
-    from clusterkit.spec.jobrecord import JobState
 
-    def record(plan: JobPlan) -> Registry:
-        registry = Registry(tmp_path / plan.job_id)
-        rec = _record(job_from_plan(render_all(plan)), plan, 0)
-        rec.state = JobState.FAILED
-        registry.save(rec)
-        return registry
-
-    args = ("--output_dir", "/scratch/ckpt/j")
-    prior = record(_plan(HF_SRC, args)).find("j")
-    fewer = _plan(HF_SRC, args, nodes=2)
+    prior = _recorded(tmp_path / "acc", _plan(ACC_SRC, ()))
+    fewer = _plan(ACC_SRC, (), nodes=2)
     assert not is_reshard(fewer, prior)
     with pytest.raises(LaunchError) as err:
         check_continue(fewer, prior)
     msg = err.value.message
     assert "cannot continue job j on a different rank->node mapping" in msg
-    assert "this program (hf-trainer) saves checkpoint-N/" in msg and "\n" not in msg
-    assert "a torch snapshot, copied as it is" in msg
+    assert "this program (accelerate) saves one folder per save_state call" in msg, msg
+    assert "\n" not in msg and "a torch snapshot, copied as it is" in msg
     assert "--replace OLD=NEW" in (err.value.hint or "")
     contract = "import os\nos.environ['CLUSTERKIT_RESUME_TAG']\n"
-    prior = record(_plan(contract, ())).find("j")
+    prior = _recorded(tmp_path / "contract", _plan(contract, ()))
     assert is_reshard(_plan(contract, (), nodes=2), prior)
     assert "resharded first" in (check_continue(_plan(contract, (), nodes=2), prior) or "")
+    args = ("--output_dir", "/scratch/ckpt/j")
+    prior = _recorded(tmp_path / "hf", _plan(HF_SRC, args))
+    assert is_reshard(_plan(HF_SRC, args, nodes=2), prior)
+    assert "resharded first" in (check_continue(_plan(HF_SRC, args, nodes=2), prior) or "")
 
 
 # ------------------------------------------------------------------ on another world size
 
 
 @pytest.mark.parametrize(("name", "want"), [
-    (HF, "refused"), (ACCELERATE, "refused"), (DEEPSPEED, "refused"),
+    (HF, "universal-inside"), (ACCELERATE, "refused"), (DEEPSPEED, "refused"),
     (SNAPSHOT, "as-is"), (CONTRACT, "universal"), (CUSTOM, "refused"), (UNKNOWN, "refused"),
 ])
 def test_how_each_profile_continues_on_another_world_size(name: str, want: str) -> None:
     """spec/programs.Profile.other_world, the one answer: clusterkit's contract converted
-    to the universal checkpoint, a torch snapshot (the whole model, from rank 0) as it
-    is, every other layout refused (converted in the wrong place it began at step 0)."""
+    to the universal checkpoint, HF's inside its checkpoint-N, a torch snapshot (the whole
+    model, from rank 0) as it is, every other layout refused (converted in the wrong place
+    it began at step 0)."""
     from clusterkit.spec.programs import OtherWorld
 
     assert PROFILES[name].other_world is OtherWorld(want)
@@ -726,3 +722,47 @@ def test_a_snapshot_job_on_fewer_nodes_gets_the_snapshot_on_every_node(
     assert (tmp_path / "node3" / "ckpt" / "snapshot.pt").read_bytes() == b"epoch 5"
     assert len(said) == 1 and "copied to node3 (sha256 verified)" in said[0], said
     assert not (home / "reshard").exists()
+
+
+def test_hf_is_converted_inside_its_checkpoint_dir(tmp_path: Path) -> None:
+    """jobs/reshard for HF's Trainer: the converter's <tag>_universal/global_stepN moves
+    to checkpoint-N/global_stepN_universal with latest_universal naming it (what
+    DeepSpeed's load_checkpoint(tag=None) reads with load_universal on); what is pushed is
+    the tag dir but the old DeepSpeed tag; the attempt's derived config gets
+    load_universal, the user's batch left alone; no derived config: refused first."""
+    from clusterkit.checkpoints.convert.universal import Universal, UniversalMarker
+    from clusterkit.jobs.reshard import _inside_plan, _into_tag_dir, check_inside
+
+    dest = tmp_path / "dest"
+    for rel in ("checkpoint-10/trainer_state.json", "checkpoint-10/rng_state_1.pth",
+                "checkpoint-10/latest", "checkpoint-10/global_step10/zero_pp_rank_0.pt",
+                "checkpoint-10_universal/global_step10/mp_rank_00_model_states.pt",
+                "checkpoint-10_universal/global_step10/zero/w/fp32.pt"):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_text(rel)
+    marker = UniversalMarker("checkpoint-10", 10, 120, 3, 2, 4, 1, 12, "deepspeed", "fp32",
+                             "0.19.8", ds_subdir="global_step10")
+    u = Universal(str(dest / "checkpoint-10_universal"), "checkpoint-10_universal", marker, 1.0)
+    u2, files = _into_tag_dir(str(dest), "checkpoint-10", u)
+    assert u2.tag == "checkpoint-10/global_step10_universal"
+    assert (dest / "checkpoint-10" / "latest_universal").read_text() == "global_step10_universal\n"
+    assert sorted(files) == [
+        "checkpoint-10/global_step10_universal/mp_rank_00_model_states.pt",
+        "checkpoint-10/global_step10_universal/zero/w/fp32.pt",
+        "checkpoint-10/latest", "checkpoint-10/latest_universal",
+        "checkpoint-10/rng_state_1.pth", "checkpoint-10/trainer_state.json"]
+    user = json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}})
+    plan = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
+                 files={"ds.json": user}, nodes=2)
+    check_inside(plan)
+    said: list[str] = []
+    new = _inside_plan(plan, u2, said.append)
+    cfg = json.loads(new.program_files[DERIVED_DS_CONFIG])
+    assert cfg["checkpoint"] == {"use_node_local_storage": True, "load_universal": True}
+    assert cfg["train_micro_batch_size_per_gpu"] == "auto"  # HF's own batch
+    assert new.programs == plan.programs and "world size 3 -> 2" in said[0], said
+    mine = json.dumps({"checkpoint": {"use_node_local_storage": True}})
+    own = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
+                files={"ds.json": mine}, nodes=2)
+    with pytest.raises(LaunchError, match="edits no file of yours"):
+        check_inside(own)

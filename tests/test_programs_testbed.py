@@ -446,3 +446,50 @@ def test_ddp_snapshot_node_lost_goes_on_with_fewer_nodes(testbed_required: None,
         assert "Epoch 0 |" not in log and f"[GPU1] Epoch {epoch} |" in log, log[-3000:]
     logged = [int(e) for e, _ in EPOCH_LOSS.findall(after)]
     assert logged and logged[0] == epoch and logged[-1] == EPOCHS - 1, logged
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
+def test_hf_trainer_node_lost_goes_on_with_fewer_nodes(testbed_required: None,
+                                                       tmp_path: Path) -> None:
+    """Issue 38 item 3 for HF's Trainer with no spare: node2 destroyed after checkpoint-10
+    is replicated, --max-restarts 1 --drop-failed-nodes. The restart goes on with node1
+    and node3: checkpoint-N is gathered (node2's part from its replica), its
+    global_stepN converted to checkpoint-N/global_stepN_universal with latest_universal
+    beside it on both nodes, the attempt's derived ds_config gets load_universal, HF
+    resumes with --resume_from_checkpoint and trains to the last step on 2 ranks."""
+    ds = tmp_path / "ds_config_z2.json"
+    ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
+    with temporary(3) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+        out = str(tb.local_mountpoint / "ckpt" / "hffew")
+        argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id",
+                "hffew", "--nodes", "3", "--storage", "node-local", "--replicas", "1",
+                "--grace", "2", "--skip-checks", "--max-restarts", "1", "--drop-failed-nodes",
+                str(HF_TRAINER), *_hf_args(out, ds, "--step_sleep", "1.5", "--exact_losses",
+                                           "True")]
+        run = Console(argv, train_env(tmp_path), tmp_path)
+        replicated = "replicas checkpoint-10: 3/3"
+        code = lose_node_mid_run(tb, run, "node2", [(lambda: replicated in run.text, 600,
+                                                     replicated)], 900)
+        text = run.text
+        assert code == 0, text[-6000:]
+        assert "no spare for node2" in text and "going on with fewer nodes" in text, \
+            text[-6000:]
+        after = text.split("going on with fewer nodes", 1)[1]
+        found = re.search(r"hf-trainer: resuming from checkpoint-(10|20)", after)
+        assert found, text[-6000:]
+        n = found.group(1)
+        assert f"resharding checkpoint-{n}" in after, text[-6000:]
+        assert "checkpoint.load_universal on" in after, text[-6000:]
+        assert RESUMED.search(after) or n == "20", text[-6000:]
+        print(after)
+        # the restarted attempt logged no step at or before its checkpoint: it resumed
+        steps = [int(s) for s, _ in EXACT.findall(after)]
+        assert all(s > int(n) for s in steps), (steps, text[-6000:])
+        got = FINAL.findall(after)
+        assert got and int(got[-1][0]) == STEPS, text[-6000:]
+        for node in ("node1", "node3"):
+            res = tb.exec(node, ["cat", f"{out}/checkpoint-{n}/latest_universal"])
+            assert res.stdout.strip() == f"global_step{n}_universal", (node, res.stdout)
+        assert json.loads(ds.read_text()) == HF_DS_AUTO  # the user's file untouched

@@ -69,10 +69,12 @@ def test_a_user_script_is_reshardable_the_workload_only_with_resume_auto() -> No
     assert not reshardable(plan(True, ("--resume", "global_step3")))
     # DeepSpeed's files inside the program's own folders, a program nobody knows:
     # converted in the wrong place, it would begin at step 0 (issue 38)
-    for name in ("hf-trainer", "accelerate", "deepspeed", "unknown"):
+    for name in ("accelerate", "deepspeed", "unknown"):
         assert not reshardable(plan(False, (), name)), name
-    # a snapshot loads on any world size as it is (copied to every node, not converted)
+    # a snapshot loads on any world size as it is (copied to every node, not converted);
+    # HF's Trainer is converted inside its checkpoint-N (jobs/reshard.py)
     assert reshardable(plan(False, (), "torch-snapshot"))
+    assert reshardable(plan(False, (), "hf-trainer"))
 
 
 def test_a_checkpoint_that_cannot_be_converted_is_refused_in_one_line(tmp_path: Path) -> None:
@@ -149,8 +151,9 @@ def test_the_dry_run_says_what_a_users_script_gets() -> None:
 
     said: list[str] = []
     a = cast(Any, SimpleNamespace(tag="step8", describe=lambda: "checkpoint step8: 4/4 node parts"))
-    plan = cast(Any, SimpleNamespace(nodes=(1, 2, 3), world_size=3,
-                                     options=SimpleNamespace(uses_workload=False)))
+    plan = cast(Any, SimpleNamespace(nodes=(1, 2, 3), world_size=3, profile=None,
+                                     options=SimpleNamespace(uses_workload=False,
+                                                             script_args=())))
     say_plan(a, [], True, plan, said.append)
     assert said[1].startswith("the launch would reshard step8 for 3 nodes, 3 ranks")
     assert said[2] == (f"then your script runs once with checkpoint.load_universal on and "

@@ -90,7 +90,7 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
     swaps = continue_swaps(plan, prior)
     # Another mapping: converted (the universal checkpoint), or as it is (a snapshot: the
     # spread below is all it needs).
-    resharding = is_reshard(plan, prior) and other_world(plan) is OtherWorld.UNIVERSAL
+    resharding = is_reshard(plan, prior) and other_world(plan) is not OtherWorld.AS_IS
     with staging_dir(os.path.join(home, "restore")) as staging:
         if plan.profile is not None and plan.profile.profile.one_writer:
             if dry_run:
@@ -112,8 +112,12 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
             resume_plan(plan, tried[0], newer, say)
             return None
         if resharding:
-            # The converted tag is what a reshard resumes (CLUSTERKIT_RESUME_TAG).
+            # The converted tag is what a reshard resumes (CLUSTERKIT_RESUME_TAG); HF's,
+            # inside its tag dir, is found by DeepSpeed there, the tag dir named to the
+            # program by its resume argument.
             new = reshard(transport, plan, prior, old_map, tried[0], home, say)
+            if other_world(plan) is OtherWorld.UNIVERSAL_INSIDE:
+                return resume_plan(new or plan, tried[0], newer, say)
             moved = aside(new or plan, newer, say)
             return new if moved is (new or plan) else moved
         if lost:
@@ -217,7 +221,11 @@ def say_plan(a: Assembly, lost: Sequence[Replacement], reshard: bool, plan: JobP
     if reshard:
         say(f"the launch would reshard {a.tag} for {len(plan.nodes)} nodes, {plan.world_size} "
             "ranks (gather here, convert to DeepSpeed's universal checkpoint, push to every node)")
-        if not plan.options.uses_workload:
+        if other_world(plan) is OtherWorld.UNIVERSAL_INSIDE:
+            say(f"inside {a.tag} (its DeepSpeed tag with {UNIVERSAL_SUFFIX} and latest_universal "
+                "beside it); then your program runs once with checkpoint.load_universal on "
+                "in its derived DeepSpeed config and its resume argument (docs/programs.md)")
+        elif not plan.options.uses_workload:
             say(f"then your script runs once with checkpoint.load_universal on and "
                 f"${ENV_RESUME_TAG}={a.tag}{UNIVERSAL_SUFFIX} (docs/lost-a-node.md)")
     for s in lost:

@@ -6,24 +6,31 @@ gathered here (collect-ckpt, replicas standing in for lost nodes), converted to
 DeepSpeed's universal checkpoint, and pushed to every node of the new plan, marker last
 (docs/lost-a-node.md). The bundled workload resumes from it on the new world size; a
 user's script gets its next attempt's plan (``checkpoint.load_universal``,
-``CLUSTERKIT_RESUME_TAG``).
+``CLUSTERKIT_RESUME_TAG``). HF's Trainer (``OtherWorld.UNIVERSAL_INSIDE``): its
+``checkpoint-N/global_stepN`` is converted beside itself (``global_stepN_universal``,
+``latest_universal``), the whole ``checkpoint-N`` pushed, and the next attempt's derived
+DeepSpeed config gets ``load_universal`` (jobs/recover.py adds the resume argument).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import json
 import os
+import shutil
 
 from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import WithoutMarkers
 from clusterkit.checkpoints.convert.universal import (
     Universal,
     convert_to_universal,
+    universal_tag,
     user_resume,
 )
 from clusterkit.checkpoints.replicas.assemble import Assembly
 from clusterkit.errors import CheckpointError, LaunchError
+from clusterkit.fsutil import atomic_write_text
 from clusterkit.jobs.resolve import recorded_nodes
 from clusterkit.jobs.restore import Say, collect_node, push_files, staging_dir
 from clusterkit.launch.registry import JobRecord
@@ -32,6 +39,11 @@ from clusterkit.node.hashing import sha256_file
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
 from clusterkit.spec.jobrecord import RankMap
+from clusterkit.spec.programs import DERIVED_DS_CONFIG, OtherWorld
+
+# What DeepSpeed's load_checkpoint(tag=None) reads for the tag with load_universal on
+# (deepspeed/runtime/engine.py): HF's checkpoint-N/ gets one beside its `latest`.
+LATEST_UNIVERSAL = "latest_universal"
 
 
 def reshard(transport: Transport, plan: JobPlan, prior: JobRecord,
@@ -41,6 +53,7 @@ def reshard(transport: Transport, plan: JobPlan, prior: JobRecord,
     marker last; the bundled workload then resumes from it on the new world size, a
     user's script from the plan returned (:func:`_user_plan`)."""
     assert a.tag is not None
+    check_inside(plan)
     old_nodes = recorded_nodes(prior)
     # A user's script: its save judged by DeepSpeed's own file set (no clusterkit markers).
     bare = None if plan.options.uses_workload else WithoutMarkers(
@@ -57,7 +70,11 @@ def reshard(transport: Transport, plan: JobPlan, prior: JobRecord,
         u = convert_checkpoint(dest, a.tag, bare, plan)
         say(f"converted to {u.tag} in {u.seconds:.1f} s (saved by {u.marker.world_size} ranks, "
             f"ZeRO-{u.marker.zero_stage}, step {u.marker.step})")
-        files = _local_files(dest, u.tag)
+        inside = _inside(plan)
+        if inside:
+            u, files = _into_tag_dir(dest, a.tag, u)
+        else:
+            files = _local_files(dest, u.tag)
         say(f"3/3 pushing {u.tag} ({len(files)} files, "
             f"{sum(size for size, _ in files.values()) / 1e6:.1f} MB) to {len(plan.nodes)} nodes")
         targets = [collect_node(n, n.ckpt_dir) for n in plan.nodes]
@@ -66,7 +83,60 @@ def reshard(transport: Transport, plan: JobPlan, prior: JobRecord,
     if bare is None:
         say(f"every node holds {u.tag}: the workload resumes from it on {plan.world_size} ranks")
         return None
+    if inside:
+        return _inside_plan(plan, u, say)
     return _user_plan(plan, u, say)
+
+
+def _inside(plan: JobPlan) -> bool:
+    """DeepSpeed's tag inside the program's own tag dir (HF's checkpoint-N/global_stepN)."""
+    return plan.profile is not None and \
+        plan.profile.profile.other_world is OtherWorld.UNIVERSAL_INSIDE
+
+
+def check_inside(plan: JobPlan) -> None:
+    """Before anything is gathered: the attempt's DeepSpeed config must be clusterkit's
+    derived copy (the user's own file is never edited, so load_universal goes there)."""
+    if _inside(plan) and DERIVED_DS_CONFIG not in plan.program_files:
+        raise LaunchError(f"cannot relaunch job {plan.job_id} on {len(plan.nodes)} nodes: "
+                          "its DeepSpeed config is your own file as it is (already node-local, "
+                          "or none named), and clusterkit edits no file of yours to turn on "
+                          "checkpoint.load_universal", key="--job-id",
+                          hint="relaunch on the same nodes (--replace OLD=NEW for a lost one; "
+                               "docs/lost-a-node.md), or name a config without "
+                               "checkpoint.use_node_local_storage (clusterkit then derives one)")
+
+
+def _into_tag_dir(dest: str, tag: str, u: Universal
+                  ) -> tuple[Universal, dict[str, tuple[int, str]]]:
+    """HF's layout: ``<tag>_universal/global_stepN`` (the converter's output) moved to
+    ``<tag>/global_stepN_universal`` with ``<tag>/latest_universal`` naming it (what
+    DeepSpeed's load_checkpoint reads with load_universal on); the files to push: the whole
+    tag dir but the old DeepSpeed tag (a node new to the mapping gets HF's own files, every
+    node every rank's RNG state)."""
+    sub = u.marker.ds_subdir
+    name = universal_tag(sub)
+    shutil.rmtree(os.path.join(dest, tag, name), ignore_errors=True)
+    os.replace(os.path.join(u.out_dir, sub), os.path.join(dest, tag, name))
+    atomic_write_text(os.path.join(dest, tag, LATEST_UNIVERSAL), name + "\n")
+    files = {rel: v for rel, v in _local_files(dest, tag).items()
+             if not rel.startswith(f"{tag}/{sub}/")}
+    return dataclasses.replace(u, out_dir=os.path.join(dest, tag, name),
+                               tag=f"{tag}/{name}"), files
+
+
+def _inside_plan(plan: JobPlan, u: Universal, say: Say) -> JobPlan:
+    """The next attempt's derived DeepSpeed config with ``checkpoint.load_universal``
+    (this attempt only); the resume argument is the profile's (jobs/recover.resume_plan).
+    The batch stays the program's own (HF computes it from its arguments)."""
+    doc = json.loads(plan.program_files[DERIVED_DS_CONFIG])
+    ckpt = doc.get("checkpoint")
+    doc["checkpoint"] = {**(ckpt if isinstance(ckpt, dict) else {}), "load_universal": True}
+    say(f"world size {u.marker.world_size} -> {plan.world_size}: DeepSpeed loads {u.tag} "
+        f"({LATEST_UNIVERSAL}) with checkpoint.load_universal on in {DERIVED_DS_CONFIG}, this "
+        "attempt only; the batch is your program's own (per-device size x ranks)")
+    return dataclasses.replace(plan, program_files={
+        **plan.program_files, DERIVED_DS_CONFIG: json.dumps(doc, indent=2) + "\n"})
 
 
 def convert_checkpoint(dest: str, tag: str, bare: WithoutMarkers | None, plan: JobPlan

@@ -83,8 +83,9 @@ def other_world(plan: JobPlan) -> OtherWorld:
     OtherWorld): the bundled workload with ``--resume auto`` is converted to DeepSpeed's
     universal checkpoint (an explicit ``--resume`` of it is its own: refused); a user's
     program as its profile says (clusterkit's contract: converted, it loads the tag named
-    by ``CLUSTERKIT_RESUME_TAG``; a torch snapshot: as it is, on every node; HF Trainer,
-    accelerate, DeepSpeed's ``latest``, unknown: refused)."""
+    by ``CLUSTERKIT_RESUME_TAG``; HF Trainer: converted inside its checkpoint-N, resumed
+    with its resume argument; a torch snapshot: as it is, on every node; accelerate,
+    DeepSpeed's ``latest``, unknown: refused)."""
     prof = plan.profile
     if plan.options.uses_workload or prof is None:
         return OtherWorld.UNIVERSAL if resume_arg(plan) in ("auto", None) else OtherWorld.REFUSED
@@ -103,8 +104,9 @@ def _not_resharded(plan: JobPlan) -> str:
     if prof is None or plan.options.uses_workload or reshardable(plan):
         return ""  # the workload's explicit --resume: its own (the hint says what to do)
     return (f"; this program ({prof.name}) saves {prof.profile.layout}, which clusterkit "
-            "continues on no other world size (only the bundled workload's and clusterkit's "
-            "contract's DeepSpeed tags, converted, and a torch snapshot, copied as it is)")
+            "continues on no other world size (only the bundled workload's, clusterkit's "
+            "contract's and HF Trainer's DeepSpeed tags, converted, and a torch snapshot, "
+            "copied as it is)")
 
 
 def is_reshard(plan: JobPlan, prior: JobRecord | None) -> bool:
@@ -146,9 +148,9 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
             key="--job-id",
             hint="a lost node: run its ranks on a spare with --replace OLD=NEW (its part is "
                  "restored from its replica; docs/lost-a-node.md), or, with the bundled "
-                 "workload and --resume auto or a script of clusterkit's contract (resharded "
-                 "through DeepSpeed's universal checkpoint) or a torch snapshot (copied as "
-                 "it is), relaunch on fewer nodes; or "
+                 "workload and --resume auto, a script of clusterkit's contract or HF's "
+                 "Trainer (resharded through DeepSpeed's universal checkpoint) or a torch "
+                 "snapshot (copied as it is), relaunch on fewer nodes; or "
                  "start a new --job-id (this job's checkpoints stay); or gather the shards with "
                  f"`clusterkit collect-ckpt {plan.job_id}`, re-spread them with `clusterkit "
                  f"collect-ckpt --scatter --to DEST --dir {plan.nodes[0].ckpt_dir} ...` for "
@@ -164,7 +166,7 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
         moved = (f"; on {len(plan.nodes)} nodes, {plan.world_size} ranks (was "
                  f"{_map_text(old_map)}): " + (
                      "the newest checkpoint is resharded first"
-                     if other_world(plan) is OtherWorld.UNIVERSAL else
+                     if other_world(plan) is not OtherWorld.AS_IS else
                      "its checkpoint loads on any world size as it is: the newest copy is "
                      "put on every node first"))
     return (f"continuing job {plan.job_id} ({prior.state.value} before): checkpoints in {where} "

@@ -70,6 +70,13 @@ class OtherWorld(Enum):
     # World-size independent (a torch snapshot: the whole model from rank 0): loaded as
     # it is, once it is on every node of the new mapping (jobs/spread.py, newest copy).
     AS_IS = "as-is"
+    # DeepSpeed's tag sits inside the program's own tag dir (HF's checkpoint-N/
+    # global_stepN/), loaded by DeepSpeed's `latest` there: converted beside it
+    # (checkpoint-N/global_stepN_universal with checkpoint-N/latest_universal, which
+    # DeepSpeed reads for a tag when checkpoint.load_universal is on), pushed with the rest
+    # of the tag dir to every node; the attempt gets load_universal in the derived
+    # DeepSpeed config and the profile's resume argument (jobs/reshard.py).
+    UNIVERSAL_INSIDE = "universal-inside"
 
 
 @dataclass(frozen=True)
@@ -128,7 +135,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             "checkpoint-N/ (trainer_state.json, DeepSpeed's global_stepN/ and latest inside)",
             resume=("--resume_from_checkpoint", DIR_FIELD),
             save_each_node_arg="--save_on_each_node", config_args=("--deepspeed",),
-            nested_latest=True, own_optimizer=True,
+            nested_latest=True, own_optimizer=True, other_world=OtherWorld.UNIVERSAL_INSIDE,
             resumed_marker=r"Resuming training from checkpoint|Continuing training from",
             progress_marker=r"\{'loss': "),
     Profile(ACCELERATE, "accelerate save_state/load_state",
