@@ -176,11 +176,10 @@ def _saves_begun(tb: Testbed, node: str, job: str) -> int:
 
 
 def _ranks(bed: SlurmBed, node: str) -> list[int]:
-    """The pids of the workload's ranks in ``node`` (not torchrun's agent)."""
-    pids = [pid for pid, cmd in bed.job_processes(node)
+    """The pids of the workload's ranks in ``node`` (not torchrun's agent); none while
+    torchrun is still starting them."""
+    return [pid for pid, cmd in bed.job_processes(node)
             if "clusterkit.workload" in cmd and "torch.distributed.run" not in cmd]
-    assert pids, bed.job_processes(node)
-    return pids
 
 
 def _signal(pids: list[int], sig: signal.Signals) -> None:
@@ -189,28 +188,41 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
+def _wait_for(path: Path, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} did not appear in {timeout:.0f} s"
+        time.sleep(0.3)
+
+
 def _lose_node3_past_its_saves(bed: SlurmBed, job: str, slurm_id: str, manifest: Path) -> int:
     """Once ``manifest`` (a replica of node3's part) exists, node3 is lost for good (every
     process of it killed, slurmd too, its scratch removed, the node set DOWN) at a moment
     when the job's output holds at least two steps past the newest save node3 had begun:
     whatever save the requeued run resumes from, the first run logged its next two steps.
-    Checked with node3's ranks stopped (SIGSTOP: no save can begin there, and the ranks
-    elsewhere wait for them in the next collective), let go (SIGCONT) if it does not
-    hold yet. Returns the step the first run's output had reached."""
+    Checked with node3's ranks stopped (SIGSTOP: no save can begin there, the ranks
+    elsewhere wait for them in the next collective, and the output catches up), let go
+    (SIGCONT) for about a step if it does not hold yet. The output is never read while
+    the job runs on: under load srun's output came more than the two steps of the window
+    late, and a 4 x 1 job ran its 24 steps out before it showed one (CI-like run, load ~7).
+    Returns the step the first run's output had reached."""
     end = time.monotonic() + 600
-    out_file = _job_dir(bed.tb, job) / "logs" / f"slurm-{slurm_id}.out"
     while True:
-        assert time.monotonic() < end and bed.job_state(slurm_id) in IN_PROGRESS, \
-            _out(bed, job, slurm_id)[-3000:]
-        text = out_file.read_text(errors="replace") if out_file.exists() else ""
-        runs = _steps_logged(text)
-        logged = max(runs[0], default=0) if runs else 0
-        if manifest.exists() and logged >= _saves_begun(bed.tb, LOST, job) + 2:
-            ranks = _ranks(bed, LOST)
+        state = bed.job_state(slurm_id)
+        assert time.monotonic() < end and state in IN_PROGRESS, \
+            (state, _out(bed, job, slurm_id)[-3000:], _out(bed, job, slurm_id, "err")[-3000:])
+        ranks = _ranks(bed, LOST)
+        if ranks:
             _signal(ranks, signal.SIGSTOP)
-            time.sleep(1)  # the step line rank 0 printed before node3 stopped, written out
-            logged = max(_steps_logged(_out(bed, job, slurm_id))[0])
-            if logged >= _saves_begun(bed.tb, LOST, job) + 2:
+            time.sleep(1)  # the step lines printed before node3 stopped, written out
+            runs = _steps_logged(_out(bed, job, slurm_id))
+            logged = max(runs[0], default=0) if runs else 0
+            if logged > SAVE_EVERY:
+                # Every rank finished the first save before the next step: its copy to
+                # node4 comes while the job is held (a 4 x 1 step takes ~0.3 s, the copy
+                # a few seconds: the run could end first).
+                _wait_for(manifest, min(120.0, end - time.monotonic()))
+            if manifest.exists() and logged >= _saves_begun(bed.tb, LOST, job) + 2:
                 break
             _signal(ranks, signal.SIGCONT)
         time.sleep(0.3)
