@@ -55,7 +55,7 @@ def test_every_program_runs_from_its_shipped_sources_alone(python: str, tmp_path
         assert res.returncode == 0, (program, res.stderr.decode()[-800:])
         assert check(json.loads(res.stdout.decode().strip().splitlines()[-1])), program
     # dist (clusterkit sync's node program) checks a directory against its manifest.
-    res = _run(ship.node_command(python, "dist", ["check", str(tmp_path / "ckpt")]), tmp_path)
+    res = _run(ship.node_command(python, "sync_chain", ["check", str(tmp_path / "ckpt")]), tmp_path)
     assert json.loads(res.stdout.decode().splitlines()[-1])["state"] == "no-manifest", res
 
 

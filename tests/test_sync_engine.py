@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.cli.main import main
-from clusterkit.node import dist_store as store
+from clusterkit.node import sync_store as store
 from clusterkit.sync.plan import Chains, NodeView, node_lines, progress_line, records
 from tests.synchelpers import local_inventory
 
@@ -174,7 +174,7 @@ def test_bad_inputs_are_one_line_and_leave_nothing_half_written(
     (tmp_path / "w1").mkdir()
     (tmp_path / "w1" / "code").write_text("not a dir\n")
     out, err = _sync(tmp_path, capsys, code=2)
-    assert "  v1: failed: DistError: " in out and "code exists and is not a directory" in out
+    assert "  v1: failed: WireError: " in out and "code exists and is not a directory" in out
     assert "  v[0,2]: 5 file(s) sent" in out
     assert "sync incomplete on 1 of 3 node(s): v1" in err
     assert (tmp_path / "w1" / "code").read_text() == "not a dir\n"
@@ -201,7 +201,7 @@ def test_bad_inputs_are_one_line_and_leave_nothing_half_written(
     finally:
         os.chdir(cwd)
     out = capsys.readouterr().out
-    assert "v0: failed: DistError: --delete: " in out and "holds no clusterkit sync manifest" in out
+    assert "v0: failed: WireError: --delete: " in out and "holds no clusterkit sync manifest" in out
     assert (tmp_path / "w0" / "other" / "keep.txt").read_text() == "mine\n"
 
 
@@ -251,7 +251,7 @@ def test_launch_sync_refuses_the_nodes_whose_copy_differs_before_anything_starts
     assert main(["launch", "-i", str(inv), "--sync", "code", "--nodes", "3", "--gpus-per-node",
                  "1", "--job-id", "sync-gate", "code/train.py"]) == 2
     cap = capsys.readouterr()
-    assert "  v1: failed: DistError: " in cap.out and "  v[0,2]: 1 file(s) sent" in cap.out
+    assert "  v1: failed: WireError: " in cap.out and "  v[0,2]: 1 file(s) sent" in cap.out
     assert "sync incomplete on 1 of 3 node(s): v1" in cap.err
     assert "rank ran" not in cap.out + cap.err
 
@@ -370,7 +370,7 @@ def test_a_node_sweeps_only_its_own_stale_partials(tmp_path: Path) -> None:
     """Partial files carry the receiving host: on a DEST that several nodes share, one
     node's sweep leaves the others' partials alone (and still removes its own stale ones
     and those from before names carried the host)."""
-    from clusterkit.node.dist import Node
+    from clusterkit.node.sync_chain import Node
 
     part = tmp_path / store.PARTIAL_DIR
     part.mkdir(parents=True)

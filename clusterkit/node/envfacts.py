@@ -38,9 +38,9 @@ import sys
 from typing import Any, Dict, List  # noqa: UP035 - runs on Python 3.8 nodes
 
 from clusterkit.node.contract import ENV_TEST_ENVFACTS
-from clusterkit.node.dist_store import STATE_DIR as SYNC_STATE_DIR
-from clusterkit.node.dist_store import place_link
 from clusterkit.node.hashing import sha256_file
+from clusterkit.node.sync_store import STATE_DIR as SYNC_STATE_DIR
+from clusterkit.node.sync_store import place_link
 
 ENVFACTS_VERSION = 1
 RECORD_DIR = ".clusterkit"

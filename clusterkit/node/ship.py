@@ -43,29 +43,30 @@ class Program:
 # ranks and `install` runs pip: they start as the user's own Python would.
 PROGRAMS: dict[str, Program] = {
     # The agent split by concern (docs/architecture.md, "Node agent modules").
-    "agent": Program(("contract", "protocol", "sitepaths", "parity", "dist_store", "hashing", "envfacts",
+    "agent": Program(("contract", "protocol", "sitepaths", "parity", "sync_store", "hashing", "envfacts",
                       "gatefacts", "zygote", "agent_files", "agent_state",
                       "agent_procs", "buildowner", "jitops", "agent_hangs", "agent_env",
                       "agent_output",
                       "agent_forkserver", "listing", "replica_rules", "replica_done",
                       "replica_area", "priority", "replica",
                       "replica_service", "replica_proc", "agent"), site=True),
-    "probe": Program(("contract", "sitepaths", "parity", "dist_store", "hashing", "envfacts", "buildowner",
+    "probe": Program(("contract", "sitepaths", "parity", "sync_store", "hashing", "envfacts", "buildowner",
                       "jitops",
                       "gatefacts", "probe")),
     "bw_worker": Program(("bw_worker",), site=True),  # imports torch
     "listing": Program(("contract", "listing")),
     "hashing": Program(("hashing",)),
     "ckstream": Program(("contract", "listing", "hashing", "ckstream")),
-    "gatefacts": Program(("contract", "sitepaths", "parity", "dist_store", "hashing", "envfacts",
+    "gatefacts": Program(("contract", "sitepaths", "parity", "sync_store", "hashing", "envfacts",
                           "gatefacts")),
-    "dist": Program(("hashing", "dist_store", "dist_wire", "dist")),  # clusterkit sync: one node of the chain
+    # clusterkit sync: one node of the chain
+    "sync_chain": Program(("hashing", "sync_store", "sync_wire", "sync_chain")),
     # nodes env: facts, verify, record (provision/envcopy.py)
-    "envfacts": Program(("contract", "dist_store", "hashing", "envfacts")),
+    "envfacts": Program(("contract", "sync_store", "hashing", "envfacts")),
     "jitops": Program(("buildowner", "jitops"), site=True),  # nodes build-ops: imports deepspeed to build
     # sbatch.sh's JIT ops step, one task per node (docs/sbatch.md, "JIT ops")
     "jitbatch": Program(("buildowner", "jitops", "jitbatch"), site=True),
-    "install": Program(("contract", "sitepaths", "parity", "dist_store", "hashing", "envfacts", "gatefacts",
+    "install": Program(("contract", "sitepaths", "parity", "sync_store", "hashing", "envfacts", "gatefacts",
                          "install"), site=True),
     # sbatch.sh's watchdog (docs/sbatch.md); jitops: which op builds run at start-up
     "slurmwatch": Program(("contract", "hangrule", "buildowner", "jitops", "slurmwatch")),

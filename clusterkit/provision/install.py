@@ -87,7 +87,7 @@ def build_wheel(out_dir: str) -> Path:
     # the tree would live on and end up in the wheel.
     src = Path(out_dir) / "src"
     shutil.copytree(root, src, ignore=shutil.ignore_patterns(
-        ".git", "build", "dist", "*.egg-info", "__pycache__", "tests", ".venv*"))
+        ".git", "build", "sync_chain", "*.egg-info", "__pycache__", "tests", ".venv*"))
     argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
             "--no-index", "--disable-pip-version-check", "-w", out_dir, str(src)]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)

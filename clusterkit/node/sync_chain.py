@@ -1,11 +1,11 @@
-"""Node program ``dist``: one node of a pipelined distribution chain (``clusterkit sync``).
+"""Node program ``sync_chain``: one node of a pipelined distribution chain (``clusterkit sync``).
 
-``dist serve`` (started over SSH by ``clusterkit.sync.engine``; stdin: the
+``sync_chain serve`` (started over SSH by ``clusterkit.sync.engine``; stdin: the
 sources, then one JSON spec line, then control lines):
 
 1. the spec names the destination, this node's index, the per-run secret (it lives
    only on stdin and in memory: never argv, env or a file) and the source's manifest
-   (``[rel, size, mtime_ns, mode, sha256, [chunk sha256]]`` per file, node/dist_store.py)
+   (``[rel, size, mtime_ns, mode, sha256, [chunk sha256]]`` per file, node/sync_store.py)
    and its links (``[rel, target]``; none: links are left alone);
 2. the node works out what it lacks (files it holds with the same sha256 are kept,
    a partial file's verified chunks too), listens on a TCP port and says
@@ -23,11 +23,11 @@ sources, then one JSON spec line, then control lines):
    ``{"ev": "done", "digest", "got", "failed"}`` and exits.
 
 The wire (the TCP handshake, and the SSH session's stdin as the upstream where the
-launcher cannot reach the port): node/dist_wire.py. A new upstream may replace a lost
+launcher cannot reach the port): node/sync_wire.py. A new upstream may replace a lost
 one at any time: the node answers it the first record it (or its downstream) still lacks.
 Events: ``progress``, ``blocked`` (the downstream is unreachable: the launcher feeds it),
-``down-lost``, ``up-lost``, ``feed-from``, ``error``. ``dist check
-DEST [--deep]``: :func:`dist_store.check`; ``dist ports P``: doctor's port check.
+``down-lost``, ``up-lost``, ``feed-from``, ``error``. ``sync_chain check
+DEST [--deep]``: :func:`sync_store.check`; ``sync_chain ports P``: doctor's port check.
 
 Standard library only, Python >= 3.8 on the node.
 """
@@ -47,8 +47,9 @@ import threading
 import time
 from typing import Any
 
-from clusterkit.node import dist_store as store
-from clusterkit.node.dist_wire import (
+from clusterkit.node import sync_store as store
+from clusterkit.node.hashing import mac
+from clusterkit.node.sync_wire import (
     CONNECT_TIMEOUT_S,
     CTRL,
     END,
@@ -57,13 +58,12 @@ from clusterkit.node.dist_wire import (
     IO_TIMEOUT_S,
     PORT_TRIES,
     PROGRESS_S,
-    DistError,
     StdinUp,
+    WireError,
     dial,
     read_line,
     recv_exact,
 )
-from clusterkit.node.hashing import mac
 
 
 class Node:
@@ -108,10 +108,10 @@ class Node:
     # -------------------------------------------------------------- set-up
     def prepare(self, delete_asked: bool) -> socket.socket:
         if os.path.lexists(self.dest) and not os.path.isdir(self.dest):
-            raise DistError(f"{self.dest} exists and is not a directory")
+            raise WireError(f"{self.dest} exists and is not a directory")
         self.doc = store.read_manifest(self.dest)
         if delete_asked and self.doc is None and os.path.isdir(self.dest) and os.listdir(self.dest):
-            raise DistError(f"--delete: {self.dest} holds no clusterkit sync manifest "
+            raise WireError(f"--delete: {self.dest} holds no clusterkit sync manifest "
                             f"({store.MANIFEST}): sync did not fill it; sync once without "
                             "--delete first")
         os.makedirs(os.path.join(self.dest, store.PARTIAL_DIR), exist_ok=True)
@@ -160,7 +160,7 @@ class Node:
             except OSError as exc:
                 srv.close()
                 why = f"port {port}: {exc}"
-        raise DistError(f"cannot listen ({why})")
+        raise WireError(f"cannot listen ({why})")
 
     def need_bytes(self) -> int:
         return sum(store.chunk_len(int(self.entries[fi][store.SIZE]), c)
@@ -188,14 +188,14 @@ class Node:
             sock.sendall(b"%s %s %d\n" % (GREETING, nonce_s, self.index))
             mode, nonce_c, their = read_line(sock).split(b" ")
             if not hmac.compare_digest(their.decode(), mac(self.secret, b"c", nonce_s, nonce_c, mode)):
-                raise DistError("authentication failed")
+                raise WireError("authentication failed")
             mine = mac(self.secret, b"s", nonce_c, nonce_s).encode()
             if mode == b"probe":
                 sock.sendall(b"%s %d\n" % (mine, self.next_seq))
                 sock.close()
                 return
             if not self.go.wait(IO_TIMEOUT_S):
-                raise DistError("no go from the launcher")
+                raise WireError("no go from the launcher")
             old = self.up
             self.up = sock
             if old is not None:  # a new upstream replaces a lost (or slow) one
@@ -203,12 +203,12 @@ class Node:
                     old.shutdown(socket.SHUT_RDWR)
             with self.relay_lock:
                 if self.up is not sock:
-                    raise DistError("replaced")
+                    raise WireError("replaced")
                 start = min(self.next_seq, self._downstream())
                 sock.sendall(b"%s %d\n" % (mine, start))
                 sock.settimeout(IO_TIMEOUT_S)
                 self.relay(sock, start)
-        except (OSError, ValueError, DistError) as exc:
+        except (OSError, ValueError, WireError) as exc:
             if not self.done.is_set() and self.up is sock:
                 self.emit("up-lost", why=str(exc), seq=self.next_seq)
         finally:
@@ -223,7 +223,7 @@ class Node:
         try:
             self.down, seq = dial(str(d["address"]), int(d["port"]), self.secret.decode())
             return seq
-        except (OSError, ValueError, DistError) as exc:
+        except (OSError, ValueError, WireError) as exc:
             self.down_addr = None
             self.emit("blocked", down=d["node"], port=int(d["port"]), why=str(exc))
             return self.next_seq
@@ -260,7 +260,7 @@ class Node:
                 return
             if fi == CTRL:  # a launcher message inside a stdin feed
                 if self.op(json.loads(recv_exact(up, n))) == "stop":
-                    raise DistError("stopped by the launcher")
+                    raise WireError("stopped by the launcher")
                 continue
             write = self.index in to and seq >= self.next_seq and ci in self.need.get(fi, ())
             h = hashlib.sha256() if write else None
@@ -270,7 +270,7 @@ class Node:
                 while left:
                     k = up.recv_into(mv[:min(store.READ, left)])
                     if not k:
-                        raise DistError("connection closed inside a record")
+                        raise WireError("connection closed inside a record")
                     piece = mv[:k]
                     if h is not None:
                         h = self._write(fi, fd, piece, off, h)
@@ -278,7 +278,7 @@ class Node:
                     if fwd:
                         self._forward(piece)
                     left -= k
-            except (OSError, DistError):
+            except (OSError, WireError):
                 if fwd:  # the downstream saw half a record: it reconnects with us
                     self._drop_down("resync", "upstream lost inside a record")
                 raise
@@ -332,10 +332,10 @@ class Node:
             final = store.inside(self.dest, rel)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             if os.path.isdir(final) and not os.path.islink(final):
-                raise DistError(f"{rel} is a directory on this node")
+                raise WireError(f"{rel} is a directory on this node")
             os.replace(store.partial_path(self.dest, str(e[store.SHA])), final)
             self.completed[rel] = [size, mtime, mode, str(e[store.SHA])]
-        except (OSError, DistError) as exc:
+        except (OSError, WireError) as exc:
             self.failed[rel] = str(exc)
         finally:
             os.close(self.fds.pop(fi))
@@ -410,7 +410,7 @@ class Node:
         return str(msg.get("op") or "")
 
     def feed_stdin(self) -> bool:
-        """The launcher cannot reach our port: its records come on stdin (node/dist_wire.py),
+        """The launcher cannot reach our port: its records come on stdin (node/sync_wire.py),
         written, verified and forwarded as from a TCP upstream. False: the stream ended early."""
         up = StdinUp(sys.stdin.buffer)
         old, self.up = self.up, up
@@ -423,7 +423,7 @@ class Node:
                 self.emit("feed-from", seq=start)
                 self.relay(up, start)
             return True
-        except (OSError, ValueError, DistError) as exc:
+        except (OSError, ValueError, WireError) as exc:
             if not self.done.is_set():
                 self.emit("up-lost", why=str(exc), seq=self.next_seq)
             return False
@@ -434,7 +434,7 @@ def serve() -> int:
     node = Node(spec)
     try:
         srv = node.prepare(bool(spec.get("delete")))
-    except (OSError, ValueError, DistError) as exc:
+    except (OSError, ValueError, WireError) as exc:
         node.emit("error", why=f"{type(exc).__name__}: {exc}")
         return 1
     # Its address as the SSH client reached it: ssh_config aliases are the launcher's names.
@@ -452,12 +452,12 @@ def serve() -> int:
 
 
 def ports(first: int) -> int:
-    """``dist ports P``: listen as ``serve`` would (``{"ev": "listening", "port"}``), then try
+    """``sync_chain ports P``: listen as ``serve`` would (``{"ev": "listening", "port"}``), then try
     each ``{"op": "connect", "address", "port"}`` (``{"ev": "reach", "ok", "why"}``)."""
     node = Node({"dest": ".", "index": 0, "secret": "", "files": [], "port": first})
     try:
         srv = node._listen()
-    except DistError as exc:
+    except WireError as exc:
         node.emit("error", why=str(exc))
         return 1
 
@@ -494,5 +494,6 @@ def main(argv: list[str] | None = None) -> int:
         want = args[args.index("--digest") + 1] if "--digest" in args else None
         print(json.dumps(store.check(dest, want, deep="--deep" in args)))
         return 0
-    print(json.dumps({"ev": "error", "why": "usage: dist serve | dist check DEST [--deep] | dist ports P"}))
+    print(json.dumps({"ev": "error", "why": "usage: sync_chain serve | sync_chain check DEST "
+                                            "[--deep] | sync_chain ports P"}))
     return 2

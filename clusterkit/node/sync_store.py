@@ -1,6 +1,6 @@
 """A synced directory on disk: its manifest, its digest, what a node still needs, partials.
 
-Shared by the node program ``dist`` (shipped, ``node/ship.py``) and the launcher
+Shared by the node program ``sync_chain`` (shipped, ``node/ship.py``) and the launcher
 (``clusterkit.sync.engine``, which imports the same definitions), so both ends
 read one spelling of the layout, the chunk size and the digest. Standard library
 only, Python >= 3.8 on the node.

@@ -1,4 +1,4 @@
-"""The wire of the node program ``dist`` (node/dist.py): the TCP handshake, the record
+"""The wire of the node program ``sync_chain`` (node/sync_chain.py): the TCP handshake, the record
 header, and the SSH session's stdin as an upstream.
 
 The wire's handshake (one TCP connection per hop): server ``CKDIST1 <nonce> <index>``;
@@ -35,7 +35,7 @@ PROGRESS_S = 0.5
 PORT_TRIES = 16
 
 
-class DistError(Exception):
+class WireError(Exception):
     """A hop that failed (said in an event's ``why``)."""
 
 
@@ -44,7 +44,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     while len(buf) < n:
         got = sock.recv(n - len(buf))
         if not got:
-            raise DistError("connection closed")
+            raise WireError("connection closed")
         buf += got
     return bytes(buf)
 
@@ -54,7 +54,7 @@ def read_line(sock: socket.socket, limit: int = 4096) -> bytes:
     while not buf.endswith(b"\n"):
         got = sock.recv(1)
         if not got or len(buf) > limit:
-            raise DistError("connection closed during the handshake")
+            raise WireError("connection closed during the handshake")
         buf += got
     return bytes(buf[:-1])
 
@@ -68,17 +68,17 @@ def dial(address: str, port: int, secret: str, mode: str = "feed",
     try:
         word, nonce_s, _index = read_line(sock).split(b" ")
         if word != GREETING:
-            raise DistError("not a clusterkit sync listener")
+            raise WireError("not a clusterkit sync listener")
         nonce_c = secrets.token_hex(16).encode()
         sock.sendall(b"%s %s %s\n" % (mode.encode(), nonce_c,
                                       mac(key, b"c", nonce_s, nonce_c, mode.encode()).encode()))
         their, seq = read_line(sock).split(b" ")
         if not hmac.compare_digest(their.decode(), mac(key, b"s", nonce_c, nonce_s)):
-            raise DistError("the listener does not hold this run's secret")
+            raise WireError("the listener does not hold this run's secret")
         sock.settimeout(IO_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock, int(seq)
-    except (OSError, ValueError, DistError):
+    except (OSError, ValueError, WireError):
         sock.close()
         raise
 
