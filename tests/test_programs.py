@@ -766,3 +766,39 @@ def test_hf_is_converted_inside_its_checkpoint_dir(tmp_path: Path) -> None:
                 files={"ds.json": mine}, nodes=2)
     with pytest.raises(LaunchError, match="edits no file of yours"):
         check_inside(own)
+
+
+def test_a_restart_after_an_hf_reshard_resumes_from_the_converted_tag() -> None:
+    """After a reshard, checkpoint-10 holds the old world's global_step10 beside
+    global_step10_universal, so it does not assemble on the new mapping: a restart before
+    the next save used to run HF without a resume argument, from step 0, and end
+    "finished" (seen on the test bed). It resumes from the converted tag again
+    (load_universal on), unless a newer checkpoint is complete."""
+    from clusterkit.checkpoints.listing import FileInfo, NodeListing
+    from clusterkit.jobs.recover import _converted
+    from clusterkit.jobs.reshard import converted_inside
+
+    def node(name: str, index: int, *, universal: bool = True, size: int = 7) -> NodeListing:
+        files = {"trainer_state.json": FileInfo(1, 0.0), "global_step10/x.pt": FileInfo(2, 0.0)}
+        if universal:
+            files |= {"latest_universal": FileInfo(24, 0.0),
+                      "global_step10_universal/mp_rank_00_model_states.pt": FileInfo(size, 0.0)}
+        return NodeListing(name, index, "/c", exists=True, tags={"checkpoint-10": files})
+
+    both = [node("node1", 0), node("node3", 1)]
+    assert converted_inside(both, ["checkpoint-10"]) == "checkpoint-10"
+    assert converted_inside([node("node1", 0), node("node3", 1, universal=False)],
+                            ["checkpoint-10"]) is None
+    assert converted_inside([node("node1", 0), node("node3", 1, size=8)],
+                            ["checkpoint-10"]) is None  # not the same copy
+    user = json.dumps({"zero_optimization": {"stage": 2}})
+    hf = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
+               files={"ds.json": user}, nodes=2)
+    assert _converted(hf, both, None) == "checkpoint-10"
+    snap = _plan(SNAP_SRC, ("8", "2"), nodes=2)
+    assert _converted(snap, both, None) is None  # only HF's profile converts inside
+    from types import SimpleNamespace
+    newer: Any = SimpleNamespace(tag="checkpoint-20", complete=True)
+    both20 = [dataclasses.replace(ls, tags={**ls.tags, "checkpoint-20": {
+        "global_step20/mp_rank_00_model_states.pt": FileInfo(3, 0.0)}}) for ls in both]
+    assert _converted(hf, both20, [newer]) is None  # a newer complete save wins

@@ -453,21 +453,27 @@ def test_ddp_snapshot_node_lost_goes_on_with_fewer_nodes(testbed_required: None,
 def test_hf_trainer_node_lost_goes_on_with_fewer_nodes(testbed_required: None,
                                                        tmp_path: Path) -> None:
     """Issue 38 item 3 for HF's Trainer with no spare: node2 destroyed after checkpoint-10
-    is replicated, --max-restarts 1 --drop-failed-nodes. The restart goes on with node1
+    is replicated, --max-restarts 2 --drop-failed-nodes. The restart goes on with node1
     and node3: checkpoint-N is gathered (node2's part from its replica), its
     global_stepN converted to checkpoint-N/global_stepN_universal with latest_universal
     beside it on both nodes, the attempt's derived ds_config gets load_universal, HF
-    resumes with --resume_from_checkpoint and trains to the last step on 2 ranks."""
+    resumes with --resume_from_checkpoint. That attempt's rank 1 is killed at step 18
+    (before checkpoint-20): checkpoint-10 no longer assembles on the new mapping (the old
+    world's global_step10 beside the converted one), and the next restart resumes from the
+    converted tag again (it used to begin at step 0 and end "finished"): its step-15 loss
+    equals the killed attempt's, and it trains to the last step on 2 ranks."""
     ds = tmp_path / "ds_config_z2.json"
     ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
     with temporary(3) as tb:
         inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
         out = str(tb.local_mountpoint / "ckpt" / "hffew")
+        marker = tb.shared_dir / "hffew-crashed"
         argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id",
                 "hffew", "--nodes", "3", "--storage", "node-local", "--replicas", "1",
-                "--grace", "2", "--skip-checks", "--max-restarts", "1", "--drop-failed-nodes",
+                "--grace", "2", "--skip-checks", "--max-restarts", "2", "--drop-failed-nodes",
                 str(HF_TRAINER), *_hf_args(out, ds, "--step_sleep", "1.5", "--exact_losses",
-                                           "True")]
+                                           "True", "--crash_at_step", "18", "--crash_rank",
+                                           "1", "--crash_once", str(marker))]
         run = Console(argv, train_env(tmp_path), tmp_path)
         replicated = "replicas checkpoint-10: 3/3"
         code = lose_node_mid_run(tb, run, "node2", [(lambda: replicated in run.text, 600,
@@ -482,11 +488,15 @@ def test_hf_trainer_node_lost_goes_on_with_fewer_nodes(testbed_required: None,
         n = found.group(1)
         assert f"resharding checkpoint-{n}" in after, text[-6000:]
         assert "checkpoint.load_universal on" in after, text[-6000:]
-        assert RESUMED.search(after) or n == "20", text[-6000:]
-        print(after)
-        # the restarted attempt logged no step at or before its checkpoint: it resumed
-        steps = [int(s) for s, _ in EXACT.findall(after)]
-        assert all(s > int(n) for s in steps), (steps, text[-6000:])
+        assert RESUMED.search(after), text[-6000:]
+        assert n == "10" and marker.exists(), text[-6000:]  # killed in the 2-node attempt
+        assert "checkpoint-10: resuming from its DeepSpeed tag converted by the reshard" \
+            in after, text[-6000:]
+        # both 2-node attempts resumed from checkpoint-10: no step at or before it, and
+        # the step-15 loss of the killed one and of the last one the same in full
+        logged = [(int(s), loss) for s, loss in EXACT.findall(after)]
+        assert all(s > 10 for s, _ in logged), (logged, text[-6000:])
+        attempts_agree(logged, [15])
         got = FINAL.findall(after)
         assert got and int(got[-1][0]) == STEPS, text[-6000:]
         for node in ("node1", "node3"):

@@ -34,7 +34,12 @@ from clusterkit.checkpoints.replicas.assemble import (
 from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.checkpoints.sources.factory import open_source
 from clusterkit.errors import LaunchError
-from clusterkit.jobs.reshard import reshard
+from clusterkit.jobs.reshard import (
+    LATEST_UNIVERSAL,
+    converted_inside,
+    load_universal_plan,
+    reshard,
+)
 from clusterkit.jobs.restore import (
     REFUSAL_HINT,
     Restore,
@@ -58,7 +63,13 @@ from clusterkit.node.contract import ASIDE_SUFFIX, ENV_RESUME_TAG, LATEST_FILE
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
 from clusterkit.spec.jobrecord import RankMap
-from clusterkit.spec.programs import DIR_FIELD, OtherWorld, restart_problem, with_resume
+from clusterkit.spec.programs import (
+    DERIVED_DS_CONFIG,
+    DIR_FIELD,
+    OtherWorld,
+    restart_problem,
+    with_resume,
+)
 
 
 def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home: str,
@@ -103,6 +114,16 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
             return None
         listings = list_parts(transport, plan, old_map, staging)
         tried = _resumable(plan, listings, old_map, resume, must=bool(swaps) or resharding)
+        again = None if resharding else _converted(plan, listings, tried)
+        if again is not None:
+            # HF's checkpoint-N converted by an earlier reshard, nothing complete saved since
+            if dry_run:
+                say(f"{again} holds its DeepSpeed tag converted by a reshard: the program "
+                    "would resume from it with checkpoint.load_universal on")
+                return None
+            say(f"{again}: resuming from its DeepSpeed tag converted by the reshard "
+                f"({LATEST_UNIVERSAL}), checkpoint.load_universal on for this attempt")
+            return resume_tag(load_universal_plan(plan), again, [], say)
         if tried is None:
             return None
         newer = newer_tags(listings, tried[0], plan.options.uses_workload)
@@ -146,31 +167,54 @@ def aside(plan: JobPlan, newer: Sequence[str], say: Say) -> JobPlan:
     return dataclasses.replace(plan, set_aside=tuple(newer))
 
 
+def _converted(plan: JobPlan, listings: Sequence[NodeListing], tried: list[Assembly] | None
+               ) -> str | None:
+    """An HF tag converted inside itself by an earlier reshard, newer than what can be
+    assembled (reshard.converted_inside); None for any other program."""
+    if other_world(plan) is not OtherWorld.UNIVERSAL_INSIDE or not listings \
+            or DERIVED_DS_CONFIG not in plan.program_files:
+        return None
+    tags = candidate_tags(listings, markers=False)
+    found = converted_inside(listings, tags)
+    if found is None or (tried and tried[0].complete and tried[0].tag in tags
+                         and tags.index(str(tried[0].tag)) < tags.index(found)):
+        return None
+    return found
+
+
 def resume_plan(plan: JobPlan, a: Assembly, newer: Sequence[str], say: Say) -> JobPlan | None:
     """The next attempt of a user's program resumes from ``a`` (the newest checkpoint
-    complete on every node): its profile's resume argument on every node's program
-    (spec/programs.py), DeepSpeed's ``latest`` pointed at it where that is how the
-    program picks, newer tags moved aside where it picks by itself; refused in one line
-    when the program has no known way to resume (it would begin at step 0)."""
-    choice = plan.profile
-    if plan.options.uses_workload or choice is None or a.tag is None:
+    complete on every node): :func:`resume_tag`."""
+    if a.tag is None:
         return None
-    problem = restart_problem(choice, a.tag, plan.nodes[0].ckpt_dir, plan.job_id)
+    return resume_tag(plan, a.tag, newer, say)
+
+
+def resume_tag(plan: JobPlan, tag: str, newer: Sequence[str], say: Say) -> JobPlan | None:
+    """The next attempt of a user's program resumes from ``tag``: its profile's resume
+    argument on every node's program (spec/programs.py), DeepSpeed's ``latest`` pointed
+    at it where that is how the program picks, newer tags moved aside where it picks by
+    itself; refused in one line when the program has no known way to resume (it would
+    begin at step 0)."""
+    choice = plan.profile
+    if plan.options.uses_workload or choice is None:
+        return None
+    problem = restart_problem(choice, tag, plan.nodes[0].ckpt_dir, plan.job_id)
     if problem is not None:
         raise LaunchError(problem, key="--resume-arg")
     if not choice.resume:
         start = plan
         if choice.profile.top_latest:
-            say(f"{choice.name}: every node's {LATEST_FILE} names {a.tag} (the newest "
+            say(f"{choice.name}: every node's {LATEST_FILE} names {tag} (the newest "
                 "checkpoint complete on every node)")
-            plan = dataclasses.replace(plan, resume_from=a.tag)
+            plan = dataclasses.replace(plan, resume_from=tag)
         plan = aside(plan, newer, say)
         return None if plan is start else plan
-    programs = tuple(resumed_program(prog, choice.resume, f"{n.ckpt_dir}/{a.tag}")
+    programs = tuple(resumed_program(prog, choice.resume, f"{n.ckpt_dir}/{tag}")
                      for prog, n in zip(plan.programs, plan.nodes, strict=True))
-    say(f"{choice.name}: resuming from {a.tag}, the newest checkpoint complete on every node "
-        f"({' '.join(w.replace(DIR_FIELD, plan.nodes[0].ckpt_dir + '/' + a.tag) for w in choice.resume)})")
-    return dataclasses.replace(plan, programs=programs, resume_from=a.tag)
+    say(f"{choice.name}: resuming from {tag}, the newest checkpoint complete on every node "
+        f"({' '.join(w.replace(DIR_FIELD, plan.nodes[0].ckpt_dir + '/' + tag) for w in choice.resume)})")
+    return dataclasses.replace(plan, programs=programs, resume_from=tag)
 
 
 def resumed_program(program: Sequence[str], template: Sequence[str], ckpt: str

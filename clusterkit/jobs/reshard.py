@@ -19,15 +19,18 @@ import dataclasses
 import json
 import os
 import shutil
+from collections.abc import Sequence
 
 from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import WithoutMarkers
 from clusterkit.checkpoints.convert.universal import (
+    UNIVERSAL_SUFFIX,
     Universal,
     convert_to_universal,
     universal_tag,
     user_resume,
 )
+from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.replicas.assemble import Assembly
 from clusterkit.errors import CheckpointError, LaunchError
 from clusterkit.fsutil import atomic_write_text
@@ -129,14 +132,42 @@ def _inside_plan(plan: JobPlan, u: Universal, say: Say) -> JobPlan:
     """The next attempt's derived DeepSpeed config with ``checkpoint.load_universal``
     (this attempt only); the resume argument is the profile's (jobs/recover.resume_plan).
     The batch stays the program's own (HF computes it from its arguments)."""
-    doc = json.loads(plan.program_files[DERIVED_DS_CONFIG])
-    ckpt = doc.get("checkpoint")
-    doc["checkpoint"] = {**(ckpt if isinstance(ckpt, dict) else {}), "load_universal": True}
     say(f"world size {u.marker.world_size} -> {plan.world_size}: DeepSpeed loads {u.tag} "
         f"({LATEST_UNIVERSAL}) with checkpoint.load_universal on in {DERIVED_DS_CONFIG}, this "
         "attempt only; the batch is your program's own (per-device size x ranks)")
+    return load_universal_plan(plan)
+
+
+def load_universal_plan(plan: JobPlan) -> JobPlan:
+    """``plan`` with ``checkpoint.load_universal`` on in its derived DeepSpeed config."""
+    doc = json.loads(plan.program_files[DERIVED_DS_CONFIG])
+    ckpt = doc.get("checkpoint")
+    doc["checkpoint"] = {**(ckpt if isinstance(ckpt, dict) else {}), "load_universal": True}
     return dataclasses.replace(plan, program_files={
         **plan.program_files, DERIVED_DS_CONFIG: json.dumps(doc, indent=2) + "\n"})
+
+
+def converted_inside(listings: Sequence[NodeListing], tags: Sequence[str]) -> str | None:
+    """The newest of ``tags`` (newest first) that a reshard converted inside itself on
+    every node listed (pure): each holds ``latest_universal`` and the same files under
+    one ``<DeepSpeed tag>_universal/``. After a reshard the old DeepSpeed tag beside it
+    (the old world's shards) makes the tag look unassemblable on the new mapping; a
+    restart before the next save resumes from the converted one again, never from step 0."""
+    if not listings or any(ls.error for ls in listings):
+        return None
+    for tag in tags:
+        seen: list[dict[str, int]] = []
+        for ls in listings:
+            files = ls.tags.get(tag) or {}
+            uni = {rel: fi.size for rel, fi in files.items()
+                   if rel.split("/", 1)[0].endswith(UNIVERSAL_SUFFIX) and "/" in rel}
+            if LATEST_UNIVERSAL not in files or not uni:
+                break
+            seen.append(uni)
+        else:
+            if all(s == seen[0] for s in seen):
+                return tag
+    return None
 
 
 def convert_checkpoint(dest: str, tag: str, bare: WithoutMarkers | None, plan: JobPlan
