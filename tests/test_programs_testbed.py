@@ -503,3 +503,47 @@ def test_hf_trainer_node_lost_goes_on_with_fewer_nodes(testbed_required: None,
             res = tb.exec(node, ["cat", f"{out}/checkpoint-{n}/latest_universal"])
             assert res.stdout.strip() == f"global_step{n}_universal", (node, res.stdout)
         assert json.loads(ds.read_text()) == HF_DS_AUTO  # the user's file untouched
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
+def test_hf_trainer_relaunched_by_hand_on_fewer_nodes_resumes(testbed_required: None,
+                                                              tmp_path: Path) -> None:
+    """The killed job (3 nodes, no --max-restarts) relaunched by hand on 2 nodes with the
+    same arguments (node1 and node2): clusterkit says it continues resharded, converts
+    checkpoint-10 inside its folder (node3's part from its replica), and HF resumes from
+    it on 2 ranks and trains to the last step; the user adds nothing."""
+    ds = tmp_path / "ds_config_z2.json"
+    ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
+    with temporary(3) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+        out = str(tb.local_mountpoint / "ckpt" / "hfhand2")
+        marker = tb.shared_dir / "hfhand2-crashed"
+        args = [str(HF_TRAINER), *_hf_args(out, ds, "--crash_at_step", "15", "--crash_rank", "2",
+                                           "--crash_once", str(marker), "--exact_losses",
+                                           "True", "--step_sleep", "1")]
+
+        def launch(nodes: str) -> subprocess.CompletedProcess[str]:
+            argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id",
+                    "hfhand2", "--nodes", nodes, "--storage", "node-local", "--replicas", "1",
+                    "--grace", "2", "--skip-checks", *args]
+            return subprocess.run(argv, cwd=tmp_path, env=train_env(tmp_path),
+                                  capture_output=True, text=True, timeout=900)
+
+        first = launch("3")
+        said = first.stdout + first.stderr
+        assert first.returncode != 0 and marker.exists(), said[-3000:]
+        # node3 is left out: its part comes from its replica (on node1)
+        assert "checkpoints replicated: checkpoint-10 3/3" in said, said[-3000:]
+        again = launch("2")
+        text = again.stdout + again.stderr
+        assert again.returncode == 0, text[-6000:]
+        assert "continuing job hfhand2" in text and "on 2 nodes, 2 ranks" in text, text[-6000:]
+        assert "the newest checkpoint is resharded first" in text, text[-6000:]
+        assert "resharding checkpoint-10 (3 nodes) for 2 nodes" in text, text[-6000:]
+        assert "hf-trainer: resuming from checkpoint-10" in text, text[-6000:]
+        assert RESUMED.search(text), text[-6000:]
+        logged = [int(s) for s, _ in EXACT.findall(text)]
+        assert logged == [15, 20], (logged, text[-6000:])  # resumed after step 10
+        got = FINAL.findall(text)
+        assert got and int(got[-1][0]) == STEPS, text[-3000:]
