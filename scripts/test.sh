@@ -65,9 +65,17 @@ cleanup() {
 }
 
 install_system_packages
+# With DeepSpeed already installed (README command 1), its op builds beside the pip
+# install of the test tools (seconds of C++ on a fresh machine); `python3 -c` imports
+# clusterkit from this tree, whatever pip is doing to the installed copy meanwhile.
+ops_pid=
+if python3 -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("deepspeed") is None)' 2>/dev/null; then
+    build_jit_ops &
+    ops_pid=$!
+fi
 install_python_packages
 compile_project
-build_jit_ops
+if [ -n "$ops_pid" ]; then wait "$ops_pid" || true; else build_jit_ops; fi
 trap cleanup EXIT
 
 # ruff and mypy run beside pytest at the lowest priority: the suite is CPU-bound but
