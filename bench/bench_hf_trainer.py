@@ -4,6 +4,7 @@ started by DeepSpeed's runner with a hostfile (issue 38).
     python -m bench.bench_hf_trainer                   # 2 nodes x 1 rank, 2 rounds
     python -m bench.bench_hf_trainer --nodes 3 --rounds 4 --steps 60
     python -m bench.bench_hf_trainer --prefix tb1      # an existing test bed (kept)
+    python -m bench.bench_hf_trainer --launch-arg=--set-env --launch-arg=CLUSTERKIT_ZYGOTE=0
 
 The program is tests/programs/hf_trainer.py (run_clm.py-style: ``HfArgumentParser``,
 ``TrainingArguments``, ``Trainer``; a GPT-2 built from a config, data made locally) with
@@ -77,7 +78,7 @@ def run_clusterkit(work: Path, inv: Path, job: str, ns: argparse.Namespace, ds: 
                    ) -> str:
     argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
             "--nodes", str(ns.nodes), "--storage", "shared", "--skip-checks", "--grace", "2",
-            "--set-env", "OMP_NUM_THREADS=1", str(HF_TRAINER),
+            "--set-env", "OMP_NUM_THREADS=1", *ns.launch_arg, str(HF_TRAINER),
             *program_args(ns, work / f"out-{job}", ds)]
     env = dict(os.environ, CLUSTERKIT_HOME=str(work / "home"), PYTHONUNBUFFERED="1")
     res = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True,
@@ -135,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--prefix", help="use this existing test bed (else a new one, torn down)")
+    p.add_argument("--launch-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for clusterkit launch (repeat), e.g. "
+                        "--launch-arg=--set-env --launch-arg=CLUSTERKIT_ZYGOTE=0 to compare "
+                        "without the fork server")
     ns = p.parse_args(argv)
     tb = Testbed.load(ns.prefix) if ns.prefix else Testbed.create()
     # On the test bed's shared disk: the runner's working directory must exist on every
