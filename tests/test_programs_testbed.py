@@ -307,6 +307,25 @@ def test_ddp_snapshot_killed_rank_resumes_on_every_node(testbed_required: None,
     assert logged[-1][0] == EPOCHS - 1, logged
 
 
+def _ddp_node2_lost(tb: Testbed, tmp_path: Path, job: str, *, spare: bool) -> str:
+    """The DDP tutorial on node1-3 (node4 a spare if ``spare``), --max-restarts 2 (the
+    node's restart, and room for torch's exit abort: EXIT_ABORT) --drop-failed-nodes;
+    node2 destroyed after the epoch-2 snapshot. The launcher must end 0: its output."""
+    inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+    if spare:
+        inv.write_text(inv.read_text() + "spares: [node4]\n")
+    snap = str(tb.local_mountpoint / "ckpt" / job / "snapshot.pt")
+    argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
+            "--nodes", "3", "--storage", "node-local", "--grace", "2", "--skip-checks",
+            "--max-restarts", "2", "--drop-failed-nodes", str(DDP), str(EPOCHS), "2",
+            "--snapshot_path", snap, "--epoch_sleep", "1.5"]
+    run = Console(argv, train_env(tmp_path), tmp_path)
+    saved = "Epoch 2 | Training snapshot saved"
+    code = lose_node_mid_run(tb, run, "node2", [(lambda: saved in run.text, 600, saved)], 900)
+    assert code == 0, run.text[-5000:]
+    return run.text
+
+
 @pytest.mark.testbed
 @pytest.mark.extended
 def test_ddp_snapshot_node_lost_goes_on_on_the_spare(testbed_required: None,
@@ -317,20 +336,7 @@ def test_ddp_snapshot_node_lost_goes_on_on_the_spare(testbed_required: None,
     is copied from node1 to node3 and the spare node4, every rank resumes from it, and
     the job ends on the uninterrupted run's last-epoch loss."""
     with temporary(4) as tb:
-        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
-        inv.write_text(inv.read_text() + "spares: [node4]\n")
-        snap = str(tb.local_mountpoint / "ckpt" / "ddplost" / "snapshot.pt")
-        argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id",
-                "ddplost", "--nodes", "3", "--storage", "node-local", "--grace", "2",
-                # two restarts: the node's, and room for torch's exit abort (EXIT_ABORT)
-                "--skip-checks", "--max-restarts", "2", "--drop-failed-nodes", str(DDP),
-                str(EPOCHS), "2", "--snapshot_path", snap, "--epoch_sleep", "1.5"]
-        run = Console(argv, train_env(tmp_path), tmp_path)
-        saved = "Epoch 2 | Training snapshot saved"
-        code = lose_node_mid_run(tb, run, "node2", [(lambda: saved in run.text, 600, saved)],
-                                 600)
-        text = run.text
-        assert code == 0, text[-5000:]
+        text = _ddp_node2_lost(tb, tmp_path, "ddplost", spare=True)
         assert "node4" in text and "program profile: torch-snapshot" in text, text[-5000:]
         assert re.search(r"snapshot\.pt: written by node1 only; copied to node[^ ]*4",
                          text), text[-5000:]
@@ -414,19 +420,7 @@ def test_ddp_snapshot_node_lost_goes_on_with_fewer_nodes(testbed_required: None,
     with node1 and node3 (2 ranks), node1's snapshot.pt copied to node3 first, every rank
     resumes at the snapshot's epoch, and the job trains to the last epoch and finishes."""
     with temporary(3) as tb:
-        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
-        snap = str(tb.local_mountpoint / "ckpt" / "ddpfew" / "snapshot.pt")
-        argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id",
-                "ddpfew", "--nodes", "3", "--storage", "node-local", "--grace", "2",
-                # two restarts: the node's, and room for torch's exit abort (EXIT_ABORT)
-                "--skip-checks", "--max-restarts", "2", "--drop-failed-nodes", str(DDP),
-                str(EPOCHS), "2", "--snapshot_path", snap, "--epoch_sleep", "1.5"]
-        run = Console(argv, train_env(tmp_path), tmp_path)
-        saved = "Epoch 2 | Training snapshot saved"
-        code = lose_node_mid_run(tb, run, "node2", [(lambda: saved in run.text, 600, saved)],
-                                 900)
-        text = run.text
-        assert code == 0, text[-5000:]
+        text = _ddp_node2_lost(tb, tmp_path, "ddpfew", spare=False)
         assert "program profile: torch-snapshot" in text, text[-5000:]
         assert "no spare for node2" in text and "going on with fewer nodes" in text, \
             text[-5000:]
