@@ -320,3 +320,26 @@ def test_the_fork_servers_fallback_grace_is_the_protocols() -> None:
     """The zygote imports nothing of clusterkit, so it spells the default grace again."""
     from clusterkit.node import protocol, zygote
     assert zygote.DEFAULT_GRACE_S == protocol.DEFAULT_GRACE_S
+
+
+def test_a_forked_rank_reads_as_killed_only_after_the_zygotes_last_status() -> None:
+    """The zygote reported a rank's exit and ended; until that status line is applied the
+    rank is not "killed with the zygote" (a CI-like run at load ~9 saw exit 0 read as
+    SIGKILL: the zygote gone, the rank gone, its exit line still in the pipe)."""
+    import subprocess
+    import threading
+
+    from clusterkit.node.agent_forkserver import ForkedRank
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()  # reaped: its /proc entry is gone, as a rank's after the zygote reaped it
+    server = subprocess.Popen([sys.executable, "-c", "pass"])
+    server.wait()
+    read = threading.Event()
+    rank = ForkedRank(done.pid, server, read)
+    assert rank.poll() is None  # its status may still be on the way
+    rank.returncode = 0  # the zygote's exit line, applied
+    read.set()
+    assert rank.poll() == 0
+    lost = ForkedRank(done.pid, server, read)
+    assert lost.poll() == -signal.SIGKILL  # the pipe ended and nothing said it exited

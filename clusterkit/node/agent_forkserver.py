@@ -37,17 +37,23 @@ class ForkedRank:
     """A rank forked by the zygote: the agent's view of it, shaped like a Popen.
 
     The zygote is its parent and reports its exit code; should the zygote die
-    without saying, a rank that is gone reads as killed (it died with the zygote)."""
+    without saying, a rank that is gone reads as killed (it died with the zygote).
+    "Without saying" is known only once every status line the zygote wrote has been
+    applied (``statuses_read``: its status pipe's end): a zygote that reported its last
+    rank's exit and ended can be gone while that line still waits in the pipe, and a
+    rank that exited 0 read as killed by SIGKILL (seen once at load ~9)."""
 
-    def __init__(self, pid: int, server: subprocess.Popen[bytes]) -> None:
+    def __init__(self, pid: int, server: subprocess.Popen[bytes],
+                 statuses_read: threading.Event) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self._server = server
+        self._statuses_read = statuses_read
         self.stdout = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and self._server.poll() is not None \
-                and not os.path.exists(f"/proc/{self.pid}"):
+        if self.returncode is None and self._statuses_read.is_set() \
+                and self._server.poll() is not None and not os.path.exists(f"/proc/{self.pid}"):
             self.returncode = -signal.SIGKILL
         return self.returncode
 
@@ -104,6 +110,8 @@ class ForkServer:
         self._fds: dict[int, int] = {}  # local rank -> read end of its output pipe
         self._wfds: list[int] = []  # the same pipes' write ends (fd numbers in the zygote)
         self._events: queue.Queue[dict[str, Any]] = queue.Queue()
+        # Set once the zygote's status pipe ended and every line before that was applied.
+        self._statuses_read = threading.Event()
 
     def _argv(self) -> list[str]:
         return [expand(a, self.job_dir) for a in self.spec.argv]
@@ -198,7 +206,10 @@ class ForkServer:
             except queue.Empty:
                 self.keepalive()
                 continue
-            if ev.get("ev") in want or ev.get("ev") == "gone":
+            if ev.get("ev") == "gone":
+                self._statuses_read.set()
+                return ev
+            if ev.get("ev") in want:
                 return ev
             self._on_exit(ev)  # a rank may end before its siblings are forked
         return None
@@ -255,7 +266,7 @@ class ForkServer:
             if ev is None or ev.get("ev") != "forked":
                 break
             lr = int(ev["lr"])
-            self.ranks[lr] = ForkedRank(int(ev["pid"]), self.proc)
+            self.ranks[lr] = ForkedRank(int(ev["pid"]), self.proc, self._statuses_read)
             t = threading.Thread(target=self._pump_fd, args=(lr, self._fds.pop(lr)),
                                  daemon=True)
             t.start()
@@ -267,9 +278,10 @@ class ForkServer:
         return pumps
 
     def _exits(self) -> None:
-        while True:
+        while not self._statuses_read.is_set():  # set already: _wait took the end
             ev = self._events.get()
             if ev.get("ev") == "gone":
+                self._statuses_read.set()
                 return
             self._on_exit(ev)
 
