@@ -37,7 +37,7 @@ quarter (:data:`PROGRESS_STEPS`), the same bar state once per job; a dump is one
 (:data:`DUMP_MIN_LINES`); a library warning, or a library INFO record repeated word for
 word, is shown once per job (:data:`LIBRARY_WARNING`, :data:`LIBRARY_INFO`; a save and a
 resume, :data:`LIBRARY_EVENT`, every time). tests/fixtures/hf_trainer_console
-holds a real HF Trainer console that tests/test_console_library.py replays.
+holds a real HF Trainer console that tests/unit/test_console_library.py replays.
 
 One file because: the folder is one state machine over every rank's lines (its groups,
 the collateral, the teardown, the dumps and bars) whose parts all read and write the

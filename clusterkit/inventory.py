@@ -7,7 +7,7 @@ to do. The parsed result is made of frozen dataclasses in rank order.
 One file because: the records and the strict loader are one contract, read
 together (each key the loader accepts is a field of a record here, each check names
 the key); the loader's ~400 lines are small per-key checks. A split would add a
-module to the layer table (tests/test_layering.py) for the records alone.
+module to the layer table (tests/unit/test_layering.py) for the records alone.
 """
 
 from __future__ import annotations

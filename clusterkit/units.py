@@ -118,7 +118,7 @@ def duration_type(flag: str, *, zero: bool = True, whole: bool = False) -> Calla
     0 would mean nothing (a poll interval, a connect timeout), ``whole=True`` where
     the value is handed on as whole seconds (Slurm's ``--signal``): then an ``int``. A refusal fails
     while parsing (exit 2), the flag named by argparse. Cached: a flag's type is one
-    object in every verb that has it (tests/test_jobflags.py compares them).
+    object in every verb that has it (tests/unit/test_jobflags.py compares them).
     """
     def convert(text: str) -> float:
         try:

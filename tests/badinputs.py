@@ -7,7 +7,7 @@ line on stderr (``clusterkit: error: ...``), no traceback and no usage dump. Eve
 only talks to the embedded default's local nodes (no SSH, no network): ``launch`` and
 ``sbatch`` always carry ``--dry-run``.
 
-Used by tests/test_bad_inputs.py (in-process, fast) and runnable on its own for a
+Used by tests/process/test_bad_inputs.py (in-process, fast) and runnable on its own for a
 report: ``python3 -m tests.badinputs [--subprocess]``.
 """
 

@@ -29,10 +29,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests import module_seconds
-from tests.slurmbed.fixtures import slurm, slurm_bed  # noqa: F401  (Slurm test bed fixtures)
-from tests.testbed import Testbed, TestNode, unavailable_reason
 
-DEFAULT_TESTBED_NODES = 2
 # pytest-xdist (`-n 2 --dist loadfile`, pyproject addopts): every worker is its own
 # session with its own test bed (a fresh prefix and subnet, tests/testbed/core.py), and
 # gets whole modules: a run several tests share is a module fixture of their module.
@@ -84,35 +81,3 @@ def _module_cost(items: list[pytest.Item]) -> dict[str, float]:
         markers.setdefault(_module(item), set()).update(m.name for m in item.iter_markers())
     return {mod: measured.get(mod, module_seconds.estimate(names))
             for mod, names in markers.items()}
-
-
-def _require_testbed() -> None:
-    reason = unavailable_reason()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI is set but the test bed cannot run: {reason}", pytrace=False)
-        pytest.skip(reason)
-
-
-@pytest.fixture(scope="session")
-def testbed_required() -> None:
-    """For tests that build their own test bed: skip (or fail under CI) like `testbed`."""
-    _require_testbed()
-
-
-@pytest.fixture(scope="session")
-def testbed() -> Iterator[Testbed]:
-    _require_testbed()
-    tb = Testbed.create()  # also registers atexit + SIGTERM/SIGHUP teardown
-    try:
-        yield tb
-    finally:
-        tb.down()
-
-
-@pytest.fixture
-def testbed_nodes(request: pytest.FixtureRequest, testbed: Testbed) -> list[TestNode]:
-    """The first n nodes of the session test bed, n from @pytest.mark.testbed(nodes=n)."""
-    marker = request.node.get_closest_marker("testbed")
-    n = int(marker.kwargs.get("nodes", DEFAULT_TESTBED_NODES)) if marker else DEFAULT_TESTBED_NODES
-    return testbed.ensure(n)

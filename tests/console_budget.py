@@ -1,6 +1,6 @@
 """The console budgets (docs/launch.md, "What the console shows after a fault"), shared by
-the real launches that measure them (tests/test_console_budget_testbed.py, whose
-docstring explains each number) and their recorded replays (tests/test_console_replay.py)."""
+the real launches that measure them (tests/bed/test_console_budget_testbed.py, whose
+docstring explains each number) and their recorded replays (tests/unit/test_console_replay.py)."""
 
 from __future__ import annotations
 

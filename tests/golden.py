@@ -1,6 +1,6 @@
 """Golden files: exact comparison, explicit regeneration, a missing golden is a failure.
 
-Regenerate on purpose with ``CLUSTERKIT_UPDATE_GOLDEN=1 pytest tests/test_render_golden.py``
+Regenerate on purpose with ``CLUSTERKIT_UPDATE_GOLDEN=1 pytest tests/unit/test_render_golden.py``
 and review the diff like code.
 
 Each distinct content is stored once (issue 36: 139 golden files held 61 contents): a

@@ -2,8 +2,7 @@
 
 Sections: doctor rules' synthetic fact sets; ``clusterkit launch`` on the namespace
 test bed (a sleeping rank script, the job's pids, reading the launcher's output);
-the bundled workload trained on the test bed (the shared session runs of
-tests/conftest.py); ``clusterkit sbatch`` on the Slurm test bed.
+the bundled workload trained on the test bed; ``clusterkit sbatch`` on the Slurm test bed.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from clusterkit.launch.registry import Registry
 from clusterkit.launch.run import _record
 from clusterkit.launchers.base import DoctorMode
 from clusterkit.spec.jobrecord import JobState
+from tests.paths import REPO
 from tests.render_cases import plan_for
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ def read_until(proc: subprocess.Popen[str], want: int, pattern: str, timeout: fl
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
                "CROSS_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
                "SLURM_NODEID", "NODE_RANK")
-REPO = Path(__file__).resolve().parents[1]
+
 # A user's HF Trainer program (run_clm.py-style, tests/programs/hf_trainer.py) and the
 # all-"auto" ZeRO-2 ds_config of HF's docs that the issue 38 tests and bench give it.
 HF_TRAINER = REPO / "tests" / "programs" / "hf_trainer.py"

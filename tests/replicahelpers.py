@@ -1,4 +1,4 @@
-"""What the checkpoint-replica unit tests share (tests/test_replica.py, test_replica_proc.py,
+"""What the checkpoint-replica unit tests share (tests/process/test_replica.py, test_replica_proc.py,
 test_slurm_restore.py): a job id per test, ZeRO-2 tag dirs of whole zip archives, and the
 config of two services that replicate each other on loopback."""
 

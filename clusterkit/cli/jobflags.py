@@ -5,7 +5,7 @@ one ``--flag`` here, with the field's type, default, choices and help; ``--launc
 comes from the backend registry. The program is the same words in every verb
 (:func:`add_program`): ``[-m MODULE] [SCRIPT] [ARGS...]``. The three verbs call
 :func:`add_job_flags`, :func:`add_program` and :func:`job_options`, so their job flags
-and program syntax cannot drift apart (tests/test_jobflags.py).
+and program syntax cannot drift apart (tests/unit/test_jobflags.py).
 """
 
 from __future__ import annotations

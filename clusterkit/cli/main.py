@@ -26,7 +26,7 @@ from clusterkit.errors import ClusterkitError, UsageError
 # Verb -> the module whose add_parser(sub) builds it. Only the verb being run is
 # imported and built: every verb module at start-up cost ~0.15 s of CPU per command
 # (doctor's overhead at 7 nodes, and every CLI call of the test suite). `clusterkit
-# --help` and words that are no verb build them all. tests/test_cli_safety.py checks
+# --help` and words that are no verb build them all. tests/process/test_cli_safety.py checks
 # this index against what the modules register.
 VERBS: dict[str, str] = {
     "inventory": "clusterkit.cli.cmd_inventory",

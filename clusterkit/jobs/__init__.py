@@ -2,7 +2,7 @@
 
 ``launch`` (the plan, the run, the job record), ``slurm`` (a batch job's places) and
 ``checkpoints`` (the data path) are one layer and may not import each other
-(tests/test_layering.py). What joins them lives here, below ``cli``, so ``cli`` is argument
+(tests/unit/test_layering.py). What joins them lives here, below ``cli``, so ``cli`` is argument
 parsing and printing and the Python API calls the same code:
 
 * ``recover``: readying a continued node-local job's checkpoint before its agents start

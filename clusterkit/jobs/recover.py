@@ -14,7 +14,7 @@ Here: the decision (what can be assembled, what to restore, a reshard, or the re
 and the dry run's account of it; the copying is ``jobs/restore.py``, the reshard
 ``jobs/reshard.py``. Lives in ``jobs`` because it joins ``launch`` (the plan, the job
 record) and ``checkpoints`` (the data path), two packages of one layer that may not
-import each other (tests/test_layering.py).
+import each other (tests/unit/test_layering.py).
 """
 
 from __future__ import annotations

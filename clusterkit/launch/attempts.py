@@ -11,7 +11,7 @@ contract, the conversion refusing what it cannot convert; a torch snapshot as it
 copied to every node), else refused. ``run.py``
 performs each step (the gate round, the planner) and asks again with what it
 learned in ``state``. The table is docs/architecture.md's "The attempt table", tested
-row by row in tests/test_attempts.py.
+row by row in tests/unit/test_attempts.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ then every input it feeds :class:`~clusterkit.launch.runtime.Runtime` except the
 ``[clusterkit]`` lines the launch says between attempts (restart, spare, restore), each
 with its second since the recording began. :func:`replay` feeds such a file through the
 same runtime and console code again, with no node, no SSH and no rank: the console
-budget of a real run is checked from its recording (tests/test_console_replay.py).
+budget of a real run is checked from its recording (tests/unit/test_console_replay.py).
 Nothing reads the variable but this module; unset (always, outside tests) it costs one
 ``os.environ`` look-up per attempt.
 """

@@ -13,7 +13,7 @@ two older pure machines, :class:`~clusterkit.launch.teardown.Teardown` and
 
 :attr:`Runtime.stage` is stored, and every handler reads it before it acts: each
 row of the table in docs/architecture.md ("The launch runtime") is one place here,
-marked ``# row <id>``, and at least one row of tests/test_runtime.py (a test holds
+marked ``# row <id>``, and at least one row of tests/process/test_runtime.py (a test holds
 the three together). The agents' messages are matched exhaustively: a kind added to
 ``protocol.AnyEvent`` without its case here fails mypy.
 """
@@ -72,7 +72,7 @@ class Runtime:
 
     ``stage`` is stored: each handler reads it first and acts only in the stages its
     rows name (a ``# row <id>`` comment marks the one place of each row of the table
-    in docs/architecture.md; tests/test_runtime.py checks that every row id of the
+    in docs/architecture.md; tests/process/test_runtime.py checks that every row id of the
     table has a test row). A (stage, event) the table does not list does nothing.
     """
 

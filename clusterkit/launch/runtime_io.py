@@ -2,7 +2,7 @@
 
 Plain frozen values, so a test writes a row of the runtime's table as
 ``(state, event) -> (state, actions)`` and compares the actions with ``==``
-(tests/test_runtime.py). Events come from the I/O loop
+(tests/process/test_runtime.py). Events come from the I/O loop
 (:mod:`clusterkit.launch.orchestrator`): an agent's stdout line becomes one
 event through :func:`read_line`, the one place the launcher decodes the
 ``@ck:`` lines (with :func:`clusterkit.node.protocol.decode`). Actions are

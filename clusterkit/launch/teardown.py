@@ -7,7 +7,7 @@ loop) and turns the actions it returns into its own, addressed to the agents sti
 running (send a control word, close their channels; giving up marks them dropped).
 Like :mod:`clusterkit.launch.watchdog`, every transition is a plain function of
 state, event and time, so the table below is tested as a table
-(tests/test_teardown.py) and written down in docs/architecture.md.
+(tests/unit/test_teardown.py) and written down in docs/architecture.md.
 
 =========  ===========================  ==========  ==========================
 stage      event (waited: since Begin)  next stage  actions

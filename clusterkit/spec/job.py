@@ -86,7 +86,7 @@ class RunOptions:
 
     Each field declared with :func:`flag` is one of ``launch``'s runtime flags, made by
     ``cli/jobflags.add_run_flags`` with this field's default, type and help (durations
-    end in ``_s``); ``launch.run`` reads the record (tests/test_jobflags.py)."""
+    end in ``_s``); ``launch.run`` reads the record (tests/unit/test_jobflags.py)."""
 
     skip_checks: bool = flag(False, "skip the pre-launch gate", group="running", kind="switch")
     build_ops: bool = flag(

@@ -1,4 +1,5 @@
-"""pytest fixtures for the Slurm test bed (exposed through tests/conftest.py).
+"""pytest fixtures for the Slurm test bed (given to the Slurm tier by
+tests/bed/slurm/conftest.py).
 
 ``slurm_bed`` is session-wide: the cluster comes up once (about a second on top
 of the namespace nodes) over ``SLURM_NODES`` nodes and is torn down at the end of

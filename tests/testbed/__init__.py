@@ -1,6 +1,7 @@
 """Real SSH "nodes" on this host (network + mount + UTS + PID namespaces, one sshd each).
 
-Used by the test suite (fixtures in tests/conftest.py) and by benchmarks; humans use
+Used by the test suite (fixtures in tests/testbed/fixtures.py, given to tests/bed by its
+conftest.py) and by benchmarks; humans use
 ``python -m tests.testbed``. See docs/testbed.md.
 """
 

@@ -1,0 +1,226 @@
+"""The batch job's end as a table (clusterkit.node.slurmend.decide) row by row, as
+docs/sbatch.md has it ("How the batch job decides"); the program gathering its facts
+from a job dir's files; and the template left with the sequencing only (issue 36 item 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterkit.node import ship, slurmend
+from clusterkit.node.slurmend import (
+    ANY,
+    BOTH,
+    ERR,
+    NONE,
+    OUT,
+    PINNED,
+    EndDecision,
+    EndFacts,
+    ExitRecord,
+    JobEnd,
+    Line,
+    decide,
+)
+from tests.paths import REPO
+
+PYTHONS = [p for p in ("/root/.pyenv/versions/3.8.18/bin/python3.8", sys.executable)
+           if os.path.exists(p)]
+JOB = JobEnd(max_restarts=2, signal_lead=90, log_dir="/w/logs", job_name="ck-j",
+             stop_var="CLUSTERKIT_STOP_FILE")
+PINNED_JOB = dataclasses.replace(JOB, node_local=True)
+REPLICA_JOB = dataclasses.replace(PINNED_JOB, replicas=1)
+PER_RANK_JOB = dataclasses.replace(JOB, per_rank_files=True)
+BASE = EndFacts(job=JOB, slurm_id="77", status=0, hang_dir="/w/hangs/77.1", ckpt_dir="/c/j",
+                now=1000)
+HANG = dataclasses.replace(BASE, status=143, hang="no progress on any rank for 31 s")
+FAILED = dataclasses.replace(BASE, status=143,
+                             first_exit=ExitRecord(100, "n2", 2, 3))
+STOP = dataclasses.replace(BASE, stop_at=950, saved="/c/j/step4/done")
+
+HUNG_AGAIN = ("clusterkit: the step hung (no progress on any rank for 31 s); requeueing job 77, "
+              "restart 2 of --max-restarts 2")
+HUNG_USED = ("clusterkit: the step hung (no progress on any rank for 31 s); not requeueing "
+             "(--max-restarts 2 used: 2); stacks in /w/hangs/77.1")
+RANK3 = ("clusterkit: rank 3 on n2 failed first (exit code 2); the other ranks were stopped "
+         "after it. Its output: the [rank3] lines of /w/logs/slurm-77.err")
+SAVED = "clusterkit: saved after the stop request (/c/j/step4/done); requeueing job 77 to resume"
+ANY_NODES = ("clusterkit: requeueing job 77 on any free nodes (checkpoint parts replicated: "
+             "--replicas 1)")
+
+# (row of the doc table, facts) -> decision
+TABLE: list[tuple[str, EndFacts, EndDecision]] = [
+    ("ok", BASE, EndDecision(0)),
+    ("hang-requeue", dataclasses.replace(HANG, hang_restarts=1),
+     EndDecision(124, ANY, (Line(BOTH, HUNG_AGAIN),), count_hang=True)),
+    ("hang-used", dataclasses.replace(HANG, hang_restarts=2),
+     EndDecision(124, NONE, (Line(BOTH, HUNG_USED),))),
+    # a hang is the whole answer: no failure line, no stop row
+    ("hang-used", dataclasses.replace(HANG, hang_restarts=2, first_exit=FAILED.first_exit, stop_at=950),
+     EndDecision(124, NONE, (Line(BOTH, HUNG_USED),))),
+    ("hang-used", dataclasses.replace(HANG, job=dataclasses.replace(JOB, max_restarts=0), hang=""),
+     EndDecision(124, NONE, (Line(BOTH, "clusterkit: the step hung (); not requeueing "
+                                        "(--max-restarts 0 used: 0); stacks in /w/hangs/77.1"),))),
+    ("rank-failed", FAILED, EndDecision(2, NONE, (Line(ERR, RANK3),))),
+    ("rank-failed", dataclasses.replace(FAILED, job=PER_RANK_JOB,
+                                        first_exit=ExitRecord(5, "n1", 137, 0)),
+     EndDecision(137, NONE, (Line(ERR, "clusterkit: rank 0 on n1 failed first (killed by signal 9); "
+                                      "the other ranks were stopped after it. Its output: "
+                                      "/w/logs/ck-j-77-rank0.out"),))),
+    ("step-failed", dataclasses.replace(BASE, status=1),
+     EndDecision(1, NONE, (Line(ERR, "clusterkit: the launch step failed (exit 1) before any rank "
+                                     "ended on its own; see /w/logs/slurm-77.err"),))),
+    ("stop-unsaved", dataclasses.replace(STOP, saved=None),
+     EndDecision(0, NONE, (Line(BOTH, "clusterkit: stop requested, but nothing was saved in /c/j "
+                                      "since: not requeueing job 77 (a script saves on SIGUSR1 or "
+                                      "when $CLUSTERKIT_STOP_FILE appears: docs/sbatch.md, "
+                                      "Preemption)"),))),
+    # the failure's line first, then the stop row with the rank's status
+    ("stop-failed", dataclasses.replace(FAILED, stop_at=950, saved="/c/j/step4/done"),
+     EndDecision(2, NONE, (Line(ERR, RANK3),
+                           Line(BOTH, "clusterkit: stop requested and /c/j/step4/done written "
+                                      "since, but the step failed (exit 2): not requeueing job 77")))),
+    ("stop-late", dataclasses.replace(STOP, now=1041),
+     EndDecision(0, NONE, (Line(BOTH, "clusterkit: stop requested, but the ranks ran on for 91 s "
+                                      "(more than the signal lead, 90 s): they did not stop for "
+                                      "it; not requeueing job 77"),))),
+    ("stop-requeue", dataclasses.replace(STOP, now=1040), EndDecision(0, ANY, (Line(OUT, SAVED),))),
+    ("requeue-plain", STOP, EndDecision(0, ANY, (Line(OUT, SAVED),))),
+    ("requeue-pinned", dataclasses.replace(STOP, job=PINNED_JOB),
+     EndDecision(0, PINNED, (Line(OUT, SAVED),))),
+    ("requeue-pinned", dataclasses.replace(HANG, job=PINNED_JOB),
+     EndDecision(124, PINNED, (Line(BOTH, HUNG_AGAIN.replace("restart 2", "restart 1")),),
+                 count_hang=True)),
+    ("requeue-any", dataclasses.replace(STOP, job=REPLICA_JOB),
+     EndDecision(0, ANY, (Line(OUT, SAVED), Line(OUT, ANY_NODES)))),
+    ("requeue-any", dataclasses.replace(HANG, job=REPLICA_JOB),
+     EndDecision(124, ANY, (Line(BOTH, HUNG_AGAIN.replace("restart 2", "restart 1")),
+                            Line(OUT, ANY_NODES)), count_hang=True)),
+]
+
+
+@pytest.mark.parametrize(("row", "facts", "want"), TABLE, ids=[f"{r[0]}-{i}" for i, r in enumerate(TABLE)])
+def test_row(row: str, facts: EndFacts, want: EndDecision) -> None:
+    assert decide(facts) == want
+
+
+def test_every_row_of_the_doc_table_has_a_test_row() -> None:
+    text = (REPO / "docs" / "sbatch.md").read_text()
+    header = "| row | when | exit status | requeue | the lines |"
+    assert header in text, "docs/sbatch.md lost its table of the batch job's end"
+    table = text.split(header, 1)[1].split("\n\n", 1)[0]
+    doc = [ln.split("|")[1].strip().strip("`") for ln in table.strip().splitlines()[1:]]
+    assert len(doc) == len(set(doc))
+    assert sorted(set(doc) ^ {r[0] for r in TABLE}) == []
+    module_rows = set(re.findall(r"^``([a-z-]+)``", slurmend.__doc__ or "", re.M))
+    assert module_rows == set(doc)  # the module docstring is the same table
+    assert {want.requeue for *_, want in TABLE} == {NONE, ANY, PINNED}
+
+
+def _job_dir(tmp_path: Path, **conf: object) -> dict[str, object]:
+    job = tmp_path / "job"
+    (job / "exits").mkdir(parents=True)
+    (tmp_path / "ckpt").mkdir()
+    base: dict[str, object] = {
+        "max_restarts": 1, "signal_lead": 90, "replicas": 0, "node_local": True,
+        "log_dir": str(job / "logs"), "job_name": "ck-j", "per_rank_files": False,
+        "stop_var": "CLUSTERKIT_STOP_FILE", "ckpt_var": "CLUSTERKIT_CKPT_DIR",
+        "stop_file": str(job / "stop"), "exits_dir": str(job / "exits"),
+        "hang_file": str(job / "hang"), "count_file": str(job / "hang_restarts")}
+    return {**base, **conf}
+
+
+def _run(conf: dict[str, object], tmp_path: Path, *args: str) -> tuple[int, str, str, str]:
+    out, err, answer = io.StringIO(), io.StringIO(), io.StringIO()
+    env = {"SLURM_JOB_ID": "77", "CLUSTERKIT_CKPT_DIR": str(tmp_path / "ckpt")}
+    rc = slurmend.run([json.dumps(conf), *args], env, out, err, answer)
+    return rc, out.getvalue(), err.getvalue(), answer.getvalue()
+
+
+def test_run_gathers_the_facts_from_the_job_dir(tmp_path: Path) -> None:
+    conf = _job_dir(tmp_path)
+    exits = tmp_path / "job/exits"
+    (exits / "rank0").write_text("200 n1 143\n")
+    (exits / "rank3").write_text("100 n2 2\n")
+    (exits / "rank5").write_text("garbled\n")  # skipped, not a crash
+    rc, out, err, answer = _run(conf, tmp_path, "143", "", "")
+    assert (rc, out, answer) == (0, "", "2 none\n")
+    assert "rank 3 on n2 failed first (exit code 2)" in err
+    # the watchdog's reason: one requeue (counted in the file), then no more
+    (tmp_path / "job/hang").write_text("no progress for 31 s\n")
+    rc, out, err, answer = _run(conf, tmp_path, "143", "", "/h")
+    assert answer == "124 pinned\n" and "restart 1 of --max-restarts 1" in out and out == err
+    assert (tmp_path / "job/hang_restarts").read_text() == "1\n"
+    rc, out, err, answer = _run(conf, tmp_path, "143", "", "/h")
+    assert answer == "124 none\n" and "used: 1); stacks in /h" in err
+    assert (tmp_path / "job/hang_restarts").read_text() == "1\n"
+    # no watchdog for this job: its hang file is not read
+    rc, out, err, answer = _run({**conf, "hang_file": ""}, tmp_path, "0", "", "")
+    assert (answer, out, err) == ("0 none\n", "", "")
+
+
+def test_run_requeues_for_a_file_saved_after_the_stop_file(tmp_path: Path) -> None:
+    import time
+
+    conf = _job_dir(tmp_path)
+    stop = tmp_path / "job/stop"
+    old = tmp_path / "ckpt/step2/done"
+    old.parent.mkdir()
+    old.write_text("x")
+    stop.write_text("2026-01-01T00:00:00Z\n")
+    os.utime(old, ns=(stop.stat().st_mtime_ns - 10**9,) * 2)
+    now = str(int(time.time()))
+    _, out, err, answer = _run(conf, tmp_path, "0", now, "")
+    assert answer == "0 none\n" and f"nothing was saved in {tmp_path / 'ckpt'} since" in out
+    new = tmp_path / "ckpt/step4/done"
+    new.parent.mkdir()
+    new.write_text("x")
+    os.utime(new, ns=(stop.stat().st_mtime_ns + 10**6,) * 2)
+    _, out, err, answer = _run(conf, tmp_path, "0", now, "")
+    assert answer == "0 pinned\n" and f"saved after the stop request ({new})" in out and err == ""
+    _, out, err, answer = _run(conf, tmp_path, "0", str(int(time.time()) - 91), "")
+    assert answer == "0 none\n" and "ran on for" in err
+    stop.unlink()  # the stop file could not be written: nothing counts as saved since
+    _, out, _, answer = _run(conf, tmp_path, "0", now, "")
+    assert answer == "0 none\n" and "nothing was saved" in out
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_the_shipped_program_answers_on_fd_3(python: str, tmp_path: Path) -> None:
+    """As the script runs it: bootstrap + sources on stdin, the lines on stdout/stderr,
+    the answer alone on file descriptor 3 (on the oldest Python found here too)."""
+    conf = json.dumps(_job_dir(tmp_path))
+    cmd = ship.node_command(python, "slurmend", [conf, "1", "", ""])
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "77"}
+    answer = tmp_path / "answer"
+    proc = subprocess.run(["bash", "-c", 'exec "$@" 3>"$0"', str(answer), *cmd.argv],
+                          input=cmd.stdin, capture_output=True, env=env, timeout=60,
+                          cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert answer.read_text() == "1 none\n" and proc.stdout == b""
+    assert b"the launch step failed (exit 1)" in proc.stderr
+    bad = subprocess.run(cmd.argv[:-4], input=cmd.stdin, capture_output=True, timeout=60,
+                         cwd=tmp_path, check=False)
+    assert bad.returncode == 2 and b"usage: slurmend" in bad.stderr
+
+
+def test_the_template_only_performs_the_answer() -> None:
+    """Acceptance of issue 36 item 2: after the launch step, sbatch.sh.j2 holds no
+    decision of the table (no restart count, stop check, signal lead, status wording)."""
+    text = (REPO / "templates" / "sbatch.sh.j2").read_text()
+    end = text.split("{{ launch_line }} &", 1)[1]
+    code = "\n".join(ln for ln in end.splitlines() if not ln.lstrip().startswith("#"))
+    for decision in ("max_restarts", "signal_lead", "hang_restarts", "-newer", "failed first",
+                     "-lt", "-gt", "stop_at=", "status=$rc", "requeue()", "{% if variant",
+                     "{% elif node_local", "$hang_file"):
+        assert decision not in code, decision
+    assert code.count("scontrol requeue \"") == 1 and code.count("scontrol requeuehold") == 1
