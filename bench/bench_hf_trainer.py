@@ -5,6 +5,7 @@ started by DeepSpeed's runner with a hostfile (issue 38).
     python -m bench.bench_hf_trainer --nodes 3 --rounds 4 --steps 60
     python -m bench.bench_hf_trainer --prefix tb1      # an existing test bed (kept)
     python -m bench.bench_hf_trainer --launch-arg=--set-env --launch-arg=CLUSTERKIT_ZYGOTE=0
+    python -m bench.bench_hf_trainer --sides clusterkit,clusterkit-exec,runner --rounds 6
 
 The program is tests/programs/hf_trainer.py (run_clm.py-style: ``HfArgumentParser``,
 ``TrainingArguments``, ``Trainer``; a GPT-2 built from a config, data made locally) with
@@ -15,6 +16,9 @@ machine's load hits both alike:
 
 * **clusterkit**: ``clusterkit launch -i INV --nodes N --storage shared`` (the default
   launcher: the node agents start the ranks), run here;
+* **clusterkit-exec** (only with ``--sides``): the same launch with the fork server off
+  (``--set-env CLUSTERKIT_ZYGOTE=0``: each rank its own ``python``), to tell the fork
+  server's share of a difference from the rest of the launch in the same run;
 * **runner** (the baseline): what a user types on the first node without clusterkit,
   ``deepspeed --hostfile HOSTFILE --master_addr ADDR --master_port PORT PROGRAM ARGS``
   (DeepSpeed's runner, pdsh to every node, ``deepspeed.launcher.launch`` there), run on
@@ -74,11 +78,19 @@ def step_s(text: str, side: str) -> float:
     return statistics.median(times)
 
 
-def run_clusterkit(work: Path, inv: Path, job: str, ns: argparse.Namespace, ds: Path
-                   ) -> str:
+# The clusterkit sides: the launch arguments each adds to --launch-arg's.
+CLUSTERKIT_SIDES: dict[str, tuple[str, ...]] = {
+    "clusterkit": (),
+    "clusterkit-exec": ("--set-env", "CLUSTERKIT_ZYGOTE=0"),
+}
+SIDES = (*CLUSTERKIT_SIDES, "runner")
+
+
+def run_clusterkit(work: Path, inv: Path, job: str, ns: argparse.Namespace, ds: Path,
+                   extra: tuple[str, ...] = ()) -> str:
     argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
             "--nodes", str(ns.nodes), "--storage", "shared", "--skip-checks", "--grace", "2",
-            "--set-env", "OMP_NUM_THREADS=1", *ns.launch_arg, str(HF_TRAINER),
+            "--set-env", "OMP_NUM_THREADS=1", *ns.launch_arg, *extra, str(HF_TRAINER),
             *program_args(ns, work / f"out-{job}", ds)]
     env = dict(os.environ, CLUSTERKIT_HOME=str(work / "home"), PYTHONUNBUFFERED="1")
     res = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True,
@@ -118,8 +130,8 @@ def one(side: str, tb: Testbed, work: Path, inv: Path, nodes: list[str], r: int,
         ns: argparse.Namespace, ds: Path) -> dict[str, Any]:
     job = f"hfb-{os.getpid()}-{r}-{side}"
     load, t0 = os.getloadavg()[0], time.monotonic()
-    if side == "clusterkit":
-        text = run_clusterkit(work, inv, job, ns, ds)
+    if side in CLUSTERKIT_SIDES:
+        text = run_clusterkit(work, inv, job, ns, ds, CLUSTERKIT_SIDES[side])
     else:
         text = run_runner(tb, work, nodes, job, 29500 + r, ns, ds)
     shutil.rmtree(work / f"out-{job}", ignore_errors=True)
@@ -140,7 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="one more argument for clusterkit launch (repeat), e.g. "
                         "--launch-arg=--set-env --launch-arg=CLUSTERKIT_ZYGOTE=0 to compare "
                         "without the fork server")
+    p.add_argument("--sides", default="clusterkit,runner",
+                   help=f"comma-separated, taken in turn (each round starts one later): {', '.join(SIDES)}")
     ns = p.parse_args(argv)
+    sides = [x.strip() for x in ns.sides.split(",") if x.strip()]
+    if "runner" not in sides or not set(sides) <= set(SIDES) or len(set(sides)) != len(sides):
+        p.error(f"--sides: each at most once, the runner among them, of: {', '.join(SIDES)}")
     tb = Testbed.load(ns.prefix) if ns.prefix else Testbed.create()
     # On the test bed's shared disk: the runner's working directory must exist on every
     # node (it cds there), as the user's would on a shared filesystem.
@@ -153,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         ds = work / "ds_config.json"
         ds.write_text(json.dumps(HF_DS_AUTO, indent=2))
         for r in range(ns.rounds):
-            for side in (("clusterkit", "runner") if r % 2 == 0 else ("runner", "clusterkit")):
+            for side in sides[r % len(sides):] + sides[:r % len(sides)]:
                 run = one(side, tb, work, inv, nodes, r, ns, ds)
                 runs.append(run)
                 print(f"round {r} {side}: step {run['step_s'] * 1000:.1f} ms "
@@ -162,18 +179,22 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         if not ns.prefix:
             tb.down()
-    means = {s: statistics.mean(x["step_s"] for x in runs if x["side"] == s)
-             for s in ("clusterkit", "runner")}
-    loads = {s: statistics.mean(x["load"] for x in runs if x["side"] == s)
-             for s in ("clusterkit", "runner")}
-    medians = {s: statistics.median(x["step_s"] for x in runs if x["side"] == s)
-               for s in ("clusterkit", "runner")}
-    print(f"clusterkit {means['clusterkit'] * 1000:.1f} ms/step (load {loads['clusterkit']:.1f}), "
-          f"runner {means['runner'] * 1000:.1f} ms/step (load {loads['runner']:.1f}): "
-          f"runner / clusterkit = {means['runner'] / means['clusterkit']:.3f}x "
-          f"(of the rounds' medians {medians['runner'] / medians['clusterkit']:.3f}x) "
-          f"over {ns.rounds} round(s), {ns.nodes} nodes x 1 rank, {ns.steps} steps")
+    print(summary(runs, sides, ns))
     return 0
+
+
+def summary(runs: list[dict[str, Any]], sides: list[str], ns: argparse.Namespace) -> str:
+    """Each side's mean step time and load, and runner / side for every clusterkit side."""
+    def of(side: str, key: str, how: Any = statistics.mean) -> float:
+        return float(how(x[key] for x in runs if x["side"] == side))
+
+    parts = [f"{s} {of(s, 'step_s') * 1000:.1f} ms/step (load {of(s, 'load'):.1f})" for s in sides]
+    med = statistics.median
+    ratios = [f"runner / {s} = {of('runner', 'step_s') / of(s, 'step_s'):.3f}x (of the rounds' "
+              f"medians {of('runner', 'step_s', med) / of(s, 'step_s', med):.3f}x)"
+              for s in sides if s != "runner"]
+    return (", ".join(parts) + ": " + "; ".join(ratios)
+            + f" over {ns.rounds} round(s), {ns.nodes} nodes x 1 rank, {ns.steps} steps")
 
 
 if __name__ == "__main__":
