@@ -26,7 +26,7 @@ node every 5 steps. Each run prints the ranks' mean and median step time (saves 
 out) with the load, the copies the agents made and their mean seconds (from the nodes'
 launcher.log); the end prints the mean and median ratio on/off and the priority line.
 ``--copy-cpu MB``: one push of MB over loopback, a
-:class:`~clusterkit.node.replica.ReplicaServer` in a child process: the CPU seconds per
+:class:`~clusterkit.node.replicas.wire.ReplicaServer` in a child process: the CPU seconds per
 GiB of each end, against one sha256 pass over the same bytes (the floor of each end).
 """
 
@@ -78,7 +78,7 @@ def user_script_steps(text: str) -> list[float]:
 _SERVER = """
 import json, resource, sys
 sys.path.insert(0, {repo!r})
-from clusterkit.node.replica import ReplicaServer
+from clusterkit.node.replicas.wire import ReplicaServer
 secret = sys.stdin.readline().strip()
 srv = ReplicaServer("bench-copy-cpu", 1, "n1", {dest!r}, secret, address="127.0.0.1",
                     sources=[0])
@@ -93,7 +93,7 @@ print(json.dumps({{"cpu": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime}
 
 def copy_cpu(mb: int) -> int:
     """One push of ``mb`` MB (4 files) on loopback: CPU seconds per GiB at each end."""
-    from clusterkit.node.replica import push
+    from clusterkit.node.replicas.wire import push
 
     work = Path(tempfile.mkdtemp(prefix="bench-copy-cpu-"))
     try:
@@ -153,10 +153,10 @@ _PINNED_SERVER = """
 import os, sys
 sys.path.insert(0, {repo!r})
 os.sched_setaffinity(0, {{{cpu}}})
-from clusterkit.node import priority
-from clusterkit.node.replica import ReplicaServer
+from clusterkit.node.replicas import priority
+from clusterkit.node.replicas.wire import ReplicaServer
 if {lower!r}:
-    priority.lower_this_session()  # as node/replica_proc.py's copy process does
+    priority.lower_this_session()  # as node/replicas/proc.py's copy process does
 else:
     priority.lower_this_thread = lambda path="": "off"
 srv = ReplicaServer({job!r}, 1, "n1", {dest!r}, sys.stdin.readline().strip(),
@@ -170,8 +170,8 @@ _PINNED_SENDER = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
 os.sched_setaffinity(0, {{{cpu}}})
-from clusterkit.node import priority
-from clusterkit.node.replica import low_priority, push
+from clusterkit.node.replicas import priority
+from clusterkit.node.replicas.wire import low_priority, push
 if {lower!r}:
     priority.lower_this_session()
 else:
@@ -199,7 +199,7 @@ def beside_rank(mb: int, rounds: int) -> int:
     """A busy "rank" (a session of its own) and one push of ``mb`` MB, sender and server
     each a process in a session of its own as the agent's copy process is, all pinned to
     one CPU: the rank's work rate while the copy runs over its rate alone, with the copy
-    at the priority node/priority.py gives it (autogroup nice 19, SCHED_IDLE, idle I/O)
+    at the priority node/replicas/priority.py gives it (autogroup nice 19, SCHED_IDLE, idle I/O)
     and without (interleaved rounds)."""
     cpu = max(os.sched_getaffinity(0))
     work = Path(tempfile.mkdtemp(prefix="bench-beside-rank-"))

@@ -9,7 +9,7 @@ ZeRO-2 shaped checkpoint into ``$CLUSTERKIT_CKPT_DIR/step<N>/``: its
 0, a small ``mp_rank_00_model_states.pt`` (whole zip archives, as torch.save writes
 them), then ``latest``; only the newest two saves are kept. So a node's agent sees what
 it sees of a user's DeepSpeed script and replicates it by the no-marker rule
-(node/replica_done.py). Each rank prints one line ``CLUSTERKIT_BENCH_STEPS {json}``:
+(node/replicas/done.py). Each rank prints one line ``CLUSTERKIT_BENCH_STEPS {json}``:
 its timed steps (the saves themselves left out, the copies beside the steps not).
 """
 

@@ -55,7 +55,7 @@ build_jit_ops() {
     # load (minutes: ninja, two C++ files), and the test bed's users, whose caches are
     # copies of root's (tests/testbed/users.py), could get a copy built for another
     # interpreter and build again in their ranks.
-    echo '{}' | python3 -c 'import sys; from clusterkit.node.jitops import main; sys.exit(main(["build"]))' \
+    echo '{}' | python3 -c 'import sys; from clusterkit.node.provision.jitops import main; sys.exit(main(["build"]))' \
         >/dev/null 2>&1 || echo "test.sh: building DeepSpeed's ops failed; the tests that need them will say why" >&2
 }
 

@@ -600,7 +600,7 @@ def node_local_saves(tb: Testbed, nodes: Sequence[str], local: str, job: str) ->
 
 def stop_ranks(pids: Sequence[int], timeout: float = 10.0) -> None:
     """SIGSTOP every pid and wait until each is stopped ('T'); fails if one is gone."""
-    from clusterkit.node.agent_hangs import proc_state
+    from clusterkit.node.agent.hangs import proc_state
 
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)

@@ -1,4 +1,4 @@
-"""One node's checkpoint root as the node program :mod:`clusterkit.node.listing` reports
+"""One node's checkpoint root as the node program :mod:`clusterkit.node.ckpt.listing` reports
 it: the command that asks for it and the parse of its JSON into a :class:`NodeListing`.
 :mod:`clusterkit.checkpoints.collect.discover` verifies the listings of every node."""
 
@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from clusterkit.node.listing import LISTING_VERSION
+from clusterkit.node.ckpt.listing import LISTING_VERSION
 from clusterkit.node.protocol import answer_of
-from clusterkit.node.ship import NodeCommand, node_command
+from clusterkit.ship import NodeCommand, node_command
 
 
 @dataclass(frozen=True)
@@ -105,5 +105,5 @@ def _replicas(raw: Mapping[str, Any]) -> dict[int, NodeReplicas]:
 
 
 def listing_command(python: str, root: str, tag: str | None) -> NodeCommand:
-    """The node program :mod:`clusterkit.node.listing` for one node's root."""
-    return node_command(python, "listing", [root, tag or ""])
+    """The node program :mod:`clusterkit.node.ckpt.listing` for one node's root."""
+    return node_command(python, "ckpt.listing", [root, tag or ""])

@@ -1,6 +1,6 @@
 """``clusterkit doctor --bandwidth``: a short all_reduce plus pairwise tests, one rank per node.
 
-The node side is :mod:`clusterkit.node.bw_worker` (shipped on stdin, needs only
+The node side is :mod:`clusterkit.node.facts.bw_worker` (shipped on stdin, needs only
 torch on the node). NCCL when every node has GPUs, gloo otherwise. Numbers use
 the nccl-tests definitions (GB = 1e9 bytes):
 
@@ -26,9 +26,9 @@ from clusterkit.checks.findings import Finding, Status
 from clusterkit.checks.fixenv import recommended_env
 from clusterkit.checks.invoke import ProbeOutputError, parse_probe_stdout
 from clusterkit.errors import TransportError
-from clusterkit.node.ship import bundle, node_command
 from clusterkit.remote.base import CommandResult, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
+from clusterkit.ship import bundle, node_command
 
 DEFAULT_BYTES = 4 << 20  # 4 MiB: long enough to see bandwidth, short enough for a pre-flight
 DEFAULT_ITERS = 5
@@ -38,8 +38,8 @@ GB = 1e9
 
 
 def worker_source() -> bytes:
-    """What the worker's argv expects on stdin (see :mod:`clusterkit.node.ship`)."""
-    return bundle("bw_worker")
+    """What the worker's argv expects on stdin (see :mod:`clusterkit.ship`)."""
+    return bundle("facts.bw_worker")
 
 
 def busbw_allreduce(algbw: float, n: int) -> float:
@@ -165,7 +165,7 @@ def run_bandwidth(report: DoctorReport, transport: Transport, *, nbytes: int = D
 
     def work(target: SSHTarget) -> CommandResult:
         node = by_name[target.name]
-        return transport.run(target, node_command(node.python, "bw_worker", argv).argv,
+        return transport.run(target, node_command(node.python, "facts.bw_worker", argv).argv,
                              timeout=timeout,
                              env=envs[node.host], stdin=worker_source())
 

@@ -1,8 +1,8 @@
 """Doctor's shared-storage phase (issue 32): two short commands per node, after the probe.
 
 1. every node with a ``checkpoint.local_dir`` writes its token there and lists the tokens
-   of this round it sees (``gatefacts`` with one ``unshared`` need, node/gatefacts.py);
-2. once every node has looked, every node removes its token (``gatefacts --drop``).
+   of this round it sees (``facts.gatefacts`` with one ``unshared`` need, node/facts/gatefacts.py);
+2. once every node has looked, every node removes its token (``facts.gatefacts --drop``).
 
 Two rounds because a node must not remove its token before the others have looked (the
 launch's gate does the same, the agents dropping theirs after GO). The verdict is
@@ -16,10 +16,10 @@ import time
 from collections.abc import Mapping
 
 from clusterkit.checks.facts import NodeFacts
-from clusterkit.node.gatefacts import need_unshared
+from clusterkit.node.facts.gatefacts import need_unshared
 from clusterkit.node.protocol import ProtocolError, answer_of
-from clusterkit.node.ship import node_command
 from clusterkit.remote.base import SSHTarget, Transport
+from clusterkit.ship import node_command
 
 TOKEN_TIMEOUT_S = 20.0
 
@@ -53,7 +53,7 @@ def shared_dir_tokens(nodes: Mapping[str, tuple[SSHTarget, str]], local_dirs: Ma
 def _run(transport: Transport, nodes: Mapping[str, tuple[SSHTarget, str]],
          args: Mapping[str, list[str]]) -> dict[str, str]:
     """Each host's stdout (hosts that failed are left out: no verdict for them)."""
-    cmds = {h: node_command(nodes[h][1], "gatefacts", a) for h, a in args.items()}
+    cmds = {h: node_command(nodes[h][1], "facts.gatefacts", a) for h, a in args.items()}
     targets = [nodes[h][0] for h in cmds]
     results = transport.run_all(targets, {h: c.argv for h, c in cmds.items()},
                                 timeout=TOKEN_TIMEOUT_S, stdin=next(iter(cmds.values())).stdin)

@@ -79,9 +79,9 @@ class NodeFacts:
     # source digest: the same digest as the launcher's means the same code.
     clusterkit_version: str | None = None
     clusterkit_digest: str | None = None
-    # `clusterkit nodes env`'s record of this interpreter's environment (node/envfacts.py
+    # `clusterkit nodes env`'s record of this interpreter's environment (node/facts/envfacts.py
     # env_state: prefix, digest, stale, groups, changed) and DeepSpeed's JIT build locks
-    # (node/jitops.py locks: path, age_s, holders).
+    # (node/provision/jitops.py locks: path, age_s, holders).
     env_state: Mapping[str, Any] = field(default_factory=dict)
     jit_locks: tuple[Mapping[str, Any], ...] = ()
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from clusterkit.checks.facts import NodeFacts
 from clusterkit.checks.rules_names import VIRTUAL_IFACE_PREFIXES
-from clusterkit.node.parity import majority
+from clusterkit.node.facts.parity import majority
 from clusterkit.plan.ifaces import cluster_env
 
 if TYPE_CHECKING:

@@ -1,8 +1,8 @@
 """How the doctor runs the probe on a node: argv, stdin and reading the answer back.
 
 Contract (see docs/doctor.md): the transport runs ``argv`` on the node with
-``stdin=probe_source()`` — the node program :mod:`clusterkit.node.probe`, shipped
-by :mod:`clusterkit.node.ship` like every node program; the probe prints JSON
+``stdin=probe_source()`` — the node program :mod:`clusterkit.node.facts.probe`, shipped
+by :mod:`clusterkit.ship` like every node program; the probe prints JSON
 lines and exits 0; the LAST line is the result. Everything here is pure (the
 source is read once from the installed package, never from the cwd).
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from clusterkit.node.protocol import ProtocolError, answer_of
-from clusterkit.node.ship import bundle, node_command
+from clusterkit.ship import bundle, node_command
 
 FACTS_TIMEOUT_S = 45.0  # probe's own worst case: 15 s commands + 5 s resolution + slack
 
@@ -24,11 +24,11 @@ class ProbeOutputError(ValueError):
 
 def probe_source() -> bytes:
     """What the probe's argv expects on stdin (the bootstrap's bundle)."""
-    return bundle("probe")
+    return bundle("facts.probe")
 
 
 def _probe(python: str, args: list[str]) -> list[str]:
-    return node_command(python, "probe", args).argv
+    return node_command(python, "facts.probe", args).argv
 
 
 def facts_argv(python: str, *, workdir: str | None = None,

@@ -5,7 +5,7 @@ maps inventory host name -> :class:`NodeFacts` (in inventory order) and ``ctx``
 is the :class:`DoctorContext` (what the inventory and the launching machine
 say). Rules report one finding per host (and subject) so the report can fold
 identical results into host ranges; parity rules name the majority value and
-the hosts that hold it (node/parity.py's rule, the launch gate's too). Nodes whose
+the hosts that hold it (node/facts/parity.py's rule, the launch gate's too). Nodes whose
 probe failed are skipped by every rule but ``rules_ssh.check_probe``, which reports
 them once. Pure: no I/O, no clock, no environment.
 """
@@ -22,8 +22,8 @@ from clusterkit.checks.facts import NodeFacts
 from clusterkit.checks.findings import Finding, Status
 from clusterkit.hostrange import fold
 from clusterkit.launchers.base import DoctorMode
-from clusterkit.node.parity import holders as holders_of
-from clusterkit.node.parity import majority
+from clusterkit.node.facts.parity import holders as holders_of
+from clusterkit.node.facts.parity import majority
 
 GiB = 1024**3
 
@@ -82,7 +82,7 @@ def parity(check: str, label: str, values: Mapping[str, T], ctx: DoctorContext,
     """One finding per host: PASS for the majority value, ``bad`` for the odd ones."""
     if not values:
         return []
-    common = majority(values, ctx.hosts)  # the gate's rule too (node/parity.py)
+    common = majority(values, ctx.hosts)  # the gate's rule too (node/facts/parity.py)
     holders = fold(holders_of(values, common, ctx.hosts))
     out = []
     for host, value in values.items():

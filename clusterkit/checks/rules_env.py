@@ -2,7 +2,7 @@
 
 :func:`env_parity` compares each node's record of its environment with the launcher's
 own record of the same path (so it reads a file here: doctor.py calls it beside
-``clusterkit_parity``); the verdict is node/envfacts.py's ``env_problems``, the one
+``clusterkit_parity``); the verdict is node/facts/envfacts.py's ``env_problems``, the one
 the launch gate gives. :func:`check_jit_locks` is a pure rule (``ALL_RULES``).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 from clusterkit.checks.facts import NodeFacts
 from clusterkit.checks.findings import Finding, Status
 from clusterkit.checks.rules_base import DoctorContext, ok_nodes
-from clusterkit.node.envfacts import ENV_FIX, env_problems, env_state
+from clusterkit.node.facts.envfacts import ENV_FIX, env_problems, env_state
 
 SHOWN = 6  # differing packages/files named per node
 
@@ -65,7 +65,7 @@ def env_parity(facts: Mapping[str, NodeFacts],
 def check_jit_locks(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> list[Finding]:
     """A JIT build's ``lock`` that no build holds: every DeepSpeed start on the node that
     needs this op waits in FileBaton.wait forever. Each lock's state is the node's own
-    judgement (node/jitops.locks, node/buildowner.judge): ``held`` by a process there,
+    judgement (node/provision/jitops.locks, node/provision/buildowner.judge): ``held`` by a process there,
     ``building`` on the node its owner record names (a node sharing the directory), ``dead``
     (the record proves its builder gone), ``unknown`` (no holder, no record)."""
     out = []

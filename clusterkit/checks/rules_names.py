@@ -15,7 +15,7 @@ from clusterkit.checks.rules_base import (
     short_name,
 )
 from clusterkit.hostrange import fold
-from clusterkit.node.parity import majority
+from clusterkit.node.facts.parity import majority
 
 # Interfaces that never carry inter-node traffic.
 VIRTUAL_IFACE_PREFIXES = ("lo", "docker", "virbr", "veth", "br-", "cni", "flannel", "tun", "tap")

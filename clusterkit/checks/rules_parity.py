@@ -1,6 +1,6 @@
 """Doctor rules: environment parity (interpreter, versions, pip freeze) and the workdir.
 
-The package table and the parity rule are node/parity.py's, which the launch gate
+The package table and the parity rule are node/facts/parity.py's, which the launch gate
 uses too: the same facts get the same verdict from both."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from clusterkit.checks.rules_base import (
 )
 from clusterkit.hostrange import fold
 from clusterkit.launchers.base import DoctorMode
-from clusterkit.node.parity import MUST, PACKAGES, SHOULD, majority
+from clusterkit.node.facts.parity import MUST, PACKAGES, SHOULD, majority
 
 # Doctor modes whose launcher runs its own sys.executable on every node: DeepSpeed's
 # runner from the launching machine or from node 0 (DoctorMode.same_python).
@@ -46,7 +46,7 @@ def check_interpreter(facts: Mapping[str, NodeFacts], ctx: DoctorContext) -> lis
 
 
 # The packages compared across nodes and what a mismatch is: the one table
-# (node/parity.py), whose MUST packages the launch gate refuses on.
+# (node/facts/parity.py), whose MUST packages the launch gate refuses on.
 _VERSION_CHECKS: tuple[tuple[str, Status], ...] = tuple(
     (pkg, Status.FAIL if kind == MUST else Status.WARN)
     for pkg, kind in PACKAGES.items() if kind in (MUST, SHOULD))

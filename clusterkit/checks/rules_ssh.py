@@ -30,7 +30,7 @@ _PROBE_FIXES = {
                        "`ssh <host> true` and run the probe by hand",
     "interpreter": "the inventory's python does not exist on this node: install it at that path "
                    "or set `python:` for this host",
-    "probe": "copy clusterkit/node/probe.py to the node and run `<python> probe.py facts` there "
+    "probe": "copy clusterkit/node/facts/probe.py to the node and run `<python> probe.py facts` there "
              "to see the error",
 }
 

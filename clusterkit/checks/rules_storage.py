@@ -2,8 +2,8 @@
 for several nodes (a home directory on NFS is the common case).
 
 The facts come from :mod:`clusterkit.checks.doctor_storage` (each node writes a token into
-its ``checkpoint.local_dir`` and lists the others', node/gatefacts.py); the verdict on
-them is the launch gate's (``node/gatefacts.shared_verdict``), so doctor and the gate name the
+its ``checkpoint.local_dir`` and lists the others', node/facts/gatefacts.py); the verdict on
+them is the launch gate's (``node/facts/gatefacts.shared_verdict``), so doctor and the gate name the
 same nodes with the same line. WARN in general (a job with ``--storage shared`` is fine);
 FAIL with ``doctor --storage node-local``, as the gate refuses such a launch. Pure.
 """
@@ -16,7 +16,7 @@ from clusterkit.checks.findings import Finding, Status
 from clusterkit.checks.rules_base import DoctorContext
 from clusterkit.hostrange import fold
 from clusterkit.node.contract import StorageKind
-from clusterkit.node.gatefacts import SHARED_FIX, shared_line, shared_verdict
+from clusterkit.node.facts.gatefacts import SHARED_FIX, shared_line, shared_verdict
 
 CHECK = "storage.node-local"
 

@@ -2,7 +2,7 @@
 DIR`` put there, byte for byte, and the same version as this machine?
 
 ``doctor --sync DIR``: each node's ``DIR`` is checked against the manifest the sync wrote
-there (node/sync_store.check: files whose size or mtime moved are hashed again; a file
+there (node/sync/store.check: files whose size or mtime moved are hashed again; a file
 that differs is named), and the manifest's digest against the digest of DIR here
 (:func:`add_sync_parity`); and whether each hop of the sync chain can connect on its
 port (this machine to the first node, each node to the next). The rules
@@ -30,7 +30,7 @@ SHOWN = 3  # files named per node
 
 def check_sync(states: Mapping[str, Mapping[str, Any]], label: str, digest: str,
                hosts: Sequence[str]) -> list[Finding]:
-    """``states``: host -> node/sync_store.check's answer; ``digest``: DIR's here."""
+    """``states``: host -> node/sync/store.check's answer; ``digest``: DIR's here."""
     fix = f"clusterkit sync {label} (sends only what differs)"
     out = []
     for host in (h for h in hosts if h in states):

@@ -30,7 +30,7 @@ from typing import Any
 
 from clusterkit.cli.argparser import nonempty
 from clusterkit.errors import ClusterkitError, UsageError
-from clusterkit.node.sync_wire import PORT_TRIES
+from clusterkit.node.sync.wire import PORT_TRIES
 
 OWN_FLAGS = "_own_flags"  # namespace attribute set by install(): ((flag, dest), ...)
 # Namespace attribute a verb sets: first program words that are its own actions, whose
@@ -83,7 +83,7 @@ RULES: tuple[Rule, ...] = (
     # doctor's --master-port: 0 skips the port test (docs/doctor.md)
     Rule("master_port", "--master-port", lambda v: isinstance(v, int) and 0 <= v <= 65535,
          "a TCP port 1-65535 (0: skip the test)"),
-    # sync's --port: the first of the PORT_TRIES ports a node tries (node/sync_wire.py)
+    # sync's --port: the first of the PORT_TRIES ports a node tries (node/sync/wire.py)
     Rule("port", "--port", lambda v: isinstance(v, int) and 1 <= v <= 65536 - PORT_TRIES,
          f"a TCP port 1-{65536 - PORT_TRIES} (the first of {PORT_TRIES} tried)"),
     Rule("op", "--op", lambda v: isinstance(v, list) and all(v),

@@ -4,7 +4,7 @@
 index, ranks and slots on node8 (``hostfile.apply_replace``), and before any agent
 starts, node6's part of the newest checkpoint the job can resume from is restored
 onto node8 from a replica: pulled from its holder into a staging dir on this machine
-(the collect machinery: one ``ckstream`` session, sha256 computed on the holder as it
+(the collect machinery: one ``ckpt.stream`` session, sha256 computed on the holder as it
 reads and here as it arrives, both equal to the replica manifest's, which is the
 source's own), then pushed to node8's checkpoint dir and hashed there again; the
 completion marker goes last. The rank->node mapping is node6's with one name
@@ -156,7 +156,7 @@ def newer_tags(listings: Sequence[NodeListing], a: Assembly, markers: bool) -> l
 def aside(plan: JobPlan, newer: Sequence[str], say: Say) -> JobPlan:
     """A program that picks the newest checkpoint on disk by itself must not find one it
     cannot load: the newer tags are moved aside on every node (renamed, kept) before
-    its ranks start (node/agent_files.ready_checkpoints). ``plan`` itself when not."""
+    its ranks start (node/agent/files.ready_checkpoints). ``plan`` itself when not."""
     choice = plan.profile
     if not newer or plan.options.uses_workload or choice is None \
             or not choice.profile.picks_newest:

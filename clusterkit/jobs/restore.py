@@ -3,7 +3,7 @@
 A continued node-local job whose node was lost (``--replace node6=node8``) or came back
 with an empty disk gets that node index's part from a replica (docs/lost-a-node.md):
 pulled from its holder into a staging dir on this machine through the collect data path
-(one ``ckstream`` session, sha256 computed on the holder as it reads and here as it
+(one ``ckpt.stream`` session, sha256 computed on the holder as it reads and here as it
 arrives, both equal to the replica manifest's, which is the source's own), then pushed
 to the node's checkpoint dir and hashed there again; the completion marker and
 ``latest`` go last, so a node that did not get everything never looks complete. A tag

@@ -2,10 +2,10 @@
 
 Run by the batch script on the batch host (``python -m clusterkit.jobs.slurm_reshard
 RUN_DIR DS_CONFIG NEW_WORLD MARKERS``; docs/sbatch.md, "Another number of nodes") after
-``slurmreplica gather`` put every part of the plan's tag into ``RUN_DIR/gather``: it
+``slurm.replica gather`` put every part of the plan's tag into ``RUN_DIR/gather``: it
 converts it with DeepSpeed's own converter (checkpoints/convert/universal.py, launch's
 reshard path) and writes the converted tag's name to ``RUN_DIR/universal``, which
-``slurmreplica spread`` copies to every node. A user's own script (``MARKERS`` 0, no
+``slurm.replica spread`` copies to every node. A user's own script (``MARKERS`` 0, no
 completion markers) also gets launch's next-attempt settings: ``DS_CONFIG`` rewritten
 with ``checkpoint.load_universal`` and the batch policy (the plain file kept beside it as
 ``DS_CONFIG.plain``, which the script puts back when the run ends), and the tag to load
@@ -25,7 +25,7 @@ from clusterkit.checkpoints.convert.universal import convert_to_universal, user_
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import atomic_write_text
 
-GATHER_DIR = "gather"  # node/slurmreplica.py's names in the run dir
+GATHER_DIR = "gather"  # node/slurm/replica.py's names in the run dir
 UNIVERSAL_FILE = "universal"
 RESUME_TAG_FILE = "resume_tag"
 PLAIN_SUFFIX = ".plain"

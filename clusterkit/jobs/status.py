@@ -1,7 +1,7 @@
 """What ``clusterkit status`` (and ``clusterkit.api.status``) knows about a job.
 
 A job launched from this machine has a record in the registry (``<home>/jobs``); its
-nodes answer ``agent --status`` (node/agent_procs.py ``job_status``) with the job's
+nodes answer ``agent.core --status`` (node/agent/procs.py ``job_status``) with the job's
 processes there, and a node-local job's checkpoints are listed for replica health
 (checkpoints/replicas/health.py), with collect-ckpt's answer for each
 (checkpoints/collect/tags.py). A batch job's nodes are Slurm's: its status is its
@@ -31,12 +31,12 @@ from clusterkit.node.protocol import ProtocolError, answer_of
 from clusterkit.remote.base import Transport
 from clusterkit.remote.dispatch import transport_for
 
-STATUS_TIMEOUT_S = 20.0  # one node's `agent --status` (a process listing and a file read)
+STATUS_TIMEOUT_S = 20.0  # one node's `agent.core --status` (a process listing and a file read)
 
 
 @dataclass(frozen=True)
 class NodeStatus:
-    """One node's answer to ``agent --status``, or why there is none (``error``)."""
+    """One node's answer to ``agent.core --status``, or why there is none (``error``)."""
 
     node: str
     error: str | None = None  # unreachable, or an answer that is not one
@@ -53,7 +53,7 @@ class NodeStatus:
 
     @classmethod
     def from_answer(cls, node: str, answer: Mapping[str, Any]) -> NodeStatus:
-        """From ``agent --status``'s JSON (an older agent's answer lacks some keys)."""
+        """From ``agent.core --status``'s JSON (an older agent's answer lacks some keys)."""
         if "error" in answer:
             return cls(node, error=str(answer["error"]), answer=answer)
         pids = _mapping(answer.get("pids"))

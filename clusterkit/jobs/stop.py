@@ -3,7 +3,7 @@
 
 The job's launcher, while it runs, gets SIGTERM and tears the job down itself (and
 records it); every node's agent is also asked to sweep the job's processes
-(``agent --stop``: SIGTERM, the grace, SIGKILL; its answer is the protocol's
+(``agent.core --stop``: SIGTERM, the grace, SIGKILL; its answer is the protocol's
 ``StopReply``), in case a node is beyond the launcher's reach.
 """
 
@@ -96,7 +96,7 @@ def _sweep(record: JobRecord, grace_s: float) -> list[NodeStop]:
                                     stdin=next(iter(cmds.values())).stdin)
     out: dict[str, NodeStop] = {}
     for r in results:
-        answer = last_json(r)  # `agent --stop`'s reply (node/protocol.py), or an error
+        answer = last_json(r)  # `agent.core --stop`'s reply (node/protocol.py), or an error
         if "error" in answer:
             out[r.host] = NodeStop(r.host, error=str(answer["error"]))
             continue

@@ -43,7 +43,7 @@ def _native_task(plan: LaunchPlan, node: NodePlan, cmd: NodeCommand) -> NodeTask
 
 def replica_spec(plan: LaunchPlan, index: int, secret: str,
                  ending: frozenset[int] | None = None) -> dict[str, Any] | None:
-    """``AgentSpec.replica`` of node ``index`` (node/replica_service.py's REPLICA_KEYS):
+    """``AgentSpec.replica`` of node ``index`` (node/replicas/service.py's REPLICA_KEYS):
     None when the plan has it neither send nor hold copies. ``secret`` is the run's
     (on the agent's stdin only: never argv, env, plan.json or a log). ``ending``: the
     nodes whose agents see their ranks end and so say BYE (None: all); a watch-only
@@ -62,7 +62,7 @@ def replica_spec(plan: LaunchPlan, index: int, secret: str,
 
 def checkpoint_prep(plan: JobPlan, node: NodePlan) -> str:
     """What ``node``'s agent does to its checkpoint dir before the ranks start
-    (node/agent_files.ready_checkpoints): create it; on a restart or relaunch, move the
+    (node/agent/files.ready_checkpoints): create it; on a restart or relaunch, move the
     tags that cannot be assembled aside, point DeepSpeed's ``latest`` at the resume tag
     (a program that picks its tag by ``latest``), and write the ``latest`` that DeepSpeed
     leaves on global rank 0's node only inside each tag dir (HF's checkpoint-N/)."""

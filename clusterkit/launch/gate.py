@@ -7,7 +7,7 @@ and the versions of the packages every rank imports (package metadata only, no
 ``import torch``) — the mismatches behind DeepSpeed#3965 and friends — and what
 the job needs there (``node_needs``: the script, the job and checkpoint dirs
 writable, the master address and port). The facts
-come from the node program :mod:`clusterkit.node.gatefacts` (the same one the
+come from the node program :mod:`clusterkit.node.facts.gatefacts` (the same one the
 agent reports when the gate is folded into it); clusterkit itself need not be
 installed on the nodes, only the bundled workload needs it (``need``).
 """
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import fold, folded_lines
 from clusterkit.node.contract import StorageKind
-from clusterkit.node.envfacts import env_problems
-from clusterkit.node.gatefacts import (
+from clusterkit.node.facts.envfacts import env_problems
+from clusterkit.node.facts.gatefacts import (
     NEED_UNSHARED,
     PACKAGES,
     SHARED_FIX,
@@ -33,17 +33,17 @@ from clusterkit.node.gatefacts import (
     shared_line,
     shared_verdict,
 )
-from clusterkit.node.parity import holders, majority
+from clusterkit.node.facts.parity import holders, majority
 from clusterkit.node.protocol import ProtocolError, answer_of
-from clusterkit.node.ship import node_command
 from clusterkit.provision.jitbuild import OpsNode, ready_ops
 from clusterkit.remote.base import SSHTarget, Transport, target_for
 from clusterkit.remote.dispatch import transport_for
 from clusterkit.render.jobops import job_ops
+from clusterkit.ship import node_command
 from clusterkit.spec.job import JobPlan, NodePlan
 
 GATE_TIMEOUT_S = 20.0
-# The interpreter path, the Python version and the MUST packages of node/parity.py
+# The interpreter path, the Python version and the MUST packages of node/facts/parity.py
 # (what gatefacts reads): doctor FAILs the same versions.
 PARITY_KEYS = ("python", "version", *PACKAGES)
 
@@ -76,7 +76,7 @@ def needed_files(plan: JobPlan, node: NodePlan) -> tuple[str, ...]:
 
 
 def node_needs(plan: JobPlan, node: NodePlan, *, synced: bool = False) -> tuple[str, ...]:
-    """Everything the gate checks on ``node`` before a rank starts (node/gatefacts.py):
+    """Everything the gate checks on ``node`` before a rank starts (node/facts/gatefacts.py):
     the user's script (unless ``synced``: a dry run's ``--sync`` brings it), the job dir,
     the checkpoint dir and the NVMe offload dir (if any) created and written as the
     agent and the ranks will, the master address resolved, and on the master's node its
@@ -144,7 +144,7 @@ def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[
     """Probe every node at once; ``need``: packages that must be installed everywhere;
     ``same_python``: the backend's (``launchers.base.Backend.same_python``);
     ``script_here``: :func:`script_is_here`."""
-    cmds = {n.node: node_command(n.python, "gatefacts", n.needs) for n in nodes}
+    cmds = {n.node: node_command(n.python, "facts.gatefacts", n.needs) for n in nodes}
     results = transport.run_all([n.target for n in nodes], {k: c.argv for k, c in cmds.items()},
                                 timeout=GATE_TIMEOUT_S,
                                 stdin=next(iter(cmds.values())).stdin if cmds else None)
@@ -170,9 +170,9 @@ def run_gate(transport: Transport, nodes: Sequence[GateNode], *, need: Sequence[
 
 
 def drop_tokens(transport: Transport, nodes: Sequence[GateNode]) -> None:
-    """Every node has looked for the others' tokens: remove them (node/gatefacts.py).
+    """Every node has looked for the others' tokens: remove them (node/facts/gatefacts.py).
     Best effort: a token left behind is removed by a later round after an hour."""
-    cmds = {n.node: node_command(n.python, "gatefacts", ("--drop", *tokens))
+    cmds = {n.node: node_command(n.python, "facts.gatefacts", ("--drop", *tokens))
             for n in nodes if (tokens := [x for x in n.needs if x.startswith(NEED_UNSHARED)])}
     if cmds:
         transport.run_all([n.target for n in nodes if n.node in cmds],
@@ -284,7 +284,7 @@ def _dir_problem(value: str, why: str) -> str:
 def _parity(facts: dict[str, dict[str, object]], order: Sequence[str],
             keys: Sequence[str] = PARITY_KEYS) -> dict[str, str]:
     """Nodes whose interpreter or versions differ from the majority's (ties: the earliest
-    node's), with what differs: doctor's rule (node/parity.py), so both name the same
+    node's), with what differs: doctor's rule (node/facts/parity.py), so both name the same
     odd node. The text names no node of its own: nodes with the same difference fold."""
     diffs: dict[str, list[str]] = {}
     for key in keys:

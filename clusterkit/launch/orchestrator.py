@@ -58,8 +58,8 @@ from clusterkit.launch.runtime_io import (
 )
 from clusterkit.launch.runtime_state import Stage
 from clusterkit.node.protocol import ProtocolError, StopReply
-from clusterkit.node.ship import NodeCommand, agent_command
 from clusterkit.remote.base import RemoteProcess, Transport
+from clusterkit.ship import NodeCommand, agent_command
 
 __all__ = ["Orchestrator", "agent_control", "show"]
 
@@ -125,7 +125,7 @@ class Orchestrator:
     def _start_one(self, task: NodeTask) -> str | None:
         """Start one agent and its reader thread; the error line when it cannot start."""
         # The agent's sources and its spec travel on the session's stdin: the node
-        # needs only a Python (see clusterkit.node.ship).
+        # needs only a Python (see clusterkit.ship).
         cmd = agent_command(task.python, spec=self.job.agent_spec(task))
         try:
             proc = self.transport.start(task.target, cmd.argv)

@@ -194,7 +194,7 @@ class ReportStacks:
 
 @dataclass(frozen=True)
 class Finish:
-    """The attempt is over; ``sweep``: nodes to clean up out of band (``agent --stop``)."""
+    """The attempt is over; ``sweep``: nodes to clean up out of band (``agent.core --stop``)."""
 
     sweep: tuple[str, ...] = ()
 

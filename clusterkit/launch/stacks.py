@@ -15,9 +15,10 @@ Two dump formats reach us from the node agents:
 Each rank is reduced to a short *signature*, the innermost frame and the nearest
 frame of the user's own code (``in all_reduce ← _step``); a rank waiting in torch's
 ``FileBaton.wait`` also names the JIT build lock and whose it is (``..., waiting for
-build lock PATH: no live process holds it (stale)``: the agent's lines, node/jitops.py). Ranks with the same
-signature fold into one row (``ranks 0-7,9-13``); rows smaller than the largest
-one are the odd ones out, and a stopped process is always odd.
+build lock PATH: no live process holds it (stale)``: the agent's lines,
+node/provision/jitops.py). Ranks with the same signature fold into one row
+(``ranks 0-7,9-13``); rows smaller than the largest one are the odd ones out, and a
+stopped process is always odd.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from clusterkit.hostrange import fold, fold_numbers
-from clusterkit.node.jitops import BUILD_LOCK_NOTE, STALE, waits_on_baton
+from clusterkit.node.provision.jitops import BUILD_LOCK_NOTE, STALE, waits_on_baton
 
 _FH_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):")
 _FH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -198,7 +199,7 @@ def no_stack(text: str) -> str:
 
 def build_locks(text: str) -> list[str]:
     """``PATH: held by pid N`` / ``PATH: no live process holds it (stale)`` for a dump that
-    waits in torch's FileBaton.wait: the lines the agent added (node/jitops.lock_notes)."""
+    waits in torch's FileBaton.wait: the lines the agent added (node/provision/jitops.lock_notes)."""
     if not waits_on_baton(text):
         return []
     return [ln[len(BUILD_LOCK_NOTE):].strip() for ln in text.splitlines()

@@ -23,7 +23,7 @@ script that prints but never reports a step is held to the plain limit once the
 allowance has passed: its output lines are its progress.
 
 The rule itself (allowance, limits, messages) is :func:`clusterkit.node.hangrule.judge`,
-the one the batch script's watchdog (node/slurmwatch.py) applies too; this class
+the one the batch script's watchdog (node/slurm/watch.py) applies too; this class
 keeps what launch knows: the agents' reports and the lines the launcher sees.
 """
 

@@ -1,9 +1,9 @@
 """The node contract: every name the launcher, the node agent and the ranks agree on.
 
 One module, standard library only (Python >= 3.8 on the node), so the node programs
-ship it (``node/ship.py``'s ``PROGRAMS``) and every other layer imports it from here
+ship it (``ship.py``'s ``PROGRAMS``) and every other layer imports it from here
 (no module re-exports it: one door per name). What lives here, each spelled once
-(``tests/test_contract_names.py`` fails on a second spelling anywhere in ``clusterkit/``
+(``tests/unit/test_contract_names.py`` fails on a second spelling anywhere in ``clusterkit/``
 or ``templates/``):
 
 * every ``CLUSTERKIT_*`` environment name that crosses a process boundary (launcher
@@ -68,14 +68,14 @@ ENV_STACK_TOOL = "CLUSTERKIT_STACK_TOOL"
 # the job's environment switches it off; ..._IMPORTS=a,b names the modules it preloads.
 ENV_ZYGOTE = "CLUSTERKIT_ZYGOTE"
 ENV_ZYGOTE_IMPORTS = "CLUSTERKIT_ZYGOTE_IMPORTS"
-# (The fork server's own CLUSTERKIT_RANK_SLOT stays in node/zygote.py: the zygote runs as
+# (The fork server's own CLUSTERKIT_RANK_SLOT stays in node/agent/zygote.py: the zygote runs as
 # one source file in its own interpreter and imports nothing, this module included.)
 
 # -- A test hook that crosses to the ranks: the bundled workload's --dump-weights default.
-# (The probe's CLUSTERKIT_PROBE_CLOCK_OFFSET_S stays in node/probe.py: the probe also runs
+# (The probe's CLUSTERKIT_PROBE_CLOCK_OFFSET_S stays in node/facts/probe.py: the probe also runs
 # as one hand-copied file, docs/doctor.md.)
 ENV_DUMP_WEIGHTS = "CLUSTERKIT_DUMP_WEIGHTS"
-# `clusterkit nodes env`'s facts (node/envfacts.py): KEY=VALUE,... replacing what a test
+# `clusterkit nodes env`'s facts (node/facts/envfacts.py): KEY=VALUE,... replacing what a test
 # node reports (machine=aarch64, glibc=2.17), honoured by nothing else (docs/getting-nodes-ready.md).
 ENV_TEST_ENVFACTS = "CLUSTERKIT_TEST_ENVFACTS"
 # The launcher's agent streams appended to this file (launch/recording.py): read on the
@@ -150,8 +150,8 @@ class JobDir:
     NODES = "nodes"  # nodes/<node>/: one agent's logs, progress and state
     SLURM_NODES = "slurm_nodes"  # sbatch: the node list a node-local job's checkpoint is on
     SLURM_RUNS = "slurm-runs"  # sbatch: slurm-runs/<slurm id>.<run>/: a node-local run's hosts, plan
-    SLURM_PROGRAM = "slurmreplica.bundle"  # sbatch, node-local: node/slurmreplica.py's sources
-    JITOPS_PROGRAM = "jitops.bundle"  # sbatch: node/jitops.py's sources (the JIT ops step)
+    SLURM_PROGRAM = "slurmreplica.bundle"  # sbatch, node-local: node/slurm/replica.py's sources
+    JITOPS_PROGRAM = "jitops.bundle"  # sbatch: node/provision/jitops.py's sources (the JIT ops step)
     AGENT_STATE = "agent.json"
     REPLICA_STATE = "replicas.json"  # nodes/<node>/replicas.json: the agent's copies (issue 22)
     LAUNCHER_LOG = "launcher.log"
@@ -391,17 +391,19 @@ def replica_ports(job_id: str, node_index: int) -> list[int]:
             for k in range(REPLICA_PORT_TRIES)]
 
 
-# -- The bundle a node program is started with: one header line naming each module and
-# its size, then the sources (node/ship.py's bootstrap reads it; slurmwatch re-sends its
-# own to the other nodes of its job).
+# -- The bundle a node program is started with: one header line naming each module (its
+# dotted name below clusterkit.node: ``agent.core``) and its size, then the sources
+# (ship.py writes it, the bootstrap reads it; slurm/watch.py re-sends its own to the
+# other nodes of its job, replicas/proc.py its own to its copy process).
 BUNDLE_MAGIC = "clusterkit-node"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2  # 2: dotted module names, subpackages made by the bootstrap
 
 
 # The node bootstrap (``python -c BOOTSTRAP <program> <args>``): the header and the
-# sources on stdin, each registered as ``clusterkit.node.<module>``, then
-# ``<program>.main(args)``. The launcher starts every node program so (node/ship.py); the
-# agent starts its copy process so (node/replica_proc.py), handing on its own sources.
+# sources on stdin, each registered as ``clusterkit.node.<module>`` (the packages above
+# it made empty, ``__path__ = []``, each set as its parent's attribute), then
+# ``<program>.main(args)``. The launcher starts every node program so (ship.py); the
+# agent starts its copy process so (node/replicas/proc.py), handing on its own sources.
 BOOTSTRAP = (
     "import linecache,sys,types\n"
     "r=sys.stdin.buffer\n"
@@ -409,14 +411,19 @@ BOOTSTRAP = (
     f"if h[:2]!=[b'{BUNDLE_MAGIC}',b'{BUNDLE_VERSION}']:"
     f"sys.exit('clusterkit node bootstrap: expected a {BUNDLE_MAGIC} {BUNDLE_VERSION} header "
     "on stdin, got %r'%h[:2])\n"
-    "for p in ('clusterkit','clusterkit.node'):\n"
-    " m=types.ModuleType(p);m.__path__=[];sys.modules[p]=m\n"
+    "def P(f,a=None):\n"
+    " m=types.ModuleType(f);m.__path__=[];sys.modules[f]=m\n"
+    " if a:setattr(a,f.rsplit('.',1)[1],m)\n"
+    " return m\n"
+    "N=P('clusterkit.node',P('clusterkit'))\n"
     "for e in h[2:]:\n"
     " n,z=e.decode().split(':');s=r.read(int(z))\n"
     " if len(s)!=int(z):sys.exit('clusterkit node bootstrap: stdin ended inside '+n)\n"
+    " *q,b=n.split('.');a=N\n"
+    " for w in q:a=getattr(a,w,None) or P(a.__name__+'.'+w,a)\n"
     " f='clusterkit.node.'+n;m=types.ModuleType(f);m.__file__='<'+f+'>'\n"
     " t=s.decode('utf-8');linecache.cache[m.__file__]=(len(t),None,t.splitlines(True),m.__file__)\n"
-    " sys.modules[f]=m;setattr(sys.modules['clusterkit.node'],n,m)\n"
+    " sys.modules[f]=m;setattr(a,b,m)\n"
     " exec(compile(t,m.__file__,'exec'),m.__dict__)\n"
     "sys.argv=['clusterkit.node.'+sys.argv[1]]+sys.argv[2:]\n"
     "sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))\n"
@@ -424,7 +431,7 @@ BOOTSTRAP = (
 
 
 def encode_bundle(modules: list[tuple[str, bytes]]) -> bytes:
-    """``clusterkit-node 1 name:len ...\\n`` and the sources, dependencies first."""
+    """``clusterkit-node 2 name:len ...\\n`` and the sources, dependencies first."""
     header = " ".join([BUNDLE_MAGIC, str(BUNDLE_VERSION),
                        *(f"{name}:{len(data)}" for name, data in modules)])
     return header.encode() + b"\n" + b"".join(data for _, data in modules)

@@ -1,7 +1,7 @@
 """The progress watchdog's rule, one for both paths (issue 25; issue 31 item 5).
 
 ``launch``'s watchdog (:mod:`clusterkit.launch.watchdog`, fed by the node agents'
-progress reports) and the batch script's (:mod:`clusterkit.node.slurmwatch`, which
+progress reports) and the batch script's (:mod:`clusterkit.node.slurm.watch`, which
 reads file times on the batch host) gather progress differently; whether the job
 hangs they judge here, with :func:`judge`, so both give the same start-up allowance
 and the same messages (docs/launch.md and docs/sbatch.md, "Hangs").

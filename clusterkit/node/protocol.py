@@ -89,12 +89,12 @@ class AgentSpec:
     # OpenMP thread rule divides the node's CPUs by it. 0: unknown (no rule applied).
     local_ranks: int = 0
     # Native mode (issue 15): modules a per-node fork server imports once before it
-    # forks the ranks (clusterkit.node.zygote); empty: each rank is its own exec.
+    # forks the ranks (clusterkit.node.agent.zygote); empty: each rank is its own exec.
     zygote: list[str] = field(default_factory=list)
     # Files the ranks open that must be on this node (the user's script): the gate's
     # facts name the missing ones, so a node without the code fails before the start.
     needs: list[str] = field(default_factory=list)
-    # Checkpoint replication (issue 22; node/replica*.py): this node's index, its peers,
+    # Checkpoint replication (issue 22; node/replicas/wire*.py): this node's index, its peers,
     # the per-job secret. None: no replication.
     replica: dict[str, Any] | None = field(default=None, repr=False)  # holds the secret
     schema_version: int = SCHEMA_VERSION
@@ -190,7 +190,7 @@ class AgentEvent:
 
 @dataclass(frozen=True)
 class Facts(AgentEvent):
-    """The folded gate: what this node has (``gatefacts``); the agent holds for GO."""
+    """The folded gate: what this node has (``facts.gatefacts``); the agent holds for GO."""
 
     EV: ClassVar[str] = "facts"
     facts: dict[str, Any] = field(default_factory=dict)
@@ -304,7 +304,7 @@ REPLICA_ALREADY_THERE = "already there"
 
 @dataclass(frozen=True)
 class StopReply:
-    """``agent --stop``'s answer, one JSON line on stdout: what the sweep of the job's
+    """``agent.core --stop``'s answer, one JSON line on stdout: what the sweep of the job's
     processes on that node did (``clusterkit stop``, the launcher's teardown check)."""
 
     signalled: int = 0  # SIGTERMed
@@ -321,8 +321,8 @@ class StopReply:
 
     @classmethod
     def from_stdout(cls, stdout: str) -> StopReply:
-        """The reply among ``agent --stop``'s output (:func:`answer_of`)."""
-        return cls.from_dict(answer_of(stdout, "agent --stop"))
+        """The reply among ``agent.core --stop``'s output (:func:`answer_of`)."""
+        return cls.from_dict(answer_of(stdout, "agent.core --stop"))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> StopReply:

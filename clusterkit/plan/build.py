@@ -23,7 +23,7 @@ from clusterkit.node.contract import (
     JobDir,
     StorageKind,
 )
-from clusterkit.node.replica_rules import ring
+from clusterkit.node.replicas.rules import ring
 from clusterkit.plan.env import build_env
 from clusterkit.plan.ifaces import added_env, apply_picks
 from clusterkit.plan.profile import ProfileNode, profile_programs
@@ -256,7 +256,7 @@ def _placement(o: JobOptions, nodes: tuple[NodePlan, ...],
     """Where each node's checkpoint copies go, and the warnings: node i's to the next K
     nodes in plan order (a ring), skipping a node on the same host name or address as i
     or as a target already chosen (one lost machine must not take a checkpoint and its
-    copy): ``node/replica_rules.ring``, the rule a Slurm job's nodes place theirs by. The
+    copy): ``node/replicas/rules.ring``, the rule a Slurm job's nodes place theirs by. The
     default K (1) places silently what it can; a K the user asked for warns."""
     k = _replica_count(o, nodes, storage)
     asked = o.replicas is not None or nodes[0].host.checkpoint.replicas is not None
@@ -270,7 +270,7 @@ def _placement(o: JobOptions, nodes: tuple[NodePlan, ...],
     short: list[tuple[str, str]] = []
     identities = [(n.host.name, n.host.address) for n in nodes]
     for i, node in enumerate(nodes):
-        chosen = ring(i, identities, k)  # the one placement rule (node/replica_rules.py)
+        chosen = ring(i, identities, k)  # the one placement rule (node/replicas/rules.py)
         targets.append(tuple(chosen))
         if len(chosen) < k and asked:
             short.append((node.name, f"{len(chosen)} of {k} checkpoint replicas placed (the "

@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from clusterkit.errors import RenderError
-from clusterkit.node import accelerate_cpu
 from clusterkit.node.contract import StorageKind
+from clusterkit.node.hooks import accelerate_cpu
 from clusterkit.spec.job import JobOptions, LaunchFacts
 from clusterkit.spec.programs import (
     CPU_HOOK_FILE,
@@ -86,7 +86,7 @@ def profile_programs(o: JobOptions, facts: LaunchFacts, storage: str,
 
 
 def cpu_hook_source() -> str:
-    """The shipped :data:`CPU_HOOK_FILE`: node/accelerate_cpu.py, installing itself."""
+    """The shipped :data:`CPU_HOOK_FILE`: node/hooks/accelerate_cpu.py, installing itself."""
     with open(accelerate_cpu.__file__, encoding="utf-8") as f:
         source = f.read()
     return source + "\n\ninstall(__file__)  # shipped by clusterkit as the job dir's " \

@@ -10,14 +10,14 @@ is checked instead.
 
 Per node, in order (:func:`replicate`), never stopping at one node's failure:
 
-1. facts (node program :mod:`clusterkit.node.envfacts`, run by a bootstrap Python
+1. facts (node program :mod:`clusterkit.node.facts.envfacts`, run by a bootstrap Python
    on the node: the environment itself is not there yet) and the pure
    :func:`refusal`: another CPU architecture, an older glibc, a path that exists and
    is no environment refuse the node before any byte moves; another OS release is a
    warning;
 2. each part whose recorded digest on the node already equals ours is left alone;
    the others travel through :func:`transfer` (regular files, delta, verified);
-3. ``envfacts finish``: links made, every entry compared with our manifest, and the
+3. ``facts.envfacts finish``: links made, every entry compared with our manifest, and the
    node's record written only when all are equal (the digest the gate reads).
 """
 
@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clusterkit.errors import ClusterkitError, TransportError
-from clusterkit.node import envfacts
-from clusterkit.node.ship import node_command
+from clusterkit.node.facts import envfacts
 from clusterkit.provision.install import node_json
 from clusterkit.remote.base import CommandResult, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
+from clusterkit.ship import node_command
 
 FACTS_TIMEOUT_S = 60.0
 FINISH_TIMEOUT_S = 1800.0  # hashes the environment on the node the first time (GBs)
@@ -271,7 +271,7 @@ def _node_json(res: CommandResult, node: str, what: str) -> dict[str, Any]:
 
 
 def node_facts(transport: Transport, node: EnvNode, paths: Sequence[str]) -> dict[str, Any]:
-    cmd = node_command(node.python, "envfacts", ["facts", *paths])
+    cmd = node_command(node.python, "facts.envfacts", ["facts", *paths])
     return _node_json(transport.run(node.target, cmd.argv, stdin=cmd.stdin,
                                     timeout=FACTS_TIMEOUT_S, env=dict(node.env) or None),
                       node.name, "reading the node's facts")
@@ -323,7 +323,7 @@ def _fan(transport: Transport, nodes: Sequence[EnvNode], budget_s: float,
 def finish_node(transport: Transport, node: EnvNode, part: Part, want: envfacts.Manifest,
                 env: Mapping[str, Any] | None) -> None:
     header = {"entries": want, "env": dict(env) if env else None}
-    cmd = node_command(node.python, "envfacts", ["finish", part.path],
+    cmd = node_command(node.python, "facts.envfacts", ["finish", part.path],
                        payload=(json.dumps(header) + "\n").encode())
     done = _node_json(transport.run(node.target, cmd.argv, stdin=cmd.stdin,
                                     timeout=FINISH_TIMEOUT_S), node.name, "verifying")

@@ -5,7 +5,7 @@ the nodes; launch, doctor and collect-ckpt ship their node code on every run.
 The wheel is built here from the source tree clusterkit runs from (``pip wheel
 --no-deps --no-build-isolation --no-index``: nothing is downloaded) or given with
 ``--wheel``; each node gets it over the SSH session's stdin (node program
-:mod:`clusterkit.node.install`) and installs it offline with ``--no-index
+:mod:`clusterkit.node.provision.install`) and installs it offline with ``--no-index
 --no-deps``. "The same version" means the same sources: a node whose installed
 clusterkit has the launcher's source digest is left alone, so a second run does
 nothing; after installing, the digest is checked again.
@@ -26,11 +26,11 @@ from typing import Any
 
 import clusterkit
 from clusterkit.errors import ClusterkitError, TransportError
-from clusterkit.node.gatefacts import package_digest
+from clusterkit.node.facts.gatefacts import package_digest
 from clusterkit.node.protocol import ProtocolError, answer_of
-from clusterkit.node.ship import node_command
 from clusterkit.remote.base import CommandResult, GroupResult, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
+from clusterkit.ship import node_command
 
 INSTALL_TIMEOUT_S = 600.0
 FACTS_TIMEOUT_S = 60.0
@@ -131,13 +131,13 @@ def node_json(res: CommandResult, node: str, what: str, kind: str = "install",
 
 
 def install_node(transport: Transport, node: InstallNode, wheel: Path, want: str) -> Installed:
-    facts_cmd = node_command(node.python, "gatefacts")
+    facts_cmd = node_command(node.python, "facts.gatefacts")
     facts = node_json(transport.run(node.target, facts_cmd.argv, stdin=facts_cmd.stdin,
                                     timeout=FACTS_TIMEOUT_S), node.name, "checking the node")
     if facts.get("clusterkit_digest") == want:
         return Installed("already installed", facts.get("clusterkit"))
     data = wheel.read_bytes()
-    cmd = node_command(node.python, "install", [wheel.name, str(len(data))], payload=data)
+    cmd = node_command(node.python, "provision.install", [wheel.name, str(len(data))], payload=data)
     out = node_json(transport.run(node.target, cmd.argv, stdin=cmd.stdin,
                                   timeout=INSTALL_TIMEOUT_S), node.name, "installing")
     if out.get("error") or out.get("pip_exit") != 0:
@@ -165,7 +165,7 @@ def install_all(transport: Transport, nodes: Sequence[InstallNode], wheel: Path 
 
         def work(target: SSHTarget) -> CommandResult:
             results[target.name] = install_node(transport, by_name[target.name], built, want)
-            return CommandResult(target.name, ("install",), 0, "", "", 0.0)
+            return CommandResult(target.name, ("provision.install",), 0, "", "", 0.0)
 
         # One node per interpreter path first: where that path is on a shared filesystem
         # the others then find it installed instead of racing pip in one directory, and

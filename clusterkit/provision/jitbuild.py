@@ -1,6 +1,6 @@
 """``clusterkit nodes build-ops``: DeepSpeed's JIT ops built once per node, before a job.
 
-Each node runs the node program :mod:`clusterkit.node.jitops` (``build``) with the
+Each node runs the node program :mod:`clusterkit.node.provision.jitops` (``build``) with the
 job's interpreter and environment, so the op lands where the job's ranks look
 (``TORCH_EXTENSIONS_DIR`` from the inventory's env, else the user's
 ``~/.cache/torch_extensions``). One process per node builds each op: the ranks that
@@ -23,11 +23,11 @@ from typing import Any
 
 from clusterkit.errors import TransportError
 from clusterkit.hostrange import fold
-from clusterkit.node.jitops import OP_NAMES, describe
-from clusterkit.node.ship import node_command
+from clusterkit.node.provision.jitops import OP_NAMES, describe
 from clusterkit.provision.install import node_json
 from clusterkit.remote.base import CommandResult, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
+from clusterkit.ship import node_command
 
 BUILD_TIMEOUT_S = 1800.0  # a CUDA op builds for minutes on a busy node
 CHECK_TIMEOUT_S = 30.0  # a Python start and a few stat()s
@@ -42,7 +42,7 @@ class OpsNode:
 
 
 def summary(out: Mapping[str, Any]) -> str:
-    """One line per node without its name (equal lines fold): node/jitops.describe, the
+    """One line per node without its name (equal lines fold): node/provision/jitops.describe, the
     line the batch script's build step prints too."""
     return describe(dict(out))
 
@@ -56,7 +56,7 @@ def _stale_error(node: str, stale: Sequence[Mapping[str, Any]], also: str) -> Tr
 
 
 def build_node(transport: Transport, node: OpsNode, request: Mapping[str, Any]) -> dict[str, Any]:
-    cmd = node_command(node.python, "jitops", ["build"],
+    cmd = node_command(node.python, "provision.jitops", ["build"],
                        payload=(json.dumps(dict(request)) + "\n").encode())
     res = transport.run(node.target, cmd.argv, stdin=cmd.stdin, timeout=BUILD_TIMEOUT_S,
                         env=dict(node.env) or None)
@@ -94,8 +94,8 @@ def build_all(transport: Transport, nodes: Sequence[OpsNode], request: Mapping[s
 
 
 def check_node(transport: Transport, node: OpsNode, ops: Sequence[str]) -> dict[str, Any]:
-    """The node's ``jitops check`` answer; raises on a stale build lock there."""
-    cmd = node_command(node.python, "jitops", ["check"],
+    """The node's ``provision.jitops check`` answer; raises on a stale build lock there."""
+    cmd = node_command(node.python, "provision.jitops", ["check"],
                        payload=(json.dumps({"ops": list(ops)}) + "\n").encode())
     res = transport.run(node.target, cmd.argv, stdin=cmd.stdin, timeout=CHECK_TIMEOUT_S,
                         env=dict(node.env) or None)
@@ -157,14 +157,14 @@ def ready_ops(transport: Transport, nodes: Sequence[OpsNode], ops: Mapping[str, 
         need = missing(check_node(transport, by_name[target.name], ops.get(target.name, ())))
         if need:
             report.needed[target.name] = need
-        return CommandResult(target.name, ("jitops", "check"), 0, "", "", 0.0)
+        return CommandResult(target.name, ("provision.jitops", "check"), 0, "", "", 0.0)
 
     def make(target: SSHTarget) -> CommandResult:
         t0 = time.monotonic()
         build_node(transport, by_name[target.name],
                    {"ops": report.needed[target.name], "ds_config": {}})
         report.seconds[target.name] = time.monotonic() - t0
-        return CommandResult(target.name, ("jitops", "build"), 0, "", "", 0.0)
+        return CommandResult(target.name, ("provision.jitops", "build"), 0, "", "", 0.0)
 
     checked = fan_out([n.target for n in nodes], look, per_host_budget_s=CHECK_TIMEOUT_S + 10,
                       max_parallel=max_parallel)

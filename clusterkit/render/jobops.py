@@ -8,7 +8,7 @@ step of its own before the launch step (render/sbatch.py, docs/sbatch.md, "JIT o
 from __future__ import annotations
 
 from clusterkit.launchers import BACKENDS
-from clusterkit.node.jitops import ops_for_config
+from clusterkit.node.provision.jitops import ops_for_config
 from clusterkit.spec.job import JobPlan, NodePlan
 
 
@@ -18,7 +18,7 @@ def accelerator(node: NodePlan) -> str:
 
 
 def job_ops(plan: JobPlan) -> dict[str, list[str]]:
-    """Node -> the op builders its ranks JIT-build at start (node/jitops.ops_for_config of
+    """Node -> the op builders its ranks JIT-build at start (node/provision/jitops.ops_for_config of
     the job's ds_config on the node's accelerator); empty when the job runs no DeepSpeed
     that clusterkit knows of (a user's script under torchrun without
     --deepspeed-config-arg: its ranks build what they need, and the watchdogs wait for

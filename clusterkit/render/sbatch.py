@@ -22,9 +22,10 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from clusterkit import ship
 from clusterkit.errors import RenderError
 from clusterkit.launchers import BACKENDS
-from clusterkit.node import hangrule, ship
+from clusterkit.node import hangrule
 from clusterkit.node.contract import (
     ENV_CKPT_DIR,
     ENV_HEARTBEAT_DIR,
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 TEMPLATE = "sbatch.sh.j2"
 WATCHDOG_EOF = "CLUSTERKIT_SLURMWATCH_EOF"
-END_EOF = "CK_SLURMEND_EOF"  # the end program's heredoc (node/slurmend.py)
+END_EOF = "CK_SLURMEND_EOF"  # the end program's heredoc (node/slurm/end.py)
 HANG_RESTARTS = "hang_restarts"  # <job dir>/hang_restarts: this job's hang requeues so far
 PROGRESS_SUBDIR = JobDir.PROGRESS  # <job dir>/progress: $CLUSTERKIT_HEARTBEAT_DIR under sbatch
 # The contract's names the script spells (`{{ env.stop_file }}`, `{{ layout.HANG }}`).
@@ -90,7 +91,7 @@ class SlurmSite:
     extra_lines: tuple[str, ...] = ()
     template_dir: str | None = None
     # Checkpoint replicas of a node-local job (issue 31): K copies of each node's part,
-    # made by node/slurmreplica.py steps the script starts (launch's replication service).
+    # made by node/slurm/replica.py steps the script starts (launch's replication service).
     replicas: int = 0
 
 
@@ -233,7 +234,7 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
 
 
 def _watchdog_context(plan: JobPlan) -> dict[str, object]:
-    """The progress watchdog (--hang-timeout S > 0): node/slurmwatch.py, started the one
+    """The progress watchdog (--hang-timeout S > 0): node/slurm/watch.py, started the one
     way node programs are (ship.node_command: the bootstrap, its sources on stdin, here
     a heredoc of the script, so the script stays the one file Slurm needs)."""
     node = plan.nodes[0]
@@ -241,7 +242,7 @@ def _watchdog_context(plan: JobPlan) -> dict[str, object]:
     if hang <= 0:
         return {"hang_timeout": 0, "watchdog_cmd": "", "watchdog_bundle": "",
                 "progress_dir": "", "max_restarts": plan.options.max_restarts}
-    cmd = ship.node_command(node.python, "slurmwatch", ["watch", plan.job_id, node.job_dir])
+    cmd = ship.node_command(node.python, "slurm.watch", ["watch", plan.job_id, node.job_dir])
     bundle = cmd.stdin.decode("utf-8")
     if WATCHDOG_EOF in bundle:
         raise RenderError(f"the watchdog's sources contain {WATCHDOG_EOF}")
@@ -255,8 +256,9 @@ def _watchdog_context(plan: JobPlan) -> dict[str, object]:
 def _ops_context(plan: JobPlan) -> dict[str, object]:
     """DeepSpeed's JIT ops the ranks would build at start (render/jobops.py, the rule
     ``launch`` builds by), built by one task per node before the launch step: the node
-    program ``jitbatch`` (node/jitbatch.py), its sources the job file ``JobDir.JITOPS_PROGRAM``
-    (slurm/submit.write_node_program) and the request line after them on stdin."""
+    program ``provision.jitbatch`` (node/provision/jitbatch.py), its sources the job file
+    ``JobDir.JITOPS_PROGRAM`` (slurm/submit.write_node_program) and the request line after
+    them on stdin."""
     node = plan.nodes[0]
     ops = sorted({op for node_ops in job_ops(plan).values() for op in node_ops})
     if not ops:
@@ -264,12 +266,12 @@ def _ops_context(plan: JobPlan) -> dict[str, object]:
     # The accelerator the plan assumed: a node whose own differs builds its own ops instead.
     request = {"ops": ops, "ds_config": {}, "accelerator": accelerator(node)}
     return {"ops": " ".join(ops),
-            "ops_cmd": shlex.join(ship.node_command(node.python, "jitbatch").argv),
+            "ops_cmd": shlex.join(ship.node_command(node.python, "provision.jitbatch").argv),
             "ops_request": json.dumps(request, sort_keys=True)}
 
 
 def _replica_context(plan: JobPlan, site: SlurmSite) -> dict[str, object]:
-    """A node-local job's node program (node/slurmreplica.py; its sources are the job
+    """A node-local job's node program (node/slurm/replica.py; its sources are the job
     file ``JobDir.SLURM_PROGRAM``): replicas while it runs (``replicas`` > 0), its parts
     moved before the ranks start on another node set."""
     node = plan.nodes[0]
@@ -279,17 +281,17 @@ def _replica_context(plan: JobPlan, site: SlurmSite) -> dict[str, object]:
     conf = {"job_id": plan.job_id, "job_dir": node.job_dir, "ckpt_dir": node.ckpt_dir,
             "rpn": node.nproc, "markers": plan.options.uses_workload, "replicas": k}
     return {"replicas": k, "markers": plan.options.uses_workload,
-            "replica_cmd": shlex.join(ship.node_command(node.python, "slurmreplica").argv),
+            "replica_cmd": shlex.join(ship.node_command(node.python, "slurm.replica").argv),
             "replica_conf": json.dumps(conf, sort_keys=True, separators=(",", ":"))}
 
 
 def _end_context(plan: JobPlan, site: SlurmSite, variant: str, log_dir: str) -> dict[str, object]:
-    """What the end of a run means (node/slurmend.py: exit status, requeue, the lines),
+    """What the end of a run means (node/slurm/end.py: exit status, requeue, the lines),
     started the one way node programs are, its sources a heredoc of the script (as the
     watchdog's): ``end_conf`` is its CONF word, the job's settings and paths."""
     node = plan.nodes[0]
     job = JobDir(node.job_dir)
-    cmd = ship.node_command(node.python, "slurmend")
+    cmd = ship.node_command(node.python, "slurm.end")
     bundle = cmd.stdin.decode("utf-8")
     if END_EOF in bundle:
         raise RenderError(f"the end program's sources contain {END_EOF}")

@@ -15,12 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from clusterkit import ship
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.hostrange import HostRangeError, expand_list
 from clusterkit.inventory import Inventory, replicas_problem
 from clusterkit.launchers import BACKENDS
-from clusterkit.node import ship
 from clusterkit.node.contract import JobDir
 from clusterkit.plan.build import plan_job
 from clusterkit.render.artifacts import render_all
@@ -55,7 +55,7 @@ def sbatch_plan(inv: Inventory, options: JobOptions, facts: LaunchFacts, site: S
                 client: SlurmClient | None) -> tuple[LaunchPlan, int]:
     """The plan with its batch script rendered, and its replica count K. ``client``: ask
     Slurm for the nodes' CPUs when --cpus-per-task is not given (None: do not ask)."""
-    # Replicas (issue 31): made by node/slurmreplica.py steps of the batch script, not by
+    # Replicas (issue 31): made by node/slurm/replica.py steps of the batch script, not by
     # launch's agents: the plan has none, the script gets K (SlurmSite.replicas).
     asked = options.replicas if options.replicas is not None else \
         inv.hosts[0].checkpoint.replicas if inv.hosts else None
@@ -90,7 +90,7 @@ def default_cpus(client: SlurmClient, plan: JobPlan) -> int | None:
 
 
 def replica_count(plan: JobPlan, asked: int | None) -> int:
-    """K copies of each node's part (node/slurmreplica.py): node-local storage on two
+    """K copies of each node's part (node/slurm/replica.py): node-local storage on two
     nodes or more; elsewhere a warning, as for launch, and none."""
     if not asked:
         return 0
@@ -131,14 +131,14 @@ def submit(client: SlurmClient, plan: JobPlan, path: Path, template_dir: str | N
 
 def write_node_program(plan: JobPlan) -> None:
     """The node programs the batch script runs, job files beside ds_config.json, each
-    given to its tasks on stdin: a node-local job's node/slurmreplica.py, and
-    node/jitbatch.py when the ranks would JIT-build ops (the build step before them)."""
+    given to its tasks on stdin: a node-local job's node/slurm/replica.py, and
+    node/provision/jitbatch.py when the ranks would JIT-build ops (the build step before them)."""
     if plan.node_local:
         atomic_write_text(Path(plan.job_dir) / JobDir.SLURM_PROGRAM,
-                          ship.bundle("slurmreplica").decode("utf-8"))
+                          ship.bundle("slurm.replica").decode("utf-8"))
     if any(job_ops(plan).values()):
         atomic_write_text(Path(plan.job_dir) / JobDir.JITOPS_PROGRAM,
-                          ship.bundle("jitbatch").decode("utf-8"))
+                          ship.bundle("provision.jitbatch").decode("utf-8"))
 
 
 def pinned_nodes(client: SlurmClient, plan: JobPlan, replicas: int) -> list[str]:

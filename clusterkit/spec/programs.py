@@ -125,7 +125,7 @@ class Profile:
     # OtherWorld's values say who does what.
     other_world: OtherWorld = OtherWorld.REFUSED
     # Its library picks no process group by itself on ranks without a GPU (accelerate
-    # 1.15: every rank would be process 0 of 1, node/accelerate_cpu.py says why): those
+    # 1.15: every rank would be process 0 of 1, node/hooks/accelerate_cpu.py says why): those
     # ranks get the job dir's CPU_HOOK_FILE first on their PYTHONPATH.
     cpu_hook: bool = False
 

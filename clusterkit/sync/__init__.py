@@ -4,5 +4,5 @@ Above the transport (``clusterkit.remote``), below the verbs: ``source`` (what t
 its sha256s and their cache), ``plan`` (the pure decisions: chains, records, progress
 lines), ``engine`` (the sessions, the feeders, the event loop), ``ssh`` (a node fed over
 its SSH session), ``types`` (the results), ``check`` (each node's manifest, the chain's
-ports: doctor). The node side is ``clusterkit/node/sync_*.py`` (the ``sync_chain`` program).
+ports: doctor). The node side is ``clusterkit/node/sync_*.py`` (the ``sync.chain`` program).
 """

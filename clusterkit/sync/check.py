@@ -1,9 +1,9 @@
 """What ``clusterkit sync`` left on the nodes, and whether its chain can form (doctor).
 
 * :func:`read_manifests`: each node's synced directory against the manifest the sync
-  wrote there (node/sync_store.check): its digest and the files that no longer match;
-* :func:`probe_ports`: every node listens on the sync port as ``sync_chain serve`` would
-  (node program ``sync_chain ports``); this machine connects to the first, each node to the
+  wrote there (node/sync/store.check): its digest and the files that no longer match;
+* :func:`probe_ports`: every node listens on the sync port as ``sync.chain serve`` would
+  (node program ``sync.chain ports``); this machine connects to the first, each node to the
   next: which hop of the chain is blocked.
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 
 from clusterkit.errors import TransportError
 from clusterkit.node.protocol import ProtocolError, answer_of
-from clusterkit.node.ship import node_command
 from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
+from clusterkit.ship import node_command
 from clusterkit.sync.engine import DEFAULT_PORT, SyncNode
 
 CHECK_TIMEOUT_S = 600.0
@@ -31,7 +31,7 @@ PORTS_TIMEOUT_S = 30.0  # a node's answer while probing the ports
 def read_manifests(transport: Transport, nodes: Sequence[SyncNode], dest_dir: str | None = None,
                    *, digest: str | None = None, deep: bool = False,
                    env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """Each node's synced directory against its manifest (node/sync_store.check):
+    """Each node's synced directory against its manifest (node/sync/store.check):
     ``{"state": ok|differs|other|no-manifest|absent|unreachable, "digest", "differ":
     [files], "files"}``; ``digest``: the source's, to tell ``other`` from ``ok``."""
     out: dict[str, dict[str, Any]] = {}
@@ -40,7 +40,7 @@ def read_manifests(transport: Transport, nodes: Sequence[SyncNode], dest_dir: st
         node = next(n for n in nodes if n.name == target.name)
         args = ["check", dest_dir or node.dest] + (["--digest", digest] if digest else []) \
             + (["--deep"] if deep else [])
-        cmd = node_command(node.python, "sync_chain", args)
+        cmd = node_command(node.python, "sync.chain", args)
         res = transport.run(target, cmd.argv, stdin=cmd.stdin, timeout=CHECK_TIMEOUT_S, env=env)
         try:
             out[target.name] = answer_of(res.stdout)
@@ -58,15 +58,15 @@ def read_manifests(transport: Transport, nodes: Sequence[SyncNode], dest_dir: st
 
 def probe_ports(transport: Transport, nodes: Sequence[SyncNode], port: int = DEFAULT_PORT, *,
                 env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Can each hop of the chain connect? Every node listens as ``sync_chain serve`` would
-    (``sync_chain ports``); this machine connects to the first, each node to the next. Per
+    """Can each hop of the chain connect? Every node listens as ``sync.chain serve`` would
+    (``sync.chain ports``); this machine connects to the first, each node to the next. Per
     hop ``"A -> B"``: "" when it connected, else why not (``"here -> node1"`` first)."""
     procs: dict[int, RemoteProcess] = {}
     lines: dict[int, Any] = {}
     out: dict[str, str] = {}
     try:
         for i, n in enumerate(nodes):
-            cmd = node_command(n.python, "sync_chain", ["ports", str(port)])
+            cmd = node_command(n.python, "sync.chain", ["ports", str(port)])
             try:
                 procs[i] = transport.start(n.target, cmd.argv, env=env)
                 procs[i].write_stdin(cmd.stdin)

@@ -15,14 +15,14 @@ replication call it)::
   outside is followed (its target's bytes travel, a note says so), a dangling one or a
   loop is not copied (``SyncResult.links`` lists them). ``options.links=False``
   leaves every link alone (``nodes env``, which makes its links itself).
-* how: each node runs the node program ``sync_chain`` (node/sync_chain.py, over the transport);
+* how: each node runs the node program ``sync.chain`` (node/sync/chain.py, over the transport);
   it says what it lacks (a file it holds with the same sha256 is kept; a partial
   file's verified 64 MiB chunks too), the launcher plans one chain in the nodes'
   order (plan.Chains), streams every record some node lacks to the first node
   over TCP, and each node writes what it lacks and forwards the rest at once, so S
   bytes reach N nodes in about S/R. Each chunk is checked against this side's
   sha256 on arrival, each file renamed into place only when complete, and each node
-  writes its manifest last (node/sync_store.py): its digest equals
+  writes its manifest last (node/sync/store.py): its digest equals
   :attr:`SyncResult.digest` exactly when the node holds every file.
 * a hop that cannot connect (a blocked port) splits the chain: the launcher feeds
   the next node itself (``notes`` says so, with the cost); a node lost mid-transfer
@@ -49,11 +49,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clusterkit.errors import TransportError
-from clusterkit.node import sync_store as store
-from clusterkit.node.ship import node_command
-from clusterkit.node.sync_wire import END, WireError, dial, header
+from clusterkit.node.sync import store as store
+from clusterkit.node.sync.wire import END, WireError, dial, header
 from clusterkit.remote.base import RemoteProcess, SSHTarget, Transport
 from clusterkit.remote.fanout import fan_out
+from clusterkit.ship import node_command
 from clusterkit.sync.plan import Chains, FeedRoutes, NodeView, records
 from clusterkit.sync.source import Ignore, followed_note, scan, source_entries
 from clusterkit.sync.ssh import StdinOut
@@ -157,7 +157,7 @@ class _Run:
         dest = self.dest_dir or node.dest
         spec = {"dest": dest, "index": i, "secret": self.secret, "files": self.entries,
                 "links": self.links, "port": self.opts.port, "delete": self.opts.delete}
-        cmd = node_command(node.python, "sync_chain", ["serve"])
+        cmd = node_command(node.python, "sync.chain", ["serve"])
         res = self.result.nodes[node.name]
         try:
             proc = self.transport.start(node.target, cmd.argv, env=self.opts.env)
@@ -216,7 +216,7 @@ class _Run:
 
         i = next(k for k, n in enumerate(self.nodes) if n.name == name)
         self._start(i, self.nodes[i])
-        return CommandResult(name, ("sync_chain",), 0, "", "", 0.0)
+        return CommandResult(name, ("sync.chain",), 0, "", "", 0.0)
 
     def _gather_ready(self) -> None:
         waiting = set(self.peers)

@@ -7,7 +7,7 @@
   source travels as a link (:func:`link_text`); one that leads outside is followed and
   what it points at travels as files (rsync's ``--copy-unsafe-links``); a dangling
   link or a loop is listed, not copied;
-* :func:`source_entries`: each file's sha256 and its 64 MiB chunks' (node/sync_store.py),
+* :func:`source_entries`: each file's sha256 and its 64 MiB chunks' (node/sync/store.py),
   from a cache on this machine keyed by (path, size, mtime_ns), so a second run with
   nothing changed hashes nothing.
 
@@ -28,7 +28,7 @@ from typing import Any
 
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import atomic_write_text
-from clusterkit.node import sync_store
+from clusterkit.node.sync import store
 
 IGNORE_FILE = ".clusterkitignore"
 # Never sent, never deleted: VCS data, bytecode, and the job dirs launch keeps in the
@@ -157,7 +157,7 @@ class _Walk:
             if stat.S_ISLNK(st.st_mode):
                 self.link(p, rel, ancestors, outside)
             elif stat.S_ISDIR(st.st_mode):
-                if self.ignore.ignored(rel, True) or rel == sync_store.STATE_DIR:
+                if self.ignore.ignored(rel, True) or rel == store.STATE_DIR:
                     continue
                 real = os.path.realpath(p)
                 if real in ancestors:  # (a followed link's tree that holds it again)
@@ -209,7 +209,7 @@ def link_text(rel: str, target: str, src_abs: str, root: str, real: str) -> str 
     so it points at the same thing under any destination. None: it leads into the
     sync's own state (not copied)."""
     rel_real = os.path.relpath(real, root).replace(os.sep, "/")
-    if rel_real.split("/")[0] == sync_store.STATE_DIR:
+    if rel_real.split("/")[0] == store.STATE_DIR:
         return None
     base = posixpath.dirname(rel) or "."
     lex: str | None = None
@@ -246,7 +246,7 @@ def source_digest(src: str, ignore: Ignore, cache_dir: str | None) -> str:
     (``doctor --sync`` compares the nodes' with it)."""
     found = scan(src, ignore)
     entries, _ = source_entries(found.files, cache_dir, src)
-    return sync_store.entries_digest(entries, found.symlinks.items())
+    return store.entries_digest(entries, found.symlinks.items())
 
 
 def manifest(src: str, ignore: Ignore) -> dict[str, LocalFile]:
@@ -266,14 +266,14 @@ def _read_cache(path: str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     ok = isinstance(doc, dict) and doc.get("v") == CACHE_VERSION \
-        and doc.get("chunk") == sync_store.CHUNK and isinstance(doc.get("files"), dict)
+        and doc.get("chunk") == store.CHUNK and isinstance(doc.get("files"), dict)
     return doc["files"] if ok else {}
 
 
 def source_entries(files: dict[str, LocalFile], cache_dir: str | None, src: str
                    ) -> tuple[list[list[Any]], int]:
     """The source manifest the nodes get (``[rel, size, mtime_ns, mode, sha256, [chunk
-    sha256]]``, node/sync_store.py) and how many bytes had to be hashed now: a file
+    sha256]]``, node/sync/store.py) and how many bytes had to be hashed now: a file
     whose size and mtime_ns match the cache is not read again."""
     cache_path = _cache_file(cache_dir, src) if cache_dir else None
     cache = _read_cache(cache_path) if cache_path else {}
@@ -284,7 +284,7 @@ def source_entries(files: dict[str, LocalFile], cache_dir: str | None, src: str
         rec = cache.get(rel)
         if not (isinstance(rec, list) and len(rec) == 4 and rec[:2] == [f.size, f.mtime_ns]):
             try:
-                sha, chunks = sync_store.hash_file(f.path)
+                sha, chunks = store.hash_file(f.path)
             except OSError as exc:
                 raise ClusterkitError(f"cannot read it: {exc.strerror or exc}", path=f.path,
                                       hint="fix its permissions, or exclude it in "
@@ -295,6 +295,6 @@ def source_entries(files: dict[str, LocalFile], cache_dir: str | None, src: str
         entries.append([rel, f.size, f.mtime_ns, f.mode, rec[2], rec[3]])
     if cache_path and fresh != cache:
         atomic_write_text(cache_path, json.dumps(
-            {"v": CACHE_VERSION, "chunk": sync_store.CHUNK, "src": os.path.realpath(src),
+            {"v": CACHE_VERSION, "chunk": store.CHUNK, "src": os.path.realpath(src),
              "files": fresh}))
     return entries, hashed

@@ -1,5 +1,5 @@
 """The launcher's half of feeding a node over its SSH session (``clusterkit sync`` where
-this machine cannot reach the node's port): the records of node/sync_wire.py written to
+this machine cannot reach the node's port): the records of node/sync/wire.py written to
 the node program's stdin, and the launcher's control messages kept whole between them."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from clusterkit.errors import TransportError
-from clusterkit.node.sync_wire import CTRL, header
+from clusterkit.node.sync.wire import CTRL, header
 from clusterkit.remote.base import RemoteProcess
 
 PIECE = 1 << 20  # one stdin write: the launcher's memory stays bounded

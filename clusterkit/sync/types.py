@@ -57,7 +57,7 @@ class NodeResult:
 
 @dataclass
 class SyncResult:
-    digest: str  # the source's (node/sync_store.tree_digest)
+    digest: str  # the source's (node/sync/store.tree_digest)
     files: int
     total_bytes: int
     nodes: dict[str, NodeResult]  # in the nodes' order

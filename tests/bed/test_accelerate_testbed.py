@@ -4,7 +4,7 @@
 nodes x 1 rank, node-local /scratch, ``--replicas 1``, a spare.
 
 The test bed's nodes have no GPU: accelerate 1.15 alone would make every rank process 0 of
-1 (node/accelerate_cpu.py); clusterkit's hook (Profile.cpu_hook) gives them gloo. Each
+1 (node/hooks/accelerate_cpu.py); clusterkit's hook (Profile.cpu_hook) gives them gloo. Each
 test checks that the world really is 3 (``random_states_R.pkl`` of rank R on R's node).
 
 * kill -9 of rank 1 at step 15, after step_10 is saved: the restart's ranks load step_10

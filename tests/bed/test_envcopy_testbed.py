@@ -6,7 +6,7 @@ small venv (over this interpreter's packages, tests/venvs.py, + one tiny package
 base, this machine's Python with torch, is on the shared filesystem: recorded once,
 seen equal everywhere, not sent);
 a node whose facts say another CPU architecture (``CLUSTERKIT_TEST_ENVFACTS``, read
-only by node/envfacts.py) is refused before any byte reaches it. Then a launch runs
+only by node/facts/envfacts.py) is refused before any byte reaches it. Then a launch runs
 on it, doctor says identical, a file changed on one node is named by doctor, a
 package added there is refused by the launch gate, and a rerun repairs only that.
 The full environment (torch + deepspeed, ~1.9 GB) is the extended variant.

@@ -1,7 +1,7 @@
 """Issue 37 item 4 on the namespace test bed: two nodes (own host names, own PID
 namespaces) sharing one TORCH_EXTENSIONS_DIR, as an NFS home shares ~/.cache. A build on
-node A holds an op's lock with our build step's owner record (node/buildowner.Owner, as
-``jitops build`` keeps it); node B, where no /proc shows A's builder, sees it live:
+node A holds an op's lock with our build step's owner record (node/provision/buildowner.Owner, as
+``provision.jitops build`` keeps it); node B, where no /proc shows A's builder, sees it live:
 the launch gate's check and doctor's lock rule say "building on A", never stale, and
 removing stale locks leaves it. With the builder killed, A proves the lock dead at once
 (its pid is gone), B once the record stops being refreshed (here: the record's time set
@@ -24,21 +24,21 @@ from clusterkit.checks.facts import NodeFacts
 from clusterkit.checks.findings import Status
 from clusterkit.checks.rules_base import DoctorContext
 from clusterkit.checks.rules_env import check_jit_locks
-from clusterkit.node import buildowner
+from clusterkit.node.provision import buildowner
 from tests.paths import REPO
 from tests.testbed import Testbed
 
 pytestmark = pytest.mark.testbed
 
 HOLDER = ("import os, sys, time\n"
-          "from clusterkit.node.buildowner import Owner\n"
+          "from clusterkit.node.provision.buildowner import Owner\n"
           "lock = sys.argv[1]\n"
           "with Owner(lock, poll_s=0.1):\n"
           "    fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # as FileBaton does\n"
           "    print('holding', flush=True)\n"
           "    time.sleep(300)\n")
 ASK = ("import json, sys\n"
-       "from clusterkit.node import jitops\n"
+       "from clusterkit.node.provision import jitops\n"
        "found = jitops.locks([sys.argv[1]])\n"
        "gone = [lk['path'] for lk in found if sys.argv[2:] == ['remove'] and lk['state'] == 'dead'"
        " and jitops.remove(lk)]\n"

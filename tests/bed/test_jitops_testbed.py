@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.node import jitops
+from clusterkit.node.provision import jitops
 from tests.helpers import clusterkit_cli
 from tests.testbed import Testbed
 
@@ -34,7 +34,7 @@ def _built_here() -> Path:
     src = Path(jitops.build_root(torch_dir)) / SHM
     if not (src / f"{SHM}.so").is_file():
         env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
-        subprocess.run([sys.executable, "-c", "import sys; from clusterkit.node import jitops;"
+        subprocess.run([sys.executable, "-c", "import sys; from clusterkit.node.provision import jitops;"
                         f" print(jitops.build([{jitops.SHM_COMM!r}], {{}}))"],
                        env=env, check=True, timeout=600, capture_output=True)
     return src

@@ -54,7 +54,7 @@ def test_each_nodes_checkpoints_are_copied_to_its_ring_successor(
         record = contract.JobDir(str(testbed.root / "work" / ".clusterkit" / "jobs" / job))
         state = json.loads(Path(record.replica_state(node)).read_text())
         assert state == {tag: {succ: "complete"} for tag in tags}, (node, state)
-        # The copy's priority (node/priority.py) applied, and the node's log says what.
+        # The copy's priority (node/replicas/priority.py) applied, and the node's log says what.
         log = Path(record.node_dir(node), contract.JobDir.LAUNCHER_LOG).read_text()
         assert "replica: copies run at low priority: CPU: SCHED_IDLE" in log, log[-2000:]
 

@@ -1,4 +1,4 @@
-"""The native launch's fork server (clusterkit/node/zygote.py) on real namespace nodes.
+"""The native launch's fork server (clusterkit/node/agent/zygote.py) on real namespace nodes.
 
 The ranks it forks must see what ranks started with ``python -u script.py`` see
 (environment, argv, ``__file__``, ``sys.path[0]``, cwd, torch's thread count), and

@@ -22,7 +22,7 @@ from clusterkit.checks.invoke import (
     parse_probe_stdout,
     probe_source,
 )
-from clusterkit.node import probe
+from clusterkit.node.facts import probe
 from tests.helpers import free_port
 
 OLD_PYTHONS = [p for p in ("/root/.pyenv/versions/3.7.16/bin/python3.7",
@@ -129,7 +129,7 @@ def test_probe_source_is_the_module_file_and_imports_only_stdlib() -> None:
                 if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.module}
-    # ... and the node modules shipped beside it (clusterkit.node.ship bundles them).
+    # ... and the node modules shipped beside it (clusterkit.ship bundles them).
     imported -= {"clusterkit"} if any(isinstance(n, ast.ImportFrom) and (n.module or "")
                                       .startswith("clusterkit.node") for n in ast.walk(tree)) else set()
     assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported

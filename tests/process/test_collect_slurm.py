@@ -22,7 +22,7 @@ import pytest
 from clusterkit.checkpoints.sources.session import BackChannel
 from clusterkit.errors import LaunchError
 from clusterkit.launch.registry import JobRecord, Registry
-from clusterkit.node.ckstream import SOCKET_GREETING, connect_back, socket_proof
+from clusterkit.node.ckpt.stream import SOCKET_GREETING, connect_back, socket_proof
 from clusterkit.slurm.client import SlurmClient
 from clusterkit.slurm.steps import SlurmPlace, job_places, site_args, srun_hint
 from tests import synthetic_ckpt as synthetic

@@ -24,7 +24,7 @@ from clusterkit.checks.fixenv import merge_env_file, recommended_env
 from clusterkit.cli.main import main
 from clusterkit.errors import ClusterkitError, TransportError
 from clusterkit.inventory import Host, local_inventory
-from clusterkit.node.bw_worker import round_robin
+from clusterkit.node.facts.bw_worker import round_robin
 from clusterkit.remote.base import CommandResult
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.units import parse_size
@@ -42,7 +42,7 @@ def _plan(**kw: object):  # type: ignore[no-untyped-def]
 def test_plan_passes_every_address_as_peer_and_the_master() -> None:
     plan = _plan(master_port=29600)
     argv = plan.nodes[1].argv
-    assert argv[0] == "/venv/bin/python" and argv[argv.index("probe") + 1] == "facts"
+    assert argv[0] == "/venv/bin/python" and argv[argv.index("facts.probe") + 1] == "facts"
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--peer"] == [
         "10.0.0.1", "10.0.0.2", "10.0.0.3"]
     assert argv[argv.index("--master") + 1] == "10.0.0.1:29600"
@@ -210,7 +210,7 @@ def test_listener_exits_when_its_reader_goes_away() -> None:
     import subprocess
     import time
 
-    from clusterkit.node import probe
+    from clusterkit.node.facts import probe
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, probe.__file__, "listen", str(port), "60"],
@@ -234,7 +234,7 @@ def test_connect_with_retry_waits_for_a_late_listener() -> None:
     import threading
     import time
 
-    from clusterkit.node import probe
+    from clusterkit.node.facts import probe
 
     port = free_port()
     srv = socket.socket()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.errors import ClusterkitError
-from clusterkit.node import envfacts
+from clusterkit.node.facts import envfacts
 from clusterkit.provision.envcopy import Part, describe_local, editable_trees, refusal, unchanged
 
 HERE = {"machine": "x86_64", "glibc": "2.35", "os": "ubuntu 22.04",
@@ -153,15 +153,15 @@ PYTHONS = [p for p in ("/root/.pyenv/versions/3.8.18/bin/python3.8", sys.executa
 
 @pytest.mark.parametrize("python", PYTHONS)
 def test_envfacts_runs_shipped_on_a_bare_python(python: str, tmp_path: Path) -> None:
-    from clusterkit.node.ship import node_command
+    from clusterkit.ship import node_command
 
     src = _venv(tmp_path)
     want = envfacts.local_manifest(str(src))
-    cmd = node_command(python, "envfacts", ["facts", str(src), str(tmp_path / "none")])
+    cmd = node_command(python, "facts.envfacts", ["facts", str(src), str(tmp_path / "none")])
     res = subprocess.run(cmd.argv, input=cmd.stdin, capture_output=True, timeout=60, check=True)
     facts = json.loads(res.stdout.decode().splitlines()[-1])
     assert [s["state"] for s in facts["paths"].values()] == ["env", "absent"]
-    cmd = node_command(python, "envfacts", ["finish", str(src)],
+    cmd = node_command(python, "facts.envfacts", ["finish", str(src)],
                        payload=(json.dumps({"entries": want}) + "\n").encode())
     res = subprocess.run(cmd.argv, input=cmd.stdin, capture_output=True, timeout=60, check=True)
     assert json.loads(res.stdout.decode().splitlines()[-1])["record"]["digest"] == \

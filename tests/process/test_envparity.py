@@ -17,7 +17,7 @@ from clusterkit.checks.rules import ALL_RULES
 from clusterkit.checks.rules_base import DoctorContext
 from clusterkit.checks.rules_env import check_jit_locks, env_parity
 from clusterkit.launch.gate import judge
-from clusterkit.node import envfacts
+from clusterkit.node.facts import envfacts
 
 OURS = {"prefix": "/opt/env", "digest": "a" * 64, "stale": False,
         "groups": {"bin/python": "1", "lib/python3.11/site-packages/torch": "2"}}

@@ -152,7 +152,7 @@ def _sbatch_runs_as_intended(plan: LaunchPlan) -> None:
         script = re.sub(r"(?m)^job_dir=.*$", lambda _: f"job_dir={shlex.quote(scratch)}", script, count=1)
         made = f'for d; do case $d in {shlex.quote(scratch)}/*) command mkdir -p -- "$d";; esac; done; '
         stubs = stubs.replace("mkdir() {", "mkdir() { " + made, 1)
-        # The batch job's end (node/slurmend.py) runs with this interpreter, not the
+        # The batch job's end (node/slurm/end.py) runs with this interpreter, not the
         # plan's (a node's path that need not exist here).
         script = re.sub(r"(?m)^(slurmend\(\) \{[^\n]*\n\s+)('[^']*'|\S+)",
                         lambda m: m.group(1) + shlex.quote(sys.executable), script, count=1)

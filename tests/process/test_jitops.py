@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.node import jitops
+from clusterkit.node.provision import jitops
 from tests.paths import TESTS
 
 

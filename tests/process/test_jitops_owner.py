@@ -1,5 +1,5 @@
 """Issue 37 items 3-4: who holds a JIT build lock, judged from our build step's owner
-record (node/buildowner.py), and what each start does with it (node/jitops.py): a lock a
+record (node/provision/buildowner.py), and what each start does with it (node/provision/jitops.py): a lock a
 record proves dead is removed by itself, a live one (here or on a node sharing the
 directory) is never removed and is waited for, one nothing proves either way is refused
 with the fix. Pure decisions first, then the files as the build step leaves them."""
@@ -20,7 +20,7 @@ from clusterkit.checks.facts import NodeFacts
 from clusterkit.checks.findings import Status
 from clusterkit.checks.rules_base import DoctorContext
 from clusterkit.checks.rules_env import check_jit_locks
-from clusterkit.node import buildowner, jitbatch, jitops
+from clusterkit.node.provision import buildowner, jitbatch, jitops
 
 ME = {"host": "node1", "boot": "b1", "pidns": "pid:[1]"}
 
@@ -61,7 +61,7 @@ def test_owner_line_round_trips_and_a_torn_one_is_no_record() -> None:
 
 
 HOLDER = ("import os, sys, time\n"
-          "from clusterkit.node.buildowner import Owner\n"
+          "from clusterkit.node.provision.buildowner import Owner\n"
           "lock = sys.argv[1]\n"
           "with Owner(lock, poll_s=0.05):\n"
           "    fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # as FileBaton does\n"

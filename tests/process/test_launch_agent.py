@@ -27,16 +27,16 @@ from clusterkit.launch.console import PlainSink, Progress
 from clusterkit.launch.jobspec import JobSpec, NodeTask
 from clusterkit.launch.orchestrator import Orchestrator
 from clusterkit.launch.outcome import exit_status
-from clusterkit.node import agent as agent_mod
 from clusterkit.node import protocol
-from clusterkit.node.agent_env import omp_threads
-from clusterkit.node.agent_output import RankLogTail
-from clusterkit.node.agent_procs import job_processes, job_status, rank_pids_of, sweep
-from clusterkit.node.agent_state import State
+from clusterkit.node.agent import core as agent_mod
+from clusterkit.node.agent.env import omp_threads
+from clusterkit.node.agent.output import RankLogTail
+from clusterkit.node.agent.procs import job_processes, job_status, rank_pids_of, sweep
+from clusterkit.node.agent.state import State
 from clusterkit.node.protocol import AgentSpec
-from clusterkit.node.ship import agent_command
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.local import LocalTransport
+from clusterkit.ship import agent_command
 
 FAKE_RANK = textwrap.dedent("""
     import os, signal, subprocess, sys, time

@@ -4,7 +4,7 @@ launch makes before starting, and exits 2 where the launch would refuse.
 Local checks (the script, --sync DIR) are one function both paths call
 (`launch.gate.check_here`); the node checks are the gate the agents run, run on its
 own (`gate_nodes` + `run_gate`), with the checkpoint dir, master address and port
-added to it (node/gatefacts.py). The test bed proves the node checks over SSH
+added to it (node/facts/gatefacts.py). The test bed proves the node checks over SSH
 (tests/bed/test_launch_preflight_testbed.py).
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 from clusterkit.cli.main import main
 from clusterkit.launch.gate import gate_nodes, judge, node_needs
-from clusterkit.node.gatefacts import (
+from clusterkit.node.facts.gatefacts import (
     dir_problem,
     gate_facts,
     need_dir,
@@ -118,15 +118,15 @@ def test_judge_names_each_new_problem() -> None:
 ])
 def test_gate_and_doctor_give_one_verdict(versions: dict[str, str], odd: str) -> None:
     """The same facts given to the gate and to doctor: both blame the same node, by the
-    one rule (majority, ties to the earliest node: node/parity.py), for every package
+    one rule (majority, ties to the earliest node: node/facts/parity.py), for every package
     of the one table the gate reads (a mismatch there refuses / FAILs)."""
     from clusterkit.checks.facts import NodeFacts
     from clusterkit.checks.findings import Status
     from clusterkit.checks.rules_base import DoctorContext
     from clusterkit.checks.rules_parity import check_versions
     from clusterkit.hostrange import fold
-    from clusterkit.node.gatefacts import PACKAGES
-    from clusterkit.node.parity import MUST, packages
+    from clusterkit.node.facts.gatefacts import PACKAGES
+    from clusterkit.node.facts.parity import MUST, packages
 
     assert packages(MUST) == PACKAGES and PACKAGES
     order = list(versions)

@@ -1,4 +1,4 @@
-"""The replica copy's priority (issue 31 item 6): node/priority.py lowers the calling
+"""The replica copy's priority (issue 31 item 6): node/replicas/priority.py lowers the calling
 thread only, and falls back without an error where a step is not allowed."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from clusterkit.node import priority
+from clusterkit.node.replicas import priority
 from tests.paths import REPO
 
 
@@ -52,7 +52,7 @@ def test_the_calling_thread_gets_sched_idle_and_the_others_keep_theirs(tmp_path:
     if res["ionice"]:
         assert "idle" in res["ionice"]
         assert "I/O: idle class" in res["words"]
-    # No cpu cgroup (node/priority.py says why): the thread stays in its process's groups.
+    # No cpu cgroup (node/replicas/priority.py says why): the thread stays in its process's groups.
     assert "clusterkit-copy" not in res["cgroup"] and "cgroup" not in res["words"], res
 
 
@@ -76,7 +76,7 @@ def test_an_unprivileged_user_gets_what_it_may_without_an_error(tmp_path: Path) 
     if os.geteuid() != 0:
         pytest.skip("needs root to run a check as nobody")
     code = (f"import threading,os,sys;sys.path.insert(0,{str(REPO)!r});"
-            "from clusterkit.node import priority as p;r={};"
+            "from clusterkit.node.replicas import priority as p;r={};"
             "t=threading.Thread(target=lambda:r.update(w=p.lower_this_thread(),"
             "s=os.sched_getscheduler(0)));t.start();t.join();"
             "print(r['s']==os.SCHED_IDLE);print(r['w'])")

@@ -21,9 +21,9 @@ from clusterkit.inventory import load_inventory
 from clusterkit.jobs.recover import resume_plan, resumed_program
 from clusterkit.launch.continuation import needs_ready, resume_note, resume_watch
 from clusterkit.launch.fromplan import checkpoint_prep, job_from_plan
-from clusterkit.node import accelerate_cpu
-from clusterkit.node.agent_files import ready_checkpoints
+from clusterkit.node.agent.files import ready_checkpoints
 from clusterkit.node.contract import ASIDE_SUFFIX, JobDir
+from clusterkit.node.hooks import accelerate_cpu
 from clusterkit.plan.build import plan_job
 from clusterkit.plan.profile import cpu_hook_source
 from clusterkit.render.artifacts import render_all
@@ -484,7 +484,7 @@ hosts: {{n1: {{address: 10.0.0.1}}, n2: {{address: 10.0.0.2}}, n3: {{address: 10
 
 
 def test_accelerate_on_cpu_nodes_gets_the_hook_on_every_storage(tmp_path: Path) -> None:
-    """accelerate 1.15 picks no process group on a rank without a GPU (node/accelerate_cpu.py):
+    """accelerate 1.15 picks no process group on a rank without a GPU (node/hooks/accelerate_cpu.py):
     such ranks get the job dir's sitecustomize.py first on PYTHONPATH, on node-local and
     shared storage alike, and the profile line says so; GPU nodes and other profiles get
     nothing."""

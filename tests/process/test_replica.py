@@ -19,16 +19,16 @@ import pytest
 
 from clusterkit.node import contract
 from clusterkit.node.hashing import sha256_file
-from clusterkit.node.replica import (
+from clusterkit.node.replicas.area import read_manifest, safe_rel
+from clusterkit.node.replicas.done import CompletionWatch
+from clusterkit.node.replicas.rules import missing_rank_files
+from clusterkit.node.replicas.service import ReplicaService
+from clusterkit.node.replicas.wire import (
     ReplicaError,
     ReplicaServer,
     push,
     say_bye,
 )
-from clusterkit.node.replica_area import read_manifest, safe_rel
-from clusterkit.node.replica_done import CompletionWatch
-from clusterkit.node.replica_rules import missing_rank_files
-from clusterkit.node.replica_service import ReplicaService
 from tests.replicahelpers import fresh_job_id, ring_pair, zero2_tag
 
 SECRET = "s" * 64
@@ -147,7 +147,7 @@ def test_bye_is_authenticated_and_ends_the_wait(server: ReplicaServer) -> None:
 
 KILLED_CLIENT = f"""
 import sys, time
-from clusterkit.node.replica import push
+from clusterkit.node.replicas.wire import push
 sys.argv.pop(0)
 src, job = sys.argv[0], sys.argv[1]
 def slow(block):
@@ -173,7 +173,7 @@ def test_a_client_killed_mid_copy_leaves_nothing_counted(tmp_path: Path) -> None
     time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    # The receiving thread runs at idle priority (node/priority.py): on a busy machine
+    # The receiving thread runs at idle priority (node/replicas/priority.py): on a busy machine
     # it notices the closed connection when the CPU has time for it.
     deadline = time.monotonic() + 30
     while any(area.iterdir()) and time.monotonic() < deadline:
@@ -339,7 +339,8 @@ def test_a_retried_failure_is_logged_only_the_last_one_is_an_event(tmp_path: Pat
     """At a (re)start the peers' servers come up at different moments: a refused try that
     will be retried stays in the node's log; only the try that gives up is an event."""
     from clusterkit.launch.replica_events import replica_line
-    from clusterkit.node import protocol, replica_service
+    from clusterkit.node import protocol
+    from clusterkit.node.replicas import service
 
     events: list[Any] = []
     logged: list[str] = []
@@ -351,12 +352,12 @@ def test_a_retried_failure_is_logged_only_the_last_one_is_an_event(tmp_path: Pat
            "targets": [{"node": "n1", "index": 1, "address": "127.0.0.1"}]}
     svc = ReplicaService(cfg, "job-nobody-listens", "n0", str(tmp_path / "n0.json"),
                          events.append, logged.append)
-    for tries in range(1, replica_service.MAX_TRIES + 1):
+    for tries in range(1, service.MAX_TRIES + 1):
         svc._tries.pop(("global_step5", "n1"), None)
         if tries > 1:
             svc._tries[("global_step5", "n1")] = (tries - 1, 0.0)
         svc._copy("global_step5", "n1")
-    assert len(logged) == replica_service.MAX_TRIES
+    assert len(logged) == service.MAX_TRIES
     assert len(events) == 1 and events[0].state == "failed" and "giving up" in events[0].detail
     assert "failed" in replica_line(events[0])
     have = protocol.Replica("n0", tag="global_step5", source=0, target="n1", state="complete",

@@ -1,4 +1,4 @@
-"""The agent's checkpoint copies in a child process of their own (node/replica_proc.py):
+"""The agent's checkpoint copies in a child process of their own (node/replicas/proc.py):
 a session of its own at autogroup nice 19, the service's events and log lines forwarded,
 finish and abort, and a child that outlives its agent ends by itself."""
 
@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from clusterkit.node import contract, priority, protocol
-from clusterkit.node.replica_area import read_manifest
-from clusterkit.node.replica_proc import ReplicaProcess, child_bundle
+from clusterkit.node import contract, protocol
+from clusterkit.node.replicas import priority
+from clusterkit.node.replicas.area import read_manifest
+from clusterkit.node.replicas.proc import ReplicaProcess, child_bundle
 from tests.replicahelpers import fresh_job_id, ring_pair, zero2_tag
 
 SECRET = "p" * 64
@@ -129,7 +130,7 @@ def test_a_child_whose_agent_died_ends_by_itself(tmp_path: Path) -> None:
 def test_the_child_gets_the_sources_this_process_runs(tmp_path: Path) -> None:
     head = child_bundle().split(b"\n", 1)[0].decode().split()
     assert head[:2] == [contract.BUNDLE_MAGIC, str(contract.BUNDLE_VERSION)]
-    assert [e.split(":")[0] for e in head[2:]][-1] == "replica_proc"
+    assert [e.split(":")[0] for e in head[2:]][-1] == "replicas.proc"
 
 
 @pytest.mark.skipif(not AUTOGROUP or os.getsid(0) == os.getpid(),

@@ -1,6 +1,6 @@
 """Issue 37 item 3: the batch script builds DeepSpeed's JIT ops once per node before the
 ranks start. The written sbatch.sh runs under bash with Slurm's commands stubbed (srun
-runs its command here, as the one node ``n1``): the real ``jitops batch`` node program
+runs its command here, as the one node ``n1``): the real ``provision.jitops batch`` node program
 reads the job file ``jitops.bundle`` and answers for this machine's torch/deepspeed."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.cli.main import main
-from clusterkit.node import jitops
+from clusterkit.node.provision import jitops
 
 STUBS = """
 scontrol() { printf '%s\\n' n1; }

@@ -589,7 +589,7 @@ def test_script_requeues_a_hung_step_as_max_restarts_allows(
     assert "scontrol requeue 77" in calls and "restart 1 of --max-restarts 1" in r.stdout
     # the watchdog got its arguments: --hang-timeout 30 and launch's start-up allowance, 60 s
     assert ' "$hang_dir" 30 60 "$launch_pid" 2 <<' in (job_dir / "sbatch.sh").read_text()
-    assert "usage: slurmwatch" not in r.stderr, r.stderr
+    assert "usage: slurm.watch" not in r.stderr, r.stderr
     assert (job_dir / "hang_restarts").read_text().strip() == "1"
     r, calls, _ = _verdict(tmp_path, capsys, step, *flags, restarts=1)
     assert r.returncode == 124 and "scontrol requeue" not in calls

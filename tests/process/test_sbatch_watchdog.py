@@ -1,4 +1,4 @@
-"""sbatch.sh's progress watchdog, node side (clusterkit/node/slurmwatch.py), without Slurm:
+"""sbatch.sh's progress watchdog, node side (clusterkit/node/watch.py), without Slurm:
 finding a job's ranks on a node, their stacks (py-spy or faulthandler), the folded summary.
 The whole path (srun --overlap, SIGSTOPped rank, step ended) runs on the Slurm test bed:
 tests/bed/slurm/test_sbatch_user_slurm.py::test_a_stopped_rank_is_named_and_ends_the_step."""
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.node import ship, slurmwatch
+from clusterkit import ship
+from clusterkit.node.slurm import watch
 
 CHILD = ("import time\n"
          "def train_step():\n"
@@ -24,7 +25,7 @@ CHILD = ("import time\n"
 
 @pytest.fixture(autouse=True)
 def _usr1_restored():  # type: ignore[no-untyped-def]
-    """slurmwatch.watch ignores SIGUSR1 (scancel --signal=USR1 reaches it too): in this
+    """watch.watch ignores SIGUSR1 (scancel --signal=USR1 reaches it too): in this
     process that is inherited by every later child, and a batch script run by a later
     test (tests/process/test_sbatch_units.py) could then not trap it and hung."""
     before = signal.getsignal(signal.SIGUSR1)
@@ -48,14 +49,14 @@ def ranks(tmp_path: Path):  # type: ignore[no-untyped-def]
 def test_stacks_of_every_rank_and_the_stopped_one_named(ranks: list[subprocess.Popen[bytes]],
                                                         tmp_path: Path) -> None:
     job = f"wd-{os.getpid()}"
-    assert slurmwatch.ranks_of(job) == {0: ranks[0].pid, 1: ranks[1].pid}
+    assert watch.ranks_of(job) == {0: ranks[0].pid, 1: ranks[1].pid}
     os.kill(ranks[1].pid, signal.SIGSTOP)
     time.sleep(0.3)
     dump = tmp_path / "dump"
-    assert slurmwatch.stacks(job, str(dump)) == 0
+    assert watch.stacks(job, str(dump)) == 0
     head = (dump / "rank1.txt").read_text().splitlines()[0]
     assert head.startswith("# rank 1 node ") and " state T " in head
-    lines, culprit = slurmwatch.summary(str(dump))
+    lines, culprit = watch.summary(str(dump))
     assert any(ln.startswith("  rank 1 (") and "stopped" in ln and "odd one out" in ln
                for ln in lines), lines
     assert culprit.startswith("rank 1 on ") and "stopped" in culprit
@@ -65,9 +66,9 @@ def test_stacks_of_every_rank_and_the_stopped_one_named(ranks: list[subprocess.P
 
 def test_the_batch_script_starts_it_the_one_way_node_code_runs() -> None:
     """The shipped bundle (bootstrap + sources on stdin) runs stand-alone (python -S)."""
-    cmd = ship.node_command(sys.executable, "slurmwatch", [])
+    cmd = ship.node_command(sys.executable, "slurm.watch", [])
     proc = subprocess.run(cmd.argv, input=cmd.stdin, capture_output=True, timeout=60, check=False)
-    assert proc.returncode == 2 and b"usage: slurmwatch" in proc.stderr
+    assert proc.returncode == 2 and b"usage: slurm.watch" in proc.stderr
 
 
 def test_summary_folds_alike_ranks(tmp_path: Path) -> None:
@@ -80,7 +81,7 @@ def test_summary_folds_alike_ranks(tmp_path: Path) -> None:
         (tmp_path / f"rank{rank}.txt").write_text(
             f"# rank {rank} node node{1 + rank // 2} state {'T' if stopped else 'S'} "
             f"tool faulthandler pid 1\n{body}")
-    lines, culprit = slurmwatch.summary(str(tmp_path))
+    lines, culprit = watch.summary(str(tmp_path))
     assert lines[0] == "  ranks 0-2 (node1 0-1, node2 2): in all_reduce \u2190 main"
     assert lines[1].startswith("  rank 3 (node2, stopped): in wait") and "odd one out" in lines[1]
     assert culprit == "rank 3 on node2 is stopped (SIGSTOP?)"
@@ -92,12 +93,12 @@ def test_watch_ends_a_step_without_progress(tmp_path: Path, monkeypatch: pytest.
     file with the reason, SIGTERM to the step (here a sleep), the lines on both streams.
     (srun fails here: no Slurm.)"""
     (tmp_path / "logs").mkdir()
-    monkeypatch.setattr(slurmwatch, "POLL_S", 0.2)
+    monkeypatch.setattr(watch, "POLL_S", 0.2)
     monkeypatch.delenv("CLUSTERKIT_HEARTBEAT_DIR", raising=False)
     step = subprocess.Popen(["sleep", "60"])
     try:
         t0 = time.monotonic()
-        assert slurmwatch.watch("nojob", str(tmp_path), str(tmp_path / "hangs"), 1.0, step.pid,
+        assert watch.watch("nojob", str(tmp_path), str(tmp_path / "hangs"), 1.0, step.pid,
                                 1) == 0
         assert step.wait(timeout=10) == -signal.SIGTERM
         assert time.monotonic() - t0 < 30
@@ -117,10 +118,10 @@ def test_watch_ends_a_step_without_progress(tmp_path: Path, monkeypatch: pytest.
 def test_watch_leaves_a_step_that_progresses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
-    monkeypatch.setattr(slurmwatch, "POLL_S", 0.2)
+    monkeypatch.setattr(watch, "POLL_S", 0.2)
     step = subprocess.Popen(["sh", "-c", f"for i in 1 2 3 4 5 6 7 8; do echo $i >> {logs}/x; "
                                          "sleep 0.4; done"])
-    assert slurmwatch.watch("nojob", str(tmp_path), str(tmp_path / "hangs"), 1.5, step.pid,
+    assert watch.watch("nojob", str(tmp_path), str(tmp_path / "hangs"), 1.5, step.pid,
                             1) == 0
     assert step.wait(timeout=10) == 0 and not (tmp_path / "hang").exists()
 
@@ -143,7 +144,7 @@ def test_a_build_in_progress_is_never_ended_by_the_start_up_allowance(
     """Silent ranks, hang 10 s (allowance 20 s): while a node reports a build the verdict
     waits (said once per build); once the build is over and nothing moves, it fires."""
     clock = _Clock()
-    state = slurmwatch.Watch(clock.t, 10.0, 20.0)
+    state = watch.Watch(clock.t, 10.0, 20.0)
     asked: list[float] = []
 
     def building() -> list[str]:
@@ -151,7 +152,7 @@ def test_a_build_in_progress_is_never_ended_by_the_start_up_allowance(
         return (["DeepSpeed/torch op fused_adam is being built by rank 3 on node2 (...)"]
                 if clock.t < 1100 else [])
 
-    verdict = slurmwatch.run_watch(state, lambda seen: (0.0, False), lambda: True,
+    verdict = watch.run_watch(state, lambda seen: (0.0, False), lambda: True,
                                    clock=clock, sleep=clock.sleep, building=building)
     assert verdict is not None and verdict.hung and clock.t > 1100
     assert asked[0] >= 1020  # asked only when the rule would fire: not every poll
@@ -160,8 +161,8 @@ def test_a_build_in_progress_is_never_ended_by_the_start_up_allowance(
     assert out.count("op fused_adam is being built by rank 3 on node2") == 1
     assert "the watchdog waits for the build" in out
     # After training was seen a verdict is a hang, build or not.
-    state = slurmwatch.Watch(clock.t, 10.0, 20.0)
-    verdict = slurmwatch.run_watch(state, lambda seen: (clock.t if clock.t < 1200 else 0.0,
+    state = watch.Watch(clock.t, 10.0, 20.0)
+    verdict = watch.run_watch(state, lambda seen: (clock.t if clock.t < 1200 else 0.0,
                                                         True), lambda: True, clock=clock,
                                    sleep=clock.sleep, building=lambda: ["x"])
     assert verdict is not None and verdict.hung
@@ -192,8 +193,8 @@ def test_each_rank_is_dumped_by_its_own_node_under_its_node_name(
         dump = tmp_path / "dump"
         for node in ("node1", "node2"):
             monkeypatch.setenv("SLURMD_NODENAME", node)
-            assert set(slurmwatch.ranks_of(job)) == ({0, 1} if node == "node1" else {2, 3})
-            assert slurmwatch.stacks(job, str(dump)) == 0
+            assert set(watch.ranks_of(job)) == ({0, 1} if node == "node1" else {2, 3})
+            assert watch.stacks(job, str(dump)) == 0
     finally:
         for p in procs:
             p.kill()
@@ -201,7 +202,7 @@ def test_each_rank_is_dumped_by_its_own_node_under_its_node_name(
     heads = {int(f.stem[4:]): f.read_text().split("\n", 1)[0] for f in dump.glob("rank*.txt")}
     assert {r: h.split()[4] for r, h in heads.items()} == {0: "node1", 1: "node1", 2: "node2",
                                                             3: "node2"}
-    lines, _ = slurmwatch.summary(str(dump))
+    lines, _ = watch.summary(str(dump))
     assert lines[0].startswith("  ranks 0-3 (node1 0-1, node2 2-3): "), lines
 
 
@@ -214,7 +215,7 @@ def test_the_summary_maps_eight_ranks_to_their_four_nodes(tmp_path: Path) -> Non
             f"# rank {rank} node node{1 + rank // 2} state S tool py-spy pid {100 + rank}\n"
             f"Thread 1 (idle): \"MainThread\"\n    {frame} (torch/utils/file_baton.py:42)\n"
             "    load (deepspeed/ops/op_builder/builder.py:1)\n    main (train.py:9)\n")
-    lines, culprit = slurmwatch.summary(str(tmp_path))
+    lines, culprit = watch.summary(str(tmp_path))
     assert lines[0] == ("  ranks 0-5,7 (node1 0-1, node2 2-3, node3 4-5, node4 7): "
                         "in wait \u2190 load")
     assert lines[1].startswith("  rank 6 (node4): in communicate") and "odd one out" in lines[1]
@@ -236,17 +237,17 @@ def test_builds_names_the_rank_that_holds_a_build_lock(
     idle = _rank(job, 2, "node2", TORCH_EXTENSIONS_DIR=str(ext))
     builder = _rank(job, 3, "node2", TORCH_EXTENSIONS_DIR=str(ext), HOLD=str(lock))
     try:
-        assert slurmwatch.builds(job) == 0
+        assert watch.builds(job) == 0
     finally:
         for p in (idle, builder):
             p.kill()
             p.wait()
     out = capsys.readouterr().out.splitlines()
-    assert out == [f"{slurmwatch.BUILD_TAG}DeepSpeed/torch op cpu_adam is being built on node3 "
+    assert out == [f"{watch.BUILD_TAG}DeepSpeed/torch op cpu_adam is being built on node3 "
                    f"(its owner record, seen from node2; {elsewhere})",
-                   f"{slurmwatch.BUILD_TAG}DeepSpeed/torch op fused_adam is being built by "
+                   f"{watch.BUILD_TAG}DeepSpeed/torch op fused_adam is being built by "
                    f"rank 3 on node2 (pid {builder.pid}; {lock})"], out
-    assert slurmwatch.builds(job) == 0 and capsys.readouterr().out == ""  # no rank: no dirs
+    assert watch.builds(job) == 0 and capsys.readouterr().out == ""  # no rank: no dirs
 
 
 def test_a_nodes_answer_is_read_through_sruns_labels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -261,8 +262,8 @@ def test_a_nodes_answer_is_read_through_sruns_labels(monkeypatch: pytest.MonkeyP
                                                     b" 10: clusterkit-build op b on node11\n",
                                            b"")
 
-    monkeypatch.setattr(slurmwatch.subprocess, "run", fake_run)
-    got = slurmwatch._on_every_node(["builds", "j"], 11, slurmwatch.BUILD_TAG)
+    monkeypatch.setattr(watch.subprocess, "run", fake_run)
+    got = watch._on_every_node(["builds", "j"], 11, watch.BUILD_TAG)
     assert got == ["op a on node1", "op b on node11"]
     assert seen[0][:6] == ["srun", "--overlap", "--nodes=11", "--ntasks=11",
                            "--ntasks-per-node=1", "--input=all"]

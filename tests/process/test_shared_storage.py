@@ -1,6 +1,6 @@
 """A "node-local" checkpoint dir that is one filesystem for several nodes (issue 32).
 
-The token logic (node/gatefacts.py: token_seen, drop_tokens, shared_groups) on this
+The token logic (node/facts/gatefacts.py: token_seen, drop_tokens, shared_groups) on this
 machine's filesystem, the gate's verdict from the nodes' facts (launch/gate.py), doctor's
 finding (checks/rules_storage.py) and collect-ckpt's one line (checkpoints/collect/discover.py).
 The test bed runs the same over SSH (tests/bed/test_shared_storage_testbed.py).
@@ -23,7 +23,7 @@ from clusterkit.checks.findings import Status
 from clusterkit.checks.rules_base import DoctorContext
 from clusterkit.checks.rules_storage import check_shared_dirs
 from clusterkit.launch.gate import judge, node_needs, shared_dirs
-from clusterkit.node.gatefacts import (
+from clusterkit.node.facts.gatefacts import (
     TOKEN_PREFIX,
     TOKEN_STALE_S,
     drop_tokens,

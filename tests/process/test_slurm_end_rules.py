@@ -1,4 +1,4 @@
-"""The batch job's end as a table (clusterkit.node.slurmend.decide) row by row, as
+"""The batch job's end as a table (clusterkit.node.slurm.end.decide) row by row, as
 docs/sbatch.md has it ("How the batch job decides"); the program gathering its facts
 from a job dir's files; and the template left with the sequencing only (issue 36 item 2).
 """
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.node import ship, slurmend
-from clusterkit.node.slurmend import (
+from clusterkit import ship
+from clusterkit.node.slurm import end
+from clusterkit.node.slurm.end import (
     ANY,
     BOTH,
     ERR,
@@ -121,7 +122,7 @@ def test_every_row_of_the_doc_table_has_a_test_row() -> None:
     doc = [ln.split("|")[1].strip().strip("`") for ln in table.strip().splitlines()[1:]]
     assert len(doc) == len(set(doc))
     assert sorted(set(doc) ^ {r[0] for r in TABLE}) == []
-    module_rows = set(re.findall(r"^``([a-z-]+)``", slurmend.__doc__ or "", re.M))
+    module_rows = set(re.findall(r"^``([a-z-]+)``", end.__doc__ or "", re.M))
     assert module_rows == set(doc)  # the module docstring is the same table
     assert {want.requeue for *_, want in TABLE} == {NONE, ANY, PINNED}
 
@@ -142,7 +143,7 @@ def _job_dir(tmp_path: Path, **conf: object) -> dict[str, object]:
 def _run(conf: dict[str, object], tmp_path: Path, *args: str) -> tuple[int, str, str, str]:
     out, err, answer = io.StringIO(), io.StringIO(), io.StringIO()
     env = {"SLURM_JOB_ID": "77", "CLUSTERKIT_CKPT_DIR": str(tmp_path / "ckpt")}
-    rc = slurmend.run([json.dumps(conf), *args], env, out, err, answer)
+    rc = end.run([json.dumps(conf), *args], env, out, err, answer)
     return rc, out.getvalue(), err.getvalue(), answer.getvalue()
 
 
@@ -199,7 +200,7 @@ def test_the_shipped_program_answers_on_fd_3(python: str, tmp_path: Path) -> Non
     """As the script runs it: bootstrap + sources on stdin, the lines on stdout/stderr,
     the answer alone on file descriptor 3 (on the oldest Python found here too)."""
     conf = json.dumps(_job_dir(tmp_path))
-    cmd = ship.node_command(python, "slurmend", [conf, "1", "", ""])
+    cmd = ship.node_command(python, "slurm.end", [conf, "1", "", ""])
     env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "77"}
     answer = tmp_path / "answer"
     proc = subprocess.run(["bash", "-c", 'exec "$@" 3>"$0"', str(answer), *cmd.argv],
@@ -210,7 +211,7 @@ def test_the_shipped_program_answers_on_fd_3(python: str, tmp_path: Path) -> Non
     assert b"the launch step failed (exit 1)" in proc.stderr
     bad = subprocess.run(cmd.argv[:-4], input=cmd.stdin, capture_output=True, timeout=60,
                          cwd=tmp_path, check=False)
-    assert bad.returncode == 2 and b"usage: slurmend" in bad.stderr
+    assert bad.returncode == 2 and b"usage: slurm.end" in bad.stderr
 
 
 def test_the_template_only_performs_the_answer() -> None:

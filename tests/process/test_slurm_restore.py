@@ -1,7 +1,7 @@
-"""node/slurmrestore.py without Slurm: a node-local job's parts moved onto another node set.
+"""node/slurm/restore.py without Slurm: a node-local job's parts moved onto another node set.
 
 Four "nodes" (a checkpoint dir each, on this machine) hold global_step4 of a 4 x 2 job,
-each part replicated on its ring successor over the real replica wire (node/replica.py).
+each part replicated on its ring successor over the real replica wire (node/replicas/wire.py).
 node C (node index 2) is lost; the next run gets A, B, D, E. The plan keeps A and B,
 makes D (its own part was node index 3's) take node index 2 from its replica and keep its
 own part as a replica of index 3, and E receive node index 3 from its replica on A; then
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.node import slurmrestore
+from clusterkit.node.ckpt.listing import listing
 from clusterkit.node.contract import REPLICA_MANIFEST, marker_name, replica_dir
-from clusterkit.node.listing import listing
-from clusterkit.node.replica import ReplicaServer, push
-from clusterkit.node.replica_rules import ring
+from clusterkit.node.replicas.rules import ring
+from clusterkit.node.replicas.wire import ReplicaServer, push
+from clusterkit.node.slurm import restore
 from tests.replicahelpers import fresh_job_id
 
 TAG = "global_step4"
@@ -54,7 +54,7 @@ def _save(root: Path, index: int) -> None:
 
 def _mark(d: Path, index: int, nodes: int) -> None:
     """The completion marker as the bundled workload writes it last (the keys the copy
-    rule reads: node/replica_rules.read_marker): every file of the tag dir and its size."""
+    rule reads: node/replicas/rules.read_marker): every file of the tag dir and its size."""
     files = {p.name: p.stat().st_size for p in d.iterdir()}
     (d / marker_name(index)).write_text(json.dumps(
         {"tag": d.name, "node_index": index, "num_nodes": nodes, "node_files": files}))
@@ -84,14 +84,14 @@ def test_a_lost_node_s_part_is_moved_from_its_replica(tmp_path: Path) -> None:
     # node C lost for good: its disk with it.
     new = ["A", "B", "D", "E"]
     listings = {h: listing(str(roots[h]), None) for h in new}
-    plan = slurmrestore.decide(listings, new, old, True, RPN)
+    plan = restore.decide(listings, new, old, True, RPN)
     assert plan["tag"] == TAG, plan
     assert plan["lines"][:2] == ["node index 2 (was C) -> D: from its replica on D",
                                  "node index 3 (was D) -> E: from its replica on A"], plan["lines"]
     results: dict[str, int] = {}
 
     def run(h: str) -> None:
-        results[h] = slurmrestore.restore(plan, h, str(roots[h]), JOB, SECRET,
+        results[h] = restore.restore(plan, h, str(roots[h]), JOB, SECRET,
                                           dict.fromkeys(new, "127.0.0.1"))
     threads = [threading.Thread(target=run, args=(h,)) for h in new]
     for t in threads:
@@ -107,7 +107,7 @@ def test_a_lost_node_s_part_is_moved_from_its_replica(tmp_path: Path) -> None:
     assert (Path(replica_dir(str(roots["D"]), 3, TAG)) / REPLICA_MANIFEST).is_file()
     # A second decision on the same nodes: every part in place.
     again = {h: listing(str(roots[h]), None) for h in new}
-    assert slurmrestore.decide(again, new, new, True, RPN)["lines"] == []
+    assert restore.decide(again, new, new, True, RPN)["lines"] == []
 
 
 def test_a_part_on_no_node_of_the_run_is_named(tmp_path: Path) -> None:
@@ -116,7 +116,7 @@ def test_a_part_on_no_node_of_the_run_is_named(tmp_path: Path) -> None:
     for i, h in enumerate(old):
         _save(roots[h], i)  # no replicas
     new = ["A", "B", "D", "E"]
-    plan = slurmrestore.decide({h: listing(str(roots[h]), None) for h in new},
+    plan = restore.decide({h: listing(str(roots[h]), None) for h in new},
                                new, old, True, RPN)
     assert plan["missing"] == (f"checkpoint {TAG} cannot be assembled from this run's nodes: "
                                "node index 2 (was C): no copy on any node of this run and no "
@@ -130,7 +130,7 @@ def test_fewer_nodes_gather_every_part_for_the_universal_conversion(tmp_path: Pa
         _save(roots[h], i)
     _replicate(roots, old)
     new = ["A", "B", "D"]  # C lost, no spare: 3 nodes
-    plan = slurmrestore.decide({h: listing(str(roots[h]), None) for h in new},
+    plan = restore.decide({h: listing(str(roots[h]), None) for h in new},
                                new, old, True, RPN)
     assert plan["reshard"] and plan["tag"] == TAG
     assert plan["lines"] == ["node index 0 (was A): from its own copy on A",
@@ -138,7 +138,7 @@ def test_fewer_nodes_gather_every_part_for_the_universal_conversion(tmp_path: Pa
                              "node index 2 (was C): from its replica on D",
                              "node index 3 (was D): from its own copy on D"], plan["lines"]
     dest = tmp_path / "gather"
-    assert all(slurmrestore.gather(plan, h, str(roots[h]), str(dest)) == 0 for h in new)
+    assert all(restore.gather(plan, h, str(roots[h]), str(dest)) == 0 for h in new)
     names = sorted(p.name for p in (dest / TAG).iterdir())
     assert names == sorted({*(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(8)),
                             "mp_rank_00_model_states.pt", *(marker_name(i) for i in range(4))})
@@ -146,10 +146,10 @@ def test_fewer_nodes_gather_every_part_for_the_universal_conversion(tmp_path: Pa
     # The script converts dest/TAG; spread copies the result into each node's dir, whole.
     (dest / f"{TAG}_universal").mkdir()
     (dest / f"{TAG}_universal" / "marker.json").write_text("{}")
-    assert slurmrestore.spread(str(dest / f"{TAG}_universal"), str(roots["D"])) == 0
+    assert restore.spread(str(dest / f"{TAG}_universal"), str(roots["D"])) == 0
     assert (roots["D"] / f"{TAG}_universal" / "marker.json").read_text() == "{}"
     # A user's script (no markers): the same gather, its parts judged by DeepSpeed's files;
     # the world size that saved it (for the converter) from its highest rank file.
-    bare = slurmrestore.decide({h: listing(str(roots[h]), None) for h in new},
+    bare = restore.decide({h: listing(str(roots[h]), None) for h in new},
                                new, old, False, RPN)
     assert bare["reshard"] and bare["world"] == 8 and bare["lines"] == plan["lines"], bare

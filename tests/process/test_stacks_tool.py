@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from clusterkit.launch.stacks import read_stack, summarize
-from clusterkit.node import agent as agent_mod
-from clusterkit.node import agent_hangs
+from clusterkit.node.agent import core as agent_mod
+from clusterkit.node.agent import hangs
 from clusterkit.node.protocol import EVENT_PREFIX, AgentSpec
 
 
@@ -60,7 +60,7 @@ def no_spy_elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bare.mkdir(parents=True)
     monkeypatch.setattr(sys, "executable", str(bare / "python3"))
     monkeypatch.setenv("PATH", str(bare))
-    monkeypatch.setattr(agent_hangs, "DUMP_WAIT_S", 0.3)
+    monkeypatch.setattr(hangs, "DUMP_WAIT_S", 0.3)
     monkeypatch.delenv("CLUSTERKIT_STACK_TOOL", raising=False)
 
 
@@ -97,7 +97,7 @@ def test_py_spy_in_the_venv_bin_dir_only_reads_the_rank(
     python = str(venv / "bin" / "python3")
     a = _agent(tmp_path, python)
     assert a.job_pythons() == [python]  # as typed: the venv's path, not the resolved one
-    assert agent_hangs.py_spy(a.job_pythons()) == str(venv / "bin" / "py-spy")
+    assert hangs.py_spy(a.job_pythons()) == str(venv / "bin" / "py-spy")
     res = _dump(a, python)["0"]
     assert res["tool"] == "py-spy", res
     st = read_stack(0, "node1", res["text"])
@@ -112,9 +112,9 @@ def test_a_bare_interpreter_name_is_found_on_the_ranks_path(
     a = _agent(tmp_path, "python3")
     a.spec.env["PATH"] = str(venv / "bin")  # the ranks' PATH (the inventory's env)
     assert a.job_pythons() == [str(venv / "bin" / "python3")]
-    assert agent_hangs.py_spy(a.job_pythons()) == str(venv / "bin" / "py-spy")
-    assert agent_hangs.py_spy([], str(venv / "bin")) == str(venv / "bin" / "py-spy")
-    assert agent_hangs.py_spy([]) is None
+    assert hangs.py_spy(a.job_pythons()) == str(venv / "bin" / "py-spy")
+    assert hangs.py_spy([], str(venv / "bin")) == str(venv / "bin" / "py-spy")
+    assert hangs.py_spy([]) is None
 
 
 def test_no_py_spy_and_no_handler_says_why_once_and_how_to_get_py_spy(

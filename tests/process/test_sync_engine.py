@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.cli.main import main
-from clusterkit.node import sync_store as store
+from clusterkit.node.sync import store as store
 from clusterkit.sync.plan import Chains, NodeView, node_lines, progress_line, records
 from tests.synchelpers import local_inventory
 
@@ -370,7 +370,7 @@ def test_a_node_sweeps_only_its_own_stale_partials(tmp_path: Path) -> None:
     """Partial files carry the receiving host: on a DEST that several nodes share, one
     node's sweep leaves the others' partials alone (and still removes its own stale ones
     and those from before names carried the host)."""
-    from clusterkit.node.sync_chain import Node
+    from clusterkit.node.sync.chain import Node
 
     part = tmp_path / store.PARTIAL_DIR
     part.mkdir(parents=True)

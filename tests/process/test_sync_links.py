@@ -15,7 +15,7 @@ import pytest
 
 from clusterkit.checks.rules_sync import check_sync
 from clusterkit.cli.main import main
-from clusterkit.node import sync_store as store
+from clusterkit.node.sync import store as store
 from clusterkit.sync.source import Ignore, link_text, scan
 from tests.synchelpers import SHA_CFG, SHA_W, hf_tree, local_inventory
 

@@ -1,7 +1,7 @@
 """One completeness rule for a user's own checkpoint (issue 32 item 4).
 
 A user's DeepSpeed script writes no completion markers. The replicas decide when its
-save is complete on a node by node/replica_rules.part_problem (every file DeepSpeed owes
+save is complete on a node by node/replicas/rules.part_problem (every file DeepSpeed owes
 the node's ranks, none cut short); ``status``, ``collect-ckpt`` and the restore onto a
 spare ask the same function (checkpoints/replicas/assemble.py). A job clusterkit launched records
 whether its program writes markers, so ``status`` counts each node's own part and
@@ -24,7 +24,7 @@ from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.launch.registry import JobRecord, NodeRecord, Registry
 from clusterkit.node import contract
 from clusterkit.node.contract import MARKER_GLOB
-from clusterkit.node.replica_rules import part_problem
+from clusterkit.node.replicas.rules import part_problem
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.spec.jobrecord import JobCheckpoints

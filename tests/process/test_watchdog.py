@@ -21,9 +21,10 @@ import pytest
 
 from clusterkit.launch.stacks import read_stack, signature, summarize
 from clusterkit.launch.watchdog import Watchdog, ping_interval
-from clusterkit.node import agent as agent_mod
-from clusterkit.node import agent_hangs, hangrule
-from clusterkit.node.agent_procs import job_status
+from clusterkit.node import hangrule
+from clusterkit.node.agent import core as agent_mod
+from clusterkit.node.agent import hangs as agent_hangs
+from clusterkit.node.agent.procs import job_status
 from clusterkit.node.hangrule import step_of
 from clusterkit.node.protocol import AgentSpec, Progress
 from clusterkit.workload import hangs

@@ -23,8 +23,8 @@ import pytest
 from clusterkit.launch.console import PlainSink
 from clusterkit.launch.jobspec import JobSpec, NodeTask, zygote_imports
 from clusterkit.launch.orchestrator import Orchestrator
-from clusterkit.node import zygote
-from clusterkit.node.agent_procs import job_processes
+from clusterkit.node.agent import zygote
+from clusterkit.node.agent.procs import job_processes
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.local import LocalTransport
 from tests.testbed.sysutil import pids_mentioning
@@ -184,8 +184,8 @@ def test_usr1_reaches_a_forked_rank_alone_on_its_node(tmp_path: Path, preload_js
 def test_the_fork_servers_env_leaves_out_what_names_a_rank() -> None:
     """agent_forkserver.server_env keeps out of the fork server's environment exactly
     what rank_env gives each rank on its own, on a one-rank node too."""
-    from clusterkit.node.agent_env import rank_env
-    from clusterkit.node.agent_forkserver import server_env
+    from clusterkit.node.agent.env import rank_env
+    from clusterkit.node.agent.forkserver import server_env
     from clusterkit.node.contract import ENV_HEARTBEAT, ENV_STACKS
     from clusterkit.node.protocol import AgentSpec
 
@@ -209,7 +209,7 @@ def test_a_failing_forked_rank_is_named_with_its_code_and_its_traceback(
     assert outcome.exit_code == 1, text
     assert (outcome.failure.node, outcome.failure.rank) == ("v1", 3), text
     assert 'probe.py", line' in text and "ValueError: boom" in text, text
-    assert "<clusterkit.node.zygote>" not in text, text  # the program's frames only
+    assert "<clusterkit.node.agent.zygote>" not in text, text  # the program's frames only
     assert job_processes("zfail") == {}
 
 
@@ -289,7 +289,7 @@ def test_titles_keep_the_rank_visible_and_fit_the_kernel_names() -> None:
 SET_TITLE = textwrap.dedent("""
     import subprocess, sys
     sys.path.insert(0, sys.argv[1])
-    from clusterkit.node import zygote
+    from clusterkit.node.agent import zygote
     ok = zygote.set_title(__import__("os").environ["TITLE"], "train.py")
     ps = subprocess.run(["ps", "-o", "comm=,args=", "-p", str(__import__("os").getpid())],
                         capture_output=True, text=True).stdout
@@ -318,7 +318,8 @@ def test_set_title_rewrites_cmdline_and_comm_and_cuts_what_does_not_fit() -> Non
 
 def test_the_fork_servers_fallback_grace_is_the_protocols() -> None:
     """The zygote imports nothing of clusterkit, so it spells the default grace again."""
-    from clusterkit.node import protocol, zygote
+    from clusterkit.node import protocol
+    from clusterkit.node.agent import zygote
     assert zygote.DEFAULT_GRACE_S == protocol.DEFAULT_GRACE_S
 
 
@@ -329,7 +330,7 @@ def test_a_forked_rank_reads_as_killed_only_after_the_zygotes_last_status() -> N
     import subprocess
     import threading
 
-    from clusterkit.node.agent_forkserver import ForkedRank
+    from clusterkit.node.agent.forkserver import ForkedRank
 
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait()  # reaped: its /proc entry is gone, as a rank's after the zygote reaped it

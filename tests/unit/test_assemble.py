@@ -10,7 +10,7 @@ from pathlib import Path
 from clusterkit.checkpoints.listing import NodeListing, parse_listing
 from clusterkit.checkpoints.replicas.assemble import assemble, to_json
 from clusterkit.node import contract
-from clusterkit.node.listing import listing
+from clusterkit.node.ckpt.listing import listing
 from tests import synthetic_ckpt as synthetic
 
 TAG = "global_step20"

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from clusterkit.fold import FOLD_WINDOW_S, LineFolder, library_pieces
-from clusterkit.node.agent_output import AgentOutput, RankLogTail, tee_parts
+from clusterkit.node.agent.output import AgentOutput, RankLogTail, tee_parts
 from clusterkit.node.protocol import AgentSpec
 from tests.paths import TESTS
 

@@ -14,7 +14,7 @@ with a clock that only the recording moves. The same budgets and needed lines as
 test bed's are asserted, in milliseconds instead of a minute or two of 3-4 nodes
 training. A change to the runtime, the folding rules or the sink that adds lines fails
 here. What the recording cannot replay: the node agents' own code (rank labels, the
-launchers' failure reports: node/agent_output.py, run for real by the clean run that
+launchers' failure reports: node/agent/output.py, run for real by the clean run that
 stays on the test bed) and the closing lines ``clusterkit launch`` prints after the last
 attempt (``job ... finished``, ``summary:``, the summary's JSON line: ``VERB_LINES``).
 """

@@ -33,8 +33,8 @@ LOCAL_NAMES = {
     "@CLUSTERKIT_NODE_RANK@": "clusterkit/shellsafe.py",
     # Node code that cannot import the contract: the fork server runs as one source file in
     # its own interpreter, and the probe also runs as one hand-copied file (docs/doctor.md).
-    "CLUSTERKIT_RANK_SLOT": "clusterkit/node/zygote.py",
-    "CLUSTERKIT_PROBE_CLOCK_OFFSET_S": "clusterkit/node/probe.py",
+    "CLUSTERKIT_RANK_SLOT": "clusterkit/node/agent/zygote.py",
+    "CLUSTERKIT_PROBE_CLOCK_OFFSET_S": "clusterkit/node/facts/probe.py",
 }
 # A path piece that is not the job dir's: the embedded local cluster's own directories.
 NOT_JOB_DIR = {("clusterkit/inventory.py", "nodes")}

@@ -1,5 +1,5 @@
 """The progress watchdog's one rule (clusterkit/node/hangrule.py; issue 31 item 5), as a
-table, and the batch script's watchdog (node/slurmwatch.py) applying it with a fake clock:
+table, and the batch script's watchdog (node/slurm/watch.py) applying it with a fake clock:
 launch's watchdog applies the same rule (tests/process/test_watchdog.py's table)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from clusterkit.node import hangrule, slurmwatch
+from clusterkit.node import hangrule
 from clusterkit.node.hangrule import HANG_TIMEOUT, OFF, STARTUP, judge
+from clusterkit.node.slurm import watch
 
 T = 20.0  # --hang-timeout 20: the start-up allowance is 40 s
 ALLOW = hangrule.allowance(T)
@@ -79,8 +80,8 @@ class FakeNode:
 
 
 def _run(node: FakeNode, hang: float = T) -> hangrule.Verdict | None:
-    state = slurmwatch.Watch(node.now, hang, hangrule.allowance(hang))
-    return slurmwatch.run_watch(state, node.scan, node.alive, clock=lambda: node.now,
+    state = watch.Watch(node.now, hang, hangrule.allowance(hang))
+    return watch.run_watch(state, node.scan, node.alive, clock=lambda: node.now,
                                 sleep=node.sleep)
 
 
@@ -108,7 +109,7 @@ def test_scan_reads_step_lines_and_heartbeats_of_this_run_only(tmp_path: Path) -
     logs.mkdir()
     beats.mkdir()
     (logs / "slurm-1.out").write_text("step 5 loss 1.0 (the run before the requeue)\n")
-    scan = slurmwatch.Scan(str(logs), str(beats), since=0.0)
+    scan = watch.Scan(str(logs), str(beats), since=0.0)
     assert scan(False)[1] is False  # the earlier run's lines are not this run's
     with open(logs / "slurm-1.out", "a") as fh:
         fh.write("[rank0]: building fused_adam ...\n[rank0]: step")
@@ -117,7 +118,7 @@ def test_scan_reads_step_lines_and_heartbeats_of_this_run_only(tmp_path: Path) -
         fh.write(" 1/30 | loss 4.8\n")
     newest, training = scan(False)
     assert training and newest > 0
-    beat_scan = slurmwatch.Scan(str(logs), str(beats), since=0.0)
+    beat_scan = watch.Scan(str(logs), str(beats), since=0.0)
     assert beat_scan(False)[1] is False
     (beats / "rank3.heartbeat").write_text("7")
     assert beat_scan(False)[1] is True

@@ -3,12 +3,15 @@ paramiko (the one transport seam, docs/architecture.md), test modules share help
 through helper modules, never by importing from another test module, and one door
 per name (issue 30 item 5): no import circle among clusterkit's modules, no private
 name imported across modules, no re-export, no backend-name comparison outside the
-registry (docs/architecture.md, "One door per name")."""
+registry (docs/architecture.md, "One door per name"). The shipped node package
+(``clusterkit/node/``, issue 36): standard library only, no launcher code, rooms by
+role with only its face and a fixed few base modules at its top."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,6 +52,91 @@ def test_the_paramiko_check_sees_a_lazy_import(tmp_path: Path) -> None:
     (root / "remote" / "ssh.py").write_text("import paramiko\n")
     (root / "checks" / "doctor.py").write_text("def f():\n    from paramiko import Agent\n")
     assert paramiko_importers(root) == ["clusterkit/checks/doctor.py:2"]
+
+
+# -- The shipped node package (docs/architecture.md, "Node modules"). Directly under
+# clusterkit/node/: its face and the base modules every room shares; the rest is in a
+# room by role. A new module goes into a room (or a new room), not here.
+NODE_TOP = {"__init__.py", "contract.py", "protocol.py", "hashing.py", "hangrule.py"}
+NODE_ROOMS = {"agent", "ckpt", "facts", "hooks", "provision", "replicas", "slurm", "sync"}
+# What a node module may import beyond the standard library and clusterkit.node (path
+# under clusterkit/node/: packages). The bandwidth worker is the only one that needs torch.
+NODE_EXTRA_IMPORTS = {"facts/bw_worker.py": {"torch", "torch.distributed"}}
+
+
+def node_import_problems(root: Path = ROOT) -> list[str]:
+    """Imports of a module under ``root/node/`` (at any depth, function-level ones
+    too) of anything but the standard library and the node package itself: a shipped
+    module that imports launcher code (or a third-party package) would not run on a node."""
+    node = root / "node"
+    out = []
+    for path in sorted(node.rglob("*.py")):
+        rel = path.relative_to(node).as_posix()
+        for line, module, _ in imported_modules(path):
+            top = module.split(".")[0]
+            if (top in sys.stdlib_module_names or module == "__future__"
+                    or module == "clusterkit.node" or module.startswith("clusterkit.node.")
+                    or module in NODE_EXTRA_IMPORTS.get(rel, set())):
+                continue
+            out.append(f"{path.relative_to(root.parent)}:{line}: {module}")
+    return out
+
+
+def test_the_node_package_imports_only_the_standard_library_and_itself() -> None:
+    assert node_import_problems() == []
+
+
+def test_the_node_import_check_sees_launcher_code_at_any_depth(tmp_path: Path) -> None:
+    root = tmp_path / "clusterkit"
+    (root / "node" / "facts").mkdir(parents=True)
+    (root / "node" / "contract.py").write_text("import json\nfrom clusterkit.node import protocol\n")
+    (root / "node" / "facts" / "bw_worker.py").write_text("import torch\n")
+    (root / "node" / "facts" / "probe.py").write_text(
+        "from clusterkit.node.facts import parity\ndef f():\n    from clusterkit import ship\n"
+        "    import yaml\n    import clusterkit.spec.job\n")
+    assert node_import_problems(root) == ["clusterkit/node/facts/probe.py:3: clusterkit",
+                                          "clusterkit/node/facts/probe.py:4: yaml",
+                                          "clusterkit/node/facts/probe.py:5: clusterkit.spec.job"]
+
+
+def node_layout_problems(root: Path = ROOT) -> list[str]:
+    """Modules directly under ``node/`` beyond ``NODE_TOP``, rooms not in ``NODE_ROOMS``
+    (or nested deeper), and a room's ``__init__.py`` with anything but its docstring:
+    on a node the bootstrap makes each package an empty module, so code there never runs."""
+    node = root / "node"
+    out = [f"node/{p.name}: a module at the top of node/ (put it in a room by role)"
+           for p in sorted(node.glob("*.py")) if p.name not in NODE_TOP]
+    for room in sorted(p for p in node.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        if room.name not in NODE_ROOMS:
+            out.append(f"node/{room.name}/: a room not in NODE_ROOMS")
+        out += [f"node/{room.name}/{p.name}/: a room inside a room" for p in sorted(room.iterdir())
+                if p.is_dir() and p.name != "__pycache__"]
+        init = room / "__init__.py"
+        body = ast.parse(init.read_text(encoding="utf-8")).body if init.exists() else None
+        if body is None or len(body) != 1 or ast.get_docstring(ast.Module(body, [])) is None:
+            out.append(f"node/{room.name}/__init__.py: only a docstring (what the room holds)")
+    return out
+
+
+def test_the_node_package_is_rooms_by_role_with_a_fixed_few_base_modules() -> None:
+    """Issue 36 item 3: four base modules and the face directly under node/."""
+    assert node_layout_problems() == []
+    assert len(NODE_TOP - {"__init__.py"}) == 4
+
+
+def test_the_node_layout_check(tmp_path: Path) -> None:
+    node = tmp_path / "clusterkit" / "node"
+    (node / "agent").mkdir(parents=True)
+    (node / "misc").mkdir()
+    for name in NODE_TOP:
+        (node / name).write_text('"""x"""\n')
+    (node / "stray.py").write_text('"""x"""\n')
+    (node / "agent" / "__init__.py").write_text('"""The agent."""\nfrom clusterkit.node.agent import core\n')
+    (node / "misc" / "__init__.py").write_text('"""Misc."""\n')
+    assert node_layout_problems(tmp_path / "clusterkit") == [
+        "node/stray.py: a module at the top of node/ (put it in a room by role)",
+        "node/agent/__init__.py: only a docstring (what the room holds)",
+        "node/misc/: a room not in NODE_ROOMS"]
 
 
 

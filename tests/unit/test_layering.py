@@ -17,7 +17,8 @@ ROOT = Path(clusterkit.__file__).parent
 # Bottom first. Each entry: the top-level modules/packages of clusterkit in that layer.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "node"),  # node: programs shipped to nodes, standard library only
-    ("hostrange", "units", "fsutil", "backend_timeouts", "shellsafe"),
+    # ship: the launcher's half of node programs (what each ships, its command line)
+    ("hostrange", "units", "fsutil", "backend_timeouts", "shellsafe", "ship"),
     ("inventory", "fold"),  # fold: rank-line folding for launch and sbatch --watch
     ("hostfile",),
     ("spec",),  # the job model: options, facts, plan values, ZeRO spec

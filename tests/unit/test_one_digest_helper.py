@@ -4,7 +4,7 @@ There were two ``mac()`` helpers (the replica wire joined its parts with nothing
 chain with NUL bytes) and five sha256-of-a-file helpers. An AST scan of clusterkit/ fails
 on a second ``def mac`` and on a small function that opens a file, feeds it to sha256 and
 returns the hex digest (what hashing.sha256_file does); code that hashes while it sends
-or receives (the replica wire, ckstream, collect's receiver) is not that shape.
+or receives (the replica wire, ckpt.stream, collect's receiver) is not that shape.
 """
 
 from __future__ import annotations

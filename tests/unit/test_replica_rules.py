@@ -1,7 +1,7 @@
-"""The replica rules are decided once (issue 36): node/replica_rules.py.
+"""The replica rules are decided once (issue 36): node/replicas/rules.py.
 
 * the oracle: the launcher's decision (checkpoints/replicas/assemble.py, typed listings)
-  and the Slurm node side's (node/slurmrestore.py, the listings' raw JSON) are fed the
+  and the Slurm node side's (node/slurm/restore.py, the listings' raw JSON) are fed the
   same listings of synthetic node-local checkpoints with ring replicas, whole and
   damaged (a torn or truncated own file, a missing or foreign completion marker; a
   replica with another tag or source in its manifest, without a manifest, a file of
@@ -29,13 +29,14 @@ from clusterkit.checkpoints.replicas.assemble import (
     candidate_tags,
     ranks_of_slots,
 )
-from clusterkit.node import contract, slurmrestore
-from clusterkit.node.listing import listing
-from clusterkit.node.replica_rules import ring, ring_sources
+from clusterkit.node import contract
+from clusterkit.node.ckpt.listing import listing
+from clusterkit.node.replicas.rules import ring, ring_sources
+from clusterkit.node.slurm import restore
 from tests import synthetic_ckpt as synthetic
 from tests.paths import REPO
 
-RULES = "clusterkit/node/replica_rules.py"
+RULES = "clusterkit/node/replicas/rules.py"
 OLD, NEW = "global_step10", "global_step20"
 N, RPN = 4, 2
 HOSTS = [f"node{i + 1}" for i in range(N)]
@@ -134,8 +135,8 @@ def _slurm_listings(roots: list[str]) -> dict[str, Any]:
 
 def _node_side(roots: list[str], markers: bool, tag: str
                ) -> dict[int, list[tuple[str, str]]]:
-    saved = slurmrestore.Saved(tuple(HOSTS), markers, RPN)
-    return slurmrestore.sources(_slurm_listings(roots), tag, saved)
+    saved = restore.Saved(tuple(HOSTS), markers, RPN)
+    return restore.sources(_slurm_listings(roots), tag, saved)
 
 
 @pytest.mark.parametrize("markers", [True, False], ids=["workload", "user-script"])
@@ -151,7 +152,7 @@ def test_both_paths_give_the_same_answers(tmp_path: Path, case: str, markers: bo
     assert complete == (not unusable)
     # The tag each path settles on: the newest that every index has a copy of.
     tag, complete, _ = _launcher(roots, markers, None)
-    plan = slurmrestore.decide(_slurm_listings(roots), HOSTS, HOSTS, markers, RPN)
+    plan = restore.decide(_slurm_listings(roots), HOSTS, HOSTS, markers, RPN)
     assert complete and tag == (OLD if unusable else NEW)
     assert plan.get("tag") == tag and "missing" not in plan, plan
     # The same tag order (every tag with a marker, a manifest or DeepSpeed's files).
@@ -159,7 +160,7 @@ def test_both_paths_give_the_same_answers(tmp_path: Path, case: str, markers: bo
               for i, (h, r) in enumerate(zip(HOSTS, roots, strict=True))]
     raw = {h: listing(r, None) for h, r in zip(HOSTS, roots, strict=True)}
     assert candidate_tags(listed, markers=markers) == \
-        slurmrestore.candidate_tags(raw, markers) == [NEW, OLD]
+        restore.candidate_tags(raw, markers) == [NEW, OLD]
 
 
 def test_the_damage_is_named_where_a_part_has_no_copy(tmp_path: Path) -> None:
@@ -182,10 +183,10 @@ def test_a_spare_node_takes_the_lost_part_on_both_paths(tmp_path: Path) -> None:
     os.makedirs(spare)
     new = ["node1", "node2", "node5", "node4"]
     raw = {h: listing(spare if h == "node5" else roots[HOSTS.index(h)], None) for h in new}
-    saved = slurmrestore.Saved(tuple(HOSTS), True, RPN)
+    saved = restore.Saved(tuple(HOSTS), True, RPN)
     _, _, launcher = _launcher(roots, True, NEW)
-    assert slurmrestore.sources(raw, NEW, saved) == launcher
-    plan = slurmrestore.decide(raw, new, HOSTS, True, RPN)
+    assert restore.sources(raw, NEW, saved) == launcher
+    plan = restore.decide(raw, new, HOSTS, True, RPN)
     assert plan["lines"] == ["node index 2 (was node3) -> node5: from its replica on node4"]
 
 
@@ -224,7 +225,7 @@ def _calls_rules(fn: ast.AST, rules_names: set[str]) -> bool:
 
 def _from_rules(tree: ast.Module) -> set[str]:
     return {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-            and n.module == "clusterkit.node.replica_rules" for a in n.names}
+            and n.module == "clusterkit.node.replicas.rules" for a in n.names}
 
 
 def _is_ring_arithmetic(node: ast.AST) -> bool:

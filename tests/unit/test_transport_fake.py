@@ -12,9 +12,9 @@ from clusterkit.checkpoints.collectplan import CheckpointIncomplete
 from clusterkit.checkpoints.sources.base import CollectNode, list_nodes
 from clusterkit.hostrange import fold_by_text
 from clusterkit.launch.gate import GateNode, gate_error, run_gate
-from clusterkit.node.ship import bundle
 from clusterkit.remote import fanout
 from clusterkit.remote.base import GroupError
+from clusterkit.ship import bundle
 from tests.fake_transport import FakeTransport, dropped, exits, fails, hangs, ok, targets, timeout
 
 NODES = [f"node{i}" for i in range(1, 8)]
@@ -70,7 +70,7 @@ def test_gate_folds_nodes_with_the_same_problem() -> None:
     assert "node[1-6]: torch is not installed for /usr/bin/python3" in text
     assert text.count("node7: ") == 1 and text.count("node[1-6]: ") == 1
     # The gate's facts come from the shipped node program: the bundle on stdin, once per node.
-    assert all(stdin == bundle("gatefacts") for _, _, stdin in fake.calls)
+    assert all(stdin == bundle("facts.gatefacts") for _, _, stdin in fake.calls)
 
 
 def test_collect_listing_failures_fold(tmp_path: object) -> None:

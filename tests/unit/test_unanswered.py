@@ -21,7 +21,7 @@ from clusterkit.launch.gate import GateNode, run_gate
 from clusterkit.launch.outcome import JobOutcome
 from clusterkit.launch.registry import Registry
 from clusterkit.launch.run import LaunchSettings, launch
-from clusterkit.node.gatefacts import need_unshared
+from clusterkit.node.facts.gatefacts import need_unshared
 from clusterkit.remote import fanout
 from clusterkit.remote.base import FileStat, RemoteProcess, SSHTarget, Transport
 from clusterkit.remote.unanswered import NoRedial

@@ -37,7 +37,7 @@ from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.errors import CheckpointError
 from clusterkit.hostrange import fold, folded_lines
 from clusterkit.node.contract import MARKER_GLOB, RECOVERY_SCRIPTS, parse_marker_name, tag_step
-from clusterkit.node.gatefacts import SHARED_FIX, shared_line
+from clusterkit.node.facts.gatefacts import SHARED_FIX, shared_line
 
 
 def choose_tag(listings: Sequence[NodeListing], requested: str, *, markers: bool = True

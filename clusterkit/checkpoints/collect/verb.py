@@ -1,7 +1,7 @@
 """collect-ckpt, the verb: list -> verify -> pick one copy per file -> copy, hashed on both ends.
 
 The bytes come from one :class:`~clusterkit.checkpoints.sources.base.Source`, chosen by
-``--via``: one ``ckstream`` session per node (:mod:`clusterkit.checkpoints.sources.stream`:
+``--via``: one ``ckpt.stream`` session per node (:mod:`clusterkit.checkpoints.sources.stream`:
 ssh, local or slurm) or the transport's SFTP (:mod:`clusterkit.checkpoints.sources.sftp`).
 Nothing is copied until every node has been listed and the checkpoint is known to be
 complete and consistent (:func:`clusterkit.checkpoints.collect.discover.verify`); no file takes

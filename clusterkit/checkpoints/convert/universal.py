@@ -62,7 +62,7 @@ from clusterkit.fsutil import (
     read_json_object,
     replace_dir,  # the one swap-in of a directory
 )
-from clusterkit.node import listing as node_listing
+from clusterkit.node.ckpt import listing as node_listing
 from clusterkit.node.contract import ENV_RESUME_TAG
 from clusterkit.spec.batch import BatchPlan, shrink_batch
 

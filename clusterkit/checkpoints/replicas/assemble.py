@@ -2,8 +2,8 @@
 
 Pure: every reachable node's listing (:class:`~clusterkit.checkpoints.listing.NodeListing`,
 the replica area included) in, an :class:`Assembly` out. The rules are not here: they are
-node/replica_rules.py's (issue 36), the ones the Slurm restore on the nodes
-(node/slurmrestore.py) asks too; this module turns typed listings into the rules' values
+node/replicas/rules.py's (issue 36), the ones the Slurm restore on the nodes
+(node/slurm/restore.py) asks too; this module turns typed listings into the rules' values
 and their answers into :class:`PartSource`s. For a tag, each node index N (the node's
 position in the job's plan, the index of ``clusterkit-complete.node<N>.json``) gets its
 part from
@@ -11,11 +11,11 @@ part from
 1. its own node: reachable, its completion marker for the tag present and every file the
    marker lists present with the marker's size (and no ``.pt`` cut short); for a user's
    script (no markers, ``require_markers=False``) every file DeepSpeed owes the node's
-   ranks, none cut short (``replica_rules.own_problem``); else
+   ranks, none cut short (``rules.own_problem``); else
 2. a complete replica on another reachable node (``<root>.replicas/node<N>/<tag>/``): its
    manifest present, of a known version, naming this tag and source, every file it lists
    present with the manifest's size, none cut short, and the source's completion marker
-   among them when the job writes markers (``replica_rules.copy_problem``). Replicas are
+   among them when the job writes markers (``rules.copy_problem``). Replicas are
    tried in ring order (N+1, N+2, ...), the order the replication service places them.
 
 Sizes are what a listing can check; the sha256 of a replica's files is checked when they
@@ -41,14 +41,14 @@ from typing import Any
 
 from clusterkit.checkpoints.listing import FileInfo, NodeListing
 from clusterkit.node.contract import LATEST_FILE, RECOVERY_SCRIPTS, replica_dir
-from clusterkit.node.replica_rules import (
+from clusterkit.node.replicas.rules import (
     Copy,
     Holding,
     Source,
     part_sources,
     read_marker,
 )
-from clusterkit.node.replica_rules import candidate_tags as rule_tags
+from clusterkit.node.replicas.rules import candidate_tags as rule_tags
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def assemble(listings: Sequence[NodeListing], tag: str | None = None, *,
 def candidate_tags(listings: Sequence[NodeListing], *, markers: bool = True) -> list[str]:
     """Every tag some reachable node has a marker or a replica manifest of (``markers``
     False, a user's script: or any DeepSpeed checkpoint file of), newest first: the
-    rule is node/replica_rules.candidate_tags."""
+    rule is node/replicas/rules.candidate_tags."""
     up = [ls for ls in listings if not ls.error]
     own = [(t, _copy(files, ls.markers.get(t, {})))
            for ls in up for t, files in ls.tags.items() if files is not None]

@@ -3,7 +3,7 @@
 "global_step40: 7/7 nodes, replicated 7/7": how many node parts of the tag are on their
 own node, and how many have at least one complete replica on another node
 (:func:`clusterkit.checkpoints.replicas.assemble.assemble` decides both). The listings come
-through collect-ckpt's own sessions (one ``ckstream`` session per node, each request
+through collect-ckpt's own sessions (one ``ckpt.stream`` session per node, each request
 with its timeout); an unreachable node is reported, never fatal.
 """
 

@@ -2,7 +2,7 @@
 
 A :class:`Source` lists every node, hashes chosen files on their nodes and copies
 the chosen copy of each file to DEST. Two implement it:
-:class:`~clusterkit.checkpoints.sources.stream.StreamSource` (one ``ckstream`` session
+:class:`~clusterkit.checkpoints.sources.stream.StreamSource` (one ``ckpt.stream`` session
 per node, carried by OpenSSH, a local child or ``srun``: methods ``ssh`` and ``slurm``)
 and :class:`~clusterkit.checkpoints.sources.sftp.SftpSource` (the transport's
 ``run_all`` and paramiko SFTP: method ``sftp``). The verb
@@ -19,8 +19,8 @@ from typing import Protocol
 from clusterkit.checkpoints.collectplan import CollectPlan
 from clusterkit.checkpoints.listing import NodeListing, listing_command, parse_listing
 from clusterkit.checkpoints.sources.transfer import DestState, Hashed, NodeResult, ProgressSink, Wanted
-from clusterkit.node.ship import NodeCommand
 from clusterkit.remote.base import SSHTarget, Transport
+from clusterkit.ship import NodeCommand
 from clusterkit.slurm.steps import SlurmPlace
 
 LIST_TIMEOUT_S = 60.0

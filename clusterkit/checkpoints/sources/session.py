@@ -1,6 +1,6 @@
 """One connection per node for collect-ckpt: list, hash and stream over one ``ssh``.
 
-A :class:`NodeSession` runs the node program :mod:`clusterkit.node.ckstream` in one
+A :class:`NodeSession` runs the node program :mod:`clusterkit.node.ckpt.stream` in one
 OpenSSH ``ssh`` process (or a local child for ``transport: local`` hosts, or one
 ``srun`` task for a node reached through Slurm: :mod:`clusterkit.slurm.steps`) and
 keeps it open from the listing to the last byte: no second connection for hashing
@@ -10,7 +10,7 @@ its AES-GCM runs in C with AES-NI (figures in docs/collect-ckpt.md).
 
 Through Slurm the bytes do not ride srun's I/O forwarding (tens of MB/s): the node
 program connects back to this process on a socket of its own (:class:`BackChannel`,
-``ckstream``'s ``socket`` request; issue 31) and everything after the request, file
+``ckpt.stream``'s ``socket`` request; issue 31) and everything after the request, file
 bytes included, comes that way. If the node cannot connect (a firewall between the
 nodes and this host), the session stays on srun's stdout and says why
 (:attr:`NodeSession.fallback`); either way every byte is verified the same.
@@ -35,11 +35,11 @@ import threading
 import time
 from typing import IO, Any, cast
 
-from clusterkit.node.ckstream import SOCKET_GREETING, SOCKET_TIMEOUT_S, socket_proof
-from clusterkit.node.ship import node_command
+from clusterkit.node.ckpt.stream import SOCKET_GREETING, SOCKET_TIMEOUT_S, socket_proof
 from clusterkit.remote.base import DEFAULT_CONNECT_TIMEOUT_S, SSHTarget
 from clusterkit.remote.command import remote_command
 from clusterkit.remote.openssh import openssh_argv
+from clusterkit.ship import node_command
 from clusterkit.slurm.steps import SlurmPlace
 
 PIPE_BUFFER = 1 << 20
@@ -57,7 +57,7 @@ class BackChannel:
 
     Listens on every address of this host, port chosen by the kernel, for as long as
     the session may take to start; accepts the first connection that proves the
-    per-run secret (``ckstream.socket_proof``), proves it back, and closes the
+    per-run secret (``ckpt.stream``'s ``socket_proof``), proves it back, and closes the
     listener. The secret travels only in the request on the node program's stdin."""
 
     def __init__(self, wait_s: float) -> None:
@@ -71,7 +71,7 @@ class BackChannel:
                          name="clusterkit-session-socket").start()
 
     def request(self) -> bytes:
-        """ckstream's ``socket`` request (written to its stdin, never on argv)."""
+        """``ckpt.stream``'s ``socket`` request (written to its stdin, never on argv)."""
         return json.dumps({"op": "socket", "port": self.port,
                            "secret": self.secret}).encode() + b"\n"
 
@@ -127,13 +127,13 @@ def _line(conn: socket.socket) -> bytes:
 
 
 class NodeSession:
-    """The node program ``ckstream`` on one node, spoken to request by request."""
+    """The node program ``ckpt.stream`` on one node, spoken to request by request."""
 
     def __init__(self, name: str, target: SSHTarget, python: str, root: str, *,
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
                  via: SlurmPlace | None = None) -> None:
         self.name, self.target, self.via = name, target, via
-        cmd = node_command(python, "ckstream", [root])
+        cmd = node_command(python, "ckpt.stream", [root])
         env = None
         if via is not None:
             self.argv, env = via.argv(cmd.argv), via.env()

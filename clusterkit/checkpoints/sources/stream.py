@@ -1,4 +1,4 @@
-"""collect-ckpt's main data path: one ``ckstream`` session per node for the whole verb.
+"""collect-ckpt's main data path: one ``ckpt.stream`` session per node for the whole verb.
 
 Each node's :class:`~clusterkit.checkpoints.sources.session.NodeSession` (OpenSSH ``ssh``, a
 local child, or one ``srun`` task for a node reached through Slurm) lists, hashes and

@@ -2,7 +2,7 @@
 
 Data path (chosen by measurement, see docs/collect-ckpt.md): one session per node
 (:mod:`clusterkit.checkpoints.sources.session`, one OpenSSH ``ssh`` running the node program
-:mod:`clusterkit.node.ckstream`) lists, hashes and streams. The node reads each file
+:mod:`clusterkit.node.ckpt.stream`) lists, hashes and streams. The node reads each file
 once, hashing it as it sends; we hash what arrives as we write it. A file is renamed
 into place only when both digests, the size and the listing's mtime agree (or, when
 the source checksum was taken before the copy — re-runs, ``--dry-run`` — equal that
@@ -36,8 +36,8 @@ from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.node.hashing import sha256_file
 from clusterkit.node.protocol import answer_of
-from clusterkit.node.ship import NodeCommand, node_command
 from clusterkit.remote.base import SSHTarget, Transport
+from clusterkit.ship import NodeCommand, node_command
 
 CHUNK = 1 << 20
 PART_SUFFIX = ".ckpart"

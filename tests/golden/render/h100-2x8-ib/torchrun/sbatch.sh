@@ -88,23 +88,28 @@ fi
 # watchdog's clock, so no rank races a build and a build of minutes is no silent start.
 # A lock a killed build left is removed when its owner record proves it dead; one that
 # nothing proves dead stops the job here, the node's line naming the lock and the fix.
-ops_bundle=$job_dir/jitops.bundle  # node/jitbatch.py's sources (clusterkit sbatch)
+ops_bundle=$job_dir/jitops.bundle  # node/provision/jitbatch.py's sources (clusterkit sbatch)
 jitbatch=(/home/train/venv/bin/python -u -c 'import linecache,sys,types
 r=sys.stdin.buffer
 h=r.readline().split()
-if h[:2]!=[b'"'"'clusterkit-node'"'"',b'"'"'1'"'"']:sys.exit('"'"'clusterkit node bootstrap: expected a clusterkit-node 1 header on stdin, got %r'"'"'%h[:2])
-for p in ('"'"'clusterkit'"'"','"'"'clusterkit.node'"'"'):
- m=types.ModuleType(p);m.__path__=[];sys.modules[p]=m
+if h[:2]!=[b'"'"'clusterkit-node'"'"',b'"'"'2'"'"']:sys.exit('"'"'clusterkit node bootstrap: expected a clusterkit-node 2 header on stdin, got %r'"'"'%h[:2])
+def P(f,a=None):
+ m=types.ModuleType(f);m.__path__=[];sys.modules[f]=m
+ if a:setattr(a,f.rsplit('"'"'.'"'"',1)[1],m)
+ return m
+N=P('"'"'clusterkit.node'"'"',P('"'"'clusterkit'"'"'))
 for e in h[2:]:
  n,z=e.decode().split('"'"':'"'"');s=r.read(int(z))
  if len(s)!=int(z):sys.exit('"'"'clusterkit node bootstrap: stdin ended inside '"'"'+n)
+ *q,b=n.split('"'"'.'"'"');a=N
+ for w in q:a=getattr(a,w,None) or P(a.__name__+'"'"'.'"'"'+w,a)
  f='"'"'clusterkit.node.'"'"'+n;m=types.ModuleType(f);m.__file__='"'"'<'"'"'+f+'"'"'>'"'"'
  t=s.decode('"'"'utf-8'"'"');linecache.cache[m.__file__]=(len(t),None,t.splitlines(True),m.__file__)
- sys.modules[f]=m;setattr(sys.modules['"'"'clusterkit.node'"'"'],n,m)
+ sys.modules[f]=m;setattr(a,b,m)
  exec(compile(t,m.__file__,'"'"'exec'"'"'),m.__dict__)
 sys.argv=['"'"'clusterkit.node.'"'"'+sys.argv[1]]+sys.argv[2:]
 sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))
-' jitbatch)  # python -u -c BOOTSTRAP jitbatch (node/ship.py)
+' provision.jitbatch)  # python -u -c BOOTSTRAP provision.jitbatch (ship.py)
 if [ -r "$ops_bundle" ]; then
     # stdin: the sources, then the request line; each task names its node (Slurm's name)
     # and has the job's GPUs, so DeepSpeed finds the accelerator the ranks will find.
@@ -160,28 +165,33 @@ done
 # status); 127 there means none was kept, and the status above stands.
 wait "$launch_pid" 2>/dev/null && again=0 || again=$?
 [ "$again" = 127 ] || status=$again
-# What the run's end means: node/slurmend.py decides (docs/sbatch.md, "How the batch job
+# What the run's end means: node/slurm/end.py decides (docs/sbatch.md, "How the batch job
 # decides": the exit status, whether and how to requeue, what the .out/.err files say);
 # it prints those lines itself and its answer, "<exit status> <none|any|pinned>", on
 # file descriptor 3. This script only performs the answer.
-slurmend() {  # python -S -u -c BOOTSTRAP slurmend (node/ship.py), its sources on stdin
+slurmend() {  # python -S -u -c BOOTSTRAP slurm.end (ship.py), its sources on stdin
     /home/train/venv/bin/python -S -u -c 'import linecache,sys,types
 r=sys.stdin.buffer
 h=r.readline().split()
-if h[:2]!=[b'"'"'clusterkit-node'"'"',b'"'"'1'"'"']:sys.exit('"'"'clusterkit node bootstrap: expected a clusterkit-node 1 header on stdin, got %r'"'"'%h[:2])
-for p in ('"'"'clusterkit'"'"','"'"'clusterkit.node'"'"'):
- m=types.ModuleType(p);m.__path__=[];sys.modules[p]=m
+if h[:2]!=[b'"'"'clusterkit-node'"'"',b'"'"'2'"'"']:sys.exit('"'"'clusterkit node bootstrap: expected a clusterkit-node 2 header on stdin, got %r'"'"'%h[:2])
+def P(f,a=None):
+ m=types.ModuleType(f);m.__path__=[];sys.modules[f]=m
+ if a:setattr(a,f.rsplit('"'"'.'"'"',1)[1],m)
+ return m
+N=P('"'"'clusterkit.node'"'"',P('"'"'clusterkit'"'"'))
 for e in h[2:]:
  n,z=e.decode().split('"'"':'"'"');s=r.read(int(z))
  if len(s)!=int(z):sys.exit('"'"'clusterkit node bootstrap: stdin ended inside '"'"'+n)
+ *q,b=n.split('"'"'.'"'"');a=N
+ for w in q:a=getattr(a,w,None) or P(a.__name__+'"'"'.'"'"'+w,a)
  f='"'"'clusterkit.node.'"'"'+n;m=types.ModuleType(f);m.__file__='"'"'<'"'"'+f+'"'"'>'"'"'
  t=s.decode('"'"'utf-8'"'"');linecache.cache[m.__file__]=(len(t),None,t.splitlines(True),m.__file__)
- sys.modules[f]=m;setattr(sys.modules['"'"'clusterkit.node'"'"'],n,m)
+ sys.modules[f]=m;setattr(a,b,m)
  exec(compile(t,m.__file__,'"'"'exec'"'"'),m.__dict__)
 sys.argv=['"'"'clusterkit.node.'"'"'+sys.argv[1]]+sys.argv[2:]
 sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))
-' slurmend '{"ckpt_var":"CLUSTERKIT_CKPT_DIR","count_file":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/hang_restarts","exits_dir":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/exits","hang_file":"","job_name":"ck-golden-h100-2x8-ib","log_dir":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs","max_restarts":0,"node_local":false,"per_rank_files":false,"replicas":0,"signal_lead":90,"stop_file":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/stop","stop_var":"CLUSTERKIT_STOP_FILE"}' "$@" <<'CK_SLURMEND_EOF'
-clusterkit-node 1 slurmend:15246
+' slurm.end '{"ckpt_var":"CLUSTERKIT_CKPT_DIR","count_file":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/hang_restarts","exits_dir":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/exits","hang_file":"","job_name":"ck-golden-h100-2x8-ib","log_dir":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs","max_restarts":0,"node_local":false,"per_rank_files":false,"replicas":0,"signal_lead":90,"stop_file":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/stop","stop_var":"CLUSTERKIT_STOP_FILE"}' "$@" <<'CK_SLURMEND_EOF'
+clusterkit-node 2 slurm.end:15256
 """Node program: what the end of a ``clusterkit sbatch`` run means (issue 36 item 2).
 
 The batch script (templates/sbatch.sh.j2) only sequences steps; every decision it
@@ -189,7 +199,7 @@ makes once the launch step has ended is here, as a pure table: :func:`decide` ta
 the facts (:class:`EndFacts`, with the job's :class:`JobEnd` settings) and returns the
 :class:`EndDecision`: the script's exit status, whether and how to requeue the job,
 the lines for the job's ``.out``/``.err`` files, and whether this run counts as one
-more hang restart. tests/test_slurm_end_rules.py has a test row for every row below;
+more hang restart. tests/process/test_slurm_end_rules.py has a test row for every row below;
 docs/sbatch.md ("How the batch job decides") is the same table for users.
 
 The rules, in the order they apply:
@@ -231,7 +241,7 @@ may both apply (the failure's line first). How a requeue is done:
 ====================  =============================================================
 
 The script runs it the one way node programs are started (``python -S -u -c
-BOOTSTRAP slurmend CONF STATUS STOP_AT HANG_DIR``, the sources on stdin: a heredoc of
+BOOTSTRAP slurm.end CONF STATUS STOP_AT HANG_DIR``, the sources on stdin: a heredoc of
 the script): ``CONF`` is one JSON word rendered by render/sbatch.py (the job's
 settings and paths, :meth:`JobEnd.from_conf`), ``STATUS`` the launch step's exit
 status, ``STOP_AT`` when USR1 asked for the stop (epoch seconds, empty: never) and
@@ -492,7 +502,7 @@ def apply(decision: EndDecision, facts: EndFacts, count_file: str, out: IO[str],
 def run(argv: list[str], environ: dict[str, str], out: IO[str], err: IO[str],
         answer: IO[str]) -> int:
     if len(argv) != 4:
-        err.write("usage: slurmend CONF STATUS STOP_AT HANG_DIR\n")
+        err.write("usage: slurm.end CONF STATUS STOP_AT HANG_DIR\n")
         return 2
     conf = json.loads(argv[0])
     facts = gather(conf, int(argv[1]), argv[2], argv[3], environ, int(time.time()))
@@ -533,7 +543,7 @@ case "${requeue:-}" in
         scontrol release "$SLURM_JOB_ID" ;;
     none) ;;
     *)
-        both "clusterkit: node/slurmend.py gave no answer (the lines above say why): not requeueing job $SLURM_JOB_ID"
+        both "clusterkit: node/slurm/end.py gave no answer (the lines above say why): not requeueing job $SLURM_JOB_ID"
         exit 2 ;;
 esac
 exit "$status"

@@ -1,0 +1,331 @@
+"""Node program: what the end of a ``clusterkit sbatch`` run means (issue 36 item 2).
+
+The batch script (templates/sbatch.sh.j2) only sequences steps; every decision it
+makes once the launch step has ended is here, as a pure table: :func:`decide` takes
+the facts (:class:`EndFacts`, with the job's :class:`JobEnd` settings) and returns the
+:class:`EndDecision`: the script's exit status, whether and how to requeue the job,
+the lines for the job's ``.out``/``.err`` files, and whether this run counts as one
+more hang restart. tests/process/test_slurm_end_rules.py has a test row for every row below;
+docs/sbatch.md ("How the batch job decides") is the same table for users.
+
+The rules, in the order they apply:
+
+====================  =============================================================
+row                   when -> what
+====================  =============================================================
+``ok``                the step exited 0, no stop was asked -> exit 0, nothing said
+``hang-requeue``      the watchdog ended the step (its reason in the hang file) and
+                      this job's hang restarts < ``--max-restarts`` -> count one
+                      more, requeue, exit 124 (both files say so)
+``hang-used``         a hang, the restarts used -> exit 124, no requeue (both files)
+``rank-failed``       the step failed and a rank recorded its exit: the earliest
+                      record (``<time ns> <node> <status>``, ``exits/rank<R>``) is
+                      the cause -> exit with that rank's status; the ``.err`` line
+                      names it (``exit code N``, or ``killed by signal N`` above 128)
+                      and where its output is (per-rank files or the ``[rankR]``
+                      lines of the ``.err`` file)
+``step-failed``       the step failed, no rank recorded an exit -> the step's
+                      status, the ``.err`` line points at the ``.err`` file
+``stop-unsaved``      USR1 asked the ranks to stop (the stop file) and nothing in the
+                      checkpoint dir is newer than the stop file -> no requeue
+``stop-failed``       a stop, a save since, but the status (after the rows above) is
+                      not 0 -> no requeue
+``stop-late``         a stop, a save, status 0, but the ranks ran on for longer than
+                      the signal lead -> no requeue (they did not stop for it)
+``stop-requeue``      a stop, a save since, status 0, in time -> requeue (``.out``)
+====================  =============================================================
+
+A hang ends the table (its rows are the whole answer); a failure row and a stop row
+may both apply (the failure's line first). How a requeue is done:
+
+====================  =============================================================
+``requeue-any``       checkpoint replicas (``--replicas K``): on any free nodes, the
+                      parts are moved before the ranks start (a line says so)
+``requeue-pinned``    node-local checkpoints without replicas: held, pinned to this
+                      run's nodes (``ReqNodeList``), released
+``requeue-plain``     shared checkpoints: a plain requeue
+====================  =============================================================
+
+The script runs it the one way node programs are started (``python -S -u -c
+BOOTSTRAP slurm.end CONF STATUS STOP_AT HANG_DIR``, the sources on stdin: a heredoc of
+the script): ``CONF`` is one JSON word rendered by render/sbatch.py (the job's
+settings and paths, :meth:`JobEnd.from_conf`), ``STATUS`` the launch step's exit
+status, ``STOP_AT`` when USR1 asked for the stop (epoch seconds, empty: never) and
+``HANG_DIR`` where the watchdog put the stacks (empty without one). :func:`main`
+gathers the facts from those files, records the hang restart, prints the lines and
+writes the answer, ``<exit status> <none|any|pinned>``, as one line to file
+descriptor 3; the script performs it (``scontrol requeue``, or the pinned sequence)
+and exits with that status.
+
+Standard library only, Python >= 3.8 on the node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import sys
+import time
+from dataclasses import dataclass
+from typing import IO, Any
+
+# Where a line goes: the job's .out file, its .err file, or both.
+OUT, ERR, BOTH = "out", "err", "both"
+# How to requeue: not at all, plainly (any nodes Slurm gives), or pinned to this run's nodes.
+NONE, ANY, PINNED = "none", "any", "pinned"
+HANG_STATUS = 124  # the watchdog ended the step (timeout(1)'s status)
+ANSWER_FD = 3
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """The job's settings the table reads (render/sbatch.py writes them into CONF)."""
+
+    max_restarts: int = 0  # --max-restarts: hang requeues allowed
+    signal_lead: int = 90  # --signal-lead: how long the ranks have to stop after USR1
+    replicas: int = 0  # --replicas K (node-local): requeue on any nodes
+    node_local: bool = False  # node-local checkpoints without replicas: requeue pinned
+    log_dir: str = "logs"
+    job_name: str = "ck-job"
+    per_rank_files: bool = False  # srun-per-rank: one output file per rank
+    stop_var: str = "STOP_FILE"  # the stop file's variable, as the lines name it
+
+    @classmethod
+    def from_conf(cls, conf: dict[str, Any]) -> JobEnd:
+        return cls(max_restarts=int(conf["max_restarts"]), signal_lead=int(conf["signal_lead"]),
+                   replicas=int(conf["replicas"]), node_local=bool(conf["node_local"]),
+                   log_dir=str(conf["log_dir"]), job_name=str(conf["job_name"]),
+                   per_rank_files=bool(conf["per_rank_files"]), stop_var=str(conf["stop_var"]))
+
+
+@dataclass(frozen=True)
+class ExitRecord:
+    """One rank's non-zero exit, as the rank recorder wrote it (``exits/rank<R>``)."""
+
+    time_ns: int
+    node: str
+    status: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class EndFacts:
+    """What happened in this run (gathered by :func:`gather`)."""
+
+    job: JobEnd
+    slurm_id: str
+    status: int  # the launch step's exit status
+    hang: str | None = None  # the watchdog's reason; None: it did not end the step
+    hang_restarts: int = 0  # this job's hang restarts so far
+    hang_dir: str = ""  # the watchdog's stacks of this run
+    first_exit: ExitRecord | None = None  # the earliest rank that exited non-zero
+    stop_at: int | None = None  # when USR1 asked the ranks to stop; None: never
+    saved: str | None = None  # a file of the checkpoint dir newer than the stop file
+    ckpt_dir: str = ""
+    now: int = 0  # epoch seconds, when the step had ended
+
+
+@dataclass(frozen=True)
+class Line:
+    to: str  # OUT, ERR or BOTH
+    text: str
+
+
+@dataclass(frozen=True)
+class EndDecision:
+    """The answer: the script's exit status, how to requeue, what to say."""
+
+    status: int
+    requeue: str = NONE  # NONE, ANY or PINNED
+    lines: tuple[Line, ...] = ()
+    count_hang: bool = False  # record one more hang restart before requeueing
+
+
+def _requeue(facts: EndFacts) -> tuple[str, tuple[Line, ...]]:
+    """How this job requeues (rows requeue-any, requeue-pinned, requeue-plain)."""
+    job = facts.job
+    if job.replicas > 0:
+        return ANY, (Line(OUT, f"clusterkit: requeueing job {facts.slurm_id} on any free nodes "
+                               f"(checkpoint parts replicated: --replicas {job.replicas})"),)
+    return (PINNED if job.node_local else ANY), ()
+
+
+def _hang(facts: EndFacts, reason: str) -> EndDecision:
+    job, done = facts.job, facts.hang_restarts
+    if done < job.max_restarts:
+        how, more = _requeue(facts)
+        said = (f"clusterkit: the step hung ({reason}); requeueing job {facts.slurm_id}, "
+                f"restart {done + 1} of --max-restarts {job.max_restarts}")
+        return EndDecision(HANG_STATUS, how, (Line(BOTH, said), *more), count_hang=True)
+    said = (f"clusterkit: the step hung ({reason}); not requeueing (--max-restarts "
+            f"{job.max_restarts} used: {done}); stacks in {facts.hang_dir}")
+    return EndDecision(HANG_STATUS, NONE, (Line(BOTH, said),))
+
+
+def _failure(facts: EndFacts) -> tuple[int, Line]:
+    """The status and the .err line of a failed step (rows rank-failed, step-failed)."""
+    job, first = facts.job, facts.first_exit
+    if first is None:
+        return facts.status, Line(ERR, f"clusterkit: the launch step failed (exit {facts.status}) "
+                                       f"before any rank ended on its own; see "
+                                       f"{job.log_dir}/slurm-{facts.slurm_id}.err")
+    how = (f"killed by signal {first.status - 128}" if first.status > 128
+           else f"exit code {first.status}")
+    output = (f"{job.log_dir}/{job.job_name}-{facts.slurm_id}-rank{first.rank}.out"
+              if job.per_rank_files
+              else f"the [rank{first.rank}] lines of {job.log_dir}/slurm-{facts.slurm_id}.err")
+    return first.status, Line(ERR, f"clusterkit: rank {first.rank} on {first.node} failed first "
+                                   f"({how}); the other ranks were stopped after it. "
+                                   f"Its output: {output}")
+
+
+def _stop(facts: EndFacts, status: int, stop_at: int) -> tuple[str, tuple[Line, ...]]:
+    """After a stop request: requeue only for a save made since, by ranks that then
+    stopped within the signal lead (rows stop-*)."""
+    job, jid = facts.job, facts.slurm_id
+    waited = facts.now - stop_at
+    if facts.saved is None:
+        return NONE, (Line(BOTH, f"clusterkit: stop requested, but nothing was saved in "
+                                 f"{facts.ckpt_dir} since: not requeueing job {jid} (a script "
+                                 f"saves on SIGUSR1 or when ${job.stop_var} appears: "
+                                 f"docs/sbatch.md, Preemption)"),)
+    if status != 0:
+        return NONE, (Line(BOTH, f"clusterkit: stop requested and {facts.saved} written since, "
+                                 f"but the step failed (exit {status}): not requeueing job {jid}"),)
+    if waited > job.signal_lead:
+        return NONE, (Line(BOTH, f"clusterkit: stop requested, but the ranks ran on for {waited} s "
+                                 f"(more than the signal lead, {job.signal_lead} s): they did not "
+                                 f"stop for it; not requeueing job {jid}"),)
+    how, more = _requeue(facts)
+    return how, (Line(OUT, f"clusterkit: saved after the stop request ({facts.saved}); "
+                           f"requeueing job {jid} to resume"), *more)
+
+
+def decide(facts: EndFacts) -> EndDecision:
+    """The table (module docstring): pure, no I/O."""
+    if facts.hang is not None:
+        return _hang(facts, facts.hang)
+    status = facts.status
+    lines: tuple[Line, ...] = ()
+    if status != 0:
+        status, failed = _failure(facts)
+        lines = (failed,)
+    if facts.stop_at is None:
+        return EndDecision(status, NONE, lines)
+    how, said = _stop(facts, status, facts.stop_at)
+    return EndDecision(status, how, lines + said)
+
+
+# --- the facts, from the files the script and the ranks wrote ---
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def first_exit(exits_dir: str) -> ExitRecord | None:
+    """The earliest record of ``exits_dir`` (``rank<R>``: ``<time ns> <node> <status>``);
+    one that cannot be read as such is skipped."""
+    try:
+        names = sorted(n for n in os.listdir(exits_dir) if n.startswith("rank"))
+    except OSError:
+        return None
+    found = []
+    for name in names:
+        words = (_read(os.path.join(exits_dir, name)) or "").split()
+        try:
+            found.append(ExitRecord(int(words[0]), words[1], int(words[2]), int(name[4:])))
+        except (IndexError, ValueError):
+            continue
+    return min(found, key=lambda r: (r.time_ns, r.node, r.status, r.rank)) if found else None
+
+
+def saved_since(ckpt_dir: str, stop_file: str) -> str | None:
+    """A regular file under ``ckpt_dir`` modified after ``stop_file`` was (``find DIR
+    -type f -newer STOP``, the first found); None without the stop file or such a file."""
+    try:
+        since = os.stat(stop_file).st_mtime_ns
+    except OSError:
+        return None
+    if not ckpt_dir:
+        return None
+    for top, dirs, files in os.walk(ckpt_dir):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(top, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_mtime_ns > since:
+                return path
+    return None
+
+
+def _count(text: str | None) -> int:
+    try:
+        return int((text or "0").strip() or "0")
+    except ValueError:
+        return 0
+
+
+def gather(conf: dict[str, Any], status: int, stop_at: str, hang_dir: str,
+           environ: dict[str, str], now: int) -> EndFacts:
+    """The facts of this run from ``conf``'s paths and the job's environment."""
+    hang = None
+    if conf.get("hang_file"):
+        text = _read(conf["hang_file"])
+        hang = text.rstrip("\n") if text else None  # an empty file: no reason, no hang
+    ckpt_dir = environ.get(conf["ckpt_var"], "")
+    stop = int(stop_at) if stop_at.strip() else None
+    return EndFacts(
+        job=JobEnd.from_conf(conf), slurm_id=environ.get("SLURM_JOB_ID", ""), status=status,
+        hang=hang, hang_restarts=_count(_read(conf["count_file"])), hang_dir=hang_dir,
+        first_exit=first_exit(conf["exits_dir"]) if status != 0 else None,
+        stop_at=stop, saved=saved_since(ckpt_dir, conf["stop_file"]) if stop is not None else None,
+        ckpt_dir=ckpt_dir, now=now)
+
+
+def apply(decision: EndDecision, facts: EndFacts, count_file: str, out: IO[str], err: IO[str],
+          answer: IO[str]) -> None:
+    """Record the hang restart, print the lines, write the answer line."""
+    if decision.count_hang:
+        with open(count_file, "w", encoding="utf-8") as fh:
+            fh.write(f"{facts.hang_restarts + 1}\n")
+    for line in decision.lines:
+        for stream in ((out,) if line.to == OUT else (err,) if line.to == ERR else (out, err)):
+            stream.write(line.text + "\n")
+            stream.flush()
+    answer.write(f"{decision.status} {decision.requeue}\n")
+    answer.flush()
+
+
+def run(argv: list[str], environ: dict[str, str], out: IO[str], err: IO[str],
+        answer: IO[str]) -> int:
+    if len(argv) != 4:
+        err.write("usage: slurm.end CONF STATUS STOP_AT HANG_DIR\n")
+        return 2
+    conf = json.loads(argv[0])
+    facts = gather(conf, int(argv[1]), argv[2], argv[3], environ, int(time.time()))
+    apply(decide(facts), facts, conf["count_file"], out, err, answer)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    # A USR1 for every process of the job (scancel --full) must not end the decision.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    answer: IO[str]
+    try:
+        answer = os.fdopen(ANSWER_FD, "w", encoding="utf-8", closefd=False)
+    except OSError:
+        answer = sys.stdout  # run by hand: the answer is the last line
+    return run(argv, dict(os.environ), sys.stdout, sys.stderr, answer)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

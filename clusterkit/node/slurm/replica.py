@@ -1,0 +1,225 @@
+"""Node program: checkpoint replicas of a node-local ``clusterkit sbatch`` job (issue 31).
+
+The batch script (templates/sbatch.sh.j2) starts it, the one way node programs are
+started (``python -S -u -c BOOTSTRAP slurm.replica ...``, the sources on stdin: a file
+the script writes once per run, given to every task with ``srun --input=all``):
+
+* ``serve CONF RUN_DIR`` on every node, an overlapping step (``srun --overlap``) beside
+  the ranks: ``clusterkit launch``'s own replication service
+  (``node/replicas/service.py``: the same server, completion rule, pushes, retries,
+  pruning, record in ``JOBDIR/nodes/<node>/replicas.json`` and lines in its
+  ``launcher.log``), for this node's index in the allocation. It ends when the script
+  writes ``RUN_DIR/end``: ``ok`` (the ranks exited 0: push what is due, BYE, wait for
+  the sources, bounded) or anything else (stop at once);
+* ``list``, ``plan``, ``restore``: a run on another node set (``node/slurm/restore.py``);
+  on another number of nodes (the bundled workload) ``gather`` every part into the
+  shared ``RUN_DIR/gather``, where the script converts it to DeepSpeed's universal
+  checkpoint (checkpoints/convert/universal.py), and ``spread`` the result to every node.
+
+``CONF`` is one JSON word: ``job_id``, ``job_dir``, ``ckpt_dir``, ``rpn`` (ranks per
+node), ``markers`` (the program writes completion markers), ``replicas`` (K). The
+run's hosts are ``RUN_DIR/hosts`` (node index order, one per line: ``scontrol show
+hostnames``), the per-run secret is ``RUN_DIR/secret`` (mode 0600, made by the script,
+removed when it ends: never on a command line, in an environment or in a log).
+
+Placement is node/replicas/rules.ring, the rule ``plan/build.py`` places a launch's copies
+by, on the allocation: node i's copies go to the next K nodes in node order, as a ring,
+skipping a node with the same host name or address.
+
+Standard library only, Python >= 3.8 on the node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from clusterkit.node.contract import JobDir
+from clusterkit.node.replicas import priority
+from clusterkit.node.replicas.rules import ring, ring_sources
+from clusterkit.node.replicas.service import ReplicaService
+from clusterkit.node.slurm import restore
+
+END_FILE = "end"
+RESHARD_FILE = "reshard"  # the tag to reshard (written by plan): gather, convert, spread
+GATHER_DIR = "gather"
+UNIVERSAL_FILE = "universal"  # the converted tag's name (the script writes it)
+VERBS = ("serve", "list", "plan", "restore", "gather", "spread")
+END_OK = "ok"
+POLL_S = 1.0
+FINISH_PUSH_S = 240.0  # the end of a job: outstanding pushes, then the sources' BYE
+FINISH_SOURCES_S = 120.0
+
+
+def read_lines(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as fh:
+        return [ln.strip() for ln in fh if ln.strip()]
+
+
+def address_of(host: str) -> str:
+    """The host's first IPv4 address (as the script resolves the head node)."""
+    return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+
+
+def replica_config(conf: dict[str, Any], hosts: list[str], addresses: list[str], me: str,
+                   secret: str) -> dict[str, Any]:
+    """``AgentSpec.replica`` (node/replicas/service.py's REPLICA_KEYS) for node ``me``."""
+    index = hosts.index(me)
+    k, rpn = int(conf["replicas"]), int(conf["rpn"])
+    identities = [(hosts[i], addresses[i]) for i in range(len(hosts))]
+    targets = [{"node": hosts[j], "index": j, "address": addresses[j]}
+               for j in ring(index, identities, k)]
+    sources = ring_sources(index, identities, k)
+    return {"index": index, "address": addresses[index], "ckpt_dir": conf["ckpt_dir"],
+            "ranks": list(range(index * rpn, (index + 1) * rpn)),
+            "markers": bool(conf["markers"]), "targets": targets, "sources": sources,
+            "secret": secret}
+
+
+class _Log:
+    """The node's ``launcher.log`` in the shared job dir (what launch's agent writes)."""
+
+    def __init__(self, job_dir: str, node: str) -> None:
+        self.path = JobDir(job_dir).node_log(node)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+
+    def __call__(self, text: str) -> None:
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(time.strftime("%Y-%m-%dT%H:%M:%SZ ", time.gmtime()) + text + "\n")
+
+    def event(self, ev: Any) -> None:
+        """A copy's end: the log line is written by the service; one that gave up is said
+        on the job's output too (the console of a launch says it the same way)."""
+        if getattr(ev, "state", None) is not None and str(ev.state.value) != "complete":
+            print(f"clusterkit: replica {ev.tag}: copy from {ev.node} to {ev.target} failed: "
+                  f"{ev.detail}", flush=True)
+        elif getattr(ev, "message", None):
+            print(f"clusterkit: {ev.node}: {ev.message}", flush=True)
+
+
+def serve(conf: dict[str, Any], run_dir: str) -> int:
+    me = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    hosts = read_lines(os.path.join(run_dir, "hosts"))
+    with open(os.path.join(run_dir, "secret"), encoding="utf-8") as fh:
+        secret = fh.read().strip()
+    addresses = [address_of(h) for h in hosts]
+    log = _Log(conf["job_dir"], me)
+    words = priority.lower_this_session()  # below the ranks, if it leads a session
+    if words:
+        log(f"replica: the copy process runs in a session of its own: {words}")
+    svc = ReplicaService(replica_config(conf, hosts, addresses, me, secret), conf["job_id"], me,
+                         JobDir(conf["job_dir"]).replica_state(me), log.event, log)
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    svc.start()
+    end = os.path.join(run_dir, END_FILE)
+    while not stopping and not os.path.exists(end):
+        time.sleep(POLL_S)
+    word = ""
+    if not stopping:
+        with open(end, encoding="utf-8") as fh:
+            word = fh.read().strip()
+    if word == END_OK:
+        svc.finish(FINISH_PUSH_S, FINISH_SOURCES_S)
+    else:
+        svc.abort()
+        log("replica: the job step did not end well: copies stopped")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    # The script's USR1 (time limit, preemption) goes to every step of the job: the
+    # ranks save; this program keeps copying (their save is what it copies next).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if len(argv) != 3 or argv[0] not in VERBS:
+        sys.stderr.write(f"usage: slurm.replica {'|'.join(VERBS)} CONF RUN_DIR\n")
+        return 2
+    verb, conf, run_dir = argv[0], json.loads(argv[1]), argv[2]
+    me = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    if verb == "serve":
+        return serve(conf, run_dir)
+    if verb == "list":
+        return restore.write_listing(conf["ckpt_dir"], run_dir, me)
+    if verb == "plan":
+        return plan(conf, run_dir)
+    if verb == "spread":
+        with open(os.path.join(run_dir, UNIVERSAL_FILE), encoding="utf-8") as fh:
+            name = fh.read().strip()
+        return restore.spread(os.path.join(run_dir, GATHER_DIR, name), conf["ckpt_dir"])
+    with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as fh:
+        the_plan = json.load(fh)
+    if verb == "gather":
+        return restore.gather(the_plan, me, conf["ckpt_dir"],
+                                   os.path.join(run_dir, GATHER_DIR))
+    with open(os.path.join(run_dir, "secret"), encoding="utf-8") as fh:
+        secret = fh.read().strip()
+    hosts = read_lines(os.path.join(run_dir, "hosts"))
+    return restore.restore(the_plan, me, conf["ckpt_dir"], conf["job_id"], secret,
+                                {h: address_of(h) for h in hosts})
+
+
+def plan(conf: dict[str, Any], run_dir: str) -> int:
+    """Decide (node/slurm/restore.py), write ``plan.json`` when parts must move, say why."""
+    hosts = read_lines(os.path.join(run_dir, "hosts"))
+    old = read_lines(os.path.join(run_dir, "old_hosts"))
+    listings = {}
+    for h in hosts:
+        try:
+            with open(os.path.join(run_dir, "list", f"{h}.json"), encoding="utf-8") as fh:
+                listings[h] = json.load(fh)
+        except (OSError, ValueError):
+            listings[h] = {}  # not listed: nothing of the checkpoint counts there
+    p = restore.decide(listings, hosts, old, bool(conf["markers"]), int(conf["rpn"]))
+    job, was, now = conf["job_id"], ",".join(old), ",".join(hosts)
+    try:  # the node lists as Slurm writes them (node[1-4])
+        with open(JobDir(conf["job_dir"]).path(JobDir.SLURM_NODES), encoding="utf-8") as fh:
+            was = fh.read().strip() or was
+    except OSError:
+        pass
+    now = os.environ.get("SLURM_JOB_NODELIST") or now
+    if p.get("missing"):
+        restore.say(f"job {job} keeps node-local checkpoints on {was}, but this run got "
+                         f"{now}: not starting fresh: {p['missing']}. Bring those nodes back "
+                         "and submit again on them, or gather and move the shards: clusterkit "
+                         "collect-ckpt --scatter, then remove JOBDIR/" + JobDir.SLURM_NODES, err=True)
+        return restore.CANNOT_ASSEMBLE
+    if p.get("tag") is None:
+        if not set(old) & set(hosts):
+            restore.say(f"job {job} keeps node-local checkpoints on {was}, but this run got "
+                             f"{now}, where no part of them is: not starting fresh. Submit "
+                             f"again on {was} (clusterkit sbatch --submit pins them), or gather "
+                             "and move the shards: clusterkit collect-ckpt --scatter, then "
+                             "remove JOBDIR/" + JobDir.SLURM_NODES, err=True)
+            return restore.CANNOT_ASSEMBLE
+        restore.say(f"job {job}: this run got {now} (the checkpoint's nodes were {was}); "
+                         "no checkpoint on any of them or in their replicas: starting fresh")
+        return 0
+    if not p["lines"]:
+        restore.say(f"job {job}: this run got {now} (was {was}); every node holds its "
+                         f"part of {p['tag']} already")
+        return 0
+    if p.get("reshard"):
+        restore.say(f"job {job}: this run got {len(hosts)} nodes, {now}; the checkpoint "
+                         f"was saved on {len(old)}, {was}: resharding {p['tag']} (gathered in "
+                         "the job dir, converted to DeepSpeed's universal checkpoint, copied to "
+                         "every node) before the ranks start")
+        with open(os.path.join(run_dir, RESHARD_FILE), "w", encoding="utf-8") as fh:
+            fh.write(p["tag"] + "\n")
+    else:
+        restore.say(f"job {job}: this run got {now}, not the checkpoint's nodes {was}: "
+                         f"moving the parts of {p['tag']} before the ranks start")
+    for line in p["lines"]:
+        restore.say("  " + line)
+    with open(os.path.join(run_dir, "plan.json.tmp"), "w", encoding="utf-8") as fh:
+        json.dump(p, fh)
+    os.replace(os.path.join(run_dir, "plan.json.tmp"), os.path.join(run_dir, "plan.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
