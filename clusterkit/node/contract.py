@@ -151,7 +151,7 @@ class JobDir:
     SLURM_NODES = "slurm_nodes"  # sbatch: the node list a node-local job's checkpoint is on
     SLURM_RUNS = "slurm-runs"  # sbatch: slurm-runs/<slurm id>.<run>/: a node-local run's hosts, plan
     SLURM_PROGRAM = "slurmreplica.bundle"  # sbatch, node-local: node/slurm/replica.py's sources
-    JITOPS_PROGRAM = "jitops.bundle"  # sbatch: node/provision/jitops.py's sources (the JIT ops step)
+    JITOPS_PROGRAM = "jitops.bundle"  # sbatch: provision.jitbatch's sources (the JIT ops step)
     AGENT_STATE = "agent.json"
     REPLICA_STATE = "replicas.json"  # nodes/<node>/replicas.json: the agent's copies (issue 22)
     LAUNCHER_LOG = "launcher.log"
