@@ -31,6 +31,7 @@ from importlib import resources
 
 from clusterkit.node import protocol
 from clusterkit.node.contract import BOOTSTRAP, encode_bundle
+from clusterkit.node.replicas import proc as replicas_proc
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,11 @@ class Program:
 
 
 # The facts every gate reads (the launch gate's program and what imports it).
-_GATE = ("contract", "facts.sitepaths", "facts.parity", "sync.store", "hashing", "facts.envfacts",
+_GATE = ("contract", "files", "facts.sitepaths", "facts.parity", "hashing", "facts.envfacts",
          "facts.gatefacts")
-# The agent's checkpoint replicas (its copy process; a Slurm job's replica steps).
-_REPLICAS = ("contract", "hashing", "protocol", "agent.files", "agent.procs", "ckpt.listing",
-             "replicas.rules", "replicas.done", "replicas.area", "replicas.priority",
-             "replicas.wire", "replicas.service")
+# The agent's checkpoint replicas (its copy process; a Slurm job's replica steps): the
+# copy process's own list (it hands its sources on to its child), less the process itself.
+_REPLICAS = tuple(m for m in replicas_proc.MODULES if m != "replicas.proc")
 
 # Programs that only read files and metadata run with ``python -S`` (sitepaths.add()
 # restores the package directories where they matter); the agent runs the user's
@@ -61,7 +61,7 @@ PROGRAMS: dict[str, Program] = {
                            "agent.output", "agent.forkserver", "ckpt.listing", "replicas.rules",
                            "replicas.done", "replicas.area", "replicas.priority", "replicas.wire",
                            "replicas.service", "replicas.proc", "agent.core"), site=True),
-    "facts.probe": Program(("contract", "facts.sitepaths", "facts.parity", "sync.store", "hashing",
+    "facts.probe": Program(("contract", "files", "facts.sitepaths", "facts.parity", "hashing",
                             "facts.envfacts", "provision.buildowner", "provision.jitops",
                             "facts.gatefacts", "facts.probe")),
     "facts.bw_worker": Program(("facts.bw_worker",), site=True),  # imports torch
@@ -70,9 +70,9 @@ PROGRAMS: dict[str, Program] = {
     "ckpt.stream": Program(("contract", "ckpt.listing", "hashing", "ckpt.stream")),
     "facts.gatefacts": Program(_GATE),
     # clusterkit sync: one node of the chain
-    "sync.chain": Program(("hashing", "sync.store", "sync.wire", "sync.chain")),
+    "sync.chain": Program(("contract", "files", "hashing", "sync.store", "sync.wire", "sync.chain")),
     # nodes env: facts, verify, record (provision/envcopy.py)
-    "facts.envfacts": Program(("contract", "sync.store", "hashing", "facts.envfacts")),
+    "facts.envfacts": Program(("contract", "files", "hashing", "facts.envfacts")),
     # nodes build-ops: imports deepspeed to build
     "provision.jitops": Program(("provision.buildowner", "provision.jitops"), site=True),
     # sbatch.sh's JIT ops step, one task per node (docs/sbatch.md, "JIT ops")

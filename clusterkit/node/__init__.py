@@ -8,14 +8,15 @@ package (``facts.probe``, ``agent.core``). The launcher's half, which modules ea
 ships and its command line, is :mod:`clusterkit.ship` (never shipped); the bootstrap that
 runs them is :data:`clusterkit.node.contract.BOOTSTRAP`.
 
-At the top, only this face and four base modules every room shares:
+At the top, only this face and five base modules every room shares:
 
 * ``contract``: the node contract (every ``CLUSTERKIT_*`` name, the job-dir layout, the
   bundle and its bootstrap);
 * ``protocol``: the typed, versioned contract between the launcher and the agent, and
   the one parser of a node program's JSON answer;
 * ``hashing``: file digests and MACs (node program ``hashing``);
-* ``hangrule``: the progress watchdog's rule, for ``launch`` and the batch script alike.
+* ``hangrule``: the progress watchdog's rule, for ``launch`` and the batch script alike;
+* ``files``: files written whole (an atomic write, an atomic link).
 
 The rooms: ``agent/`` (the node agent and its fork server), ``replicas/`` (checkpoint
 replicas), ``sync/`` (``clusterkit sync``'s chain), ``facts/`` (the gate's and doctor's

@@ -325,6 +325,11 @@ def looks_like_marker(name: str) -> bool:
     return name.startswith(MARKER_PREFIX) and name.endswith(MARKER_SUFFIX)
 
 
+# `clusterkit sync`'s own state at the top of a synced directory (its manifest, partial
+# files): the launcher's source walk and every node leave it out of what they compare.
+SYNC_STATE_DIR = ".clusterkit-sync"
+
+
 # -- DeepSpeed's checkpoint file names (checkpoints/layout.py parses them; the replica
 # agents judge a tag dir with them on the node): the top-level ``latest`` and recovery
 # scripts (global rank 0 only), the ZeRO 0-2 model states, ZeRO-3's per-rank model

@@ -28,6 +28,7 @@ from typing import Any
 
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import atomic_write_text
+from clusterkit.node.contract import SYNC_STATE_DIR
 from clusterkit.node.sync import store
 
 IGNORE_FILE = ".clusterkitignore"
@@ -157,7 +158,7 @@ class _Walk:
             if stat.S_ISLNK(st.st_mode):
                 self.link(p, rel, ancestors, outside)
             elif stat.S_ISDIR(st.st_mode):
-                if self.ignore.ignored(rel, True) or rel == store.STATE_DIR:
+                if self.ignore.ignored(rel, True) or rel == SYNC_STATE_DIR:
                     continue
                 real = os.path.realpath(p)
                 if real in ancestors:  # (a followed link's tree that holds it again)
@@ -209,7 +210,7 @@ def link_text(rel: str, target: str, src_abs: str, root: str, real: str) -> str 
     so it points at the same thing under any destination. None: it leads into the
     sync's own state (not copied)."""
     rel_real = os.path.relpath(real, root).replace(os.sep, "/")
-    if rel_real.split("/")[0] == store.STATE_DIR:
+    if rel_real.split("/")[0] == SYNC_STATE_DIR:
         return None
     base = posixpath.dirname(rel) or "."
     lex: str | None = None

@@ -19,18 +19,17 @@ in ``node/agent/``, each a module of the ``agent.core`` program (``ship.py``'s `
 
 - ``state``: holding, running, stopping, exited, guarded moves; ``procs``: the job's
   processes found by their tag, signalled, swept; ``--status``
-- ``files``: atomic writes, the job-dir token; ``env``: the launcher's and ranks' environment
+- ``files``: the job-dir token, the checkpoint dir; ``env``: the ranks' environment
 - ``output``: rank labels, log files, the writer thread, failure reports
 - ``forkserver``: the fork server's client (native mode; the server is ``zygote``)
 - ``hangs``: progress (heartbeats) and stack dumps for the hang watchdog
 - ``replicas.proc`` (with ``replicas.service``, ``replicas.wire``, ``replicas.done``):
   checkpoint replicas, agent to agent, copied by a child process in a session of its own
 
-The agent's exit code is the launcher's (128+N when a signal N ended it).
-Other modes, used by ``clusterkit stop`` / ``status`` through ``run_all``:
-``--stop JOB_ID [--grace S]`` and ``--status JOB_ID [--job-dir D --node N]``.
-Standard library only, Python >= 3.8 on the node: no ``match``, no new typing
-syntax at runtime. The wire format lives in :mod:`clusterkit.node.protocol`.
+The agent's exit code is the launcher's (128+N when a signal N ended it). Other modes,
+used by ``clusterkit stop`` / ``status`` through ``run_all``: ``--stop JOB_ID [--grace S]``
+and ``--status JOB_ID [--job-dir D --node N]``. Standard library only, Python >= 3.8 on
+the node. The wire format lives in :mod:`clusterkit.node.protocol`.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ from typing import IO, Any
 
 from clusterkit.node import protocol
 from clusterkit.node.agent import env, hangs, zygote
-from clusterkit.node.agent.files import expand, ready_checkpoints, write_atomic
+from clusterkit.node.agent.files import expand, ready_checkpoints
 from clusterkit.node.agent.forkserver import ForkServer
 from clusterkit.node.agent.hangs import PROGRESS_EVERY_S, StackDump
 from clusterkit.node.agent.output import AgentOutput
@@ -67,6 +66,7 @@ from clusterkit.node.agent.procs import (
 from clusterkit.node.agent.state import Lifecycle, State
 from clusterkit.node.contract import JobDir
 from clusterkit.node.facts.gatefacts import drop_tokens, gate_facts
+from clusterkit.node.files import write_atomic
 from clusterkit.node.protocol import (
     DEFAULT_GRACE_S,
     AgentSpec,

@@ -1,4 +1,4 @@
-"""The job's files on one node: the job-dir token, atomic writes, the checkpoint dir readied.
+"""The job's files on one node: the job-dir token, the checkpoint dir readied.
 
 Part of the node agent (:mod:`clusterkit.node.agent.core`; node program ``agent.core``, whose
 module list in :mod:`clusterkit.ship` names this file). Its own module because
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import socket
 
 from clusterkit.node.contract import (
     ASIDE_SUFFIX,
@@ -23,17 +21,7 @@ from clusterkit.node.contract import (
     ZERO3_MODEL_STATES_RE,
     expand_job_dir,
 )
-
-
-def write_atomic(path: str, text: str) -> None:
-    # The job dir may be on a shared filesystem that every node's agent writes at once,
-    # and pids repeat across hosts (and PID namespaces): the temp name must be unique.
-    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+from clusterkit.node.files import write_atomic
 
 
 def expand(value: str, job_dir: str) -> str:

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from clusterkit.node import protocol
-from clusterkit.node.agent.files import write_atomic
 from clusterkit.node.agent.procs import signal_pid
 from clusterkit.node.contract import (
     ENV_STACK_TOOL,
@@ -35,6 +34,7 @@ from clusterkit.node.contract import (
     JobDir,
     progress_file,
 )
+from clusterkit.node.files import write_atomic
 from clusterkit.node.provision import jitops
 
 PROGRESS_EVERY_S = 2.0  # how often the agent reports its ranks' progress

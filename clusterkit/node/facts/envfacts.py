@@ -37,10 +37,9 @@ import os
 import sys
 from typing import Any, Dict, List  # noqa: UP035 - runs on Python 3.8 nodes
 
-from clusterkit.node.contract import ENV_TEST_ENVFACTS
+from clusterkit.node.contract import ENV_TEST_ENVFACTS, SYNC_STATE_DIR
+from clusterkit.node.files import place_link, write_atomic
 from clusterkit.node.hashing import sha256_file
-from clusterkit.node.sync.store import STATE_DIR as SYNC_STATE_DIR
-from clusterkit.node.sync.store import place_link
 
 ENVFACTS_VERSION = 1
 RECORD_DIR = ".clusterkit"
@@ -162,12 +161,7 @@ def fingerprint(directory: str) -> str:
 
 def _atomic_json(path: str, data: Dict[str, Any]) -> None:  # noqa: UP006
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, sort_keys=True))
 
 
 def group_of(rel: str) -> str:

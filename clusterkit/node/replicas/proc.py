@@ -48,8 +48,8 @@ from clusterkit.node.replicas.service import (
 
 # The child's node modules, dependencies first, this one last: it runs as the node
 # program ``replicas.proc`` (the agent ships every one of them, so it can hand them on;
-# ship.py's ``slurm.replica`` ships the same replica modules).
-MODULES = ("contract", "hashing", "protocol", "agent.files", "agent.procs", "ckpt.listing",
+# clusterkit/ship.py's replica programs are this list: one table).
+MODULES = ("contract", "files", "hashing", "protocol", "agent.procs", "ckpt.listing",
            "replicas.rules", "replicas.done", "replicas.area", "replicas.priority", "replicas.wire",
            "replicas.service", "replicas.proc")
 FINISH = "finish"

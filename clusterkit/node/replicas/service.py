@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from clusterkit.node import protocol
-from clusterkit.node.agent.files import write_atomic
+from clusterkit.node.files import write_atomic
 from clusterkit.node.replicas.done import STABLE_S, CompletionWatch
 from clusterkit.node.replicas.wire import (
     ReplicaError,

@@ -40,6 +40,7 @@ import time
 from typing import Any
 
 from clusterkit.node.contract import JobDir
+from clusterkit.node.files import write_atomic
 from clusterkit.node.replicas import priority
 from clusterkit.node.replicas.rules import ring, ring_sources
 from clusterkit.node.replicas.service import ReplicaService
@@ -215,9 +216,7 @@ def plan(conf: dict[str, Any], run_dir: str) -> int:
                          f"moving the parts of {p['tag']} before the ranks start")
     for line in p["lines"]:
         restore.say("  " + line)
-    with open(os.path.join(run_dir, "plan.json.tmp"), "w", encoding="utf-8") as fh:
-        json.dump(p, fh)
-    os.replace(os.path.join(run_dir, "plan.json.tmp"), os.path.join(run_dir, "plan.json"))
+    write_atomic(os.path.join(run_dir, "plan.json"), json.dumps(p))
     return 0
 
 

@@ -48,6 +48,7 @@ from clusterkit.node.contract import (
     replica_dir,
     replica_source_dir,
 )
+from clusterkit.node.files import write_atomic
 from clusterkit.node.hashing import sha256_file
 from clusterkit.node.replicas.area import commit_copy, new_manifest, read_manifest
 from clusterkit.node.replicas.rules import (
@@ -78,9 +79,7 @@ def say(text: str, err: bool = False) -> None:
 def write_listing(ckpt_dir: str, run_dir: str, host: str) -> int:
     out = os.path.join(run_dir, "list", f"{host}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".tmp", "w", encoding="utf-8") as fh:
-        json.dump(listing(ckpt_dir, None), fh)
-    os.replace(out + ".tmp", out)
+    write_atomic(out, json.dumps(listing(ckpt_dir, None)))
     return 0
 
 

@@ -39,9 +39,11 @@ import socket
 import stat
 from typing import Any
 
-STATE_DIR = ".clusterkit-sync"
-MANIFEST = STATE_DIR + "/manifest.json"
-PARTIAL_DIR = STATE_DIR + "/partial"
+from clusterkit.node.contract import SYNC_STATE_DIR
+from clusterkit.node.files import place_link, write_atomic
+
+MANIFEST = SYNC_STATE_DIR + "/manifest.json"
+PARTIAL_DIR = SYNC_STATE_DIR + "/partial"
 MANIFEST_VERSION = 1
 CHUNK = 64 << 20  # per-chunk sha256: a cut-short 14 GB file resumes within 64 MiB
 READ = 1 << 20
@@ -84,7 +86,7 @@ def safe_rel(rel: Any) -> bool:
     if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:
         return False
     parts = rel.split("/")
-    return not any(p in ("", ".", "..") for p in parts) and parts[0] != STATE_DIR
+    return not any(p in ("", ".", "..") for p in parts) and parts[0] != SYNC_STATE_DIR
 
 
 def safe_link(rel: Any, target: Any) -> bool:
@@ -94,7 +96,7 @@ def safe_link(rel: Any, target: Any) -> bool:
             or target.startswith("/") or "\0" in target:
         return False
     lex = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
-    return lex != ".." and not lex.startswith("../") and lex.split("/")[0] != STATE_DIR
+    return lex != ".." and not lex.startswith("../") and lex.split("/")[0] != SYNC_STATE_DIR
 
 
 def inside(dest: str, rel: str) -> str:
@@ -144,17 +146,12 @@ def write_manifest(dest: str, files: dict[str, list[Any]],
     """Write the manifest atomically (temp + fsync + rename); its digest."""
     digest = tree_digest([(rel, f[0], f[3]) for rel, f in files.items()]
                          + link_rows((links or {}).items()))
-    state = os.path.join(dest, STATE_DIR)
+    state = os.path.join(dest, SYNC_STATE_DIR)
     os.makedirs(state, exist_ok=True)
-    tmp = os.path.join(state, f"manifest.json.{os.getpid()}.tmp")
     doc: dict[str, Any] = {"v": MANIFEST_VERSION, "digest": digest, "files": files}
     if links:
         doc["links"] = links
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(dest, MANIFEST))
+    write_atomic(os.path.join(dest, MANIFEST), json.dumps(doc, sort_keys=True))
     return digest
 
 
@@ -237,7 +234,7 @@ def walk(dest: str, links: bool = False) -> list[str]:
     for d, dirs, names in os.walk(dest):
         rel_dir = os.path.relpath(d, dest)
         rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
-        dirs[:] = sorted(x for x in dirs if rel_dir + x != STATE_DIR)
+        dirs[:] = sorted(x for x in dirs if rel_dir + x != SYNC_STATE_DIR)
         if links:
             out += [rel_dir + x for x in dirs if os.path.islink(os.path.join(d, x))]
         for n in sorted(names):
@@ -251,23 +248,6 @@ def walk(dest: str, links: bool = False) -> list[str]:
 def link_held(dest: str, rel: str, target: str) -> bool:
     path = os.path.join(dest, rel)
     return os.path.islink(path) and os.readlink(path) == target
-
-
-def place_link(path: str, target: str) -> None:
-    """``path`` made a symbolic link to ``target`` atomically: created under a temp name
-    beside it and renamed over whatever file or link is there (a reader sees the old
-    one or the new one, never none). Also node/facts/envfacts.py's."""
-    name = hashlib.sha256(os.path.basename(path).encode("utf-8", "surrogateescape"))
-    tmp = os.path.join(os.path.dirname(path), f".ck-link-tmp.{os.getpid()}.{name.hexdigest()[:16]}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    os.symlink(target, tmp)
-    try:
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def plan_links(dest: str, links: list[list[Any]], rels: Any, ours: Any = ()
