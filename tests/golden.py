@@ -31,7 +31,7 @@ def updating() -> bool:
 _written: dict[str, Path] = {}
 
 
-def _write(path: Path, actual: str) -> None:
+def _write_golden(path: Path, actual: str) -> None:
     """Write a golden, or link it to the file already written with the same content."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_symlink() or path.exists():
@@ -47,7 +47,7 @@ def _write(path: Path, actual: str) -> None:
 def assert_golden(relpath: str, actual: str) -> None:
     path = GOLDEN_DIR / relpath
     if updating():
-        _write(path, actual)
+        _write_golden(path, actual)
         return
     if not path.is_file():
         pytest.fail(f"golden file {path} is missing; create it with {UPDATE_ENV}=1 and review it")

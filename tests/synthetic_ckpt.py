@@ -23,7 +23,7 @@ from clusterkit.node.contract import LATEST_FILE, RECOVERY_SCRIPTS, marker_name
 SCRIPT_TEXT = "# stand-in for DeepSpeed's zero_to_fp32.py\n"
 
 
-def _write(path: str, data: bytes) -> None:
+def _write_bytes(path: str, data: bytes) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as fh:
         fh.write(data)
@@ -71,7 +71,7 @@ def write_node_local(roots: Sequence[str], *, ranks_per_node: int = 2, zero_stag
         if zero_stage < 3:
             # Global rank 0 writes extra metadata (shared_params): its copy differs.
             data = shared_model if index else shared_model[:-8] + b"rank0!!!"
-            _write(os.path.join(tag_dir, layout.model_states_name(zero_stage, 0)), data)
+            _write_bytes(os.path.join(tag_dir, layout.model_states_name(zero_stage, 0)), data)
             files[layout.model_states_name(zero_stage, 0)] = len(data)
         for r in ranks:
             for name in layout.rank_files(zero_stage, r, "fp32"):
@@ -90,11 +90,11 @@ def write_node_local(roots: Sequence[str], *, ranks_per_node: int = 2, zero_stag
                                          files=layout.rank_files(zero_stage, r, "fp32"))
                         for r in ranks),
             node_files=files, created_unix=time.time())
-        _write(os.path.join(tag_dir, marker_name(index)),
+        _write_bytes(os.path.join(tag_dir, marker_name(index)),
                json.dumps(marker.to_json_dict(), indent=1).encode())
         if index == 0:
-            _write(os.path.join(root, LATEST_FILE), tag.encode())
-            _write(os.path.join(root, "zero_to_fp32.py"), SCRIPT_TEXT.encode())
+            _write_bytes(os.path.join(root, LATEST_FILE), tag.encode())
+            _write_bytes(os.path.join(root, "zero_to_fp32.py"), SCRIPT_TEXT.encode())
     return total
 
 
@@ -120,7 +120,7 @@ def write_replica(root: str, holder_root: str, source: int, tag: str = "global_s
     for rel in sorted(rels):
         with open(os.path.join(root, rel), "rb") as fh:
             data = fh.read()
-        _write(os.path.join(dest, rel), data)
+        _write_bytes(os.path.join(dest, rel), data)
         files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     if manifest:
         doc = {"schema": contract.REPLICA_SCHEMA, "version": contract.REPLICA_SCHEMA_VERSION,
@@ -128,7 +128,7 @@ def write_replica(root: str, holder_root: str, source: int, tag: str = "global_s
                "source_host": source_host or f"node{source + 1}",
                "holder": holder or os.path.basename(os.path.dirname(holder_root.rstrip("/"))),
                "files": files, "completed": time.time()}
-        _write(os.path.join(dest, contract.REPLICA_MANIFEST), json.dumps(doc, indent=1).encode())
+        _write_bytes(os.path.join(dest, contract.REPLICA_MANIFEST), json.dumps(doc, indent=1).encode())
     return dest
 
 
@@ -164,8 +164,8 @@ def write_hf_save(roots: Sequence[str], step: int, *, model_everywhere: bool = T
             else:
                 os.unlink(os.path.join(tag_dir, name))
         os.unlink(os.path.join(tag_dir, marker_name(index)))
-        _write(os.path.join(tag_dir, LATEST_FILE), f"global_step{step}".encode())
-        _write(os.path.join(tag_dir, "trainer_state.json"),
+        _write_bytes(os.path.join(tag_dir, LATEST_FILE), f"global_step{step}".encode())
+        _write_bytes(os.path.join(tag_dir, "trainer_state.json"),
                json.dumps({"global_step": step, "node": index}).encode())
         for name in (LATEST_FILE, *RECOVERY_SCRIPTS):  # HF keeps these inside the tag
             if os.path.exists(os.path.join(root, name)):

@@ -60,7 +60,7 @@ def _args(out: str, *extra: str) -> list[str]:
             *extra]
 
 
-def _reference(tmp: Path) -> str:
+def _accelerate_reference(tmp: Path) -> str:
     """The uninterrupted run, 3 CPU ranks here, given what the job's ranks are given."""
     hook = tmp / "ref-hook"
     hook.mkdir()
@@ -142,4 +142,4 @@ def test_accelerate_node_lost_goes_on_on_the_spare(testbed_required: None,
         got = FINAL.findall(text)
         assert got and int(got[-1][0]) == STEPS, text[-3000:]
         _world_of_three(tb, out, {"node1": 0, "node4": 1, "node3": 2})
-    assert got[-1][1] == _reference(tmp_path)
+    assert got[-1][1] == _accelerate_reference(tmp_path)

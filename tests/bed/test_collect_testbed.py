@@ -52,14 +52,14 @@ def _synth(tb: Testbed, name: str, shard_bytes: int = 1 << 16, stage: int = 2) -
     return inside
 
 
-def _inventory(tb: Testbed, tmp: Path, nodes: int = NODES) -> str:
+def _bed_inventory(tb: Testbed, tmp: Path, nodes: int = NODES) -> str:
     return str(tb.write_inventory(tmp / "inv.yaml", tb.nodes[:nodes], slots=2))
 
 
 
 def test_collect_seven_nodes_and_rerun(testbed: Testbed, tmp_path: Path) -> None:
     ckpt = _synth(testbed, "c-ok")
-    inv, dest = _inventory(testbed, tmp_path), tmp_path / "dest"
+    inv, dest = _bed_inventory(testbed, tmp_path), tmp_path / "dest"
     res = _cli("-i", inv, "--dir", ckpt, "--to", str(dest))
     assert res.returncode == 0, res.stderr
     shards = sorted(p.name for p in (dest / TAG).glob("*_optim_states.pt"))
@@ -77,7 +77,7 @@ def test_missing_shard_on_node4_refuses(testbed: Testbed, tmp_path: Path) -> Non
     os.unlink(testbed.node_local_path(
         "node4", f"{ckpt}/{TAG}/zero_pp_rank_7_mp_rank_00_optim_states.pt"))
     dest = tmp_path / "dest"
-    res = _cli("-i", _inventory(testbed, tmp_path), "--dir", ckpt, "--to", str(dest))
+    res = _cli("-i", _bed_inventory(testbed, tmp_path), "--dir", ckpt, "--to", str(dest))
     assert res.returncode == 2, res.stdout + res.stderr
     assert "node4: optimizer shard of rank 7 is missing" in res.stderr
     assert "nothing was copied" in res.stderr
@@ -106,7 +106,7 @@ def test_corrupt_byte_after_listing_is_reported(testbed: Testbed, tmp_path: Path
 
 def test_kill_mid_transfer_then_rerun(testbed: Testbed, tmp_path: Path) -> None:
     ckpt = _synth(testbed, "c-kill", shard_bytes=6 << 20)
-    inv, dest = _inventory(testbed, tmp_path), tmp_path / "dest"
+    inv, dest = _bed_inventory(testbed, tmp_path), tmp_path / "dest"
     argv = [sys.executable, "-m", "clusterkit", "collect-ckpt", "-i", inv, "--dir", ckpt,
             "--to", str(dest), "--jobs", "2"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -139,7 +139,7 @@ def test_kill_mid_transfer_then_rerun(testbed: Testbed, tmp_path: Path) -> None:
 
 def test_scatter_back_to_fresh_dirs(testbed: Testbed, tmp_path: Path) -> None:
     ckpt = _synth(testbed, "c-scatter", stage=3)
-    inv, dest = _inventory(testbed, tmp_path), tmp_path / "dest"
+    inv, dest = _bed_inventory(testbed, tmp_path), tmp_path / "dest"
     assert _cli("-i", inv, "--dir", ckpt, "--to", str(dest)).returncode == 0
     fresh = f"{testbed.local_mountpoint}/c-scatter-back"
     res = _cli("-i", inv, "--dir", fresh, "--to", str(dest), "--scatter")

@@ -63,7 +63,7 @@ USER_SCRIPT = TESTS / "slurmbed" / "usertrain.py"
 RING = ("node1", "node2", "node3")
 
 
-def _argv(inv: Path, job: str, *extra: str, hold_after: int = 0) -> list[str]:
+def _budget_launch_argv(inv: Path, job: str, *extra: str, hold_after: int = 0) -> list[str]:
     """``hold_after``: a fresh run waits after that step (its save) until it is stopped,
     so the node is lost before the next save (a resumed run does not wait)."""
     stop = inv.parent / f"{job}-never-stop"  # the script's stop-file contract: never asked
@@ -75,7 +75,7 @@ def _argv(inv: Path, job: str, *extra: str, hold_after: int = 0) -> list[str]:
             "--hold-after", str(hold_after)]
 
 
-def _report(name: str, lines: list[str], budget: int) -> None:
+def _print_budget_lines(name: str, lines: list[str], budget: int) -> None:
     print(f"--- {name}: {len(lines)} lines besides the step lines (budget {budget})")
     print("\n".join(lines))
 
@@ -94,10 +94,10 @@ def test_the_console_of_a_clean_run_fits_its_budget(testbed_required: None,
                                                     tmp_path: Path) -> None:
     with temporary(3) as tb:
         inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
-        clean = Console(_argv(inv, "clean"), train_env(tmp_path), tmp_path)
+        clean = Console(_budget_launch_argv(inv, "clean"), train_env(tmp_path), tmp_path)
         assert clean.finish(timeout=300) == 0, clean.text[-4000:]
     lines = counted(clean.text)
-    _report("clean run", lines, CLEAN_BUDGET)
+    _print_budget_lines("clean run", lines, CLEAN_BUDGET)
     assert workload_summary(clean.text)["finished"]
     assert any("checkpoints replicated: " in ln for ln in lines)
     folded_groups_name_their_logs(lines)
@@ -112,13 +112,13 @@ def test_the_console_of_a_lost_node_and_its_restart_fits_its_budget(
     with temporary(4) as tb:
         inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
         inv.write_text(inv.read_text() + f"spares: [{SPARE}]\n")
-        run = Console(_argv(inv, "lost", "--max-restarts", "1", "--drop-failed-nodes",
+        run = Console(_budget_launch_argv(inv, "lost", "--max-restarts", "1", "--drop-failed-nodes",
                             hold_after=SAVE_EVERY), train_env(tmp_path), tmp_path)
         code = lose_node_mid_run(tb, run, LOST, [
             (lambda: f"saved step{SAVE_EVERY}" in run.text, 300, "the first save"),
             (lambda: _replicated(tb, "lost", f"step{SAVE_EVERY}"), 120, "its replicas")], 400)
     lines = counted(run.text)
-    _report("node-loss run", lines, LOSS_BUDGET)
+    _print_budget_lines("node-loss run", lines, LOSS_BUDGET)
     assert code == 0, run.text[-4000:]
     text = "\n".join(lines)
     resumed = workload_summary(run.text)["resumed_from"]

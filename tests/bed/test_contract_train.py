@@ -53,14 +53,14 @@ LOGGED = (SAVE_EVERY + 10, SAVE_EVERY + 20)  # the script prints every 10th step
 _LOSS = re.compile(r"step (\d+) loss (\S+)")
 
 
-def _argv(inv: Path, job: str) -> list[str]:
+def _contract_launch_argv(inv: Path, job: str) -> list[str]:
     return [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
             "--nodes", "2", "--gpus-per-node", "1", "--zero-stage", "3",
             "--storage", "node-local", "--steps", str(STEPS), "--grace", "2", "--skip-checks",
             str(EXAMPLE), "--", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]
 
 
-def _run(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def _run_training(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, env=train_env(tmp_path),
                           cwd=tmp_path, timeout=300)
 
@@ -121,12 +121,13 @@ def test_example_script_resumes_zero3_node_local_after_a_kill(testbed: Testbed,
     inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes=[x.name for x in testbed.ensure(2)],
                                   slots=1)
     job = "contract-resume"
-    killed = _kill_past_the_save(_argv(inv, job), tmp_path, testbed, job)
+    killed = _kill_past_the_save(_contract_launch_argv(inv, job), tmp_path, testbed, job)
     assert f"checkpoint step{SAVE_EVERY} complete" in killed, killed[-3000:]
     first = _logged(killed)
     assert set(LOGGED) <= set(first), (sorted(first), killed[-3000:])
 
-    again = _run(_argv(inv, job), tmp_path)  # same --job-id: the same checkpoint dirs
+    # same --job-id: the same checkpoint dirs
+    again = _run_training(_contract_launch_argv(inv, job), tmp_path)
     text = again.stdout + again.stderr
     assert again.returncode == 0, text[-4000:]
     s = workload_summary(again.stdout)
@@ -146,7 +147,7 @@ def test_example_script_resumes_zero3_node_local_after_a_kill(testbed: Testbed,
     # judges them by DeepSpeed's own files with no flag (issue 32's one completeness rule)
     # and consolidates them.
     collect = [sys.executable, "-m", "clusterkit", "collect-ckpt", job]
-    got = _run([*collect, "--consolidate", "fp32", "--json"], tmp_path)
+    got = _run_training([*collect, "--consolidate", "fp32", "--json"], tmp_path)
     assert got.returncode == 0, (got.stdout + got.stderr)[-3000:]
     report = json.loads(got.stdout)
     assert (report["collect"]["world_size"], report["collect"]["zero_stage"]) == (2, 3), report

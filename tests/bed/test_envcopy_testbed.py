@@ -42,7 +42,7 @@ TRAIN = textwrap.dedent("""
 
 
 
-def _inventory(testbed: Testbed, path: Path, nodes: list[str], python: str, work: Path,
+def _env_inventory(testbed: Testbed, path: Path, nodes: list[str], python: str, work: Path,
                env: dict[str, dict[str, str]] | None = None) -> Path:
     data: dict[str, Any] = testbed.inventory_dict(nodes, slots=1, python=python,
                                                   workdir=str(work))
@@ -73,8 +73,8 @@ def test_env_to_empty_prefixes_then_launch_doctor_gate_and_repair(
     (work / "train.py").write_text(TRAIN)
     env = dict(os.environ, CLUSTERKIT_HOME=str(tmp_path / "home"))
     fake = {nodes[2]: {ENV_TEST_ENVFACTS: "machine=aarch64"}}
-    inv3 = _inventory(testbed, tmp_path / "inv3.yaml", nodes, python, work, fake)
-    inv = _inventory(testbed, tmp_path / "inv.yaml", nodes[:2], python, work)
+    inv3 = _env_inventory(testbed, tmp_path / "inv3.yaml", nodes, python, work, fake)
+    inv = _env_inventory(testbed, tmp_path / "inv.yaml", nodes[:2], python, work)
     for n in nodes:
         assert testbed.exec(n, ["test", "-e", str(prefix)], timeout=30).returncode != 0
 

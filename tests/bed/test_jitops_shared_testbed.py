@@ -52,7 +52,7 @@ def _ask(testbed: Testbed, node: str, ext: Path, *more: str) -> dict[str, Any]:
     return dict(json.loads(res.stdout))
 
 
-def _doctor(node: str, locks: list[dict[str, Any]]) -> Any:
+def _jit_lock_finding(node: str, locks: list[dict[str, Any]]) -> Any:
     (finding,) = check_jit_locks({node: NodeFacts(host=node, jit_locks=tuple(locks))},
                                  DoctorContext(hosts=(node,)))
     return finding
@@ -82,7 +82,7 @@ def test_a_build_on_another_node_sharing_the_directory_is_live_until_proven_dead
         assert on_b["holders"] == [] and on_b["state"] == "building", on_b
         assert on_b["why"].startswith(f"building on {a} (pid {record['pid']}; record ")
         assert seen["removed"] == [] and lock.exists()  # never removed while live
-        finding = _doctor(b, [on_b])
+        finding = _jit_lock_finding(b, [on_b])
         assert finding.status is Status.PASS and f"building on {a}" in finding.detail
         assert "stale" not in finding.detail
     finally:
@@ -99,7 +99,7 @@ def test_a_build_on_another_node_sharing_the_directory_is_live_until_proven_dead
     os.utime(f"{lock}.owner", (old, old))  # a minute and a half without a refresh
     (on_b,) = _ask(testbed, b, ext)["locks"]
     assert on_b["state"] == "dead" and f"its builder on {a}" in on_b["why"], on_b
-    finding = _doctor(b, [on_b])
+    finding = _jit_lock_finding(b, [on_b])
     assert finding.status is Status.FAIL and "stale" in finding.detail
     assert "removes it by itself" in finding.fix
     assert _ask(testbed, b, ext, "remove")["removed"] == [str(lock)]

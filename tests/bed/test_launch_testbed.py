@@ -27,7 +27,7 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.fixture()
-def bystanders(testbed: Testbed) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
+def node_bystanders(testbed: Testbed) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
     """On node5 and node1: another job's process and a DeepSpeed-pkill-pattern look-alike."""
     testbed.ensure(7)
     procs = []
@@ -44,7 +44,7 @@ def bystanders(testbed: Testbed) -> Iterator[list[tuple[str, subprocess.Popen[by
 
 def test_kill9_of_one_rank_on_node5_stops_every_rank_and_spares_other_jobs(
         testbed: Testbed, tmp_path: Path, env: dict[str, str],
-        bystanders: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+        node_bystanders: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
     nodes = [n.name for n in testbed.ensure(7)]
     work = tmp_path / "work"
     work.mkdir()
@@ -67,7 +67,7 @@ def test_kill9_of_one_rank_on_node5_stops_every_rank_and_spares_other_jobs(
     text = "".join(seen)
     assert proc.returncode == 137, text[-3000:]
     assert "node5 rank 9 failed first (killed by SIGKILL)" in text, text[-3000:]
-    assert all(p.poll() is None for _, p in bystanders), "another job's process was killed"
+    assert all(p.poll() is None for _, p in node_bystanders), "another job's process was killed"
 
 
 def test_ctrl_c_on_the_launcher_leaves_no_process_on_any_node(

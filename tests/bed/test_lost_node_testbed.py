@@ -92,7 +92,7 @@ SMALL = Shape(steps=16, save_every=8, lost_after=8)
 ISSUE = Shape(steps=30, save_every=10, lost_after=20)
 
 
-def _argv(inv: Path, job: str, shape: Shape, *extra: str,
+def _shape_launch_argv(inv: Path, job: str, shape: Shape, *extra: str,
           select: Sequence[str] = ("--nodes", "7")) -> list[str]:
     """The launch of ``shape``; ``extra`` may end with ``-- ARGS`` for the workload."""
     return [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
@@ -120,7 +120,7 @@ def _lose_node6_mid_run(tb: Testbed, inv: Path, tmp: Path, job: str, shape: Shap
                         before_loss: Callable[[], object] | None = None) -> str:
     """Run job until ``shape.tag`` is complete and every node's copy of it sits on its ring
     successor, then destroy node6 while the job runs; return the console text."""
-    run = Console(_argv(inv, job, shape), train_env(tmp), tmp)
+    run = Console(_shape_launch_argv(inv, job, shape), train_env(tmp), tmp)
     at_loss: list[int] = []
 
     def just_before() -> None:
@@ -151,10 +151,10 @@ def _train_to_end(argv: Sequence[str], tmp: Path, timeout: float = 900) -> Run:
 def _spare_case(tmp: Path, shape: Shape) -> None:
     with temporary(8) as tb:
         inv = tb.write_inventory(tmp / "inv.yaml", slots=2)  # node8: the spare, not selected
-        ref = _train_to_end(_argv(inv, "ref", shape), tmp)
+        ref = _train_to_end(_shape_launch_argv(inv, "ref", shape), tmp)
         assert_trained(ref, shape.steps, 14)
         _lose_node6_mid_run(tb, inv, tmp, "lost", shape)
-        again = _train_to_end(_argv(inv, "lost", shape, "--replace", f"{LOST}={SPARE}"), tmp)
+        again = _train_to_end(_shape_launch_argv(inv, "lost", shape, "--replace", f"{LOST}={SPARE}"), tmp)
         assert again.code == 0, again.text[-4000:]
         restored = f"restored {shape.tag} of node index 5 ({LOST}) onto {SPARE}"
         assert restored in again.text, again.text[-4000:]
@@ -202,7 +202,7 @@ def _shrink_case(tmp: Path, shape: Shape) -> None:
         _lose_node6_mid_run(tb, inv, tmp, "shrink", shape,
                             before_loss=lambda: snapshot_tag(tb, RING, "shrink", shape.tag, before))
         loaded = tb.shared_dir / "loaded-weights.pt"
-        again = _train_to_end(_argv(inv, "shrink", shape, "--", "--dump-loaded-weights",
+        again = _train_to_end(_shape_launch_argv(inv, "shrink", shape, "--", "--dump-loaded-weights",
                                     str(loaded), select=("--exclude", LOST)), tmp)
         assert again.code == 0, again.text[-5000:]
         for step in ("1/3 gathering it here", "2/3 converting it", "3/3 pushing"):
@@ -294,9 +294,9 @@ def test_a_running_job_survives_a_lost_node_on_its_own(testbed_required: None,
     with temporary(8) as tb:
         inv = tb.write_inventory(tmp_path / "inv.yaml", slots=2)
         inv.write_text(inv.read_text() + f"spares: [{SPARE}]\n")
-        ref = _train_to_end(_argv(inv, "ref", shape), tmp_path)
+        ref = _train_to_end(_shape_launch_argv(inv, "ref", shape), tmp_path)
         assert_trained(ref, shape.steps, 14)
-        run = Console(_argv(inv, "auto", shape, "--max-restarts", "1", "--drop-failed-nodes"),
+        run = Console(_shape_launch_argv(inv, "auto", shape, "--max-restarts", "1", "--drop-failed-nodes"),
                       train_env(tmp_path), tmp_path)
         saved = _saved_and_replicated(run, tb, "auto", f"checkpoint {shape.tag} complete", shape.tag)
         code = lose_node_mid_run(tb, run, LOST, saved, 900)

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.testbed
 BRIDGE, BRIDGE_ADDR = "br-9f3c", "172.18.0.1/16"
 
 
-def _doctor(inventory: Path) -> dict[str, Any]:
+def _doctor_json(inventory: Path) -> dict[str, Any]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         main(["doctor", "--json", "--connect-timeout", "5", "-i", str(inventory)])
@@ -67,14 +67,14 @@ def test_bridge_with_the_same_address_everywhere_warns(
     for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         monkeypatch.delenv(key, raising=False)
     inv = testbed.write_inventory(tmp_path / "inventory.yaml", testbed_nodes)
-    before = _ifname(_doctor(inv))
+    before = _ifname(_doctor_json(inv))
     for n in testbed_nodes:
         assert [f["status"] for f in before[n.name]] == ["PASS"], before[n.name]
         assert before[n.name][0]["detail"] == "NCCL/gloo will use eth0"
     with _bridges(testbed, testbed_nodes):
         order = testbed.exec(testbed_nodes[0], ["ip", "-o", "-4", "addr", "show"],
                              check=True).stdout
-        after = _ifname(_doctor(inv))
+        after = _ifname(_doctor_json(inv))
     bridge_first = order.index(BRIDGE) < order.index("eth0")
     for n in testbed_nodes:
         found = after[n.name]

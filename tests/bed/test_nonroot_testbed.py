@@ -46,7 +46,7 @@ LOST, SPARE = "node2", "node4"  # node index 1; its ring successor node3 holds i
 STEPS, SAVE_EVERY = 48, 16  # three saves: the loss comes after the first or the second
 
 
-def _argv(tb: Testbed, inv: Path, job: str, *extra: str, exclude: str = "") -> list[str]:
+def _user_launch_argv(tb: Testbed, inv: Path, job: str, *extra: str, exclude: str = "") -> list[str]:
     """``clusterkit launch`` of the bundled workload on 3 nodes (``exclude``: on the
     inventory's nodes but that one), run as the bed's user."""
     argv = train_argv(inv, job, "native", 3, 1, "node-local", STEPS,
@@ -64,7 +64,7 @@ def _console(tb: Testbed, argv: Sequence[str]) -> Console:
     return Console(argv, tb.user_env(train_env(home)), home)
 
 
-def _run(tb: Testbed, argv: Sequence[str], timeout: float = 600) -> Run:
+def _run_launch_as_user(tb: Testbed, argv: Sequence[str], timeout: float = 600) -> Run:
     run = _console(tb, argv)
     code = run.finish(timeout=timeout)
     return Run(code, run.text, workload_summary(run.text) if code == 0 else {})
@@ -145,7 +145,7 @@ def test_as_a_user_replicas_and_a_lost_node_continued_on_the_spare(
     node2's part onto the spare from node3 and the job goes on exactly where the first
     attempt was (the steps both attempts logged: equal losses)."""
     with _bed(4, spare=True) as (tb, inv):
-        run, tag = _run_losing_node2(tb, _argv(tb, inv, "auto", "--max-restarts", "1",
+        run, tag = _run_losing_node2(tb, _user_launch_argv(tb, inv, "auto", "--max-restarts", "1",
                                                "--drop-failed-nodes"), "auto", 600)
         assert run.proc.returncode == 0, run.text[-4000:]
         assert f"restored {tag} of node index 1 ({LOST}) onto {SPARE}" in run.text, \
@@ -190,9 +190,9 @@ def test_as_a_user_without_a_spare_the_job_reshards_onto_two_nodes(
     ``--exclude node2``, the job gathers, converts to a universal checkpoint, pushes it
     to the 2 nodes left and finishes, all as the user."""
     with _bed(3, spare=False) as (tb, inv):
-        run, tag = _run_losing_node2(tb, _argv(tb, inv, "shrink"), "shrink", 300)
+        run, tag = _run_losing_node2(tb, _user_launch_argv(tb, inv, "shrink"), "shrink", 300)
         assert run.proc.returncode != 0, run.text[-3000:]
-        again = _run(tb, _argv(tb, inv, "shrink", exclude=LOST))
+        again = _run_launch_as_user(tb, _user_launch_argv(tb, inv, "shrink", exclude=LOST))
         assert again.code == 0, again.text[-5000:]
         for step in ("1/3 gathering it here", "2/3 converting it", "3/3 pushing"):
             assert step in again.text, again.text[-5000:]

@@ -66,7 +66,7 @@ def _hf_args(out: str, ds: Path, *extra: str, tqdm: bool = False) -> list[str]:
             *([] if tqdm else ["--disable_tqdm", "True"]), "--seed", "7", *extra]
 
 
-def _reference(tmp: Path, ds: Path) -> str:
+def _hf_trainer_reference(tmp: Path, ds: Path) -> str:
     """The uninterrupted run, 3 CPU ranks on this machine (same world size and data)."""
     argv = [sys.executable, "-m", "torch.distributed.run", f"--log-dir={tmp}/tr", "--nnodes",
             "1", "--nproc-per-node", "3", "--master_addr", "127.0.0.1", "--master_port",
@@ -76,7 +76,7 @@ def _reference(tmp: Path, ds: Path) -> str:
     return str(FINAL.findall(text)[-1][1])
 
 
-def _launch(inv: Path, job: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _launch_program(inv: Path, job: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
             "--nodes", "3", "--storage", "node-local", "--replicas", "1", "--grace", "2",
             "--skip-checks", *args]
@@ -97,7 +97,7 @@ def _killed_rank(tb: Testbed, tmp_path: Path, ds: Path, ds_doc: dict[str, Any], 
     out = str(tb.local_mountpoint / "ckpt" / job)
     marker = tb.shared_dir / f"{job}-crashed"
     # two restarts: the kill's, and room for torch's exit-time abort (helpers.EXIT_ABORT)
-    run = _launch(inv, job, tmp_path, "--max-restarts", "2", str(HF_TRAINER),
+    run = _launch_program(inv, job, tmp_path, "--max-restarts", "2", str(HF_TRAINER),
                   *_hf_args(out, ds, "--crash_at_step", "16", "--crash_rank", "1",
                             "--crash_once", str(marker), "--exact_losses", "True",
                             tqdm=console_budget is not None))
@@ -381,7 +381,7 @@ def test_hf_trainer_node_lost_goes_on_on_the_spare(testbed_required: None,
         assert re.search(r"hf-trainer: resuming from checkpoint-(10|20)", text), text[-5000:]
         got = FINAL.findall(text)
         assert got and int(got[-1][0]) == STEPS, text[-3000:]
-    assert got[-1][1] == _reference(tmp_path, ds)
+    assert got[-1][1] == _hf_trainer_reference(tmp_path, ds)
 
 
 @pytest.mark.testbed
@@ -397,9 +397,9 @@ def test_hf_trainer_relaunched_by_hand_resumes(testbed_required: None, tmp_path:
         marker = tb.shared_dir / "hfhand-crashed"
         args = [str(HF_TRAINER), *_hf_args(out, ds, "--crash_at_step", "15", "--crash_rank", "2",
                                    "--crash_once", str(marker))]
-        first = _launch(inv, "hfhand", tmp_path, *args)
+        first = _launch_program(inv, "hfhand", tmp_path, *args)
         assert first.returncode != 0 and marker.exists(), (first.stdout + first.stderr)[-3000:]
-        again = _launch(inv, "hfhand", tmp_path, *args)
+        again = _launch_program(inv, "hfhand", tmp_path, *args)
         text = again.stdout + again.stderr
         assert again.returncode == 0, text[-5000:]
         assert "continuing job hfhand" in text, text[-3000:]
@@ -407,7 +407,7 @@ def test_hf_trainer_relaunched_by_hand_resumes(testbed_required: None, tmp_path:
         assert RESUMED.search(text), text[-3000:]
         got = FINAL.findall(text)
         assert got and int(got[-1][0]) == STEPS, text[-3000:]
-    assert got[-1][1] == _reference(tmp_path, ds)
+    assert got[-1][1] == _hf_trainer_reference(tmp_path, ds)
 
 
 @pytest.mark.testbed

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.testbed
 
 
 
-def _tokens(testbed: Testbed, node: str, path: str) -> str:
+def _node_tokens(testbed: Testbed, node: str, path: str) -> str:
     """The token files under ``path`` as ``node`` sees it (its own /scratch)."""
     res = testbed.exec(node, ["sh", "-c", f"find {path} -name '.clusterkit-token*' 2>/dev/null"])
     return res.stdout.strip()
@@ -77,7 +77,7 @@ def test_a_shared_local_dir_is_named_by_doctor_the_gate_and_collect(
         assert want in line and "use --storage shared" in line, line
         assert "rank ran" not in res.stdout
         assert not list(common.rglob(".clusterkit-token*"))
-        assert _tokens(testbed, nodes[2], scratch) == ""
+        assert _node_tokens(testbed, nodes[2], scratch) == ""
 
     # collect-ckpt: both nodes wrote their part into the one directory
     synthetic.write_node_local([str(common)] * 2, zero_stage=2, shard_bytes=1024,

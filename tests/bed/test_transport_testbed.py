@@ -20,7 +20,7 @@ CONNECT_TIMEOUT = 5.0
 
 
 @pytest.fixture
-def transport() -> Iterator[SSHTransport]:
+def testbed_ssh() -> Iterator[SSHTransport]:
     t = SSHTransport(connect_timeout=CONNECT_TIMEOUT)
     yield t
     t.close()
@@ -28,10 +28,10 @@ def transport() -> Iterator[SSHTransport]:
 
 @pytest.mark.testbed(nodes=7)
 def test_run_all_on_seven_nodes(
-    testbed: Testbed, testbed_nodes: list[TestNode], transport: SSHTransport
+    testbed: Testbed, testbed_nodes: list[TestNode], testbed_ssh: SSHTransport
 ) -> None:
     targets = [testbed.ssh_target(n) for n in testbed_nodes]
-    group = transport.run_all(targets, ["hostname"], timeout=30)
+    group = testbed_ssh.run_all(targets, ["hostname"], timeout=30)
     assert [r.host for r in group] == [n.name for n in testbed_nodes]
     assert [r.result.stdout.strip() for r in group if r.result] == [n.name for n in testbed_nodes]
     assert len(group.succeeded) == 7
@@ -39,15 +39,15 @@ def test_run_all_on_seven_nodes(
 
 @pytest.mark.testbed(nodes=7)
 def test_stopped_sshd_fails_fast_and_others_succeed(
-    testbed: Testbed, testbed_nodes: list[TestNode], transport: SSHTransport
+    testbed: Testbed, testbed_nodes: list[TestNode], testbed_ssh: SSHTransport
 ) -> None:
     victim = testbed_nodes[3]
     testbed.stop_sshd(victim)
     try:
         targets = [testbed.ssh_target(n) for n in testbed_nodes]
-        group = transport.run_all(targets, ["true"], timeout=30)
+        group = testbed_ssh.run_all(targets, ["true"], timeout=30)
         start = time.monotonic()
-        alone = transport.run_all([testbed.ssh_target(victim)], ["true"], timeout=30)
+        alone = testbed_ssh.run_all([testbed.ssh_target(victim)], ["true"], timeout=30)
         elapsed = time.monotonic() - start
     finally:
         testbed.start_sshd(victim)
@@ -61,12 +61,12 @@ def test_stopped_sshd_fails_fast_and_others_succeed(
 
 @pytest.mark.testbed(nodes=7)
 def test_rotated_host_key_is_refused_as_changed(
-    testbed: Testbed, testbed_nodes: list[TestNode], transport: SSHTransport
+    testbed: Testbed, testbed_nodes: list[TestNode], testbed_ssh: SSHTransport
 ) -> None:
     node = testbed_nodes[5]
     target = testbed.ssh_target(node)
-    assert transport.run(target, ["true"]).ok
-    transport.close()
+    assert testbed_ssh.run(target, ["true"]).ok
+    testbed_ssh.close()
     before = Path(target.known_hosts_file or "").read_text()
     testbed.rotate_host_key(node)
     try:
@@ -84,7 +84,7 @@ def test_rotated_host_key_is_refused_as_changed(
 
 @pytest.mark.testbed(nodes=7)
 def test_put_get_node_local_dir(
-    testbed: Testbed, testbed_nodes: list[TestNode], transport: SSHTransport, tmp_path: Path
+    testbed: Testbed, testbed_nodes: list[TestNode], testbed_ssh: SSHTransport, tmp_path: Path
 ) -> None:
     node = testbed_nodes[6]
     target = testbed.ssh_target(node)
@@ -92,18 +92,18 @@ def test_put_get_node_local_dir(
     payload = os.urandom(1 << 20)
     src = tmp_path / "src.bin"
     src.write_bytes(payload)
-    transport.makedirs(target, str(inside.parent))
-    transport.put(target, str(src), str(inside))
+    testbed_ssh.makedirs(target, str(inside.parent))
+    testbed_ssh.put(target, str(src), str(inside))
     on_host = testbed.node_local_path(node, inside)
     assert on_host.read_bytes() == payload  # landed in THIS node's private dir
     other = testbed.node_local_path(testbed_nodes[0], inside)
     assert not other.exists()
-    assert transport.listdir(target, str(inside.parent)) == ["shard.bin"]
+    assert testbed_ssh.listdir(target, str(inside.parent)) == ["shard.bin"]
     back = tmp_path / "back.bin"
-    transport.get(target, str(inside), str(back))
+    testbed_ssh.get(target, str(inside), str(back))
     assert back.read_bytes() == payload
-    assert transport.sha256(target, str(inside)) == hashlib.sha256(payload).hexdigest()
-    transport.run(target, ["rm", "-rf", str(inside.parent)])
+    assert testbed_ssh.sha256(target, str(inside)) == hashlib.sha256(payload).hexdigest()
+    testbed_ssh.run(target, ["rm", "-rf", str(inside.parent)])
 
 
 @pytest.mark.testbed(nodes=7)

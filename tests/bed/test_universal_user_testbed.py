@@ -22,7 +22,7 @@ LOST = "node3"  # node index 2; its ring successor node4 holds its copy
 TAG = "step4"
 
 
-def _launch(inv: Path, job: str, steps: int, *extra: str, script: tuple[str, ...] = ()
+def _universal_launch_argv(inv: Path, job: str, steps: int, *extra: str, script: tuple[str, ...] = ()
             ) -> list[str]:
     return [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
             "--storage", "node-local", "--zero-stage", "2", "--steps", "12",
@@ -30,7 +30,7 @@ def _launch(inv: Path, job: str, steps: int, *extra: str, script: tuple[str, ...
             "--steps", str(steps), "--save-every", "4", *script]
 
 
-def _run(argv: list[str], tmp: Path) -> Run:
+def _run_training_summary(argv: list[str], tmp: Path) -> Run:
     proc = subprocess.run(argv, capture_output=True, text=True, env=train_env(tmp), cwd=tmp,
                           timeout=900)
     text = proc.stdout + proc.stderr
@@ -46,12 +46,12 @@ def test_a_users_script_goes_on_on_three_nodes(testbed_required: None, tmp_path:
 
     with temporary(4) as tb:
         inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
-        first = _run(_launch(inv, "ushrink", 8, "--nodes", "4"), tmp_path)
+        first = _run_training_summary(_universal_launch_argv(inv, "ushrink", 8, "--nodes", "4"), tmp_path)
         assert first.code == 0 and first.summary["world_size"] == 4, first.text[-4000:]
         before = snapshot_tag(tb, NODES, "ushrink", TAG, tmp_path / "before")
         tb.destroy(LOST)
         loaded = tb.shared_dir / "user-loaded-weights.pt"
-        again = _run(_launch(inv, "ushrink", 12, "--exclude", LOST,
+        again = _run_training_summary(_universal_launch_argv(inv, "ushrink", 12, "--exclude", LOST,
                              script=("--dump-loaded-weights", str(loaded))), tmp_path)
         assert again.code == 0, again.text[-5000:]
         for line in ("1/3 gathering it here", "2/3 converting it", "3/3 pushing",
@@ -84,7 +84,7 @@ def test_a_users_script_goes_on_on_three_nodes_on_its_own(testbed_required: None
     job, tag = "uauto", "step400"  # ~35 ms a step on the bed's 2 cores: ~14 s between saves
     with temporary(4) as tb:
         inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
-        argv = _launch(inv, job, 1200, "--nodes", "4", "--max-restarts", "1",
+        argv = _universal_launch_argv(inv, job, 1200, "--nodes", "4", "--max-restarts", "1",
                        "--drop-failed-nodes")
         argv[argv.index("--save-every") + 1] = "400"
         run = Console(argv, train_env(tmp_path), tmp_path)

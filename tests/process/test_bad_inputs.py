@@ -14,18 +14,18 @@ from tests.badinputs import GOOD, Case, bad_cases, grade, make_scratch, run_in_p
 
 
 @pytest.fixture(scope="module")
-def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def badinputs_scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("badinputs")
     make_scratch(root)
     return root
 
 
 @pytest.fixture
-def in_scratch(scratch: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    monkeypatch.chdir(scratch)
-    monkeypatch.setenv("CLUSTERKIT_HOME", str(scratch / "home"))
+def in_scratch(badinputs_scratch: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.chdir(badinputs_scratch)
+    monkeypatch.setenv("CLUSTERKIT_HOME", str(badinputs_scratch / "home"))
     monkeypatch.delenv("CLUSTERKIT_DEBUG", raising=False)
-    yield scratch
+    yield badinputs_scratch
 
 
 @pytest.mark.parametrize("case", [*bad_cases(), *GOOD], ids=lambda c: c.name or "(no words)")

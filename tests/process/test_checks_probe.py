@@ -29,7 +29,7 @@ OLD_PYTHONS = [p for p in ("/root/.pyenv/versions/3.7.16/bin/python3.7",
                            "/root/.pyenv/versions/3.8.18/bin/python3.8") if os.path.exists(p)]
 
 
-def _run(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess[bytes]:
+def _run_probe(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(argv, input=probe_source(), capture_output=True, timeout=timeout,
                           check=False)
 
@@ -39,7 +39,7 @@ def test_facts_are_valid_json_fast_and_never_import_torch(tmp_path: Path) -> Non
     argv = facts_argv(sys.executable, workdir=str(tmp_path),
                       ckpt_dirs=[str(tmp_path / "ckpt" / "not-yet")], peers=["localhost"])
     t0 = time.perf_counter()
-    res = _run(argv)
+    res = _run_probe(argv)
     wall = time.perf_counter() - t0
     assert res.returncode == 0, res.stderr
     data = parse_probe_stdout(res.stdout.decode())
@@ -58,7 +58,7 @@ def test_facts_are_valid_json_fast_and_never_import_torch(tmp_path: Path) -> Non
 
 def test_importtime_shows_no_torch() -> None:
     argv = facts_argv(sys.executable)
-    res = _run([argv[0], "-X", "importtime", *argv[1:]])
+    res = _run_probe([argv[0], "-X", "importtime", *argv[1:]])
     modules = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.decode().splitlines()
                if line.startswith("import time:")}
     assert "json" in modules  # sanity: importtime output was captured
@@ -67,7 +67,7 @@ def test_importtime_shows_no_torch() -> None:
 
 @pytest.mark.parametrize("python", OLD_PYTHONS)
 def test_probe_runs_on_old_interpreters(python: str) -> None:
-    data = parse_probe_stdout(_run(facts_argv(python)).stdout.decode())
+    data = parse_probe_stdout(_run_probe(facts_argv(python)).stdout.decode())
     assert data["errors"] == {} and data["python"]["executable"] == python
 
 
@@ -91,7 +91,7 @@ def test_listen_then_connect_counts_the_hello() -> None:
         listener.stdin.close()
         ready = json.loads(listener.stdout.readline())
         assert ready["event"] == "ready" and ready["port"] == port
-        ok = parse_probe_stdout(_run(connect_argv(sys.executable, "127.0.0.1", port)).stdout
+        ok = parse_probe_stdout(_run_probe(connect_argv(sys.executable, "127.0.0.1", port)).stdout
                                 .decode())
         assert ok["ok"] is True and ok["error_kind"] is None
         result = parse_probe_stdout(listener.stdout.read().decode())
@@ -107,10 +107,10 @@ def test_listen_on_busy_port_and_connect_refused() -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        res = parse_probe_stdout(_run(listen_argv(sys.executable, port, 1, "127.0.0.1")).stdout
+        res = parse_probe_stdout(_run_probe(listen_argv(sys.executable, port, 1, "127.0.0.1")).stdout
                                  .decode())
     assert res["bound"] is False and res["errno"] == 98
-    refused = parse_probe_stdout(_run(connect_argv(sys.executable, "127.0.0.1", free_port()))
+    refused = parse_probe_stdout(_run_probe(connect_argv(sys.executable, "127.0.0.1", free_port()))
                                  .stdout.decode())
     assert refused["ok"] is False and refused["error_kind"] == "refused"
 

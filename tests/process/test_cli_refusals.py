@@ -201,7 +201,7 @@ ROWS: list[tuple[list[str], str]] = [
 
 
 @pytest.fixture
-def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def refusal_scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("CLUSTERKIT_INVENTORY", raising=False)
     monkeypatch.delenv("CLUSTERKIT_DEBUG", raising=False)
@@ -229,13 +229,13 @@ def test_the_table_is_big_enough() -> None:
 
 
 @pytest.mark.parametrize(("argv", "want"), ROWS, ids=[" ".join(a) or "(none)" for a, _ in ROWS])
-def test_refused_in_one_line(argv: list[str], want: str, scratch: Path,
+def test_refused_in_one_line(argv: list[str], want: str, refusal_scratch: Path,
                              capsys: pytest.CaptureFixture[str]) -> None:
     line = _one_line(main(argv), capsys.readouterr().err)
     assert want in line, line
     assert not Path("/nonexistent").exists()  # no parent directory made on the way
     if argv[:1] in (["launch"], ["stop"]):
-        assert not (scratch / "home" / "jobs").exists()  # nothing started
+        assert not (refusal_scratch / "home" / "jobs").exists()  # nothing started
 
 
 SUBPROCESS_ROWS = [
@@ -249,9 +249,9 @@ SUBPROCESS_ROWS = [
 
 
 @pytest.mark.parametrize("argv", SUBPROCESS_ROWS, ids=" ".join)
-def test_refused_in_one_line_as_a_process(argv: list[str], scratch: Path) -> None:
+def test_refused_in_one_line_as_a_process(argv: list[str], refusal_scratch: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "clusterkit", *argv], cwd=scratch, env=env,
+    proc = subprocess.run([sys.executable, "-m", "clusterkit", *argv], cwd=refusal_scratch, env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     _one_line(proc.returncode, proc.stderr)
     assert proc.stdout == ""
@@ -266,7 +266,7 @@ def test_refused_in_one_line_as_a_process(argv: list[str], scratch: Path) -> Non
     ["inventory", "show", "--json", "-i", "missing.yaml"],  # an error of the verb itself
     ["plan", "--json", "--gpu-mem", "80G", "--gpu-fraction", "nan"],
 ])
-def test_json_verbs_answer_errors_in_json(argv: list[str], scratch: Path,
+def test_json_verbs_answer_errors_in_json(argv: list[str], refusal_scratch: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     code = main(argv)
     out, err = capsys.readouterr()
@@ -276,7 +276,7 @@ def test_json_verbs_answer_errors_in_json(argv: list[str], scratch: Path,
     assert set(answer) == {"error", "key", "hint", "exit_code"}
 
 
-def test_no_json_on_a_verb_without_it(scratch: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_json_on_a_verb_without_it(refusal_scratch: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", "--dry-run", "--steps", "0"]) == 2
     assert capsys.readouterr().out == ""
 
@@ -294,7 +294,7 @@ def test_no_json_on_a_verb_without_it(scratch: Path, capsys: pytest.CaptureFixtu
     [*R, "--master-addr", "::1", "--job-id", "Run_3.b-x"],
     ["doctor", "--help"],
 ])
-def test_good_inputs_still_work(argv: list[str], scratch: Path,
+def test_good_inputs_still_work(argv: list[str], refusal_scratch: Path,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     try:
         code = main(argv)
@@ -303,7 +303,7 @@ def test_good_inputs_still_work(argv: list[str], scratch: Path,
     assert code == 0, capsys.readouterr().err
 
 
-def test_render_passes_slurm_flags_after_the_script_to_it(scratch: Path,
+def test_render_passes_slurm_flags_after_the_script_to_it(refusal_scratch: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     # render and sbatch take --time themselves: after SCRIPT it is theirs to refuse
     line = _one_line(main([*R, "train.py", "--time", "5"]), capsys.readouterr().err)

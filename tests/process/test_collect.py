@@ -44,7 +44,7 @@ def transport() -> Iterator[DispatchTransport]:
         yield t
 
 
-def _make(tmp: Path, n: int = 4, stage: int = 2, shard: int = 4096) -> list[CollectNode]:
+def _write_collect_nodes(tmp: Path, n: int = 4, stage: int = 2, shard: int = 4096) -> list[CollectNode]:
     nodes = _nodes(tmp, n)
     synthetic.write_node_local([c.root for c in nodes], zero_stage=stage, shard_bytes=shard,
                                model_bytes=1024)
@@ -57,7 +57,7 @@ def _make(tmp: Path, n: int = 4, stage: int = 2, shard: int = 4096) -> list[Coll
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_complete_checkpoint_verifies(tmp_path: Path, transport: DispatchTransport,
                                       stage: int) -> None:
-    nodes = _make(tmp_path, stage=stage)
+    nodes = _write_collect_nodes(tmp_path, stage=stage)
     plan = verify(list_nodes(transport, nodes, None))
     assert (plan.tag, plan.world_size, plan.zero_stage) == (TAG, 8, stage)
     assert [n.ranks for n in plan.nodes] == [(0, 1), (2, 3), (4, 5), (6, 7)]
@@ -68,7 +68,7 @@ def test_complete_checkpoint_verifies(tmp_path: Path, transport: DispatchTranspo
 
 
 def test_missing_shard_names_node_and_rank(tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_collect_nodes(tmp_path)
     os.unlink(synthetic.shard_paths(nodes[3].root)[1])  # rank 7 on node4
     with pytest.raises(CheckpointIncomplete) as info:
         verify(list_nodes(transport, nodes, None))
@@ -77,7 +77,7 @@ def test_missing_shard_names_node_and_rank(tmp_path: Path, transport: DispatchTr
 
 
 def test_duplicate_shard_is_reported(tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_collect_nodes(tmp_path)
     src = synthetic.shard_paths(nodes[0].root)[0]
     Path(nodes[1].root, TAG, os.path.basename(src)).write_bytes(Path(src).read_bytes())
     with pytest.raises(CheckpointIncomplete) as info:
@@ -87,7 +87,7 @@ def test_duplicate_shard_is_reported(tmp_path: Path, transport: DispatchTranspor
 
 def test_missing_marker_latest_disagreement_and_truncation(tmp_path: Path,
                                                           transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_collect_nodes(tmp_path)
     os.unlink(Path(nodes[2].root, TAG, marker_name(2)))
     shard = synthetic.shard_paths(nodes[1].root)[0]
     with open(shard, "r+b") as fh:
@@ -103,7 +103,7 @@ def test_missing_marker_latest_disagreement_and_truncation(tmp_path: Path,
 
 
 def test_truncated_shard_against_marker(tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_collect_nodes(tmp_path)
     with open(synthetic.shard_paths(nodes[1].root)[0], "r+b") as fh:
         fh.truncate(10)
     with pytest.raises(CheckpointIncomplete, match=r"node2: .* has 10 bytes"):
@@ -111,7 +111,7 @@ def test_truncated_shard_against_marker(tmp_path: Path, transport: DispatchTrans
 
 
 def test_unknown_tag_and_missing_dir(tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_collect_nodes(tmp_path)
     with pytest.raises(CheckpointIncomplete, match="no global_step7 directory"):
         verify(list_nodes(transport, nodes, "global_step7"), "global_step7")
     nodes.append(_nodes(tmp_path, 5)[4])
@@ -124,7 +124,7 @@ def test_unknown_tag_and_missing_dir(tmp_path: Path, transport: DispatchTranspor
 
 def test_choose_sources_dedupes_and_prefers_rank0_when_copies_differ(
         tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_collect_nodes(tmp_path)
     plan = verify(list_nodes(transport, nodes, None))
     hashes = {(c.node, rel): Hashed(c.size, c.mtime, "a" * 64)
               for rel, copies in plan.files.items() for c in copies}
@@ -160,7 +160,7 @@ def test_openssh_argv_honours_inventory_fields() -> None:
 
 
 def test_collect_local_nodes_then_rerun_skips(tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_collect_nodes(tmp_path)
     dest = tmp_path / "dest"
     report = collect(transport, nodes, CollectOptions(dest=str(dest)))
     assert not report.failed and report.skipped == 0
@@ -181,7 +181,7 @@ def test_sftp_source_collects_what_the_stream_source_does(tmp_path: Path,
                                                         transport: DispatchTransport) -> None:
     """The two sources behind one verb: --via sftp hashes every file first, then
     copies the same files with the same checksums; a re-run skips them all."""
-    nodes = _make(tmp_path)
+    nodes = _write_collect_nodes(tmp_path)
     by_method = {}
     for method in ("ssh", "sftp"):
         dest = tmp_path / f"dest-{method}"
@@ -203,7 +203,7 @@ def test_first_run_manifest_has_the_node_checksums(tmp_path: Path, transport: Di
     every file's sha256, equal to the file's."""
     import hashlib
 
-    nodes = _make(tmp_path, n=2, stage=stage)
+    nodes = _write_collect_nodes(tmp_path, n=2, stage=stage)
     dest = tmp_path / "dest"
     report = collect(transport, nodes, CollectOptions(dest=str(dest)))
     assert report.seconds_hash == 0.0  # no separate hashing pass
@@ -218,7 +218,7 @@ def test_rerun_hashes_first_only_what_dest_has(tmp_path: Path,
     missing one with the single-read path; the manifest has every sha256."""
     import hashlib
 
-    nodes = _make(tmp_path, n=2)
+    nodes = _write_collect_nodes(tmp_path, n=2)
     dest = tmp_path / "dest"
     collect(transport, nodes, CollectOptions(dest=str(dest)))
     lost = dest / TAG / "zero_pp_rank_3_mp_rank_00_optim_states.pt"
@@ -234,7 +234,7 @@ def test_a_node_that_cannot_start_is_a_per_node_problem(tmp_path: Path,
                                                         transport: DispatchTransport) -> None:
     import dataclasses
 
-    nodes = _make(tmp_path, n=3)
+    nodes = _write_collect_nodes(tmp_path, n=3)
     nodes[1] = dataclasses.replace(nodes[1], python=str(tmp_path / "no-python"))
     with pytest.raises(CheckpointIncomplete) as info:
         collect(transport, nodes, CollectOptions(dest=str(tmp_path / "dest")))
@@ -244,7 +244,7 @@ def test_a_node_that_cannot_start_is_a_per_node_problem(tmp_path: Path,
 
 
 def test_incomplete_copies_nothing(tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_collect_nodes(tmp_path)
     os.unlink(synthetic.shard_paths(nodes[3].root)[0])
     dest = tmp_path / "dest"
     with pytest.raises(CheckpointIncomplete):
@@ -254,7 +254,7 @@ def test_incomplete_copies_nothing(tmp_path: Path, transport: DispatchTransport)
 
 def test_corruption_after_hashing_is_a_checksum_mismatch(tmp_path: Path,
                                                          transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_collect_nodes(tmp_path)
     victim = synthetic.shard_paths(nodes[2].root)[0]
 
     def corrupt(_plan: object) -> None:
@@ -277,7 +277,7 @@ def test_corruption_after_hashing_is_a_checksum_mismatch(tmp_path: Path,
 
 def test_killed_stream_leaves_no_final_partial_and_rerun_completes(
         tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path, shard=2 << 20)
+    nodes = _write_collect_nodes(tmp_path, shard=2 << 20)
     dest = tmp_path / "dest"
 
     def kill_soon(proc: subprocess.Popen[bytes]) -> None:
@@ -292,7 +292,7 @@ def test_killed_stream_leaves_no_final_partial_and_rerun_completes(
 
 
 def test_prune_sources_only_after_success(tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_collect_nodes(tmp_path)
     collect(transport, nodes, CollectOptions(dest=str(tmp_path / "dest"), prune_sources=True))
     for c in nodes:
         assert not Path(c.root, TAG).exists()
@@ -303,7 +303,7 @@ def test_prune_sources_only_after_success(tmp_path: Path, transport: DispatchTra
 
 
 def test_scatter_same_split_and_resplit(tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_collect_nodes(tmp_path)
     dest = tmp_path / "dest"
     collect(transport, nodes, CollectOptions(dest=str(dest)))
     manifest = read_manifest(str(dest), TAG)
@@ -367,7 +367,7 @@ def test_cli_json_dry_run_and_refusal(tmp_path: Path) -> None:
 
 def test_overlapped_hashing_refuses_a_file_changed_since_listing(
         tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_collect_nodes(tmp_path)
     victim = synthetic.shard_paths(nodes[2].root)[1]
 
     def change(_plan: object) -> None:
@@ -406,7 +406,7 @@ def test_cli_job_mode_uses_the_job_record(tmp_path: Path) -> None:
 
 def _user_save(tmp: Path, n: int = 4, stage: int = 2, bf16: bool = False) -> list[CollectNode]:
     """What ``engine.save_checkpoint`` leaves in a user's script: DeepSpeed's files only."""
-    nodes = _make(tmp, n=n, stage=stage)
+    nodes = _write_collect_nodes(tmp, n=n, stage=stage)
     for index, node in enumerate(nodes):
         tag_dir = Path(node.root, TAG)
         os.unlink(tag_dir / marker_name(index))

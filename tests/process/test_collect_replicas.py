@@ -34,7 +34,7 @@ def transport() -> Iterator[DispatchTransport]:
         yield t
 
 
-def _make(tmp: Path, n: int = 4, replicas: int = 1) -> list[CollectNode]:
+def _write_replicated_nodes(tmp: Path, n: int = 4, replicas: int = 1) -> list[CollectNode]:
     nodes = [CollectNode(f"node{i + 1}", SSHTarget(name=f"node{i + 1}", address="127.0.0.1",
                                                    local=True),
                          sys.executable, str(tmp / f"node{i + 1}" / "ckpt")) for i in range(n)]
@@ -64,7 +64,7 @@ def _flip(path: str) -> None:
 
 def test_a_deleted_node_copy_is_completed_from_its_replica(tmp_path: Path,
                                                            transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_replicated_nodes(tmp_path)
     own = synthetic.shard_paths(nodes[2].root, TAG)
     digests = {os.path.basename(p): sha256_file(str(p)) for p in own}
     import shutil
@@ -91,7 +91,7 @@ def test_a_deleted_node_copy_is_completed_from_its_replica(tmp_path: Path,
 
 def test_an_unreachable_node_is_covered_by_its_replica(tmp_path: Path,
                                                        transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_replicated_nodes(tmp_path)
     _down(nodes, 0, tmp_path)  # node 0: its replica also holds the recovery script
     dest = tmp_path / "dest"
     report = collect(transport, nodes, CollectOptions(dest=str(dest)))
@@ -103,7 +103,7 @@ def test_an_unreachable_node_is_covered_by_its_replica(tmp_path: Path,
 
 def test_a_corrupted_replica_is_refused_naming_the_file(tmp_path: Path,
                                                         transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_replicated_nodes(tmp_path)
     _down(nodes, 2, tmp_path)
     bad = _replica_shard(nodes, 2, 3)
     _flip(bad)  # same size: only the sha256 can tell
@@ -119,7 +119,7 @@ def test_a_corrupted_replica_is_refused_naming_the_file(tmp_path: Path,
 
 def test_with_two_replicas_the_intact_one_is_used(tmp_path: Path,
                                                   transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path, replicas=2)
+    nodes = _write_replicated_nodes(tmp_path, replicas=2)
     _down(nodes, 2, tmp_path)
     bad = _replica_shard(nodes, 2, 3)
     good = sha256_file(str(_replica_shard(nodes, 2, 0)))
@@ -136,7 +136,7 @@ def test_with_two_replicas_the_intact_one_is_used(tmp_path: Path,
 
 def test_a_primary_file_that_differs_from_its_replica_manifest_is_suspect(
         tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_replicated_nodes(tmp_path)
     victim = synthetic.shard_paths(nodes[1].root, TAG)[0]
     want = sha256_file(str(victim))
     _flip(victim)  # changed since the save; its replica on node3 is intact
@@ -151,7 +151,7 @@ def test_a_primary_file_that_differs_from_its_replica_manifest_is_suspect(
 
 def test_unreachable_and_no_replica_is_one_clear_refusal(tmp_path: Path,
                                                          transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_replicated_nodes(tmp_path)
     _down(nodes, 2, tmp_path)
     _down(nodes, 3, tmp_path)  # node3's replica was on node4
     with pytest.raises(CheckpointIncomplete) as info:
@@ -165,7 +165,7 @@ def test_unreachable_and_no_replica_is_one_clear_refusal(tmp_path: Path,
 def test_cli_json_names_the_parts_from_replicas(tmp_path: Path) -> None:
     import subprocess
 
-    nodes = _make(tmp_path, n=3)
+    nodes = _write_replicated_nodes(tmp_path, n=3)
     inv = tmp_path / "inv.yaml"
     inv.write_text("schema_version: 1\ndefaults:\n  transport: local\n  slots: 2\n"
                    f"  python: {sys.executable}\nhosts:\n" + "".join(
@@ -192,7 +192,7 @@ def test_cli_json_names_the_parts_from_replicas(tmp_path: Path) -> None:
 def test_health_per_tag_newest_first(tmp_path: Path, transport: DispatchTransport) -> None:
     from clusterkit.checkpoints.replicas.health import health, list_all
 
-    nodes = _make(tmp_path)
+    nodes = _write_replicated_nodes(tmp_path)
     roots = [n.root for n in nodes]
     synthetic.write_node_local(roots, zero_stage=2, shard_bytes=1024, model_bytes=256,
                                tag="global_step40")
@@ -218,7 +218,7 @@ def test_status_job_shows_replica_health(tmp_path: Path, monkeypatch: pytest.Mon
     from clusterkit.cli.main import main
     from clusterkit.launch.registry import JobRecord, NodeRecord, Registry
 
-    nodes = _make(tmp_path, n=3)
+    nodes = _write_replicated_nodes(tmp_path, n=3)
     home = tmp_path / "home"
     record = JobRecord(job_id="ck-repl-1", backend="torchrun", created=0.0, launcher_pid=0,
                        nodes=[NodeRecord(n.name, sys.executable, str(tmp_path / "jobdir"),
@@ -239,7 +239,7 @@ def test_status_job_shows_replica_health(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_dry_run_names_a_corrupted_replica_and_copies_nothing(
         tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_replicated_nodes(tmp_path)
     _down(nodes, 2, tmp_path)
     bad = _replica_shard(nodes, 2, 3)
     _flip(bad)
@@ -254,7 +254,7 @@ def test_dry_run_names_a_corrupted_replica_and_copies_nothing(
 
 def test_latest_disagreement_is_still_refused_with_replicas(
         tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _make(tmp_path)
+    nodes = _write_replicated_nodes(tmp_path)
     Path(nodes[1].root, "latest").write_text("global_step10")
     with pytest.raises(CheckpointIncomplete) as info:
         collect(transport, nodes, CollectOptions(dest=str(tmp_path / "dest")))

@@ -68,7 +68,7 @@ def test_srun_hints() -> None:
     assert srun_hint("something else") is None
 
 
-def _fake_client(answers: dict[str, tuple[str, str, int]]) -> SlurmClient:
+def _scripted_slurm_client(answers: dict[str, tuple[str, str, int]]) -> SlurmClient:
     def runner(argv: object, timeout: float, env: object, cwd: object
                ) -> subprocess.CompletedProcess[str]:
         words = list(argv)  # type: ignore[call-overload]
@@ -84,7 +84,7 @@ def _show(job: str, state: str, nodes: str) -> tuple[str, str, int]:
 
 
 def test_job_places_running_finished_forgotten() -> None:
-    client = _fake_client({"7": _show("7", "RUNNING", "node[1-2]"),
+    client = _scripted_slurm_client({"7": _show("7", "RUNNING", "node[1-2]"),
                            "8": _show("8", "COMPLETED", "node[3-4]"),
                            "9": ("", "slurm_load_jobs error: Invalid job id specified", 1),
                            "sinfo": ("node3|idle|none\nnode4|mixed|none\nnode5|idle|none\n"
@@ -105,7 +105,7 @@ def test_job_places_running_finished_forgotten() -> None:
         job_places(client, "9", None, ())
 
 
-def _job_dir(tmp: Path, job: str = "nl-job", storage: str = "node-local") -> Path:
+def _write_only_job_dir(tmp: Path, job: str = "nl-job", storage: str = "node-local") -> Path:
     """What `clusterkit sbatch --write-only` leaves: plan.json and sbatch.sh (2 nodes x 2)."""
     d = tmp / "work" / ".clusterkit" / "jobs" / job
     d.mkdir(parents=True)
@@ -119,7 +119,7 @@ def _job_dir(tmp: Path, job: str = "nl-job", storage: str = "node-local") -> Pat
 
 
 def test_registry_finds_a_batch_job_by_either_id(tmp_path: Path) -> None:
-    d = _job_dir(tmp_path)
+    d = _write_only_job_dir(tmp_path)
     reg = Registry(tmp_path / "home")
     reg.record_sbatch(d, "101")
     reg.record_sbatch(d, "102")  # the same clusterkit job submitted again
@@ -193,7 +193,7 @@ def _collect(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str
 
 
 def test_collect_a_batch_job_through_srun_not_ssh(tmp_path: Path) -> None:
-    d = _job_dir(tmp_path)
+    d = _write_only_job_dir(tmp_path)
     (d / "slurm_nodes").write_text("node[1-2]\n")
     # "node" i's checkpoint root: <tmp>/ckpt/node<i>/nl-job (the fake srun maps it).
     synthetic.write_node_local([str(tmp_path / "ckpt" / f"node{i}" / "nl-job") for i in (1, 2)],
@@ -225,7 +225,7 @@ def test_collect_a_batch_job_through_srun_not_ssh(tmp_path: Path) -> None:
 
 def test_a_node_that_cannot_connect_back_sends_through_srun_and_says_so(tmp_path: Path) -> None:
     """The socket is the fast path, srun's stdout the fallback: same files, same checks."""
-    d = _job_dir(tmp_path)
+    d = _write_only_job_dir(tmp_path)
     (d / "slurm_nodes").write_text("node[1-2]\n")
     synthetic.write_node_local([str(tmp_path / "ckpt" / f"node{i}" / "nl-job") for i in (1, 2)],
                                shard_bytes=4096, model_bytes=512)
@@ -279,7 +279,7 @@ def test_the_node_sends_nothing_to_a_collector_without_the_secret(
 
 
 def test_slurm_refusal_is_one_clear_line(tmp_path: Path) -> None:
-    d = _job_dir(tmp_path)
+    d = _write_only_job_dir(tmp_path)
     (d / "slurm_nodes").write_text("node[1-2]\n")
     env = _env(tmp_path, FAKE_SRUN_FAIL="srun: Required node not available (down, drained or "
                                         "reserved)")
@@ -289,7 +289,7 @@ def test_slurm_refusal_is_one_clear_line(tmp_path: Path) -> None:
     assert "State=RESUME" in res.stderr and "Traceback" not in res.stderr
     assert "ssh " not in (tmp_path / "calls.log").read_text()
     # Shared storage: nothing to gather, said at once.
-    shared = _job_dir(tmp_path, "sh-job", storage="shared")
+    shared = _write_only_job_dir(tmp_path, "sh-job", storage="shared")
     res = _collect(env, str(shared))
     assert res.returncode == 2 and "shared storage" in res.stderr, res.stderr
 
@@ -353,7 +353,7 @@ def test_status_and_stop_of_a_batch_job_point_at_slurm(tmp_path: Path,
     from clusterkit.cli.main import main
 
     monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
-    Registry(tmp_path / "home").record_sbatch(_job_dir(tmp_path), "101")
+    Registry(tmp_path / "home").record_sbatch(_write_only_job_dir(tmp_path), "101")
     assert main(["status", "nl-job"]) == 0
     out = capsys.readouterr().out
     assert "nl-job: Slurm job 101" in out and "clusterkit sbatch status 101" in out

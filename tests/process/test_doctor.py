@@ -34,13 +34,13 @@ HOSTS = tuple(Host(name=f"node{i}", address=f"10.0.0.{i}", slots=2, python="/ven
               for i in range(1, 4))
 
 
-def _plan(**kw: object):  # type: ignore[no-untyped-def]
+def _doctor_plan(**kw: object):  # type: ignore[no-untyped-def]
     return plan_doctor(HOSTS, head_python="/usr/bin/python3", head_cwd="/work",
                        head_tools={"pdsh": None}, **kw)  # type: ignore[arg-type]
 
 
 def test_plan_passes_every_address_as_peer_and_the_master() -> None:
-    plan = _plan(master_port=29600)
+    plan = _doctor_plan(master_port=29600)
     argv = plan.nodes[1].argv
     assert argv[0] == "/venv/bin/python" and argv[argv.index("facts.probe") + 1] == "facts"
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--peer"] == [
@@ -48,30 +48,30 @@ def test_plan_passes_every_address_as_peer_and_the_master() -> None:
     assert argv[argv.index("--master") + 1] == "10.0.0.1:29600"
     assert argv[argv.index("--workdir") + 1] == "/work"  # launcher's cwd when unset
     assert plan.ctx.hosts == ("node1", "node2", "node3")
-    assert "--master" not in _plan(master_port=None).nodes[0].argv
+    assert "--master" not in _doctor_plan(master_port=None).nodes[0].argv
 
 
 def test_backend_maps_to_rule_semantics() -> None:
-    assert _plan(backend="deepspeed").ctx.backend == "deepspeed"
-    assert _plan(backend="torchrun").ctx.backend == "ssh"
+    assert _doctor_plan(backend="deepspeed").ctx.backend == "deepspeed"
+    assert _doctor_plan(backend="torchrun").ctx.backend == "ssh"
 
 
-def _report(findings: list[Finding]):  # type: ignore[no-untyped-def]
+def _doctor_report(findings: list[Finding]):  # type: ignore[no-untyped-def]
     from clusterkit.checks.doctor import DoctorReport
 
-    plan = _plan()
+    plan = _doctor_plan()
     facts = {h: NodeFacts(host=h) for h in plan.ctx.hosts}
     return DoctorReport(plan, facts, tuple(findings))
 
 
 def test_verdict_and_exit_codes() -> None:
     ok = [Finding("ssh", Status.PASS, h, "probe answered") for h in ("node1", "node2", "node3")]
-    r = _report(ok)
+    r = _doctor_report(ok)
     assert r.exit_code() == 0 and r.verdict().startswith("PASS: all 3 nodes ready")
-    warn = _report([*ok, Finding("ninja", Status.WARN, "node2", "x", "fix")])
+    warn = _doctor_report([*ok, Finding("ninja", Status.WARN, "node2", "x", "fix")])
     assert warn.exit_code() == 0 and warn.exit_code(strict=True) == 1
     assert warn.clean_hosts() == ["node1", "node3"]
-    fail = _report([*ok, Finding("version.torch", Status.FAIL, "node3", "torch 2.3.1 ≠", "pip")])
+    fail = _doctor_report([*ok, Finding("version.torch", Status.FAIL, "node3", "torch 2.3.1 ≠", "pip")])
     assert fail.exit_code() == 2 and fail.exit_code(strict=True) == 2
     assert fail.verdict() == "FAIL: 1 failure on node3; 2 of 3 nodes clean"
     data = fail.to_json()
@@ -101,7 +101,7 @@ def test_recommended_env_exact_ifname_and_interpreter_bin() -> None:
                           interfaces={"lo": ("127.0.0.1",), "ens1": (f"10.0.0.{i}",)},
                           routes={"10.0.0.9": "ens1"})
              for i, h in enumerate(("node1", "node2", "node3"), 1)}
-    r = _report([])
+    r = _doctor_report([])
     r = type(r)(r.plan, nodes, ())
     assert recommended_env(r) == {"NCCL_SOCKET_IFNAME": "=ens1", "GLOO_SOCKET_IFNAME": "ens1",
                                   "PATH": "/venv/bin:$PATH"}

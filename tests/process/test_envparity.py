@@ -58,18 +58,18 @@ def test_the_gate_refuses_a_node_whose_environment_differs(tmp_path: Path) -> No
     assert rec["digest"] and envfacts.env_state(str(env))["digest"] == "d1"
 
 
-def _facts(host: str, env: dict[str, Any], locks: list[dict[str, Any]] | None = None) -> Any:
+def _probe_facts(host: str, env: dict[str, Any], locks: list[dict[str, Any]] | None = None) -> Any:
     return from_probe_json(host, {"host": {"hostname": host},
                                   "envstate": {"env": env, "jit_locks": locks or []},
                                   "probe": {"elapsed_ms": 1.0}})
 
 
 def test_doctor_env_parity_says_identical_or_names_what_differs() -> None:
-    facts = {"n1": _facts("n1", dict(OURS)),
-             "n2": _facts("n2", {**OURS, "digest": "b" * 64,
+    facts = {"n1": _probe_facts("n1", dict(OURS)),
+             "n2": _probe_facts("n2", {**OURS, "digest": "b" * 64,
                                  "groups": {**OURS["groups"],
                                             "lib/python3.11/site-packages/torch": "9"}}),
-             "n3": _facts("n3", {**OURS, "changed": ["lib/python3.11/site-packages/x.py"]})}
+             "n3": _probe_facts("n3", {**OURS, "changed": ["lib/python3.11/site-packages/x.py"]})}
     found = {f.host: f for f in env_parity(facts, _here)}
     assert found["n1"].status is Status.PASS and "identical to the launcher's" in found["n1"].detail
     assert found["n2"].status is Status.FAIL
@@ -96,7 +96,7 @@ def test_doctor_finds_a_stale_build_lock_with_the_real_probe(tmp_path: Path) -> 
 
 
 def test_a_held_lock_is_no_finding_of_failure() -> None:
-    facts = {"n1": _facts("n1", {}, [{"path": "/x/lock", "age_s": 5.0, "holders": [42]}])}
+    facts = {"n1": _probe_facts("n1", {}, [{"path": "/x/lock", "age_s": 5.0, "holders": [42]}])}
     (finding,) = check_jit_locks(facts, DoctorContext(hosts=("n1",)))
     assert finding.status is Status.PASS and "pid 42" in finding.detail
 

@@ -181,7 +181,7 @@ def _check_plan(plan: LaunchPlan) -> None:
             assert proc.returncode == 0, proc.stderr
 
 
-def _inventory(workdir: str, local_dir: str, env_value: str) -> Inventory:
+def _adversarial_inventory(workdir: str, local_dir: str, env_value: str) -> Inventory:
     hosts = tuple(Host(name=f"n{i}", address=f"10.0.0.{i}", slots=2, python="/opt/py/bin/python3",
                        workdir=workdir, env={"MY_VAR": env_value},
                        checkpoint=CheckpointStorage(local_dir=local_dir)) for i in (1, 2))
@@ -209,7 +209,7 @@ def test_no_rendered_line_executes_a_payload(backend: str, args: list[str], work
     options = JobOptions(job_id="inj", backend=backend, script_args=tuple(args),
                          module=module or None, set_env=(("OTHER", set_value),))
     try:
-        plan = render_all(plan_job(_inventory("/" + workdir, "/" + local_dir, env_value),
+        plan = render_all(plan_job(_adversarial_inventory("/" + workdir, "/" + local_dir, env_value),
                                    options, FACTS))
     except ClusterkitError as exc:
         event(f"refused: {type(exc).__name__}")
@@ -240,7 +240,7 @@ def test_names_addresses_and_job_ids_are_validated(name: str, address: str, job_
 def test_payload_examples_reach_the_program_verbatim() -> None:
     """Spot check: with torchrun every payload is an ordinary argument."""
     options = JobOptions(job_id="inj", script_args=tuple(PAYLOADS))
-    plan = render_all(plan_job(_inventory("/w d", "/l", "v"), options, FACTS))
+    plan = render_all(plan_job(_adversarial_inventory("/w d", "/l", "v"), options, FACTS))
     _check_plan(plan)
     assert list(plan.commands["torchrun"][0].argv[-len(PAYLOADS):]) == PAYLOADS
     assert "deepspeed" in plan.skipped  # its pdsh quoting cannot carry them: refused, not mangled

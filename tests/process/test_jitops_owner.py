@@ -201,7 +201,7 @@ def test_the_batch_step_line_stale_refusal_and_built_fast_path(
                                        "this node's accelerator is cpu)\n")
 
 
-def _facts(locks: list[dict[str, Any]]) -> dict[str, NodeFacts]:
+def _lock_facts(locks: list[dict[str, Any]]) -> dict[str, NodeFacts]:
     return {"n2": NodeFacts(host="n2", jit_locks=tuple(locks))}
 
 
@@ -209,14 +209,14 @@ def test_doctor_says_building_on_the_other_node_rather_than_stale() -> None:
     base = {"path": "/h/.cache/torch_extensions/py311_cpu/fused_adam/lock", "age_s": 90.0,
             "holders": []}
     ctx = DoctorContext(hosts=("n2",))
-    (f,) = check_jit_locks(_facts([{**base, "state": "building", "host": "node3",
+    (f,) = check_jit_locks(_lock_facts([{**base, "state": "building", "host": "node3",
                                     "why": "building on node3 (pid 4242; record 2 s old)"}]), ctx)
     assert f.status is Status.PASS and "building on node3" in f.detail and "stale" not in f.detail
-    (f,) = check_jit_locks(_facts([{**base, "state": "dead",
+    (f,) = check_jit_locks(_lock_facts([{**base, "state": "dead",
                                     "why": "its builder, pid 9 on n2, is gone"}]), ctx)
     assert f.status is Status.FAIL and "stale" in f.detail and "pid 9 on n2, is gone" in f.detail
     assert "removes it by itself" in f.fix
-    (f,) = check_jit_locks(_facts([{**base, "state": "unknown", "why": "..."}]), ctx)
+    (f,) = check_jit_locks(_lock_facts([{**base, "state": "unknown", "why": "..."}]), ctx)
     assert f.status is Status.FAIL and "no builder recorded it" in f.detail
     assert "--remove-stale-locks" in f.fix
 

@@ -30,7 +30,7 @@ def _no_inventory() -> Inventory:
     raise AssertionError("the job records every node's checkpoint dir: no inventory read")
 
 
-def _job(tmp: Path, *, storage: StorageKind = StorageKind.NODE_LOCAL, markers: bool = True
+def _registered_job_home(tmp: Path, *, storage: StorageKind = StorageKind.NODE_LOCAL, markers: bool = True
          ) -> Path:
     """A launched job of 2 local nodes with 2 ranks each, its checkpoint written; the home."""
     home = tmp / "home"
@@ -47,7 +47,7 @@ def _job(tmp: Path, *, storage: StorageKind = StorageKind.NODE_LOCAL, markers: b
 
 
 def test_a_job_is_collected_into_its_dir_with_a_typed_result(tmp_path: Path) -> None:
-    home = _job(tmp_path)
+    home = _registered_job_home(tmp_path)
     seen: list[str] = []
 
     def planned(plan: CollectPlan) -> None:
@@ -73,7 +73,7 @@ def test_a_job_is_collected_into_its_dir_with_a_typed_result(tmp_path: Path) -> 
 
 
 def test_an_incomplete_checkpoint_raises_with_every_finding(tmp_path: Path) -> None:
-    home = _job(tmp_path)
+    home = _registered_job_home(tmp_path)
     os.unlink(synthetic.shard_paths(str(tmp_path / "node2" / "ckpt"))[1])  # rank 3
     with pytest.raises(CheckpointIncomplete) as info:
         collect_job(CollectRequest(NodeChoice(job=JOB)), home=home, inventory=_no_inventory)
@@ -82,7 +82,7 @@ def test_an_incomplete_checkpoint_raises_with_every_finding(tmp_path: Path) -> N
 
 
 def test_refusals_are_the_cli_s_errors(tmp_path: Path) -> None:
-    home = _job(tmp_path)
+    home = _registered_job_home(tmp_path)
     with pytest.raises(LaunchError, match="no job 'ck-nope' in the registry"):
         collect_job(CollectRequest(NodeChoice(job="ck-nope")), home=home,
                     inventory=_no_inventory)
@@ -98,7 +98,7 @@ def test_refusals_are_the_cli_s_errors(tmp_path: Path) -> None:
 
 
 def test_resolution_of_a_launched_job(tmp_path: Path) -> None:
-    home = _job(tmp_path)
+    home = _registered_job_home(tmp_path)
     record, root = find_job(JOB, None, home)
     assert record is not None and record.job_id == JOB and root is None
     assert find_job(None, "/some/dir", home) == (None, "/some/dir")
@@ -113,13 +113,13 @@ def test_resolution_of_a_launched_job(tmp_path: Path) -> None:
 
 
 def test_shared_storage_is_read_from_the_first_node(tmp_path: Path) -> None:
-    home = _job(tmp_path, storage=StorageKind.SHARED)
+    home = _registered_job_home(tmp_path, storage=StorageKind.SHARED)
     got = resolve_nodes(NodeChoice(job=JOB), home=home, inventory=_no_inventory)
     assert [n.name for n in got.nodes] == ["node1"] and got.slots == [4]
 
 
 def test_a_user_script_s_job_is_judged_without_markers(tmp_path: Path) -> None:
-    home = _job(tmp_path, markers=False)
+    home = _registered_job_home(tmp_path, markers=False)
     for i, node in enumerate(("node1", "node2")):
         os.unlink(tmp_path / node / "ckpt" / TAG / marker_name(i))
     result = collect_job(CollectRequest(NodeChoice(job=JOB)), home=home,

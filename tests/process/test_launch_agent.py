@@ -70,7 +70,7 @@ def fake(tmp_path: Path) -> Path:
     return path
 
 
-def _job(tmp_path: Path, fake: Path, n: int, job_id: str, **env: str) -> JobSpec:
+def _fake_rank_job(tmp_path: Path, fake: Path, n: int, job_id: str, **env: str) -> JobSpec:
     tasks = tuple(
         NodeTask(
             node=f"v{i}", target=SSHTarget(name=f"v{i}", address="127.0.0.1", local=True),
@@ -84,7 +84,7 @@ def _job(tmp_path: Path, fake: Path, n: int, job_id: str, **env: str) -> JobSpec
     return JobSpec(job_id=job_id, tasks=tasks, grace_s=1.0)
 
 
-def _run(job: JobSpec) -> tuple[object, str]:
+def _orchestrate(job: JobSpec) -> tuple[object, str]:
     out = io.StringIO()
     outcome = Orchestrator(job, LocalTransport(), PlainSink(out)).run(install_signals=False)
     return outcome, out.getvalue()
@@ -99,7 +99,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture()
-def bystanders() -> Iterator[list[subprocess.Popen[bytes]]]:
+def local_bystanders() -> Iterator[list[subprocess.Popen[bytes]]]:
     """Another job's process, and one whose command line matches DeepSpeed's pkill pattern."""
     other = dict(os.environ, CLUSTERKIT_JOB_ID="someone-elses-job")
     procs = [
@@ -114,7 +114,7 @@ def bystanders() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def test_job_runs_to_completion_with_prefixed_lines_logs_and_files(tmp_path: Path, fake: Path) -> None:
-    outcome, text = _run(_job(tmp_path, fake, 3, "ok-job"))
+    outcome, text = _orchestrate(_fake_rank_job(tmp_path, fake, 3, "ok-job"))
     assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
     assert outcome.summary == {"final_loss": 0.25, "steps": 4}  # type: ignore[attr-defined]
     assert "[v2 r2] step 4/4 | loss 0.2500 | 1,000 tok/s" in text
@@ -126,10 +126,10 @@ def test_job_runs_to_completion_with_prefixed_lines_logs_and_files(tmp_path: Pat
 
 
 def test_killed_rank_tears_down_every_node_but_not_other_jobs(
-        tmp_path: Path, fake: Path, bystanders: list[subprocess.Popen[bytes]]) -> None:
-    job = _job(tmp_path, fake, 3, "die-job", FAKE_MODE="die", FAKE_STEPS="600", FAKE_DIE_RANK="1")
+        tmp_path: Path, fake: Path, local_bystanders: list[subprocess.Popen[bytes]]) -> None:
+    job = _fake_rank_job(tmp_path, fake, 3, "die-job", FAKE_MODE="die", FAKE_STEPS="600", FAKE_DIE_RANK="1")
     started = time.monotonic()
-    outcome, text = _run(job)
+    outcome, text = _orchestrate(job)
     assert time.monotonic() - started < 10
     assert outcome.exit_code == 137, text  # type: ignore[attr-defined]
     failure = outcome.failure  # type: ignore[attr-defined]
@@ -137,11 +137,11 @@ def test_killed_rank_tears_down_every_node_but_not_other_jobs(
     assert "v1 rank 1 failed (exit code 137)" in text
     assert any("step 2/600" in line for line in failure.tail)
     assert job_processes("die-job") == {}
-    assert all(p.poll() is None for p in bystanders)
+    assert all(p.poll() is None for p in local_bystanders)
 
 
 def test_stubborn_rank_is_killed_after_the_grace_period(tmp_path: Path, fake: Path) -> None:
-    job = _job(tmp_path, fake, 2, "stubborn-job", FAKE_MODE="stubborn", FAKE_STEPS="600")
+    job = _fake_rank_job(tmp_path, fake, 2, "stubborn-job", FAKE_MODE="stubborn", FAKE_STEPS="600")
     holder: dict[str, object] = {}
     orch = Orchestrator(job, LocalTransport(), PlainSink(io.StringIO()))
     thread = threading.Thread(target=lambda: holder.update(out=orch.run(install_signals=False)))
@@ -157,7 +157,7 @@ def test_stubborn_rank_is_killed_after_the_grace_period(tmp_path: Path, fake: Pa
 def test_usr1_reaches_every_rank(tmp_path: Path, fake: Path) -> None:
     # 60 s of steps: room for the signal to reach both ranks on a loaded machine; the job
     # is stopped as soon as both said so (it used to run its 10 s of steps out).
-    job = _job(tmp_path, fake, 2, "usr1-job", FAKE_STEPS="600")
+    job = _fake_rank_job(tmp_path, fake, 2, "usr1-job", FAKE_STEPS="600")
     out = io.StringIO()
     orch = Orchestrator(job, LocalTransport(), PlainSink(out))
     thread = threading.Thread(target=orch.run, kwargs={"install_signals": False})
@@ -197,7 +197,7 @@ def test_agent_tears_down_on_stdin_eof_including_workers_in_other_sessions(
     assert job_processes("eof-job") == {}
 
 
-def test_stop_mode_kills_only_the_named_job(bystanders: list[subprocess.Popen[bytes]]) -> None:
+def test_stop_mode_kills_only_the_named_job(local_bystanders: list[subprocess.Popen[bytes]]) -> None:
     env = dict(os.environ, CLUSTERKIT_JOB_ID="stop-me")
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
                               start_new_session=True)
@@ -206,7 +206,7 @@ def test_stop_mode_kills_only_the_named_job(bystanders: list[subprocess.Popen[by
     res = subprocess.run(cmd.argv, input=cmd.stdin, capture_output=True, timeout=20)
     assert json.loads(res.stdout) == {"signalled": 1, "killed": 0, "left": 0}
     assert victim.wait(5) == -signal.SIGTERM
-    assert all(p.poll() is None for p in bystanders)
+    assert all(p.poll() is None for p in local_bystanders)
 
 
 def _lines_out(spec: AgentSpec, tmp_path: Path, *lines: str) -> tuple[agent_mod.Agent, list[object]]:
@@ -292,10 +292,10 @@ def _wait_for(cond: object, timeout: float = 15.0) -> None:
 
 
 def test_watch_only_agents_exit_when_every_launcher_is_done(tmp_path: Path, fake: Path) -> None:
-    base = _job(tmp_path, fake, 2, "watch-job")
+    base = _fake_rank_job(tmp_path, fake, 2, "watch-job")
     watcher = dataclasses.replace(base.tasks[1], argv=(), env={})
     job = dataclasses.replace(base, tasks=(base.tasks[0], watcher))
-    outcome, text = _run(job)
+    outcome, text = _orchestrate(job)
     assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
     assert outcome.node_codes == {"v0": 0, "v1": 0}  # type: ignore[attr-defined]
 
@@ -323,7 +323,7 @@ def test_native_mode_starts_each_rank_with_torchruns_environment(tmp_path: Path)
         " 'MASTER_ADDR', 'MASTER_PORT', 'OMP_NUM_THREADS')\n"
         "print(' '.join(f'{k}={os.environ.get(k)}' for k in keys))\n"
         "print('elastic', any(k.startswith('TORCHELASTIC') for k in os.environ))\n")
-    outcome, text = _run(_native_job(tmp_path, script, 2, 2, "native-env"))
+    outcome, text = _orchestrate(_native_job(tmp_path, script, 2, 2, "native-env"))
     assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
     assert ("[v1 r3] RANK=3 LOCAL_RANK=1 WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 "
             "MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 "
@@ -337,28 +337,28 @@ def test_per_node_launcher_gets_the_thread_rule_unless_the_inventory_sets_it(
     the agent gives their child the node's CPUs / its ranks, an env value still wins."""
     script = tmp_path / "omp.py"
     script.write_text("import os\nprint('omp', os.environ.get('OMP_NUM_THREADS'))\n")
-    job = _job(tmp_path, script, 2, "omp-rule")
+    job = _fake_rank_job(tmp_path, script, 2, "omp-rule")
     job = dataclasses.replace(job, tasks=(
         dataclasses.replace(job.tasks[0], nprocs=2),
         dataclasses.replace(job.tasks[1], nprocs=2, env={**job.tasks[1].env, "OMP_NUM_THREADS": "7"}),
     ))
-    outcome, text = _run(job)
+    outcome, text = _orchestrate(job)
     assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
     assert f"omp {omp_threads(2)}" in text and "omp 7" in text, text
 
 
 def test_native_mode_killed_rank_stops_the_job_and_is_named(
-        tmp_path: Path, fake: Path, bystanders: list[subprocess.Popen[bytes]]) -> None:
+        tmp_path: Path, fake: Path, local_bystanders: list[subprocess.Popen[bytes]]) -> None:
     job = _native_job(tmp_path, fake, 2, 2, "native-die", FAKE_MODE="die", FAKE_STEPS="600",
                       FAKE_DIE_RANK="3")
     started = time.monotonic()
-    outcome, text = _run(job)
+    outcome, text = _orchestrate(job)
     assert time.monotonic() - started < 10
     assert outcome.exit_code == 137, text  # type: ignore[attr-defined]
     failure = outcome.failure  # type: ignore[attr-defined]
     assert (failure.node, failure.rank, failure.local_rank) == ("v1", 3, 1), text
     assert job_processes("native-die") == {}
-    assert all(p.poll() is None for p in bystanders)
+    assert all(p.poll() is None for p in local_bystanders)
 
 
 def test_native_mode_forwards_usr1_to_the_ranks(tmp_path: Path, fake: Path) -> None:
@@ -427,19 +427,19 @@ def test_deepspeed_and_accelerate_argv_get_rank_labels() -> None:
 
 
 def test_folded_gate_holds_every_agent_until_all_nodes_agree(tmp_path: Path, fake: Path) -> None:
-    job = dataclasses.replace(_job(tmp_path, fake, 2, "gate-ok"), gate_need=())
-    outcome, text = _run(job)
+    job = dataclasses.replace(_fake_rank_job(tmp_path, fake, 2, "gate-ok"), gate_need=())
+    outcome, text = _orchestrate(job)
     assert outcome.exit_code == 0, text  # type: ignore[attr-defined]
     gate = outcome.gate  # type: ignore[attr-defined]
     assert gate is not None and gate.ok and gate.facts["v1"]["python"] == sys.executable
 
 
 def test_folded_gate_failure_starts_nothing_anywhere(tmp_path: Path, fake: Path) -> None:
-    base = _job(tmp_path, fake, 2, "gate-bad", FAKE_STEPS="600")
+    base = _fake_rank_job(tmp_path, fake, 2, "gate-bad", FAKE_STEPS="600")
     broken = dataclasses.replace(base.tasks[1], python=str(tmp_path / "no-such-python"))
     job = dataclasses.replace(base, tasks=(base.tasks[0], broken), gate_need=())
     started = time.monotonic()
-    outcome, text = _run(job)
+    outcome, text = _orchestrate(job)
     assert time.monotonic() - started < 15
     assert outcome.exit_code == 2, text  # type: ignore[attr-defined]
     gate = outcome.gate  # type: ignore[attr-defined]
@@ -451,12 +451,12 @@ def test_folded_gate_failure_starts_nothing_anywhere(tmp_path: Path, fake: Path)
 def test_folded_gate_names_a_script_missing_on_a_node(tmp_path: Path, fake: Path) -> None:
     """Seen as a user: a script only on the launching host (no --sync, no shared dir) let
     every rank die of Python's "can't open file"; the gate names it before anything starts."""
-    base = _job(tmp_path, fake, 2, "gate-script", FAKE_STEPS="600")
+    base = _fake_rank_job(tmp_path, fake, 2, "gate-script", FAKE_STEPS="600")
     gone = str(tmp_path / "proj" / "train.py")
     lacking = dataclasses.replace(base.tasks[1], needs=(gone,))
     job = dataclasses.replace(base, tasks=(dataclasses.replace(base.tasks[0], needs=(str(fake),)),
                                            lacking), gate_need=())
-    outcome, text = _run(job)
+    outcome, text = _orchestrate(job)
     assert outcome.exit_code == 2, text  # type: ignore[attr-defined]
     gate = outcome.gate  # type: ignore[attr-defined]
     # the launching host has it (gate_script_here, the default): never copied to the node
@@ -470,7 +470,7 @@ def test_folded_gate_names_a_script_missing_on_a_node(tmp_path: Path, fake: Path
     # (issue 38); one node having it is enough for "not on this node" (the first run)
     nowhere = dataclasses.replace(job, gate_script_here=False, tasks=(
         dataclasses.replace(base.tasks[0], needs=(gone,)), lacking))
-    outcome, text = _run(nowhere)
+    outcome, text = _orchestrate(nowhere)
     assert set(outcome.gate.problems) == {"v0", "v1"}, text  # type: ignore[attr-defined]
     assert all(why.startswith(f"{gone} does not exist, on this node nor here on the launching host")
                for why in outcome.gate.problems.values()), text  # type: ignore[attr-defined]

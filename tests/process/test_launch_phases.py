@@ -49,7 +49,7 @@ class Recorder(PlainSink):
         self.failures.append((rank, where, logs))
 
 
-def _job(tmp_path: Path, n: int, **env: str) -> JobSpec:
+def _rank_script_job(tmp_path: Path, n: int, **env: str) -> JobSpec:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     tasks = tuple(
@@ -63,7 +63,7 @@ def _job(tmp_path: Path, n: int, **env: str) -> JobSpec:
 
 def test_phases_move_forward_through_a_gated_run(tmp_path: Path) -> None:
     sink = Recorder()
-    job = dataclasses.replace(_job(tmp_path, 2), gate_need=(), hang_timeout_s=60.0)
+    job = dataclasses.replace(_rank_script_job(tmp_path, 2), gate_need=(), hang_timeout_s=60.0)
     out = Orchestrator(job, LocalTransport(), sink).run(install_signals=False)
     assert out.exit_code == 0
     assert sink.phases[0] == "connecting" and "gate" in sink.phases
@@ -76,7 +76,7 @@ def test_phases_move_forward_through_a_gated_run(tmp_path: Path) -> None:
 def test_a_killed_rank_folds_the_others_output(tmp_path: Path) -> None:
     buf = io.StringIO()
     sink = FoldingSink(PlainSink(buf), LineFolder(window_s=0.3, world_size=3), tick_s=0.05)
-    job = _job(tmp_path, 3, DIE="1")
+    job = _rank_script_job(tmp_path, 3, DIE="1")
     out = Orchestrator(job, LocalTransport(), sink).run(install_signals=False)
     sink.close()
     lines = buf.getvalue().splitlines()

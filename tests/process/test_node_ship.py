@@ -27,7 +27,8 @@ PYTHONS = [p for p in ("/root/.pyenv/versions/3.8.18/bin/python3.8", sys.executa
            if os.path.exists(p)]
 
 
-def _run(cmd: ship.NodeCommand, tmp_path: Path, extra: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+def _run_node_command(cmd: ship.NodeCommand, tmp_path: Path,
+                      extra: bytes = b"") -> subprocess.CompletedProcess[bytes]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     return subprocess.run(cmd.argv, input=cmd.stdin + extra, capture_output=True, timeout=60,
                           cwd=tmp_path, env=env, check=False)
@@ -53,11 +54,12 @@ def test_every_program_runs_from_its_shipped_sources_alone(python: str, tmp_path
     if python == sys.executable:  # the editable install's finder is a .pth hook: still found
         cases["facts.gatefacts"] = ([], lambda d: d["version"] and d["clusterkit"] and d["torch"])
     for program, (args, check) in cases.items():
-        res = _run(ship.node_command(python, program, args), tmp_path)
+        res = _run_node_command(ship.node_command(python, program, args), tmp_path)
         assert res.returncode == 0, (program, res.stderr.decode()[-800:])
         assert check(json.loads(res.stdout.decode().strip().splitlines()[-1])), program
     # dist (clusterkit sync's node program) checks a directory against its manifest.
-    res = _run(ship.node_command(python, "sync.chain", ["check", str(tmp_path / "ckpt")]), tmp_path)
+    res = _run_node_command(ship.node_command(python, "sync.chain", ["check", str(tmp_path / "ckpt")]),
+                            tmp_path)
     assert json.loads(res.stdout.decode().splitlines()[-1])["state"] == "no-manifest", res
 
 
@@ -76,10 +78,10 @@ def test_programs_under_dash_S_see_the_packages_a_normal_start_sees(system_site:
     python = str(venv / "bin" / "python")
     cmd = ship.node_command(python, "facts.probe", ["facts"])
     assert cmd.argv[1] == "-S"
-    res = _run(cmd, tmp_path)
+    res = _run_node_command(cmd, tmp_path)
     assert res.returncode == 0, res.stderr.decode()[-800:]
     assert not ran.exists()  # the hook line was skipped, not run
-    with_site = _run(ship.NodeCommand([a for a in cmd.argv if a != "-S"], cmd.stdin), tmp_path)
+    with_site = _run_node_command(ship.NodeCommand([a for a in cmd.argv if a != "-S"], cmd.stdin), tmp_path)
     assert ran.exists()
     fast, full = (json.loads(r.stdout.decode().splitlines()[-1]) for r in (res, with_site))
     assert fast["python"] == full["python"] and fast["python"]["prefix"] == str(venv)
@@ -91,7 +93,7 @@ def test_programs_under_dash_S_see_the_packages_a_normal_start_sees(system_site:
     # package: the gate's "is clusterkit importable here" must still see that.
     (site_dir / "sitecustomize.py").write_text(NO_CLUSTERKIT)
     gate = ship.node_command(python, "facts.gatefacts")
-    fast, full = (json.loads(_run(ship.NodeCommand(argv, gate.stdin), tmp_path)
+    fast, full = (json.loads(_run_node_command(ship.NodeCommand(argv, gate.stdin), tmp_path)
                              .stdout.decode().splitlines()[-1])
                   for argv in (gate.argv, [a for a in gate.argv if a != "-S"]))
     assert fast == full and fast["clusterkit"] is None
@@ -126,16 +128,16 @@ def test_agent_refuses_a_spec_of_another_version(tmp_path: Path) -> None:
     data = json.loads(AgentSpec(job_id="j", node="n", job_dir=str(tmp_path)).to_json())
     data["schema_version"] = 99
     cmd = ship.agent_command(sys.executable)
-    res = _run(cmd, tmp_path, (json.dumps(data) + "\n").encode())
+    res = _run_node_command(cmd, tmp_path, (json.dumps(data) + "\n").encode())
     assert res.returncode == 2
     assert b"schema_version 99" in res.stderr and b"different clusterkit versions" in res.stderr
 
 
 def test_bootstrap_says_what_is_wrong_with_its_stdin(tmp_path: Path) -> None:
     cmd = ship.node_command(sys.executable, "facts.gatefacts")
-    res = _run(ship.NodeCommand(cmd.argv, b"not a bundle\n"), tmp_path)
+    res = _run_node_command(ship.NodeCommand(cmd.argv, b"not a bundle\n"), tmp_path)
     assert res.returncode == 1 and b"expected a clusterkit-node 2 header" in res.stderr
-    res = _run(ship.NodeCommand(cmd.argv, cmd.stdin[:-10]), tmp_path)
+    res = _run_node_command(ship.NodeCommand(cmd.argv, cmd.stdin[:-10]), tmp_path)
     assert b"stdin ended inside facts.gatefacts" in res.stderr
 
 
@@ -199,7 +201,7 @@ def test_the_bootstrap_makes_the_packages_of_dotted_modules(tmp_path: Path) -> N
                   b"    return 3\n"),
     ]
     argv = [sys.executable, "-S", "-u", "-c", contract.BOOTSTRAP, "a.b.z", "w"]
-    res = _run(ship.NodeCommand(argv, contract.encode_bundle(sources)), tmp_path)
+    res = _run_node_command(ship.NodeCommand(argv, contract.encode_bundle(sources)), tmp_path)
     assert res.returncode == 3, res.stderr.decode()[-800:]
     assert res.stdout.decode().split() == ["clusterkit.node.a.b.z", "2", "2", "['w']"]
 

@@ -200,7 +200,7 @@ def test_the_step0_rule(name: str, refused: bool) -> None:
 
 # ---------------------------------------------------------------- the plan
 
-def _plan(script_text: str | None, args: tuple[str, ...], *, storage: str = "node-local",
+def _program_plan(script_text: str | None, args: tuple[str, ...], *, storage: str = "node-local",
           files: dict[str, str] | None = None, **kw: object) -> JobPlan:
     kw = {"nodes": 3, **kw}
     o = JobOptions(job_id="j", script="train.py", script_args=args, storage=storage,
@@ -212,7 +212,7 @@ def _plan(script_text: str | None, args: tuple[str, ...], *, storage: str = "nod
 def test_hf_on_node_local_saves_on_each_node_with_a_derived_config() -> None:
     user = json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": "auto"},
                        "train_micro_batch_size_per_gpu": "auto"})
-    plan = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
+    plan = _program_plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
                  files={"ds.json": user})
     assert plan.profile is not None and plan.profile.name == HF
     for prog, node in zip(plan.programs, plan.nodes, strict=True):
@@ -229,39 +229,39 @@ def test_hf_on_node_local_saves_on_each_node_with_a_derived_config() -> None:
 
 
 def test_hf_elsewhere_is_left_alone_or_warned() -> None:
-    shared = _plan(HF_SRC, ("--output_dir", "/o", "--deepspeed", "ds.json"), storage="shared",
+    shared = _program_plan(HF_SRC, ("--output_dir", "/o", "--deepspeed", "ds.json"), storage="shared",
                    files={"ds.json": "{}"})
     assert shared.program == ("train.py", "--output_dir", "/o", "--deepspeed", "ds.json")
     assert shared.program_files == {}
     already = json.dumps({"checkpoint": {"use_node_local_storage": True}})
-    plan = _plan(HF_SRC, ("--output_dir", "/o", "--deepspeed", "ds.json"),
+    plan = _program_plan(HF_SRC, ("--output_dir", "/o", "--deepspeed", "ds.json"),
                  files={"ds.json": already})
     assert plan.program[-3:] == ("--deepspeed", "ds.json", "--save_on_each_node")
     assert any("--output_dir /o is not the job's checkpoint dir" in w for w in plan.warnings)
-    unread = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"))
+    unread = _program_plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"))
     assert [w for w in unread.warnings if "ds.json is not readable here" in w]
 
 
 def test_a_save_on_one_node_only_is_said_and_refuses_replicas() -> None:
-    plan = _plan(SNAP_SRC, ())
+    plan = _program_plan(SNAP_SRC, ())
     assert [w for w in plan.warnings if w.startswith("torch-snapshot: checkpoints are not "
                                                      "complete on every node")]
     with pytest.raises(RenderError, match="--replicas 1: this program's checkpoints are not "
                                           "complete on every node"):
-        _plan(SNAP_SRC, (), replicas=1)
+        _program_plan(SNAP_SRC, (), replicas=1)
 
 
 def test_program_flags_reach_the_profile() -> None:
-    plan = _plan("print(1)\n", (), resume_arg="--from {dir}")
+    plan = _program_plan("print(1)\n", (), resume_arg="--from {dir}")
     assert plan.profile is not None and plan.profile.name == CUSTOM
-    plan = _plan(HF_SRC, (), program_profile="deepspeed")
+    plan = _program_plan(HF_SRC, (), program_profile="deepspeed")
     assert plan.profile is not None and plan.profile.name == DEEPSPEED
 
 
 # ---------------------------------------------------------------- the agents' part
 
 def test_checkpoint_prep_per_node() -> None:
-    plan = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j"))
+    plan = _program_plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j"))
     job = job_from_plan(render_all(plan, run_id="r-a0"))
     for task, node in zip(job.tasks, plan.nodes, strict=True):
         prep = json.loads(task.files[JobDir.ckpt_prep(node.name)])
@@ -269,7 +269,7 @@ def test_checkpoint_prep_per_node() -> None:
                         "nested_latest": True}
         assert not [n for n in task.files if n.startswith(JobDir.CKPT_PREP)
                     and n != JobDir.ckpt_prep(node.name)]
-    ds = dataclasses.replace(_plan(DS_SRC, ()), resume_from="global_step8",
+    ds = dataclasses.replace(_program_plan(DS_SRC, ()), resume_from="global_step8",
                              set_aside=("global_step12",))
     prep = json.loads(checkpoint_prep(ds, ds.nodes[1]))
     assert (prep["latest"], prep["aside"], prep["nested_latest"]) == (
@@ -313,7 +313,7 @@ def _assembly(tag: str) -> Assembly:
 
 
 def test_a_restart_resumes_hf_from_the_newest_complete_checkpoint() -> None:
-    plan = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--resume_from_checkpoint",
+    plan = _program_plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--resume_from_checkpoint",
                           "/scratch/ckpt/j/checkpoint-10"))
     said: list[str] = []
     new = resume_plan(plan, _assembly("checkpoint-20"), ["checkpoint-30"], said.append)
@@ -327,21 +327,21 @@ def test_a_restart_resumes_hf_from_the_newest_complete_checkpoint() -> None:
 
 
 def test_a_program_that_picks_by_itself_gets_latest_and_newer_tags_aside() -> None:
-    plan = _plan(DS_SRC, ())
+    plan = _program_plan(DS_SRC, ())
     new = resume_plan(plan, _assembly("global_step8"), ["global_step12"], lambda s: None)
     assert new is not None
     assert (new.resume_from, new.set_aside, new.programs) == (
         "global_step8", ("global_step12",), plan.programs)
-    snap = _plan(CONTRACT_SRC, ())
+    snap = _program_plan(CONTRACT_SRC, ())
     assert resume_plan(snap, _assembly("step8"), [], lambda s: None) is None
 
 
 def test_an_unknown_program_is_refused_rather_than_restarted_at_step0() -> None:
-    plan = _plan("print('hello')\n", ())
+    plan = _program_plan("print('hello')\n", ())
     with pytest.raises(LaunchError) as exc:
         resume_plan(plan, _assembly("step40"), [], lambda s: None)
     assert "would restart at step 0: checkpoint step40 in /scratch/ckpt/j" in exc.value.message
-    ok = _plan("print('hello')\n", (), resume_arg="--from {dir}")
+    ok = _program_plan("print('hello')\n", (), resume_arg="--from {dir}")
     new = resume_plan(ok, _assembly("step40"), [], lambda s: None)
     assert new is not None and new.program[-2:] == ("--from", "/scratch/ckpt/j/step40")
 
@@ -355,36 +355,36 @@ NEEDS = [  # profile -> a restart on the same nodes is readied first (node-local
 
 @pytest.mark.parametrize(("text", "resume", "want"), NEEDS)
 def test_which_restarts_are_readied(text: str, resume: str | None, want: bool) -> None:
-    assert needs_ready(_plan(text, (), resume_arg=resume)) is want
-    assert needs_ready(_plan(text, (), resume_arg=resume, storage="shared")) is False
+    assert needs_ready(_program_plan(text, (), resume_arg=resume)) is want
+    assert needs_ready(_program_plan(text, (), resume_arg=resume, storage="shared")) is False
 
 
 def test_a_restart_of_a_profile_clusterkit_readies_says_so() -> None:
     """Not the node-local trap (DeepSpeed's `latest` on rank 0's node only) for a program
     whose checkpoint clusterkit readies before the restart."""
     for text in (ACC_SRC, DS_SRC, SNAP_SRC):
-        plan = _plan(text, ())
+        plan = _program_plan(text, ())
         assert plan.profile is not None and needs_ready(plan)
         note = resume_note(False, "node-local", plan)
         assert note == (f"{plan.profile.name} resumes by itself; clusterkit readies the newest "
                         "checkpoint complete on every node for it first (docs/programs.md)")
     for text in (CONTRACT_SRC, "print(1)\n"):
-        assert "explicit tag" in resume_note(False, "node-local", _plan(text, ()))
+        assert "explicit tag" in resume_note(False, "node-local", _program_plan(text, ()))
 
 
 def test_accelerate_gets_a_node_local_library_config() -> None:
-    plan = _plan(ACC_SRC, ())
+    plan = _program_plan(ACC_SRC, ())
     for n in plan.nodes:
         assert n.env[ACCELERATE_CONFIG_ENV] == f"{n.job_dir}/{DERIVED_DS_CONFIG}"
     assert json.loads(plan.program_files[DERIVED_DS_CONFIG]) == LIBRARY_DS_CONFIG
     assert plan.warnings == ()
-    sched = _plan(ACC_SRC + "sched = get_scheduler('linear', opt)\n", ())
+    sched = _program_plan(ACC_SRC + "sched = get_scheduler('linear', opt)\n", ())
     assert [w for w in sched.warnings if w.startswith("accelerate: checkpoints are not complete")]
-    assert _plan(ACC_SRC + "sched = 1\nProjectConfiguration(save_on_each_node=True)\n",
+    assert _program_plan(ACC_SRC + "sched = 1\nProjectConfiguration(save_on_each_node=True)\n",
                  ()).warnings == ()
-    own = _plan(ACC_SRC + "DeepSpeedPlugin(hf_ds_config='ds.json')\n", ())
+    own = _program_plan(ACC_SRC + "DeepSpeedPlugin(hf_ds_config='ds.json')\n", ())
     assert ACCELERATE_CONFIG_ENV not in own.nodes[0].env and own.program_files == {}
-    shared = _plan(ACC_SRC, (), storage="shared")
+    shared = _program_plan(ACC_SRC, (), storage="shared")
     assert ACCELERATE_CONFIG_ENV not in shared.nodes[0].env
 
 
@@ -412,7 +412,7 @@ WATCH = [  # rank lines of a resumed HF attempt -> began at step 0?
 @pytest.mark.parametrize(("row", "lines", "fresh"), WATCH, ids=[r[0] for r in WATCH])
 def test_a_resumed_attempt_that_began_at_step0_is_seen(row: str, lines: list[str],
                                                        fresh: bool) -> None:
-    plan = dataclasses.replace(_plan(HF_SRC, ()), resume_from="checkpoint-10")
+    plan = dataclasses.replace(_program_plan(HF_SRC, ()), resume_from="checkpoint-10")
     inner = _Said()
     watch = resume_watch(plan, inner)  # type: ignore[arg-type]  # a sink's two methods
     assert watch is not None
@@ -425,8 +425,8 @@ def test_a_resumed_attempt_that_began_at_step0_is_seen(row: str, lines: list[str
     assert watch.began_fresh is fresh
     assert inner.got[:len(lines)] == lines  # everything passed on unchanged
     sink: Any = inner
-    assert resume_watch(_plan(HF_SRC, ()), sink) is None  # not told where to resume
-    assert resume_watch(dataclasses.replace(_plan(DS_SRC, ()), resume_from="s8"), sink) is None
+    assert resume_watch(_program_plan(HF_SRC, ()), sink) is None  # not told where to resume
+    assert resume_watch(dataclasses.replace(_program_plan(DS_SRC, ()), resume_from="s8"), sink) is None
     line = began_fresh_line("checkpoint-10", "j")
     assert "checkpoint-10" in line and "--resume-arg" in line and "\n" not in line
 
@@ -623,8 +623,8 @@ def test_an_accelerate_job_on_fewer_nodes_is_refused_not_started_at_step_0(
     contract's script and HF's Trainer (inside its checkpoint-N) are resharded."""
     from clusterkit.launch.continuation import check_continue, is_reshard
 
-    prior = _recorded(tmp_path / "acc", _plan(ACC_SRC, ()))
-    fewer = _plan(ACC_SRC, (), nodes=2)
+    prior = _recorded(tmp_path / "acc", _program_plan(ACC_SRC, ()))
+    fewer = _program_plan(ACC_SRC, (), nodes=2)
     assert not is_reshard(fewer, prior)
     with pytest.raises(LaunchError) as err:
         check_continue(fewer, prior)
@@ -634,13 +634,13 @@ def test_an_accelerate_job_on_fewer_nodes_is_refused_not_started_at_step_0(
     assert "\n" not in msg and "a torch snapshot, copied as it is" in msg
     assert "--replace OLD=NEW" in (err.value.hint or "")
     contract = "import os\nos.environ['CLUSTERKIT_RESUME_TAG']\n"
-    prior = _recorded(tmp_path / "contract", _plan(contract, ()))
-    assert is_reshard(_plan(contract, (), nodes=2), prior)
-    assert "resharded first" in (check_continue(_plan(contract, (), nodes=2), prior) or "")
+    prior = _recorded(tmp_path / "contract", _program_plan(contract, ()))
+    assert is_reshard(_program_plan(contract, (), nodes=2), prior)
+    assert "resharded first" in (check_continue(_program_plan(contract, (), nodes=2), prior) or "")
     args = ("--output_dir", "/scratch/ckpt/j")
-    prior = _recorded(tmp_path / "hf", _plan(HF_SRC, args))
-    assert is_reshard(_plan(HF_SRC, args, nodes=2), prior)
-    assert "resharded first" in (check_continue(_plan(HF_SRC, args, nodes=2), prior) or "")
+    prior = _recorded(tmp_path / "hf", _program_plan(HF_SRC, args))
+    assert is_reshard(_program_plan(HF_SRC, args, nodes=2), prior)
+    assert "resharded first" in (check_continue(_program_plan(HF_SRC, args, nodes=2), prior) or "")
 
 
 # ------------------------------------------------------------------ on another world size
@@ -679,15 +679,15 @@ def test_a_snapshot_job_on_fewer_nodes_goes_on_as_it_is(tmp_path: Path) -> None:
     from clusterkit.spec.programs import OtherWorld
 
     args = ("8", "2", "--snapshot_path", "/scratch/ckpt/j/snapshot.pt")
-    prior = _recorded(tmp_path, _plan(SNAP_SRC, args))
-    fewer = _plan(SNAP_SRC, args, nodes=2)
+    prior = _recorded(tmp_path, _program_plan(SNAP_SRC, args))
+    fewer = _program_plan(SNAP_SRC, args, nodes=2)
     assert other_world(fewer) is OtherWorld.AS_IS and reshardable(fewer)
     assert is_reshard(fewer, prior)
     note = check_continue(fewer, prior) or ""
     assert "on 2 nodes, 2 ranks (was node1:r0-0, node2:r1-1, node3:r2-2)" in note, note
     assert "loads on any world size as it is" in note and "resharded" not in note, note
     # the same nodes: no reshard at all
-    assert not is_reshard(_plan(SNAP_SRC, args), prior)
+    assert not is_reshard(_program_plan(SNAP_SRC, args), prior)
 
 
 def test_a_snapshot_job_on_fewer_nodes_gets_the_snapshot_on_every_node(
@@ -699,7 +699,7 @@ def test_a_snapshot_job_on_fewer_nodes_gets_the_snapshot_on_every_node(
     from clusterkit.remote.local import LocalTransport
 
     args = ("8", "2")
-    prior = _recorded(tmp_path, _plan(SNAP_SRC, args))
+    prior = _recorded(tmp_path, _program_plan(SNAP_SRC, args))
     o = JobOptions(job_id="j", script="train.py", script_args=args, storage="node-local",
                    ckpt_dir="/scratch/ckpt", include="node1:0@node3:0")
     fewer = plan_job(inventory("a800-7x2"), o, dataclasses.replace(FACTS, script_text=SNAP_SRC))
@@ -752,7 +752,7 @@ def test_hf_is_converted_inside_its_checkpoint_dir(tmp_path: Path) -> None:
         "checkpoint-10/latest", "checkpoint-10/latest_universal",
         "checkpoint-10/rng_state_1.pth", "checkpoint-10/trainer_state.json"]
     user = json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}})
-    plan = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
+    plan = _program_plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
                  files={"ds.json": user}, nodes=2)
     check_inside(plan)
     said: list[str] = []
@@ -762,7 +762,7 @@ def test_hf_is_converted_inside_its_checkpoint_dir(tmp_path: Path) -> None:
     assert cfg["train_micro_batch_size_per_gpu"] == "auto"  # HF's own batch
     assert new.programs == plan.programs and "world size 3 -> 2" in said[0], said
     mine = json.dumps({"checkpoint": {"use_node_local_storage": True}})
-    own = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
+    own = _program_plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
                 files={"ds.json": mine}, nodes=2)
     with pytest.raises(LaunchError, match="edits no file of yours"):
         check_inside(own)
@@ -792,10 +792,10 @@ def test_a_restart_after_an_hf_reshard_resumes_from_the_converted_tag() -> None:
     assert converted_inside([node("node1", 0), node("node3", 1, size=8)],
                             ["checkpoint-10"]) is None  # not the same copy
     user = json.dumps({"zero_optimization": {"stage": 2}})
-    hf = _plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
+    hf = _program_plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
                files={"ds.json": user}, nodes=2)
     assert _converted(hf, both, None) == "checkpoint-10"
-    snap = _plan(SNAP_SRC, ("8", "2"), nodes=2)
+    snap = _program_plan(SNAP_SRC, ("8", "2"), nodes=2)
     assert _converted(snap, both, None) is None  # only HF's profile converts inside
     from types import SimpleNamespace
     newer: Any = SimpleNamespace(tag="checkpoint-20", complete=True)

@@ -152,7 +152,7 @@ def _local_plan(tmp: Path, nodes: int, replace: tuple[str, ...] = (),
     return plan_job(parse_inventory(text), options, facts)
 
 
-def _replicate(src_root: Path, holder_root: Path, index: int, tag: str = TAG) -> Path:
+def _copy_replica(src_root: Path, holder_root: Path, index: int, tag: str = TAG) -> Path:
     """What the replication service leaves on a holder: the tag's files and the manifest."""
     dest = Path(replica_dir(str(holder_root), index, tag))
     files = {}
@@ -186,8 +186,8 @@ def _lost_node2(tmp: Path) -> tuple[JobPlan, list[Path], Path]:
     roots = [Path(n.ckpt_dir) for n in plan.nodes]
     synthetic.write_node_local([str(r) for r in roots], zero_stage=2, shard_bytes=4096,
                                model_bytes=1024, tag=TAG, hosts=[n.name for n in plan.nodes])
-    _replicate(roots[1], roots[2], 1)
-    _replicate(roots[1], roots[0], 1)
+    _copy_replica(roots[1], roots[2], 1)
+    _copy_replica(roots[1], roots[0], 1)
     saved = tmp / "node2-as-saved"
     shutil.copytree(roots[1], saved)
     shutil.rmtree(tmp / "node2")
@@ -265,7 +265,7 @@ def test_a_part_wiped_on_its_own_node_is_restored_there(tmp_path: Path,
     roots = [Path(n.ckpt_dir) for n in plan.nodes]
     synthetic.write_node_local([str(r) for r in roots], tag=TAG, shard_bytes=4096,
                                model_bytes=1024, hosts=[n.name for n in plan.nodes])
-    _replicate(roots[1], roots[2], 1)
+    _copy_replica(roots[1], roots[2], 1)
     saved = tmp_path / "saved"
     shutil.copytree(roots[1], saved)
     shutil.rmtree(roots[1] / TAG)  # node2 came back with an empty disk

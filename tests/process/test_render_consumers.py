@@ -23,7 +23,7 @@ from tests.render_cases import BACKENDS, INVENTORIES, plan_for
 PLANS = {(inv, b): plan_for(inv, b) for inv in INVENTORIES for b in BACKENDS}
 
 
-def _write(tmp_path: Path, name: str, text: str) -> Path:
+def _write_file(tmp_path: Path, name: str, text: str) -> Path:
     path = tmp_path / name
     path.write_text(text, encoding="utf-8")
     return path
@@ -95,7 +95,7 @@ def test_accelerate_loads_every_yaml(inv: str, tmp_path: Path) -> None:
     plan = PLANS[(inv, "accelerate")]
     for node in plan.nodes:
         name = f"accelerate_config.rank{node.node_rank}.yaml"
-        cfg = load_config_from_file(str(_write(tmp_path, name, plan.artifacts[name])))
+        cfg = load_config_from_file(str(_write_file(tmp_path, name, plan.artifacts[name])))
         assert cfg.distributed_type.value == "DEEPSPEED"
         assert cfg.machine_rank == node.node_rank
         assert cfg.num_machines == len(plan.nodes)
@@ -115,12 +115,12 @@ def test_accelerate_without_deepspeed_sets_precision_once(tmp_path: Path) -> Non
     from accelerate.commands.config.config_args import load_config_from_file
 
     plan = plan_for("h100-2x8-ib", "accelerate", accelerate_use_deepspeed=False, precision="bf16")
-    cfg = load_config_from_file(str(_write(tmp_path, "a.yaml",
+    cfg = load_config_from_file(str(_write_file(tmp_path, "a.yaml",
                                            plan.artifacts["accelerate_config.rank0.yaml"])))
     assert cfg.distributed_type.value == "MULTI_GPU" and cfg.mixed_precision == "bf16"
     assert cfg.deepspeed_config == {} or cfg.deepspeed_config is None
     cpu = plan_for("local", "accelerate", accelerate_use_deepspeed=False)
-    cfg = load_config_from_file(str(_write(tmp_path, "b.yaml",
+    cfg = load_config_from_file(str(_write_file(tmp_path, "b.yaml",
                                            cpu.artifacts["accelerate_config.rank0.yaml"])))
     assert cfg.distributed_type.value == "MULTI_CPU" and cfg.use_cpu is True
 
@@ -129,7 +129,7 @@ def test_accelerate_without_deepspeed_sets_precision_once(tmp_path: Path) -> Non
 def test_bash_n_accepts_every_script(inv: str, backend: str, tmp_path: Path) -> None:
     plan = PLANS[(inv, backend)]
     for name in ("sbatch.sh", "commands.sh"):
-        path = _write(tmp_path, name, plan.artifacts[name])
+        path = _write_file(tmp_path, name, plan.artifacts[name])
         proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
         assert proc.returncode == 0, f"{name}: {proc.stderr}"
 
@@ -157,7 +157,7 @@ def test_deepspeed_env_reads_back_through_deepspeeds_export_logic() -> None:
 @pytest.mark.parametrize("inv", ["a800-7x2", "h100-2x8-ib"])
 def test_ssh_reads_the_ssh_config(inv: str, tmp_path: Path) -> None:
     plan = PLANS[(inv, "deepspeed")]
-    path = _write(tmp_path, "ssh_config", plan.artifacts["ssh_config"])
+    path = _write_file(tmp_path, "ssh_config", plan.artifacts["ssh_config"])
     for node in plan.nodes:
         out = subprocess.run(["ssh", "-F", str(path), "-G", node.name], capture_output=True,
                              text=True, check=True, env={**os.environ, "HOME": str(tmp_path)}).stdout

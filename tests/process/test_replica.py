@@ -36,7 +36,7 @@ JOB = "job-replica-test"
 
 
 @pytest.fixture(autouse=True)
-def _own_job_id() -> Iterator[None]:
+def _fresh_replica_job_id() -> Iterator[None]:
     """A job id (hence replica ports) per test: servers of parallel tests (xdist) or
     lingering sockets of earlier ones never answer for this one."""
     global JOB

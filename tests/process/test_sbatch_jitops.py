@@ -47,7 +47,7 @@ def _script(tmp_path: Path, capsys: pytest.CaptureFixture[str], ext: Path) -> st
     return (job_dir / "sbatch.sh").read_text()
 
 
-def _run(script: str) -> subprocess.CompletedProcess[str]:
+def _run_bash_with_stubs(script: str) -> subprocess.CompletedProcess[str]:
     env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "SLURM_JOB_ID": "77",
            "SLURM_JOB_NODELIST": "n1", "SLURM_CPUS_PER_TASK": "2", "HOME": os.environ["HOME"]}
     proc = subprocess.Popen(["bash", "-s"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -69,7 +69,7 @@ def test_the_ops_step_stops_the_job_at_a_stale_lock_and_starts_it_when_built(
     lock.parent.mkdir(parents=True)
     lock.write_bytes(b"")
     os.utime(lock, (time.time() - 3600, time.time() - 3600))  # a killed build's, no record
-    r = _run(script)
+    r = _run_bash_with_stubs(script)
     assert r.returncode == 2, r.stdout + r.stderr
     assert (f"clusterkit: DeepSpeed's JIT ops on n1: stale build lock {lock} (no live process "
             "there holds it and no builder recorded it)") in r.stdout
@@ -81,7 +81,7 @@ def test_the_ops_step_stops_the_job_at_a_stale_lock_and_starts_it_when_built(
     (lock.parent / "build.ninja").write_text(
         f"cflags = -isystem {jitops.package_dir('torch')}/include -isystem x\n")
     t0 = time.monotonic()
-    r = _run(script)
+    r = _run_bash_with_stubs(script)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "clusterkit: DeepSpeed's JIT ops on n1: cpu: deepspeed_shm_comm already built" \
         in r.stdout.splitlines()
@@ -93,6 +93,6 @@ def test_a_script_without_its_bundle_says_so_and_starts(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = _script(tmp_path, capsys, tmp_path / "ext")
     (tmp_path / "work/.clusterkit/jobs/ops1/jitops.bundle").unlink()
-    r = _run(script)
+    r = _run_bash_with_stubs(script)
     assert r.returncode == 0 and "LAUNCHED" in r.stdout
     assert "jitops.bundle is missing (clusterkit sbatch writes it)" in r.stderr

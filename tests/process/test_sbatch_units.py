@@ -104,7 +104,7 @@ def test_errors_are_one_line_with_hint(answer: object, needle: str) -> None:
     assert "\n" not in err.value.one_line()
 
 
-def _record(state: str, out: Path, restarts: int = 0) -> str:
+def _scontrol_record(state: str, out: Path, restarts: int = 0) -> str:
     return (f"JobId=9 JobName=ck JobState={state} Reason=None Restarts={restarts} ExitCode=0:0 "
             f"NodeList=node1 StdErr={out} StdOut={out}\n")
 
@@ -116,7 +116,7 @@ def test_watch_follows_output_and_restart(tmp_path: Path) -> None:
     answers: list[object] = []
     writes: list[str | None] = []
     for i, (state, text) in enumerate(steps):
-        answers.append((_record(state, out_file, restarts=1 if i >= 3 else 0), "", 0))
+        answers.append((_scontrol_record(state, out_file, restarts=1 if i >= 3 else 0), "", 0))
         writes.append(text)
 
     def sleep(_: float) -> None:
@@ -133,7 +133,7 @@ def test_watch_follows_output_and_restart(tmp_path: Path) -> None:
     assert "requeued" in err.getvalue() and "COMPLETED" in err.getvalue()
 
 
-def _inventory(tmp_path: Path, gpus: int) -> Path:
+def _write_ssh_inventory(tmp_path: Path, gpus: int) -> Path:
     path = tmp_path / "inv.yaml"
     path.write_text(
         "schema_version: 1\ncluster: {name: unit}\n"
@@ -145,7 +145,7 @@ def _inventory(tmp_path: Path, gpus: int) -> Path:
 
 
 def test_cli_dry_run_prints_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    inv = _inventory(tmp_path, gpus=2)
+    inv = _write_ssh_inventory(tmp_path, gpus=2)
     rc = main(["sbatch", "-i", str(inv), "--nodes", "2", "--gpus-per-node", "2", "--job-id", "j1",
                "--partition", "gpu", "--dry-run"])
     out, err = capsys.readouterr()
@@ -158,7 +158,7 @@ def test_cli_dry_run_prints_script(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_cli_write_without_submit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    inv = _inventory(tmp_path, gpus=0)
+    inv = _write_ssh_inventory(tmp_path, gpus=0)
     assert main(["sbatch", "-i", str(inv), "--job-id", "j2", "--storage", "node-local"]) == 0
     job_dir = tmp_path / "work/.clusterkit/jobs/j2"
     assert (job_dir / "sbatch.sh").is_file() and (job_dir / "ds_config.json").is_file()
@@ -179,7 +179,7 @@ def test_an_accelerate_script_on_cpu_nodes_gets_its_hook_through_sbatch(
     """The job dir's program files (issue 38: accelerate's CPU hook) are the launch's and
     the batch job's alike (LaunchPlan.job_files): sitecustomize.py in the job dir, the
     job dir first on the ranks' PYTHONPATH in the script."""
-    inv = _inventory(tmp_path, gpus=0)
+    inv = _write_ssh_inventory(tmp_path, gpus=0)
     script = tmp_path / "train_acc.py"
     script.write_text(ACCELERATE_SCRIPT)
     assert main(["sbatch", "-i", str(inv), "--job-id", "acc", str(script)]) == 0
@@ -193,14 +193,14 @@ def test_an_accelerate_script_on_cpu_nodes_gets_its_hook_through_sbatch(
 
 
 def test_cli_bad_partition_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    inv = _inventory(tmp_path, gpus=0)
+    inv = _write_ssh_inventory(tmp_path, gpus=0)
     rc = main(["sbatch", "-i", str(inv), "--partition", "a b", "--dry-run"])
     assert rc == 2
     assert "--partition" in capsys.readouterr().err
 
 
 def test_cli_watch_needs_submit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["sbatch", "-i", str(_inventory(tmp_path, 0)), "--watch"]) == 2
+    assert main(["sbatch", "-i", str(_write_ssh_inventory(tmp_path, 0)), "--watch"]) == 2
     assert "--watch needs --submit" in capsys.readouterr().err
 
 
@@ -213,7 +213,7 @@ def test_cli_status_usage(capsys: pytest.CaptureFixture[str]) -> None:
 
 def _dry(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str,
          gpus: int = 2, launcher: str = "torchrun") -> tuple[int, str, str]:
-    inv = _inventory(tmp_path, gpus=gpus)
+    inv = _write_ssh_inventory(tmp_path, gpus=gpus)
     rc = main(["sbatch", "-i", str(inv), "--nodes", "2", "--gpus-per-node", "2", "--job-id", "s1",
                "--launcher", launcher, "--dry-run", *extra])
     out, err = capsys.readouterr()
@@ -272,7 +272,7 @@ def test_status_and_cancel_have_their_own_help(capsys: pytest.CaptureFixture[str
         assert out.startswith(f"usage: clusterkit sbatch {action} JOBID") and needle in out
 
 
-def _fake_client(monkeypatch: pytest.MonkeyPatch, answers: list[object]) -> FakeSlurm:
+def _patch_slurm_client(monkeypatch: pytest.MonkeyPatch, answers: list[object]) -> FakeSlurm:
     import clusterkit.cli.cmd_sbatch as cmd
 
     fake = FakeSlurm(answers)
@@ -286,10 +286,10 @@ def _fake_client(monkeypatch: pytest.MonkeyPatch, answers: list[object]) -> Fake
 
 def test_submit_json_and_node_local_resubmit_pins_nodes(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    inv = _inventory(tmp_path, gpus=0)
+    inv = _write_ssh_inventory(tmp_path, gpus=0)
     args = ["sbatch", "-i", str(inv), "--job-id", "nl", "--storage", "node-local",
             "--cpus-per-task", "2", "--submit", "--json"]
-    fake = _fake_client(monkeypatch, [("101\n", "", 0)])
+    fake = _patch_slurm_client(monkeypatch, [("101\n", "", 0)])
     assert main(args) == 0
     out, _ = capsys.readouterr()
     job_dir = tmp_path / "work/.clusterkit/jobs/nl"
@@ -297,7 +297,7 @@ def test_submit_json_and_node_local_resubmit_pins_nodes(
                                "script": str(job_dir / "sbatch.sh")}
     assert "--nodelist" not in fake.calls[0][0]
     (job_dir / "slurm_nodes").write_text("n[1-2]\n")  # what the first run's script records
-    fake = _fake_client(monkeypatch, [("102\n", "", 0)])
+    fake = _patch_slurm_client(monkeypatch, [("102\n", "", 0)])
     assert main(args) == 0
     assert fake.calls[0][0][:3] == ["sbatch", "--parsable", "--nodelist=n[1-2]"]
     assert "are on n[1-2]: submitting with --nodelist=n[1-2]" in capsys.readouterr().err
@@ -332,7 +332,7 @@ getent() { printf '10.0.0.1 STREAM n1\\n'; }
 
 def _run_script(tmp_path: Path, capsys: pytest.CaptureFixture[str], srun_body: str,
                 nodelist: str) -> subprocess.CompletedProcess[str]:
-    inv = _inventory(tmp_path, gpus=0)
+    inv = _write_ssh_inventory(tmp_path, gpus=0)
     assert main(["sbatch", "-i", str(inv), "--job-id", "run1", "--storage", "node-local",
                  "--cpus-per-task", "2", "--write-only"]) == 0
     capsys.readouterr()
@@ -396,12 +396,12 @@ def test_dry_run_json_is_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_dry_run_is_the_submitted_script(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Byte for byte, --cpus-per-task default included (the dry run asks sinfo too)."""
-    inv = _inventory(tmp_path, gpus=0)
+    inv = _write_ssh_inventory(tmp_path, gpus=0)
     args = ["sbatch", "-i", str(inv), "--nodes", "2", "--job-id", "same"]
-    _fake_client(monkeypatch, [("8\n", "", 0)])
+    _patch_slurm_client(monkeypatch, [("8\n", "", 0)])
     assert main([*args, "--dry-run"]) == 0
     dry = capsys.readouterr().out
-    _fake_client(monkeypatch, [("8\n", "", 0), ("77\n", "", 0)])
+    _patch_slurm_client(monkeypatch, [("8\n", "", 0), ("77\n", "", 0)])
     assert main([*args, "--submit"]) == 0
     assert "#SBATCH --cpus-per-task=8\n" in dry
     assert (tmp_path / "work/.clusterkit/jobs/same/sbatch.sh").read_text() == dry
@@ -409,8 +409,8 @@ def test_dry_run_is_the_submitted_script(tmp_path: Path, capsys: pytest.CaptureF
 
 def test_refused_submission_leaves_no_job_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    inv = _inventory(tmp_path, gpus=0)
-    _fake_client(monkeypatch, [("", "sbatch: error: Batch job submission failed: Invalid "
+    inv = _write_ssh_inventory(tmp_path, gpus=0)
+    _patch_slurm_client(monkeypatch, [("", "sbatch: error: Batch job submission failed: Invalid "
                                 "partition name specified\n", 1)])
     assert main(["sbatch", "-i", str(inv), "--job-id", "refused", "--cpus-per-task", "1",
                  "--submit"]) == 2
@@ -420,7 +420,7 @@ def test_refused_submission_leaves_no_job_dir(tmp_path: Path, capsys: pytest.Cap
 
 def test_missing_or_relative_script(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    inv = _inventory(tmp_path, gpus=0)
+    inv = _write_ssh_inventory(tmp_path, gpus=0)
     monkeypatch.chdir(tmp_path)
     base = ["sbatch", "-i", str(inv), "--job-id", "rel", "--cpus-per-task", "1"]
     assert main([*base, "--write-only", "nosuch.py"]) == 2
@@ -441,7 +441,7 @@ def test_missing_or_relative_script(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_status_exit_code_is_the_outcome(capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch, state: str, code: str,
                                          rc: int) -> None:
-    _fake_client(monkeypatch, [(SHOW_JOB.replace("JobState=FAILED", f"JobState={state}")
+    _patch_slurm_client(monkeypatch, [(SHOW_JOB.replace("JobState=FAILED", f"JobState={state}")
                                 .replace("ExitCode=138:0", f"ExitCode={code}"), "", 0)])
     assert main(["sbatch", "status", "7"]) == rc
     assert state in capsys.readouterr().out
@@ -517,7 +517,7 @@ def _verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str], step: str, *fla
              restarts: int = 0, stubs: str = "") -> tuple[subprocess.CompletedProcess[str], str, Path]:
     """Run the written sbatch.sh with ``step`` as the launch step's body (bash);
     ``stubs``: shell functions that replace VERDICT_STUBS' own."""
-    inv = _inventory(tmp_path, gpus=0)
+    inv = _write_ssh_inventory(tmp_path, gpus=0)
     assert main(["sbatch", "-i", str(inv), "--job-id", "v1", "--storage", "shared",
                  "--cpus-per-task", "2", "--write-only", *flags]) == 0
     capsys.readouterr()

@@ -37,7 +37,7 @@ from clusterkit.remote.dispatch import DispatchTransport
 from tests import synthetic_ckpt as synthetic
 
 
-def _tokens(d: Path) -> list[str]:
+def _token_names(d: Path) -> list[str]:
     return sorted(n for n in os.listdir(d) if n.startswith(".clusterkit-token"))
 
 
@@ -51,7 +51,7 @@ def test_the_second_writer_sees_the_first_and_the_drop_leaves_nothing(tmp_path: 
     for node in ("node1", "node2", "node3"):
         drop_tokens([need_unshared(str(d), "j1", node)])
     drop_tokens([need_unshared(str(d), "other-run", "node4")])
-    assert _tokens(d) == []
+    assert _token_names(d) == []
 
 
 def test_own_dirs_see_nothing(tmp_path: Path) -> None:
@@ -70,19 +70,19 @@ def test_a_dir_not_created_yet_is_compared_by_its_full_path(tmp_path: Path) -> N
     assert not (tmp_path / "ck").exists()
     for node, sub in (("node1", "node1"), ("node2", "node2"), ("node3", "node1")):
         drop_tokens([need_unshared(str(tmp_path / "ck" / sub), "j", node)])
-    assert _tokens(tmp_path) == []
+    assert _token_names(tmp_path) == []
 
 
 def test_drop_finds_the_token_after_the_dir_was_created(tmp_path: Path) -> None:
     token_seen(str(tmp_path / "ck"), "j", "node1")
     (tmp_path / "ck").mkdir()  # the agent created it between the facts and GO
     drop_tokens([need_unshared(str(tmp_path / "ck"), "j", "node1")])
-    assert _tokens(tmp_path) == []
+    assert _token_names(tmp_path) == []
 
 
 def test_a_stale_token_is_swept(tmp_path: Path) -> None:
     token_seen(str(tmp_path), "old", "node9")
-    stale = tmp_path / _tokens(tmp_path)[0]
+    stale = tmp_path / _token_names(tmp_path)[0]
     old = time.time() - TOKEN_STALE_S - 10
     os.utime(stale, (old, old))
     assert token_seen(str(tmp_path), "old", "node1") == {"seen": []}

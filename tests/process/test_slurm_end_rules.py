@@ -127,7 +127,7 @@ def test_every_row_of_the_doc_table_has_a_test_row() -> None:
     assert {want.requeue for *_, want in TABLE} == {NONE, ANY, PINNED}
 
 
-def _job_dir(tmp_path: Path, **conf: object) -> dict[str, object]:
+def _end_conf(tmp_path: Path, **conf: object) -> dict[str, object]:
     job = tmp_path / "job"
     (job / "exits").mkdir(parents=True)
     (tmp_path / "ckpt").mkdir()
@@ -140,7 +140,7 @@ def _job_dir(tmp_path: Path, **conf: object) -> dict[str, object]:
     return {**base, **conf}
 
 
-def _run(conf: dict[str, object], tmp_path: Path, *args: str) -> tuple[int, str, str, str]:
+def _run_slurmend(conf: dict[str, object], tmp_path: Path, *args: str) -> tuple[int, str, str, str]:
     out, err, answer = io.StringIO(), io.StringIO(), io.StringIO()
     env = {"SLURM_JOB_ID": "77", "CLUSTERKIT_CKPT_DIR": str(tmp_path / "ckpt")}
     rc = end.run([json.dumps(conf), *args], env, out, err, answer)
@@ -148,31 +148,31 @@ def _run(conf: dict[str, object], tmp_path: Path, *args: str) -> tuple[int, str,
 
 
 def test_run_gathers_the_facts_from_the_job_dir(tmp_path: Path) -> None:
-    conf = _job_dir(tmp_path)
+    conf = _end_conf(tmp_path)
     exits = tmp_path / "job/exits"
     (exits / "rank0").write_text("200 n1 143\n")
     (exits / "rank3").write_text("100 n2 2\n")
     (exits / "rank5").write_text("garbled\n")  # skipped, not a crash
-    rc, out, err, answer = _run(conf, tmp_path, "143", "", "")
+    rc, out, err, answer = _run_slurmend(conf, tmp_path, "143", "", "")
     assert (rc, out, answer) == (0, "", "2 none\n")
     assert "rank 3 on n2 failed first (exit code 2)" in err
     # the watchdog's reason: one requeue (counted in the file), then no more
     (tmp_path / "job/hang").write_text("no progress for 31 s\n")
-    rc, out, err, answer = _run(conf, tmp_path, "143", "", "/h")
+    rc, out, err, answer = _run_slurmend(conf, tmp_path, "143", "", "/h")
     assert answer == "124 pinned\n" and "restart 1 of --max-restarts 1" in out and out == err
     assert (tmp_path / "job/hang_restarts").read_text() == "1\n"
-    rc, out, err, answer = _run(conf, tmp_path, "143", "", "/h")
+    rc, out, err, answer = _run_slurmend(conf, tmp_path, "143", "", "/h")
     assert answer == "124 none\n" and "used: 1); stacks in /h" in err
     assert (tmp_path / "job/hang_restarts").read_text() == "1\n"
     # no watchdog for this job: its hang file is not read
-    rc, out, err, answer = _run({**conf, "hang_file": ""}, tmp_path, "0", "", "")
+    rc, out, err, answer = _run_slurmend({**conf, "hang_file": ""}, tmp_path, "0", "", "")
     assert (answer, out, err) == ("0 none\n", "", "")
 
 
 def test_run_requeues_for_a_file_saved_after_the_stop_file(tmp_path: Path) -> None:
     import time
 
-    conf = _job_dir(tmp_path)
+    conf = _end_conf(tmp_path)
     stop = tmp_path / "job/stop"
     old = tmp_path / "ckpt/step2/done"
     old.parent.mkdir()
@@ -180,18 +180,18 @@ def test_run_requeues_for_a_file_saved_after_the_stop_file(tmp_path: Path) -> No
     stop.write_text("2026-01-01T00:00:00Z\n")
     os.utime(old, ns=(stop.stat().st_mtime_ns - 10**9,) * 2)
     now = str(int(time.time()))
-    _, out, err, answer = _run(conf, tmp_path, "0", now, "")
+    _, out, err, answer = _run_slurmend(conf, tmp_path, "0", now, "")
     assert answer == "0 none\n" and f"nothing was saved in {tmp_path / 'ckpt'} since" in out
     new = tmp_path / "ckpt/step4/done"
     new.parent.mkdir()
     new.write_text("x")
     os.utime(new, ns=(stop.stat().st_mtime_ns + 10**6,) * 2)
-    _, out, err, answer = _run(conf, tmp_path, "0", now, "")
+    _, out, err, answer = _run_slurmend(conf, tmp_path, "0", now, "")
     assert answer == "0 pinned\n" and f"saved after the stop request ({new})" in out and err == ""
-    _, out, err, answer = _run(conf, tmp_path, "0", str(int(time.time()) - 91), "")
+    _, out, err, answer = _run_slurmend(conf, tmp_path, "0", str(int(time.time()) - 91), "")
     assert answer == "0 none\n" and "ran on for" in err
     stop.unlink()  # the stop file could not be written: nothing counts as saved since
-    _, out, _, answer = _run(conf, tmp_path, "0", now, "")
+    _, out, _, answer = _run_slurmend(conf, tmp_path, "0", now, "")
     assert answer == "0 none\n" and "nothing was saved" in out
 
 
@@ -199,7 +199,7 @@ def test_run_requeues_for_a_file_saved_after_the_stop_file(tmp_path: Path) -> No
 def test_the_shipped_program_answers_on_fd_3(python: str, tmp_path: Path) -> None:
     """As the script runs it: bootstrap + sources on stdin, the lines on stdout/stderr,
     the answer alone on file descriptor 3 (on the oldest Python found here too)."""
-    conf = json.dumps(_job_dir(tmp_path))
+    conf = json.dumps(_end_conf(tmp_path))
     cmd = ship.node_command(python, "slurm.end", [conf, "1", "", ""])
     env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "77"}
     answer = tmp_path / "answer"

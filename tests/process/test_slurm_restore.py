@@ -32,7 +32,7 @@ RPN = 2
 
 
 @pytest.fixture(autouse=True)
-def _own_job_id() -> Iterator[None]:
+def _fresh_restore_job_id() -> Iterator[None]:
     """A job id, hence replica ports, per test: the servers of this file's other test on
     another xdist worker (or their sockets in TIME_WAIT) never answer for this one (a
     whole-suite run got "global_step4 of node index 0 is being received already")."""
@@ -60,7 +60,7 @@ def _mark(d: Path, index: int, nodes: int) -> None:
         {"tag": d.name, "node_index": index, "num_nodes": nodes, "node_files": files}))
 
 
-def _replicate(roots: dict[str, Path], hosts: list[str]) -> None:
+def _push_ring_replicas(roots: dict[str, Path], hosts: list[str]) -> None:
     for i, h in enumerate(hosts):
         j = ring(i, [(h,) for h in hosts], 1)[0]
         server = ReplicaServer(JOB, j, hosts[j], str(roots[hosts[j]]), SECRET, address="127.0.0.1")
@@ -77,7 +77,7 @@ def test_a_lost_node_s_part_is_moved_from_its_replica(tmp_path: Path) -> None:
     roots = {h: tmp_path / h / "ckpt" for h in [*old, "E"]}
     for i, h in enumerate(old):
         _save(roots[h], i)
-    _replicate(roots, old)
+    _push_ring_replicas(roots, old)
     want = {i: sorted(p.name for p in (roots[old[i]] / TAG).iterdir()) for i in range(4)}
     digest = {i: (roots[old[i]] / TAG / f"zero_pp_rank_{2 * i}_mp_rank_00_optim_states.pt").read_bytes()
               for i in range(4)}
@@ -128,7 +128,7 @@ def test_fewer_nodes_gather_every_part_for_the_universal_conversion(tmp_path: Pa
     roots = {h: tmp_path / h / "ckpt" for h in old}
     for i, h in enumerate(old):
         _save(roots[h], i)
-    _replicate(roots, old)
+    _push_ring_replicas(roots, old)
     new = ["A", "B", "D"]  # C lost, no spare: 3 nodes
     plan = restore.decide({h: listing(str(roots[h]), None) for h in new},
                                new, old, True, RPN)

@@ -14,7 +14,7 @@ from clusterkit.cli.main import main
 from clusterkit.sync.source import Ignore, manifest
 
 
-def _inventory(tmp_path: Path, **defaults: str) -> Path:
+def _write_local_inventory(tmp_path: Path, **defaults: str) -> Path:
     lines = ["schema_version: 1", "defaults:", "  transport: local"]
     lines += [f"  {k}: {v}" for k, v in defaults.items()]
     lines += ["hosts:", "  v0: {}"]
@@ -45,7 +45,7 @@ def test_sync_moves_only_changed_files_honours_ignore_and_delete(
     (src / ".clusterkitignore").write_text("data/\n*.log\n!keep.log\n")
     (src / "keep.log").write_text("kept\n")
     work = tmp_path / "node-work"
-    inv = _inventory(tmp_path, workdir=str(work))
+    inv = _write_local_inventory(tmp_path, workdir=str(work))
     out = _sync(inv, src, capsys)
     dest = work / "code"  # same path relative to the launcher's cwd, under the workdir
     assert "v0: 4 file(s) sent" in out
@@ -79,7 +79,7 @@ def test_ignore_rules_follow_gitignore() -> None:
 
 def test_sync_of_a_missing_dir_is_one_line(tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["sync", str(tmp_path / "nope"), "-i", str(_inventory(tmp_path))]) == 2
+    assert main(["sync", str(tmp_path / "nope"), "-i", str(_write_local_inventory(tmp_path))]) == 2
     assert "is not a directory" in capsys.readouterr().err
 
 
@@ -96,7 +96,7 @@ def test_nodes_install_is_offline_verified_and_idempotent(
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    inv = _inventory(tmp_path, python=str(python))
+    inv = _write_local_inventory(tmp_path, python=str(python))
     assert main(["nodes", "install", "-i", str(inv)]) == 0  # builds the wheel itself
     assert "v0: installed (clusterkit" in capsys.readouterr().out
     # Idempotence for one wheel (the shared tree may change between two builds here).

@@ -16,7 +16,7 @@ from clusterkit.jobs.sync import SyncHooks
 from clusterkit.sync.types import SyncResult
 
 
-def _inventory(tmp_path: Path, hosts: int = 2) -> Path:
+def _write_local_nodes_inventory(tmp_path: Path, hosts: int = 2) -> Path:
     # Local virtual nodes share this machine's disk: a workdir each.
     lines = ["schema_version: 1", "defaults:", "  transport: local", "hosts:"]
     lines += [f"  v{i}: {{workdir: {tmp_path / f'n{i}'}}}" for i in range(hosts)]
@@ -40,7 +40,7 @@ def test_the_verb_calls_api_sync_with_its_flags(tmp_path: Path,
 
     monkeypatch.setattr(api, "sync", record)
     with pytest.raises(Called):
-        main(["sync", "code", "-i", str(_inventory(tmp_path)), "--delete", "--dest", "x",
+        main(["sync", "code", "-i", str(_write_local_nodes_inventory(tmp_path)), "--delete", "--dest", "x",
               "--port", "30000", "--nodes", "1"])
     [(args, kwargs)] = calls
     assert args == ("code",) and isinstance(kwargs.pop("inventory"), Inventory)
@@ -57,7 +57,7 @@ def test_api_sync_returns_the_typed_result_and_prints_nothing(
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "train.py").write_text("print('hi')\n")
     started: list[tuple[str, int]] = []
-    result = api.sync("code", inventory=str(_inventory(tmp_path)),
+    result = api.sync("code", inventory=str(_write_local_nodes_inventory(tmp_path)),
                       hooks=SyncHooks(on_start=lambda where, n: started.append((where, n))))
     assert isinstance(result, SyncResult) and result.ok and result.files == 1
     assert list(result.nodes) == ["v0", "v1"]
@@ -66,4 +66,4 @@ def test_api_sync_returns_the_typed_result_and_prints_nothing(
         assert (tmp_path / f"n{i}" / "code" / "train.py").read_text() == "print('hi')\n"
     assert capsys.readouterr() == ("", "")
     with pytest.raises(ClusterkitError, match="is not a directory"):
-        api.sync("nope", inventory=str(_inventory(tmp_path)))
+        api.sync("nope", inventory=str(_write_local_nodes_inventory(tmp_path)))

@@ -55,7 +55,7 @@ def fake_ssh(tmp_path: Path) -> str:
     return str(path)
 
 
-def transport(ssh: str, timeout: float = 2.0) -> OpenSSHTransport:
+def _openssh_transport(ssh: str, timeout: float = 2.0) -> OpenSSHTransport:
     return OpenSSHTransport(LocalTransport(), ssh=ssh, connect_timeout=timeout)
 
 
@@ -74,7 +74,7 @@ def test_argv_carries_the_targets_options_and_our_policy(tmp_path: Path) -> None
 def test_accept_new_host_keys_replaces_strict_checking() -> None:
     from dataclasses import replace
 
-    argv = transport("ssh").argv(replace(TARGET, accept_new_host_keys=True), "true")
+    argv = _openssh_transport("ssh").argv(replace(TARGET, accept_new_host_keys=True), "true")
     opts = [argv[i + 1] for i, w in enumerate(argv) if w == "-o"]
     assert "StrictHostKeyChecking=accept-new" in opts
     assert "StrictHostKeyChecking=yes" not in opts
@@ -88,7 +88,7 @@ def test_fast_kex_first_unless_the_config_chooses(tmp_path: Path) -> None:
     plain.write_text("Host *\n  User root\n")
     chosen = tmp_path / "chosen"
     chosen.write_text("Host 10.0.0.*\n  KexAlgorithms ecdh-sha2-nistp256\n")
-    t = transport("ssh")
+    t = _openssh_transport("ssh")
     assert f"KexAlgorithms=^{FAST_KEX}" in t.argv(replace(TARGET, config_file=str(plain)), "x")
     assert not any(w.startswith("KexAlgorithms")
                    for w in t.argv(replace(TARGET, config_file=str(chosen)), "x"))
@@ -149,7 +149,7 @@ def test_unknown_message_is_kept() -> None:
 
 def test_run_passes_stdin_output_and_exit_code(fake_ssh: str) -> None:
     seen: list[float] = []
-    res = transport(fake_ssh).run_connected(
+    res = _openssh_transport(fake_ssh).run_connected(
         TARGET, ["sh", "-c", "cat; echo oops >&2; exit 3"], stdin=b"x" * 300_000,
         on_connected=lambda: seen.append(time.monotonic()))
     assert (res.exit_code, len(res.stdout), res.stderr) == (3, 300_000, "oops\n")
@@ -157,12 +157,12 @@ def test_run_passes_stdin_output_and_exit_code(fake_ssh: str) -> None:
 
 
 def test_exit_255_after_login_is_the_commands(fake_ssh: str) -> None:
-    res = transport(fake_ssh).run(TARGET, ["sh", "-c", "exit 255"])
+    res = _openssh_transport(fake_ssh).run(TARGET, ["sh", "-c", "exit 255"])
     assert res.exit_code == 255
 
 
 def test_env_is_quoted_into_the_remote_command(fake_ssh: str) -> None:
-    res = transport(fake_ssh).run(TARGET, ["sh", "-c", 'printf %s "$X"'], env={"X": "a b $(y)"})
+    res = _openssh_transport(fake_ssh).run(TARGET, ["sh", "-c", 'printf %s "$X"'], env={"X": "a b $(y)"})
     assert res.stdout == "a b $(y)"
 
 
@@ -170,14 +170,14 @@ def test_failure_before_login_raises_its_kind(fake_ssh: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_SSH_MODE", "refuse")
     with pytest.raises(TransportError) as exc:
-        transport(fake_ssh).run(TARGET, ["true"])
+        _openssh_transport(fake_ssh).run(TARGET, ["true"])
     assert exc.value.kind == "refused"
 
 
 def test_command_timeout_kills_ssh(fake_ssh: str) -> None:
     started = time.monotonic()
     with pytest.raises(TransportError) as exc:
-        transport(fake_ssh).run(TARGET, ["sleep", "30"], timeout=0.5)
+        _openssh_transport(fake_ssh).run(TARGET, ["sleep", "30"], timeout=0.5)
     assert exc.value.kind == "command-timeout"
     assert time.monotonic() - started < 10
 
@@ -186,7 +186,7 @@ def test_setup_timeout_when_the_login_never_comes(fake_ssh: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_SSH_MODE", "hang")
     with pytest.raises(TransportError) as exc:
-        transport(fake_ssh, timeout=0.25).run(TARGET, ["true"], timeout=60)
+        _openssh_transport(fake_ssh, timeout=0.25).run(TARGET, ["true"], timeout=60)
     assert exc.value.kind == "timeout"
     assert "set-up" in exc.value.message
 
@@ -195,13 +195,13 @@ def test_fan_out_returns_one_result_per_host_in_order(fake_ssh: str) -> None:
     from dataclasses import replace
 
     targets = [replace(TARGET, name=f"n{i}") for i in range(12)]
-    group = transport(fake_ssh).run_all(targets, ["echo", "ok"], max_parallel=4)
+    group = _openssh_transport(fake_ssh).run_all(targets, ["echo", "ok"], max_parallel=4)
     assert [r.host for r in group] == [t.name for t in targets]
     assert all(r.result is not None and r.result.stdout == "ok\n" for r in group)
 
 
 def test_start_streams_and_terminates(fake_ssh: str) -> None:
-    proc = transport(fake_ssh).start(TARGET, ["sh", "-c", "echo ready; sleep 30"])
+    proc = _openssh_transport(fake_ssh).start(TARGET, ["sh", "-c", "echo ready; sleep 30"])
     first = next(line for stream, line in proc.lines() if stream == "stdout")
     assert first.strip() == "ready"
     proc.terminate()
@@ -211,7 +211,7 @@ def test_start_streams_and_terminates(fake_ssh: str) -> None:
 def test_local_targets_use_the_wrapped_transport(fake_ssh: str) -> None:
     from dataclasses import replace
 
-    res = transport("/nonexistent/ssh").run(replace(TARGET, local=True), ["echo", "here"])
+    res = _openssh_transport("/nonexistent/ssh").run(replace(TARGET, local=True), ["echo", "here"])
     assert res.stdout == "here\n"
 
 

@@ -118,14 +118,14 @@ def _no_agent(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def known_hosts(tmp_path: Path, sshd: Sshd) -> Path:
+def known_hosts_file(tmp_path: Path, sshd: Sshd) -> Path:
     path = tmp_path / "known_hosts"
     path.write_text(sshd.known_hosts_line())
     return path
 
 
 @pytest.fixture
-def make_target(tmp_path: Path, sshd: Sshd, known_hosts: Path) -> Callable[..., SSHTarget]:
+def make_target(tmp_path: Path, sshd: Sshd, known_hosts_file: Path) -> Callable[..., SSHTarget]:
     config = tmp_path / "ssh_config"
     if not config.exists():
         config.write_text("")
@@ -138,7 +138,7 @@ def make_target(tmp_path: Path, sshd: Sshd, known_hosts: Path) -> Callable[..., 
             user="root",
             identity_file=str(sshd.client_key),
             config_file=str(config),
-            known_hosts_file=str(known_hosts),
+            known_hosts_file=str(known_hosts_file),
         )
         return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
@@ -146,7 +146,7 @@ def make_target(tmp_path: Path, sshd: Sshd, known_hosts: Path) -> Callable[..., 
 
 
 @pytest.fixture
-def transport() -> Iterator[SSHTransport]:
+def sshd_transport() -> Iterator[SSHTransport]:
     t = SSHTransport(connect_timeout=5, transfer_timeout=20)
     try:
         yield t
@@ -164,15 +164,15 @@ def _error(fn: Callable[[], object]) -> tuple[TransportError, float]:
 # ---------------------------------------------------------------------- commands
 
 
-def test_run_returns_output_exit_code_and_duration(transport, make_target) -> None:
+def test_run_returns_output_exit_code_and_duration(sshd_transport, make_target) -> None:
     target = make_target()
-    result = transport.run(target, ["sh", "-c", "echo out; echo err >&2; exit 3"])
+    result = sshd_transport.run(target, ["sh", "-c", "echo out; echo err >&2; exit 3"])
     assert (result.host, result.exit_code) == ("node1", 3)
     assert result.stdout == "out\n"
     assert result.stderr == "err\n"
     assert result.argv == ("sh", "-c", "echo out; echo err >&2; exit 3")
     assert 0 < result.duration_s < 10
-    assert transport.run(target, ["true"]).ok
+    assert sshd_transport.run(target, ["true"]).ok
 
 
 NASTY = [
@@ -187,45 +187,46 @@ NASTY = [
 ]
 
 
-def test_argv_and_env_arrive_verbatim_and_execute_nothing(transport, make_target, tmp_path: Path) -> None:
+def test_argv_and_env_arrive_verbatim_and_execute_nothing(sshd_transport, make_target,
+                                                           tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     values = [v.format(marker=marker) for v in NASTY]
     env = {f"V{i}": v for i, v in enumerate(values)}
-    result = transport.run(make_target(), ["sh", "-c", 'printf "%s\\0" "$@"', "sh", *values])
+    result = sshd_transport.run(make_target(), ["sh", "-c", 'printf "%s\\0" "$@"', "sh", *values])
     assert result.stdout.split("\0")[:-1] == values
-    result = transport.run(make_target(), ["env", "-0"], env=env)
+    result = sshd_transport.run(make_target(), ["env", "-0"], env=env)
     seen = dict(item.split("=", 1) for item in result.stdout.split("\0") if "=" in item)
     assert {k: seen[k] for k in env} == env
     assert not marker.exists()
 
 
-def test_bad_env_name_is_refused_before_connecting(transport, make_target) -> None:
-    error, _ = _error(lambda: transport.run(make_target(), ["true"], env={"A B": "x"}))
+def test_bad_env_name_is_refused_before_connecting(sshd_transport, make_target) -> None:
+    error, _ = _error(lambda: sshd_transport.run(make_target(), ["true"], env={"A B": "x"}))
     assert error.kind == "usage"
 
 
-def test_stdin_is_delivered(transport, make_target) -> None:
+def test_stdin_is_delivered(sshd_transport, make_target) -> None:
     data = b"hello\n" * 50_000  # more than one SSH window
-    result = transport.run(make_target(), ["wc", "-c"], stdin=data)
+    result = sshd_transport.run(make_target(), ["wc", "-c"], stdin=data)
     assert result.stdout.strip() == str(len(data))
 
 
-def test_command_timeout_closes_channel_and_connection_stays_usable(transport, make_target) -> None:
+def test_command_timeout_closes_channel_and_connection_stays_usable(sshd_transport, make_target) -> None:
     target = make_target()
-    error, elapsed = _error(lambda: transport.run(target, ["sleep", "30"], timeout=1))
+    error, elapsed = _error(lambda: sshd_transport.run(target, ["sleep", "30"], timeout=1))
     assert error.kind == "command-timeout"
     assert error.host == "node1"
     assert elapsed < 10
-    assert transport.run(target, ["echo", "again"]).stdout == "again\n"
+    assert sshd_transport.run(target, ["echo", "again"]).stdout == "again\n"
 
 
-def test_connection_is_reused(transport, make_target, sshd: Sshd) -> None:
+def test_connection_is_reused(sshd_transport, make_target, sshd: Sshd) -> None:
     target = make_target()
     before = set(sshd.session_pids())
     for _ in range(3):
-        assert transport.run(target, ["true"]).ok
+        assert sshd_transport.run(target, ["true"]).ok
     assert len(set(sshd.session_pids()) - before) == 1
-    transport.close()
+    sshd_transport.close()
     deadline = time.monotonic() + 5
     while set(sshd.session_pids()) - before and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -236,41 +237,41 @@ def test_connection_is_reused(transport, make_target, sshd: Sshd) -> None:
 
 
 def test_unknown_host_key_is_refused_with_the_opt_in(
-    transport, make_target, known_hosts: Path, sshd: Sshd
+    sshd_transport, make_target, known_hosts_file: Path, sshd: Sshd
 ) -> None:
-    known_hosts.write_text("")
-    error, _ = _error(lambda: transport.run(make_target(), ["true"]))
+    known_hosts_file.write_text("")
+    error, _ = _error(lambda: sshd_transport.run(make_target(), ["true"]))
     assert error.kind == "hostkey-unknown"
     assert f"[127.0.0.1]:{sshd.port}" in error.message
     assert "--accept-new-host-keys" in (error.hint or "")
-    assert known_hosts.read_text() == ""
+    assert known_hosts_file.read_text() == ""
 
 
-def test_accept_new_adds_the_key_then_proceeds(make_target, known_hosts: Path, sshd: Sshd) -> None:
-    known_hosts.write_text("# mine\n")
+def test_accept_new_adds_the_key_then_proceeds(make_target, known_hosts_file: Path, sshd: Sshd) -> None:
+    known_hosts_file.write_text("# mine\n")
     with SSHTransport(connect_timeout=5) as t:
         assert t.run(make_target(accept_new_host_keys=True), ["true"]).ok
-    assert known_hosts.read_text() == "# mine\n" + sshd.known_hosts_line()
+    assert known_hosts_file.read_text() == "# mine\n" + sshd.known_hosts_line()
     with SSHTransport(connect_timeout=5) as t:  # now known: no opt-in needed
         assert t.run(make_target(), ["true"]).ok
 
 
 def test_changed_host_key_is_refused_even_with_accept_new(
-    transport, make_target, known_hosts: Path, sshd: Sshd
+    sshd_transport, make_target, known_hosts_file: Path, sshd: Sshd
 ) -> None:
     other = paramiko.PKey.from_path(str(sshd.other_key))
     stale = f"[127.0.0.1]:{sshd.port} {other.get_name()} {other.get_base64()}\n"
-    known_hosts.write_text(stale)
-    error, _ = _error(lambda: transport.run(make_target(accept_new_host_keys=True), ["true"]))
+    known_hosts_file.write_text(stale)
+    error, _ = _error(lambda: sshd_transport.run(make_target(accept_new_host_keys=True), ["true"]))
     assert error.kind == "hostkey-changed"
     assert "ssh-keygen -R" in (error.hint or "")
-    assert known_hosts.read_text() == stale
+    assert known_hosts_file.read_text() == stale
 
 
-def test_hashed_known_hosts_entries_work(transport, make_target, known_hosts: Path) -> None:
-    subprocess.run(["ssh-keygen", "-q", "-H", "-f", str(known_hosts)], check=True, capture_output=True)
-    assert known_hosts.read_text().startswith("|1|")
-    assert transport.run(make_target(), ["true"]).ok
+def test_hashed_known_hosts_entries_work(sshd_transport, make_target, known_hosts_file: Path) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-H", "-f", str(known_hosts_file)], check=True, capture_output=True)
+    assert known_hosts_file.read_text().startswith("|1|")
+    assert sshd_transport.run(make_target(), ["true"]).ok
 
 
 # ---------------------------------------------------------------------- connect errors
@@ -289,9 +290,9 @@ def test_wrong_key_fails_auth_quickly(make_target, sshd: Sshd) -> None:
     assert elapsed < 10
 
 
-def test_missing_identity_file_is_named(transport, make_target, tmp_path: Path) -> None:
+def test_missing_identity_file_is_named(sshd_transport, make_target, tmp_path: Path) -> None:
     missing = tmp_path / "nope"
-    error, _ = _error(lambda: transport.run(make_target(identity_file=str(missing)), ["true"]))
+    error, _ = _error(lambda: sshd_transport.run(make_target(identity_file=str(missing)), ["true"]))
     assert error.kind == "auth"
     assert str(missing) in error.message
 
@@ -303,8 +304,8 @@ def test_refused_port(make_target) -> None:
     assert elapsed < 10
 
 
-def test_name_that_does_not_resolve(transport, make_target) -> None:
-    error, _ = _error(lambda: transport.run(make_target(address="no-such-host.invalid"), ["true"]))
+def test_name_that_does_not_resolve(sshd_transport, make_target) -> None:
+    error, _ = _error(lambda: sshd_transport.run(make_target(address="no-such-host.invalid"), ["true"]))
     assert error.kind == "resolve" and error.host == "node1"
     # No host name or address inside the message: seven such hosts fold into one row.
     assert "no-such-host.invalid" not in error.message
@@ -360,39 +361,40 @@ def test_port_that_closes_at_once_is_not_called_a_banner_timeout(make_target) ->
 # ---------------------------------------------------------------------- config + jump
 
 
-def test_ssh_config_alias_user_port_identity(transport, make_target, sshd: Sshd, tmp_path: Path) -> None:
+def test_ssh_config_alias_user_port_identity(sshd_transport, make_target, sshd: Sshd, tmp_path: Path) -> None:
     config = tmp_path / "ssh_config"
     config.write_text(
         f"Host mynode\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User root\n"
         f"  IdentityFile {sshd.client_key}\n"
     )
     target = make_target(address="mynode", port=None, user=None, identity_file=None)
-    assert transport.run(target, ["id", "-u"]).stdout == "0\n"
+    assert sshd_transport.run(target, ["id", "-u"]).stdout == "0\n"
 
 
-def test_proxyjump_through_a_bastion(transport, make_target, sshd: Sshd) -> None:
+def test_proxyjump_through_a_bastion(sshd_transport, make_target, sshd: Sshd) -> None:
     target = make_target(proxy_jump=f"root@127.0.0.1:{sshd.port}")
-    assert transport.run(target, ["echo", "via"]).stdout == "via\n"
-    assert transport.run(make_target("node2", proxy_jump=target.proxy_jump), ["true"]).ok
+    assert sshd_transport.run(target, ["echo", "via"]).stdout == "via\n"
+    assert sshd_transport.run(make_target("node2", proxy_jump=target.proxy_jump), ["true"]).ok
 
 
-def test_proxyjump_from_ssh_config(transport, make_target, sshd: Sshd, tmp_path: Path) -> None:
+def test_proxyjump_from_ssh_config(sshd_transport, make_target, sshd: Sshd, tmp_path: Path) -> None:
     (tmp_path / "ssh_config").write_text(
         f"Host bastion\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User root\n"
         f"Host inner\n  HostName 127.0.0.1\n  ProxyJump bastion\n"
     )
     target = make_target(address="inner")
-    assert transport.run(target, ["echo", "ok"]).stdout == "ok\n"
+    assert sshd_transport.run(target, ["echo", "ok"]).stdout == "ok\n"
 
 
-def test_errors_behind_the_bastion_are_classified(transport, make_target, sshd: Sshd) -> None:
+def test_errors_behind_the_bastion_are_classified(sshd_transport, make_target, sshd: Sshd) -> None:
     jump = f"root@127.0.0.1:{sshd.port}"
-    refused, _ = _error(lambda: transport.run(make_target(proxy_jump=jump, port=free_port()), ["true"]))
+    refused, _ = _error(lambda: sshd_transport.run(make_target(proxy_jump=jump, port=free_port()), ["true"]))
     assert refused.kind == "refused"
-    unknown, _ = _error(lambda: transport.run(make_target(proxy_jump=jump, address="nope.invalid"), ["true"]))
+    unknown, _ = _error(lambda: sshd_transport.run(make_target(proxy_jump=jump, address="nope.invalid"),
+                                                   ["true"]))
     assert unknown.kind == "resolve"
     bad_bastion, _ = _error(
-        lambda: transport.run(make_target(proxy_jump=f"root@127.0.0.1:{free_port()}"), ["true"])
+        lambda: sshd_transport.run(make_target(proxy_jump=f"root@127.0.0.1:{free_port()}"), ["true"])
     )
     assert bad_bastion.kind == "refused"
     assert "via jump host" in bad_bastion.message
@@ -401,7 +403,7 @@ def test_errors_behind_the_bastion_are_classified(transport, make_target, sshd: 
 # ---------------------------------------------------------------------- fan-out
 
 
-def test_run_all_keeps_order_and_never_stops_at_a_failure(transport, make_target) -> None:
+def test_run_all_keeps_order_and_never_stops_at_a_failure(sshd_transport, make_target) -> None:
     targets = [
         make_target("a"),
         make_target("dead", port=free_port()),
@@ -409,24 +411,24 @@ def test_run_all_keeps_order_and_never_stops_at_a_failure(transport, make_target
         make_target("ghost", address="ghost.invalid"),
         make_target("c"),
     ]
-    group = transport.run_all(targets, ["hostname"], timeout=10, max_parallel=2)
+    group = sshd_transport.run_all(targets, ["hostname"], timeout=10, max_parallel=2)
     assert [r.host for r in group] == ["a", "dead", "b", "ghost", "c"]
     assert [r.host for r in group.succeeded] == ["a", "b", "c"]
     assert group["dead"].error is not None and group["dead"].error.kind == "refused"
     assert group["ghost"].error is not None and group["ghost"].error.kind == "resolve"
 
 
-def test_run_all_per_host_commands(transport, make_target) -> None:
+def test_run_all_per_host_commands(sshd_transport, make_target) -> None:
     targets = [make_target("a"), make_target("b")]
-    group = transport.run_all(targets, {"a": ["echo", "A"], "b": ["echo", "B"]})
+    group = sshd_transport.run_all(targets, {"a": ["echo", "A"], "b": ["echo", "B"]})
     assert [r.result.stdout for r in group if r.result] == ["A\n", "B\n"]
 
 
 # ---------------------------------------------------------------------- streaming
 
 
-def test_start_streams_lines_live(transport, make_target) -> None:
-    proc = transport.start(
+def test_start_streams_lines_live(sshd_transport, make_target) -> None:
+    proc = sshd_transport.start(
         make_target(), ["sh", "-c", 'echo one; echo two >&2; sleep 2; printf "last"; exit 4']
     )
     lines = proc.lines()
@@ -439,8 +441,8 @@ def test_start_streams_lines_live(transport, make_target) -> None:
     assert proc.poll() == 4
 
 
-def test_start_stdin_and_terminate(transport, make_target) -> None:
-    proc = transport.start(make_target(), ["cat"])
+def test_start_stdin_and_terminate(sshd_transport, make_target) -> None:
+    proc = sshd_transport.start(make_target(), ["cat"])
     proc.write_stdin(b"echoed\n")
     assert next(proc.lines()) == ("stdout", "echoed")
     assert proc.poll() is None
@@ -448,68 +450,68 @@ def test_start_stdin_and_terminate(transport, make_target) -> None:
         proc.wait(0.1)
     proc.terminate()
     assert proc.wait(5) == -1
-    proc2 = transport.start(make_target(), ["cat"])
+    proc2 = sshd_transport.start(make_target(), ["cat"])
     proc2.write_stdin(b"x\n")
     proc2.close_stdin()
     assert list(proc2.lines()) == [("stdout", "x")]
     assert proc2.wait(5) == 0
 
 
-def test_dropped_connection_ends_process_with_minus_one(transport, make_target, sshd: Sshd) -> None:
+def test_dropped_connection_ends_process_with_minus_one(sshd_transport, make_target, sshd: Sshd) -> None:
     target = make_target()
     before = set(sshd.session_pids())
-    proc = transport.start(target, ["sleep", "30"])
+    proc = sshd_transport.start(target, ["sleep", "30"])
     for pid in set(sshd.session_pids()) - before:  # the sshd serving our connection
         os.kill(pid, signal.SIGKILL)
     assert proc.wait(10) == -1
     assert proc.dropped  # type: ignore[attr-defined]
     # The next call notices the dead cached connection and reconnects.
-    assert transport.run(target, ["true"]).ok
+    assert sshd_transport.run(target, ["true"]).ok
 
 
 # ---------------------------------------------------------------------- files
 
 
-def test_put_get_roundtrip_and_helpers(transport, make_target, tmp_path: Path) -> None:
+def test_put_get_roundtrip_and_helpers(sshd_transport, make_target, tmp_path: Path) -> None:
     target = make_target()
     src = tmp_path / "src.bin"
     src.write_bytes(os.urandom(300_000))
     src.chmod(0o640)
     remote_dir = tmp_path / "remote" / "deep"
-    transport.makedirs(target, str(remote_dir))
-    transport.put(target, str(src), str(remote_dir / "shard.bin"))
+    sshd_transport.makedirs(target, str(remote_dir))
+    sshd_transport.put(target, str(src), str(remote_dir / "shard.bin"))
     assert (remote_dir / "shard.bin").read_bytes() == src.read_bytes()
     assert (remote_dir / "shard.bin").stat().st_mode & 0o777 == 0o640
-    assert transport.listdir(target, str(remote_dir)) == ["shard.bin"]  # no temp left
-    st = transport.stat(target, str(remote_dir / "shard.bin"))
+    assert sshd_transport.listdir(target, str(remote_dir)) == ["shard.bin"]  # no temp left
+    st = sshd_transport.stat(target, str(remote_dir / "shard.bin"))
     assert st is not None and (st.size, st.is_dir, st.mode) == (300_000, False, 0o640)
-    assert transport.stat(target, str(remote_dir / "missing")) is None
-    dir_stat = transport.stat(target, str(remote_dir))
+    assert sshd_transport.stat(target, str(remote_dir / "missing")) is None
+    dir_stat = sshd_transport.stat(target, str(remote_dir))
     assert dir_stat is not None and dir_stat.is_dir
     import hashlib
 
     expected = hashlib.sha256(src.read_bytes()).hexdigest()
-    assert transport.sha256(target, str(remote_dir / "shard.bin")) == expected
+    assert sshd_transport.sha256(target, str(remote_dir / "shard.bin")) == expected
     back = tmp_path / "back.bin"
-    transport.get(target, str(remote_dir / "shard.bin"), str(back))
+    sshd_transport.get(target, str(remote_dir / "shard.bin"), str(back))
     assert back.read_bytes() == src.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
-def test_put_replaces_atomically(transport, make_target, tmp_path: Path) -> None:
+def test_put_replaces_atomically(sshd_transport, make_target, tmp_path: Path) -> None:
     target = make_target()
     dest = tmp_path / "dest"
     dest.write_bytes(b"old" * 1000)
     src = tmp_path / "src"
     src.write_bytes(b"new" * 1000)
     with open(dest, "rb") as reader:  # a reader holding the old file sees it whole
-        transport.put(target, str(src), str(dest))
+        sshd_transport.put(target, str(src), str(dest))
         assert reader.read() == b"old" * 1000
     assert dest.read_bytes() == b"new" * 1000
 
 
 def test_failed_put_leaves_destination_and_no_temp(
-    transport, make_target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    sshd_transport, make_target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     target = make_target()
     dest = tmp_path / "dest"
@@ -521,29 +523,29 @@ def test_failed_put_leaves_destination_and_no_temp(
         raise PermissionError(13, "injected")
 
     monkeypatch.setattr(paramiko.SFTPClient, "chmod", boom)
-    error, _ = _error(lambda: transport.put(target, str(src), str(dest)))
+    error, _ = _error(lambda: sshd_transport.put(target, str(src), str(dest)))
     assert error.kind == "file"
     assert dest.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["dest", "src", "known_hosts", "ssh_config"])
 
 
-def test_file_errors(transport, make_target, tmp_path: Path) -> None:
+def test_file_errors(sshd_transport, make_target, tmp_path: Path) -> None:
     target = make_target()
     src = tmp_path / "src"
     src.write_text("x")
-    error, _ = _error(lambda: transport.put(target, str(src), str(tmp_path / "no" / "dir")))
+    error, _ = _error(lambda: sshd_transport.put(target, str(src), str(tmp_path / "no" / "dir")))
     assert error.kind == "file" and error.host == "node1"
-    error, _ = _error(lambda: transport.get(target, str(tmp_path / "missing"), str(tmp_path / "x")))
+    error, _ = _error(lambda: sshd_transport.get(target, str(tmp_path / "missing"), str(tmp_path / "x")))
     assert error.kind == "file"
     assert not (tmp_path / "x").exists()
-    error, _ = _error(lambda: transport.sha256(target, str(tmp_path / "missing")))
+    error, _ = _error(lambda: sshd_transport.sha256(target, str(tmp_path / "missing")))
     assert error.kind == "file"
-    error, _ = _error(lambda: transport.listdir(target, str(tmp_path / "missing")))
+    error, _ = _error(lambda: sshd_transport.listdir(target, str(tmp_path / "missing")))
     assert error.kind == "file"
 
 
 def test_host_key_known_only_in_a_global_known_hosts_file_is_trusted(
-        transport, make_target, sshd: Sshd, tmp_path: Path) -> None:
+        sshd_transport, make_target, sshd: Sshd, tmp_path: Path) -> None:
     """Clusters often ship host keys in /etc/ssh/ssh_known_hosts (GlobalKnownHostsFile)."""
     empty = tmp_path / "user_known_hosts"
     empty.write_text("")
@@ -552,5 +554,5 @@ def test_host_key_known_only_in_a_global_known_hosts_file_is_trusted(
     config = tmp_path / "global-ssh-config"
     config.write_text(f"Host *\n  GlobalKnownHostsFile {global_file}\n")
     target = make_target(known_hosts_file=str(empty), config_file=str(config))
-    assert transport.run(target, ["true"]).exit_code == 0
+    assert sshd_transport.run(target, ["true"]).exit_code == 0
     assert empty.read_text() == ""  # trusted there, never copied into the user's file

@@ -105,7 +105,7 @@ CASES = [
 ]
 
 
-def _write(root: Path, case: Case) -> None:
+def _write_case(root: Path, case: Case) -> None:
     (root / "etc" / "ssh_config.d").mkdir(parents=True)
     (root / "etc" / "ssh_config").write_text(case.system)
     for name, text in case.dropins.items():
@@ -148,7 +148,7 @@ def _in_namespace(root: Path, target: SSHTarget) -> tuple[dict[str, list[str]], 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_resolution_agrees_with_ssh_G(case: Case, tmp_path: Path) -> None:
-    _write(tmp_path, case)
+    _write_case(tmp_path, case)
     target = SSHTarget(name=case.host, address=case.host, **case.target)  # type: ignore[arg-type]
     oracle, ours = _in_namespace(tmp_path, target)
     want = {"hostname": oracle["hostname"][0], "user": oracle["user"][0],
@@ -179,7 +179,7 @@ def test_pdsh_ssh_config_keeps_what_the_system_files_say(tmp_path: Path) -> None
     from clusterkit.render.ssh_config import render_ssh_config
 
     case = Case("pdsh", "node3", system=DEBIAN_SYSTEM, dropins={"nodes.conf": NODES_CONF})
-    _write(tmp_path, case)
+    _write_case(tmp_path, case)
     rendered = tmp_path / "pdsh_ssh_config"
     rendered.write_text(render_ssh_config([Host(name="node3", address="node3")]))
     script = " && ".join([

@@ -148,7 +148,7 @@ RUN_TIMEOUT = 240
 LR = re.compile(r"step (\d+)/\d+ \| loss \S+ \| lr (\S+) ")
 
 
-def _run(args: list[str], cwd: Path, nproc: int) -> str:
+def _torchrun_ok(args: list[str], cwd: Path, nproc: int) -> str:
     rc, out = torchrun_workload([*BASE, *args], cwd, nproc, RUN_TIMEOUT)
     assert rc == 0, out[-4000:]
     return out
@@ -189,7 +189,7 @@ def test_shrink_4_to_2_ranks_through_universal(tmp_path: Path, engine: str, stag
 
     z = ["--zero-stage", str(stage), "--engine", engine]
     sub = ACCELERATE_DS_SUBDIR if engine == "accelerate" else ""
-    first = _run([*z, "--steps", "6", "--stop-after-steps", "3"], tmp_path, 4)
+    first = _torchrun_ok([*z, "--steps", "6", "--stop-after-steps", "3"], tmp_path, 4)
     root = tmp_path / "clusterkit-run" / "checkpoints"
     want = load_state_dict_dir(consolidate(str(root), "global_step3", ds_subdir=sub,
                                            out_dir=str(tmp_path / "fp32")).out_dir)
@@ -210,7 +210,7 @@ def test_shrink_4_to_2_ranks_through_universal(tmp_path: Path, engine: str, stag
 
     # On 2 ranks: DeepSpeed's fp32 master weights right after the load equal the
     # consolidated step-3 weights; then the job trains to the end.
-    done = _run([*z, "--steps", "6", "--dump-loaded-weights", "w.pt"], tmp_path, 2)
+    done = _torchrun_ok([*z, "--steps", "6", "--dump-loaded-weights", "w.pt"], tmp_path, 2)
     got = torch.load(tmp_path / "w.pt")
     assert set(want) >= set(got)
     unequal = [k for k in got if not torch.equal(got[k], want[k])]

@@ -28,7 +28,7 @@ TRAIN = REPO / "docs" / "examples" / "train.py"
 RUN_TIMEOUT = 240
 
 
-def _marker(world: int, micro: int, ga: int) -> universal.UniversalMarker:
+def _universal_marker(world: int, micro: int, ga: int) -> universal.UniversalMarker:
     return universal.UniversalMarker(
         source_tag="step8", step=0, global_samples=0, world_size=world, zero_stage=2,
         micro_batch=micro, grad_accum=ga, global_batch=micro * ga * world, engine="deepspeed",
@@ -38,7 +38,7 @@ def _marker(world: int, micro: int, ga: int) -> universal.UniversalMarker:
 def test_user_resume_turns_on_load_universal_and_keeps_the_global_batch() -> None:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
            "train_batch_size": 16, "checkpoint": {"tag_validation": "Warn"}}
-    r = universal.user_resume(cfg, _marker(8, 2, 1), 6)
+    r = universal.user_resume(cfg, _universal_marker(8, 2, 1), 6)
     assert r.tag == "step8_universal"
     assert r.ds_config["checkpoint"] == {"tag_validation": "Warn", "load_universal": True}
     # 16 samples do not split over 6 ranks: micro and grad accum stay, the global batch changes
@@ -49,7 +49,7 @@ def test_user_resume_turns_on_load_universal_and_keeps_the_global_batch() -> Non
                           "with checkpoint.load_universal on, this attempt only")
     assert r.lines[1].startswith("batch: global batch changes from 16 to 12")
     assert r.lines[2].startswith("data order: your script owns it")
-    kept = universal.user_resume(cfg, _marker(4, 2, 1), 2)
+    kept = universal.user_resume(cfg, _universal_marker(4, 2, 1), 2)
     assert (kept.ds_config["train_micro_batch_size_per_gpu"],
             kept.ds_config["gradient_accumulation_steps"], kept.ds_config["train_batch_size"]) \
         == (2, 2, 8)

@@ -84,7 +84,7 @@ def test_status_counts_a_users_own_parts(tmp_path: Path) -> None:
         f"{TAG}: 3/4 nodes, replicated 4/4; complete from replicas"]
 
 
-def _record(tmp: Path, nodes: list[CollectNode], extra: dict[str, object]) -> str:
+def _registered_home(tmp: Path, nodes: list[CollectNode], extra: dict[str, object]) -> str:
     home = tmp / "home"
     record = JobRecord(job_id="ck-user-1", backend="torchrun", created=0.0, launcher_pid=0,
                        state="succeeded",
@@ -106,7 +106,7 @@ def _cli(home: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_status_of_a_launched_user_script_job(tmp_path: Path) -> None:
     nodes = _user_job(tmp_path)
-    home = _record(tmp_path, nodes, {"markers": False})
+    home = _registered_home(tmp_path, nodes, {"markers": False})
     out = _cli(home, "status", "ck-user-1")
     assert out.returncode == 0, out.stderr
     assert f"    {TAG}: 4/4 nodes, replicated 4/4\n" in out.stdout, out.stdout
@@ -118,7 +118,7 @@ def test_collect_a_launched_user_script_job_needs_no_flag(tmp_path: Path,
     """markers False: launched since the record says so; None: a record from before
     (or a directory clusterkit did not launch) still asks for --without-markers."""
     nodes = _user_job(tmp_path)
-    home = _record(tmp_path, nodes, {} if markers is None else {"markers": markers})
+    home = _registered_home(tmp_path, nodes, {} if markers is None else {"markers": markers})
     dest = tmp_path / "dest"
     res = _cli(home, "collect-ckpt", "ck-user-1", "--to", str(dest), "--tag", TAG, "--json")
     if markers is None:

@@ -139,7 +139,7 @@ REFERENCES = {2: ("deepspeed", "node-local"), 3: ("deepspeed", "shared")}
 REF_SAVE_AT = 4
 
 
-def _launch(args: list[str], cwd: Path, storage: str) -> Run:
+def _run_workload(args: list[str], cwd: Path, storage: str) -> Run:
     """Shared storage: torchrun, 2 ranks. Node-local: two fake nodes, each with its own
     checkpoint dir. Rank 0's run, both ranks having exited 0."""
     if storage == "node-local":
@@ -151,7 +151,7 @@ def _launch(args: list[str], cwd: Path, storage: str) -> Run:
     return run
 
 
-def _ckpt_dirs(cwd: Path, storage: str) -> list[Path]:
+def _workload_ckpt_dirs(cwd: Path, storage: str) -> list[Path]:
     if storage == "node-local":
         return [cwd / f"node{node}" / "ckpt" for node in (0, 1)]
     return [cwd / "clusterkit-run" / "checkpoints"]
@@ -166,7 +166,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Reference]:
     for stage, (engine, storage) in REFERENCES.items():
         cwd = tmp_path_factory.mktemp(f"ref{stage}")
         extra = ["--save-16bit"] if stage == 3 else []
-        run = _launch(["--steps", "6", "--zero-stage", str(stage), "--engine", engine,
+        run = _run_workload(["--steps", "6", "--zero-stage", str(stage), "--engine", engine,
                        "--storage", storage, "--eval-every", "3", "--save-every", str(REF_SAVE_AT),
                        "--dump-weights", "w.pt", *extra], cwd, storage)
         assert run.summary["eval_loss"] is not None and run.summary["finished"] is True
@@ -235,14 +235,14 @@ def test_resume_is_bit_exact(tmp_path: Path, reference: dict[int, Reference], en
         _copy_save(ref, tmp_path, at)
     else:
         at = 3
-        first = _launch([*args, "--stop-after-steps", str(at)], tmp_path, storage)
+        first = _run_workload([*args, "--stop-after-steps", str(at)], tmp_path, storage)
         assert first.summary["checkpoint_tag"] == f"global_step{at}"
         assert first.summary["finished"] is False
         assert first.summary["losses"] == ref.losses[:at]
     if (engine, storage, stage) in MISSING_SHARD_CASES:
         _missing_shard_is_a_clear_error_not_a_fresh_start(tmp_path, args, storage,
                                                           f"global_step{at}")
-    second = _launch([*args, "--dump-weights", "w.pt"], tmp_path, storage)
+    second = _run_workload([*args, "--dump-weights", "w.pt"], tmp_path, storage)
     assert second.summary["resumed_from"] == f"global_step{at}"
     assert second.summary["steps"] == 6 and second.summary["steps_run"] == 6 - at
     # Bit-exact on CPU: same data per step, fp32 master weights and optimizer state restored.
@@ -265,7 +265,7 @@ def _copy_save(ref: Reference, dest: Path, at: int) -> None:
     """The reference's checkpoint dirs as a stop after step ``at`` leaves them: its tag
     (with its completion marker on every node) and rank 0's `latest` naming it."""
     tag = f"global_step{at}"
-    for src, dst in zip(_ckpt_dirs(ref.cwd, ref.storage), _ckpt_dirs(dest, ref.storage),
+    for src, dst in zip(_workload_ckpt_dirs(ref.cwd, ref.storage), _workload_ckpt_dirs(dest, ref.storage),
                         strict=True):
         shutil.copytree(src, dst, ignore=shutil.ignore_patterns("global_step6"))
         assert sorted(p.name for p in dst.glob("global_step*")) == [tag]

@@ -58,7 +58,7 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def _job(tmp_path: Path, job_id: str, env: dict[str, str], nproc: int = 2) -> JobSpec:
+def _native_probe_job(tmp_path: Path, job_id: str, env: dict[str, str], nproc: int = 2) -> JobSpec:
     tasks = tuple(
         NodeTask(node=f"v{i}", target=SSHTarget(name=f"v{i}", address="127.0.0.1", local=True),
                  python=sys.executable, argv=(sys.executable, "-u", "probe.py", "x"),
@@ -71,12 +71,13 @@ def _job(tmp_path: Path, job_id: str, env: dict[str, str], nproc: int = 2) -> Jo
     return JobSpec(job_id=job_id, tasks=tasks, grace_s=1.0)
 
 
-def _run(tmp_path: Path, job_id: str, nproc: int = 2,
+def _run_zygote_job(tmp_path: Path, job_id: str, nproc: int = 2,
          **env: str) -> tuple[Any, str, dict[int, dict[str, Any]]]:
     (tmp_path / "probe.py").write_text(PROBE)
     (tmp_path / "out" / job_id).mkdir(parents=True)
     out = io.StringIO()
-    outcome = Orchestrator(_job(tmp_path, job_id, {"TAG": job_id, **env}, nproc), LocalTransport(),
+    outcome = Orchestrator(_native_probe_job(tmp_path, job_id, {"TAG": job_id, **env}, nproc),
+                           LocalTransport(),
                            PlainSink(out)).run(install_signals=False)
     found = {}
     for f in (tmp_path / "out" / job_id).iterdir():
@@ -98,9 +99,9 @@ def preload_json(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_forked_ranks_see_what_exec_ranks_see(tmp_path: Path, preload_json: None,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    oc_f, text_f, forked = _run(tmp_path, "zf")
+    oc_f, text_f, forked = _run_zygote_job(tmp_path, "zf")
     monkeypatch.setenv("CLUSTERKIT_ZYGOTE", "0")
-    oc_e, text_e, execd = _run(tmp_path, "ze")
+    oc_e, text_e, execd = _run_zygote_job(tmp_path, "ze")
     assert oc_f.exit_code == 0 and oc_e.exit_code == 0, text_f + text_e
     assert sorted(forked) == sorted(execd) == [0, 1, 2, 3]
     for rank in range(4):
@@ -132,7 +133,7 @@ def test_with_one_rank_per_node_only_the_rank_shows_its_rank_in_proc(
     node's one rank, so the fork server's own environ showed RANK + LOCAL_RANK, and a
     scan for the rank's pid (agent_procs.rank_pids_of, a test's SIGSTOP) found the fork
     server instead of the rank."""
-    outcome, text, found = _run(tmp_path, "zone", nproc=1)
+    outcome, text, found = _run_zygote_job(tmp_path, "zone", nproc=1)
     assert outcome.exit_code == 0 and sorted(found) == [0, 1], text
     for data in found.values():
         assert data["forked"], data
@@ -161,7 +162,7 @@ def test_usr1_reaches_a_forked_rank_alone_on_its_node(tmp_path: Path, preload_js
     the fork server ignores USR1/USR2 whoever sends them (Slurm signals a whole step)."""
     (tmp_path / "probe.py").write_text(USR1_PROBE)
     out = io.StringIO()
-    orch = Orchestrator(_job(tmp_path, "zusr1", {}, nproc=1), LocalTransport(), PlainSink(out))
+    orch = Orchestrator(_native_probe_job(tmp_path, "zusr1", {}, nproc=1), LocalTransport(), PlainSink(out))
     result: list[Any] = []
     thread = threading.Thread(target=lambda: result.append(orch.run(install_signals=False)))
     thread.start()
@@ -205,7 +206,7 @@ def test_the_fork_servers_env_leaves_out_what_names_a_rank() -> None:
 
 def test_a_failing_forked_rank_is_named_with_its_code_and_its_traceback(
         tmp_path: Path, preload_json: None) -> None:
-    outcome, text, _ = _run(tmp_path, "zfail", FAIL_RANK="3")
+    outcome, text, _ = _run_zygote_job(tmp_path, "zfail", FAIL_RANK="3")
     assert outcome.exit_code == 1, text
     assert (outcome.failure.node, outcome.failure.rank) == ("v1", 3), text
     assert 'probe.py", line' in text and "ValueError: boom" in text, text
@@ -214,14 +215,14 @@ def test_a_failing_forked_rank_is_named_with_its_code_and_its_traceback(
 
 
 def test_exit_codes_per_rank(tmp_path: Path, preload_json: None) -> None:
-    outcome, text, found = _run(tmp_path, "zexit", EXIT="3")
+    outcome, text, found = _run_zygote_job(tmp_path, "zexit", EXIT="3")
     assert outcome.exit_code == 3 and len(found) >= 1, text
 
 
 def test_unimportable_preload_falls_back_to_exec_with_one_line(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLUSTERKIT_ZYGOTE_IMPORTS", "json,no_such_module_here")
-    outcome, text, found = _run(tmp_path, "zfb")
+    outcome, text, found = _run_zygote_job(tmp_path, "zfb")
     assert outcome.exit_code == 0, text
     assert text.count("no fork server (import failed: ModuleNotFoundError") == 2, text  # per node
     assert not any(d["forked"] for d in found.values())
@@ -265,7 +266,7 @@ def test_ranks_with_several_cpus_are_still_forked(tmp_path: Path,
     monkeypatch.setenv("CLUSTERKIT_ZYGOTE_IMPORTS", "numpy")
     monkeypatch.delenv("CLUSTERKIT_ZYGOTE", raising=False)
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
-    outcome, text, found = _run(tmp_path, "zomp", OMP_NUM_THREADS="2")
+    outcome, text, found = _run_zygote_job(tmp_path, "zomp", OMP_NUM_THREADS="2")
     assert outcome.exit_code == 0 and "no fork server" not in text, text
     assert sorted(found) == [0, 1, 2, 3] and all(d["forked"] for d in found.values()), text
     # The loader's setting stays in the zygote: each rank's env is its own.

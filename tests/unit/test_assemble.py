@@ -20,7 +20,8 @@ def _roots(tmp: Path, n: int = 4) -> list[str]:
     return [str(tmp / f"node{i + 1}" / "ckpt") for i in range(n)]
 
 
-def _make(tmp: Path, n: int = 4, tags: tuple[str, ...] = (TAG,), replicas: int = 1) -> list[str]:
+def _write_replicated_roots(tmp: Path, n: int = 4, tags: tuple[str, ...] = (TAG,),
+                            replicas: int = 1) -> list[str]:
     roots = _roots(tmp, n)
     for tag in tags:
         synthetic.write_node_local(roots, zero_stage=2, shard_bytes=2048, model_bytes=512,
@@ -42,7 +43,7 @@ def _replica_file(roots: list[str], source: int, holder: int, name: str) -> str:
 
 
 def test_all_nodes_up_every_part_from_its_own_node(tmp_path: Path) -> None:
-    roots = _make(tmp_path)
+    roots = _write_replicated_roots(tmp_path)
     a = assemble(_list(roots))
     assert a.complete and a.tag == TAG
     assert a.own == frozenset(range(4)) and set(a.replicated) == set(range(4))
@@ -54,7 +55,7 @@ def test_all_nodes_up_every_part_from_its_own_node(tmp_path: Path) -> None:
 
 
 def test_node_down_its_part_comes_from_its_replica(tmp_path: Path) -> None:
-    roots = _make(tmp_path)
+    roots = _write_replicated_roots(tmp_path)
     a = assemble(_list(roots, down=(2,)))
     assert a.complete, a.describe()
     part = a.sources[2]
@@ -67,13 +68,13 @@ def test_node_down_its_part_comes_from_its_replica(tmp_path: Path) -> None:
 
 
 def test_node0_replica_holds_latest_and_the_scripts(tmp_path: Path) -> None:
-    roots = _make(tmp_path)
+    roots = _write_replicated_roots(tmp_path)
     part = assemble(_list(roots, down=(0,))).sources[0]
     assert part.replica and {"latest", "zero_to_fp32.py"} <= set(part.files)
 
 
 def test_replica_without_manifest_does_not_count(tmp_path: Path) -> None:
-    roots = _make(tmp_path)
+    roots = _write_replicated_roots(tmp_path)
     os.unlink(os.path.join(contract.replica_dir(roots[3], 2, TAG), contract.REPLICA_MANIFEST))
     a = assemble(_list(roots, down=(2,)), TAG)
     assert not a.complete and set(a.missing) == {2}
@@ -86,14 +87,14 @@ def test_replica_without_manifest_does_not_count(tmp_path: Path) -> None:
 
 
 def test_partial_copies_are_only_counted(tmp_path: Path) -> None:
-    roots = _make(tmp_path)
+    roots = _write_replicated_roots(tmp_path)
     os.makedirs(os.path.join(contract.replica_source_dir(roots[3], 2), ".partial-x-1", "a"))
     ls = _list(roots)
     assert ls[3].replicas[2].partial == 1 and set(ls[3].replicas[2].copies) == {TAG}
 
 
 def test_replica_with_a_wrong_size_is_incomplete(tmp_path: Path) -> None:
-    roots = _make(tmp_path)
+    roots = _write_replicated_roots(tmp_path)
     path = _replica_file(roots, 2, 3, "optim_states")
     with open(path, "ab") as fh:
         fh.write(b"x")
@@ -104,20 +105,20 @@ def test_replica_with_a_wrong_size_is_incomplete(tmp_path: Path) -> None:
 
 
 def test_two_replicas_one_bad_the_other_is_used(tmp_path: Path) -> None:
-    roots = _make(tmp_path, replicas=2)
+    roots = _write_replicated_roots(tmp_path, replicas=2)
     with open(_replica_file(roots, 2, 3, "optim_states"), "ab") as fh:
         fh.write(b"x")
     a = assemble(_list(roots, down=(2,)))
     assert a.complete
     assert a.sources[2].host == "node1" and a.replicated[2] == ("node1",)
     # both good: ring order, node4 then node1
-    roots2 = _make(tmp_path / "b", replicas=2)
+    roots2 = _write_replicated_roots(tmp_path / "b", replicas=2)
     a2 = assemble(_list(roots2, down=(2,)))
     assert [c.host for c in a2.candidates[2]] == ["node4", "node1"]
 
 
 def test_nothing_recoverable_names_what_is_missing(tmp_path: Path) -> None:
-    roots = _make(tmp_path)
+    roots = _write_replicated_roots(tmp_path)
     a = assemble(_list(roots, down=(2, 3)), TAG)
     assert not a.complete and set(a.missing) == {2}  # node4's part is on node1
     assert a.missing[2] == ("unreachable; no complete replica of global_step20 on any "
@@ -126,7 +127,7 @@ def test_nothing_recoverable_names_what_is_missing(tmp_path: Path) -> None:
 
 
 def test_own_copy_missing_a_file_falls_back_to_the_replica(tmp_path: Path) -> None:
-    roots = _make(tmp_path)
+    roots = _write_replicated_roots(tmp_path)
     os.unlink(synthetic.shard_paths(roots[1], TAG)[0])
     a = assemble(_list(roots))
     assert a.complete and a.sources[1].replica and a.sources[1].host == "node3"
@@ -134,7 +135,7 @@ def test_own_copy_missing_a_file_falls_back_to_the_replica(tmp_path: Path) -> No
 
 
 def test_newest_tag_that_can_be_assembled(tmp_path: Path) -> None:
-    roots = _make(tmp_path, tags=("global_step10", TAG))
+    roots = _write_replicated_roots(tmp_path, tags=("global_step10", TAG))
     # the newest save's replica of node3 never finished: step 10 is the newest complete one
     os.unlink(os.path.join(contract.replica_dir(roots[3], 2, TAG), contract.REPLICA_MANIFEST))
     listings = _list(roots, down=(2,))
@@ -149,7 +150,7 @@ def test_no_checkpoint_at_all(tmp_path: Path) -> None:
 
 
 def test_node0s_own_latest_counts_only_while_it_names_the_tag(tmp_path: Path) -> None:
-    roots = _make(tmp_path, tags=("global_step10", TAG))  # latest names global_step20
+    roots = _write_replicated_roots(tmp_path, tags=("global_step10", TAG))  # latest names global_step20
     listings = _list(roots)
     assert "latest" in assemble(listings, TAG).sources[0].files
     assert "latest" not in assemble(listings, "global_step10").sources[0].files

@@ -53,7 +53,7 @@ def test_marker_and_tag_names() -> None:
     assert layout.parse_step_tag("best") is None
 
 
-def _marker(node: int, ranks: tuple[int, ...], num_nodes: int = 2) -> layout.CompletionMarker:
+def _completion_marker(node: int, ranks: tuple[int, ...], num_nodes: int = 2) -> layout.CompletionMarker:
     return layout.CompletionMarker(
         tag="global_step4", step=4, engine="deepspeed", ds_subdir="", zero_stage=3,
         precision="fp32", storage="node-local", world_size=4, num_nodes=num_nodes,
@@ -65,7 +65,7 @@ def _marker(node: int, ranks: tuple[int, ...], num_nodes: int = 2) -> layout.Com
 
 
 def test_marker_json_round_trip() -> None:
-    marker = _marker(0, (0, 1))
+    marker = _completion_marker(0, (0, 1))
     text = json.dumps(marker.to_json_dict())
     back = layout.marker_from_json_dict(json.loads(text))
     assert back == marker
@@ -73,16 +73,16 @@ def test_marker_json_round_trip() -> None:
 
 
 def test_marker_validation_names_the_key() -> None:
-    data = _marker(0, (0, 1)).to_json_dict()
+    data = _completion_marker(0, (0, 1)).to_json_dict()
     del data["world_size"]
     with pytest.raises(CheckpointError) as info:
         layout.marker_from_json_dict(data, path="/c/x.json")
     assert info.value.key == "world_size" and info.value.path == "/c/x.json"
-    data = _marker(0, (0, 1)).to_json_dict()
+    data = _completion_marker(0, (0, 1)).to_json_dict()
     data["schema_version"] = 99
     with pytest.raises(CheckpointError, match="unsupported marker schema"):
         layout.marker_from_json_dict(data)
-    data = _marker(0, (0, 1)).to_json_dict()
+    data = _completion_marker(0, (0, 1)).to_json_dict()
     data["step"] = "4"
     with pytest.raises(CheckpointError):
         layout.marker_from_json_dict(data)

@@ -104,7 +104,7 @@ def _findings(rel: str, line: int, text: str) -> list[str]:
     return found
 
 
-def _sources() -> list[tuple[str, list[tuple[int, str]]]]:
+def _literal_sources() -> list[tuple[str, list[tuple[int, str]]]]:
     out = []
     for path in sorted((REPO / "clusterkit").rglob("*.py")):
         if path != CONTRACT:
@@ -115,7 +115,8 @@ def _sources() -> list[tuple[str, list[tuple[int, str]]]]:
 
 
 def test_no_second_spelling_of_a_contract_name() -> None:
-    found = [f for rel, lines in _sources() for line, text in lines for f in _findings(rel, line, text)]
+    found = [f for rel, lines in _literal_sources() for line, text in lines
+             for f in _findings(rel, line, text)]
     assert not found, "\n".join(found)
 
 

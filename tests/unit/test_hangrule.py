@@ -79,7 +79,7 @@ class FakeNode:
         return self.newest, self.trained
 
 
-def _run(node: FakeNode, hang: float = T) -> hangrule.Verdict | None:
+def _run_watch(node: FakeNode, hang: float = T) -> hangrule.Verdict | None:
     state = watch.Watch(node.now, hang, hangrule.allowance(hang))
     return watch.run_watch(state, node.scan, node.alive, clock=lambda: node.now,
                                 sleep=node.sleep)
@@ -90,16 +90,16 @@ def test_slurmwatch_gives_a_slow_start_its_allowance() -> None:
     line, then train. The batch watchdog used to end it after 21 s; now it does not fire."""
     node = FakeNode(ends_at=1000.0 + 90, events={
         1030.0: (1030.0, True), **{1030.0 + s: (1030.0 + s, False) for s in range(2, 60, 2)}})
-    assert _run(node) is None
+    assert _run_watch(node) is None
 
 
 def test_slurmwatch_fires_at_the_allowance_and_after_it_at_the_limit() -> None:
     silent = FakeNode(ends_at=1000.0 + 600, events={})
-    v = _run(silent)
+    v = _run_watch(silent)
     assert v is not None and v.limit == STARTUP and silent.now == 1040.0
     assert v.reason.startswith(SILENT)
     stalled = FakeNode(ends_at=1000.0 + 600, events={1010.0: (1010.0, True)})
-    v = _run(stalled)  # a step at 10 s, then nothing: the plain limit, as launch's
+    v = _run_watch(stalled)  # a step at 10 s, then nothing: the plain limit, as launch's
     assert v is not None and v.limit == HANG_TIMEOUT and stalled.now == 1032.0
     assert v.reason == "no progress on any rank for 22 s (--hang-timeout 20)"
 

@@ -184,7 +184,7 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _modules(root: Path) -> dict[str, Path]:
+def _modules_by_name(root: Path) -> dict[str, Path]:
     return {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
 
 
@@ -195,7 +195,7 @@ def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
     doctor <-> doctor_port circle of issue 30 was one), so none is exempt.
     ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to
     ``pkg`` (its ``__init__``); the implicit import of a parent package is not an edge."""
-    mods = _modules(root)
+    mods = _modules_by_name(root)
 
     def target(module: str, name: str = "") -> str | None:
         if name and f"{module}.{name}" in mods:
@@ -269,7 +269,7 @@ def private_imports(root: Path = ROOT) -> list[str]:
         return name.startswith("_") and not name.startswith("__")
 
     out = []
-    for me, path in _modules(root).items():
+    for me, path in _modules_by_name(root).items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         modules: set[str] = set()  # local names bound to clusterkit modules or names
         for node in ast.walk(tree):
@@ -440,7 +440,7 @@ def imports_through(root: Path = ROOT, *others: Path) -> list[str]:
     """``from clusterkit.x import name`` (in clusterkit, or in ``others``: tests, bench)
     where ``name`` is neither a module of ``x`` nor defined by ``x``: the name has another
     door, its defining module."""
-    mods = _modules(root)
+    mods = _modules_by_name(root)
     defined = {m: _defined(ast.parse(p.read_text(encoding="utf-8"))) for m, p in mods.items()}
     out = []
     for base in (root, *others):

@@ -102,7 +102,7 @@ def test_a_new_record_round_trips(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ acceptance greps
 
-def _sources() -> list[tuple[Path, list[str]]]:
+def _package_lines() -> list[tuple[Path, list[str]]]:
     return [(p, p.read_text(encoding="utf-8").splitlines())
             for p in sorted(PACKAGE.rglob("*.py"))]
 
@@ -111,7 +111,7 @@ def test_no_job_record_is_read_by_key() -> None:
     assert "extra" not in JobRecord.__dataclass_fields__
     # What else is called `extra` and is a dict: doctor's report, ssh's -o options.
     allowed = re.compile(r"report\.extra|^\s*extra\[\"KexAlgorithms\"\]")
-    bad = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p, lines in _sources()
+    bad = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p, lines in _package_lines()
            for i, line in enumerate(lines, 1)
            if re.search(r"\bextra(\[|\.get\()", line) and not allowed.search(line)]
     assert not bad, "\n".join(bad)
@@ -119,7 +119,7 @@ def test_no_job_record_is_read_by_key() -> None:
 
 def test_node_local_is_spelled_in_one_module() -> None:
     home = PACKAGE / "node" / "contract.py"  # StorageKind (node code spells it too)
-    bad = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p, lines in _sources()
+    bad = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p, lines in _package_lines()
            if p != home for i, line in enumerate(lines, 1)
            if re.search(r"[\"']node-local[\"']", line)]
     assert not bad, "\n".join(bad)

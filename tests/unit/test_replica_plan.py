@@ -26,7 +26,7 @@ def _inv(addresses: list[str], names: list[str] | None = None, extra: str = "") 
             "  workdir: /w\n  checkpoint: {local_dir: /scratch/ck" + extra + "}\nhosts:\n" + hosts)
 
 
-def _plan(text: str, **kw: object) -> LaunchPlan:
+def _rendered_plan(text: str, **kw: object) -> LaunchPlan:
     return render_all(plan_job(parse_inventory(text), JobOptions(job_id="j", **kw),  # type: ignore[arg-type]
                                FACTS))
 
@@ -58,20 +58,20 @@ def test_shared_storage_and_one_node_replicate_nothing() -> None:
 
 def test_nodes_on_one_address_are_skipped() -> None:
     # n1 and n2 share a machine: n1's copy goes past n2 to n3; n3's to n1 (not n2 too).
-    plan = _plan(_inv(["10.0.0.1", "10.0.0.1", "10.0.0.3"]), replicas=2)
+    plan = _rendered_plan(_inv(["10.0.0.1", "10.0.0.1", "10.0.0.3"]), replicas=2)
     assert plan.replica_targets == ((2,), (2,), (0,))
     assert len(plan.warnings) == 1 and "1 of 2 checkpoint replicas placed" in plan.warnings[0]
     # The default K places what it can, silently; local virtual nodes share 127.0.0.1.
-    same = _plan(_inv(["10.0.0.1", "10.0.0.1"]))
+    same = _rendered_plan(_inv(["10.0.0.1", "10.0.0.1"]))
     assert same.replica_targets == () and not same.warnings
     assert plan_for("local", "torchrun").replica_targets == ()
 
 
 def test_the_inventory_default() -> None:
-    plan = _plan(_inv(["10.0.0.1", "10.0.0.2", "10.0.0.3"], extra=", replicas: 2"))
+    plan = _rendered_plan(_inv(["10.0.0.1", "10.0.0.2", "10.0.0.3"], extra=", replicas: 2"))
     assert plan.replica_targets == ((1, 2), (2, 0), (0, 1))
-    assert _plan(_inv(["10.0.0.1", "10.0.0.2"], extra=", replicas: 0")).replica_targets == ()
-    assert _plan(_inv(["10.0.0.1", "10.0.0.2"], extra=", replicas: 0"),
+    assert _rendered_plan(_inv(["10.0.0.1", "10.0.0.2"], extra=", replicas: 0")).replica_targets == ()
+    assert _rendered_plan(_inv(["10.0.0.1", "10.0.0.2"], extra=", replicas: 0"),
                  replicas=1).replica_targets == ((1,), (0,))  # the flag wins
     with pytest.raises(Exception, match="replicas"):
         parse_inventory(_inv(["10.0.0.1"], extra=", replicas: -1"))

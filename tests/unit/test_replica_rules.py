@@ -45,7 +45,7 @@ HOSTS = [f"node{i + 1}" for i in range(N)]
 # ------------------------------------------------------------------ the oracle
 
 
-def _make(tmp: Path, replicas: int = 1) -> list[str]:
+def _write_two_tag_roots(tmp: Path, replicas: int = 1) -> list[str]:
     roots = [str(tmp / h / "ckpt") for h in HOSTS]
     for tag in (OLD, NEW):
         synthetic.write_node_local(roots, ranks_per_node=RPN, zero_stage=2, shard_bytes=2048,
@@ -142,7 +142,7 @@ def _node_side(roots: list[str], markers: bool, tag: str
 @pytest.mark.parametrize("markers", [True, False], ids=["workload", "user-script"])
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_both_paths_give_the_same_answers(tmp_path: Path, case: str, markers: bool) -> None:
-    roots = _make(tmp_path)
+    roots = _write_two_tag_roots(tmp_path)
     damage, unusable = DAMAGE[case]
     damage(roots)
     _, complete, launcher = _launcher(roots, markers, NEW)
@@ -165,7 +165,7 @@ def test_both_paths_give_the_same_answers(tmp_path: Path, case: str, markers: bo
 
 def test_the_damage_is_named_where_a_part_has_no_copy(tmp_path: Path) -> None:
     """The launcher names why (the node side only needs whether): the rule's words."""
-    roots = _make(tmp_path)
+    roots = _write_two_tag_roots(tmp_path)
     _edit_manifest(roots, 2, source=1)
     ls = [NodeListing(h, i, r, error="down") if i == DOWN
           else parse_listing(h, i, r, json.dumps(listing(r, None)))
@@ -178,7 +178,7 @@ def test_the_damage_is_named_where_a_part_has_no_copy(tmp_path: Path) -> None:
 def test_a_spare_node_takes_the_lost_part_on_both_paths(tmp_path: Path) -> None:
     """Another node set (Slurm): node3 lost, node5 a spare. The node side moves node
     index 2's part from its replica on node4; its sources equal the launcher's."""
-    roots = _make(tmp_path)
+    roots = _write_two_tag_roots(tmp_path)
     spare = str(tmp_path / "node5" / "ckpt")
     os.makedirs(spare)
     new = ["node1", "node2", "node5", "node4"]
@@ -214,7 +214,7 @@ TAG_STEP_USERS = {"clusterkit/node/contract.py", RULES, "clusterkit/checkpoints/
                   "clusterkit/checkpoints/collect/manifest.py"}
 
 
-def _modules() -> list[tuple[str, ast.Module]]:
+def _parsed_modules() -> list[tuple[str, ast.Module]]:
     return [(str(p.relative_to(REPO)), ast.parse(p.read_text(encoding="utf-8")))
             for p in sorted((REPO / "clusterkit").rglob("*.py"))]
 
@@ -242,7 +242,7 @@ def _is_ring_arithmetic(node: ast.AST) -> bool:
 
 def test_no_second_definition_of_the_replica_rules() -> None:
     problems = []
-    for path, tree in _modules():
+    for path, tree in _parsed_modules():
         if path == RULES:
             continue
         imported = _from_rules(tree)

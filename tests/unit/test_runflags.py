@@ -18,7 +18,7 @@ from clusterkit.units import duration_type
 RUN_FLAGS = [flag_name(f) for f in run_fields()]
 
 
-def _launch() -> argparse.ArgumentParser:
+def _launch_parser() -> argparse.ArgumentParser:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices["launch"]
 
@@ -33,7 +33,7 @@ def test_each_flag_is_made_from_its_field(f: object) -> None:
     import dataclasses
 
     assert isinstance(f, dataclasses.Field)
-    (action,) = [a for a in _launch()._actions if flag_name(f) in a.option_strings]
+    (action,) = [a for a in _launch_parser()._actions if flag_name(f) in a.option_strings]
     assert action.dest == f.name and action.default == f.default
     assert action.help is not None and action.help.startswith(f.metadata["help"])
     if f.name.endswith("_s"):  # durations take the one duration rule (docs/units.md)
@@ -42,18 +42,18 @@ def test_each_flag_is_made_from_its_field(f: object) -> None:
 
 
 def test_defaults_come_from_the_record() -> None:
-    run = run_options(_launch().parse_args([]))
+    run = run_options(_launch_parser().parse_args([]))
     assert run == RunOptions()
     assert (run.grace_s, run.keepalive_s) == (DEFAULT_GRACE_S, DEFAULT_KEEPALIVE_S) == (3.0, 60.0)
     assert LaunchSettings().run == RunOptions()
     # the job flag's command-line default, and the agents' own default grace
-    assert _launch().parse_args([]).hang_timeout_s == DEFAULT_HANG_TIMEOUT_S
+    assert _launch_parser().parse_args([]).hang_timeout_s == DEFAULT_HANG_TIMEOUT_S
     assert JobSpec(job_id="j", tasks=()).grace_s == AgentSpec("j", "n", "/d").grace_s \
         == DEFAULT_GRACE_S
 
 
 def test_flags_fill_the_record() -> None:
-    ns = _launch().parse_args(["--grace", "1m", "--keepalive-timeout", "90s", "--skip-checks",
+    ns = _launch_parser().parse_args(["--grace", "1m", "--keepalive-timeout", "90s", "--skip-checks",
                                "--drop-failed-nodes"])
     assert run_options(ns) == RunOptions(skip_checks=True, grace_s=60.0, keepalive_s=90.0,
                                          drop_failed_nodes=True)

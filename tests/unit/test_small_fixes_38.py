@@ -95,7 +95,7 @@ def test_doctor_checks_the_spares_after_the_selection() -> None:
     assert spare_hosts(inv, [inv.host("node4")]) == []  # among the hosts already: not twice
 
 
-def _report(findings: list[Finding]) -> DoctorReport:
+def _spare_doctor_report(findings: list[Finding]) -> DoctorReport:
     hosts = tuple(Host(name=f"node{i}", address=f"10.0.0.{i}", slots=2) for i in (1, 2, 4))
     plan = plan_doctor(hosts, head_python=sys.executable, head_cwd="/work", head_tools={},
                        spares=["node4"])
@@ -104,8 +104,9 @@ def _report(findings: list[Finding]) -> DoctorReport:
 
 def test_a_spare_that_fails_the_checks_is_no_spare() -> None:
     ok = [Finding("ssh", Status.PASS, h, "probe answered") for h in ("node1", "node2", "node4")]
-    assert _report(ok).verdict() == "PASS: all 3 nodes ready (node[1-2,4]; spare node4 checked too)"
-    bad = _report([*ok, Finding("version.torch", Status.FAIL, "node4", "torch 2.3.1", "pip")])
+    assert _spare_doctor_report(ok).verdict() == (
+        "PASS: all 3 nodes ready (node[1-2,4]; spare node4 checked too)")
+    bad = _spare_doctor_report([*ok, Finding("version.torch", Status.FAIL, "node4", "torch 2.3.1", "pip")])
     assert bad.verdict() == ("FAIL: 1 failure on node4; 2 of 3 nodes clean; spare node4 would "
                              "fail the launch's gate: no spare until fixed")
     assert bad.exit_code() == 2

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.testbed, pytest.mark.extended]
 SHM = "deepspeed_shm_comm"
 
 
-def _job(bed: SlurmBed, inv: Path, job: str) -> subprocess.CompletedProcess[str]:
+def _submit_watched_job(bed: SlurmBed, inv: Path, job: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "clusterkit", "sbatch", "-i", str(inv), "--nodes", "2",
          "--storage", "shared", "--steps", "3", "--job-id", job, "--precision", "fp32",
@@ -42,7 +42,7 @@ def test_a_job_whose_ops_are_not_built_completes_and_the_next_finds_them_built(
     inv = slurm.tb.write_inventory(tmp_path / "inv.yaml", nodes=slurm.nodes[:2], slots=1,
                                    env={"TORCH_EXTENSIONS_DIR": str(ext)})
     t0 = time.monotonic()
-    r = _job(slurm, inv, "jit-first")
+    r = _submit_watched_job(slurm, inv, "jit-first")
     first = time.monotonic() - t0
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
@@ -62,7 +62,7 @@ def test_a_job_whose_ops_are_not_built_completes_and_the_next_finds_them_built(
     os.utime(owner, (then, then))
     os.utime(lock, (then, then))
     t0 = time.monotonic()
-    again = _job(slurm, inv, "jit-again")
+    again = _submit_watched_job(slurm, inv, "jit-again")
     second = time.monotonic() - t0
     text = again.stdout + again.stderr
     assert again.returncode == 0, text[-4000:]

@@ -92,7 +92,7 @@ def _submitted(r: subprocess.CompletedProcess[str]) -> str:
     return m.group(1)
 
 
-def _sbatch(bed: SlurmBed, inv: Path, job: str, *extra: str) -> str:
+def _submit_replica_job(bed: SlurmBed, inv: Path, job: str, *extra: str) -> str:
     return _submitted(_clusterkit(bed, "sbatch", "-i", str(inv), "--nodes", "4",
                                   "--storage", "node-local", "--steps", str(STEPS),
                                   "--save-every", str(SAVE_EVERY), "--job-id", job, *WORKLOAD,
@@ -100,7 +100,7 @@ def _sbatch(bed: SlurmBed, inv: Path, job: str, *extra: str) -> str:
                                   "--", "--log-every", "1"))
 
 
-def _job_dir(tb: Testbed, job: str) -> Path:
+def _user_job_dir(tb: Testbed, job: str) -> Path:
     assert tb.user is not None
     return tb.user.workdir / ".clusterkit" / "jobs" / job
 
@@ -120,13 +120,13 @@ def _wait_end(bed: SlurmBed, slurm_id: str, timeout: float) -> str:
 
 
 def _out(bed: SlurmBed, job: str, slurm_id: str, kind: str = "out") -> str:
-    path = _job_dir(bed.tb, job) / "logs" / f"slurm-{slurm_id}.{kind}"
+    path = _user_job_dir(bed.tb, job) / "logs" / f"slurm-{slurm_id}.{kind}"
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def _summary(bed: SlurmBed, job: str) -> dict[str, object]:
+def _summary_file(bed: SlurmBed, job: str) -> dict[str, object]:
     """The workload's run/summary.json (the last run's; srun --label may cut the line)."""
-    return dict(json.loads((_job_dir(bed.tb, job) / "run" / "summary.json").read_text()))
+    return dict(json.loads((_user_job_dir(bed.tb, job) / "run" / "summary.json").read_text()))
 
 
 def _completed(bed: SlurmBed, job: str, slurm_id: str) -> str:
@@ -157,7 +157,7 @@ def _steps_logged(text: str) -> list[dict[int, str]]:
 def _csv_losses(bed: SlurmBed, job: str) -> list[list[tuple[int, float]]]:
     """Per run, DeepSpeed's CSV monitor rows (global_samples, loss): rank 0 writes a header
     when a run starts, then a row per logged step; ``repr`` of the float, so exact."""
-    files = list((_job_dir(bed.tb, job) / "run" / "monitor").rglob("Train_Samples_train_loss.csv"))
+    files = list((_user_job_dir(bed.tb, job) / "run" / "monitor").rglob("Train_Samples_train_loss.csv"))
     assert len(files) == 1, files
     runs: list[list[tuple[int, float]]] = []
     with files[0].open(newline="") as fh:
@@ -267,7 +267,7 @@ def _reshard_on_3_nodes(bed: SlurmBed, inv: Path, tmp_path: Path) -> None:
     assert "submitting on any 3 free nodes" in r.stderr, r.stdout + r.stderr
     out = _completed(bed, "lost", _submitted(r))
     assert f"resharding global_step{STEPS}" in out and "converted to " in out, out[-4000:]
-    got = _summary(bed, "lost")
+    got = _summary_file(bed, "lost")
     assert got["resumed_from"] == f"{tag}_universal" and got["world_size"] == 3 * SLOTS, got
     consolidate(str(before), tag, "fp32")
     want = load_state_dict_dir(str(before / f"{tag}-fp32"))
@@ -283,18 +283,18 @@ def test_a_lost_node_costs_a_restore_not_the_run(testbed_required: None, tmp_pat
     t0 = time.monotonic()
     with _user_bed(tmp_path, slots=SLOTS) as (bed, inv):
         tb = bed.tb
-        slurm_id = _sbatch(bed, inv, "lost", "--replicas", "1")
+        slurm_id = _submit_replica_job(bed, inv, "lost", "--replicas", "1")
         # node index 2 (node3)'s first save, replicated on node4 (its ring successor).
         reached = _lose_node3_past_its_saves(bed, "lost", slurm_id, tb.node_local_path(
             "node4", f"{LOCAL}/lost.replicas/node2/global_step{SAVE_EVERY}/{REPLICA_MANIFEST}"))
         t_lost = time.monotonic() - t0
         out = _completed(bed, "lost", slurm_id)
-        got = _summary(bed, "lost")
+        got = _summary_file(bed, "lost")
         csv_runs = _csv_losses(bed, "lost")
         # What the job wrote is the user's: checkpoints, the restored part, copies, logs.
         _owned_by_user(tb, [*(p for n in ("node1", "node2", "node4", "node5")
                               for p in tb.node_local_path(n, LOCAL).rglob("*")),
-                            _job_dir(tb, "lost") / "logs" / f"slurm-{slurm_id}.out"])
+                            _user_job_dir(tb, "lost") / "logs" / f"slurm-{slurm_id}.out"])
         # sbatch status: the checkpoints' replica health, listed through Slurm.
         status = _clusterkit(bed, "sbatch", "status", slurm_id, timeout=180)
         assert f"global_step{STEPS}: 4/4 nodes, replicated 4/4" in status.stdout, \

@@ -106,7 +106,7 @@ def test_node_cpus_from_real_sinfo(slurm: SlurmBed) -> None:
 
 
 
-def _inventory(bed: SlurmBed, slots: int) -> Path:
+def _site_inventory(bed: SlurmBed, slots: int) -> Path:
     return bed.tb.write_inventory(bed.tb.root / f"inventory-site-{slots}.yaml", nodes=bed.nodes,
                                   slots=slots, gpus=0)
 
@@ -129,7 +129,7 @@ def test_node_local_requeue_resumes_on_the_same_nodes_and_keeps_both_logs(slurm:
     free nodes, without its shards); then it resumes there. The output file holds both
     runs."""
     job = "nl-requeue"
-    inv = _inventory(slurm, 1)
+    inv = _site_inventory(slurm, 1)
     # Enough steps that USR1 lands mid-run, few enough to finish under load (2 shared cores).
     r = _cli(slurm.env, ["-i", str(inv), "--nodes", "2", "--storage", "node-local", "--steps", "60",
                          "--job-id", job, *WORKLOAD, "--partition", "debug", "--submit",
@@ -180,7 +180,7 @@ def test_node_local_resubmission_on_other_nodes_stops(slurm: SlurmBed) -> None:
     here written as a first run on node[1-2] would have): a run on other nodes must not
     start afresh without its shards. Forced there by a later #SBATCH --nodelist."""
     job = "nl-moved"
-    inv = _inventory(slurm, 1)
+    inv = _site_inventory(slurm, 1)
     r = _cli(slurm.env, ["-i", str(inv), "--nodes", "2", "--storage", "node-local", "--steps", "3",
                          "--job-id", job, *WORKLOAD, "--partition", "debug",
                          "--sbatch-arg=--nodelist=node3,node4"], timeout=60)

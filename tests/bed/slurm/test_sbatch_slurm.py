@@ -33,7 +33,7 @@ STORAGES = ("shared", "node-local")
 WORKLOAD = ("--precision", "fp32", "--model", "tiny")
 
 
-def _inventory(bed: SlurmBed, gpus: int) -> Path:
+def _gpu_inventory(bed: SlurmBed, gpus: int) -> Path:
     path = bed.tb.root / f"inventory-gpus{gpus}.yaml"
     return bed.tb.write_inventory(path, nodes=bed.nodes, slots=2, gpus=gpus)
 
@@ -48,7 +48,7 @@ def test_test_only_accepts_every_variant(slurm: SlurmBed, capsys: pytest.Capture
     seen = []
     for launcher, storage, gpus in itertools.product(LAUNCHERS, STORAGES, (0, 2)):
         job = f"to-{launcher}-{storage}-{gpus}"
-        inv = _inventory(slurm, gpus)
+        inv = _gpu_inventory(slurm, gpus)
         assert main(["sbatch", "-i", str(inv), "--nodes", "7", "--gpus-per-node", "2",
                      "--launcher", launcher, "--storage", storage, "--job-id", job,
                      "--partition", "debug", "--time", "00:10:00", *WORKLOAD]) == 0, job
@@ -76,7 +76,7 @@ def test_test_only_rejections_name_the_fix(slurm: SlurmBed) -> None:
     assert "Requested node configuration is not available" in str(err.value)
     assert "sinfo" in err.value.one_line()
     # A partition that does not exist.
-    inv = _inventory(slurm, 0)
+    inv = _gpu_inventory(slurm, 0)
     r = _cli(slurm, ["-i", str(inv), "--nodes", "2", "--job-id", "rej-part", "--partition", "nope",
                      "--submit", *WORKLOAD])
     assert r.returncode == 2, r.stderr
@@ -86,7 +86,7 @@ def test_test_only_rejections_name_the_fix(slurm: SlurmBed) -> None:
 
 def _submit(bed: SlurmBed, job: str, *extra: str, nodes: int = 2, ranks_per_node: int = 2,
             launcher: str = "torchrun", storage: str = "shared", steps: int = 400) -> str:
-    inv = _inventory(bed, 2)
+    inv = _gpu_inventory(bed, 2)
     r = _cli(bed, ["-i", str(inv), "--nodes", str(nodes), "--gpus-per-node", str(ranks_per_node),
                    "--launcher",
                    launcher, "--storage", storage, "--steps", str(steps), "--job-id", job,
@@ -109,7 +109,7 @@ def _wait_output(bed: SlurmBed, job: str, slurm_id: str, needle: str, timeout: f
     raise AssertionError(f"{needle!r} not in the output of job {slurm_id} after {timeout} s")
 
 
-def _ckpt_dirs(bed: SlurmBed, job: str) -> dict[str, str]:
+def _planned_ckpt_dirs(bed: SlurmBed, job: str) -> dict[str, str]:
     """node name -> checkpoint directory, as the plan decided (JOBDIR/plan.json)."""
     plan = json.loads((slurm_job_dir(bed, job) / "plan.json").read_text())
     return {n["host"]: n["ckpt_dir"] for n in plan["nodes"]}
@@ -120,7 +120,7 @@ def _saved_summary(bed: SlurmBed, job: str) -> dict[str, object]:
     return dict(json.loads((slurm_job_dir(bed, job) / "run" / "summary.json").read_text()))
 
 
-def _summary(text: str) -> dict[str, object]:
+def _summary_from_output(text: str) -> dict[str, object]:
     # A raw output file holds srun --label's 1024-byte pieces of a long line (the summary
     # lists every step's loss): join them as the watch does.
     joiner = LabelJoiner()
@@ -138,18 +138,18 @@ def _summary(text: str) -> dict[str, object]:
 # `status --watch` output folded the same way).
 @pytest.mark.slow
 def test_zero_on_7_nodes_submit_watch(slurm: SlurmBed) -> None:
-    inv = _inventory(slurm, 2)
+    inv = _gpu_inventory(slurm, 2)
     t0 = time.monotonic()
     r = _cli(slurm, ["-i", str(inv), "--nodes", "7", "--gpus-per-node", "1", "--storage",
                      "node-local", "--steps", "3", "--job-id", "zero7", *WORKLOAD,
                      "--submit", "--watch", "--poll", "0.5"], timeout=500)
     wall = time.monotonic() - t0
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    summary = _summary(r.stdout)
+    summary = _summary_from_output(r.stdout)
     assert summary["world_size"] == 7 and summary["nodes"] == 7 and summary["finished"] is True
     assert summary["storage"] == "node-local"
     assert "COMPLETED" in r.stderr
-    ckpt = _ckpt_dirs(slurm, "zero7")
+    ckpt = _planned_ckpt_dirs(slurm, "zero7")
     for node in slurm.nodes:  # every node wrote its own shards to its own disk
         assert (slurm.tb.node_local_path(node, ckpt[node.name]) / "global_step3").is_dir(), node.name
     assert_slurm_nodes_clean(slurm)
@@ -249,12 +249,12 @@ def test_usr1_checkpoints_then_stops(slurm: SlurmBed, launcher: str) -> None:
     r = _cli(slurm, ["status", slurm_id, "--watch", "--poll", "0.5"], timeout=120)
     text = r.stdout  # --watch follows rank 0's own log too (deepspeed: per-rank files)
     assert r.returncode == 0, (r.stderr[-2000:], text[-3000:])
-    summary = _summary(text)
+    summary = _summary_from_output(text)
     assert summary["preempted"] == "SIGUSR1" and summary["finished"] is False
     assert summary["world_size"] == 4  # all ranks ran (deepspeed: one Slurm task per rank)
     _assert_rank_lines_folded(text, 4, _lr_warning(400, 500))
     tag = summary["checkpoint_tag"]
-    assert isinstance(tag, str) and (Path(_ckpt_dirs(slurm, job)["node1"]) / tag).is_dir()
+    assert isinstance(tag, str) and (Path(_planned_ckpt_dirs(slurm, job)["node1"]) / tag).is_dir()
     assert_slurm_nodes_clean(slurm)
 
 
@@ -294,7 +294,7 @@ def test_test_only_accepts_site_flags(slurm: SlurmBed, capsys: pytest.CaptureFix
             "--signal-lead", "120", "--sbatch-arg=--comment=ck13", "--sbatch-arg=--nice=5"]
     for launcher, cpus in (("torchrun", "4"), ("accelerate", "4"), ("deepspeed", "2")):
         job = f"site-{launcher}"
-        assert main(["sbatch", "-i", str(_inventory(slurm, 2)), "--nodes", "2", "--gpus-per-node",
+        assert main(["sbatch", "-i", str(_gpu_inventory(slurm, 2)), "--nodes", "2", "--gpus-per-node",
                      "2", "--launcher", launcher, "--storage", "node-local", "--job-id", job,
                      "--write-only", *site, *WORKLOAD]) == 0, job
         script = slurm_job_dir(slurm, job) / "sbatch.sh"
@@ -352,12 +352,12 @@ def test_threads_per_rank_same_cpu_per_step_for_every_variant(slurm: SlurmBed) -
     per_step = {}
     for launcher in ("torchrun", "deepspeed"):
         job = f"omp-{launcher}"
-        inv = _inventory(slurm, 2)
+        inv = _gpu_inventory(slurm, 2)
         r = _cli(slurm, ["-i", str(inv), "--nodes", "2", "--gpus-per-node", "2", "--launcher",
                          launcher, "--storage", "shared", "--steps", "30", "--job-id", job,
                          *WORKLOAD, "--submit", "--watch", "--poll", "0.5"], timeout=500)
         assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
-        summary = _summary(r.stdout)
+        summary = _summary_from_output(r.stdout)
         assert summary["world_size"] == 4
         per_step[launcher] = float(str(summary["cpu_s_per_step"]))
     print(f"cpu_s_per_step: {per_step} (load {Path('/proc/loadavg').read_text().split()[:3]})")

@@ -57,7 +57,7 @@ def _user_dir(bed: SlurmBed) -> Path:
     return folder
 
 
-def _sbatch(bed: SlurmBed, job: str, launcher: str, program: list[str], *extra: str,
+def _sbatch_user_script(bed: SlurmBed, job: str, launcher: str, program: list[str], *extra: str,
             timeout: float = 400) -> subprocess.CompletedProcess[str]:
     """`clusterkit sbatch` from the user's folder, the script given relative to it. The
     inventory says gpus: 0 (a CPU/gloo job: torch's Adam in ds_config.json)."""
@@ -101,7 +101,7 @@ def preempted(slurm_bed: SlurmBed) -> Iterator[Preempted]:
     always lands mid-run without sleeping steps; the resumed run trains straight on."""
     slurm_bed.wait_all_jobs_gone(timeout=30)
     job = "user-preempt"
-    r = _sbatch(slurm_bed, job, "torchrun",
+    r = _sbatch_user_script(slurm_bed, job, "torchrun",
                 ["usertrain.py", "--steps", str(STEPS), "--hold-after", "3"])
     slurm_id = _slurm_id(r)
     try:
@@ -131,7 +131,7 @@ def test_user_script_gets_the_contract_on_every_variant(slurm: SlurmBed, preempt
     torchrun_loss = summary["final_loss"]
     job = f"user-{launcher}"
     t0 = time.monotonic()
-    r = _sbatch(slurm, job, launcher, ["usertrain.py", "--steps", str(STEPS)], "--watch",
+    r = _sbatch_user_script(slurm, job, launcher, ["usertrain.py", "--steps", str(STEPS)], "--watch",
                 "--poll", "0.5")
     assert r.returncode == 0, (launcher, r.stdout[-3000:], r.stderr[-3000:])
     summary = workload_summary(r.stdout)
@@ -142,7 +142,7 @@ def test_user_script_gets_the_contract_on_every_variant(slurm: SlurmBed, preempt
 
 
 def test_missing_script_is_refused_before_submitting(slurm: SlurmBed) -> None:
-    r = _sbatch(slurm, "user-missing", "torchrun", ["nosuch.py"])
+    r = _sbatch_user_script(slurm, "user-missing", "torchrun", ["nosuch.py"])
     assert r.returncode == 2, r.stderr
     assert "nosuch.py does not exist" in r.stderr and "submitted" not in r.stdout
     assert not slurm_job_dir(slurm, "user-missing").exists()
@@ -151,7 +151,7 @@ def test_missing_script_is_refused_before_submitting(slurm: SlurmBed) -> None:
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_first_failing_rank_gives_the_exit_code(slurm: SlurmBed, launcher: str) -> None:
     job = f"user-fails-{launcher}"
-    r = _sbatch(slurm, job, launcher, ["fails.py"], "--watch", "--poll", "0.5")
+    r = _sbatch_user_script(slurm, job, launcher, ["fails.py"], "--watch", "--poll", "0.5")
     assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
     assert "ended FAILED (exit code 2" in r.stderr, r.stderr[-2000:]
     slurm_id = _slurm_id(r)
@@ -199,7 +199,7 @@ def test_preemption_saves_requeues_and_resumes(slurm: SlurmBed, preempted: Preem
 @pytest.mark.extended
 def test_a_script_that_ignores_the_stop_is_not_requeued(slurm: SlurmBed) -> None:
     job = "user-ignores"
-    r = _sbatch(slurm, job, "torchrun", ["usertrain.py", "--steps", "15", "--step-sleep", "1",
+    r = _sbatch_user_script(slurm, job, "torchrun", ["usertrain.py", "--steps", "15", "--step-sleep", "1",
                                          "--ignore-stop"])
     slurm_id = _slurm_id(r)
     state = _usr1_to_batch_then_wait(slurm, job, slurm_id)
@@ -221,7 +221,7 @@ def test_a_silent_start_within_the_allowance_is_not_a_hang(slurm: SlurmBed) -> N
     from the launch step's start: here torchrun, the imports and deepspeed.initialize took
     ~31 s before the silence began (load 10), so the silence + that must fit in 150 s."""
     job, hang, silent = "user-slowstart", 75, 80
-    r = _sbatch(slurm, job, "torchrun", ["usertrain.py", "--steps", "3", "--silent-start",
+    r = _sbatch_user_script(slurm, job, "torchrun", ["usertrain.py", "--steps", "3", "--silent-start",
                                          str(silent)], "--hang-timeout", str(hang))
     slurm_id = _slurm_id(r)
     state = wait_slurm_finished(slurm, slurm_id, timeout=400)
@@ -239,7 +239,7 @@ def test_a_stopped_rank_is_named_and_ends_the_step(slurm: SlurmBed) -> None:
     --hang-timeout 20, as the issue's own acceptance (30 before issue 37 item 6: 10 s of
     4 stalled ranks and a held Slurm job fewer)."""
     job, hang = "user-hang", 20
-    r = _sbatch(slurm, job, "torchrun", ["usertrain.py", "--steps", "300", "--step-sleep", "0.5"],
+    r = _sbatch_user_script(slurm, job, "torchrun", ["usertrain.py", "--steps", "300", "--step-sleep", "0.5"],
                 "--hang-timeout", str(hang))
     slurm_id = _slurm_id(r)
     _wait_line(slurm, job, slurm_id, "step 3 loss")
