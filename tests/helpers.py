@@ -16,7 +16,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -187,14 +187,6 @@ HF_DS_AUTO = {
     "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True},
     "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
 }
-
-
-def clusterkit_cli(*argv: str, cwd: Path, env: Mapping[str, str], timeout: float = 300
-                   ) -> subprocess.CompletedProcess[str]:
-    """``python -m clusterkit ARGV`` as a user runs it (this interpreter), in ``cwd`` with
-    ``env``; its exit code and output kept, never raised."""
-    return subprocess.run([sys.executable, "-m", "clusterkit", *argv], cwd=cwd, env=dict(env),
-                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def free_port() -> int:

@@ -11,6 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from clusterkit.cli.main import main
+
 CLI = [sys.executable, "-m", "clusterkit"]
 
 
@@ -58,3 +62,17 @@ def hf_tree(root: Path, outside: Path) -> Path:
     os.symlink(str(outside / "dir"), root / "hub" / "extra")
     os.symlink("../nowhere", root / "hub" / "dangling")
     return root / "hub"
+
+
+def sync_verb(project: Path, target: str, inv: Path, capsys: pytest.CaptureFixture[str],
+              *extra: str, code: int = 0) -> tuple[str, str]:
+    """``clusterkit sync TARGET -i INV EXTRA`` in this process from ``project`` (its exit
+    code must be ``code``); what it printed, (stdout, stderr)."""
+    cwd = os.getcwd()
+    os.chdir(project)
+    try:
+        assert main(["sync", target, "-i", str(inv), *extra]) == code
+    finally:
+        os.chdir(cwd)
+    cap = capsys.readouterr()
+    return cap.out, cap.err

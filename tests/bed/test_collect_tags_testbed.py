@@ -7,10 +7,7 @@ cannot be collected ... node2: checkpoint directory ... does not exist``)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ import pytest
 from clusterkit.launch.registry import JobRecord, NodeRecord, Registry
 from clusterkit.spec.jobrecord import JobCheckpoints
 from tests import synthetic_ckpt as synthetic
+from tests.cli import clusterkit_cli, home_env
 from tests.paths import REPO
 from tests.testbed import Testbed
 
@@ -25,12 +23,6 @@ NODES = 3
 JOB = "ck-tags-1"
 
 pytestmark = pytest.mark.testbed(nodes=NODES)
-
-
-def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clusterkit", *args], capture_output=True,
-                          text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "CLUSTERKIT_HOME": str(home)})
 
 
 def test_status_and_collect_agree_with_a_node_disk_wiped(testbed: Testbed,
@@ -55,12 +47,12 @@ def test_status_and_collect_agree_with_a_node_disk_wiped(testbed: Testbed,
     Registry(home).save(record)
     shutil.rmtree(roots[1])  # node2's /scratch wiped
 
-    status = _cli(home, "status", JOB)
+    status = clusterkit_cli("status", JOB, cwd=REPO, env=home_env(home))
     assert status.returncode == 0, status.stdout + status.stderr
     assert "checkpoint-50: 2/3 nodes, replicated 3/3; complete from replicas" in status.stdout, \
         status.stdout
     dest = tmp_path / "dest"
-    res = _cli(home, "collect-ckpt", JOB, "--to", str(dest))  # no --tag
+    res = clusterkit_cli("collect-ckpt", JOB, "--to", str(dest), cwd=REPO, env=home_env(home))  # no --tag
     assert res.returncode == 0, res.stdout + res.stderr
     assert "checkpoint checkpoint-50: step 50," in res.stdout, res.stdout
     assert "node index 1 (node2): from its replica on node3 (checkpoint-50, verified)" \

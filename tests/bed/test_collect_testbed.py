@@ -27,6 +27,7 @@ from clusterkit.errors import CheckpointError
 from clusterkit.node.hashing import sha256_file
 from clusterkit.remote.dispatch import DispatchTransport
 from tests import synthetic_ckpt as synthetic
+from tests.cli import clusterkit_cli
 from tests.helpers import SHARED_7X2_STEPS, Launched, assert_collected_exact, assert_trained, train
 from tests.paths import REPO
 from tests.testbed import Testbed
@@ -35,11 +36,6 @@ NODES = 7
 TAG = "global_step1"
 
 pytestmark = pytest.mark.testbed(nodes=NODES)
-
-
-def _cli(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clusterkit", "collect-ckpt", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def _synth(tb: Testbed, name: str, shard_bytes: int = 1 << 16, stage: int = 2) -> str:
@@ -60,7 +56,8 @@ def _bed_inventory(tb: Testbed, tmp: Path, nodes: int = NODES) -> str:
 def test_collect_seven_nodes_and_rerun(testbed: Testbed, tmp_path: Path) -> None:
     ckpt = _synth(testbed, "c-ok")
     inv, dest = _bed_inventory(testbed, tmp_path), tmp_path / "dest"
-    res = _cli("-i", inv, "--dir", ckpt, "--to", str(dest))
+    res = clusterkit_cli("collect-ckpt", "-i", inv, "--dir", ckpt, "--to", str(dest), cwd=REPO,
+                         timeout=300.0)
     assert res.returncode == 0, res.stderr
     shards = sorted(p.name for p in (dest / TAG).glob("*_optim_states.pt"))
     assert len(shards) == 14
@@ -68,7 +65,8 @@ def test_collect_seven_nodes_and_rerun(testbed: Testbed, tmp_path: Path) -> None
     src = testbed.node_local_path("node4", f"{ckpt}/{TAG}/zero_pp_rank_7_mp_rank_00_optim_states.pt")
     assert sha256_file(str(dest / TAG / src.name)) == sha256_file(str(src))
     assert "note: global_step1/mp_rank_00_model_states.pt" in res.stdout
-    again = _cli("-i", inv, "--dir", ckpt, "--to", str(dest))
+    again = clusterkit_cli("collect-ckpt", "-i", inv, "--dir", ckpt, "--to", str(dest), cwd=REPO,
+                           timeout=300.0)
     assert again.returncode == 0 and "0 file(s) copied" in again.stdout, again.stdout
 
 
@@ -77,7 +75,8 @@ def test_missing_shard_on_node4_refuses(testbed: Testbed, tmp_path: Path) -> Non
     os.unlink(testbed.node_local_path(
         "node4", f"{ckpt}/{TAG}/zero_pp_rank_7_mp_rank_00_optim_states.pt"))
     dest = tmp_path / "dest"
-    res = _cli("-i", _bed_inventory(testbed, tmp_path), "--dir", ckpt, "--to", str(dest))
+    res = clusterkit_cli("collect-ckpt", "-i", _bed_inventory(testbed, tmp_path), "--dir", ckpt, "--to",
+                         str(dest), cwd=REPO, timeout=300.0)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "node4: optimizer shard of rank 7 is missing" in res.stderr
     assert "nothing was copied" in res.stderr
@@ -131,7 +130,8 @@ def test_kill_mid_transfer_then_rerun(testbed: Testbed, tmp_path: Path) -> None:
                      if testbed.node_local_path(n, f"{ckpt}/{TAG}/{final.name}").exists())
         held = testbed.node_local_path(owner, f"{ckpt}/{TAG}/{final.name}")
         assert sha256_file(str(final)) == sha256_file(str(held))
-    res = _cli("-i", inv, "--dir", ckpt, "--to", str(dest))
+    res = clusterkit_cli("collect-ckpt", "-i", inv, "--dir", ckpt, "--to", str(dest), cwd=REPO,
+                         timeout=300.0)
     assert res.returncode == 0, res.stderr
     assert len(list((dest / TAG).glob("*_optim_states.pt"))) == 14
     assert not list((dest / TAG).glob(f".*{PART_SUFFIX}"))
@@ -140,16 +140,19 @@ def test_kill_mid_transfer_then_rerun(testbed: Testbed, tmp_path: Path) -> None:
 def test_scatter_back_to_fresh_dirs(testbed: Testbed, tmp_path: Path) -> None:
     ckpt = _synth(testbed, "c-scatter", stage=3)
     inv, dest = _bed_inventory(testbed, tmp_path), tmp_path / "dest"
-    assert _cli("-i", inv, "--dir", ckpt, "--to", str(dest)).returncode == 0
+    assert clusterkit_cli("collect-ckpt", "-i", inv, "--dir", ckpt, "--to", str(dest), cwd=REPO,
+                          timeout=300.0).returncode == 0
     fresh = f"{testbed.local_mountpoint}/c-scatter-back"
-    res = _cli("-i", inv, "--dir", fresh, "--to", str(dest), "--scatter")
+    res = clusterkit_cli("collect-ckpt", "-i", inv, "--dir", fresh, "--to", str(dest), "--scatter",
+                         cwd=REPO, timeout=300.0)
     assert res.returncode == 0, res.stderr
     for i, n in enumerate(testbed.nodes[:NODES]):
         tag_dir = testbed.node_local_path(n, f"{fresh}/{TAG}")
         assert sorted(p.name for p in tag_dir.glob("zero_pp_rank_*_optim_states.pt")) == sorted(
             f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (2 * i, 2 * i + 1))
         assert (tag_dir / f"clusterkit-complete.node{i}.json").is_file()
-    check = _cli("-i", inv, "--dir", fresh, "--to", str(tmp_path / "d2"), "--dry-run")
+    check = clusterkit_cli("collect-ckpt", "-i", inv, "--dir", fresh, "--to", str(tmp_path / "d2"),
+                           "--dry-run", cwd=REPO, timeout=300.0)
     assert check.returncode == 0 and "complete" in check.stdout, check.stderr
 
 

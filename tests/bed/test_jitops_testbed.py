@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.node.provision import jitops
-from tests.helpers import clusterkit_cli
+from tests.cli import clusterkit_cli
 from tests.testbed import Testbed
 
 pytestmark = pytest.mark.testbed

@@ -39,6 +39,7 @@ from tests.helpers import (
     workload_summary,
 )
 from tests.testbed import Testbed, temporary
+from tests.testbed.users import assert_owned_by_user
 
 USER = "ckuser"
 RING = ("node1", "node2", "node3")
@@ -74,12 +75,6 @@ def _local(tb: Testbed) -> str:
     """The user's node-local checkpoint dir, relative to the node-local mount point."""
     assert tb.user is not None
     return f"{tb.user.name}/ckpt"
-
-
-def _owned_by_user(tb: Testbed, paths: Sequence[Path]) -> None:
-    assert tb.user is not None
-    owners = {p: p.stat().st_uid for p in paths}
-    assert set(owners.values()) == {tb.user.uid}, owners
 
 
 @contextlib.contextmanager
@@ -129,7 +124,7 @@ def _lose_node2_after_the_replicated_save(tb: Testbed, run: Console, job: str) -
         assert step < STEPS, f"the job ended before the loss:\n{run.text[-3000:]}"
         manifests = replica_manifests(tb, RING, job, tag, _local(tb))
         run.wait_for(lambda: all(m.exists() for m in manifests), 120, f"replicas of {tag}")
-        _owned_by_user(tb, manifests)
+        assert_owned_by_user(tb.user, manifests)
         tb.destroy(LOST)
     finally:
         continue_ranks(pids)
@@ -161,7 +156,8 @@ def test_as_a_user_replicas_and_a_lost_node_continued_on_the_spare(
         ring = (RING[0], SPARE, RING[2])
         final = replica_manifests(tb, ring, "auto", f"global_step{STEPS}", _local(tb))
         assert all(m.exists() for m in final), [str(m) for m in final if not m.exists()]
-        _owned_by_user(tb, [p for n in ring for p in tb.node_local_path(n, _local(tb)).rglob("*")])
+        assert_owned_by_user(tb.user,
+                             [p for n in ring for p in tb.node_local_path(n, _local(tb)).rglob("*")])
         assert "checkpoints replicated: " in run.text, run.text[-3000:]
         print("\n".join(ln for ln in run.text.splitlines() if ln.startswith("[clusterkit]"))[-3000:])
 

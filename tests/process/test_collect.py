@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,24 +27,13 @@ from clusterkit.node.contract import MARKER_PREFIX, marker_name
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
 from tests import synthetic_ckpt as synthetic
+from tests.collectnodes import local_collect_nodes
 
 TAG = "global_step1"
 
 
-def _nodes(tmp: Path, n: int) -> list[CollectNode]:
-    return [CollectNode(f"node{i + 1}", SSHTarget(name=f"node{i + 1}", address="127.0.0.1",
-                                                  local=True),
-                        sys.executable, str(tmp / f"node{i + 1}" / "ckpt")) for i in range(n)]
-
-
-@pytest.fixture
-def transport() -> Iterator[DispatchTransport]:
-    with DispatchTransport() as t:
-        yield t
-
-
 def _write_collect_nodes(tmp: Path, n: int = 4, stage: int = 2, shard: int = 4096) -> list[CollectNode]:
-    nodes = _nodes(tmp, n)
+    nodes = local_collect_nodes(tmp, n)
     synthetic.write_node_local([c.root for c in nodes], zero_stage=stage, shard_bytes=shard,
                                model_bytes=1024)
     return nodes
@@ -114,7 +102,7 @@ def test_unknown_tag_and_missing_dir(tmp_path: Path, transport: DispatchTranspor
     nodes = _write_collect_nodes(tmp_path)
     with pytest.raises(CheckpointIncomplete, match="no global_step7 directory"):
         verify(list_nodes(transport, nodes, "global_step7"), "global_step7")
-    nodes.append(_nodes(tmp_path, 5)[4])
+    nodes.append(local_collect_nodes(tmp_path, 5)[4])
     with pytest.raises(CheckpointIncomplete, match=r"node5: checkpoint directory .* does not exist"):
         verify(list_nodes(transport, nodes, None))
 
@@ -307,7 +295,7 @@ def test_scatter_same_split_and_resplit(tmp_path: Path, transport: DispatchTrans
     dest = tmp_path / "dest"
     collect(transport, nodes, CollectOptions(dest=str(dest)))
     manifest = read_manifest(str(dest), TAG)
-    fresh = _nodes(tmp_path / "fresh", 8)
+    fresh = local_collect_nodes(tmp_path / "fresh", 8)
     with pytest.raises(CheckpointError, match="8 data-parallel ranks but the selected nodes give 4"):
         plan_scatter(manifest, [ScatterTarget(n, 1) for n in fresh[:4]])
     report = scatter(transport, str(dest), TAG, [ScatterTarget(n, 1) for n in fresh])

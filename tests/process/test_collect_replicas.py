@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,24 +19,16 @@ from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.errors import CheckpointError
 from clusterkit.node import contract
 from clusterkit.node.hashing import sha256_file
-from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.spec.jobrecord import JobCheckpoints
 from tests import synthetic_ckpt as synthetic
+from tests.collectnodes import local_collect_nodes
 
 TAG = "global_step20"
 
 
-@pytest.fixture
-def transport() -> Iterator[DispatchTransport]:
-    with DispatchTransport() as t:
-        yield t
-
-
 def _write_replicated_nodes(tmp: Path, n: int = 4, replicas: int = 1) -> list[CollectNode]:
-    nodes = [CollectNode(f"node{i + 1}", SSHTarget(name=f"node{i + 1}", address="127.0.0.1",
-                                                   local=True),
-                         sys.executable, str(tmp / f"node{i + 1}" / "ckpt")) for i in range(n)]
+    nodes = local_collect_nodes(tmp, n)
     roots = [c.root for c in nodes]
     synthetic.write_node_local(roots, zero_stage=2, shard_bytes=4096, model_bytes=1024, tag=TAG)
     synthetic.write_ring_replicas(roots, TAG, replicas=replicas)
@@ -265,10 +256,7 @@ def test_a_user_scripts_save_without_markers_is_completed_from_its_replica(
         tmp_path: Path, transport: DispatchTransport) -> None:
     from clusterkit.checkpoints.collectplan import WithoutMarkers
 
-    nodes = [CollectNode(f"node{i + 1}", SSHTarget(name=f"node{i + 1}", address="127.0.0.1",
-                                                   local=True),
-                         sys.executable, str(tmp_path / f"node{i + 1}" / "ckpt"))
-             for i in range(4)]
+    nodes = local_collect_nodes(tmp_path, 4)
     roots = [c.root for c in nodes]
     synthetic.write_node_local(roots, zero_stage=2, shard_bytes=4096, model_bytes=1024, tag=TAG)
     for index, root in enumerate(roots):  # engine.save_checkpoint writes no markers

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from clusterkit.checkpoints.collect.choose import why_kept
 from clusterkit.checkpoints.collect.tags import answers, newest_collectable
@@ -22,21 +18,9 @@ from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import WithoutMarkers
 from clusterkit.checkpoints.replicas.health import list_all
 from clusterkit.checkpoints.sources.base import CollectNode
-from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
 from tests import synthetic_ckpt as synthetic
-
-
-@pytest.fixture
-def transport() -> Iterator[DispatchTransport]:
-    with DispatchTransport() as t:
-        yield t
-
-
-def _nodes(tmp: Path, n: int = 3) -> list[CollectNode]:
-    return [CollectNode(f"node{i + 1}", SSHTarget(name=f"node{i + 1}", address="127.0.0.1",
-                                                  local=True),
-                        sys.executable, str(tmp / f"node{i + 1}" / "ckpt")) for i in range(n)]
+from tests.collectnodes import local_collect_nodes
 
 
 def _hf_save(nodes: list[CollectNode], step: int, *, model_everywhere: bool = True) -> str:
@@ -52,7 +36,7 @@ def test_a_wiped_node_is_collected_from_its_replica_without_a_tag(
     """The issue's case: node2's /scratch wiped; status said 'complete from replicas' while
     collect-ckpt JOB exited 2 ('checkpoint ? cannot be collected ... node2: checkpoint
     directory ... does not exist') and only --tag checkpoint-50 worked."""
-    nodes = _nodes(tmp_path)
+    nodes = local_collect_nodes(tmp_path, 3)
     for step in (30, 50):
         tag = _hf_save(nodes, step)
         synthetic.write_ring_replicas([n.root for n in nodes], tag)
@@ -78,7 +62,7 @@ def test_status_and_collect_agree_on_a_save_complete_only_as_a_whole(
     """A plain DeepSpeed config (no use_node_local_storage): the model states on global
     rank 0's node only. collect-ckpt gathers it; status said 'cannot be assembled'. Now
     both say collectable, and status says why a restart on the nodes cannot resume it."""
-    nodes = _nodes(tmp_path)
+    nodes = local_collect_nodes(tmp_path, 3)
     _hf_save(nodes, 50, model_everywhere=False)
     listings = list_all(transport, nodes)
     (answer,) = answers(listings, without_markers=WM)
@@ -94,7 +78,7 @@ def test_status_and_collect_agree_on_a_save_complete_only_as_a_whole(
 
 def test_a_tag_nothing_can_complete_is_not_collectable_and_says_why(
         tmp_path: Path, transport: DispatchTransport) -> None:
-    nodes = _nodes(tmp_path)
+    nodes = local_collect_nodes(tmp_path, 3)
     _hf_save(nodes, 50)
     os.unlink(synthetic.shard_paths(os.path.join(nodes[2].root, "checkpoint-50"),
                                     "global_step50")[0])

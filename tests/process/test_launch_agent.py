@@ -37,6 +37,7 @@ from clusterkit.node.protocol import AgentSpec
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.local import LocalTransport
 from clusterkit.ship import agent_command
+from tests.polling import wait_for
 
 FAKE_RANK = textwrap.dedent("""
     import os, signal, subprocess, sys, time
@@ -90,14 +91,6 @@ def _orchestrate(job: JobSpec) -> tuple[object, str]:
     return outcome, out.getvalue()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.fixture()
 def local_bystanders() -> Iterator[list[subprocess.Popen[bytes]]]:
     """Another job's process, and one whose command line matches DeepSpeed's pkill pattern."""
@@ -146,7 +139,7 @@ def test_stubborn_rank_is_killed_after_the_grace_period(tmp_path: Path, fake: Pa
     orch = Orchestrator(job, LocalTransport(), PlainSink(io.StringIO()))
     thread = threading.Thread(target=lambda: holder.update(out=orch.run(install_signals=False)))
     thread.start()
-    _wait_for(lambda: len(job_processes("stubborn-job")) == 2)
+    wait_for(lambda: len(job_processes("stubborn-job")) == 2)
     orch._on_signal(signal.SIGINT, None)  # what Ctrl-C does
     thread.join(15)
     assert not thread.is_alive()
@@ -164,10 +157,10 @@ def test_usr1_reaches_every_rank(tmp_path: Path, fake: Path) -> None:
     thread.start()
     try:
         # Every rank past step 3 (so each has installed its handler), not just the first one.
-        _wait_for(lambda: all(f"[v{r} r{r}] step 3/600" in out.getvalue() for r in (0, 1)))
+        wait_for(lambda: all(f"[v{r} r{r}] step 3/600" in out.getvalue() for r in (0, 1)))
         orch._on_signal(signal.SIGUSR1, None)
-        _wait_for(lambda: all(f"[v{r} r{r}] rank {r} got USR1" in out.getvalue() for r in (0, 1)),
-                  timeout=40)
+        wait_for(lambda: all(f"[v{r} r{r}] rank {r} got USR1" in out.getvalue() for r in (0, 1)),
+                 timeout=40)
     finally:
         orch._on_signal(signal.SIGINT, None)  # what Ctrl-C does: the job's teardown
         thread.join(40)
@@ -201,7 +194,7 @@ def test_stop_mode_kills_only_the_named_job(local_bystanders: list[subprocess.Po
     env = dict(os.environ, CLUSTERKIT_JOB_ID="stop-me")
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
                               start_new_session=True)
-    _wait_for(lambda: victim.pid in job_processes("stop-me"))
+    wait_for(lambda: victim.pid in job_processes("stop-me"))
     cmd = agent_command(sys.executable, ["--stop", "stop-me", "--grace", "1"])
     res = subprocess.run(cmd.argv, input=cmd.stdin, capture_output=True, timeout=20)
     assert json.loads(res.stdout) == {"signalled": 1, "killed": 0, "left": 0}
@@ -284,13 +277,6 @@ def test_exit_status_maps_signals_like_a_shell() -> None:
     assert exit_status(-9) == 137 and exit_status(3) == 3 and exit_status(0) == 0
 
 
-def _wait_for(cond: object, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
-
-
 def test_watch_only_agents_exit_when_every_launcher_is_done(tmp_path: Path, fake: Path) -> None:
     base = _fake_rank_job(tmp_path, fake, 2, "watch-job")
     watcher = dataclasses.replace(base.tasks[1], argv=(), env={})
@@ -367,7 +353,7 @@ def test_native_mode_forwards_usr1_to_the_ranks(tmp_path: Path, fake: Path) -> N
     orch = Orchestrator(job, LocalTransport(), PlainSink(out))
     thread = threading.Thread(target=orch.run, kwargs={"install_signals": False})
     thread.start()
-    _wait_for(lambda: "[v0 r1] step 3/30" in out.getvalue())
+    wait_for(lambda: "[v0 r1] step 3/30" in out.getvalue())
     orch._on_signal(signal.SIGUSR1, None)
     thread.join(20)
     assert "[v0 r0] rank 0 got USR1" in out.getvalue() and "[v0 r1] rank 1 got USR1" in out.getvalue()

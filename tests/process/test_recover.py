@@ -9,7 +9,6 @@ import json
 import shutil
 import sys
 from collections import OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -168,12 +167,6 @@ def _copy_replica(src_root: Path, holder_root: Path, index: int, tag: str = TAG)
                 "holder": holder_root.parent.parent.name, "files": files, "completed": 1.0}
     (dest / REPLICA_MANIFEST).write_text(json.dumps(manifest))
     return dest
-
-
-@pytest.fixture
-def transport() -> Iterator[DispatchTransport]:
-    with DispatchTransport() as t:
-        yield t
 
 
 OLD_MAP = rank_spans([["node1", 0, 2], ["node2", 2, 2], ["node3", 4, 2]])

@@ -12,6 +12,7 @@ import pytest
 
 from clusterkit.cli.main import main
 from clusterkit.sync.source import Ignore, manifest
+from tests.synchelpers import sync_verb
 
 
 def _write_local_inventory(tmp_path: Path, **defaults: str) -> Path:
@@ -21,16 +22,6 @@ def _write_local_inventory(tmp_path: Path, **defaults: str) -> Path:
     path = tmp_path / "inv.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def _sync(inv: Path, src: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
-    cwd = os.getcwd()
-    os.chdir(src.parent)
-    try:
-        assert main(["sync", src.name, "-i", str(inv), *extra]) == 0
-    finally:
-        os.chdir(cwd)
-    return capsys.readouterr().out
 
 
 def test_sync_moves_only_changed_files_honours_ignore_and_delete(
@@ -46,7 +37,7 @@ def test_sync_moves_only_changed_files_honours_ignore_and_delete(
     (src / "keep.log").write_text("kept\n")
     work = tmp_path / "node-work"
     inv = _write_local_inventory(tmp_path, workdir=str(work))
-    out = _sync(inv, src, capsys)
+    out = sync_verb(src.parent, src.name, inv, capsys)[0]
     dest = work / "code"  # same path relative to the launcher's cwd, under the workdir
     assert "v0: 4 file(s) sent" in out
     assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()) == [
@@ -54,19 +45,22 @@ def test_sync_moves_only_changed_files_honours_ignore_and_delete(
         "train.py"]
     assert os.stat(dest / "train.py").st_mtime == os.stat(src / "train.py").st_mtime
     # Nothing changed: nothing moves.
-    assert "v0: 0 file(s) sent (0 bytes, verified), 4 unchanged" in _sync(inv, src, capsys)
+    assert "v0: 0 file(s) sent (0 bytes, verified), 4 unchanged" in sync_verb(src.parent, src.name, inv,
+                                                                              capsys)[0]
     # One file changed: only it moves.
     (src / "pkg" / "model.py").write_text("W = 2\n")
-    assert "v0: 1 file(s) sent (6 bytes, verified), 3 unchanged" in _sync(inv, src, capsys)
+    assert "v0: 1 file(s) sent (6 bytes, verified), 3 unchanged" in sync_verb(src.parent, src.name, inv,
+                                                                              capsys)[0]
     assert (dest / "pkg" / "model.py").read_text() == "W = 2\n"
     # Same content, new mtime: the sha256 says equal, nothing travels, the mtime follows.
     os.utime(src / "train.py", (time.time() + 5, time.time() + 5))
-    assert "v0: 0 file(s) sent (0 bytes, verified), 4 unchanged" in _sync(inv, src, capsys)
+    assert "v0: 0 file(s) sent (0 bytes, verified), 4 unchanged" in sync_verb(src.parent, src.name, inv,
+                                                                              capsys)[0]
     assert os.stat(dest / "train.py").st_mtime_ns == os.stat(src / "train.py").st_mtime_ns
     # A file only on the node stays unless --delete.
     (dest / "stale.py").write_text("old\n")
-    assert "1 extra file(s) kept" in _sync(inv, src, capsys)
-    assert "1 deleted" in _sync(inv, src, capsys, "--delete")
+    assert "1 extra file(s) kept" in sync_verb(src.parent, src.name, inv, capsys)[0]
+    assert "1 deleted" in sync_verb(src.parent, src.name, inv, capsys, "--delete")[0]
     assert not (dest / "stale.py").exists()
 
 

@@ -16,7 +16,7 @@ import pytest
 from clusterkit.cli.main import main
 from clusterkit.node.sync import store as store
 from clusterkit.sync.plan import Chains, NodeView, node_lines, progress_line, records
-from tests.synchelpers import local_inventory
+from tests.synchelpers import local_inventory, sync_verb
 
 
 # ----------------------------------------------------------------------------- chains
@@ -97,18 +97,6 @@ def test_paths_that_would_escape_the_destination_are_refused(rel: str) -> None:
 
 
 # ----------------------------------------------------------------------------- local nodes
-def _sync(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str,
-          code: int = 0) -> tuple[str, str]:
-    cwd = os.getcwd()
-    os.chdir(tmp_path / "proj")
-    try:
-        assert main(["sync", "code", "-i", str(tmp_path / "inv.yaml"), *extra]) == code
-    finally:
-        os.chdir(cwd)
-    cap = capsys.readouterr()
-    return cap.out, cap.err
-
-
 def _sync_from(proj: Path, capsys: pytest.CaptureFixture[str]) -> tuple[str, str]:
     """``sync code`` run from ``proj`` (another directory holding ``code``)."""
     inv = str(proj.parent / "inv.yaml")
@@ -144,7 +132,7 @@ def test_chain_of_local_nodes_delivers_verifies_and_then_sends_nothing(
     monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
     src = _project(tmp_path)
     local_inventory(tmp_path)
-    out, _ = _sync(tmp_path, capsys)
+    out, _ = sync_verb(tmp_path / "proj", "code", tmp_path / "inv.yaml", capsys)
     assert out == "  v[0-2]: 5 file(s) sent (3,000,016 bytes, verified), 0 unchanged\n"
     for i in range(3):
         dest = tmp_path / f"w{i}" / "code"
@@ -152,7 +140,7 @@ def test_chain_of_local_nodes_delivers_verifies_and_then_sends_nothing(
         assert os.stat(dest / "run.sh").st_mode & 0o777 == 0o755
         assert os.stat(dest / "model.bin").st_mtime_ns == os.stat(src / "model.bin").st_mtime_ns
         assert os.listdir(dest / ".clusterkit-sync" / "partial") == []
-    out, _ = _sync(tmp_path, capsys, "--json")
+    out, _ = sync_verb(tmp_path / "proj", "code", tmp_path / "inv.yaml", capsys, "--json")
     done = json.loads(out.splitlines()[-1])
     assert done["ok"] and done["sent_from_here"] == 0 and done["chains"] == [["v0", "v1", "v2"]]
     assert {n: r["got_bytes"] for n, r in done["nodes"].items()} == {"v0": 0, "v1": 0, "v2": 0}
@@ -161,7 +149,7 @@ def test_chain_of_local_nodes_delivers_verifies_and_then_sends_nothing(
     assert out == "  v[0-2]: 0 file(s) sent (0 bytes, verified), 5 unchanged\n"
     # One file changed here: only it travels.
     (src / "pkg" / "a.py").write_text("A = 2\n")
-    out, _ = _sync(tmp_path, capsys)
+    out, _ = sync_verb(tmp_path / "proj", "code", tmp_path / "inv.yaml", capsys)
     assert out == "  v[0-2]: 1 file(s) sent (6 bytes, verified), 4 unchanged\n"
 
 
@@ -173,13 +161,14 @@ def test_bad_inputs_are_one_line_and_leave_nothing_half_written(
     # A destination that is a file on one node: that node fails, the others complete.
     (tmp_path / "w1").mkdir()
     (tmp_path / "w1" / "code").write_text("not a dir\n")
-    out, err = _sync(tmp_path, capsys, code=2)
+    out, err = sync_verb(tmp_path / "proj", "code", tmp_path / "inv.yaml", capsys, code=2)
     assert "  v1: failed: WireError: " in out and "code exists and is not a directory" in out
     assert "  v[0,2]: 5 file(s) sent" in out
     assert "sync incomplete on 1 of 3 node(s): v1" in err
     assert (tmp_path / "w1" / "code").read_text() == "not a dir\n"
     # A destination outside the workdir.
-    _, err = _sync(tmp_path, capsys, "--dest", "../../etc", code=2)
+    _, err = sync_verb(tmp_path / "proj", "code", tmp_path / "inv.yaml", capsys, "--dest", "../../etc",
+                       code=2)
     assert err.count("\n") == 1 and "../../etc is outside the workdir" in err
     # A symbolic link loop as DIR; a loop inside DIR is not followed and not copied.
     os.symlink("loop2", tmp_path / "proj" / "loop1")
@@ -188,7 +177,7 @@ def test_bad_inputs_are_one_line_and_leave_nothing_half_written(
     assert "symbolic link loop" in capsys.readouterr().err
     os.symlink("self", src / "self")
     (tmp_path / "w1" / "code").unlink()
-    out, _ = _sync(tmp_path, capsys)
+    out, _ = sync_verb(tmp_path / "proj", "code", tmp_path / "inv.yaml", capsys)
     assert "1 symbolic link(s) not copied: self" in out and "v1: 5 file(s) sent" in out
     # --delete in a directory sync never filled.
     (tmp_path / "w0" / "other").mkdir()

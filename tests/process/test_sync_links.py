@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from clusterkit.checks.rules_sync import check_sync
-from clusterkit.cli.main import main
 from clusterkit.node.sync import store as store
 from clusterkit.sync.source import Ignore, link_text, scan
-from tests.synchelpers import SHA_CFG, SHA_W, hf_tree, local_inventory
+from tests.synchelpers import SHA_CFG, SHA_W, hf_tree, local_inventory, sync_verb
 
 
 # ----------------------------------------------------------------------------- the scan
@@ -160,12 +159,12 @@ def test_a_directory_link_made_by_sync_gives_way_to_a_directory(
     (hub / "rev1" / "f").write_text("1")
     os.symlink("rev1", hub / "main")
     local_inventory(tmp_path, 1)
-    _sync(tmp_path, capsys)
+    sync_verb(tmp_path / "proj", "hub", tmp_path / "inv.yaml", capsys)
     assert os.readlink(tmp_path / "w0" / "hub" / "main") == "rev1"
     os.unlink(hub / "main")
     (hub / "main").mkdir()
     (hub / "main" / "f").write_text("2")
-    out, _ = _sync(tmp_path, capsys)
+    out, _ = sync_verb(tmp_path / "proj", "hub", tmp_path / "inv.yaml", capsys)
     assert "v0: 1 file(s) sent (1 bytes, verified), 1 unchanged" in out
     node = tmp_path / "w0" / "hub"
     assert not (node / "main").is_symlink() and (node / "main" / "f").read_text() == "2"
@@ -173,34 +172,22 @@ def test_a_directory_link_made_by_sync_gives_way_to_a_directory(
     # Back to a link: the directory holds a file the source lacks; --delete clears it.
     shutil.rmtree(hub / "main")
     os.symlink("rev1", hub / "main")
-    out, _ = _sync(tmp_path, capsys, code=2)
+    out, _ = sync_verb(tmp_path / "proj", "hub", tmp_path / "inv.yaml", capsys, code=2)
     assert "v0: 0 file(s) sent (0 bytes, verified), 1 unchanged, 1 failed (main: cannot make " \
         "the link: main is a directory on this node that holds files the source lacks (sync " \
         "--delete removes them)), 1 extra file(s) kept" in out, out
-    out, _ = _sync(tmp_path, capsys, "--delete")
+    out, _ = sync_verb(tmp_path / "proj", "hub", tmp_path / "inv.yaml", capsys, "--delete")
     assert "v0: 0 file(s) sent (0 bytes, verified), 1 unchanged, 1 link(s) made, 1 deleted" in out
     assert os.readlink(node / "main") == "rev1"
 
 
 # ----------------------------------------------------------------------------- local nodes
-def _sync(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str,
-          code: int = 0) -> tuple[str, str]:
-    cwd = os.getcwd()
-    os.chdir(tmp_path / "proj")
-    try:
-        assert main(["sync", "hub", "-i", str(tmp_path / "inv.yaml"), *extra]) == code
-    finally:
-        os.chdir(cwd)
-    cap = capsys.readouterr()
-    return cap.out, cap.err
-
-
 def test_a_hub_cache_reaches_local_nodes_with_its_links(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLUSTERKIT_HOME", str(tmp_path / "home"))
     hub = hf_tree(tmp_path / "proj", tmp_path / "outside")
     local_inventory(tmp_path)
-    out, err = _sync(tmp_path, capsys)
+    out, err = sync_verb(tmp_path / "proj", "hub", tmp_path / "inv.yaml", capsys)
     assert "v[0-2]: 5 file(s) sent (3,028 bytes, verified), 0 unchanged, 4 link(s) made" in out
     assert "note: 1 symbolic link(s) not copied: dangling" in out
     assert "note: 2 link(s) lead outside hub: copied as what they point at (5 B): extra -> " \
@@ -216,7 +203,7 @@ def test_a_hub_cache_reaches_local_nodes_with_its_links(
         assert not (dest / "tokenizer.json").is_symlink()
         assert (dest / "extra" / "a.txt").read_text() == "a\n"
         assert not os.path.lexists(dest / "dangling")
-    out, _ = _sync(tmp_path, capsys, "--json")
+    out, _ = sync_verb(tmp_path / "proj", "hub", tmp_path / "inv.yaml", capsys, "--json")
     done = json.loads(out.splitlines()[-1])
     assert done["ok"] and done["sent_from_here"] == 0 and done["links"] == ["dangling"]
     assert {n: r["links_made"] for n, r in done["nodes"].items()} == {"v0": 0, "v1": 0, "v2": 0}
@@ -226,12 +213,12 @@ def test_a_hub_cache_reaches_local_nodes_with_its_links(
     os.symlink("elsewhere", w1 / snap / "config.json")
     os.unlink(hub / "models--org--tiny" / "snapshots" / "latest")
     os.symlink("rev1", tmp_path / "w2" / "hub" / "mine")
-    out, _ = _sync(tmp_path, capsys)
+    out, _ = sync_verb(tmp_path / "proj", "hub", tmp_path / "inv.yaml", capsys)
     assert "v1: 0 file(s) sent (0 bytes, verified), 5 unchanged, 1 link(s) made, " \
         "1 extra file(s) kept" in out
     assert os.readlink(w1 / snap / "config.json") == f"../../blobs/{SHA_CFG}"
     assert "v2: 0 file(s) sent (0 bytes, verified), 5 unchanged, 2 extra file(s) kept" in out
-    out, _ = _sync(tmp_path, capsys, "--delete")
+    out, _ = sync_verb(tmp_path / "proj", "hub", tmp_path / "inv.yaml", capsys, "--delete")
     assert "v[0-1]: 0 file(s) sent (0 bytes, verified), 5 unchanged, 1 deleted" in out
     assert "v2: 0 file(s) sent (0 bytes, verified), 5 unchanged, 2 deleted" in out
     for i in range(3):

@@ -13,6 +13,7 @@ from clusterkit.errors import TransportError
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport, transport_for
 from clusterkit.remote.local import LocalTransport
+from tests.procs import pid_alive
 
 NODE = SSHTarget(name="v1", address="localhost", local=True)
 
@@ -71,17 +72,9 @@ def test_timeout_kills_the_whole_group(local: LocalTransport, tmp_path: Path) ->
     assert time.monotonic() - start < 5
     child = int(pidfile.read_text())
     deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
+    while pid_alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not pid_alive(child)
 
 
 def test_run_all_order_mapping_and_failures(local: LocalTransport) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,10 +24,11 @@ from clusterkit.launch.registry import JobRecord, NodeRecord, Registry
 from clusterkit.node import contract
 from clusterkit.node.contract import MARKER_GLOB
 from clusterkit.node.replicas.rules import part_problem
-from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.spec.jobrecord import JobCheckpoints
 from tests import synthetic_ckpt as synthetic
+from tests.cli import clusterkit_cli, home_env
+from tests.collectnodes import local_collect_nodes
 
 TAG = "step60"  # a user's own tag name
 
@@ -51,9 +51,7 @@ def test_rank_maps() -> None:
 def _user_job(tmp: Path, n: int = 4) -> list[CollectNode]:
     """A finished user-script job: 2 ranks a node, no markers, a replica of each part on
     the next node (what the replicas copy once part_problem says complete)."""
-    nodes = [CollectNode(f"node{i + 1}", SSHTarget(name=f"node{i + 1}", address="127.0.0.1",
-                                                   local=True),
-                         sys.executable, str(tmp / f"node{i + 1}" / "ckpt")) for i in range(n)]
+    nodes = local_collect_nodes(tmp, n)
     roots = [c.root for c in nodes]
     synthetic.write_node_local(roots, zero_stage=2, shard_bytes=2048, model_bytes=512, tag=TAG)
     for index, root in enumerate(roots):
@@ -98,16 +96,10 @@ def _registered_home(tmp: Path, nodes: list[CollectNode], extra: dict[str, objec
     return str(home)
 
 
-def _cli(home: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "CLUSTERKIT_HOME": home}
-    return subprocess.run([sys.executable, "-m", "clusterkit", *args], capture_output=True,
-                          text=True, timeout=120, env=env)
-
-
 def test_status_of_a_launched_user_script_job(tmp_path: Path) -> None:
     nodes = _user_job(tmp_path)
     home = _registered_home(tmp_path, nodes, {"markers": False})
-    out = _cli(home, "status", "ck-user-1")
+    out = clusterkit_cli("status", "ck-user-1", env=home_env(home), timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"    {TAG}: 4/4 nodes, replicated 4/4\n" in out.stdout, out.stdout
 
@@ -120,7 +112,8 @@ def test_collect_a_launched_user_script_job_needs_no_flag(tmp_path: Path,
     nodes = _user_job(tmp_path)
     home = _registered_home(tmp_path, nodes, {} if markers is None else {"markers": markers})
     dest = tmp_path / "dest"
-    res = _cli(home, "collect-ckpt", "ck-user-1", "--to", str(dest), "--tag", TAG, "--json")
+    res = clusterkit_cli("collect-ckpt", "ck-user-1", "--to", str(dest), "--tag", TAG, "--json",
+                         env=home_env(home), timeout=120)
     if markers is None:
         assert res.returncode == 2 and "pass --without-markers" in res.stderr, res.stderr
         return

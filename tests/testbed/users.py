@@ -35,6 +35,7 @@ import grp
 import os
 import pwd
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,3 +183,11 @@ def inventory_overrides(user: BedUser) -> dict[str, Any]:
         "checkpoint": {"shared_dir": str(user.shared_dir / "ckpt"),
                        "local_dir": str(user.local_dir / "ckpt")},
     }
+
+
+def assert_owned_by_user(user: BedUser | None, paths: Iterable[Path]) -> None:
+    """Every one of ``paths``, and at least one, belongs to the bed's ``user`` (a bed
+    made with one)."""
+    assert user is not None
+    owners = {str(p): p.stat().st_uid for p in paths}
+    assert set(owners.values()) == {user.uid}, owners

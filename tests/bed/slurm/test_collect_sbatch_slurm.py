@@ -15,23 +15,17 @@ from __future__ import annotations
 
 import re
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli import clusterkit_cli
 from tests.slurmbed import SlurmBed
 
 pytestmark = [pytest.mark.slurm, pytest.mark.testbed]
 
 JOB = "ckcollect"
 STEPS = 3
-
-
-def _run(env: dict[str, str], *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clusterkit", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout, check=False)
 
 
 @pytest.mark.slow
@@ -43,9 +37,9 @@ def test_collect_finished_node_local_job_through_slurm(slurm: SlurmBed, tmp_path
     env = {**slurm.env, "CLUSTERKIT_HOME": str(tmp_path / "home"),
            "PATH": f"{fake}:{slurm.env['PATH']}"}
     inv = slurm.tb.write_inventory(tmp_path / "inv.yaml", nodes=slurm.nodes, slots=2, gpus=2)
-    r = _run(env, "sbatch", "-i", str(inv), "--nodes", "2", "--gpus-per-node", "1",
-             "--storage", "node-local", "--steps", str(STEPS), "--job-id", JOB, "--precision",
-             "fp32", "--model", "tiny", "--submit", "--watch", "--poll", "0.5", timeout=500)
+    r = clusterkit_cli("sbatch", "-i", str(inv), "--nodes", "2", "--gpus-per-node", "1", "--storage",
+                       "node-local", "--steps", str(STEPS), "--job-id", JOB, "--precision", "fp32",
+                       "--model", "tiny", "--submit", "--watch", "--poll", "0.5", env=env, timeout=500)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     m = re.search(r"submitted Slurm job (\d+)", r.stdout)
     assert m, r.stdout
@@ -59,8 +53,9 @@ def test_collect_finished_node_local_job_through_slurm(slurm: SlurmBed, tmp_path
     try:
         for key, dest, consolidate in ((JOB, tmp_path / "by-id", True),
                                        (slurm_id, tmp_path / "by-slurm-id", False)):
-            r = _run(env, "collect-ckpt", key, "--to", str(dest),
-                     *(("--consolidate", "fp32") if consolidate else ()), timeout=300)
+            r = clusterkit_cli("collect-ckpt", key, "--to", str(dest),
+                               *(("--consolidate", "fp32") if consolidate else ()), env=env,
+                               timeout=300)
             assert r.returncode == 0, (key, r.stdout[-3000:], r.stderr[-3000:])
             assert f"job {JOB} (Slurm job {slurm_id}, COMPLETED): collecting" in r.stdout
             assert "node[1-2] through Slurm, a one-task allocation on each node" in r.stdout
@@ -72,7 +67,7 @@ def test_collect_finished_node_local_job_through_slurm(slurm: SlurmBed, tmp_path
         slurm.wait_all_jobs_gone(timeout=30)  # every one-task allocation was given back
         # A node Slurm has down: one line at once, naming it (srun alone waits, then says "busy").
         slurm.client(["scontrol", "update", "NodeName=node2", "State=DOWN", "Reason=ck-test"])
-        r = _run(env, "collect-ckpt", JOB, "--to", str(tmp_path / "down"), timeout=60)
+        r = clusterkit_cli("collect-ckpt", JOB, "--to", str(tmp_path / "down"), env=env, timeout=60)
         assert r.returncode == 2, (r.stdout, r.stderr)
         assert "node2 down (reason: ck-test)" in r.stderr and "State=RESUME" in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -39,9 +39,11 @@ import pytest
 from clusterkit.node.contract import REPLICA_MANIFEST
 from tests.helpers import snapshot_tag
 from tests.paths import REPO
+from tests.polling import wait_for
 from tests.slurmbed import SlurmBed
 from tests.slurmbed.cluster import slurm_unavailable_reason
 from tests.testbed import Testbed, temporary
+from tests.testbed.users import assert_owned_by_user
 
 pytestmark = [pytest.mark.slurm, pytest.mark.testbed, pytest.mark.slow]
 
@@ -103,12 +105,6 @@ def _submit_replica_job(bed: SlurmBed, inv: Path, job: str, *extra: str) -> str:
 def _user_job_dir(tb: Testbed, job: str) -> Path:
     assert tb.user is not None
     return tb.user.workdir / ".clusterkit" / "jobs" / job
-
-
-def _owned_by_user(tb: Testbed, paths: list[Path]) -> None:
-    assert tb.user is not None and paths
-    owners = {str(p): p.stat().st_uid for p in paths}
-    assert set(owners.values()) == {tb.user.uid}, owners
 
 
 def _wait_end(bed: SlurmBed, slurm_id: str, timeout: float) -> str:
@@ -189,13 +185,6 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
-def _wait_for(path: Path, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < end, f"{path} did not appear in {timeout:.0f} s"
-        time.sleep(0.3)
-
-
 def _lose_node3_past_its_saves(bed: SlurmBed, job: str, slurm_id: str, manifest: Path) -> int:
     """Once ``manifest`` (a replica of node3's part) exists, node3 is lost for good (every
     process of it killed, slurmd too, its scratch removed, the node set DOWN) at a moment
@@ -222,7 +211,9 @@ def _lose_node3_past_its_saves(bed: SlurmBed, job: str, slurm_id: str, manifest:
                 # Every rank finished the first save before the next step: its copy to
                 # node4 comes while the job is held (a 4 x 1 step takes ~0.3 s, the copy
                 # a few seconds: the run could end first).
-                _wait_for(manifest, min(120.0, end - time.monotonic()))
+                timeout = min(120.0, end - time.monotonic())
+                wait_for(manifest.exists, timeout, f"{manifest} did not appear in {timeout:.0f} s",
+                         interval=0.3)
             if manifest.exists() and logged >= _saves_begun(bed.tb, LOST, job) + 2:
                 break
             _signal(ranks, signal.SIGCONT)
@@ -275,7 +266,7 @@ def _reshard_on_3_nodes(bed: SlurmBed, inv: Path, tmp_path: Path) -> None:
     assert weights and set(weights) <= set(want), (sorted(weights)[:5], sorted(want)[:5])
     for name, tensor in weights.items():
         assert torch.equal(tensor.float(), want[name].float()), name
-    _owned_by_user(tb, [loaded])
+    assert_owned_by_user(tb.user, [loaded])
     print("\n".join(ln for ln in out.splitlines() if ln.startswith("clusterkit: "))[:3000])
 
 
@@ -292,7 +283,8 @@ def test_a_lost_node_costs_a_restore_not_the_run(testbed_required: None, tmp_pat
         got = _summary_file(bed, "lost")
         csv_runs = _csv_losses(bed, "lost")
         # What the job wrote is the user's: checkpoints, the restored part, copies, logs.
-        _owned_by_user(tb, [*(p for n in ("node1", "node2", "node4", "node5")
+        assert_owned_by_user(tb.user,
+                             [*(p for n in ("node1", "node2", "node4", "node5")
                               for p in tb.node_local_path(n, LOCAL).rglob("*")),
                             _user_job_dir(tb, "lost") / "logs" / f"slurm-{slurm_id}.out"])
         # sbatch status: the checkpoints' replica health, listed through Slurm.

@@ -8,26 +8,20 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from clusterkit.slurm.client import SlurmClient
-from tests.helpers import workload_summary
+from tests.cli import clusterkit_cli
+from tests.helpers import slurm_job_dir, workload_summary
 from tests.slurmbed import SlurmBed
 
 pytestmark = [pytest.mark.slurm, pytest.mark.testbed]
 
 WORKLOAD = ("--precision", "fp32", "--model", "tiny")
 IN_PROGRESS = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING")
-
-
-def _cli(env: dict[str, str], args: list[str], timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clusterkit", "sbatch", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout, check=False)
 
 
 def _wait_finished(bed: SlurmBed, slurm_id: str, timeout: float) -> tuple[str, float]:
@@ -62,9 +56,9 @@ def test_slurm_clients_only_on_the_submitting_shells_path(slurm: SlurmBed, launc
         # clusterkit's script keeps the submitting shell's PATH: the job completes.
         inv = slurm.tb.write_inventory(slurm.tb.root / "inventory-sitepath.yaml",
                                        nodes=slurm.nodes, slots=1, gpus=0)
-        r = _cli(env, ["-i", str(inv), "--nodes", "2", "--steps", "3", "--launcher", launcher,
-                       "--job-id", f"sitepath-{launcher}", *WORKLOAD, "--partition", "debug",
-                       "--submit", "--watch", "--poll", "0.5"])
+        r = clusterkit_cli("sbatch", "-i", str(inv), "--nodes", "2", "--steps", "3", "--launcher",
+                           launcher, "--job-id", f"sitepath-{launcher}", *WORKLOAD, "--partition",
+                           "debug", "--submit", "--watch", "--poll", "0.5", env=env, timeout=400)
         assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
         assert "COMPLETED" in r.stderr and "CLUSTERKIT_SUMMARY" in r.stdout
 
@@ -77,8 +71,8 @@ def test_job_dir_one_node_cannot_see_fails_naming_it(slurm: SlurmBed) -> None:
     work = tb.local_mountpoint / "work"  # the host's own dir; nodes see their private one
     inv = tb.write_inventory(tb.root / "inventory-scratchwork.yaml", nodes=nodes, slots=1,
                              gpus=0, workdir=str(work))
-    r = _cli(slurm.env, ["-i", str(inv), "--nodes", "3", "--steps", "3", "--job-id", "unseen",
-                         *WORKLOAD, "--partition", "debug"], timeout=60)
+    r = clusterkit_cli("sbatch", "-i", str(inv), "--nodes", "3", "--steps", "3", "--job-id", "unseen",
+                       *WORKLOAD, "--partition", "debug", env=slurm.env, timeout=60)
     assert r.returncode == 0, r.stderr
     job_dir = work / ".clusterkit" / "jobs" / "unseen"
     for node in nodes[:-1]:
@@ -111,10 +105,6 @@ def _site_inventory(bed: SlurmBed, slots: int) -> Path:
                                   slots=slots, gpus=0)
 
 
-def _job_dir(bed: SlurmBed, job: str) -> Path:
-    return bed.tb.root / "work" / ".clusterkit" / "jobs" / job
-
-
 # Full trainings (minutes on 2 shared cores): only with CLUSTERKIT_EXTENDED=1.
 def _run_nodes(out: str) -> list[str]:
     """The node list of each run, from the script's "===== clusterkit: ... run N on NODES" lines."""
@@ -131,14 +121,14 @@ def test_node_local_requeue_resumes_on_the_same_nodes_and_keeps_both_logs(slurm:
     job = "nl-requeue"
     inv = _site_inventory(slurm, 1)
     # Enough steps that USR1 lands mid-run, few enough to finish under load (2 shared cores).
-    r = _cli(slurm.env, ["-i", str(inv), "--nodes", "2", "--storage", "node-local", "--steps", "60",
-                         "--job-id", job, *WORKLOAD, "--partition", "debug", "--submit",
-                         "--", "--log-every", "1"], timeout=60)
+    r = clusterkit_cli("sbatch", "-i", str(inv), "--nodes", "2", "--storage", "node-local", "--steps",
+                       "60", "--job-id", job, *WORKLOAD, "--partition", "debug", "--submit", "--",
+                       "--log-every", "1", env=slurm.env, timeout=60)
     assert r.returncode == 0, r.stderr
     m = re.search(r"submitted Slurm job (\d+)", r.stdout)
     assert m, r.stdout
     slurm_id = m.group(1)
-    out_file = _job_dir(slurm, job) / "logs" / f"slurm-{slurm_id}.out"
+    out_file = slurm_job_dir(slurm, job) / "logs" / f"slurm-{slurm_id}.out"
     deadline = time.monotonic() + 240
     while "step 2/" not in (out_file.read_text(errors="replace") if out_file.exists() else ""):
         assert time.monotonic() < deadline and slurm.job_state(slurm_id) in IN_PROGRESS
@@ -153,7 +143,8 @@ def test_node_local_requeue_resumes_on_the_same_nodes_and_keeps_both_logs(slurm:
         extra=[f"--nodelist={first_node}", "--exclusive", "--partition=debug",
                f"--output={slurm.tb.root / 'nl-blocker.out'}"])
     try:
-        assert _cli(slurm.env, ["cancel", slurm_id, "--signal", "USR1", "--batch"]).returncode == 0
+        assert clusterkit_cli("sbatch", "cancel", slurm_id, "--signal", "USR1", "--batch",
+                              env=slurm.env, timeout=400).returncode == 0
         # Requeued and held back by the blocker on first_node: PENDING, never RUNNING elsewhere.
         deadline = time.monotonic() + 120
         while slurm.job_state(blocker) != "RUNNING":
@@ -181,11 +172,11 @@ def test_node_local_resubmission_on_other_nodes_stops(slurm: SlurmBed) -> None:
     start afresh without its shards. Forced there by a later #SBATCH --nodelist."""
     job = "nl-moved"
     inv = _site_inventory(slurm, 1)
-    r = _cli(slurm.env, ["-i", str(inv), "--nodes", "2", "--storage", "node-local", "--steps", "3",
-                         "--job-id", job, *WORKLOAD, "--partition", "debug",
-                         "--sbatch-arg=--nodelist=node3,node4"], timeout=60)
+    r = clusterkit_cli("sbatch", "-i", str(inv), "--nodes", "2", "--storage", "node-local", "--steps",
+                       "3", "--job-id", job, *WORKLOAD, "--partition", "debug",
+                       "--sbatch-arg=--nodelist=node3,node4", env=slurm.env, timeout=60)
     assert r.returncode == 0, r.stderr
-    job_dir = _job_dir(slurm, job)
+    job_dir = slurm_job_dir(slurm, job)
     (job_dir / "slurm_nodes").write_text("node[1-2]\n")
     slurm_id = SlurmClient(env=slurm.env).submit(job_dir / "sbatch.sh")
     state, took = _wait_finished(slurm, slurm_id, 120)

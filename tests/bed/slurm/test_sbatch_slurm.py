@@ -12,8 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import pytest
 from clusterkit.cli.main import main
 from clusterkit.slurm.client import SlurmClient, SlurmError
 from clusterkit.slurm.ranklines import LabelJoiner
+from tests.cli import clusterkit_cli
 from tests.helpers import IN_PROGRESS, assert_slurm_nodes_clean, slurm_job_dir, wait_slurm_finished
 from tests.slurmbed import SlurmBed
 
@@ -36,11 +35,6 @@ WORKLOAD = ("--precision", "fp32", "--model", "tiny")
 def _gpu_inventory(bed: SlurmBed, gpus: int) -> Path:
     path = bed.tb.root / f"inventory-gpus{gpus}.yaml"
     return bed.tb.write_inventory(path, nodes=bed.nodes, slots=2, gpus=gpus)
-
-
-def _cli(bed: SlurmBed, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clusterkit", "sbatch", *args], capture_output=True,
-                          text=True, env=bed.env, timeout=timeout, check=False)
 
 
 def test_test_only_accepts_every_variant(slurm: SlurmBed, capsys: pytest.CaptureFixture[str]) -> None:
@@ -77,8 +71,8 @@ def test_test_only_rejections_name_the_fix(slurm: SlurmBed) -> None:
     assert "sinfo" in err.value.one_line()
     # A partition that does not exist.
     inv = _gpu_inventory(slurm, 0)
-    r = _cli(slurm, ["-i", str(inv), "--nodes", "2", "--job-id", "rej-part", "--partition", "nope",
-                     "--submit", *WORKLOAD])
+    r = clusterkit_cli("sbatch", "-i", str(inv), "--nodes", "2", "--job-id", "rej-part", "--partition",
+                       "nope", "--submit", *WORKLOAD, env=slurm.env, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "Invalid partition name specified" in r.stderr and "sinfo -s" in r.stderr
     assert len(r.stderr.strip().splitlines()) <= 7  # summary lines + one error line, no traceback
@@ -87,10 +81,10 @@ def test_test_only_rejections_name_the_fix(slurm: SlurmBed) -> None:
 def _submit(bed: SlurmBed, job: str, *extra: str, nodes: int = 2, ranks_per_node: int = 2,
             launcher: str = "torchrun", storage: str = "shared", steps: int = 400) -> str:
     inv = _gpu_inventory(bed, 2)
-    r = _cli(bed, ["-i", str(inv), "--nodes", str(nodes), "--gpus-per-node", str(ranks_per_node),
-                   "--launcher",
-                   launcher, "--storage", storage, "--steps", str(steps), "--job-id", job,
-                   *WORKLOAD, "--submit", *extra])
+    r = clusterkit_cli("sbatch", "-i", str(inv), "--nodes", str(nodes), "--gpus-per-node",
+                       str(ranks_per_node), "--launcher", launcher, "--storage", storage, "--steps",
+                       str(steps), "--job-id", job, *WORKLOAD, "--submit", *extra, env=bed.env,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     m = re.search(r"submitted Slurm job (\d+)", r.stdout)
     assert m, r.stdout
@@ -140,9 +134,9 @@ def _summary_from_output(text: str) -> dict[str, object]:
 def test_zero_on_7_nodes_submit_watch(slurm: SlurmBed) -> None:
     inv = _gpu_inventory(slurm, 2)
     t0 = time.monotonic()
-    r = _cli(slurm, ["-i", str(inv), "--nodes", "7", "--gpus-per-node", "1", "--storage",
-                     "node-local", "--steps", "3", "--job-id", "zero7", *WORKLOAD,
-                     "--submit", "--watch", "--poll", "0.5"], timeout=500)
+    r = clusterkit_cli("sbatch", "-i", str(inv), "--nodes", "7", "--gpus-per-node", "1", "--storage",
+                       "node-local", "--steps", "3", "--job-id", "zero7", *WORKLOAD, "--submit",
+                       "--watch", "--poll", "0.5", env=slurm.env, timeout=500)
     wall = time.monotonic() - t0
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     summary = _summary_from_output(r.stdout)
@@ -183,7 +177,8 @@ def _assert_watch_folded(slurm: SlurmBed, out: str, ranks: int) -> None:
     # --ranks: the same finished job again, rank 0 only
     m = re.search(r"submitted Slurm job (\d+)", out)
     assert m, out
-    r = _cli(slurm, ["status", m.group(1), "--watch", "--ranks", "0"])
+    r = clusterkit_cli("sbatch", "status", m.group(1), "--watch", "--ranks", "0", env=slurm.env,
+                       timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     rank_lines = [ln for ln in r.stdout.splitlines() if re.match(r"\[(node\d+ )?r\d", ln)]
     assert rank_lines and all(ln.startswith("[node1 r0] ") for ln in rank_lines), rank_lines
@@ -198,7 +193,8 @@ def test_killed_rank_ends_the_whole_job(slurm: SlurmBed) -> None:
              if "clusterkit.workload" in cmd and "torch.distributed.run" not in cmd]
     assert ranks, slurm.job_processes("node2")
     os.kill(ranks[-1], signal.SIGKILL)
-    r = _cli(slurm, ["status", slurm_id, "--watch", "--poll", "0.5"], timeout=120)
+    r = clusterkit_cli("sbatch", "status", slurm_id, "--watch", "--poll", "0.5", env=slurm.env,
+                       timeout=120)
     assert r.returncode == 1, r.stderr
     assert f"Slurm job {slurm_id} ended FAILED" in r.stderr
     assert_slurm_nodes_clean(slurm)
@@ -209,11 +205,11 @@ def test_cancel_leaves_no_process(slurm: SlurmBed) -> None:
     # One rank per node: the behaviour is per task, and 2 cores start 2 ranks faster than 4.
     slurm_id = _submit(slurm, "cancel1", "--", "--log-every", "1", ranks_per_node=1)
     _wait_output(slurm, "cancel1", slurm_id, "step 2/")
-    r = _cli(slurm, ["cancel", slurm_id])
+    r = clusterkit_cli("sbatch", "cancel", slurm_id, env=slurm.env, timeout=120)
     assert r.returncode == 0 and f"cancelled Slurm job {slurm_id}" in r.stdout, r.stderr
     assert wait_slurm_finished(slurm, slurm_id) == "CANCELLED"
     assert_slurm_nodes_clean(slurm)
-    r = _cli(slurm, ["status", slurm_id])
+    r = clusterkit_cli("sbatch", "status", slurm_id, env=slurm.env, timeout=120)
     assert r.returncode == 1 and "CANCELLED" in r.stdout  # the exit status is the outcome
 
 
@@ -244,9 +240,10 @@ def test_usr1_checkpoints_then_stops(slurm: SlurmBed, launcher: str) -> None:
     else:
         _wait_output(slurm, job, slurm_id, rank0)
     # USR1 to every process of the steps only (not the batch script): save and stop.
-    r = _cli(slurm, ["cancel", slurm_id, "--signal", "USR1"])
+    r = clusterkit_cli("sbatch", "cancel", slurm_id, "--signal", "USR1", env=slurm.env, timeout=120)
     assert r.returncode == 0, r.stderr
-    r = _cli(slurm, ["status", slurm_id, "--watch", "--poll", "0.5"], timeout=120)
+    r = clusterkit_cli("sbatch", "status", slurm_id, "--watch", "--poll", "0.5", env=slurm.env,
+                       timeout=120)
     text = r.stdout  # --watch follows rank 0's own log too (deepspeed: per-rank files)
     assert r.returncode == 0, (r.stderr[-2000:], text[-3000:])
     summary = _summary_from_output(text)
@@ -269,7 +266,8 @@ def test_usr1_to_batch_checkpoints_requeues_and_resumes(slurm: SlurmBed) -> None
     job = "requeue"
     slurm_id = _submit(slurm, job, "--", "--log-every", "1", ranks_per_node=1, steps=150)
     _wait_output(slurm, job, slurm_id, "step 2/")
-    r = _cli(slurm, ["cancel", slurm_id, "--signal", "USR1", "--batch"])
+    r = clusterkit_cli("sbatch", "cancel", slurm_id, "--signal", "USR1", "--batch", env=slurm.env,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     deadline = time.monotonic() + 300
     while (state := slurm.job_state(slurm_id)) in IN_PROGRESS:
@@ -318,7 +316,8 @@ def test_node_local_requeue_stays_on_its_nodes_and_keeps_both_logs(slurm: SlurmB
     _wait_output(slurm, job, slurm_id, "step 2/")
     first_nodes = slurm.client(["scontrol", "show", "job", "-o", slurm_id]).stdout
     assert "NodeList=node[1-2]" in first_nodes
-    assert _cli(slurm, ["cancel", slurm_id, "--signal", "USR1", "--batch"]).returncode == 0
+    assert clusterkit_cli("sbatch", "cancel", slurm_id, "--signal", "USR1", "--batch", env=slurm.env,
+                          timeout=120).returncode == 0
     deadline = time.monotonic() + 300
     pinned = False
     while (state := slurm.job_state(slurm_id)) in IN_PROGRESS:
@@ -353,9 +352,10 @@ def test_threads_per_rank_same_cpu_per_step_for_every_variant(slurm: SlurmBed) -
     for launcher in ("torchrun", "deepspeed"):
         job = f"omp-{launcher}"
         inv = _gpu_inventory(slurm, 2)
-        r = _cli(slurm, ["-i", str(inv), "--nodes", "2", "--gpus-per-node", "2", "--launcher",
-                         launcher, "--storage", "shared", "--steps", "30", "--job-id", job,
-                         *WORKLOAD, "--submit", "--watch", "--poll", "0.5"], timeout=500)
+        r = clusterkit_cli("sbatch", "-i", str(inv), "--nodes", "2", "--gpus-per-node", "2",
+                           "--launcher", launcher, "--storage", "shared", "--steps", "30", "--job-id",
+                           job, *WORKLOAD, "--submit", "--watch", "--poll", "0.5", env=slurm.env,
+                           timeout=500)
         assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
         summary = _summary_from_output(r.stdout)
         assert summary["world_size"] == 4
