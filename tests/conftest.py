@@ -66,10 +66,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # one-test trainings (test_nonroot_testbed, test_sbatch_replica_slurm) last.
         # A stable sort: a module's tests keep their order.
         cost = _module_cost(items)
-        items.sort(key=lambda item: -cost[_module(item)])
+        items.sort(key=lambda item: -cost[_module_of_item(item)])
 
 
-def _module(item: pytest.Item) -> str:
+def _module_of_item(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
@@ -78,6 +78,6 @@ def _module_cost(items: list[pytest.Item]) -> dict[str, float]:
     measured = module_seconds.load()
     markers: dict[str, set[str]] = {}
     for item in items:
-        markers.setdefault(_module(item), set()).update(m.name for m in item.iter_markers())
+        markers.setdefault(_module_of_item(item), set()).update(m.name for m in item.iter_markers())
     return {mod: measured.get(mod, module_seconds.estimate(names))
             for mod, names in markers.items()}

@@ -141,7 +141,7 @@ def test_bootstrap_says_what_is_wrong_with_its_stdin(tmp_path: Path) -> None:
     assert b"stdin ended inside facts.gatefacts" in res.stderr
 
 
-def _module(path: Path) -> str:
+def _node_module_name(path: Path) -> str:
     """A node module's dotted name below ``clusterkit.node`` (``agent.core``)."""
     return ".".join(path.relative_to(NODE_DIR).with_suffix("").parts)
 
@@ -211,7 +211,7 @@ def test_the_agent_modules_all_ship_each_says_what_it_holds_and_stays_small() ->
     environment, output, fork server, hangs), every part in the agent program; issue 36:
     the agent's room is ``node/agent/``."""
     parts = [m for m in ship.PROGRAMS["agent.core"].modules if m.startswith("agent.")]
-    assert sorted(parts) == sorted(_module(p) for p in (NODE_DIR / "agent").glob("[!_]*.py"))
+    assert sorted(parts) == sorted(_node_module_name(p) for p in (NODE_DIR / "agent").glob("[!_]*.py"))
     assert parts[-1] == "agent.core"  # the entry runs last, its parts are there by then
     for module in parts:
         text = (NODE_DIR / (module.replace(".", "/") + ".py")).read_text()
