@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from clusterkit.node.contract import ENV_TEST_ENVFACTS
-from tests.helpers import clusterkit_cli
+from tests.cli import clusterkit_cli
 from tests.paths import REPO
 from tests.testbed import Testbed
 from tests.venvs import venv_over_this_python

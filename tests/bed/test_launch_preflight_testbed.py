@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import clusterkit_cli
+from tests.cli import clusterkit_cli
 from tests.testbed import Testbed
 
 pytestmark = pytest.mark.testbed

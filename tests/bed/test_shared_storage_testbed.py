@@ -19,7 +19,7 @@ import yaml
 
 from clusterkit.hostrange import fold
 from tests import synthetic_ckpt as synthetic
-from tests.helpers import clusterkit_cli
+from tests.cli import clusterkit_cli
 from tests.testbed import Testbed
 
 pytestmark = pytest.mark.testbed
