@@ -1,7 +1,7 @@
 """Step time of a Hugging Face Trainer run under ``clusterkit launch`` against the same run
 started by DeepSpeed's runner with a hostfile (issue 38).
 
-    python -m bench.bench_hf_trainer                   # 2 nodes x 1 rank, 2 rounds
+    python -m bench.bench_hf_trainer                   # 2 nodes x 1 rank, 2 rounds, 200 steps
     python -m bench.bench_hf_trainer --nodes 3 --rounds 4 --steps 60
     python -m bench.bench_hf_trainer --prefix tb1      # an existing test bed (kept)
     python -m bench.bench_hf_trainer --launch-arg=--set-env --launch-arg=CLUSTERKIT_ZYGOTE=0
@@ -142,7 +142,7 @@ def one(side: str, tb: Testbed, work: Path, inv: Path, nodes: list[str], r: int,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_hf_trainer", allow_abbrev=False)
     p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=200)  # fewer: the noise of a few seconds of steps
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
