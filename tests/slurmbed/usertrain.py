@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -138,3 +139,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # torch 2.13's gloo can abort a rank at interpreter exit after a complete run (exit 134:
+    # docs/launch.md's errors table, tests/helpers.EXIT_ABORT; about 1 run in 12 of 3 ranks,
+    # and this job's preemption test has two runs of 4): the work is done and saved here,
+    # so the script skips that finalization, as the table advises a user's script to.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
