@@ -91,6 +91,12 @@ def _run_zygote_job(tmp_path: Path, job_id: str, nproc: int = 2,
     return outcome, out.getvalue(), found
 
 
+# The two jobs' ids, which _run_zygote_job replaces by "JOB" in the ranks' environments
+# to compare them: with a "-" they cannot occur inside a random temp name (a venv path
+# /tmp/clusterkit-ci.qYJPze/ once held the exec'd job's old id "ze").
+FORKED_JOB, EXEC_JOB = "zyg-forked", "zyg-exec"
+
+
 @pytest.fixture()
 def preload_json(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLUSTERKIT_ZYGOTE_IMPORTS", "json")
@@ -99,9 +105,9 @@ def preload_json(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_forked_ranks_see_what_exec_ranks_see(tmp_path: Path, preload_json: None,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    oc_f, text_f, forked = _run_zygote_job(tmp_path, "zf")
+    oc_f, text_f, forked = _run_zygote_job(tmp_path, FORKED_JOB)
     monkeypatch.setenv("CLUSTERKIT_ZYGOTE", "0")
-    oc_e, text_e, execd = _run_zygote_job(tmp_path, "ze")
+    oc_e, text_e, execd = _run_zygote_job(tmp_path, EXEC_JOB)
     assert oc_f.exit_code == 0 and oc_e.exit_code == 0, text_f + text_e
     assert sorted(forked) == sorted(execd) == [0, 1, 2, 3]
     for rank in range(4):
@@ -116,15 +122,15 @@ def test_forked_ranks_see_what_exec_ranks_see(tmp_path: Path, preload_json: None
         # (issue 25); the zygote's own title names no program, its comm is its own.
         assert e.pop("cmdline") == f"{sys.executable}\0-u\0probe.py\0x\0"
         python = os.path.basename(sys.executable)
-        assert f.pop("cmdline") == f"{python} probe.py x [clusterkit rank {rank}/4 job zf]\0"
+        assert f.pop("cmdline") == f"{python} probe.py x [clusterkit rank {rank}/4 job {FORKED_JOB}]\0"
         assert (f.pop("comm"), e.pop("comm")) == ("probe.py", os.path.basename(sys.executable))
-        assert f.pop("parent") == f"[clusterkit fork server job zf node v{rank // 2}]\0"
+        assert f.pop("parent") == f"[clusterkit fork server job {FORKED_JOB} node v{rank // 2}]\0"
         # An exec'd rank's parent is the agent: it shows as one too.
-        assert e.pop("parent") == f"[clusterkit agent job ze node v{rank // 2}]\0"
+        assert e.pop("parent") == f"[clusterkit agent job {EXEC_JOB} node v{rank // 2}]\0"
         assert f == e, {k: (f[k], e[k]) for k in f if f[k] != e[k]}
         assert f["argv"] == ["probe.py", "x"] and f["path0"] == str(tmp_path)
         assert f["file"] == str(tmp_path / "probe.py") and f["env"]["RANK"] == str(rank)
-    assert job_processes("zf") == {}
+    assert job_processes(FORKED_JOB) == {}
 
 
 def test_with_one_rank_per_node_only_the_rank_shows_its_rank_in_proc(
