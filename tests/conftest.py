@@ -1,16 +1,7 @@
-"""Shared pytest fixtures.
-
-Test bed (tests/testbed, docs/testbed.md): one session-wide set of namespace nodes,
-created lazily by the first test that asks for it and grown on demand::
-
-    @pytest.mark.testbed(nodes=7)
-    def test_x(testbed_nodes): ...          # the first 7 nodes, already up
-
-    @pytest.mark.testbed
-    def test_y(testbed): testbed.ensure(3)   # the Testbed object itself
-
-Without root / sshd / ip the test bed tests are skipped with the reason, except
-when the environment variable CI is set: then they fail loudly.
+"""What every tier of the suite shares (docs/testbed.md, "The suite's tiers"): the private
+CLUSTERKIT_HOME, the skip of @extended variants, and the order the xdist workers take
+modules in. Each tier's own fixtures are in its conftest.py (tests/unit, tests/process,
+tests/bed, tests/bed/slurm).
 
 Expensive training runs that several tests check are fixtures of the one module that
 holds those tests (``launched_7x2`` in test_launch_train.py, ``preempted`` in
