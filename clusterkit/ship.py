@@ -74,13 +74,14 @@ PROGRAMS: dict[str, Program] = {
     # nodes env: facts, verify, record (provision/envcopy.py)
     "facts.envfacts": Program(("contract", "files", "hashing", "facts.envfacts")),
     # nodes build-ops: imports deepspeed to build
-    "provision.jitops": Program(("provision.buildowner", "provision.jitops"), site=True),
+    "provision.jitops": Program(("files", "provision.buildowner", "provision.jitops"), site=True),
     # sbatch.sh's JIT ops step, one task per node (docs/sbatch.md, "JIT ops")
-    "provision.jitbatch": Program(("provision.buildowner", "provision.jitops", "provision.jitbatch"),
+    "provision.jitbatch": Program(("files", "provision.buildowner", "provision.jitops",
+                                   "provision.jitbatch"),
                                   site=True),
     "provision.install": Program((*_GATE, "provision.install"), site=True),
     # sbatch.sh's watchdog (docs/sbatch.md); jitops: which op builds run at start-up
-    "slurm.watch": Program(("contract", "hangrule", "provision.buildowner", "provision.jitops",
+    "slurm.watch": Program(("contract", "files", "hangrule", "provision.buildowner", "provision.jitops",
                             "slurm.watch")),
     # sbatch.sh's end of a run: exit status, requeue, its lines (docs/sbatch.md, "How the
     # batch job decides"); a heredoc of the script, as the watchdog's.

@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List  # noqa: UP035 - runs on Python 3.8 nodes
 
+from clusterkit.node.files import write_atomic
+
 OWNER_SUFFIX = ".owner"
 OWNER_REFRESH_S = 5.0
 OWNER_TTL_S = 60.0  # a record older than this is a dead builder's (12 missed refreshes)
@@ -134,11 +136,10 @@ class Owner:
         wrote = 0.0
         while not self.stop.wait(self.poll_s):
             if holds(self.lock) and time.monotonic() - wrote >= OWNER_REFRESH_S:
-                tmp = f"{self.lock}{OWNER_SUFFIX}.{os.getpid()}"
                 with contextlib.suppress(OSError):
-                    with open(tmp, "w", encoding="utf-8") as fh:
-                        fh.write(owner_line(os.getpid()))
-                    os.replace(tmp, self.lock + OWNER_SUFFIX)  # atomic: readers see a whole line
+                    # Readers see a whole line; in a home shared by several nodes, the
+                    # temp name is unique across hosts (a pid alone is not).
+                    write_atomic(self.lock + OWNER_SUFFIX, owner_line(os.getpid()))
                     wrote = time.monotonic()
 
 
