@@ -4,7 +4,6 @@ started by DeepSpeed's runner with a hostfile (issue 38).
     python -m bench.bench_hf_trainer                   # 2 nodes x 1 rank, 2 rounds, 200 steps
     python -m bench.bench_hf_trainer --nodes 3 --rounds 4 --steps 60
     python -m bench.bench_hf_trainer --prefix tb1      # an existing test bed (kept)
-    python -m bench.bench_hf_trainer --launch-arg=--set-env --launch-arg=CLUSTERKIT_ZYGOTE=0
     python -m bench.bench_hf_trainer --sides clusterkit,clusterkit-exec,runner --rounds 6
 
 The program is tests/programs/hf_trainer.py (run_clm.py-style: ``HfArgumentParser``,
@@ -149,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--prefix", help="use this existing test bed (else a new one, torn down)")
     p.add_argument("--launch-arg", action="append", default=[], metavar="ARG",
-                   help="one more argument for clusterkit launch (repeat), e.g. "
-                        "--launch-arg=--set-env --launch-arg=CLUSTERKIT_ZYGOTE=0 to compare "
-                        "without the fork server")
+                   help="one more argument for every clusterkit side's launch (repeat), e.g. "
+                        "--launch-arg=--replicas --launch-arg=1; the fork server on and off: "
+                        "--sides clusterkit,clusterkit-exec,runner")
     p.add_argument("--sides", default="clusterkit,runner",
                    help=f"comma-separated, taken in turn (each round starts one later): {', '.join(SIDES)}")
     ns = p.parse_args(argv)
