@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from clusterkit.cli.main import main
-
-CLI = [sys.executable, "-m", "clusterkit"]
+from tests.cli import clusterkit_cli
 
 
 def local_inventory(tmp_path: Path, n: int = 3) -> Path:
@@ -28,8 +26,8 @@ def local_inventory(tmp_path: Path, n: int = 3) -> Path:
 
 
 def run_cli(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
+    """The sync tests' spelling of tests/cli.clusterkit_cli (an argument list)."""
+    return clusterkit_cli(*args, cwd=cwd, env=env)
 
 
 def done_event(out: str) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.synchelpers import CLI, done_event, run_cli
+from tests.cli import CLI
+from tests.synchelpers import done_event, run_cli
 from tests.testbed import Testbed
 
 pytestmark = pytest.mark.testbed

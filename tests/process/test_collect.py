@@ -27,6 +27,7 @@ from clusterkit.node.contract import MARKER_PREFIX, marker_name
 from clusterkit.remote.base import SSHTarget
 from clusterkit.remote.dispatch import DispatchTransport
 from tests import synthetic_ckpt as synthetic
+from tests.cli import clusterkit_cli
 from tests.collectnodes import local_collect_nodes
 
 TAG = "global_step1"
@@ -330,8 +331,7 @@ def _local_inventory(tmp: Path, n: int = 3) -> Path:
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "clusterkit", "collect-ckpt", *args],
-                          capture_output=True, text=True, timeout=120)
+    return clusterkit_cli("collect-ckpt", *args, timeout=120)
 
 
 def test_cli_json_dry_run_and_refusal(tmp_path: Path) -> None:
