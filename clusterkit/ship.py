@@ -58,7 +58,7 @@ PROGRAMS: dict[str, Program] = {
     # The agent split by concern (docs/architecture.md, "The node agent's modules").
     "agent.core": Program((*_GATE, "protocol", "agent.zygote", "agent.files", "agent.state", "agent.procs",
                            "provision.buildowner", "provision.jitops", "agent.hangs", "agent.env",
-                           "agent.output", "agent.forkserver", "ckpt.listing", "replicas.rules",
+                           "agent.output", "agent.forkserver", "ckpt.listing", "ckpt.ready", "replicas.rules",
                            "replicas.done", "replicas.area", "replicas.priority", "replicas.wire",
                            "replicas.service", "replicas.proc", "agent.core"), site=True),
     "facts.probe": Program(("contract", "files", "facts.sitepaths", "facts.parity", "hashing",
@@ -88,7 +88,7 @@ PROGRAMS: dict[str, Program] = {
     "slurm.end": Program(("slurm.end",)),
     # sbatch.sh's checkpoint replicas and a run on other nodes (docs/sbatch.md): launch's
     # replication service, started by the batch script.
-    "slurm.replica": Program((*_REPLICAS, "slurm.restore", "slurm.replica")),
+    "slurm.replica": Program((*_REPLICAS, "ckpt.ready", "slurm.restore", "slurm.replica")),
 }
 
 

@@ -156,7 +156,7 @@ def newer_tags(listings: Sequence[NodeListing], a: Assembly, markers: bool) -> l
 def aside(plan: JobPlan, newer: Sequence[str], say: Say) -> JobPlan:
     """A program that picks the newest checkpoint on disk by itself must not find one it
     cannot load: the newer tags are moved aside on every node (renamed, kept) before
-    its ranks start (node/agent/files.ready_checkpoints). ``plan`` itself when not."""
+    its ranks start (node/ckpt/ready.ready_checkpoints). ``plan`` itself when not."""
     choice = plan.profile
     if not newer or plan.options.uses_workload or choice is None \
             or not choice.profile.picks_newest:

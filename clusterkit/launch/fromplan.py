@@ -62,7 +62,7 @@ def replica_spec(plan: LaunchPlan, index: int, secret: str,
 
 def checkpoint_prep(plan: JobPlan, node: NodePlan) -> str:
     """What ``node``'s agent does to its checkpoint dir before the ranks start
-    (node/agent/files.ready_checkpoints): create it; on a restart or relaunch, move the
+    (node/ckpt/ready.ready_checkpoints): create it; on a restart or relaunch, move the
     tags that cannot be assembled aside, point DeepSpeed's ``latest`` at the resume tag
     (a program that picks its tag by ``latest``), and write the ``latest`` that DeepSpeed
     leaves on global rank 0's node only inside each tag dir (HF's checkpoint-N/)."""

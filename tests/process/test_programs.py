@@ -21,7 +21,7 @@ from clusterkit.inventory import load_inventory
 from clusterkit.jobs.recover import resume_plan, resumed_program
 from clusterkit.launch.continuation import needs_ready, resume_note, resume_watch
 from clusterkit.launch.fromplan import checkpoint_prep, job_from_plan
-from clusterkit.node.agent.files import ready_checkpoints
+from clusterkit.node.ckpt.ready import ready_checkpoints
 from clusterkit.node.contract import ASIDE_SUFFIX, JobDir
 from clusterkit.node.hooks import accelerate_cpu
 from clusterkit.plan.build import plan_job

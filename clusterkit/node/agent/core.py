@@ -49,7 +49,7 @@ from typing import IO, Any
 
 from clusterkit.node import protocol
 from clusterkit.node.agent import env, hangs, zygote
-from clusterkit.node.agent.files import expand, ready_checkpoints
+from clusterkit.node.agent.files import expand
 from clusterkit.node.agent.forkserver import ForkServer
 from clusterkit.node.agent.hangs import PROGRESS_EVERY_S, StackDump
 from clusterkit.node.agent.output import AgentOutput
@@ -64,6 +64,7 @@ from clusterkit.node.agent.procs import (
     sweep,
 )
 from clusterkit.node.agent.state import Lifecycle, State
+from clusterkit.node.ckpt.ready import ready_checkpoints
 from clusterkit.node.contract import JobDir
 from clusterkit.node.facts.gatefacts import drop_tokens, gate_facts
 from clusterkit.node.files import write_atomic
@@ -199,9 +200,8 @@ class Agent:
             write_atomic(os.path.join(self.job_dir, name), expand(content, self.job_dir))
 
     def ready_checkpoint_dir(self) -> None:
-        """The checkpoint dir exists and is whole before any rank starts (issue 38). After
-        the gate's GO, not in prepare(): the gate is what names a dir that cannot be made
-        ("checkpoint dir ... cannot be created in /proc"), here it would end the agent."""
+        """The checkpoint dir ready before any rank starts (node/ckpt/ready.py). After the
+        gate's GO, not in prepare(): the gate names a dir that cannot be made; here it ends the agent."""
         prep = self.spec.files.get(JobDir.ckpt_prep(self.spec.node))
         if prep is not None:
             for said in ready_checkpoints(prep):
