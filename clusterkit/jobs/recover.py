@@ -59,17 +59,13 @@ from clusterkit.launch.continuation import (
     resume_arg,
 )
 from clusterkit.launch.registry import JobRecord
-from clusterkit.node.contract import ASIDE_SUFFIX, ENV_RESUME_TAG, LATEST_FILE
+from clusterkit.node.ckpt.ready import aside_line, readiness
+from clusterkit.node.contract import ENV_RESUME_TAG
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
 from clusterkit.spec.jobrecord import RankMap
-from clusterkit.spec.programs import (
-    DERIVED_DS_CONFIG,
-    DIR_FIELD,
-    OtherWorld,
-    restart_problem,
-    with_resume,
-)
+from clusterkit.spec.programs import DERIVED_DS_CONFIG, OtherWorld
+from clusterkit.spec.resume import resume_rule, resumed_program
 
 
 def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home: str,
@@ -161,9 +157,7 @@ def aside(plan: JobPlan, newer: Sequence[str], say: Say) -> JobPlan:
     if not newer or plan.options.uses_workload or choice is None \
             or not choice.profile.picks_newest:
         return plan
-    say(f"moving {', '.join(newer)} aside on every node ({newer[0]} cannot be assembled on "
-        f"these nodes; {choice.name} would pick the newest it finds): renamed "
-        f"<tag>{ASIDE_SUFFIX}, kept")
+    say(aside_line(newer, choice.name))
     return dataclasses.replace(plan, set_aside=tuple(newer))
 
 
@@ -191,38 +185,28 @@ def resume_plan(plan: JobPlan, a: Assembly, newer: Sequence[str], say: Say) -> J
 
 
 def resume_tag(plan: JobPlan, tag: str, newer: Sequence[str], say: Say) -> JobPlan | None:
-    """The next attempt of a user's program resumes from ``tag``: its profile's resume
-    argument on every node's program (spec/programs.py), DeepSpeed's ``latest`` pointed
-    at it where that is how the program picks, newer tags moved aside where it picks by
-    itself; refused in one line when the program has no known way to resume (it would
-    begin at step 0)."""
-    choice = plan.profile
-    if plan.options.uses_workload or choice is None:
+    """The next attempt of a user's program resumes from ``tag``: readied by its profile's
+    rule (node/ckpt/ready.readiness, the batch script's too): its resume argument on every
+    node's program, DeepSpeed's ``latest`` pointed at it where that is how the program
+    picks, newer tags moved aside where it picks by itself; refused in one line when the
+    program has no known way to resume (it would begin at step 0)."""
+    rule = resume_rule(plan.profile, job_id=plan.job_id, ckpt_dir=plan.nodes[0].ckpt_dir,
+                       node_local=plan.node_local, workload=plan.options.uses_workload)
+    if not rule or plan.profile is None:
         return None
-    problem = restart_problem(choice, tag, plan.nodes[0].ckpt_dir, plan.job_id)
-    if problem is not None:
-        raise LaunchError(problem, key="--resume-arg")
-    if not choice.resume:
-        start = plan
-        if choice.profile.top_latest:
-            say(f"{choice.name}: every node's {LATEST_FILE} names {tag} (the newest "
-                "checkpoint complete on every node)")
-            plan = dataclasses.replace(plan, resume_from=tag)
-        plan = aside(plan, newer, say)
-        return None if plan is start else plan
-    programs = tuple(resumed_program(prog, choice.resume, f"{n.ckpt_dir}/{tag}")
-                     for prog, n in zip(plan.programs, plan.nodes, strict=True))
-    say(f"{choice.name}: resuming from {tag}, the newest checkpoint complete on every node "
-        f"({' '.join(w.replace(DIR_FIELD, plan.nodes[0].ckpt_dir + '/' + tag) for w in choice.resume)})")
-    return dataclasses.replace(plan, programs=programs, resume_from=tag)
-
-
-def resumed_program(program: Sequence[str], template: Sequence[str], ckpt: str
-                    ) -> tuple[str, ...]:
-    """One node's interpreter arguments (``script ARGS`` or ``-m module ARGS``) with the
-    resume argument for ``ckpt``."""
-    head = 2 if program[:1] == ("-m",) or list(program[:1]) == ["-m"] else 1
-    return (*program[:head], *with_resume(template, program[head:], ckpt))
+    r = readiness(rule, plan.nodes[0].ckpt_dir, tag, newer)
+    if r.refusal is not None:
+        raise LaunchError(r.refusal, key="--resume-arg")
+    for line in r.lines:
+        say(line)
+    if not r.changes:
+        return None
+    template = plan.profile.resume
+    programs = plan.programs if not r.resume else tuple(
+        resumed_program(prog, template, f"{n.ckpt_dir}/{tag}")
+        for prog, n in zip(plan.programs, plan.nodes, strict=True))
+    return dataclasses.replace(plan, programs=programs, set_aside=r.aside or plan.set_aside,
+                               resume_from=tag if r.resume or r.latest else plan.resume_from)
 
 
 def _resumable(plan: JobPlan, listings: Sequence[NodeListing], old_map: RankMap,

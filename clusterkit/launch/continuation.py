@@ -21,6 +21,7 @@ from clusterkit.node.contract import StorageKind
 from clusterkit.spec.job import WORKLOAD_MODULE, JobPlan
 from clusterkit.spec.jobrecord import RankMap, RankSpan
 from clusterkit.spec.programs import CONTRACT, OtherWorld
+from clusterkit.spec.resume import needs_ready as profile_needs_ready
 
 
 def rank_map(plan: JobPlan) -> RankMap:
@@ -183,20 +184,9 @@ def resume_watch(plan: JobPlan, sink: Sink) -> ResumeWatch | None:
 
 
 def needs_ready(plan: JobPlan) -> bool:
-    """A restart on the same nodes of a node-local job is readied first (jobs/recover.py)
-    when its program's profile is told where to resume, picks by DeepSpeed's ``latest``,
-    writes a file on one rank only (copied to every node), picks the newest checkpoint it
-    finds (newer unassemblable ones moved aside), or has no known way to resume
-    (the step-0 rule): spec/programs.py."""
-    prof = plan.profile
-    # The contract's scripts take the newest tag every rank has by their own rule: on the
-    # same nodes nothing is in their way (on fewer nodes the reshard readies them).
-    own_rule = prof is not None and prof.name == CONTRACT
-    return (plan.storage == StorageKind.NODE_LOCAL and prof is not None
-            and not plan.options.uses_workload
-            and bool(prof.resume or prof.profile.top_latest or prof.profile.one_writer
-                     or (prof.profile.picks_newest and not own_rule)
-                     or not prof.profile.resumes_itself))
+    """A restart of this plan on the same nodes is readied first (spec/resume.needs_ready)."""
+    return profile_needs_ready(plan.profile, node_local=plan.storage == StorageKind.NODE_LOCAL,
+                                workload=plan.options.uses_workload)
 
 
 def resume_note(workload: bool, storage: str, plan: JobPlan | None = None) -> str:

@@ -8,7 +8,6 @@ node (it kills by ``CLUSTERKIT_JOB_ID``, never by command line).
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import replace
 from typing import Any
@@ -17,10 +16,12 @@ from clusterkit.errors import LaunchError
 from clusterkit.launch.gate import node_needs, script_is_here
 from clusterkit.launch.jobspec import JobSpec, NodeTask
 from clusterkit.launchers import BACKENDS
+from clusterkit.node.ckpt.ready import prep_doc
 from clusterkit.node.contract import JobDir, StorageKind
 from clusterkit.node.protocol import DEFAULT_GRACE_S
 from clusterkit.remote.base import target_for as target_for  # the one host -> target function
 from clusterkit.spec.job import JobPlan, LaunchPlan, NodeCommand, NodePlan, RunOptions
+from clusterkit.spec.resume import latest_rules
 
 
 def _native_task(plan: LaunchPlan, node: NodePlan, cmd: NodeCommand) -> NodeTask:
@@ -66,14 +67,9 @@ def checkpoint_prep(plan: JobPlan, node: NodePlan) -> str:
     tags that cannot be assembled aside, point DeepSpeed's ``latest`` at the resume tag
     (a program that picks its tag by ``latest``), and write the ``latest`` that DeepSpeed
     leaves on global rank 0's node only inside each tag dir (HF's checkpoint-N/)."""
-    prof = plan.profile.profile if plan.profile is not None else None
-    node_local = plan.storage == StorageKind.NODE_LOCAL
-    doc: dict[str, Any] = {
-        "ckpt_dir": node.ckpt_dir, "aside": list(plan.set_aside),
-        "latest": plan.resume_from if prof is not None and prof.top_latest and node_local
-        else None,
-        "nested_latest": bool(prof is not None and prof.nested_latest and node_local)}
-    return json.dumps(doc, sort_keys=True) + "\n"
+    top, nested = latest_rules(plan.profile, node_local=plan.storage == StorageKind.NODE_LOCAL)
+    return prep_doc(node.ckpt_dir, aside=plan.set_aside,
+                    latest=plan.resume_from if top else None, nested_latest=nested)
 
 
 def job_from_plan(plan: LaunchPlan, *, attempt: int = 0, native: bool = False,

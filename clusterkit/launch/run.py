@@ -45,7 +45,7 @@ from clusterkit.remote.unanswered import NoRedial
 from clusterkit.render.artifacts import render_all
 from clusterkit.spec.job import WORKLOAD_MODULE, JobOptions, JobPlan, LaunchPlan, RunOptions
 from clusterkit.spec.jobrecord import JobCheckpoints, JobState
-from clusterkit.spec.programs import began_fresh_line
+from clusterkit.spec.resume import began_fresh_line
 
 # JobOptions -> the decisions; made again only when a restart drops nodes.
 Planner = Callable[[JobOptions], JobPlan]

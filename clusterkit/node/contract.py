@@ -92,6 +92,12 @@ SUMMARY_PREFIX = "CLUSTERKIT_SUMMARY "
 # by its expanded, absolute job dir: ``~`` is the node's home, not the launcher's).
 JOB_ID_TOKEN = "@JOB@"
 JOB_DIR_TOKEN = "@JOB_DIR@"
+# A program profile's resume template (``--resume_from_checkpoint {dir}``, issue 38) names
+# the checkpoint dir by RESUME_DIR_FIELD, filled on the launcher (a launch) or on the
+# batch host (sbatch); a line rendered before the tag is known (the batch script's step-0
+# refusal) names it by CKPT_TAG_TOKEN, replaced by the batch host's node program.
+RESUME_DIR_FIELD = "{dir}"
+CKPT_TAG_TOKEN = "@TAG@"
 
 
 def with_job_id(job_dir: str, job_id: str) -> str:

@@ -13,6 +13,7 @@ launch line comes from the plan backend's registry entry (``Backend.sbatch_line`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -37,6 +38,7 @@ from clusterkit.node.contract import (
 from clusterkit.render.jobops import accelerator, job_ops
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
+from clusterkit.spec.resume import program_without_resume, resume_rule
 
 if TYPE_CHECKING:
     import jinja2
@@ -152,6 +154,20 @@ def launch_line(plan: JobPlan, log_dir: str) -> tuple[str, str]:
     return line(plan, log_dir)
 
 
+def _resumed_line(plan: JobPlan, log_dir: str) -> str:
+    """The launch line of a run that resumes (node-local, a profile with a resume
+    template) when the program's own arguments name the template's flag: without it,
+    so the resume words the batch host decides are the only ones; empty otherwise (the
+    words are appended to the launch line itself)."""
+    choice = plan.profile
+    if not plan.node_local or choice is None or not choice.resume or plan.options.uses_workload:
+        return ""
+    bare = tuple(program_without_resume(p, choice.resume) for p in plan.programs)
+    if bare == plan.programs:
+        return ""
+    return launch_line(dataclasses.replace(plan, programs=bare), log_dir)[1]
+
+
 def path_prefix(path: str) -> str:
     """The plan's PATH minus the standard system directories: what the script puts in
     front of the site's own PATH (which keeps /opt/slurm/bin, module paths, ...)."""
@@ -189,6 +205,7 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
     node = plan.nodes[0]
     log_dir = launcher_log_dir(node.job_dir)
     variant, line = launch_line(plan, log_dir)
+    resumed = _resumed_line(plan, log_dir)
     per_rank = BACKENDS[plan.backend].slurm_task_per_rank
     context = {
         "job_id": plan.job_id,
@@ -228,6 +245,7 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
         "layout": JobDir,
         "variant": variant,
         "launch_line": line,
+        "resumed_line": resumed,
         **_site_context(plan, site),
     }
     return _render(site.template_dir, context)
@@ -277,10 +295,15 @@ def _replica_context(plan: JobPlan, site: SlurmSite) -> dict[str, object]:
     node = plan.nodes[0]
     k = site.replicas if plan.node_local and len(plan.nodes) > 1 else 0
     if not plan.node_local:
-        return {"replicas": 0, "replica_cmd": "", "replica_conf": "", "markers": False}
+        return {"replicas": 0, "replica_cmd": "", "replica_conf": "", "markers": False,
+                "ready": False, "program_name": ""}
+    program = resume_rule(plan.profile, job_id=plan.job_id, ckpt_dir=node.ckpt_dir,
+                          node_local=True, workload=plan.options.uses_workload)
     conf = {"job_id": plan.job_id, "job_dir": node.job_dir, "ckpt_dir": node.ckpt_dir,
-            "rpn": node.nproc, "markers": plan.options.uses_workload, "replicas": k}
-    return {"replicas": k, "markers": plan.options.uses_workload,
+            "rpn": node.nproc, "markers": plan.options.uses_workload, "replicas": k,
+            "program": program}
+    return {"replicas": k, "markers": plan.options.uses_workload, "ready": bool(program.get("ready")),
+            "program_name": program.get("name", ""),
             "replica_cmd": shlex.join(ship.node_command(node.python, "slurm.replica").argv),
             "replica_conf": json.dumps(conf, sort_keys=True, separators=(",", ":"))}
 

@@ -29,6 +29,7 @@ from clusterkit.render.sbatch import SlurmSite
 from clusterkit.slurm.client import SlurmClient
 from clusterkit.slurm.steps import unavailable
 from clusterkit.spec.job import JobOptions, JobPlan, LaunchFacts, LaunchPlan
+from clusterkit.spec.resume import resume_rule
 
 SCRIPT = "sbatch.sh"
 NODES_FILE = JobDir.SLURM_NODES  # the node list a node-local job's checkpoint is on (the script writes it)
@@ -158,6 +159,16 @@ def pinned_nodes(client: SlurmClient, plan: JobPlan, replicas: int) -> list[str]
     except HostRangeError:
         recorded = []
     if recorded and len(recorded) != len(plan.nodes):
+        rule = resume_rule(plan.profile, job_id=plan.job_id, ckpt_dir=plan.nodes[0].ckpt_dir,
+                           node_local=True, workload=plan.options.uses_workload)
+        if rule and not rule["reshard"]:
+            # The batch script would stop at its plan step (node/slurm/replica.py): say it now.
+            raise LaunchError(
+                f"job {plan.job_id}'s node-local checkpoints are on {first}, {len(recorded)} "
+                f"nodes, and clusterkit sbatch converts no {rule['name']} checkpoint for "
+                f"{len(plan.nodes)}", key="--nodes",
+                hint=f"submit it on {len(recorded)} nodes, or take its weights: clusterkit "
+                     f"collect-ckpt {plan.job_id} --consolidate fp32 (docs/programs.md)")
         print(f"clusterkit: node-local checkpoints of job {plan.job_id} are on {first}, "
               f"{len(recorded)} nodes: submitting on any {len(plan.nodes)} free nodes (the "
               "batch script reshards the checkpoint before the ranks start)", file=sys.stderr)

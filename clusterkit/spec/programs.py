@@ -25,11 +25,15 @@ from typing import Any
 
 from clusterkit.errors import RenderError
 from clusterkit.hostrange import fold
-from clusterkit.node.contract import ENV_CKPT_DIR, ENV_RESUME_TAG, LATEST_FILE
+from clusterkit.node.contract import (
+    ENV_CKPT_DIR,
+    ENV_RESUME_TAG,
+    LATEST_FILE,
+    RESUME_DIR_FIELD,
+)
 
 # The derived copy of a user's DeepSpeed config, in the job dir (node-local additions).
 DERIVED_DS_CONFIG = "ds_config.program.json"
-DIR_FIELD = "{dir}"  # the checkpoint directory in a resume template
 # The startup hook a profile's CPU ranks get (Profile.cpu_hook), in the job dir: Python
 # imports it at start from the first PYTHONPATH entry that has one.
 CPU_HOOK_FILE = "sitecustomize.py"
@@ -133,7 +137,7 @@ class Profile:
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile(HF, "Hugging Face Trainer",
             "checkpoint-N/ (trainer_state.json, DeepSpeed's global_stepN/ and latest inside)",
-            resume=("--resume_from_checkpoint", DIR_FIELD),
+            resume=("--resume_from_checkpoint", RESUME_DIR_FIELD),
             save_each_node_arg="--save_on_each_node", config_args=("--deepspeed",),
             nested_latest=True, own_optimizer=True, other_world=OtherWorld.UNIVERSAL_INSIDE,
             resumed_marker=r"Resuming training from checkpoint|Continuing training from",
@@ -261,48 +265,18 @@ def from_layout(names: Iterable[str]) -> str | None:
 def parse_template(text: str) -> tuple[str, ...]:
     """``--resume_from_checkpoint {dir}`` -> its words; refused without ``{dir}``."""
     words = tuple(text.split())
-    if not words or not any(DIR_FIELD in w for w in words):
-        raise RenderError(f"--resume-arg {text!r} does not name the checkpoint as {DIR_FIELD}",
+    if not words or not any(RESUME_DIR_FIELD in w for w in words):
+        raise RenderError(f"--resume-arg {text!r} does not name the checkpoint as {RESUME_DIR_FIELD}",
                           key="--resume-arg",
                           hint="e.g. --resume-arg '--resume_from_checkpoint {dir}'")
     # Any other {name} would reach the program literally: a typo of {dir} ({ckpt}, {path}).
-    other = sorted({f for w in words for f in re.findall(r"\{[^{}]*\}", w)} - {DIR_FIELD})
+    other = sorted({f for w in words for f in re.findall(r"\{[^{}]*\}", w)} - {RESUME_DIR_FIELD})
     if other:
         raise RenderError(f"--resume-arg {text!r}: {', '.join(other)} is not a field "
-                          f"(the only one is {DIR_FIELD}, the checkpoint directory)",
+                          f"(the only one is {RESUME_DIR_FIELD}, the checkpoint directory)",
                           key="--resume-arg",
                           hint="e.g. --resume-arg '--resume_from_checkpoint {dir}'")
     return words
-
-
-def _strip_flag(args: Sequence[str], flag: str) -> list[str]:
-    """``args`` without ``flag VALUE`` / ``flag=VALUE`` (the value: the next word unless it
-    is a flag itself)."""
-    out: list[str] = []
-    skip = False
-    for i, a in enumerate(args):
-        if skip:
-            skip = False
-            continue
-        if a == flag:
-            skip = i + 1 < len(args) and not args[i + 1].startswith("--")
-            continue
-        if a.startswith(flag + "="):
-            continue
-        out.append(a)
-    return out
-
-
-def with_resume(template: Sequence[str], args: Sequence[str], ckpt: str) -> tuple[str, ...]:
-    """``args`` resuming from ``ckpt``: the template's words with ``{dir}`` filled in,
-    replacing what the arguments said for the template's flag before (a relaunch's own
-    ``--resume_from_checkpoint`` of an older checkpoint, say)."""
-    if not template:
-        return tuple(args)
-    rest = list(args)
-    if template[0].startswith("-"):
-        rest = _strip_flag(rest, template[0].split("=", 1)[0])
-    return (*rest, *(w.replace(DIR_FIELD, ckpt) for w in template))
 
 
 def config_arg(profile: Profile, args: Sequence[str]) -> tuple[int, str] | None:
@@ -386,27 +360,6 @@ def library_config_env(choice: ProgramChoice, script_text: str | None, config_pa
                                                     or "config_file" in script_text)):
         return {}
     return {var: config_path}
-
-
-def restart_problem(choice: ProgramChoice, tag: str, where: str, job_id: str) -> str | None:
-    """The step-0 rule: a restart or relaunch of a program that can neither be told where
-    to resume nor finds its checkpoint itself would begin at step 0 while ``tag`` (in
-    ``where``) is complete on every node. One line naming the checkpoint and the fix;
-    None when it resumes."""
-    if choice.resume or choice.profile.resumes_itself:
-        return None
-    return (f"job {job_id} would restart at step 0: checkpoint {tag} in {where} is complete "
-            f"on every node, but this program ({choice.why}) is not known to resume from it "
-            f"-- relaunch with --resume-arg 'FLAG {DIR_FIELD}' (its own resume flag) or "
-            f"--program NAME ({', '.join(PROGRAM_CHOICES)})")
-
-
-def began_fresh_line(tag: str, job_id: str) -> str:
-    """The one line when a resumed attempt's output shows it began at step 0 anyway."""
-    return (f"job {job_id}: the restarted program began at step 0 although checkpoint {tag} "
-            f"was complete on every node and passed to it (it logged progress before any "
-            f"resume) -- check its resume flag: relaunch with --resume-arg 'FLAG {DIR_FIELD}' "
-            "or --program NAME (docs/programs.md)")
 
 
 def cpu_hook_env(profile: Profile, *, cpu: bool, job_dir: str, pythonpath: str | None

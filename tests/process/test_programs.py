@@ -18,7 +18,7 @@ from clusterkit.checkpoints.replicas.assemble import Assembly
 from clusterkit.errors import LaunchError, RenderError
 from clusterkit.fold import Folded
 from clusterkit.inventory import load_inventory
-from clusterkit.jobs.recover import resume_plan, resumed_program
+from clusterkit.jobs.recover import resume_plan
 from clusterkit.launch.continuation import needs_ready, resume_note, resume_watch
 from clusterkit.launch.fromplan import checkpoint_prep, job_from_plan
 from clusterkit.node.ckpt.ready import ready_checkpoints
@@ -41,16 +41,14 @@ from clusterkit.spec.programs import (
     PROFILES,
     SNAPSHOT,
     UNKNOWN,
-    began_fresh_line,
     cpu_hook_env,
     detect,
     from_layout,
     node_local_args,
     node_local_config,
     program_ds_config,
-    restart_problem,
-    with_resume,
 )
+from clusterkit.spec.resume import began_fresh_line, restart_problem, resumed_program, with_resume
 from tests.render_cases import FACTS, inventory, plan_for
 
 HF_SRC = "from transformers import Trainer, TrainingArguments\ntrainer = Trainer(model=m)\n"

@@ -9,7 +9,8 @@ an uninterrupted one's), a word-level tokenizer and a text made here.
 
 Test hook (``TestArguments``): ``--crash_at_step N --crash_rank R --crash_once FILE``
 kills global rank R with SIGKILL at the end of step N, once (FILE, on storage every node
-sees, says it happened): a ``kill -9`` of one rank at a known step, without a race;
+sees, says it happened): a ``kill -9`` of one rank at a known step, without a race
+(``--crash_how hang``: the rank hangs there instead, for a hang watchdog);
 ``--step_sleep S`` makes each step S seconds slower (time to destroy a node mid-run);
 ``--exact_losses True``: rank 0 prints each logged loss in full (``exact loss at step S:
 L``, the float's repr; HF's own console line rounds to 4 digits), so a test compares the
@@ -65,6 +66,8 @@ class TestArguments:
     crash_at_step: int = field(default=0, metadata={"help": "test hook: SIGKILL at this step"})
     crash_rank: int = field(default=1, metadata={"help": "test hook: the rank killed"})
     crash_once: str | None = field(default=None, metadata={"help": "test hook: marker"})
+    crash_how: str = field(default="kill", metadata={"help": "test hook: kill (SIGKILL) or "
+                                                     "hang (the rank sleeps for an hour)"})
     step_sleep: float = field(default=0.0, metadata={"help": "test hook: seconds per step"})
     step_times: bool = field(default=False, metadata={"help": "bench hook: rank 0 prints "
                                                       "each step's seconds at the end"})
@@ -127,6 +130,9 @@ class CrashOnce(TrainerCallback):
                 and t.crash_once and not os.path.exists(t.crash_once)):
             with open(t.crash_once, "w") as fh:
                 fh.write(f"step {state.global_step}\n")
+            if t.crash_how == "hang":
+                print(f"test hook: rank {self.rank} hangs at step {state.global_step}", flush=True)
+                time.sleep(3600)
             print(f"test hook: killing rank {self.rank} at step {state.global_step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return control

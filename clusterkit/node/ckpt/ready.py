@@ -12,15 +12,93 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from clusterkit.node.contract import (
     ASIDE_SUFFIX,
+    CKPT_TAG_TOKEN,
     LATEST_FILE,
     MODEL_STATES_RE,
     OPTIM_STATES_RE,
+    RESUME_DIR_FIELD,
     ZERO3_MODEL_STATES_RE,
 )
 from clusterkit.node.files import write_atomic
+
+
+def prep_doc(ckpt_dir: str, *, aside: Sequence[str] = (), latest: str | None = None,
+             nested_latest: bool = False) -> str:
+    """What :func:`ready_checkpoints` reads: ``aside``, the tags to move aside; ``latest``,
+    the tag DeepSpeed's top-level ``latest`` must name (a program that picks by it);
+    ``nested_latest``, write the ``latest`` each tag dir lacks (HF's checkpoint-N/)."""
+    return json.dumps({"ckpt_dir": ckpt_dir, "aside": list(aside), "latest": latest,
+                       "nested_latest": nested_latest}, sort_keys=True) + "\n"
+
+
+def resume_words(template: Sequence[str], ckpt: str) -> list[str]:
+    """A profile's resume template (``--resume_from_checkpoint {dir}``) for checkpoint dir
+    ``ckpt``."""
+    return [w.replace(RESUME_DIR_FIELD, ckpt) for w in template]
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """What a restart of a user's program from ``tag`` needs (:func:`readiness`)."""
+
+    tag: str
+    resume: tuple[str, ...] = ()  # the resume words (empty: it resumes by itself)
+    latest: bool = False  # every node's top-level ``latest`` names the tag
+    aside: tuple[str, ...] = ()  # newer tags moved aside on every node
+    nested_latest: bool = False
+    lines: tuple[str, ...] = ()  # what is said, in order
+    refusal: str | None = None  # the step-0 line: it must not start
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.resume or self.latest or self.aside)
+
+    def prep(self, ckpt_dir: str) -> str:
+        """The node's :func:`ready_checkpoints` input."""
+        return prep_doc(ckpt_dir, aside=self.aside, latest=self.tag if self.latest else None,
+                        nested_latest=self.nested_latest)
+
+
+def aside_line(newer: Sequence[str], name: str) -> str:
+    return (f"moving {', '.join(newer)} aside on every node ({newer[0]} cannot be assembled "
+            f"on these nodes; {name} would pick the newest it finds): renamed "
+            f"<tag>{ASIDE_SUFFIX}, kept")
+
+
+def readiness(rule: Mapping[str, Any], ckpt_dir: str, tag: str, newer: Sequence[str]
+              ) -> Readiness:
+    """A restart of a user's program from ``tag``, the newest checkpoint complete on every
+    node, ``newer`` the saves after it that cannot be assembled: by its profile's
+    ``rule`` (spec/resume.resume_rule, the same for a launch and the batch script): the
+    step-0 refusal when it has no known way to resume; else its resume argument for
+    ``ckpt_dir``/``tag``, or DeepSpeed's ``latest`` on every node pointed at ``tag``, or
+    the newer tags moved aside where it picks the newest it finds."""
+    name = str(rule.get("name", "the program"))
+    step0 = str(rule.get("step0") or "")
+    if step0:
+        return Readiness(tag, refusal=step0.replace(CKPT_TAG_TOKEN, tag))
+    nested = bool(rule.get("nested_latest"))
+    template = [str(w) for w in rule.get("resume") or ()]
+    if template:
+        words = tuple(resume_words(template, f"{ckpt_dir}/{tag}"))
+        return Readiness(tag, resume=words, nested_latest=nested, lines=(
+            f"{name}: resuming from {tag}, the newest checkpoint complete on every node "
+            f"({' '.join(words)})",))
+    lines = []
+    latest = bool(rule.get("top_latest"))
+    if latest:
+        lines.append(f"{name}: every node's {LATEST_FILE} names {tag} (the newest checkpoint "
+                     "complete on every node)")
+    aside = tuple(newer) if rule.get("aside") else ()
+    if aside:
+        lines.append(aside_line(aside, name))
+    return Readiness(tag, latest=latest, aside=aside, nested_latest=nested, lines=tuple(lines))
 
 
 def ready_checkpoints(text: str) -> list[str]:

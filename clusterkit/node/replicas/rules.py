@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from clusterkit.node.contract import (
+    ASIDE_SUFFIX,
     MODEL_STATES_RE,
     OPTIM_STATES_RE,
     REPLICA_MANIFEST,
@@ -288,6 +289,8 @@ def candidate_tags(own: Iterable[tuple[str, Copy]], copies: Iterable[tuple[str, 
     newest: dict[str, float] = {}
     for kind, seen in ((OWN, own), (REPLICA, copies)):
         for tag, c in seen:
+            if ASIDE_SUFFIX in tag:
+                continue  # moved aside by a restart (node/ckpt/ready.py): kept, never resumed
             if c.files:
                 newest[tag] = max([newest.get(tag, 0.0), *(st[1] for st in c.files.values())])
             if _names_a_save(kind, c, markers):

@@ -11,13 +11,19 @@ the script writes once per run, given to every task with ``srun --input=all``):
   ``launcher.log``), for this node's index in the allocation. It ends when the script
   writes ``RUN_DIR/end``: ``ok`` (the ranks exited 0: push what is due, BYE, wait for
   the sources, bounded) or anything else (stop at once);
-* ``list``, ``plan``, ``restore``: a run on another node set (``node/slurm/restore.py``);
+* ``list``, ``plan``, ``restore``: a run on another node set (``node/slurm/restore.py``),
+  or, for a user's program whose restart is readied (CONF's ``program``, the rule
+  spec/resume.resume_rule rendered), any run after a save; then ``ready`` on every node:
+  its checkpoint dir readied by the plan's ``prep.json`` (node/ckpt/ready.py, the rule a
+  launch's agents follow: newer unassemblable tags moved aside, DeepSpeed's ``latest``,
+  HF's ``checkpoint-N/latest``), the program's resume words in ``RUN_DIR/resume``;
   on another number of nodes (the bundled workload) ``gather`` every part into the
   shared ``RUN_DIR/gather``, where the script converts it to DeepSpeed's universal
   checkpoint (checkpoints/convert/universal.py), and ``spread`` the result to every node.
 
 ``CONF`` is one JSON word: ``job_id``, ``job_dir``, ``ckpt_dir``, ``rpn`` (ranks per
-node), ``markers`` (the program writes completion markers), ``replicas`` (K). The
+node), ``markers`` (the program writes completion markers), ``replicas`` (K),
+``program`` (how a user's program resumes; empty for the bundled workload). The
 run's hosts are ``RUN_DIR/hosts`` (node index order, one per line: ``scontrol show
 hostnames``), the per-run secret is ``RUN_DIR/secret`` (mode 0600, made by the script,
 removed when it ends: never on a command line, in an environment or in a log).
@@ -39,6 +45,7 @@ import sys
 import time
 from typing import Any
 
+from clusterkit.node.ckpt.ready import readiness, ready_checkpoints
 from clusterkit.node.contract import JobDir
 from clusterkit.node.files import write_atomic
 from clusterkit.node.replicas import priority
@@ -50,7 +57,9 @@ END_FILE = "end"
 RESHARD_FILE = "reshard"  # the tag to reshard (written by plan): gather, convert, spread
 GATHER_DIR = "gather"
 UNIVERSAL_FILE = "universal"  # the converted tag's name (the script writes it)
-VERBS = ("serve", "list", "plan", "restore", "gather", "spread")
+PREP_FILE = "prep.json"  # plan -> every node's `ready` (node/ckpt/ready.prep_doc)
+RESUME_FILE = "resume"  # plan -> the script: the program's resume words, NUL-separated
+VERBS = ("serve", "list", "plan", "restore", "gather", "spread", "ready")
 END_OK = "ok"
 POLL_S = 1.0
 FINISH_PUSH_S = 240.0  # the end of a job: outstanding pushes, then the sources' BYE
@@ -148,6 +157,8 @@ def main(argv: list[str]) -> int:
         return restore.write_listing(conf["ckpt_dir"], run_dir, me)
     if verb == "plan":
         return plan(conf, run_dir)
+    if verb == "ready":
+        return ready_node(conf["ckpt_dir"], run_dir, me)
     if verb == "spread":
         with open(os.path.join(run_dir, UNIVERSAL_FILE), encoding="utf-8") as fh:
             name = fh.read().strip()
@@ -165,7 +176,9 @@ def main(argv: list[str]) -> int:
 
 
 def plan(conf: dict[str, Any], run_dir: str) -> int:
-    """Decide (node/slurm/restore.py), write ``plan.json`` when parts must move, say why."""
+    """Decide (node/slurm/restore.py), write ``plan.json`` when parts must move, ready a
+    user's program for the tag (``prep.json`` for every node's ``ready``, ``resume``: its
+    resume words), say why."""
     hosts = read_lines(os.path.join(run_dir, "hosts"))
     old = read_lines(os.path.join(run_dir, "old_hosts"))
     listings = {}
@@ -183,40 +196,87 @@ def plan(conf: dict[str, Any], run_dir: str) -> int:
     except OSError:
         pass
     now = os.environ.get("SLURM_JOB_NODELIST") or now
-    if p.get("missing"):
-        restore.say(f"job {job} keeps node-local checkpoints on {was}, but this run got "
-                         f"{now}: not starting fresh: {p['missing']}. Bring those nodes back "
-                         "and submit again on them, or gather and move the shards: clusterkit "
-                         "collect-ckpt --scatter, then remove JOBDIR/" + JobDir.SLURM_NODES, err=True)
+    refusal = _refusal(p, conf, job, was, now, hosts, old)
+    if refusal is not None:
+        restore.say(refusal, err=True)
         return restore.CANNOT_ASSEMBLE
     if p.get("tag") is None:
-        if not set(old) & set(hosts):
-            restore.say(f"job {job} keeps node-local checkpoints on {was}, but this run got "
-                             f"{now}, where no part of them is: not starting fresh. Submit "
-                             f"again on {was} (clusterkit sbatch --submit pins them), or gather "
-                             "and move the shards: clusterkit collect-ckpt --scatter, then "
-                             "remove JOBDIR/" + JobDir.SLURM_NODES, err=True)
-            return restore.CANNOT_ASSEMBLE
-        restore.say(f"job {job}: this run got {now} (the checkpoint's nodes were {was}); "
-                         "no checkpoint on any of them or in their replicas: starting fresh")
+        restore.say(f"job {job}: no checkpoint on its nodes ({now}) or in their replicas: "
+                    "starting fresh" if hosts == old else
+                    f"job {job}: this run got {now} (the checkpoint's nodes were {was}); no "
+                    "checkpoint on any of them or in their replicas: starting fresh")
         return 0
+    rule = conf.get("program") or {}
+    ready = readiness(rule, conf["ckpt_dir"], p["tag"], p.get("newer") or []) if rule else None
+    if ready is not None and ready.refusal is not None:
+        restore.say(ready.refusal, err=True)
+        return restore.CANNOT_ASSEMBLE
+    _say_moves(p, job, was, now, hosts, old, run_dir)
+    if ready is not None:
+        for line in ready.lines:
+            restore.say(line)
+        write_atomic(os.path.join(run_dir, PREP_FILE), ready.prep(conf["ckpt_dir"]))
+        if ready.resume:  # NUL-separated: the script reads them with mapfile -d ''
+            write_atomic(os.path.join(run_dir, RESUME_FILE), "".join(w + "\0" for w in ready.resume))
+    return 0
+
+
+def _refusal(p: dict[str, Any], conf: dict[str, Any], job: str, was: str, now: str,
+             hosts: list[str], old: list[str]) -> str | None:
+    """Why this run must not start (no tag can be assembled here; a program's checkpoint
+    the script does not convert for another number of nodes); None when it may."""
+    if p.get("missing"):
+        return (f"job {job} keeps node-local checkpoints on {was}, but this run got {now}: not "
+                f"starting fresh: {p['missing']}. Bring those nodes back and submit again on "
+                "them, or gather and move the shards: clusterkit collect-ckpt --scatter, then "
+                "remove JOBDIR/" + JobDir.SLURM_NODES)
+    if p.get("tag") is None and hosts != old and not set(old) & set(hosts):
+        return (f"job {job} keeps node-local checkpoints on {was}, but this run got {now}, "
+                f"where no part of them is: not starting fresh. Submit again on {was} "
+                "(clusterkit sbatch --submit pins them), or gather and move the shards: "
+                "clusterkit collect-ckpt --scatter, then remove JOBDIR/" + JobDir.SLURM_NODES)
+    rule = conf.get("program") or {}
+    if p.get("reshard") and rule and not rule.get("reshard"):
+        return (f"job {job}: its checkpoint {p['tag']} was saved on {len(old)} nodes ({was}), "
+                f"this run got {len(hosts)} ({now}): clusterkit sbatch converts no "
+                f"{rule.get('name')} checkpoint ({rule.get('layout')}) for another number of "
+                f"nodes: not starting. Submit it on {len(old)} nodes, or take its weights: "
+                f"clusterkit collect-ckpt {job} --consolidate fp32 (docs/programs.md)")
+    return None
+
+
+def _say_moves(p: dict[str, Any], job: str, was: str, now: str, hosts: list[str],
+               old: list[str], run_dir: str) -> None:
+    """The plan's lines; ``plan.json`` (and the reshard word) when parts must move."""
     if not p["lines"]:
-        restore.say(f"job {job}: this run got {now} (was {was}); every node holds its "
-                         f"part of {p['tag']} already")
-        return 0
+        restore.say(f"job {job}: every node of this run ({now}) holds its part of {p['tag']}"
+                    + ("" if hosts == old else f" already (was {was})"))
+        return
     if p.get("reshard"):
         restore.say(f"job {job}: this run got {len(hosts)} nodes, {now}; the checkpoint "
-                         f"was saved on {len(old)}, {was}: resharding {p['tag']} (gathered in "
-                         "the job dir, converted to DeepSpeed's universal checkpoint, copied to "
-                         "every node) before the ranks start")
+                    f"was saved on {len(old)}, {was}: resharding {p['tag']} (gathered in "
+                    "the job dir, converted to DeepSpeed's universal checkpoint, copied to "
+                    "every node) before the ranks start")
         with open(os.path.join(run_dir, RESHARD_FILE), "w", encoding="utf-8") as fh:
             fh.write(p["tag"] + "\n")
+    elif hosts == old:
+        restore.say(f"job {job}: restoring the parts of {p['tag']} its nodes lack before the "
+                    "ranks start")
     else:
         restore.say(f"job {job}: this run got {now}, not the checkpoint's nodes {was}: "
-                         f"moving the parts of {p['tag']} before the ranks start")
+                    f"moving the parts of {p['tag']} before the ranks start")
     for line in p["lines"]:
         restore.say("  " + line)
     write_atomic(os.path.join(run_dir, "plan.json"), json.dumps(p))
+
+
+def ready_node(ckpt_dir: str, run_dir: str, me: str) -> int:
+    """``ready``: this node's checkpoint dir readied by the plan's ``prep.json``
+    (node/ckpt/ready.py, the launch agents' rule)."""
+    with open(os.path.join(run_dir, PREP_FILE), encoding="utf-8") as fh:
+        prep = fh.read()
+    for line in ready_checkpoints(prep):
+        restore.say(f"{me}: {line}")
     return 0
 
 

@@ -173,10 +173,13 @@ def candidate_tags(listings: dict[str, Any], markers: bool) -> list[str]:
 
 def decide(listings: dict[str, Any], hosts: list[str], old_hosts: list[str], markers: bool,
            rpn: int) -> dict[str, Any]:
-    """The plan: ``{"tag", "actions": {host: {...}}, "lines": [...]}`` or, when no tag can
-    be assembled, ``{"missing": line}``; ``{"tag": None}`` when nothing was saved."""
+    """The plan: ``{"tag", "actions": {host: {...}}, "lines": [...], "newer": [...]}``
+    (``newer``: the tags saved after ``tag`` that cannot be assembled from this run's
+    nodes) or, when no tag can be assembled, ``{"missing": line}``; ``{"tag": None}`` when
+    nothing was saved."""
     saved = Saved(tuple(old_hosts or hosts), markers, rpn)
-    tags = [t for t in candidate_tags(listings, markers) if sources(listings, t, saved)]
+    saves = candidate_tags(listings, markers)
+    tags = [t for t in saves if sources(listings, t, saved)]
     if not tags:
         return {"tag": None}
     parts = len(saved.hosts)
@@ -186,10 +189,11 @@ def decide(listings: dict[str, Any], hosts: list[str], old_hosts: list[str], mar
         src = sources(listings, tag, saved)
         if not all(src.get(i) for i in range(parts)):
             continue
+        newer = saves[:saves.index(tag)]  # saved after it, not assemblable here
         if parts != len(hosts):
             return {**_gathers(tag, src, hosts, label, parts),
-                    "world": _world(listings, tag) or parts * rpn}
-        return _moves(tag, src, hosts, label, listings, saved)
+                    "world": _world(listings, tag) or parts * rpn, "newer": newer}
+        return {**_moves(tag, src, hosts, label, listings, saved), "newer": newer}
     src = sources(listings, tags[0], saved)
     gone = [label[i] for i in range(parts) if not src.get(i)]
     return {"missing": f"checkpoint {tags[0]} cannot be assembled from this run's nodes: "

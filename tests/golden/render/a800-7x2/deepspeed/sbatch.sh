@@ -90,7 +90,7 @@ fi
 nodes_file=$job_dir/slurm_nodes
 rdir=$job_dir/slurm-runs/$SLURM_JOB_ID.$(( ${SLURM_RESTART_COUNT:-0} + 1 ))
 mkdir -p -- "$rdir"
-rm -f -- "$rdir/end" "$rdir/plan.json" "$rdir/reshard" "$rdir/universal"
+rm -f -- "$rdir/end" "$rdir/plan.json" "$rdir/reshard" "$rdir/universal" "$rdir/prep.json" "$rdir/resume"
 scontrol show hostnames "$SLURM_JOB_NODELIST" > "$rdir/hosts"
 # node/slurm/replica.py's sources, written with the job's files by clusterkit sbatch.
 bundle=$job_dir/slurmreplica.bundle
@@ -102,7 +102,7 @@ ds_cfg=/srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json
 ds_plain=$ds_cfg.plain
 if [ -f "$ds_plain" ]; then mv -f -- "$ds_plain" "$ds_cfg"; fi
 trap 'rm -f -- "$rdir/secret"; if [ -f "$ds_plain" ]; then mv -f -- "$ds_plain" "$ds_cfg"; fi' EXIT
-replica_conf='{"ckpt_dir":"/scratch/ckpt/golden-a800-7x2","job_dir":"/srv/train/.clusterkit/jobs/golden-a800-7x2","job_id":"golden-a800-7x2","markers":true,"replicas":0,"rpn":2}'
+replica_conf='{"ckpt_dir":"/scratch/ckpt/golden-a800-7x2","job_dir":"/srv/train/.clusterkit/jobs/golden-a800-7x2","job_id":"golden-a800-7x2","markers":true,"program":{},"replicas":0,"rpn":2}'
 replica=(/opt/conda/envs/train/bin/python -S -u -c 'import linecache,sys,types
 r=sys.stdin.buffer
 h=r.readline().split()

@@ -1,0 +1,139 @@
+"""How a program is restarted from a checkpoint (issue 38), pure: the resume template
+put into its arguments (:func:`with_resume`), the rule that readies its restart
+(:func:`resume_rule`: the plain values node/ckpt/ready.readiness reads for a launch's
+restart and for a requeued ``clusterkit sbatch`` run), when a restart on the same nodes
+is readied at all (:func:`needs_ready`), and the step-0 lines. The profiles themselves
+are spec/programs.py's; docs/programs.md ("Restarts and relaunches") is the user's
+account.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from clusterkit.node.ckpt.ready import resume_words
+from clusterkit.node.contract import CKPT_TAG_TOKEN, RESUME_DIR_FIELD
+from clusterkit.spec.programs import CONTRACT, PROGRAM_CHOICES, OtherWorld, ProgramChoice
+
+
+def _strip_flag(args: Sequence[str], flag: str) -> list[str]:
+    """``args`` without ``flag VALUE`` / ``flag=VALUE`` (the value: the next word unless it
+    is a flag itself)."""
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = i + 1 < len(args) and not args[i + 1].startswith("--")
+            continue
+        if a.startswith(flag + "="):
+            continue
+        out.append(a)
+    return out
+
+
+def with_resume(template: Sequence[str], args: Sequence[str], ckpt: str) -> tuple[str, ...]:
+    """``args`` resuming from ``ckpt``: the template's words with ``{dir}`` filled in,
+    replacing what the arguments said for the template's flag before (a relaunch's own
+    ``--resume_from_checkpoint`` of an older checkpoint, say)."""
+    if not template:
+        return tuple(args)
+    return (*without_resume(template, args), *resume_words(template, ckpt))
+
+
+def without_resume(template: Sequence[str], args: Sequence[str]) -> tuple[str, ...]:
+    """``args`` without what they said for the template's flag (``with_resume`` adds it)."""
+    if not template or not template[0].startswith("-"):
+        return tuple(args)
+    return tuple(_strip_flag(args, template[0].split("=", 1)[0]))
+
+
+def _program_head(program: Sequence[str]) -> int:
+    """How many words of a node's interpreter arguments are the program itself
+    (``script`` or ``-m module``); its arguments follow."""
+    return 2 if list(program[:1]) == ["-m"] else 1
+
+
+def resumed_program(program: Sequence[str], template: Sequence[str], ckpt: str
+                    ) -> tuple[str, ...]:
+    """One node's interpreter arguments (``script ARGS`` or ``-m module ARGS``) with the
+    resume argument for ``ckpt``."""
+    head = _program_head(program)
+    return (*program[:head], *with_resume(template, program[head:], ckpt))
+
+
+def program_without_resume(program: Sequence[str], template: Sequence[str]) -> tuple[str, ...]:
+    """One node's interpreter arguments without their own resume flag (the batch script
+    appends the resume words it decides at the start of a run)."""
+    head = _program_head(program)
+    return (*program[:head], *without_resume(template, program[head:]))
+
+
+def latest_rules(choice: ProgramChoice | None, *, node_local: bool) -> tuple[bool, bool]:
+    """(point every node's top-level ``latest`` at the resume tag, write the ``latest``
+    each tag dir lacks): what readying a node's checkpoint dir does with DeepSpeed's
+    ``latest`` for this program (node/ckpt/ready.py), the same for a launch's agents and
+    the batch script. Only on node-local storage: a shared dir has rank 0's files."""
+    prof = None if choice is None else choice.profile
+    return (bool(node_local and prof is not None and prof.top_latest),
+            bool(node_local and prof is not None and prof.nested_latest))
+
+
+def needs_ready(choice: ProgramChoice | None, *, node_local: bool, workload: bool) -> bool:
+    """A restart on the same nodes of a node-local job is readied first (a launch:
+    jobs/recover.py; sbatch: its ``plan`` and ``ready`` steps) when its program's profile
+    is told where to resume, picks by DeepSpeed's ``latest``, writes a file on one rank
+    only (copied to every node), picks the newest checkpoint it finds (newer
+    unassemblable ones moved aside), or has no known way to resume (the step-0 rule)."""
+    if not node_local or workload or choice is None:
+        return False
+    prof = choice.profile
+    # The contract's scripts take the newest tag every rank has by their own rule: on the
+    # same nodes nothing is in their way (on fewer nodes the reshard readies them).
+    own_rule = prof.name == CONTRACT
+    return bool(choice.resume or prof.top_latest or prof.one_writer
+                or (prof.picks_newest and not own_rule) or not prof.resumes_itself)
+
+
+def resume_rule(choice: ProgramChoice | None, *, job_id: str, ckpt_dir: str, node_local: bool,
+                workload: bool) -> dict[str, Any]:
+    """How a restart of this job's program from a checkpoint is readied, as plain values:
+    what node/ckpt/ready.readiness reads for a launch's restart (jobs/recover.py) and,
+    rendered into the batch script, for a requeued ``clusterkit sbatch`` run (its
+    ``plan`` step on the batch host). ``ready``: a run on the same nodes is readied too
+    (:func:`needs_ready`); the step-0 line names the tag as :data:`CKPT_TAG_TOKEN`;
+    ``reshard``: the batch script may convert it for another number of nodes (it converts
+    top-level DeepSpeed tags only). Empty for the bundled workload (it resumes by itself)."""
+    if choice is None or workload:
+        return {}
+    top, nested = latest_rules(choice, node_local=node_local)
+    return {"ready": needs_ready(choice, node_local=node_local, workload=workload),
+            "name": choice.name, "resume": list(choice.resume),
+            "top_latest": top, "nested_latest": nested, "aside": choice.profile.picks_newest,
+            "step0": restart_problem(choice, CKPT_TAG_TOKEN, ckpt_dir, job_id) or "",
+            "reshard": choice.profile.other_world is OtherWorld.UNIVERSAL,
+            "layout": choice.profile.layout}
+
+
+def restart_problem(choice: ProgramChoice, tag: str, where: str, job_id: str) -> str | None:
+    """The step-0 rule: a restart or relaunch of a program that can neither be told where
+    to resume nor finds its checkpoint itself would begin at step 0 while ``tag`` (in
+    ``where``) is complete on every node. One line naming the checkpoint and the fix;
+    None when it resumes."""
+    if choice.resume or choice.profile.resumes_itself:
+        return None
+    return (f"job {job_id} would restart at step 0: checkpoint {tag} in {where} is complete "
+            f"on every node, but this program ({choice.why}) is not known to resume from it "
+            f"-- relaunch with --resume-arg 'FLAG {RESUME_DIR_FIELD}' (its own resume flag) or "
+            f"--program NAME ({', '.join(PROGRAM_CHOICES)})")
+
+
+def began_fresh_line(tag: str, job_id: str) -> str:
+    """The one line when a resumed attempt's output shows it began at step 0 anyway."""
+    return (f"job {job_id}: the restarted program began at step 0 although checkpoint {tag} "
+            f"was complete on every node and passed to it (it logged progress before any "
+            f"resume) -- check its resume flag: relaunch with --resume-arg 'FLAG {RESUME_DIR_FIELD}' "
+            "or --program NAME (docs/programs.md)")

@@ -1,0 +1,206 @@
+"""A requeued ``clusterkit sbatch`` run of a user's program readied as a launch's restart
+is (issue 38, the batch script's half), without Slurm: the batch host's ``plan`` step
+(node/slurm/replica.plan) over three "nodes" (a node-local checkpoint dir each, on this
+machine) and every node's ``ready`` step, with the rule rendered into the batch script
+(spec/resume.resume_rule) for the profile clusterkit detects; and the rendered script
+itself, read by ``bash -n``.
+
+HF Trainer's node-local layout: ``checkpoint-N/`` on every node (``--save_on_each_node``,
+``use_node_local_storage``), DeepSpeed's ``checkpoint-N/latest`` on global rank 0's only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from clusterkit.node.ckpt.listing import listing
+from clusterkit.node.contract import ASIDE_SUFFIX
+from clusterkit.node.slurm import replica, restore
+from clusterkit.plan.build import plan_job
+from clusterkit.render.artifacts import render_all
+from clusterkit.spec.job import JobOptions
+from clusterkit.spec.programs import detect
+from clusterkit.spec.resume import resume_rule
+from tests.render_cases import FACTS, inventory
+
+HOSTS = ["n1", "n2", "n3"]
+HF_SRC = "from transformers import Trainer, TrainingArguments\n"
+ACC_SRC = "from accelerate import Accelerator\nacc.save_state(d)\n"
+UNKNOWN_SRC = "import deepspeed\nprint('training')\n"
+
+
+def _hf_save(root: Path, index: int, step: int, *, whole: bool = True) -> None:
+    """Node ``index``'s part of HF's checkpoint-``step`` (1 rank per node)."""
+    tag = root / f"checkpoint-{step}"
+    inner = tag / f"global_step{step}"
+    inner.mkdir(parents=True)
+    if whole:  # else: killed before DeepSpeed wrote this node's files
+        (inner / "mp_rank_00_model_states.pt").write_bytes(b"model" * 50)
+        (inner / f"zero_pp_rank_{index}_mp_rank_00_optim_states.pt").write_bytes(os.urandom(300))
+    (tag / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (tag / f"rng_state_{index}.pth").write_bytes(b"rng")
+    if index == 0:
+        (tag / "latest").write_text(f"global_step{step}")
+
+
+def _acc_save(root: Path, index: int, step: int, *, whole: bool = True) -> None:
+    """Node ``index``'s part of an accelerate ``save_state(dir/step_N)``."""
+    tag = root / f"step_{step}"
+    inner = tag / "pytorch_model"
+    inner.mkdir(parents=True)
+    if whole:
+        (inner / "mp_rank_00_model_states.pt").write_bytes(b"model" * 50)
+        (inner / f"zero_pp_rank_{index}_mp_rank_00_optim_states.pt").write_bytes(os.urandom(300))
+    (tag / f"random_states_{index}.pkl").write_bytes(b"rng")
+
+
+def _rule(src: str, args: tuple[str, ...] = ()) -> dict[str, object]:
+    choice = detect(workload=False, args=args, script_text=src)
+    return resume_rule(choice, job_id="j", ckpt_dir="/ck/j", node_local=True, workload=False)
+
+
+def _plan(tmp_path: Path, roots: dict[str, Path], rule: dict[str, object],
+          hosts: list[str] | None = None, old: list[str] | None = None
+          ) -> tuple[int, Path]:
+    """The batch host's ``plan`` step over the nodes' listings; (its status, the run dir)."""
+    hosts, old = hosts or HOSTS, old or HOSTS
+    run = tmp_path / "run"
+    (run / "list").mkdir(parents=True, exist_ok=True)
+    (run / "hosts").write_text("\n".join(hosts) + "\n")
+    (run / "old_hosts").write_text("\n".join(old) + "\n")
+    for h in hosts:
+        (run / "list" / f"{h}.json").write_text(json.dumps(listing(str(roots[h]), None)))
+    conf = {"job_id": "j", "job_dir": str(tmp_path / "jobdir"), "ckpt_dir": "/ck/j",
+            "rpn": 1, "markers": False, "replicas": 0, "program": rule}
+    return replica.plan(conf, str(run)), run
+
+
+def _ready(run: Path, roots: dict[str, Path]) -> None:
+    """Every node's ``ready`` step, its prep.json pointed at the node's own dir."""
+    prep = json.loads((run / replica.PREP_FILE).read_text())
+    for h, root in roots.items():
+        mine = run / f"prep-{h}"
+        mine.mkdir()
+        (mine / replica.PREP_FILE).write_text(json.dumps({**prep, "ckpt_dir": str(root)}))
+        assert replica.ready_node(str(root), str(mine), h) == 0
+
+
+def test_hf_requeued_on_its_nodes_resumes_from_the_newest_complete_checkpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    roots = {h: tmp_path / h for h in HOSTS}
+    for i, h in enumerate(HOSTS):
+        _hf_save(roots[h], i, 10)
+        _hf_save(roots[h], i, 20, whole=h != "n3")  # node3 was killed mid-save
+    status, run = _plan(tmp_path, roots, _rule(HF_SRC))
+    said = capsys.readouterr().out
+    assert status == 0, said
+    words = (run / replica.RESUME_FILE).read_text().split("\0")
+    assert words == ["--resume_from_checkpoint", "/ck/j/checkpoint-10", ""]
+    assert ("clusterkit: hf-trainer: resuming from checkpoint-10, the newest checkpoint "
+            "complete on every node (--resume_from_checkpoint /ck/j/checkpoint-10)") in said
+    assert "every node of this run" in said and "holds its part of checkpoint-10" in said
+    _ready(run, roots)
+    said = capsys.readouterr().out
+    for h in HOSTS:  # DeepSpeed's latest inside the tag dir, on every node
+        assert (roots[h] / "checkpoint-10" / "latest").read_text() == "global_step10"
+    assert "clusterkit: n2: checkpoint-10/latest -> global_step10" in said
+    # HF is told which one to load: nothing is moved aside for it
+    assert (roots["n1"] / "checkpoint-20").is_dir()
+
+
+def test_accelerate_requeued_has_the_newer_unassemblable_save_moved_aside(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    roots = {h: tmp_path / h for h in HOSTS}
+    for i, h in enumerate(HOSTS):
+        _acc_save(roots[h], i, 40)
+        _acc_save(roots[h], i, 50, whole=h != "n2")
+    status, run = _plan(tmp_path, roots, _rule(ACC_SRC))
+    said = capsys.readouterr().out
+    assert status == 0, said
+    assert not (run / replica.RESUME_FILE).exists()  # it loads the newest it finds
+    assert "moving step_50 aside on every node (step_50 cannot be assembled" in said
+    _ready(run, roots)
+    for h in HOSTS:
+        assert not (roots[h] / "step_50").exists()
+        assert (roots[h] / f"step_50{ASIDE_SUFFIX}").is_dir()  # kept, renamed
+        assert (roots[h] / "step_40").is_dir()
+    # the next run's rules do not take the set-aside save for a tag
+    listings = {h: listing(str(roots[h]), None) for h in HOSTS}
+    assert restore.candidate_tags(listings, False) == ["step_40"]
+
+
+def test_an_unknown_program_is_not_requeued_into_step_0(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    roots = {h: tmp_path / h for h in HOSTS}
+    for i, h in enumerate(HOSTS):
+        _hf_save(roots[h], i, 10)
+    status, run = _plan(tmp_path, roots, _rule(UNKNOWN_SRC))
+    said = capsys.readouterr().err
+    assert status == restore.CANNOT_ASSEMBLE
+    assert ("job j would restart at step 0: checkpoint checkpoint-10 in /ck/j is complete on "
+            "every node") in said, said
+    assert "--resume-arg 'FLAG {dir}'" in said
+    assert not (run / replica.PREP_FILE).exists()
+
+
+def test_hf_on_another_number_of_nodes_is_refused_under_sbatch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    roots = {h: tmp_path / h for h in HOSTS}
+    for i, h in enumerate(HOSTS):
+        _hf_save(roots[h], i, 10)
+    roots["n4"] = tmp_path / "n4"
+    status, _ = _plan(tmp_path, roots, _rule(HF_SRC), hosts=[*HOSTS, "n4"])
+    said = capsys.readouterr().err
+    assert status == restore.CANNOT_ASSEMBLE
+    assert ("its checkpoint checkpoint-10 was saved on 3 nodes (n1,n2,n3), this run got 4 "
+            "(n1,n2,n3,n4): clusterkit sbatch converts no hf-trainer checkpoint") in said, said
+
+
+def test_nothing_saved_yet_starts_fresh(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                        ) -> None:
+    roots = {h: tmp_path / h for h in HOSTS}
+    status, run = _plan(tmp_path, roots, _rule(HF_SRC))
+    assert status == 0
+    assert "no checkpoint on its nodes" in capsys.readouterr().out
+    assert not (run / replica.RESUME_FILE).exists()
+
+
+def _hf_script(tmp_path: Path, args: tuple[str, ...]) -> str:
+    o = JobOptions(job_id="j", backend="torchrun", script="train.py", script_args=args,
+                   storage="node-local", ckpt_dir="/scratch/ckpt", gpus_per_node=1, nodes=3)
+    facts = dataclasses.replace(FACTS, script_text=HF_SRC)
+    script = render_all(plan_job(inventory("a800-7x2"), o, facts)).artifacts["sbatch.sh"]
+    path = tmp_path / "sbatch.sh"
+    path.write_text(script)
+    r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return script
+
+
+def test_the_batch_script_passes_the_resume_words_to_the_program(tmp_path: Path) -> None:
+    script = _hf_script(tmp_path, ("--output_dir", "/scratch/ckpt/j"))
+    assert "resume_args=()\nif [ -n \"$first_nodes\" ]; then" in script  # same nodes too
+    assert "node_program ready ||" in script
+    assert script.count('${resume_args[@]+"${resume_args[@]}"} &') == 1
+    line = next(ln for ln in script.splitlines() if ln.startswith("replica_conf="))
+    conf = json.loads(shlex.split(line.split("=", 1)[1])[0])
+    assert conf["program"]["resume"] == ["--resume_from_checkpoint", "{dir}"]
+    assert conf["program"]["nested_latest"] is True
+
+
+def test_the_program_s_own_resume_flag_gives_way(tmp_path: Path) -> None:
+    script = _hf_script(tmp_path, ("--output_dir", "/scratch/ckpt/j",
+                                   "--resume_from_checkpoint", "/scratch/ckpt/j/checkpoint-5"))
+    both = script.split("# The program's own resume flag gives way", 1)[1].splitlines()
+    resumed, fresh = both[2], both[4]
+    assert "checkpoint-5" not in resumed
+    assert resumed.endswith(' --save_on_each_node ${resume_args[@]+"${resume_args[@]}"} &')
+    assert fresh.endswith(" --resume_from_checkpoint /scratch/ckpt/j/checkpoint-5 "
+                          "--save_on_each_node &")
