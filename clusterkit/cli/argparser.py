@@ -8,8 +8,9 @@ builds subparsers with the parent's class):
   ``--deepspeed`` never "ambiguous" — a word clusterkit does not know is unknown;
 * every parse error is a :class:`~clusterkit.errors.UsageError` (one line, exit 2,
   "see `clusterkit VERB --help`"; ``cli/main.py`` prints it), never the usage text;
-* an unknown verb, flag or choice names the closest one (difflib); a flag of another
-  verb says whose it is (``launch --submit``: a flag of ``clusterkit sbatch``; main).
+* an unknown verb, flag or choice names the closest one (difflib; for a flag, else the
+  verb's flag of the same meaning, :data:`SAME_MEANING`); a flag of another verb also says
+  whose it is (``launch --submit``: a flag of ``clusterkit sbatch``; main).
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ _REWORDS = (
     (re.compile(r"the following arguments are required: (.*)"), r"missing \1"),
 )
 _NEGATIVE_NUMBER = re.compile(r"-\d+(\.\d*)?")
+# Flags that name one concept in different words, across tools and verbs: no spelling is
+# close to another (`collect-ckpt --dest` means its `--to`, which difflib never finds), so
+# an unknown flag of one group suggests the verb's flag of the same group.
+SAME_MEANING = (
+    frozenset({"--to", "--dest", "--destination", "--out", "--output", "--output-dir",
+               "--target"}),
+)
 
 
 def flag_of(action: argparse.Action) -> str:
@@ -60,6 +68,14 @@ def closest(word: str, candidates: Iterable[str]) -> str | None:
         return squash[found[0]]
     starts = [c for c in pool.values() if bare(word) and c.startswith(word)]
     return starts[0] if len(starts) == 1 else None
+
+
+def same_meaning(flag: str, candidates: Iterable[str]) -> str | None:
+    """The one of ``candidates`` that names what ``flag`` names in other words
+    (:data:`SAME_MEANING`): ``--dest`` -> ``--to`` where a verb has ``--to``."""
+    group = next((g for g in SAME_MEANING if flag in g), frozenset())
+    found = [c for c in candidates if c in group and c != flag]
+    return found[0] if len(found) == 1 else None
 
 
 class Parser(argparse.ArgumentParser):
@@ -96,7 +112,8 @@ class Parser(argparse.ArgumentParser):
         word = extras[0]
         if word.startswith("-") and len(word) > 1 and not _NEGATIVE_NUMBER.fullmatch(word):
             flag = word.split("=", 1)[0]
-            near = closest(flag, self.visible_flags())
+            mine = self.visible_flags()
+            near = closest(flag, mine) or same_meaning(flag, mine)
             raise UsageError(f"unknown flag {flag}", prog=self.prog, unknown=flag,
                              hint=f"did you mean {near}?" if near else None)
         raise UsageError(f"unexpected argument {word!r}", prog=self.prog)

@@ -82,8 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         safety.check_args(args)  # values and flags-after-the-script, before anything starts
         return func(args)
     except ClusterkitError as exc:
-        if isinstance(exc, UsageError) and exc.unknown and exc.hint is None:
-            exc.hint = _elsewhere(exc.unknown, exc.prog)
+        if isinstance(exc, UsageError) and exc.unknown:
+            exc.hint = _with_elsewhere(exc.hint, _elsewhere(exc.unknown, exc.prog))
         print(f"clusterkit: error: {exc.one_line()}", file=sys.stderr)
         if _wants_json(parser, words, args):
             print(json.dumps({"error": exc.one_line(), "key": exc.key, "hint": exc.hint,
@@ -112,6 +112,14 @@ def _elsewhere(flag: str, prog: str) -> str | None:
     if not owners:
         return None
     return f"{flag} is a flag of {' and '.join(f'`{p}`' for p in owners[:3])}"
+
+
+def _with_elsewhere(mine: str | None, elsewhere: str | None) -> str | None:
+    """The verb's own close flag first (what the user most likely meant), then the other
+    verbs that have the flag typed: ``did you mean --to? (--dest is a flag of ...)``."""
+    if mine and elsewhere:
+        return f"{mine} ({elsewhere})"
+    return mine or elsewhere
 
 
 def _wants_json(parser: argparse.ArgumentParser, words: Sequence[str],
