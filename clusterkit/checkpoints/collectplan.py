@@ -51,6 +51,9 @@ class CollectPlan:
     files: Mapping[str, tuple[SourceFile, ...]]
     canonical_node: str  # the node holding global rank 0: wins when copies differ
     notes: tuple[str, ...] = ()
+    # ds_subdir is DeepSpeed's universal checkpoint (HF's checkpoint-N after a reshard,
+    # checkpoints/collect/inside.py): consolidated from its zero/<param>/fp32.pt
+    universal: bool = False
 
     @property
     def total_bytes(self) -> int:

@@ -61,6 +61,9 @@ class NodeListing:
     tags: Mapping[str, Mapping[str, FileInfo] | None] = field(default_factory=dict)
     markers: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     error: str | None = None  # unreachable / listing failed
+    # tag -> relpath -> the text of ``latest``, ``latest_universal`` and a universal marker
+    # one level down in that tag dir (node/ckpt/listing.py: HF's checkpoint-N)
+    texts: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # The replica area beside ``root``: what this node holds of other nodes, by source index.
     replicas: Mapping[int, NodeReplicas] = field(default_factory=dict)
 
@@ -84,6 +87,7 @@ def parse_listing(node: str, index: int, root: str, stdout: str) -> NodeListing:
             top={n: _file_info(v) for n, v in raw["top"].items()},
             latest=raw["latest"], tags=tags,
             markers={t: dict(m) for t, m in raw["markers"].items()},
+            texts={t: dict(m) for t, m in (raw.get("texts") or {}).items()},
             replicas=_replicas(raw.get("replicas") or {}))
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         return NodeListing(node=node, index=index, root=root,

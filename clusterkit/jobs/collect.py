@@ -192,7 +192,7 @@ def _consolidate(dest: str, plan: CollectPlan, request: CollectRequest) -> Conso
     assert request.consolidate is not None
     return consolidate(dest, plan.tag, request.consolidate,
                        max_shard_size=request.max_shard_size, ds_subdir=plan.ds_subdir,
-                       model_check=check_against_workload)
+                       universal=plan.universal, model_check=check_against_workload)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ import os
 import shutil
 from collections.abc import Sequence
 
+from clusterkit.checkpoints.collect.inside import converted
 from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import WithoutMarkers
 from clusterkit.checkpoints.convert.universal import (
@@ -37,7 +38,7 @@ from clusterkit.fsutil import atomic_write_text
 from clusterkit.jobs.resolve import recorded_nodes
 from clusterkit.jobs.restore import Say, collect_node, push_files, staging_dir
 from clusterkit.launch.registry import JobRecord
-from clusterkit.node.contract import ENV_RESUME_TAG
+from clusterkit.node.contract import ENV_RESUME_TAG, LATEST_UNIVERSAL_FILE, UNIVERSAL_MARKER
 from clusterkit.node.hashing import sha256_file
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
@@ -45,8 +46,9 @@ from clusterkit.spec.jobrecord import RankMap
 from clusterkit.spec.programs import DERIVED_DS_CONFIG, OtherWorld
 
 # What DeepSpeed's load_checkpoint(tag=None) reads for the tag with load_universal on
-# (deepspeed/runtime/engine.py): HF's checkpoint-N/ gets one beside its `latest`.
-LATEST_UNIVERSAL = "latest_universal"
+# (deepspeed/runtime/engine.py): HF's checkpoint-N/ gets one beside its `latest`. The
+# node contract's name (the node listing ships its text); jobs/recover.py reads it here.
+LATEST_UNIVERSAL = LATEST_UNIVERSAL_FILE
 
 
 def reshard(transport: Transport, plan: JobPlan, prior: JobRecord,
@@ -121,11 +123,19 @@ def _into_tag_dir(dest: str, tag: str, u: Universal
     name = universal_tag(sub)
     shutil.rmtree(os.path.join(dest, tag, name), ignore_errors=True)
     os.replace(os.path.join(u.out_dir, sub), os.path.join(dest, tag, name))
+    # The marker goes with it, naming what it was converted from (collect-ckpt and status
+    # judge the old world's tag beside it by that save's world size, checkpoints/collect/
+    # inside.py) and its files relative to it; pushed last (jobs/restore.py).
+    marker = dataclasses.replace(u.marker, source_tag=f"{tag}/{sub}", ds_subdir="", files={
+        rel[len(sub) + 1:]: size for rel, size in u.marker.files.items()
+        if rel.startswith(sub + "/")})
+    atomic_write_text(os.path.join(dest, tag, name, UNIVERSAL_MARKER),
+                      json.dumps(marker.to_json_dict(), indent=1) + "\n")
     atomic_write_text(os.path.join(dest, tag, LATEST_UNIVERSAL), name + "\n")
     files = {rel: v for rel, v in _local_files(dest, tag).items()
              if not rel.startswith(f"{tag}/{sub}/")}
-    return dataclasses.replace(u, out_dir=os.path.join(dest, tag, name),
-                               tag=f"{tag}/{name}"), files
+    return dataclasses.replace(u, out_dir=os.path.join(dest, tag, name), tag=f"{tag}/{name}",
+                               marker=marker), files
 
 
 def _inside_plan(plan: JobPlan, u: Universal, say: Say) -> JobPlan:
@@ -149,13 +159,20 @@ def load_universal_plan(plan: JobPlan) -> JobPlan:
 
 def converted_inside(listings: Sequence[NodeListing], tags: Sequence[str]) -> str | None:
     """The newest of ``tags`` (newest first) that a reshard converted inside itself on
-    every node listed (pure): each holds ``latest_universal`` and the same files under
-    one ``<DeepSpeed tag>_universal/``. After a reshard the old DeepSpeed tag beside it
-    (the old world's shards) makes the tag look unassemblable on the new mapping; a
-    restart before the next save resumes from the converted one again, never from step 0."""
+    every node listed (pure): collect-ckpt's and status's rule (checkpoints/collect/
+    inside.py: every file its marker lists, on every node); a conversion from before the
+    marker went with it: each node holds ``latest_universal`` and the same files under one
+    ``<DeepSpeed tag>_universal/``. After a reshard the old DeepSpeed tag beside it (the
+    old world's shards) makes the tag look unassemblable on the new mapping; a restart
+    before the next save resumes from the converted one again, never from step 0."""
     if not listings or any(ls.error for ls in listings):
         return None
     for tag in tags:
+        conv = converted(listings, tag)
+        if conv is not None and conv.world_size is not None:
+            if conv.everywhere and len(conv.complete_on) == len(listings):
+                return tag
+            continue
         seen: list[dict[str, int]] = []
         for ls in listings:
             files = ls.tags.get(tag) or {}

@@ -20,14 +20,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from clusterkit.checkpoints.collect.scatter import remote_hashes
-from clusterkit.checkpoints.convert.universal import UNIVERSAL_MARKER
 from clusterkit.checkpoints.replicas.assemble import Assembly, PartSource
 from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.checkpoints.sources.factory import open_source
 from clusterkit.checkpoints.sources.transfer import NullProgress, Wanted
 from clusterkit.errors import CheckpointError, LaunchError
 from clusterkit.launch.continuation import Replacement
-from clusterkit.node.contract import LATEST_FILE, parse_marker_name
+from clusterkit.node.contract import LATEST_FILE, UNIVERSAL_MARKER, parse_marker_name
 from clusterkit.remote.base import Transport, target_for
 from clusterkit.spec.job import JobPlan, NodePlan
 

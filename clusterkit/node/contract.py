@@ -345,6 +345,13 @@ LATEST_FILE = "latest"
 # under a name no program takes for a tag (issue 38): <tag>.set-aside[N].
 ASIDE_SUFFIX = ".set-aside"
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+# DeepSpeed's universal checkpoint inside a program's tag dir (HF's checkpoint-N after a
+# reshard: global_stepN_universal/ with latest_universal naming it, which DeepSpeed reads
+# with checkpoint.load_universal on) and clusterkit's marker in such a dir (the save it was
+# converted from: its world size, its files). The node listing ships the text of both, so
+# that collect-ckpt and status judge the conversion with the rest of the tag.
+LATEST_UNIVERSAL_FILE = "latest_universal"
+UNIVERSAL_MARKER = "clusterkit-universal.json"
 MODEL_STATES_RE = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
 ZERO3_MODEL_STATES_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt$")
 OPTIM_STATES_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt$")

@@ -745,10 +745,16 @@ def test_hf_is_converted_inside_its_checkpoint_dir(tmp_path: Path) -> None:
     assert u2.tag == "checkpoint-10/global_step10_universal"
     assert (dest / "checkpoint-10" / "latest_universal").read_text() == "global_step10_universal\n"
     assert sorted(files) == [
+        "checkpoint-10/global_step10_universal/clusterkit-universal.json",
         "checkpoint-10/global_step10_universal/mp_rank_00_model_states.pt",
         "checkpoint-10/global_step10_universal/zero/w/fp32.pt",
         "checkpoint-10/latest", "checkpoint-10/latest_universal",
         "checkpoint-10/rng_state_1.pth", "checkpoint-10/trainer_state.json"]
+    # the marker goes with it: what it was converted from (the old world's size), its files
+    moved = json.loads((dest / "checkpoint-10" / "global_step10_universal"
+                        / "clusterkit-universal.json").read_text())
+    assert (moved["source_tag"], moved["world_size"], moved["ds_subdir"]) == \
+        ("checkpoint-10/global_step10", 3, "")
     user = json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}})
     plan = _program_plan(HF_SRC, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
                  files={"ds.json": user}, nodes=2)

@@ -16,16 +16,23 @@ What DeepSpeed 0.19 actually writes with ``checkpoint.use_node_local_storage``
   node holding global rank 0, with a note, instead of being refused.
 * Optimizer shards (and ZeRO-3 per-rank model states) with the global dp index, on
   the node of that rank; one completion marker per node.
+
+One file because: the three ways a tag is judged (completion markers, DeepSpeed's file
+set, and a program's tag dir holding a universal conversion beside its DeepSpeed tag,
+whose rule is checkpoints/collect/inside.py's) share one shard scan, one file gathering
+and one torn-file check, each private to the verification.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import posixpath
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from clusterkit.checkpoints import layout
+from clusterkit.checkpoints.collect.inside import Converted, converted, without
 from clusterkit.checkpoints.collectplan import (
     CheckpointIncomplete,
     CollectPlan,
@@ -36,7 +43,14 @@ from clusterkit.checkpoints.collectplan import (
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.errors import CheckpointError
 from clusterkit.hostrange import fold, folded_lines
-from clusterkit.node.contract import MARKER_GLOB, RECOVERY_SCRIPTS, parse_marker_name, tag_step
+from clusterkit.node.contract import (
+    LATEST_FILE,
+    LATEST_UNIVERSAL_FILE,
+    MARKER_GLOB,
+    RECOVERY_SCRIPTS,
+    parse_marker_name,
+    tag_step,
+)
 from clusterkit.node.facts.gatefacts import SHARED_FIX, shared_line
 
 
@@ -138,6 +152,9 @@ def shared_dir(listings: Sequence[NodeListing], tag: str) -> CheckpointIncomplet
 
 
 def _per_rank(rel: str) -> bool:
+    if posixpath.dirname(posixpath.dirname(rel)).endswith("_universal") or \
+            posixpath.dirname(rel).endswith("_universal"):
+        return False  # a conversion's copy of every rank's model states (ZeRO-3), alike anywhere
     shard = layout.parse_shard_name(posixpath.basename(rel))
     return shard is not None and shard.dp_rank is not None
 
@@ -253,7 +270,70 @@ def plan_from_files(listings: Sequence[NodeListing], tag: str, world_size: int) 
     """The plan for a checkpoint without completion markers (see :class:`WithoutMarkers`).
 
     Ranks are placed where their shards are; the node holding rank 0's shard (else the
-    one whose ``latest`` names the tag) is canonical for the ZeRO 0-2 model states."""
+    one whose ``latest`` names the tag) is canonical for the ZeRO 0-2 model states. A
+    tag dir holding a universal conversion beside its DeepSpeed tag (HF's checkpoint-N
+    after a reshard) is :func:`plan_inside`'s."""
+    conv = converted(listings, tag)
+    if conv is not None:
+        return plan_inside(listings, tag, world_size, conv)
+    return _plan_files(listings, tag, world_size)
+
+
+def plan_inside(listings: Sequence[NodeListing], tag: str, world_size: int,
+                conv: Converted) -> CollectPlan:
+    """The DeepSpeed tag ``latest`` names, when complete by its own world size (the
+    conversion's marker says it: a job's record names the new world); else the
+    conversion when some node holds it complete; else refused with both reasons
+    (checkpoints/collect/inside.py, the rule)."""
+    source = conv.latest or conv.source
+    ds_world = conv.world_size if conv.world_size is not None else world_size
+    try:
+        plan = _plan_files(without(listings, tag, conv.holds), tag, ds_world)
+    except CheckpointIncomplete as exc:
+        if not conv.usable or source != conv.source:
+            raise CheckpointIncomplete(tag, [*exc.problems, *(
+                f"its universal conversion {conv.name} cannot stand in: {why}"
+                for why in conv.problems or [f"it was converted from {conv.source}, "
+                                              f"not {source}"])]) from None
+        return _plan_universal(listings, tag, conv, exc.problems)
+    return dataclasses.replace(plan, notes=(*plan.notes, (
+        f"{tag}: collected {source} (named by {tag}/{LATEST_FILE}, complete for the "
+        f"{ds_world} ranks that saved it); {conv.name} beside it, its universal conversion "
+        "made by a reshard, is left out")))
+
+
+def _plan_universal(listings: Sequence[NodeListing], tag: str, conv: Converted,
+                    source_problems: Sequence[str]) -> CollectPlan:
+    """The conversion and the program's own files (not the old world's DeepSpeed tag, nor
+    its ``latest``, which names that tag); the conversion's files from the nodes holding
+    it complete only."""
+    good = set(conv.complete_on)
+    source = conv.latest or conv.source
+
+    def old(rel: str) -> bool:
+        return rel == LATEST_FILE or rel.startswith(source + "/")
+
+    kept = [ls if ls.node in good else without([ls], tag, conv.holds)[0]
+            for ls in without(listings, tag, old)]
+    problems = _torn_files(kept, tag)
+    if problems:
+        raise CheckpointIncomplete(tag, problems)
+    why = "; ".join(source_problems[:2]) or "the world size that saved it is not recorded"
+    assert conv.world_size is not None  # usable
+    return CollectPlan(
+        tag=tag, step=layout.parse_step_tag(tag), zero_stage=conv.zero_stage,
+        world_size=conv.world_size, engine="deepspeed", ds_subdir=conv.name,
+        precision=conv.precision or "fp32-or-fp16", nodes=_nodes_from_files(kept, {}),
+        files=_gather_files(kept, tag), canonical_node=conv.complete_on[0], universal=True,
+        notes=(f"{tag}: collected {conv.name}, DeepSpeed's universal checkpoint of {source} "
+               f"that a reshard made (named by {tag}/{LATEST_UNIVERSAL_FILE}; complete on "
+               f"{fold(conv.complete_on)}), because {source} itself cannot be collected "
+               f"({why}); {tag}/{LATEST_FILE} is left out (it names {source}): resume from "
+               "DEST with checkpoint.load_universal on",))
+
+
+def _plan_files(listings: Sequence[NodeListing], tag: str, world_size: int) -> CollectPlan:
+    """:func:`plan_from_files` of one DeepSpeed tag."""
     scan = _scan_shards(listings, tag)
     problems = [_parallel_problem(node, rel, shard) for node, rel, shard in scan.parallel]
     if not scan.subdirs:

@@ -88,9 +88,13 @@ class TagAnswer(TagHealth):
 
     collectable: bool = False
     problems: tuple[str, ...] = ()
+    converted: str = ""  # collect-ckpt takes this universal conversion inside the tag
 
     def line(self) -> str:
         text = f"{self.tag}: {self.own}/{self.nodes} nodes, replicated {self.replicated}/{self.nodes}"
+        if self.converted:  # checkpoints/collect/inside.py: the old world's tag cannot be
+            return (text + f"; collectable from {self.converted}, its universal conversion "
+                    "by a reshard (the DeepSpeed tag beside it is incomplete here)")
         if not self.collectable and not self.complete:  # the replicas' words (health.py)
             return text + "; cannot be assembled: " + "; ".join(self.missing.values())
         if not self.collectable:  # every part is there, the checkpoint they make is not
@@ -103,7 +107,7 @@ class TagAnswer(TagHealth):
 
     def to_json(self) -> dict[str, Any]:
         return {**super().to_json(), "collectable": self.collectable,
-                "problems": list(self.problems)}
+                "problems": list(self.problems), "converted": self.converted}
 
 
 def answers(listings: Sequence[NodeListing], shown: int = SHOWN_TAGS, *,
@@ -118,5 +122,7 @@ def answers(listings: Sequence[NodeListing], shown: int = SHOWN_TAGS, *,
                              replicated=len(a.replicated), complete=a.complete,
                              missing={i: f"{a.label(i)}: {why}"
                                       for i, why in sorted(a.missing.items())},
-                             collectable=v.collectable, problems=v.problems))
+                             collectable=v.collectable, problems=v.problems,
+                             converted=f"{tag}/{v.plan.ds_subdir}"
+                             if v.plan is not None and v.plan.universal else ""))
     return out

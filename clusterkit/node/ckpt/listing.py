@@ -1,8 +1,10 @@
 """Node program: one node's checkpoint root as one JSON line (``collect-ckpt``'s listing).
 
 ``ckpt.listing ROOT [TAG]``: the top-level files (``latest``, ``zero_to_fp32.py``),
-every tag dir's files with size and mtime (only TAG's when given), and the text
-of the completion markers. A ``.pt`` file also says whether it is a whole zip archive
+every tag dir's files with size and mtime (only TAG's when given), the text
+of the completion markers, and of the small files that say which DeepSpeed tag a
+program's tag dir holds (``latest``, ``latest_universal``, the universal marker one
+level down: HF's checkpoint-N after a reshard). A ``.pt`` file also says whether it is a whole zip archive
 (``torch.save``'s format ends with the zip end record, so a save cut short lacks it).
 Also the replica area beside the root (``<root>.replicas``, node/contract.py): per
 source node index and tag, the copy's files, its manifest's text and its markers' text;
@@ -18,8 +20,11 @@ import sys
 from typing import Any
 
 from clusterkit.node.contract import (
+    LATEST_FILE,
+    LATEST_UNIVERSAL_FILE,
     REPLICA_MANIFEST,
     REPLICA_PARTIAL_PREFIX,
+    UNIVERSAL_MARKER,
     looks_like_marker,
     parse_replica_source,
     replica_area,
@@ -58,10 +63,18 @@ def whole_zip(path: str, size: int) -> bool | None:
         return None
 
 
-def _tag(path: str) -> tuple[dict[str, list[float]], dict[str, str]]:
-    """(files, markers) of one tag dir, walked in a stable order."""
+def _pointer(rel: str) -> bool:
+    """A file whose text says which DeepSpeed tag a program's tag dir holds."""
+    head, name = os.path.split(rel)
+    return (not head and name in (LATEST_FILE, LATEST_UNIVERSAL_FILE)) or \
+        (bool(head) and "/" not in head and name == UNIVERSAL_MARKER)
+
+
+def _tag(path: str) -> tuple[dict[str, list[float]], dict[str, str], dict[str, str]]:
+    """(files, markers, pointer texts) of one tag dir, walked in a stable order."""
     files: dict[str, list[Any]] = {}
     marks: dict[str, str] = {}
+    texts: dict[str, str] = {}
     for d, dirs, names in os.walk(path):
         dirs.sort()
         for n in sorted(names):
@@ -73,7 +86,11 @@ def _tag(path: str) -> tuple[dict[str, list[float]], dict[str, str]]:
             if d == path and looks_like_marker(n) and files[rel][0] < MAX_MARKER_BYTES:
                 with open(f) as fh:
                     marks[rel] = fh.read()
-    return files, marks
+            elif _pointer(rel.replace(os.sep, "/")):
+                text = _read_small(f, MAX_MARKER_BYTES)
+                if text is not None:
+                    texts[rel.replace(os.sep, "/")] = text
+    return files, marks, texts
 
 
 def _read_small(path: str, limit: int) -> str | None:
@@ -131,7 +148,7 @@ def replicas(root: str, only: str | None) -> dict[str, Any]:
 
 def listing(root: str, only: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {"v": LISTING_VERSION, "root": root, "exists": os.path.isdir(root),
-                           "top": {}, "latest": None, "tags": {}, "markers": {},
+                           "top": {}, "latest": None, "tags": {}, "markers": {}, "texts": {},
                            "replicas": replicas(root, only)}
     if not out["exists"]:
         return out
@@ -143,7 +160,7 @@ def listing(root: str, only: str | None) -> dict[str, Any]:
                 with open(p) as fh:
                     out["latest"] = fh.read().strip()
         elif os.path.isdir(p) and (only is None or name == only):
-            out["tags"][name], out["markers"][name] = _tag(p)
+            out["tags"][name], out["markers"][name], out["texts"][name] = _tag(p)
         elif os.path.isdir(p):
             out["tags"][name] = None
     return out
