@@ -19,6 +19,7 @@ from clusterkit.checkpoints.collect.tags import answers
 from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete, WithoutMarkers
 from clusterkit.checkpoints.replicas.health import list_all
+from clusterkit.node.contract import ENV_CKPT_DIR, ENV_DS_CONFIG
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.spec.zero import ZeroSpec, build_ds_config
 from tests.collectnodes import local_collect_nodes
@@ -37,8 +38,7 @@ def _save(tmp: Path) -> Path:
     argv = [sys.executable, "-m", "torch.distributed.run", f"--log-dir={tmp}/te", "--nnodes",
             "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
             str(free_port()), str(TRAIN), "--steps", "4", "--save-every", "3"]
-    env = {**workload_env(), "CLUSTERKIT_DS_CONFIG": str(tmp / "ds.json"),
-           "CLUSTERKIT_CKPT_DIR": str(tmp / "ck")}
+    env = {**workload_env(), ENV_DS_CONFIG: str(tmp / "ds.json"), ENV_CKPT_DIR: str(tmp / "ck")}
     proc = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return tmp / "ck" / "step3"
@@ -72,7 +72,7 @@ def _node(tmp: Path, name: str, gathered: Path, ranks: tuple[int, ...], universa
 @pytest.mark.slow
 def test_a_converted_checkpoint_collects_and_consolidates_like_the_original(
         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("deepspeed")
     from clusterkit.checkpoints.convert import universal
     from clusterkit.checkpoints.convert.consolidate import consolidate, load_state_dict_dir
