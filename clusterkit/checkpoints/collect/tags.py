@@ -107,7 +107,8 @@ class TagAnswer(TagHealth):
 
     def to_json(self) -> dict[str, Any]:
         return {**super().to_json(), "collectable": self.collectable,
-                "problems": list(self.problems), "converted": self.converted}
+                "problems": list(self.problems),
+                **({"converted": self.converted} if self.converted else {})}
 
 
 def answers(listings: Sequence[NodeListing], shown: int = SHOWN_TAGS, *,
