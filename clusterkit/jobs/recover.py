@@ -35,7 +35,6 @@ from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.checkpoints.sources.factory import open_source
 from clusterkit.errors import LaunchError
 from clusterkit.jobs.reshard import (
-    LATEST_UNIVERSAL,
     converted_inside,
     load_universal_plan,
     reshard,
@@ -60,7 +59,7 @@ from clusterkit.launch.continuation import (
 )
 from clusterkit.launch.registry import JobRecord
 from clusterkit.node.ckpt.ready import aside_line, readiness
-from clusterkit.node.contract import ENV_RESUME_TAG
+from clusterkit.node.contract import ENV_RESUME_TAG, LATEST_UNIVERSAL_FILE
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
 from clusterkit.spec.jobrecord import RankMap
@@ -118,7 +117,7 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
                     "would resume from it with checkpoint.load_universal on")
                 return None
             say(f"{again}: resuming from its DeepSpeed tag converted by the reshard "
-                f"({LATEST_UNIVERSAL}), checkpoint.load_universal on for this attempt")
+                f"({LATEST_UNIVERSAL_FILE}), checkpoint.load_universal on for this attempt")
             return resume_tag(load_universal_plan(plan), again, [], say)
         if tried is None:
             return None

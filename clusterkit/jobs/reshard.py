@@ -45,11 +45,6 @@ from clusterkit.spec.job import JobPlan
 from clusterkit.spec.jobrecord import RankMap
 from clusterkit.spec.programs import DERIVED_DS_CONFIG, OtherWorld
 
-# What DeepSpeed's load_checkpoint(tag=None) reads for the tag with load_universal on
-# (deepspeed/runtime/engine.py): HF's checkpoint-N/ gets one beside its `latest`. The
-# node contract's name (the node listing ships its text); jobs/recover.py reads it here.
-LATEST_UNIVERSAL = LATEST_UNIVERSAL_FILE
-
 
 def reshard(transport: Transport, plan: JobPlan, prior: JobRecord,
              old_map: RankMap, a: Assembly, home: str, say: Say) -> JobPlan | None:
@@ -131,7 +126,7 @@ def _into_tag_dir(dest: str, tag: str, u: Universal
         if rel.startswith(sub + "/")})
     atomic_write_text(os.path.join(dest, tag, name, UNIVERSAL_MARKER),
                       json.dumps(marker.to_json_dict(), indent=1) + "\n")
-    atomic_write_text(os.path.join(dest, tag, LATEST_UNIVERSAL), name + "\n")
+    atomic_write_text(os.path.join(dest, tag, LATEST_UNIVERSAL_FILE), name + "\n")
     files = {rel: v for rel, v in _local_files(dest, tag).items()
              if not rel.startswith(f"{tag}/{sub}/")}
     return dataclasses.replace(u, out_dir=os.path.join(dest, tag, name), tag=f"{tag}/{name}",
@@ -143,7 +138,7 @@ def _inside_plan(plan: JobPlan, u: Universal, say: Say) -> JobPlan:
     (this attempt only); the resume argument is the profile's (jobs/recover.resume_plan).
     The batch stays the program's own (HF computes it from its arguments)."""
     say(f"world size {u.marker.world_size} -> {plan.world_size}: DeepSpeed loads {u.tag} "
-        f"({LATEST_UNIVERSAL}) with checkpoint.load_universal on in {DERIVED_DS_CONFIG}, this "
+        f"({LATEST_UNIVERSAL_FILE}) with checkpoint.load_universal on in {DERIVED_DS_CONFIG}, this "
         "attempt only; the batch is your program's own (per-device size x ranks)")
     return load_universal_plan(plan)
 
@@ -178,7 +173,7 @@ def converted_inside(listings: Sequence[NodeListing], tags: Sequence[str]) -> st
             files = ls.tags.get(tag) or {}
             uni = {rel: fi.size for rel, fi in files.items()
                    if rel.split("/", 1)[0].endswith(UNIVERSAL_SUFFIX) and "/" in rel}
-            if LATEST_UNIVERSAL not in files or not uni:
+            if LATEST_UNIVERSAL_FILE not in files or not uni:
                 break
             seen.append(uni)
         else:

@@ -30,7 +30,7 @@ TAG, DS = "checkpoint-3", "global_step3"
 HF_FILES = ("trainer_state.json", "training_args.bin", "rng_state_0.pth", "rng_state_1.pth")
 
 
-def _save(tmp: Path) -> Path:
+def _two_rank_save(tmp: Path) -> Path:
     """2 CPU ranks, ZeRO-2, one save (step3) under tmp/ck."""
     ds = build_ds_config(ZeroSpec(stage=2, precision="fp32", micro_batch=2, grad_accum=1,
                                   world_size=2, warmup_steps=2, total_steps=4, torch_adam=True))
@@ -53,7 +53,7 @@ def _hf_layout(saved: Path, root: Path) -> None:
         (tag / name).write_text(name)
 
 
-def _node(tmp: Path, name: str, gathered: Path, ranks: tuple[int, ...], universal: bool) -> None:
+def _converted_node(tmp: Path, name: str, gathered: Path, ranks: tuple[int, ...], universal: bool) -> None:
     """One node of the old world after the reshard: HF's files, its own ranks' shards of
     the old tag and (on the new mapping) the conversion."""
     tag = tmp / name / "ckpt" / TAG
@@ -78,7 +78,7 @@ def test_a_converted_checkpoint_collects_and_consolidates_like_the_original(
     from clusterkit.checkpoints.convert.consolidate import consolidate, load_state_dict_dir
     from clusterkit.jobs.reshard import _into_tag_dir
 
-    saved = _save(tmp_path)
+    saved = _two_rank_save(tmp_path)
     capfd.readouterr()
     want = load_state_dict_dir(consolidate(str(saved.parent), "step3",
                                            out_dir=str(tmp_path / "want")).out_dir)
@@ -89,7 +89,7 @@ def test_a_converted_checkpoint_collects_and_consolidates_like_the_original(
     u = universal.convert_to_universal(str(gathered), TAG, without_markers=WithoutMarkers(2))
     _into_tag_dir(str(gathered), TAG, u)
     # The new mapping is node1 alone (node2 lost, no replica): the old tag lacks rank 1.
-    _node(tmp_path, "node1", gathered, (0,), universal=True)
+    _converted_node(tmp_path, "node1", gathered, (0,), universal=True)
     nodes = local_collect_nodes(tmp_path, 1)
     wm = WithoutMarkers(world_size=1, slots=(1,))  # what the job's record says now
     with DispatchTransport() as transport:
@@ -118,7 +118,7 @@ def test_a_converted_checkpoint_collects_and_consolidates_like_the_original(
 
     # Both old nodes listed (node2 back, as the old world): the old tag itself is whole
     # for its 2 ranks, so it is taken and the conversion is left out.
-    _node(tmp_path, "node2", gathered, (1,), universal=False)
+    _converted_node(tmp_path, "node2", gathered, (1,), universal=False)
     both = local_collect_nodes(tmp_path, 2)
     with DispatchTransport() as transport:
         report = collect(transport, both, CollectOptions(

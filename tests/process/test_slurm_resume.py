@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from clusterkit.spec.job import JobOptions
 from clusterkit.spec.programs import detect
 from clusterkit.spec.resume import resume_rule
 from tests.render_cases import FACTS, inventory
+from tests.synthetic_ckpt import write_hf_save
 
 HOSTS = ["n1", "n2", "n3"]
 HF_SRC = "from transformers import Trainer, TrainingArguments\n"
@@ -36,28 +38,26 @@ ACC_SRC = "from accelerate import Accelerator\nacc.save_state(d)\n"
 UNKNOWN_SRC = "import deepspeed\nprint('training')\n"
 
 
-def _hf_save(root: Path, index: int, step: int, *, whole: bool = True) -> None:
-    """Node ``index``'s part of HF's checkpoint-``step`` (1 rank per node)."""
-    tag = root / f"checkpoint-{step}"
-    inner = tag / f"global_step{step}"
-    inner.mkdir(parents=True)
-    if whole:  # else: killed before DeepSpeed wrote this node's files
-        (inner / "mp_rank_00_model_states.pt").write_bytes(b"model" * 50)
-        (inner / f"zero_pp_rank_{index}_mp_rank_00_optim_states.pt").write_bytes(os.urandom(300))
-    (tag / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    (tag / f"rng_state_{index}.pth").write_bytes(b"rng")
-    if index == 0:
-        (tag / "latest").write_text(f"global_step{step}")
+def _hf_saves(roots: dict[str, Path], step: int, *, cut: str | None = None) -> None:
+    """HF's node-local checkpoint-``step`` on every node (tests/synthetic_ckpt.py: 2 ranks a
+    node), DeepSpeed's ``checkpoint-N/latest`` on global rank 0's node only; ``cut``: the
+    node killed before DeepSpeed wrote its files."""
+    tag = write_hf_save([str(roots[h]) for h in HOSTS], step)
+    for h in HOSTS[1:]:
+        (roots[h] / tag / "latest").unlink()
+    if cut is not None:
+        shutil.rmtree(roots[cut] / tag / f"global_step{step}")
 
 
-def _acc_save(root: Path, index: int, step: int, *, whole: bool = True) -> None:
-    """Node ``index``'s part of an accelerate ``save_state(dir/step_N)``."""
+def _acc_part(root: Path, index: int, step: int, *, whole: bool = True) -> None:
+    """Node ``index``'s part of an accelerate ``save_state(dir/step_N)`` (2 ranks a node)."""
     tag = root / f"step_{step}"
     inner = tag / "pytorch_model"
     inner.mkdir(parents=True)
     if whole:
         (inner / "mp_rank_00_model_states.pt").write_bytes(b"model" * 50)
-        (inner / f"zero_pp_rank_{index}_mp_rank_00_optim_states.pt").write_bytes(os.urandom(300))
+        for r in (2 * index, 2 * index + 1):
+            (inner / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(os.urandom(300))
     (tag / f"random_states_{index}.pkl").write_bytes(b"rng")
 
 
@@ -78,7 +78,7 @@ def _plan(tmp_path: Path, roots: dict[str, Path], rule: dict[str, object],
     for h in hosts:
         (run / "list" / f"{h}.json").write_text(json.dumps(listing(str(roots[h]), None)))
     conf = {"job_id": "j", "job_dir": str(tmp_path / "jobdir"), "ckpt_dir": "/ck/j",
-            "rpn": 1, "markers": False, "replicas": 0, "program": rule}
+            "rpn": 2, "markers": False, "replicas": 0, "program": rule}
     return replica.plan(conf, str(run)), run
 
 
@@ -95,9 +95,8 @@ def _ready(run: Path, roots: dict[str, Path]) -> None:
 def test_hf_requeued_on_its_nodes_resumes_from_the_newest_complete_checkpoint(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     roots = {h: tmp_path / h for h in HOSTS}
-    for i, h in enumerate(HOSTS):
-        _hf_save(roots[h], i, 10)
-        _hf_save(roots[h], i, 20, whole=h != "n3")  # node3 was killed mid-save
+    _hf_saves(roots, 10)
+    _hf_saves(roots, 20, cut="n3")  # node3 was killed mid-save
     status, run = _plan(tmp_path, roots, _rule(HF_SRC))
     said = capsys.readouterr().out
     assert status == 0, said
@@ -119,8 +118,8 @@ def test_accelerate_requeued_has_the_newer_unassemblable_save_moved_aside(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     roots = {h: tmp_path / h for h in HOSTS}
     for i, h in enumerate(HOSTS):
-        _acc_save(roots[h], i, 40)
-        _acc_save(roots[h], i, 50, whole=h != "n2")
+        _acc_part(roots[h], i, 40)
+        _acc_part(roots[h], i, 50, whole=h != "n2")
     status, run = _plan(tmp_path, roots, _rule(ACC_SRC))
     said = capsys.readouterr().out
     assert status == 0, said
@@ -139,8 +138,7 @@ def test_accelerate_requeued_has_the_newer_unassemblable_save_moved_aside(
 def test_an_unknown_program_is_not_requeued_into_step_0(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     roots = {h: tmp_path / h for h in HOSTS}
-    for i, h in enumerate(HOSTS):
-        _hf_save(roots[h], i, 10)
+    _hf_saves(roots, 10)
     status, run = _plan(tmp_path, roots, _rule(UNKNOWN_SRC))
     said = capsys.readouterr().err
     assert status == restore.CANNOT_ASSEMBLE
@@ -153,8 +151,7 @@ def test_an_unknown_program_is_not_requeued_into_step_0(
 def test_hf_on_another_number_of_nodes_is_refused_under_sbatch(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     roots = {h: tmp_path / h for h in HOSTS}
-    for i, h in enumerate(HOSTS):
-        _hf_save(roots[h], i, 10)
+    _hf_saves(roots, 10)
     roots["n4"] = tmp_path / "n4"
     status, _ = _plan(tmp_path, roots, _rule(HF_SRC), hosts=[*HOSTS, "n4"])
     said = capsys.readouterr().err

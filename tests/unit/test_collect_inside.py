@@ -14,7 +14,7 @@ MARKER = json.dumps({"schema": "clusterkit.universal", "version": 1, "world_size
                      "files": {"mp_rank_00_model_states.pt": 5, "zero/w/fp32.pt": 7}})
 
 
-def _node(name: str, *, fp32: int = 7, marker: str | None = MARKER, whole: bool = True
+def _listed_node(name: str, *, fp32: int = 7, marker: str | None = MARKER, whole: bool = True
           ) -> NodeListing:
     files = {"trainer_state.json": FileInfo(1, 0.0), "latest": FileInfo(13, 0.0),
              "latest_universal": FileInfo(23, 0.0),
@@ -28,7 +28,7 @@ def _node(name: str, *, fp32: int = 7, marker: str | None = MARKER, whole: bool 
 
 
 def test_a_complete_conversion_names_its_source_and_world() -> None:
-    c = converted([_node("n1"), _node("n2")], TAG)
+    c = converted([_listed_node("n1"), _listed_node("n2")], TAG)
     assert c is not None and c.usable and c.everywhere
     assert (c.name, c.source, c.latest, c.world_size, c.complete_on) == \
         (UNI, "global_step10", "global_step10", 3, ("n1", "n2"))
@@ -37,18 +37,18 @@ def test_a_complete_conversion_names_its_source_and_world() -> None:
 
 
 def test_one_good_copy_collects_a_restart_needs_all() -> None:
-    c = converted([_node("n1"), _node("n2", fp32=3)], TAG)
+    c = converted([_listed_node("n1"), _listed_node("n2", fp32=3)], TAG)
     assert c is not None and c.usable and not c.everywhere
     assert c.complete_on == ("n1",) and "has 3 bytes, its marker 7" in c.problems[0]
-    cut = converted([_node("n1", whole=False)], TAG)
+    cut = converted([_listed_node("n1", whole=False)], TAG)
     assert cut is not None and not cut.usable and "cut short" in cut.problems[0]
 
 
 def test_without_a_marker_it_never_stands_in() -> None:
-    c = converted([_node("n1", marker=None)], TAG)
+    c = converted([_listed_node("n1", marker=None)], TAG)
     assert c is not None and not c.usable and c.world_size is None
     assert any("world size" in p for p in c.problems)
-    assert converted([_node("n1", marker="{not json")], TAG).usable is False  # type: ignore[union-attr]
+    assert converted([_listed_node("n1", marker="{not json")], TAG).usable is False  # type: ignore[union-attr]
 
 
 def test_no_latest_universal_no_conversion() -> None:

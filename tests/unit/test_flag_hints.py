@@ -9,7 +9,7 @@ from clusterkit.cli.argparser import SAME_MEANING, same_meaning
 from clusterkit.cli.main import main
 
 
-def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+def _hint_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
@@ -17,7 +17,7 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_collect_dest_offers_its_own_to_before_sync(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _error(["collect-ckpt", "myjob", "--dest", "/tmp/x"], capsys)
+    err = _hint_error(["collect-ckpt", "myjob", "--dest", "/tmp/x"], capsys)
     assert "unknown flag --dest" in err
     mine, theirs = err.index("did you mean --to?"), err.index("--dest is a flag of `clusterkit sync`")
     assert mine < theirs, err
@@ -25,7 +25,7 @@ def test_collect_dest_offers_its_own_to_before_sync(capsys: pytest.CaptureFixtur
 
 def test_a_near_spelling_still_comes_first_and_no_verb_owns_it(
         capsys: pytest.CaptureFixture[str]) -> None:
-    err = _error(["collect-ckpt", "myjob", "--tagg", "x"], capsys)
+    err = _hint_error(["collect-ckpt", "myjob", "--tagg", "x"], capsys)
     assert "did you mean --tag?" in err and "is a flag of" not in err
 
 

@@ -126,7 +126,8 @@ def test_consolidate_hands_deepspeed_the_byte_count(tmp_path: Path,
 
     seen: list[int] = []
 
-    def fake_convert(dest: str, tag: str, out: str, safe: bool, max_shard_size: int) -> None:
+    def fake_convert(dest: str, tag: str, out: str, safe: bool, max_shard_size: int,
+                     universal: bool = False) -> None:
         seen.append(max_shard_size)
         raise CheckpointError("stop here")
 

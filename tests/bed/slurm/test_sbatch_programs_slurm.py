@@ -37,7 +37,7 @@ RESUMED = re.compile(r"Resuming training from checkpoint with epoch \d+ and glob
                      r"|Continuing training from global step 10\b")
 
 
-def _submit(bed: SlurmBed, job: str) -> str:
+def _submit_hf_job(bed: SlurmBed, job: str) -> str:
     root = bed.tb.root
     inv = bed.tb.write_inventory(root / "inventory-hf.yaml", nodes=bed.nodes, slots=1, gpus=0)
     ds = root / "ds_config_z2.json"
@@ -62,7 +62,7 @@ def _submit(bed: SlurmBed, job: str) -> str:
 
 def test_hf_trainer_requeued_after_a_hang_resumes_from_its_checkpoint(slurm: SlurmBed) -> None:
     job = "hf-requeue"
-    slurm_id = _submit(slurm, job)
+    slurm_id = _submit_hf_job(slurm, job)
     deadline = time.monotonic() + 600
     while (state := slurm.job_state(slurm_id)) in IN_PROGRESS or state.startswith("REQUEUE"):
         assert time.monotonic() < deadline, f"job {slurm_id} still {state}"
