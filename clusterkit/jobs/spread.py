@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from clusterkit.errors import LaunchError
 from clusterkit.hostrange import fold
+from clusterkit.node.ckpt.ready import newest_holder, spread_line
 from clusterkit.remote.base import FileStat, Transport, target_for
 from clusterkit.spec.job import JobPlan, NodePlan
 
@@ -54,9 +55,10 @@ def top_files(transport: Transport, node: NodePlan) -> list[str] | None:
 
 
 def newest(copies: Sequence[Copy]) -> Copy | None:
-    """The writer's copy: the newest by mtime (pure)."""
-    held = [c for c in copies if c.stat is not None]
-    return max(held, key=lambda c: (c.stat.mtime if c.stat else 0.0)) if held else None
+    """The writer's copy (pure): node/ckpt/ready.newest_holder's rule, the batch script's too."""
+    held = {c.node.name: c for c in copies if c.stat is not None}
+    name = newest_holder({n: c.stat.mtime for n, c in held.items() if c.stat is not None})
+    return None if name is None else held[name]
 
 
 def spread_files(transport: Transport, plan: JobPlan, staging: str, say: Say) -> None:
@@ -103,5 +105,4 @@ def _spread_one(transport: Transport, nodes: Sequence[NodePlan], name: str, stag
             raise LaunchError(f"{name}: cannot move it into place on {node.name}: "
                               f"{res.stderr.strip()[-200:]}", host=node.name)
     os.remove(local)
-    say(f"{name}: written by {src.node.name} only; copied to {fold([n.name for n in behind])} "
-        "(sha256 verified) before the ranks start")
+    say(spread_line(name, src.node.name, fold([n.name for n in behind])))

@@ -115,6 +115,7 @@ def resume_rule(choice: ProgramChoice | None, *, job_id: str, ckpt_dir: str, nod
             "top_latest": top, "nested_latest": nested, "aside": choice.profile.picks_newest,
             "step0": restart_problem(choice, CKPT_TAG_TOKEN, ckpt_dir, job_id) or "",
             "reshard": choice.profile.other_world is OtherWorld.UNIVERSAL,
+            "one_writer": choice.profile.one_writer,
             "layout": choice.profile.layout}
 
 

@@ -17,6 +17,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ from tests.synthetic_ckpt import write_hf_save
 HOSTS = ["n1", "n2", "n3"]
 HF_SRC = "from transformers import Trainer, TrainingArguments\n"
 ACC_SRC = "from accelerate import Accelerator\nacc.save_state(d)\n"
+SNAP_SRC = "import torch\nif rank == 0:\n    torch.save(snapshot, path)\n"
 UNKNOWN_SRC = "import deepspeed\nprint('training')\n"
 
 
@@ -133,6 +135,38 @@ def test_accelerate_requeued_has_the_newer_unassemblable_save_moved_aside(
     # the next run's rules do not take the set-aside save for a tag
     listings = {h: listing(str(roots[h]), None) for h in HOSTS}
     assert restore.candidate_tags(listings, False) == ["step_40"]
+
+
+def test_a_snapshot_saved_on_one_node_is_on_every_node_before_the_ranks_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """pytorch's DDP tutorial: rank 0 saves snapshot.pt on its own node; every rank loads it
+    if it exists. n2 holds an older one (an earlier run's copy), n3 none."""
+    roots = {h: tmp_path / h for h in HOSTS}
+    for root in roots.values():
+        root.mkdir()
+    (roots["n2"] / "snapshot.pt").write_bytes(b"epoch 10" * 100)
+    os.utime(roots["n2"] / "snapshot.pt", (1000, 1000))
+    (roots["n1"] / "snapshot.pt").write_bytes(b"epoch 40" * 100)
+    status, run = _plan(tmp_path, roots, _rule(SNAP_SRC))
+    said = capsys.readouterr().out
+    assert status == 0, said
+    assert ("clusterkit: snapshot.pt: written by n1 only; copied to n2,n3 (sha256 verified) "
+            "before the ranks start") in said, said
+    prep = json.loads((run / replica.PREP_FILE).read_text())
+    threads = [threading.Thread(target=replica.ready_node, args=(str(roots[h]), str(run), h))
+               for h in HOSTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    said = capsys.readouterr().out
+    for h in ("n2", "n3"):
+        assert (roots[h] / "snapshot.pt").read_bytes() == b"epoch 40" * 100, h
+        assert (roots[h] / "snapshot.pt").stat().st_mtime == prep["spread"]["snapshot.pt"]["mtime"]
+        assert f"clusterkit: {h}: snapshot.pt: copied from n1 (sha256 verified)" in said
+    # the next run finds every copy the same: nothing to copy
+    status, run = _plan(tmp_path / "again", roots, _rule(SNAP_SRC))
+    assert json.loads((run / replica.PREP_FILE).read_text())["spread"] == {}
 
 
 def test_an_unknown_program_is_not_requeued_into_step_0(

@@ -8,7 +8,8 @@ every rank loads the snapshot if the file exists. On node-local storage only ran
 node has it: clusterkit copies it to every node before a restart (docs/programs.md).
 
     torchrun ... ddp_snapshot.py TOTAL_EPOCHS SAVE_EVERY [--batch_size N]
-        [--snapshot_path PATH] [--crash_at_epoch E --crash_rank R --crash_once FILE]
+        [--snapshot_path PATH] [--crash_at_epoch E --crash_rank R --crash_once FILE
+         [--crash_how kill|hang]]
 """
 
 import os
@@ -95,9 +96,12 @@ class Trainer:
                 self._save_snapshot(epoch)
             if self.epoch_sleep:  # patched: time for a test to lose a node mid-run
                 time.sleep(self.epoch_sleep)
-            at, rank, once = self.crash
+            at, rank, once, how = self.crash
             if at and epoch == at and self.global_rank == rank and not os.path.exists(once):
                 open(once, "w").close()
+                if how == "hang":  # for a hang watchdog
+                    print(f"test hook: rank {rank} hangs at epoch {epoch}", flush=True)
+                    time.sleep(3600)
                 print(f"test hook: killing rank {rank} at epoch {epoch}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -136,7 +140,9 @@ if __name__ == "__main__":
     parser.add_argument("--crash_at_epoch", type=int, default=0)
     parser.add_argument("--crash_rank", type=int, default=1)
     parser.add_argument("--crash_once", default="")
+    parser.add_argument("--crash_how", choices=("kill", "hang"), default="kill")
     parser.add_argument("--epoch_sleep", type=float, default=0.0)
     args = parser.parse_args()
     main(args.save_every, args.total_epochs, args.batch_size, args.snapshot_path,
-         (args.crash_at_epoch, args.crash_rank, args.crash_once), args.epoch_sleep)
+         (args.crash_at_epoch, args.crash_rank, args.crash_once, args.crash_how),
+         args.epoch_sleep)

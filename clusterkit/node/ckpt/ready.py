@@ -71,6 +71,17 @@ def aside_line(newer: Sequence[str], name: str) -> str:
             f"<tag>{ASIDE_SUFFIX}, kept")
 
 
+def newest_holder(mtimes: Mapping[str, float]) -> str | None:
+    """Whose copy of a one-writer file (a snapshot rank 0 saved) every node gets: the
+    newest by mtime (its writer's last save); None when nobody holds one."""
+    return max(mtimes, key=lambda h: (mtimes[h], h)) if mtimes else None
+
+
+def spread_line(name: str, writer: str, behind: str) -> str:
+    return (f"{name}: written by {writer} only; copied to {behind} (sha256 verified) before "
+            "the ranks start")
+
+
 def readiness(rule: Mapping[str, Any], ckpt_dir: str, tag: str, newer: Sequence[str]
               ) -> Readiness:
     """A restart of a user's program from ``tag``, the newest checkpoint complete on every

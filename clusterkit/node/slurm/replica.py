@@ -39,15 +39,24 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
 import time
 from typing import Any
 
-from clusterkit.node.ckpt.ready import readiness, ready_checkpoints
+from clusterkit.node.ckpt.ready import (
+    Readiness,
+    newest_holder,
+    prep_doc,
+    readiness,
+    ready_checkpoints,
+    spread_line,
+)
 from clusterkit.node.contract import JobDir
 from clusterkit.node.files import write_atomic
+from clusterkit.node.hashing import sha256_file
 from clusterkit.node.replicas import priority
 from clusterkit.node.replicas.rules import ring, ring_sources
 from clusterkit.node.replicas.service import ReplicaService
@@ -59,6 +68,8 @@ GATHER_DIR = "gather"
 UNIVERSAL_FILE = "universal"  # the converted tag's name (the script writes it)
 PREP_FILE = "prep.json"  # plan -> every node's `ready` (node/ckpt/ready.prep_doc)
 RESUME_FILE = "resume"  # plan -> the script: the program's resume words, NUL-separated
+SPREAD_DIR = "spread"  # ready: one-writer files on their way from their writer to the others
+RECEIVE_WAIT_S = 600.0  # a node waiting for a one-writer file (its writer copies it at once)
 VERBS = ("serve", "list", "plan", "restore", "gather", "spread", "ready")
 END_OK = "ok"
 POLL_S = 1.0
@@ -200,13 +211,16 @@ def plan(conf: dict[str, Any], run_dir: str) -> int:
     if refusal is not None:
         restore.say(refusal, err=True)
         return restore.CANNOT_ASSEMBLE
-    if p.get("tag") is None:
-        restore.say(f"job {job}: no checkpoint on its nodes ({now}) or in their replicas: "
-                    "starting fresh" if hosts == old else
-                    f"job {job}: this run got {now} (the checkpoint's nodes were {was}); no "
-                    "checkpoint on any of them or in their replicas: starting fresh")
-        return 0
     rule = conf.get("program") or {}
+    spread = one_writer_copies(listings) if rule.get("one_writer") else {}
+    if p.get("tag") is None:
+        if not (rule.get("one_writer") and any(ls.get("top") for ls in listings.values())):
+            restore.say(f"job {job}: no checkpoint on its nodes ({now}) or in their replicas: "
+                        "starting fresh" if hosts == old else
+                        f"job {job}: this run got {now} (the checkpoint's nodes were {was}); no "
+                        "checkpoint on any of them or in their replicas: starting fresh")
+        _write_prep(run_dir, conf["ckpt_dir"], None, spread)
+        return 0
     ready = readiness(rule, conf["ckpt_dir"], p["tag"], p.get("newer") or []) if rule else None
     if ready is not None and ready.refusal is not None:
         restore.say(ready.refusal, err=True)
@@ -215,10 +229,45 @@ def plan(conf: dict[str, Any], run_dir: str) -> int:
     if ready is not None:
         for line in ready.lines:
             restore.say(line)
-        write_atomic(os.path.join(run_dir, PREP_FILE), ready.prep(conf["ckpt_dir"]))
-        if ready.resume:  # NUL-separated: the script reads them with mapfile -d ''
-            write_atomic(os.path.join(run_dir, RESUME_FILE), "".join(w + "\0" for w in ready.resume))
+        _write_prep(run_dir, conf["ckpt_dir"], ready, spread)
     return 0
+
+
+def one_writer_copies(listings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each file at the top of the checkpoint dir that some node of this run lacks or
+    holds another version of (a snapshot rank 0 saved on its own node): ``{name: {"from":
+    its newest copy's host (node/ckpt/ready.newest_holder, the launch's rule), "mtime",
+    "to": [the hosts behind]}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    names = sorted({n for ls in listings.values() for n in (ls.get("top") or {})
+                    if not n.startswith(".")})
+    for name in names:
+        stats = {h: _size_mtime((ls.get("top") or {}).get(name)) for h, ls in listings.items()}
+        src = newest_holder({h: st[1] for h, st in stats.items() if st is not None})
+        if src is None:
+            continue
+        ref = stats[src]
+        behind = [h for h, st in stats.items() if h != src and st != ref]
+        if behind and ref is not None:
+            out[name] = {"from": src, "mtime": ref[1], "to": behind}
+    return out
+
+
+def _size_mtime(st: list[Any] | None) -> tuple[int, float] | None:
+    return None if not st else (int(st[0]), float(st[1]))
+
+
+def _write_prep(run_dir: str, ckpt_dir: str, ready: Readiness | None,
+                spread: dict[str, dict[str, Any]]) -> None:
+    """``prep.json`` for every node's ``ready`` step; ``resume``: the resume words,
+    NUL-separated (the script reads them with ``read -d ''``)."""
+    doc = json.loads(ready.prep(ckpt_dir) if ready is not None else prep_doc(ckpt_dir))
+    doc["spread"] = spread
+    write_atomic(os.path.join(run_dir, PREP_FILE), json.dumps(doc, sort_keys=True) + "\n")
+    if ready is not None and ready.resume:
+        write_atomic(os.path.join(run_dir, RESUME_FILE), "".join(w + "\0" for w in ready.resume))
+    for name, c in sorted(spread.items()):
+        restore.say(spread_line(name, c["from"], ",".join(c["to"])))
 
 
 def _refusal(p: dict[str, Any], conf: dict[str, Any], job: str, was: str, now: str,
@@ -272,12 +321,60 @@ def _say_moves(p: dict[str, Any], job: str, was: str, now: str, hosts: list[str]
 
 def ready_node(ckpt_dir: str, run_dir: str, me: str) -> int:
     """``ready``: this node's checkpoint dir readied by the plan's ``prep.json``
-    (node/ckpt/ready.py, the launch agents' rule)."""
+    (node/ckpt/ready.py, the launch agents' rule), after the one-writer files it lacks
+    are copied in from their writer through the shared run dir (every node runs this at
+    once: a writer puts its file there, the others wait for it)."""
     with open(os.path.join(run_dir, PREP_FILE), encoding="utf-8") as fh:
         prep = fh.read()
+    spread = json.loads(prep).get("spread") or {}
+    shared = os.path.join(run_dir, SPREAD_DIR)
+    for name, c in sorted(spread.items()):
+        if c["from"] == me:
+            export_file(os.path.join(ckpt_dir, name), shared)
+    for name, c in sorted(spread.items()):
+        if me in c["to"]:
+            if not import_file(shared, name, ckpt_dir, float(c["mtime"]), RECEIVE_WAIT_S):
+                restore.say(f"{me}: {name}: its writer's copy did not arrive in {shared} within "
+                            f"{RECEIVE_WAIT_S:.0f} s, or its sha256 differs", err=True)
+                return 1
+            restore.say(f"{me}: {name}: copied from {c['from']} (sha256 verified)")
     for line in ready_checkpoints(prep):
         restore.say(f"{me}: {line}")
     return 0
+
+
+def export_file(path: str, shared: str) -> None:
+    """The writer's copy into the shared run dir, with its sha256 beside it, each whole."""
+    os.makedirs(shared, exist_ok=True)
+    name = os.path.basename(path)
+    tmp = os.path.join(shared, f".{name}.part")
+    shutil.copyfile(path, tmp)
+    write_atomic(os.path.join(shared, name + ".sha256"), sha256_file(tmp))
+    os.replace(tmp, os.path.join(shared, name))
+
+
+def import_file(shared: str, name: str, ckpt_dir: str, mtime: float, wait_s: float) -> bool:
+    """The writer's copy from the shared run dir into this node's checkpoint dir (beside
+    it first, renamed over: a program never finds half a file), its sha256 checked and
+    its mtime the writer's (a later run sees the same file); False when it does not
+    arrive in ``wait_s`` or differs."""
+    src, digest_file = os.path.join(shared, name), os.path.join(shared, name + ".sha256")
+    end = time.monotonic() + wait_s
+    while not (os.path.exists(src) and os.path.exists(digest_file)):
+        if time.monotonic() > end:
+            return False
+        time.sleep(POLL_S)
+    with open(digest_file, encoding="utf-8") as fh:
+        digest = fh.read().strip()
+    os.makedirs(ckpt_dir, exist_ok=True)
+    tmp = os.path.join(ckpt_dir, f".{name}.clusterkit-partial")
+    shutil.copyfile(src, tmp)
+    if sha256_file(tmp) != digest:
+        os.remove(tmp)
+        return False
+    os.utime(tmp, (mtime, mtime))
+    os.replace(tmp, os.path.join(ckpt_dir, name))
+    return True
 
 
 if __name__ == "__main__":

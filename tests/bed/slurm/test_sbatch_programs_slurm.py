@@ -1,20 +1,19 @@
-"""A Hugging Face Trainer program under ``clusterkit sbatch``, requeued, resumes (issue 38,
-the batch script's half of "Restarts resume") on the REAL Slurm test bed.
+"""The programs people run under ``clusterkit sbatch``, requeued, resume (issue 38, the
+batch script's half of "Restarts resume") on the REAL Slurm test bed: 2 nodes x 1 CPU
+rank, node-local checkpoints in the job's dir, ``--hang-timeout T --max-restarts 1``; one
+rank hangs once after a save and a logged loss, the batch script's watchdog ends the step
+and requeues the job (pinned: node-local, no replicas). The requeued run, on the same
+nodes, is readied as a launch's restart (its ``plan`` and ``ready`` steps). Proved inside
+the job, no reference run: the repeated step's (epoch's) loss equals, in full, what the
+first run logged for it (helpers.attempts_agree), and the job COMPLETES.
 
-tests/programs/hf_trainer.py (run_clm.py-style, unmodified in what clusterkit touches),
-2 nodes x 1 CPU rank, node-local checkpoints in the job's dir (``--output_dir``), ZeRO-2
-with the user's all-``"auto"`` ds_config, ``--hang-timeout 20 --max-restarts 1``. Rank 1
-hangs at step 16 (after checkpoint-10 and the step-15 log); the batch script's watchdog
-ends the step and requeues the job (pinned: node-local, no replicas). The requeued run,
-on the same nodes, is readied as a launch's restart: its ``plan`` step finds
-checkpoint-10 complete on both nodes, the ``ready`` step writes DeepSpeed's
-``checkpoint-10/latest`` on node2 (global rank 0 wrote it on node1 only), and the
-program gets ``--resume_from_checkpoint <ckpt>/checkpoint-10``. Before this, the
-requeued run began at step 0 (no resume argument) and ended COMPLETED.
-
-Proved inside the job, no reference run: HF says it resumed from global step 10, and the
-resumed run's step-15 loss equals, in full, what the first run logged for it
-(helpers.attempts_agree); it trains on to step 20 and the job COMPLETES.
+* HF Trainer (tests/programs/hf_trainer.py, run_clm.py-style), ZeRO-2 with the user's
+  all-``"auto"`` ds_config: checkpoint-10 complete on both nodes, DeepSpeed's
+  ``checkpoint-10/latest`` written on node2 (global rank 0 wrote it on node1 only), the
+  program given ``--resume_from_checkpoint <ckpt>/checkpoint-10``. Before this, the
+  requeued run began at step 0 (no resume argument) and ended COMPLETED.
+* pytorch's DDP tutorial (tests/programs/ddp_snapshot.py): rank 0's snapshot.pt copied
+  from node1 to node2 before the ranks start, so both ranks resume at one epoch.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import pytest
 
 from tests.cli import clusterkit_cli
 from tests.helpers import HF_DS_AUTO, HF_TRAINER, IN_PROGRESS, attempts_agree, slurm_job_dir
+from tests.paths import REPO
 from tests.slurmbed import SlurmBed
 
 pytestmark = [pytest.mark.slurm, pytest.mark.testbed, pytest.mark.slow]
@@ -37,46 +37,52 @@ RESUMED = re.compile(r"Resuming training from checkpoint with epoch \d+ and glob
                      r"|Continuing training from global step 10\b")
 
 
-def _submit_hf_job(bed: SlurmBed, job: str) -> str:
-    root = bed.tb.root
-    inv = bed.tb.write_inventory(root / "inventory-hf.yaml", nodes=bed.nodes, slots=1, gpus=0)
-    ds = root / "ds_config_z2.json"
-    ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
-    out_dir = str(bed.tb.local_mountpoint / "ckpt" / job)  # the job's checkpoint dir
-    marker = root / f"{job}-hung"
-    args = ["--output_dir", out_dir, "--deepspeed", str(ds), "--use_cpu", "--max_steps",
-            str(STEPS), "--save_steps", "10", "--logging_steps", "5",
-            "--per_device_train_batch_size", "4", "--report_to", "none", "--learning_rate",
-            "1e-3", "--seed", "7", "--exact_losses", "True", "--crash_at_step", "16",
-            "--crash_rank", "1", "--crash_once", str(marker), "--crash_how", "hang"]
+def _submit_program(bed: SlurmBed, job: str, hang_timeout: int, program: list[str]) -> str:
+    """``clusterkit sbatch`` of a user's program on 2 nodes x 1 CPU rank, node-local,
+    the hang watchdog on with one requeue."""
+    inv = bed.tb.write_inventory(bed.tb.root / "inventory-programs.yaml", nodes=bed.nodes,
+                                 slots=1, gpus=0)
     r = clusterkit_cli("sbatch", "-i", str(inv), "--nodes", "2", "--gpus-per-node", "1",
                        "--storage", "node-local", "--job-id", job, "--partition", "debug",
-                       "--hang-timeout", "20", "--max-restarts", "1", "--submit",
-                       str(HF_TRAINER), *args, env=bed.env, timeout=120)
+                       "--hang-timeout", str(hang_timeout), "--max-restarts", "1", "--submit",
+                       *program, env=bed.env, timeout=120)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    assert "program profile: hf-trainer" in r.stdout + r.stderr, r.stdout + r.stderr
     m = re.search(r"submitted Slurm job (\d+)", r.stdout)
     assert m, r.stdout
     return m.group(1)
 
 
-def test_hf_trainer_requeued_after_a_hang_resumes_from_its_checkpoint(slurm: SlurmBed) -> None:
-    job = "hf-requeue"
-    slurm_id = _submit_hf_job(slurm, job)
+def _ended(bed: SlurmBed, job: str, slurm_id: str) -> tuple[str, str, list[tuple[str, str]]]:
+    """Wait for the job's end; (its .out, .out + .err, its runs (number, nodes)); it
+    COMPLETED after two runs on the same nodes."""
     deadline = time.monotonic() + 600
-    while (state := slurm.job_state(slurm_id)) in IN_PROGRESS or state.startswith("REQUEUE"):
+    while (state := bed.job_state(slurm_id)) in IN_PROGRESS or state.startswith("REQUEUE"):
         assert time.monotonic() < deadline, f"job {slurm_id} still {state}"
         time.sleep(1)
-    logs = slurm_job_dir(slurm, job) / "logs"
+    logs = slurm_job_dir(bed, job) / "logs"
     out = (logs / f"slurm-{slurm_id}.out").read_text(errors="replace")
     err = (logs / f"slurm-{slurm_id}.err").read_text(errors="replace")
-    text = out + err
     if state != "COMPLETED":
-        print(out[-6000:], "\n".join(ln for ln in err.splitlines()
-                                    if "clusterkit" in ln or "Error" in ln or "=====" in ln)[-6000:])
+        print(out[-6000:], err[-20000:])
     assert state == "COMPLETED", state
     runs = re.findall(rf"===== clusterkit: job {job} slurm={slurm_id} run (\d) on (\S+) ", out)
     assert [n for n, _ in runs] == ["1", "2"] and runs[0][1] == runs[1][1], runs
+    return out, out + err, runs
+
+
+def test_hf_trainer_requeued_after_a_hang_resumes_from_its_checkpoint(slurm: SlurmBed) -> None:
+    job = "hf-requeue"
+    root = slurm.tb.root
+    ds = root / "ds_config_z2.json"
+    ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
+    out_dir = str(slurm.tb.local_mountpoint / "ckpt" / job)  # the job's checkpoint dir
+    slurm_id = _submit_program(slurm, job, 20, [
+        str(HF_TRAINER), "--output_dir", out_dir, "--deepspeed", str(ds), "--use_cpu",
+        "--max_steps", str(STEPS), "--save_steps", "10", "--logging_steps", "5",
+        "--per_device_train_batch_size", "4", "--report_to", "none", "--learning_rate", "1e-3",
+        "--seed", "7", "--exact_losses", "True", "--crash_at_step", "16", "--crash_rank", "1",
+        "--crash_once", str(root / f"{job}-hung"), "--crash_how", "hang"])
+    out, text, runs = _ended(slurm, job, slurm_id)
     assert "hf-trainer: resuming from checkpoint-10, the newest checkpoint complete on every " \
            "node (--resume_from_checkpoint " in out, out[-5000:]
     assert re.search(r"clusterkit: node\d+: checkpoint-10/latest -> global_step10", out), out[-5000:]
@@ -86,3 +92,30 @@ def test_hf_trainer_requeued_after_a_hang_resumes_from_its_checkpoint(slurm: Slu
     assert max(int(s) for s, _ in EXACT.findall(text)) == STEPS
     first_run = text.split(f"run 2 on {runs[1][1]}", 1)[0]
     assert "resuming from checkpoint-10" not in first_run
+
+
+DDP = REPO / "tests" / "programs" / "ddp_snapshot.py"
+EPOCH_LOSS = re.compile(r"epoch (\d+) loss ([0-9.]+)")
+EPOCHS = 8
+
+
+def test_ddp_snapshot_requeued_after_a_hang_resumes_on_every_node(slurm: SlurmBed) -> None:
+    """pytorch's DDP tutorial (CPU): rank 0 saves snapshot.pt every 2 epochs on node1 only;
+    rank 1 hangs after epoch 5 (logged; the newest snapshot is epoch 4's). The requeued
+    run's plan step copies snapshot.pt from node1 to node2 (sha256 checked) before the
+    ranks start, so both resume at epoch 5 and its loss equals the first run's."""
+    job = "ddp-requeue"
+    snap = str(slurm.tb.local_mountpoint / "ckpt" / job / "snapshot.pt")
+    slurm_id = _submit_program(slurm, job, 15, [
+        str(DDP), str(EPOCHS), "2", "--snapshot_path", snap, "--crash_at_epoch", "5",
+        "--crash_rank", "1", "--crash_once", str(slurm.tb.root / f"{job}-hung"),
+        "--crash_how", "hang"])
+    out, text, _ = _ended(slurm, job, slurm_id)
+    assert re.search(r"clusterkit: snapshot\.pt: written by node\d+ only; copied to node\d+ "
+                     r"\(sha256 verified\) before the ranks start", out), out[-5000:]
+    assert re.search(r"clusterkit: node\d+: snapshot\.pt: copied from node\d+ \(sha256 "
+                     r"verified\)", out), out[-5000:]
+    assert text.count("Resuming training from snapshot at Epoch 5") == 2, text[-5000:]  # both ranks
+    logged = [(int(e), loss) for e, loss in EPOCH_LOSS.findall(text)]
+    attempts_agree(logged, [5])
+    assert logged[-1][0] == EPOCHS - 1, logged
