@@ -77,6 +77,15 @@ def same_nproc(plan: JobPlan, backend: str) -> int:
     return counts.pop()
 
 
+def torchrun_restarts(plan: JobPlan, *, static: bool) -> int:
+    """torchrun's own ``--max-restarts``. Under a static rendezvous torchrun restarts only
+    its own node's ranks, which cannot rejoin the others (seen on the Slurm bed: a rank's
+    exit-time abort restarted it alone, and it died on gloo's "connectFullMesh ...
+    Connection refused"): 0 there, the job's own restarts (launch's attempts, the batch
+    script's requeues) are the ones that work. Under c10d every node re-rendezvouses."""
+    return 0 if static else plan.options.max_restarts
+
+
 def rendezvous(plan: JobPlan, node_rank: str | None) -> list[str]:
     o = plan.options
     if o.rdzv == "c10d":
@@ -117,13 +126,15 @@ def srun_torchrun_argv(plan: JobPlan, master_addr: str, master_port: str,
     o = plan.options
     head = ["srun", f"--nodes={len(plan.nodes)}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
             f"--chdir={node.workdir}", "env", *(f"{k}={v}" for k, v in node.env.items())]
+    static = plan.node_local or o.rdzv == "static"
     common = [f"--nnodes={len(plan.nodes)}", f"--nproc-per-node={nproc}",
-              f"--max-restarts={o.max_restarts}", f"--log-dir={log_dir}", "--tee=3"]
+              f"--max-restarts={torchrun_restarts(plan, static=static)}",
+              f"--log-dir={log_dir}", "--tee=3"]
     program = (launcher_program(plan.programs[0], "-m") if exits_dir is None
                else ranks_under_recorder(plan, exits_dir, "--no-python"))
     if o.rdzv == "c10d" and plan.node_local:
         rendezvous(plan, None)  # raises: c10d cannot keep rank -> node fixed
-    if plan.node_local or o.rdzv == "static":
+    if static:
         # Static rendezvous keeps rank -> node fixed (node-local checkpoints depend on it).
         return [*head, "sh", "-c", SLURM_NODE_RANK_EXEC, node.python, *common,
                 f"--master-addr={master_addr}", f"--master-port={master_port}", *program]

@@ -18,6 +18,7 @@ from clusterkit.launchers.argv import (
     rendezvous,
     same_nproc,
     srun_torchrun_argv,
+    torchrun_restarts,
     uniform,
     with_shell_vars,
     without_path,
@@ -34,7 +35,8 @@ def _torchrun_flags(plan: JobPlan, node: NodePlan, node_rank: str | None,
     # --log-dir: per-rank stdout/stderr files (torchrun makes a fresh subdirectory per run);
     # --tee: and still on the console.
     flags = [f"--nnodes={len(plan.nodes)}", f"--nproc-per-node={node.nproc}",
-             *rendezvous(plan, node_rank), f"--max-restarts={o.max_restarts}",
+             *rendezvous(plan, node_rank),
+             f"--max-restarts={torchrun_restarts(plan, static=o.rdzv != 'c10d')}",
              f"--log-dir={log_dir}", "--tee=3"]
     if o.local_ranks_filter is not None:
         flags.append(f"--local-ranks-filter={o.local_ranks_filter}")

@@ -25,7 +25,14 @@ import time
 import pytest
 
 from tests.cli import clusterkit_cli
-from tests.helpers import HF_DS_AUTO, HF_TRAINER, IN_PROGRESS, attempts_agree, slurm_job_dir
+from tests.helpers import (
+    EXIT_ABORT,
+    HF_DS_AUTO,
+    HF_TRAINER,
+    IN_PROGRESS,
+    attempts_agree,
+    slurm_job_dir,
+)
 from tests.paths import REPO
 from tests.slurmbed import SlurmBed
 
@@ -52,9 +59,12 @@ def _submit_program(bed: SlurmBed, job: str, hang_timeout: int, program: list[st
     return m.group(1)
 
 
-def _ended(bed: SlurmBed, job: str, slurm_id: str) -> tuple[str, str, list[tuple[str, str]]]:
+def _ended(bed: SlurmBed, job: str, slurm_id: str, done: str
+           ) -> tuple[str, str, list[tuple[str, str]]]:
     """Wait for the job's end; (its .out, .out + .err, its runs (number, nodes)); it
-    COMPLETED after two runs on the same nodes."""
+    COMPLETED after two runs on the same nodes. ``done``: what the program prints last;
+    a job that FAILED only by torch 2.13's gloo abort at interpreter exit after that
+    (helpers.EXIT_ABORT, docs/launch.md: about 1 run in 12; the work is done) counts."""
     deadline = time.monotonic() + 600
     while (state := bed.job_state(slurm_id)) in IN_PROGRESS or state.startswith("REQUEUE"):
         assert time.monotonic() < deadline, f"job {slurm_id} still {state}"
@@ -62,9 +72,12 @@ def _ended(bed: SlurmBed, job: str, slurm_id: str) -> tuple[str, str, list[tuple
     logs = slurm_job_dir(bed, job) / "logs"
     out = (logs / f"slurm-{slurm_id}.out").read_text(errors="replace")
     err = (logs / f"slurm-{slurm_id}.err").read_text(errors="replace")
-    if state != "COMPLETED":
+    second = (out + err).split(" run 2 on ", 1)[-1]
+    if state == "FAILED" and EXIT_ABORT in second and done in second:
+        print(f"job {slurm_id}: torch's exit-time abort after the work was done (counted)")
+    elif state != "COMPLETED":
         print(out[-6000:], err[-20000:])
-    assert state == "COMPLETED", state
+        assert state == "COMPLETED", state
     runs = re.findall(rf"===== clusterkit: job {job} slurm={slurm_id} run (\d) on (\S+) ", out)
     assert [n for n, _ in runs] == ["1", "2"] and runs[0][1] == runs[1][1], runs
     return out, out + err, runs
@@ -82,7 +95,7 @@ def test_hf_trainer_requeued_after_a_hang_resumes_from_its_checkpoint(slurm: Slu
         "--per_device_train_batch_size", "4", "--report_to", "none", "--learning_rate", "1e-3",
         "--seed", "7", "--exact_losses", "True", "--crash_at_step", "16", "--crash_rank", "1",
         "--crash_once", str(root / f"{job}-hung"), "--crash_how", "hang"])
-    out, text, runs = _ended(slurm, job, slurm_id)
+    out, text, runs = _ended(slurm, job, slurm_id, f"final loss at step {STEPS}:")
     assert "hf-trainer: resuming from checkpoint-10, the newest checkpoint complete on every " \
            "node (--resume_from_checkpoint " in out, out[-5000:]
     assert re.search(r"clusterkit: node\d+: checkpoint-10/latest -> global_step10", out), out[-5000:]
@@ -99,6 +112,10 @@ EPOCH_LOSS = re.compile(r"epoch (\d+) loss ([0-9.]+)")
 EPOCHS = 8
 
 
+# ~50 s more of the suite's 12 minutes: the default run has the snapshot's copy on three
+# nodes at once against one plan (tests/process/test_slurm_resume.py) and the batch
+# script's readiness end to end in the HF job above; this job is its extended variant.
+@pytest.mark.extended
 def test_ddp_snapshot_requeued_after_a_hang_resumes_on_every_node(slurm: SlurmBed) -> None:
     """pytorch's DDP tutorial (CPU): rank 0 saves snapshot.pt every 2 epochs on node1 only;
     rank 1 hangs after epoch 5 (logged; the newest snapshot is epoch 4's). The requeued
@@ -110,7 +127,7 @@ def test_ddp_snapshot_requeued_after_a_hang_resumes_on_every_node(slurm: SlurmBe
         str(DDP), str(EPOCHS), "2", "--snapshot_path", snap, "--crash_at_epoch", "5",
         "--crash_rank", "1", "--crash_once", str(slurm.tb.root / f"{job}-hung"),
         "--crash_how", "hang"])
-    out, text, _ = _ended(slurm, job, slurm_id)
+    out, text, _ = _ended(slurm, job, slurm_id, f"epoch {EPOCHS - 1} loss")
     assert re.search(r"clusterkit: snapshot\.pt: written by node\d+ only; copied to node\d+ "
                      r"\(sha256 verified\) before the ranks start", out), out[-5000:]
     assert re.search(r"clusterkit: node\d+: snapshot\.pt: copied from node\d+ \(sha256 "
