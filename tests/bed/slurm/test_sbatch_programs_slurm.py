@@ -1,19 +1,16 @@
-"""The programs people run under ``clusterkit sbatch``, requeued, resume (issue 38, the
-batch script's half of "Restarts resume") on the REAL Slurm test bed: 2 nodes x 1 CPU
-rank, node-local checkpoints in the job's dir, ``--hang-timeout T --max-restarts 1``; one
-rank hangs once after a save and a logged loss, the batch script's watchdog ends the step
-and requeues the job (pinned: node-local, no replicas). The requeued run, on the same
-nodes, is readied as a launch's restart (its ``plan`` and ``ready`` steps). Proved inside
-the job, no reference run: the repeated step's (epoch's) loss equals, in full, what the
-first run logged for it (helpers.attempts_agree), and the job COMPLETES.
+"""The programs people run under ``clusterkit sbatch``, run again after a failure, resume
+(issue 38, the batch script's half of "Restarts resume") on the REAL Slurm test bed: 2
+nodes x 1 CPU rank, node-local checkpoints in the job's dir. The run after the failure,
+on the same nodes, is readied as a launch's restart (its ``plan`` and ``ready`` steps).
+Proved inside the jobs, no reference run: the repeated step's (epoch's) loss equals, in
+full, what the failed run logged for it (helpers.attempts_agree), and the job COMPLETES.
 
 * HF Trainer (tests/programs/hf_trainer.py, run_clm.py-style), ZeRO-2 with the user's
-  all-``"auto"`` ds_config: checkpoint-10 complete on both nodes, DeepSpeed's
-  ``checkpoint-10/latest`` written on node2 (global rank 0 wrote it on node1 only), the
-  program given ``--resume_from_checkpoint <ckpt>/checkpoint-10``. Before this, the
-  requeued run began at step 0 (no resume argument) and ended COMPLETED.
-* pytorch's DDP tutorial (tests/programs/ddp_snapshot.py): rank 0's snapshot.pt copied
-  from node1 to node2 before the ranks start, so both ranks resume at one epoch.
+  all-``"auto"`` ds_config: a rank killed; the same job submitted again by hand.
+* extended: pytorch's DDP tutorial (tests/programs/ddp_snapshot.py), a rank hung; the
+  hang watchdog requeues the job (``--hang-timeout 15 --max-restarts 1``, pinned:
+  node-local, no replicas) and rank 0's snapshot.pt is copied from node1 to node2 before
+  the ranks start, so both ranks resume at one epoch.
 """
 
 from __future__ import annotations
@@ -44,67 +41,75 @@ RESUMED = re.compile(r"Resuming training from checkpoint with epoch \d+ and glob
                      r"|Continuing training from global step 10\b")
 
 
-def _submit_program(bed: SlurmBed, job: str, hang_timeout: int, program: list[str]) -> str:
-    """``clusterkit sbatch`` of a user's program on 2 nodes x 1 CPU rank, node-local,
-    the hang watchdog on with one requeue."""
+def _submit_program(bed: SlurmBed, job: str, program: list[str], *flags: str) -> str:
+    """``clusterkit sbatch`` of a user's program on 2 nodes x 1 CPU rank, node-local."""
     inv = bed.tb.write_inventory(bed.tb.root / "inventory-programs.yaml", nodes=bed.nodes,
                                  slots=1, gpus=0)
     r = clusterkit_cli("sbatch", "-i", str(inv), "--nodes", "2", "--gpus-per-node", "1",
                        "--storage", "node-local", "--job-id", job, "--partition", "debug",
-                       "--hang-timeout", str(hang_timeout), "--max-restarts", "1", "--submit",
-                       *program, env=bed.env, timeout=120)
+                       *flags, "--submit", *program, env=bed.env, timeout=120)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     m = re.search(r"submitted Slurm job (\d+)", r.stdout)
     assert m, r.stdout
     return m.group(1)
 
 
-def _ended(bed: SlurmBed, job: str, slurm_id: str, done: str
-           ) -> tuple[str, str, list[tuple[str, str]]]:
-    """Wait for the job's end; (its .out, .out + .err, its runs (number, nodes)); it
-    COMPLETED after two runs on the same nodes. ``done``: what the program prints last;
-    a job that FAILED only by torch 2.13's gloo abort at interpreter exit after that
-    (helpers.EXIT_ABORT, docs/launch.md: about 1 run in 12; the work is done) counts."""
+def _job_output(bed: SlurmBed, job: str, slurm_id: str) -> tuple[str, str, str]:
+    """Wait for the job's end: (its state, .out, .err)."""
     deadline = time.monotonic() + 600
     while (state := bed.job_state(slurm_id)) in IN_PROGRESS or state.startswith("REQUEUE"):
         assert time.monotonic() < deadline, f"job {slurm_id} still {state}"
         time.sleep(1)
     logs = slurm_job_dir(bed, job) / "logs"
-    out = (logs / f"slurm-{slurm_id}.out").read_text(errors="replace")
-    err = (logs / f"slurm-{slurm_id}.err").read_text(errors="replace")
-    second = (out + err).split(" run 2 on ", 1)[-1]
-    if state == "FAILED" and EXIT_ABORT in second and done in second:
-        print(f"job {slurm_id}: torch's exit-time abort after the work was done (counted)")
+    return (state, (logs / f"slurm-{slurm_id}.out").read_text(errors="replace"),
+            (logs / f"slurm-{slurm_id}.err").read_text(errors="replace"))
+
+
+def _completed(state: str, out: str, err: str, done: str) -> None:
+    """It COMPLETED; ``done``: what the program prints last: a job that FAILED only by
+    torch 2.13's gloo abort at interpreter exit after that (helpers.EXIT_ABORT,
+    docs/launch.md: about 1 run in 12; the work is done) counts."""
+    if state == "FAILED" and EXIT_ABORT in err and done in out + err:
+        print("torch's exit-time abort after the work was done (counted)")
     elif state != "COMPLETED":
         print(out[-6000:], err[-20000:])
         assert state == "COMPLETED", state
-    runs = re.findall(rf"===== clusterkit: job {job} slurm={slurm_id} run (\d) on (\S+) ", out)
-    assert [n for n, _ in runs] == ["1", "2"] and runs[0][1] == runs[1][1], runs
-    return out, out + err, runs
 
 
-def test_hf_trainer_requeued_after_a_hang_resumes_from_its_checkpoint(slurm: SlurmBed) -> None:
-    job = "hf-requeue"
+def test_hf_trainer_killed_then_submitted_again_resumes_from_its_checkpoint(
+        slurm: SlurmBed) -> None:
+    """Rank 1 killed (SIGKILL) at step 16, after checkpoint-10 and the step-15 log: a rank
+    that fails ends the batch job (no requeue: docs/sbatch.md), FAILED with that rank's
+    status. The user submits the same job again, unchanged: it goes to the recorded
+    nodes, its plan step finds checkpoint-10 complete on both, the ready step writes
+    DeepSpeed's ``checkpoint-10/latest`` on node2 (global rank 0 wrote it on node1 only),
+    and the program gets ``--resume_from_checkpoint <ckpt>/checkpoint-10``; before this,
+    the second job began at step 0 and ended COMPLETED."""
+    job = "hf-again"
     root = slurm.tb.root
     ds = root / "ds_config_z2.json"
     ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
     out_dir = str(slurm.tb.local_mountpoint / "ckpt" / job)  # the job's checkpoint dir
-    slurm_id = _submit_program(slurm, job, 20, [
+    program = [
         str(HF_TRAINER), "--output_dir", out_dir, "--deepspeed", str(ds), "--use_cpu",
         "--max_steps", str(STEPS), "--save_steps", "10", "--logging_steps", "5",
         "--per_device_train_batch_size", "4", "--report_to", "none", "--learning_rate", "1e-3",
         "--seed", "7", "--exact_losses", "True", "--crash_at_step", "16", "--crash_rank", "1",
-        "--crash_once", str(root / f"{job}-hung"), "--crash_how", "hang"])
-    out, text, runs = _ended(slurm, job, slurm_id, f"final loss at step {STEPS}:")
+        "--crash_once", str(root / f"{job}-killed")]
+    state, first, err = _job_output(slurm, job, _submit_program(slurm, job, program))
+    assert state == "FAILED", (state, first[-3000:], err[-3000:])
+    assert "killed by signal 9" in err, err[-3000:]
+    assert "resuming from" not in first  # the first run had nothing to resume from
+    state, out, err = _job_output(slurm, job, _submit_program(slurm, job, program))
+    _completed(state, out, err, f"final loss at step {STEPS}:")
     assert "hf-trainer: resuming from checkpoint-10, the newest checkpoint complete on every " \
            "node (--resume_from_checkpoint " in out, out[-5000:]
     assert re.search(r"clusterkit: node\d+: checkpoint-10/latest -> global_step10", out), out[-5000:]
-    assert RESUMED.search(text), text[-5000:]
-    # step 15 logged by the first run (before the hang) and by the resumed one, in full
-    attempts_agree([(int(s), loss) for s, loss in EXACT.findall(text)], [15])
-    assert max(int(s) for s, _ in EXACT.findall(text)) == STEPS
-    first_run = text.split(f"run 2 on {runs[1][1]}", 1)[0]
-    assert "resuming from checkpoint-10" not in first_run
+    assert RESUMED.search(out + err), (out + err)[-5000:]
+    # step 15 logged by the killed job and by the resumed one, in full
+    attempts_agree([(int(s), loss) for text in (first, out) for s, loss in EXACT.findall(text)],
+                   [15])
+    assert max(int(s) for s, _ in EXACT.findall(out)) == STEPS
 
 
 DDP = REPO / "tests" / "programs" / "ddp_snapshot.py"
@@ -113,8 +118,9 @@ EPOCHS = 8
 
 
 # ~50 s more of the suite's 12 minutes: the default run has the snapshot's copy on three
-# nodes at once against one plan (tests/process/test_slurm_resume.py) and the batch
-# script's readiness end to end in the HF job above; this job is its extended variant.
+# nodes at once against one plan (tests/process/test_slurm_resume.py), the batch
+# script's readiness end to end in the HF job above, and the hang requeue in
+# test_sbatch_user_slurm.py; this job is the extended variant.
 @pytest.mark.extended
 def test_ddp_snapshot_requeued_after_a_hang_resumes_on_every_node(slurm: SlurmBed) -> None:
     """pytorch's DDP tutorial (CPU): rank 0 saves snapshot.pt every 2 epochs on node1 only;
@@ -123,11 +129,15 @@ def test_ddp_snapshot_requeued_after_a_hang_resumes_on_every_node(slurm: SlurmBe
     ranks start, so both resume at epoch 5 and its loss equals the first run's."""
     job = "ddp-requeue"
     snap = str(slurm.tb.local_mountpoint / "ckpt" / job / "snapshot.pt")
-    slurm_id = _submit_program(slurm, job, 15, [
+    slurm_id = _submit_program(slurm, job, [
         str(DDP), str(EPOCHS), "2", "--snapshot_path", snap, "--crash_at_epoch", "5",
         "--crash_rank", "1", "--crash_once", str(slurm.tb.root / f"{job}-hung"),
-        "--crash_how", "hang"])
-    out, text, _ = _ended(slurm, job, slurm_id, f"epoch {EPOCHS - 1} loss")
+        "--crash_how", "hang"], "--hang-timeout", "15", "--max-restarts", "1")
+    state, out, err = _job_output(slurm, job, slurm_id)
+    _completed(state, out, err, f"epoch {EPOCHS - 1} loss")
+    runs = re.findall(rf"===== clusterkit: job {job} slurm={slurm_id} run (\d) on (\S+) ", out)
+    assert [n for n, _ in runs] == ["1", "2"] and runs[0][1] == runs[1][1], runs
+    text = out + err
     assert re.search(r"clusterkit: snapshot\.pt: written by node\d+ only; copied to node\d+ "
                      r"\(sha256 verified\) before the ranks start", out), out[-5000:]
     assert re.search(r"clusterkit: node\d+: snapshot\.pt: copied from node\d+ \(sha256 "
