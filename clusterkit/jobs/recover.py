@@ -23,7 +23,6 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
-from clusterkit.checkpoints.convert.universal import UNIVERSAL_SUFFIX
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.replicas.assemble import (
     Assembly,
@@ -59,7 +58,7 @@ from clusterkit.launch.continuation import (
 )
 from clusterkit.launch.registry import JobRecord
 from clusterkit.node.ckpt.ready import aside_line, readiness
-from clusterkit.node.contract import ENV_RESUME_TAG, LATEST_UNIVERSAL_FILE
+from clusterkit.node.contract import ENV_RESUME_TAG, LATEST_UNIVERSAL_FILE, UNIVERSAL_SUFFIX
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
 from clusterkit.spec.jobrecord import RankMap

@@ -25,7 +25,6 @@ from clusterkit.checkpoints.collect.inside import converted
 from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import WithoutMarkers
 from clusterkit.checkpoints.convert.universal import (
-    UNIVERSAL_SUFFIX,
     Universal,
     convert_to_universal,
     universal_tag,
@@ -38,7 +37,12 @@ from clusterkit.fsutil import atomic_write_text
 from clusterkit.jobs.resolve import recorded_nodes
 from clusterkit.jobs.restore import Say, collect_node, push_files, staging_dir
 from clusterkit.launch.registry import JobRecord
-from clusterkit.node.contract import ENV_RESUME_TAG, LATEST_UNIVERSAL_FILE, UNIVERSAL_MARKER
+from clusterkit.node.contract import (
+    ENV_RESUME_TAG,
+    LATEST_UNIVERSAL_FILE,
+    UNIVERSAL_MARKER,
+    UNIVERSAL_SUFFIX,
+)
 from clusterkit.node.hashing import sha256_file
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan

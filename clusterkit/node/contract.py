@@ -351,6 +351,10 @@ RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 # converted from: its world size, its files). The node listing ships the text of both, so
 # that collect-ckpt and status judge the conversion with the rest of the tag.
 LATEST_UNIVERSAL_FILE = "latest_universal"
+# The name a universal conversion of tag T gets (T + UNIVERSAL_SUFFIX): a top-level tag of
+# its own, or inside a program's tag dir beside T (HF's checkpoint-N after a reshard), where
+# its files (every rank's, of another world) are no part of T's save.
+UNIVERSAL_SUFFIX = "_universal"
 UNIVERSAL_MARKER = "clusterkit-universal.json"
 MODEL_STATES_RE = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
 ZERO3_MODEL_STATES_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt$")

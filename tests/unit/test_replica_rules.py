@@ -273,3 +273,25 @@ def test_the_guard_sees_a_second_ring() -> None:
     fn = code.body[0]
     assert isinstance(fn, ast.FunctionDef) and not _calls_rules(fn, set())
     assert not any(_is_ring_arithmetic(n) for n in ast.walk(ast.parse("(h + i) % SPAN")))
+
+
+def test_a_universal_conversion_beside_a_tag_is_no_part_of_its_save() -> None:
+    """HF's checkpoint-N after a reshard holds the old world's global_stepN and, beside it,
+    global_stepN_universal, whose ZeRO-3 model states are every rank's of the new world:
+    node index 1's own dir (ranks 2-3) is still node index 1's part, complete, judged by
+    the save's own files only (before, its lowest rank file was the conversion's rank 0)."""
+    from clusterkit.node.replicas.rules import Copy, held_index, own_problem
+
+    st = (100, 1.0, True)
+    files = {f"global_step10/zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt": st
+             for r in (2, 3) for kind in ("model", "optim")}
+    files.update({f"global_step10_universal/zero_pp_rank_{r}_mp_rank_00_model_states.pt": st
+                  for r in (0, 1, 2)})
+    files["global_step10_universal/zero/w/fp32.pt"] = st
+    own = Copy(files=files, markers={})
+    ranks = {0: range(0, 2), 1: range(2, 4)}
+    assert held_index(own, 1, False, ranks) == 1
+    assert own_problem(own, 1, "checkpoint-10", False, ranks[1]) == ""
+    del files["global_step10/zero_pp_rank_3_mp_rank_00_optim_states.pt"]
+    assert "zero_pp_rank_3_mp_rank_00_optim_states.pt" in own_problem(
+        Copy(files=files, markers={}), 1, "checkpoint-10", False, ranks[1])

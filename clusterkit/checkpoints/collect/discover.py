@@ -48,6 +48,7 @@ from clusterkit.node.contract import (
     LATEST_UNIVERSAL_FILE,
     MARKER_GLOB,
     RECOVERY_SCRIPTS,
+    UNIVERSAL_SUFFIX,
     parse_marker_name,
     tag_step,
 )
@@ -152,8 +153,8 @@ def shared_dir(listings: Sequence[NodeListing], tag: str) -> CheckpointIncomplet
 
 
 def _per_rank(rel: str) -> bool:
-    if posixpath.dirname(posixpath.dirname(rel)).endswith("_universal") or \
-            posixpath.dirname(rel).endswith("_universal"):
+    if posixpath.dirname(posixpath.dirname(rel)).endswith(UNIVERSAL_SUFFIX) or \
+            posixpath.dirname(rel).endswith(UNIVERSAL_SUFFIX):
         return False  # a conversion's copy of every rank's model states (ZeRO-3), alike anywhere
     shard = layout.parse_shard_name(posixpath.basename(rel))
     return shard is not None and shard.dp_rank is not None

@@ -63,10 +63,9 @@ from clusterkit.fsutil import (
     replace_dir,  # the one swap-in of a directory
 )
 from clusterkit.node.ckpt import listing as node_listing
-from clusterkit.node.contract import ENV_RESUME_TAG, UNIVERSAL_MARKER
+from clusterkit.node.contract import ENV_RESUME_TAG, UNIVERSAL_MARKER, UNIVERSAL_SUFFIX
 from clusterkit.spec.batch import BatchPlan, shrink_batch
 
-UNIVERSAL_SUFFIX = "_universal"
 UNIVERSAL_SCHEMA = "clusterkit.universal"
 UNIVERSAL_SCHEMA_VERSION = 1
 CONVERTER = "deepspeed.checkpoint.ds_to_universal"

@@ -41,6 +41,7 @@ from clusterkit.node.contract import (
     REPLICA_MANIFEST,
     REPLICA_SCHEMA,
     REPLICA_SCHEMA_VERSION,
+    UNIVERSAL_SUFFIX,
     ZERO3_MODEL_STATES_RE,
     marker_name,
     parse_marker_name,
@@ -180,6 +181,15 @@ def missing_rank_files(names: Sequence[str], ranks: Sequence[int]) -> list[str]:
     return missing
 
 
+def saved_files(names: Iterable[str]) -> list[str]:
+    """The files of a tag dir that its save wrote: without a universal conversion's beside
+    it (``<DeepSpeed tag>_universal/``, a reshard's inside HF's checkpoint-N), whose
+    per-rank files are every rank of another world (ZeRO-3's model states); the conversion
+    is judged by its own marker (checkpoints/collect/inside.py)."""
+    return [n for n in names
+            if not any(d.endswith(UNIVERSAL_SUFFIX) for d in n.replace("\\", "/").split("/")[:-1])]
+
+
 def part_problem(names: Sequence[str], ranks: Sequence[int], cut_short: Sequence[str] = ()
                  ) -> str | None:
     """The no-marker rule on what one listing of a node's tag dir shows: None when it
@@ -225,7 +235,7 @@ def own_problem(own: Copy, index: int, tag: str, markers: bool,
         return f"{posixpath.join(tag, cut[0])} is cut short"
     text = own.markers.get(marker_name(index))
     if text is None and not markers and own.files:
-        why = part_problem(list(own.files), ranks) if ranks is not None else None
+        why = part_problem(saved_files(own.files), ranks) if ranks is not None else None
         return f"{tag}: {why}" if why else ""
     if text is None:
         return f"no completion marker in {tag} (its save did not finish)"
@@ -350,7 +360,7 @@ def held_index(own: Copy, position: int | None, markers: bool,
         return position
     if named or markers:
         return named[0] if len(named) == 1 else None
-    rank = min(file_ranks(own.files), default=None)
+    rank = min(file_ranks(saved_files(own.files)), default=None)
     if rank is not None and ranks:
         return next((i for i, rs in sorted(ranks.items()) if rank in rs), None)
     return position

@@ -65,7 +65,7 @@ def _job_output(bed: SlurmBed, job: str, slurm_id: str) -> tuple[str, str, str]:
             (logs / f"slurm-{slurm_id}.err").read_text(errors="replace"))
 
 
-def _completed(state: str, out: str, err: str, done: str) -> None:
+def _completed_or_exit_abort(state: str, out: str, err: str, done: str) -> None:
     """It COMPLETED; ``done``: what the program prints last: a job that FAILED only by
     torch 2.13's gloo abort at interpreter exit after that (helpers.EXIT_ABORT,
     docs/launch.md: about 1 run in 12; the work is done) counts."""
@@ -101,7 +101,7 @@ def test_hf_trainer_killed_then_submitted_again_resumes_from_its_checkpoint(
     assert "killed by signal 9" in err, err[-3000:]
     assert "resuming from" not in first  # the first run had nothing to resume from
     state, out, err = _job_output(slurm, job, _submit_program(slurm, job, program))
-    _completed(state, out, err, f"final loss at step {STEPS}:")
+    _completed_or_exit_abort(state, out, err, f"final loss at step {STEPS}:")
     assert "hf-trainer: resuming from checkpoint-10, the newest checkpoint complete on every " \
            "node (--resume_from_checkpoint " in out, out[-5000:]
     assert re.search(r"clusterkit: node\d+: checkpoint-10/latest -> global_step10", out), out[-5000:]
@@ -134,7 +134,7 @@ def test_ddp_snapshot_requeued_after_a_hang_resumes_on_every_node(slurm: SlurmBe
         "--crash_rank", "1", "--crash_once", str(slurm.tb.root / f"{job}-hung"),
         "--crash_how", "hang"], "--hang-timeout", "15", "--max-restarts", "1")
     state, out, err = _job_output(slurm, job, slurm_id)
-    _completed(state, out, err, f"epoch {EPOCHS - 1} loss")
+    _completed_or_exit_abort(state, out, err, f"epoch {EPOCHS - 1} loss")
     runs = re.findall(rf"===== clusterkit: job {job} slurm={slurm_id} run (\d) on (\S+) ", out)
     assert [n for n, _ in runs] == ["1", "2"] and runs[0][1] == runs[1][1], runs
     text = out + err
