@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from clusterkit.checkpoints import layout
 from clusterkit.checkpoints.convert import universal
+from clusterkit.checkpoints.universal_marker import UniversalMarker
 from clusterkit.errors import CheckpointError
 from clusterkit.fsutil import read_json_object
 from clusterkit.node.contract import marker_name, parse_marker_name
@@ -284,7 +285,7 @@ class Resume:
 
     tag: str
     step: int
-    marker: universal.UniversalMarker | None = None  # a universal checkpoint's
+    marker: UniversalMarker | None = None  # a universal checkpoint's
 
 
 def choose_and_verify(ctx: CkptContext, resume: str) -> Resume | None:

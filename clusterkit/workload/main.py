@@ -31,7 +31,7 @@ from clusterkit.workload.distenv import resolve_dist_env
 from clusterkit.workload.presets import ModelPreset, get_preset, peak_tflops_for
 
 if TYPE_CHECKING:
-    from clusterkit.checkpoints.convert.universal import UniversalMarker
+    from clusterkit.checkpoints.universal_marker import UniversalMarker
 
 LOG_PREFIX = "[clusterkit]"
 EXIT_OK = 0

@@ -728,7 +728,8 @@ def test_hf_is_converted_inside_its_checkpoint_dir(tmp_path: Path) -> None:
     DeepSpeed's load_checkpoint(tag=None) reads with load_universal on); what is pushed is
     the tag dir but the old DeepSpeed tag; the attempt's derived config gets
     load_universal, the user's batch left alone; no derived config: refused first."""
-    from clusterkit.checkpoints.convert.universal import Universal, UniversalMarker
+    from clusterkit.checkpoints.convert.universal import Universal
+    from clusterkit.checkpoints.universal_marker import UniversalMarker
     from clusterkit.jobs.reshard import _inside_plan, _into_tag_dir, check_inside
 
     dest = tmp_path / "dest"

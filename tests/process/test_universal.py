@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from clusterkit.checkpoints.convert import universal
+from clusterkit.checkpoints.universal_marker import UniversalMarker
 from clusterkit.errors import CheckpointError
 from clusterkit.spec.batch import shrink_batch
 from tests.helpers import torchrun_workload, workload_summary
@@ -112,7 +113,7 @@ def test_a_universal_copy_counts_only_on_every_node() -> None:
 
 
 def test_universal_marker_round_trip_and_partial_copy(tmp_path: Path) -> None:
-    marker = universal.UniversalMarker(
+    marker = UniversalMarker(
         source_tag="global_step20", step=20, global_samples=560, world_size=14, zero_stage=2,
         micro_batch=2, grad_accum=1, global_batch=28, engine="deepspeed", precision="fp32",
         deepspeed_version="0.19.8", files={"mp_rank_00_model_states.pt": 3, "zero/a/fp32.pt": 2},

@@ -18,6 +18,7 @@ import pytest
 
 from clusterkit.checkpoints.collectplan import WithoutMarkers
 from clusterkit.checkpoints.convert import universal
+from clusterkit.checkpoints.universal_marker import UniversalMarker
 from clusterkit.errors import LaunchError
 from clusterkit.launch.continuation import reshardable
 from clusterkit.node.contract import ENV_CKPT_DIR, ENV_DS_CONFIG, ENV_RESUME_TAG
@@ -28,8 +29,8 @@ TRAIN = REPO / "docs" / "examples" / "train.py"
 RUN_TIMEOUT = 240
 
 
-def _universal_marker(world: int, micro: int, ga: int) -> universal.UniversalMarker:
-    return universal.UniversalMarker(
+def _universal_marker(world: int, micro: int, ga: int) -> UniversalMarker:
+    return UniversalMarker(
         source_tag="step8", step=0, global_samples=0, world_size=world, zero_stage=2,
         micro_batch=micro, grad_accum=ga, global_batch=micro * ga * world, engine="deepspeed",
         precision="fp32", deepspeed_version="0.19.8")

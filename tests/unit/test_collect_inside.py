@@ -7,11 +7,15 @@ import json
 
 from clusterkit.checkpoints.collect.inside import converted
 from clusterkit.checkpoints.listing import FileInfo, NodeListing
+from clusterkit.checkpoints.universal_marker import UniversalMarker
 
 TAG, UNI = "checkpoint-10", "global_step10_universal"
-MARKER = json.dumps({"schema": "clusterkit.universal", "version": 1, "world_size": 3,
-                     "zero_stage": 2, "precision": "fp32", "source_tag": f"{TAG}/global_step10",
-                     "files": {"mp_rank_00_model_states.pt": 5, "zero/w/fp32.pt": 7}})
+# What jobs/reshard.py writes into the conversion (the one marker format).
+MARKER = json.dumps(UniversalMarker(
+    source_tag=f"{TAG}/global_step10", step=10, global_samples=80, world_size=3, zero_stage=2,
+    micro_batch=4, grad_accum=1, global_batch=12, engine="deepspeed", precision="fp32",
+    deepspeed_version="0.19.8",
+    files={"mp_rank_00_model_states.pt": 5, "zero/w/fp32.pt": 7}).to_json_dict())
 
 
 def _listed_node(name: str, *, fp32: int = 7, marker: str | None = MARKER, whole: bool = True

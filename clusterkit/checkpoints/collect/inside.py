@@ -28,14 +28,11 @@ import json
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from clusterkit.checkpoints.listing import FileInfo, NodeListing
+from clusterkit.checkpoints.universal_marker import UniversalMarker, marker_from_json_dict
+from clusterkit.errors import CheckpointError
 from clusterkit.node.contract import LATEST_FILE, LATEST_UNIVERSAL_FILE, UNIVERSAL_MARKER
-
-# The fields of checkpoints/convert/universal.py's marker this rule reads (that module
-# imports discover, which imports this one: its reader cannot be imported here).
-_SCHEMA = "clusterkit.universal"
 
 
 @dataclass(frozen=True)
@@ -80,8 +77,8 @@ def converted(listings: Sequence[NodeListing], tag: str) -> Converted | None:
     marker = next((m for ls in up if (m := _marker(ls.texts.get(tag, {}).get(
         f"{name}/{UNIVERSAL_MARKER}"))) is not None), None)
     latest = {t.strip() for ls in up if (t := ls.texts.get(tag, {}).get(LATEST_FILE))}
-    source = str(marker["source_tag"]).rsplit("/", 1)[-1] if marker else ""
-    files = marker["files"] if marker else {}
+    source = marker.source_tag.rsplit("/", 1)[-1] if marker else ""
+    files = marker.files if marker else {}
     complete, problems = [], []
     for ls in up:
         why = _copy_problem(ls.tags.get(tag) or {}, ls.texts.get(tag, {}), tag, name, files)
@@ -95,9 +92,9 @@ def converted(listings: Sequence[NodeListing], tag: str) -> Converted | None:
         problems.append(f"{tag}/{name} has no readable {UNIVERSAL_MARKER} (the world size of "
                         "the save it was converted from is unknown)")
     return Converted(tag=tag, name=name, source=source,
-                     world_size=marker["world_size"] if marker else None,
-                     zero_stage=marker["zero_stage"] if marker else None,
-                     precision=str(marker.get("precision", "")) if marker else "",
+                     world_size=marker.world_size if marker else None,
+                     zero_stage=marker.zero_stage if marker else None,
+                     precision=marker.precision if marker else "",
                      complete_on=tuple(complete), problems=tuple(problems),
                      latest=sorted(latest)[0] if len(latest) == 1 else None, files=files)
 
@@ -120,19 +117,14 @@ def _copy_problem(files: Mapping[str, FileInfo], texts: Mapping[str, str], tag: 
     return ""
 
 
-def _marker(text: str | None) -> dict[str, Any] | None:
-    """The marker's fields this rule reads; None when absent or not one."""
+def _marker(text: str | None) -> UniversalMarker | None:
+    """The conversion's marker (the one reader, checkpoints/universal_marker.py); None
+    when absent or not one."""
     try:
         data = json.loads(text) if text else None
-    except ValueError:
+        return marker_from_json_dict(data) if isinstance(data, dict) else None
+    except (ValueError, TypeError, CheckpointError):
         return None
-    if not isinstance(data, dict) or data.get("schema") != _SCHEMA:
-        return None
-    if not all(isinstance(data.get(k), int) for k in ("world_size", "zero_stage")) \
-            or not isinstance(data.get("files"), dict) \
-            or not isinstance(data.get("source_tag"), str):
-        return None
-    return {**data, "files": {str(k): int(v) for k, v in data["files"].items()}}
 
 
 def without(listings: Sequence[NodeListing], tag: str, drop: Callable[[str], bool]
