@@ -98,6 +98,9 @@ JOB_DIR_TOKEN = "@JOB_DIR@"
 # refusal) names it by CKPT_TAG_TOKEN, replaced by the batch host's node program.
 RESUME_DIR_FIELD = "{dir}"
 CKPT_TAG_TOKEN = "@TAG@"
+# In a batch run's dir (JobDir.SLURM_RUNS/<id>.<run>/): the tag its plan step told the
+# program to resume from (node/slurm/replica.py writes it, node/slurm/end.py reads it).
+SLURM_RESUMED_FROM = "resumed_from"
 
 
 def with_job_id(job_dir: str, job_id: str) -> str:

@@ -28,17 +28,19 @@ from clusterkit.errors import RenderError
 from clusterkit.launchers import BACKENDS
 from clusterkit.node import hangrule
 from clusterkit.node.contract import (
+    CKPT_TAG_TOKEN,
     ENV_CKPT_DIR,
     ENV_HEARTBEAT_DIR,
     ENV_RESUME_TAG,
     ENV_STOP_FILE,
+    SLURM_RESUMED_FROM,
     JobDir,
     exits_dir,
 )
 from clusterkit.render.jobops import accelerator, job_ops
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
-from clusterkit.spec.resume import program_without_resume, resume_rule
+from clusterkit.spec.resume import began_fresh_line, program_without_resume, resume_rule
 
 if TYPE_CHECKING:
     import jinja2
@@ -325,9 +327,25 @@ def _end_context(plan: JobPlan, site: SlurmSite, variant: str, log_dir: str) -> 
             "stop_var": ENV_STOP_FILE, "ckpt_var": ENV_CKPT_DIR, "stop_file": job.stop_file,
             "exits_dir": exits_dir(node.job_dir),
             "hang_file": job.hang_file if plan.options.hang_timeout_s > 0 else "",
-            "count_file": f"{node.job_dir}/{HANG_RESTARTS}"}
+            "count_file": f"{node.job_dir}/{HANG_RESTARTS}", **_resume_watch(plan)}
     return {"end_cmd": shlex.join(cmd.argv), "end_bundle": bundle.rstrip("\n"), "end_eof": END_EOF,
             "end_conf": json.dumps(conf, sort_keys=True, separators=(",", ":"))}
+
+
+def _resume_watch(plan: JobPlan) -> dict[str, str]:
+    """What node/slurm/end.py needs to tell a run that was told where to resume, but began
+    at step 0 (the profile's lines, the step-0 line with the tag as a token; node-local
+    runs only: their plan step decides the resume); nothing for other jobs."""
+    node = plan.nodes[0]
+    prof = plan.profile
+    if not plan.node_local or plan.options.uses_workload or prof is None \
+            or not (prof.resume and prof.profile.resumed_marker and prof.profile.progress_marker):
+        return {}
+    return {"resumed_marker": prof.profile.resumed_marker,
+            "progress_marker": prof.profile.progress_marker,
+            "began_fresh": began_fresh_line(CKPT_TAG_TOKEN, plan.job_id),
+            "tag_token": CKPT_TAG_TOKEN, "runs_dir": f"{node.job_dir}/{JobDir.SLURM_RUNS}",
+            "resumed_from_file": SLURM_RESUMED_FROM}
 
 
 def _render(template_dir: str | None, context: dict[str, object]) -> str:

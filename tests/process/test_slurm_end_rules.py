@@ -58,6 +58,8 @@ SAVED = "clusterkit: saved after the stop request (/c/j/step4/done); requeueing 
 ANY_NODES = ("clusterkit: requeueing job 77 on any free nodes (checkpoint parts replicated: "
              "--replicas 1)")
 
+FRESH = "job j: the restarted program began at step 0 although checkpoint checkpoint-10 ..."
+
 # (row of the doc table, facts) -> decision
 TABLE: list[tuple[str, EndFacts, EndDecision]] = [
     ("ok", BASE, EndDecision(0)),
@@ -77,6 +79,11 @@ TABLE: list[tuple[str, EndFacts, EndDecision]] = [
      EndDecision(137, NONE, (Line(ERR, "clusterkit: rank 0 on n1 failed first (killed by signal 9); "
                                       "the other ranks were stopped after it. Its output: "
                                       "/w/logs/ck-j-77-rank0.out"),))),
+    ("began-fresh", dataclasses.replace(BASE, began_fresh=FRESH),
+     EndDecision(1, NONE, (Line(BOTH, f"clusterkit: {FRESH}"),))),
+    # a failure is the answer: a run that failed did not finish from step 0
+    ("rank-failed", dataclasses.replace(FAILED, began_fresh=FRESH),
+     EndDecision(2, NONE, (Line(ERR, RANK3),))),
     ("step-failed", dataclasses.replace(BASE, status=1),
      EndDecision(1, NONE, (Line(ERR, "clusterkit: the launch step failed (exit 1) before any rank "
                                      "ended on its own; see /w/logs/slurm-77.err"),))),
@@ -167,6 +174,38 @@ def test_run_gathers_the_facts_from_the_job_dir(tmp_path: Path) -> None:
     # no watchdog for this job: its hang file is not read
     rc, out, err, answer = _run_slurmend({**conf, "hang_file": ""}, tmp_path, "0", "", "")
     assert (answer, out, err) == ("0 none\n", "", "")
+
+
+def test_run_reads_a_resumed_run_that_began_at_step_0_from_its_output(tmp_path: Path) -> None:
+    """HF's lines (resume on stderr, losses on stdout: two files, no order between them):
+    this run (run 2) was told to resume from checkpoint-10; losses without "Resuming
+    training" end it exit 1, and run 1's lines do not count for run 2."""
+    from clusterkit.node.contract import CKPT_TAG_TOKEN, SLURM_RESUMED_FROM
+    from clusterkit.spec.programs import HF, PROFILES
+    from clusterkit.spec.resume import began_fresh_line
+
+    runs = tmp_path / "job/slurm-runs"
+    (runs / "77.2").mkdir(parents=True)
+    (runs / "77.2" / SLURM_RESUMED_FROM).write_text("checkpoint-10\n")
+    conf = _end_conf(tmp_path, resumed_marker=PROFILES[HF].resumed_marker,
+                     progress_marker=PROFILES[HF].progress_marker,
+                     began_fresh=began_fresh_line(CKPT_TAG_TOKEN, "j"), tag_token=CKPT_TAG_TOKEN,
+                     runs_dir=str(runs), resumed_from_file=SLURM_RESUMED_FROM)
+    logs = tmp_path / "job/logs"
+    logs.mkdir()
+    head = "===== clusterkit: job j slurm=77 run {} on n[1-2] at T =====\n"
+    resumed = "0: [rank0]:[INFO|trainer.py:1631] >>   Resuming training from checkpoint with epoch 0\n"
+    (logs / "slurm-77.out").write_text(head.format(1) + "0: [rank0]:{'loss': '3.1'}\n"
+                                       + head.format(2) + "0: [rank0]:{'loss': '3.1'}\n")
+    (logs / "slurm-77.err").write_text(head.format(1) + resumed + head.format(2) + "noise\n")
+    env = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}
+    facts = end.gather(conf, 0, "", "", env, 0)
+    assert facts.began_fresh == began_fresh_line("checkpoint-10", "j")
+    assert decide(facts).status == 1
+    (logs / "slurm-77.err").write_text(head.format(1) + head.format(2) + resumed)
+    assert end.gather(conf, 0, "", "", env, 0).began_fresh is None  # it resumed
+    assert end.gather(conf, 0, "", "", {**env, "SLURM_RESTART_COUNT": "0"}, 0).began_fresh \
+        is None  # run 1 was told nothing
 
 
 def test_run_requeues_for_a_file_saved_after_the_stop_file(tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ from clusterkit.node.ckpt.ready import (
     ready_checkpoints,
     spread_line,
 )
-from clusterkit.node.contract import JobDir
+from clusterkit.node.contract import SLURM_RESUMED_FROM, JobDir
 from clusterkit.node.files import write_atomic
 from clusterkit.node.hashing import sha256_file
 from clusterkit.node.replicas import priority
@@ -266,6 +266,7 @@ def _write_prep(run_dir: str, ckpt_dir: str, ready: Readiness | None,
     write_atomic(os.path.join(run_dir, PREP_FILE), json.dumps(doc, sort_keys=True) + "\n")
     if ready is not None and ready.resume:
         write_atomic(os.path.join(run_dir, RESUME_FILE), "".join(w + "\0" for w in ready.resume))
+        write_atomic(os.path.join(run_dir, SLURM_RESUMED_FROM), ready.tag + "\n")
     for name, c in sorted(spread.items()):
         restore.say(spread_line(name, c["from"], ",".join(c["to"])))
 

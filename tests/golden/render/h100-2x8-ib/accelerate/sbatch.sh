@@ -191,7 +191,7 @@ for e in h[2:]:
 sys.argv=['"'"'clusterkit.node.'"'"'+sys.argv[1]]+sys.argv[2:]
 sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))
 ' slurm.end '{"ckpt_var":"CLUSTERKIT_CKPT_DIR","count_file":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/hang_restarts","exits_dir":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/exits","hang_file":"","job_name":"ck-golden-h100-2x8-ib","log_dir":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs","max_restarts":0,"node_local":false,"per_rank_files":false,"replicas":0,"signal_lead":90,"stop_file":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/stop","stop_var":"CLUSTERKIT_STOP_FILE"}' "$@" <<'CK_SLURMEND_EOF'
-clusterkit-node 2 slurm.end:15256
+clusterkit-node 2 slurm.end:18142
 """Node program: what the end of a ``clusterkit sbatch`` run means (issue 36 item 2).
 
 The batch script (templates/sbatch.sh.j2) only sequences steps; every decision it
@@ -220,6 +220,10 @@ row                   when -> what
                       lines of the ``.err`` file)
 ``step-failed``       the step failed, no rank recorded an exit -> the step's
                       status, the ``.err`` line points at the ``.err`` file
+``began-fresh``       the step exited 0, but the run was told where to resume (a
+                      user's program on node-local storage) and its output holds
+                      the program's progress line and never its resume line ->
+                      exit 1, the step-0 line (both files), no requeue
 ``stop-unsaved``      USR1 asked the ranks to stop (the stop file) and nothing in the
                       checkpoint dir is newer than the stop file -> no requeue
 ``stop-failed``       a stop, a save since, but the status (after the rows above) is
@@ -258,6 +262,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import sys
@@ -271,6 +276,7 @@ OUT, ERR, BOTH = "out", "err", "both"
 NONE, ANY, PINNED = "none", "any", "pinned"
 HANG_STATUS = 124  # the watchdog ended the step (timeout(1)'s status)
 ANSWER_FD = 3
+BEGAN_FRESH_STATUS = 1  # told where to resume, the program began at step 0: never "finished"
 
 
 @dataclass(frozen=True)
@@ -285,13 +291,21 @@ class JobEnd:
     job_name: str = "ck-job"
     per_rank_files: bool = False  # srun-per-rank: one output file per rank
     stop_var: str = "STOP_FILE"  # the stop file's variable, as the lines name it
+    # A user's program told where to resume (node-local): its profile's lines (regexes)
+    # and the step-0 line, its tag as CKPT_TAG_TOKEN; empty: not watched.
+    resumed_marker: str = ""
+    progress_marker: str = ""
+    began_fresh: str = ""
 
     @classmethod
     def from_conf(cls, conf: dict[str, Any]) -> JobEnd:
         return cls(max_restarts=int(conf["max_restarts"]), signal_lead=int(conf["signal_lead"]),
                    replicas=int(conf["replicas"]), node_local=bool(conf["node_local"]),
                    log_dir=str(conf["log_dir"]), job_name=str(conf["job_name"]),
-                   per_rank_files=bool(conf["per_rank_files"]), stop_var=str(conf["stop_var"]))
+                   per_rank_files=bool(conf["per_rank_files"]), stop_var=str(conf["stop_var"]),
+                   resumed_marker=str(conf.get("resumed_marker", "")),
+                   progress_marker=str(conf.get("progress_marker", "")),
+                   began_fresh=str(conf.get("began_fresh", "")))
 
 
 @dataclass(frozen=True)
@@ -319,6 +333,7 @@ class EndFacts:
     saved: str | None = None  # a file of the checkpoint dir newer than the stop file
     ckpt_dir: str = ""
     now: int = 0  # epoch seconds, when the step had ended
+    began_fresh: str | None = None  # told to resume, it began at step 0: the line
 
 
 @dataclass(frozen=True)
@@ -406,6 +421,8 @@ def decide(facts: EndFacts) -> EndDecision:
     if status != 0:
         status, failed = _failure(facts)
         lines = (failed,)
+    elif facts.began_fresh is not None:
+        status, lines = BEGAN_FRESH_STATUS, (Line(BOTH, f"clusterkit: {facts.began_fresh}"),)
     if facts.stop_at is None:
         return EndDecision(status, NONE, lines)
     how, said = _stop(facts, status, facts.stop_at)
@@ -468,6 +485,38 @@ def _count(text: str | None) -> int:
         return 0
 
 
+def began_fresh(job: JobEnd, conf: dict[str, Any], environ: dict[str, str]) -> str | None:
+    """The step-0 line when this run was told where to resume (the plan step's
+    ``resumed_from`` in the run dir) and its output (this run's part of the job's .out
+    and .err files, after its ``===== clusterkit: ... run N`` line) holds the program's
+    progress line but never its resume line; None otherwise. Its stdout and stderr are two
+    files, so which came first is not known: a resume line anywhere counts."""
+    if not (job.progress_marker and job.resumed_marker and conf.get("runs_dir")):
+        return None
+    sid, run = environ.get("SLURM_JOB_ID", ""), int(environ.get("SLURM_RESTART_COUNT") or 0) + 1
+    tag = (_read(os.path.join(conf["runs_dir"], f"{sid}.{run}", conf["resumed_from_file"]))
+           or "").strip()
+    if not tag:
+        return None
+    resumed, progress = re.compile(job.resumed_marker), re.compile(job.progress_marker)
+    seen_progress = False
+    for kind in ("out", "err"):
+        mine = False
+        try:
+            with open(os.path.join(job.log_dir, f"slurm-{sid}.{kind}"), encoding="utf-8",
+                      errors="replace") as fh:
+                for line in fh:
+                    if line.startswith("===== clusterkit: job ") and f" slurm={sid} run " in line:
+                        mine = f" run {run} on " in line
+                    elif mine and resumed.search(line):
+                        return None
+                    elif mine and progress.search(line):
+                        seen_progress = True
+        except OSError:
+            continue
+    return job.began_fresh.replace(conf["tag_token"], tag) if seen_progress else None
+
+
 def gather(conf: dict[str, Any], status: int, stop_at: str, hang_dir: str,
            environ: dict[str, str], now: int) -> EndFacts:
     """The facts of this run from ``conf``'s paths and the job's environment."""
@@ -482,7 +531,8 @@ def gather(conf: dict[str, Any], status: int, stop_at: str, hang_dir: str,
         hang=hang, hang_restarts=_count(_read(conf["count_file"])), hang_dir=hang_dir,
         first_exit=first_exit(conf["exits_dir"]) if status != 0 else None,
         stop_at=stop, saved=saved_since(ckpt_dir, conf["stop_file"]) if stop is not None else None,
-        ckpt_dir=ckpt_dir, now=now)
+        ckpt_dir=ckpt_dir, now=now,
+        began_fresh=began_fresh(JobEnd.from_conf(conf), conf, environ) if status == 0 else None)
 
 
 def apply(decision: EndDecision, facts: EndFacts, count_file: str, out: IO[str], err: IO[str],
