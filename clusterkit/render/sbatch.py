@@ -37,6 +37,7 @@ from clusterkit.node.contract import (
     JobDir,
     exits_dir,
 )
+from clusterkit.node.slurm.replica import SPREAD_DIR
 from clusterkit.render.jobops import accelerator, job_ops
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
@@ -298,14 +299,14 @@ def _replica_context(plan: JobPlan, site: SlurmSite) -> dict[str, object]:
     k = site.replicas if plan.node_local and len(plan.nodes) > 1 else 0
     if not plan.node_local:
         return {"replicas": 0, "replica_cmd": "", "replica_conf": "", "markers": False,
-                "ready": False, "program_name": ""}
+                "ready": False, "program_name": "", "spread_dir": SPREAD_DIR}
     program = resume_rule(plan.profile, job_id=plan.job_id, ckpt_dir=node.ckpt_dir,
                           node_local=True, workload=plan.options.uses_workload)
     conf = {"job_id": plan.job_id, "job_dir": node.job_dir, "ckpt_dir": node.ckpt_dir,
             "rpn": node.nproc, "markers": plan.options.uses_workload, "replicas": k,
             "program": program}
     return {"replicas": k, "markers": plan.options.uses_workload, "ready": bool(program.get("ready")),
-            "program_name": program.get("name", ""),
+            "program_name": program.get("name", ""), "spread_dir": SPREAD_DIR,
             "replica_cmd": shlex.join(ship.node_command(node.python, "slurm.replica").argv),
             "replica_conf": json.dumps(conf, sort_keys=True, separators=(",", ":"))}
 
