@@ -57,7 +57,7 @@ from clusterkit.launch.continuation import (
     resume_arg,
 )
 from clusterkit.launch.registry import JobRecord
-from clusterkit.node.ckpt.ready import aside_line, readiness
+from clusterkit.node.ckpt.ready import readiness
 from clusterkit.node.contract import ENV_RESUME_TAG, LATEST_UNIVERSAL_FILE, UNIVERSAL_SUFFIX
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
@@ -130,11 +130,10 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
             # The converted tag is what a reshard resumes (CLUSTERKIT_RESUME_TAG); HF's,
             # inside its tag dir, is found by DeepSpeed there, the tag dir named to the
             # program by its resume argument.
+            # Then the program's readiness as for any restart: HF's resume argument; a
+            # script of the contract that picks the newest tag finds no newer save.
             new = reshard(transport, plan, prior, old_map, tried[0], home, say)
-            if other_world(plan) is OtherWorld.UNIVERSAL_INSIDE:
-                return resume_plan(new or plan, tried[0], newer, say)
-            moved = aside(new or plan, newer, say)
-            return new if moved is (new or plan) else moved
+            return resume_plan(new or plan, tried[0], newer, say) or new
         if lost:
             restore_parts(transport, plan, tried, lost, staging, say)
     return resume_plan(plan, tried[0], newer, say)
@@ -145,18 +144,6 @@ def newer_tags(listings: Sequence[NodeListing], a: Assembly, markers: bool) -> l
     on this node set (``assemble_newest`` takes the newest that is)."""
     tags = candidate_tags(listings, markers=markers)
     return tags[:tags.index(a.tag)] if a.tag in tags else []
-
-
-def aside(plan: JobPlan, newer: Sequence[str], say: Say) -> JobPlan:
-    """A program that picks the newest checkpoint on disk by itself must not find one it
-    cannot load: the newer tags are moved aside on every node (renamed, kept) before
-    its ranks start (node/ckpt/ready.ready_checkpoints). ``plan`` itself when not."""
-    choice = plan.profile
-    if not newer or plan.options.uses_workload or choice is None \
-            or not choice.profile.picks_newest:
-        return plan
-    say(aside_line(newer, choice.name))
-    return dataclasses.replace(plan, set_aside=tuple(newer))
 
 
 def _converted(plan: JobPlan, listings: Sequence[NodeListing], tried: list[Assembly] | None

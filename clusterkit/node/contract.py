@@ -101,6 +101,9 @@ CKPT_TAG_TOKEN = "@TAG@"
 # In a batch run's dir (JobDir.SLURM_RUNS/<id>.<run>/): the tag its plan step told the
 # program to resume from (node/slurm/replica.py writes it, node/slurm/end.py reads it).
 SLURM_RESUMED_FROM = "resumed_from"
+# ... and where one-writer files (a snapshot) wait on their way from their writer to the
+# other nodes (node/slurm/replica.py's ready step; the script removes it after).
+SLURM_SPREAD_DIR = "spread"
 
 
 def with_job_id(job_dir: str, job_id: str) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from clusterkit import ship
 from clusterkit.errors import RenderError
@@ -34,10 +34,10 @@ from clusterkit.node.contract import (
     ENV_RESUME_TAG,
     ENV_STOP_FILE,
     SLURM_RESUMED_FROM,
+    SLURM_SPREAD_DIR,
     JobDir,
     exits_dir,
 )
-from clusterkit.node.slurm.replica import SPREAD_DIR
 from clusterkit.render.jobops import accelerator, job_ops
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
@@ -157,15 +157,24 @@ def launch_line(plan: JobPlan, log_dir: str) -> tuple[str, str]:
     return line(plan, log_dir)
 
 
-def _resumed_line(plan: JobPlan, log_dir: str) -> str:
-    """The launch line of a run that resumes (node-local, a profile with a resume
-    template) when the program's own arguments name the template's flag: without it,
-    so the resume words the batch host decides are the only ones; empty otherwise (the
-    words are appended to the launch line itself)."""
-    choice = plan.profile
-    if not plan.node_local or choice is None or not choice.resume or plan.options.uses_workload:
+def _program_rule(plan: JobPlan) -> dict[str, Any]:
+    """How a run of a node-local job's own program is readied (spec/resume.resume_rule):
+    what the batch host's plan step reads, and what decides the script's resume lines;
+    empty for the bundled workload and for shared storage."""
+    return resume_rule(plan.profile, job_id=plan.job_id, ckpt_dir=plan.nodes[0].ckpt_dir,
+                       node_local=True, workload=plan.options.uses_workload) \
+        if plan.node_local else {}
+
+
+def _resumed_line(plan: JobPlan, log_dir: str, rule: dict[str, Any]) -> str:
+    """The launch line of a run that resumes (a profile with a resume template) when the
+    program's own arguments name the template's flag: without it, so the resume words
+    the batch host decides are the only ones; empty otherwise (the words are appended to
+    the launch line itself)."""
+    template = rule.get("resume") or ()
+    if not template:
         return ""
-    bare = tuple(program_without_resume(p, choice.resume) for p in plan.programs)
+    bare = tuple(program_without_resume(p, template) for p in plan.programs)
     if bare == plan.programs:
         return ""
     return launch_line(dataclasses.replace(plan, programs=bare), log_dir)[1]
@@ -208,7 +217,8 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
     node = plan.nodes[0]
     log_dir = launcher_log_dir(node.job_dir)
     variant, line = launch_line(plan, log_dir)
-    resumed = _resumed_line(plan, log_dir)
+    rule = _program_rule(plan)
+    resumed = _resumed_line(plan, log_dir, rule)
     per_rank = BACKENDS[plan.backend].slurm_task_per_rank
     context = {
         "job_id": plan.job_id,
@@ -241,8 +251,8 @@ def render_sbatch(plan: JobPlan, site: SlurmSite | None = None) -> str:
         "exits_dir": exits_dir(node.job_dir),
         **_watchdog_context(plan),
         **_ops_context(plan),
-        **_replica_context(plan, site),
-        **_end_context(plan, site, variant, log_dir),
+        **_replica_context(plan, site, rule),
+        **_end_context(plan, site, variant, log_dir, rule),
         "stop_file": JobDir(node.job_dir).stop_file,
         "env": ENV_NAMES,
         "layout": JobDir,
@@ -291,7 +301,8 @@ def _ops_context(plan: JobPlan) -> dict[str, object]:
             "ops_request": json.dumps(request, sort_keys=True)}
 
 
-def _replica_context(plan: JobPlan, site: SlurmSite) -> dict[str, object]:
+def _replica_context(plan: JobPlan, site: SlurmSite, program: dict[str, Any]
+                     ) -> dict[str, object]:
     """A node-local job's node program (node/slurm/replica.py; its sources are the job
     file ``JobDir.SLURM_PROGRAM``): replicas while it runs (``replicas`` > 0), its parts
     moved before the ranks start on another node set."""
@@ -299,19 +310,18 @@ def _replica_context(plan: JobPlan, site: SlurmSite) -> dict[str, object]:
     k = site.replicas if plan.node_local and len(plan.nodes) > 1 else 0
     if not plan.node_local:
         return {"replicas": 0, "replica_cmd": "", "replica_conf": "", "markers": False,
-                "ready": False, "program_name": "", "spread_dir": SPREAD_DIR}
-    program = resume_rule(plan.profile, job_id=plan.job_id, ckpt_dir=node.ckpt_dir,
-                          node_local=True, workload=plan.options.uses_workload)
+                "ready": False, "program_name": "", "spread_dir": SLURM_SPREAD_DIR}
     conf = {"job_id": plan.job_id, "job_dir": node.job_dir, "ckpt_dir": node.ckpt_dir,
             "rpn": node.nproc, "markers": plan.options.uses_workload, "replicas": k,
             "program": program}
     return {"replicas": k, "markers": plan.options.uses_workload, "ready": bool(program.get("ready")),
-            "program_name": program.get("name", ""), "spread_dir": SPREAD_DIR,
+            "program_name": program.get("name", ""), "spread_dir": SLURM_SPREAD_DIR,
             "replica_cmd": shlex.join(ship.node_command(node.python, "slurm.replica").argv),
             "replica_conf": json.dumps(conf, sort_keys=True, separators=(",", ":"))}
 
 
-def _end_context(plan: JobPlan, site: SlurmSite, variant: str, log_dir: str) -> dict[str, object]:
+def _end_context(plan: JobPlan, site: SlurmSite, variant: str, log_dir: str,
+                 rule: dict[str, Any]) -> dict[str, object]:
     """What the end of a run means (node/slurm/end.py: exit status, requeue, the lines),
     started the one way node programs are, its sources a heredoc of the script (as the
     watchdog's): ``end_conf`` is its CONF word, the job's settings and paths."""
@@ -328,19 +338,19 @@ def _end_context(plan: JobPlan, site: SlurmSite, variant: str, log_dir: str) -> 
             "stop_var": ENV_STOP_FILE, "ckpt_var": ENV_CKPT_DIR, "stop_file": job.stop_file,
             "exits_dir": exits_dir(node.job_dir),
             "hang_file": job.hang_file if plan.options.hang_timeout_s > 0 else "",
-            "count_file": f"{node.job_dir}/{HANG_RESTARTS}", **_resume_watch(plan)}
+            "count_file": f"{node.job_dir}/{HANG_RESTARTS}", **_resume_watch(plan, rule)}
     return {"end_cmd": shlex.join(cmd.argv), "end_bundle": bundle.rstrip("\n"), "end_eof": END_EOF,
             "end_conf": json.dumps(conf, sort_keys=True, separators=(",", ":"))}
 
 
-def _resume_watch(plan: JobPlan) -> dict[str, str]:
+def _resume_watch(plan: JobPlan, rule: dict[str, Any]) -> dict[str, str]:
     """What node/slurm/end.py needs to tell a run that was told where to resume, but began
-    at step 0 (the profile's lines, the step-0 line with the tag as a token; node-local
-    runs only: their plan step decides the resume); nothing for other jobs."""
+    at step 0 (the profile's lines, the step-0 line with the tag as a token; a run whose
+    plan step gives the resume words, ``rule``); nothing for other jobs."""
     node = plan.nodes[0]
     prof = plan.profile
-    if not plan.node_local or plan.options.uses_workload or prof is None \
-            or not (prof.resume and prof.profile.resumed_marker and prof.profile.progress_marker):
+    if not rule.get("resume") or prof is None \
+            or not (prof.profile.resumed_marker and prof.profile.progress_marker):
         return {}
     return {"resumed_marker": prof.profile.resumed_marker,
             "progress_marker": prof.profile.progress_marker,

@@ -29,12 +29,16 @@ from clusterkit.node.files import write_atomic
 
 
 def prep_doc(ckpt_dir: str, *, aside: Sequence[str] = (), latest: str | None = None,
-             nested_latest: bool = False) -> str:
+             nested_latest: bool = False, spread: Mapping[str, Any] | None = None) -> str:
     """What :func:`ready_checkpoints` reads: ``aside``, the tags to move aside; ``latest``,
     the tag DeepSpeed's top-level ``latest`` must name (a program that picks by it);
-    ``nested_latest``, write the ``latest`` each tag dir lacks (HF's checkpoint-N/)."""
-    return json.dumps({"ckpt_dir": ckpt_dir, "aside": list(aside), "latest": latest,
-                       "nested_latest": nested_latest}, sort_keys=True) + "\n"
+    ``nested_latest``, write the ``latest`` each tag dir lacks (HF's checkpoint-N/);
+    ``spread``, the batch script's one-writer files to copy first (its ``ready`` step)."""
+    doc: dict[str, Any] = {"ckpt_dir": ckpt_dir, "aside": list(aside), "latest": latest,
+                           "nested_latest": nested_latest}
+    if spread is not None:
+        doc["spread"] = dict(spread)
+    return json.dumps(doc, sort_keys=True) + "\n"
 
 
 def resume_words(template: Sequence[str], ckpt: str) -> list[str]:
@@ -59,13 +63,13 @@ class Readiness:
     def changes(self) -> bool:
         return bool(self.resume or self.latest or self.aside)
 
-    def prep(self, ckpt_dir: str) -> str:
+    def prep(self, ckpt_dir: str, spread: Mapping[str, Any] | None = None) -> str:
         """The node's :func:`ready_checkpoints` input."""
         return prep_doc(ckpt_dir, aside=self.aside, latest=self.tag if self.latest else None,
-                        nested_latest=self.nested_latest)
+                        nested_latest=self.nested_latest, spread=spread)
 
 
-def aside_line(newer: Sequence[str], name: str) -> str:
+def _aside_line(newer: Sequence[str], name: str) -> str:
     return (f"moving {', '.join(newer)} aside on every node ({newer[0]} cannot be assembled "
             f"on these nodes; {name} would pick the newest it finds): renamed "
             f"<tag>{ASIDE_SUFFIX}, kept")
@@ -108,7 +112,7 @@ def readiness(rule: Mapping[str, Any], ckpt_dir: str, tag: str, newer: Sequence[
                      "complete on every node)")
     aside = tuple(newer) if rule.get("aside") else ()
     if aside:
-        lines.append(aside_line(aside, name))
+        lines.append(_aside_line(aside, name))
     return Readiness(tag, latest=latest, aside=aside, nested_latest=nested, lines=tuple(lines))
 
 

@@ -54,7 +54,7 @@ from clusterkit.node.ckpt.ready import (
     ready_checkpoints,
     spread_line,
 )
-from clusterkit.node.contract import SLURM_RESUMED_FROM, JobDir
+from clusterkit.node.contract import SLURM_RESUMED_FROM, SLURM_SPREAD_DIR, JobDir
 from clusterkit.node.files import write_atomic
 from clusterkit.node.hashing import sha256_file
 from clusterkit.node.replicas import priority
@@ -68,7 +68,6 @@ GATHER_DIR = "gather"
 UNIVERSAL_FILE = "universal"  # the converted tag's name (the script writes it)
 PREP_FILE = "prep.json"  # plan -> every node's `ready` (node/ckpt/ready.prep_doc)
 RESUME_FILE = "resume"  # plan -> the script: the program's resume words, NUL-separated
-SPREAD_DIR = "spread"  # ready: one-writer files on their way from their writer to the others
 RECEIVE_WAIT_S = 600.0  # a node waiting for a one-writer file (its writer copies it at once)
 VERBS = ("serve", "list", "plan", "restore", "gather", "spread", "ready")
 END_OK = "ok"
@@ -219,7 +218,8 @@ def plan(conf: dict[str, Any], run_dir: str) -> int:
                         "starting fresh" if hosts == old else
                         f"job {job}: this run got {now} (the checkpoint's nodes were {was}); no "
                         "checkpoint on any of them or in their replicas: starting fresh")
-        _write_prep(run_dir, conf["ckpt_dir"], None, spread)
+        if rule:
+            _write_prep(run_dir, conf["ckpt_dir"], None, spread)
         return 0
     ready = readiness(rule, conf["ckpt_dir"], p["tag"], p.get("newer") or []) if rule else None
     if ready is not None and ready.refusal is not None:
@@ -261,9 +261,8 @@ def _write_prep(run_dir: str, ckpt_dir: str, ready: Readiness | None,
                 spread: dict[str, dict[str, Any]]) -> None:
     """``prep.json`` for every node's ``ready`` step; ``resume``: the resume words,
     NUL-separated (the script reads them with ``read -d ''``)."""
-    doc = json.loads(ready.prep(ckpt_dir) if ready is not None else prep_doc(ckpt_dir))
-    doc["spread"] = spread
-    write_atomic(os.path.join(run_dir, PREP_FILE), json.dumps(doc, sort_keys=True) + "\n")
+    write_atomic(os.path.join(run_dir, PREP_FILE), ready.prep(ckpt_dir, spread)
+                 if ready is not None else prep_doc(ckpt_dir, spread=spread))
     if ready is not None and ready.resume:
         write_atomic(os.path.join(run_dir, RESUME_FILE), "".join(w + "\0" for w in ready.resume))
         write_atomic(os.path.join(run_dir, SLURM_RESUMED_FROM), ready.tag + "\n")
@@ -328,7 +327,7 @@ def ready_node(ckpt_dir: str, run_dir: str, me: str) -> int:
     with open(os.path.join(run_dir, PREP_FILE), encoding="utf-8") as fh:
         prep = fh.read()
     spread = json.loads(prep).get("spread") or {}
-    shared = os.path.join(run_dir, SPREAD_DIR)
+    shared = os.path.join(run_dir, SLURM_SPREAD_DIR)
     for name, c in sorted(spread.items()):
         if c["from"] == me:
             export_file(os.path.join(ckpt_dir, name), shared)
@@ -345,12 +344,14 @@ def ready_node(ckpt_dir: str, run_dir: str, me: str) -> int:
 
 
 def export_file(path: str, shared: str) -> None:
-    """The writer's copy into the shared run dir, with its sha256 beside it, each whole."""
+    """The writer's copy into the shared run dir, with its own sha256 beside it (what each
+    node checks its copy against: the whole route from the writer), each whole."""
     os.makedirs(shared, exist_ok=True)
     name = os.path.basename(path)
     tmp = os.path.join(shared, f".{name}.part")
+    digest = sha256_file(path)
     shutil.copyfile(path, tmp)
-    write_atomic(os.path.join(shared, name + ".sha256"), sha256_file(tmp))
+    write_atomic(os.path.join(shared, name + ".sha256"), digest)
     os.replace(tmp, os.path.join(shared, name))
 
 
