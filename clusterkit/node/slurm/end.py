@@ -332,13 +332,14 @@ def gather(conf: dict[str, Any], status: int, stop_at: str, hang_dir: str,
         hang = text.rstrip("\n") if text else None  # an empty file: no reason, no hang
     ckpt_dir = environ.get(conf["ckpt_var"], "")
     stop = int(stop_at) if stop_at.strip() else None
+    job = JobEnd.from_conf(conf)
     return EndFacts(
-        job=JobEnd.from_conf(conf), slurm_id=environ.get("SLURM_JOB_ID", ""), status=status,
+        job=job, slurm_id=environ.get("SLURM_JOB_ID", ""), status=status,
         hang=hang, hang_restarts=_count(_read(conf["count_file"])), hang_dir=hang_dir,
         first_exit=first_exit(conf["exits_dir"]) if status != 0 else None,
         stop_at=stop, saved=saved_since(ckpt_dir, conf["stop_file"]) if stop is not None else None,
         ckpt_dir=ckpt_dir, now=now,
-        began_fresh=began_fresh(JobEnd.from_conf(conf), conf, environ) if status == 0 else None)
+        began_fresh=began_fresh(job, conf, environ) if status == 0 else None)
 
 
 def apply(decision: EndDecision, facts: EndFacts, count_file: str, out: IO[str], err: IO[str],

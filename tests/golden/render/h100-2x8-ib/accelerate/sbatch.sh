@@ -191,7 +191,7 @@ for e in h[2:]:
 sys.argv=['"'"'clusterkit.node.'"'"'+sys.argv[1]]+sys.argv[2:]
 sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))
 ' slurm.end '{"ckpt_var":"CLUSTERKIT_CKPT_DIR","count_file":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/hang_restarts","exits_dir":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/exits","hang_file":"","job_name":"ck-golden-h100-2x8-ib","log_dir":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/logs","max_restarts":0,"node_local":false,"per_rank_files":false,"replicas":0,"signal_lead":90,"stop_file":"/lustre/projects/lm/.clusterkit/jobs/golden-h100-2x8-ib/stop","stop_var":"CLUSTERKIT_STOP_FILE"}' "$@" <<'CK_SLURMEND_EOF'
-clusterkit-node 2 slurm.end:18142
+clusterkit-node 2 slurm.end:18137
 """Node program: what the end of a ``clusterkit sbatch`` run means (issue 36 item 2).
 
 The batch script (templates/sbatch.sh.j2) only sequences steps; every decision it
@@ -526,13 +526,14 @@ def gather(conf: dict[str, Any], status: int, stop_at: str, hang_dir: str,
         hang = text.rstrip("\n") if text else None  # an empty file: no reason, no hang
     ckpt_dir = environ.get(conf["ckpt_var"], "")
     stop = int(stop_at) if stop_at.strip() else None
+    job = JobEnd.from_conf(conf)
     return EndFacts(
-        job=JobEnd.from_conf(conf), slurm_id=environ.get("SLURM_JOB_ID", ""), status=status,
+        job=job, slurm_id=environ.get("SLURM_JOB_ID", ""), status=status,
         hang=hang, hang_restarts=_count(_read(conf["count_file"])), hang_dir=hang_dir,
         first_exit=first_exit(conf["exits_dir"]) if status != 0 else None,
         stop_at=stop, saved=saved_since(ckpt_dir, conf["stop_file"]) if stop is not None else None,
         ckpt_dir=ckpt_dir, now=now,
-        began_fresh=began_fresh(JobEnd.from_conf(conf), conf, environ) if status == 0 else None)
+        began_fresh=began_fresh(job, conf, environ) if status == 0 else None)
 
 
 def apply(decision: EndDecision, facts: EndFacts, count_file: str, out: IO[str], err: IO[str],
