@@ -114,8 +114,14 @@ def _kill_past_the_save(argv: list[str], tmp_path: Path, testbed: Testbed, job: 
     return text
 
 
+# Extended (~40 s of the suite's 2 cores): what it joins is run by default one piece at a
+# time: this script's resume from its newest complete save (test_universal_user.py, and
+# requeued under Slurm in test_sbatch_user_slurm.py), ZeRO-3 node-local resume
+# (test_workload_dist.py), a killed rank's relaunch (test_programs_testbed.py) and
+# `collect-ckpt --without-markers` (tests/process/test_collect.py).
 @pytest.mark.testbed
 @pytest.mark.slow
+@pytest.mark.extended
 def test_example_script_resumes_zero3_node_local_after_a_kill(testbed: Testbed,
                                                               tmp_path: Path) -> None:
     inv = testbed.write_inventory(tmp_path / "inv.yaml", nodes=[x.name for x in testbed.ensure(2)],

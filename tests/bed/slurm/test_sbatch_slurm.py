@@ -7,6 +7,7 @@ path (--gpus-per-node, CUDA_VISIBLE_DEVICES).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -184,32 +185,46 @@ def _assert_watch_folded(slurm: SlurmBed, out: str, ranks: int) -> None:
     assert rank_lines and all(ln.startswith("[node1 r0] ") for ln in rank_lines), rank_lines
 
 
+def _rank_pids(bed: SlurmBed, slurm_id: str) -> list[int]:
+    """Host pids of the job's ranks (not torchrun, not the wrapper that records a rank's
+    exit code), by the SLURM_JOB_ID every task and its
+    children carry: two jobs may share a node."""
+    want = f"SLURM_JOB_ID={slurm_id}".encode()
+    found = []
+    for node in bed.nodes:
+        for pid, cmd in bed.job_processes(node):
+            if "clusterkit.workload" not in cmd or "torch.distributed.run" in cmd \
+                    or cmd.startswith("sh "):  # the exit-code wrapper around each rank
+                continue
+            with contextlib.suppress(OSError):
+                if want in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    found.append(pid)
+    return found
+
+
 @pytest.mark.slow
-def test_killed_rank_ends_the_whole_job(slurm: SlurmBed) -> None:
-    # One rank per node: the behaviour is per task, and 2 cores start 2 ranks faster than 4.
-    slurm_id = _submit(slurm, "kill1", "--", "--log-every", "1", ranks_per_node=1)
-    _wait_output(slurm, "kill1", slurm_id, "step 2/")
-    ranks = [pid for pid, cmd in slurm.job_processes("node2")
-             if "clusterkit.workload" in cmd and "torch.distributed.run" not in cmd]
-    assert ranks, slurm.job_processes("node2")
+def test_a_killed_rank_fails_the_job_and_a_cancel_stops_it_neither_leaves_a_process(
+        slurm: SlurmBed) -> None:
+    """Two jobs side by side (one rank per node: the behaviour is per task, and 2 cores
+    start 2 ranks faster than 4): a rank of one is SIGKILLed, the other is cancelled with
+    `clusterkit sbatch cancel`. Side by side they pay Slurm's scheduling and KillWait once
+    (two tests of ~20 s each before)."""
+    killed = _submit(slurm, "kill1", "--", "--log-every", "1", ranks_per_node=1)
+    cancelled = _submit(slurm, "cancel1", "--", "--log-every", "1", ranks_per_node=1)
+    _wait_output(slurm, "kill1", killed, "step 2/")
+    _wait_output(slurm, "cancel1", cancelled, "step 2/")
+    ranks = _rank_pids(slurm, killed)
+    assert len(ranks) == 2, ranks
     os.kill(ranks[-1], signal.SIGKILL)
-    r = clusterkit_cli("sbatch", "status", slurm_id, "--watch", "--poll", "0.5", env=slurm.env,
+    r = clusterkit_cli("sbatch", "cancel", cancelled, env=slurm.env, timeout=120)
+    assert r.returncode == 0 and f"cancelled Slurm job {cancelled}" in r.stdout, r.stderr
+    r = clusterkit_cli("sbatch", "status", killed, "--watch", "--poll", "0.5", env=slurm.env,
                        timeout=120)
     assert r.returncode == 1, r.stderr
-    assert f"Slurm job {slurm_id} ended FAILED" in r.stderr
+    assert f"Slurm job {killed} ended FAILED" in r.stderr
+    assert wait_slurm_finished(slurm, cancelled) == "CANCELLED"
     assert_slurm_nodes_clean(slurm)
-
-
-@pytest.mark.slow
-def test_cancel_leaves_no_process(slurm: SlurmBed) -> None:
-    # One rank per node: the behaviour is per task, and 2 cores start 2 ranks faster than 4.
-    slurm_id = _submit(slurm, "cancel1", "--", "--log-every", "1", ranks_per_node=1)
-    _wait_output(slurm, "cancel1", slurm_id, "step 2/")
-    r = clusterkit_cli("sbatch", "cancel", slurm_id, env=slurm.env, timeout=120)
-    assert r.returncode == 0 and f"cancelled Slurm job {slurm_id}" in r.stdout, r.stderr
-    assert wait_slurm_finished(slurm, slurm_id) == "CANCELLED"
-    assert_slurm_nodes_clean(slurm)
-    r = clusterkit_cli("sbatch", "status", slurm_id, env=slurm.env, timeout=120)
+    r = clusterkit_cli("sbatch", "status", cancelled, env=slurm.env, timeout=120)
     assert r.returncode == 1 and "CANCELLED" in r.stdout  # the exit status is the outcome
 
 

@@ -148,7 +148,11 @@ def test_missing_script_is_refused_before_submitting(slurm: SlurmBed) -> None:
     assert not slurm_job_dir(slurm, "user-missing").exists()
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+# torchrun is extended (~13 s): the deepspeed variant names the first failing rank by
+# the same rule (the batch script's exits dir), and a torchrun rank's failure ends its
+# job FAILED in test_sbatch_slurm.py's killed-rank test.
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.extended),
+                                      "deepspeed"])
 def test_first_failing_rank_gives_the_exit_code(slurm: SlurmBed, launcher: str) -> None:
     job = f"user-fails-{launcher}"
     r = _sbatch_user_script(slurm, job, launcher, ["fails.py"], "--watch", "--poll", "0.5")
