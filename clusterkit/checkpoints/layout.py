@@ -53,7 +53,6 @@ MARKER_SCHEMA_VERSION = 1
 # contract's (node/contract.py): callers import it from there, not through this module.
 # DeepSpeed's file names (LATEST_FILE, RECOVERY_SCRIPTS, the shard regexes) are the node
 # contract's too: the replica agents judge a tag dir with them on the node.
-ACCELERATE_DS_SUBDIR = "pytorch_model"
 ACCELERATE_RNG_PATTERN = re.compile(r"^random_states_(\d+)\.pkl$")
 
 ShardKind = Literal["model_states", "zero3_model_states", "optim_states"]

@@ -58,7 +58,12 @@ from clusterkit.launch.continuation import (
 )
 from clusterkit.launch.registry import JobRecord
 from clusterkit.node.ckpt.ready import readiness
-from clusterkit.node.contract import ENV_RESUME_TAG, LATEST_UNIVERSAL_FILE, UNIVERSAL_SUFFIX
+from clusterkit.node.contract import (
+    ASIDE_SUFFIX,
+    ENV_RESUME_TAG,
+    LATEST_UNIVERSAL_FILE,
+    UNIVERSAL_SUFFIX,
+)
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
 from clusterkit.spec.jobrecord import RankMap
@@ -110,14 +115,17 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
         tried = _resumable(plan, listings, old_map, resume, must=bool(swaps) or resharding)
         again = None if resharding else _converted(plan, listings, tried)
         if again is not None:
-            # HF's checkpoint-N converted by an earlier reshard, nothing complete saved since
+            # A tag dir converted by an earlier reshard, nothing complete saved since
             if dry_run:
                 say(f"{again} holds its DeepSpeed tag converted by a reshard: the program "
                     "would resume from it with checkpoint.load_universal on")
                 return None
             say(f"{again}: resuming from its DeepSpeed tag converted by the reshard "
                 f"({LATEST_UNIVERSAL_FILE}), checkpoint.load_universal on for this attempt")
-            return resume_tag(load_universal_plan(plan), again, [], say)
+            # A program that picks the newest save itself (accelerate) gets the newer,
+            # unassemblable ones moved aside; the config holds whatever readiness adds.
+            again_plan = load_universal_plan(plan)
+            return resume_tag(again_plan, again, newer_than(listings, again), say) or again_plan
         if tried is None:
             return None
         newer = newer_tags(listings, tried[0], plan.options.uses_workload)
@@ -142,8 +150,14 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
 def newer_tags(listings: Sequence[NodeListing], a: Assembly, markers: bool) -> list[str]:
     """The tags newer than the one a restart resumes from: saved, but not assemblable
     on this node set (``assemble_newest`` takes the newest that is)."""
+    return newer_than(listings, a.tag, markers=markers) if a.tag is not None else []
+
+
+def newer_than(listings: Sequence[NodeListing], tag: str, *, markers: bool = False
+               ) -> list[str]:
+    """The candidate tags newer than ``tag`` (newest first)."""
     tags = candidate_tags(listings, markers=markers)
-    return tags[:tags.index(a.tag)] if a.tag in tags else []
+    return tags[:tags.index(tag)] if tag in tags else []
 
 
 def _converted(plan: JobPlan, listings: Sequence[NodeListing], tried: list[Assembly] | None
@@ -235,9 +249,7 @@ def say_plan(a: Assembly, lost: Sequence[Replacement], reshard: bool, plan: JobP
         say(f"the launch would reshard {a.tag} for {len(plan.nodes)} nodes, {plan.world_size} "
             "ranks (gather here, convert to DeepSpeed's universal checkpoint, push to every node)")
         if other_world(plan) is OtherWorld.UNIVERSAL_INSIDE:
-            say(f"inside {a.tag} (its DeepSpeed tag with {UNIVERSAL_SUFFIX} and latest_universal "
-                "beside it); then your program runs once with checkpoint.load_universal on "
-                "in its derived DeepSpeed config and its resume argument (docs/programs.md)")
+            say(_inside_words(plan, a.tag))
         elif not plan.options.uses_workload:
             say(f"then your script runs once with checkpoint.load_universal on and "
                 f"${ENV_RESUME_TAG}={a.tag}{UNIVERSAL_SUFFIX} (docs/lost-a-node.md)")
@@ -246,6 +258,19 @@ def say_plan(a: Assembly, lost: Sequence[Replacement], reshard: bool, plan: JobP
         where = f"its replica on {part.host}" if part is not None and part.replica else "its copy"
         say(f"the launch would restore node index {s.index} ({s.old})'s part of {a.tag} onto "
             f"{s.new} from {where}")
+
+
+def _inside_words(plan: JobPlan, tag: str | None) -> str:
+    """The dry run's account of where a conversion inside the program's tag dir goes."""
+    ds_tag = None if plan.profile is None else plan.profile.profile.ds_tag
+    if ds_tag is None:
+        return (f"inside {tag} (its DeepSpeed tag with {UNIVERSAL_SUFFIX} and latest_universal "
+                "beside it); then your program runs once with checkpoint.load_universal on "
+                "in its derived DeepSpeed config and its resume argument (docs/programs.md)")
+    return (f"inside {tag}, in the place of {tag}/{ds_tag}, the DeepSpeed tag your program "
+            f"loads by that name (the old world's kept as {tag}/{ds_tag}{ASIDE_SUFFIX} on every "
+            "node); then your program runs once with checkpoint.load_universal on in its "
+            "derived DeepSpeed config and loads it by itself (docs/programs.md)")
 
 
 def _parts_to_restore(plan: JobPlan, a: Assembly, swaps: Sequence[Replacement]

@@ -6,10 +6,13 @@ gathered here (collect-ckpt, replicas standing in for lost nodes), converted to
 DeepSpeed's universal checkpoint, and pushed to every node of the new plan, marker last
 (docs/lost-a-node.md). The bundled workload resumes from it on the new world size; a
 user's script gets its next attempt's plan (``checkpoint.load_universal``,
-``CLUSTERKIT_RESUME_TAG``). HF's Trainer (``OtherWorld.UNIVERSAL_INSIDE``): its
-``checkpoint-N/global_stepN`` is converted beside itself (``global_stepN_universal``,
-``latest_universal``), the whole ``checkpoint-N`` pushed, and the next attempt's derived
-DeepSpeed config gets ``load_universal`` (jobs/recover.py adds the resume argument).
+``CLUSTERKIT_RESUME_TAG``). A program whose DeepSpeed tag sits inside its own tag dir
+(``OtherWorld.UNIVERSAL_INSIDE``): HF's ``checkpoint-N/global_stepN`` is converted beside
+itself (``global_stepN_universal``, ``latest_universal``); accelerate's
+``step_N/pytorch_model``, which its load_state loads by that name, in its place (the old
+world's tag kept as ``step_N/pytorch_model.set-aside`` on every node, ``latest_universal``
+naming the conversion); the whole tag dir is pushed, and the next attempt's derived
+DeepSpeed config gets ``load_universal`` (jobs/recover.py adds HF's resume argument).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import concurrent.futures as cf
 import dataclasses
 import json
 import os
+import posixpath
 import shutil
 from collections.abc import Sequence
 
@@ -32,12 +36,14 @@ from clusterkit.checkpoints.convert.universal import (
 )
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.replicas.assemble import Assembly
+from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.errors import CheckpointError, LaunchError
 from clusterkit.fsutil import atomic_write_text
 from clusterkit.jobs.resolve import recorded_nodes
 from clusterkit.jobs.restore import Say, collect_node, push_files, staging_dir
 from clusterkit.launch.registry import JobRecord
 from clusterkit.node.contract import (
+    ASIDE_SUFFIX,
     ENV_RESUME_TAG,
     LATEST_UNIVERSAL_FILE,
     UNIVERSAL_MARKER,
@@ -47,7 +53,7 @@ from clusterkit.node.hashing import sha256_file
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
 from clusterkit.spec.jobrecord import RankMap
-from clusterkit.spec.programs import DERIVED_DS_CONFIG, OtherWorld
+from clusterkit.spec.programs import ACCELERATE_CONFIG_ENV, DERIVED_DS_CONFIG, OtherWorld
 
 
 def reshard(transport: Transport, plan: JobPlan, prior: JobRecord,
@@ -75,15 +81,22 @@ def reshard(transport: Transport, plan: JobPlan, prior: JobRecord,
         say(f"converted to {u.tag} in {u.seconds:.1f} s (saved by {u.marker.world_size} ranks, "
             f"ZeRO-{u.marker.zero_stage}, step {u.marker.step})")
         inside = _inside(plan)
+        in_place = inside and plan.profile is not None and plan.profile.profile.ds_tag is not None
         if inside:
-            u, files = _into_tag_dir(dest, a.tag, u)
+            u, files = _into_tag_dir(dest, a.tag, u, in_place=in_place)
         else:
             files = _local_files(dest, u.tag)
         say(f"3/3 pushing {u.tag} ({len(files)} files, "
             f"{sum(size for size, _ in files.values()) / 1e6:.1f} MB) to {len(plan.nodes)} nodes")
         targets = [collect_node(n, n.ckpt_dir) for n in plan.nodes]
+
+        def push(t: CollectNode) -> None:
+            if in_place:
+                _move_aside(transport, t, u.tag, u.marker.source_tag)
+            push_files(transport, t, dest, files)
+
         with cf.ThreadPoolExecutor(max_workers=min(8, len(targets))) as pool:
-            list(pool.map(lambda t: push_files(transport, t, dest, files), targets))
+            list(pool.map(push, targets))
     if bare is None:
         say(f"every node holds {u.tag}: the workload resumes from it on {plan.world_size} ranks")
         return None
@@ -103,47 +116,81 @@ def check_inside(plan: JobPlan) -> None:
     derived copy (the user's own file is never edited, so load_universal goes there)."""
     if _inside(plan) and DERIVED_DS_CONFIG not in plan.program_files:
         raise LaunchError(f"cannot relaunch job {plan.job_id} on {len(plan.nodes)} nodes: "
-                          "its DeepSpeed config is your own file as it is (already node-local, "
-                          "or none named), and clusterkit edits no file of yours to turn on "
+                          "its DeepSpeed config is your own (a file already node-local, none "
+                          "named, or one your script hands accelerate's DeepSpeedPlugin), and "
+                          "clusterkit edits no file of yours to turn on "
                           "checkpoint.load_universal", key="--job-id",
                           hint="relaunch on the same nodes (--replace OLD=NEW for a lost one; "
                                "docs/lost-a-node.md), or name a config without "
-                               "checkpoint.use_node_local_storage (clusterkit then derives one)")
+                               "checkpoint.use_node_local_storage (clusterkit then derives one; "
+                               "accelerate: give the plugin none, clusterkit points "
+                               f"{ACCELERATE_CONFIG_ENV} at its own)")
 
 
-def _into_tag_dir(dest: str, tag: str, u: Universal
+def _into_tag_dir(dest: str, tag: str, u: Universal, *, in_place: bool = False
                   ) -> tuple[Universal, dict[str, tuple[int, str]]]:
-    """HF's layout: ``<tag>_universal/global_stepN`` (the converter's output) moved to
-    ``<tag>/global_stepN_universal`` with ``<tag>/latest_universal`` naming it (what
-    DeepSpeed's load_checkpoint reads with load_universal on); the files to push: the whole
-    tag dir but the old DeepSpeed tag (a node new to the mapping gets HF's own files, every
-    node every rank's RNG state)."""
+    """The converter's output (``<tag>_universal/<DeepSpeed tag>``) moved into the tag dir
+    where the program's DeepSpeed load reads it with load_universal on: HF's beside its
+    tag, ``<tag>/global_stepN_universal`` with ``<tag>/latest_universal`` naming it;
+    ``in_place`` (accelerate, which loads ``pytorch_model`` by name) in the tag's own
+    place, the gathered original renamed ``pytorch_model.set-aside`` (kept: the marker
+    names it) and ``latest_universal`` naming the conversion (collect's rule finds it by
+    that). The files to push: the whole tag dir but the old DeepSpeed tag (a node new to
+    the mapping gets the program's own files, every node every rank's RNG state)."""
     sub = u.marker.ds_subdir
-    name = universal_tag(sub)
+    name, original = (sub, sub + ASIDE_SUFFIX) if in_place else (universal_tag(sub), sub)
+    if in_place:
+        os.replace(os.path.join(dest, tag, sub), os.path.join(dest, tag, original))
     shutil.rmtree(os.path.join(dest, tag, name), ignore_errors=True)
     os.replace(os.path.join(u.out_dir, sub), os.path.join(dest, tag, name))
     # The marker goes with it, naming what it was converted from (collect-ckpt and status
-    # judge the old world's tag beside it by that save's world size, checkpoints/collect/
-    # inside.py) and its files relative to it; pushed last (jobs/restore.py).
-    marker = dataclasses.replace(u.marker, source_tag=f"{tag}/{sub}", ds_subdir="", files={
+    # judge the old world's tag by that save's world size, checkpoints/collect/inside.py)
+    # and its files relative to it; pushed last (jobs/restore.py).
+    marker = dataclasses.replace(u.marker, source_tag=f"{tag}/{original}", ds_subdir="", files={
         rel[len(sub) + 1:]: size for rel, size in u.marker.files.items()
         if rel.startswith(sub + "/")})
     atomic_write_text(os.path.join(dest, tag, name, UNIVERSAL_MARKER),
                       json.dumps(marker.to_json_dict(), indent=1) + "\n")
     atomic_write_text(os.path.join(dest, tag, LATEST_UNIVERSAL_FILE), name + "\n")
     files = {rel: v for rel, v in _local_files(dest, tag).items()
-             if not rel.startswith(f"{tag}/{sub}/")}
+             if not rel.startswith(f"{tag}/{original}/")}
     return dataclasses.replace(u, out_dir=os.path.join(dest, tag, name), tag=f"{tag}/{name}",
                                marker=marker), files
+
+
+# A node's own part of the old world's tag (its ranks' optimizer shards) moved to the aside
+# name; nothing where it has none (a node new to the mapping) or where the name holds the
+# conversion already (an earlier try's push: it has no optimizer shard of a rank).
+_ASIDE_SCRIPT = ('for f in "$1"/*optim_states.pt; do test -e "$f" || exit 0; '
+                 'exec mv -T -- "$1" "$2"; done')
+
+
+def _move_aside(transport: Transport, node: CollectNode, conv: str, original: str) -> None:
+    """accelerate's layout on one node before the push: its copy of the old world's
+    DeepSpeed tag (``<tag>/pytorch_model``) renamed ``<tag>/pytorch_model.set-aside``
+    (kept, never deleted), so that the conversion takes the name accelerate loads."""
+    src, dst = posixpath.join(node.root, conv), posixpath.join(node.root, original)
+    res = transport.run(node.target, ["sh", "-c", _ASIDE_SCRIPT, "sh", src, dst], timeout=60.0)
+    if not res.ok:
+        raise LaunchError(f"{node.name}: cannot move {conv} aside to {original} before the "
+                          f"conversion takes its place: {res.stderr.strip()[-200:]}",
+                          host=node.name, hint=f"move {dst} away on {node.name} (it is kept "
+                                               "otherwise), then launch again")
 
 
 def _inside_plan(plan: JobPlan, u: Universal, say: Say) -> JobPlan:
     """The next attempt's derived DeepSpeed config with ``checkpoint.load_universal``
     (this attempt only); the resume argument is the profile's (jobs/recover.resume_plan).
-    The batch stays the program's own (HF computes it from its arguments)."""
-    say(f"world size {u.marker.world_size} -> {plan.world_size}: DeepSpeed loads {u.tag} "
-        f"({LATEST_UNIVERSAL_FILE}) with checkpoint.load_universal on in {DERIVED_DS_CONFIG}, this "
-        "attempt only; the batch is your program's own (per-device size x ranks)")
+    The batch stays the program's own (HF and accelerate compute it from its arguments)."""
+    prof = plan.profile
+    env = f" (${prof.profile.config_env})" if prof is not None and prof.profile.config_env else ""
+    who = (f"{prof.name}'s load_state loads {u.tag}, now DeepSpeed's universal checkpoint "
+           f"(the old world's tag kept as {u.marker.source_tag})"
+           if prof is not None and prof.profile.ds_tag else
+           f"DeepSpeed loads {u.tag} ({LATEST_UNIVERSAL_FILE})")
+    say(f"world size {u.marker.world_size} -> {plan.world_size}: {who} with "
+        f"checkpoint.load_universal on in {DERIVED_DS_CONFIG}{env}, this attempt only; the "
+        "batch is your program's own (per-device size x ranks)")
     return load_universal_plan(plan)
 
 

@@ -6,8 +6,9 @@ makes between two attempts: stop, refuse, restart the same plan, or (with
 them: on free spares (node-local checkpoints: the same node index and ranks, the
 part restored there), else on fewer nodes (shared checkpoints; node-local ones when
 their checkpoint continues on another world size, launch/continuation.other_world:
-resharded for the bundled workload with ``--resume auto`` and a script of clusterkit's
-contract, the conversion refusing what it cannot convert; a torch snapshot as it is,
+resharded for the bundled workload with ``--resume auto``, a script of clusterkit's
+contract, HF's Trainer and accelerate's save_state (inside their own folders), the
+conversion refusing what it cannot convert; a torch snapshot as it is,
 copied to every node), else refused. ``run.py``
 performs each step (the gate round, the planner) and asks again with what it
 learned in ``state``. The table is docs/architecture.md's "The attempt table", tested
@@ -50,7 +51,8 @@ class RestartRules:
     drop_failed_nodes: bool = False
     node_local: bool = False  # checkpoints tied to the rank->node mapping
     # its checkpoint continues on fewer nodes: resharded (the bundled workload with
-    # --resume auto, clusterkit's contract) or as it is (a torch snapshot):
+    # --resume auto, clusterkit's contract, HF's Trainer, accelerate) or as it is (a
+    # torch snapshot):
     # launch/continuation.py reshardable, from spec/programs.Profile.other_world
     resumes_itself: bool = False
 

@@ -85,8 +85,9 @@ def other_world(plan: JobPlan) -> OtherWorld:
     universal checkpoint (an explicit ``--resume`` of it is its own: refused); a user's
     program as its profile says (clusterkit's contract: converted, it loads the tag named
     by ``CLUSTERKIT_RESUME_TAG``; HF Trainer: converted inside its checkpoint-N, resumed
-    with its resume argument; a torch snapshot: as it is, on every node; accelerate,
-    DeepSpeed's ``latest``, unknown: refused)."""
+    with its resume argument; accelerate: converted in the place of step_N/pytorch_model,
+    loaded by its own load_state; a torch snapshot: as it is, on every node; DeepSpeed's
+    ``latest``, unknown: refused)."""
     prof = plan.profile
     if plan.options.uses_workload or prof is None:
         return OtherWorld.UNIVERSAL if resume_arg(plan) in ("auto", None) else OtherWorld.REFUSED
@@ -106,8 +107,8 @@ def _not_resharded(plan: JobPlan) -> str:
         return ""  # the workload's explicit --resume: its own (the hint says what to do)
     return (f"; this program ({prof.name}) saves {prof.profile.layout}, which clusterkit "
             "continues on no other world size (only the bundled workload's, clusterkit's "
-            "contract's and HF Trainer's DeepSpeed tags, converted, and a torch snapshot, "
-            "copied as it is)")
+            "contract's, HF Trainer's and accelerate's DeepSpeed tags, converted, and a torch "
+            "snapshot, copied as it is)")
 
 
 def is_reshard(plan: JobPlan, prior: JobRecord | None) -> bool:
@@ -149,8 +150,9 @@ def check_continue(plan: JobPlan, prior: JobRecord | None) -> str | None:
             key="--job-id",
             hint="a lost node: run its ranks on a spare with --replace OLD=NEW (its part is "
                  "restored from its replica; docs/lost-a-node.md), or, with the bundled "
-                 "workload and --resume auto, a script of clusterkit's contract or HF's "
-                 "Trainer (resharded through DeepSpeed's universal checkpoint) or a torch "
+                 "workload and --resume auto, a script of clusterkit's contract, HF's "
+                 "Trainer or accelerate's save_state (resharded through DeepSpeed's "
+                 "universal checkpoint) or a torch "
                  "snapshot (copied as it is), relaunch on fewer nodes; or "
                  "start a new --job-id (this job's checkpoints stay); or gather the shards with "
                  f"`clusterkit collect-ckpt {plan.job_id}`, re-spread them with `clusterkit "

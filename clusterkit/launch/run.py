@@ -175,9 +175,10 @@ def restart_plan(options: JobOptions, plan: JobPlan, planner: Planner, sink: Sin
                     "only on the same rank->node mapping, and no spare can take their place "
                     f"({why})",
                     hint="name spares in the inventory (`spares: [...]`); with the bundled "
-                         "workload's --resume auto, a script of clusterkit's contract or HF's "
-                         "Trainer (the checkpoint resharded) or a torch snapshot (copied as "
-                         "it is), the job goes on with fewer nodes instead (docs/programs.md)")
+                         "workload's --resume auto, a script of clusterkit's contract, HF's "
+                         "Trainer or accelerate's save_state (the checkpoint resharded) or a "
+                         "torch snapshot (copied as it is), the job goes on with fewer "
+                         "nodes instead (docs/programs.md)")
             case Next.STOP | Next.REFUSE_GATE:
                 raise AssertionError(f"launch() stops before a restart: {step}")
             case _:

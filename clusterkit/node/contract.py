@@ -347,6 +347,10 @@ SYNC_STATE_DIR = ".clusterkit-sync"
 # scripts (global rank 0 only), the ZeRO 0-2 model states, ZeRO-3's per-rank model
 # states and the per-rank optimizer shards.
 LATEST_FILE = "latest"
+# The DeepSpeed tag accelerate's save_state writes inside each of its folders and its
+# load_state loads by that name (``load_checkpoint(dir, tag="pytorch_model")``, its
+# MODEL_NAME): a reshard puts the universal conversion in its place (jobs/reshard.py).
+ACCELERATE_DS_SUBDIR = "pytorch_model"
 # A checkpoint that cannot be assembled on a restart's node set, kept beside the others
 # under a name no program takes for a tag (issue 38): <tag>.set-aside[N].
 ASIDE_SUFFIX = ".set-aside"

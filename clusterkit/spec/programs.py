@@ -26,6 +26,7 @@ from typing import Any
 from clusterkit.errors import RenderError
 from clusterkit.hostrange import fold
 from clusterkit.node.contract import (
+    ACCELERATE_DS_SUBDIR,
     ENV_CKPT_DIR,
     ENV_RESUME_TAG,
     LATEST_FILE,
@@ -63,9 +64,9 @@ class OtherWorld(Enum):
     jobs/recover.py (what is done before the start) read."""
 
     # Refused (launch/continuation.check_continue): DeepSpeed's files sit where clusterkit
-    # converts none (HF's checkpoint-N/global_stepN/, accelerate's folders), or nobody
-    # knows the layout; converted in the wrong place, the program would begin at step 0
-    # and save over its checkpoints.
+    # converts none (DeepSpeed's `latest` of the program's own choosing), or nobody knows
+    # the layout; converted in the wrong place, the program would begin at step 0 and save
+    # over its checkpoints.
     REFUSED = "refused"
     # Its DeepSpeed tags sit at the top of the checkpoint dir and it loads the tag
     # clusterkit names ($CLUSTERKIT_RESUME_TAG): the newest is converted to DeepSpeed's
@@ -74,12 +75,16 @@ class OtherWorld(Enum):
     # World-size independent (a torch snapshot: the whole model from rank 0): loaded as
     # it is, once it is on every node of the new mapping (jobs/spread.py, newest copy).
     AS_IS = "as-is"
-    # DeepSpeed's tag sits inside the program's own tag dir (HF's checkpoint-N/
-    # global_stepN/), loaded by DeepSpeed's `latest` there: converted beside it
-    # (checkpoint-N/global_stepN_universal with checkpoint-N/latest_universal, which
-    # DeepSpeed reads for a tag when checkpoint.load_universal is on), pushed with the rest
-    # of the tag dir to every node; the attempt gets load_universal in the derived
-    # DeepSpeed config and the profile's resume argument (jobs/reshard.py).
+    # DeepSpeed's tag sits inside the program's own tag dir, converted there and pushed
+    # with the rest of the tag dir to every node; the attempt gets load_universal in the
+    # derived DeepSpeed config, and the profile's resume argument when it has one
+    # (jobs/reshard.py). Where the conversion goes is the profile's `ds_tag`: None (HF's
+    # checkpoint-N/global_stepN/, loaded through DeepSpeed's `latest`): beside it,
+    # checkpoint-N/global_stepN_universal with checkpoint-N/latest_universal, which
+    # DeepSpeed reads for a tag when load_universal is on; a name (accelerate's
+    # step_N/pytorch_model/, loaded by that explicit tag): in its place, the old world's
+    # tag kept beside it as <name>.set-aside (latest_universal names the conversion, for
+    # collect-ckpt's and status's one rule, checkpoints/collect/inside.py).
     UNIVERSAL_INSIDE = "universal-inside"
 
 
@@ -128,6 +133,10 @@ class Profile:
     # How a save on one world size continues on another (fewer nodes without a spare):
     # OtherWorld's values say who does what.
     other_world: OtherWorld = OtherWorld.REFUSED
+    # The DeepSpeed tag its library loads by name inside each of its tag dirs (accelerate's
+    # load_state: load_checkpoint(dir, tag="pytorch_model")); None: DeepSpeed picks it by
+    # `latest` (HF). OtherWorld.UNIVERSAL_INSIDE reads it for where the conversion goes.
+    ds_tag: str | None = None
     # Its library picks no process group by itself on ranks without a GPU (accelerate
     # 1.15: every rank would be process 0 of 1, node/hooks/accelerate_cpu.py says why): those
     # ranks get the job dir's CPU_HOOK_FILE first on their PYTHONPATH.
@@ -145,7 +154,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile(ACCELERATE, "accelerate save_state/load_state",
             "one folder per save_state call (DeepSpeed's tag inside, random_states_R.pkl)",
             resumes_itself=True, picks_newest=True, config_env=ACCELERATE_CONFIG_ENV,
-            own_optimizer=True, cpu_hook=True,
+            own_optimizer=True, cpu_hook=True, other_world=OtherWorld.UNIVERSAL_INSIDE,
+            ds_tag=ACCELERATE_DS_SUBDIR,
             incomplete="accelerate writes its scheduler and registered objects on the main "
                        "process only: pass ProjectConfiguration(save_on_each_node=True) to "
                        "Accelerator(...), or use --storage shared",

@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
-from clusterkit.checkpoints.layout import ACCELERATE_DS_SUBDIR
 from clusterkit.errors import CheckpointError
+from clusterkit.node.contract import ACCELERATE_DS_SUBDIR
 from clusterkit.workload.data import Batch
 from clusterkit.workload.model import GPT, param_groups
 

@@ -1,11 +1,16 @@
-"""collect-ckpt and status of HF's checkpoint-N after a reshard (issue 38 item 4): the old
-world's global_stepN beside global_stepN_universal (checkpoints/collect/inside.py). A real
-2-rank ZeRO-2 save (docs/examples/train.py) put in HF's layout, converted with the repo's
-own converter and jobs/reshard's move into the tag dir; --consolidate fp32 of what collect
-takes equals zero_to_fp32 of the original save exactly, and status says what collect does."""
+"""collect-ckpt and status of a program's tag dir after a reshard (issue 38 item 4;
+checkpoints/collect/inside.py): HF's checkpoint-N, the old world's global_stepN beside
+global_stepN_universal; accelerate's step_N, the conversion in the place of pytorch_model
+(where its load_state's load_checkpoint(dir, tag="pytorch_model") reads it) and the old
+world's tag kept as pytorch_model.set-aside. One real 2-rank ZeRO-2 save
+(docs/examples/train.py, made once for the module) put in each layout, converted with the
+repo's own converter and jobs/reshard's move into the tag dir; --consolidate fp32 of what
+collect takes equals zero_to_fp32 of the original save exactly, and status says what
+collect does."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -19,7 +24,14 @@ from clusterkit.checkpoints.collect.tags import answers
 from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import CheckpointIncomplete, WithoutMarkers
 from clusterkit.checkpoints.replicas.health import list_all
-from clusterkit.node.contract import ENV_CKPT_DIR, ENV_DS_CONFIG
+from clusterkit.node.contract import (
+    ACCELERATE_DS_SUBDIR,
+    ASIDE_SUFFIX,
+    ENV_CKPT_DIR,
+    ENV_DS_CONFIG,
+    LATEST_UNIVERSAL_FILE,
+    UNIVERSAL_MARKER,
+)
 from clusterkit.remote.dispatch import DispatchTransport
 from clusterkit.spec.zero import ZeroSpec, build_ds_config
 from tests.collectnodes import local_collect_nodes
@@ -28,6 +40,14 @@ from tests.helpers import REPO, free_port, workload_env
 TRAIN = REPO / "docs" / "examples" / "train.py"
 TAG, DS = "checkpoint-3", "global_step3"
 HF_FILES = ("trainer_state.json", "training_args.bin", "rng_state_0.pth", "rng_state_1.pth")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's one real save (two tests read it, neither changes it)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("deepspeed")
+    return _two_rank_save(tmp_path_factory.mktemp("save"))
 
 
 def _two_rank_save(tmp: Path) -> Path:
@@ -71,14 +91,11 @@ def _converted_node(tmp: Path, name: str, gathered: Path, ranks: tuple[int, ...]
 
 @pytest.mark.slow
 def test_a_converted_checkpoint_collects_and_consolidates_like_the_original(
-        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("torch")
-    pytest.importorskip("deepspeed")
+        saved: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     from clusterkit.checkpoints.convert import universal
     from clusterkit.checkpoints.convert.consolidate import consolidate, load_state_dict_dir
     from clusterkit.jobs.reshard import _into_tag_dir
 
-    saved = _two_rank_save(tmp_path)
     capfd.readouterr()
     want = load_state_dict_dir(consolidate(str(saved.parent), "step3",
                                            out_dir=str(tmp_path / "want")).out_dir)
@@ -134,3 +151,85 @@ def test_a_converted_checkpoint_collects_and_consolidates_like_the_original(
         collect(transport, nodes, CollectOptions(dest=str(tmp_path / "dest3"), without_markers=wm))
     text: Any = err.value.message
     assert "rank 1" in text and "cannot stand in" in text, text
+
+
+ACC_TAG = "step_3"
+ACC_FILES = ("random_states_0.pkl", "random_states_1.pkl")
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _accelerate_layout(saved: Path, root: Path, ranks: tuple[int, ...]) -> Path:
+    """accelerate's step_N as the ranks ``ranks`` left it on one node (all: gathered):
+    DeepSpeed's tag pytorch_model/ (their optimizer shards), `latest`, their RNG states."""
+    tag = root / ACC_TAG
+    shutil.copytree(saved, tag / ACCELERATE_DS_SUBDIR, ignore=lambda _d, names: [
+        n for n in names if "optim_states" in n and not any(f"rank_{r}_" in n for r in ranks)])
+    (tag / "latest").write_text(ACCELERATE_DS_SUBDIR)
+    for r in ranks:
+        (tag / ACC_FILES[r]).write_text(ACC_FILES[r])
+    return tag
+
+
+@pytest.mark.slow
+def test_accelerate_converted_in_place_keeps_the_original_and_collects_alike(
+        saved: Path, tmp_path: Path) -> None:
+    """The reshard of accelerate's step_N (OtherWorld.UNIVERSAL_INSIDE with the profile's
+    ds_tag): the universal checkpoint at step_N/pytorch_model, the layout DeepSpeed's
+    load_checkpoint(step_N, tag="pytorch_model") reads with load_universal on (the
+    mp_rank_*_model_states.pt it globs, zero/ for the optimizer); the gathered original
+    byte for byte as pytorch_model.set-aside, named by the marker; the node's own copy
+    moved aside there before the push (again: nothing moves). On the new mapping (node1
+    alone) status and collect-ckpt give one answer, the conversion, and its fp32 weights
+    equal zero_to_fp32 of the original."""
+    from clusterkit.checkpoints.convert import universal
+    from clusterkit.checkpoints.convert.consolidate import consolidate, load_state_dict_dir
+    from clusterkit.jobs.reshard import _into_tag_dir, _move_aside
+    from clusterkit.jobs.restore import push_files
+    from clusterkit.spec.programs import ACCELERATE, PROFILES
+
+    assert PROFILES[ACCELERATE].ds_tag == ACCELERATE_DS_SUBDIR
+    want = load_state_dict_dir(consolidate(str(saved.parent), "step3",
+                                           out_dir=str(tmp_path / "want")).out_dir)
+    gathered = _accelerate_layout(saved, tmp_path / "gathered", (0, 1))
+    before = _hashes(gathered / ACCELERATE_DS_SUBDIR)
+    u = universal.convert_to_universal(str(tmp_path / "gathered"), ACC_TAG,
+                                       without_markers=WithoutMarkers(2))
+    u, files = _into_tag_dir(str(tmp_path / "gathered"), ACC_TAG, u, in_place=True)
+    conv, aside = gathered / ACCELERATE_DS_SUBDIR, gathered / (ACCELERATE_DS_SUBDIR + ASIDE_SUFFIX)
+    assert u.tag == f"{ACC_TAG}/{ACCELERATE_DS_SUBDIR}" and (conv / "zero").is_dir()
+    assert [p.name for p in conv.glob("mp_rank_*_model_states.pt")] == ["mp_rank_00_model_states.pt"]
+    assert (conv / "zero" / "optimizer_state.pt").is_file() and any((conv / "zero").rglob("fp32.pt"))
+    assert (gathered / LATEST_UNIVERSAL_FILE).read_text().strip() == ACCELERATE_DS_SUBDIR
+    assert _hashes(aside) == before and (gathered / "latest").read_text() == ACCELERATE_DS_SUBDIR
+    marker = json.loads((conv / UNIVERSAL_MARKER).read_text())
+    assert (marker["source_tag"], marker["world_size"]) == (f"{ACC_TAG}/{aside.name}", 2)
+    assert not any(rel.startswith(f"{ACC_TAG}/{aside.name}/") for rel in files)
+    assert {f"{ACC_TAG}/{n}" for n in (*ACC_FILES, "latest")} <= set(files)
+
+    # node1, the new mapping's only node, held old rank 0: its own copy moves aside first
+    node1 = local_collect_nodes(tmp_path, 1)
+    own = _accelerate_layout(saved, tmp_path / "node1" / "ckpt", (0,))
+    mine = _hashes(own / ACCELERATE_DS_SUBDIR)
+    with DispatchTransport() as transport:
+        for _ in range(2):  # a second try (an earlier push cut short) moves nothing again
+            _move_aside(transport, node1[0], u.tag, marker["source_tag"])
+            push_files(transport, node1[0], str(tmp_path / "gathered"), files)
+        assert _hashes(own / aside.name) == mine
+        assert _hashes(own / ACCELERATE_DS_SUBDIR) == _hashes(conv)
+        wm = WithoutMarkers(world_size=1, slots=(1,))
+        status = answers(list_all(transport, node1), without_markers=wm)
+        report = collect(transport, node1, CollectOptions(dest=str(tmp_path / "dest"),
+                                                          without_markers=wm))
+    plan = report.plan
+    assert (plan.tag, plan.ds_subdir, plan.universal, plan.world_size) == \
+        (ACC_TAG, ACCELERATE_DS_SUBDIR, True, 2), report.notes
+    assert [(a.tag, a.collectable, a.converted) for a in status] == \
+        [(ACC_TAG, True, f"{ACC_TAG}/{ACCELERATE_DS_SUBDIR}")], [a.line() for a in status]
+    got = load_state_dict_dir(consolidate(str(tmp_path / "dest"), ACC_TAG,
+                                          ds_subdir=plan.ds_subdir, universal=True).out_dir)
+    assert set(got) == set(want)
+    assert max(float((got[k].float() - want[k].float()).abs().max()) for k in want) == 0.0

@@ -612,47 +612,53 @@ def test_a_snapshot_reaches_a_spare_whose_checkpoint_dir_does_not_exist_yet(
     assert len(said) == 1 and "written by" in said[0] and "sha256 verified" in said[0], said
 
 
-def test_an_accelerate_job_on_fewer_nodes_is_refused_not_started_at_step_0(
+def test_an_accelerate_job_on_fewer_nodes_is_resharded_inside_its_folders(
         tmp_path: Path) -> None:
-    """Relaunched on 2 of its 3 nodes (no spare), an accelerate job is refused in one
-    line naming its layout: converting its checkpoint to a top-level universal tag (the
-    contract's way) made HF's Trainer begin at step 0 and save over checkpoint-10 and
-    -20, exit 0 (found on the test bed); accelerate's folders are not converted yet. The
-    contract's script and HF's Trainer (inside its checkpoint-N) are resharded."""
+    """Relaunched on 2 of its 3 nodes (no spare), an accelerate job continues resharded
+    (OtherWorld.UNIVERSAL_INSIDE, in the place of the DeepSpeed tag it loads by name): the
+    attempt's ACCELERATE_DEEPSPEED_CONFIG_FILE is clusterkit's derived config, which gets
+    checkpoint.load_universal. A script that hands the plugin its own config is refused
+    before anything is gathered (clusterkit edits no file of the user's); DeepSpeed's
+    `latest` of the program's own choosing stays refused, in one line naming what goes on."""
+    from clusterkit.jobs.reshard import check_inside, load_universal_plan
     from clusterkit.launch.continuation import check_continue, is_reshard
 
     prior = _recorded(tmp_path / "acc", _program_plan(ACC_SRC, ()))
     fewer = _program_plan(ACC_SRC, (), nodes=2)
-    assert not is_reshard(fewer, prior)
+    assert is_reshard(fewer, prior)
+    assert "the newest checkpoint is resharded first" in (check_continue(fewer, prior) or "")
+    assert dict(fewer.nodes[0].env)[ACCELERATE_CONFIG_ENV].endswith("/" + DERIVED_DS_CONFIG)
+    check_inside(fewer)  # the derived config is clusterkit's: nothing refused
+    doc = json.loads(load_universal_plan(fewer).program_files[DERIVED_DS_CONFIG])
+    assert doc["checkpoint"] == {"use_node_local_storage": True, "load_universal": True}
+    assert json.loads(fewer.program_files[DERIVED_DS_CONFIG])["checkpoint"] == {
+        "use_node_local_storage": True}  # this attempt only
+    own = ACC_SRC.replace("Accelerator()", "Accelerator(deepspeed_plugin=DeepSpeedPlugin("
+                          "hf_ds_config='mine.json'))")
+    with pytest.raises(LaunchError, match="clusterkit edits no file of yours") as err:
+        check_inside(_program_plan(own, (), nodes=2))
+    assert "DeepSpeedPlugin" in err.value.message and ACCELERATE_CONFIG_ENV in (err.value.hint or "")
+    prior = _recorded(tmp_path / "ds", _program_plan(DS_SRC, ()))
     with pytest.raises(LaunchError) as err:
-        check_continue(fewer, prior)
+        check_continue(_program_plan(DS_SRC, (), nodes=2), prior)
     msg = err.value.message
     assert "cannot continue job j on a different rank->node mapping" in msg
-    assert "this program (accelerate) saves one folder per save_state call" in msg, msg
-    assert "\n" not in msg and "a torch snapshot, copied as it is" in msg
-    assert "--replace OLD=NEW" in (err.value.hint or "")
-    contract = "import os\nos.environ['CLUSTERKIT_RESUME_TAG']\n"
-    prior = _recorded(tmp_path / "contract", _program_plan(contract, ()))
-    assert is_reshard(_program_plan(contract, (), nodes=2), prior)
-    assert "resharded first" in (check_continue(_program_plan(contract, (), nodes=2), prior) or "")
-    args = ("--output_dir", "/scratch/ckpt/j")
-    prior = _recorded(tmp_path / "hf", _program_plan(HF_SRC, args))
-    assert is_reshard(_program_plan(HF_SRC, args, nodes=2), prior)
-    assert "resharded first" in (check_continue(_program_plan(HF_SRC, args, nodes=2), prior) or "")
+    assert "HF Trainer's and accelerate's DeepSpeed tags, converted" in msg, msg
+    assert "\n" not in msg and "--replace OLD=NEW" in (err.value.hint or "")
 
 
 # ------------------------------------------------------------------ on another world size
 
 
 @pytest.mark.parametrize(("name", "want"), [
-    (HF, "universal-inside"), (ACCELERATE, "refused"), (DEEPSPEED, "refused"),
+    (HF, "universal-inside"), (ACCELERATE, "universal-inside"), (DEEPSPEED, "refused"),
     (SNAPSHOT, "as-is"), (CONTRACT, "universal"), (CUSTOM, "refused"), (UNKNOWN, "refused"),
 ])
 def test_how_each_profile_continues_on_another_world_size(name: str, want: str) -> None:
     """spec/programs.Profile.other_world, the one answer: clusterkit's contract converted
-    to the universal checkpoint, HF's inside its checkpoint-N, a torch snapshot (the whole
-    model, from rank 0) as it is, every other layout refused (converted in the wrong place
-    it began at step 0)."""
+    to the universal checkpoint, HF's and accelerate's inside their own folders, a torch
+    snapshot (the whole model, from rank 0) as it is, every other layout refused (converted
+    in the wrong place it began at step 0)."""
     from clusterkit.spec.programs import OtherWorld
 
     assert PROFILES[name].other_world is OtherWorld(want)

@@ -186,7 +186,7 @@ def test_shrink_4_to_2_ranks_through_universal(tmp_path: Path, engine: str, stag
     torch = pytest.importorskip("torch")
     pytest.importorskip("deepspeed")
     from clusterkit.checkpoints.convert.consolidate import consolidate, load_state_dict_dir
-    from clusterkit.checkpoints.layout import ACCELERATE_DS_SUBDIR
+    from clusterkit.node.contract import ACCELERATE_DS_SUBDIR
 
     z = ["--zero-stage", str(stage), "--engine", engine]
     sub = ACCELERATE_DS_SUBDIR if engine == "accelerate" else ""

@@ -106,11 +106,14 @@ def test_restart_plan_performs_the_rows() -> None:
     assert reshardable(_planner(())(dataclasses.replace(local, script="train.py")))
     assert not reshardable(_planner(())(explicit))
     # By the program's profile (spec/programs.Profile.other_world): a torch snapshot goes
-    # on as it is, an accelerate script's checkpoint is refused (issue 38).
+    # on as it is, an accelerate script's is resharded inside its folders, DeepSpeed's
+    # `latest` of the program's own choosing is refused (issue 38).
     snap = dataclasses.replace(local, script="ddp.py", program_profile="torch-snapshot")
     assert reshardable(_planner(())(snap))
     first, new, o, said = _restart(snap, (), dataclasses.replace(
         LOCAL, resumes_itself=reshardable(_planner(())(snap))), ["node2"])
     assert [n.name for n in new.nodes] == ["node1", "node3"], said
     acc = dataclasses.replace(local, script="train.py", program_profile="accelerate")
-    assert not reshardable(_planner(())(acc))
+    assert reshardable(_planner(())(acc))
+    ds = dataclasses.replace(local, script="train.py", program_profile="deepspeed")
+    assert not reshardable(_planner(())(ds))

@@ -44,15 +44,16 @@ from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.errors import CheckpointError
 from clusterkit.hostrange import fold, folded_lines
 from clusterkit.node.contract import (
+    ACCELERATE_DS_SUBDIR,
     LATEST_FILE,
     LATEST_UNIVERSAL_FILE,
     MARKER_GLOB,
     RECOVERY_SCRIPTS,
-    UNIVERSAL_SUFFIX,
     parse_marker_name,
     tag_step,
 )
 from clusterkit.node.facts.gatefacts import SHARED_FIX, shared_line
+from clusterkit.node.replicas.rules import saved_files
 
 
 def choose_tag(listings: Sequence[NodeListing], requested: str, *, markers: bool = True
@@ -138,7 +139,7 @@ def shared_dir(listings: Sequence[NodeListing], tag: str) -> CheckpointIncomplet
     groups: dict[frozenset[tuple[str, int, float]], list[NodeListing]] = {}
     for ls in listings:
         files = ls.tags.get(tag) if not ls.error else None
-        if files and any(_per_rank(rel) for rel in files):
+        if files and any(_per_rank(rel) for rel in saved_files(files)):
             key = frozenset((rel, i.size, i.mtime) for rel, i in files.items())
             groups.setdefault(key, []).append(ls)
     same = max(groups.values(), key=len, default=[])
@@ -153,9 +154,8 @@ def shared_dir(listings: Sequence[NodeListing], tag: str) -> CheckpointIncomplet
 
 
 def _per_rank(rel: str) -> bool:
-    if posixpath.dirname(posixpath.dirname(rel)).endswith(UNIVERSAL_SUFFIX) or \
-            posixpath.dirname(rel).endswith(UNIVERSAL_SUFFIX):
-        return False  # a conversion's copy of every rank's model states (ZeRO-3), alike anywhere
+    """A per-rank DeepSpeed file of the save (the caller leaves out a conversion's copy of
+    every rank's model states, ZeRO-3's, the same on every node)."""
     shard = layout.parse_shard_name(posixpath.basename(rel))
     return shard is not None and shard.dp_rank is not None
 
@@ -286,7 +286,7 @@ def plan_inside(listings: Sequence[NodeListing], tag: str, world_size: int,
     conversion's marker says it: a job's record names the new world); else the
     conversion when some node holds it complete; else refused with both reasons
     (checkpoints/collect/inside.py, the rule)."""
-    source = conv.latest or conv.source
+    source = conv.original
     ds_world = conv.world_size if conv.world_size is not None else world_size
     try:
         plan = _plan_files(without(listings, tag, conv.holds), tag, ds_world)
@@ -309,7 +309,7 @@ def _plan_universal(listings: Sequence[NodeListing], tag: str, conv: Converted,
     its ``latest``, which names that tag); the conversion's files from the nodes holding
     it complete only."""
     good = set(conv.complete_on)
-    source = conv.latest or conv.source
+    source = conv.original
 
     def old(rel: str) -> bool:
         return rel == LATEST_FILE or rel.startswith(source + "/")
@@ -366,7 +366,7 @@ def _plan_files(listings: Sequence[NodeListing], tag: str, world_size: int) -> C
                          listings[0].node))
     return CollectPlan(
         tag=tag, step=layout.parse_step_tag(tag), zero_stage=stage, world_size=world_size,
-        engine="accelerate" if sub == layout.ACCELERATE_DS_SUBDIR else "deepspeed",
+        engine="accelerate" if sub == ACCELERATE_DS_SUBDIR else "deepspeed",
         ds_subdir=sub, precision=precision, nodes=nodes, files=_gather_files(listings, tag),
         canonical_node=canonical, notes=(
             f"no completion markers: checked DeepSpeed's file set for {world_size} ranks and "

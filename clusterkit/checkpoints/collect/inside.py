@@ -2,15 +2,17 @@
 HF's ``checkpoint-N`` after a reshard holds the old world's ``global_stepN/`` (its parts
 on the nodes that had them) and ``global_stepN_universal/`` (DeepSpeed's universal
 checkpoint of it, the same on every node of the new mapping, ``latest_universal`` naming
-it, clusterkit's marker inside: jobs/reshard.py).
+it, clusterkit's marker inside: jobs/reshard.py); accelerate's ``step_N`` holds the
+conversion as ``pytorch_model/`` (the name its load_state loads) and the old world's tag
+moved aside beside it, ``pytorch_model.set-aside/``, which the marker names.
 
 Pure: listings in, a :class:`Converted` out. The rule, for collect-ckpt (with and without
 ``--tag``), ``status`` (checkpoints/collect/tags.py) and a restart (jobs/reshard.
 converted_inside):
 
-* the DeepSpeed tag ``latest`` names is taken when its file set is complete (judged by
-  discover's rule with the world size that saved it, the marker's: the job's record
-  names the new, smaller world);
+* the DeepSpeed tag it was converted from (:attr:`Converted.original`) is taken when
+  its file set is complete (judged by discover's rule with the world size that saved it,
+  the marker's: the job's record names the new, smaller world);
 * else the universal conversion, when some node holds it complete (every file its
   marker lists, at its size, none cut short);
 * else neither: refused, with both reasons. A conversion whose marker is missing or
@@ -60,6 +62,14 @@ class Converted:
     @property
     def everywhere(self) -> bool:
         return self.usable and not self.problems
+
+    @property
+    def original(self) -> str:
+        """Where the DeepSpeed tag it was converted from sits in the tag dir: the one its
+        ``latest`` names (HF's, beside the conversion), or the marker's when ``latest``
+        names the conversion's own dir (accelerate's: the tag moved aside for the
+        conversion to take its name, ``latest`` kept as DeepSpeed wrote it)."""
+        return self.latest if self.latest and self.latest != self.name else self.source
 
     def holds(self, rel: str) -> bool:
         """``rel`` (relative to the tag dir) belongs to the conversion."""

@@ -94,7 +94,7 @@ class TagAnswer(TagHealth):
         text = f"{self.tag}: {self.own}/{self.nodes} nodes, replicated {self.replicated}/{self.nodes}"
         if self.converted:  # checkpoints/collect/inside.py: the old world's tag cannot be
             return (text + f"; collectable from {self.converted}, its universal conversion "
-                    "by a reshard (the DeepSpeed tag beside it is incomplete here)")
+                    "by a reshard (the DeepSpeed tag it was made from is incomplete here)")
         if not self.collectable and not self.complete:  # the replicas' words (health.py)
             return text + "; cannot be assembled: " + "; ".join(self.missing.values())
         if not self.collectable:  # every part is there, the checkpoint they make is not

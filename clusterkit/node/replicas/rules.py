@@ -41,6 +41,7 @@ from clusterkit.node.contract import (
     REPLICA_MANIFEST,
     REPLICA_SCHEMA,
     REPLICA_SCHEMA_VERSION,
+    UNIVERSAL_MARKER,
     UNIVERSAL_SUFFIX,
     ZERO3_MODEL_STATES_RE,
     marker_name,
@@ -181,13 +182,35 @@ def missing_rank_files(names: Sequence[str], ranks: Sequence[int]) -> list[str]:
     return missing
 
 
+def conversion_dirs(names: Iterable[str]) -> set[str]:
+    """The dirs inside a tag dir (``names``: its files, relative) that hold a universal
+    conversion a reshard made, not its save's files: ``<DeepSpeed tag>_universal/``
+    (HF's, beside the tag it was made from), or one holding clusterkit's marker
+    (accelerate's, in the place of the tag its library loads by name; jobs/reshard.py).
+    A top-level universal tag's own files (the contract's ``stepN_universal/``, its marker
+    at its top) are that tag's save: only dirs below the tag count."""
+    return {d for d in map(_conversion_dir, names) if d is not None}
+
+
+def _conversion_dir(rel: str) -> str | None:
+    parts = rel.replace("\\", "/").split("/")
+    for i, d in enumerate(parts[:-1]):
+        if d.endswith(UNIVERSAL_SUFFIX):
+            return "/".join(parts[:i + 1])
+    if len(parts) > 1 and parts[-1] == UNIVERSAL_MARKER:
+        return "/".join(parts[:-1])
+    return None
+
+
 def saved_files(names: Iterable[str]) -> list[str]:
-    """The files of a tag dir that its save wrote: without a universal conversion's beside
-    it (``<DeepSpeed tag>_universal/``, a reshard's inside HF's checkpoint-N), whose
-    per-rank files are every rank of another world (ZeRO-3's model states); the conversion
-    is judged by its own marker (checkpoints/collect/inside.py)."""
+    """The files of a tag dir that its save wrote: without a universal conversion's
+    (:func:`conversion_dirs`), whose per-rank files are every rank of another world
+    (ZeRO-3's model states); the conversion is judged by its own marker
+    (checkpoints/collect/inside.py)."""
+    names = list(names)
+    conv = conversion_dirs(names)
     return [n for n in names
-            if not any(d.endswith(UNIVERSAL_SUFFIX) for d in n.replace("\\", "/").split("/")[:-1])]
+            if not any(n.replace("\\", "/").startswith(d + "/") for d in conv)]
 
 
 def part_problem(names: Sequence[str], ranks: Sequence[int], cut_short: Sequence[str] = ()
