@@ -352,12 +352,15 @@ LATEST_FILE = "latest"
 # MODEL_NAME): a reshard puts the universal conversion in its place (jobs/reshard.py).
 ACCELERATE_DS_SUBDIR = "pytorch_model"
 # A checkpoint that cannot be assembled on a restart's node set, kept beside the others
-# under a name no program takes for a tag (issue 38): <tag>.set-aside[N].
+# under a name no program takes for a tag (issue 38): <tag>.set-aside[N]; inside
+# accelerate's step_N after a reshard, the old world's DeepSpeed tag, kept as
+# pytorch_model.set-aside where the conversion took its name (jobs/reshard.py).
 ASIDE_SUFFIX = ".set-aside"
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 # DeepSpeed's universal checkpoint inside a program's tag dir (HF's checkpoint-N after a
 # reshard: global_stepN_universal/ with latest_universal naming it, which DeepSpeed reads
-# with checkpoint.load_universal on) and clusterkit's marker in such a dir (the save it was
+# with checkpoint.load_universal on; accelerate's step_N/pytorch_model/, latest_universal
+# naming it for collect's rule) and clusterkit's marker in such a dir (the save it was
 # converted from: its world size, its files). The node listing ships the text of both, so
 # that collect-ckpt and status judge the conversion with the rest of the tag.
 LATEST_UNIVERSAL_FILE = "latest_universal"

@@ -12,6 +12,9 @@ test checks that the world really is 3 (``random_states_R.pkl`` of rank R on R's
   (restored weights, AdamW state and RNG: no reference run needed) and go on to step 20.
 * node2 destroyed after step_10 is replicated (--drop-failed-nodes, spare node4): node2's
   part restored onto node4, the same end on the spare.
+* the same with no spare (extended): the job goes on with node1 and node3, step_N
+  converted to DeepSpeed's universal checkpoint in the place of pytorch_model, and the
+  program's load_state resumes from it on 2 ranks.
 
 The reference: the same program, 3 ranks under torchrun on this machine, with what the job's
 ranks get (the hook first on PYTHONPATH, ACCELERATE_DEEPSPEED_CONFIG_FILE at the node-local
@@ -21,6 +24,7 @@ library config); without the hook its numbers are those of a world of one.
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -143,3 +147,52 @@ def test_accelerate_node_lost_goes_on_on_the_spare(testbed_required: None,
         assert got and int(got[-1][0]) == STEPS, text[-3000:]
         _world_of_three(tb, out, {"node1": 0, "node4": 1, "node3": 2})
     assert got[-1][1] == _accelerate_reference(tmp_path)
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
+def test_accelerate_node_lost_goes_on_with_fewer_nodes(testbed_required: None,
+                                                        tmp_path: Path) -> None:
+    """No spare: node2 destroyed after step_10 is replicated, --max-restarts 1
+    --drop-failed-nodes. The restart goes on with node1 and node3: step_N is gathered
+    (node2's part from its replica), its pytorch_model converted to DeepSpeed's universal
+    checkpoint in its own place (the old world's tag kept as pytorch_model.set-aside on
+    both nodes), the attempt's ACCELERATE_DEEPSPEED_CONFIG_FILE gets load_universal, and the
+    program's own load_state resumes from it on 2 ranks and trains to the last step."""
+    with temporary(3) as tb:
+        inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
+        out = str(tb.local_mountpoint / "ckpt" / "accfew")
+        argv = _launch_argv(inv, "accfew", "--max-restarts", "1", "--drop-failed-nodes",
+                            *_args(out, "--step_sleep", "1.5"))
+        run = Console(argv, train_env(tmp_path), tmp_path)
+        replicated = "replicas step_10: 3/3"
+        code = lose_node_mid_run(tb, run, "node2", [(lambda: replicated in run.text, 600,
+                                                     replicated)], 900)
+        text = run.text
+        assert code == 0, text[-6000:]
+        assert "no spare for node2" in text and "going on with fewer nodes" in text, \
+            text[-6000:]
+        after = text.split("going on with fewer nodes", 1)[1]
+        found = re.search(r"resharding step_(10|20) \(3 nodes\) for 2 nodes", after)
+        assert found, text[-6000:]
+        n = int(found.group(1))
+        assert "accelerate's load_state loads" in after, text[-6000:]
+        assert "checkpoint.load_universal on" in after, text[-6000:]
+        assert f"resumed from step_{n}" in after, text[-6000:]  # the program's own load_state
+        losses = [(int(s), float(loss)) for s, loss in STEP_LOSS.findall(after)]
+        assert losses and all(s > n for s, _ in losses), (losses, text[-6000:])
+        assert all(math.isfinite(loss) for _, loss in losses), losses
+        got = FINAL.findall(after)
+        assert got and int(got[-1][0]) == STEPS, text[-6000:]
+        for node in ("node1", "node3"):
+            res = tb.exec(node, ["cat", f"{out}/step_{n}/latest_universal",
+                                 f"{out}/step_{n}/pytorch_model/clusterkit-universal.json"])
+            assert res.stdout.startswith("pytorch_model\n"), (node, res.stdout, res.stderr)
+            assert f'"source_tag": "step_{n}/pytorch_model.set-aside"' in res.stdout, res.stdout
+            kept = tb.exec(node, ["ls", f"{out}/step_{n}/pytorch_model.set-aside"])
+            assert "optim_states.pt" in kept.stdout, (node, kept.stdout, kept.stderr)
+        # step_20 was saved by a world of 2: rank R's random state on its node
+        for node, rank in (("node1", 0), ("node3", 1)):
+            res = tb.exec(node, ["ls", f"{out}/step_20"])
+            assert f"random_states_{rank}.pkl" in res.stdout, (node, res.stdout)
+            assert "random_states_2.pkl" not in res.stdout, (node, res.stdout)

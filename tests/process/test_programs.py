@@ -647,6 +647,27 @@ def test_an_accelerate_job_on_fewer_nodes_is_resharded_inside_its_folders(
     assert "\n" not in msg and "--replace OLD=NEW" in (err.value.hint or "")
 
 
+def test_accelerate_hands_deepspeed_load_universal_from_the_derived_config(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attempt after a reshard: the script builds DeepSpeedPlugin(zero_stage=2) in code
+    and names no config; the plugin reads ACCELERATE_DEEPSPEED_CONFIG_FILE (accelerate
+    1.15, utils/dataclasses.py DeepSpeedPlugin.__post_init__: hf_ds_config from the
+    variable), keeps checkpoint.load_universal in the deepspeed_config it hands
+    deepspeed.initialize, and its own zero_stage fills the "auto" stage."""
+    pytest.importorskip("accelerate")
+    from accelerate.utils import DeepSpeedPlugin
+
+    from clusterkit.jobs.reshard import load_universal_plan
+
+    plan = load_universal_plan(_program_plan(ACC_SRC, (), nodes=2))
+    config = tmp_path / DERIVED_DS_CONFIG
+    config.write_text(plan.program_files[DERIVED_DS_CONFIG])
+    monkeypatch.setenv(ACCELERATE_CONFIG_ENV, str(config))
+    cfg = DeepSpeedPlugin(zero_stage=2).deepspeed_config
+    assert cfg["checkpoint"] == {"use_node_local_storage": True, "load_universal": True}
+    assert cfg["zero_optimization"]["stage"] == 2
+
+
 # ------------------------------------------------------------------ on another world size
 
 
