@@ -68,14 +68,14 @@ def test_a_user_script_is_reshardable_the_workload_only_with_resume_auto() -> No
     assert reshardable(plan(False, (), "clusterkit"))  # loads the tag it is told
     assert reshardable(plan(True)) and reshardable(plan(True, ("--resume", "auto")))
     assert not reshardable(plan(True, ("--resume", "global_step3")))
-    # DeepSpeed's files inside the program's own folders, a program nobody knows:
+    # DeepSpeed's `latest` of the program's own choosing, a program nobody knows:
     # converted in the wrong place, it would begin at step 0 (issue 38)
-    for name in ("accelerate", "deepspeed", "unknown"):
+    for name in ("deepspeed", "unknown"):
         assert not reshardable(plan(False, (), name)), name
     # a snapshot loads on any world size as it is (copied to every node, not converted);
-    # HF's Trainer is converted inside its checkpoint-N (jobs/reshard.py)
-    assert reshardable(plan(False, (), "torch-snapshot"))
-    assert reshardable(plan(False, (), "hf-trainer"))
+    # HF's Trainer and accelerate are converted inside their own folders (jobs/reshard.py)
+    for name in ("torch-snapshot", "hf-trainer", "accelerate"):
+        assert reshardable(plan(False, (), name)), name
 
 
 def test_a_checkpoint_that_cannot_be_converted_is_refused_in_one_line(tmp_path: Path) -> None:
