@@ -1,13 +1,19 @@
-"""`clusterkit doctor` on the namespace test bed: one fault on one node at a time.
+"""`clusterkit doctor` on the namespace test bed: each fault on its own node.
 
-Every test injects one fault into one node's private view (mount namespace, its
-own sshd, its own host key), runs the real CLI once (``--json``) and checks that
-doctor names exactly that node and that fault with a fix, while every other node
-reports what it reported in the fault-free baseline. Every fault is undone in a
-``finally``. Faults are injected *inside* the node (bind mounts in its mount
-namespace), never on the host, except the clock: one namespace cannot have its
-own clock, so the probe's test-only ``CLUSTERKIT_PROBE_CLOCK_OFFSET_S`` is set by
-that node's private ~/.bashrc (see docs/doctor.md).
+A fault is injected into one node's private view (mount namespace, its own sshd, its
+own host key), the real CLI runs (``--json``) and the test checks that doctor names
+exactly that node and that fault with a fix, while every other node reports what it
+reported in the fault-free baseline. Faults that leave the other nodes' probes alone
+(a wrong interpreter, pdsh or torch, a loopback name, a taken port, a full or
+read-only checkpoint dir, a clock off) are injected together, each on a node of its
+own, for one doctor run (the ``faulted`` fixture: one fan-out answers per host, and
+each fault's test reads its node's findings); the others (sshd stopped, a host key
+changed, a dead address, a slow login, a throttled link, a warning under --strict)
+one at a time. Every fault is undone in a ``finally``. Faults are injected *inside*
+the node (bind mounts in its mount namespace), never on the host, except the clock:
+one namespace cannot have its own clock, so the probe's test-only
+``CLUSTERKIT_PROBE_CLOCK_OFFSET_S`` is set by that node's private ~/.bashrc (see
+docs/doctor.md).
 """
 
 from __future__ import annotations
@@ -120,37 +126,6 @@ def test_baseline_json_and_fix_env(bed: Bed) -> None:
                                     f"GLOO_SOCKET_IFNAME=eth0\nPATH={python}:$PATH\n")
 
 
-def test_other_interpreter_path(bed: Bed) -> None:
-    node = bed.node(5)
-    link = bed.tb.node_local_path(node, "altpy/python3")  # exists only in node5's view
-    link.parent.mkdir(parents=True, exist_ok=True)
-    link.symlink_to(sys.executable)
-    data = yaml.safe_load(bed.inventory.read_text())
-    data["hosts"][node]["python"] = str(bed.tb.local_mountpoint / "altpy" / "python3")
-    inv = bed.work / "inv-python.yaml"
-    inv.write_text(yaml.safe_dump(data, sort_keys=False))
-    try:
-        code, report = run_doctor("-i", str(inv), "--backend", "deepspeed")
-    finally:
-        link.unlink()
-        link.parent.rmdir()
-    assert code == 2
-    f = assert_only(bed, report, node, "python.path", "FAIL", "altpy/python3")
-    assert bed.tb.node_python() in f["detail"]
-
-
-def test_pdsh_missing_on_runner_node(bed: Bed) -> None:
-    node = bed.node(1)  # the DeepSpeed runner starts on the first node
-    empty = str(bed.tb.root / "etc" / "empty")
-    bed.inside(node, "mount", "--bind", empty, "/usr/bin/pdsh")
-    try:
-        code, report = run_doctor("-i", str(bed.inventory), "--backend", "deepspeed")
-    finally:
-        bed.inside(node, "umount", "/usr/bin/pdsh")
-    assert code == 2
-    assert_only(bed, report, node, "pdsh", "FAIL", "pdsh not on the PATH")
-
-
 def test_ninja_missing_from_path(bed: Bed) -> None:
     node = bed.node(4)
     empty = str(bed.tb.root / "etc" / "empty")
@@ -166,37 +141,6 @@ def test_ninja_missing_from_path(bed: Bed) -> None:
     assert code == 1  # a warning; --strict turns it into exit 1
     f = assert_only(bed, report, node, "ninja", "WARN", "not on the PATH")
     assert bed.tb.node_python().rsplit("/", 1)[0] in f["fix"]
-
-
-def test_other_torch_version(bed: Bed) -> None:
-    node = bed.node(6)
-    real = next(Path(site.getsitepackages()[0]).glob("torch-*.dist-info"))
-    fake = bed.work / "fake-torch-dist-info"
-    fake.mkdir(exist_ok=True)
-    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.3.1\n\n")
-    bed.inside(node, "mount", "--bind", str(fake), str(real))
-    try:
-        code, report = run_doctor("-i", str(bed.inventory))
-    finally:
-        bed.inside(node, "umount", str(real))
-    assert code == 2
-    f = assert_only(bed, report, node, "version.torch", "FAIL", "torch 2.3.1 ≠")
-    assert "pip install 'torch==" in f["fix"]
-
-
-def test_hostname_resolves_to_loopback(bed: Bed) -> None:
-    node = bed.node(3)
-    hosts = bed.work / "hosts-loopback"
-    hosts.write_text(f"127.0.1.1 {node}\n" + (bed.tb.root / "etc" / "hosts").read_text())
-    bed.inside(node, "mount", "--bind", str(hosts), "/etc/hosts")
-    try:
-        code, report = run_doctor("-i", str(bed.inventory))
-    finally:
-        bed.inside(node, "umount", "/etc/hosts")
-    assert code == 2
-    f = assert_only(bed, report, node, "names.self", "FAIL", "127.0.1.1")
-    address = bed.tb.node(node).address
-    assert f"`127.0.1.1 {node}` with `{address} {node}`" in f["fix"]
 
 
 def test_sshd_stopped(bed: Bed) -> None:
@@ -224,55 +168,179 @@ def test_host_key_changed(bed: Bed) -> None:
     assert "ssh-keygen -R" in f["fix"]
 
 
-def test_master_port_taken(bed: Bed) -> None:
-    master, port = bed.node(1), 29517
+@dataclass
+class Faulted:
+    """One doctor run with every fault of FAULTS in place."""
+
+    code: int
+    report: dict[str, Any]
+    port: int
+    # host -> the checks (prefixes) its faults may change: the fault's own and what
+    # follows from it there (another interpreter reports other versions of everything;
+    # a checkpoint dir that cannot be written is also not a node-local one that works)
+    injected: dict[str, list[str]]
+
+
+MASTER_PORT = 29517  # taken on node1, the master (and the DeepSpeed runner's node: pdsh)
+
+
+@pytest.fixture(scope="module")
+def faulted(bed: Bed) -> Iterator[Faulted]:
+    """Eight faults on seven nodes at once (eight doctor runs of ~3.5 s each before, one
+    fault per run); each is undone however the run ends."""
+    injected = {bed.node(1): ["pdsh", f"port:{MASTER_PORT}"], bed.node(2): ["clock"],
+                bed.node(3): ["names.self"], bed.node(4): ["storage"],
+                bed.node(5): ["python.path", "version.", "pip.freeze"],
+                bed.node(6): ["version.torch", "pip.freeze"], bed.node(7): ["storage"]}
+    with contextlib.ExitStack() as undo:
+        if not _clock_off(bed, bed.node(2), undo):
+            del injected[bed.node(2)]
+        _pdsh_missing(bed, bed.node(1), undo)
+        _port_taken(bed, bed.node(1), MASTER_PORT, undo)
+        _loopback_name(bed, bed.node(3), undo)
+        _ckpt_dir_full(bed, bed.node(4), undo)
+        inv = _other_interpreter(bed, bed.node(5), undo)
+        _other_torch(bed, bed.node(6), undo)
+        _ckpt_dir_read_only(bed, bed.node(7), undo)
+        code, report = run_doctor("-i", str(inv), "--backend", "deepspeed", "--master-port",
+                                  str(MASTER_PORT))
+    yield Faulted(code, report, MASTER_PORT, injected)
+
+
+def _pdsh_missing(bed: Bed, node: str, undo: contextlib.ExitStack) -> None:
+    bed.inside(node, "mount", "--bind", str(bed.tb.root / "etc" / "empty"), "/usr/bin/pdsh")
+    undo.callback(bed.inside, node, "umount", "/usr/bin/pdsh")
+
+
+def _port_taken(bed: Bed, node: str, port: int, undo: contextlib.ExitStack) -> None:
     code_ = (f"import socket,time\ns=socket.socket()\ns.bind(('0.0.0.0',{port}))\ns.listen()\n"
              "print('up',flush=True)\ntime.sleep(300)\n")
-    blocker = bed.tb.spawn(master, [sys.executable, "-c", code_], stdout=subprocess.PIPE)
-    try:
-        assert blocker.stdout is not None and blocker.stdout.readline() == b"up\n"
-        code, report = run_doctor("-i", str(bed.inventory), "--master-port", str(port))
-    finally:
-        blocker.terminate()
-        blocker.wait(10)
-    assert code == 2
-    assert_only(bed, report, master, f"port:{port}", "FAIL", "Address already in use")
+    blocker = bed.tb.spawn(node, [sys.executable, "-c", code_], stdout=subprocess.PIPE)
+    undo.callback(blocker.wait, 10)
+    undo.callback(blocker.terminate)
+    assert blocker.stdout is not None and blocker.stdout.readline() == b"up\n"
 
 
-def test_local_ckpt_dir_full(bed: Bed) -> None:
-    node, mnt = bed.node(4), str(bed.tb.local_mountpoint)
+def _loopback_name(bed: Bed, node: str, undo: contextlib.ExitStack) -> None:
+    hosts = bed.work / "hosts-loopback"
+    hosts.write_text(f"127.0.1.1 {node}\n" + (bed.tb.root / "etc" / "hosts").read_text())
+    bed.inside(node, "mount", "--bind", str(hosts), "/etc/hosts")
+    undo.callback(bed.inside, node, "umount", "/etc/hosts")
+
+
+def _ckpt_dir_full(bed: Bed, node: str, undo: contextlib.ExitStack) -> None:
+    mnt = str(bed.tb.local_mountpoint)
     bed.inside(node, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt)
-    try:
-        bed.tb.exec(node, ["dd", "if=/dev/zero", f"of={mnt}/fill", "bs=64k"], timeout=30)
-        code, report = run_doctor("-i", str(bed.inventory))
-    finally:
-        bed.inside(node, "umount", mnt)
-    assert code == 2
-    assert_only(bed, report, node, f"storage:{mnt}/ckpt", "FAIL", "full")
+    undo.callback(bed.inside, node, "umount", mnt)
+    bed.tb.exec(node, ["dd", "if=/dev/zero", f"of={mnt}/fill", "bs=64k"], timeout=30)
 
 
-def test_local_ckpt_dir_read_only(bed: Bed) -> None:
-    node, mnt = bed.node(5), str(bed.tb.local_mountpoint)
+def _ckpt_dir_read_only(bed: Bed, node: str, undo: contextlib.ExitStack) -> None:
+    mnt = str(bed.tb.local_mountpoint)
     bed.inside(node, "mount", "--bind", mnt, mnt)
-    try:
-        bed.inside(node, "mount", "-o", "remount,bind,ro", mnt)
-        code, report = run_doctor("-i", str(bed.inventory))
-    finally:
-        bed.inside(node, "umount", mnt)
-    assert code == 2
-    assert_only(bed, report, node, f"storage:{mnt}/ckpt", "FAIL", "not writable")
+    undo.callback(bed.inside, node, "umount", mnt)
+    bed.inside(node, "mount", "-o", "remount,bind,ro", mnt)
 
 
-def test_clock_off_by_minutes(bed: Bed) -> None:
-    node = bed.node(6)
-    bashrc = bed.work / "bashrc-clock"
+def _other_interpreter(bed: Bed, node: str, undo: contextlib.ExitStack) -> Path:
+    """The inventory naming, for ``node``, an interpreter path that exists only there."""
+    link = bed.tb.node_local_path(node, "altpy/python3")  # exists only in the node's view
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(sys.executable)
+    undo.callback(link.parent.rmdir)
+    undo.callback(link.unlink)
+    data = yaml.safe_load(bed.inventory.read_text())
+    data["hosts"][node]["python"] = str(bed.tb.local_mountpoint / "altpy" / "python3")
+    inv = bed.work / "inv-python.yaml"
+    inv.write_text(yaml.safe_dump(data, sort_keys=False))
+    return inv
+
+
+def _other_torch(bed: Bed, node: str, undo: contextlib.ExitStack) -> None:
+    real = next(Path(site.getsitepackages()[0]).glob("torch-*.dist-info"))
+    fake = bed.work / "fake-torch-dist-info"
+    fake.mkdir(exist_ok=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.3.1\n\n")
+    bed.inside(node, "mount", "--bind", str(fake), str(real))
+    undo.callback(bed.inside, node, "umount", str(real))
+
+
+def _clock_off(bed: Bed, node: str, undo: contextlib.ExitStack) -> bool:
+    """The probe's test-only clock offset (+300 s) from the node's private ~/.bashrc;
+    False where root has no ~/.bashrc to bind-mount over."""
     real = Path("/root/.bashrc")
-    bashrc.write_text((real.read_text() if real.exists() else "")
-                      + "\nexport CLUSTERKIT_PROBE_CLOCK_OFFSET_S=300\n")
-    with _mounted_over(bed, node, bashrc, real):
-        code, report = run_doctor("-i", str(bed.inventory))
-    assert code == 2
-    f = assert_only(bed, report, node, "clock", "FAIL", "s from the cluster median")
+    if not real.exists():
+        return False
+    bashrc = bed.work / "bashrc-clock"
+    bashrc.write_text(real.read_text() + "\nexport CLUSTERKIT_PROBE_CLOCK_OFFSET_S=300\n")
+    undo.enter_context(_mounted_over(bed, node, bashrc, real))
+    return True
+
+
+def fault_on(bed: Bed, f: Faulted, host: str, check: str, status: str, detail: str = ""
+             ) -> dict[str, Any]:
+    """``host``'s finding ``check`` (a prefix) with ``status``, ``detail`` and a fix."""
+    assert f.code == 2, f.report["verdict"]
+    hit = [x for x in new_problems(bed, f.report)
+           if x["host"] == host and x["check"].startswith(check) and x["status"] == status]
+    assert hit, [x for x in new_problems(bed, f.report) if x["host"] == host]
+    assert detail in hit[0]["detail"], hit[0]
+    assert hit[0]["fix"], hit[0]
+    return hit[0]
+
+
+def test_each_fault_is_named_on_its_own_node_only(bed: Bed, faulted: Faulted) -> None:
+    """Every new problem is a fault injected on that host, every faulted host has one,
+    and what the baseline had on every node is still there."""
+    new = new_problems(bed, faulted.report)
+    stray = [x for x in new if not any(x["check"].startswith(c)
+                                       for c in faulted.injected.get(x["host"], []))]
+    assert not stray, stray
+    assert {x["host"] for x in new} == set(faulted.injected), new
+    assert bed.baseline <= problems(faulted.report)
+
+
+def test_other_interpreter_path(bed: Bed, faulted: Faulted) -> None:
+    f = fault_on(bed, faulted, bed.node(5), "python.path", "FAIL", "altpy/python3")
+    assert bed.tb.node_python() in f["detail"]
+
+
+def test_pdsh_missing_on_runner_node(bed: Bed, faulted: Faulted) -> None:
+    # the DeepSpeed runner starts on the first node
+    fault_on(bed, faulted, bed.node(1), "pdsh", "FAIL", "pdsh not on the PATH")
+
+
+def test_other_torch_version(bed: Bed, faulted: Faulted) -> None:
+    f = fault_on(bed, faulted, bed.node(6), "version.torch", "FAIL", "torch 2.3.1 ≠")
+    assert "pip install 'torch==" in f["fix"]
+
+
+def test_hostname_resolves_to_loopback(bed: Bed, faulted: Faulted) -> None:
+    node = bed.node(3)
+    f = fault_on(bed, faulted, node, "names.self", "FAIL", "127.0.1.1")
+    address = bed.tb.node(node).address
+    assert f"`127.0.1.1 {node}` with `{address} {node}`" in f["fix"]
+
+
+def test_master_port_taken(bed: Bed, faulted: Faulted) -> None:
+    fault_on(bed, faulted, bed.node(1), f"port:{faulted.port}", "FAIL", "Address already in use")
+
+
+def test_local_ckpt_dir_full(bed: Bed, faulted: Faulted) -> None:
+    fault_on(bed, faulted, bed.node(4), f"storage:{bed.tb.local_mountpoint}/ckpt", "FAIL",
+             "full")
+
+
+def test_local_ckpt_dir_read_only(bed: Bed, faulted: Faulted) -> None:
+    fault_on(bed, faulted, bed.node(7), f"storage:{bed.tb.local_mountpoint}/ckpt", "FAIL",
+             "not writable")
+
+
+def test_clock_off_by_minutes(bed: Bed, faulted: Faulted) -> None:
+    node = bed.node(2)
+    if node not in faulted.injected:
+        pytest.skip("/root/.bashrc does not exist: nothing to bind-mount over")
+    f = fault_on(bed, faulted, node, "clock", "FAIL", "s from the cluster median")
     assert 290 < float(f["detail"].split()[1]) <= 300  # "clock +299.7 s from ..."
 
 

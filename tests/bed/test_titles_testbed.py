@@ -39,8 +39,12 @@ TRAIN = textwrap.dedent("""
 TRAIN_NO_TORCH = TRAIN.replace("import torch\n", "")
 
 
+# torchrun is extended (~8 s of the suite's 2 cores): status finds its ranks by the same
+# job tag as the fork server's, and torchrun-launched ranks on the bed run by default in
+# tests/bed/test_programs_testbed.py (the launch's default launcher).
 @pytest.mark.slow  # ~10-45 s a launcher
-@pytest.mark.parametrize("launcher", ["native", "torchrun"])
+@pytest.mark.parametrize("launcher", ["native", pytest.param("torchrun",
+                                                             marks=pytest.mark.extended)])
 def test_ps_shows_train_py_for_every_rank_and_status_lists_their_pids(
         testbed: Testbed, tmp_path: Path, launcher: str) -> None:
     nodes = [n.name for n in testbed.ensure(2)]
