@@ -157,6 +157,8 @@ class JobDir:
     STOP = "stop"  # sbatch: $CLUSTERKIT_STOP_FILE
     PROGRESS = "progress"  # sbatch: $CLUSTERKIT_HEARTBEAT_DIR; under nodes/<node>/: the agent's
     HANG = "hang"  # sbatch: why the watchdog ended the step
+    RUN_STARTED = "run_started"  # sbatch: a program that does not save on USR1: the run's start
+    STOP_ENDED = "stop_ended"  # sbatch: the save the step was ended for at USR1 (node/slurm/end.py)
     HANGS = "hangs"  # sbatch: hangs/<slurm id>.<run>/: the watchdog's stacks
     STACKS = "stacks"  # stacks/a<attempt>/rank<R>.txt: the agent's stacks; a launch record's too
     NODES = "nodes"  # nodes/<node>/: one agent's logs, progress and state

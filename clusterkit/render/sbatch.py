@@ -38,10 +38,16 @@ from clusterkit.node.contract import (
     JobDir,
     exits_dir,
 )
+from clusterkit.node.slurm.end import USR1_VERB
 from clusterkit.render.jobops import accelerator, job_ops
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
-from clusterkit.spec.resume import began_fresh_line, program_without_resume, resume_rule
+from clusterkit.spec.resume import (
+    began_fresh_line,
+    program_without_resume,
+    resume_rule,
+    saves_on_usr1,
+)
 
 if TYPE_CHECKING:
     import jinja2
@@ -338,9 +344,25 @@ def _end_context(plan: JobPlan, site: SlurmSite, variant: str, log_dir: str,
             "stop_var": ENV_STOP_FILE, "ckpt_var": ENV_CKPT_DIR, "stop_file": job.stop_file,
             "exits_dir": exits_dir(node.job_dir),
             "hang_file": job.hang_file if plan.options.hang_timeout_s > 0 else "",
-            "count_file": f"{node.job_dir}/{HANG_RESTARTS}", **_resume_watch(plan, rule)}
+            "count_file": f"{node.job_dir}/{HANG_RESTARTS}", **_resume_watch(plan, rule),
+            **_usr1_rule(plan)}
     return {"end_cmd": shlex.join(cmd.argv), "end_bundle": bundle.rstrip("\n"), "end_eof": END_EOF,
-            "end_conf": json.dumps(conf, sort_keys=True, separators=(",", ":"))}
+            "end_conf": json.dumps(conf, sort_keys=True, separators=(",", ":")),
+            "saves_on_usr1": conf.get("saves_on_usr1", True), "usr1_verb": USR1_VERB,
+            "started_file": conf.get("started_file", ""), "ended_file": conf.get("ended_file", "")}
+
+
+def _usr1_rule(plan: JobPlan) -> dict[str, Any]:
+    """A program that does not save on SIGUSR1 (spec/resume.saves_on_usr1): what
+    node/slurm/end.py needs at USR1 and at the end (rows stop-end-step, stop-run-on): the
+    run's start stamp and the file that records the save the step was ended for; nothing
+    for a program that saves on it (the contract's, the bundled workload)."""
+    if saves_on_usr1(plan.profile):
+        return {}
+    job = JobDir(plan.nodes[0].job_dir)
+    return {"saves_on_usr1": False, "program": plan.profile.name if plan.profile else "",
+            "job_id": plan.job_id, "started_file": job.path(JobDir.RUN_STARTED),
+            "ended_file": job.path(JobDir.STOP_ENDED)}
 
 
 def _resume_watch(plan: JobPlan, rule: dict[str, Any]) -> dict[str, str]:

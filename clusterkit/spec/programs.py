@@ -141,6 +141,12 @@ class Profile:
     # 1.15: every rank would be process 0 of 1, node/hooks/accelerate_cpu.py says why): those
     # ranks get the job dir's CPU_HOOK_FILE first on their PYTHONPATH.
     cpu_hook: bool = False
+    # It saves a checkpoint and exits 0 on SIGUSR1 (clusterkit's contract, the bundled
+    # workload): under `clusterkit sbatch`, USR1 (the time limit's warning, preemption)
+    # asks its ranks to save and the job is requeued after that save. Any other program
+    # ignores USR1 (its ranks start with it ignored): the batch script ends its step at
+    # USR1 instead, when it saved since the run began (node/slurm/end.py, `usr1-*` rows).
+    saves_on_usr1: bool = False
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
@@ -173,7 +179,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile(CONTRACT, "clusterkit's contract",
             f"tags under ${ENV_CKPT_DIR}, loaded by an explicit tag (${ENV_RESUME_TAG})",
             resumes_itself=True, picks_newest=True, config_args=("--deepspeed_config",),
-            other_world=OtherWorld.UNIVERSAL),
+            other_world=OtherWorld.UNIVERSAL, saves_on_usr1=True),
     Profile(CUSTOM, "your --resume-arg", "your program's own", config_args=("--deepspeed",
                                                                             "--deepspeed_config")),
     Profile(UNKNOWN, "not recognised", "not known", config_args=("--deepspeed_config",)),

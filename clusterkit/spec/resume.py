@@ -98,6 +98,15 @@ def needs_ready(choice: ProgramChoice | None, *, node_local: bool, workload: boo
                 or (prof.picks_newest and not own_rule) or not prof.resumes_itself)
 
 
+def saves_on_usr1(choice: ProgramChoice | None) -> bool:
+    """The program saves and exits 0 on SIGUSR1 (its profile: clusterkit's contract and
+    the bundled workload do; no profile given: as before, it is taken to). Rendered into
+    the batch script (render/sbatch.py) and node/slurm/end.py's settings: at USR1 a
+    program that does not is not asked to save; its step is ended when it saved since
+    the run began, and the job requeued (docs/sbatch.md, "How the batch job decides")."""
+    return choice is None or choice.profile.saves_on_usr1
+
+
 def resume_rule(choice: ProgramChoice | None, *, job_id: str, ckpt_dir: str, node_local: bool,
                 workload: bool) -> dict[str, Any]:
     """How a restart of this job's program from a checkpoint is readied, as plain values:
@@ -106,7 +115,8 @@ def resume_rule(choice: ProgramChoice | None, *, job_id: str, ckpt_dir: str, nod
     ``plan`` step on the batch host). ``ready``: a run on the same nodes is readied too
     (:func:`needs_ready`); the step-0 line names the tag as :data:`CKPT_TAG_TOKEN`;
     ``reshard``: the batch script may convert it for another number of nodes (it converts
-    top-level DeepSpeed tags only). Empty for the bundled workload (it resumes by itself)."""
+    top-level DeepSpeed tags only); ``saves_on_usr1``: :func:`saves_on_usr1`. Empty for the
+    bundled workload (it resumes by itself, and saves on USR1)."""
     if choice is None or workload:
         return {}
     top, nested = latest_rules(choice, node_local=node_local)
@@ -116,7 +126,7 @@ def resume_rule(choice: ProgramChoice | None, *, job_id: str, ckpt_dir: str, nod
             "step0": restart_problem(choice, CKPT_TAG_TOKEN, ckpt_dir, job_id) or "",
             "reshard": choice.profile.other_world is OtherWorld.UNIVERSAL,
             "one_writer": choice.profile.one_writer,
-            "layout": choice.profile.layout}
+            "layout": choice.profile.layout, "saves_on_usr1": saves_on_usr1(choice)}
 
 
 def restart_problem(choice: ProgramChoice, tag: str, where: str, job_id: str) -> str | None:

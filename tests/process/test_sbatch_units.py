@@ -563,6 +563,31 @@ def test_script_requeues_only_for_a_save_after_the_stop_request(
     assert (job_dir / "stop").is_file()  # what the ranks could poll
 
 
+def test_usr1_ends_the_step_of_a_program_that_does_not_save_on_it_after_a_save(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """HF Trainer (``--program hf-trainer``) ignores USR1: the script asks no rank to save;
+    a checkpoint written since the run began -> the step is ended (SIGTERM to the launch
+    step) and the job requeued (row stop-end-step); none -> the step runs on, the line,
+    no requeue (row stop-run-on)."""
+    ckpt = tmp_path / "ckpt/v1"
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    program = ("--program", "hf-trainer", str(tmp_path / "train.py"), "--output_dir", str(ckpt))
+    step = (f'sleep 0.2; mkdir -p {ckpt}/checkpoint-10; echo x > {ckpt}/checkpoint-10/t.json; '
+            'kill -USR1 $$; sleep 20 >/dev/null 2>&1 </dev/null; return 0')
+    r, calls, job_dir = _verdict(tmp_path, capsys, step, *program)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "scancel --signal=USR1" not in calls and "scontrol requeue 77" in calls, calls
+    assert f"it saved {ckpt}/checkpoint-10/t.json since this run began: ending the step" in r.stdout
+    assert "the step was ended at USR1" in r.stdout and "the steps since that save are lost" in r.stderr
+    assert (job_dir / "stop_ended").read_text().strip() == f"{ckpt}/checkpoint-10/t.json"
+    step = 'kill -USR1 $$; sleep 1.5; return 0'  # the old checkpoint is no save of this run
+    r, calls, job_dir = _verdict(tmp_path, capsys, step, *program)
+    assert r.returncode == 0 and "scontrol requeue" not in calls and "scancel" not in calls, calls
+    for text in (r.stdout, r.stderr):
+        assert f"saved nothing in {ckpt} since this run began: not requeueing job 77" in text
+    assert "stop requested" not in r.stdout + r.stderr and not (job_dir / "stop_ended").exists()
+
+
 def test_a_step_that_ends_while_the_usr1_trap_runs_keeps_its_own_status(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The trap cuts the script's `wait` short (128 + USR1 = 138); when the step saves and

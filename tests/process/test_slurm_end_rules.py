@@ -30,6 +30,8 @@ from clusterkit.node.slurm.end import (
     ExitRecord,
     JobEnd,
     Line,
+    StopAnswer,
+    at_usr1,
     decide,
 )
 from tests.paths import REPO
@@ -60,6 +62,21 @@ ANY_NODES = ("clusterkit: requeueing job 77 on any free nodes (checkpoint parts 
 
 FRESH = "job j: the restarted program began at step 0 although checkpoint checkpoint-10 ..."
 
+# A program that does not save on SIGUSR1 (HF Trainer): at USR1, end its step or not.
+NOSAVE_JOB = dataclasses.replace(JOB, saves_on_usr1=False, program="hf-trainer", job_id="j")
+NOSAVE = dataclasses.replace(BASE, job=NOSAVE_JOB, stop_at=950)
+ENDED = ("clusterkit: the step was ended at USR1 (this program (hf-trainer) does not save on "
+         "SIGUSR1); requeueing job 77 to resume from its newest complete checkpoint "
+         "(/c/j/checkpoint-10/trainer_state.json was saved in this run): the steps since that "
+         "save are lost")
+ENDING = ("clusterkit: USR1 (time limit or preemption): this program (hf-trainer) does not save "
+          "on SIGUSR1; it saved /c/j/checkpoint-10/trainer_state.json since this run began: "
+          "ending the step to requeue job 77")
+RUNS_ON = ("clusterkit: USR1 (time limit or preemption): this program (hf-trainer) does not save "
+           "on SIGUSR1 and saved nothing in /c/j since this run began: not requeueing job 77 (it "
+           "would begin where this run began); the step runs on to the time limit. Submit it "
+           "again with --job-id j to resume from its newest checkpoint")
+
 # (row of the doc table, facts) -> decision
 TABLE: list[tuple[str, EndFacts, EndDecision]] = [
     ("ok", BASE, EndDecision(0)),
@@ -79,6 +96,18 @@ TABLE: list[tuple[str, EndFacts, EndDecision]] = [
      EndDecision(137, NONE, (Line(ERR, "clusterkit: rank 0 on n1 failed first (killed by signal 9); "
                                       "the other ranks were stopped after it. Its output: "
                                       "/w/logs/ck-j-77-rank0.out"),))),
+    # the script ended the step at USR1 for a save made in this run: requeue, whatever the
+    # ranks killed by it recorded (the whole answer, as a hang's)
+    ("stop-end-step", dataclasses.replace(NOSAVE, status=143, first_exit=FAILED.first_exit,
+                                          ended="/c/j/checkpoint-10/trainer_state.json"),
+     EndDecision(0, ANY, (Line(BOTH, ENDED),))),
+    ("stop-end-step", dataclasses.replace(NOSAVE, job=dataclasses.replace(NOSAVE_JOB, node_local=True),
+                                          status=0, ended="/c/j/checkpoint-10/trainer_state.json"),
+     EndDecision(0, PINNED, (Line(BOTH, ENDED),))),
+    # it ran on after USR1 and ended by itself: its own rows, no stop row, no requeue
+    ("stop-run-on", dataclasses.replace(NOSAVE, saved="/c/j/checkpoint-20/x"), EndDecision(0)),
+    ("stop-run-on", dataclasses.replace(NOSAVE, status=143, first_exit=FAILED.first_exit),
+     EndDecision(2, NONE, (Line(ERR, RANK3),))),
     ("began-fresh", dataclasses.replace(BASE, began_fresh=FRESH),
      EndDecision(1, NONE, (Line(BOTH, f"clusterkit: {FRESH}"),))),
     # a failure is the answer: a run that failed did not finish from step 0
@@ -116,9 +145,22 @@ TABLE: list[tuple[str, EndFacts, EndDecision]] = [
 ]
 
 
+# At USR1, for a program that does not save on it (row, facts) -> what the script does then
+AT_USR1: list[tuple[str, EndFacts, StopAnswer]] = [
+    ("stop-end-step", dataclasses.replace(NOSAVE, saved_in_run="/c/j/checkpoint-10/trainer_state.json"),
+     StopAnswer(True, (Line(BOTH, ENDING),))),
+    ("stop-run-on", NOSAVE, StopAnswer(False, (Line(BOTH, RUNS_ON),))),
+]
+
+
 @pytest.mark.parametrize(("row", "facts", "want"), TABLE, ids=[f"{r[0]}-{i}" for i, r in enumerate(TABLE)])
 def test_row(row: str, facts: EndFacts, want: EndDecision) -> None:
     assert decide(facts) == want
+
+
+@pytest.mark.parametrize(("row", "facts", "want"), AT_USR1, ids=[r[0] for r in AT_USR1])
+def test_row_at_usr1(row: str, facts: EndFacts, want: StopAnswer) -> None:
+    assert at_usr1(facts) == want
 
 
 def test_every_row_of_the_doc_table_has_a_test_row() -> None:
@@ -129,6 +171,7 @@ def test_every_row_of_the_doc_table_has_a_test_row() -> None:
     doc = [ln.split("|")[1].strip().strip("`") for ln in table.strip().splitlines()[1:]]
     assert len(doc) == len(set(doc))
     assert sorted(set(doc) ^ {r[0] for r in TABLE}) == []
+    assert {r[0] for r in AT_USR1} <= set(doc)
     module_rows = set(re.findall(r"^``([a-z-]+)``", end.__doc__ or "", re.M))
     assert module_rows == set(doc)  # the module docstring is the same table
     assert {want.requeue for *_, want in TABLE} == {NONE, ANY, PINNED}
@@ -232,6 +275,40 @@ def test_run_requeues_for_a_file_saved_after_the_stop_file(tmp_path: Path) -> No
     stop.unlink()  # the stop file could not be written: nothing counts as saved since
     _, out, _, answer = _run_slurmend(conf, tmp_path, "0", now, "")
     assert answer == "0 none\n" and "nothing was saved" in out
+
+
+def test_usr1_ends_the_step_only_for_a_save_since_the_run_began(tmp_path: Path) -> None:
+    """``slurm.end CONF usr1``: a file of the checkpoint dir older than the run's start
+    stamp is no progress of this run ("run", the line); one newer is ("end", recorded in
+    the ended file), and the end of the run then requeues (row stop-end-step)."""
+    import time
+
+    conf = _end_conf(tmp_path, saves_on_usr1=False, program="hf-trainer", job_id="j",
+                     started_file=str(tmp_path / "job/run_started"),
+                     ended_file=str(tmp_path / "job/stop_ended"))
+    old = tmp_path / "ckpt/checkpoint-10/trainer_state.json"
+    old.parent.mkdir()
+    old.write_text("{}")
+    started = tmp_path / "job/run_started"
+    started.write_text("")
+    os.utime(old, ns=(started.stat().st_mtime_ns - 10**9,) * 2)
+    rc, out, err, answer = _run_slurmend(conf, tmp_path, "usr1")
+    assert (rc, answer) == (0, "run\n") and out == err and "saved nothing in" in out
+    assert "Submit it again with --job-id j" in out and not (tmp_path / "job/stop_ended").exists()
+    now = str(int(time.time()))
+    _, out, _, answer = _run_slurmend(conf, tmp_path, "0", now, "")  # it ran on and finished
+    assert (answer, out) == ("0 none\n", "")
+    new = tmp_path / "ckpt/checkpoint-20/trainer_state.json"
+    new.parent.mkdir()
+    new.write_text("{}")
+    os.utime(new, ns=(started.stat().st_mtime_ns + 10**6,) * 2)
+    rc, out, err, answer = _run_slurmend(conf, tmp_path, "usr1")
+    assert answer == "end\n" and f"it saved {new} since this run began" in out
+    assert (tmp_path / "job/stop_ended").read_text() == f"{new}\n"
+    (tmp_path / "job/exits/rank1").write_text("100 n2 143\n")  # the ranks the TERM ended
+    _, out, err, answer = _run_slurmend(conf, tmp_path, "143", now, "")
+    assert answer == "0 pinned\n" and f"({new} was saved in this run)" in out and out == err
+    assert "failed first" not in err
 
 
 @pytest.mark.parametrize("python", PYTHONS)

@@ -7,6 +7,9 @@ full, what the failed run logged for it (helpers.attempts_agree), and the job CO
 
 * HF Trainer (tests/programs/hf_trainer.py, run_clm.py-style), ZeRO-2 with the user's
   all-``"auto"`` ds_config: a rank killed; the same job submitted again by hand.
+* extended: HF Trainer, which does not save on SIGUSR1: the time limit's USR1 (``scancel
+  --signal=USR1 --batch``) after checkpoint-10 ends the step and requeues the job (row
+  ``stop-end-step``), and the requeued run resumes from checkpoint-10.
 * extended: pytorch's DDP tutorial (tests/programs/ddp_snapshot.py), a rank hung; the
   hang watchdog requeues the job (``--hang-timeout 15 --max-restarts 1``, pinned:
   node-local, no replicas) and rank 0's snapshot.pt is copied from node1 to node2 before
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -110,6 +115,60 @@ def test_hf_trainer_killed_then_submitted_again_resumes_from_its_checkpoint(
     attempts_agree([(int(s), loss) for text in (first, out) for s, loss in EXACT.findall(text)],
                    [15])
     assert max(int(s) for s, _ in EXACT.findall(out)) == STEPS
+
+
+def _hf_program(bed: SlurmBed, job: str, *extra: str) -> list[str]:
+    ds = bed.tb.root / "ds_config_z2.json"
+    ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
+    out_dir = str(bed.tb.local_mountpoint / "ckpt" / job)  # the job's checkpoint dir
+    return [str(HF_TRAINER), "--output_dir", out_dir, "--deepspeed", str(ds), "--use_cpu",
+            "--max_steps", str(STEPS), "--save_steps", "10", "--per_device_train_batch_size", "4",
+            "--report_to", "none", "--learning_rate", "1e-3", "--seed", "7",
+            "--exact_losses", "True", *extra]
+
+
+# ~2 minutes of HF on 2 cores; the decision itself is tested without Slurm
+# (test_slurm_end_rules.py, test_sbatch_units.py's stop-end-step and stop-run-on).
+@pytest.mark.extended
+def test_hf_trainer_at_the_time_limit_warning_is_requeued_and_resumes(slurm: SlurmBed) -> None:
+    """HF Trainer ignores SIGUSR1. Once rank 0 logged step 12 (each step logged, 2 s each:
+    both ranks finished saving checkpoint-10 before step 11's gradients), USR1 to the batch
+    script, as Slurm's ``--signal=B:USR1@90`` sends: the script asks no rank to save, sees
+    checkpoint-10 written since the run began on its node, ends the step and requeues the
+    job (pinned: node-local, no replicas); the second run resumes from checkpoint-10 (the
+    steps after it are trained again, with the same losses) and the job COMPLETES."""
+    job = "hf-usr1"
+    program = _hf_program(slurm, job, "--logging_steps", "1", "--step_sleep", "2")
+    slurm_id = _submit_program(slurm, job, program)
+    logs = slurm_job_dir(slurm, job) / "logs"
+    deadline = time.monotonic() + 400
+    while "exact loss at step 12:" not in _text(logs / f"slurm-{slurm_id}.out"):
+        assert time.monotonic() < deadline and slurm.job_state(slurm_id) in IN_PROGRESS, \
+            _text(logs / f"slurm-{slurm_id}.err")[-5000:]
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", slurm_id], env=slurm.env, check=True,
+                   timeout=30)
+    state, out, err = _job_output(slurm, job, slurm_id)
+    _completed_or_exit_abort(state, out, err, f"final loss at step {STEPS}:")
+    runs = re.findall(rf"===== clusterkit: job {job} slurm={slurm_id} run (\d) on (\S+) ", out)
+    assert [n for n, _ in runs] == ["1", "2"] and runs[0][1] == runs[1][1], runs
+    first, second = out.split(f"slurm={slurm_id} run 2 ", 1)
+    assert "asking every rank to save" not in out, out[-5000:]
+    assert re.search(r"this program \(hf-trainer\) does not save on SIGUSR1; it saved \S+"
+                     r"/checkpoint-10/\S+ since this run began: ending the step", first), first[-5000:]
+    assert "the steps since that save are lost" in first and "the steps since that save are lost" in err
+    assert "hf-trainer: resuming from checkpoint-10, the newest checkpoint complete on every " \
+           "node (--resume_from_checkpoint " in second, second[-5000:]
+    assert RESUMED.search(second + err), (second + err)[-5000:]
+    logged = [(int(s), loss) for text in (first, second) for s, loss in EXACT.findall(text)]
+    lost = [int(s) for s, _ in EXACT.findall(first) if int(s) > 10]  # ended before the save of 20
+    assert lost[:2] == [11, 12] and max(lost) < STEPS, lost
+    attempts_agree(logged, lost)  # trained again after the resume, the same losses
+    assert max(int(s) for s, _ in EXACT.findall(second)) == STEPS
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 DDP = REPO / "tests" / "programs" / "ddp_snapshot.py"

@@ -212,38 +212,8 @@ echo "clusterkit: job golden-a800-7x2 slurm=$SLURM_JOB_ID head=$head_node ($MAST
 # of each line ("1: "), torchrun the rank's global rank ("[rank3]:"; torch >= 2.2; older
 # torch writes the node-local rank, "[default1]:"). One file per rank needs neither.
 export SLURM_LABELIO=1 TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:'
-# USR1 (Slurm's time-limit warning, preemption, `clusterkit sbatch cancel JOB --signal USR1
-# --batch`): the stop file appears and every rank gets SIGUSR1. A rank that follows the
-# contract (docs/sbatch.md, "Preemption") saves into $CLUSTERKIT_CKPT_DIR and exits 0.
-stop_at=
-forward_usr1() {
-    if [ -z "$stop_at" ]; then
-        stop_at=$(date +%s)
-        date -u +%Y-%m-%dT%H:%M:%SZ > "$CLUSTERKIT_STOP_FILE" \
-            || echo "clusterkit: cannot write $CLUSTERKIT_STOP_FILE" >&2
-    fi
-    echo "clusterkit: USR1 (time limit or preemption): asking every rank to save and stop (SIGUSR1 to the ranks; $CLUSTERKIT_STOP_FILE)"
-    scancel --signal=USR1 "$SLURM_JOB_ID" || true
-}
-trap forward_usr1 USR1
-# In the background so the trap runs at once; `wait` returns early on a trapped
-# signal, so wait again until the step has really finished.
-srun --nodes=7 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/srv/train env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME==ens1f0 GLOO_SOCKET_IFNAME=ens1f0 CLUSTERKIT_JOB_ID=golden-a800-7x2 CLUSTERKIT_JOB_DIR=/srv/train/.clusterkit/jobs/golden-a800-7x2 CLUSTERKIT_DS_CONFIG=/srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json CLUSTERKIT_CKPT_DIR=/scratch/ckpt/golden-a800-7x2 CLUSTERKIT_STORAGE=node-local sh -c 'trap "" USR1; exec "$0" -m torch.distributed.run --node-rank="$SLURM_NODEID" "$@"' /opt/conda/envs/train/bin/python --nnodes=7 --nproc-per-node=2 --max-restarts=0 --log-dir=/srv/train/.clusterkit/jobs/golden-a800-7x2/logs --tee=3 --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" --no-python sh -c 'trap "" USR1; d=$0; "$@"; rc=$?; [ "$rc" = 0 ] || printf "%s %s %s\n" "$(date +%s%N)" "${SLURMD_NODENAME:-$(hostname)}" "$rc" 2>/dev/null >"$d/rank$RANK"; exit "$rc"' /srv/train/.clusterkit/jobs/golden-a800-7x2/exits /opt/conda/envs/train/bin/python -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json --run-dir /srv/train/.clusterkit/jobs/golden-a800-7x2/run --ckpt-dir /scratch/ckpt/golden-a800-7x2 --storage node-local &
-launch_pid=$!
-status=0
-while :; do
-    wait "$launch_pid" && status=0 || status=$?
-    kill -0 "$launch_pid" 2>/dev/null || break
-done
-# The step may have ended while a trap ran (USR1 above), after the trap cut its `wait`
-# short with 128+N: wait once more for its own status (bash keeps an ended job's
-# status); 127 there means none was kept, and the status above stands.
-wait "$launch_pid" 2>/dev/null && again=0 || again=$?
-[ "$again" = 127 ] || status=$again
-# What the run's end means: node/slurm/end.py decides (docs/sbatch.md, "How the batch job
-# decides": the exit status, whether and how to requeue, what the .out/.err files say);
-# it prints those lines itself and its answer, "<exit status> <none|any|pinned>", on
-# file descriptor 3. This script only performs the answer.
+# The end of a run (and, for a program that does not save on SIGUSR1, what USR1 does):
+# node/slurm/end.py decides; its lines on stdout/stderr, its answer on file descriptor 3.
 slurmend() {  # python -S -u -c BOOTSTRAP slurm.end (ship.py), its sources on stdin
     /opt/conda/envs/train/bin/python -S -u -c 'import linecache,sys,types
 r=sys.stdin.buffer
@@ -266,7 +236,7 @@ for e in h[2:]:
 sys.argv=['"'"'clusterkit.node.'"'"'+sys.argv[1]]+sys.argv[2:]
 sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))
 ' slurm.end '{"ckpt_var":"CLUSTERKIT_CKPT_DIR","count_file":"/srv/train/.clusterkit/jobs/golden-a800-7x2/hang_restarts","exits_dir":"/srv/train/.clusterkit/jobs/golden-a800-7x2/exits","hang_file":"","job_name":"ck-golden-a800-7x2","log_dir":"/srv/train/.clusterkit/jobs/golden-a800-7x2/logs","max_restarts":0,"node_local":true,"per_rank_files":false,"replicas":0,"signal_lead":90,"stop_file":"/srv/train/.clusterkit/jobs/golden-a800-7x2/stop","stop_var":"CLUSTERKIT_STOP_FILE"}' "$@" <<'CK_SLURMEND_EOF'
-clusterkit-node 2 slurm.end:18137
+clusterkit-node 2 slurm.end:24115
 """Node program: what the end of a ``clusterkit sbatch`` run means (issue 36 item 2).
 
 The batch script (templates/sbatch.sh.j2) only sequences steps; every decision it
@@ -287,6 +257,11 @@ row                   when -> what
                       this job's hang restarts < ``--max-restarts`` -> count one
                       more, requeue, exit 124 (both files say so)
 ``hang-used``         a hang, the restarts used -> exit 124, no requeue (both files)
+``stop-end-step``     USR1 came, the program does not save on it (its profile:
+                      ``saves_on_usr1``), and a file of the checkpoint dir was newer
+                      than the run's start (the start stamp) then: the script ended
+                      the step at once (:func:`at_usr1`, below) -> exit 0, requeue,
+                      the line (both files: the steps since that save are lost)
 ``rank-failed``       the step failed and a rank recorded its exit: the earliest
                       record (``<time ns> <node> <status>``, ``exits/rank<R>``) is
                       the cause -> exit with that rank's status; the ``.err`` line
@@ -299,6 +274,11 @@ row                   when -> what
                       user's program on node-local storage) and its output holds
                       the program's progress line and never its resume line ->
                       exit 1, the step-0 line (both files), no requeue
+``stop-run-on``       USR1 came, the program does not save on it, and nothing was
+                      saved since the run began: at USR1 the line (both files), the
+                      step runs on (to the time limit); if it ends before that, the
+                      rows above are the answer, no requeue (the stop rows below are
+                      for programs that save on USR1)
 ``stop-unsaved``      USR1 asked the ranks to stop (the stop file) and nothing in the
                       checkpoint dir is newer than the stop file -> no requeue
 ``stop-failed``       a stop, a save since, but the status (after the rows above) is
@@ -308,8 +288,9 @@ row                   when -> what
 ``stop-requeue``      a stop, a save since, status 0, in time -> requeue (``.out``)
 ====================  =============================================================
 
-A hang ends the table (its rows are the whole answer); a failure row and a stop row
-may both apply (the failure's line first). How a requeue is done:
+A hang ends the table (its rows are the whole answer), and so does ``stop-end-step``
+(its ranks were ended by the script: no failure row); a failure row and a stop row may
+both apply (the failure's line first). How a requeue is done:
 
 ====================  =============================================================
 ``requeue-any``       checkpoint replicas (``--replicas K``): on any free nodes, the
@@ -329,6 +310,12 @@ gathers the facts from those files, records the hang restart, prints the lines a
 writes the answer, ``<exit status> <none|any|pinned>``, as one line to file
 descriptor 3; the script performs it (``scontrol requeue``, or the pinned sequence)
 and exits with that status.
+
+At USR1, for a program that does not save on it, the script asks first (``slurm.end
+CONF usr1``): :func:`at_usr1` compares the checkpoint dir (the batch host's own, on
+node-local storage) with the run's start stamp; its answer on file descriptor 3 is
+either ``end`` (the script ends the launch step with SIGTERM, as the hang watchdog does;
+the saved file is recorded in CONF's ``ended_file`` for the end of the run) or ``run``.
 
 Standard library only, Python >= 3.8 on the node.
 """
@@ -351,6 +338,8 @@ OUT, ERR, BOTH = "out", "err", "both"
 NONE, ANY, PINNED = "none", "any", "pinned"
 HANG_STATUS = 124  # the watchdog ended the step (timeout(1)'s status)
 ANSWER_FD = 3
+USR1_VERB = "usr1"  # slurm.end CONF usr1: at USR1, end the step or let it run on
+END_STEP, RUN_ON = "end", "run"
 BEGAN_FRESH_STATUS = 1  # told where to resume, the program began at step 0: never "finished"
 
 
@@ -371,6 +360,11 @@ class JobEnd:
     resumed_marker: str = ""
     progress_marker: str = ""
     began_fresh: str = ""
+    # The program saves and exits 0 on SIGUSR1 (spec/resume.saves_on_usr1); its profile's
+    # name and clusterkit's job id, for the lines when it does not.
+    saves_on_usr1: bool = True
+    program: str = ""
+    job_id: str = ""
 
     @classmethod
     def from_conf(cls, conf: dict[str, Any]) -> JobEnd:
@@ -380,7 +374,9 @@ class JobEnd:
                    per_rank_files=bool(conf["per_rank_files"]), stop_var=str(conf["stop_var"]),
                    resumed_marker=str(conf.get("resumed_marker", "")),
                    progress_marker=str(conf.get("progress_marker", "")),
-                   began_fresh=str(conf.get("began_fresh", "")))
+                   began_fresh=str(conf.get("began_fresh", "")),
+                   saves_on_usr1=bool(conf.get("saves_on_usr1", True)),
+                   program=str(conf.get("program", "")), job_id=str(conf.get("job_id", "")))
 
 
 @dataclass(frozen=True)
@@ -409,6 +405,10 @@ class EndFacts:
     ckpt_dir: str = ""
     now: int = 0  # epoch seconds, when the step had ended
     began_fresh: str | None = None  # told to resume, it began at step 0: the line
+    # A program that does not save on USR1: a file of the checkpoint dir newer than the
+    # run's start (at USR1), and the one the script ended the step for (at the end).
+    saved_in_run: str | None = None
+    ended: str | None = None
 
 
 @dataclass(frozen=True)
@@ -487,10 +487,54 @@ def _stop(facts: EndFacts, status: int, stop_at: int) -> tuple[str, tuple[Line, 
                            f"requeueing job {jid} to resume"), *more)
 
 
+@dataclass(frozen=True)
+class StopAnswer:
+    """At USR1, for a program that does not save on it: end the step now, or not."""
+
+    end_step: bool
+    lines: tuple[Line, ...] = ()
+
+
+def _program(job: JobEnd) -> str:
+    return f"this program ({job.program})" if job.program else "this program"
+
+
+def at_usr1(facts: EndFacts) -> StopAnswer:
+    """USR1 for a program that does not save on it (rows stop-end-step, stop-run-on):
+    end the step when it saved since the run began, so the requeued run resumes from the
+    newest complete checkpoint; otherwise a requeue would begin where this run began:
+    let it run on. Pure, no I/O."""
+    job, jid = facts.job, facts.slurm_id
+    who = _program(job)
+    if facts.saved_in_run is not None:
+        return StopAnswer(True, (Line(BOTH, f"clusterkit: USR1 (time limit or preemption): {who} "
+                                            f"does not save on SIGUSR1; it saved "
+                                            f"{facts.saved_in_run} since this run began: "
+                                            f"ending the step to requeue job {jid}"),))
+    again = f" --job-id {job.job_id}" if job.job_id else " --job-id"
+    return StopAnswer(False, (Line(BOTH, f"clusterkit: USR1 (time limit or preemption): {who} "
+                                         f"does not save on SIGUSR1 and saved nothing in "
+                                         f"{facts.ckpt_dir} since this run began: not requeueing "
+                                         f"job {jid} (it would begin where this run began); the "
+                                         f"step runs on to the time limit. Submit it again with"
+                                         f"{again} to resume from its newest checkpoint"),))
+
+
+def _ended(facts: EndFacts, ended: str) -> EndDecision:
+    """The script ended the step at USR1 (row stop-end-step): requeue."""
+    how, more = _requeue(facts)
+    said = (f"clusterkit: the step was ended at USR1 ({_program(facts.job)} does not save on "
+            f"SIGUSR1); requeueing job {facts.slurm_id} to resume from its newest complete "
+            f"checkpoint ({ended} was saved in this run): the steps since that save are lost")
+    return EndDecision(0, how, (Line(BOTH, said), *more))
+
+
 def decide(facts: EndFacts) -> EndDecision:
     """The table (module docstring): pure, no I/O."""
     if facts.hang is not None:
         return _hang(facts, facts.hang)
+    if facts.ended is not None:
+        return _ended(facts, facts.ended)
     status = facts.status
     lines: tuple[Line, ...] = ()
     if status != 0:
@@ -498,8 +542,8 @@ def decide(facts: EndFacts) -> EndDecision:
         lines = (failed,)
     elif facts.began_fresh is not None:
         status, lines = BEGAN_FRESH_STATUS, (Line(BOTH, f"clusterkit: {facts.began_fresh}"),)
-    if facts.stop_at is None:
-        return EndDecision(status, NONE, lines)
+    if facts.stop_at is None or not facts.job.saves_on_usr1:
+        return EndDecision(status, NONE, lines)  # ok ... began-fresh; stop-run-on
     how, said = _stop(facts, status, facts.stop_at)
     return EndDecision(status, how, lines + said)
 
@@ -533,7 +577,8 @@ def first_exit(exits_dir: str) -> ExitRecord | None:
 
 def saved_since(ckpt_dir: str, stop_file: str) -> str | None:
     """A regular file under ``ckpt_dir`` modified after ``stop_file`` was (``find DIR
-    -type f -newer STOP``, the first found); None without the stop file or such a file."""
+    -type f -newer STOP``, the first found); None without the stop file or such a file.
+    The run's start stamp serves as ``stop_file`` too (:func:`gather_usr1`)."""
     try:
         since = os.stat(stop_file).st_mtime_ns
     except OSError:
@@ -602,13 +647,43 @@ def gather(conf: dict[str, Any], status: int, stop_at: str, hang_dir: str,
     ckpt_dir = environ.get(conf["ckpt_var"], "")
     stop = int(stop_at) if stop_at.strip() else None
     job = JobEnd.from_conf(conf)
+    ended = (_read(conf["ended_file"]) or "").strip() \
+        if stop is not None and conf.get("ended_file") else ""
     return EndFacts(
         job=job, slurm_id=environ.get("SLURM_JOB_ID", ""), status=status,
         hang=hang, hang_restarts=_count(_read(conf["count_file"])), hang_dir=hang_dir,
         first_exit=first_exit(conf["exits_dir"]) if status != 0 else None,
         stop_at=stop, saved=saved_since(ckpt_dir, conf["stop_file"]) if stop is not None else None,
         ckpt_dir=ckpt_dir, now=now,
-        began_fresh=began_fresh(job, conf, environ) if status == 0 else None)
+        began_fresh=began_fresh(job, conf, environ) if status == 0 else None,
+        ended=ended or None)
+
+
+def gather_usr1(conf: dict[str, Any], environ: dict[str, str]) -> EndFacts:
+    """The facts at USR1: what the checkpoint dir holds newer than the run's start."""
+    ckpt_dir = environ.get(conf["ckpt_var"], "")
+    return EndFacts(job=JobEnd.from_conf(conf), slurm_id=environ.get("SLURM_JOB_ID", ""),
+                    status=0, ckpt_dir=ckpt_dir,
+                    saved_in_run=saved_since(ckpt_dir, conf.get("started_file", "")))
+
+
+def _say(lines: tuple[Line, ...], out: IO[str], err: IO[str]) -> None:
+    for line in lines:
+        for stream in ((out,) if line.to == OUT else (err,) if line.to == ERR else (out, err)):
+            stream.write(line.text + "\n")
+            stream.flush()
+
+
+def apply_usr1(stop: StopAnswer, facts: EndFacts, ended_file: str, out: IO[str], err: IO[str],
+               answer: IO[str]) -> None:
+    """Record the file the step is ended for (the end of the run reads it), print the
+    line, answer ``end`` or ``run``."""
+    if stop.end_step:
+        with open(ended_file, "w", encoding="utf-8") as fh:
+            fh.write(f"{facts.saved_in_run}\n")
+    _say(stop.lines, out, err)
+    answer.write(f"{END_STEP if stop.end_step else RUN_ON}\n")
+    answer.flush()
 
 
 def apply(decision: EndDecision, facts: EndFacts, count_file: str, out: IO[str], err: IO[str],
@@ -617,18 +692,20 @@ def apply(decision: EndDecision, facts: EndFacts, count_file: str, out: IO[str],
     if decision.count_hang:
         with open(count_file, "w", encoding="utf-8") as fh:
             fh.write(f"{facts.hang_restarts + 1}\n")
-    for line in decision.lines:
-        for stream in ((out,) if line.to == OUT else (err,) if line.to == ERR else (out, err)):
-            stream.write(line.text + "\n")
-            stream.flush()
+    _say(decision.lines, out, err)
     answer.write(f"{decision.status} {decision.requeue}\n")
     answer.flush()
 
 
 def run(argv: list[str], environ: dict[str, str], out: IO[str], err: IO[str],
         answer: IO[str]) -> int:
+    if len(argv) == 2 and argv[1] == USR1_VERB:
+        conf = json.loads(argv[0])
+        facts = gather_usr1(conf, environ)
+        apply_usr1(at_usr1(facts), facts, conf["ended_file"], out, err, answer)
+        return 0
     if len(argv) != 4:
-        err.write("usage: slurm.end CONF STATUS STOP_AT HANG_DIR\n")
+        err.write(f"usage: slurm.end CONF STATUS STOP_AT HANG_DIR | slurm.end CONF {USR1_VERB}\n")
         return 2
     conf = json.loads(argv[0])
     facts = gather(conf, int(argv[1]), argv[2], argv[3], environ, int(time.time()))
@@ -651,6 +728,39 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 CK_SLURMEND_EOF
 }
+# USR1 (Slurm's time-limit warning, preemption, `clusterkit sbatch cancel JOB --signal USR1
+# --batch`): the stop file appears and every rank gets SIGUSR1. A rank that follows the
+# contract (docs/sbatch.md, "Preemption") saves into $CLUSTERKIT_CKPT_DIR and exits 0;
+# a program that does not save on SIGUSR1 gets none (docs/sbatch.md, the same section).
+stop_at=
+forward_usr1() {
+    if [ -z "$stop_at" ]; then
+        stop_at=$(date +%s)
+        date -u +%Y-%m-%dT%H:%M:%SZ > "$CLUSTERKIT_STOP_FILE" \
+            || echo "clusterkit: cannot write $CLUSTERKIT_STOP_FILE" >&2
+    fi
+    echo "clusterkit: USR1 (time limit or preemption): asking every rank to save and stop (SIGUSR1 to the ranks; $CLUSTERKIT_STOP_FILE)"
+    scancel --signal=USR1 "$SLURM_JOB_ID" || true
+}
+trap forward_usr1 USR1
+# In the background so the trap runs at once; `wait` returns early on a trapped
+# signal, so wait again until the step has really finished.
+srun --nodes=7 --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir=/srv/train env HF_HUB_OFFLINE=1 NCCL_DEBUG=WARN NCCL_IB_TIMEOUT=22 LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 NCCL_SOCKET_IFNAME==ens1f0 GLOO_SOCKET_IFNAME=ens1f0 CLUSTERKIT_JOB_ID=golden-a800-7x2 CLUSTERKIT_JOB_DIR=/srv/train/.clusterkit/jobs/golden-a800-7x2 CLUSTERKIT_DS_CONFIG=/srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json CLUSTERKIT_CKPT_DIR=/scratch/ckpt/golden-a800-7x2 CLUSTERKIT_STORAGE=node-local sh -c 'trap "" USR1; exec "$0" -m torch.distributed.run --node-rank="$SLURM_NODEID" "$@"' /opt/conda/envs/train/bin/python --nnodes=7 --nproc-per-node=2 --max-restarts=0 --log-dir=/srv/train/.clusterkit/jobs/golden-a800-7x2/logs --tee=3 --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" --no-python sh -c 'trap "" USR1; d=$0; "$@"; rc=$?; [ "$rc" = 0 ] || printf "%s %s %s\n" "$(date +%s%N)" "${SLURMD_NODENAME:-$(hostname)}" "$rc" 2>/dev/null >"$d/rank$RANK"; exit "$rc"' /srv/train/.clusterkit/jobs/golden-a800-7x2/exits /opt/conda/envs/train/bin/python -u -m clusterkit.workload --engine deepspeed --model tiny --steps 100 --ds-config /srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json --run-dir /srv/train/.clusterkit/jobs/golden-a800-7x2/run --ckpt-dir /scratch/ckpt/golden-a800-7x2 --storage node-local &
+launch_pid=$!
+status=0
+while :; do
+    wait "$launch_pid" && status=0 || status=$?
+    kill -0 "$launch_pid" 2>/dev/null || break
+done
+# The step may have ended while a trap ran (USR1 above), after the trap cut its `wait`
+# short with 128+N: wait once more for its own status (bash keeps an ended job's
+# status); 127 there means none was kept, and the status above stands.
+wait "$launch_pid" 2>/dev/null && again=0 || again=$?
+[ "$again" = 127 ] || status=$again
+# What the run's end means: node/slurm/end.py decides (slurmend, above; docs/sbatch.md,
+# "How the batch job decides": the exit status, whether and how to requeue, what the
+# .out/.err files say); it prints those lines itself and its answer, "<exit status>
+# <none|any|pinned>", on file descriptor 3. This script only performs the answer.
 exec 4>&1
 answer=$(slurmend "$status" "$stop_at" "${hang_dir:-}" 3>&1 1>&4 4>&-) || answer=
 exec 4>&-
