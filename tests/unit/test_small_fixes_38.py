@@ -110,3 +110,17 @@ def test_a_spare_that_fails_the_checks_is_no_spare() -> None:
     assert bad.verdict() == ("FAIL: 1 failure on node4; 2 of 3 nodes clean; spare node4 would "
                              "fail the launch's gate: no spare until fixed")
     assert bad.exit_code() == 2
+
+
+def test_only_the_contract_saves_on_usr1_in_the_resume_rule() -> None:
+    """spec/resume.saves_on_usr1, one rule: the profile's (the contract's and the bundled
+    workload's: yes; every other: no; no profile: as before, yes), in resume_rule's
+    plain values and in what render/sbatch.py gives node/slurm/end.py."""
+    from clusterkit.spec.programs import CONTRACT, PROFILES, ProgramChoice, detect
+    from clusterkit.spec.resume import resume_rule, saves_on_usr1
+
+    assert saves_on_usr1(None) and saves_on_usr1(detect(workload=True, args=(), script_text=None))
+    for name, prof in PROFILES.items():
+        choice = ProgramChoice(prof, "test")
+        rule = resume_rule(choice, job_id="j", ckpt_dir="/ck/j", node_local=True, workload=False)
+        assert rule["saves_on_usr1"] is (name == CONTRACT) is saves_on_usr1(choice), name
