@@ -16,6 +16,7 @@ the program's argument is pointed at the copy.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -29,6 +30,7 @@ from clusterkit.node.contract import (
     ACCELERATE_DS_SUBDIR,
     ENV_CKPT_DIR,
     ENV_RESUME_TAG,
+    ENV_STOP_FILE,
     LATEST_FILE,
     RESUME_DIR_FIELD,
 )
@@ -145,7 +147,9 @@ class Profile:
     # workload): under `clusterkit sbatch`, USR1 (the time limit's warning, preemption)
     # asks its ranks to save and the job is requeued after that save. Any other program
     # ignores USR1 (its ranks start with it ignored): the batch script ends its step at
-    # USR1 instead, when it saved since the run began (node/slurm/end.py, `usr1-*` rows).
+    # USR1 instead, when it saved since the run began (node/slurm/end.py, rows
+    # stop-end-step and stop-run-on), unless its source handles the stop itself
+    # (ProgramChoice.handles_stop).
     saves_on_usr1: bool = False
 
 
@@ -195,6 +199,9 @@ class ProgramChoice:
     why: str
     resume: tuple[str, ...] = ()
     note: str = ""  # what the launch adds for it beyond the table's columns (cpu_hook_note)
+    # Its source handles the stop request (SIGUSR1 or $CLUSTERKIT_STOP_FILE), whatever
+    # its profile: it saves and exits on it, as the contract says (docs/sbatch.md).
+    handles_stop: bool = False
 
     @property
     def name(self) -> str:
@@ -232,6 +239,19 @@ def _words(args: Sequence[str]) -> set[str]:
 def detect(*, workload: bool, args: Sequence[str], script_text: str | None,
            program: str | None = None, resume_arg: str | None = None) -> ProgramChoice:
     """The profile of a job's program (see the module doc for the order)."""
+    choice = _detect(workload=workload, args=args, script_text=script_text, program=program,
+                     resume_arg=resume_arg)
+    if script_text is not None and _STOP_SIGNS.search(script_text):
+        return dataclasses.replace(choice, handles_stop=True)
+    return choice
+
+
+# A program that handles the stop request itself (a SIGUSR1 handler, the stop file).
+_STOP_SIGNS = re.compile(r"\bSIGUSR1\b|" + re.escape(ENV_STOP_FILE))
+
+
+def _detect(*, workload: bool, args: Sequence[str], script_text: str | None,
+            program: str | None, resume_arg: str | None) -> ProgramChoice:
     template = parse_template(resume_arg) if resume_arg else ()
     if program is not None:
         if program not in PROFILES:

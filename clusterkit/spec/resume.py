@@ -100,11 +100,12 @@ def needs_ready(choice: ProgramChoice | None, *, node_local: bool, workload: boo
 
 def saves_on_usr1(choice: ProgramChoice | None) -> bool:
     """The program saves and exits 0 on SIGUSR1 (its profile: clusterkit's contract and
-    the bundled workload do; no profile given: as before, it is taken to). Rendered into
+    the bundled workload do; a program whose source handles SIGUSR1 or the stop file
+    does, whatever its profile; no profile given: as before, it is taken to). Rendered into
     the batch script (render/sbatch.py) and node/slurm/end.py's settings: at USR1 a
     program that does not is not asked to save; its step is ended when it saved since
     the run began, and the job requeued (docs/sbatch.md, "How the batch job decides")."""
-    return choice is None or choice.profile.saves_on_usr1
+    return choice is None or choice.profile.saves_on_usr1 or choice.handles_stop
 
 
 def resume_rule(choice: ProgramChoice | None, *, job_id: str, ckpt_dir: str, node_local: bool,

@@ -124,3 +124,23 @@ def test_only_the_contract_saves_on_usr1_in_the_resume_rule() -> None:
         choice = ProgramChoice(prof, "test")
         rule = resume_rule(choice, job_id="j", ckpt_dir="/ck/j", node_local=True, workload=False)
         assert rule["saves_on_usr1"] is (name == CONTRACT) is saves_on_usr1(choice), name
+
+
+def test_a_program_whose_source_handles_the_stop_saves_on_usr1_whatever_its_profile() -> None:
+    """A script that saves with torch.save (the snapshot profile) but installs a SIGUSR1
+    handler, or polls $CLUSTERKIT_STOP_FILE, follows the contract's stop: USR1 asks it to
+    save (the stop rows) rather than ending its step. HF's Trainer script does not."""
+    from clusterkit.spec.programs import SNAPSHOT, detect
+    from clusterkit.spec.resume import saves_on_usr1
+
+    handler = "import signal, torch\nsignal.signal(signal.SIGUSR1, stop)\ntorch.save(m, p)\n"
+    polls = "import os, torch\nif os.path.exists(os.environ['CLUSTERKIT_STOP_FILE']): torch.save(m, p)\n"
+    plain = "import torch\ntorch.save(m, p)\n"
+    for text, saves in ((handler, True), (polls, True), (plain, False)):
+        choice = detect(workload=False, args=(), script_text=text)
+        assert choice.name == SNAPSHOT and saves_on_usr1(choice) is saves, text
+    hf = "from transformers import Trainer, TrainingArguments\n"
+    assert not saves_on_usr1(detect(workload=False, args=(), script_text=hf))
+    # --program and --resume-arg name the profile; the source still says who handles USR1
+    assert saves_on_usr1(detect(workload=False, args=(), script_text=handler,
+                                resume_arg="--resume {dir}"))
