@@ -327,6 +327,14 @@ def lose_node_mid_run(tb: Testbed, run: Console, node: str, waits: Sequence[Wait
         raise
 
 
+
+def went_on_with_fewer(code: int, text: str, lost: str) -> str:
+    """A launch that lost ``lost`` with no spare ended 0 after going on with fewer nodes:
+    the console from that line on (what the resharded attempts printed)."""
+    assert code == 0, text[-6000:]
+    assert f"no spare for {lost}" in text and "going on with fewer nodes" in text, text[-6000:]
+    return text.split("going on with fewer nodes", 1)[1]
+
 def workload_summary(text: str) -> dict[str, Any]:
     """The bundled workload's last ``CLUSTERKIT_SUMMARY {json}`` line (after any prefix:
     a batch log's srun label)."""
