@@ -104,6 +104,14 @@ SLURM_RESUMED_FROM = "resumed_from"
 # ... and where one-writer files (a snapshot) wait on their way from their writer to the
 # other nodes (node/slurm/replica.py's ready step; the script removes it after).
 SLURM_SPREAD_DIR = "spread"
+# How a user's node-local checkpoint continues on another number of nodes under
+# `clusterkit sbatch` (spec/resume.resume_rule's "other_world", from its profile's
+# OtherWorld; read by submit's check and the batch host's plan step): its top-level
+# DeepSpeed tags converted, loaded as it is (a snapshot: its newest copy put on every
+# node), or refused (a conversion the batch script does not make).
+OTHER_WORLD_CONVERT = "convert"
+OTHER_WORLD_AS_IS = "as-is"
+OTHER_WORLD_REFUSE = "refuse"
 
 
 def with_job_id(job_dir: str, job_id: str) -> str:

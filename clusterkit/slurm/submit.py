@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from clusterkit import ship
 from clusterkit.errors import ClusterkitError, LaunchError, RenderError
@@ -21,7 +22,12 @@ from clusterkit.fsutil import atomic_write_text
 from clusterkit.hostrange import HostRangeError, expand_list
 from clusterkit.inventory import Inventory, replicas_problem
 from clusterkit.launchers import BACKENDS
-from clusterkit.node.contract import JobDir
+from clusterkit.node.contract import (
+    OTHER_WORLD_AS_IS,
+    OTHER_WORLD_CONVERT,
+    OTHER_WORLD_REFUSE,
+    JobDir,
+)
 from clusterkit.plan.build import plan_job
 from clusterkit.render.artifacts import render_all
 from clusterkit.render.jobops import job_ops
@@ -161,18 +167,7 @@ def pinned_nodes(client: SlurmClient, plan: JobPlan, replicas: int) -> list[str]
     if recorded and len(recorded) != len(plan.nodes):
         rule = resume_rule(plan.profile, job_id=plan.job_id, ckpt_dir=plan.nodes[0].ckpt_dir,
                            node_local=True, workload=plan.options.uses_workload)
-        if rule and not rule["reshard"]:
-            # The batch script would stop at its plan step (node/slurm/replica.py): say it now.
-            raise LaunchError(
-                f"job {plan.job_id}'s node-local checkpoints are on {first}, {len(recorded)} "
-                f"nodes, and clusterkit sbatch converts no {rule['name']} checkpoint for "
-                f"{len(plan.nodes)}", key="--nodes",
-                hint=f"submit it on {len(recorded)} nodes, or take its weights: clusterkit "
-                     f"collect-ckpt {plan.job_id} --consolidate fp32 (docs/programs.md)")
-        print(f"clusterkit: node-local checkpoints of job {plan.job_id} are on {first}, "
-              f"{len(recorded)} nodes: submitting on any {len(plan.nodes)} free nodes (the "
-              "batch script reshards the checkpoint before the ranks start)", file=sys.stderr)
-        return []
+        return other_count(rule, plan.job_id, first, recorded, len(plan.nodes))
     bad = unavailable(client, recorded) if replicas else {}
     if bad:
         what = ", ".join(f"{n} {state}" for n, (state, _) in bad.items())
@@ -183,3 +178,30 @@ def pinned_nodes(client: SlurmClient, plan: JobPlan, replicas: int) -> list[str]
     print(f"clusterkit: node-local checkpoints of job {plan.job_id} are on {first}: "
           f"submitting with --nodelist={first}", file=sys.stderr)
     return [f"--nodelist={first}"]
+
+
+def other_count(rule: dict[str, Any], job_id: str, first: str, recorded: list[str],
+                now: int) -> list[str]:
+    """A node-local job submitted again on another number of nodes, by its program's
+    ``rule`` (spec/resume.resume_rule; empty: the bundled workload, converted): the sbatch
+    arguments it goes with, or the refusal the plan step (node/slurm/replica.py) would
+    make, said now."""
+    world = rule.get("other_world", OTHER_WORLD_CONVERT) if rule else OTHER_WORLD_CONVERT
+    if world == OTHER_WORLD_REFUSE:
+        raise LaunchError(
+            f"job {job_id}'s node-local checkpoints are on {first}, {len(recorded)} nodes, and "
+            f"clusterkit sbatch converts no {rule['name']} checkpoint for {now}", key="--nodes",
+            hint=f"submit it on {len(recorded)} nodes, or take its weights: clusterkit "
+                 f"collect-ckpt {job_id} --consolidate fp32 (docs/programs.md)")
+    if world == OTHER_WORLD_AS_IS:
+        # Rank 0 saved the snapshot on node index 0 only, and a node's local disk is read
+        # only when the node is in the allocation: that node goes with the job.
+        print(f"clusterkit: node-local checkpoints of job {job_id} are on {first}, "
+              f"{len(recorded)} nodes: submitting on {now} nodes including {recorded[0]} "
+              "(rank 0's node, where its snapshot is saved: the batch script puts it on "
+              "every node; it loads on any world size as it is)", file=sys.stderr)
+        return [f"--nodelist={recorded[0]}"]
+    print(f"clusterkit: node-local checkpoints of job {job_id} are on {first}, "
+          f"{len(recorded)} nodes: submitting on any {now} free nodes (the batch script "
+          "reshards the checkpoint before the ranks start)", file=sys.stderr)
+    return []

@@ -13,7 +13,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from clusterkit.node.ckpt.ready import resume_words
-from clusterkit.node.contract import CKPT_TAG_TOKEN, RESUME_DIR_FIELD
+from clusterkit.node.contract import (
+    CKPT_TAG_TOKEN,
+    OTHER_WORLD_AS_IS,
+    OTHER_WORLD_CONVERT,
+    OTHER_WORLD_REFUSE,
+    RESUME_DIR_FIELD,
+)
 from clusterkit.spec.programs import CONTRACT, PROGRAM_CHOICES, OtherWorld, ProgramChoice
 
 
@@ -125,9 +131,22 @@ def resume_rule(choice: ProgramChoice | None, *, job_id: str, ckpt_dir: str, nod
             "name": choice.name, "resume": list(choice.resume),
             "top_latest": top, "nested_latest": nested, "aside": choice.profile.picks_newest,
             "step0": restart_problem(choice, CKPT_TAG_TOKEN, ckpt_dir, job_id) or "",
-            "reshard": choice.profile.other_world is OtherWorld.UNIVERSAL,
+            "other_world": sbatch_other_world(choice),
             "one_writer": choice.profile.one_writer,
             "layout": choice.profile.layout, "saves_on_usr1": saves_on_usr1(choice)}
+
+
+def sbatch_other_world(choice: ProgramChoice) -> str:
+    """How the batch script continues this program's node-local checkpoint on another
+    number of nodes: the one answer submit's check and the plan step read. Converted only
+    for top-level DeepSpeed tags (the batch script has no in-tag-dir conversion: HF's and
+    accelerate's are a launch's alone); a snapshot loads on any world size as it is."""
+    world = choice.profile.other_world
+    if world is OtherWorld.UNIVERSAL:
+        return OTHER_WORLD_CONVERT
+    if world is OtherWorld.AS_IS:
+        return OTHER_WORLD_AS_IS
+    return OTHER_WORLD_REFUSE
 
 
 def restart_problem(choice: ProgramChoice, tag: str, where: str, job_id: str) -> str | None:

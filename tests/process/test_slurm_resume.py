@@ -22,11 +22,13 @@ from pathlib import Path
 
 import pytest
 
+from clusterkit.errors import LaunchError
 from clusterkit.node.ckpt.listing import listing
 from clusterkit.node.contract import ASIDE_SUFFIX
 from clusterkit.node.slurm import replica, restore
 from clusterkit.plan.build import plan_job
 from clusterkit.render.artifacts import render_all
+from clusterkit.slurm.submit import other_count
 from clusterkit.spec.job import JobOptions
 from clusterkit.spec.programs import detect
 from clusterkit.spec.resume import resume_rule
@@ -167,6 +169,72 @@ def test_a_snapshot_saved_on_one_node_is_on_every_node_before_the_ranks_start(
     # the next run finds every copy the same: nothing to copy
     status, run = _plan(tmp_path / "again", roots, _rule(SNAP_SRC))
     assert json.loads((run / replica.PREP_FILE).read_text())["spread"] == {}
+
+
+def _snapshots(tmp_path: Path) -> dict[str, Path]:
+    """A snapshot job's three node-local dirs: n1 (rank 0's) holds the newest snapshot, n2
+    none (its disk was replaced), n3 an older copy (an earlier run's spread)."""
+    roots = {h: tmp_path / h for h in HOSTS}
+    for root in roots.values():
+        root.mkdir()
+    (roots["n1"] / "snapshot.pt").write_bytes(b"epoch 40" * 100)
+    (roots["n3"] / "snapshot.pt").write_bytes(b"epoch 10" * 100)
+    os.utime(roots["n3"] / "snapshot.pt", (1000, 1000))
+    return roots
+
+
+def test_a_snapshot_saved_on_3_nodes_goes_on_on_2_as_it_is(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Submitted again (or requeued) on n1,n2: the snapshot loads on any world size, so
+    the plan step converts nothing and puts the newest copy on the node that lacks it."""
+    roots = _snapshots(tmp_path)
+    now = {h: roots[h] for h in ("n1", "n2")}
+    status, run = _plan(tmp_path, now, _rule(SNAP_SRC), hosts=["n1", "n2"])
+    said = capsys.readouterr().out
+    assert status == 0, said
+    assert ("clusterkit: job j: this run got 2 nodes, n1,n2; the checkpoint was saved on 3, "
+            "n1,n2,n3: it loads on any world size as it is: its newest copy is put on every "
+            "node, nothing converted") in said, said
+    assert ("clusterkit: snapshot.pt: written by n1 only; copied to n2 (sha256 verified) "
+            "before the ranks start") in said, said
+    for word in ("reshard", "plan.json", replica.RESUME_FILE):
+        assert not (run / word).exists(), word
+    threads = [threading.Thread(target=replica.ready_node, args=(str(now[h]), str(run), h))
+               for h in now]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert (roots["n2"] / "snapshot.pt").read_bytes() == b"epoch 40" * 100
+    assert "clusterkit: n2: snapshot.pt: copied from n1 (sha256 verified)" in capsys.readouterr().out
+
+
+def test_a_snapshot_run_without_its_writer_node_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On n2,n3 the newest snapshot (n1's) cannot be read: n3's older copy would be a
+    silent step back, so the run stops naming n1 and the fix."""
+    roots = _snapshots(tmp_path)
+    status, run = _plan(tmp_path, {h: roots[h] for h in ("n2", "n3")}, _rule(SNAP_SRC),
+                        hosts=["n2", "n3"])
+    said = capsys.readouterr().err
+    assert status == restore.CANNOT_ASSEMBLE
+    assert ("clusterkit: job j: its newest snapshot is on n1 (rank 0's node of n1,n2,n3), "
+            "which this run (n2,n3) did not get: not starting. Submit it on nodes including "
+            "n1") in said, said
+    assert "clusterkit collect-ckpt j" in said and len(said.strip().splitlines()) == 1
+    assert not (run / replica.PREP_FILE).exists()
+
+
+def test_submitting_on_another_number_of_nodes_by_the_profile(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """submit's check (slurm/submit.other_count), the plan step's rule said at submit: a
+    snapshot goes with its writer's node; HF is refused; the workload is resharded."""
+    assert other_count(_rule(SNAP_SRC), "j", "n[1-3]", HOSTS, 2) == ["--nodelist=n1"]
+    assert "submitting on 2 nodes including n1" in capsys.readouterr().err
+    with pytest.raises(LaunchError, match="converts no hf-trainer checkpoint for 2"):
+        other_count(_rule(HF_SRC), "j", "n[1-3]", HOSTS, 2)
+    assert other_count({}, "j", "n[1-3]", HOSTS, 2) == []
+    assert "reshards the checkpoint" in capsys.readouterr().err
 
 
 def test_an_unknown_program_is_not_requeued_into_step_0(

@@ -54,7 +54,14 @@ from clusterkit.node.ckpt.ready import (
     ready_checkpoints,
     spread_line,
 )
-from clusterkit.node.contract import SLURM_RESUMED_FROM, SLURM_SPREAD_DIR, JobDir
+from clusterkit.node.contract import (
+    OTHER_WORLD_AS_IS,
+    OTHER_WORLD_CONVERT,
+    OTHER_WORLD_REFUSE,
+    SLURM_RESUMED_FROM,
+    SLURM_SPREAD_DIR,
+    JobDir,
+)
 from clusterkit.node.files import write_atomic
 from clusterkit.node.hashing import sha256_file
 from clusterkit.node.replicas import priority
@@ -211,13 +218,12 @@ def plan(conf: dict[str, Any], run_dir: str) -> int:
         restore.say(refusal, err=True)
         return restore.CANNOT_ASSEMBLE
     rule = conf.get("program") or {}
+    if p.get("reshard") and other_world(rule) == OTHER_WORLD_AS_IS:
+        p = {"tag": None}  # what it loads is its top-level file, as it is: convert nothing
     spread = one_writer_copies(listings) if rule.get("one_writer") else {}
+    written = bool(rule.get("one_writer")) and any(ls.get("top") for ls in listings.values())
     if p.get("tag") is None:
-        if not (rule.get("one_writer") and any(ls.get("top") for ls in listings.values())):
-            restore.say(f"job {job}: no checkpoint on its nodes ({now}) or in their replicas: "
-                        "starting fresh" if hosts == old else
-                        f"job {job}: this run got {now} (the checkpoint's nodes were {was}); no "
-                        "checkpoint on any of them or in their replicas: starting fresh")
+        _say_untagged(rule, written, job, was, now, hosts, old)
         if rule:
             _write_prep(run_dir, conf["ckpt_dir"], None, spread)
         return 0
@@ -231,6 +237,21 @@ def plan(conf: dict[str, Any], run_dir: str) -> int:
             restore.say(line)
         _write_prep(run_dir, conf["ckpt_dir"], ready, spread)
     return 0
+
+
+def _say_untagged(rule: dict[str, Any], written: bool, job: str, was: str, now: str,
+                  hosts: list[str], old: list[str]) -> None:
+    """The plan's line when no tag is to be resumed: a snapshot (``written``: some node
+    holds a top-level file of a one-writer program) going on as it is, or a fresh start."""
+    if written and other_world(rule) == OTHER_WORLD_AS_IS and len(hosts) != len(old):
+        restore.say(f"job {job}: this run got {len(hosts)} nodes, {now}; the checkpoint was "
+                    f"saved on {len(old)}, {was}: it loads on any world size as it is: its "
+                    "newest copy is put on every node, nothing converted")
+    if not written:
+        restore.say(f"job {job}: no checkpoint on its nodes ({now}) or in their replicas: "
+                    "starting fresh" if hosts == old else
+                    f"job {job}: this run got {now} (the checkpoint's nodes were {was}); no "
+                    "checkpoint on any of them or in their replicas: starting fresh")
 
 
 def one_writer_copies(listings: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -285,13 +306,35 @@ def _refusal(p: dict[str, Any], conf: dict[str, Any], job: str, was: str, now: s
                 "(clusterkit sbatch --submit pins them), or gather and move the shards: "
                 "clusterkit collect-ckpt --scatter, then remove JOBDIR/" + JobDir.SLURM_NODES)
     rule = conf.get("program") or {}
-    if p.get("reshard") and rule and not rule.get("reshard"):
+    if rule and other_world(rule) == OTHER_WORLD_AS_IS and old and old[0] not in hosts:
+        return writer_gone(job, was, now, old[0], conf["ckpt_dir"])
+    if p.get("reshard") and rule and other_world(rule) == OTHER_WORLD_REFUSE:
         return (f"job {job}: its checkpoint {p['tag']} was saved on {len(old)} nodes ({was}), "
                 f"this run got {len(hosts)} ({now}): clusterkit sbatch converts no "
                 f"{rule.get('name')} checkpoint ({rule.get('layout')}) for another number of "
                 f"nodes: not starting. Submit it on {len(old)} nodes, or take its weights: "
                 f"clusterkit collect-ckpt {job} --consolidate fp32 (docs/programs.md)")
     return None
+
+
+def other_world(rule: dict[str, Any]) -> str:
+    """How the program's checkpoint continues on another number of nodes (its rule's
+    ``other_world``, spec/resume.sbatch_other_world); a rule rendered before that word
+    said ``reshard`` (true: converted)."""
+    if "other_world" in rule:
+        return str(rule["other_world"])
+    return OTHER_WORLD_CONVERT if rule.get("reshard") else OTHER_WORLD_REFUSE
+
+
+def writer_gone(job: str, was: str, now: str, writer: str, ckpt_dir: str) -> str:
+    """A snapshot's run without the node that holds its newest copy: rank 0 saved it on
+    node index 0 of the last run only, and a node's local disk is read only from inside
+    the allocation, so any copy on this run's nodes may be older (a silent step back)."""
+    return (f"job {job}: its newest snapshot is on {writer} (rank 0's node of {was}), which "
+            f"this run ({now}) did not get: not starting. Submit it on nodes including "
+            f"{writer} (clusterkit sbatch --submit does), or fetch it with clusterkit "
+            f"collect-ckpt {job}, put it in {ckpt_dir} on every node it will run on and remove "
+            f"JOBDIR/{JobDir.SLURM_NODES}")
 
 
 def _say_moves(p: dict[str, Any], job: str, was: str, now: str, hosts: list[str],
