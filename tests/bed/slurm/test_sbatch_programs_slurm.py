@@ -10,6 +10,9 @@ full, what the failed run logged for it (helpers.attempts_agree), and the job CO
 * extended: HF Trainer, which does not save on SIGUSR1: the time limit's USR1 (``scancel
   --signal=USR1 --batch``) after checkpoint-10 ends the step and requeues the job (row
   ``stop-end-step``), and the requeued run resumes from checkpoint-10.
+* extended: pytorch's DDP tutorial on 3 nodes, a rank killed; the same job submitted
+  again with ``--nodes 2`` goes on as it is (the snapshot copied from rank 0's node to
+  the other node of the new allocation, nothing converted).
 * extended: pytorch's DDP tutorial (tests/programs/ddp_snapshot.py), a rank hung; the
   hang watchdog requeues the job (``--hang-timeout 15 --max-restarts 1``, pinned:
   node-local, no replicas) and rank 0's snapshot.pt is copied from node1 to node2 before
@@ -46,11 +49,12 @@ RESUMED = re.compile(r"Resuming training from checkpoint with epoch \d+ and glob
                      r"|Continuing training from global step 10\b")
 
 
-def _submit_program(bed: SlurmBed, job: str, program: list[str], *flags: str) -> str:
-    """``clusterkit sbatch`` of a user's program on 2 nodes x 1 CPU rank, node-local."""
+def _submit_program(bed: SlurmBed, job: str, program: list[str], *flags: str,
+                    nodes: int = 2) -> str:
+    """``clusterkit sbatch`` of a user's program on ``nodes`` nodes x 1 CPU rank, node-local."""
     inv = bed.tb.write_inventory(bed.tb.root / "inventory-programs.yaml", nodes=bed.nodes,
                                  slots=1, gpus=0)
-    r = clusterkit_cli("sbatch", "-i", str(inv), "--nodes", "2", "--gpus-per-node", "1",
+    r = clusterkit_cli("sbatch", "-i", str(inv), "--nodes", str(nodes), "--gpus-per-node", "1",
                        "--storage", "node-local", "--job-id", job, "--partition", "debug",
                        *flags, "--submit", *program, env=bed.env, timeout=120)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
@@ -205,3 +209,30 @@ def test_ddp_snapshot_requeued_after_a_hang_resumes_on_every_node(slurm: SlurmBe
     logged = [(int(e), loss) for e, loss in EPOCH_LOSS.findall(text)]
     attempts_agree(logged, [5])
     assert logged[-1][0] == EPOCHS - 1, logged
+
+
+SNAP_RESUMED = re.compile(r"Resuming training from snapshot at Epoch (\d+)")
+
+
+@pytest.mark.extended
+def test_ddp_snapshot_submitted_again_on_fewer_nodes_goes_on_as_it_is(slurm: SlurmBed) -> None:
+    """pytorch's DDP tutorial (CPU) on 3 nodes: rank 0 saves snapshot.pt every 2 epochs on
+    its own node; rank 1 killed at epoch 5 ends the job (FAILED). Submitted again with
+    ``--nodes 2``: clusterkit puts rank 0's node in the node list, the plan step converts
+    nothing and copies snapshot.pt to the other node (sha256 checked), and both ranks of
+    the smaller world resume at the same epoch and finish."""
+    job = "ddp-fewer"
+    snap = str(slurm.tb.local_mountpoint / "ckpt" / job / "snapshot.pt")
+    program = [str(DDP), str(EPOCHS), "2", "--snapshot_path", snap, "--crash_at_epoch", "5",
+               "--crash_rank", "1", "--crash_once", str(slurm.tb.root / f"{job}-killed")]
+    state, first, err = _job_output(slurm, job, _submit_program(slurm, job, program, nodes=3))
+    assert state == "FAILED", (state, first[-3000:], err[-3000:])
+    state, out, err = _job_output(slurm, job, _submit_program(slurm, job, program, nodes=2))
+    _completed_or_exit_abort(state, out, err, f"epoch {EPOCHS - 1} loss")
+    assert re.search(r"this run got 2 nodes, \S+; the checkpoint was saved on 3, \S+: it "
+                     r"loads on any world size as it is", out), out[-5000:]
+    assert re.search(r"clusterkit: node\d+: snapshot\.pt: copied from node\d+ \(sha256 "
+                     r"verified\)", out), out[-5000:]
+    resumed = SNAP_RESUMED.findall(out + err)
+    assert len(resumed) == 2 and len(set(resumed)) == 1 and int(resumed[0]) > 0, resumed
+    assert max(int(e) for e, _ in EPOCH_LOSS.findall(out + err)) == EPOCHS - 1
