@@ -56,7 +56,6 @@ from clusterkit.node.ckpt.ready import (
 )
 from clusterkit.node.contract import (
     OTHER_WORLD_AS_IS,
-    OTHER_WORLD_CONVERT,
     OTHER_WORLD_REFUSE,
     SLURM_RESUMED_FROM,
     SLURM_SPREAD_DIR,
@@ -319,11 +318,9 @@ def _refusal(p: dict[str, Any], conf: dict[str, Any], job: str, was: str, now: s
 
 def other_world(rule: dict[str, Any]) -> str:
     """How the program's checkpoint continues on another number of nodes (its rule's
-    ``other_world``, spec/resume.sbatch_other_world); a rule rendered before that word
-    said ``reshard`` (true: converted)."""
-    if "other_world" in rule:
-        return str(rule["other_world"])
-    return OTHER_WORLD_CONVERT if rule.get("reshard") else OTHER_WORLD_REFUSE
+    ``other_world``, spec/resume.sbatch_other_world; the job dir holds the node code of
+    the clusterkit that rendered the rule, so the two always agree)."""
+    return str(rule.get("other_world", OTHER_WORLD_REFUSE))
 
 
 def writer_gone(job: str, was: str, now: str, writer: str, ckpt_dir: str) -> str:
