@@ -23,7 +23,7 @@ from clusterkit.errors import LaunchError
 from clusterkit.launch.continuation import reshardable
 from clusterkit.node.contract import ENV_CKPT_DIR, ENV_DS_CONFIG, ENV_RESUME_TAG
 from clusterkit.spec.zero import ZeroSpec, build_ds_config
-from tests.helpers import REPO, free_port, workload_env, workload_summary
+from tests.helpers import REPO, free_port, torchrun_exit_abort, workload_env, workload_summary
 
 TRAIN = REPO / "docs" / "examples" / "train.py"
 RUN_TIMEOUT = 240
@@ -107,7 +107,10 @@ def _train(tmp_path: Path, nproc: int, ds_config: dict[str, Any], args: list[str
     proc = subprocess.run(argv, cwd=tmp_path, env=full, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    # torch 2.13's gloo abort at interpreter exit (tests/helpers.EXIT_ABORT, about 1 run
+    # in 12) after the script's last line: the work is done (CI-like run of f029a88)
+    assert proc.returncode == 0 or (torchrun_exit_abort(out) and "CLUSTERKIT_SUMMARY " in out), \
+        out[-4000:]
     return out
 
 
