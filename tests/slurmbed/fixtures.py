@@ -11,13 +11,15 @@ the session, also when a test fails. Tests use ``slurm_bed.env`` for clients::
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.slurmbed.cluster import SlurmBed, slurm_unavailable_reason
-from tests.testbed import Testbed
+from tests.testbed import Testbed, temporary
 
 SLURM_NODES = 7
 
@@ -46,3 +48,21 @@ def slurm(slurm_bed: SlurmBed) -> Iterator[SlurmBed]:
     # A failed test may leave ranks Slurm lost track of: they must not eat the CPUs of
     # the next test (tests assert "nothing left" themselves where it matters).
     slurm_bed.kill_job_leftovers()
+
+
+@contextlib.contextmanager
+def user_slurm_bed(user: str, slots: int, nodes: int = 5) -> Iterator[tuple[SlurmBed, Path]]:
+    """A test bed of its own with an unprivileged ``user``, a Slurm over its ``nodes``
+    nodes (Slurm runs a job as its submitter: the batch script, its steps and the ranks
+    are the user's) and the user's inventory (``gpus: 0``); always torn down."""
+    reason = slurm_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with temporary(nodes, user=user) as tb:
+        assert tb.user is not None
+        bed = SlurmBed.start(tb, nodes)
+        try:
+            yield bed, tb.write_inventory(tb.user.home / "inv.yaml", slots=slots, gpus=0,
+                                          as_user=True)
+        finally:
+            bed.stop()

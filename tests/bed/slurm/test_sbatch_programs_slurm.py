@@ -25,11 +25,12 @@ import json
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.cli import clusterkit_cli
+from tests.cli import CLI, clusterkit_cli
 from tests.helpers import (
     EXIT_ABORT,
     HF_DS_AUTO,
@@ -40,10 +41,13 @@ from tests.helpers import (
 )
 from tests.paths import REPO
 from tests.slurmbed import SlurmBed
+from tests.slurmbed.fixtures import user_slurm_bed
+from tests.testbed.users import assert_owned_by_user
 
 pytestmark = [pytest.mark.slurm, pytest.mark.testbed, pytest.mark.slow]
 
 STEPS = 20
+USER = "ckslurm"  # the unprivileged user of the extended test's own bed
 EXACT = re.compile(r"exact loss at step (\d+): (\S+)")
 RESUMED = re.compile(r"Resuming training from checkpoint with epoch \d+ and global step 10\b"
                      r"|Continuing training from global step 10\b")
@@ -63,13 +67,14 @@ def _submit_program(bed: SlurmBed, job: str, program: list[str], *flags: str,
     return m.group(1)
 
 
-def _job_output(bed: SlurmBed, job: str, slurm_id: str) -> tuple[str, str, str]:
-    """Wait for the job's end: (its state, .out, .err)."""
+def _job_output(bed: SlurmBed, job: str, slurm_id: str, job_dir: Path | None = None
+                ) -> tuple[str, str, str]:
+    """Wait for the job's end: (its state, .out, .err); ``job_dir``: another submitter's."""
     deadline = time.monotonic() + 600
     while (state := bed.job_state(slurm_id)) in IN_PROGRESS or state.startswith("REQUEUE"):
         assert time.monotonic() < deadline, f"job {slurm_id} still {state}"
         time.sleep(1)
-    logs = slurm_job_dir(bed, job) / "logs"
+    logs = (job_dir or slurm_job_dir(bed, job)) / "logs"
     return (state, (logs / f"slurm-{slurm_id}.out").read_text(errors="replace"),
             (logs / f"slurm-{slurm_id}.err").read_text(errors="replace"))
 
@@ -94,22 +99,62 @@ def test_hf_trainer_killed_then_submitted_again_resumes_from_its_checkpoint(
     DeepSpeed's ``checkpoint-10/latest`` on node2 (global rank 0 wrote it on node1 only),
     and the program gets ``--resume_from_checkpoint <ckpt>/checkpoint-10``; before this,
     the second job began at step 0 and ended COMPLETED."""
+    inv = slurm.tb.write_inventory(slurm.tb.root / "inventory-programs.yaml", nodes=slurm.nodes,
+                                   slots=1, gpus=0)
+    _killed_then_submitted_again(slurm, inv, slurm.tb.root, slurm.tb.local_mountpoint / "ckpt",
+                                 slurm_job_dir(slurm, "hf-again"), slurm.env, None)
+
+
+# ~1.5 minutes (a Slurm of its own for the user's bed): extended.
+@pytest.mark.extended
+def test_hf_trainer_as_a_user_killed_then_submitted_again_resumes(testbed_required: None
+                                                                  ) -> None:
+    """The same as the test bed's unprivileged user (its own bed and Slurm: the batch
+    script, its steps and the ranks are the user's): the user's checkpoint dir on each
+    node, the user's job dir; what the job wrote on the nodes is the user's."""
+    with user_slurm_bed(USER, slots=1) as (bed, inv):
+        user = bed.tb.user
+        assert user is not None
+        ckpt = user.local_dir / "ckpt"
+        _killed_then_submitted_again(bed, inv, user.home, ckpt,
+                                     user.workdir / ".clusterkit" / "jobs" / "hf-again",
+                                     bed.user_env, bed.tb.user_argv)
+        assert_owned_by_user(user, [p for n in bed.nodes for p in
+                                    bed.tb.node_local_path(n, f"{USER}/ckpt/hf-again").rglob("*")])
+
+
+def _killed_then_submitted_again(bed: SlurmBed, inv: Path, home: Path, ckpt: Path,
+                                 job_dir: Path, env: dict[str, str],
+                                 as_user: Callable[[list[str]], list[str]] | None) -> None:
+    """The HF job of the two tests above, submitted from ``home`` (its ds_config there,
+    its checkpoints in ``ckpt`` on each node), twice; ``as_user``: the bed's user's argv."""
     job = "hf-again"
-    root = slurm.tb.root
-    ds = root / "ds_config_z2.json"
+    ds = home / "ds_config_z2.json"
     ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
-    out_dir = str(slurm.tb.local_mountpoint / "ckpt" / job)  # the job's checkpoint dir
+    ds.chmod(0o644)
     program = [
-        str(HF_TRAINER), "--output_dir", out_dir, "--deepspeed", str(ds), "--use_cpu",
+        str(HF_TRAINER), "--output_dir", str(ckpt / job), "--deepspeed", str(ds), "--use_cpu",
         "--max_steps", str(STEPS), "--save_steps", "10", "--logging_steps", "5",
         "--per_device_train_batch_size", "4", "--report_to", "none", "--learning_rate", "1e-3",
         "--seed", "7", "--exact_losses", "True", "--crash_at_step", "16", "--crash_rank", "1",
-        "--crash_once", str(root / f"{job}-killed")]
-    state, first, err = _job_output(slurm, job, _submit_program(slurm, job, program))
+        "--crash_once", str(home / f"{job}-killed")]
+
+    def submit() -> str:
+        argv = [*CLI, "sbatch", "-i", str(inv), "--nodes", "2",
+                "--gpus-per-node", "1", "--storage", "node-local", "--job-id", job,
+                "--partition", "debug", "--submit", *program]
+        r = subprocess.run(as_user(argv) if as_user else argv, capture_output=True, text=True,
+                           env=env, cwd=home, timeout=120, check=False)
+        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+        m = re.search(r"submitted Slurm job (\d+)", r.stdout)
+        assert m, r.stdout
+        return m.group(1)
+
+    state, first, err = _job_output(bed, job, submit(), job_dir)
     assert state == "FAILED", (state, first[-3000:], err[-3000:])
     assert "killed by signal 9" in err, err[-3000:]
     assert "resuming from" not in first  # the first run had nothing to resume from
-    state, out, err = _job_output(slurm, job, _submit_program(slurm, job, program))
+    state, out, err = _job_output(bed, job, submit(), job_dir)
     _completed_or_exit_abort(state, out, err, f"final loss at step {STEPS}:")
     assert "hf-trainer: resuming from checkpoint-10, the newest checkpoint complete on every " \
            "node (--resume_from_checkpoint " in out, out[-5000:]

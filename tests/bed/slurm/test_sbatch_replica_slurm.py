@@ -31,7 +31,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,8 +40,8 @@ from tests.helpers import snapshot_tag
 from tests.paths import REPO
 from tests.polling import wait_for
 from tests.slurmbed import SlurmBed
-from tests.slurmbed.cluster import slurm_unavailable_reason
-from tests.testbed import Testbed, temporary
+from tests.slurmbed.fixtures import user_slurm_bed
+from tests.testbed import Testbed
 from tests.testbed.users import assert_owned_by_user
 
 pytestmark = [pytest.mark.slurm, pytest.mark.testbed, pytest.mark.slow]
@@ -63,22 +62,6 @@ SLOTS = 2 if EXTENDED else 1
 # steps (six windows; it had 12 at 4 x 2, 16 until issue 37 item 6).
 STEPS, SAVE_EVERY = 12 * (3 - SLOTS), 4
 LOST = "node3"
-
-
-@contextlib.contextmanager
-def _user_bed(tmp_path: Path, slots: int) -> Iterator[tuple[SlurmBed, Path]]:
-    """5 nodes, a Slurm over them, the bed's user and its inventory (always torn down)."""
-    reason = slurm_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    with temporary(5, user=USER) as tb:
-        assert tb.user is not None
-        bed = SlurmBed.start(tb, 5)
-        try:
-            yield bed, tb.write_inventory(tb.user.home / "inv.yaml", slots=slots, gpus=0,
-                                          as_user=True)
-        finally:
-            bed.stop()
 
 
 def _clusterkit(bed: SlurmBed, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -272,7 +255,7 @@ def _reshard_on_3_nodes(bed: SlurmBed, inv: Path, tmp_path: Path) -> None:
 
 def test_a_lost_node_costs_a_restore_not_the_run(testbed_required: None, tmp_path: Path) -> None:
     t0 = time.monotonic()
-    with _user_bed(tmp_path, slots=SLOTS) as (bed, inv):
+    with user_slurm_bed(USER, slots=SLOTS) as (bed, inv):
         tb = bed.tb
         slurm_id = _submit_replica_job(bed, inv, "lost", "--replicas", "1")
         # node index 2 (node3)'s first save, replicated on node4 (its ring successor).
@@ -345,7 +328,7 @@ def test_a_user_script_survives_a_lost_node_and_goes_on_on_fewer(testbed_require
                                       *extra, "--submit", str(TRAIN), "--steps", str(steps),
                                       "--save-every", "4"))
 
-    with _user_bed(tmp_path, slots=1) as (bed, inv):
+    with user_slurm_bed(USER, slots=1) as (bed, inv):
         slurm_id = submit(bed, inv, 4, 16)
         _lose_node3_once(bed, "user", slurm_id, bed.tb.node_local_path(
             "node4", f"{LOCAL}/user.replicas/node2/step4/{REPLICA_MANIFEST}"))
