@@ -142,25 +142,15 @@ def test_accelerate_requeued_has_the_newer_unassemblable_save_moved_aside(
 def test_a_snapshot_saved_on_one_node_is_on_every_node_before_the_ranks_start(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """pytorch's DDP tutorial: rank 0 saves snapshot.pt on its own node; every rank loads it
-    if it exists. n2 holds an older one (an earlier run's copy), n3 none."""
-    roots = {h: tmp_path / h for h in HOSTS}
-    for root in roots.values():
-        root.mkdir()
-    (roots["n2"] / "snapshot.pt").write_bytes(b"epoch 10" * 100)
-    os.utime(roots["n2"] / "snapshot.pt", (1000, 1000))
-    (roots["n1"] / "snapshot.pt").write_bytes(b"epoch 40" * 100)
+    if it exists (:func:`_snapshots`: n2 holds none, n3 an older one)."""
+    roots = _snapshots(tmp_path)
     status, run = _plan(tmp_path, roots, _rule(SNAP_SRC))
     said = capsys.readouterr().out
     assert status == 0, said
     assert ("clusterkit: snapshot.pt: written by n1 only; copied to n2,n3 (sha256 verified) "
             "before the ranks start") in said, said
     prep = json.loads((run / replica.PREP_FILE).read_text())
-    threads = [threading.Thread(target=replica.ready_node, args=(str(roots[h]), str(run), h))
-               for h in HOSTS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _ready_everywhere(roots, run)
     said = capsys.readouterr().out
     for h in ("n2", "n3"):
         assert (roots[h] / "snapshot.pt").read_bytes() == b"epoch 40" * 100, h
@@ -169,6 +159,17 @@ def test_a_snapshot_saved_on_one_node_is_on_every_node_before_the_ranks_start(
     # the next run finds every copy the same: nothing to copy
     status, run = _plan(tmp_path / "again", roots, _rule(SNAP_SRC))
     assert json.loads((run / replica.PREP_FILE).read_text())["spread"] == {}
+
+
+def _ready_everywhere(roots: dict[str, Path], run: Path) -> None:
+    """Every node's ready step at once (node -> its checkpoint dir), as the batch script's
+    srun runs them: a copy waits in the run dir for the node it is for."""
+    threads = [threading.Thread(target=replica.ready_node, args=(str(root), str(run), h))
+               for h, root in roots.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
 
 
 def _snapshots(tmp_path: Path) -> dict[str, Path]:
@@ -199,12 +200,7 @@ def test_a_snapshot_saved_on_3_nodes_goes_on_on_2_as_it_is(
             "before the ranks start") in said, said
     for word in ("reshard", "plan.json", replica.RESUME_FILE):
         assert not (run / word).exists(), word
-    threads = [threading.Thread(target=replica.ready_node, args=(str(now[h]), str(run), h))
-               for h in now]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _ready_everywhere(now, run)
     assert (roots["n2"] / "snapshot.pt").read_bytes() == b"epoch 40" * 100
     assert "clusterkit: n2: snapshot.pt: copied from n1 (sha256 verified)" in capsys.readouterr().out
 
