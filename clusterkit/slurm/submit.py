@@ -186,7 +186,7 @@ def other_count(rule: dict[str, Any], job_id: str, first: str, recorded: list[st
     ``rule`` (spec/resume.resume_rule; empty: the bundled workload, converted): the sbatch
     arguments it goes with, or the refusal the plan step (node/slurm/replica.py) would
     make, said now."""
-    world = rule.get("other_world", OTHER_WORLD_CONVERT) if rule else OTHER_WORLD_CONVERT
+    world = rule.get("other_world", OTHER_WORLD_CONVERT)
     if world == OTHER_WORLD_REFUSE:
         raise LaunchError(
             f"job {job_id}'s node-local checkpoints are on {first}, {len(recorded)} nodes, and "
