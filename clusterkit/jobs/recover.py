@@ -68,7 +68,7 @@ from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
 from clusterkit.spec.jobrecord import RankMap
 from clusterkit.spec.programs import DERIVED_DS_CONFIG, OtherWorld
-from clusterkit.spec.resume import resume_rule, resumed_program
+from clusterkit.spec.resume import plan_rule, resumed_program
 
 
 def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home: str,
@@ -189,8 +189,7 @@ def resume_tag(plan: JobPlan, tag: str, newer: Sequence[str], say: Say) -> JobPl
     node's program, DeepSpeed's ``latest`` pointed at it where that is how the program
     picks, newer tags moved aside where it picks by itself; refused in one line when the
     program has no known way to resume (it would begin at step 0)."""
-    rule = resume_rule(plan.profile, job_id=plan.job_id, ckpt_dir=plan.nodes[0].ckpt_dir,
-                       node_local=plan.node_local, workload=plan.options.uses_workload)
+    rule = plan_rule(plan)
     if not rule or plan.profile is None:
         return None
     r = readiness(rule, plan.nodes[0].ckpt_dir, tag, newer)

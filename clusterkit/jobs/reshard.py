@@ -22,38 +22,34 @@ import dataclasses
 import json
 import os
 import posixpath
-import shutil
 from collections.abc import Sequence
 
 from clusterkit.checkpoints.collect.inside import converted
 from clusterkit.checkpoints.collect.verb import CollectOptions, collect
 from clusterkit.checkpoints.collectplan import WithoutMarkers
-from clusterkit.checkpoints.convert.universal import (
-    Universal,
-    convert_to_universal,
-    universal_tag,
-    user_resume,
+from clusterkit.checkpoints.convert.tagdir import (
+    inside_line,
+    into_tag_dir,
+    local_files,
+    with_load_universal,
 )
+from clusterkit.checkpoints.convert.universal import Universal, convert_to_universal, user_resume
 from clusterkit.checkpoints.listing import NodeListing
 from clusterkit.checkpoints.replicas.assemble import Assembly
 from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.errors import CheckpointError, LaunchError
-from clusterkit.fsutil import atomic_write_text
 from clusterkit.jobs.resolve import recorded_nodes
 from clusterkit.jobs.restore import Say, collect_node, push_files, staging_dir
 from clusterkit.launch.registry import JobRecord
 from clusterkit.node.contract import (
-    ASIDE_SUFFIX,
     ENV_RESUME_TAG,
     LATEST_UNIVERSAL_FILE,
-    UNIVERSAL_MARKER,
     UNIVERSAL_SUFFIX,
 )
-from clusterkit.node.hashing import sha256_file
 from clusterkit.remote.base import Transport
 from clusterkit.spec.job import JobPlan
 from clusterkit.spec.jobrecord import RankMap
-from clusterkit.spec.programs import ACCELERATE_CONFIG_ENV, DERIVED_DS_CONFIG, OtherWorld
+from clusterkit.spec.programs import DERIVED_DS_CONFIG, OWN_CONFIG_FIX, OWN_CONFIG_WHY, OtherWorld
 
 
 def reshard(transport: Transport, plan: JobPlan, prior: JobRecord,
@@ -83,9 +79,9 @@ def reshard(transport: Transport, plan: JobPlan, prior: JobRecord,
         inside = _inside(plan)
         in_place = inside and plan.profile is not None and plan.profile.profile.ds_tag is not None
         if inside:
-            u, files = _into_tag_dir(dest, a.tag, u, in_place=in_place)
+            u, files = into_tag_dir(dest, a.tag, u, in_place=in_place)
         else:
-            files = _local_files(dest, u.tag)
+            files = local_files(dest, u.tag)
         say(f"3/3 pushing {u.tag} ({len(files)} files, "
             f"{sum(size for size, _ in files.values()) / 1e6:.1f} MB) to {len(plan.nodes)} nodes")
         targets = [collect_node(n, n.ckpt_dir) for n in plan.nodes]
@@ -116,46 +112,9 @@ def check_inside(plan: JobPlan) -> None:
     derived copy (the user's own file is never edited, so load_universal goes there)."""
     if _inside(plan) and DERIVED_DS_CONFIG not in plan.program_files:
         raise LaunchError(f"cannot relaunch job {plan.job_id} on {len(plan.nodes)} nodes: "
-                          "its DeepSpeed config is your own (a file already node-local, none "
-                          "named, or one your script hands accelerate's DeepSpeedPlugin), and "
-                          "clusterkit edits no file of yours to turn on "
-                          "checkpoint.load_universal", key="--job-id",
+                          f"{OWN_CONFIG_WHY}", key="--job-id",
                           hint="relaunch on the same nodes (--replace OLD=NEW for a lost one; "
-                               "docs/lost-a-node.md), or name a config without "
-                               "checkpoint.use_node_local_storage (clusterkit then derives one; "
-                               "accelerate: give the plugin none, clusterkit points "
-                               f"{ACCELERATE_CONFIG_ENV} at its own)")
-
-
-def _into_tag_dir(dest: str, tag: str, u: Universal, *, in_place: bool = False
-                  ) -> tuple[Universal, dict[str, tuple[int, str]]]:
-    """The converter's output (``<tag>_universal/<DeepSpeed tag>``) moved into the tag dir
-    where the program's DeepSpeed load reads it with load_universal on: HF's beside its
-    tag, ``<tag>/global_stepN_universal`` with ``<tag>/latest_universal`` naming it;
-    ``in_place`` (accelerate, which loads ``pytorch_model`` by name) in the tag's own
-    place, the gathered original renamed ``pytorch_model.set-aside`` (kept: the marker
-    names it) and ``latest_universal`` naming the conversion (collect's rule finds it by
-    that). The files to push: the whole tag dir but the old DeepSpeed tag (a node new to
-    the mapping gets the program's own files, every node every rank's RNG state)."""
-    sub = u.marker.ds_subdir
-    name, original = (sub, sub + ASIDE_SUFFIX) if in_place else (universal_tag(sub), sub)
-    if in_place:
-        os.replace(os.path.join(dest, tag, sub), os.path.join(dest, tag, original))
-    shutil.rmtree(os.path.join(dest, tag, name), ignore_errors=True)
-    os.replace(os.path.join(u.out_dir, sub), os.path.join(dest, tag, name))
-    # The marker goes with it, naming what it was converted from (collect-ckpt and status
-    # judge the old world's tag by that save's world size, checkpoints/collect/inside.py)
-    # and its files relative to it; pushed last (jobs/restore.py).
-    marker = dataclasses.replace(u.marker, source_tag=f"{tag}/{original}", ds_subdir="", files={
-        rel[len(sub) + 1:]: size for rel, size in u.marker.files.items()
-        if rel.startswith(sub + "/")})
-    atomic_write_text(os.path.join(dest, tag, name, UNIVERSAL_MARKER),
-                      json.dumps(marker.to_json_dict(), indent=1) + "\n")
-    atomic_write_text(os.path.join(dest, tag, LATEST_UNIVERSAL_FILE), name + "\n")
-    files = {rel: v for rel, v in _local_files(dest, tag).items()
-             if not rel.startswith(f"{tag}/{original}/")}
-    return dataclasses.replace(u, out_dir=os.path.join(dest, tag, name), tag=f"{tag}/{name}",
-                               marker=marker), files
+                               f"docs/lost-a-node.md), or {OWN_CONFIG_FIX}")
 
 
 # A node's own part of the old world's tag (its ranks' optimizer shards) moved to the aside
@@ -182,23 +141,14 @@ def _inside_plan(plan: JobPlan, u: Universal, say: Say) -> JobPlan:
     """The next attempt's derived DeepSpeed config with ``checkpoint.load_universal``
     (this attempt only); the resume argument is the profile's (jobs/recover.resume_plan).
     The batch stays the program's own (HF and accelerate compute it from its arguments)."""
-    prof = plan.profile
-    env = f" (${prof.profile.config_env})" if prof is not None and prof.profile.config_env else ""
-    who = (f"{prof.name}'s load_state loads {u.tag}, now DeepSpeed's universal checkpoint "
-           f"(the old world's tag kept as {u.marker.source_tag})"
-           if prof is not None and prof.profile.ds_tag else
-           f"DeepSpeed loads {u.tag} ({LATEST_UNIVERSAL_FILE})")
-    say(f"world size {u.marker.world_size} -> {plan.world_size}: {who} with "
-        f"checkpoint.load_universal on in {DERIVED_DS_CONFIG}{env}, this attempt only; the "
-        "batch is your program's own (per-device size x ranks)")
+    if plan.profile is not None:
+        say(inside_line(u, plan.world_size, plan.profile.profile, "this attempt only"))
     return load_universal_plan(plan)
 
 
 def load_universal_plan(plan: JobPlan) -> JobPlan:
     """``plan`` with ``checkpoint.load_universal`` on in its derived DeepSpeed config."""
-    doc = json.loads(plan.program_files[DERIVED_DS_CONFIG])
-    ckpt = doc.get("checkpoint")
-    doc["checkpoint"] = {**(ckpt if isinstance(ckpt, dict) else {}), "load_universal": True}
+    doc = with_load_universal(json.loads(plan.program_files[DERIVED_DS_CONFIG]))
     return dataclasses.replace(plan, program_files={
         **plan.program_files, DERIVED_DS_CONFIG: json.dumps(doc, indent=2) + "\n"})
 
@@ -259,13 +209,3 @@ def _user_plan(plan: JobPlan, u: Universal, say: Say) -> JobPlan:
     nodes = tuple(dataclasses.replace(n, env={**n.env, ENV_RESUME_TAG: r.tag})
                   for n in plan.nodes)
     return dataclasses.replace(plan, ds_config=r.ds_config, nodes=nodes)
-
-
-def _local_files(root: str, tag: str) -> dict[str, tuple[int, str]]:
-    out = {}
-    for d, _dirs, names in os.walk(os.path.join(root, tag)):
-        for name in names:
-            path = os.path.join(d, name)
-            out[os.path.relpath(path, root).replace(os.sep, "/")] = (os.path.getsize(path),
-                                                                     sha256_file(path))
-    return out

@@ -26,7 +26,7 @@ from clusterkit.checkpoints.sources.factory import open_source
 from clusterkit.checkpoints.sources.transfer import NullProgress, Wanted
 from clusterkit.errors import CheckpointError, LaunchError
 from clusterkit.launch.continuation import Replacement
-from clusterkit.node.contract import LATEST_FILE, UNIVERSAL_MARKER, parse_marker_name
+from clusterkit.node.contract import goes_last
 from clusterkit.remote.base import Transport, target_for
 from clusterkit.spec.job import JobPlan, NodePlan
 
@@ -149,8 +149,8 @@ def push_files(transport: Transport, spare: CollectNode, local_root: str,
     """The staged files into the spare's checkpoint dir, hashed there; the completion
     marker and ``latest`` last, so a spare that did not get everything never looks
     complete to the workload's resume."""
-    last = sorted(f for f in files if _goes_last(f))
-    first = sorted(f for f in files if not _goes_last(f))
+    last = sorted(f for f in files if goes_last(f))
+    first = sorted(f for f in files if not goes_last(f))
     for d in sorted({posixpath.dirname(posixpath.join(spare.root, f)) for f in files}):
         transport.makedirs(spare.target, d)
     transport.run(spare.target, ["rm", "-f", "--", *(posixpath.join(spare.root, f)
@@ -159,13 +159,6 @@ def push_files(transport: Transport, spare: CollectNode, local_root: str,
         for f in group:
             transport.put(spare.target, os.path.join(local_root, f), posixpath.join(spare.root, f))
         _check_on_node(transport, spare, group, files)
-
-
-def _goes_last(rel: str) -> bool:
-    """What makes a checkpoint look complete on its node: written after the rest."""
-    name = posixpath.basename(rel)
-    return (rel == LATEST_FILE or parse_marker_name(name) is not None
-            or name == UNIVERSAL_MARKER)
 
 
 def _check_on_node(transport: Transport, node: CollectNode, rels: Sequence[str],

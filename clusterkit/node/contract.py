@@ -384,6 +384,14 @@ ZERO3_MODEL_STATES_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_s
 OPTIM_STATES_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt$")
 
 
+def goes_last(rel: str) -> bool:
+    """A file (relative to a checkpoint dir) that makes a checkpoint look complete on its
+    node: written after the rest of what is put there (a launch's restore and reshard push,
+    the batch script's spread), so a node that did not get everything never looks whole."""
+    name = rel.rsplit("/", 1)[-1]
+    return rel == LATEST_FILE or parse_marker_name(name) is not None or name == UNIVERSAL_MARKER
+
+
 # -- Checkpoint replicas (issue 22, docs/lost-a-node.md). With node-local storage each
 # node's agent copies every checkpoint its node completed to K other nodes' agents. A
 # node's copies of node N's files live in the replica area beside the checkpoint dir:

@@ -42,10 +42,12 @@ from clusterkit.node.slurm.end import USR1_VERB
 from clusterkit.render.jobops import accelerator, job_ops
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
+from clusterkit.spec.programs import DERIVED_DS_CONFIG, OtherWorld
 from clusterkit.spec.resume import (
+    NO_PROGRAM,
     began_fresh_line,
+    plan_rule,
     program_without_resume,
-    resume_rule,
     saves_on_usr1,
 )
 
@@ -167,9 +169,7 @@ def _program_rule(plan: JobPlan) -> dict[str, Any]:
     """How a run of a node-local job's own program is readied (spec/resume.resume_rule):
     what the batch host's plan step reads, and what decides the script's resume lines;
     empty for the bundled workload and for shared storage."""
-    return resume_rule(plan.profile, job_id=plan.job_id, ckpt_dir=plan.nodes[0].ckpt_dir,
-                       node_local=True, workload=plan.options.uses_workload) \
-        if plan.node_local else {}
+    return plan_rule(plan, node_local=True) if plan.node_local else {}
 
 
 def _resumed_line(plan: JobPlan, log_dir: str, rule: dict[str, Any]) -> str:
@@ -316,14 +316,31 @@ def _replica_context(plan: JobPlan, site: SlurmSite, program: dict[str, Any]
     k = site.replicas if plan.node_local and len(plan.nodes) > 1 else 0
     if not plan.node_local:
         return {"replicas": 0, "replica_cmd": "", "replica_conf": "", "markers": False,
-                "ready": False, "program_name": "", "spread_dir": SLURM_SPREAD_DIR}
+                "ready": False, "program_name": "", "spread_dir": SLURM_SPREAD_DIR,
+                "reshard_config": "", "reshard_program": NO_PROGRAM}
     conf = {"job_id": plan.job_id, "job_dir": node.job_dir, "ckpt_dir": node.ckpt_dir,
             "rpn": node.nproc, "markers": plan.options.uses_workload, "replicas": k,
             "program": program}
     return {"replicas": k, "markers": plan.options.uses_workload, "ready": bool(program.get("ready")),
             "program_name": program.get("name", ""), "spread_dir": SLURM_SPREAD_DIR,
+            **_reshard_context(plan),
             "replica_cmd": shlex.join(ship.node_command(node.python, "slurm.replica").argv),
             "replica_conf": json.dumps(conf, sort_keys=True, separators=(",", ":"))}
+
+
+def _reshard_context(plan: JobPlan) -> dict[str, str]:
+    """The conversion step on another number of nodes (jobs/slurm_reshard.py): the profile
+    it converts for, and the DeepSpeed config it turns ``checkpoint.load_universal`` on in
+    for that run (the ``.plain`` copy put back at the end): the derived copy of a program
+    whose tag is converted inside its tag dir (spec/resume.sbatch_other_world), else the
+    job's ds_config.json (a user's script of the contract)."""
+    node = plan.nodes[0]
+    inside = plan.profile is not None \
+        and plan.profile.profile.other_world is OtherWorld.UNIVERSAL_INSIDE \
+        and DERIVED_DS_CONFIG in plan.program_files
+    return {"reshard_config": f"{node.job_dir}/{DERIVED_DS_CONFIG}" if inside
+            else JobDir(node.job_dir).ds_config,
+            "reshard_program": plan.profile.name if plan.profile is not None else NO_PROGRAM}
 
 
 def _end_context(plan: JobPlan, site: SlurmSite, variant: str, log_dir: str,

@@ -35,7 +35,7 @@ from clusterkit.render.sbatch import SlurmSite
 from clusterkit.slurm.client import SlurmClient
 from clusterkit.slurm.steps import unavailable
 from clusterkit.spec.job import JobOptions, JobPlan, LaunchFacts, LaunchPlan
-from clusterkit.spec.resume import resume_rule
+from clusterkit.spec.resume import plan_rule
 
 SCRIPT = "sbatch.sh"
 NODES_FILE = JobDir.SLURM_NODES  # the node list a node-local job's checkpoint is on (the script writes it)
@@ -165,8 +165,7 @@ def pinned_nodes(client: SlurmClient, plan: JobPlan, replicas: int) -> list[str]
     except HostRangeError:
         recorded = []
     if recorded and len(recorded) != len(plan.nodes):
-        rule = resume_rule(plan.profile, job_id=plan.job_id, ckpt_dir=plan.nodes[0].ckpt_dir,
-                           node_local=True, workload=plan.options.uses_workload)
+        rule = plan_rule(plan, node_local=True)
         return other_count(rule, plan.job_id, first, recorded, len(plan.nodes))
     bad = unavailable(client, recorded) if replicas else {}
     if bad:
@@ -188,11 +187,14 @@ def other_count(rule: dict[str, Any], job_id: str, first: str, recorded: list[st
     make, said now."""
     world = rule.get("other_world", OTHER_WORLD_CONVERT)
     if world == OTHER_WORLD_REFUSE:
+        why, fix = rule.get("other_world_why"), rule.get("other_world_fix")
         raise LaunchError(
             f"job {job_id}'s node-local checkpoints are on {first}, {len(recorded)} nodes, and "
-            f"clusterkit sbatch converts no {rule['name']} checkpoint for {now}", key="--nodes",
-            hint=f"submit it on {len(recorded)} nodes, or take its weights: clusterkit "
-                 f"collect-ckpt {job_id} --consolidate fp32 (docs/programs.md)")
+            f"clusterkit sbatch converts no {rule['name']} checkpoint for {now}"
+            + (f": {why}" if why else ""), key="--nodes",
+            hint=f"submit it on {len(recorded)} nodes, " + (f"or {fix}, " if fix else "")
+                 + f"or take its weights: clusterkit collect-ckpt {job_id} --consolidate "
+                   "fp32 (docs/programs.md)")
     if world == OTHER_WORLD_AS_IS:
         # Rank 0 saved the snapshot on node index 0 only, and a node's local disk is read
         # only when the node is in the allocation: that node goes with the job.

@@ -42,6 +42,16 @@ DERIVED_DS_CONFIG = "ds_config.program.json"
 CPU_HOOK_FILE = "sitecustomize.py"
 # accelerate's DeepSpeedPlugin reads its config from this file when the script gives none.
 ACCELERATE_CONFIG_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
+# Why a checkpoint converted inside its tag dir (OtherWorld.UNIVERSAL_INSIDE) is not
+# continued on another number of nodes when the job's DeepSpeed config is not the derived
+# copy, and the fix: one spelling for launch (jobs/reshard.check_inside) and sbatch (the
+# rule's `other_world_why`, spec/resume.resume_rule: submit's check and the plan step).
+OWN_CONFIG_WHY = ("its DeepSpeed config is your own (a file already node-local, none named, "
+                  "or one your script hands accelerate's DeepSpeedPlugin), and clusterkit "
+                  "edits no file of yours to turn on checkpoint.load_universal")
+OWN_CONFIG_FIX = ("name a config without checkpoint.use_node_local_storage (clusterkit then "
+                  "derives one; accelerate: give the plugin none, clusterkit points "
+                  f"{ACCELERATE_CONFIG_ENV} at its own)")
 # What a library that builds its DeepSpeed config from its own arguments gets on node-local
 # storage: every value its arguments fill left "auto", and node-local checkpoints.
 LIBRARY_DS_CONFIG = {

@@ -20,7 +20,16 @@ from clusterkit.node.contract import (
     OTHER_WORLD_REFUSE,
     RESUME_DIR_FIELD,
 )
-from clusterkit.spec.programs import CONTRACT, PROGRAM_CHOICES, OtherWorld, ProgramChoice
+from clusterkit.spec.job import JobPlan
+from clusterkit.spec.programs import (
+    CONTRACT,
+    DERIVED_DS_CONFIG,
+    OWN_CONFIG_FIX,
+    OWN_CONFIG_WHY,
+    PROGRAM_CHOICES,
+    OtherWorld,
+    ProgramChoice,
+)
 
 
 def _strip_flag(args: Sequence[str], flag: str) -> list[str]:
@@ -115,34 +124,55 @@ def saves_on_usr1(choice: ProgramChoice | None) -> bool:
 
 
 def resume_rule(choice: ProgramChoice | None, *, job_id: str, ckpt_dir: str, node_local: bool,
-                workload: bool) -> dict[str, Any]:
+                workload: bool, derived: bool = False) -> dict[str, Any]:
     """How a restart of this job's program from a checkpoint is readied, as plain values:
     what node/ckpt/ready.readiness reads for a launch's restart (jobs/recover.py) and,
     rendered into the batch script, for a requeued ``clusterkit sbatch`` run (its
     ``plan`` step on the batch host). ``ready``: a run on the same nodes is readied too
     (:func:`needs_ready`); the step-0 line names the tag as :data:`CKPT_TAG_TOKEN`;
-    ``reshard``: the batch script may convert it for another number of nodes (it converts
-    top-level DeepSpeed tags only); ``saves_on_usr1``: :func:`saves_on_usr1`. Empty for the
+    ``other_world``: how the batch script continues it on another number of nodes
+    (:func:`sbatch_other_world`; ``derived``: the job's DeepSpeed config is clusterkit's
+    derived copy), ``other_world_why``/``other_world_fix`` when that is refused for a
+    reason other than the layout; ``saves_on_usr1``: :func:`saves_on_usr1`. Empty for the
     bundled workload (it resumes by itself, and saves on USR1)."""
     if choice is None or workload:
         return {}
     top, nested = latest_rules(choice, node_local=node_local)
+    own_config = choice.profile.other_world is OtherWorld.UNIVERSAL_INSIDE and not derived
     return {"ready": needs_ready(choice, node_local=node_local, workload=workload),
             "name": choice.name, "resume": list(choice.resume),
             "top_latest": top, "nested_latest": nested, "aside": choice.profile.picks_newest,
             "step0": restart_problem(choice, CKPT_TAG_TOKEN, ckpt_dir, job_id) or "",
-            "other_world": sbatch_other_world(choice),
+            "other_world": sbatch_other_world(choice, derived=derived),
+            "other_world_why": OWN_CONFIG_WHY if own_config else "",
+            "other_world_fix": OWN_CONFIG_FIX if own_config else "",
             "one_writer": choice.profile.one_writer,
             "layout": choice.profile.layout, "saves_on_usr1": saves_on_usr1(choice)}
 
 
-def sbatch_other_world(choice: ProgramChoice) -> str:
+def plan_rule(plan: JobPlan, *, node_local: bool | None = None) -> dict[str, Any]:
+    """:func:`resume_rule` of a planned job (its profile, checkpoint dir, storage, and
+    whether its DeepSpeed config is the derived copy): what submit's check, the batch
+    script and a launch's restart read."""
+    return resume_rule(plan.profile, job_id=plan.job_id, ckpt_dir=plan.nodes[0].ckpt_dir,
+                       node_local=plan.node_local if node_local is None else node_local,
+                       workload=plan.options.uses_workload,
+                       derived=DERIVED_DS_CONFIG in plan.program_files)
+
+
+# The conversion step's PROGRAM word (jobs/slurm_reshard.py) for a job without a profile.
+NO_PROGRAM = "-"
+
+
+def sbatch_other_world(choice: ProgramChoice, *, derived: bool) -> str:
     """How the batch script continues this program's node-local checkpoint on another
-    number of nodes: the one answer submit's check and the plan step read. Converted only
-    for top-level DeepSpeed tags (the batch script has no in-tag-dir conversion: HF's and
-    accelerate's are a launch's alone); a snapshot loads on any world size as it is."""
+    number of nodes: the one answer submit's check and the plan step read. A top-level
+    DeepSpeed tag is converted; one inside the program's tag dir (HF Trainer, accelerate)
+    too, converted there as a launch's reshard does (checkpoints/convert/tagdir.py), when
+    the job's DeepSpeed config is clusterkit's derived copy (``derived``: the one file
+    that gets ``checkpoint.load_universal``); a snapshot loads on any world size as it is."""
     world = choice.profile.other_world
-    if world is OtherWorld.UNIVERSAL:
+    if world is OtherWorld.UNIVERSAL or (world is OtherWorld.UNIVERSAL_INSIDE and derived):
         return OTHER_WORLD_CONVERT
     if world is OtherWorld.AS_IS:
         return OTHER_WORLD_AS_IS

@@ -94,7 +94,7 @@ def test_a_converted_checkpoint_collects_and_consolidates_like_the_original(
         saved: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     from clusterkit.checkpoints.convert import universal
     from clusterkit.checkpoints.convert.consolidate import consolidate, load_state_dict_dir
-    from clusterkit.jobs.reshard import _into_tag_dir
+    from clusterkit.checkpoints.convert.tagdir import into_tag_dir
 
     capfd.readouterr()
     want = load_state_dict_dir(consolidate(str(saved.parent), "step3",
@@ -104,7 +104,7 @@ def test_a_converted_checkpoint_collects_and_consolidates_like_the_original(
     gathered = tmp_path / "gathered"
     _hf_layout(saved, gathered)
     u = universal.convert_to_universal(str(gathered), TAG, without_markers=WithoutMarkers(2))
-    _into_tag_dir(str(gathered), TAG, u)
+    into_tag_dir(str(gathered), TAG, u)
     # The new mapping is node1 alone (node2 lost, no replica): the old tag lacks rank 1.
     _converted_node(tmp_path, "node1", gathered, (0,), universal=True)
     nodes = local_collect_nodes(tmp_path, 1)
@@ -187,7 +187,8 @@ def test_accelerate_converted_in_place_keeps_the_original_and_collects_alike(
     equal zero_to_fp32 of the original."""
     from clusterkit.checkpoints.convert import universal
     from clusterkit.checkpoints.convert.consolidate import consolidate, load_state_dict_dir
-    from clusterkit.jobs.reshard import _into_tag_dir, _move_aside
+    from clusterkit.checkpoints.convert.tagdir import into_tag_dir
+    from clusterkit.jobs.reshard import _move_aside
     from clusterkit.jobs.restore import push_files
     from clusterkit.spec.programs import ACCELERATE, PROFILES
 
@@ -198,7 +199,7 @@ def test_accelerate_converted_in_place_keeps_the_original_and_collects_alike(
     before = _hashes(gathered / ACCELERATE_DS_SUBDIR)
     u = universal.convert_to_universal(str(tmp_path / "gathered"), ACC_TAG,
                                        without_markers=WithoutMarkers(2))
-    u, files = _into_tag_dir(str(tmp_path / "gathered"), ACC_TAG, u, in_place=True)
+    u, files = into_tag_dir(str(tmp_path / "gathered"), ACC_TAG, u, in_place=True)
     conv, aside = gathered / ACCELERATE_DS_SUBDIR, gathered / (ACCELERATE_DS_SUBDIR + ASIDE_SUFFIX)
     assert u.tag == f"{ACC_TAG}/{ACCELERATE_DS_SUBDIR}" and (conv / "zero").is_dir()
     assert [p.name for p in conv.glob("mp_rank_*_model_states.pt")] == ["mp_rank_00_model_states.pt"]

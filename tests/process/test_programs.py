@@ -755,9 +755,10 @@ def test_hf_is_converted_inside_its_checkpoint_dir(tmp_path: Path) -> None:
     DeepSpeed's load_checkpoint(tag=None) reads with load_universal on); what is pushed is
     the tag dir but the old DeepSpeed tag; the attempt's derived config gets
     load_universal, the user's batch left alone; no derived config: refused first."""
+    from clusterkit.checkpoints.convert.tagdir import into_tag_dir
     from clusterkit.checkpoints.convert.universal import Universal
     from clusterkit.checkpoints.universal_marker import UniversalMarker
-    from clusterkit.jobs.reshard import _inside_plan, _into_tag_dir, check_inside
+    from clusterkit.jobs.reshard import _inside_plan, check_inside
 
     dest = tmp_path / "dest"
     for rel in ("checkpoint-10/trainer_state.json", "checkpoint-10/rng_state_1.pth",
@@ -769,7 +770,7 @@ def test_hf_is_converted_inside_its_checkpoint_dir(tmp_path: Path) -> None:
     marker = UniversalMarker("checkpoint-10", 10, 120, 3, 2, 4, 1, 12, "deepspeed", "fp32",
                              "0.19.8", ds_subdir="global_step10")
     u = Universal(str(dest / "checkpoint-10_universal"), "checkpoint-10_universal", marker, 1.0)
-    u2, files = _into_tag_dir(str(dest), "checkpoint-10", u)
+    u2, files = into_tag_dir(str(dest), "checkpoint-10", u)
     assert u2.tag == "checkpoint-10/global_step10_universal"
     assert (dest / "checkpoint-10" / "latest_universal").read_text() == "global_step10_universal\n"
     assert sorted(files) == [

@@ -17,23 +17,29 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
+from clusterkit.checkpoints.listing import parse_listing
 from clusterkit.errors import LaunchError
+from clusterkit.jobs import slurm_reshard
+from clusterkit.jobs.reshard import converted_inside
 from clusterkit.node.ckpt.listing import listing
-from clusterkit.node.contract import ASIDE_SUFFIX
+from clusterkit.node.contract import ASIDE_SUFFIX, ENV_CKPT_DIR, ENV_DS_CONFIG, UNIVERSAL_MARKER
 from clusterkit.node.slurm import replica, restore
 from clusterkit.plan.build import plan_job
 from clusterkit.render.artifacts import render_all
 from clusterkit.slurm.submit import other_count
 from clusterkit.spec.job import JobOptions
-from clusterkit.spec.programs import detect
+from clusterkit.spec.programs import DERIVED_DS_CONFIG, OWN_CONFIG_FIX, OWN_CONFIG_WHY, detect
 from clusterkit.spec.resume import resume_rule
+from clusterkit.spec.zero import ZeroSpec, build_ds_config
+from tests.helpers import REPO, free_port, torchrun_exit_abort, workload_env
 from tests.render_cases import FACTS, inventory
-from tests.synthetic_ckpt import write_hf_save
+from tests.synthetic_ckpt import write_hf_save, write_replica
 
 HOSTS = ["n1", "n2", "n3"]
 HF_SRC = "from transformers import Trainer, TrainingArguments\n"
@@ -65,24 +71,25 @@ def _acc_part(root: Path, index: int, step: int, *, whole: bool = True) -> None:
     (tag / f"random_states_{index}.pkl").write_bytes(b"rng")
 
 
-def _rule(src: str, args: tuple[str, ...] = ()) -> dict[str, object]:
+def _rule(src: str, args: tuple[str, ...] = (), *, derived: bool = False) -> dict[str, object]:
     choice = detect(workload=False, args=args, script_text=src)
-    return resume_rule(choice, job_id="j", ckpt_dir="/ck/j", node_local=True, workload=False)
+    return resume_rule(choice, job_id="j", ckpt_dir="/ck/j", node_local=True, workload=False,
+                       derived=derived)
 
 
 def _plan(tmp_path: Path, roots: dict[str, Path], rule: dict[str, object],
-          hosts: list[str] | None = None, old: list[str] | None = None
-          ) -> tuple[int, Path]:
+          hosts: list[str] | None = None, old: list[str] | None = None, *, rpn: int = 2,
+          run_name: str = "run") -> tuple[int, Path]:
     """The batch host's ``plan`` step over the nodes' listings; (its status, the run dir)."""
     hosts, old = hosts or HOSTS, old or HOSTS
-    run = tmp_path / "run"
+    run = tmp_path / run_name
     (run / "list").mkdir(parents=True, exist_ok=True)
     (run / "hosts").write_text("\n".join(hosts) + "\n")
     (run / "old_hosts").write_text("\n".join(old) + "\n")
     for h in hosts:
         (run / "list" / f"{h}.json").write_text(json.dumps(listing(str(roots[h]), None)))
     conf = {"job_id": "j", "job_dir": str(tmp_path / "jobdir"), "ckpt_dir": "/ck/j",
-            "rpn": 2, "markers": False, "replicas": 0, "program": rule}
+            "rpn": rpn, "markers": False, "replicas": 0, "program": rule}
     return replica.plan(conf, str(run)), run
 
 
@@ -299,3 +306,138 @@ def test_the_program_s_own_resume_flag_gives_way(tmp_path: Path) -> None:
     assert resumed.endswith(' --save_on_each_node ${resume_args[@]+"${resume_args[@]}"} &')
     assert fresh.endswith(" --resume_from_checkpoint /scratch/ckpt/j/checkpoint-5 "
                           "--save_on_each_node &")
+
+
+# -- HF Trainer on another number of nodes: its checkpoint-N converted inside itself, as
+# a launch's reshard does (checkpoints/convert/tagdir.py), by the batch script's steps.
+
+TRAIN = REPO / "docs" / "examples" / "train.py"
+HF_TAG, HF_DS = "checkpoint-3", "global_step3"
+
+
+@pytest.fixture(scope="module")
+def three_rank_save(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real ZeRO-2 save of 3 CPU ranks (docs/examples/train.py, step3): DeepSpeed's
+    tag dir, what HF's checkpoint-3/global_step3 holds on the 3 nodes together."""
+    pytest.importorskip("deepspeed")
+    tmp = tmp_path_factory.mktemp("save3")
+    ds = build_ds_config(ZeroSpec(stage=2, precision="fp32", micro_batch=1, grad_accum=1,
+                                  world_size=3, warmup_steps=1, total_steps=4, torch_adam=True))
+    (tmp / "ds.json").write_text(json.dumps(ds))
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--log-dir={tmp}/te", "--nnodes",
+            "1", "--nproc_per_node", "3", "--master_addr", "127.0.0.1", "--master_port",
+            str(free_port()), str(TRAIN), "--steps", "4", "--save-every", "3", "--hidden", "8"]
+    env = {**workload_env(), ENV_DS_CONFIG: str(tmp / "ds.json"), ENV_CKPT_DIR: str(tmp / "ck")}
+    proc = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and not (torchrun_exit_abort(proc.stdout + proc.stderr)
+                                     and (tmp / "ck" / "step3").is_dir()):
+        raise AssertionError((proc.stdout + proc.stderr)[-3000:])
+    return tmp / "ck" / "step3"
+
+
+def _hf_nodes(tmp_path: Path, saved: Path) -> dict[str, Path]:
+    """HF's node-local checkpoint-3 on n1..n3 (1 rank a node): every node DeepSpeed's model
+    states (use_node_local_storage) and its rank's optimizer shard, its own rng state and
+    trainer_state.json, ``latest`` on global rank 0's node only; n3's part replicated on
+    n1 (--replicas 1: the ring's copy, node/replicas/rules.ring)."""
+    roots = {h: tmp_path / h for h in HOSTS}
+    for rank, h in enumerate(HOSTS):
+        inner = roots[h] / HF_TAG / HF_DS
+        inner.mkdir(parents=True)
+        for f in saved.iterdir():
+            if f.name.startswith("mp_rank_") or f.name.startswith(f"zero_pp_rank_{rank}_"):
+                shutil.copy2(f, inner / f.name)
+        (roots[h] / HF_TAG / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+        (roots[h] / HF_TAG / f"rng_state_{rank}.pth").write_bytes(os.urandom(64))
+    (roots["n1"] / HF_TAG / "latest").write_text(HF_DS)
+    write_replica(str(roots["n3"]), str(roots["n1"]), 2, HF_TAG, job_id="j",
+                  source_host="n3", holder="n1")
+    return roots
+
+
+def test_hf_saved_on_3_nodes_is_converted_inside_its_checkpoint_for_2(
+        tmp_path: Path, three_rank_save: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Submitted again with --nodes 2 (n1, n2; n3's part a replica on n1): the plan step
+    reshards checkpoint-3, ``gather`` puts its 3 parts in the run dir, the conversion step
+    converts global_step3 beside itself (global_step3_universal, latest_universal) and
+    turns load_universal on in the derived config for this run (the plain file kept),
+    ``spread`` merges the tag dir into each node's copy (HF's files and every rank's rng
+    state, the old world's tag neither pushed nor removed), and ``ready`` and the resume
+    words point HF at checkpoint-3."""
+    roots = _hf_nodes(tmp_path, three_rank_save)
+    now = {h: roots[h] for h in ("n1", "n2")}
+    rule = _rule(HF_SRC, derived=True)
+    status, run = _plan(tmp_path, now, rule, hosts=["n1", "n2"], rpn=1)
+    said = capsys.readouterr().out
+    assert status == 0, said
+    assert ("this run got 2 nodes, n1,n2; the checkpoint was saved on 3, n1,n2,n3: resharding "
+            f"{HF_TAG}") in said, said
+    assert "node index 2 (was n3): from its replica on n1" in said, said
+    words = (run / replica.RESUME_FILE).read_text().split("\0")
+    assert words == ["--resume_from_checkpoint", f"/ck/j/{HF_TAG}", ""]
+    the_plan = json.loads((run / "plan.json").read_text())
+    assert the_plan["world"] == 3
+    for h, root in now.items():
+        assert restore.gather(the_plan, h, str(root), str(run / replica.GATHER_DIR)) == 0
+
+    derived = tmp_path / "jobdir" / DERIVED_DS_CONFIG
+    derived.parent.mkdir(parents=True, exist_ok=True)
+    plain = json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                        "checkpoint": {"use_node_local_storage": True}})
+    derived.write_text(plain)
+    lines = slurm_reshard.reshard(str(run), str(derived), 2, False, "hf-trainer")
+    assert lines[0].startswith(f"converted to {HF_TAG}_universal in "), lines
+    assert lines[1].startswith(f"world size 3 -> 2: DeepSpeed loads {HF_TAG}/{HF_DS}_universal "
+                               "(latest_universal) with checkpoint.load_universal on in "
+                               f"{DERIVED_DS_CONFIG}, this run only"), lines
+    assert json.loads(derived.read_text())["checkpoint"] == {"use_node_local_storage": True,
+                                                             "load_universal": True}
+    assert (tmp_path / "jobdir" / f"{DERIVED_DS_CONFIG}.plain").read_text() == plain
+    assert (run / replica.UNIVERSAL_FILE).read_text() == f"{HF_TAG}/{HF_DS}_universal\n"
+
+    own = {h: sorted(p.name for p in (root / HF_TAG / HF_DS).iterdir()) for h, root in now.items()}
+    for h, root in now.items():
+        assert replica.spread(str(root), str(run), h) == 0
+    said = capsys.readouterr().out
+    pushed = json.loads((run / replica.SPREAD_FILE).read_text())["files"]
+    assert not [rel for rel in pushed if rel.startswith(f"{HF_TAG}/{HF_DS}/")]
+    assert f"clusterkit: n2: {len(pushed)} files of the converted {HF_TAG} in place" in said, said
+    for h, root in now.items():
+        tag = root / HF_TAG
+        assert (tag / "latest_universal").read_text() == f"{HF_DS}_universal\n"
+        assert (tag / f"{HF_DS}_universal" / UNIVERSAL_MARKER).is_file()
+        assert (tag / "latest").read_text() == HF_DS, h  # global rank 0's, on every node
+        assert sorted(p.name for p in tag.glob("rng_state_*.pth")) == \
+            [f"rng_state_{r}.pth" for r in range(3)], h
+        # the old world's tag: this node's own files, none added, none removed
+        assert sorted(p.name for p in (tag / HF_DS).iterdir()) == own[h], h
+        assert not list(tag.rglob("*.clusterkit-partial"))
+
+    _ready(run, now)
+    assert "latest ->" not in capsys.readouterr().out  # every node has checkpoint-3/latest
+    # collect-ckpt's and a launch's rule (jobs/reshard.converted_inside): the conversion
+    # is complete on both nodes of the new mapping
+    listings = [parse_listing(h, i, str(root), json.dumps(listing(str(root), None)))
+                for i, (h, root) in enumerate(now.items())]
+    assert converted_inside(listings, [HF_TAG]) == HF_TAG
+
+
+def test_hf_with_its_own_node_local_config_is_refused_on_another_count(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No derived config (the user's names use_node_local_storage itself): clusterkit edits
+    none of the user's files, so the plan step refuses with launch's reason and fixes, and
+    submit's check says it first."""
+    roots = {h: tmp_path / h for h in HOSTS}
+    _hf_saves(roots, 10)
+    roots["n4"] = tmp_path / "n4"
+    status, _ = _plan(tmp_path, roots, _rule(HF_SRC), hosts=[*HOSTS, "n4"])
+    said = capsys.readouterr().err
+    assert status == restore.CANNOT_ASSEMBLE
+    assert ("clusterkit sbatch converts no hf-trainer checkpoint (checkpoint-N/ "
+            "(trainer_state.json, DeepSpeed's global_stepN/ and latest inside)) "
+            f"for another number of nodes: {OWN_CONFIG_WHY}: not starting. Submit it on 3 "
+            f"nodes, or {OWN_CONFIG_FIX}, or take its weights") in said, said
+    with pytest.raises(LaunchError, match="edits no file of yours") as err:
+        other_count(_rule(HF_SRC), "j", "n[1-3]", HOSTS, 2)
+    assert OWN_CONFIG_FIX in (err.value.hint or "")
+    assert other_count(_rule(HF_SRC, derived=True), "j", "n[1-3]", HOSTS, 2) == []

@@ -23,6 +23,7 @@ from clusterkit.node.contract import (
     MODEL_STATES_RE,
     OPTIM_STATES_RE,
     RESUME_DIR_FIELD,
+    UNIVERSAL_MARKER,
     ZERO3_MODEL_STATES_RE,
 )
 from clusterkit.node.files import write_atomic
@@ -161,11 +162,13 @@ def _set_aside(ckpt: str, tag: str) -> str | None:
 
 
 def _is_ds_tag(path: str) -> bool:
+    """A DeepSpeed tag a program's save wrote; not a universal conversion a reshard put
+    beside it (its marker inside: DeepSpeed finds that one by ``latest_universal``)."""
     try:
         names = os.listdir(path)
     except OSError:
         return False
-    return any(MODEL_STATES_RE.match(n) or OPTIM_STATES_RE.match(n)
+    return UNIVERSAL_MARKER not in names and any(MODEL_STATES_RE.match(n) or OPTIM_STATES_RE.match(n)
                or ZERO3_MODEL_STATES_RE.match(n) for n in names)
 
 

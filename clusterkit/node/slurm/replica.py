@@ -72,6 +72,7 @@ END_FILE = "end"
 RESHARD_FILE = "reshard"  # the tag to reshard (written by plan): gather, convert, spread
 GATHER_DIR = "gather"
 UNIVERSAL_FILE = "universal"  # the converted tag's name (the script writes it)
+SPREAD_FILE = "spread.json"  # a conversion inside the tag dir: the files to merge (the same)
 PREP_FILE = "prep.json"  # plan -> every node's `ready` (node/ckpt/ready.prep_doc)
 RESUME_FILE = "resume"  # plan -> the script: the program's resume words, NUL-separated
 RECEIVE_WAIT_S = 600.0  # a node waiting for a one-writer file (its writer copies it at once)
@@ -176,9 +177,7 @@ def main(argv: list[str]) -> int:
     if verb == "ready":
         return ready_node(conf["ckpt_dir"], run_dir, me)
     if verb == "spread":
-        with open(os.path.join(run_dir, UNIVERSAL_FILE), encoding="utf-8") as fh:
-            name = fh.read().strip()
-        return restore.spread(os.path.join(run_dir, GATHER_DIR, name), conf["ckpt_dir"])
+        return spread(conf["ckpt_dir"], run_dir, me)
     with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as fh:
         the_plan = json.load(fh)
     if verb == "gather":
@@ -189,6 +188,21 @@ def main(argv: list[str]) -> int:
     hosts = read_lines(os.path.join(run_dir, "hosts"))
     return restore.restore(the_plan, me, conf["ckpt_dir"], conf["job_id"], secret,
                                 {h: address_of(h) for h in hosts})
+
+
+def spread(ckpt_dir: str, run_dir: str, me: str) -> int:
+    """``spread``: the converted checkpoint onto this node: a conversion inside the
+    program's tag dir (``SPREAD_FILE``, written by the conversion step) merged into the
+    node's copy of it; a top-level universal tag copied whole."""
+    gathered = os.path.join(run_dir, GATHER_DIR)
+    try:
+        with open(os.path.join(run_dir, SPREAD_FILE), encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except FileNotFoundError:
+        with open(os.path.join(run_dir, UNIVERSAL_FILE), encoding="utf-8") as fh:
+            name = fh.read().strip()
+        return restore.spread(os.path.join(gathered, name), ckpt_dir)
+    return restore.spread_into(gathered, ckpt_dir, doc, me)
 
 
 def plan(conf: dict[str, Any], run_dir: str) -> int:
@@ -308,10 +322,12 @@ def _refusal(p: dict[str, Any], conf: dict[str, Any], job: str, was: str, now: s
     if rule and other_world(rule) == OTHER_WORLD_AS_IS and old and old[0] not in hosts:
         return writer_gone(job, was, now, old[0], conf["ckpt_dir"])
     if p.get("reshard") and rule and other_world(rule) == OTHER_WORLD_REFUSE:
+        why, fix = rule.get("other_world_why"), rule.get("other_world_fix")
         return (f"job {job}: its checkpoint {p['tag']} was saved on {len(old)} nodes ({was}), "
                 f"this run got {len(hosts)} ({now}): clusterkit sbatch converts no "
                 f"{rule.get('name')} checkpoint ({rule.get('layout')}) for another number of "
-                f"nodes: not starting. Submit it on {len(old)} nodes, or take its weights: "
+                "nodes" + (f": {why}" if why else "") + ": not starting. Submit it on "
+                f"{len(old)} nodes, " + (f"or {fix}, " if fix else "") + "or take its weights: "
                 f"clusterkit collect-ckpt {job} --consolidate fp32 (docs/programs.md)")
     return None
 

@@ -45,6 +45,7 @@ from clusterkit.node.contract import (
     LATEST_FILE,
     MODEL_STATES_RE,
     REPLICA_PARTIAL_PREFIX,
+    goes_last,
     replica_dir,
     replica_source_dir,
 )
@@ -394,6 +395,51 @@ def spread(tag_dir: str, ckpt_dir: str) -> int:
         shutil.rmtree(final)
     os.rename(tmp, final)
     return 0
+
+
+def spread_into(gathered: str, ckpt_dir: str, doc: dict[str, Any], me: str) -> int:
+    """A tag dir converted inside itself (checkpoints/convert/tagdir.py) merged into this
+    node's copy of it: ``doc["files"]`` (relative to the checkpoint dir: size, sha256),
+    each copied beside its place, checked and renamed over it, the marker last
+    (contract.goes_last); nothing of the node's own removed. The in-place layout
+    (accelerate's ``step_N/pytorch_model``) has ``doc["aside"]`` = [the conversion's
+    place, the old world's tag's new name]: the node's own copy of that tag is renamed
+    first, when it holds a rank's optimizer shard (launch's rule, jobs/reshard.py: a node
+    new to the mapping has none; a place holding the conversion already has none)."""
+    files = {str(rel): (int(v[0]), str(v[1])) for rel, v in doc["files"].items()}
+    if doc.get("aside"):
+        conv, original = (os.path.join(ckpt_dir, p) for p in doc["aside"])
+        if _holds_optim_states(conv):
+            try:
+                os.rename(conv, original)
+            except OSError as exc:
+                say(f"{me}: cannot move {conv} aside to {original} before the conversion "
+                    f"takes its place: {exc}; move {original} away (it is kept otherwise), "
+                    "then submit again", err=True)
+                return 1
+            say(f"{me}: moved {doc['aside'][0]} aside to {doc['aside'][1]} (kept)")
+    for rel in sorted(files, key=lambda r: (goes_last(r), r)):
+        size, digest = files[rel]
+        final = os.path.join(ckpt_dir, rel)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = final + ".clusterkit-partial"
+        shutil.copyfile(os.path.join(gathered, rel), tmp)
+        if os.path.getsize(tmp) != size or sha256_file(tmp) != digest:
+            os.remove(tmp)
+            say(f"{me}: {rel}: its copy differs from the converted one in {gathered}", err=True)
+            return 1
+        os.replace(tmp, final)
+    say(f"{me}: {len(files)} files of the converted {doc['tag']} in place "
+        f"({sum(s for s, _ in files.values()) / 1e6:.1f} MB, sha256 verified)")
+    return 0
+
+
+def _holds_optim_states(tag_dir: str) -> bool:
+    try:
+        # launch's shell glob, `*optim_states.pt` (jobs/reshard.py): the same names
+        return any(n.endswith("optim_states.pt") for n in os.listdir(tag_dir))
+    except OSError:
+        return False
 
 
 def _push_one(p: dict[str, Any], plan: dict[str, Any], me: str, ckpt_dir: str, job_id: str,

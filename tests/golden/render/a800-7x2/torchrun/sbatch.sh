@@ -90,14 +90,16 @@ fi
 nodes_file=$job_dir/slurm_nodes
 rdir=$job_dir/slurm-runs/$SLURM_JOB_ID.$(( ${SLURM_RESTART_COUNT:-0} + 1 ))
 mkdir -p -- "$rdir"
-rm -f -- "$rdir/end" "$rdir/plan.json" "$rdir/reshard" "$rdir/universal" "$rdir/prep.json" "$rdir/resume"
+rm -f -- "$rdir/end" "$rdir/plan.json" "$rdir/reshard" "$rdir/universal" "$rdir/spread.json" "$rdir/prep.json" "$rdir/resume"
 scontrol show hostnames "$SLURM_JOB_NODELIST" > "$rdir/hosts"
 # node/slurm/replica.py's sources, written with the job's files by clusterkit sbatch.
 bundle=$job_dir/slurmreplica.bundle
 # The run's replica secret: this file only (mode 0600), never argv, env or a log.
 rm -f -- "$job_dir/slurm-runs"/*/secret  # a run Slurm killed left its own
 ( umask 077; od -An -vtx1 -N32 /dev/urandom | tr -d ' \n' > "$rdir/secret" )
-# A user's script resharded last run had this run's ds_config: the plain one back.
+# The DeepSpeed config a conversion turns checkpoint.load_universal on in, for its run only
+# (a user's script: the job's ds_config.json, with the batch for that world size; HF's
+# and accelerate's: clusterkit's derived copy): the plain one back, now and at the end.
 ds_cfg=/srv/train/.clusterkit/jobs/golden-a800-7x2/ds_config.json
 ds_plain=$ds_cfg.plain
 if [ -f "$ds_plain" ]; then mv -f -- "$ds_plain" "$ds_cfg"; fi
@@ -139,9 +141,11 @@ if [ -n "$first_nodes" ] && [ "$first_nodes" != "$SLURM_JOB_NODELIST" ]; then
         # Another number of nodes: gather every part here, convert it with DeepSpeed's own
         # converter (jobs/slurm_reshard.py), copy the universal checkpoint to every node;
         # the workload's --resume auto loads it, a user's script the tag exported below
-        # (with the ds_config of this run: load_universal, the batch for this world size).
+        # (with the ds_config of this run: load_universal, the batch for this world size),
+        # HF's and accelerate's their tag dir, the conversion inside it (merged into each
+        # node's copy; the derived config of this run: load_universal).
         node_program gather || { both "clusterkit: gathering the checkpoint parts failed (see the .err file): not starting"; exit 3; }
-        "${replica[0]}" -m clusterkit.jobs.slurm_reshard "$rdir" "$ds_cfg" 14 1 \
+        "${replica[0]}" -m clusterkit.jobs.slurm_reshard "$rdir" "$ds_cfg" 14 1 clusterkit \
             || { both "clusterkit: converting the checkpoint to DeepSpeed's universal checkpoint failed (the line above says why): not starting"; exit 3; }
         node_program spread || { both "clusterkit: copying the universal checkpoint to the nodes failed (see the .err file): not starting"; exit 3; }
         rm -rf -- "$rdir/gather"
