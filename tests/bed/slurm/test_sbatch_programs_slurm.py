@@ -13,6 +13,10 @@ full, what the failed run logged for it (helpers.attempts_agree), and the job CO
 * extended: pytorch's DDP tutorial on 3 nodes, a rank killed; the same job submitted
   again with ``--nodes 2`` goes on as it is (the snapshot copied from rank 0's node to
   the other node of the new allocation, nothing converted).
+* extended: HF Trainer on 3 nodes, a rank killed; the same job submitted again with
+  ``--nodes 2`` has checkpoint-10 converted inside its tag dir (DeepSpeed's universal
+  checkpoint beside global_step10, load_universal in the derived config for that run)
+  and resumes from it on 2 ranks.
 * extended: pytorch's DDP tutorial (tests/programs/ddp_snapshot.py), a rank hung; the
   hang watchdog requeues the job (``--hang-timeout 15 --max-restarts 1``, pinned:
   node-local, no replicas) and rank 0's snapshot.pt is copied from node1 to node2 before
@@ -22,6 +26,7 @@ full, what the failed run logged for it (helpers.attempts_agree), and the job CO
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import time
@@ -281,3 +286,48 @@ def test_ddp_snapshot_submitted_again_on_fewer_nodes_goes_on_as_it_is(slurm: Slu
     resumed = SNAP_RESUMED.findall(out + err)
     assert len(resumed) == 2 and len(set(resumed)) == 1 and int(resumed[0]) > 0, resumed
     assert max(int(e) for e, _ in EPOCH_LOSS.findall(out + err)) == EPOCHS - 1
+
+
+@pytest.mark.extended
+def test_hf_trainer_submitted_again_on_fewer_nodes_is_converted_and_resumes(
+        slurm: SlurmBed) -> None:
+    """HF Trainer on 3 nodes, node-local, --replicas 1 (every node's part of a save also on
+    its ring successor), the user's all-"auto" ds_config (clusterkit derives its own copy):
+    rank 1 killed at step 16, after checkpoint-10 -> FAILED. Submitted again with
+    ``--nodes 2``: the plan step reshards checkpoint-10 (3 parts from the 2 nodes, the third
+    from its replica), the conversion step converts global_step10 beside itself
+    (checkpoint-10/global_step10_universal, latest_universal) with load_universal on in the
+    derived config for that run, every node gets the tag dir, HF resumes from checkpoint-10
+    on 2 ranks with finite losses and the job COMPLETES; the derived config is plain again
+    after it (the run's .plain put back at its end)."""
+    job = "hf-fewer"
+    # 2 s a step: the copies (the lowest CPU priority) of checkpoint-10 are made before the kill
+    program = _hf_program(slurm, job, "--logging_steps", "5", "--step_sleep", "2",
+                          "--crash_at_step", "16", "--crash_rank", "1",
+                          "--crash_once", str(slurm.tb.root / f"{job}-killed"))
+    state, first, err = _job_output(slurm, job, _submit_program(slurm, job, program, "--replicas",
+                                                                "1", nodes=3))
+    assert state == "FAILED", (state, first[-3000:], err[-3000:])
+    assert "killed by signal 9" in err, err[-3000:]
+    state, out, err = _job_output(slurm, job, _submit_program(slurm, job, program, "--replicas",
+                                                              "1", nodes=2))
+    _completed_or_exit_abort(state, out, err, f"final loss at step {STEPS}:")
+    said = "\n".join(ln for ln in out.splitlines() if ln.startswith("clusterkit: "))
+    print(said[:4000])
+    assert re.search(r"this run got 2 nodes, \S+; the checkpoint was saved on 3, \S+: "
+                     r"resharding checkpoint-10 ", out), said
+    assert "converted to checkpoint-10_universal in " in out, said
+    assert ("world size 3 -> 2: DeepSpeed loads checkpoint-10/global_step10_universal "
+            "(latest_universal) with checkpoint.load_universal on in ds_config.program.json, "
+            "this run only") in out, said
+    assert "every node holds checkpoint-10/global_step10_universal: resuming from it on 2 " \
+           "ranks" in out, said
+    assert "hf-trainer: resuming from checkpoint-10, the newest checkpoint complete on every " \
+           "node (--resume_from_checkpoint " in out, said
+    assert RESUMED.search(out + err), (out + err)[-5000:]
+    losses = [(int(s), float(loss)) for s, loss in EXACT.findall(out)]
+    assert losses and min(s for s, _ in losses) > 10 and max(s for s, _ in losses) == STEPS, losses
+    assert all(math.isfinite(loss) for _, loss in losses), losses
+    derived = slurm_job_dir(slurm, job) / "ds_config.program.json"
+    assert "load_universal" not in derived.read_text()
+    assert not derived.with_name(derived.name + ".plain").exists()
