@@ -34,7 +34,8 @@ from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.checkpoints.sources.factory import open_source
 from clusterkit.errors import LaunchError
 from clusterkit.jobs.reshard import (
-    converted_inside,
+    again_line,
+    converted_again,
     load_universal_plan,
     reshard,
 )
@@ -61,7 +62,6 @@ from clusterkit.node.ckpt.ready import readiness
 from clusterkit.node.contract import (
     ASIDE_SUFFIX,
     ENV_RESUME_TAG,
-    LATEST_UNIVERSAL_FILE,
     UNIVERSAL_SUFFIX,
 )
 from clusterkit.remote.base import Transport
@@ -120,8 +120,7 @@ def prepare_continue(transport: Transport, plan: JobPlan, prior: JobRecord, home
                 say(f"{again} holds its DeepSpeed tag converted by a reshard: the program "
                     "would resume from it with checkpoint.load_universal on")
                 return None
-            say(f"{again}: resuming from its DeepSpeed tag converted by the reshard "
-                f"({LATEST_UNIVERSAL_FILE}), checkpoint.load_universal on for this attempt")
+            say(again_line(again, "this attempt"))
             # A program that picks the newest save itself (accelerate) gets the newer,
             # unassemblable ones moved aside; the config holds whatever readiness adds.
             again_plan = load_universal_plan(plan)
@@ -167,12 +166,7 @@ def _converted(plan: JobPlan, listings: Sequence[NodeListing], tried: list[Assem
     if other_world(plan) is not OtherWorld.UNIVERSAL_INSIDE or not listings \
             or DERIVED_DS_CONFIG not in plan.program_files:
         return None
-    tags = candidate_tags(listings, markers=False)
-    found = converted_inside(listings, tags)
-    if found is None or (tried and tried[0].complete and tried[0].tag in tags
-                         and tags.index(str(tried[0].tag)) < tags.index(found)):
-        return None
-    return found
+    return converted_again(listings, tried)
 
 
 def resume_plan(plan: JobPlan, a: Assembly, newer: Sequence[str], say: Say) -> JobPlan | None:

@@ -35,7 +35,7 @@ from clusterkit.checkpoints.convert.tagdir import (
 )
 from clusterkit.checkpoints.convert.universal import Universal, convert_to_universal, user_resume
 from clusterkit.checkpoints.listing import NodeListing
-from clusterkit.checkpoints.replicas.assemble import Assembly
+from clusterkit.checkpoints.replicas.assemble import Assembly, candidate_tags
 from clusterkit.checkpoints.sources.base import CollectNode
 from clusterkit.errors import CheckpointError, LaunchError
 from clusterkit.jobs.resolve import recorded_nodes
@@ -181,6 +181,26 @@ def converted_inside(listings: Sequence[NodeListing], tags: Sequence[str]) -> st
             if all(s == seen[0] for s in seen):
                 return tag
     return None
+
+
+def converted_again(listings: Sequence[NodeListing], tried: Sequence[Assembly] | None
+                    ) -> str | None:
+    """The tag a restart resumes from again with load_universal on: the newest tag
+    converted inside itself by an earlier reshard (:func:`converted_inside`) unless a
+    complete save newer than it can be assembled (``tried``: what can, newest first). A
+    launch's restart (jobs/recover.py) and a ``clusterkit sbatch`` run (jobs/slurm_reshard.py
+    again) ask it; None when there is none."""
+    tags = candidate_tags(listings, markers=False)
+    found = converted_inside(listings, tags)
+    if found is None or (tried and tried[0].complete and tried[0].tag in tags
+                         and tags.index(str(tried[0].tag)) < tags.index(found)):
+        return None
+    return found
+
+
+def again_line(tag: str, when: str) -> str:
+    return (f"{tag}: resuming from its DeepSpeed tag converted by the reshard "
+            f"({LATEST_UNIVERSAL_FILE}), checkpoint.load_universal on for {when}")
 
 
 def convert_checkpoint(dest: str, tag: str, bare: WithoutMarkers | None, plan: JobPlan

@@ -31,14 +31,25 @@ from typing import Any
 from clusterkit.checkpoints.collectplan import WithoutMarkers
 from clusterkit.checkpoints.convert.tagdir import inside_line, into_tag_dir, with_load_universal
 from clusterkit.checkpoints.convert.universal import Universal, convert_to_universal, user_resume
+from clusterkit.checkpoints.listing import parse_listing
 from clusterkit.errors import ClusterkitError
 from clusterkit.fsutil import atomic_write_text
+from clusterkit.jobs.recover import assemble_newest
+from clusterkit.jobs.reshard import again_line, converted_again
 from clusterkit.node.contract import ASIDE_SUFFIX
-from clusterkit.node.slurm.replica import GATHER_DIR, SPREAD_FILE, UNIVERSAL_FILE
+from clusterkit.node.slurm.replica import (
+    CONVERTED_FILE,
+    GATHER_DIR,
+    SPREAD_FILE,
+    UNIVERSAL_FILE,
+    read_lines,
+)
+from clusterkit.spec.jobrecord import RankSpan
 from clusterkit.spec.programs import PROFILES, OtherWorld, Profile
 from clusterkit.spec.resume import NO_PROGRAM
 
 RESUME_TAG_FILE = "resume_tag"
+AGAIN = "again"
 PLAIN_SUFFIX = ".plain"
 
 
@@ -65,6 +76,37 @@ def reshard(run_dir: str, ds_config: str, new_world: int, markers: bool,
         lines += list(r.lines)
     atomic_write_text(os.path.join(run_dir, UNIVERSAL_FILE), u.tag + "\n")
     return lines
+
+
+def again(run_dir: str, ds_config: str, rpn: int) -> list[str]:
+    """A run after one that converted a checkpoint inside its tag dir (``again RUN_DIR
+    DS_CONFIG RPN``, before the plan step, when a node's listing holds a
+    ``latest_universal``): the converted tag it resumes from again with load_universal on,
+    unless a complete save newer than it can be assembled (launch's rule,
+    jobs/reshard.converted_again); the tag in ``RUN_DIR/converted`` for the plan step,
+    ``DS_CONFIG`` rewritten for this run (the plain file kept as ``.plain``)."""
+    hosts = read_lines(os.path.join(run_dir, "hosts"))
+    try:
+        old = read_lines(os.path.join(run_dir, "old_hosts")) or hosts
+    except OSError:
+        old = hosts
+    listings = [parse_listing(h, i, "", _text(os.path.join(run_dir, "list", f"{h}.json")))
+                for i, h in enumerate(hosts)]
+    rank_map = [RankSpan(h, i * rpn, rpn) for i, h in enumerate(old)]
+    tag = converted_again(listings, assemble_newest(listings, len(old), False, rank_map))
+    if tag is None:
+        return []
+    _rewrite(ds_config, with_load_universal)
+    atomic_write_text(os.path.join(run_dir, CONVERTED_FILE), tag + "\n")
+    return [again_line(tag, "this run")]
+
+
+def _text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError:
+        return ""  # not listed: parse_listing says so
 
 
 def _inside(run_dir: str, gathered: str, tag: str, u: Universal, prof: Profile) -> Universal:
@@ -99,14 +141,23 @@ def _rewrite(ds_config: str, edit: Callable[[dict[str, Any]], Mapping[str, Any]]
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == [AGAIN] and len(argv) == 4:
+        return _said(lambda: again(argv[1], argv[2], int(argv[3])))
     if len(argv) not in (4, 5):
         sys.stderr.write("usage: python -m clusterkit.jobs.slurm_reshard RUN_DIR DS_CONFIG "
-                         "NEW_WORLD MARKERS [PROGRAM]\n")
+                         "NEW_WORLD MARKERS [PROGRAM]\n"
+                         "       python -m clusterkit.jobs.slurm_reshard again RUN_DIR DS_CONFIG "
+                         "RPN\n")
         return 2
     run_dir, ds_config, new_world, markers = argv[:4]
+    return _said(lambda: reshard(run_dir, ds_config, int(new_world), markers == "1",
+                                 argv[4] if len(argv) == 5 else NO_PROGRAM))
+
+
+def _said(step: Callable[[], list[str]]) -> int:
+    """Run the step; its lines on stdout, or the one line why not on stderr (exit 1)."""
     try:
-        lines = reshard(run_dir, ds_config, int(new_world), markers == "1",
-                        argv[4] if len(argv) == 5 else NO_PROGRAM)
+        lines = step()
     except (ClusterkitError, OSError, ValueError, KeyError) as exc:
         why = exc.one_line() if isinstance(exc, ClusterkitError) else repr(exc)
         print(f"clusterkit: cannot convert the checkpoint: {why}", file=sys.stderr)

@@ -33,6 +33,7 @@ from clusterkit.node.contract import (
     ENV_HEARTBEAT_DIR,
     ENV_RESUME_TAG,
     ENV_STOP_FILE,
+    LATEST_UNIVERSAL_FILE,
     SLURM_RESUMED_FROM,
     SLURM_SPREAD_DIR,
     JobDir,
@@ -317,7 +318,8 @@ def _replica_context(plan: JobPlan, site: SlurmSite, program: dict[str, Any]
     if not plan.node_local:
         return {"replicas": 0, "replica_cmd": "", "replica_conf": "", "markers": False,
                 "ready": False, "program_name": "", "spread_dir": SLURM_SPREAD_DIR,
-                "reshard_config": "", "reshard_program": NO_PROGRAM}
+                "reshard_config": "", "reshard_program": NO_PROGRAM, "convert_inside": False,
+                "latest_universal": LATEST_UNIVERSAL_FILE}
     conf = {"job_id": plan.job_id, "job_dir": node.job_dir, "ckpt_dir": node.ckpt_dir,
             "rpn": node.nproc, "markers": plan.options.uses_workload, "replicas": k,
             "program": program}
@@ -328,17 +330,19 @@ def _replica_context(plan: JobPlan, site: SlurmSite, program: dict[str, Any]
             "replica_conf": json.dumps(conf, sort_keys=True, separators=(",", ":"))}
 
 
-def _reshard_context(plan: JobPlan) -> dict[str, str]:
+def _reshard_context(plan: JobPlan) -> dict[str, object]:
     """The conversion step on another number of nodes (jobs/slurm_reshard.py): the profile
     it converts for, and the DeepSpeed config it turns ``checkpoint.load_universal`` on in
     for that run (the ``.plain`` copy put back at the end): the derived copy of a program
-    whose tag is converted inside its tag dir (spec/resume.sbatch_other_world), else the
-    job's ds_config.json (a user's script of the contract)."""
+    whose tag is converted inside its tag dir (``convert_inside``,
+    spec/resume.sbatch_other_world; a later run resumes from such a tag again, its
+    ``again`` step), else the job's ds_config.json (a user's script of the contract)."""
     node = plan.nodes[0]
     inside = plan.profile is not None \
         and plan.profile.profile.other_world is OtherWorld.UNIVERSAL_INSIDE \
         and DERIVED_DS_CONFIG in plan.program_files
-    return {"reshard_config": f"{node.job_dir}/{DERIVED_DS_CONFIG}" if inside
+    return {"convert_inside": inside, "latest_universal": LATEST_UNIVERSAL_FILE,
+            "reshard_config": f"{node.job_dir}/{DERIVED_DS_CONFIG}" if inside
             else JobDir(node.job_dir).ds_config,
             "reshard_program": plan.profile.name if plan.profile is not None else NO_PROGRAM}
 

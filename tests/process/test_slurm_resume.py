@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -79,8 +80,9 @@ def _rule(src: str, args: tuple[str, ...] = (), *, derived: bool = False) -> dic
 
 def _plan(tmp_path: Path, roots: dict[str, Path], rule: dict[str, object],
           hosts: list[str] | None = None, old: list[str] | None = None, *, rpn: int = 2,
-          run_name: str = "run") -> tuple[int, Path]:
-    """The batch host's ``plan`` step over the nodes' listings; (its status, the run dir)."""
+          run_name: str = "run", again: Path | None = None) -> tuple[int, Path]:
+    """The batch host's ``plan`` step over the nodes' listings; (its status, the run dir).
+    ``again``: the derived config, the script's ``slurm_reshard again`` step first."""
     hosts, old = hosts or HOSTS, old or HOSTS
     run = tmp_path / run_name
     (run / "list").mkdir(parents=True, exist_ok=True)
@@ -88,6 +90,9 @@ def _plan(tmp_path: Path, roots: dict[str, Path], rule: dict[str, object],
     (run / "old_hosts").write_text("\n".join(old) + "\n")
     for h in hosts:
         (run / "list" / f"{h}.json").write_text(json.dumps(listing(str(roots[h]), None)))
+    if again is not None:
+        for line in slurm_reshard.again(str(run), str(again), rpn):
+            print(f"clusterkit: {line}")
     conf = {"job_id": "j", "job_dir": str(tmp_path / "jobdir"), "ckpt_dir": "/ck/j",
             "rpn": rpn, "markers": False, "replicas": 0, "program": rule}
     return replica.plan(conf, str(run)), run
@@ -274,10 +279,11 @@ def test_nothing_saved_yet_starts_fresh(tmp_path: Path, capsys: pytest.CaptureFi
     assert not (run / replica.RESUME_FILE).exists()
 
 
-def _hf_script(tmp_path: Path, args: tuple[str, ...]) -> str:
+def _hf_script(tmp_path: Path, args: tuple[str, ...], files: dict[str, str] | None = None
+               ) -> str:
     o = JobOptions(job_id="j", backend="torchrun", script="train.py", script_args=args,
                    storage="node-local", ckpt_dir="/scratch/ckpt", gpus_per_node=1, nodes=3)
-    facts = dataclasses.replace(FACTS, script_text=HF_SRC)
+    facts = dataclasses.replace(FACTS, script_text=HF_SRC, program_files=files or {})
     script = render_all(plan_job(inventory("a800-7x2"), o, facts)).artifacts["sbatch.sh"]
     path = tmp_path / "sbatch.sh"
     path.write_text(script)
@@ -295,6 +301,21 @@ def test_the_batch_script_passes_the_resume_words_to_the_program(tmp_path: Path)
     conf = json.loads(shlex.split(line.split("=", 1)[1])[0])
     assert conf["program"]["resume"] == ["--resume_from_checkpoint", "{dir}"]
     assert conf["program"]["nested_latest"] is True
+
+
+def test_the_batch_script_converts_hf_inside_its_tag_dir_with_the_derived_config(
+        tmp_path: Path) -> None:
+    """HF with a DeepSpeed config of the user's (no use_node_local_storage): on another
+    number of nodes the conversion step converts for hf-trainer and turns load_universal
+    on in the derived copy; a later run checks for a tag converted so (the again step)."""
+    script = _hf_script(tmp_path, ("--output_dir", "/scratch/ckpt/j", "--deepspeed", "ds.json"),
+                        {"ds.json": json.dumps({"zero_optimization": {"stage": 2}})})
+    line = next(ln for ln in script.splitlines() if ln.startswith("replica_conf="))
+    assert json.loads(shlex.split(line.split("=", 1)[1])[0])["program"]["other_world"] == "convert"
+    assert re.search(rf"^ds_cfg=\S+/j/{re.escape(DERIVED_DS_CONFIG)}$", script, re.M), script
+    assert 'clusterkit.jobs.slurm_reshard "$rdir" "$ds_cfg" 3 0 hf-trainer' in script
+    assert 'grep -qs latest_universal "$rdir"/list/*.json' in script
+    assert 'clusterkit.jobs.slurm_reshard again "$rdir" "$ds_cfg" 1' in script
 
 
 def test_the_program_s_own_resume_flag_gives_way(tmp_path: Path) -> None:
@@ -420,6 +441,36 @@ def test_hf_saved_on_3_nodes_is_converted_inside_its_checkpoint_for_2(
     listings = [parse_listing(h, i, str(root), json.dumps(listing(str(root), None)))
                 for i, (h, root) in enumerate(now.items())]
     assert converted_inside(listings, [HF_TAG]) == HF_TAG
+
+    # The run ends (the script puts the plain config back); Slurm requeues the job on the
+    # same nodes before the next save: it resumes from the converted tag again, with
+    # load_universal on for that run (launch's rule, jobs/reshard.converted_again). Without
+    # the again step the plan finds each node's own part of the old 3-rank global_step3
+    # "complete" for the 2 ranks and HF would load it with the plain config.
+    os.replace(f"{derived}.plain", derived)
+    status, run = _plan(tmp_path, now, rule, hosts=["n1", "n2"], old=["n1", "n2"], rpn=1,
+                        run_name="run2", again=derived)
+    said = capsys.readouterr().out
+    assert status == 0, said
+    assert (f"clusterkit: {HF_TAG}: resuming from its DeepSpeed tag converted by the reshard "
+            "(latest_universal), checkpoint.load_universal on for this run") in said, said
+    assert (run / replica.RESUME_FILE).read_text().split("\0")[:2] == \
+        ["--resume_from_checkpoint", f"/ck/j/{HF_TAG}"]
+    assert json.loads(derived.read_text())["checkpoint"]["load_universal"] is True
+    # a complete save since (checkpoint-6 by the 2 ranks): the plain config, that save
+    os.replace(f"{derived}.plain", derived)
+    for rank, root in enumerate(now.values()):
+        later = root / "checkpoint-6" / "global_step6"
+        later.mkdir(parents=True)
+        for f in (root / HF_TAG / HF_DS).iterdir():
+            if f.name.startswith("mp_rank_"):
+                shutil.copy2(f, later / f.name)
+        (later / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"o" * 64)
+    status, run = _plan(tmp_path, now, rule, hosts=["n1", "n2"], old=["n1", "n2"], rpn=1,
+                        run_name="run3", again=derived)
+    said = capsys.readouterr().out
+    assert status == 0 and "resuming from checkpoint-6" in said, said
+    assert "load_universal" not in derived.read_text()
 
 
 def test_hf_with_its_own_node_local_config_is_refused_on_another_count(

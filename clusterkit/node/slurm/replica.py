@@ -73,6 +73,9 @@ RESHARD_FILE = "reshard"  # the tag to reshard (written by plan): gather, conver
 GATHER_DIR = "gather"
 UNIVERSAL_FILE = "universal"  # the converted tag's name (the script writes it)
 SPREAD_FILE = "spread.json"  # a conversion inside the tag dir: the files to merge (the same)
+# A run after such a conversion, nothing complete saved since: the converted tag it resumes
+# from again (written by the script's `slurm_reshard again` step, read by `plan`).
+CONVERTED_FILE = "converted"
 PREP_FILE = "prep.json"  # plan -> every node's `ready` (node/ckpt/ready.prep_doc)
 RESUME_FILE = "resume"  # plan -> the script: the program's resume words, NUL-separated
 RECEIVE_WAIT_S = 600.0  # a node waiting for a one-writer file (its writer copies it at once)
@@ -218,7 +221,8 @@ def plan(conf: dict[str, Any], run_dir: str) -> int:
                 listings[h] = json.load(fh)
         except (OSError, ValueError):
             listings[h] = {}  # not listed: nothing of the checkpoint counts there
-    p = restore.decide(listings, hosts, old, bool(conf["markers"]), int(conf["rpn"]))
+    p = converted_plan(run_dir, listings) or \
+        restore.decide(listings, hosts, old, bool(conf["markers"]), int(conf["rpn"]))
     job, was, now = conf["job_id"], ",".join(old), ",".join(hosts)
     try:  # the node lists as Slurm writes them (node[1-4])
         with open(JobDir(conf["job_dir"]).path(JobDir.SLURM_NODES), encoding="utf-8") as fh:
@@ -250,6 +254,19 @@ def plan(conf: dict[str, Any], run_dir: str) -> int:
             restore.say(line)
         _write_prep(run_dir, conf["ckpt_dir"], ready, spread)
     return 0
+
+
+def converted_plan(run_dir: str, listings: dict[str, Any]) -> dict[str, Any] | None:
+    """The plan when the script's ``again`` step found a tag converted inside itself by an
+    earlier run on another number of nodes, complete on every node of this one, nothing
+    complete saved since (``CONVERTED_FILE``; launch's rule, jobs/reshard.converted_again):
+    that tag, nothing moved, the saves after it ``newer``; None otherwise."""
+    try:
+        tag = read_lines(os.path.join(run_dir, CONVERTED_FILE))[0]
+    except (OSError, IndexError):
+        return None
+    saves = restore.candidate_tags(listings, False)
+    return {"tag": tag, "lines": [], "newer": saves[:saves.index(tag)] if tag in saves else []}
 
 
 def _say_untagged(rule: dict[str, Any], written: bool, job: str, was: str, now: str,

@@ -90,7 +90,7 @@ fi
 nodes_file=$job_dir/slurm_nodes
 rdir=$job_dir/slurm-runs/$SLURM_JOB_ID.$(( ${SLURM_RESTART_COUNT:-0} + 1 ))
 mkdir -p -- "$rdir"
-rm -f -- "$rdir/end" "$rdir/plan.json" "$rdir/reshard" "$rdir/universal" "$rdir/spread.json" "$rdir/prep.json" "$rdir/resume"
+rm -f -- "$rdir/end" "$rdir/plan.json" "$rdir/reshard" "$rdir/universal" "$rdir/spread.json" "$rdir/converted" "$rdir/prep.json" "$rdir/resume"
 scontrol show hostnames "$SLURM_JOB_NODELIST" > "$rdir/hosts"
 # node/slurm/replica.py's sources, written with the job's files by clusterkit sbatch.
 bundle=$job_dir/slurmreplica.bundle
@@ -136,7 +136,7 @@ first_nodes=$(cat "$nodes_file" 2>/dev/null || true)
 if [ -n "$first_nodes" ] && [ "$first_nodes" != "$SLURM_JOB_NODELIST" ]; then
     scontrol show hostnames "$first_nodes" > "$rdir/old_hosts"
     node_program list || { both "clusterkit: listing the checkpoint parts on this run's nodes failed (see the .err file)"; exit 2; }
-    "${replica[@]}" plan "$replica_conf" "$rdir" < "$bundle" || exit 3
+"${replica[@]}" plan "$replica_conf" "$rdir" < "$bundle" || exit 3
     if [ -s "$rdir/reshard" ]; then
         # Another number of nodes: gather every part here, convert it with DeepSpeed's own
         # converter (jobs/slurm_reshard.py), copy the universal checkpoint to every node;
