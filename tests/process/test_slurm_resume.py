@@ -7,6 +7,11 @@ itself, read by ``bash -n``.
 
 HF Trainer's node-local layout: ``checkpoint-N/`` on every node (``--save_on_each_node``,
 ``use_node_local_storage``), DeepSpeed's ``checkpoint-N/latest`` on global rank 0's only.
+
+On another number of nodes (3 -> 2), HF's and accelerate's real 3-rank ZeRO-2 saves go
+through the whole chain, the batch script's steps called in its order: ``plan``,
+``gather``, the conversion step (jobs/slurm_reshard.py: inside the tag dir), ``spread``,
+``ready``; then a requeue before the next save (the conversion step's ``again``).
 """
 
 from __future__ import annotations
@@ -35,7 +40,13 @@ from clusterkit.plan.build import plan_job
 from clusterkit.render.artifacts import render_all
 from clusterkit.slurm.submit import other_count
 from clusterkit.spec.job import JobOptions
-from clusterkit.spec.programs import DERIVED_DS_CONFIG, OWN_CONFIG_FIX, OWN_CONFIG_WHY, detect
+from clusterkit.spec.programs import (
+    ACCELERATE_CONFIG_ENV,
+    DERIVED_DS_CONFIG,
+    OWN_CONFIG_FIX,
+    OWN_CONFIG_WHY,
+    detect,
+)
 from clusterkit.spec.resume import resume_rule
 from clusterkit.spec.zero import ZeroSpec, build_ds_config
 from tests.helpers import REPO, free_port, torchrun_exit_abort, workload_env
@@ -492,3 +503,55 @@ def test_hf_with_its_own_node_local_config_is_refused_on_another_count(
         other_count(_rule(HF_SRC), "j", "n[1-3]", HOSTS, 2)
     assert OWN_CONFIG_FIX in (err.value.hint or "")
     assert other_count(_rule(HF_SRC, derived=True), "j", "n[1-3]", HOSTS, 2) == []
+
+
+def test_accelerate_saved_on_3_nodes_is_converted_in_place_for_2(
+        tmp_path: Path, three_rank_save: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """accelerate's step_3/pytorch_model (3 ranks, n3's part a replica on n1) on n1, n2:
+    converted in its place, each node's own pytorch_model (its rank's optimizer shard)
+    renamed pytorch_model.set-aside first and kept, the conversion merged in, marker
+    last; load_universal in the derived config for this run."""
+    roots = {h: tmp_path / h for h in HOSTS}
+    for rank, h in enumerate(HOSTS):
+        inner = roots[h] / "step_3" / "pytorch_model"
+        inner.mkdir(parents=True)
+        for f in three_rank_save.iterdir():
+            if f.name.startswith("mp_rank_") or f.name.startswith(f"zero_pp_rank_{rank}_"):
+                shutil.copy2(f, inner / f.name)
+        (roots[h] / "step_3" / f"random_states_{rank}.pkl").write_bytes(os.urandom(32))
+    write_replica(str(roots["n3"]), str(roots["n1"]), 2, "step_3", job_id="j",
+                  source_host="n3", holder="n1")
+    now = {h: roots[h] for h in ("n1", "n2")}
+    status, run = _plan(tmp_path, now, _rule(ACC_SRC, derived=True), hosts=["n1", "n2"], rpn=1)
+    assert status == 0, capsys.readouterr()
+    the_plan = json.loads((run / "plan.json").read_text())
+    for h, root in now.items():
+        assert restore.gather(the_plan, h, str(root), str(run / replica.GATHER_DIR)) == 0
+    derived = tmp_path / "jobdir" / DERIVED_DS_CONFIG
+    derived.parent.mkdir(parents=True, exist_ok=True)
+    derived.write_text("{}")
+    lines = slurm_reshard.reshard(str(run), str(derived), 2, False, "accelerate")
+    assert ("accelerate's load_state loads step_3/pytorch_model, now DeepSpeed's universal "
+            "checkpoint (the old world's tag kept as step_3/pytorch_model.set-aside) with "
+            "checkpoint.load_universal on in ds_config.program.json "
+            f"(${ACCELERATE_CONFIG_ENV}), this run only") in lines[1], lines
+    assert json.loads(derived.read_text()) == {"checkpoint": {"load_universal": True}}
+    own = {h: sorted(p.name for p in (root / "step_3" / "pytorch_model").iterdir())
+           for h, root in now.items()}
+    for h, root in now.items():
+        assert replica.spread(str(root), str(run), h) == 0
+    said = capsys.readouterr().out
+    for h, root in now.items():
+        tag = root / "step_3"
+        assert f"clusterkit: {h}: moved step_3/pytorch_model aside to " \
+               "step_3/pytorch_model.set-aside (kept)" in said, said
+        assert sorted(p.name for p in (tag / f"pytorch_model{ASIDE_SUFFIX}").iterdir()) == own[h]
+        assert (tag / "pytorch_model" / UNIVERSAL_MARKER).is_file()
+        assert not list((tag / "pytorch_model").glob("*optim_states.pt"))
+        assert (tag / "latest_universal").read_text() == "pytorch_model\n"
+        assert sorted(p.name for p in tag.glob("random_states_*.pkl")) == \
+            [f"random_states_{r}.pkl" for r in range(3)]
+    # spread again (a step retried): the place holds the conversion, nothing moved twice
+    assert replica.spread(str(now["n2"]), str(run), "n2") == 0
+    assert "moved" not in capsys.readouterr().out
+    assert not (now["n2"] / "step_3" / f"pytorch_model{ASIDE_SUFFIX}2").exists()
