@@ -305,12 +305,7 @@ def test_hf_trainer_submitted_again_on_fewer_nodes_is_converted_and_resumes(
     program = _hf_program(slurm, job, "--logging_steps", "5", "--step_sleep", "2",
                           "--crash_at_step", "16", "--crash_rank", "1",
                           "--crash_once", str(slurm.tb.root / f"{job}-killed"))
-    state, first, err = _job_output(slurm, job, _submit_program(slurm, job, program, "--replicas",
-                                                                "1", nodes=3))
-    assert state == "FAILED", (state, first[-3000:], err[-3000:])
-    assert "killed by signal 9" in err, err[-3000:]
-    state, out, err = _job_output(slurm, job, _submit_program(slurm, job, program, "--replicas",
-                                                              "1", nodes=2))
+    state, out, err = _killed_on_3_then_on_2(slurm, job, program)
     _completed_or_exit_abort(state, out, err, f"final loss at step {STEPS}:")
     said = "\n".join(ln for ln in out.splitlines() if ln.startswith("clusterkit: "))
     print(said[:4000])
@@ -331,3 +326,48 @@ def test_hf_trainer_submitted_again_on_fewer_nodes_is_converted_and_resumes(
     derived = slurm_job_dir(slurm, job) / "ds_config.program.json"
     assert "load_universal" not in derived.read_text()
     assert not derived.with_name(derived.name + ".plain").exists()
+
+
+def _killed_on_3_then_on_2(bed: SlurmBed, job: str, program: list[str]) -> tuple[str, str, str]:
+    """``program`` submitted on 3 nodes with --replicas 1 (a rank of it killed: FAILED),
+    then again with ``--nodes 2``: that job's (state, .out, .err)."""
+    state, first, err = _job_output(bed, job, _submit_program(bed, job, program, "--replicas",
+                                                              "1", nodes=3))
+    assert state == "FAILED", (state, first[-3000:], err[-3000:])
+    assert "killed by signal 9" in err, err[-3000:]
+    return _job_output(bed, job, _submit_program(bed, job, program, "--replicas", "1", nodes=2))
+
+
+ACCELERATE = REPO / "tests" / "programs" / "accelerate_save_state.py"
+ACC_STEP_LOSS = re.compile(r"step (\d+) loss (\S+)")
+
+
+@pytest.mark.extended
+def test_accelerate_submitted_again_on_fewer_nodes_is_converted_in_place_and_resumes(
+        slurm: SlurmBed) -> None:
+    """accelerate (tests/programs/accelerate_save_state.py: DeepSpeedPlugin ZeRO-2, its
+    config clusterkit's derived one through ACCELERATE_DEEPSPEED_CONFIG_FILE) on 3 nodes,
+    --replicas 1, rank 1 killed at step 15 -> FAILED; submitted again with ``--nodes 2``:
+    step_10/pytorch_model converted in its place (each node's own kept as
+    pytorch_model.set-aside), load_universal on for that run, its own load_state resumes
+    from step_10 on 2 ranks with finite losses and the job COMPLETES."""
+    job = "acc-fewer"
+    out_dir = str(slurm.tb.local_mountpoint / "ckpt" / job)
+    program = [str(ACCELERATE), "--output_dir", out_dir, "--steps", str(STEPS), "--save_every",
+               "10", "--step_sleep", "2", "--crash_at_step", "15", "--crash_rank", "1",
+               "--crash_once", str(slurm.tb.root / f"{job}-killed")]
+    state, out, err = _killed_on_3_then_on_2(slurm, job, program)
+    _completed_or_exit_abort(state, out, err, f"final loss at step {STEPS}:")
+    said = "\n".join(ln for ln in out.splitlines() if ln.startswith("clusterkit: "))
+    print(said[:4000])
+    assert re.search(r"this run got 2 nodes, \S+; the checkpoint was saved on 3, \S+: "
+                     r"resharding step_10 ", out), said
+    assert ("accelerate's load_state loads step_10/pytorch_model, now DeepSpeed's universal "
+            "checkpoint (the old world's tag kept as step_10/pytorch_model.set-aside) with "
+            "checkpoint.load_universal on in ds_config.program.json") in out, said
+    assert re.search(r"node\d: moved step_10/pytorch_model aside to "
+                     r"step_10/pytorch_model\.set-aside \(kept\)", out), said
+    assert "resumed from step_10" in out + err, (out + err)[-5000:]
+    losses = [(int(s), float(loss)) for s, loss in ACC_STEP_LOSS.findall(out)]
+    assert losses and min(s for s, _ in losses) > 10 and max(s for s, _ in losses) == STEPS, losses
+    assert all(math.isfinite(loss) for _, loss in losses), losses
