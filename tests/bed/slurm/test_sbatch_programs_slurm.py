@@ -16,7 +16,8 @@ full, what the failed run logged for it (helpers.attempts_agree), and the job CO
 * extended: HF Trainer on 3 nodes, a rank killed; the same job submitted again with
   ``--nodes 2`` has checkpoint-10 converted inside its tag dir (DeepSpeed's universal
   checkpoint beside global_step10, load_universal in the derived config for that run)
-  and resumes from it on 2 ranks.
+  and resumes from it on 2 ranks; the same with accelerate (step_10/pytorch_model
+  converted in its place, each node's own kept as pytorch_model.set-aside).
 * extended: pytorch's DDP tutorial (tests/programs/ddp_snapshot.py), a rank hung; the
   hang watchdog requeues the job (``--hang-timeout 15 --max-restarts 1``, pinned:
   node-local, no replicas) and rank 0's snapshot.pt is copied from node1 to node2 before
