@@ -316,16 +316,20 @@ Wait = tuple[Callable[[], bool], float, str]  # (condition, seconds, what: for t
 
 
 def lose_node_mid_run(tb: Testbed, run: Console, node: str, waits: Sequence[Wait], timeout: float,
-                      before_loss: Callable[[], object] | None = None) -> int:
+                      before_loss: Callable[[], object] | None = None,
+                      after_loss: Callable[[], object] | None = None) -> int:
     """Wait on ``run`` for each of ``waits`` in turn (a save, its copies on the ring),
-    call ``before_loss``, destroy ``node`` while the job runs, and wait up to ``timeout``
-    s for the launcher to end: its exit code. On any failure the launcher is stopped too."""
+    call ``before_loss``, destroy ``node`` while the job runs, call ``after_loss`` (what
+    the test does to the attempts after the loss), and wait up to ``timeout`` s for the
+    launcher to end: its exit code. On any failure the launcher is stopped too."""
     try:
         for cond, limit, what in waits:
             run.wait_for(cond, limit, what)
         if before_loss is not None:
             before_loss()
         tb.destroy(node)
+        if after_loss is not None:
+            after_loss()
         return run.finish(timeout=timeout)
     except BaseException:
         run.finish(timeout=1)
