@@ -344,6 +344,17 @@ def went_on_with_fewer(code: int, text: str, lost: str) -> str:
     assert f"no spare for {lost}" in text and "going on with fewer nodes" in text, text[-6000:]
     return text.split("going on with fewer nodes", 1)[1]
 
+
+def replicated_everywhere(text: str, tag: str, nodes: int) -> None:
+    """The launch's last ``checkpoints replicated:`` line lists ``tag`` and every tag it
+    lists has all ``nodes`` copies (a tag a reshard converted inside itself included:
+    node/replicas/done.py judges it by its conversion's files)."""
+    lines = re.findall(r"checkpoints replicated: (.*)", text)
+    counts = lines[-1].split(", ") if lines else []
+    assert f"{tag} {nodes}/{nodes}" in counts, (lines, text[-6000:])
+    assert all(c.endswith(f" {nodes}/{nodes}") for c in counts), lines
+
+
 def workload_summary(text: str) -> dict[str, Any]:
     """The bundled workload's last ``CLUSTERKIT_SUMMARY {json}`` line (after any prefix:
     a batch log's srun label)."""

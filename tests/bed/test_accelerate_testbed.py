@@ -53,6 +53,7 @@ from tests.helpers import (
     hold_past_save,
     lose_node_mid_run,
     reference_run,
+    replicated_everywhere,
     train_env,
     went_on_with_fewer,
 )
@@ -191,6 +192,9 @@ def _goes_on_with_fewer_nodes(tb: Testbed, tmp_path: Path, job: str, restarts: i
     assert all(math.isfinite(loss) for _, loss in losses), losses
     got = FINAL.findall(after)
     assert got and int(got[-1][0]) == STEPS, text[-6000:]
+    # The converted step_N is finished on both nodes by its conversion's files, not by
+    # the new ranks' shards (node/replicas/done.py): each node's copy went to the other.
+    replicated_everywhere(after, f"step_{n}", 2)
     for node in ("node1", "node3"):
         res = tb.exec(node, ["cat", f"{out}/step_{n}/latest_universal",
                              f"{out}/step_{n}/pytorch_model/clusterkit-universal.json"])

@@ -43,6 +43,7 @@ from tests.helpers import (
     free_port,
     lose_node_mid_run,
     reference_run,
+    replicated_everywhere,
     train_env,
     went_on_with_fewer,
 )
@@ -537,6 +538,7 @@ def test_hf_trainer_node_lost_goes_on_with_fewer_nodes(testbed_required: None,
         attempts_agree(logged, [15])
         got = FINAL.findall(after)
         assert got and int(got[-1][0]) == STEPS, text[-6000:]
+        replicated_everywhere(after, f"checkpoint-{n}", 2)
         for node in ("node1", "node3"):
             res = tb.exec(node, ["cat", f"{out}/checkpoint-{n}/latest_universal"])
             assert res.stdout.strip() == f"global_step{n}_universal", (node, res.stdout)
