@@ -316,16 +316,20 @@ Wait = tuple[Callable[[], bool], float, str]  # (condition, seconds, what: for t
 
 
 def lose_node_mid_run(tb: Testbed, run: Console, node: str, waits: Sequence[Wait], timeout: float,
-                      before_loss: Callable[[], object] | None = None) -> int:
+                      before_loss: Callable[[], object] | None = None,
+                      after_loss: Callable[[], object] | None = None) -> int:
     """Wait on ``run`` for each of ``waits`` in turn (a save, its copies on the ring),
-    call ``before_loss``, destroy ``node`` while the job runs, and wait up to ``timeout``
-    s for the launcher to end: its exit code. On any failure the launcher is stopped too."""
+    call ``before_loss``, destroy ``node`` while the job runs, call ``after_loss`` (what
+    the test does to the attempts after the loss), and wait up to ``timeout`` s for the
+    launcher to end: its exit code. On any failure the launcher is stopped too."""
     try:
         for cond, limit, what in waits:
             run.wait_for(cond, limit, what)
         if before_loss is not None:
             before_loss()
         tb.destroy(node)
+        if after_loss is not None:
+            after_loss()
         return run.finish(timeout=timeout)
     except BaseException:
         run.finish(timeout=1)
@@ -339,6 +343,17 @@ def went_on_with_fewer(code: int, text: str, lost: str) -> str:
     assert code == 0, text[-6000:]
     assert f"no spare for {lost}" in text and "going on with fewer nodes" in text, text[-6000:]
     return text.split("going on with fewer nodes", 1)[1]
+
+
+def replicated_everywhere(text: str, tag: str, nodes: int) -> None:
+    """The launch's last ``checkpoints replicated:`` line lists ``tag`` and every tag it
+    lists has all ``nodes`` copies (a tag a reshard converted inside itself included:
+    node/replicas/done.py judges it by its conversion's files)."""
+    lines = re.findall(r"checkpoints replicated: (.*)", text)
+    counts = lines[-1].split(", ") if lines else []
+    assert f"{tag} {nodes}/{nodes}" in counts, (lines, text[-6000:])
+    assert all(c.endswith(f" {nodes}/{nodes}") for c in counts), lines
+
 
 def workload_summary(text: str) -> dict[str, Any]:
     """The bundled workload's last ``CLUSTERKIT_SUMMARY {json}`` line (after any prefix:

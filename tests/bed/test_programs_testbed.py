@@ -14,7 +14,9 @@ run_clm.py-style, unmodified in what clusterkit touches) on 3 nodes x 1 rank, no
   and a relaunch by hand still compare with a reference run. Then node2's checkpoint dir wiped:
   ``collect-ckpt JOB --consolidate fp32`` (no --tag) takes node2's part from its replica
   and equals DeepSpeed's zero_to_fp32 on a merged copy (issue 38 (d)). Extended: the same
-  kill with ZeRO-3 (HF's "auto" ZeRO-3 config).
+  kill with ZeRO-3 (HF's "auto" ZeRO-3 config), and the same kill launched by the test
+  bed's unprivileged user (3 x 1, its own checkpoint dir: everything the job wrote on the
+  nodes is the user's).
 * an unknown program (no profile, no --resume-arg) that saved a complete checkpoint is
   refused at its restart in one line naming the checkpoint and the fix, exit non-zero.
 """
@@ -41,10 +43,12 @@ from tests.helpers import (
     free_port,
     lose_node_mid_run,
     reference_run,
+    replicated_everywhere,
     train_env,
     went_on_with_fewer,
 )
 from tests.testbed import Testbed, temporary
+from tests.testbed.users import assert_owned_by_user
 
 FINAL = re.compile(r"final loss at step (\d+): ([0-9.]+)")
 EXACT = re.compile(r"exact loss at step (\d+): (\S+)")
@@ -77,31 +81,43 @@ def _hf_trainer_reference(tmp: Path, ds: Path) -> str:
     return str(FINAL.findall(text)[-1][1])
 
 
-def _launch_program(inv: Path, job: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _launch_program(inv: Path, job: str, tmp: Path, *args: str, bed: Testbed | None = None
+                    ) -> subprocess.CompletedProcess[str]:
+    """``clusterkit launch`` from ``tmp`` (its cwd and CLUSTERKIT_HOME's parent); ``bed``: a
+    bed made with a user, whose user runs it (``tmp`` then a dir the user may enter)."""
     argv = [sys.executable, "-m", "clusterkit", "launch", "-i", str(inv), "--job-id", job,
             "--nodes", "3", "--storage", "node-local", "--replicas", "1", "--grace", "2",
             "--skip-checks", *args]
-    return subprocess.run(argv, cwd=tmp, env=train_env(tmp), capture_output=True, text=True,
-                          timeout=900)
+    env = train_env(tmp)
+    if bed is not None and bed.user is not None:
+        argv, env = bed.user_argv(argv), bed.user_env(env)
+    return subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
 
 
-def _killed_rank(tb: Testbed, tmp_path: Path, ds: Path, ds_doc: dict[str, Any], job: str,
+def _killed_rank(tb: Testbed, home: Path, ds: Path, ds_doc: dict[str, Any], job: str,
                  *, console_budget: int | None = None) -> str:
-    """3 x 1 + a spare, --replicas 1: rank 1 killed at step 16 (after checkpoint-10 and the
-    step-15 log), --max-restarts 2; the restart resumes from checkpoint-10, and its step-15
-    loss equals the killed attempt's in full (helpers.attempts_agree). Returns the output.
+    """3 x 1 (the bed's nodes past three: spares), --replicas 1: rank 1 killed at step 16
+    (after checkpoint-10 and the step-15 log), --max-restarts 2; the restart resumes from
+    checkpoint-10, and its step-15 loss equals the killed attempt's in full
+    (helpers.attempts_agree). Returns the output.
 
+    Who launches: root from ``home``, or, on a bed made with a user, that user from
+    ``home`` (its home: the inventory there, the user's checkpoint and shared dirs).
     ``console_budget``: HF's progress bar on, and the console's lines besides the loss
     lines held to it (issue 38 item 5, the live path: agents, torchrun's tee)."""
-    inv = tb.write_inventory(tmp_path / "inv.yaml", slots=1)
-    inv.write_text(inv.read_text() + "spares: [node4]\n")
-    out = str(tb.local_mountpoint / "ckpt" / job)
-    marker = tb.shared_dir / f"{job}-crashed"
+    user = tb.user
+    inv = tb.write_inventory(home / "inv.yaml", slots=1, as_user=user is not None)
+    spares = [n.name for n in tb.nodes[3:]]
+    if spares:
+        inv.write_text(inv.read_text() + f"spares: [{', '.join(spares)}]\n")
+    # the inventory's checkpoint.local_dir (inside nodes) and a dir every node sees
+    out = str((user.local_dir if user else tb.local_mountpoint) / "ckpt" / job)
+    marker = (user.shared_dir if user else tb.shared_dir) / f"{job}-crashed"
     # two restarts: the kill's, and room for torch's exit-time abort (helpers.EXIT_ABORT)
-    run = _launch_program(inv, job, tmp_path, "--max-restarts", "2", str(HF_TRAINER),
+    run = _launch_program(inv, job, home, "--max-restarts", "2", str(HF_TRAINER),
                   *_hf_args(out, ds, "--crash_at_step", "16", "--crash_rank", "1",
                             "--crash_once", str(marker), "--exact_losses", "True",
-                            tqdm=console_budget is not None))
+                            tqdm=console_budget is not None), bed=tb)
     text = run.stdout + run.stderr
     assert run.returncode == 0, text[-5000:]
     if console_budget is not None:
@@ -214,6 +230,37 @@ def test_hf_trainer_zero3_killed_rank_resumes(testbed_required: None, tmp_path: 
         for index, node in enumerate(("node1", "node2", "node3")):
             inner = tb.node_local_path(node, out / "checkpoint-20" / "global_step20")
             assert (inner / f"zero_pp_rank_{index}_mp_rank_00_model_states.pt").is_file(), node
+
+
+USER = "ckhf"  # the unprivileged user of the user test's bed (tests/testbed/users.py)
+
+
+@pytest.mark.testbed
+@pytest.mark.extended
+def test_hf_trainer_as_a_user_killed_rank_resumes(testbed_required: None) -> None:
+    """The kill test launched by the test bed's unprivileged user (issue 38 (a) and the
+    user of issue 31 item 7): 3 x 1, the user's node-local checkpoint dir, ZeRO-2 with the
+    usual "auto" ds_config in the user's home; the same checks (resumed from
+    checkpoint-10, step 15's loss equal in full, step 20, exit 0), and every file the job
+    wrote on the nodes (checkpoints, replicas, the node homes) and in its job dir is the
+    user's."""
+    with temporary(3, user=USER) as tb:
+        user = tb.user
+        assert user is not None
+        ds = user.home / "ds_config_z2.json"
+        ds.write_text(json.dumps(HF_DS_AUTO, indent=1))
+        ds.chmod(0o644)
+        _killed_rank(tb, user.home, ds, HF_DS_AUTO, "hfuser")
+        # the checkpoints and replicas on each node, each node's home of the user, the
+        # job dir (the agents', the ranks' logs) and the crash marker
+        ckpts = [tb.node_local_path(n, f"{USER}/ckpt") for n in ("node1", "node2", "node3")]
+        assert all((c / "hfuser" / "checkpoint-20" / "trainer_state.json").is_file()
+                   and (c / "hfuser.replicas").is_dir() for c in ckpts), ckpts
+        homes = [tb.root / "nodes" / n / "home" / USER for n in ("node1", "node2", "node3")]
+        job_dir = user.workdir / ".clusterkit" / "jobs" / "hfuser"
+        assert_owned_by_user(user, [user.shared_dir / "hfuser-crashed",
+                                    *(p for top in (*ckpts, *homes, job_dir)
+                                      for p in top.rglob("*"))])
 
 
 UNKNOWN = """\
@@ -491,6 +538,7 @@ def test_hf_trainer_node_lost_goes_on_with_fewer_nodes(testbed_required: None,
         attempts_agree(logged, [15])
         got = FINAL.findall(after)
         assert got and int(got[-1][0]) == STEPS, text[-6000:]
+        replicated_everywhere(after, f"checkpoint-{n}", 2)
         for node in ("node1", "node3"):
             res = tb.exec(node, ["cat", f"{out}/checkpoint-{n}/latest_universal"])
             assert res.stdout.strip() == f"global_step{n}_universal", (node, res.stdout)

@@ -240,6 +240,30 @@ def test_completion_without_markers(tmp_path: Path) -> None:
     assert "zero_pp_rank_4" in (w2.why_not("mytag", now=0.0) or "")
 
 
+def test_a_tag_converted_inside_itself_owes_its_conversion_not_this_node_s_ranks(
+        tmp_path: Path) -> None:
+    """accelerate's step_10 after a reshard onto fewer nodes (jobs/reshard.py): the old
+    world's tag set aside holds old rank 2's shard, the conversion (a universal marker
+    listing its files) is in the place the library loads. New rank 1's node judges it by
+    the conversion: finished when every file the marker lists is there at its size (a
+    test bed run had it never finished there: 'missing zero_pp_rank_1...')."""
+    zero2_tag(tmp_path / "step_10", "pytorch_model.set-aside", [2])
+    conv = tmp_path / "step_10" / "pytorch_model"
+    (conv / "zero" / "w").mkdir(parents=True)
+    (conv / "zero" / "w" / "fp32.pt").write_bytes(b"x" * 10)
+    marker = {"files": {"zero/w/fp32.pt": 10}, "source_tag": "step_10/pytorch_model.set-aside"}
+    (conv / contract.UNIVERSAL_MARKER).write_text(json.dumps(marker))
+    (tmp_path / "step_10" / contract.LATEST_UNIVERSAL_FILE).write_text("pytorch_model\n")
+    w = CompletionWatch(str(tmp_path), 1, [1], JOB, markers=False)
+    assert w.why_not("step_10", now=0.0) == "changed since the last poll"
+    assert w.why_not("step_10", now=5.0) is None
+    (conv / "zero" / "w" / "fp32.pt").write_bytes(b"x" * 4)  # a conversion copied short
+    assert "has 4 bytes, its universal marker recorded 10" in (w.why_not("step_10", now=6.0) or "")
+    # Without the conversion the same dir is judged by this node's ranks, as before.
+    shutil.rmtree(conv)
+    assert "zero_pp_rank_1" in (w.why_not("step_10", now=7.0) or "")
+
+
 def test_a_truncated_zip_is_not_complete(tmp_path: Path) -> None:
     zero2_tag(tmp_path, "mytag", [0])
     shard = tmp_path / "mytag" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"

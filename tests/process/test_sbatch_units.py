@@ -133,13 +133,13 @@ def test_watch_follows_output_and_restart(tmp_path: Path) -> None:
     assert "requeued" in err.getvalue() and "COMPLETED" in err.getvalue()
 
 
-def _write_ssh_inventory(tmp_path: Path, gpus: int) -> Path:
+def _write_ssh_inventory(tmp_path: Path, gpus: int, local_dir: str = "/scratch/ckpt") -> Path:
     path = tmp_path / "inv.yaml"
     path.write_text(
         "schema_version: 1\ncluster: {name: unit}\n"
         f"defaults: {{transport: ssh, gpus: {gpus}, slots: 2, python: /usr/bin/python3, "
         f"workdir: {tmp_path}/work, checkpoint: {{shared_dir: {tmp_path}/ckpt, "
-        f"local_dir: /scratch/ckpt}}}}\n"
+        f"local_dir: {local_dir}}}}}\n"
         "hosts:\n  n1: {address: 10.0.0.1}\n  n2: {address: 10.0.0.2}\n")
     return path
 
@@ -516,8 +516,9 @@ srun() {
 def _verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str], step: str, *flags: str,
              restarts: int = 0, stubs: str = "") -> tuple[subprocess.CompletedProcess[str], str, Path]:
     """Run the written sbatch.sh with ``step`` as the launch step's body (bash);
-    ``stubs``: shell functions that replace VERDICT_STUBS' own."""
-    inv = _write_ssh_inventory(tmp_path, gpus=0)
+    ``stubs``: shell functions that replace VERDICT_STUBS' own. Node-local checkpoints
+    (``--storage node-local`` in ``flags``) are kept in ``tmp_path/local``."""
+    inv = _write_ssh_inventory(tmp_path, gpus=0, local_dir=str(tmp_path / "local"))
     assert main(["sbatch", "-i", str(inv), "--job-id", "v1", "--storage", "shared",
                  "--cpus-per-task", "2", "--write-only", *flags]) == 0
     capsys.readouterr()
@@ -586,6 +587,55 @@ def test_usr1_ends_the_step_of_a_program_that_does_not_save_on_it_after_a_save(
     for text in (r.stdout, r.stderr):
         assert f"saved nothing in {ckpt} since this run began: not requeueing job 77" in text
     assert "stop requested" not in r.stdout + r.stderr and not (job_dir / "stop_ended").exists()
+
+
+# One node-local "node" (this machine): the node program's steps run for real (n1's);
+# `timeout -k 5 30 srun ...` (at USR1) runs the stub too.
+NODE_PROGRAM_SRUN = """
+timeout() { shift 3; "$@"; }
+srun() {
+    case " $* " in
+        *" slurm.replica "*) while [ "${1#--}" != "$1" ]; do shift; done; SLURMD_NODENAME=n1 "$@" ;;
+        *" --kill-on-bad-exit=1 "*) launch_step ;;
+        *) return 0 ;;
+    esac
+}
+"""
+
+
+def test_usr1_on_node_local_storage_counts_only_a_checkpoint_complete_on_every_node(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Node-local, at USR1 for a program that does not save on it: every node's dir is
+    listed beside the ranks (srun --overlap, replica.py ``list`` then ``saved``), and only
+    the newest checkpoint complete on every node written since the run began ends the
+    step (row stop-end-step); a newer save cut short (HF's trainer_state.json, no
+    DeepSpeed files) is no save: the step runs on (row stop-run-on)."""
+    ckpt = tmp_path / "local/v1"
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    flags = ("--storage", "node-local", "--program", "hf-trainer", str(tmp_path / "train.py"),
+             "--output_dir", str(ckpt))
+    tag = ckpt / "checkpoint-10"
+    ds = f"{tag}/global_step10"
+    save = (f"mkdir -p {ds}; echo x > {tag}/trainer_state.json; "
+            f"echo x > {ds}/mp_rank_00_model_states.pt; for r in 0 1; do "
+            f"echo x > {ds}/zero_pp_rank_${{r}}_mp_rank_00_optim_states.pt; done; "
+            f"echo global_step10 > {tag}/latest")
+    step = f"sleep 0.2; {save}; kill -USR1 $$; sleep 20 >/dev/null 2>&1 </dev/null; return 0"
+    r, calls, job_dir = _verdict(tmp_path, capsys, step, *flags, stubs=NODE_PROGRAM_SRUN)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ("it saved checkpoint checkpoint-10 (complete on every node) since this run began: "
+            "ending the step to requeue job 77") in r.stdout, r.stdout + r.stderr
+    assert "requeuehold 77" in calls and (job_dir / "stop_ended").read_text() == "checkpoint-10\n"
+    # The next run resumes from checkpoint-10; its own save of checkpoint-20 is cut short.
+    cut = (f"sleep 0.2; mkdir -p {ckpt}/checkpoint-20; echo x > {ckpt}/checkpoint-20/trainer_state.json; "
+           "kill -USR1 $$; sleep 1.5; return 0")
+    r, calls, job_dir = _verdict(tmp_path, capsys, cut, *flags, stubs=NODE_PROGRAM_SRUN,
+                                 restarts=1)
+    assert r.returncode == 0 and "requeue" not in calls, r.stdout + r.stderr
+    for text in (r.stdout, r.stderr):
+        assert (f"saved no checkpoint complete on every node ({ckpt}) since this run began: "
+                "not requeueing job 77") in text
+    assert not (job_dir / "stop_ended").exists()
 
 
 def test_a_step_that_ends_while_the_usr1_trap_runs_keeps_its_own_status(

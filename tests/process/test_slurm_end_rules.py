@@ -150,6 +150,13 @@ AT_USR1: list[tuple[str, EndFacts, StopAnswer]] = [
     ("stop-end-step", dataclasses.replace(NOSAVE, saved_in_run="/c/j/checkpoint-10/trainer_state.json"),
      StopAnswer(True, (Line(BOTH, ENDING),))),
     ("stop-run-on", NOSAVE, StopAnswer(False, (Line(BOTH, RUNS_ON),))),
+    # node-local: judged from every node's listing (node/slurm/replica.py ``saved``)
+    ("stop-end-step", dataclasses.replace(NOSAVE, saved_in_run="checkpoint-10", listed=True),
+     StopAnswer(True, (Line(BOTH, ENDING.replace(
+         "/c/j/checkpoint-10/trainer_state.json", "checkpoint checkpoint-10 (complete on every "
+         "node)")),))),
+    ("stop-run-on", dataclasses.replace(NOSAVE, listed=True), StopAnswer(False, (Line(
+        BOTH, RUNS_ON.replace("nothing in /c/j", "no checkpoint complete on every node (/c/j)")),))),
 ]
 
 
@@ -158,7 +165,8 @@ def test_row(row: str, facts: EndFacts, want: EndDecision) -> None:
     assert decide(facts) == want
 
 
-@pytest.mark.parametrize(("row", "facts", "want"), AT_USR1, ids=[r[0] for r in AT_USR1])
+@pytest.mark.parametrize(("row", "facts", "want"), AT_USR1,
+                         ids=[f"{r[0]}-{i}" for i, r in enumerate(AT_USR1)])
 def test_row_at_usr1(row: str, facts: EndFacts, want: StopAnswer) -> None:
     assert at_usr1(facts) == want
 

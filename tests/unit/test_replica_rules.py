@@ -190,6 +190,20 @@ def test_a_spare_node_takes_the_lost_part_on_both_paths(tmp_path: Path) -> None:
     assert plan["lines"] == ["node index 2 (was node3) -> node5: from its replica on node4"]
 
 
+def test_at_usr1_only_a_save_complete_on_every_node_counts(tmp_path: Path) -> None:
+    """node/slurm/end.py's question at USR1 (restore.saved_after): the newest tag that
+    decide() assembles, node3's part from its replica, when written after the run's
+    start; a newer tag that cannot be assembled is no save, the older one answers."""
+    roots = _write_two_tag_roots(tmp_path)
+    raw = _slurm_listings(roots)
+    written = max(float(st[1]) for ls in raw.values() for st in
+                  ((ls.get("tags") or {}).get(NEW) or {}).values())
+    assert restore.saved_after(raw, HOSTS, True, RPN, 0.0) == NEW
+    assert restore.saved_after(raw, HOSTS, True, RPN, written) is None  # before the run
+    DAMAGE["replica file torn"][0](roots)
+    assert restore.saved_after(_slurm_listings(roots), HOSTS, True, RPN, 0.0) == OLD
+
+
 # ------------------------------------------------------------------ placement
 
 

@@ -12,7 +12,10 @@ agent polls its checkpoint dir every ~1.5 s (``listdir`` + ``stat``, cheap) and 
   optimizer shards if any shard exists; ZeRO-3's per-rank model states if any exists,
   else ``mp_rank_00_model_states.pt``), every ``.pt`` is a whole zip archive, no process
   of this job has a file in the tag dir open, and every file's size and mtime were the
-  same at two polls at least :data:`STABLE_S` apart.
+  same at two polls at least :data:`STABLE_S` apart. A tag dir a reshard converted
+  inside itself (HF's ``checkpoint-N``, accelerate's ``step_N`` after fewer nodes) owes
+  its conversion's files instead (rules.conversion_problem): its rank files are the old
+  world's.
 
 docs/lost-a-node.md ("How completion is recognised") says the same for users.
 Standard library only, Python >= 3.8 on the node.
@@ -27,8 +30,13 @@ from typing import TYPE_CHECKING
 
 from clusterkit.node.agent.procs import job_processes
 from clusterkit.node.ckpt.listing import whole_zip as _whole_zip
-from clusterkit.node.contract import marker_name
-from clusterkit.node.replicas.rules import oldest_first, part_problem
+from clusterkit.node.contract import UNIVERSAL_MARKER, marker_name
+from clusterkit.node.replicas.rules import (
+    conversion_dirs,
+    conversion_problem,
+    oldest_first,
+    part_problem,
+)
 
 if TYPE_CHECKING:  # a runtime alias would need typing.Dict on Python 3.8
     Snapshot = dict[str, tuple[int, int]]  # rel path -> (size, mtime_ns)
@@ -71,6 +79,14 @@ def open_in(tag_dir: str, job_id: str) -> list[int]:
                 pids.append(pid)
                 break
     return pids
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def broken_zips(tag_dir: str, files: Snapshot) -> list[str]:
@@ -118,7 +134,7 @@ class CompletionWatch:
         now = time.monotonic() if now is None else now
         tag_dir = os.path.join(self.ckpt_dir, tag)
         files = tag_files(tag_dir)
-        missing = part_problem(list(files), self.ranks)
+        missing = self._problem(tag_dir, files)
         if missing:
             self._seen.pop(tag, None)
             return missing
@@ -128,4 +144,18 @@ class CompletionWatch:
             return "changed since the last poll"
         if now - first < STABLE_S:
             return "unchanged for less than %.0f s" % STABLE_S  # noqa: UP031
-        return part_problem(list(files), self.ranks, broken_zips(tag_dir, files))
+        return self._problem(tag_dir, files, broken_zips(tag_dir, files))
+
+    def _problem(self, tag_dir: str, files: Snapshot, cut_short: Sequence[str] = ()
+                 ) -> str | None:
+        """The files the tag dir owes: this node's ranks' DeepSpeed files, or, a tag dir
+        a reshard converted inside itself (HF's, accelerate's after fewer nodes), every
+        file of its conversion's marker (its rank files are another world's)."""
+        conv = conversion_dirs(files)
+        if not conv:
+            return part_problem(list(files), self.ranks, cut_short)
+        why = conversion_problem({rel: size for rel, (size, _) in files.items()},
+                                 {d: _read(os.path.join(tag_dir, d, UNIVERSAL_MARKER))
+                                  for d in conv})
+        cut = [rel for rel in cut_short if any(rel.startswith(d + "/") for d in conv)]
+        return why or ("not a whole zip: " + ", ".join(sorted(cut)[:3]) if cut else None)

@@ -202,6 +202,27 @@ def _conversion_dir(rel: str) -> str | None:
     return None
 
 
+def conversion_problem(sizes: Mapping[str, int], markers: Mapping[str, str | None]) -> str:
+    """Why a node's tag dir holding a reshard's conversion (``markers``: each dir of
+    :func:`conversion_dirs` -> its marker's text, None when unreadable) is not finished;
+    "" when every file each marker lists is there at its size (``sizes``: the tag dir's
+    files, relative). The reshard put the whole conversion on every node: its rank files
+    beside it (the old world's tag, set aside or not) are another world's, so the node's
+    own ranks judge nothing here (collect-ckpt and status judge it by the same marker,
+    checkpoints/collect/inside.py)."""
+    for conv, text in sorted(markers.items()):
+        try:
+            listed = json.loads(text or "")["files"]
+            expected = {posixpath.join(conv, rel): int(n) for rel, n in listed.items()}
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return f"{conv}/{UNIVERSAL_MARKER} is not readable"
+        why = size_problem({rel: (n, 0.0, None) for rel, n in sizes.items()}, expected, "",
+                           "its universal marker")
+        if why:
+            return why
+    return ""
+
+
 def saved_files(names: Iterable[str]) -> list[str]:
     """The files of a tag dir that its save wrote: without a universal conversion's
     (:func:`conversion_dirs`), whose per-rank files are every rank of another world

@@ -19,7 +19,10 @@ the script writes once per run, given to every task with ``srun --input=all``):
   HF's ``checkpoint-N/latest``), the program's resume words in ``RUN_DIR/resume``;
   on another number of nodes (the bundled workload) ``gather`` every part into the
   shared ``RUN_DIR/gather``, where the script converts it to DeepSpeed's universal
-  checkpoint (checkpoints/convert/universal.py), and ``spread`` the result to every node.
+  checkpoint (checkpoints/convert/universal.py), and ``spread`` the result to every node;
+* ``saved``, at USR1 for a program that does not save on SIGUSR1, after ``list`` beside
+  the ranks: whether the newest checkpoint complete on every node was saved in this run
+  (node/slurm/end.py ends the step and requeues only then).
 
 ``CONF`` is one JSON word: ``job_id``, ``job_dir``, ``ckpt_dir``, ``rpn`` (ranks per
 node), ``markers`` (the program writes completion markers), ``replicas`` (K),
@@ -79,7 +82,8 @@ CONVERTED_FILE = "converted"
 PREP_FILE = "prep.json"  # plan -> every node's `ready` (node/ckpt/ready.prep_doc)
 RESUME_FILE = "resume"  # plan -> the script: the program's resume words, NUL-separated
 RECEIVE_WAIT_S = 600.0  # a node waiting for a one-writer file (its writer copies it at once)
-VERBS = ("serve", "list", "plan", "restore", "gather", "spread", "ready")
+SAVED_FILE = "saved_in_run"  # saved -> node/slurm/end.py at USR1: a tag, or empty
+VERBS = ("serve", "list", "plan", "restore", "gather", "spread", "ready", "saved")
 END_OK = "ok"
 POLL_S = 1.0
 FINISH_PUSH_S = 240.0  # the end of a job: outstanding pushes, then the sources' BYE
@@ -177,6 +181,8 @@ def main(argv: list[str]) -> int:
         return restore.write_listing(conf["ckpt_dir"], run_dir, me)
     if verb == "plan":
         return plan(conf, run_dir)
+    if verb == "saved":
+        return saved(conf, run_dir)
     if verb == "ready":
         return ready_node(conf["ckpt_dir"], run_dir, me)
     if verb == "spread":
@@ -214,13 +220,7 @@ def plan(conf: dict[str, Any], run_dir: str) -> int:
     resume words), say why."""
     hosts = read_lines(os.path.join(run_dir, "hosts"))
     old = read_lines(os.path.join(run_dir, "old_hosts"))
-    listings = {}
-    for h in hosts:
-        try:
-            with open(os.path.join(run_dir, "list", f"{h}.json"), encoding="utf-8") as fh:
-                listings[h] = json.load(fh)
-        except (OSError, ValueError):
-            listings[h] = {}  # not listed: nothing of the checkpoint counts there
+    listings = read_listings(run_dir, hosts)
     p = converted_plan(run_dir, listings) or \
         restore.decide(listings, hosts, old, bool(conf["markers"]), int(conf["rpn"]))
     job, was, now = conf["job_id"], ",".join(old), ",".join(hosts)
@@ -253,6 +253,35 @@ def plan(conf: dict[str, Any], run_dir: str) -> int:
         for line in ready.lines:
             restore.say(line)
         _write_prep(run_dir, conf["ckpt_dir"], ready, spread)
+    return 0
+
+
+def read_listings(run_dir: str, hosts: list[str]) -> dict[str, Any]:
+    """Each host's listing (``list``); a host not listed holds nothing that counts."""
+    listings = {}
+    for h in hosts:
+        try:
+            with open(os.path.join(run_dir, "list", f"{h}.json"), encoding="utf-8") as fh:
+                listings[h] = json.load(fh)
+        except (OSError, ValueError):
+            listings[h] = {}
+    return listings
+
+
+def saved(conf: dict[str, Any], run_dir: str) -> int:
+    """``saved``, on the batch host at USR1 (a program that does not save on SIGUSR1),
+    after ``list`` on every node: ``RUN_DIR/saved_in_run`` holds the newest checkpoint
+    complete on every node of this run when it was saved since the run's start stamp, or
+    an empty line (node/slurm/end.py reads it; no file there: it falls back to the batch
+    host's own dir)."""
+    hosts = read_lines(os.path.join(run_dir, "hosts"))
+    try:
+        since = os.stat(JobDir(conf["job_dir"]).path(JobDir.RUN_STARTED)).st_mtime
+    except OSError:
+        return 1  # no start stamp: nothing to judge by
+    tag = restore.saved_after(read_listings(run_dir, hosts), hosts, bool(conf["markers"]),
+                              int(conf["rpn"]), since)
+    write_atomic(os.path.join(run_dir, SAVED_FILE), (tag or "") + "\n")
     return 0
 
 

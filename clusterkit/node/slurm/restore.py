@@ -202,6 +202,20 @@ def decide(listings: dict[str, Any], hosts: list[str], old_hosts: list[str], mar
                        "of it there"}
 
 
+def saved_after(listings: dict[str, Any], hosts: list[str], markers: bool, rpn: int,
+                since: float) -> str | None:
+    """The newest checkpoint complete on this run's nodes (:func:`decide`'s rule, replicas
+    standing in) when it was saved after ``since`` (epoch seconds: the run's start stamp):
+    a file of some node's own copy of it is newer; None otherwise (nothing complete, or
+    only what the run began from: a half-written newer save does not count)."""
+    tag = decide(listings, hosts, hosts, markers, rpn).get("tag")
+    if not tag:
+        return None
+    written = [float(st[1]) for ls in listings.values()
+               for st in ((ls.get("tags") or {}).get(tag) or {}).values()]
+    return str(tag) if written and max(written) > since else None
+
+
 def _moves(tag: str, src: dict[int, list[tuple[str, str]]], hosts: list[str],
            label: dict[int, str], listings: dict[str, Any], saved: Saved) -> dict[str, Any]:
     actions: dict[str, dict[str, Any]] = {

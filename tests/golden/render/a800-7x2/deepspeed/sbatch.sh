@@ -236,7 +236,7 @@ for e in h[2:]:
 sys.argv=['"'"'clusterkit.node.'"'"'+sys.argv[1]]+sys.argv[2:]
 sys.exit(sys.modules[sys.argv[0]].main(sys.argv[1:]))
 ' slurm.end '{"ckpt_var":"CLUSTERKIT_CKPT_DIR","count_file":"/srv/train/.clusterkit/jobs/golden-a800-7x2/hang_restarts","exits_dir":"/srv/train/.clusterkit/jobs/golden-a800-7x2/exits","hang_file":"","job_name":"ck-golden-a800-7x2","log_dir":"/srv/train/.clusterkit/jobs/golden-a800-7x2/logs","max_restarts":0,"node_local":true,"per_rank_files":true,"replicas":0,"signal_lead":90,"stop_file":"/srv/train/.clusterkit/jobs/golden-a800-7x2/stop","stop_var":"CLUSTERKIT_STOP_FILE"}' "$@" <<'CK_SLURMEND_EOF'
-clusterkit-node 2 slurm.end:24115
+clusterkit-node 2 slurm.end:24837
 """Node program: what the end of a ``clusterkit sbatch`` run means (issue 36 item 2).
 
 The batch script (templates/sbatch.sh.j2) only sequences steps; every decision it
@@ -258,10 +258,10 @@ row                   when -> what
                       more, requeue, exit 124 (both files say so)
 ``hang-used``         a hang, the restarts used -> exit 124, no requeue (both files)
 ``stop-end-step``     USR1 came, the program does not save on it (its profile:
-                      ``saves_on_usr1``), and a file of the checkpoint dir was newer
-                      than the run's start (the start stamp) then: the script ended
-                      the step at once (:func:`at_usr1`, below) -> exit 0, requeue,
-                      the line (both files: the steps since that save are lost)
+                      ``saves_on_usr1``), and it saved since the run's start stamp
+                      (node-local: a checkpoint complete on every node; shared: a
+                      file): the script ended the step at once (:func:`at_usr1`)
+                      -> exit 0, requeue, the line (both files: steps since lost)
 ``rank-failed``       the step failed and a rank recorded its exit: the earliest
                       record (``<time ns> <node> <status>``, ``exits/rank<R>``) is
                       the cause -> exit with that rank's status; the ``.err`` line
@@ -312,10 +312,9 @@ descriptor 3; the script performs it (``scontrol requeue``, or the pinned sequen
 and exits with that status.
 
 At USR1, for a program that does not save on it, the script asks first (``slurm.end
-CONF usr1``): :func:`at_usr1` compares the checkpoint dir (the batch host's own, on
-node-local storage) with the run's start stamp; its answer on file descriptor 3 is
-either ``end`` (the script ends the launch step with SIGTERM, as the hang watchdog does;
-the saved file is recorded in CONF's ``ended_file`` for the end of the run) or ``run``.
+CONF usr1 [SAVED_FILE]``, :func:`gather_usr1`); :func:`at_usr1` answers on file
+descriptor 3: ``end`` (the script ends the launch step with SIGTERM, as the hang watchdog
+does; the save is recorded in CONF's ``ended_file`` for the end of the run) or ``run``.
 
 Standard library only, Python >= 3.8 on the node.
 """
@@ -405,10 +404,11 @@ class EndFacts:
     ckpt_dir: str = ""
     now: int = 0  # epoch seconds, when the step had ended
     began_fresh: str | None = None  # told to resume, it began at step 0: the line
-    # A program that does not save on USR1: a file of the checkpoint dir newer than the
-    # run's start (at USR1), and the one the script ended the step for (at the end).
+    # A program that does not save on USR1: what it saved since the run's start (at USR1;
+    # ``listed``: a tag complete on every node, else a file), what the step was ended for.
     saved_in_run: str | None = None
     ended: str | None = None
+    listed: bool = False
 
 
 @dataclass(frozen=True)
@@ -504,18 +504,20 @@ def at_usr1(facts: EndFacts) -> StopAnswer:
     end the step when it saved since the run began, so the requeued run resumes from the
     newest complete checkpoint; otherwise a requeue would begin where this run began:
     let it run on. Pure, no I/O."""
-    job, jid = facts.job, facts.slurm_id
-    who = _program(job)
+    job, jid, who = facts.job, facts.slurm_id, _program(facts.job)
     if facts.saved_in_run is not None:
+        what = (f"checkpoint {facts.saved_in_run} (complete on every node)" if facts.listed
+                else facts.saved_in_run)
         return StopAnswer(True, (Line(BOTH, f"clusterkit: USR1 (time limit or preemption): {who} "
-                                            f"does not save on SIGUSR1; it saved "
-                                            f"{facts.saved_in_run} since this run began: "
-                                            f"ending the step to requeue job {jid}"),))
+                                            f"does not save on SIGUSR1; it saved {what} since "
+                                            f"this run began: ending the step to requeue job {jid}"),))
     again = f" --job-id {job.job_id}" if job.job_id else " --job-id"
+    nothing = (f"no checkpoint complete on every node ({facts.ckpt_dir})" if facts.listed
+               else f"nothing in {facts.ckpt_dir}")
     return StopAnswer(False, (Line(BOTH, f"clusterkit: USR1 (time limit or preemption): {who} "
-                                         f"does not save on SIGUSR1 and saved nothing in "
-                                         f"{facts.ckpt_dir} since this run began: not requeueing "
-                                         f"job {jid} (it would begin where this run began); the "
+                                         f"does not save on SIGUSR1 and saved {nothing} since "
+                                         f"this run began: not requeueing job {jid} (it would "
+                                         "begin where this run began); the "
                                          f"step runs on to the time limit. Submit it again with"
                                          f"{again} to resume from its newest checkpoint"),))
 
@@ -659,11 +661,19 @@ def gather(conf: dict[str, Any], status: int, stop_at: str, hang_dir: str,
         ended=ended or None)
 
 
-def gather_usr1(conf: dict[str, Any], environ: dict[str, str]) -> EndFacts:
-    """The facts at USR1: what the checkpoint dir holds newer than the run's start."""
+def gather_usr1(conf: dict[str, Any], environ: dict[str, str], saved_file: str = ""
+                ) -> EndFacts:
+    """The facts at USR1: what was saved since the run's start stamp. ``saved_file``
+    (node-local): node/slurm/replica.py ``saved``'s answer from every node's listing (the
+    newest checkpoint complete on every node if saved in this run, else empty); without
+    it (shared checkpoints, or no listing) a file of the batch host's dir newer than it."""
     ckpt_dir = environ.get(conf["ckpt_var"], "")
-    return EndFacts(job=JobEnd.from_conf(conf), slurm_id=environ.get("SLURM_JOB_ID", ""),
-                    status=0, ckpt_dir=ckpt_dir,
+    job, sid = JobEnd.from_conf(conf), environ.get("SLURM_JOB_ID", "")
+    text = _read(saved_file) if saved_file else None
+    if text is not None:
+        return EndFacts(job=job, slurm_id=sid, status=0, ckpt_dir=ckpt_dir, listed=True,
+                        saved_in_run=text.strip() or None)
+    return EndFacts(job=job, slurm_id=sid, status=0, ckpt_dir=ckpt_dir,
                     saved_in_run=saved_since(ckpt_dir, conf.get("started_file", "")))
 
 
@@ -699,13 +709,13 @@ def apply(decision: EndDecision, facts: EndFacts, count_file: str, out: IO[str],
 
 def run(argv: list[str], environ: dict[str, str], out: IO[str], err: IO[str],
         answer: IO[str]) -> int:
-    if len(argv) == 2 and argv[1] == USR1_VERB:
+    if len(argv) in (2, 3) and argv[1] == USR1_VERB:
         conf = json.loads(argv[0])
-        facts = gather_usr1(conf, environ)
+        facts = gather_usr1(conf, environ, argv[2] if len(argv) == 3 else "")
         apply_usr1(at_usr1(facts), facts, conf["ended_file"], out, err, answer)
         return 0
     if len(argv) != 4:
-        err.write(f"usage: slurm.end CONF STATUS STOP_AT HANG_DIR | slurm.end CONF {USR1_VERB}\n")
+        err.write(f"usage: slurm.end CONF STATUS STOP_AT HANG_DIR | slurm.end CONF {USR1_VERB} [FILE]\n")
         return 2
     conf = json.loads(argv[0])
     facts = gather(conf, int(argv[1]), argv[2], argv[3], environ, int(time.time()))
