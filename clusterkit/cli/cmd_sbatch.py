@@ -35,7 +35,7 @@ from clusterkit.fsutil import atomic_write_text
 from clusterkit.jobs.here import clusterkit_home
 from clusterkit.jobs.sbatch_health import slurm_job_health_lines
 from clusterkit.launchers import BACKENDS
-from clusterkit.node.contract import ENV_STOP_FILE, JobDir
+from clusterkit.node.contract import ENV_STOP_FILE, SLURM_PLAIN_SUFFIX, JobDir
 from clusterkit.render.artifacts import summary
 from clusterkit.render.sbatch import DEFAULT_SIGNAL_LEAD_S, SlurmSite
 from clusterkit.slurm import submit as slurm_submit
@@ -225,6 +225,10 @@ def _register(job_dir: str, slurm_id: str) -> None:
 
 def _write_job_dir(plan: LaunchPlan) -> Path:
     write_job_files(plan, plan.job_dir)
+    # A run killed hard after a conversion left its plain config as NAME.plain, which the
+    # next run's start would move back over the file just written (a new DeepSpeed config).
+    for name in plan.job_files:
+        Path(plan.job_dir, name + SLURM_PLAIN_SUFFIX).unlink(missing_ok=True)
     slurm_submit.write_node_program(plan)
     # Slurm opens --output/--error before the script runs: a missing directory fails
     # the job at launch (JobLaunchFailure), so it must exist before sbatch.

@@ -37,6 +37,7 @@ from clusterkit.fsutil import atomic_write_text
 from clusterkit.jobs.recover import assemble_newest
 from clusterkit.jobs.reshard import again_line, converted_again
 from clusterkit.node.contract import ASIDE_SUFFIX
+from clusterkit.node.contract import SLURM_PLAIN_SUFFIX as PLAIN_SUFFIX
 from clusterkit.node.slurm.replica import (
     CONVERTED_FILE,
     GATHER_DIR,
@@ -50,7 +51,6 @@ from clusterkit.spec.resume import NO_PROGRAM
 
 RESUME_TAG_FILE = "resume_tag"
 AGAIN = "again"
-PLAIN_SUFFIX = ".plain"
 
 
 def reshard(run_dir: str, ds_config: str, new_world: int, markers: bool,

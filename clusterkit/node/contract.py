@@ -104,6 +104,11 @@ SLURM_RESUMED_FROM = "resumed_from"
 # ... and where one-writer files (a snapshot) wait on their way from their writer to the
 # other nodes (node/slurm/replica.py's ready step; the script removes it after).
 SLURM_SPREAD_DIR = "spread"
+# A batch run that converted a checkpoint turns checkpoint.load_universal on in the job's
+# DeepSpeed config for itself only: the plain file kept beside it under this suffix and
+# put back when the run ends (jobs/slurm_reshard.py, the batch script); `clusterkit
+# sbatch` removes one a killed run left when it writes the job's files again.
+SLURM_PLAIN_SUFFIX = ".plain"
 # How a user's node-local checkpoint continues on another number of nodes under
 # `clusterkit sbatch` (spec/resume.resume_rule's "other_world", from its profile's
 # OtherWorld; read by submit's check and the batch host's plan step): its top-level

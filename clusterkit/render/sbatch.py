@@ -34,6 +34,7 @@ from clusterkit.node.contract import (
     ENV_RESUME_TAG,
     ENV_STOP_FILE,
     LATEST_UNIVERSAL_FILE,
+    SLURM_PLAIN_SUFFIX,
     SLURM_RESUMED_FROM,
     SLURM_SPREAD_DIR,
     JobDir,
@@ -43,10 +44,11 @@ from clusterkit.node.slurm.end import USR1_VERB
 from clusterkit.render.jobops import accelerator, job_ops
 from clusterkit.spec.job import SYSTEM_PATH, JobPlan, launcher_log_dir
 from clusterkit.spec.ports import PORT_BASE, PORT_SPAN
-from clusterkit.spec.programs import DERIVED_DS_CONFIG, OtherWorld
+from clusterkit.spec.programs import DERIVED_DS_CONFIG
 from clusterkit.spec.resume import (
     NO_PROGRAM,
     began_fresh_line,
+    converts_inside,
     plan_rule,
     program_without_resume,
     saves_on_usr1,
@@ -319,7 +321,7 @@ def _replica_context(plan: JobPlan, site: SlurmSite, program: dict[str, Any]
         return {"replicas": 0, "replica_cmd": "", "replica_conf": "", "markers": False,
                 "ready": False, "program_name": "", "spread_dir": SLURM_SPREAD_DIR,
                 "reshard_config": "", "reshard_program": NO_PROGRAM, "convert_inside": False,
-                "latest_universal": LATEST_UNIVERSAL_FILE}
+                "latest_universal": LATEST_UNIVERSAL_FILE, "plain_suffix": SLURM_PLAIN_SUFFIX}
     conf = {"job_id": plan.job_id, "job_dir": node.job_dir, "ckpt_dir": node.ckpt_dir,
             "rpn": node.nproc, "markers": plan.options.uses_workload, "replicas": k,
             "program": program}
@@ -338,10 +340,9 @@ def _reshard_context(plan: JobPlan) -> dict[str, object]:
     spec/resume.sbatch_other_world; a later run resumes from such a tag again, its
     ``again`` step), else the job's ds_config.json (a user's script of the contract)."""
     node = plan.nodes[0]
-    inside = plan.profile is not None \
-        and plan.profile.profile.other_world is OtherWorld.UNIVERSAL_INSIDE \
-        and DERIVED_DS_CONFIG in plan.program_files
+    inside = converts_inside(plan.profile, derived=DERIVED_DS_CONFIG in plan.program_files)
     return {"convert_inside": inside, "latest_universal": LATEST_UNIVERSAL_FILE,
+            "plain_suffix": SLURM_PLAIN_SUFFIX,
             "reshard_config": f"{node.job_dir}/{DERIVED_DS_CONFIG}" if inside
             else JobDir(node.job_dir).ds_config,
             "reshard_program": plan.profile.name if plan.profile is not None else NO_PROGRAM}

@@ -172,11 +172,19 @@ def sbatch_other_world(choice: ProgramChoice, *, derived: bool) -> str:
     the job's DeepSpeed config is clusterkit's derived copy (``derived``: the one file
     that gets ``checkpoint.load_universal``); a snapshot loads on any world size as it is."""
     world = choice.profile.other_world
-    if world is OtherWorld.UNIVERSAL or (world is OtherWorld.UNIVERSAL_INSIDE and derived):
+    if world is OtherWorld.UNIVERSAL or converts_inside(choice, derived=derived):
         return OTHER_WORLD_CONVERT
     if world is OtherWorld.AS_IS:
         return OTHER_WORLD_AS_IS
     return OTHER_WORLD_REFUSE
+
+
+def converts_inside(choice: ProgramChoice | None, *, derived: bool) -> bool:
+    """The batch script converts this program's DeepSpeed tag inside its own tag dir on
+    another number of nodes (and turns load_universal on in the derived config, the
+    ``derived`` one clusterkit may edit): HF Trainer's and accelerate's."""
+    return choice is not None and derived \
+        and choice.profile.other_world is OtherWorld.UNIVERSAL_INSIDE
 
 
 def restart_problem(choice: ProgramChoice, tag: str, where: str, job_id: str) -> str | None:

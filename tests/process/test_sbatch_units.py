@@ -144,6 +144,22 @@ def _write_ssh_inventory(tmp_path: Path, gpus: int, local_dir: str = "/scratch/c
     return path
 
 
+def test_writing_the_job_files_again_drops_a_killed_run_s_plain_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run killed hard after a conversion leaves ds_config.json.plain (its config was
+    for that run only); the next run's start would move it over the file `clusterkit
+    sbatch` just wrote again (a changed DeepSpeed config lost): writing removes it."""
+    inv = _write_ssh_inventory(tmp_path, gpus=0)
+    argv = ["sbatch", "-i", str(inv), "--job-id", "p1", "--storage", "node-local"]
+    assert main(argv) == 0
+    job_dir = tmp_path / "work/.clusterkit/jobs/p1"
+    stale = job_dir / "ds_config.json.plain"
+    stale.write_text("{}\n")
+    assert main(argv) == 0 and not stale.exists()
+    assert "ds_config.json.plain" not in (job_dir / "sbatch.sh").read_text()  # the suffix only
+    capsys.readouterr()
+
+
 def test_cli_dry_run_prints_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     inv = _write_ssh_inventory(tmp_path, gpus=2)
     rc = main(["sbatch", "-i", str(inv), "--nodes", "2", "--gpus-per-node", "2", "--job-id", "j1",
