@@ -43,7 +43,7 @@ def test_a_complete_conversion_names_its_source_and_world() -> None:
 def test_one_good_copy_collects_a_restart_needs_all() -> None:
     c = converted([_listed_node("n1"), _listed_node("n2", fp32=3)], TAG)
     assert c is not None and c.usable and not c.everywhere
-    assert c.complete_on == ("n1",) and "has 3 bytes, its marker 7" in c.problems[0]
+    assert c.complete_on == ("n1",) and "has 3 bytes, its marker recorded 7" in c.problems[0]
     cut = converted([_listed_node("n1", whole=False)], TAG)
     assert cut is not None and not cut.usable and "cut short" in cut.problems[0]
 

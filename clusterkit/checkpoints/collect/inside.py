@@ -35,6 +35,7 @@ from clusterkit.checkpoints.listing import FileInfo, NodeListing
 from clusterkit.checkpoints.universal_marker import UniversalMarker, marker_from_json_dict
 from clusterkit.errors import CheckpointError
 from clusterkit.node.contract import LATEST_FILE, LATEST_UNIVERSAL_FILE, UNIVERSAL_MARKER
+from clusterkit.node.replicas.rules import size_problem
 
 
 @dataclass(frozen=True)
@@ -116,15 +117,13 @@ def _copy_problem(files: Mapping[str, FileInfo], texts: Mapping[str, str], tag: 
         return f"no {tag}/{LATEST_UNIVERSAL_FILE}"
     if f"{name}/{UNIVERSAL_MARKER}" not in texts:
         return f"no {tag}/{name}/{UNIVERSAL_MARKER}"
-    for rel, size in sorted(expected.items()):
-        info = files.get(f"{name}/{rel}")
-        if info is None:
-            return f"{posixpath.join(tag, name, rel)} is missing (its marker lists it)"
-        if info.size != size:
-            return f"{posixpath.join(tag, name, rel)} has {info.size} bytes, its marker {size}"
-        if info.whole is False:
-            return f"{posixpath.join(tag, name, rel)} is cut short"
-    return ""
+    # The replicas' completion watch judges a node's conversion by the same sizes
+    # (node/replicas/rules.conversion_problem); this side adds the zip check it listed.
+    present = {rel[len(name) + 1:]: (info.size, 0.0, info.whole) for rel, info in files.items()
+               if rel.startswith(name + "/")}
+    why = size_problem(present, expected, posixpath.join(tag, name), "its marker")
+    cut = [rel for rel in sorted(expected) if present[rel][2] is False] if not why else []
+    return why or (f"{posixpath.join(tag, name, cut[0])} is cut short" if cut else "")
 
 
 def _marker(text: str | None) -> UniversalMarker | None:
