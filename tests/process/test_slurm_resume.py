@@ -269,18 +269,6 @@ def test_an_unknown_program_is_not_requeued_into_step_0(
     assert not (run / replica.PREP_FILE).exists()
 
 
-def test_hf_on_another_number_of_nodes_is_refused_under_sbatch(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    roots = {h: tmp_path / h for h in HOSTS}
-    _hf_saves(roots, 10)
-    roots["n4"] = tmp_path / "n4"
-    status, _ = _plan(tmp_path, roots, _rule(HF_SRC), hosts=[*HOSTS, "n4"])
-    said = capsys.readouterr().err
-    assert status == restore.CANNOT_ASSEMBLE
-    assert ("its checkpoint checkpoint-10 was saved on 3 nodes (n1,n2,n3), this run got 4 "
-            "(n1,n2,n3,n4): clusterkit sbatch converts no hf-trainer checkpoint") in said, said
-
-
 def test_nothing_saved_yet_starts_fresh(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                         ) -> None:
     roots = {h: tmp_path / h for h in HOSTS}

@@ -308,12 +308,8 @@ def test_hf_trainer_submitted_again_on_fewer_nodes_is_converted_and_resumes(
     program = _hf_program(slurm, job, "--logging_steps", "5", "--step_sleep", "2",
                           "--crash_at_step", "16", "--crash_rank", "1",
                           "--crash_once", str(slurm.tb.root / f"{job}-killed"))
-    state, out, err = _killed_on_3_then_on_2(slurm, job, program)
-    _completed_or_exit_abort(state, out, err, f"final loss at step {STEPS}:")
-    said = "\n".join(ln for ln in out.splitlines() if ln.startswith("clusterkit: "))
-    print(said[:4000])
-    assert re.search(r"this run got 2 nodes, \S+; the checkpoint was saved on 3, \S+: "
-                     r"resharding checkpoint-10 ", out), said
+    out, err = _killed_on_3_then_on_2(slurm, job, program)
+    said = _resharded(out, "checkpoint-10")
     assert "converted to checkpoint-10_universal in " in out, said
     assert ("world size 3 -> 2: DeepSpeed loads checkpoint-10/global_step10_universal "
             "(latest_universal) with checkpoint.load_universal on in ds_config.program.json, "
@@ -331,14 +327,27 @@ def test_hf_trainer_submitted_again_on_fewer_nodes_is_converted_and_resumes(
     assert not derived.with_name(derived.name + ".plain").exists()
 
 
-def _killed_on_3_then_on_2(bed: SlurmBed, job: str, program: list[str]) -> tuple[str, str, str]:
+def _killed_on_3_then_on_2(bed: SlurmBed, job: str, program: list[str]) -> tuple[str, str]:
     """``program`` submitted on 3 nodes with --replicas 1 (a rank of it killed: FAILED),
-    then again with ``--nodes 2``: that job's (state, .out, .err)."""
+    then again with ``--nodes 2``, which completed: that job's (.out, .err)."""
     state, first, err = _job_output(bed, job, _submit_program(bed, job, program, "--replicas",
                                                               "1", nodes=3))
     assert state == "FAILED", (state, first[-3000:], err[-3000:])
     assert "killed by signal 9" in err, err[-3000:]
-    return _job_output(bed, job, _submit_program(bed, job, program, "--replicas", "1", nodes=2))
+    state, out, err = _job_output(bed, job, _submit_program(bed, job, program, "--replicas", "1",
+                                                            nodes=2))
+    _completed_or_exit_abort(state, out, err, f"final loss at step {STEPS}:")
+    return out, err
+
+
+def _resharded(out: str, tag: str) -> str:
+    """The plan step's reshard line for ``tag`` (3 nodes -> 2) is in ``out``: clusterkit's
+    lines (printed, for a failure's report)."""
+    said = "\n".join(ln for ln in out.splitlines() if ln.startswith("clusterkit: "))
+    print(said[:4000])
+    assert re.search(r"this run got 2 nodes, \S+; the checkpoint was saved on 3, \S+: "
+                     rf"resharding {re.escape(tag)} ", out), said
+    return said
 
 
 ACCELERATE = REPO / "tests" / "programs" / "accelerate_save_state.py"
@@ -359,12 +368,8 @@ def test_accelerate_submitted_again_on_fewer_nodes_is_converted_in_place_and_res
     program = [str(ACCELERATE), "--output_dir", out_dir, "--steps", str(STEPS), "--save_every",
                "10", "--step_sleep", "2", "--crash_at_step", "15", "--crash_rank", "1",
                "--crash_once", str(slurm.tb.root / f"{job}-killed")]
-    state, out, err = _killed_on_3_then_on_2(slurm, job, program)
-    _completed_or_exit_abort(state, out, err, f"final loss at step {STEPS}:")
-    said = "\n".join(ln for ln in out.splitlines() if ln.startswith("clusterkit: "))
-    print(said[:4000])
-    assert re.search(r"this run got 2 nodes, \S+; the checkpoint was saved on 3, \S+: "
-                     r"resharding step_10 ", out), said
+    out, err = _killed_on_3_then_on_2(slurm, job, program)
+    said = _resharded(out, "step_10")
     assert ("accelerate's load_state loads step_10/pytorch_model, now DeepSpeed's universal "
             "checkpoint (the old world's tag kept as step_10/pytorch_model.set-aside) with "
             "checkpoint.load_universal on in ds_config.program.json") in out, said
